@@ -1,0 +1,87 @@
+"""Places checkpoint tensors into an abstract model, parameter by parameter, already sharded.
+
+The model is built with ``nnx.eval_shape`` (no random weights are materialised just to be
+overwritten); each parameter is assembled on the host from its checkpoint tensors, checked, and
+handed to ``jax.make_array_from_callback`` with its target sharding, so only the shards a process
+owns are transferred and the host holds one parameter at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxrm import sharding
+from jaxrm.checkpoints.weight_map import CheckpointError, HEAD_PARAMS, plan
+from jaxrm.models.config import ModelConfig
+from jaxrm.models.decoder import RewardModelModule, head_init
+
+log = logging.getLogger(__name__)
+
+
+class TensorSource(Protocol):
+  config: dict[str, Any]
+
+  def keys(self) -> list[str]: ...
+
+  def get_tensor(self, key: str) -> np.ndarray: ...
+
+
+def abstract_model(cfg: ModelConfig, seed: int = 0) -> RewardModelModule:
+  return nnx.eval_shape(lambda: RewardModelModule(cfg, rngs=nnx.Rngs(seed)))
+
+
+def _assemble(name: str, shape, dtype, slots, source: TensorSource) -> np.ndarray:
+  stacked = slots[0].layer is not None
+  buf = np.empty(shape, dtype)
+  for slot in slots:
+    t = source.get_tensor(slot.key)
+    if slot.transpose:
+      t = t.T
+    want = shape[1:] if stacked else shape
+    if tuple(t.shape) != tuple(want):
+      raw = tuple(t.T.shape) if slot.transpose else tuple(t.shape)
+      raise CheckpointError(
+          f"tensor {slot.key!r} has shape {raw}, but parameter {name} expects "
+          f"{tuple(want[::-1]) if slot.transpose else tuple(want)} (check config.json against the weights)")
+    if stacked:
+      buf[slot.layer] = t
+    else:
+      buf[...] = t
+  return buf
+
+
+def _place(host: np.ndarray, target: NamedSharding | None) -> jax.Array:
+  if target is None:
+    return jnp.asarray(host)
+  return jax.make_array_from_callback(host.shape, target, lambda idx: host[idx])
+
+
+def load_model(cfg: ModelConfig, source: TensorSource, *, mesh: Mesh | None = None, seed: int = 0) -> RewardModelModule:
+  """A :class:`RewardModelModule` holding ``source``'s weights (a new seeded head if it has none)."""
+  graphdef, state = nnx.split(abstract_model(cfg, seed))
+  targets = sharding.param_shardings(state, mesh) if mesh is not None else None
+  slots = plan(cfg, source.keys())
+  key = jax.random.key(seed)
+  flat_targets = dict(nnx.to_flat_state(targets)) if targets is not None else {}
+  for path, var in nnx.to_flat_state(state):
+    name = ".".join(str(p) for p in path)
+    shape, dtype = var.get_value().shape, var.get_value().dtype
+    target = flat_targets.get(path)
+    if name in slots:
+      host = _assemble(name, shape, dtype, slots[name], source)
+    elif name in HEAD_PARAMS:
+      log.info("checkpoint has no reward head: initialising %s (seed %d)", name, seed)
+      init = head_init(cfg) if name == "score" else jax.nn.initializers.zeros
+      host = np.asarray(init(key, shape, dtype))
+    else:  # plan() has already named the missing key; this is a table bug
+      raise CheckpointError(f"parameter {name} has no rule in the {cfg.family} weight map")
+    var.set_value(_place(host, target))
+    del host
+  return nnx.merge(graphdef, state)

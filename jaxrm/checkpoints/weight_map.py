@@ -1,0 +1,136 @@
+"""Hugging Face tensor names <-> jaxrm parameters, one table per family.
+
+Each rule is ``(hf_template, param, transpose)``: ``{i}`` in a template is the layer index, and
+the parameter is then one slice of a stacked ``layers.<name>`` array. Linear weights are stored
+``[out, in]`` by transformers and ``[in, out]`` here, hence the transpose. The same table serves
+loading and export. HF key names appear nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from typing import Iterable
+
+from jaxrm.models.config import ModelConfig
+from jaxrm.models.decoder import layer_param_shapes
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+  """A checkpoint does not fit the model (missing/unexpected keys, wrong shapes, bad files)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  hf: str  # e.g. "model.layers.{i}.self_attn.q_proj.weight"
+  param: str  # e.g. "layers.q"
+  transpose: bool = False
+
+  @property
+  def pattern(self) -> re.Pattern:
+    return re.compile("^" + re.escape(self.hf).replace(r"\{i\}", r"(\d+)") + "$")
+
+
+_ATTN = "model.layers.{i}.self_attn."
+_MLP = "model.layers.{i}.mlp."
+
+_COMMON = [
+    Rule("model.embed_tokens.weight", "embed"),
+    Rule("model.norm.weight", "final_norm"),
+    Rule("model.layers.{i}.input_layernorm.weight", "layers.input_norm"),
+    *(Rule(f"{_ATTN}{p}_proj.weight", f"layers.{p}", True) for p in "qkvo"),
+    *(Rule(f"{_ATTN}{p}_proj.bias", f"layers.{p}_bias") for p in "qkvo"),
+    *(Rule(f"{_MLP}{p}_proj.weight", f"layers.{p}", True) for p in ("gate", "up", "down")),
+    *(Rule(f"{_MLP}{p}_proj.bias", f"layers.{p}_bias") for p in ("gate", "up", "down")),
+    Rule("score.weight", "score", True),
+    Rule("score.bias", "score_bias"),
+]
+
+_LLAMA = _COMMON + [Rule("model.layers.{i}.post_attention_layernorm.weight", "layers.mlp_norm")]
+
+RULES: dict[str, list[Rule]] = {
+    "llama": _LLAMA,
+    "mistral": _LLAMA,
+    "qwen2": _LLAMA,
+    "qwen3": _LLAMA + [
+        Rule(_ATTN + "q_norm.weight", "layers.q_norm"),
+        Rule(_ATTN + "k_norm.weight", "layers.k_norm"),
+    ],
+    "gemma2": _COMMON + [
+        Rule("model.layers.{i}.post_attention_layernorm.weight", "layers.post_attn_norm"),
+        Rule("model.layers.{i}.pre_feedforward_layernorm.weight", "layers.mlp_norm"),
+        Rule("model.layers.{i}.post_feedforward_layernorm.weight", "layers.post_mlp_norm"),
+    ],
+}
+
+# Present in causal-LM checkpoints and deliberately not loaded.
+SKIPPED = (re.compile(r"^lm_head\.weight$"), re.compile(r".*rotary_emb\.inv_freq$"))
+
+HEAD_PARAMS = ("score", "score_bias")
+
+
+def param_names(cfg: ModelConfig) -> list[str]:
+  names = ["embed", "final_norm", "score"] + (["score_bias"] if cfg.head_bias else [])
+  return names + [f"layers.{n}" for n in layer_param_shapes(cfg)]
+
+
+def active_rules(cfg: ModelConfig) -> list[Rule]:
+  """The family's rules whose parameter exists in this configuration."""
+  names = set(param_names(cfg))
+  return [r for r in RULES[cfg.family] if r.param in names]
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+  key: str  # checkpoint key
+  layer: int | None
+  transpose: bool
+
+
+def plan(cfg: ModelConfig, keys: Iterable[str]) -> dict[str, list[Slot]]:
+  """Maps each parameter to the checkpoint keys that fill it; raises on any mismatch.
+
+  Unexpected keys, keys matching two rules, missing keys and out-of-range layers are errors naming
+  the key. The head may be absent altogether (a base or causal-LM checkpoint): the caller then
+  initialises a new one.
+  """
+  rules = active_rules(cfg)
+  slots: dict[str, list[Slot]] = {}
+  for key in keys:
+    hits = [(r, m) for r in rules if (m := r.pattern.match(key))]
+    if not hits:
+      if any(p.match(key) for p in SKIPPED):
+        log.debug("skipping checkpoint tensor %s", key)
+        continue
+      raise CheckpointError(
+          f"unexpected tensor {key!r} in the checkpoint: no {cfg.family} parameter takes it "
+          f"(is the config.json architecture right? qkv_bias={cfg.qkv_bias}, mlp_bias={cfg.mlp_bias})")
+    if len(hits) > 1:
+      raise CheckpointError(f"tensor {key!r} matches several rules: {[r.hf for r, _ in hits]}")
+    rule, m = hits[0]
+    layer = int(m.group(1)) if m.groups() else None
+    if layer is not None and layer >= cfg.num_layers:
+      raise CheckpointError(f"tensor {key!r} is for layer {layer}, but the config has {cfg.num_layers} layers")
+    slots.setdefault(rule.param, []).append(Slot(key, layer, rule.transpose))
+
+  has_head = any(p in slots for p in HEAD_PARAMS)
+  for rule in rules:
+    if rule.param in HEAD_PARAMS and not has_head:
+      continue
+    filled = {s.layer for s in slots.get(rule.param, [])}
+    wanted = set(range(cfg.num_layers)) if "{i}" in rule.hf else {None}
+    for layer in sorted(wanted - filled, key=lambda x: -1 if x is None else x):
+      raise CheckpointError(f"missing tensor {rule.hf.format(i=layer)!r} in the checkpoint")
+  return slots
+
+
+def to_hf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None, bool]]:
+  """(hf key, param, layer, transpose) for every tensor an export writes."""
+  out = []
+  for rule in active_rules(cfg):
+    layers = range(cfg.num_layers) if "{i}" in rule.hf else [None]
+    out.extend((rule.hf.format(i=i), rule.param, i, rule.transpose) for i in layers)
+  return out

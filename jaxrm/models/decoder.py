@@ -1,0 +1,165 @@
+"""The decoder backbone with a reward head, for every supported family.
+
+Layer parameters are stacked along a leading ``layers`` axis and the forward pass scans over
+them, so a 30-layer model compiles one block, not thirty. The LM head is never computed: the
+model ends in a sequence head (``score``: one reward per row, read at the last real token) or a
+token head (``num_labels`` logits per token, for process reward models).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrm import sharding
+from jaxrm.models import layers as L
+from jaxrm.models.config import ModelConfig
+
+
+class Layers(nnx.Module):
+  """Holds the stacked per-layer parameters as attributes (``q``, ``input_norm``...)."""
+
+
+def _param(rng, shape, axes, dtype, init):
+  return nnx.Param(init(rng, shape, dtype), logical_axes=axes)
+
+
+def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+  """Name -> (shape, logical axes) of each stacked layer parameter."""
+  n, d, f = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+  qd, kvd, hd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+  shapes = {
+      "input_norm": ((n, d), ("layers", "embed")),
+      "q": ((n, d, qd), ("layers", "embed", "heads")),
+      "k": ((n, d, kvd), ("layers", "embed", "kv_heads")),
+      "v": ((n, d, kvd), ("layers", "embed", "kv_heads")),
+      "o": ((n, qd, d), ("layers", "heads", "embed")),
+      "mlp_norm": ((n, d), ("layers", "embed")),
+      "gate": ((n, d, f), ("layers", "embed", "mlp")),
+      "up": ((n, d, f), ("layers", "embed", "mlp")),
+      "down": ((n, f, d), ("layers", "mlp", "embed")),
+  }
+  if cfg.qkv_bias:
+    shapes.update(q_bias=((n, qd), ("layers", "heads")), k_bias=((n, kvd), ("layers", "kv_heads")),
+                  v_bias=((n, kvd), ("layers", "kv_heads")))
+  if cfg.o_bias:
+    shapes["o_bias"] = ((n, d), ("layers", "embed"))
+  if cfg.mlp_bias:
+    shapes.update(gate_bias=((n, f), ("layers", "mlp")), up_bias=((n, f), ("layers", "mlp")),
+                  down_bias=((n, d), ("layers", "embed")))
+  if cfg.qk_norm:
+    shapes.update(q_norm=((n, hd), ("layers", "head_dim")), k_norm=((n, hd), ("layers", "head_dim")))
+  if cfg.gemma_norms:
+    shapes.update(post_attn_norm=((n, d), ("layers", "embed")), post_mlp_norm=((n, d), ("layers", "embed")))
+  return shapes
+
+
+def head_init(cfg: ModelConfig):
+  """Initializer of a new reward head: normal(0, 1/sqrt(hidden + 1))."""
+  return jax.nn.initializers.normal(1.0 / np.sqrt(cfg.hidden_size + 1))
+
+
+class RewardModelModule(nnx.Module):
+  """Backbone + reward head. ``__call__`` returns rewards [B] (sequence head) or logits [B, T, C]."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.config = cfg
+    dtype = jnp.dtype(cfg.param_dtype)
+    normal = jax.nn.initializers.normal(0.02)
+    # Gemma norms scale by (1 + w): zeros are the identity there, ones elsewhere.
+    norm_init = jax.nn.initializers.zeros if cfg.gemma_norms else jax.nn.initializers.ones
+    self.embed = _param(rngs.params(), (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype, normal)
+    self.layers = Layers()
+    for name, (shape, axes) in layer_param_shapes(cfg).items():
+      init = norm_init if name.endswith("norm") else jax.nn.initializers.zeros if name.endswith("bias") else normal
+      setattr(self.layers, name, _param(rngs.params(), shape, axes, dtype, init))
+    self.final_norm = _param(rngs.params(), (cfg.hidden_size,), ("embed",), dtype, norm_init)
+    self.score = _param(rngs.params(), (cfg.hidden_size, cfg.num_labels), ("embed", "labels"), dtype,
+                        head_init(cfg))
+    if cfg.head_bias:
+      self.score_bias = _param(rngs.params(), (cfg.num_labels,), ("labels",), dtype, jax.nn.initializers.zeros)
+
+  def hidden_states(self, input_ids, attention_mask, positions=None, segment_ids=None):
+    """Final-norm hidden states [B, T, D] in the compute dtype.
+
+    Args:
+      input_ids: [B, T] int32.
+      attention_mask: [B, T] (1 = real token, 0 = padding), any padding side.
+      positions: [B, T] int32; default: the count of real tokens before each one.
+      segment_ids: [B, T] int32; tokens attend only within their segment (packed rows).
+    """
+    cfg = self.config
+    dtype = jnp.dtype(cfg.dtype)
+    if positions is None:
+      positions = jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0)
+    x = jnp.take(self.embed[...], input_ids, axis=0).astype(dtype)
+    if cfg.gemma_norms:
+      x = x * jnp.asarray(cfg.hidden_size**0.5, dtype)
+    cos, sin = L.rope_tables(positions, cfg.rope.inv_freq(cfg.head_dim))
+    full = L.attention_mask(attention_mask, positions, segment_ids)
+    sliding = cfg.sliding_layers
+    window = None
+    if sliding.any():
+      window = L.attention_mask(attention_mask, positions, segment_ids, cfg.sliding_window)
+
+    def block(x_btd, params_and_flag):
+      p, is_sliding = params_and_flag
+      mask = full if window is None else jnp.where(is_sliding, window, full)
+      x_btd = sharding.constrain(x_btd, ("batch", "length", "act_embed"))
+      return _block(cfg, x_btd, p, cos, sin, mask), None
+
+    if cfg.remat != "none":
+      policy = None if cfg.remat == "full" else jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+      block = jax.checkpoint(block, policy=policy, prevent_cse=False)
+    params = {k: v[...] for k, v in vars(self.layers).items() if isinstance(v, nnx.Variable)}
+    x, _ = jax.lax.scan(block, x, (params, jnp.asarray(sliding)))
+    return L.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, cfg.gemma_norms)
+
+  def __call__(self, input_ids, attention_mask, positions=None, segment_ids=None):
+    """Rewards float32 [B] (sequence head, one label), [B, C] (several), or logits [B, T, C] (token head)."""
+    cfg = self.config
+    h = self.hidden_states(input_ids, attention_mask, positions, segment_ids)
+    bias = self.score_bias[...] if cfg.head_bias else None
+    w = self.score[...].astype(jnp.float32)
+    if cfg.head == "token":
+      b, t, d = h.shape
+      logits = L.linear(h.reshape(b * t, d).astype(jnp.float32), w, bias)
+      return logits.reshape(b, t, cfg.num_labels)
+    last = last_token_index(attention_mask)
+    h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]  # [B, D]
+    rewards = L.linear(h_last.astype(jnp.float32), w, bias)
+    return rewards[:, 0] if cfg.num_labels == 1 else rewards
+
+
+def last_token_index(attention_mask_bt):
+  """int32 [B]: index of the last real token of each row, for left or right padding."""
+  t = attention_mask_bt.shape[1]
+  return (t - 1 - jnp.argmax(jnp.flip(attention_mask_bt > 0, axis=1), axis=1)).astype(jnp.int32)
+
+
+def _block(cfg: ModelConfig, x_btd, p, cos, sin, mask):
+  b, t, d = x_btd.shape
+  h_, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  norm = lambda x, w: L.rms_norm(x, w, cfg.rms_norm_eps, cfg.gemma_norms)
+  x = x_btd.reshape(b * t, d)
+  h = norm(x, p["input_norm"])
+  q = L.linear(h, p["q"], p.get("q_bias")).reshape(b, t, h_, hd)
+  k = L.linear(h, p["k"], p.get("k_bias")).reshape(b, t, kv, hd)
+  v = L.linear(h, p["v"], p.get("v_bias")).reshape(b, t, kv, hd)
+  if cfg.qk_norm:
+    q, k = norm(q, p["q_norm"][None, None]), norm(k, p["k_norm"][None, None])
+  q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
+  a = L.dot_product_attention(q, k, v, mask, scale=cfg.attn_scale, softcap=cfg.attn_logit_softcapping)
+  a = L.linear(a.reshape(b * t, h_ * hd), p["o"], p.get("o_bias"))
+  if cfg.gemma_norms:
+    a = norm(a, p["post_attn_norm"])
+  x = x + a
+  h = norm(x, p["mlp_norm"])
+  act = L.activation(cfg.hidden_act)
+  m = act(L.linear(h, p["gate"], p.get("gate_bias"))) * L.linear(h, p["up"], p.get("up_bias"))
+  m = L.linear(m, p["down"], p.get("down_bias"))
+  if cfg.gemma_norms:
+    m = norm(m, p["post_mlp_norm"])
+  return (x + m).reshape(b, t, d)

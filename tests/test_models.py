@@ -1,0 +1,34 @@
+"""Parity of every family with transformers' PyTorch models, on tiny random checkpoints."""
+
+import numpy as np
+import pytest
+
+import hf_tiny
+from jaxrm import RewardModel
+
+LENGTHS = [24, 17, 9]  # longer than the sliding windows (8)
+
+
+@pytest.fixture(scope="module", params=hf_tiny.FAMILIES)
+def family(request):
+  return request.param
+
+
+@pytest.mark.parametrize("head", ["sequence", "token"])
+def test_parity_with_transformers(family, head, tmp_path):
+  torch_model = hf_tiny.build(family, head)
+  torch_model.save_pretrained(tmp_path)
+  rm = RewardModel.from_pretrained(tmp_path, dtype="float32")
+  assert rm.config.family == family and rm.config.head == head
+  ids, mask = hf_tiny.batch(LENGTHS)
+  expected = hf_tiny.torch_forward(torch_model, ids, mask)
+  got = rm.score_tokens(ids, mask)
+  if head == "sequence":
+    np.testing.assert_allclose(got, expected[:, 0], atol=1e-4, rtol=0)
+    # Left padding gives the rewards of the unpadded rows.
+    lids, lmask = hf_tiny.batch(LENGTHS, left=True)
+    np.testing.assert_allclose(rm.score_tokens(lids, lmask), expected[:, 0], atol=1e-4, rtol=0)
+  else:
+    assert got.shape == (3, max(LENGTHS), 2)
+    real = mask.astype(bool)
+    np.testing.assert_allclose(got[real], expected[real], atol=1e-4, rtol=0)
