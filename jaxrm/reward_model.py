@@ -27,8 +27,26 @@ def pad_to_bucket(length: int, multiple: int = 64, max_length: int | None = None
   return min(bucket, max_length) if max_length and length <= max_length else bucket
 
 
+EMBEDDED_PREFIX = "embedded:"
+
+
+def resolve_path(path: str) -> str:
+  """``embedded:SmolLM2-135M-Instruct`` -> the packaged GGUF; a hub name -> its downloaded snapshot."""
+  if path.startswith(EMBEDDED_PREFIX):
+    from jaxrm.checkpoints.gguf import embedded_model_path
+    return embedded_model_path()
+  if not os.path.exists(path) and path.count("/") == 1 and not path.startswith((".", "/")):
+    from huggingface_hub import snapshot_download
+    try:
+      return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja"])
+    except Exception as e:  # offline, unknown repo, gated...
+      raise CheckpointError(f"{path}: not a local path, and downloading it from the hub failed: {e}") from None
+  return path
+
+
 def open_checkpoint(path: str):
   """A tensor source for an HF checkpoint directory or a ``.gguf`` file."""
+  path = resolve_path(path)
   if path.endswith(".gguf"):
     from jaxrm.checkpoints.gguf import GGUFCheckpoint
     return GGUFCheckpoint(path)
@@ -88,7 +106,7 @@ class RewardModel:
       seed: seed of a newly initialised head.
       tokenizer: use this tokenizer instead of the checkpoint's.
     """
-    path = os.fspath(path)
+    path = resolve_path(os.fspath(path))
     source = open_checkpoint(path)
     overrides = dict(dtype=dtype, param_dtype=param_dtype or dtype, **config_overrides)
     if head is not None:

@@ -1,0 +1,43 @@
+r"""Bradley-Terry reward model: the embedded SmolLM2-135M-Instruct on demo_arithmetic.
+
+  python -m jaxrm.train --config=configs/rm.py
+  python -m jaxrm.train --config=configs/rm.py:smoke           # about a minute on CPU
+  python -m jaxrm.train --config=configs/rm.py \
+      --config.data.dataset_name=PreferenceDataset \
+      --config.data.train_data_path=train.jsonl \
+      --config.data.val_data_paths.default=val.jsonl --config.train.max_steps=500
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import base_config  # noqa: E402
+
+
+def get_config(arg=None):
+  c = base_config()
+  c.output_dir = "runs/rm"
+  c.data.max_length = 128
+  c.data.bucket_multiple = 32
+  c.train.global_batch_size = 16
+  c.train.micro_batch_size = 16
+  c.train.max_steps = 60
+  c.train.learning_rate = 2e-5
+  c.train.warmup_steps = 6
+  c.train.weight_decay = 0.01
+  c.eval.val_period = 20
+  c.data.max_val_rows = 200
+  c.checkpointing.save_period = 20
+  if arg == "smoke":
+    c.output_dir = "runs/rm-smoke"
+    c.train.max_steps = 6
+    c.train.global_batch_size = 8
+    c.train.micro_batch_size = 8
+    c.train.warmup_steps = 1
+    c.eval.val_period = 3
+    c.data.max_val_rows = 32
+    c.checkpointing.save_period = 3
+  elif arg:
+    raise ValueError(f"unknown variant {arg!r} of configs/rm.py; known: smoke")
+  return c

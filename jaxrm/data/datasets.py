@@ -1,0 +1,147 @@
+"""The datasets ``data.dataset_name`` can name, and how each is read into records.
+
+``PreferenceDataset`` and ``StepwiseDataset`` read user files in the formats of
+:mod:`jaxrm.data.formats`; the public datasets go through :mod:`jaxrm.data.adapters` and, given no
+path, are read from their usual place; the demo sets are made on the spot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Iterable, Mapping
+
+from jaxrm.data import adapters, demo, formats, sources
+from jaxrm.data.errors import DataError, DropReport
+from jaxrm.data.records import PreferenceRecord, StepwiseRecord
+
+_PRM800K_URL = ("https://github.com/openai/prm800k/raw/refs/heads/main/prm800k/data/"
+                "phase2_{split}.jsonl")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+  """How one dataset name is read."""
+
+  parse: Callable  # (row, source, drops, *, subset_field, **options) -> record | None
+  stepwise: bool
+  default: str | None = None  # read when no path is given: a hub name or a URL ({split})
+  config: str | None = None  # the hub configuration
+  splits: Mapping[str, str] = dataclasses.field(default_factory=dict)  # ours -> the hub's
+  subset_field: str = "subset"  # the column copied into record.meta["subset"]
+  options: tuple[str, ...] = ()  # options passed to `parse`
+  make: Callable[..., list[dict]] | None = None  # a demo set's row maker
+
+
+_SPECS = {
+    "PreferenceDataset": _Spec(formats.parse_preference, stepwise=False),
+    "HelpSteer3": _Spec(adapters.helpsteer3, stepwise=False, default="nvidia/HelpSteer3",
+                        config="preference", subset_field="domain"),
+    "UltraFeedback": _Spec(adapters.ultrafeedback, stepwise=False,
+                           default="HuggingFaceH4/ultrafeedback_binarized",
+                           splits={"train": "train_prefs", "validation": "test_prefs",
+                                   "test": "test_prefs"}),
+    "PRM800K": _Spec(adapters.prm800k, stepwise=True, default=_PRM800K_URL,
+                     splits={"validation": "test"}, options=("neutral",)),
+    "MathShepherd": _Spec(adapters.math_shepherd, stepwise=True, default="peiyi9979/Math-Shepherd",
+                          subset_field="task"),
+    "StepwiseDataset": _Spec(formats.parse_stepwise, stepwise=True),
+    "demo_arithmetic": _Spec(formats.parse_preference, stepwise=False, make=demo.demo_arithmetic),
+    "demo_arithmetic_steps": _Spec(formats.parse_stepwise, stepwise=True,
+                                   make=demo.demo_arithmetic_steps),
+}
+DATASET_NAMES = tuple(_SPECS)
+
+
+def _spec(dataset_name: str) -> _Spec:
+  if dataset_name not in _SPECS:
+    raise DataError(f"data.dataset_name {dataset_name!r} is not known; use one of "
+                    f"{', '.join(DATASET_NAMES)}")
+  return _SPECS[dataset_name]
+
+
+def is_stepwise(dataset_name: str) -> bool:
+  """Whether the dataset holds stepwise (process) labels rather than preferences."""
+  return _spec(dataset_name).stepwise
+
+
+def load_records(
+    dataset_name: str, path: str | None, *, split: str = "train", drops: DropReport, **options,
+) -> list[PreferenceRecord] | list[StepwiseRecord]:
+  """Reads one dataset into records, counting dropped rows in ``drops``.
+
+  Args:
+    dataset_name: one of :data:`DATASET_NAMES`.
+    path: a file, directory, URL or hub name (see :func:`jaxrm.data.sources.read_rows`). Public
+      datasets given None are read from their usual place (``split`` mapped to theirs, e.g.
+      UltraFeedback's ``train_prefs``). Demo sets take None, or ``"train"`` / ``"validation"`` as
+      the split.
+    split: the split to read.
+    drops: where dropped rows are counted.
+    **options: ``subset_field`` (the column copied to ``record.meta["subset"]``; "subset" by
+      default, HelpSteer3 "domain", MathShepherd "task"; None for none), ``config`` (hub
+      configuration), ``neutral`` (PRM800K), ``num_rows`` and ``seed`` (demo sets).
+
+  Raises:
+    DataError: an unknown name or option, a bad row, or no row left.
+  """
+  spec = _spec(dataset_name)
+  subset_field = options.pop("subset_field", spec.subset_field)
+  parse_options = {k: options.pop(k) for k in spec.options if k in options}
+  _check_read_options(spec, dataset_name, options)
+  read = _demo_rows if spec.make else _read_rows
+  rows, where = read(spec, dataset_name, path, split, options)
+  local = DropReport()
+  records = [r for r in (spec.parse(row, source, local, subset_field=subset_field, **parse_options)
+                         for source, row in rows) if r is not None]
+  drops.merge(local)
+  if not records:
+    dropped = f"all {local.total} rows were dropped\n{local.summary(where)}"
+    raise DataError(f"{where}: {dropped if local.total else 'has no rows'}")
+  return records
+
+
+def _check_read_options(spec: _Spec, name: str, options: dict) -> None:
+  allowed = ("num_rows", "seed") if spec.make else ("config",)
+  unknown = sorted(set(options) - set(allowed))
+  if unknown:
+    known = sorted({"subset_field", *allowed, *spec.options})
+    raise DataError(f"{name}: unknown option(s) {unknown}; it takes {known}")
+
+
+_Rows = tuple[Iterable[tuple[str, dict]], str]  # (source, row) pairs, and where they come from
+
+
+def _demo_rows(spec: _Spec, name: str, path: str | None, split: str, options: dict) -> _Rows:
+  if path not in (None, *demo.SPLITS):
+    raise DataError(f"{name} makes its own rows: give no path, or one of {demo.SPLITS} to "
+                    f"choose the split (got {path!r})")
+  split = path or split
+  where = f"{name}:{split}"
+  return ((f"{where}[row {i}]", row) for i, row in enumerate(spec.make(split, **options))), where
+
+
+def _read_rows(spec: _Spec, name: str, path: str | None, split: str, options: dict) -> _Rows:
+  if path is None:
+    if spec.default is None:
+      raise DataError(f"{name} needs a path: set data.train_data_path (and data.val_data_paths) "
+                      "to a .jsonl, .json or .parquet file, a save_to_disk directory or a hub name")
+    split = spec.splits.get(split, split)
+    path = spec.default.format(split=split)
+    options = {"config": spec.config, **options}
+  return sources.read_rows(path, split=split, **options), path
+
+
+_VAL_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def check_val_set_name(name: str) -> str:
+  """Returns ``name`` if it can stand in metric names like ``validation-<name>_loss``."""
+  if not isinstance(name, str) or not name:
+    raise DataError(f"validation set name {name!r}: must be a non-empty string")
+  if not _VAL_NAME.fullmatch(name):
+    bad = sorted({c for c in name if not _VAL_NAME.fullmatch(c)})
+    raise DataError(f"validation set name {name!r} cannot be used in metric names such as "
+                    f"'validation-{name}_loss': it contains {', '.join(map(repr, bad))}; use only "
+                    "letters, digits, '_', '-' and '.'")
+  return name

@@ -1,0 +1,228 @@
+"""Procedural demo datasets: offline, deterministic, and small enough to train on in minutes.
+
+Both produce ordinary rows (NeMo RL preference rows, TRL stepwise rows) that go through the same
+parsing as user data. A question belongs to ``train`` or ``validation`` by a hash of its text,
+whatever the seed, so the two splits never share a question.
+"""
+
+from __future__ import annotations
+
+import functools
+import string
+import zlib
+from collections.abc import Callable
+
+import numpy as np
+
+from jaxrm.data.errors import DataError
+
+SPLITS = ("train", "validation")
+DEFAULT_ROWS = {"train": 4000, "validation": 500}
+DEFAULT_STEP_ROWS = {"train": 3000, "validation": 300}
+# About one question in five is held out for validation.
+_VALIDATION_BUCKETS = 5
+
+# (family, question, correct answer, plausible wrong answers)
+Item = tuple[str, str, str, tuple[str, ...]]
+
+
+def split_of(question: str) -> str:
+  """The split a question belongs to, fixed by its text."""
+  held_out = zlib.crc32(question.encode("utf-8")) % _VALIDATION_BUCKETS == 0
+  return "validation" if held_out else "train"
+
+
+def _rng(split: str, seed: int) -> np.random.Generator:
+  return np.random.default_rng([seed, SPLITS.index(split)])
+
+
+def _check_split(split: str) -> None:
+  if split not in SPLITS:
+    raise DataError(f"demo split {split!r}: use one of {', '.join(SPLITS)}")
+
+
+# --- Wrong answers --------------------------------------------------------------------------------
+
+_OPS: dict[str, Callable[[int, int], int]] = {
+    "+": lambda a, b: a + b, "-": lambda a, b: a - b, "×": lambda a, b: a * b,
+}
+
+
+def _swap_last_digits(n: int) -> int | None:
+  s = str(n)
+  if len(s) < 2 or (len(s) == 2 and s[1] == "0"):
+    return None
+  return int(s[:-2] + s[-1] + s[-2])
+
+
+def wrong_results(a: int, op: str, b: int) -> list[int]:
+  """Plausible wrong values of ``a op b``: off by one, last digits swapped, another operation."""
+  right = _OPS[op](a, b)
+  candidates = [right - 1, right + 1, _swap_last_digits(right)]
+  candidates += [f(a, b) for other, f in _OPS.items() if other != op]
+  return sorted({c for c in candidates if c is not None and c >= 0 and c != right})
+
+
+# --- Preference questions -------------------------------------------------------------------------
+
+_CAPITALS = (  # country, capital, another city of that country
+    ("France", "Paris", "Lyon"), ("Germany", "Berlin", "Munich"), ("Italy", "Rome", "Milan"),
+    ("Spain", "Madrid", "Barcelona"), ("Japan", "Tokyo", "Osaka"), ("Canada", "Ottawa", "Toronto"),
+    ("Australia", "Canberra", "Sydney"), ("Brazil", "Brasília", "Rio de Janeiro"),
+    ("Turkey", "Ankara", "Istanbul"), ("Switzerland", "Bern", "Zurich"),
+    ("India", "New Delhi", "Mumbai"), ("China", "Beijing", "Shanghai"),
+    ("the United States", "Washington, D.C.", "New York"), ("Morocco", "Rabat", "Casablanca"),
+    ("Nigeria", "Abuja", "Lagos"), ("Vietnam", "Hanoi", "Ho Chi Minh City"),
+    ("New Zealand", "Wellington", "Auckland"), ("South Africa", "Pretoria", "Johannesburg"),
+    ("Pakistan", "Islamabad", "Karachi"), ("Scotland", "Edinburgh", "Glasgow"),
+    ("Egypt", "Cairo", "Alexandria"), ("Portugal", "Lisbon", "Porto"),
+    ("Poland", "Warsaw", "Kraków"), ("Kenya", "Nairobi", "Mombasa"),
+)
+_SEQUENCES = {
+    "letter": tuple(string.ascii_lowercase),
+    "day": ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"),
+    "month": ("January", "February", "March", "April", "May", "June", "July", "August",
+              "September", "October", "November", "December"),
+}
+
+
+def _arithmetic_items() -> list[Item]:
+  pairs = [("+", a, b) for a in range(61) for b in range(61)]
+  pairs += [("-", a, b) for a in range(100) for b in range(a + 1)]
+  pairs += [("×", a, b) for a in range(2, 13) for b in range(2, 13)]
+  return [("arithmetic", f"What is {a} {op} {b}?", f"{a} {op} {b} = {_OPS[op](a, b)}.",
+           tuple(f"{a} {op} {b} = {w}." for w in wrong_results(a, op, b))) for op, a, b in pairs]
+
+
+def _comparison_items() -> list[Item]:
+  return [("comparison", f"Which is larger, {a} or {b}?", f"{max(a, b)} is larger.",
+           (f"{min(a, b)} is larger.",)) for a in range(1, 100) for b in range(1, 100) if a != b]
+
+
+def _fact_items() -> list[Item]:
+  items = [("capitals", f"What is the capital of {country}?",
+            f"The capital of {country} is {capital}.", (f"The capital of {country} is {other}.",))
+           for country, capital, other in _CAPITALS]
+  for name, seq in _SEQUENCES.items():
+    for i in range(len(seq) - 1):
+      say = f"The {name} after {seq[i]} is {{}}."
+      wrongs = tuple(say.format(seq[j]) for j in (i - 1, i + 2) if 0 <= j < len(seq))
+      items.append(("sequences", f"Which {name} comes after {seq[i]}?", say.format(seq[i + 1]),
+                    wrongs))
+  return items
+
+
+# Each kind of question and the share of rows drawn from it.
+_FAMILIES = ((_arithmetic_items, 0.6), (_comparison_items, 0.15), (_fact_items, 0.25))
+
+
+@functools.cache
+def _pools(split: str) -> tuple[tuple[tuple[Item, ...], float], ...]:
+  """The questions of ``split`` in each family, with the family's share of rows."""
+  return tuple((tuple(item for item in make() if split_of(item[1]) == split), share)
+               for make, share in _FAMILIES)
+
+
+def _preference_row(item: Item, rng: np.random.Generator) -> dict:
+  family, question, right, wrongs = item
+  completions = [{"rank": 0, "completion": [{"role": "assistant", "content": right}]},
+                 {"rank": 1, "completion": [{"role": "assistant",
+                                             "content": wrongs[rng.integers(len(wrongs))]}]}]
+  if rng.random() < 0.5:  # the preferred completion is not always listed first
+    completions.reverse()
+  return {"context": [{"role": "user", "content": question}], "completions": completions,
+          "subset": family}
+
+
+def demo_arithmetic(split: str, num_rows: int | None = None, seed: int = 0) -> list[dict]:
+  """NeMo RL preference rows (chat form): arithmetic, comparisons and simple facts.
+
+  The chosen completion gives the correct answer, the rejected one a plausible wrong one (off by
+  one, digits swapped, the wrong operation; a neighbouring letter, day or month; another city of
+  the country). ``row["subset"]`` names the family of question. Questions repeat within a split.
+  """
+  _check_split(split)
+  rng = _rng(split, seed)
+  pools = _pools(split)
+  shares = np.array([share for _, share in pools])
+  rows = []
+  for _ in range(DEFAULT_ROWS[split] if num_rows is None else num_rows):
+    items = pools[rng.choice(len(pools), p=shares / shares.sum())][0]
+    rows.append(_preference_row(items[rng.integers(len(items))], rng))
+  return rows
+
+
+# --- Stepwise solutions ---------------------------------------------------------------------------
+
+# Share of solutions without a mistake; the rest have one, at a uniform step. With 2 to 4
+# operations about half of all step labels are True, so always answering True is no good.
+_CLEAN_SHARE = 1 / 3
+_PHRASES = {"+": "add {}", "-": "subtract {}", "×": "multiply by {}"}
+
+
+def _problem(rng: np.random.Generator) -> tuple[int, list[tuple[str, int]]]:
+  start = value = int(rng.integers(2, 21))
+  ops = []
+  for _ in range(int(rng.integers(2, 5))):
+    op = ("+", "-", "×")[rng.integers(3)]
+    operand = int(rng.integers(2, 6 if op == "×" else 21))
+    if op == "-" and operand > value:
+      op = "+"
+    ops.append((op, operand))
+    value = _OPS[op](value, operand)
+  return start, ops
+
+
+def _chain(value: int, ops: list[tuple[str, int]]) -> int:
+  """The lowest value met applying ``ops`` to ``value``."""
+  lowest = value
+  for op, x in ops:
+    value = _OPS[op](value, x)
+    lowest = min(lowest, value)
+  return lowest
+
+
+def _question(start: int, ops: list[tuple[str, int]]) -> str:
+  phrases = [_PHRASES[op].format(x) for op, x in ops]
+  return f"Start with {start}, {', '.join(phrases[:-1])}, then {phrases[-1]}. What is the result?"
+
+
+def _solution(start: int, ops: list[tuple[str, int]], mistake: int | None,
+              rng: np.random.Generator) -> list[str]:
+  """One step per operation, then the answer; step ``mistake`` (if any) states a wrong value."""
+  steps, value = [], start
+  for i, (op, x) in enumerate(ops):
+    result = _OPS[op](value, x)
+    if i == mistake:
+      # The rest of the chain must stay non-negative; the right value plus one always does, as
+      # every operation grows with its input.
+      wrongs = [w for w in wrong_results(value, op, x) if _chain(w, ops[i + 1:]) >= 0]
+      result = wrongs[rng.integers(len(wrongs))]
+    steps.append(f"{value} {op} {x} = {result}")
+    value = result  # later steps build on the value written, right or wrong
+  return steps + [f"The answer is {value}."]
+
+
+def demo_arithmetic_steps(split: str, num_rows: int | None = None, seed: int = 0) -> list[dict]:
+  """TRL stepwise rows: chains of 2 to 4 operations solved one step per line, then the answer.
+
+  A third of the solutions are right; the others get one wrong step, after which the solution
+  carries on correctly from the wrong value. Labels are True up to the first mistake and False
+  from it on, the answer included (the PRM800K convention). ``row["subset"]`` is ``"clean"`` or
+  ``"mistake"``.
+  """
+  _check_split(split)
+  rng = _rng(split, seed)
+  rows = []
+  while len(rows) < (DEFAULT_STEP_ROWS[split] if num_rows is None else num_rows):
+    start, ops = _problem(rng)
+    question = _question(start, ops)
+    if split_of(question) != split:
+      continue
+    mistake = None if rng.random() < _CLEAN_SHARE else int(rng.integers(len(ops)))
+    steps = _solution(start, ops, mistake, rng)
+    first_false = len(steps) if mistake is None else mistake
+    rows.append({"prompt": question, "completions": steps,
+                 "labels": [i < first_false for i in range(len(steps))],
+                 "subset": "clean" if mistake is None else "mistake"})
+  return rows

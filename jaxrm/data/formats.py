@@ -1,0 +1,271 @@
+"""Row formats users bring, checked and turned into canonical records.
+
+Preference rows come in two layouts, told apart by their keys:
+
+* NeMo RL: ``{"context": ..., "completions": [{"rank": int, "completion": ...}, ...]}``, lower
+  rank preferred. Two or more completions; their order and ranks are kept as given. Ranks are
+  distinct integers (not necessarily 0..K-1): a tie is an error, because a ranked list with a tie
+  has no single ordering to train on (remove the tied completions, or the row).
+* TRL: ``prompt`` / ``chosen`` / ``rejected``, each a string (standard) or a message list
+  (conversational). Without ``prompt`` the prompt is implicit: for conversations it is the leading
+  messages that ``chosen`` and ``rejected`` share; for strings it is empty, the whole text being
+  scored. An optional number ``margin`` is kept.
+
+Stepwise rows (TRL stepwise supervision): ``{"prompt": ..., "completions": [step strings],
+"labels": [bool or 0/1]}``.
+
+Texts are a string or a list of ``{"role", "content"}`` messages. When a row mixes the two, the
+strings become messages (a prompt a ``user`` turn, a completion an ``assistant`` turn) so that the
+whole row goes through the chat template. Completions that are identical are dropped and counted;
+every other problem raises :class:`DataError` naming the row and the field.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+from jaxrm.data.errors import DropReport, row_error
+from jaxrm.data.records import Message, PreferenceRecord, StepwiseRecord, Text
+
+ROLES = ("system", "user", "assistant", "tool")
+DROP_IDENTICAL = "identical completions (chosen == rejected)"
+
+_KINDS = {
+    bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+    dict: "an object", type(None): "null",
+}
+
+
+def kind(value: Any) -> str:
+  """Names a value's type the way a JSON user would, for error messages."""
+  return _KINDS.get(type(value), type(value).__name__)
+
+
+def required(obj: dict, key: str, source: str, prefix: str = "") -> Any:
+  """``obj[key]``; a missing or null value is an error naming ``prefix.key``."""
+  value = obj.get(key)
+  if value is None:
+    where = f"{prefix}.{key}" if prefix else key
+    raise row_error(source, where, f"is missing; have {sorted(obj)}")
+  return value
+
+
+def is_int(value: Any) -> bool:
+  """True for integers, excluding booleans (``True`` is not a rank or a rating)."""
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def number(value: Any, source: str, field: str) -> float:
+  """A finite int or float (not a boolean) as a float."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+    raise row_error(source, field, f"expected a finite number, got {value!r} ({kind(value)})")
+  return float(value)
+
+
+def validate_messages(messages: Any, source: str, field: str) -> list[Message]:
+  """Checks a message list and returns it as ``[{"role", "content"}]`` (other keys are left out).
+
+  Roles are ``system``, ``user``, ``assistant`` and ``tool``; ``content`` is a string.
+  """
+  if not isinstance(messages, list):
+    raise row_error(source, field, f"expected a list of messages, got {kind(messages)}")
+  return [_message(m, source, f"{field}[{i}]") for i, m in enumerate(messages)]
+
+
+def _message(message: Any, source: str, field: str) -> Message:
+  if not isinstance(message, dict):
+    raise row_error(source, field, f"expected a message object with 'role' and 'content', "
+                    f"got {kind(message)}")
+  for key in ("role", "content"):
+    if message.get(key) is None:
+      raise row_error(source, field, f"message has no '{key}'; each message needs 'role' and "
+                      "'content'")
+  role, content = message["role"], message["content"]
+  if role not in ROLES:
+    raise row_error(source, f"{field}.role",
+                    f"unknown role {role!r}; use one of {', '.join(ROLES)}")
+  if not isinstance(content, str):
+    raise row_error(source, f"{field}.content", f"expected a string, got {kind(content)}")
+  return {"role": role, "content": content}
+
+
+def parse_text(value: Any, source: str, field: str) -> Text:
+  """A string, or a validated message list."""
+  if isinstance(value, str):
+    return value
+  if isinstance(value, list):
+    return validate_messages(value, source, field)
+  raise row_error(source, field, f"expected a string or a list of messages, got {kind(value)}")
+
+
+def parse_completion(value: Any, source: str, field: str) -> Text:
+  """Like :func:`parse_text`, and the text must not be empty."""
+  return check_completion(parse_text(value, source, field), source, field)
+
+
+def check_completion(text: Text, source: str, field: str) -> Text:
+  """Refuses a completion with no message or only blank text."""
+  if isinstance(text, list) and not text:
+    raise row_error(source, field, "has no messages; a completion needs at least one")
+  content = text if isinstance(text, str) else "".join(m["content"] for m in text)
+  if not content.strip():
+    raise row_error(source, field, "completion text is empty")
+  return text
+
+
+def as_chat(text: Text, role: str) -> list[Message]:
+  """A message list: a string becomes one ``role`` message (an empty string, no message)."""
+  if isinstance(text, list):
+    return text
+  return [{"role": role, "content": text}] if text else []
+
+
+def row_meta(row: dict, subset_field: str | None) -> dict[str, Any]:
+  """``{"subset": row[subset_field]}`` when the row has that column (RewardBench style)."""
+  if subset_field and row.get(subset_field) is not None:
+    return {"subset": str(row[subset_field])}
+  return {}
+
+
+def preference_record(
+    context: Text, completions: Sequence[Text], ranks: Sequence[int], source: str,
+    drops: DropReport, *, margin: float | None = None, meta: dict | None = None,
+) -> PreferenceRecord | None:
+  """Builds the record, or drops a row whose completions are not all different."""
+  if all(isinstance(t, str) for t in (context, *completions)):
+    texts = tuple(completions)
+  else:
+    context = as_chat(context, "user")
+    texts = tuple(as_chat(c, "assistant") for c in completions)
+  if len({_key(t) for t in texts}) < len(texts):
+    drops.drop(DROP_IDENTICAL, source)
+    return None
+  return PreferenceRecord(context=context, completions=texts, ranks=tuple(ranks), source=source,
+                          margin=margin, meta=meta or {})
+
+
+def _key(text: Text):
+  return text if isinstance(text, str) else tuple((m["role"], m["content"]) for m in text)
+
+
+def split_shared_prompt(chosen: Text, rejected: Text) -> tuple[Text, Text, Text]:
+  """Implicit prompt: ``(shared leading messages, chosen rest, rejected rest)``.
+
+  Strings have no prompt to find (``""``); identical conversations are returned whole, so that
+  they are dropped as identical rather than refused as empty.
+  """
+  if isinstance(chosen, str) or isinstance(rejected, str) or chosen == rejected:
+    return ("" if isinstance(chosen, str) and isinstance(rejected, str) else []), chosen, rejected
+  n = 0
+  while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+    n += 1
+  return chosen[:n], chosen[n:], rejected[n:]
+
+
+def parse_preference(row: dict, source: str, drops: DropReport, *,
+                     subset_field: str | None = "subset") -> PreferenceRecord | None:
+  """A NeMo RL or TRL preference row (see the module docstring) as a record, or None if dropped."""
+  if "completions" in row or "context" in row:
+    return _nemo_preference(row, source, drops, subset_field)
+  if "chosen" in row or "rejected" in row:
+    return _trl_preference(row, source, drops, subset_field)
+  raise row_error(source, None, f"not a preference row: expected NeMo RL keys ('context', "
+                  f"'completions') or TRL keys ('prompt', 'chosen', 'rejected'); got {sorted(row)}")
+
+
+def _nemo_preference(row, source, drops, subset_field):
+  context = parse_text(required(row, "context", source), source, "context")
+  entries = required(row, "completions", source)
+  if not isinstance(entries, list):
+    raise row_error(source, "completions", f"expected a list of {{'rank', 'completion'}} objects, "
+                    f"got {kind(entries)}")
+  if len(entries) < 2:
+    raise row_error(source, "completions", f"has {len(entries)} entr{'y' if entries else 'ies'}; "
+                    "a preference needs at least 2 ranked completions")
+  completions, ranks = [], []
+  for i, entry in enumerate(entries):
+    field = f"completions[{i}]"
+    if not isinstance(entry, dict):
+      raise row_error(source, field, f"expected an object with 'rank' and 'completion', "
+                      f"got {kind(entry)}")
+    ranks.append(_rank(required(entry, "rank", source, field), ranks, source, f"{field}.rank"))
+    completion = required(entry, "completion", source, field)
+    completions.append(parse_completion(completion, source, f"{field}.completion"))
+  return preference_record(context, completions, ranks, source, drops,
+                           margin=_margin(row, source), meta=row_meta(row, subset_field))
+
+
+def _rank(rank: Any, previous: list[int], source: str, field: str) -> int:
+  if not is_int(rank):
+    raise row_error(source, field, f"expected an integer rank, got {rank!r} ({kind(rank)})")
+  if rank in previous:
+    raise row_error(source, field, f"rank {rank} is also the rank of "
+                    f"completions[{previous.index(rank)}]; ranks must be distinct (remove the "
+                    "tied completions, or the row)")
+  return int(rank)
+
+
+def _margin(row: dict, source: str) -> float | None:
+  return None if row.get("margin") is None else number(row["margin"], source, "margin")
+
+
+def _trl_preference(row, source, drops, subset_field):
+  chosen = parse_completion(required(row, "chosen", source), source, "chosen")
+  rejected = parse_completion(required(row, "rejected", source), source, "rejected")
+  if row.get("prompt") is not None:
+    context = parse_text(row["prompt"], source, "prompt")
+  else:
+    context, chosen, rejected = split_shared_prompt(chosen, rejected)
+    for text, field, other in ((chosen, "chosen", "rejected"), (rejected, "rejected", "chosen")):
+      if not text:
+        raise row_error(source, field, f"has no message after the prompt it shares with "
+                        f"'{other}'; give a 'prompt' or a final differing turn")
+      check_completion(text, source, field)
+  return preference_record(context, (chosen, rejected), (0, 1), source, drops,
+                           margin=_margin(row, source), meta=row_meta(row, subset_field))
+
+
+def parse_stepwise(row: dict, source: str, drops: DropReport, *,
+                   subset_field: str | None = "subset") -> StepwiseRecord:
+  """A TRL stepwise-supervision row as a record.
+
+  No stepwise row is dropped here (``drops`` is taken for the signature all parsers share): every
+  problem is an error.
+  """
+  del drops
+  prompt = parse_text(required(row, "prompt", source), source, "prompt")
+  steps = _steps(required(row, "completions", source), source)
+  labels = required(row, "labels", source)
+  if not isinstance(labels, list):
+    raise row_error(source, "labels", f"expected a list of booleans, got {kind(labels)}")
+  if len(labels) != len(steps):
+    raise row_error(source, "labels", f"has {len(labels)} labels for {len(steps)} steps in "
+                    "'completions'; give one label per step")
+  labels = tuple(_label(x, source, f"labels[{i}]") for i, x in enumerate(labels))
+  return StepwiseRecord(prompt=prompt, steps=steps, labels=labels, source=source,
+                        meta=row_meta(row, subset_field))
+
+
+def _steps(steps: Any, source: str) -> tuple[str, ...]:
+  if not isinstance(steps, list):
+    raise row_error(source, "completions", f"expected a list of step strings, got {kind(steps)}")
+  if not steps:
+    raise row_error(source, "completions", "has no steps; a stepwise row needs at least one")
+  for i, step in enumerate(steps):
+    if not isinstance(step, str):
+      raise row_error(source, f"completions[{i}]", f"expected a step string, got {kind(step)}")
+    if not step.strip():
+      raise row_error(source, f"completions[{i}]", "step text is empty")
+  return tuple(steps)
+
+
+def _label(label: Any, source: str, field: str) -> bool:
+  if isinstance(label, bool):
+    return label
+  if is_int(label) and label in (0, 1):
+    return bool(label)
+  raise row_error(source, field, f"expected true/false or 0/1, got {label!r} ({kind(label)})")
+

@@ -1,0 +1,243 @@
+"""Grain input pipeline: tokenized examples -> fixed-shape, per-host numpy batches.
+
+Preference batch (B groups of K completions on this host; completion j of group i is row i*K + j)::
+
+  input_ids       # [B*K, T] int32, right-padded with pad_id
+  attention_mask  # [B*K, T] int32
+  ranks           # [B, K] int32: position in preference order (0 = best), -1 = no completion
+  margin          # [B] float32
+  example_mask    # [B] float32: 0 for filler groups that pad the last eval batch
+
+Stepwise batch::
+
+  input_ids, attention_mask, labels  # [B, T] int32; labels -100 where there is no step label
+  example_mask                       # [B] float32
+
+T is the smallest length bucket that holds the longest sequence of the *global* batch, so every
+host builds the same shapes. A slot that would otherwise be all padding (a group with fewer than K
+completions, a filler group) repeats a real sequence of the batch instead, because a row with no
+attended token can turn attention into NaN; ``ranks == -1`` and ``example_mask == 0`` (and labels
+-100) mark such rows for the loss to ignore.
+
+Length is bucketed per batch; the data is never sorted by length, which would bias training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+from absl import flags
+import grain
+import jax
+import numpy as np
+
+from jaxrm.data.errors import DataError
+from jaxrm.data.tokenize import IGNORE, PreferenceExample, StepwiseExample
+
+Example = PreferenceExample | StepwiseExample
+Batch = dict[str, np.ndarray]
+
+
+def length_buckets(max_length: int, multiple: int = 64) -> tuple[int, ...]:
+  """Multiples of ``multiple`` below ``max_length``, then ``max_length`` itself."""
+  return tuple(range(multiple, max_length, multiple)) + (max_length,)
+
+
+def max_completions(examples: Sequence[Example]) -> int:
+  """K for preference batches: the most completions in any example (2 for pairs; 0 if none)."""
+  return max((len(e.input_ids) for e in examples), default=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Collator:
+  """Builds this host's batch from the groups of one global batch.
+
+  Attributes:
+    batch_size: groups per host (B).
+    process_index, process_count: this host's slice of the global batch of
+      ``batch_size * process_count`` groups.
+    buckets: allowed sequence lengths T, ascending.
+    pad_id: token id written into padding.
+    num_completions: K for preference batches; None for stepwise ones.
+  """
+
+  batch_size: int
+  buckets: tuple[int, ...]
+  pad_id: int = 0
+  num_completions: int | None = None
+  process_index: int = 0
+  process_count: int = 1
+
+  def __call__(self, groups: Sequence[Example]) -> Batch:
+    """Collates ``groups`` (at most one global batch); missing groups become fillers."""
+    length = self._bucket(groups)
+    start = self.process_index * self.batch_size
+    local = list(groups[start:start + self.batch_size])
+    n_real = len(local)
+    # Fillers repeat a real example of the global batch; its mask entries then zero them out.
+    local += [groups[0]] * (self.batch_size - n_real)
+    example_mask = (np.arange(self.batch_size) < n_real).astype(np.float32)
+    if isinstance(groups[0], StepwiseExample):
+      batch = _collate_stepwise(local, length, self.pad_id)
+      batch["labels"][n_real:] = IGNORE
+    else:
+      batch = _collate_preference(local, self.num_completions, length, self.pad_id)
+      batch["ranks"][n_real:] = -1
+      batch["margin"][n_real:] = 0.0
+    batch["example_mask"] = example_mask
+    return batch
+
+  def _bucket(self, groups: Sequence[Example]) -> int:
+    longest, source = max((len(ids), e.source) for e in groups for ids in _sequences(e))
+    for b in self.buckets:
+      if b >= longest:
+        return b
+    raise ValueError(f"a sequence of {longest} tokens ({source}) exceeds the largest length "
+                     f"bucket {self.buckets[-1]}; tokenize with max_length <= "
+                     f"{self.buckets[-1]} or add a larger bucket")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStream:
+  """How a training iterator walks the data.
+
+  An epoch is ``steps_per_epoch`` global batches; the examples left over after the last full
+  global batch are skipped for that epoch (a different few each epoch, as the order is reshuffled).
+  """
+
+  num_examples: int
+  global_batch_size: int
+
+  @property
+  def steps_per_epoch(self) -> int:
+    return self.num_examples // self.global_batch_size
+
+  def epoch(self, step: int) -> int:
+    """The epoch that batch number ``step`` (0-based) belongs to."""
+    return step // self.steps_per_epoch
+
+
+def make_train_iterator(examples: Sequence[Example], *, batch_size: int, seed: int,
+                        buckets: Sequence[int], pad_id: int = 0,
+                        num_completions: int | None = None, process_index: int = 0,
+                        process_count: int = 1, num_workers: int = 0
+                        ) -> tuple[grain.DatasetIterator, TrainStream]:
+  """An endless iterator of this host's training batches, and its epoch arithmetic.
+
+  Each epoch is a fresh seeded shuffle of ``examples`` (identical for identical seeds), cut into
+  global batches of ``batch_size * process_count`` groups; host ``process_index`` gets its
+  ``batch_size`` groups of each. The iterator's ``get_state()``/``set_state()`` resume it exactly;
+  Grain's Orbax checkpoint handler saves it.
+
+  Args:
+    examples: tokenized examples, all preference or all stepwise.
+    batch_size: groups per host per step.
+    seed: shuffle seed (a non-negative integer).
+    buckets: allowed sequence lengths, ascending (see :func:`length_buckets`).
+    pad_id: token id for padding (the tokenizer's pad id, or 0).
+    num_completions: K for preference batches; defaults to :func:`max_completions`.
+    process_index, process_count: this host and the number of hosts.
+    num_workers: Grain worker processes (0: batches are built in this process).
+  """
+  stream = TrainStream(len(examples), batch_size * process_count)
+  if stream.steps_per_epoch == 0:
+    raise DataError(f"the training set has {len(examples)} examples after dropped rows; one "
+                    f"global batch needs {stream.global_batch_size} (batch_size {batch_size} x "
+                    f"{process_count} hosts): lower the batch size or add data")
+  collate = _collator(examples, batch_size, buckets, pad_id, num_completions, process_index,
+                      process_count)
+  # Grain shuffles epoch e with seed + e; mixing the seed first keeps runs with seeds s and s + 1
+  # from seeing the same orders one epoch apart.
+  shuffle_seed = int(np.random.SeedSequence(seed).generate_state(1)[0])
+  ds = grain.MapDataset.source(examples).shuffle(seed=shuffle_seed)
+  # MapDataset.batch keeps epochs apart and drops each epoch's remainder; repeat() then reads
+  # epoch e through the shuffle seeded for epoch e.
+  ds = ds.batch(stream.global_batch_size, drop_remainder=True, batch_fn=list)
+  ds = ds.map(collate).repeat()
+  # Examples are already in memory: one reader thread and a short buffer are enough.
+  it = ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=4))
+  if num_workers > 0:
+    if not flags.FLAGS.is_parsed():
+      # Grain's workers read absl flags, which are unparsed outside an absl app (e.g. a notebook).
+      flags.FLAGS.mark_as_parsed()
+    it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
+  return iter(it), stream
+
+
+def make_eval_batches(examples: Sequence[Example], *, batch_size: int, buckets: Sequence[int],
+                      pad_id: int = 0, num_completions: int | None = None, process_index: int = 0,
+                      process_count: int = 1) -> list[Batch]:
+  """Every example once, in order, as this host's batches; the last is completed with fillers."""
+  collate = _collator(examples, batch_size, buckets, pad_id, num_completions, process_index,
+                      process_count)
+  step = batch_size * process_count
+  return [collate(examples[i:i + step]) for i in range(0, len(examples), step)]
+
+
+def to_global_batch(local_batch: Batch,
+                    sharding: jax.sharding.Sharding | Callable[[str, np.ndarray],
+                                                               jax.sharding.Sharding]
+                    ) -> dict[str, jax.Array]:
+  """Assembles every host's local batch into global arrays.
+
+  Args:
+    local_batch: this host's batch (its rows are a contiguous slice of the global batch).
+    sharding: one sharding for every array, or ``fn(name, array) -> sharding``; it should split
+      the leading (batch) dimension over the data-parallel mesh axes.
+  """
+  shardings = {k: sharding(k, v) if callable(sharding) else sharding
+               for k, v in local_batch.items()}
+  return jax.make_array_from_process_local_data(shardings, local_batch)
+
+
+def _collator(examples: Sequence[Example], batch_size: int, buckets: Sequence[int], pad_id: int,
+              num_completions: int | None, process_index: int, process_count: int) -> Collator:
+  if not examples:
+    raise DataError("no examples left to batch (every row was dropped, or the data is empty)")
+  if isinstance(examples[0], PreferenceExample) and num_completions is None:
+    num_completions = max_completions(examples)
+  return Collator(batch_size=batch_size, buckets=tuple(sorted(buckets)), pad_id=pad_id,
+                  num_completions=num_completions, process_index=process_index,
+                  process_count=process_count)
+
+
+def _collate_preference(groups: Sequence[PreferenceExample], k: int, length: int,
+                        pad_id: int) -> Batch:
+  b = len(groups)
+  input_ids = np.full((b * k, length), pad_id, np.int32)
+  attention_mask = np.zeros((b * k, length), np.int32)
+  ranks = np.full((b, k), -1, np.int32)
+  margin = np.zeros((b,), np.float32)
+  for i, group in enumerate(groups):
+    n = len(group.input_ids)
+    if n > k:
+      raise ValueError(f"{group.source} has {n} completions but batches hold "
+                       f"num_completions={k}; pass num_completions >= {n}")
+    for j in range(k):
+      # Absent slots repeat the best completion (never an all-padding row); rank -1 hides them.
+      ids = group.input_ids[j if j < n else 0]
+      input_ids[i * k + j, :len(ids)] = ids
+      attention_mask[i * k + j, :len(ids)] = 1
+    ranks[i, :n] = np.arange(n)
+    margin[i] = group.margin
+  return {"input_ids": input_ids, "attention_mask": attention_mask, "ranks": ranks,
+          "margin": margin}
+
+
+def _collate_stepwise(examples: Sequence[StepwiseExample], length: int, pad_id: int) -> Batch:
+  b = len(examples)
+  input_ids = np.full((b, length), pad_id, np.int32)
+  attention_mask = np.zeros((b, length), np.int32)
+  labels = np.full((b, length), IGNORE, np.int32)
+  for i, e in enumerate(examples):
+    input_ids[i, :len(e.input_ids)] = e.input_ids
+    attention_mask[i, :len(e.input_ids)] = 1
+    labels[i, :len(e.labels)] = e.labels
+  return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def _sequences(example: Example) -> Sequence[np.ndarray]:
+  if isinstance(example, StepwiseExample):
+    return (example.input_ids,)
+  return example.input_ids

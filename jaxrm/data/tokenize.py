@@ -1,0 +1,296 @@
+"""Turns preference and stepwise records into token ids with a Hugging Face tokenizer.
+
+Layouts:
+
+* **Preference.** Each completion becomes one sequence, prompt + completion. A conversation is
+  rendered once by the tokenizer's chat template (``context + completion`` messages, no generation
+  prompt) and the rendered text is tokenized without adding special tokens (the template already
+  writes them). Plain text is ``context + completion`` tokenized with the tokenizer's own BOS/EOS.
+  Each sequence simply ends where the completion ends: the reward is read at the last position of
+  the attention mask, so an end-of-turn token equal to the pad token (SmolLM2, Llama 3) is never
+  mistaken for padding.
+* **Stepwise.** ``prompt, step_1, sep, step_2, sep, ...`` where ``sep`` is the tokenized
+  ``step_separator``. Step ``i``'s label (1 correct, 0 not) sits on the last token of the separator
+  after it; every other position is -100. A conversation prompt is rendered by the chat template
+  with the generation prompt, so the steps are the assistant's reply (the turn is left open: no
+  token after the last separator). A plain-text prompt is tokenized with the tokenizer's own
+  special tokens and followed by one unlabelled separator. Each step and the separator are
+  tokenized on their own, so a label always lands on a separator token.
+
+  Differences from TRL's ``PRMTrainer``: TRL never applies a chat template, always prepends
+  ``bos_token_id`` (here the tokenizer decides, as for any plain text), and puts the first step
+  directly after the prompt with no separator between them. The step/separator/label part is the
+  same.
+
+Over-length rows (``max_length`` counts every token):
+
+* ``truncation="drop"`` drops and counts them.
+* ``truncation="left"``, preference: drops the oldest context turns (a leading system message and
+  the last turn are kept), then the oldest context tokens (a leading BOS is kept); every completion
+  stays whole and all completions of a row keep the same context.
+* ``truncation="left"``, stepwise: drops the oldest prompt turns, then whole trailing steps with
+  their labels, so no label points at a cut step. The last prompt turn is never cut: a PRM label
+  without its question means nothing.
+
+Rows that cannot be made to fit, or whose completions tokenize identically, are dropped and counted
+in the :class:`~jaxrm.data.errors.DropReport` under the reasons below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Sequence
+
+import jinja2
+import numpy as np
+
+from jaxrm.data.errors import DropReport, row_error
+from jaxrm.data.records import Message, PreferenceRecord, StepwiseRecord, Text
+
+IGNORE = -100  # label of a position that carries no step label
+
+# Drop reasons, as counted in the DropReport.
+PROMPT_TOO_LONG = "prompt alone is max_length tokens or longer"
+PAIR_TOO_LONG = "prompt + completion longer than max_length (truncation='drop')"
+COMPLETION_TOO_LONG = "a completion alone does not fit in max_length"
+IDENTICAL_COMPLETIONS = "completions identical after tokenization"
+STEPS_TOO_LONG = "prompt + steps longer than max_length (truncation='drop')"
+NO_STEP_FITS = "no step fits in max_length after the prompt"
+LAST_STEP_CUT = "last step cut by truncation (train_on_last_step_only)"
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizeOptions:
+  """How records become token ids.
+
+  Attributes:
+    max_length: the longest sequence kept, in tokens.
+    truncation: "drop" (over-length rows are dropped and counted) or "left" (drop the oldest
+      context; see the module docstring).
+    step_separator: text after every step of a stepwise row; its last token carries the label.
+    train_on_last_step_only: keep only the last step's label (outcome supervision).
+  """
+
+  max_length: int = 1024
+  truncation: str = "drop"
+  step_separator: str = "\n"
+  train_on_last_step_only: bool = False
+
+  def __post_init__(self):
+    if self.truncation not in ("drop", "left"):
+      raise ValueError(f"truncation={self.truncation!r}; use 'drop' or 'left'")
+    if self.max_length < 2:
+      raise ValueError(f"max_length={self.max_length}; it must be at least 2")
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceExample:
+  """A tokenized preference row: one full sequence per completion, best first."""
+
+  input_ids: tuple[np.ndarray, ...]  # per completion, int32 [T_i]: prompt + completion
+  ranks: tuple[int, ...]  # ascending; ranks[i] belongs to input_ids[i]
+  margin: float  # 0.0 when the row has none
+  source: str
+  meta: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepwiseExample:
+  """A tokenized stepwise row."""
+
+  input_ids: np.ndarray  # int32 [T]
+  labels: np.ndarray  # int32 [T]: 1/0 on the last separator token of each step, -100 elsewhere
+  source: str
+  meta: dict[str, Any]
+
+
+def tokenize_preference(record: PreferenceRecord, tokenizer, opts: TokenizeOptions,
+                        drops: DropReport) -> PreferenceExample | None:
+  """Tokenizes one preference row, or returns None after counting it in ``drops``."""
+  order = sorted(range(len(record.ranks)), key=lambda i: record.ranks[i])
+  completions = [record.completions[i] for i in order]
+  encoded = _encode_group(tokenizer, record.context, completions, record.source)
+  if _longest(encoded) > opts.max_length:
+    if opts.truncation == "drop":
+      reason = PROMPT_TOO_LONG if _prompt_len(encoded) >= opts.max_length else PAIR_TOO_LONG
+      drops.drop(reason, record.source)
+      return None
+    encoded = _truncate_group_left(tokenizer, record, completions, encoded, opts.max_length)
+    if encoded is None:
+      drops.drop(COMPLETION_TOO_LONG, record.source)
+      return None
+  if len({tuple(ids) for ids, _ in encoded}) < len(encoded):
+    drops.drop(IDENTICAL_COMPLETIONS, record.source)
+    return None
+  return PreferenceExample(
+      input_ids=tuple(np.asarray(ids, np.int32) for ids, _ in encoded),
+      ranks=tuple(record.ranks[i] for i in order),
+      margin=float(record.margin or 0.0),
+      source=record.source,
+      meta=dict(record.meta),
+  )
+
+
+def tokenize_stepwise(record: StepwiseRecord, tokenizer, opts: TokenizeOptions,
+                      drops: DropReport) -> StepwiseExample | None:
+  """Tokenizes one stepwise row, or returns None after counting it in ``drops``."""
+  sep = _text_ids(tokenizer, opts.step_separator, special=False)
+  if not sep:
+    raise ValueError(f"step_separator={opts.step_separator!r} tokenizes to no tokens; "
+                     "choose a separator that is at least one token")
+  steps = [_text_ids(tokenizer, s, special=False) + sep for s in record.steps]
+  prefix = _stepwise_prefix(tokenizer, record.prompt, sep, record.source)
+  if len(prefix) + sum(map(len, steps)) > opts.max_length:
+    if opts.truncation == "drop":
+      drops.drop(PROMPT_TOO_LONG if len(prefix) >= opts.max_length else STEPS_TOO_LONG,
+                 record.source)
+      return None
+    if isinstance(record.prompt, list):
+      for shorter in _shorter_contexts(record.prompt):
+        if len(prefix) + sum(map(len, steps)) <= opts.max_length:
+          break
+        prefix = _stepwise_prefix(tokenizer, shorter, sep, record.source)
+  kept, reason = _steps_kept(len(prefix), steps, opts)
+  if reason:
+    drops.drop(reason, record.source)
+    return None
+  input_ids = prefix + [t for s in steps[:kept] for t in s]
+  labels = np.full(len(input_ids), IGNORE, np.int32)
+  ends = len(prefix) + np.cumsum([len(s) for s in steps[:kept]]) - 1  # last separator tokens
+  first = kept - 1 if opts.train_on_last_step_only else 0
+  labels[ends[first:]] = np.asarray(record.labels[first:kept], np.int32)
+  return StepwiseExample(
+      input_ids=np.asarray(input_ids, np.int32),
+      labels=labels,
+      source=record.source,
+      meta=dict(record.meta),
+  )
+
+
+def tokenize_all(records: Iterable[PreferenceRecord | StepwiseRecord], tokenizer,
+                 opts: TokenizeOptions,
+                 drops: DropReport) -> list[PreferenceExample | StepwiseExample]:
+  """Tokenizes every record; dropped rows are counted in ``drops`` and left out."""
+  out = []
+  for record in records:
+    if isinstance(record, PreferenceRecord):
+      example = tokenize_preference(record, tokenizer, opts, drops)
+    else:
+      example = tokenize_stepwise(record, tokenizer, opts, drops)
+    if example is not None:
+      out.append(example)
+  return out
+
+
+# A completion's encoding: (full sequence ids, number of leading ids that are the prompt's).
+_Encoded = tuple[list[int], int]
+
+
+def _encode_group(tokenizer, context: Text, completions: Sequence[Text],
+                  source: str) -> list[_Encoded]:
+  """Encodes prompt + completion for every completion; the prompt is tokenized once."""
+  if isinstance(context, list):
+    prompt = _chat_ids(tokenizer, context, False, source, "context") if context else []
+  else:
+    prompt = _text_ids(tokenizer, context, special=True) if context else []
+  encoded = []
+  for i, completion in enumerate(completions):
+    field = f"completions[{i}]"
+    if context and isinstance(context, list) != isinstance(completion, list):
+      kinds = ("a conversation", "plain text")
+      raise row_error(source, field, f"is {kinds[isinstance(completion, str)]} but the context is "
+                      f"{kinds[isinstance(context, str)]}; give both as message lists or both as "
+                      "strings")
+    if isinstance(completion, list):
+      full = _chat_ids(tokenizer, list(context or []) + completion, False, source, field)
+    else:
+      full = _text_ids(tokenizer, (context or "") + completion, special=True)
+    # A template or BPE merge may change tokens at the boundary; what is shared is the prompt.
+    encoded.append((full, _common_prefix(full, prompt)))
+  return encoded
+
+
+def _truncate_group_left(tokenizer, record: PreferenceRecord, completions: Sequence[Text],
+                         encoded: list[_Encoded], max_length: int) -> list[_Encoded] | None:
+  """Fits a group into ``max_length`` by cutting its context; None when no context cut is enough."""
+  if isinstance(record.context, list):
+    for shorter in _shorter_contexts(record.context):
+      if _longest(encoded) <= max_length:
+        break
+      encoded = _encode_group(tokenizer, shorter, completions, record.source)
+  cut = _longest(encoded) - max_length
+  if cut <= 0:
+    return encoded
+  out = []
+  for ids, n_prompt in encoded:
+    keep = 1 if ids and ids[0] == tokenizer.bos_token_id else 0
+    if n_prompt - keep < cut:
+      return None
+    out.append((ids[:keep] + ids[keep + cut:], n_prompt - cut))
+  return out
+
+
+def _shorter_contexts(messages: list[Message]) -> Iterable[list[Message]]:
+  """Yields the conversation with its oldest turns dropped, one turn more each time.
+
+  A turn starts at a user message. A leading system message and the last turn are always kept.
+  """
+  head = messages[:1] if messages and messages[0].get("role") == "system" else []
+  body = messages[len(head):]
+  for start in range(1, len(body)):
+    if body[start].get("role") == "user":
+      yield head + body[start:]
+
+
+def _stepwise_prefix(tokenizer, prompt: Text, sep: list[int], source: str) -> list[int]:
+  if isinstance(prompt, list):
+    return _chat_ids(tokenizer, prompt, True, source, "prompt")
+  return _text_ids(tokenizer, prompt, special=True) + sep
+
+
+def _steps_kept(prefix_len: int, steps: list[list[int]],
+                opts: TokenizeOptions) -> tuple[int, str | None]:
+  """How many leading steps fit after the prompt, or a drop reason."""
+  if prefix_len >= opts.max_length:
+    return 0, PROMPT_TOO_LONG
+  room, kept = opts.max_length - prefix_len, 0
+  while kept < len(steps) and len(steps[kept]) <= room:
+    room -= len(steps[kept])
+    kept += 1
+  if not kept:
+    return 0, NO_STEP_FITS
+  if opts.train_on_last_step_only and kept < len(steps):
+    return kept, LAST_STEP_CUT
+  return kept, None
+
+
+def _chat_ids(tokenizer, messages: list[Message], add_generation_prompt: bool, source: str,
+              field: str) -> list[int]:
+  try:
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+  except jinja2.TemplateError as e:
+    raise row_error(source, field, f"the tokenizer's chat template rejected it: {e}") from e
+  # The template writes its own special tokens (BOS included); adding them again would double BOS.
+  return _text_ids(tokenizer, text, special=False)
+
+
+def _text_ids(tokenizer, text: str, *, special: bool) -> list[int]:
+  return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+  n = 0
+  for x, y in zip(a, b):
+    if x != y:
+      break
+    n += 1
+  return n
+
+
+def _longest(encoded: list[_Encoded]) -> int:
+  return max(len(ids) for ids, _ in encoded)
+
+
+def _prompt_len(encoded: list[_Encoded]) -> int:
+  return max(n for _, n in encoded)

@@ -1,0 +1,153 @@
+"""The procedural demo datasets: correct answers, disjoint splits, determinism, label balance."""
+
+import re
+
+import numpy as np
+import pytest
+
+from jaxrm.data import demo, formats
+from jaxrm.data.errors import DataError, DropReport
+
+OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "×": lambda a, b: a * b}
+EQUATION = re.compile(r"(\d+) ([-+×]) (\d+) = (-?\d+)\.?")
+
+
+@pytest.fixture(scope="module")
+def pairs():
+  return {split: demo.demo_arithmetic(split) for split in demo.SPLITS}
+
+
+@pytest.fixture(scope="module")
+def solutions():
+  return {split: demo.demo_arithmetic_steps(split) for split in demo.SPLITS}
+
+
+def answers(row):
+  """(chosen text, rejected text) of a demo preference row."""
+  by_rank = sorted(row["completions"], key=lambda c: c["rank"])
+  return tuple(c["completion"][0]["content"] for c in by_rank)
+
+
+def question(row):
+  return row["context"][0]["content"]
+
+
+def test_preference_rows_are_valid_and_sized(pairs):
+  assert {s: len(rows) for s, rows in pairs.items()} == {"train": 4000, "validation": 500}
+  drops = DropReport()
+  for i, row in enumerate(pairs["validation"]):
+    record = formats.parse_preference(row, f"demo[row {i}]", drops)
+    assert record.ranks in ((0, 1), (1, 0)) and record.context[0]["role"] == "user"
+  assert drops.total == 0
+  assert len(demo.demo_arithmetic("train", num_rows=7, seed=3)) == 7
+
+
+def test_chosen_is_right_and_rejected_plausibly_wrong(pairs):
+  mistakes = set()
+  for row in pairs["train"]:
+    chosen, rejected = answers(row)
+    if row["subset"] != "arithmetic":
+      assert chosen != rejected
+      continue
+    a, op, b, right = EQUATION.fullmatch(chosen).groups()
+    assert question(row) == f"What is {a} {op} {b}?" and int(right) == OPS[op](int(a), int(b))
+    wrong = int(EQUATION.fullmatch(rejected).group(4))
+    right = int(right)
+    assert wrong != right and wrong >= 0
+    if abs(wrong - right) == 1:
+      mistakes.add("off by one")
+    elif sorted(str(wrong)) == sorted(str(right)):
+      mistakes.add("swapped digits")
+    else:
+      assert wrong in [f(int(a), int(b)) for f in OPS.values()]
+      mistakes.add("wrong operation")
+  assert mistakes == {"off by one", "swapped digits", "wrong operation"}
+
+
+def test_facts_and_comparisons():
+  rows = demo.demo_arithmetic("train", num_rows=300)
+  by_subset = {}
+  for row in rows:
+    by_subset.setdefault(row["subset"], []).append(row)
+  assert set(by_subset) == {"arithmetic", "comparison", "capitals", "sequences"}
+  for row in by_subset["comparison"]:
+    a, b = map(int, re.fullmatch(r"Which is larger, (\d+) or (\d+)\?", question(row)).groups())
+    assert answers(row) == (f"{max(a, b)} is larger.", f"{min(a, b)} is larger.")
+  capitals = {country: (capital, other) for country, capital, other in demo._CAPITALS}
+  for row in by_subset["capitals"]:
+    country = re.fullmatch(r"What is the capital of (.+)\?", question(row)).group(1)
+    capital, other = capitals[country]
+    assert answers(row) == (f"The capital of {country} is {capital}.",
+                            f"The capital of {country} is {other}.")
+  days = [r for r in by_subset["sequences"] if "day" in question(r)]
+  for row in days:
+    day = re.fullmatch(r"Which day comes after (\w+)\?", question(row)).group(1)
+    assert answers(row)[0].startswith(f"The day after {day} is ")
+
+
+def test_preferred_completion_is_not_always_first(pairs):
+  first_ranks = [row["completions"][0]["rank"] for row in pairs["train"]]
+  assert 0.4 < np.mean(first_ranks) < 0.6
+
+
+def test_splits_share_no_question(pairs, solutions):
+  other_seed = demo.demo_arithmetic("validation", seed=1)
+  train = {question(r) for r in pairs["train"]}
+  assert not train & {question(r) for r in pairs["validation"] + other_seed}
+  prompts = {split: {r["prompt"] for r in rows} for split, rows in solutions.items()}
+  assert not prompts["train"] & prompts["validation"]
+  for split, rows in pairs.items():
+    assert {r["subset"] for r in rows} == {"arithmetic", "comparison", "capitals", "sequences"}
+
+
+def test_deterministic_per_seed_without_global_rng():
+  np.random.seed(123)
+  state = np.random.get_state()[1].copy()
+  first = demo.demo_arithmetic("train", num_rows=50, seed=5)
+  steps = demo.demo_arithmetic_steps("train", num_rows=50, seed=5)
+  assert (np.random.get_state()[1] == state).all()
+  assert demo.demo_arithmetic("train", num_rows=50, seed=5) == first
+  assert demo.demo_arithmetic_steps("train", num_rows=50, seed=5) == steps
+  assert demo.demo_arithmetic("train", num_rows=50, seed=6) != first
+  assert demo.demo_arithmetic_steps("train", num_rows=50, seed=6) != steps
+
+
+def test_steps_labels_are_true_until_the_first_wrong_step(solutions):
+  drops = DropReport()
+  for i, row in enumerate(solutions["train"]):
+    formats.parse_stepwise(row, f"demo[row {i}]", drops)
+    value = int(re.match(r"Start with (\d+),", row["prompt"]).group(1))
+    all_right = True
+    for step, label in zip(row["completions"][:-1], row["labels"][:-1]):
+      a, op, b, result = EQUATION.fullmatch(step).groups()
+      assert int(a) == value  # each step starts from the value the previous one wrote
+      all_right &= int(result) == OPS[op](int(a), int(b))
+      assert label == all_right
+      value = int(result)
+    assert row["completions"][-1] == f"The answer is {value}."
+    assert row["labels"][-1] == all_right
+    assert row["subset"] == ("clean" if all_right else "mistake")
+    assert 3 <= len(row["completions"]) <= 5
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_always_true_scores_at_most_60_percent(solutions, seed):
+  for split in demo.SPLITS:
+    rows = solutions[split] if seed == 0 else demo.demo_arithmetic_steps(split, seed=seed)
+    labels = np.concatenate([r["labels"] for r in rows])
+    assert 0.4 <= labels.mean() <= 0.6, (split, labels.mean())
+    assert 0.25 < np.mean([all(r["labels"]) for r in rows]) < 0.42
+
+
+def test_sizes_and_unknown_split(solutions):
+  assert {s: len(rows) for s, rows in solutions.items()} == {"train": 3000, "validation": 300}
+  with pytest.raises(DataError, match=r"demo split 'test': use one of train, validation"):
+    demo.demo_arithmetic("test")
+  with pytest.raises(DataError, match=r"demo split 'dev'"):
+    demo.demo_arithmetic_steps("dev")
+
+
+def test_wrong_results():
+  assert demo.wrong_results(12, "+", 7) == [5, 18, 20, 84, 91]  # 12-7, off by one, 12×7, 91
+  assert demo.wrong_results(3, "-", 3) == [1, 6, 9]  # no negative, no swap of a single digit
+  assert demo.wrong_results(5, "×", 2) == [3, 7, 9, 11]  # 10 has no swap (it would read 01)

@@ -1,0 +1,112 @@
+"""Learning-rate schedules, the weight-decay mask and the optimizer's first update."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrm import optim
+
+LR, MIN = 1e-3, 1e-4  # min_lr_ratio 0.1
+
+
+def lr_at(schedule, *steps):
+  return [float(schedule(step)) for step in steps]
+
+
+def test_cosine_schedule_at_warmup_middle_and_end():
+  schedule = optim.make_schedule(learning_rate=LR, warmup_steps=10, total_steps=110,
+                                 decay="cosine", min_lr_ratio=0.1)
+  quarter = MIN + (LR - MIN) * 0.5 * (1 + math.cos(math.pi / 4))
+  np.testing.assert_allclose(
+      lr_at(schedule, 0, 5, 10, 35, 60, 110, 500),
+      [0.0, LR / 2, LR, quarter, (LR + MIN) / 2, MIN, MIN], rtol=1e-5)
+
+
+def test_linear_schedule_at_warmup_middle_and_end():
+  schedule = optim.make_schedule(learning_rate=LR, warmup_steps=10, total_steps=110,
+                                 decay="linear", min_lr_ratio=0.1)
+  np.testing.assert_allclose(
+      lr_at(schedule, 0, 5, 10, 35, 60, 110, 500),
+      [0.0, LR / 2, LR, LR - 0.25 * (LR - MIN), (LR + MIN) / 2, MIN, MIN], rtol=1e-5)
+
+
+def test_constant_schedule_and_no_warmup():
+  constant = optim.make_schedule(learning_rate=LR, warmup_steps=4, total_steps=0,
+                                 decay="constant")
+  np.testing.assert_allclose(lr_at(constant, 0, 2, 4, 1000), [0.0, LR / 2, LR, LR], rtol=1e-6)
+  cosine = optim.make_schedule(learning_rate=LR, warmup_steps=0, total_steps=100)
+  np.testing.assert_allclose(lr_at(cosine, 0, 50, 100), [LR, LR / 2, 0.0], rtol=1e-5, atol=1e-12)
+
+
+def test_schedule_errors_say_what_to_change():
+  with pytest.raises(ValueError, match="leaves no steps to decay.*use decay='constant'"):
+    optim.make_schedule(learning_rate=LR, warmup_steps=100, total_steps=100)
+  with pytest.raises(ValueError, match="decay='exponential' is not one of"):
+    optim.make_schedule(learning_rate=LR, warmup_steps=0, total_steps=10, decay="exponential")
+
+
+def params_tree():
+  """Parameter names as the model uses them; stacked layers give norms a layer axis."""
+  layers, dim = 2, 4
+  return {
+      "embed": {"embedding": jnp.ones((8, dim))},
+      "layers": {
+          "input_norm": {"scale": jnp.ones((layers, dim))},
+          "q_proj": {"kernel": jnp.ones((layers, dim, dim))},
+          "q_bias": jnp.ones((layers, dim)),
+      },
+      "final_norm": {"scale": jnp.ones(dim)},
+      "score": {"kernel": jnp.ones((dim, 1)), "bias": jnp.ones(1)},
+  }
+
+
+EXPECTED_MASK = {
+    "embed": {"embedding": True},
+    "layers": {"input_norm": {"scale": False}, "q_proj": {"kernel": True}, "q_bias": False},
+    "final_norm": {"scale": False},
+    "score": {"kernel": True, "bias": False},
+}
+
+
+def test_decay_mask_excludes_norm_and_bias_by_name():
+  assert optim.weight_decay_mask(params_tree()) == EXPECTED_MASK
+
+
+def test_decay_mask_on_nnx_state():
+
+  class Tiny(nnx.Module):
+
+    def __init__(self):
+      self.input_norm = nnx.RMSNorm(4, rngs=nnx.Rngs(0))
+      self.proj = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+
+  mask = optim.weight_decay_mask(nnx.state(Tiny(), nnx.Param))
+  assert nnx.to_pure_dict(mask) == {
+      "input_norm": {"scale": False},
+      "proj": {"kernel": True, "bias": False},
+  }
+
+
+def test_first_update_decays_matrices_only_and_clips():
+  params = params_tree()
+  # With zero gradients Adam's step is 0, so the update is the decoupled decay alone:
+  # -lr * weight_decay * param on decayed parameters, nothing elsewhere.
+  tx = optim.make_optimizer(learning_rate=0.1, warmup_steps=0, total_steps=1, decay="constant",
+                            weight_decay=0.5)
+  updates, _ = jax.jit(tx.update)(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+  expected = jax.tree.map(lambda decays: -0.05 if decays else 0.0, EXPECTED_MASK)
+  jax.tree.map(lambda u, e: np.testing.assert_allclose(u, e, rtol=1e-6), updates, expected)
+
+  # A large eps makes Adam's first step -lr * g / (|g| + eps), so it shows whether the gradient
+  # [6, 8] (norm 10) was clipped to [0.6, 0.8].
+  params = {"w": jnp.zeros(2)}
+  grads = {"w": jnp.array([6.0, 8.0])}
+  for max_grad_norm, g in ((1.0, np.array([0.6, 0.8])), (0.0, np.array([6.0, 8.0]))):
+    tx = optim.make_optimizer(learning_rate=0.1, warmup_steps=0, total_steps=1,
+                              decay="constant", max_grad_norm=max_grad_norm, eps=1.0)
+    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    np.testing.assert_allclose(updates["w"], -0.1 * g / (np.abs(g) + 1.0), rtol=1e-5)

@@ -1,0 +1,185 @@
+"""Batch layout, determinism, per-host split and exact resume of the Grain pipeline."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrm.data import pipeline as pl
+from jaxrm.data.errors import DataError
+from jaxrm.data.tokenize import PreferenceExample, StepwiseExample
+
+BUCKETS = (16, 32, 40)
+
+
+def pref(i, n=2):
+  """Group i: completion j's tokens are 1000*i + 100*j + 1, + 2, ...; lengths vary with i."""
+  length = 3 + (i * 7) % 30
+  ids = tuple(np.arange(1, length + 1 - j, dtype=np.int32) + 1000 * i + 100 * j for j in range(n))
+  return PreferenceExample(input_ids=ids, ranks=tuple(range(10, 10 + n)), margin=float(i),
+                           source=f"row {i}", meta={})
+
+
+def step(i):
+  length = 2 + i % 5
+  labels = np.full(length, -100, np.int32)
+  labels[-1] = i % 2
+  return StepwiseExample(input_ids=np.arange(length, dtype=np.int32) + 1000 * i + 1,
+                         labels=labels, source=f"row {i}", meta={})
+
+
+def group_ids(batch, k=2):
+  return (batch["input_ids"][::k, 0] // 1000).tolist()
+
+
+def take(it, n):
+  return [next(it) for _ in range(n)]
+
+
+def assert_batches_equal(a, b):
+  assert len(a) == len(b)
+  for x, y in zip(a, b):
+    assert x.keys() == y.keys()
+    for key in x:
+      np.testing.assert_array_equal(x[key], y[key], err_msg=key)
+
+
+def train(examples, **kw):
+  kw = {"batch_size": 2, "seed": 7, "buckets": BUCKETS, **kw}
+  return pl.make_train_iterator(examples, **kw)
+
+
+def test_length_buckets():
+  assert pl.length_buckets(200) == (64, 128, 192, 200)
+  assert pl.length_buckets(128) == (64, 128)
+  assert pl.length_buckets(1024)[-2:] == (960, 1024)
+
+
+def test_same_seed_same_batches_and_reshuffled_epochs():
+  examples = [pref(i) for i in range(11)]
+  it, stream = train(examples)
+  assert stream.steps_per_epoch == 5 and stream.epoch(4) == 0 and stream.epoch(5) == 1
+  batches = take(it, 10)
+  assert_batches_equal(batches, take(train(examples)[0], 10))
+  epochs = [sum((group_ids(b) for b in batches[e * 5:e * 5 + 5]), []) for e in range(2)]
+  for order in epochs:  # each epoch: 10 distinct groups, the 11th left over
+    assert len(set(order)) == 10
+  assert epochs[0] != epochs[1]
+  assert epochs[0] != list(range(10))  # shuffled, not in file order
+  other = sum((group_ids(b) for b in take(train(examples, seed=8)[0], 5)), [])
+  assert other not in epochs  # seeds 7 and 8 do not share orders an epoch apart
+
+
+def test_group_integrity_and_bucket_shapes():
+  examples = [pref(i) for i in range(8)]
+  for batch in take(train(examples, batch_size=4)[0], 4):
+    groups = group_ids(batch)
+    longest = max(len(examples[g].input_ids[0]) for g in groups)
+    assert batch["input_ids"].shape == (8, min(b for b in BUCKETS if b >= longest))
+    assert batch["input_ids"].dtype == batch["attention_mask"].dtype == np.int32
+    for i, g in enumerate(groups):
+      for j in range(2):
+        row, ids = i * 2 + j, examples[g].input_ids[j]
+        np.testing.assert_array_equal(batch["input_ids"][row, :len(ids)], ids)
+        assert (batch["input_ids"][row, len(ids):] == 0).all()
+        assert batch["attention_mask"][row].tolist() == [1] * len(ids) + [0] * (
+            batch["input_ids"].shape[1] - len(ids))
+    np.testing.assert_array_equal(batch["ranks"], [[0, 1]] * 4)
+    assert batch["ranks"].dtype == np.int32
+    np.testing.assert_array_equal(batch["margin"], np.array(groups, np.float32))
+    np.testing.assert_array_equal(batch["example_mask"], np.ones(4, np.float32))
+
+
+def test_ranked_groups_pad_absent_slots():
+  examples = [pref(0, n=3), pref(1, n=2)]
+  [batch] = pl.make_eval_batches(examples, batch_size=2, buckets=BUCKETS, pad_id=5)
+  np.testing.assert_array_equal(batch["ranks"], [[0, 1, 2], [0, 1, -1]])
+  assert batch["input_ids"].shape == (6, 16)
+  # The absent slot repeats the group's best completion, so no row is all padding.
+  np.testing.assert_array_equal(batch["input_ids"][5], batch["input_ids"][3])
+  assert batch["attention_mask"][5].sum() == len(examples[1].input_ids[0])
+  assert (batch["input_ids"][3, len(examples[1].input_ids[0]):] == 5).all()  # pad_id
+
+
+def test_eval_covers_everything_once_with_fillers():
+  examples = [pref(i) for i in range(5)]
+  batches = pl.make_eval_batches(examples, batch_size=2, buckets=BUCKETS)
+  assert [group_ids(b) for b in batches] == [[0, 1], [2, 3], [4, 4]]
+  last = batches[-1]
+  np.testing.assert_array_equal(last["example_mask"], [1.0, 0.0])
+  np.testing.assert_array_equal(last["ranks"], [[0, 1], [-1, -1]])
+  np.testing.assert_array_equal(last["margin"], [4.0, 0.0])
+  assert last["attention_mask"][2:].sum() > 0  # filler rows attend to real tokens
+
+
+def test_eval_per_host_split():
+  examples = [pref(i) for i in range(5)]
+  hosts = [pl.make_eval_batches(examples, batch_size=1, buckets=BUCKETS, process_index=p,
+                                process_count=2) for p in range(2)]
+  assert [[group_ids(b) for b in h] for h in hosts] == [[[0], [2], [4]], [[1], [3], [4]]]
+  assert [b["example_mask"][0] for b in hosts[1]] == [1.0, 1.0, 0.0]
+  for b0, b1 in zip(*hosts):
+    assert b0["input_ids"].shape == b1["input_ids"].shape
+
+
+def test_per_host_batches_are_halves_of_the_global_batch():
+  examples = [pref(i) for i in range(13)]
+  whole = take(train(examples, batch_size=4)[0], 6)
+  halves = [take(train(examples, process_index=p, process_count=2)[0], 6) for p in range(2)]
+  for b, h0, h1 in zip(whole, *halves):
+    assert not set(group_ids(h0)) & set(group_ids(h1))
+    for key in b:  # every array is split along its leading (group or row) dimension
+      np.testing.assert_array_equal(np.concatenate([h0[key], h1[key]]), b[key], err_msg=key)
+
+
+def test_resume_from_state_is_exact():
+  examples = [pref(i) for i in range(11)]
+  it, _ = train(examples)
+  take(it, 3)
+  state = json.loads(json.dumps(it.get_state()))  # what a checkpoint stores
+  expected = take(it, 4)  # crosses the epoch boundary at step 5
+  fresh, _ = train(examples)
+  fresh.set_state(state)
+  assert_batches_equal(take(fresh, 4), expected)
+
+
+def test_stepwise_batches():
+  examples = [step(i) for i in range(3)]
+  batches = pl.make_eval_batches(examples, batch_size=2, buckets=BUCKETS, pad_id=9)
+  first, last = batches
+  assert set(first) == {"input_ids", "attention_mask", "labels", "example_mask"}
+  assert first["labels"].shape == first["input_ids"].shape == (2, 16)
+  assert first["labels"].dtype == np.int32
+  assert first["labels"][0].tolist() == [-100, 0] + [-100] * 14
+  assert first["labels"][1].tolist() == [-100, -100, 1] + [-100] * 13
+  assert first["input_ids"][0].tolist() == [1, 2] + [9] * 14
+  np.testing.assert_array_equal(last["example_mask"], [1.0, 0.0])
+  assert (last["labels"][1] == -100).all() and last["attention_mask"][1].sum() == 4
+  it, stream = train([step(i) for i in range(4)])
+  assert stream.steps_per_epoch == 2 and next(it)["input_ids"].shape == (2, 16)
+
+
+def test_to_global_batch_shards_the_batch_dimension():
+  devices = jax.devices()
+  mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  [local] = pl.make_eval_batches([pref(i) for i in range(len(devices))],
+                                 batch_size=len(devices), buckets=BUCKETS)
+  for spec in (sharding, lambda name, array: sharding):
+    arrays = pl.to_global_batch(local, spec)
+    for key, value in local.items():
+      assert arrays[key].sharding == sharding
+      np.testing.assert_array_equal(np.asarray(arrays[key]), value)
+
+
+def test_errors_say_what_to_do():
+  with pytest.raises(DataError, match=r"the training set has 3 examples after dropped rows; one "
+                                      r"global batch needs 4 \(batch_size 2 x 2 hosts\)"):
+    train([pref(i) for i in range(3)], process_count=2)
+  with pytest.raises(ValueError, match=r"a sequence of 17 tokens \(row 2\) exceeds the largest "
+                                       r"length bucket 16"):
+    pl.make_eval_batches([pref(0), pref(2)], batch_size=2, buckets=(8, 16))
+  with pytest.raises(ValueError, match="row 0 has 3 completions but batches hold "
+                                       "num_completions=2"):
+    pl.make_eval_batches([pref(0, n=3)], batch_size=1, buckets=BUCKETS, num_completions=2)
