@@ -1,10 +1,18 @@
-"""``RewardModel``: a loaded reward model with its tokenizer, ready to score."""
+"""``RewardModel``: a loaded reward model with its tokenizer, ready to score.
+
+It loads Hugging Face checkpoint directories, ``.gguf`` files, jaxrm training output directories
+and single training checkpoints. Text is tokenized by the functions training uses
+(:mod:`jaxrm.data.tokenize`), so a conversation scores exactly as it was laid out in training.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
 import logging
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -12,22 +20,24 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrm.checkpoints.loader import load_model
+from jaxrm import reward_funcs, sharding
+from jaxrm.checkpointing import BEST_FILE, RUN_MODEL_CONFIG, RUN_TOKENIZER_DIR, Checkpointer
+from jaxrm.checkpoints.loader import abstract_model, load_model
 from jaxrm.checkpoints.safetensors_io import HFCheckpoint
 from jaxrm.checkpoints.weight_map import CheckpointError
-from jaxrm.models.config import ModelConfig, from_hf_config
+from jaxrm.data.errors import DataError, DropReport
+from jaxrm.data.pipeline import length_buckets
+from jaxrm.data.records import PreferenceRecord, StepwiseRecord, Text
+from jaxrm.data.tokenize import IGNORE, TokenizeOptions, tokenize_preference, tokenize_stepwise
+from jaxrm.models.config import ModelConfig, RopeConfig, from_hf_config
 from jaxrm.models.decoder import RewardModelModule
 
 log = logging.getLogger(__name__)
 
-
-def pad_to_bucket(length: int, multiple: int = 64, max_length: int | None = None) -> int:
-  """The smallest multiple of ``multiple`` >= length (capped at ``max_length`` when given)."""
-  bucket = -(-max(length, 1) // multiple) * multiple
-  return min(bucket, max_length) if max_length and length <= max_length else bucket
-
-
 EMBEDDED_PREFIX = "embedded:"
+# Key of config.json (exports) holding what scoring needs beyond the architecture.
+SCORING_KEY = "jaxrm"
+DEFAULT_STEP_SEPARATOR = TokenizeOptions.step_separator
 
 
 def resolve_path(path: str) -> str:
@@ -54,13 +64,18 @@ def open_checkpoint(path: str):
     return HFCheckpoint(path)
   if not os.path.exists(path):
     raise CheckpointError(
-        f"{path}: no such file or directory (jaxrm loads local HF checkpoint directories and .gguf files)")
+        f"{path}: no such file or directory (jaxrm loads HF checkpoint directories, .gguf files, "
+        "training output directories and their checkpoints)")
   raise CheckpointError(f"{path}: not a checkpoint directory or a .gguf file")
 
 
 def _load_tokenizer(source, path: str):
   if hasattr(source, "tokenizer"):
     return source.tokenizer()
+  return _tokenizer_from_dir(path)
+
+
+def _tokenizer_from_dir(path: str):
   from transformers import AutoTokenizer
   if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
     log.warning("%s has no tokenizer files; rm.tokenizer is None", path)
@@ -68,13 +83,118 @@ def _load_tokenizer(source, path: str):
   return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
 
 
-class RewardModel:
-  """A reward model (``model``: flax.nnx.Module), its ``config`` and ``tokenizer``."""
+# ------------------------------------------------------------------ training runs
 
-  def __init__(self, model: RewardModelModule, tokenizer=None):
+
+@dataclasses.dataclass(frozen=True)
+class RunCheckpoint:
+  """Where a training run keeps its files, and the step a checkpoint path names (if any)."""
+
+  run_dir: str  # has model_config.json and tokenizer/
+  checkpoint_dir: str  # Orbax directory: <step>/{params,opt_state,data,meta}
+  step: int | None = None
+
+
+def find_run(path: str) -> RunCheckpoint | None:
+  """The run behind ``path`` when it is a training output directory or one of its checkpoints."""
+  if os.path.isfile(os.path.join(path, RUN_MODEL_CONFIG)):
+    return RunCheckpoint(path, _checkpoint_dir(path))
+  norm = os.path.normpath(os.path.abspath(path))
+  if os.path.basename(norm).isdigit() and os.path.isdir(os.path.join(norm, "params")):
+    checkpoint_dir = os.path.dirname(norm)
+    run_dir = os.path.dirname(checkpoint_dir)
+    if not os.path.isfile(os.path.join(run_dir, RUN_MODEL_CONFIG)):
+      raise CheckpointError(
+          f"{path} is a training checkpoint, but {run_dir} has no {RUN_MODEL_CONFIG}; load the run's "
+          f"output directory (the one holding {RUN_MODEL_CONFIG}) with step={os.path.basename(norm)}")
+    return RunCheckpoint(run_dir, checkpoint_dir, int(os.path.basename(norm)))
+  return None
+
+
+def _run_settings(run_dir: str) -> dict[str, Any]:
+  """The run's training config (``config.json``), or {} when it is missing."""
+  path = os.path.join(run_dir, "config.json")
+  if not os.path.isfile(path):
+    return {}
+  with open(path) as f:
+    return json.load(f)
+
+
+def _checkpoint_dir(run_dir: str) -> str:
+  custom = _run_settings(run_dir).get("checkpointing", {}).get("checkpoint_dir")
+  return custom or os.path.join(run_dir, "checkpoints")
+
+
+def config_from_dict(d: dict[str, Any], where: str) -> ModelConfig:
+  """Inverse of ``dataclasses.asdict(ModelConfig)`` (JSON turned tuples into lists)."""
+  known = {f.name for f in dataclasses.fields(ModelConfig)}
+  unknown = sorted(set(d) - known)
+  if unknown:
+    raise CheckpointError(f"{where}: unknown model config fields {unknown}; was it written by a newer jaxrm?")
+  kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+  kwargs["rope"] = RopeConfig(**d.get("rope", {}))
+  return ModelConfig(**kwargs)
+
+
+def _pick_step(ckpt: Checkpointer, run: RunCheckpoint, step: int | None) -> int:
+  if run.step is not None and step is not None and step != run.step:
+    raise CheckpointError(f"{run.checkpoint_dir}/{run.step} is the checkpoint of step {run.step}, "
+                          f"but step={step} was asked for; pass one or the other")
+  steps = sorted(ckpt.manager.all_steps())
+  if not steps:
+    raise CheckpointError(f"{run.checkpoint_dir}: no complete checkpoint yet (training saves one every "
+                          "checkpointing.save_period steps and at the end)")
+  step = run.step if run.step is not None else step
+  if step is None:
+    best_file = os.path.join(run.checkpoint_dir, BEST_FILE)
+    if os.path.isfile(best_file):
+      with open(best_file) as f:
+        step = int(json.load(f)["step"])
+    else:  # Orbax's best by the run's metric; the latest when no checkpoint has the metric
+      best = ckpt.best_step()
+      step = steps[-1] if best is None else best
+    log.info("loading the best checkpoint of %s: step %s", run.run_dir, step)
+  if step not in steps:
+    raise CheckpointError(f"{run.checkpoint_dir}: no checkpoint for step {step}; available steps: "
+                          f"{', '.join(map(str, steps))}")
+  return step
+
+
+def _restore_target(cfg: ModelConfig, mesh: Mesh | None):
+  """(graphdef, abstract state, Orbax restore target: ShapeDtypeStructs with their shardings)."""
+  graphdef, state = nnx.split(abstract_model(cfg))
+  pure = nnx.to_pure_dict(state)
+  if mesh is None:
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), pure)
+  else:
+    shardings = nnx.to_pure_dict(sharding.param_shardings(state, mesh))
+    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), pure, shardings)
+  return graphdef, state, target
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, state, input_ids, attention_mask):
+  # Module-level, keyed on the graphdef: models of one architecture (two checkpoints of a run)
+  # share compiled programs.
+  return nnx.merge(graphdef, state)(input_ids, attention_mask)
+
+
+class RewardModel:
+  """A reward model (``model``: flax.nnx.Module), its ``config`` and ``tokenizer``.
+
+  Attributes:
+    reward_stats: {"mean", "std", "from"} of the rewards on the validation set when the model was
+      saved by training (used by ``score(normalize=True)``), else None.
+    step_separator: the text that ends every step in ``score_steps`` (as in training).
+  """
+
+  def __init__(self, model: RewardModelModule, tokenizer=None, *, reward_stats: dict | None = None,
+               step_separator: str = DEFAULT_STEP_SEPARATOR):
     self.model = model
     self.tokenizer = tokenizer
-    self._forward = None
+    self.reward_stats = reward_stats or None
+    self.step_separator = step_separator
 
   @property
   def config(self) -> ModelConfig:
@@ -92,12 +212,15 @@ class RewardModel:
       mesh: Mesh | None = None,
       seed: int = 0,
       tokenizer: Any = None,
+      step: int | None = None,
       **config_overrides,
   ) -> "RewardModel":
-    """Loads an HF checkpoint directory or a ``.gguf`` file.
+    """Loads a checkpoint.
 
     Args:
-      path: checkpoint directory (config.json + safetensors) or a .gguf file.
+      path: an HF checkpoint directory (config.json + safetensors), a .gguf file, a training
+        output directory (its best checkpoint, or ``step``), or one training checkpoint
+        (``<output_dir>/checkpoints/<step>``).
       dtype: compute dtype ("float32" | "bfloat16"); parameters default to the same.
       head: "sequence" (one reward per row) or "token" (per-token logits, for process reward
         models); default: whatever the checkpoint was saved as (a sequence head for base models).
@@ -105,10 +228,17 @@ class RewardModel:
       mesh: place parameters sharded over this mesh (default: the first device).
       seed: seed of a newly initialised head.
       tokenizer: use this tokenizer instead of the checkpoint's.
+      step: which checkpoint of a training output directory (default: the best one).
     """
     path = resolve_path(os.fspath(path))
-    source = open_checkpoint(path)
     overrides = dict(dtype=dtype, param_dtype=param_dtype or dtype, **config_overrides)
+    run = find_run(path)
+    if run is not None:
+      return cls._from_run(run, step, overrides, head, num_labels, mesh, tokenizer)
+    source = open_checkpoint(path)
+    if step is not None:
+      raise CheckpointError(f"step={step} selects a checkpoint of a training output directory, but "
+                            f"{path} is not one (no {RUN_MODEL_CONFIG})")
     if head is not None:
       overrides["head"] = head
       overrides["head_bias"] = head == "token"
@@ -120,20 +250,50 @@ class RewardModel:
     tok = tokenizer if tokenizer is not None else _load_tokenizer(source, path)
     if tok is not None and cfg.pad_token_id is None and tok.pad_token_id is not None:
       model.config = cfg.replace(pad_token_id=tok.pad_token_id)
-    return cls(model, tok)
+    scoring = source.config.get(SCORING_KEY) or {}
+    return cls(model, tok, reward_stats=scoring.get("reward_stats"),
+               step_separator=scoring.get("step_separator", DEFAULT_STEP_SEPARATOR))
+
+  @classmethod
+  def _from_run(cls, run: RunCheckpoint, step, overrides, head, num_labels, mesh, tokenizer) -> "RewardModel":
+    config_path = os.path.join(run.run_dir, RUN_MODEL_CONFIG)
+    with open(config_path) as f:
+      cfg = config_from_dict(json.load(f)["jaxrm"], config_path)
+    for name, wanted in (("head", head), ("num_labels", num_labels)):
+      if wanted is not None and wanted != getattr(cfg, name):
+        raise CheckpointError(f"{run.run_dir} was trained with {name}={getattr(cfg, name)!r}; "
+                              f"it cannot be loaded with {name}={wanted!r}")
+    cfg = cfg.replace(**overrides)
+    if not os.path.isdir(run.checkpoint_dir):
+      raise CheckpointError(f"{run.run_dir}: no checkpoint directory {run.checkpoint_dir} "
+                            "(training writes checkpoints there when checkpointing.enabled is true)")
+    settings = _run_settings(run.run_dir)
+    ckpt_settings = settings.get("checkpointing", {})
+    ckpt = Checkpointer(run.checkpoint_dir, metric_name=ckpt_settings.get("metric_name"),
+                        higher_is_better=bool(ckpt_settings.get("higher_is_better", False)))
+    try:
+      chosen = _pick_step(ckpt, run, step)
+      graphdef, state, target = _restore_target(cfg, mesh)
+      params, meta = ckpt.restore_params(chosen, target)
+    finally:
+      ckpt.close()
+    nnx.replace_by_pure_dict(state, params)
+    model = nnx.merge(graphdef, state)
+    if tokenizer is None:
+      tokenizer = _tokenizer_from_dir(os.path.join(run.run_dir, RUN_TOKENIZER_DIR))
+    separator = settings.get("data", {}).get("step_separator", DEFAULT_STEP_SEPARATOR)
+    return cls(model, tokenizer, reward_stats=meta.get("reward_stats"), step_separator=separator)
+
+  def save_pretrained(self, out_dir: str | os.PathLike, *, dtype: str | None = None) -> None:
+    """Writes an HF checkpoint directory (see :func:`jaxrm.export.save_pretrained`)."""
+    from jaxrm.export import save_pretrained
+    save_pretrained(self, out_dir, dtype=dtype)
 
   # ---------------------------------------------------------------- scoring
 
   def _apply(self, input_ids, attention_mask):
-    if self._forward is None:
-      graphdef, state = nnx.split(self.model)
-
-      @jax.jit
-      def forward(state, input_ids, attention_mask):
-        return nnx.merge(graphdef, state)(input_ids, attention_mask)
-
-      self._forward = lambda ids, mask: forward(nnx.state(self.model), ids, mask)
-    return self._forward(input_ids, attention_mask)
+    graphdef, state = nnx.split(self.model)
+    return _forward(graphdef, state, input_ids, attention_mask)
 
   def score_tokens(self, input_ids, attention_mask) -> np.ndarray:
     """Rewards float32 [B] at each row's last real token (token heads: logits [B, T, C]).
@@ -146,35 +306,162 @@ class RewardModel:
     mask = jnp.asarray(np.asarray(attention_mask, np.int32))
     return np.asarray(self._apply(ids, mask), np.float32)
 
-  def encode(self, item) -> list[int]:
-    """Token ids of one item: a chat (message list, template applied) or plain text."""
+  def _tokenizer(self):
     if self.tokenizer is None:
       raise ValueError("this model has no tokenizer; pass tokenizer= to from_pretrained or use score_tokens")
-    if isinstance(item, str):
-      return list(self.tokenizer(item, add_special_tokens=True)["input_ids"])
-    if not self.tokenizer.chat_template:
-      raise ValueError("the tokenizer has no chat template; score plain strings instead of message lists")
-    ids = self.tokenizer.apply_chat_template(list(item), tokenize=True, add_generation_prompt=False)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-      ids = ids["input_ids"]
-    return list(ids)
+    return self.tokenizer
 
-  def score(self, items: Sequence[Any], *, batch_size: int = 8, bucket: int = 64) -> np.ndarray:
-    """Rewards float32 [N] for chats (message lists) or plain strings, in batches of ``batch_size``.
+  def _max_length(self, max_length: int | None) -> int:
+    return max_length or self.config.max_position_embeddings
 
-    Rows are right-padded to a multiple of ``bucket`` tokens so few programs compile.
+  def encode(self, item: Text, completion: Text | None = None, *, max_length: int | None = None,
+             where: str = "item") -> list[int]:
+    """Token ids of a chat (message list) or plain text, laid out as in preference training.
+
+    With ``completion``, ``item`` is its prompt: prompt + completion, as training joins them. A
+    row longer than ``max_length`` (default: the model's context) loses its oldest context turns
+    or tokens, as training's ``truncation="left"`` does.
     """
-    encoded = [self.encode(x) for x in items]
+    if completion is None:
+      context, completion = (item[:-1], item[-1:]) if isinstance(item, list) else ("", item)
+    else:
+      context = item
+    if context and isinstance(context, list) != isinstance(completion, list):
+      kinds = ("plain text", "a conversation")
+      raise DataError(f"{where}: the prompt is {kinds[isinstance(context, list)]} but the completion is "
+                      f"{kinds[isinstance(completion, list)]}; give both as message lists or both as strings")
+    if isinstance(completion, list) and not self._tokenizer().chat_template:
+      raise ValueError("the tokenizer has no chat template; score plain strings instead of message lists")
+    record = PreferenceRecord(context=context, completions=(completion,), ranks=(0,), source=where)
+    limit = self._max_length(max_length)
+    example = tokenize_preference(record, self._tokenizer(), TokenizeOptions(limit, "left"), DropReport())
+    if example is None:
+      raise DataError(f"{where}: the completion alone is longer than max_length={limit} tokens")
+    if not len(example.input_ids[0]):
+      raise DataError(f"{where}: no tokens to score (empty text)")
+    return example.input_ids[0].tolist()
+
+  def score(self, items: Sequence[Text] | None = None, *, prompts: Sequence[Text] | None = None,
+            completions: Sequence[Text] | None = None, normalize: bool = False, batch_size: int = 8,
+            bucket: int = 64, max_length: int | None = None) -> np.ndarray:
+    """Rewards float32 [N] of chats (message lists) or plain strings.
+
+    Give either ``items`` (whole conversations or texts) or ``prompts`` and ``completions``
+    (pairs, both message lists or both strings, joined as training joins them).
+
+    Args:
+      normalize: return (reward - mean) / std with the statistics recorded at validation.
+      batch_size: rows per forward pass. Rows are sorted by length, and each batch padded to a
+        multiple of ``bucket`` tokens, so few programs compile and little padding is computed.
+      max_length: longest row in tokens (default: the model's context); see :meth:`encode`.
+    """
+    if self.config.head != "sequence":
+      raise ValueError("score() needs a sequence-head model; this one has a token head: use score_steps()")
+    encoded = self._encode_items(items, prompts, completions, max_length)
+    rewards = self._score_encoded(encoded, batch_size, bucket, max_length)
+    return self._normalize(rewards) if normalize else rewards
+
+  def _encode_items(self, items, prompts, completions, max_length) -> list[list[int]]:
+    if (items is None) == (prompts is None and completions is None):
+      raise ValueError("pass either items, or prompts and completions")
+    if items is not None:
+      return [self.encode(x, max_length=max_length, where=f"items[{i}]") for i, x in enumerate(items)]
+    if prompts is None or completions is None or len(prompts) != len(completions):
+      raise ValueError(f"prompts and completions must be given together, with as many entries each "
+                       f"(got {None if prompts is None else len(prompts)} and "
+                       f"{None if completions is None else len(completions)})")
+    return [self.encode(p, c, max_length=max_length, where=f"prompts[{i}] + completions[{i}]")
+            for i, (p, c) in enumerate(zip(prompts, completions))]
+
+  def _score_encoded(self, encoded: list[list[int]], batch_size: int, bucket: int,
+                     max_length: int | None) -> np.ndarray:
+    """Sequence-head rewards [N] (or [N, C]) of token-id rows, batched by length."""
+    out: list[np.ndarray | None] = [None] * len(encoded)
+    for rows, logits in self._batched(encoded, batch_size, bucket, max_length):
+      for i, r in zip(rows, logits):
+        out[i] = r
+    if not out:
+      return np.zeros((0,) if self.config.num_labels == 1 else (0, self.config.num_labels), np.float32)
+    return np.stack(out)
+
+  def _batched(self, encoded: list[list[int]], batch_size: int, bucket: int, max_length: int | None):
+    """Yields (row indices, model outputs) over batches of similar lengths, right-padded.
+
+    A batch holds ``batch_size`` rows, or the next power of two when fewer remain; filler rows
+    attend to one token and their outputs are dropped.
+    """
+    buckets = length_buckets(max(self._max_length(max_length), bucket), bucket)
     pad = self.config.pad_token_id or 0
-    out = []
-    for start in range(0, len(encoded), batch_size):
-      chunk = encoded[start:start + batch_size]
-      t = pad_to_bucket(max(len(x) for x in chunk), bucket)
-      ids = np.full((batch_size, t), pad, np.int32)
-      mask = np.zeros((batch_size, t), np.int32)
-      for i, x in enumerate(chunk):
-        ids[i, :len(x)] = x
-        mask[i, :len(x)] = 1
-      mask[len(chunk):, 0] = 1  # filler rows: one token, result discarded
-      out.append(self.score_tokens(ids, mask)[:len(chunk)])
-    return np.concatenate(out) if out else np.zeros((0,), np.float32)
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+    for start in range(0, len(order), batch_size):
+      rows = order[start:start + batch_size]
+      longest = max(len(encoded[i]) for i in rows)
+      t = next((b for b in buckets if b >= longest), longest)
+      b = min(batch_size, 1 << (len(rows) - 1).bit_length())
+      ids = np.full((b, t), pad, np.int32)
+      mask = np.zeros((b, t), np.int32)
+      for j, i in enumerate(rows):
+        ids[j, :len(encoded[i])] = encoded[i]
+        mask[j, :len(encoded[i])] = 1
+      mask[len(rows):, 0] = 1
+      yield rows, self.score_tokens(ids, mask)[:len(rows)]
+
+  def _normalize(self, rewards: np.ndarray) -> np.ndarray:
+    stats = self.reward_stats
+    if not stats:
+      raise ValueError("normalize=True needs the reward mean/std recorded at validation, and this model has "
+                       "none: load a training output directory or checkpoint whose run validated "
+                       "(eval.val_period or eval.val_at_end), or an HF export of one")
+    if not stats["std"] > 0:
+      raise ValueError(f"cannot normalize: the recorded reward std is {stats['std']} ({stats.get('from')})")
+    return ((rewards - stats["mean"]) / stats["std"]).astype(np.float32)
+
+  # ---------------------------------------------------------------- step scoring
+
+  def encode_steps(self, prompt: Text, steps: Sequence[str], *, max_length: int | None = None,
+                   where: str = "prompt") -> tuple[list[int], list[int]]:
+    """(token ids, positions of each step's label) laid out as in stepwise training."""
+    opts = TokenizeOptions(self._max_length(max_length), "drop", self.step_separator)
+    record = StepwiseRecord(prompt=prompt, steps=tuple(steps), labels=(True,) * len(steps), source=where)
+    example = tokenize_stepwise(record, self._tokenizer(), opts, DropReport())
+    if example is None:
+      raise DataError(f"{where}: the prompt and its {len(steps)} steps are longer than "
+                      f"max_length={opts.max_length} tokens")
+    return example.input_ids.tolist(), np.flatnonzero(example.labels != IGNORE).tolist()
+
+  def score_steps(self, prompt: Text, steps: Sequence[str], *, max_length: int | None = None) -> list[float]:
+    """Probability that each step is correct (token-head models): class 1 at the step's label token."""
+    return self.score_steps_batch([prompt], [steps], max_length=max_length)[0]
+
+  def score_steps_batch(self, prompts: Sequence[Text], steps_lists: Sequence[Sequence[str]], *,
+                        batch_size: int = 8, bucket: int = 64,
+                        max_length: int | None = None) -> list[list[float]]:
+    """:meth:`score_steps` for many solutions, batched by length like :meth:`score`."""
+    if self.config.head != "token" or self.config.num_labels < 2:
+      raise ValueError("score_steps needs a token-head model with at least 2 labels (a process reward "
+                       f"model); this one has a {self.config.head} head with {self.config.num_labels} label(s)")
+    if len(prompts) != len(steps_lists):
+      raise ValueError(f"{len(prompts)} prompts but {len(steps_lists)} step lists")
+    out: list[list[float]] = [[] for _ in prompts]
+    todo = [i for i, s in enumerate(steps_lists) if len(s)]
+    encoded = [self.encode_steps(prompts[i], steps_lists[i], max_length=max_length, where=f"prompts[{i}]")
+               for i in todo]
+    for rows, logits in self._batched([ids for ids, _ in encoded], batch_size, bucket, max_length):
+      for j, logits_tc in zip(rows, logits):
+        at = logits_tc[encoded[j][1]]  # [steps, C]
+        probs = np.exp(at - at.max(-1, keepdims=True))
+        out[todo[j]] = (probs[:, 1] / probs.sum(-1)).tolist()
+    return out
+
+  # ---------------------------------------------------------------- reward functions
+
+  def as_reward_func(self, *, normalize: bool = False, batch_size: int = 8,
+                     name: str = "jaxrm_reward") -> Callable[..., list[float]]:
+    """A TRL GRPOTrainer reward function; see :func:`jaxrm.reward_funcs.as_reward_func`."""
+    return reward_funcs.as_reward_func(self, normalize=normalize, batch_size=batch_size, name=name)
+
+  def as_multi_agent_reward_func(self, formatter: Callable[..., Text], *, normalize: bool = False,
+                                 batch_size: int = 8, name: str = "jaxrm_reward") -> Callable[..., list[float]]:
+    """A CoMLRL-style multi-agent reward function; see :func:`jaxrm.reward_funcs.as_multi_agent_reward_func`."""
+    return reward_funcs.as_multi_agent_reward_func(self, formatter, normalize=normalize, batch_size=batch_size,
+                                                   name=name)

@@ -38,6 +38,8 @@ DEFAULT_RULES: dict[str, Any] = {
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
+  """Sizes of the mesh axes (``mesh.data``, ``mesh.fsdp``, ``mesh.tensor``); -1 takes the rest."""
+
   data: int = 1
   fsdp: int = -1
   tensor: int = 1
@@ -98,6 +100,11 @@ def param_shardings(abstract_state, mesh: Mesh, rules: dict[str, Any] = DEFAULT_
 def batch_sharding(mesh: Mesh, ndim: int, rules: dict[str, Any] = DEFAULT_RULES) -> NamedSharding:
   """Sharding of a batch array: leading dimension over the data-parallel axes."""
   return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  """A whole copy on every device of ``mesh`` (scalars, counters, RNG keys)."""
+  return NamedSharding(mesh, P())
 
 
 _ACTIVE: list[tuple[Mesh, dict[str, Any]]] = []

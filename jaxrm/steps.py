@@ -1,20 +1,24 @@
-"""The jitted train and eval steps, and the loss each reward type uses.
+"""The jitted train and eval steps, the train state, and the loss each reward type uses.
 
 State is a plain dict ``{"params", "opt_state", "step", "rng"}``; ``params`` is the model's
-``nnx.State`` (float32 master weights; the model computes in its own compute dtype).
+``nnx.State`` (float32 master weights; the model computes in its own compute dtype). Optimizer
+moments are sharded like their parameters; counters, step and RNG are replicated.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh
 
-from jaxrm import losses
+from jaxrm import losses, sharding
 from jaxrm.models.decoder import RewardModelModule
 
 REWARD_TYPES = ("bradley_terry", "ranking", "stepwise")
@@ -80,16 +84,57 @@ def _microbatches(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:
   return {k: split(v) for k, v in batch.items()}
 
 
+def init_state(params: nnx.State, tx: optax.GradientTransformation, *, seed: int,
+               mesh: Mesh) -> tuple[dict[str, Any], dict[str, Any]]:
+  """The initial train state, every leaf placed on ``mesh``, and its shardings.
+
+  Args:
+    params: the model's parameters, already sharded (see ``sharding.param_shardings``).
+    tx: the optimizer.
+    seed: seed of the state's RNG key.
+    mesh: the device mesh.
+  """
+  replicated = sharding.replicated(mesh)
+  param_shardings = jax.tree.map(lambda x: x.sharding, params)
+  opt_shardings = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, params), param_shardings,
+                                        transform_non_params=lambda _: replicated)
+  shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated, "rng": replicated}
+  step_and_rng = jax.jit(
+      lambda: {"step": jnp.zeros((), jnp.int32), "rng": jax.random.key_data(jax.random.key(seed))},
+      out_shardings={"step": replicated, "rng": replicated})()
+  state = {"params": params, "opt_state": jax.jit(tx.init, out_shardings=opt_shardings)(params),
+           **step_and_rng}
+  return state, shardings
+
+
+def set_step_and_rng(state: dict[str, Any], step: int, rng: Sequence[int]) -> dict[str, Any]:
+  """``state`` with its step counter and RNG key data replaced (on resume), placed as before."""
+
+  def put(value, like):
+    host = np.asarray(value, like.dtype)
+    return jax.make_array_from_callback(host.shape, like.sharding, lambda idx: host[idx])
+
+  return dict(state, step=put(step, state["step"]), rng=put(rng, state["rng"]))
+
+
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedule: Callable,
-                    *, grad_accum_steps: int = 1, state_shardings: Any = None) -> Callable:
-  """One jitted ``(state, batch) -> (state, metrics)`` with the state donated.
+                    *, grad_accum_steps: int = 1, state_shardings: Any = None,
+                    mesh: Mesh | None = None) -> Callable:
+  """One jitted ``(state, batch) -> (state, (metrics, extra))`` with the state donated.
 
   Gradients of summed losses are accumulated over ``grad_accum_steps`` micro-batches and divided
   by the total count, so the update follows the mean loss over the whole global batch.
+  ``metrics`` are the loss's sums and counts (see ``losses.finalize_metrics``); ``extra`` holds
+  ``grad_norm`` (before clipping) and ``learning_rate``. With ``mesh``, activations are pinned to
+  it at block boundaries.
   """
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
   def step(state, batch):
+    with _activations_on(mesh):
+      return _step(state, batch)
+
+  def _step(state, batch):
     params = state["params"]
     if grad_accum_steps == 1:
       (_, metrics), grads = grad_fn(params, batch)
@@ -107,17 +152,28 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedul
       (grads, metrics), _ = jax.lax.scan(body, (zero_grads, zero_metrics), micro)
     count = jnp.maximum(metrics["loss"].count, 1.0)
     grads = jax.tree.map(lambda g: g / count, grads)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     new_state = dict(state, params=optax.apply_updates(params, updates), opt_state=opt_state,
                      step=state["step"] + 1)
     extra = {"grad_norm": grad_norm, "learning_rate": schedule(state["step"])}
     return new_state, (metrics, extra)
 
-  return jax.jit(step, donate_argnums=0,
-                 out_shardings=(state_shardings, None) if state_shardings is not None else None)
+  if state_shardings is None:
+    return jax.jit(step, donate_argnums=0)
+  return jax.jit(step, donate_argnums=0, in_shardings=(state_shardings, None),
+                 out_shardings=(state_shardings, None))
 
 
-def make_eval_step(loss_fn: Callable) -> Callable:
+def make_eval_step(loss_fn: Callable, *, mesh: Mesh | None = None) -> Callable:
   """Jitted ``(params, batch) -> metrics`` (sums and counts; accumulate over batches)."""
-  return jax.jit(lambda params, batch: loss_fn(params, batch)[1])
+
+  def step(params, batch):
+    with _activations_on(mesh):
+      return loss_fn(params, batch)[1]
+
+  return jax.jit(step)
+
+
+def _activations_on(mesh: Mesh | None):
+  return sharding.activation_sharding(mesh) if mesh is not None else contextlib.nullcontext()

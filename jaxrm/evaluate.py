@@ -1,0 +1,359 @@
+r"""Evaluates a reward model on preference or stepwise data.
+
+  python -m jaxrm.evaluate --model=runs/rm --data=demo_arithmetic
+  python -m jaxrm.evaluate --model=model.gguf --data=rewardbench.jsonl --subset_field=subset \
+      --output=eval/
+  python -m jaxrm.evaluate --model=runs/prm --data=steps.jsonl --dataset_name=StepwiseDataset
+
+``--data`` is a file or directory in the format ``--dataset_name`` names (PreferenceDataset by
+default), or the name of a dataset itself (``demo_arithmetic``, ``HelpSteer3``...), read from its
+usual place.
+
+Preference data (sequence-head models): accuracy (the best completion scored above the worst),
+overall and per subset (a RewardBench-style column, ``--subset_field``), the loss and the reward
+statistics. Stepwise data (token-head models): step accuracy, recall of each class, F1 of the error
+class, the share of solutions whose first error is found exactly, and the baseline that calls
+every step correct. With ``--output`` it writes ``eval.json`` and ``rewards.png``, a histogram of
+chosen vs rejected rewards (of the probability that a step is correct, for stepwise models).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from jaxrm import losses
+from jaxrm.data import pipeline
+from jaxrm.data.errors import DataError, DropReport
+from jaxrm.data.records import PreferenceRecord, StepwiseRecord
+from jaxrm.data.tokenize import IGNORE, PreferenceExample, StepwiseExample, TokenizeOptions, tokenize_all
+
+NO_SUBSET = "(none)"  # the subset of rows that have no subset column
+REPORT_FILE = "eval.json"
+HISTOGRAM_FILE = "rewards.png"
+
+
+class EvaluationError(ValueError):
+  """The model and the data do not fit together. The CLI prints its message without a traceback."""
+
+
+def evaluate(rm, data: Sequence[Any], *, options: TokenizeOptions | None = None, batch_size: int = 8,
+             bucket_multiple: int = 64, drops: DropReport | None = None) -> dict[str, Any]:
+  """Scores every example of ``data`` and returns its metrics.
+
+  Args:
+    rm: a :class:`jaxrm.RewardModel` (sequence head for preferences, token head for steps).
+    data: preference or stepwise records (tokenized here with ``options``), or tokenized examples.
+    options: how records are tokenized (default ``TokenizeOptions()``).
+    batch_size: examples (groups of completions) per forward pass.
+    bucket_multiple: sequence lengths are padded to a multiple of this, so that few shapes compile.
+    drops: where rows dropped by tokenization are counted (and already-dropped rows, if given).
+
+  Returns:
+    ``{"kind": "preference" | "stepwise", "num_examples", "metrics", "subsets", "dropped",
+    "scores"}``. ``metrics`` uses the names of the training loss's validation metrics;
+    ``subsets`` maps each subset to ``{"num_examples", **metrics}`` (empty when no row has one);
+    ``scores`` holds float32 arrays: ``chosen``/``rejected`` rewards [N] of each example's best and
+    worst completion, or for stepwise models ``correct``/``error``, the probability that a step is
+    correct, for the steps labelled each way.
+  """
+  drops = drops if drops is not None else DropReport()
+  examples = _examples(rm, data, options or TokenizeOptions(), drops)
+  stepwise = isinstance(examples[0], StepwiseExample)
+  _check_head(rm.config, stepwise)
+  pad_id = rm.tokenizer.pad_token_id if rm.tokenizer is not None else None
+  pad_id = pad_id if pad_id is not None else rm.config.pad_token_id or 0
+  max_len = max(len(ids) for e in examples for ids in _sequences(e))
+  buckets = pipeline.length_buckets(-(-max_len // bucket_multiple) * bucket_multiple, bucket_multiple)
+  batches = pipeline.make_eval_batches(examples, batch_size=batch_size, buckets=buckets, pad_id=pad_id)
+  if stepwise:
+    metrics_fn, scores, arrays = _stepwise_arrays(rm, batches, len(examples))
+  else:
+    metrics_fn, scores, arrays = _preference_arrays(rm, batches, len(examples))
+  return {
+      "kind": "stepwise" if stepwise else "preference",
+      "num_examples": len(examples),
+      "metrics": metrics_fn(*arrays, np.ones(len(examples), np.float32)),
+      "subsets": _per_subset(examples, lambda mask: metrics_fn(*arrays, mask)),
+      "dropped": drops.as_dict(),
+      "scores": scores,
+  }
+
+
+def _per_subset(examples, metrics_of) -> dict[str, dict[str, float]]:
+  """``metrics_of(example_mask [N])`` for each subset; {} when no example has a subset."""
+  if all(e.meta.get("subset") is None for e in examples):
+    return {}
+  subsets = np.array([str(e.meta.get("subset", NO_SUBSET)) for e in examples])
+  return {name: {"num_examples": int(np.sum(subsets == name)),
+                 **metrics_of((subsets == name).astype(np.float32))}
+          for name in sorted(set(subsets))}
+
+
+def _examples(rm, data: Sequence[Any], options: TokenizeOptions, drops: DropReport) -> list:
+  if not data:
+    raise EvaluationError("there is nothing to evaluate: the data has no rows")
+  if all(isinstance(x, (PreferenceExample, StepwiseExample)) for x in data):
+    examples = list(data)
+  elif all(isinstance(x, (PreferenceRecord, StepwiseRecord)) for x in data):
+    if rm.tokenizer is None:
+      raise EvaluationError("the model has no tokenizer to tokenize records with; pass tokenizer= to "
+                            "RewardModel.from_pretrained, or pass tokenized examples")
+    examples = tokenize_all(data, rm.tokenizer, options, drops)
+  else:
+    raise EvaluationError("data must be all records (PreferenceRecord / StepwiseRecord) or all tokenized "
+                          f"examples; got {sorted({type(x).__name__ for x in data})}")
+  if not examples:
+    raise EvaluationError(f"every row was dropped\n{drops.summary('data')}")
+  if len({type(e) for e in examples}) > 1:
+    raise EvaluationError("data mixes preference and stepwise rows; evaluate them separately")
+  return examples
+
+
+def _check_head(config, stepwise: bool) -> None:
+  if stepwise and config.head != "token":
+    raise EvaluationError(
+        "stepwise data needs a token-head (process reward) model, and this model has a sequence head; "
+        "evaluate it on preference data, or evaluate a model trained with reward.type=stepwise")
+  if stepwise and config.num_labels != 2:
+    raise EvaluationError(f"a process reward model has 2 labels (step in error, step correct); this "
+                          f"token head has {config.num_labels}")
+  if not stepwise and config.head != "sequence":
+    raise EvaluationError(
+        "preference data needs a sequence-head model, and this is a token-head (process reward) model; "
+        "give stepwise data (--dataset_name=StepwiseDataset or demo_arithmetic_steps)")
+  if not stepwise and config.num_labels != 1:
+    raise EvaluationError(f"a reward model has one output; this sequence head has {config.num_labels}")
+
+
+def _sequences(example) -> Sequence[np.ndarray]:
+  return (example.input_ids,) if isinstance(example, StepwiseExample) else example.input_ids
+
+
+# --------------------------------------------------------------------------------------- preferences
+
+
+def _preference_arrays(rm, batches: list[pipeline.Batch], n: int):
+  """Rewards [N, K] (best completion first), ranks [N, K] (-1 absent) and margins [N]."""
+  k = batches[0]["ranks"].shape[1]
+  rewards = np.concatenate(
+      [rm.score_tokens(b["input_ids"], b["attention_mask"]).reshape(-1, k) for b in batches])[:n]
+  ranks = np.concatenate([b["ranks"] for b in batches])[:n]
+  margin = np.concatenate([b["margin"] for b in batches])[:n]
+  worst = np.max(ranks, axis=1)  # completions are in preference order: the worst is the last real one
+  scores = {"chosen": rewards[:, 0], "rejected": rewards[np.arange(n), worst]}
+  return _preference_metrics, scores, (rewards, ranks, margin)
+
+
+# Jitted: one compile per evaluation instead of one per operation, whatever the number of subsets.
+_bradley_terry_sums = jax.jit(lambda *args: losses.bradley_terry_loss(*args)[1])
+_stepwise_sums = jax.jit(lambda *args: losses.stepwise_loss(*args)[1])
+
+
+def _preference_metrics(rewards, ranks, margin, mask) -> dict[str, float]:
+  """The Bradley-Terry validation metrics, with the std of chosen/rejected rewards and margins."""
+  metrics = losses.finalize_metrics(_bradley_terry_sums(rewards, ranks, mask, margin))
+  rows = mask > 0
+  chosen = rewards[rows, 0]
+  rejected = rewards[rows, np.max(ranks[rows], axis=1)]
+  for name, values in (("chosen_reward", chosen), ("rejected_reward", rejected),
+                       ("margin", chosen - rejected)):
+    metrics[f"{name}_std"] = float(np.std(values)) if len(values) else math.nan
+  return metrics
+
+
+# ------------------------------------------------------------------------------------------ stepwise
+
+
+def _stepwise_arrays(rm, batches: list[pipeline.Batch], n: int):
+  """Logits [N, S, 2] and labels [N, S] of each example's labelled steps, in order; -100 pads."""
+  step_logits, step_labels = [], []
+  for b in batches:
+    logits = rm.score_tokens(b["input_ids"], b["attention_mask"])  # [B, T, 2]
+    for row_logits, row_labels in zip(logits, b["labels"]):
+      where = row_labels != IGNORE
+      step_logits.append(row_logits[where])
+      step_labels.append(row_labels[where])
+  step_logits, step_labels = step_logits[:n], step_labels[:n]
+  num_steps = max(len(x) for x in step_labels)
+  logits = np.zeros((n, num_steps, 2), np.float32)
+  labels = np.full((n, num_steps), IGNORE, np.int32)
+  for i, (x, y) in enumerate(zip(step_logits, step_labels)):
+    logits[i, :len(y)], labels[i, :len(y)] = x, y
+  all_logits, all_labels = np.concatenate(step_logits), np.concatenate(step_labels)
+  p_correct = _softmax(all_logits)[:, 1]
+  scores = {"correct": p_correct[all_labels == 1], "error": p_correct[all_labels == 0]}
+  return _stepwise_metrics, scores, (logits, labels)
+
+
+def _stepwise_metrics(logits, labels, mask) -> dict[str, float]:
+  return losses.finalize_metrics(_stepwise_sums(logits, labels, mask))
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+  e = np.exp(x - np.max(x, axis=-1, keepdims=True))
+  return e / np.sum(e, axis=-1, keepdims=True)
+
+
+# ------------------------------------------------------------------------------------------- output
+
+
+def format_report(result: dict[str, Any]) -> str:
+  """The overall and per-subset metrics as the CLI prints them."""
+  m = result["metrics"]
+  if result["kind"] == "preference":
+    lines = [
+        f"accuracy           {m['accuracy']:.4f}  (best completion scored above the worst; "
+        f"ties {m['tie_rate']:.4f})",
+        f"pairwise accuracy  {m['pairwise_accuracy']:.4f}  (every ordered pair of completions)",
+        f"loss               {m['loss']:.4f}",
+        f"chosen reward      {m['chosen_reward']:.4f} ± {m['chosen_reward_std']:.4f}",
+        f"rejected reward    {m['rejected_reward']:.4f} ± {m['rejected_reward_std']:.4f}",
+        f"margin             {m['margin']:.4f} ± {m['margin_std']:.4f}",
+        f"all rewards        {m['reward_mean']:.4f} ± {m['reward_std']:.4f}",
+    ]
+    columns = ("accuracy", "margin", "chosen_reward", "rejected_reward")
+  else:
+    lines = [
+        f"step accuracy      {m['step_accuracy']:.4f}  (baseline calling every step correct: "
+        f"{m['positive_rate']:.4f})",
+        f"recall             correct {m['recall_correct']:.4f}, error {m['recall_error']:.4f}",
+        f"F1 (error class)   {m['f1_error']:.4f}  (baseline: 0)",
+        f"first error found  {m['first_error_found']:.4f}  (of solutions with an error)",
+        f"loss               {m['loss']:.4f}",
+    ]
+    columns = ("step_accuracy", "f1_error", "first_error_found", "positive_rate")
+  lines.insert(0, f"{result['num_examples']} examples")
+  if result["subsets"]:
+    width = max(len("subset"), *(len(s) for s in result["subsets"]))
+    lines.append("")
+    lines.append(f"{'subset':<{width}}  {'n':>6}" + "".join(f"  {c:>17}" for c in columns))
+    for name, sm in result["subsets"].items():
+      lines.append(f"{name:<{width}}  {sm['num_examples']:>6}" + "".join(f"  {sm[c]:>17.4f}" for c in columns))
+  return "\n".join(lines)
+
+
+def plot_scores(result: dict[str, Any], ax) -> None:
+  """Draws the histogram of chosen vs rejected rewards (step probabilities for PRMs) on ``ax``."""
+  if result["kind"] == "preference":
+    series = (("chosen", result["scores"]["chosen"]), ("rejected", result["scores"]["rejected"]))
+    ax.set_xlabel("reward")
+    ax.set_title("Rewards of the best (chosen) and worst (rejected) completions")
+  else:
+    series = (("steps labelled correct", result["scores"]["correct"]),
+              ("steps labelled in error", result["scores"]["error"]))
+    ax.set_xlabel("P(step correct)")
+    ax.set_title("Predicted probability that a step is correct")
+  values = np.concatenate([v for _, v in series])
+  bins = np.histogram_bin_edges(values, bins=min(40, max(10, len(values) // 10)))
+  for label, v in series:
+    ax.hist(v, bins=bins, alpha=0.6, label=f"{label} (n={len(v)})")
+  ax.set_ylabel("count")
+  ax.legend()
+
+
+def write_outputs(result: dict[str, Any], output_dir: str, info: dict[str, Any]) -> None:
+  """Writes ``eval.json`` (``info`` merged in; no per-row scores) and ``rewards.png``."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+
+  os.makedirs(output_dir, exist_ok=True)
+  report = {**info, **{k: v for k, v in result.items() if k != "scores"}}
+  with open(os.path.join(output_dir, REPORT_FILE), "w") as f:
+    json.dump(_json_safe(report), f, indent=2)
+  fig = Figure(figsize=(7, 4))
+  FigureCanvasAgg(fig)
+  plot_scores(result, fig.add_subplot())
+  fig.tight_layout()
+  fig.savefig(os.path.join(output_dir, HISTOGRAM_FILE), dpi=100)
+
+
+def _json_safe(value):
+  """NaN (a metric with nothing counted) becomes null, which JSON can hold."""
+  if isinstance(value, dict):
+    return {k: _json_safe(v) for k, v in value.items()}
+  if isinstance(value, list):
+    return [_json_safe(v) for v in value]
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  return value
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def _define_flags() -> None:
+  from absl import flags
+  flags.DEFINE_string("model", None, "HF checkpoint dir, .gguf file, embedded:NAME, or a jaxrm run dir.",
+                      required=True)
+  flags.DEFINE_string("data", None, "A data file/directory, or a dataset name (demo_arithmetic...).",
+                      required=True)
+  flags.DEFINE_string("dataset_name", None, "Format of --data: PreferenceDataset (default), StepwiseDataset, "
+                      "or a public/demo dataset name.")
+  flags.DEFINE_string("split", "validation", "Split of a dataset read by name, or of a saved DatasetDict.")
+  flags.DEFINE_string("subset_field", None, "Column holding each row's subset (default: the dataset's, "
+                      "'subset' for user files).")
+  flags.DEFINE_integer("max_rows", 0, "Evaluate only the first N rows (0: all).")
+  flags.DEFINE_integer("max_length", 1024, "Longest sequence in tokens; longer rows are dropped or cut.")
+  flags.DEFINE_enum("truncation", "drop", ["drop", "left"], "Over-length rows: drop them, or cut the "
+                    "oldest context.")
+  flags.DEFINE_string("step_separator", "\n", "Text after each step of a stepwise row.")
+  flags.DEFINE_integer("batch_size", 8, "Examples per forward pass.")
+  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
+  flags.DEFINE_string("output", None, "Directory for eval.json and rewards.png (default: print only).")
+
+
+def _load_records(data: str, dataset_name: str | None, split: str, subset_field: str | None,
+                  max_rows: int, drops: DropReport):
+  from jaxrm.data import datasets
+  if data in datasets.DATASET_NAMES:
+    if dataset_name not in (None, data):
+      raise EvaluationError(f"--data={data} names a dataset, which --dataset_name={dataset_name} contradicts; "
+                            "give one of them")
+    dataset_name, path = data, None
+  else:
+    dataset_name, path = dataset_name or "PreferenceDataset", data
+  options = {} if subset_field is None else {"subset_field": subset_field}
+  records = datasets.load_records(dataset_name, path, split=split, drops=drops, **options)
+  return records[:max_rows] if max_rows else records
+
+
+def main(argv: Sequence[str]) -> None:
+  from absl import app, flags
+
+  from jaxrm.checkpoints.weight_map import CheckpointError
+  from jaxrm.models.config import UnsupportedModelError
+  from jaxrm.reward_model import RewardModel
+
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  logging.getLogger("jax._src").setLevel(logging.WARNING)
+  f = flags.FLAGS
+  try:
+    drops = DropReport()
+    records = _load_records(f.data, f.dataset_name, f.split, f.subset_field, f.max_rows, drops)
+    rm = RewardModel.from_pretrained(f.model, dtype=f.dtype)
+    options = TokenizeOptions(max_length=f.max_length, truncation=f.truncation, step_separator=f.step_separator)
+    result = evaluate(rm, records, options=options, batch_size=f.batch_size, drops=drops)
+  except (DataError, EvaluationError, CheckpointError, UnsupportedModelError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(1)
+  print(f"jaxrm evaluate: model {f.model}, data {f.data}")
+  print(format_report(result))
+  print(f"\n{drops.summary('dropped rows')}")
+  if f.output:
+    write_outputs(result, f.output, {"model": f.model, "data": f.data})
+    print(f"wrote {os.path.join(f.output, REPORT_FILE)} and {os.path.join(f.output, HISTOGRAM_FILE)}")
+
+
+if __name__ == "__main__":
+  from absl import app as _app
+  _define_flags()
+  _app.run(main)

@@ -1,0 +1,93 @@
+"""A reward model as the reward function of an RL trainer.
+
+Two calling conventions:
+
+* TRL's ``GRPOTrainer(reward_funcs=[f])`` calls ``f(prompts=..., completions=..., **columns)``.
+  ``prompts`` and ``completions`` are both strings (standard data) or both message lists
+  (conversational data: a completion is ``[{"role": "assistant", "content": ...}]``); extra
+  keyword arguments (dataset columns, ``completion_ids``, ``trainer_state``...) are ignored. TRL
+  logs the rewards under ``f.__name__``.
+* CoMLRL-style multi-agent trainers call ``f(*agent_completions, batch_items=[item])``: one list
+  of completions per agent, all of the same length (joint responses are aligned by position), and
+  the task item(s). ``formatter(item, *completions)`` builds what the model scores -- a string or
+  a message list -- from the task item and one joint response.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from jaxrm.data.records import Text
+
+if TYPE_CHECKING:
+  from jaxrm.reward_model import RewardModel
+
+
+def _check_scalar_head(rm: "RewardModel") -> None:
+  if rm.config.head != "sequence" or rm.config.num_labels != 1:
+    raise ValueError("a reward function needs a sequence head with one label; this model has a "
+                     f"{rm.config.head} head with {rm.config.num_labels} label(s)")
+
+
+def _named(f: Callable, name: str) -> Callable:
+  f.__name__ = f.__qualname__ = name
+  return f
+
+
+def as_reward_func(rm: "RewardModel", *, normalize: bool = False, batch_size: int = 8,
+                   name: str = "jaxrm_reward") -> Callable[..., list[float]]:
+  """``f(prompts, completions, **kwargs) -> list[float]`` for TRL's GRPOTrainer.
+
+  Each reward scores prompt + completion laid out as in training: a conversation rendered by the
+  chat template, or the two strings joined.
+
+  Args:
+    rm: a sequence-head reward model with a tokenizer.
+    normalize: (reward - mean) / std with the statistics recorded at validation.
+    batch_size: rows per forward pass.
+    name: ``f.__name__``, the name TRL logs the rewards under.
+  """
+  _check_scalar_head(rm)
+
+  def reward_func(prompts: Sequence[Text], completions: Sequence[Text], **kwargs: Any) -> list[float]:
+    del kwargs  # dataset columns and trainer state: the model needs only the text
+    return rm.score(prompts=prompts, completions=completions, normalize=normalize,
+                    batch_size=batch_size).tolist()
+
+  return _named(reward_func, name)
+
+
+def as_multi_agent_reward_func(rm: "RewardModel", formatter: Callable[..., Text], *, normalize: bool = False,
+                               batch_size: int = 8, name: str = "jaxrm_reward") -> Callable[..., list[float]]:
+  """``f(*agent_completions, batch_items) -> list[float]``: one reward per joint response.
+
+  Args:
+    rm: a sequence-head reward model with a tokenizer.
+    formatter: ``formatter(item, *completions) -> str | list[message]``: the text to score for one
+      task item and one completion of each agent, in agent order.
+    normalize: (reward - mean) / std with the statistics recorded at validation.
+    batch_size: rows per forward pass.
+    name: ``f.__name__``.
+  """
+  _check_scalar_head(rm)
+
+  def reward_func(*agent_completions: Sequence[str], batch_items: Sequence[Any] | None = None) -> list[float]:
+    if not agent_completions:
+      raise ValueError(f"{name}: no agent completions were passed")
+    n = len(agent_completions[0])
+    lengths = [len(c) for c in agent_completions]
+    if any(k != n for k in lengths):
+      raise ValueError(f"{name}: each agent must give as many completions; got {lengths}")
+    if not batch_items:
+      raise ValueError(f"{name}: batch_items (the task items) is required to format what is scored")
+    if len(batch_items) == 1:
+      items = list(batch_items) * n  # one task item, shared by all its joint responses
+    elif len(batch_items) == n:
+      items = list(batch_items)
+    else:
+      raise ValueError(f"{name}: {len(batch_items)} batch_items for {n} joint responses; "
+                       f"give one item, or one per response")
+    texts = [formatter(item, *joint) for item, joint in zip(items, zip(*agent_completions))]
+    return rm.score(texts, normalize=normalize, batch_size=batch_size).tolist()
+
+  return _named(reward_func, name)

@@ -1,0 +1,96 @@
+"""``python -m jaxrm.train`` fails on bad config keys, values and data with one line, no traceback."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import tiny_run
+
+GOOD_ROW = '{"prompt": "2+2?", "chosen": "4", "rejected": "5"}\n'
+
+
+@pytest.fixture(scope="module")
+def model_dir(request, tmp_path_factory):
+  return tiny_run.tiny_model_dir(tiny_run.cache_root(request, tmp_path_factory))
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir, tmp_path_factory):
+  """Every failing command, started together (each spends most of its time importing)."""
+  tmp = tmp_path_factory.mktemp("cli")
+  bad = tmp / "bad.jsonl"
+  bad.write_text(GOOD_ROW + '{"prompt": "3+3?", "chosen": "6", "rejected": \n' + GOOD_ROW)
+  rm = ["--config=configs/rm.py"]
+  commands = {
+      "unknown_key": rm + ["--config.train.nonexistent=1"],
+      "wrong_type": rm + ["--config.train.max_steps=abc"],
+      "unknown_variant": ["--config=configs/rm.py:bogus"],
+  }
+  procs = {name: subprocess.Popen([sys.executable, "-m", "jaxrm.train", *args], cwd=tiny_run.ROOT,
+                                  env=tiny_run.subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True)
+           for name, args in commands.items()}
+  procs["data_error"] = subprocess.Popen(
+      tiny_run.cli(model_dir, str(tmp / "run"), "--config.data.dataset_name=PreferenceDataset",
+                   f"--config.data.train_data_path={bad}"),
+      cwd=tiny_run.ROOT, env=tiny_run.subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  results = {}
+  for name, p in procs.items():
+    stdout, stderr = p.communicate(timeout=300)
+    results[name] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+  results["bad_path"] = str(bad)
+  return results
+
+
+def error_line(result, code):
+  assert result.returncode == code, tiny_run.describe(result)
+  assert "Traceback" not in result.stderr, result.stderr
+  lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+  assert len(lines) == 1, result.stderr
+  return lines[0]
+
+
+def test_unknown_key_is_named(runs):
+  line = error_line(runs["unknown_key"], 2)
+  assert line.startswith("error: --config.train.nonexistent: the config has no key 'train.nonexistent'; "
+                         "config.train has global_batch_size, ")
+
+
+@pytest.mark.parametrize("flag,message", [
+    ("--config.nonexistent.x=1", "the config has no key 'nonexistent'; the config has checkpointing, data, eval, "),
+    ("--noconfig.eval.val_atstart", "the config has no key 'eval.val_atstart'; config.eval has batch_size, "),
+    ("--config.train.max_steps.x=1", "the config has no key 'train.max_steps.x'; config.train.max_steps has no "
+                                     "keys (it is a value)"),
+])
+def test_unknown_keys_at_any_depth(flag, message, capsys):
+  from jaxrm import train
+  with pytest.raises(SystemExit) as exit_info:
+    train._check_config_keys(["train", f"--config={tiny_run.__file__}", flag])
+  assert exit_info.value.code == 2
+  assert capsys.readouterr().err.startswith(f"error: {flag.split('=')[0]}: {message}")
+  train._check_config_keys(["train", f"--config={tiny_run.__file__}", "--config.train.max_steps=3",
+                            "--noconfig.eval.val_at_start", "--config.data.val_data_paths.default=x"])
+
+
+def test_wrong_type_is_named(runs):
+  assert error_line(runs["wrong_type"], 2) == (
+      "error: flag --config.train.max_steps=abc: invalid literal for int() with base 10: 'abc'")
+
+
+def test_config_file_problems(runs, capsys):
+  assert error_line(runs["unknown_variant"], 2) == (
+      "error: flag --config=configs/rm.py:bogus: Error whilst parsing config file: "
+      "ValueError: unknown variant 'bogus' of configs/rm.py; known: smoke")
+  from jaxrm import train
+  with pytest.raises(SystemExit):
+    train._check_config_keys(["train", "--config=configs/nonexistent.py:smoke"])
+  assert capsys.readouterr().err == (
+      "error: --config=configs/nonexistent.py:smoke: no such config file 'configs/nonexistent.py'\n")
+
+
+def test_data_error_names_file_and_line(runs):
+  line = error_line(runs["data_error"], 1)
+  assert line.startswith(f"error: {runs['bad_path']}:2: not valid JSON: ")
+  assert not os.path.exists(os.path.join(os.path.dirname(runs["bad_path"]), "run", "checkpoints"))

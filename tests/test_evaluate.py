@@ -1,0 +1,315 @@
+"""jaxrm.evaluate: metrics on hand-built scores, agreement with rm.score, and the CLI."""
+
+import json
+import math
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import hf_tiny
+import tiny_run
+from jaxrm import RewardModel
+from jaxrm.data import datasets
+from jaxrm.data.errors import DropReport
+from jaxrm.data.tokenize import IGNORE, PAIR_TOO_LONG, PreferenceExample, StepwiseExample, TokenizeOptions
+from jaxrm.evaluate import NO_SUBSET, EvaluationError, evaluate, format_report
+
+def _softplus(x):
+  return math.log1p(math.exp(x))
+
+
+# ------------------------------------------------------------------------ metrics on known scores
+
+
+class LastTokenRM:
+  """Stands in for a RewardModel: a row's reward is its last real token id / 10."""
+
+  config = types.SimpleNamespace(head="sequence", num_labels=1, pad_token_id=0)
+  tokenizer = None
+
+  def score_tokens(self, input_ids, attention_mask):
+    last = attention_mask.sum(axis=1) - 1
+    return (input_ids[np.arange(len(input_ids)), last] / 10).astype(np.float32)
+
+
+class ParityPRM:
+  """Stands in for a token-head RewardModel: even tokens say "step correct", odd ones "error"."""
+
+  config = types.SimpleNamespace(head="token", num_labels=2, pad_token_id=0)
+  tokenizer = None
+
+  def score_tokens(self, input_ids, attention_mask):
+    del attention_mask
+    even = input_ids % 2 == 0
+    return np.stack([~even, even], axis=-1).astype(np.float32)  # [B, T, 2]
+
+
+def pref(*completions, subset=None, margin=0.0):
+  """A preference example whose completions (best first) are token-id lists."""
+  return PreferenceExample(
+      input_ids=tuple(np.asarray(c, np.int32) for c in completions), ranks=tuple(range(len(completions))),
+      margin=margin, source=f"hand[{completions}]", meta={} if subset is None else {"subset": subset})
+
+
+# Rewards best-first (last token / 10); comments give chosen vs rejected.
+PREFERENCES = [
+    pref([1, 2, 30], [1, 2, 10], subset="math", margin=0.5),  # 3.0 vs 1.0: right
+    pref([1, 5], [1, 4, 20], subset="math"),  # 0.5 vs 2.0: wrong
+    pref([1, 40], [1, 50], [1, 10], subset="facts"),  # 4.0 vs 1.0: right; pairs 2 of 3 right
+    pref([1, 7], [2, 7], subset="facts"),  # 0.7 vs 0.7: a tie, not right
+    pref([1, 9], [1, 2], subset="math"),  # 0.9 vs 0.2: right
+    pref([3, 3], [3, 1]),  # 0.3 vs 0.1: right, no subset
+]
+
+
+def test_preference_metrics_by_hand():
+  result = evaluate(LastTokenRM(), PREFERENCES, batch_size=4)  # two batches, the last one padded
+  m = result["metrics"]
+  chosen = np.array([3.0, 0.5, 4.0, 0.7, 0.9, 0.3])
+  rejected = np.array([1.0, 2.0, 1.0, 0.7, 0.2, 0.1])
+  margins = chosen - rejected
+  assert result["kind"] == "preference" and result["num_examples"] == 6
+  assert m["accuracy"] == pytest.approx(4 / 6)
+  assert m["tie_rate"] == pytest.approx(1 / 6)
+  assert m["pairwise_accuracy"] == pytest.approx(5 / 8)
+  assert m["chosen_reward"] == pytest.approx(chosen.mean(), rel=1e-6)
+  assert m["rejected_reward"] == pytest.approx(rejected.mean(), rel=1e-6)
+  assert m["margin"] == pytest.approx(margins.mean(), rel=1e-6)
+  assert m["chosen_reward_std"] == pytest.approx(chosen.std(), rel=1e-6)
+  assert m["rejected_reward_std"] == pytest.approx(rejected.std(), rel=1e-6)
+  assert m["margin_std"] == pytest.approx(margins.std(), rel=1e-6)
+  all_rewards = [3, 1, 0.5, 2, 4, 5, 1, 0.7, 0.7, 0.9, 0.2, 0.3, 0.1]
+  assert m["reward_mean"] == pytest.approx(np.mean(all_rewards), rel=1e-6)
+  assert m["reward_std"] == pytest.approx(np.std(all_rewards), rel=1e-5)
+  # Example 0's margin of 0.5 is subtracted inside the loss.
+  losses = [_softplus(-(2.0 - 0.5))] + [_softplus(-x) for x in margins[1:]]
+  assert m["loss"] == pytest.approx(np.mean(losses), rel=1e-6)
+  np.testing.assert_allclose(result["scores"]["chosen"], chosen, rtol=1e-6)
+  np.testing.assert_allclose(result["scores"]["rejected"], rejected, rtol=1e-6)
+
+  subsets = result["subsets"]
+  assert list(subsets) == [NO_SUBSET, "facts", "math"]
+  assert [subsets[s]["num_examples"] for s in subsets] == [1, 2, 3]
+  assert subsets["math"]["accuracy"] == pytest.approx(2 / 3)
+  assert subsets["facts"]["accuracy"] == pytest.approx(1 / 2)
+  assert subsets["facts"]["pairwise_accuracy"] == pytest.approx(2 / 4)
+  assert subsets["facts"]["tie_rate"] == pytest.approx(1 / 2)
+  assert subsets[NO_SUBSET]["accuracy"] == 1.0
+  assert subsets["math"]["margin"] == pytest.approx((2.0 - 1.5 + 0.7) / 3, rel=1e-6)
+
+  report = format_report(result)
+  assert "accuracy           0.6667  (best completion scored above the worst; ties 0.1667)" in report
+  assert "math         3             0.6667" in report
+
+
+def test_no_subset_column_means_no_subsets():
+  result = evaluate(LastTokenRM(), [pref([1, 30], [1, 10]), pref([1, 5], [1, 20])])
+  assert result["subsets"] == {}
+  assert result["metrics"]["accuracy"] == 0.5
+  assert "subset" not in format_report(result)
+
+
+def steps(predicted, labels, subset):
+  """A stepwise example: a prompt token, then per step a filler token and a separator token whose
+  parity sets ParityPRM's prediction (even: correct) and which carries the step's label."""
+  ids, lab = [3], [IGNORE]
+  for p, y in zip(predicted, labels):
+    ids += [11, 4 if p else 5]
+    lab += [IGNORE, y]
+  return StepwiseExample(input_ids=np.asarray(ids, np.int32), labels=np.asarray(lab, np.int32),
+                         source=f"hand[{labels}]", meta={"subset": subset})
+
+
+def test_stepwise_metrics_by_hand():
+  examples = [
+      steps(predicted=[0, 0], labels=[1, 1], subset="x"),
+      steps(predicted=[1, 1, 0], labels=[1, 0, 0], subset="x"),  # first error predicted one step late
+      steps(predicted=[0, 0], labels=[0, 0], subset="y"),  # first error found
+      steps(predicted=[1], labels=[1], subset="y"),
+  ]
+  result = evaluate(ParityPRM(), examples, batch_size=3)
+  m = result["metrics"]
+  assert result["kind"] == "stepwise"
+  assert m["step_accuracy"] == pytest.approx(5 / 8)
+  assert m["recall_correct"] == pytest.approx(2 / 4)
+  assert m["recall_error"] == pytest.approx(3 / 4)
+  assert m["f1_error"] == pytest.approx(2 * 3 / (4 + 5))  # 2TP / (labelled errors + predicted errors)
+  assert m["first_error_found"] == pytest.approx(1 / 2)
+  assert m["positive_rate"] == pytest.approx(4 / 8)  # the always-correct baseline's accuracy
+  right, wrong = _softplus(-1.0), _softplus(1.0)  # cross-entropy of logits (0, 1) / (1, 0)
+  assert m["loss"] == pytest.approx((5 * right + 3 * wrong) / 8, rel=1e-6)
+  assert result["subsets"]["x"]["step_accuracy"] == pytest.approx(2 / 5)
+  assert result["subsets"]["x"]["first_error_found"] == 0.0
+  assert result["subsets"]["y"]["step_accuracy"] == 1.0
+  assert result["subsets"]["y"]["first_error_found"] == 1.0
+  p = 1 / (1 + math.exp(-1))  # P(correct) when a step is predicted correct
+  np.testing.assert_allclose(result["scores"]["correct"], [1 - p, 1 - p, p, p], rtol=1e-6)
+  np.testing.assert_allclose(result["scores"]["error"], [p, 1 - p, 1 - p, 1 - p], rtol=1e-6)
+  report = format_report(result)
+  assert "step accuracy      0.6250  (baseline calling every step correct: 0.5000)" in report
+  assert "first error found  0.5000" in report
+
+
+@pytest.mark.parametrize("rm, examples, message", [
+    (ParityPRM(), [pref([1, 2], [1, 3])], "preference data needs a sequence-head model"),
+    (LastTokenRM(), [steps([1], [1], "x")], "stepwise data needs a token-head"),
+    (LastTokenRM(), [pref([1, 2], [1, 3]), steps([1], [1], "x")], "mixes preference and stepwise"),
+    (LastTokenRM(), [], "nothing to evaluate"),
+])
+def test_model_and_data_must_fit(rm, examples, message):
+  with pytest.raises(EvaluationError, match=message):
+    evaluate(rm, examples)
+
+
+# ----------------------------------------------------------------- a real model and its tokenizer
+
+
+@pytest.fixture(scope="module")
+def cache_root(request, tmp_path_factory):
+  root = tiny_run.cache_root(request, tmp_path_factory)
+  tiny_run.enable_compile_cache(root)
+  return root
+
+
+@pytest.fixture(scope="module")
+def model_dir(cache_root):
+  """A tiny random llama sequence classifier over SmolLM2's vocabulary, with its tokenizer."""
+  return tiny_run.tiny_model_dir(cache_root)
+
+
+@pytest.fixture(scope="module")
+def rm(model_dir):
+  return RewardModel.from_pretrained(model_dir)
+
+
+def user(text):
+  return {"role": "user", "content": text}
+
+
+def assistant(text):
+  return {"role": "assistant", "content": text}
+
+
+ROWS = [
+    {"prompt": [user("What is 2 + 2?")], "chosen": [assistant("4")], "rejected": [assistant("5")],
+     "subset": "math"},
+    {"prompt": [user("What is 3 × 3?")], "chosen": [assistant("9")], "rejected": [assistant("6")],
+     "subset": "math"},
+    {"prompt": [user("Capital of France?")], "chosen": [assistant("Paris")],
+     "rejected": [assistant("Lyon")], "subset": "facts"},
+    {"context": [user("Name a prime.")], "subset": "facts", "completions": [
+        {"rank": 0, "completion": [assistant("7")]}, {"rank": 2, "completion": [assistant("9")]},
+        {"rank": 1, "completion": [assistant("2")]}]},
+    {"prompt": [user("Say x.")], "chosen": [assistant("x")], "rejected": [assistant("x")], "subset": "math"},
+    {"prompt": [user("Count.")], "chosen": [assistant("one " * 80)], "rejected": [assistant("one")],
+     "subset": "math"},
+    {"prompt": "Say hi.", "chosen": " Hi!", "rejected": " Bye."},
+]
+# (chosen, rejected) of each row that is kept, as rm.score takes them.
+KEPT = [
+    ([user("What is 2 + 2?"), assistant("4")], [user("What is 2 + 2?"), assistant("5")]),
+    ([user("What is 3 × 3?"), assistant("9")], [user("What is 3 × 3?"), assistant("6")]),
+    ([user("Capital of France?"), assistant("Paris")], [user("Capital of France?"), assistant("Lyon")]),
+    ([user("Name a prime."), assistant("7")], [user("Name a prime."), assistant("9")]),
+    ("Say hi. Hi!", "Say hi. Bye."),
+]
+KEPT_SUBSETS = ["math", "math", "facts", "facts", NO_SUBSET]
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+  path = tmp_path_factory.mktemp("data") / "pairs.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+  return str(path)
+
+
+def test_rewards_equal_rm_score(rm, data_file):
+  drops = DropReport()
+  records = datasets.load_records("PreferenceDataset", data_file, split="validation", drops=drops)
+  result = evaluate(rm, records, options=TokenizeOptions(max_length=96), batch_size=2, drops=drops)
+  chosen = rm.score([c for c, _ in KEPT])
+  rejected = rm.score([r for _, r in KEPT])
+  # Padded to other lengths in other batches: equal up to float32 rounding.
+  np.testing.assert_allclose(result["scores"]["chosen"], chosen, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(result["scores"]["rejected"], rejected, rtol=1e-5, atol=1e-6)
+  right = chosen > rejected
+  assert result["metrics"]["accuracy"] == pytest.approx(right.mean())
+  for name in ("math", "facts", NO_SUBSET):
+    rows = np.array(KEPT_SUBSETS) == name
+    assert result["subsets"][name]["num_examples"] == rows.sum()
+    assert result["subsets"][name]["accuracy"] == pytest.approx(right[rows].mean())
+  assert result["dropped"]["total"] == 2
+  assert result["dropped"]["reasons"][PAIR_TOO_LONG]["examples"] == [f"{data_file}:6"]
+
+
+def test_token_head_scores_are_step_probabilities(tmp_path, rm):
+  tok = rm.tokenizer
+  hf_tiny.build("llama", head="token", vocab_size=len(tok), num_hidden_layers=2, pad_token_id=tok.pad_token_id,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id).save_pretrained(tmp_path)
+  prm = RewardModel.from_pretrained(tmp_path, tokenizer=tok)
+  drops = DropReport()
+  records = datasets.load_records("demo_arithmetic_steps", None, split="validation", drops=drops,
+                                  num_rows=3)
+  result = evaluate(prm, records, options=TokenizeOptions(max_length=256), drops=drops)
+  # Each separator's last token carries its step's label; one padded batch scores every row.
+  encode = lambda text: prm.tokenizer(text, add_special_tokens=False)["input_ids"]
+  rows, label_at = [], []
+  for r in records:  # plain-text prompts: prompt (with special tokens), separator, step, separator...
+    ids = prm.tokenizer(r.prompt)["input_ids"] + encode("\n")
+    for step, label in zip(r.steps, r.labels):
+      ids = ids + encode(step) + encode("\n")
+      label_at.append((len(rows), len(ids) - 1, label))
+    rows.append(ids)
+  input_ids, mask = np.zeros((len(rows), 256), np.int32), np.zeros((len(rows), 256), np.int32)
+  for i, ids in enumerate(rows):
+    input_ids[i, :len(ids)], mask[i, :len(ids)] = ids, 1
+  logits = prm.score_tokens(input_ids, mask)
+  expected = {True: [], False: []}
+  for i, t, label in label_at:
+    expected[label].append(np.exp(logits[i, t, 1]) / np.exp(logits[i, t]).sum())
+  np.testing.assert_allclose(result["scores"]["correct"], expected[True], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(result["scores"]["error"], expected[False], rtol=1e-5, atol=1e-6)
+  assert result["metrics"]["positive_rate"] == pytest.approx(
+      len(expected[True]) / (len(expected[True]) + len(expected[False])))
+
+
+# --------------------------------------------------------------------------------------------- CLI
+
+
+def _cli(*args):
+  return tiny_run.run([sys.executable, "-m", "jaxrm.evaluate", *args])
+
+
+def test_cli_prints_and_writes_report(rm, model_dir, data_file, tmp_path):
+  out = tmp_path / "eval"
+  proc = _cli(f"--model={model_dir}", f"--data={data_file}", "--max_length=96", "--batch_size=4",
+              f"--output={out}")
+  assert proc.returncode == 0, proc.stderr
+  report = json.loads((out / "eval.json").read_text())
+  assert report["model"] == model_dir and report["data"] == data_file
+  assert report["num_examples"] == 5 and report["dropped"]["total"] == 2
+  assert "scores" not in report
+  chosen, rejected = rm.score([c for c, _ in KEPT]), rm.score([r for _, r in KEPT])
+  assert report["metrics"]["accuracy"] == pytest.approx((chosen > rejected).mean())
+  assert report["metrics"]["chosen_reward"] == pytest.approx(chosen.mean(), rel=1e-5, abs=1e-6)
+  assert sorted(report["subsets"]) == [NO_SUBSET, "facts", "math"]
+  assert (out / "rewards.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert f"accuracy           {report['metrics']['accuracy']:.4f}" in proc.stdout
+  assert "dropped rows: 2 rows dropped" in proc.stdout
+  assert f"(e.g. {data_file}:5)" in proc.stdout
+
+
+@pytest.mark.parametrize("rows, message", [
+    (None, "no such file or directory"),
+    ([ROWS[0], {"prompt": "p", "chosen": "c"}], "bad.jsonl:2: field 'rejected': is missing"),
+])
+def test_cli_errors_without_traceback(tmp_path, rows, message):
+  data = tmp_path / "bad.jsonl"
+  if rows is not None:
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  proc = _cli("--model=/nonexistent/model", f"--data={data}")
+  assert proc.returncode == 1
+  assert message in proc.stderr and proc.stderr.startswith("error: ")
+  assert "Traceback" not in proc.stderr

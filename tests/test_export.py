@@ -1,0 +1,142 @@
+"""HF export: transformers loads it and scores like jaxrm; jaxrm loads it back exactly."""
+
+import json
+import os
+import struct
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+import hf_tiny
+import tiny_run
+from jaxrm import RewardModel
+from jaxrm.checkpoints import gguf
+from jaxrm.checkpoints.weight_map import CheckpointError
+from jaxrm.export import export
+
+LENGTHS = [24, 17, 9]  # longer than the sliding windows (8)
+ARCH = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma2": "Gemma2"}
+
+
+def params(rm):
+  return {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(rm.model))}
+
+
+def safetensors_header(path):
+  with open(path, "rb") as f:
+    (n,) = struct.unpack("<Q", f.read(8))
+    return json.loads(f.read(n))
+
+
+@pytest.mark.parametrize("head", ["sequence", "token"])
+@pytest.mark.parametrize("family", hf_tiny.FAMILIES)
+def test_transformers_loads_export_and_scores_like_jaxrm(family, head, tmp_path):
+  hf_tiny.build(family, head, seed=3).save_pretrained(tmp_path / "src")
+  rm = RewardModel.from_pretrained(tmp_path / "src")
+  out = tmp_path / "out"
+  rm.save_pretrained(out)
+
+  config = json.loads((out / "config.json").read_text())
+  arch = ARCH[family] + ("ForSequenceClassification" if head == "sequence" else "ForTokenClassification")
+  assert config["architectures"] == [arch]
+  assert (config["num_labels"], config["pad_token_id"]) == ((1 if head == "sequence" else 2), hf_tiny.PAD)
+  assert config["jaxrm"] == {"reward_stats": None, "step_separator": "\n"}
+  cls = (transformers.AutoModelForSequenceClassification if head == "sequence"
+         else transformers.AutoModelForTokenClassification)
+  hf, info = cls.from_pretrained(out, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+  assert type(hf).__name__ == arch
+  assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+
+  ids, mask = hf_tiny.batch(LENGTHS, seed=1)  # right-padded; no real token is the pad id
+  theirs = hf_tiny.torch_forward(hf.eval(), ids, mask)
+  ours = rm.score_tokens(ids, mask)
+  if head == "sequence":
+    np.testing.assert_allclose(ours, theirs[:, 0], atol=1e-4, rtol=0)
+  else:
+    real = mask.astype(bool)
+    np.testing.assert_allclose(ours[real], theirs[real], atol=1e-4, rtol=0)
+
+  back = RewardModel.from_pretrained(out)
+  assert back.config == rm.config
+  ours, theirs = params(rm), params(back)
+  assert ours.keys() == theirs.keys()
+  for k in ours:
+    np.testing.assert_array_equal(ours[k], theirs[k], err_msg=str(k))
+
+
+def test_bfloat16_export(tmp_path):
+  hf_tiny.build("qwen3", seed=4).save_pretrained(tmp_path / "src")
+  rm = RewardModel.from_pretrained(tmp_path / "src")
+  export(str(tmp_path / "src"), str(tmp_path / "out"), dtype="bfloat16")
+  header = safetensors_header(tmp_path / "out" / "model.safetensors")
+  header.pop("__metadata__")
+  assert {v["dtype"] for v in header.values()} == {"BF16"}
+  assert header["model.layers.2.self_attn.q_proj.weight"]["shape"] == [4 * 24, 64]  # [out, in]
+  config = json.loads((tmp_path / "out" / "config.json").read_text())
+  assert config["torch_dtype"] == "bfloat16"
+  back = RewardModel.from_pretrained(tmp_path / "out", dtype="bfloat16")
+  for k, v in params(rm).items():
+    np.testing.assert_array_equal(params(back)[k], v.astype(ml_dtypes.bfloat16), err_msg=str(k))
+
+
+def test_export_refuses_a_run_directory(tmp_path):
+  hf_tiny.build("llama").save_pretrained(tmp_path / "src")
+  (tmp_path / "run").mkdir()
+  (tmp_path / "run" / "model_config.json").write_text("{}")
+  with pytest.raises(CheckpointError, match=f"{tmp_path / 'run'} is a training output directory"):
+    export(str(tmp_path / "src"), str(tmp_path / "run"))
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(request, tmp_path_factory):
+  root = tiny_run.cache_root(request, tmp_path_factory)
+  return transformers.AutoTokenizer.from_pretrained(tiny_run.tokenizer_dir(root))
+
+
+def test_embedded_gguf_export_scores_like_jaxrm(smollm2_tokenizer, tmp_path):
+  """SmolLM2-135M from its GGUF (with a new, seeded head): the export scores alike in transformers."""
+  rm = RewardModel.from_pretrained(gguf.embedded_model_path(), seed=2, tokenizer=smollm2_tokenizer)
+  rm.save_pretrained(tmp_path)
+  config = json.loads((tmp_path / "config.json").read_text())
+  assert config["architectures"] == ["LlamaForSequenceClassification"] and config["tie_word_embeddings"]
+  assert config["pad_token_id"] == smollm2_tokenizer.pad_token_id == smollm2_tokenizer.eos_token_id == 2
+  hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path, dtype=torch.float32).eval()
+  tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+  assert tok.chat_template == smollm2_tokenizer.chat_template
+
+  chats = [[{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}],
+           [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue, I think."}]]
+  rows = [rm.encode(c) for c in chats]
+  assert rows[0] == tok(tok.apply_chat_template(chats[0], tokenize=False), add_special_tokens=False)["input_ids"]
+  lengths = np.array([len(r) for r in rows])
+  ids = np.full((2, lengths.max()), 2, np.int64)
+  for i, r in enumerate(rows):
+    ids[i, :len(r)] = r
+  # Rows end "<|im_end|>\n": transformers pools at the last token that is not the pad (== eos) id,
+  # which is the last real token, where jaxrm reads the reward.
+  assert all(r[-2:] == [2, 198] for r in rows)
+  mask = (np.arange(lengths.max())[None] < lengths[:, None]).astype(np.int64)
+  theirs = hf_tiny.torch_forward(hf, ids, mask)[:, 0]
+  np.testing.assert_allclose(rm.score(chats), theirs, atol=1e-4, rtol=0)
+
+
+def test_cli(tmp_path):
+  hf_tiny.build("mistral", seed=5).save_pretrained(tmp_path / "src")
+  ok = tiny_run.run([sys.executable, "-m", "jaxrm.export", f"--checkpoint={tmp_path / 'src'}",
+                         f"--out={tmp_path / 'out'}", "--dtype=bfloat16"])
+  assert ok.returncode == 0, tiny_run.describe(ok)
+  assert f"to {tmp_path / 'out'} as MistralForSequenceClassification in bfloat16" in ok.stdout
+  assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
+
+  missing = tmp_path / "missing"
+  bad = tiny_run.run([sys.executable, "-m", "jaxrm.export", f"--checkpoint={missing}",
+                          f"--out={tmp_path / 'out2'}", "--step=3"])
+  assert bad.returncode == 1
+  assert bad.stderr.strip() == (f"error: {missing}: no such file or directory (jaxrm loads HF checkpoint "
+                                "directories, .gguf files, training output directories and their checkpoints)")
+  assert not os.path.exists(tmp_path / "out2")

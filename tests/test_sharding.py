@@ -1,0 +1,139 @@
+"""Logical-axis rules, mesh construction, and sharded or multi-process training equal to one device."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AbstractMesh, PartitionSpec as P
+
+import tiny_run
+from jaxrm import sharding
+from jaxrm.checkpoints.loader import abstract_model
+from jaxrm.models.config import from_hf_config
+
+MESH_222 = AbstractMesh((2, 2, 2), sharding.MESH_AXES)
+
+
+@pytest.fixture(scope="session")
+def root(request, tmp_path_factory):
+  path = tiny_run.cache_root(request, tmp_path_factory)
+  tiny_run.enable_compile_cache(path)
+  return path
+
+
+@pytest.fixture(scope="session")
+def model_dir(root):
+  return tiny_run.tiny_model_dir(root)
+
+
+@pytest.fixture(scope="session")
+def baseline(model_dir, tmp_path_factory):
+  return tiny_run.baseline_run(model_dir, str(tmp_path_factory.mktemp("runs")))
+
+
+# ------------------------------------------------------------------ rules
+
+
+def test_logical_to_spec_uses_each_mesh_axis_once():
+  assert sharding.logical_to_spec(("batch", "length", "act_embed")) == P(("data", "fsdp"), None, None)
+  assert sharding.logical_to_spec(("layers", "embed", "heads")) == P(None, "fsdp", "tensor")
+  assert sharding.logical_to_spec(("vocab", "embed")) == P("tensor", "fsdp")
+  # fsdp is already taken by the batch: the second dimension stays whole.
+  assert sharding.logical_to_spec(("batch", "embed")) == P(("data", "fsdp"), None)
+  assert sharding.logical_to_spec((None, "labels")) == P(None, None)
+
+
+def test_param_shardings_of_the_tiny_llama(model_dir):
+  with open(os.path.join(model_dir, "config.json")) as f:
+    cfg = from_hf_config(json.load(f))
+  state = nnx.state(abstract_model(cfg))
+  specs = {".".join(map(str, path)): s.spec
+           for path, s in nnx.to_flat_state(sharding.param_shardings(state, MESH_222))}
+  assert specs["layers.q"] == P(None, "fsdp", "tensor")  # [L, D, heads*head_dim]
+  assert specs["layers.k"] == P(None, "fsdp", "tensor")  # 2 kv heads split over 2 tensor shards
+  assert specs["layers.o"] == P(None, "tensor", "fsdp")
+  assert specs["layers.down"] == P(None, "tensor", "fsdp")
+  assert specs["layers.input_norm"] == P(None, "fsdp")
+  assert specs["embed"] == P("tensor", "fsdp")  # [vocab, D]
+  assert specs["score"] == P("fsdp", None)  # [D, 1]
+
+
+def test_param_shardings_drop_axes_that_do_not_divide():
+  mesh = AbstractMesh((1, 1, 4), sharding.MESH_AXES)
+  var = nnx.Param(jax.ShapeDtypeStruct((2, 64, 48), np.float32), logical_axes=("layers", "embed", "kv_heads"))
+  assert sharding.param_shardings(nnx.State({"k": var}), mesh)["k"].spec == P(None, "fsdp", "tensor")
+  var = nnx.Param(jax.ShapeDtypeStruct((2, 64, 6), np.float32), logical_axes=("layers", "embed", "kv_heads"))
+  assert sharding.param_shardings(nnx.State({"k": var}), mesh)["k"].spec == P(None, "fsdp", None)
+
+
+def test_make_mesh_sizes_and_errors():
+  mesh = sharding.make_mesh(sharding.MeshConfig(1, -1, 1))
+  assert dict(mesh.shape) == {"data": 1, "fsdp": jax.device_count(), "tensor": 1}
+  with pytest.raises(ValueError, match="at most one axis may be -1"):
+    sharding.make_mesh(sharding.MeshConfig(-1, -1, 1))
+  with pytest.raises(ValueError, match=r"data=2 x fsdp=1 x tensor=2 = 4 devices, but 1 are available"):
+    sharding.make_mesh(sharding.MeshConfig(2, 1, 2), devices=jax.devices()[:1])
+  with pytest.raises(ValueError, match=r"1 devices are not divisible by the fixed axes' product 2"):
+    sharding.make_mesh(sharding.MeshConfig(2, -1, 1), devices=jax.devices()[:1])
+
+
+# ------------------------------------------------------------------ runs
+
+
+@pytest.mark.slow
+def test_2x2x2_mesh_trains_like_one_device(baseline, model_dir, tmp_path):
+  out = str(tmp_path / "sharded")
+  result = tiny_run.run([sys.executable, os.path.join(tiny_run.ROOT, "tests", "tiny_run.py"),
+                         "sharded", model_dir, out])
+  assert result.returncode == 0, tiny_run.describe(result)
+  report = json.loads(result.stdout.split("SHARDING ", 1)[1].splitlines()[0])
+  assert report["devices"] == 8
+  # q: [layers, embed, heads*head_dim] = [2, 64, 64]: embed over fsdp, heads over tensor.
+  assert report["q_shape"] == [2, 64, 64] and report["q_spec"] == [None, "fsdp", "tensor"]
+  assert report["q_shard_shape"] == [2, 32, 32]
+  assert report["mu_q_spec"] == [None, "fsdp", "tensor"]  # Adam's moments sharded like the parameter
+  assert report["step_spec"] == []
+  assert "mesh: {'data': 2, 'fsdp': 2, 'tensor': 2} on 8 cpu devices" in result.stdout
+  _assert_same_training(out, baseline, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one(baseline, model_dir, tmp_path):
+  out = str(tmp_path / "two_hosts")
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  procs = [subprocess.Popen(
+      tiny_run.cli(model_dir, out, "--config.train.micro_batch_size=4", f"--coordinator_address=localhost:{port}",
+                   "--num_processes=2", f"--process_id={i}"),
+      cwd=tiny_run.ROOT, env=tiny_run.subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      for i in range(2)]
+  try:
+    outputs = [p.communicate(timeout=400) for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  for p, (stdout, stderr) in zip(procs, outputs):
+    assert p.returncode == 0, f"exit {p.returncode}\n{stdout[-2000:]}\n{stderr[-5000:]}"
+  assert "2 process(es)" in outputs[0][0]
+  assert "jaxrm:" not in outputs[1][0]  # only process 0 prints and logs
+  _assert_same_training(out, baseline, atol=1e-4)
+  assert sorted(int(d) for d in os.listdir(os.path.join(out, "checkpoints")) if d.isdigit()) == \
+      sorted(int(d) for d in os.listdir(os.path.join(baseline, "checkpoints")) if d.isdigit())
+
+
+def _assert_same_training(out, baseline, atol):
+  rows, expected = tiny_run.read_metrics(out), tiny_run.read_metrics(baseline)
+  assert [r["step"] for r in rows] == [r["step"] for r in expected]  # each event logged once
+  for key in ("train/loss", "train/accuracy", "train/grad_norm", "validation-default_loss",
+              "validation-train_sample_loss"):
+    got = [r[key] for r in rows if key in r]
+    want = [r[key] for r in expected if key in r]
+    assert len(got) == len(want) > 0, key
+    np.testing.assert_allclose(got, want, rtol=0, atol=atol, err_msg=key)

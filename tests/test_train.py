@@ -1,0 +1,297 @@
+"""The trainer end to end on a tiny random Llama: metrics, best-k checkpoints, exact resume,
+gradient accumulation, non-finite stops, SIGKILL and resume."""
+
+import glob
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import tiny_run
+from jaxrm import checkpointing, train
+
+TRAIN_KEYS = ("train/loss", "train/accuracy", "train/grad_norm", "train/learning_rate",
+              "timing/train/step_time", "train/tokens_per_second")
+VAL_SETS = ("default", "train_sample")
+
+
+@pytest.fixture(scope="session")
+def root(request, tmp_path_factory):
+  path = tiny_run.cache_root(request, tmp_path_factory)
+  tiny_run.enable_compile_cache(path)
+  return path
+
+
+@pytest.fixture(scope="session")
+def model_dir(root):
+  return tiny_run.tiny_model_dir(root)
+
+
+@pytest.fixture(scope="session")
+def baseline(model_dir, tmp_path_factory):
+  """4 uninterrupted steps; validation and checkpoints at steps 2 and 4."""
+  return tiny_run.baseline_run(model_dir, str(tmp_path_factory.mktemp("runs")))
+
+
+@pytest.fixture(scope="module")
+def stopped(model_dir, tmp_path_factory):
+  """The baseline's run stopped after 2 of its 4 steps."""
+  out = str(tmp_path_factory.mktemp("stopped") / "run")
+  train.train_and_evaluate(tiny_run.config(model_dir, out), stop_after_steps=2)
+  return out
+
+
+def checkpoint_steps(output_dir):
+  return sorted(int(d) for d in os.listdir(os.path.join(output_dir, "checkpoints")) if d.isdigit())
+
+
+def rows_with(output_dir, key):
+  return {r["step"]: r for r in tiny_run.read_metrics(output_dir) if key in r}
+
+
+# ------------------------------------------------------------------ logging
+
+
+def test_metrics_jsonl_names_every_event(baseline):
+  train_rows = rows_with(baseline, "train/loss")
+  assert list(train_rows) == [1, 2, 3, 4]  # log_period=1
+  for row in train_rows.values():
+    for key in TRAIN_KEYS:
+      assert math.isfinite(row[key]), (key, row)
+    assert 0.0 <= row["train/accuracy"] <= 1.0
+    assert row["train/tokens_per_second"] > 0
+  # Warmup over 2 steps to 1e-3, then constant; the rate logged is the one each update used.
+  lrs = [train_rows[s]["train/learning_rate"] for s in (1, 2, 3, 4)]
+  np.testing.assert_allclose(lrs, [0.0, 5e-4, 1e-3, 1e-3], rtol=1e-6)
+
+  val_rows = rows_with(baseline, "timing/validation/total_validation_time")
+  assert list(val_rows) == [2, 4]  # val_period=2
+  for row in val_rows.values():
+    for name in VAL_SETS:
+      assert math.isfinite(row[f"validation-{name}_loss"])
+      assert 0.0 <= row[f"validation-{name}_accuracy"] <= 1.0
+    assert not any(k.startswith("train/") for k in row)
+
+
+def test_run_directory_files(baseline):
+  events = glob.glob(os.path.join(baseline, "tensorboard", "events.out.tfevents.*"))
+  assert len(events) == 1
+  with open(events[0], "rb") as f:
+    data = f.read()
+  for tag in (b"train/loss", b"validation-default_loss", b"validation-train_sample_accuracy"):
+    assert tag in data
+
+  with open(os.path.join(baseline, "dropped_rows.json")) as f:
+    drops = json.load(f)
+  assert set(drops) == {"train", "validation-default", "validation-train_sample"}
+  assert all(d == {"total": 0, "reasons": {}} for d in drops.values())
+
+  with open(os.path.join(baseline, "config.json")) as f:
+    assert json.load(f)["train"]["max_steps"] == 4
+  assert os.path.exists(os.path.join(baseline, "tokenizer", "tokenizer.json"))
+  assert os.path.exists(os.path.join(baseline, checkpointing.RUN_MODEL_CONFIG))
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def test_best_checkpoint_by_validation_loss_and_latest_kept(baseline):
+  val_loss = {s: r["validation-default_loss"] for s, r in rows_with(baseline, "validation-default_loss").items()}
+  assert val_loss[2] != val_loss[4]
+  best = min(val_loss, key=val_loss.get)
+  info = checkpointing.read_best(os.path.join(baseline, "checkpoints"))
+  assert info["step"] == best
+  assert info["metric_name"] == "validation-default_loss"  # from "val:validation-default_loss"
+  assert info["value"] == pytest.approx(val_loss[best], abs=1e-7)
+  assert info["path"] == os.path.join(baseline, "checkpoints", str(best))
+  # keep_top_k=1: the best, and the latest for resuming.
+  assert checkpoint_steps(baseline) == sorted({best, 4})
+
+
+def _tiny_state(value):
+  params = nnx.state(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+  params = jax.tree.map(lambda x: jnp.full_like(x, value), params)
+  return {"params": params, "opt_state": {"mu": jnp.full((3,), value)}}
+
+
+@pytest.mark.parametrize("name,higher,values,kept,best", [
+    ("val:validation-default_accuracy", True, [0.5, 0.9, 0.7, 0.6], [2, 3, 4], 2),
+    ("validation-default_loss", False, [0.5, 0.9, 0.7, 0.6], [1, 4], 1),
+])
+def test_checkpointer_keeps_best_k_and_latest(tmp_path, name, higher, values, kept, best):
+  metric = checkpointing.normalize_metric_name(name)
+  ckpt = checkpointing.Checkpointer(str(tmp_path), metric_name=name, higher_is_better=higher,
+                                    keep_top_k=2 if higher else 1)
+  for step, v in enumerate(values, start=1):
+    ckpt.save(step, _tiny_state(step), {"position": step}, {"step": step}, metrics={metric: v})
+  assert ckpt.all_steps() == kept
+  assert ckpt.best_step() == best and ckpt.latest_step() == 4
+  assert checkpointing.read_best(str(tmp_path))["step"] == best
+  ckpt.close()
+
+  # A new manager reads the ranking back from disk; a save without metrics stays only while latest.
+  ckpt = checkpointing.Checkpointer(str(tmp_path), metric_name=name, higher_is_better=higher,
+                                    keep_top_k=2 if higher else 1)
+  assert ckpt.best_step() == best
+  ckpt.save(5, _tiny_state(5), {"position": 5}, {"step": 5}, metrics=None)
+  assert ckpt.all_steps() == sorted(set(kept) - {4} | {5}) and ckpt.best_step() == best
+  worst = min(values) - 1 if higher else max(values) + 1
+  ckpt.save(6, _tiny_state(6), {"position": 6}, {"step": 6}, metrics={metric: worst})
+  assert ckpt.all_steps() == sorted(set(kept) - {4} | {6}) and ckpt.best_step() == best
+
+  state, data, meta = ckpt.restore(best, _tiny_state(0.0))
+  assert float(state["params"]["kernel"].get_value()[0, 0]) == best
+  assert float(state["opt_state"]["mu"][0]) == best
+  assert data == {"position": best} and meta == {"step": best}
+  ckpt.close()
+
+
+def test_checkpointer_without_metric_keeps_latest_k(tmp_path):
+  ckpt = checkpointing.Checkpointer(str(tmp_path), metric_name="", keep_top_k=2)
+  for step in (1, 2, 3):
+    ckpt.save(step, _tiny_state(step), {}, {}, metrics={"validation-default_loss": 0.1})
+  assert ckpt.all_steps() == [2, 3] and ckpt.best_step() == 3
+  assert checkpointing.read_best(str(tmp_path))["step"] == 3
+  ckpt.close()
+
+
+# ------------------------------------------------------------------ resume
+
+
+def test_resume_equals_uninterrupted_run(baseline, stopped, model_dir, tmp_path):
+  out = str(tmp_path / "run")
+  shutil.copytree(stopped, out)
+  assert list(tiny_run.train_losses(out)) == [1, 2]
+  assert checkpoint_steps(out) == [2]
+
+  train.train_and_evaluate(tiny_run.config(model_dir, out))
+
+  resumed, uninterrupted = rows_with(out, "train/loss"), rows_with(baseline, "train/loss")
+  assert list(resumed) == [1, 2, 3, 4]
+  for key in ("train/loss", "train/accuracy", "train/grad_norm", "train/learning_rate"):
+    np.testing.assert_allclose([resumed[s][key] for s in (1, 2, 3, 4)],
+                               [uninterrupted[s][key] for s in (1, 2, 3, 4)], rtol=0, atol=1e-6, err_msg=key)
+  val_resumed, val_uninterrupted = rows_with(out, "validation-default_loss"), rows_with(baseline, "validation-default_loss")
+  assert list(val_resumed) == [2, 4]
+  assert val_resumed[4]["validation-default_loss"] == pytest.approx(
+      val_uninterrupted[4]["validation-default_loss"], abs=1e-6)
+
+
+def test_non_finite_loss_stops_naming_the_step(stopped, model_dir, tmp_path, monkeypatch):
+  out = str(tmp_path / "run")
+  shutil.copytree(stopped, out)
+  restore = checkpointing.Checkpointer.restore
+
+  def poisoned(self, step, state):  # the resumed parameters turn NaN: step 3's loss is NaN
+    state, data, meta = restore(self, step, state)
+    score = state["params"]["score"]
+    score.set_value(score.get_value() * jnp.nan)
+    return state, data, meta
+
+  monkeypatch.setattr(checkpointing.Checkpointer, "restore", poisoned)
+  with pytest.raises(train.UserError, match=r"non-finite loss \(nan\) or gradient norm \(nan\) at step 3; "
+                                            r"stopping\. Last good checkpoint: step 2 in "):
+    train.train_and_evaluate(tiny_run.config(model_dir, out))
+  assert checkpoint_steps(out) == [2]
+  assert list(tiny_run.train_losses(out)) == [1, 2]
+
+
+def test_gradient_accumulation_equals_one_big_batch(baseline, model_dir, tmp_path):
+  out = str(tmp_path / "accum")
+  # 8 pairs per step as 2 micro-batches of 4.
+  train.train_and_evaluate(tiny_run.config(model_dir, out, train__micro_batch_size=4, eval__val_period=0,
+                                           eval__val_at_end=False, checkpointing__enabled=False))
+  accumulated, whole = rows_with(out, "train/loss"), rows_with(baseline, "train/loss")
+  assert list(accumulated) == [1, 2, 3, 4]
+  for key in ("train/loss", "train/accuracy", "train/grad_norm"):
+    np.testing.assert_allclose([accumulated[s][key] for s in (1, 2, 3, 4)],
+                               [whole[s][key] for s in (1, 2, 3, 4)], rtol=0, atol=1e-5, err_msg=key)
+
+
+def test_stepwise_run_reports_step_metrics(root, tmp_path):
+  out = str(tmp_path / "prm")
+  train.train_and_evaluate(tiny_run.config(
+      tiny_run.tiny_model_dir(root, head="token"), out, reward__type="stepwise", data__dataset_name="demo_arithmetic_steps", train__max_steps=2,
+      data__val_data_paths={"default": "validation"}))
+  train_rows = rows_with(out, "train/loss")
+  assert list(train_rows) == [1, 2]
+  for key in ("train/step_accuracy", "train/recall_correct", "train/recall_error", "train/f1_error"):
+    assert key in train_rows[2]
+  val = rows_with(out, "validation-default_loss")[2]
+  for key in ("validation-default_step_accuracy", "validation-default_f1_error",
+              "validation-default_first_error_found"):
+    assert key in val
+  assert checkpointing.read_best(os.path.join(out, "checkpoints"))["step"] == 2
+  with open(os.path.join(out, checkpointing.RUN_MODEL_CONFIG)) as f:
+    assert json.load(f)["jaxrm"]["head"] == "token"
+
+
+# ------------------------------------------------------------------ config errors
+
+
+def test_metric_name_must_name_a_validation_set(model_dir, tmp_path):
+  c = tiny_run.config(model_dir, str(tmp_path / "run"), checkpointing__metric_name="validation-nosuch_loss")
+  with pytest.raises(train.UserError, match=r"checkpointing.metric_name='validation-nosuch_loss' names no "
+                                            r"validation set; .* one of default, train_sample"):
+    train.train_and_evaluate(c)
+
+
+def test_metric_name_must_be_a_validation_metric(model_dir, tmp_path):
+  c = tiny_run.config(model_dir, str(tmp_path / "run"), checkpointing__metric_name="validation-default_nosuch",
+                      eval__val_at_start=True)
+  with pytest.raises(train.UserError, match=r"'validation-default_nosuch' is not a validation metric; "
+                                            r"available: .*validation-default_accuracy"):
+    train.train_and_evaluate(c)
+
+
+def test_bad_reward_type_and_batch_sizes(model_dir, tmp_path):
+  c = tiny_run.config(model_dir, str(tmp_path / "run"), reward__type="pairwise")
+  with pytest.raises(train.UserError, match=r"reward.type must be one of bradley_terry, ranking, stepwise; "
+                                            r"got 'pairwise'"):
+    train.train_and_evaluate(c)
+  c = tiny_run.config(model_dir, str(tmp_path / "run"), train__micro_batch_size=3)
+  with pytest.raises(train.UserError, match=r"train.global_batch_size=8 must be a multiple of "
+                                            r"micro_batch_size x data-parallel devices = 3 x 1"):
+    train.train_and_evaluate(c)
+
+
+# ------------------------------------------------------------------ SIGKILL
+
+
+@pytest.mark.slow
+def test_sigkilled_run_resumes_from_latest_checkpoint(model_dir, tmp_path):
+  out = str(tmp_path / "run")
+  # 64 rows make 8 steps an epoch: max_epochs=2 ends the run at step 16, before max_steps.
+  overrides = {"train.max_steps": 100, "train.max_epochs": 2, "checkpointing.save_period": 5,
+               "eval.val_period": 5}
+  cmd = tiny_run.cli(model_dir, out, *(f"--config.{k}={v}" for k, v in overrides.items()))
+  killed = subprocess.Popen(cmd, cwd=tiny_run.ROOT, env=tiny_run.subprocess_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  first_checkpoint = os.path.join(out, "checkpoints", "5")
+  deadline = time.time() + 240
+  while not os.path.isdir(first_checkpoint) and killed.poll() is None and time.time() < deadline:
+    time.sleep(0.02)
+  killed.send_signal(signal.SIGKILL)
+  _, stderr = killed.communicate()
+  assert killed.returncode == -signal.SIGKILL, stderr[-3000:]
+  killed_at = max(tiny_run.train_losses(out))
+  latest = max(checkpoint_steps(out))
+  assert 5 <= latest <= killed_at < 16
+
+  # The same run again (here in-process) continues from the latest checkpoint and finishes.
+  train.train_and_evaluate(tiny_run.set_keys(tiny_run.config(model_dir, out), overrides))
+  assert checkpoint_steps(out)[-1] == 16
+  # The rows the killed run wrote after its last checkpoint were dropped and written again.
+  train_rows = rows_with(out, "train/loss")
+  assert list(train_rows) == list(range(1, 17))
+  assert train_rows[16]["train/epoch"] == 2.0
+  assert list(rows_with(out, "validation-default_loss")) == [5, 10, 15, 16]

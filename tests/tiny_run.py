@@ -1,0 +1,244 @@
+r"""A tiny random Llama reward model with SmolLM2's tokenizer, and a config that trains it in seconds.
+
+This file is also a config file for the CLI (the argument is the model directory)::
+
+  python -m jaxrm.train --config=tests/tiny_run.py:/path/to/tiny_model --config.output_dir=/tmp/run
+
+and a script that trains on 8 fake CPU devices and reports how parameters are sharded::
+
+  python tests/tiny_run.py sharded /path/to/tiny_model /tmp/run
+
+The model (2 layers, hidden 64, SmolLM2's 49152-token vocabulary), the converted tokenizer and
+JAX's compiled programs are kept in pytest's cache directory. The learning rate is constant after
+warmup, so runs of different lengths share one compiled train step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKENIZER_CACHE = "smollm2_135m_instruct_tokenizer"  # shared with test_tokenize.py
+MODEL_CACHE = "jaxrm_tiny_llama_smollm2_vocab_v1"
+
+# What every tiny run trains: 4 steps of 8 pairs; checkpoints and validation every 2 steps.
+TINY = {
+    "data.max_length": 96,
+    "data.bucket_multiple": 96,  # one length bucket: one compiled train step
+    "data.max_train_rows": 64,
+    "data.max_val_rows": 8,
+    "train.global_batch_size": 8,
+    "train.micro_batch_size": 8,
+    "train.max_steps": 4,
+    "train.max_epochs": 100,
+    "train.learning_rate": 1e-3,
+    "train.lr_decay": "constant",
+    "train.warmup_steps": 2,
+    "train.weight_decay": 0.01,
+    "train.log_period": 1,
+    "eval.val_period": 2,
+    "eval.batch_size": 8,
+    "checkpointing.save_period": 2,
+    "checkpointing.keep_top_k": 1,
+    "logger.progress_bar": False,
+}
+
+
+def base_config():
+  """``configs/common.py``'s ``base_config()``: every key with its default."""
+  path = os.path.join(ROOT, "configs", "common.py")
+  spec = importlib.util.spec_from_file_location("jaxrm_configs_common", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.base_config()
+
+
+def set_keys(config, overrides: dict):
+  """Sets dotted keys (``"train.max_steps"``) of a ConfigDict; returns it."""
+  for key, value in overrides.items():
+    *parents, leaf = key.split(".")
+    node = config
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return config
+
+
+def get_config(arg=None):
+  """The tiny run; ``arg`` is the model directory."""
+  c = base_config()
+  c.model.name_or_path = arg or ""
+  c.data.val_data_paths = {"default": "validation", "train_sample": "train"}
+  c.checkpointing.metric_name = "val:validation-default_loss"
+  return set_keys(c, TINY)
+
+
+def config(model_dir: str, output_dir: str, **overrides):
+  """The tiny run's ConfigDict writing into ``output_dir``; overrides use ``__`` for dots."""
+  c = get_config(model_dir)
+  c.output_dir = output_dir
+  return set_keys(c, {k.replace("__", "."): v for k, v in overrides.items()})
+
+
+def cli(model_dir: str, output_dir: str, *flags: str) -> list[str]:
+  """The command line of the tiny run."""
+  return [sys.executable, "-m", "jaxrm.train", f"--config={os.path.abspath(__file__)}:{model_dir}",
+          f"--config.output_dir={output_dir}", *flags]
+
+
+def subprocess_env(**extra) -> dict[str, str]:
+  """Environment of a subprocess: the repository importable, one CPU device, the shared compile cache."""
+  env = dict(os.environ)
+  env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false")
+  env.pop("XLA_FLAGS", None)
+  if _compile_cache:
+    env.update(JAX_COMPILATION_CACHE_DIR=_compile_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  env.update(extra)
+  return env
+
+
+def run(args: list[str], timeout: float = 300, **env) -> subprocess.CompletedProcess:
+  """Runs a command in the repository root; output captured as text."""
+  return subprocess.run(args, cwd=ROOT, env=subprocess_env(**env), capture_output=True, text=True,
+                        timeout=timeout)
+
+
+def describe(result: subprocess.CompletedProcess) -> str:
+  """A failed subprocess's exit code and the tail of its output, for assertion messages."""
+  return f"exit {result.returncode}\n--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-5000:]}"
+
+
+def read_metrics(output_dir: str) -> list[dict]:
+  with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def train_losses(output_dir: str) -> dict[int, float]:
+  """step -> train/loss, from metrics.jsonl."""
+  return {r["step"]: r["train/loss"] for r in read_metrics(output_dir) if "train/loss" in r}
+
+
+# ------------------------------------------------------------------ shared state of a test session
+
+_compile_cache: str | None = None
+_baseline: dict[str, str] = {}
+
+
+def cache_root(request, tmp_path_factory) -> str:
+  """pytest's cache directory (``.pytest_cache/d``), or a session temp dir without the cache plugin."""
+  cache = getattr(request.config, "cache", None)
+  return os.path.dirname(str(cache.mkdir("jaxrm"))) if cache else str(tmp_path_factory.getbasetemp())
+
+
+def enable_compile_cache(root: str) -> None:
+  """Keeps JAX's compiled programs under ``root`` for this process and the subprocesses it starts."""
+  global _compile_cache
+  if _compile_cache:
+    return
+  import jax
+  _compile_cache = os.path.join(root, "jax_compilation_cache")
+  jax.config.update("jax_compilation_cache_dir", _compile_cache)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def baseline_run(model_dir: str, root: str) -> str:
+  """The tiny run, uninterrupted on one device, trained once per session; its output directory."""
+  if model_dir not in _baseline:
+    from jaxrm import train
+    output_dir = os.path.join(root, "baseline")
+    train.train_and_evaluate(config(model_dir, output_dir))
+    _baseline[model_dir] = output_dir
+  return _baseline[model_dir]
+
+
+# ------------------------------------------------------------------ the model
+
+
+def tokenizer_dir(cache_root: str) -> str:
+  """SmolLM2's tokenizer converted from the embedded GGUF (seconds), saved under ``cache_root``."""
+  saved = os.path.join(cache_root, TOKENIZER_CACHE)
+  if not os.path.exists(os.path.join(saved, "tokenizer.json")):
+    import transformers
+    from jaxrm.checkpoints import gguf
+    path = gguf.embedded_model_path()
+    tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    _save_atomically(saved, tok.save_pretrained)
+  return saved
+
+
+def tiny_model_dir(cache_root: str, head: str = "sequence") -> str:
+  """A random 2-layer Llama with SmolLM2's tokenizer, saved under ``cache_root``.
+
+  ``head``: "sequence" (LlamaForSequenceClassification, one label) or "token"
+  (LlamaForTokenClassification, two labels: a process reward model).
+  """
+  saved = os.path.join(cache_root, MODEL_CACHE + ("" if head == "sequence" else f"_{head}"))
+  if os.path.exists(os.path.join(saved, "config.json")):
+    return saved
+  import transformers
+  import hf_tiny
+  tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir(cache_root))
+  model = hf_tiny.build("llama", head=head, vocab_size=len(tok), num_hidden_layers=2,
+                        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+
+  def save(d):
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+
+  _save_atomically(saved, save)
+  return saved
+
+
+def _save_atomically(final: str, save) -> None:
+  tmp = f"{final}.tmp{os.getpid()}"
+  shutil.rmtree(tmp, ignore_errors=True)
+  save(tmp)
+  try:
+    os.rename(tmp, final)
+  except OSError:  # built meanwhile by another process
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ the sharded script
+
+
+def _sharded_main(model_dir: str, output_dir: str) -> None:
+  """Trains the tiny run on a 2x2x2 mesh of 8 CPU devices; prints where a q kernel's shards live."""
+  import jax
+  jax.config.update("jax_num_cpu_devices", 8)
+  import optax
+  from flax import nnx
+  from jaxrm import optim, sharding, steps, train
+  from jaxrm.reward_model import RewardModel
+
+  c = config(model_dir, output_dir, mesh__data=2, mesh__fsdp=2, mesh__tensor=2, train__micro_batch_size=2)
+  train.train_and_evaluate(c)
+  mesh = sharding.make_mesh(sharding.MeshConfig(2, 2, 2))
+  params = nnx.state(RewardModel.from_pretrained(model_dir, mesh=mesh).model)
+  tx = optim.make_optimizer(learning_rate=1e-3, warmup_steps=0, total_steps=1, decay="constant")
+  state, _ = steps.init_state(params, tx, seed=0, mesh=mesh)
+  q = state["params"]["layers"]["q"].get_value()
+  mu_q = optax.tree_utils.tree_get(state["opt_state"], "mu")["layers"]["q"].get_value()
+  report = {
+      "devices": jax.device_count(),
+      "q_shape": list(q.shape),
+      "q_spec": [list(a) if isinstance(a, tuple) else a for a in q.sharding.spec],
+      "q_shard_shape": list(q.addressable_shards[0].data.shape),
+      "mu_q_spec": [list(a) if isinstance(a, tuple) else a for a in mu_q.sharding.spec],
+      "step_spec": list(state["step"].sharding.spec),
+  }
+  print("SHARDING " + json.dumps(report))
+
+
+if __name__ == "__main__":
+  if len(sys.argv) != 4 or sys.argv[1] != "sharded":
+    sys.exit("usage: python tests/tiny_run.py sharded MODEL_DIR OUTPUT_DIR")
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  _sharded_main(sys.argv[2], sys.argv[3])
