@@ -246,7 +246,9 @@ class RewardModel:
     elif num_labels is not None:
       overrides["num_labels"] = num_labels
     cfg = from_hf_config(source.config, **overrides)
-    model = load_model(cfg, source, mesh=mesh, seed=seed)
+    saved = from_hf_config(source.config)
+    new_head = (saved.head, saved.num_labels) != (cfg.head, cfg.num_labels)
+    model = load_model(cfg, source, mesh=mesh, seed=seed, new_head=new_head)
     tok = tokenizer if tokenizer is not None else _load_tokenizer(source, path)
     if tok is not None and cfg.pad_token_id is None and tok.pad_token_id is not None:
       model.config = cfg.replace(pad_token_id=tok.pad_token_id)

@@ -113,3 +113,11 @@ def test_base_model_gets_seeded_new_head(tmp_path):
   assert abs(w.std() - 1 / np.sqrt(64 + 1)) < 0.05
   tok = RewardModel.from_pretrained(tmp_path, head="token")
   assert tok.config.num_labels == 2 and tok.model.score_bias[...].shape == (2,)
+
+
+def test_token_head_from_sequence_classifier_gets_new_head(saved):
+  """A process reward model can start from a saved sequence classifier: its head is replaced."""
+  seq = RewardModel.from_pretrained(saved)
+  tok = RewardModel.from_pretrained(saved, head="token", seed=5)
+  assert tok.config.head == "token" and tok.model.score[...].shape == (64, 2)
+  np.testing.assert_array_equal(np.asarray(tok.model.layers.q[...]), np.asarray(seq.model.layers.q[...]))

@@ -63,11 +63,15 @@ def _place(host: np.ndarray, target: NamedSharding | None) -> jax.Array:
   return jax.make_array_from_callback(host.shape, target, lambda idx: host[idx])
 
 
-def load_model(cfg: ModelConfig, source: TensorSource, *, mesh: Mesh | None = None, seed: int = 0) -> RewardModelModule:
-  """A :class:`RewardModelModule` holding ``source``'s weights (a new seeded head if it has none)."""
+def load_model(cfg: ModelConfig, source: TensorSource, *, mesh: Mesh | None = None, seed: int = 0,
+               new_head: bool = False) -> RewardModelModule:
+  """A :class:`RewardModelModule` holding ``source``'s weights.
+
+  The head is new (normal, seeded) when the checkpoint has none or when ``new_head`` is set.
+  """
   graphdef, state = nnx.split(abstract_model(cfg, seed))
   targets = sharding.param_shardings(state, mesh) if mesh is not None else None
-  slots = plan(cfg, source.keys())
+  slots = plan(cfg, source.keys(), new_head=new_head)
   key = jax.random.key(seed)
   flat_targets = dict(nnx.to_flat_state(targets)) if targets is not None else {}
   for path, var in nnx.to_flat_state(state):

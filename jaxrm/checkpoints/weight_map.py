@@ -90,13 +90,20 @@ class Slot:
   transpose: bool
 
 
-def plan(cfg: ModelConfig, keys: Iterable[str]) -> dict[str, list[Slot]]:
+def plan(cfg: ModelConfig, keys: Iterable[str], *, new_head: bool = False) -> dict[str, list[Slot]]:
   """Maps each parameter to the checkpoint keys that fill it; raises on any mismatch.
 
   Unexpected keys, keys matching two rules, missing keys and out-of-range layers are errors naming
   the key. The head may be absent altogether (a base or causal-LM checkpoint): the caller then
-  initialises a new one.
+  initialises a new one. ``new_head`` ignores the checkpoint's head (e.g. a process reward model
+  started from a sequence classifier).
   """
+  if new_head:
+    head_keys = {r.hf for r in RULES[cfg.family] if r.param in HEAD_PARAMS}
+    dropped = [k for k in keys if k in head_keys]
+    if dropped:
+      log.info("replacing the checkpoint's reward head (%s) with a new %s head", ", ".join(dropped), cfg.head)
+    keys = [k for k in keys if k not in head_keys]
   rules = active_rules(cfg)
   slots: dict[str, list[Slot]] = {}
   for key in keys:
