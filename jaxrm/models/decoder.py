@@ -8,6 +8,9 @@ token head (``num_labels`` logits per token, for process reward models).
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +19,9 @@ from flax import nnx
 from jaxrm import sharding
 from jaxrm.models import layers as L
 from jaxrm.models.config import ModelConfig
+
+
+ATTENTION_IMPLS = ("xla", "cudnn")
 
 
 class Layers(nnx.Module):
@@ -65,6 +71,8 @@ class RewardModelModule(nnx.Module):
   """Backbone + reward head. ``__call__`` returns rewards [B] (sequence head) or logits [B, T, C]."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    if cfg.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"attention_impl={cfg.attention_impl!r}; use one of {', '.join(ATTENTION_IMPLS)}")
     self.config = cfg
     dtype = jnp.dtype(cfg.param_dtype)
     normal = jax.nn.initializers.normal(0.02)
@@ -81,7 +89,8 @@ class RewardModelModule(nnx.Module):
     if cfg.head_bias:
       self.score_bias = _param(rngs.params(), (cfg.num_labels,), ("labels",), dtype, jax.nn.initializers.zeros)
 
-  def hidden_states(self, input_ids, attention_mask, positions=None, segment_ids=None):
+  def hidden_states(self, input_ids, attention_mask, positions=None, segment_ids=None,
+                    branch_ids=None):
     """Final-norm hidden states [B, T, D] in the compute dtype.
 
     Args:
@@ -89,6 +98,8 @@ class RewardModelModule(nnx.Module):
       attention_mask: [B, T] (1 = real token, 0 = padding), any padding side.
       positions: [B, T] int32; default: the count of real tokens before each one.
       segment_ids: [B, T] int32; tokens attend only within their segment (packed rows).
+      branch_ids: [B, T] int32 (shared-prompt rows): 0 = a segment's shared prefix, b > 0 = one
+        branch, which sees the prefix and itself only (see ``layers.attention_mask``).
     """
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
@@ -98,17 +109,18 @@ class RewardModelModule(nnx.Module):
     if cfg.gemma_norms:
       x = x * jnp.asarray(cfg.hidden_size**0.5, dtype)
     cos, sin = L.rope_tables(positions, cfg.rope.inv_freq(cfg.head_dim))
-    full = L.attention_mask(attention_mask, positions, segment_ids)
+    full = L.attention_mask(attention_mask, positions, segment_ids, branch_ids_bt=branch_ids)
     sliding = cfg.sliding_layers
     window = None
     if sliding.any():
-      window = L.attention_mask(attention_mask, positions, segment_ids, cfg.sliding_window)
+      window = L.attention_mask(attention_mask, positions, segment_ids, cfg.sliding_window, branch_ids)
+    attend = attention_fn(cfg)
 
     def block(x_btd, params_and_flag):
       p, is_sliding = params_and_flag
       mask = full if window is None else jnp.where(is_sliding, window, full)
       x_btd = sharding.constrain(x_btd, ("batch", "length", "act_embed"))
-      return _block(cfg, x_btd, p, cos, sin, mask), None
+      return _block(cfg, attend, x_btd, p, cos, sin, mask), None
 
     if cfg.remat != "none":
       policy = None if cfg.remat == "full" else jax.checkpoint_policies.dots_with_no_batch_dims_saveable
@@ -117,16 +129,33 @@ class RewardModelModule(nnx.Module):
     x, _ = jax.lax.scan(block, x, (params, jnp.asarray(sliding)))
     return L.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, cfg.gemma_norms)
 
-  def __call__(self, input_ids, attention_mask, positions=None, segment_ids=None):
-    """Rewards float32 [B] (sequence head, one label), [B, C] (several), or logits [B, T, C] (token head)."""
+  def __call__(self, input_ids, attention_mask, positions=None, segment_ids=None, branch_ids=None,
+               reward_positions=None):
+    """Rewards float32 [B] (sequence head, one label), [B, C] (several), or logits [B, T, C] (token head).
+
+    Args:
+      input_ids, attention_mask, positions, segment_ids, branch_ids: as in :meth:`hidden_states`.
+      reward_positions: [B, R] int32 (sequence head, packed rows): read a reward at each of these
+        indices instead of at the last real token, giving rewards [B, R] ([B, R, C] for several
+        labels); slots of -1 are unused and read 0.
+    """
     cfg = self.config
-    h = self.hidden_states(input_ids, attention_mask, positions, segment_ids)
+    if reward_positions is not None and cfg.head == "token":
+      raise ValueError("reward_positions needs a sequence head; a token head already returns "
+                       "logits at every position")
+    h = self.hidden_states(input_ids, attention_mask, positions, segment_ids, branch_ids)
     bias = self.score_bias[...] if cfg.head_bias else None
     w = self.score[...].astype(jnp.float32)
     if cfg.head == "token":
       b, t, d = h.shape
       logits = L.linear(h.reshape(b * t, d).astype(jnp.float32), w, bias)
       return logits.reshape(b, t, cfg.num_labels)
+    if reward_positions is not None:
+      h_read = jnp.take_along_axis(h, jnp.maximum(reward_positions, 0)[..., None], axis=1)  # [B, R, D]
+      b, r, d = h_read.shape
+      rewards = L.linear(h_read.reshape(b * r, d).astype(jnp.float32), w, bias).reshape(b, r, -1)
+      rewards = jnp.where(reward_positions[..., None] >= 0, rewards, 0.0)
+      return rewards[..., 0] if cfg.num_labels == 1 else rewards
     last = last_token_index(attention_mask)
     h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]  # [B, D]
     rewards = L.linear(h_last.astype(jnp.float32), w, bias)
@@ -139,7 +168,22 @@ def last_token_index(attention_mask_bt):
   return (t - 1 - jnp.argmax(jnp.flip(attention_mask_bt > 0, axis=1), axis=1)).astype(jnp.int32)
 
 
-def _block(cfg: ModelConfig, x_btd, p, cos, sin, mask):
+def attention_fn(cfg: ModelConfig) -> Callable:
+  """The attention of ``cfg``: q [B, T, H, Dh], k/v [B, S, K, Dh], bool mask [B, T, S] -> [B, T, H, Dh].
+
+  ``attention_impl="cudnn"`` goes through ``jax.nn.dot_product_attention``: cuDNN's fused kernel
+  on a GPU in bfloat16/float16, that call's XLA lowering elsewhere. The call has no logit
+  soft-capping, so soft-capped models (Gemma 2) keep the einsum path, as ``"xla"`` does.
+  """
+  if cfg.attention_impl == "cudnn" and cfg.attn_logit_softcapping is None:
+    fused = jax.default_backend() == "gpu" and jnp.dtype(cfg.dtype) in (jnp.bfloat16, jnp.float16)
+    return functools.partial(L.fused_attention, scale=cfg.attn_scale,
+                             implementation="cudnn" if fused else "xla")
+  return functools.partial(L.dot_product_attention, scale=cfg.attn_scale,
+                           softcap=cfg.attn_logit_softcapping)
+
+
+def _block(cfg: ModelConfig, attend: Callable, x_btd, p, cos, sin, mask):
   b, t, d = x_btd.shape
   h_, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   norm = lambda x, w: L.rms_norm(x, w, cfg.rms_norm_eps, cfg.gemma_norms)
@@ -151,7 +195,7 @@ def _block(cfg: ModelConfig, x_btd, p, cos, sin, mask):
   if cfg.qk_norm:
     q, k = norm(q, p["q_norm"][None, None]), norm(k, p["k_norm"][None, None])
   q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
-  a = L.dot_product_attention(q, k, v, mask, scale=cfg.attn_scale, softcap=cfg.attn_logit_softcapping)
+  a = attend(q, k, v, mask)
   a = L.linear(a.reshape(b * t, h_ * hd), p["o"], p.get("o_bias"))
   if cfg.gemma_norms:
     a = norm(a, p["post_attn_norm"])

@@ -1,0 +1,342 @@
+"""Sequence packing: several sequences per row, with the outputs mapped back to the group layout.
+
+A packed preference batch holds G groups of up to K completions in B rows of T tokens. Every
+completion of a group lands in the same row. Plain packing writes each completion as a sequence of
+its own (block-diagonal attention); shared-prompt packing writes the tokens the completions share
+(the prompt) once, then each completion's own tokens, which see the prompt and themselves only::
+
+  input_ids         # [B, T] int32, pad_id after a row's last sequence
+  attention_mask    # [B, T] int32
+  positions         # [B, T] int32: from 0 in each sequence; a completion continues its prompt's
+  segment_ids       # [B, T] int32: 1, 2, ... per sequence (shared-prompt: per group), 0 = padding
+  branch_ids        # [B, T] int32: 0 = shared prompt or plain sequence, j + 1 = completion j
+  reward_positions  # [B, R] int32: index in its row of each completion's last token, -1 = unused
+  reward_index      # [G, K] int32: where group g's completion k sits in rewards.reshape(-1)
+  ranks, margin, example_mask  # [G, K], [G], [G]: exactly as the unpacked batch has them
+
+so ``group_rewards(model(..., reward_positions=...), reward_index)`` is the ``[G, K]`` array the
+losses take. A packed stepwise batch holds G sequences::
+
+  input_ids, attention_mask, positions, segment_ids, branch_ids  # [B, T] int32
+  token_index   # [G, T] int32: where token i of sequence g sits in logits.reshape(B * T, C)
+  labels        # [G, T] int32: the unpacked labels, -100 past each sequence
+  example_mask  # [G] float32
+
+and ``group_logits(logits, token_index)`` gives the ``[G, T, C]`` logits that go with ``labels``.
+Absent completions and filler groups take no room: their ``reward_index``/``token_index`` point
+at slot 0 and ``ranks == -1`` / ``labels == -100`` / ``example_mask == 0`` hide them, as unpacked.
+
+Rows are filled first-fit in order of decreasing length. A row that holds no sequence is all
+padding; attention masks every key of it with a finite logit, so it stays NaN-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from jaxrm.data.tokenize import IGNORE, PreferenceExample, StepwiseExample
+
+Batch = dict[str, np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class PackSpec:
+  """How sequences are packed.
+
+  Attributes:
+    row_length: tokens per row (T), at most. A group must fit in one row: with plain packing, K
+      completions of ``max_length`` tokens need ``row_length >= K * max_length``.
+    length_multiple: when > 0, a batch's rows are only as long as the smallest multiple of this
+      that holds its longest group (as unpacked batches use length buckets): short batches then
+      pay for less attention. 0: rows are always ``row_length`` long.
+    shared_prompt: write the tokens all completions of a group share once per row.
+    pad_id: token id written into padding.
+    rows_multiple: the row count B is rounded up to a multiple of this (fewer distinct shapes to
+      compile).
+    rewards_multiple: R, the reward slots per row, is rounded up to a multiple of this.
+  """
+
+  row_length: int
+  length_multiple: int = 0
+  shared_prompt: bool = False
+  pad_id: int = 0
+  rows_multiple: int = 1
+  rewards_multiple: int = 8
+
+  def __post_init__(self):
+    if (self.row_length < 1 or self.length_multiple < 0 or self.rows_multiple < 1
+        or self.rewards_multiple < 1):
+      raise ValueError(f"PackSpec needs positive sizes, got row_length={self.row_length}, "
+                       f"rows_multiple={self.rows_multiple}, rewards_multiple={self.rewards_multiple}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+  """Consecutive tokens of one unit: its own segment and branch, positions from ``start``."""
+
+  ids: np.ndarray  # int32 [n]
+  segment: int  # 0-based within the unit
+  branch: int
+  start: int
+  rewarded: bool  # a reward is read at its last token
+
+
+def _preference_unit(group: PreferenceExample, shared_prompt: bool) -> list[_Piece]:
+  if not shared_prompt:
+    return [_Piece(ids, j, 0, 0, True) for j, ids in enumerate(group.input_ids)]
+  # Every completion keeps at least its last token, where its reward is read.
+  shared = min(len(ids) for ids in group.input_ids) - 1
+  first = group.input_ids[0]
+  for ids in group.input_ids[1:]:
+    differs = np.flatnonzero(ids[:shared] != first[:shared])
+    shared = int(differs[0]) if differs.size else shared
+  pieces = [_Piece(first[:shared], 0, 0, 0, False)] if shared else []
+  return pieces + [_Piece(ids[shared:], 0, j + 1, shared, True)
+                   for j, ids in enumerate(group.input_ids)]
+
+
+def _stepwise_unit(example: StepwiseExample) -> list[_Piece]:
+  return [_Piece(example.input_ids, 0, 0, 0, False)]
+
+
+def _length(unit: list[_Piece]) -> int:
+  return sum(len(p.ids) for p in unit)
+
+
+def plan_rows(lengths: Sequence[int], row_length: int, sources: Sequence[str]) -> list[list[int]]:
+  """First-fit decreasing: unit indices per row, each row's units in placement order."""
+  rows, free = [], []
+  for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+    if lengths[i] > row_length:
+      raise ValueError(f"{sources[i]} needs {lengths[i]} tokens in one row but rows hold "
+                       f"row_length={row_length}; raise row_length (plain packing needs "
+                       f"num_completions * max_length) or tokenize with a smaller max_length")
+    row = next((r for r, room in enumerate(free) if room >= lengths[i]), None)
+    if row is None:
+      rows.append([])
+      free.append(row_length)
+      row = len(rows) - 1
+    rows[row].append(i)
+    free[row] -= lengths[i]
+  return rows
+
+
+def _row_length(units: list[list[_Piece]], spec: PackSpec) -> int:
+  """The length of this batch's rows: see ``PackSpec.length_multiple``."""
+  if not spec.length_multiple:
+    return spec.row_length
+  longest = max((_length(u) for u in units), default=1)
+  return min(spec.row_length, _round_up(longest, spec.length_multiple))
+
+
+def _plan(units: list[list[_Piece]], spec: PackSpec, sources: Sequence[str]) -> tuple[int, list[list[int]]]:
+  """The batch's row length, and which units go in each row."""
+  row_length = _row_length(units, spec)
+  return row_length, plan_rows([_length(u) for u in units], row_length, sources)
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return -(-max(n, 1) // multiple) * multiple
+
+
+def _rows_needed(plan: list[list[int]], row_length: int, spec: PackSpec, num_rows: int | None) -> int:
+  if num_rows is None:
+    return _round_up(len(plan), spec.rows_multiple)
+  if len(plan) > num_rows:
+    raise ValueError(f"packing needs {len(plan)} rows of {row_length} tokens but "
+                     f"num_rows={num_rows}; raise num_rows or row_length")
+  return num_rows
+
+
+@dataclasses.dataclass
+class _Rows:
+  """The [B, T] arrays of a packed batch, filled one unit at a time."""
+
+  num_rows: int
+  row_length: int
+  pad_id: int
+
+  def __post_init__(self):
+    shape = (self.num_rows, self.row_length)
+    self.input_ids = np.full(shape, self.pad_id, np.int32)
+    self.attention_mask = np.zeros(shape, np.int32)
+    self.positions = np.zeros(shape, np.int32)
+    self.segment_ids = np.zeros(shape, np.int32)
+    self.branch_ids = np.zeros(shape, np.int32)
+
+  def place(self, unit: list[_Piece], row: int, cursor: int, first_segment: int) -> list[tuple[int, int]]:
+    """Writes ``unit`` at ``cursor``; returns (start, end) of each piece within the row."""
+    spans = []
+    for p in unit:
+      sl = slice(cursor, cursor + len(p.ids))
+      self.input_ids[row, sl] = p.ids
+      self.attention_mask[row, sl] = 1
+      self.positions[row, sl] = p.start + np.arange(len(p.ids))
+      self.segment_ids[row, sl] = first_segment + p.segment
+      self.branch_ids[row, sl] = p.branch
+      spans.append((sl.start, sl.stop))
+      cursor = sl.stop
+    return spans
+
+  def arrays(self) -> Batch:
+    return {"input_ids": self.input_ids, "attention_mask": self.attention_mask,
+            "positions": self.positions, "segment_ids": self.segment_ids,
+            "branch_ids": self.branch_ids}
+
+
+def _fill(units: list[list[_Piece]], plan: list[list[int]], rows: _Rows):
+  """Places every unit as ``plan`` says; yields (unit index, row, per-piece (start, end))."""
+  for r, members in enumerate(plan):
+    cursor, segment = 0, 1
+    for i in members:
+      spans = rows.place(units[i], r, cursor, segment)
+      yield i, r, spans
+      cursor = spans[-1][1]
+      segment += 1 + max(p.segment for p in units[i])
+
+
+def rewards_per_row(groups: Sequence[PreferenceExample], plan: list[list[int]]) -> int:
+  """The most completions any row of ``plan`` holds."""
+  return max((sum(len(groups[i].input_ids) for i in members) for members in plan), default=0)
+
+
+def pack_preference(groups: Sequence[PreferenceExample], spec: PackSpec, *,
+                    num_groups: int | None = None, num_completions: int | None = None,
+                    num_rows: int | None = None, num_rewards: int | None = None) -> Batch:
+  """Packs preference groups into rows (see the module docstring for the layout).
+
+  Args:
+    groups: the groups of this batch, best completion first in each (as tokenized).
+    spec: row length, shared-prompt mode, padding and rounding.
+    num_groups: G; missing groups become fillers (default: ``len(groups)``).
+    num_completions: K (default: the most completions of any group).
+    num_rows: B (default: as many as needed, rounded up to ``spec.rows_multiple``).
+    num_rewards: R (default: the most completions in a row, rounded up to
+      ``spec.rewards_multiple``).
+  """
+  g = len(groups) if num_groups is None else num_groups
+  k = num_completions or max((len(e.input_ids) for e in groups), default=0)
+  if not k:
+    raise ValueError("no groups to pack: pass num_completions to build an all-filler batch")
+  if len(groups) > g:
+    raise ValueError(f"{len(groups)} groups given for num_groups={g}")
+  units = [_preference_unit(e, spec.shared_prompt) for e in groups]
+  t, plan = _plan(units, spec, [e.source for e in groups])
+  b = _rows_needed(plan, t, spec, num_rows)
+  r = num_rewards or _round_up(rewards_per_row(groups, plan), spec.rewards_multiple)
+  rows = _Rows(b, t, spec.pad_id)
+  reward_positions = np.full((b, r), -1, np.int32)
+  reward_index = np.zeros((g, k), np.int32)
+  ranks = np.full((g, k), -1, np.int32)
+  margin = np.zeros((g,), np.float32)
+  used = np.zeros((b,), np.int32)
+  for i, row, spans in _fill(units, plan, rows):
+    n = len(groups[i].input_ids)
+    if n > k:
+      raise ValueError(f"{groups[i].source} has {n} completions but batches hold "
+                       f"num_completions={k}; pass num_completions >= {n}")
+    if used[row] + n > r:
+      raise ValueError(f"row {row} holds more than num_rewards={r} completions; raise num_rewards")
+    ends = [end - 1 for (_, end), p in zip(spans, units[i]) if p.rewarded]
+    slots = used[row] + np.arange(n)
+    reward_positions[row, slots] = ends
+    reward_index[i, :n] = row * r + slots
+    used[row] += n
+    ranks[i, :n] = np.arange(n)
+    margin[i] = groups[i].margin
+  example_mask = (np.arange(g) < len(groups)).astype(np.float32)
+  return {**rows.arrays(), "reward_positions": reward_positions, "reward_index": reward_index,
+          "ranks": ranks, "margin": margin, "example_mask": example_mask}
+
+
+def pack_stepwise(examples: Sequence[StepwiseExample], spec: PackSpec, *,
+                  num_examples: int | None = None, num_rows: int | None = None) -> Batch:
+  """Packs stepwise sequences into rows (see the module docstring for the layout).
+
+  Args:
+    examples: the sequences of this batch.
+    spec: row length, padding and rounding (``shared_prompt`` does not apply).
+    num_examples: G; missing sequences become fillers (default: ``len(examples)``).
+    num_rows: B (default: as many as needed, rounded up to ``spec.rows_multiple``).
+  """
+  g = len(examples) if num_examples is None else num_examples
+  if len(examples) > g:
+    raise ValueError(f"{len(examples)} examples given for num_examples={g}")
+  units = [_stepwise_unit(e) for e in examples]
+  t, plan = _plan(units, spec, [e.source for e in examples])
+  rows = _Rows(_rows_needed(plan, t, spec, num_rows), t, spec.pad_id)
+  token_index = np.zeros((g, t), np.int32)
+  labels = np.full((g, t), IGNORE, np.int32)
+  for i, row, [(start, end)] in _fill(units, plan, rows):
+    token_index[i, :end - start] = row * t + np.arange(start, end)
+    labels[i, :end - start] = examples[i].labels
+  example_mask = (np.arange(g) < len(examples)).astype(np.float32)
+  return {**rows.arrays(), "token_index": token_index, "labels": labels,
+          "example_mask": example_mask}
+
+
+def group_rewards(rewards_br, reward_index_gk):
+  """Packed rewards [B, R] -> the [G, K] layout of the unpacked batch (jax or numpy arrays)."""
+  return rewards_br.reshape(-1)[reward_index_gk]
+
+
+def group_logits(logits_btc, token_index_gt):
+  """Packed token logits [B, T, C] -> [G, T, C], sequence g's tokens first in row g."""
+  return logits_btc.reshape(-1, logits_btc.shape[-1])[token_index_gt]
+
+
+def packing_stats(batch: Batch) -> dict[str, float]:
+  """Real tokens, padded tokens (B * T) and their ratio, the packing efficiency."""
+  real = int(batch["attention_mask"].sum())
+  padded = int(batch["attention_mask"].size)
+  return {"real_tokens": real, "padded_tokens": padded, "efficiency": real / padded}
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedCollator:
+  """Packs this host's groups of one global batch, with the same shapes on every host.
+
+  Drop-in for :class:`jaxrm.data.pipeline.Collator` when batches are packed: every host packs
+  every host's slice (cheap) and takes the largest row and reward counts, so all hosts build
+  arrays of one shape without talking to each other. ``reward_index`` and ``token_index`` point
+  into the *global* batch that ``pipeline.to_global_batch`` assembles from the hosts' rows.
+
+  Attributes:
+    batch_size: groups (or stepwise sequences) per host, G.
+    spec: how rows are packed.
+    num_completions: K for preference batches; None for stepwise ones.
+    process_index, process_count: this host's slice of the global batch.
+  """
+
+  batch_size: int
+  spec: PackSpec
+  num_completions: int | None = None
+  process_index: int = 0
+  process_count: int = 1
+
+  def __call__(self, groups: Sequence[PreferenceExample | StepwiseExample]) -> Batch:
+    slices = [list(groups[p * self.batch_size:(p + 1) * self.batch_size])
+              for p in range(self.process_count)]
+    stepwise = isinstance(groups[0], StepwiseExample)
+    k = None if stepwise else self.num_completions or max(len(e.input_ids) for e in groups)
+    units = [[_stepwise_unit(e) if stepwise else _preference_unit(e, self.spec.shared_prompt)
+              for e in part] for part in slices]
+    # Every host's rows are as long as the longest any host needs.
+    row_length = _row_length([u for part in units for u in part], self.spec)
+    spec = dataclasses.replace(self.spec, row_length=row_length, length_multiple=0)
+    plans = [_plan(u, spec, [e.source for e in part])[1] for u, part in zip(units, slices)]
+    num_rows = _round_up(max(map(len, plans)), spec.rows_multiple)
+    local = slices[self.process_index]
+    if stepwise:
+      batch = pack_stepwise(local, spec, num_examples=self.batch_size, num_rows=num_rows)
+      batch["token_index"] += self.process_index * num_rows * row_length
+      return batch
+    num_rewards = _round_up(max(rewards_per_row(part, plan) for part, plan in zip(slices, plans)),
+                            spec.rewards_multiple)
+    batch = pack_preference(local, spec, num_groups=self.batch_size, num_completions=k,
+                            num_rows=num_rows, num_rewards=num_rewards)
+    batch["reward_index"] += self.process_index * num_rows * num_rewards
+    return batch

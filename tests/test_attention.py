@@ -1,0 +1,117 @@
+"""The attention routes: einsum (XLA) and ``jax.nn.dot_product_attention`` (cuDNN on GPUs)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrm.data import packing
+from jaxrm.models import layers as L
+from jaxrm.models.decoder import RewardModelModule, attention_fn
+from test_packing import jitted, packed_rewards, pref, random_groups, tiny_config, tiny_model
+
+
+def tree_mask():
+  """Two rows: a shared prompt with two branches beside a plain sequence, and padding."""
+  segment = np.array([[1, 1, 1, 1, 1, 2, 2, 2, 0, 0], [1, 1, 1, 1, 2, 2, 2, 2, 2, 2]])
+  branch = np.array([[0, 0, 1, 1, 2, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 1, 1, 2, 2, 2]])
+  positions = np.array([[0, 1, 2, 3, 2, 0, 1, 2, 0, 0], [0, 1, 2, 3, 0, 1, 2, 1, 2, 3]])
+  real = (segment > 0).astype(np.int32)
+  return L.attention_mask(real, positions, segment, branch_ids_bt=branch)
+
+
+def test_tree_mask_hides_sibling_branches():
+  # Row 0's branch 2 token sees the prompt and itself, not branch 1: exactly 3 keys.
+  np.testing.assert_array_equal(np.asarray(tree_mask())[0, 4], [1, 1, 0, 0, 1, 0, 0, 0, 0, 0])
+
+
+def long_rows(seed=0):
+  """q [B, T, 4, 8], k and v [B, T, 2, 8], and the mask of shared-prompt rows of T = 300 tokens:
+  longer than two query blocks, with padding at the end of the rows."""
+  rng = np.random.default_rng(seed)
+  groups = []
+  for _ in range(5):
+    prompt = list(rng.integers(3, 100, rng.integers(20, 80)))
+    groups.append(pref(*(prompt + list(rng.integers(3, 100, rng.integers(5, 50))) for _ in range(3))))
+  batch = packing.pack_preference(groups, packing.PackSpec(300, shared_prompt=True))
+  b = batch["input_ids"].shape[0]
+  mask = L.attention_mask(batch["attention_mask"], batch["positions"], batch["segment_ids"],
+                          branch_ids_bt=batch["branch_ids"])
+  assert 2 * L.CHUNK < 300 and not batch["attention_mask"].all()
+  q = rng.standard_normal((b, 300, 4, 8), np.float32)
+  k, v = rng.standard_normal((2, b, 300, 2, 8), np.float32)
+  return q, k, v, mask
+
+
+def test_fused_xla_call_matches_einsum_with_gqa_and_a_tree_mask():
+  q, k, v, mask = long_rows()
+  einsum = L.dot_product_attention(q, k, v, mask, scale=0.3, softcap=None)
+  fused = L.fused_attention(q, k, v, mask, scale=0.3, implementation="xla")
+  assert np.isfinite(einsum).all() and np.isfinite(fused).all()  # padding queries too
+  attends = np.asarray(mask).any(-1)
+  np.testing.assert_allclose(np.asarray(fused)[attends], np.asarray(einsum)[attends], atol=1e-6, rtol=0)
+
+
+def reference_attention(q, k, v, mask, scale, softcap):
+  """Plain attention, differentiated by JAX: what the hand-written backward pass must equal."""
+  b, t, h, d = q.shape
+  q = q.reshape(b, t, k.shape[2], h // k.shape[2], d)
+  logits = jnp.einsum("btkgd,bskd->bkgts", q, k) * scale
+  if softcap is not None:
+    logits = jnp.tanh(logits / softcap) * softcap
+  probs = jax.nn.softmax(jnp.where(mask[:, None, None], logits, L.NEG_INF), axis=-1)
+  return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_attention_gradients_equal_autodiff(softcap):
+  q, k, v, mask = long_rows(1)
+  # A loss that weighs every output of a query that sees a key (padding's outputs are unused).
+  w = np.random.default_rng(2).standard_normal(q.shape).astype(np.float32)
+  w *= np.asarray(mask).any(-1)[..., None, None]
+
+  def loss(fn):
+    return lambda q, k, v: jnp.sum(fn(q, k, v, mask, 0.3, softcap) * w)
+
+  got = jax.grad(loss(L.dot_product_attention), argnums=(0, 1, 2))(q, k, v)
+  want = jax.grad(loss(reference_attention), argnums=(0, 1, 2))(q, k, v)
+  for g, e in zip(got, want):
+    assert np.abs(e).max() > 0.1
+    np.testing.assert_allclose(g, e, atol=1e-5, rtol=0)
+
+
+def test_attention_route_per_config():
+  route = attention_fn(tiny_config(attention_impl="cudnn", dtype="bfloat16"))
+  assert route.func is L.fused_attention
+  assert route.keywords["implementation"] == ("cudnn" if jax.default_backend() == "gpu" else "xla")
+  assert attention_fn(tiny_config()).func is L.dot_product_attention
+  # jax.nn.dot_product_attention has no soft-capping: Gemma 2 keeps the einsum path.
+  capped = attention_fn(tiny_config(attention_impl="cudnn", attn_logit_softcapping=50.0))
+  assert capped.func is L.dot_product_attention and capped.keywords["softcap"] == 50.0
+
+
+def test_float32_never_takes_cudnn():
+  route = attention_fn(tiny_config(attention_impl="cudnn", dtype="float32"))
+  assert route.keywords["implementation"] == "xla"
+
+
+def test_cudnn_setting_equals_xla_setting_on_packed_rows():
+  groups = random_groups(np.random.default_rng(5), 3, 3)
+  batch = packing.pack_preference(groups, packing.PackSpec(64, shared_prompt=True))
+  xla = packed_rewards(jitted(tiny_model(tiny_config())), batch)
+  fused = packed_rewards(jitted(tiny_model(tiny_config(attention_impl="cudnn"))), batch)
+  real = batch["ranks"] >= 0
+  np.testing.assert_allclose(np.asarray(fused)[real], np.asarray(xla)[real], atol=1e-5, rtol=0)
+
+
+def test_unknown_attention_impl_is_an_error():
+  with pytest.raises(ValueError, match=r"attention_impl='flash'; use one of xla, cudnn"):
+    nnx.eval_shape(lambda: RewardModelModule(tiny_config(attention_impl="flash"), rngs=nnx.Rngs(0)))
+
+
+def test_reward_positions_need_a_sequence_head():
+  model = tiny_model(tiny_config(head="token", num_labels=2))
+  ids = np.ones((1, 4), np.int32)
+  with pytest.raises(ValueError, match="reward_positions needs a sequence head"):
+    model(ids, ids, reward_positions=np.zeros((1, 1), np.int32))
