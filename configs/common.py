@@ -35,6 +35,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.step_separator = "\n"
   c.data.train_on_last_step_only = False
   c.data.bucket_multiple = 64
+  # none | packed (several sequences per row) | shared_prompt (packed, a group's prompt written once)
+  c.data.packing = "none"
+  # Tokens per packed row; 0: each batch's rows as long as its longest group (at most
+  # max_length x completions per group), rounded up to bucket_multiple.
+  c.data.packed_row_length = 0
   c.data.num_workers = 0
   c.data.shuffle_seed = 0
   c.data.max_train_rows = 0  # 0: all

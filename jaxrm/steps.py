@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrm import losses, sharding
+from jaxrm.data.packing import group_logits, group_rewards
 from jaxrm.models.decoder import RewardModelModule
 
 REWARD_TYPES = ("bradley_terry", "ranking", "stepwise")
@@ -40,28 +41,42 @@ class RewardSpec:
       raise ValueError(f"reward.ranking_loss must be one of {', '.join(RANKING_LOSSES)}; got {self.ranking_loss!r}")
 
 
+def _is_packed(batch: dict[str, Any]) -> bool:
+  """Whether ``batch`` has the packed layout of ``jaxrm.data.packing``."""
+  return "reward_index" in batch or "token_index" in batch
+
+
+def _outputs(model: RewardModelModule, batch: dict[str, jax.Array]) -> jax.Array:
+  """Rewards [G, K] of a preference batch, or logits [G, T, C] of a stepwise one, packed or not."""
+  if not _is_packed(batch):
+    out = model(batch["input_ids"], batch["attention_mask"])
+    return out if "labels" in batch else out.reshape(batch["ranks"].shape)
+  rows = (batch["input_ids"], batch["attention_mask"], batch["positions"], batch["segment_ids"],
+          batch["branch_ids"])
+  if "token_index" in batch:
+    return group_logits(model(*rows), batch["token_index"])
+  return group_rewards(model(*rows, reward_positions=batch["reward_positions"]), batch["reward_index"])
+
+
 def make_loss_fn(model: RewardModelModule, spec: RewardSpec) -> Callable:
-  """``loss_fn(params, batch) -> (loss_total, metrics)``; loss_total is a sum, metrics["loss"].count its count."""
+  """``loss_fn(params, batch) -> (loss_total, metrics)``; loss_total is a sum, metrics["loss"].count its count.
+
+  ``batch`` is unpacked (``pipeline``'s layout) or packed (``packing``'s); both give the same
+  losses and metrics, counted per group or sequence.
+  """
   graphdef = nnx.graphdef(model)
 
-  def apply(params, batch):
-    m = nnx.merge(graphdef, params)
-    return m(batch["input_ids"], batch["attention_mask"], batch.get("positions"), batch.get("segment_ids"))
-
   def loss_fn(params, batch):
-    out = apply(params, batch)
+    out = _outputs(nnx.merge(graphdef, params), batch)
     if spec.type == "stepwise":
       _, metrics = losses.stepwise_loss(out, batch["labels"], batch["example_mask"])
+    elif spec.type == "ranking" and spec.ranking_loss == "plackett_luce":
+      _, metrics = losses.plackett_luce_loss(out, batch["ranks"], batch["example_mask"])
     else:
-      b, k = batch["ranks"].shape
-      rewards = out.reshape(b, k)
-      if spec.type == "ranking" and spec.ranking_loss == "plackett_luce":
-        _, metrics = losses.plackett_luce_loss(rewards, batch["ranks"], batch["example_mask"])
-      else:
-        _, metrics = losses.bradley_terry_loss(
-            rewards, batch["ranks"], batch["example_mask"], batch.get("margin"),
-            center_rewards_coefficient=spec.center_rewards_coefficient,
-            all_pairs=spec.type == "ranking")
+      _, metrics = losses.bradley_terry_loss(
+          out, batch["ranks"], batch["example_mask"], batch.get("margin"),
+          center_rewards_coefficient=spec.center_rewards_coefficient,
+          all_pairs=spec.type == "ranking")
     return metrics["loss"].total, metrics
 
   return loss_fn
@@ -123,7 +138,9 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedul
   """One jitted ``(state, batch) -> (state, (metrics, extra))`` with the state donated.
 
   Gradients of summed losses are accumulated over ``grad_accum_steps`` micro-batches and divided
-  by the total count, so the update follows the mean loss over the whole global batch.
+  by the total count, so the update follows the mean loss over the whole global batch. An
+  unpacked batch is split here; a packed one comes split, each array with a leading
+  ``[grad_accum_steps]`` axis (see ``packing.PackedCollator``).
   ``metrics`` are the loss's sums and counts (see ``losses.finalize_metrics``); ``extra`` holds
   ``grad_norm`` (before clipping) and ``learning_rate``. With ``mesh``, activations are pinned to
   it at block boundaries.
@@ -139,7 +156,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedul
     if grad_accum_steps == 1:
       (_, metrics), grads = grad_fn(params, batch)
     else:
-      micro = _microbatches(batch, grad_accum_steps)
+      micro = batch if _is_packed(batch) else _microbatches(batch, grad_accum_steps)
       first = jax.tree.map(lambda x: x[0], micro)
       zero_metrics = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: loss_fn(params, first)[1]))
       zero_grads = jax.tree.map(jnp.zeros_like, params)

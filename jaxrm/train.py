@@ -32,6 +32,8 @@ flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
 
 log = logging.getLogger("jaxrm.train")
 
+PACKING_MODES = ("none", "packed", "shared_prompt")
+
 
 class UserError(Exception):
   """A problem with the user's config or data: printed without a traceback."""
@@ -77,7 +79,7 @@ def train_and_evaluate(config, *, stop_after_steps: int | None = None) -> dict[s
   from flax import nnx
 
   from jaxrm import checkpointing, optim, sharding, steps
-  from jaxrm.data import datasets, pipeline
+  from jaxrm.data import datasets, packing, pipeline
   from jaxrm.data.errors import DropReport
   from jaxrm.data.tokenize import TokenizeOptions, tokenize_all
   from jaxrm.losses import accumulate, finalize_metrics
@@ -99,9 +101,10 @@ def train_and_evaluate(config, *, stop_after_steps: int | None = None) -> dict[s
   metric_name = checkpointing.normalize_metric_name(config.checkpointing.metric_name)
   if config.checkpointing.enabled:
     _check_checkpointing(config, metric_name)
+  stepwise = spec.type == "stepwise"
+  _check_packing(config, stepwise)
 
   # ------------------------------------------------------------------ model
-  stepwise = spec.type == "stepwise"
   with _config_errors():
     rm = RewardModel.from_pretrained(
         config.model.name_or_path, dtype=config.model.dtype, param_dtype=config.model.param_dtype,
@@ -147,20 +150,31 @@ def train_and_evaluate(config, *, stop_after_steps: int | None = None) -> dict[s
   if gbs % process_count:
     raise UserError(f"train.global_batch_size={gbs} must be divisible by the {process_count} processes")
   grad_accum = gbs // (mbs * data_parallel)
-  train_iter, stream = pipeline.make_train_iterator(
-      train_examples, batch_size=gbs // process_count, seed=config.data.shuffle_seed, buckets=buckets,
-      pad_id=pad_id, num_completions=num_completions, process_index=process_index,
-      process_count=process_count, num_workers=config.data.num_workers)
+  # Packed row counts: equal rows on every data-parallel device, in steps of a quarter micro-batch
+  # per device (few compiled shapes).
+  pack = _pack_spec(config, num_completions, rows_multiple=(
+      data_parallel // math.gcd(data_parallel, process_count) * max(mbs // 4, 1)))
+  if pack is not None:
+    _check_row_length(pack, {"train": train_examples, **{f"validation set {n!r}": v for n, v in val_sets.items()}})
+  with _config_errors():
+    train_iter, stream = pipeline.make_train_iterator(
+        train_examples, batch_size=gbs // process_count, seed=config.data.shuffle_seed, buckets=buckets,
+        pad_id=pad_id, num_completions=num_completions, process_index=process_index,
+        process_count=process_count, num_workers=config.data.num_workers, pack=pack,
+        micro_batches=grad_accum if pack is not None else 1)
   total_steps = min(config.train.max_steps, config.train.max_epochs * stream.steps_per_epoch)
   eval_bs = max(config.eval.batch_size // data_parallel, 1) * data_parallel
   val_batches = {
       name: pipeline.make_eval_batches(ex, batch_size=eval_bs // process_count, buckets=buckets, pad_id=pad_id,
                                        num_completions=num_completions, process_index=process_index,
-                                       process_count=process_count)
+                                       process_count=process_count, pack=pack)
       for name, ex in val_sets.items()}
 
-  def global_batch(local):
-    return pipeline.to_global_batch(local, lambda k, v: sharding.batch_sharding(mesh, v.ndim))
+  def global_batch(local, stacked=False):
+    return pipeline.to_global_batch(local, lambda k, v: _batch_sharding(mesh, v.ndim, stacked))
+
+  # Packed micro-batches come stacked: [grad_accum, rows, ...].
+  stacked_train = pack is not None and grad_accum > 1
 
   # ------------------------------------------------------------------ update
   schedule_args = dict(learning_rate=config.train.learning_rate, warmup_steps=config.train.warmup_steps,
@@ -204,7 +218,7 @@ def train_and_evaluate(config, *, stop_after_steps: int | None = None) -> dict[s
     all_drops = {"train": train_drops.as_dict(), **{f"validation-{n}": d.as_dict() for n, d in val_drops.items()}}
     with open(os.path.join(out_dir, "dropped_rows.json"), "w") as f:
       json.dump(all_drops, f, indent=2)
-    tokens_per_step = gbs * (num_completions or 1) * config.data.max_length
+    tokens_per_step = gbs * sum(map(packing.packed_length, train_examples)) / len(train_examples)
     print(
         f"jaxrm: {rm.config.family} model {config.model.name_or_path}, {num_params / 1e6:.1f}M parameters, "
         f"{rm.config.dtype} compute / {rm.config.param_dtype} weights, {spec.type} loss\n"
@@ -214,7 +228,8 @@ def train_and_evaluate(config, *, stop_after_steps: int | None = None) -> dict[s
         f"{train_drops.summary('train')}\n"
         + "".join(f"{d.summary('validation-' + n)}\n" for n, d in val_drops.items())
         + f"steps: {start_step} -> {total_steps}, batch {gbs} groups (x{grad_accum} accumulation), "
-        f"up to {tokens_per_step} tokens/step, output in {out_dir}", flush=True)
+        f"{tokens_per_step:.0f} tokens/step on average, {_describe_packing(pack, train_examples, gbs)}\n"
+        f"output in {out_dir}", flush=True)
 
   # ------------------------------------------------------------------ evals
   def evaluate(step: int) -> dict[str, float]:
@@ -247,8 +262,8 @@ def train_and_evaluate(config, *, stop_after_steps: int | None = None) -> dict[s
     while step < total_steps:
       t0 = time.time()
       local = next(train_iter)
-      real_tokens = int(local["attention_mask"].sum()) * process_count
-      state, (metrics, extra) = train_step(state, global_batch(local))
+      real_tokens, efficiency = _token_counts(local)
+      state, (metrics, extra) = train_step(state, global_batch(local, stacked_train))
       step += 1
       m = finalize_metrics(jax.device_get(metrics))
       grad_norm, lr = (float(x) for x in jax.device_get((extra["grad_norm"], extra["learning_rate"])))
@@ -266,7 +281,8 @@ def train_and_evaluate(config, *, stop_after_steps: int | None = None) -> dict[s
       if step % config.train.log_period == 0 or step == total_steps or step == start_step + 1:
         row = {f"train/{k}": v for k, v in m.items()}
         row.update({"train/grad_norm": grad_norm, "train/learning_rate": lr, "timing/train/step_time": step_time,
-                    "train/tokens_per_second": real_tokens / max(step_time, 1e-9),
+                    "train/tokens_per_second": real_tokens * process_count / max(step_time, 1e-9),
+                    "train/packing_efficiency": efficiency,
                     "train/epoch": step / stream.steps_per_epoch})
         writer.write(step, row)
       is_last = step == total_steps
@@ -288,6 +304,92 @@ def train_and_evaluate(config, *, stop_after_steps: int | None = None) -> dict[s
     if ckpt is not None:
       ckpt.close()
   return last_val
+
+
+def _check_packing(config, stepwise: bool) -> None:
+  mode, row_length = config.data.packing, config.data.packed_row_length
+  if mode not in PACKING_MODES:
+    raise UserError(f"data.packing must be one of {', '.join(PACKING_MODES)}; got {mode!r}")
+  if row_length < 0:
+    raise UserError(f"data.packed_row_length={row_length}: use a number of tokens per row, or 0 to "
+                    "size rows from each batch's longest group")
+  if mode == "none" and row_length:
+    log.warning("data.packed_row_length=%d is ignored: data.packing is 'none'", row_length)
+  if mode == "shared_prompt" and stepwise:
+    raise UserError("data.packing='shared_prompt' writes a preference group's prompt once; stepwise "
+                    "sequences have no group to share it: use data.packing='packed'")
+
+
+def _pack_spec(config, num_completions: int | None, rows_multiple: int):
+  """The ``PackSpec`` that ``data.packing`` and ``data.packed_row_length`` ask for; None: unpacked.
+
+  Args:
+    config: the run's config (checked by ``_check_packing``).
+    num_completions: K of preference data; None for stepwise data.
+    rows_multiple: each host's row count is rounded up to a multiple of this.
+  """
+  from jaxrm.data.packing import PackSpec
+  mode, row_length = config.data.packing, config.data.packed_row_length
+  if mode == "none":
+    return None
+  # Automatic rows fit a group of K completions of max_length tokens, and are as long as each
+  # batch's longest group, in steps of bucket_multiple (few compiled shapes).
+  return PackSpec(row_length=row_length or config.data.max_length * (num_completions or 1),
+                  length_multiple=0 if row_length else config.data.bucket_multiple,
+                  shared_prompt=mode == "shared_prompt", rows_multiple=rows_multiple)
+
+
+def _check_row_length(pack, example_sets: dict[str, list]) -> None:
+  """Stops before training if a group cannot fit in one packed row."""
+  from jaxrm.data.packing import packed_length
+  for name, examples in example_sets.items():
+    need, source = max(((packed_length(e, pack.shared_prompt), e.source) for e in examples),
+                       default=(0, ""))
+    if need > pack.row_length:
+      raise UserError(f"data.packed_row_length={pack.row_length} is too short for {source} ({name}), "
+                      f"which takes {need} tokens in one row: set data.packed_row_length >= {need}, "
+                      "or 0 to size rows automatically")
+
+
+def _describe_packing(pack, train_examples, gbs: int) -> str:
+  if pack is None:
+    return "one sequence per row (data.packing=none)"
+  rows = f"up to {pack.row_length}" if pack.length_multiple else f"{pack.row_length}"
+  text = f"packed into rows of {rows} tokens"
+  if pack.shared_prompt:
+    from jaxrm.data.packing import packed_length
+    shared = gbs * sum(packed_length(e, True) for e in train_examples) / len(train_examples)
+    text += f", {shared:.0f} tokens/step once prompts are shared"
+  return text
+
+
+def _token_counts(batch) -> tuple[int, float]:
+  """This host's batch: the tokens of its real sequences (each completion whole, shared prompt
+  included, so that every data.packing counts alike), and the share of its token slots that hold
+  a real token (the packing efficiency)."""
+  import numpy as np
+  mask = batch["attention_mask"]
+  if "reward_positions" in batch:  # packed preferences: a completion ends at position length - 1
+    ends = batch["reward_positions"]
+    lengths = np.take_along_axis(batch["positions"], np.maximum(ends, 0), axis=-1) + 1
+    return int(lengths[ends >= 0].sum()), float(mask.sum()) / mask.size
+  if "token_index" in batch:  # packed sequences: fillers take no room
+    return int(mask.sum()), float(mask.sum()) / mask.size
+  # Unpacked: absent completions and filler groups repeat real rows; they are not counted.
+  real_rows = batch["ranks"].reshape(-1) >= 0 if "ranks" in batch else batch["example_mask"] > 0
+  tokens = int(mask[real_rows].sum())
+  return tokens, tokens / mask.size
+
+
+def _batch_sharding(mesh, ndim: int, stacked: bool):
+  """The sharding of a batch array: rows over the data-parallel devices; with ``stacked``, the
+  leading axis is micro-batches and rows are the second."""
+  from jax.sharding import NamedSharding
+
+  from jaxrm import sharding
+  if not stacked:
+    return sharding.batch_sharding(mesh, ndim)
+  return NamedSharding(mesh, sharding.logical_to_spec((None, "batch") + (None,) * (ndim - 2)))
 
 
 def _check_checkpointing(config, metric_name: str | None) -> None:

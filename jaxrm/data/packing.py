@@ -106,6 +106,14 @@ def _length(unit: list[_Piece]) -> int:
   return sum(len(p.ids) for p in unit)
 
 
+def packed_length(example: PreferenceExample | StepwiseExample, shared_prompt: bool = False) -> int:
+  """Tokens ``example`` takes in a packed row: every completion's, or with ``shared_prompt`` the
+  prompt's once and then each completion's own."""
+  if isinstance(example, StepwiseExample):
+    return _length(_stepwise_unit(example))
+  return _length(_preference_unit(example, shared_prompt))
+
+
 def plan_rows(lengths: Sequence[int], row_length: int, sources: Sequence[str]) -> list[list[int]]:
   """First-fit decreasing: unit indices per row, each row's units in placement order."""
   rows, free = [], []
@@ -304,11 +312,17 @@ class PackedCollator:
   arrays of one shape without talking to each other. ``reward_index`` and ``token_index`` point
   into the *global* batch that ``pipeline.to_global_batch`` assembles from the hosts' rows.
 
+  With ``micro_batches`` n > 1 (gradient accumulation), micro-batch m takes every n-th group of
+  the host's slice from the m-th on (as ``steps`` splits unpacked batches) and is packed apart;
+  every array gets a leading ``[n]`` axis, all micro-batches padded to one shape, and the indices
+  of micro-batch m point into micro-batch m of the global batch.
+
   Attributes:
-    batch_size: groups (or stepwise sequences) per host, G.
+    batch_size: groups (or stepwise sequences) per host, G; a multiple of ``micro_batches``.
     spec: how rows are packed.
     num_completions: K for preference batches; None for stepwise ones.
     process_index, process_count: this host's slice of the global batch.
+    micro_batches: packed apart and stacked, n.
   """
 
   batch_size: int
@@ -316,27 +330,40 @@ class PackedCollator:
   num_completions: int | None = None
   process_index: int = 0
   process_count: int = 1
+  micro_batches: int = 1
+
+  def __post_init__(self):
+    if self.micro_batches < 1 or self.batch_size % self.micro_batches:
+      raise ValueError(f"batch_size={self.batch_size} groups per host cannot be split into "
+                       f"micro_batches={self.micro_batches} equal micro-batches")
 
   def __call__(self, groups: Sequence[PreferenceExample | StepwiseExample]) -> Batch:
-    slices = [list(groups[p * self.batch_size:(p + 1) * self.batch_size])
+    n = self.micro_batches
+    # slices[p][m]: host p's micro-batch m.
+    slices = [[list(groups[p * self.batch_size:(p + 1) * self.batch_size])[m::n] for m in range(n)]
               for p in range(self.process_count)]
+    parts = [part for host in slices for part in host]
     stepwise = isinstance(groups[0], StepwiseExample)
     k = None if stepwise else self.num_completions or max(len(e.input_ids) for e in groups)
     units = [[_stepwise_unit(e) if stepwise else _preference_unit(e, self.spec.shared_prompt)
-              for e in part] for part in slices]
+              for e in part] for part in parts]
     # Every host's rows are as long as the longest any host needs.
     row_length = _row_length([u for part in units for u in part], self.spec)
     spec = dataclasses.replace(self.spec, row_length=row_length, length_multiple=0)
-    plans = [_plan(u, spec, [e.source for e in part])[1] for u, part in zip(units, slices)]
+    plans = [_plan(u, spec, [e.source for e in part])[1] for u, part in zip(units, parts)]
     num_rows = _round_up(max(map(len, plans)), spec.rows_multiple)
-    local = slices[self.process_index]
-    if stepwise:
-      batch = pack_stepwise(local, spec, num_examples=self.batch_size, num_rows=num_rows)
-      batch["token_index"] += self.process_index * num_rows * row_length
-      return batch
-    num_rewards = _round_up(max(rewards_per_row(part, plan) for part, plan in zip(slices, plans)),
-                            spec.rewards_multiple)
-    batch = pack_preference(local, spec, num_groups=self.batch_size, num_completions=k,
-                            num_rows=num_rows, num_rewards=num_rewards)
-    batch["reward_index"] += self.process_index * num_rows * num_rewards
-    return batch
+    num_rewards = None if stepwise else _round_up(
+        max(rewards_per_row(part, plan) for part, plan in zip(parts, plans)), spec.rewards_multiple)
+    micro = []
+    for local in slices[self.process_index]:
+      if stepwise:
+        batch = pack_stepwise(local, spec, num_examples=self.batch_size // n, num_rows=num_rows)
+        batch["token_index"] += self.process_index * num_rows * row_length
+      else:
+        batch = pack_preference(local, spec, num_groups=self.batch_size // n, num_completions=k,
+                                num_rows=num_rows, num_rewards=num_rewards)
+        batch["reward_index"] += self.process_index * num_rows * num_rewards
+      micro.append(batch)
+    if n == 1:
+      return micro[0]
+    return {key: np.stack([b[key] for b in micro]) for key in micro[0]}

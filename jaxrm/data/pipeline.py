@@ -20,6 +20,11 @@ attended token can turn attention into NaN; ``ranks == -1`` and ``example_mask =
 -100) mark such rows for the loss to ignore.
 
 Length is bucketed per batch; the data is never sorted by length, which would bias training.
+
+With a :class:`~jaxrm.data.packing.PackSpec`, batches are packed instead (several sequences per
+row; the layout is in :mod:`jaxrm.data.packing`), with the same shuffling, per-host split and
+resume state. A packed training batch split into n micro-batches carries a leading ``[n]`` axis
+on every array, its batch dimension second.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import jax
 import numpy as np
 
 from jaxrm.data.errors import DataError
+from jaxrm.data.packing import PackedCollator, PackSpec
 from jaxrm.data.tokenize import IGNORE, PreferenceExample, StepwiseExample
 
 Example = PreferenceExample | StepwiseExample
@@ -121,8 +127,8 @@ class TrainStream:
 def make_train_iterator(examples: Sequence[Example], *, batch_size: int, seed: int,
                         buckets: Sequence[int], pad_id: int = 0,
                         num_completions: int | None = None, process_index: int = 0,
-                        process_count: int = 1, num_workers: int = 0
-                        ) -> tuple[grain.DatasetIterator, TrainStream]:
+                        process_count: int = 1, num_workers: int = 0, pack: PackSpec | None = None,
+                        micro_batches: int = 1) -> tuple[grain.DatasetIterator, TrainStream]:
   """An endless iterator of this host's training batches, and its epoch arithmetic.
 
   Each epoch is a fresh seeded shuffle of ``examples`` (identical for identical seeds), cut into
@@ -139,6 +145,10 @@ def make_train_iterator(examples: Sequence[Example], *, batch_size: int, seed: i
     num_completions: K for preference batches; defaults to :func:`max_completions`.
     process_index, process_count: this host and the number of hosts.
     num_workers: Grain worker processes (0: batches are built in this process).
+    pack: pack each batch's sequences into rows this way (``buckets`` then do not apply; the
+      spec's pad_id is replaced by ``pad_id``); None: one sequence per row.
+    micro_batches: with ``pack``, the micro-batches of gradient accumulation, packed apart and
+      stacked along a leading axis (see :class:`~jaxrm.data.packing.PackedCollator`).
   """
   stream = TrainStream(len(examples), batch_size * process_count)
   if stream.steps_per_epoch == 0:
@@ -146,7 +156,7 @@ def make_train_iterator(examples: Sequence[Example], *, batch_size: int, seed: i
                     f"global batch needs {stream.global_batch_size} (batch_size {batch_size} x "
                     f"{process_count} hosts): lower the batch size or add data")
   collate = _collator(examples, batch_size, buckets, pad_id, num_completions, process_index,
-                      process_count)
+                      process_count, pack, micro_batches)
   # Grain shuffles epoch e with seed + e; mixing the seed first keeps runs with seeds s and s + 1
   # from seeing the same orders one epoch apart.
   shuffle_seed = int(np.random.SeedSequence(seed).generate_state(1)[0])
@@ -167,10 +177,13 @@ def make_train_iterator(examples: Sequence[Example], *, batch_size: int, seed: i
 
 def make_eval_batches(examples: Sequence[Example], *, batch_size: int, buckets: Sequence[int],
                       pad_id: int = 0, num_completions: int | None = None, process_index: int = 0,
-                      process_count: int = 1) -> list[Batch]:
-  """Every example once, in order, as this host's batches; the last is completed with fillers."""
+                      process_count: int = 1, pack: PackSpec | None = None) -> list[Batch]:
+  """Every example once, in order, as this host's batches; the last is completed with fillers.
+
+  Arguments are those of :func:`make_train_iterator`.
+  """
   collate = _collator(examples, batch_size, buckets, pad_id, num_completions, process_index,
-                      process_count)
+                      process_count, pack)
   step = batch_size * process_count
   return [collate(examples[i:i + step]) for i in range(0, len(examples), step)]
 
@@ -192,11 +205,19 @@ def to_global_batch(local_batch: Batch,
 
 
 def _collator(examples: Sequence[Example], batch_size: int, buckets: Sequence[int], pad_id: int,
-              num_completions: int | None, process_index: int, process_count: int) -> Collator:
+              num_completions: int | None, process_index: int, process_count: int,
+              pack: PackSpec | None = None, micro_batches: int = 1) -> Collator | PackedCollator:
   if not examples:
     raise DataError("no examples left to batch (every row was dropped, or the data is empty)")
   if isinstance(examples[0], PreferenceExample) and num_completions is None:
     num_completions = max_completions(examples)
+  if pack is not None:
+    return PackedCollator(batch_size=batch_size, spec=dataclasses.replace(pack, pad_id=pad_id),
+                          num_completions=num_completions, process_index=process_index,
+                          process_count=process_count, micro_batches=micro_batches)
+  if micro_batches != 1:
+    raise ValueError("micro_batches applies to packed batches only; unpacked ones are split by "
+                     "the train step")
   return Collator(batch_size=batch_size, buckets=tuple(sorted(buckets)), pad_id=pad_id,
                   num_completions=num_completions, process_index=process_index,
                   process_count=process_count)

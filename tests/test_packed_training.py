@@ -1,0 +1,200 @@
+"""Training on packed rows (data.packing=packed or shared_prompt) equals training on unpacked ones:
+per-step metrics, final parameters and validation, with gradient accumulation, data-parallel
+devices and resume; and the config errors of packing."""
+
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import tiny_run
+from jaxrm import train
+from jaxrm.data import packing
+from jaxrm.data.tokenize import IGNORE, PreferenceExample, StepwiseExample
+
+# float32 sums taken in another order (rows of other lengths, several sequences side by side,
+# micro-batches) move these runs' losses and gradient norms by about 1e-7; a token that sees one it
+# should not (shared-prompt branches seeing each other) moves the loss by about 1e-2.
+METRIC_ATOL = 1e-5
+# Adam scales every update to about the learning rate (1e-3), so rounding in a gradient element
+# near zero can move its update by a fraction of that (4e-6 seen here); a wrong gradient moves
+# updates by the learning rate itself.
+PARAM_ATOL = 1e-4
+TRAIN_KEYS = ("train/loss", "train/accuracy", "train/grad_norm", "train/chosen_reward",
+              "train/reward_std")
+STEP_KEYS = ("train/loss", "train/step_accuracy", "train/grad_norm", "train/f1_error",
+             "train/first_error_found")
+
+# 3 steps (the first at learning rate 0 under warmup) and a checkpoint at the end; preference runs
+# validate at the end, in batches of 3 groups, so the last of 8 holds a filler.
+RUN = {"train.max_steps": 3, "eval.val_period": 0, "eval.batch_size": 3,
+       "data.val_data_paths": {"default": "validation"}, "checkpointing.metric_name": "",
+       "checkpointing.save_period": 0, "logger.tensorboard": False}
+
+
+@pytest.fixture(scope="session")
+def root(request, tmp_path_factory):
+  path = tiny_run.cache_root(request, tmp_path_factory)
+  tiny_run.enable_compile_cache(path)
+  return path
+
+
+@pytest.fixture(scope="module")
+def runs(root, tmp_path_factory):
+  """``runs(head, packing, micro_batch_size)``: the output directory of that run, trained once.
+
+  ``head``: "sequence" trains pairs, "token" stepwise rows (without validation, to compile less).
+  """
+  done = {}
+
+  def get(head, packing, micro_batch_size=8):
+    key = (head, packing, micro_batch_size)
+    if key not in done:
+      out = str(tmp_path_factory.mktemp("runs") / "-".join(map(str, key)))
+      train.train_and_evaluate(config(root, head, out, packing, micro_batch_size,
+                                      eval__val_at_end=head == "sequence"))
+      done[key] = out
+    return done[key]
+
+  return get
+
+
+def config(root, head, out, packing, micro_batch_size=8, **overrides):
+  c = tiny_run.config(tiny_run.tiny_model_dir(root, head=head), out, data__packing=packing,
+                      train__micro_batch_size=micro_batch_size)
+  if head == "token":
+    tiny_run.set_keys(c, {"reward.type": "stepwise", "data.dataset_name": "demo_arithmetic_steps"})
+  return tiny_run.set_keys(c, {**RUN, **{k.replace("__", "."): v for k, v in overrides.items()}})
+
+
+def train_rows(out):
+  return [r for r in tiny_run.read_metrics(out) if "train/loss" in r]
+
+
+def final_params(out):
+  path = os.path.join(out, "checkpoints", str(RUN["train.max_steps"]), "params")
+  return ocp.PyTreeCheckpointer().restore(path)
+
+
+def assert_same_training(out, expected, keys):
+  rows, want = train_rows(out), train_rows(expected)
+  assert [r["step"] for r in rows] == [r["step"] for r in want] == [1, 2, 3]
+  for key in keys:
+    np.testing.assert_allclose([r[key] for r in rows], [r[key] for r in want], rtol=0,
+                               atol=METRIC_ATOL, err_msg=key)
+  # Tokens are counted alike whatever the layout: every completion whole.
+  tokens = lambda rs: [r["train/tokens_per_second"] * r["timing/train/step_time"] for r in rs]
+  np.testing.assert_allclose(tokens(rows), tokens(want), rtol=1e-6)
+  val, val_want = ([r for r in tiny_run.read_metrics(o) if "validation-default_loss" in r]
+                   for o in (out, expected))
+  assert len(val) == len(val_want)
+  for key in val_want[0] if val_want else ():
+    if key.startswith("validation-default_"):
+      np.testing.assert_allclose(val[0][key], val_want[0][key], rtol=0, atol=METRIC_ATOL, err_msg=key)
+  got, ref = final_params(out), final_params(expected)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(ref)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=PARAM_ATOL,
+                               err_msg=jax.tree_util.keystr(path))
+
+
+def test_shared_prompt_training_equals_unpacked(runs):
+  # 8 pairs per step as 2 micro-batches of 4: the micro-batches are packed apart.
+  out, unpacked = runs("sequence", "shared_prompt", 4), runs("sequence", "none")
+  assert_same_training(out, unpacked, TRAIN_KEYS)
+  # Packing is the point: more of every row is real tokens.
+  efficiency = lambda o: np.mean([r["train/packing_efficiency"] for r in train_rows(o)])
+  assert efficiency(out) > 2 * efficiency(unpacked)
+
+
+def test_packed_stepwise_training_equals_unpacked(runs):
+  assert_same_training(runs("token", "packed"), runs("token", "none"), STEP_KEYS)
+
+
+def test_packed_run_resumes_exactly(runs, root, tmp_path):
+  out = str(tmp_path / "run")
+  train.train_and_evaluate(config(root, "sequence", out, "shared_prompt", 4), stop_after_steps=2)
+  assert [r["step"] for r in train_rows(out)] == [1, 2]
+  train.train_and_evaluate(config(root, "sequence", out, "shared_prompt", 4))
+  uninterrupted = runs("sequence", "shared_prompt", 4)
+  rows, want = train_rows(out), train_rows(uninterrupted)
+  assert [r["step"] for r in rows] == [1, 2, 3]
+  for key in TRAIN_KEYS:  # the same batches in the same order: equal to the last bit
+    assert [r[key] for r in rows] == [r[key] for r in want], key
+
+
+@pytest.mark.slow
+def test_packed_rows_split_over_two_devices(runs, root, tmp_path):
+  """fsdp=2 on 2 CPU devices, 2 micro-batches of 2 pairs per device: each device takes half of
+  every micro-batch's rows, and the rewards are read back across the two."""
+  out = str(tmp_path / "sharded")
+  flags = ["--config.data.packing=packed", "--config.mesh.fsdp=2",
+           "--config.train.micro_batch_size=2", "--config.train.max_steps=3",
+           "--config.eval.val_period=0", "--config.eval.val_at_end=False",
+           "--config.checkpointing.enabled=False"]
+  result = tiny_run.run(tiny_run.cli(tiny_run.tiny_model_dir(root), out, *flags),
+                        XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  assert result.returncode == 0, tiny_run.describe(result)
+  assert "mesh: {'data': 1, 'fsdp': 2, 'tensor': 1} on 2 cpu devices" in result.stdout
+  assert "(x2 accumulation)" in result.stdout
+  rows, want = train_rows(out), train_rows(runs("sequence", "none"))
+  for key in TRAIN_KEYS:
+    np.testing.assert_allclose([r[key] for r in rows], [r[key] for r in want], rtol=0,
+                               atol=METRIC_ATOL, err_msg=key)
+
+
+# ------------------------------------------------------------------ micro-batches of two hosts
+
+
+def test_micro_batches_of_two_hosts_index_the_global_batch():
+  rng = np.random.default_rng(0)
+  prompt = lambda i: list(range(100 * i, 100 * i + 1 + i % 3))
+  pair = lambda i: (np.array(prompt(i) + [1, 2 + i], np.int32),
+                    np.array(prompt(i) + [3] * (1 + i % 2), np.int32))
+  pairs = [PreferenceExample(pair(i), (0, 1), 0.0, f"pair {i}", {}) for i in range(8)]
+  seqs = [StepwiseExample(rng.integers(3, 99, 2 + i % 4).astype(np.int32),
+                          np.full(2 + i % 4, IGNORE, np.int32), f"seq {i}", {}) for i in range(8)]
+  spec = packing.PackSpec(row_length=16, length_multiple=4, shared_prompt=True, rewards_multiple=1)
+  for groups in (pairs, seqs):
+    hosts = [packing.PackedCollator(4, spec, num_completions=2, process_index=p, process_count=2,
+                                    micro_batches=2)(groups) for p in range(2)]
+    assert {k: v.shape for k, v in hosts[0].items()} == {k: v.shape for k, v in hosts[1].items()}
+    # What to_global_batch assembles: rows (and groups) of host 0, then of host 1, on axis 1.
+    whole = {k: np.concatenate([h[k] for h in hosts], axis=1) for k in hosts[0]}
+    assert whole["input_ids"].shape[0] == 2
+    for m in range(2):  # micro-batch m holds groups m, m + 2, m + 4, m + 6, as unpacked
+      ids = whole["input_ids"][m]
+      if groups is pairs:  # a completion's last token stands in for its reward
+        last = np.take_along_axis(ids, np.maximum(whole["reward_positions"][m], 0), axis=1)
+        np.testing.assert_array_equal(packing.group_rewards(last, whole["reward_index"][m]),
+                                      [[c[-1] for c in pairs[i].input_ids] for i in range(m, 8, 2)])
+      else:
+        tokens = packing.group_logits(ids[..., None], whole["token_index"][m])[..., 0]
+        for g, i in enumerate(range(m, 8, 2)):
+          np.testing.assert_array_equal(tokens[g, :len(seqs[i].input_ids)], seqs[i].input_ids)
+
+
+# ------------------------------------------------------------------ config errors
+
+
+def test_bad_packing_values_name_the_key(root, tmp_path):
+  out = str(tmp_path / "run")
+  with pytest.raises(train.UserError, match=r"^data.packing must be one of none, packed, "
+                                            r"shared_prompt; got 'pack'$"):
+    train.train_and_evaluate(config(root, "sequence", out, "pack"))
+  with pytest.raises(train.UserError, match=r"^data.packed_row_length=-1: use a number of tokens"):
+    train.train_and_evaluate(config(root, "sequence", out, "packed", data__packed_row_length=-1))
+  with pytest.raises(train.UserError, match=r"^data.packing='shared_prompt' writes a preference "
+                                            r"group's prompt once; .* use data.packing='packed'$"):
+    train.train_and_evaluate(config(root, "token", out, "shared_prompt"))
+
+
+def test_row_too_short_for_a_group(root, tmp_path):
+  c = config(root, "sequence", str(tmp_path / "run"), "packed", data__packed_row_length=40)
+  # Demo pairs are 30-odd tokens per completion: a pair needs more than 40 tokens.
+  with pytest.raises(train.UserError, match=r"^data.packed_row_length=40 is too short for "
+                                            r"demo_arithmetic:train\[row \d+\] \(train\), which takes \d+ "
+                                            r"tokens in one row: set data.packed_row_length >= \d+, "
+                                            r"or 0 to size rows automatically$"):
+    train.train_and_evaluate(c)
