@@ -7,22 +7,38 @@ CPU, SmolLM2-135M shape (random weights), against TRL's RewardTrainer on the sam
 One H200: Qwen2.5-1.5B shape, sequences up to 2048 tokens, bf16 compute, cuDNN attention::
 
   python scripts/bench.py --gpu
+  python scripts/bench.py --gpu --dry_run  # settings, data and batch shapes only; runs anywhere
 
-Every mode runs in its own process (so peak memory is its own) on the same procedurally generated
+TRL is needed only here, not by jaxrm: ``pip install --no-deps trl`` into the environment.
+
+Every run has its own process (so peak memory is its own) and the same procedurally generated
 rows: multi-turn chats with long-tailed turn and completion lengths, two completions each, cut to
 ``--max_length`` from the left as the tokenizer does. Batch i holds rows [i*B, (i+1)*B) for every
-mode and for TRL; the first ``--warmup`` batches are not timed, and compilation (one program per
-distinct batch shape) happens before the clock starts and is reported on its own.
+mode and for TRL. jaxrm trains with the trainer's own loss (``steps.make_loss_fn``) and step
+(``steps.make_train_step``), on batches from the trainer's collators: ``unpacked`` (length
+buckets of 64), ``packed`` and ``shared_prompt`` (rows as long as the batch's longest group, in
+multiples of 64, as ``data.packing`` builds them).
 
-Reported per mode: pairs/s; tokens/s of the sequences as a trainer without packing sees them
-(prompt counted once per completion), of the real tokens fed to the model, and of all positions
-fed (padding included); packing efficiency = real / fed positions; peak memory (host RSS on CPU,
-device peak bytes on GPU); model TFLOP/s; and MFU on GPU, against ``--peak_tflops``.
+With ``--vs-trl`` each jaxrm mode runs in lockstep with a TRL run: the two processes take turns,
+one training step each (ABBA order), so both meet the same machine load; on a shared machine,
+load that changes between two runs otherwise decides the ratio. Each side compiles (jaxrm: one
+program per distinct batch shape) and loads before the first step; only steps are timed, after
+``--warmup`` untimed ones, from the start of the step to its updated parameters (batches are
+collated before the clock starts, as both trainers' data loaders do).
 
-FLOPs of a step = real tokens x (6 N + 12 L T d): N = non-embedding parameters (the embedding is
-a lookup; the reward head is counted), L = layers, T = row length fed to the model, d = query
-heads x head dim. 6 N is the forward and backward matmuls; 12 L T d the attention scores and
-weighted sums, forward and backward. TRL's step is counted the same way with its padded length.
+Reported per run: pairs/s and pairs per CPU-second (process CPU time, all threads); tokens/s of
+the sequences as a trainer without packing sees them (prompt counted once per completion), of
+the real tokens fed to the model, and of all positions fed (padding included); packing
+efficiency = real / fed positions; peak memory (host RSS on CPU, device peak bytes on GPU);
+compile seconds; model TFLOP/s; and MFU on GPU, against ``--peak_tflops``.
+
+Model FLOPs of a step = 6 N x real tokens + 12 L d x attended keys, where N = non-embedding
+parameters (the embedding is a lookup; the reward head is counted), L = layers, d = query heads x
+head dim, and attended keys = the sum over real tokens of the keys each attends to under its
+causal (or shared-prompt tree) mask, i.e. position + 1. 6 N is the forward and backward matmuls;
+12 L d per (query, key) pair the attention scores and weighted sums, forward and backward.
+Padding and masked-out keys are not counted, so every mode and TRL are credited with the work a
+model needs, not the work a layout wastes; a shared prompt is counted once, as it is computed.
 """
 
 from __future__ import annotations
@@ -53,10 +69,10 @@ SHAPES = {
                          head_dim=128, rms_norm_eps=1e-6, rope=RopeConfig(theta=1000000.0),
                          max_position_embeddings=32768, tie_word_embeddings=True, qkv_bias=True),
 }
-JAXRM_MODES = ("unpacked", "packed", "shared")
+JAXRM_MODES = ("unpacked", "packed", "shared_prompt")
 BUCKET = 64  # sequence and row lengths are multiples of this
-GPU_PRESET = dict(model="qwen2.5-1.5b", max_length=2048, row_length=4096, batch_size=8,
-                  dtype="bfloat16", attention="cudnn", remat="dots", modes="shared,packed,unpacked")
+GPU_PRESET = dict(model="qwen2.5-1.5b", max_length=2048, batch_size=8, dtype="bfloat16",
+                  attention="cudnn", remat="dots", modes="shared_prompt,packed,unpacked")
 
 # Token ids of the generated chats: ChatML-like markers, then text.
 PAD, IM_START, IM_END, NEWLINE, SYSTEM, USER, ASSISTANT = range(7)
@@ -66,29 +82,35 @@ FIRST_TEXT = 16
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--model", choices=sorted(SHAPES), default="smollm2-135m")
-  p.add_argument("--modes", default=",".join(JAXRM_MODES), help="jaxrm modes, comma-separated")
-  p.add_argument("--vs-trl", action="store_true", help="also run TRL's RewardTrainer")
+  p.add_argument("--modes", default=",".join(JAXRM_MODES),
+                 help=f"jaxrm modes, comma-separated, from {', '.join(JAXRM_MODES)}")
+  p.add_argument("--vs-trl", action="store_true", help="run TRL's RewardTrainer in lockstep with each mode")
   p.add_argument("--gpu", action="store_true", help=f"H200 preset: {GPU_PRESET}")
+  p.add_argument("--dry_run", action="store_true",
+                 help="print the settings, the data and each mode's batch shapes, then stop")
   p.add_argument("--batch_size", type=int, default=4, help="pairs per step")
-  p.add_argument("--steps", type=int, default=3, help="timed steps per mode")
+  p.add_argument("--steps", type=int, default=3, help="timed steps per run")
   p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
   p.add_argument("--max_length", type=int, default=512, help="longest sequence, in tokens")
-  p.add_argument("--row_length", type=int, default=None, help="packed row length (2 x max_length)")
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   p.add_argument("--attention", default="xla", choices=("xla", "cudnn"))
-  p.add_argument("--remat", default="none", choices=("none", "dots", "full"))
+  p.add_argument("--remat", default="none", choices=("none", "dots", "full"),
+                 help="jaxrm rematerialization; TRL checkpoints gradients only with 'full' (it has "
+                      "nothing like 'dots', which keeps the matmul outputs)")
   p.add_argument("--peak_tflops", type=float, default=989.0, help="accelerator peak (H200 bf16 dense)")
-  p.add_argument("--rounds", type=int, default=1, help="measure every run this many times")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--json", default=None, help="write every result here")
-  p.add_argument("--only", default=None, help=argparse.SUPPRESS)  # one mode, in this process
-  p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+  p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one run, in this process
+  p.add_argument("--channel", default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.gpu:
     for k, v in GPU_PRESET.items():
       if p.get_default(k) == getattr(args, k):
         setattr(args, k, v)
-  args.row_length = args.row_length or 2 * args.max_length
+  args.modes = [m for m in args.modes.split(",") if m]
+  unknown = sorted(set(args.modes) - set(JAXRM_MODES))
+  if unknown:
+    p.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(JAXRM_MODES)}")
   return args
 
 
@@ -124,6 +146,12 @@ def make_pairs(n: int, max_length: int, vocab: int, seed: int) -> list[Preferenc
   return out
 
 
+def bench_pairs(args) -> list[PreferenceExample]:
+  """Every row the benchmark trains on, warm-up batches first."""
+  return make_pairs(args.batch_size * (args.warmup + args.steps), args.max_length,
+                    SHAPES[args.model]["vocab_size"], args.seed)
+
+
 def data_summary(examples) -> dict:
   lengths = np.array([len(s) for e in examples for s in e.input_ids])
   return {"sequences": len(lengths), "mean_length": float(lengths.mean()),
@@ -136,42 +164,43 @@ def batches_of(examples, args):
   return [examples[i * b:(i + 1) * b] for i in range(args.warmup + args.steps)]
 
 
-def flops_per_token(cfg: ModelConfig, num_params: int, length: int) -> float:
-  n = num_params - cfg.vocab_size * cfg.hidden_size
-  return 6 * n + 12 * cfg.num_layers * length * cfg.num_heads * cfg.head_dim
+# ------------------------------------------------------------------------------------ FLOPs
+
+
+def dense_params(cfg: ModelConfig, num_params: int) -> int:
+  """N: parameters that cost 6 FLOPs per token (all but the embedding, which is a lookup)."""
+  return num_params - cfg.vocab_size * cfg.hidden_size
+
+
+def step_flops(cfg: ModelConfig, n_dense: int, tokens: int, keys: int) -> float:
+  """6 N per real token, plus 12 L d per attended (query, key) pair."""
+  return 6 * n_dense * tokens + 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * keys
+
+
+def attended_keys(batch) -> int:
+  """Sum over real tokens of the keys each attends to: its position + 1 (unpacked rows are
+  right-padded, so a row's positions count its real tokens)."""
+  mask = batch["attention_mask"]  # [B, T]
+  positions = batch["positions"] if "positions" in batch else np.cumsum(mask, -1) - 1
+  return int(((positions + 1) * mask).sum())
 
 
 # ------------------------------------------------------------------------------------ jaxrm
 
 
-def _packed_loss_fn(model):
-  """Bradley-Terry loss of a packed batch, rewards read per completion and put back as [G, K]."""
-  from flax import nnx
-  from jaxrm import losses
-  from jaxrm.data import packing
-  graphdef = nnx.graphdef(model)
-
-  def loss_fn(params, batch):
-    m = nnx.merge(graphdef, params)
-    out = m(batch["input_ids"], batch["attention_mask"], batch["positions"], batch["segment_ids"],
-            batch["branch_ids"], reward_positions=batch["reward_positions"])
-    rewards = packing.group_rewards(out, batch["reward_index"])
-    _, metrics = losses.bradley_terry_loss(rewards, batch["ranks"], batch["example_mask"],
-                                           batch["margin"])
-    return metrics["loss"].total, metrics
-
-  return loss_fn
-
-
-def _collator(mode, args):
-  """``groups -> batch`` for ``mode``; lengths (and packed row counts) follow each batch."""
+def collator(mode: str, args):
+  """The trainer's ``groups -> batch`` for ``mode`` (``data.packing`` none, packed, shared_prompt)."""
   from jaxrm.data import packing, pipeline
   if mode == "unpacked":
     return pipeline.Collator(batch_size=args.batch_size, pad_id=PAD, num_completions=2,
                              buckets=pipeline.length_buckets(args.max_length, BUCKET))
-  spec = packing.PackSpec(args.row_length, length_multiple=BUCKET, shared_prompt=mode == "shared",
-                          pad_id=PAD)
+  spec = packing.PackSpec(2 * args.max_length, length_multiple=BUCKET,
+                          shared_prompt=mode == "shared_prompt", pad_id=PAD)
   return packing.PackedCollator(args.batch_size, spec, num_completions=2)
+
+
+def _shape_key(batch) -> tuple:
+  return tuple((k, v.shape) for k, v in sorted(batch.items()))
 
 
 def _peak_memory_gib() -> float:
@@ -182,76 +211,82 @@ def _peak_memory_gib() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def _compile_all(train_step, state, batches, collate):
-  """Compiled step per batch shape, and the seconds spent compiling."""
-  start, compiled = time.perf_counter(), {}
-  for groups in batches:
-    batch = collate(groups)
-    key = tuple((k, v.shape) for k, v in sorted(batch.items()))
-    if key not in compiled:
-      compiled[key] = train_step.lower(state, batch).compile()
-  return compiled, time.perf_counter() - start
-
-
-def run_jaxrm(mode: str, args) -> dict:
+def _jaxrm_step(cfg: ModelConfig, seed: int):
+  """The trainer's jitted step for a Bradley-Terry model of ``cfg``, its initial state, and the
+  model's parameter count."""
   import jax
   from flax import nnx
   from jaxrm import optim, steps
   from jaxrm.models.decoder import RewardModelModule
 
-  cfg = model_config(args)
-  batches = batches_of(make_pairs(args.batch_size * (args.warmup + args.steps), args.max_length,
-                                  cfg.vocab_size, args.seed), args)
-  model = nnx.jit(lambda: RewardModelModule(cfg, rngs=nnx.Rngs(args.seed)))()
+  model = nnx.jit(lambda: RewardModelModule(cfg, rngs=nnx.Rngs(seed)))()
   params = nnx.state(model)
   num_params = sum(x.size for x in jax.tree.leaves(params))
   sched = dict(learning_rate=1e-5, warmup_steps=0, total_steps=1, decay="constant")
   tx = optim.make_optimizer(**sched, max_grad_norm=1.0)
-  loss_fn = steps.make_loss_fn(model, steps.RewardSpec()) if mode == "unpacked" else _packed_loss_fn(model)
-  train_step = steps.make_train_step(loss_fn, tx, optim.make_schedule(**sched))
-  state = {"params": params, "opt_state": jax.jit(tx.init)(params), "step": jax.numpy.zeros((), "int32")}
-  collate = _collator(mode, args)
-  attention = cfg.attention_impl
+  train_step = steps.make_train_step(steps.make_loss_fn(model, steps.RewardSpec()), tx,
+                                     optim.make_schedule(**sched))
+  state = {"params": params, "opt_state": jax.jit(tx.init)(params),
+           "step": jax.numpy.zeros((), "int32")}
+  return train_step, state, num_params
+
+
+def run_jaxrm(mode: str, args, channel: "_Channel") -> dict:
+  """Compiles every batch shape, says "ready", then runs one step per "step" from the parent."""
+  import jax
+
+  cfg = model_config(args)
+  train_step, state, num_params = _jaxrm_step(cfg, args.seed)
+  collate = collator(mode, args)
+  groups = batches_of(bench_pairs(args), args)
+  batches = [collate(g) for g in groups]
+  start, compiled = time.perf_counter(), {}
   try:
-    compiled, compile_s = _compile_all(train_step, state, batches, collate)
+    for batch in batches:
+      if _shape_key(batch) not in compiled:
+        compiled[_shape_key(batch)] = train_step.lower(state, batch).compile()
   except Exception as e:  # cuDNN may refuse a shape or mask: measure the XLA path instead
     if cfg.attention_impl != "cudnn":
       raise
-    attention = f"xla (cudnn failed: {str(e).splitlines()[0][:200]})"
     args.attention = "xla"
-    return dict(run_jaxrm(mode, args), attention=attention)
+    return dict(run_jaxrm(mode, args, channel),
+                attention=f"xla (cudnn failed: {str(e).splitlines()[0][:200]})")
+  compile_s = time.perf_counter() - start
 
+  channel.send("ready")
   totals = _new_totals()
-  for i, groups in enumerate(batches):
-    if i == args.warmup:
-      jax.block_until_ready(state)
-      clock = _Clock()
-    batch = collate(groups)
-    key = tuple((k, v.shape) for k, v in sorted(batch.items()))
-    state, _ = compiled[key](state, batch)
+  n_dense = dense_params(cfg, num_params)
+  for i, batch in enumerate(batches):
+    channel.wait_for("step")
+    clock = _Clock()
+    state, _ = compiled[_shape_key(batch)](state, batch)
+    jax.block_until_ready(state)
+    clock.stop()
     if i >= args.warmup:
-      _count(totals, cfg, num_params, groups, real=int(batch["attention_mask"].sum()),
-             fed=batch["attention_mask"].size, length=batch["input_ids"].shape[1])
-  jax.block_until_ready(state)
-  totals["seconds"], totals["cpu_seconds"] = clock.elapsed()
+      real = int(batch["attention_mask"].sum())
+      _count(totals, clock, groups[i], real=real, fed=batch["attention_mask"].size,
+             flops=step_flops(cfg, n_dense, real, attended_keys(batch)))
+    channel.send("done")
+  channel.wait_for("finish")
   return _result(f"jaxrm {mode}", args, totals, num_params, compile_s=compile_s,
-                 attention=attention, backend=jax.default_backend())
+                 attention=cfg.attention_impl, backend=jax.default_backend(),
+                 versions=f"jax {jax.__version__}")
 
 
 # -------------------------------------------------------------------------------------- TRL
 
 
-def run_trl(args) -> dict:
+def run_trl(args, channel: "_Channel") -> dict:
+  """TRL's RewardTrainer on the same model shape, rows and batches, one step per "step"."""
   import datasets
   import tokenizers
   import torch
   import transformers
-  from trl import RewardConfig, RewardTrainer
+  import trl
   from jaxrm.models.config import to_hf_config
 
   cfg = model_config(args)
-  examples = make_pairs(args.batch_size * (args.warmup + args.steps), args.max_length,
-                        cfg.vocab_size, args.seed)
+  examples = bench_pairs(args)
   hf = to_hf_config(cfg)
   config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
   torch.manual_seed(args.seed)
@@ -265,73 +300,97 @@ def run_trl(args) -> dict:
   data = datasets.Dataset.from_dict({"chosen_ids": [e.input_ids[0].tolist() for e in examples],
                                      "rejected_ids": [e.input_ids[1].tolist() for e in examples]})
   on_gpu = torch.cuda.is_available()
+  lockstep = _TrlLockstep(channel, args.warmup + args.steps)
   with tempfile.TemporaryDirectory() as out:
-    config = RewardConfig(
+    config = trl.RewardConfig(
         output_dir=out, per_device_train_batch_size=args.batch_size,
         max_steps=args.warmup + args.steps, learning_rate=1e-5, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, max_length=args.max_length,
         train_sampling_strategy="sequential", logging_strategy="no", save_strategy="no",
         report_to="none", disable_tqdm=True, dataloader_num_workers=0, use_cpu=not on_gpu,
-        bf16=on_gpu and args.dtype == "bfloat16", gradient_checkpointing=args.remat != "none",
+        bf16=on_gpu and args.dtype == "bfloat16", gradient_checkpointing=args.remat == "full",
         seed=args.seed)
-
-    class StepTimer(transformers.TrainerCallback):
-      def __init__(self):
-        self.begins, self.ends = [], []
-
-      def on_step_begin(self, *args, **kwargs):
-        self.begins.append(_Clock())
-
-      def on_step_end(self, *args, **kwargs):
-        self.ends.append(self.begins[0].now())
-
-    timer = StepTimer()
-    trainer = RewardTrainer(model=model, args=config, train_dataset=data, processing_class=tok,
-                            callbacks=[timer])
+    trainer = trl.RewardTrainer(model=model, args=config, train_dataset=data,
+                                processing_class=tok, callbacks=[lockstep.callback()])
     trainer.train()
   totals = _new_totals()
-  for groups in batches_of(examples, args)[args.warmup:]:
+  n_dense = dense_params(cfg, num_params)
+  timed = zip(batches_of(examples, args)[args.warmup:], lockstep.clocks[args.warmup:])
+  for groups, clock in timed:
     lengths = [len(s) for e in groups for s in e.input_ids]
     # DataCollatorForPreference pads every sequence to the batch's longest.
-    _count(totals, cfg, num_params, groups, real=sum(lengths), fed=len(lengths) * max(lengths),
-           length=max(lengths))
+    _count(totals, clock, groups, real=sum(lengths), fed=len(lengths) * max(lengths),
+           flops=step_flops(cfg, n_dense, sum(lengths), sum(n * (n + 1) // 2 for n in lengths)))
   memory = (torch.cuda.max_memory_allocated() / 2**30 if on_gpu
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
-  totals["seconds"], totals["cpu_seconds"] = timer.begins[args.warmup].elapsed(timer.ends[-1])
-  return _result("TRL RewardTrainer", args, totals, num_params,
-                 memory_gib=memory, backend="cuda" if on_gpu else "cpu",
-                 versions=f"trl {__import__('trl').__version__}, torch {torch.__version__}")
+  return _result("TRL RewardTrainer", args, totals, num_params, memory_gib=memory,
+                 attention=model.config._attn_implementation, backend="cuda" if on_gpu else "cpu",
+                 versions=f"trl {trl.__version__}, transformers {transformers.__version__}, "
+                          f"torch {torch.__version__}")
+
+
+class _TrlLockstep:
+  """Says "ready" once the trainer is set up, holds each step until the parent says "step",
+  times it to its optimizer update, and after the last one holds the trainer's wrap-up until the
+  parent says "finish" (so it cannot overlap the other run's last step)."""
+
+  def __init__(self, channel: "_Channel", num_steps: int):
+    self.channel = channel
+    self.num_steps = num_steps
+    self.clocks: list[_Clock] = []
+
+  def callback(self):
+    import transformers
+    outer = self
+
+    class Lockstep(transformers.TrainerCallback):
+
+      def on_train_begin(self, *args, **kwargs):
+        outer.channel.send("ready")
+
+      def on_step_begin(self, *args, **kwargs):
+        outer.channel.wait_for("step")
+        outer.clocks.append(_Clock())
+
+      def on_step_end(self, *args, **kwargs):
+        outer.clocks[-1].stop()
+        outer.channel.send("done")
+        if len(outer.clocks) == outer.num_steps:
+          outer.channel.wait_for("finish")
+
+    return Lockstep()
 
 
 # ---------------------------------------------------------------------------------- reports
 
 
 class _Clock:
-  """Wall and process CPU seconds (every thread of the process) since it was made."""
+  """Wall and process CPU seconds (every thread of the process) from creation to ``stop()``."""
 
   def __init__(self):
-    self.start = self.now()
+    self.start = (time.perf_counter(), time.process_time())
+    self.seconds = self.cpu_seconds = None
 
-  @staticmethod
-  def now() -> tuple[float, float]:
-    return time.perf_counter(), time.process_time()
-
-  def elapsed(self, end: tuple[float, float] | None = None) -> tuple[float, float]:
-    end = end or self.now()
-    return end[0] - self.start[0], end[1] - self.start[1]
+  def stop(self) -> None:
+    self.seconds = time.perf_counter() - self.start[0]
+    self.cpu_seconds = time.process_time() - self.start[1]
 
 
 def _new_totals() -> dict:
-  return dict(pairs=0, real=0, fed=0, seq=0, flops=0.0, seconds=0.0, cpu_seconds=0.0)
+  return dict(pairs=0, real=0, fed=0, seq=0, flops=0.0, seconds=0.0, cpu_seconds=0.0,
+              step_seconds=[])
 
 
-def _count(totals, cfg, num_params, groups, *, real, fed, length) -> None:
-  """Adds one timed step: its pairs, real and fed tokens, sequence tokens and FLOPs."""
+def _count(totals, clock: _Clock, groups, *, real: int, fed: int, flops: float) -> None:
+  """Adds one timed step: its time, pairs, real and fed tokens, sequence tokens and FLOPs."""
+  totals["seconds"] += clock.seconds
+  totals["step_seconds"].append(round(clock.seconds, 3))
+  totals["cpu_seconds"] += clock.cpu_seconds
   totals["pairs"] += len(groups)
   totals["real"] += real
   totals["fed"] += fed
   totals["seq"] += sum(len(s) for e in groups for s in e.input_ids)
-  totals["flops"] += real * flops_per_token(cfg, num_params, length)
+  totals["flops"] += flops
 
 
 def _rates(totals: dict, peak_tflops: float, on_gpu: bool) -> dict:
@@ -356,15 +415,6 @@ def _result(name, args, totals, num_params, memory_gib=None, **extra) -> dict:
           **_rates(totals, args.peak_tflops, on_gpu)}
 
 
-def combine(rounds: list[dict]) -> dict:
-  """One run's results over several rounds: totals summed, rates recomputed, memory the peak."""
-  totals = {k: sum(r["totals"][k] for r in rounds) for k in rounds[0]["totals"]}
-  first = rounds[0]
-  return {**first, "rounds": len(rounds), "totals": totals,
-          "peak_memory_gib": max(r["peak_memory_gib"] for r in rounds),
-          **_rates(totals, first["peak_tflops"], first["on_gpu"])}
-
-
 COLUMNS = (  # key, header, format
     ("pairs_per_s", "pairs/s", "{:.4f}"), ("pairs_per_cpu_s", "pairs/CPU-s", "{:.4f}"),
     ("seq_tokens_per_s", "seq tok/s", "{:.0f}"),
@@ -375,56 +425,158 @@ COLUMNS = (  # key, header, format
 
 
 def print_table(results: list[dict]) -> None:
-  """One row per run, then each jaxrm run's pairs/s as a multiple of TRL's."""
-  print(f"{'run':<20}" + "".join(f"{h:>12}" for _, h, _ in COLUMNS))
+  """One row per run, then each jaxrm run's pairs/s as a multiple of its TRL partner's."""
+  print(f"{'run':<24}" + "".join(f"{h:>12}" for _, h, _ in COLUMNS))
   for r in results:
-    print(f"{r['name']:<20}" + "".join(f"{fmt.format(r[k]) if k in r else '-':>12}" for k, _, fmt in COLUMNS))
-  trl = next((r for r in results if r["name"].startswith("TRL")), None)
+    print(f"{r['name']:<24}" + "".join(f"{fmt.format(r[k]) if k in r else '-':>12}" for k, _, fmt in COLUMNS))
   for r in results:
-    if trl and r is not trl:
-      print(f"{r['name']}: {r['pairs_per_s'] / trl['pairs_per_s']:.2f}x TRL's pairs/s, "
-            f"{r['pairs_per_cpu_s'] / trl['pairs_per_cpu_s']:.2f}x its pairs per CPU-second")
+    if "vs" in r:
+      trl = r["vs"]
+      print(f"{r['name']}: {r['pairs_per_s'] / trl['pairs_per_s']:.2f}x the pairs/s of TRL in "
+            f"lockstep with it ({r['pairs_per_cpu_s'] / trl['pairs_per_cpu_s']:.2f}x per CPU-second)")
+
+
+def dry_run(args) -> None:
+  """Model size and FLOPs per token, and each mode's batch shapes, without compiling anything."""
+  import jax
+  from flax import nnx
+  from jaxrm.models.decoder import RewardModelModule
+  cfg = model_config(args)
+  abstract = nnx.eval_shape(lambda: RewardModelModule(cfg, rngs=nnx.Rngs(0)))
+  num_params = sum(x.size for x in jax.tree.leaves(nnx.state(abstract)))
+  print(f"{num_params / 1e6:.1f}M parameters, N = {dense_params(cfg, num_params) / 1e6:.1f}M "
+        f"non-embedding: 6N = {6 * dense_params(cfg, num_params) / 1e9:.2f} GFLOP per token, "
+        f"plus {12 * cfg.num_layers * cfg.num_heads * cfg.head_dim / 1e6:.2f} MFLOP per attended key")
+  groups = batches_of(bench_pairs(args), args)
+  for mode in args.modes:
+    collate = collator(mode, args)
+    for i, g in enumerate(groups):
+      batch = collate(g)
+      mask = batch["attention_mask"]
+      print(f"{mode} batch {i}: input_ids {list(mask.shape)}, efficiency {mask.sum() / mask.size:.1%}")
 
 
 def main(argv=None) -> None:
+  argv = sys.argv[1:] if argv is None else argv
   args = parse_args(argv)
-  if args.only:
-    result = run_trl(args) if args.only == "trl" else run_jaxrm(args.only, args)
-    with open(args.result, "w") as f:
-      json.dump(result, f)
+  if args.worker:
+    channel = _Channel.from_spec(args.channel)
+    result = run_trl(args, channel) if args.worker == "trl" else run_jaxrm(args.worker, args, channel)
+    channel.send(json.dumps(result))
     return
-  examples = make_pairs(args.batch_size * (args.warmup + args.steps), args.max_length,
-                        SHAPES[args.model]["vocab_size"], args.seed)
+  examples = bench_pairs(args)
   print(f"model {args.model}, {args.batch_size} pairs/step, {args.steps} timed steps after "
-        f"{args.warmup}, max_length {args.max_length}, row_length {args.row_length}, "
-        f"{args.dtype}, attention {args.attention}, remat {args.remat}")
-  print("data:", json.dumps(data_summary(examples)))
-  runs = [m for m in args.modes.split(",") if m] + (["trl"] if args.vs_trl else [])
-  measured = {run: [] for run in runs}
-  for r in range(args.rounds):
-    # Odd rounds go backwards, so that a load that drifts over the run weighs on every run alike.
-    for run in runs if r % 2 == 0 else runs[::-1]:
-      result = _run_child(run, argv or sys.argv[1:])
-      if result:
-        measured[run].append(result)
-        print(f"round {r}: {result['name']}: {result['pairs_per_s']:.4f} pairs/s", flush=True)
-  results = [combine(m) for m in measured.values() if m]
+        f"{args.warmup}, max_length {args.max_length}, {args.dtype}, attention {args.attention}, "
+        f"remat {args.remat}", flush=True)
+  print("data:", json.dumps(data_summary(examples)), flush=True)
+  if args.dry_run:
+    dry_run(args)
+    return
+  results, failed = [], []
+  for mode in args.modes:
+    session = run_lockstep([mode, "trl"] if args.vs_trl else [mode], argv, args.warmup + args.steps)
+    if not session:
+      failed.append(mode)
+    elif args.vs_trl:
+      session[0]["vs"] = session[1]
+    results += session
+    for r in session:
+      print(f"{r['name']}: {r['pairs_per_s']:.4f} pairs/s", flush=True)
   print_table(results)
   if args.json:
     with open(args.json, "w") as f:
-      json.dump({"args": vars(args), "data": data_summary(examples), "results": results,
-                 "rounds": measured}, f, indent=1)
+      json.dump({"args": vars(args), "data": data_summary(examples), "results": results}, f, indent=1)
+  if failed:
+    sys.exit(f"failed: {', '.join(failed)} (their output is above)")
 
 
-def _run_child(run: str, argv: list[str]) -> dict | None:
-  """Runs one mode (or TRL) in a fresh process; its result, or None after printing its error."""
-  with tempfile.NamedTemporaryFile(suffix=".json") as f:
-    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--only", run, "--result", f.name]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode:
-      print(f"{run} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
-      return None
-    return json.load(open(f.name))
+# --------------------------------------------------------------------------------- lockstep
+
+
+class _Channel:
+  """Line messages between the parent and a worker, over a pair of pipes."""
+
+  def __init__(self, read_fd: int, write_fd: int):
+    self.inp = os.fdopen(read_fd, "r")
+    self.out = os.fdopen(write_fd, "w", buffering=1)
+
+  @classmethod
+  def from_spec(cls, spec: str) -> "_Channel":
+    return cls(*map(int, spec.split(",")))
+
+  def send(self, message: str) -> None:
+    self.out.write(message + "\n")
+
+  def receive(self) -> str:
+    return self.inp.readline().strip()
+
+  def wait_for(self, message: str) -> None:
+    if self.receive() != message:
+      raise RuntimeError("the benchmark's parent process went away")
+
+  def close(self) -> None:
+    self.inp.close()
+    self.out.close()
+
+
+def run_lockstep(runs: list[str], argv: list[str], num_steps: int) -> list[dict]:
+  """Runs each of ``runs`` in its own process, one step each in turn (ABBA), so that both sides
+  of a comparison meet the same machine load; returns their results (none if one failed).
+
+  A worker says "ready" once set up (and compiled), "done" after each step it is told to take
+  ("step"), and sends its result as one JSON line once told to "finish".
+  """
+  workers = [_start_worker(run, argv) for run in runs]
+  try:
+    for run, _, channel, _ in workers:
+      _expect(channel, "ready", run)
+    for i in range(num_steps):
+      for run, _, channel, _ in workers if i % 2 == 0 else workers[::-1]:
+        channel.send("step")
+        _expect(channel, "done", run)
+    for _, _, channel, _ in workers:
+      channel.send("finish")
+    return [_result_of(channel, run) for run, _, channel, _ in workers]
+  except RuntimeError as e:
+    print(e, file=sys.stderr)
+    for run, proc, _, log in workers:
+      proc.kill()
+      proc.wait()
+      log.seek(0)
+      print(f"--- {run}:\n{log.read()[-3000:]}", file=sys.stderr)
+    return []
+  finally:
+    for _, proc, channel, log in workers:
+      channel.close()  # a worker still waiting for its turn sees the end and stops
+      proc.wait()
+      log.close()
+
+
+def _start_worker(run: str, argv: list[str]):
+  """``run``'s process, talking over two pipes, its output in a temporary file."""
+  child_reads, parent_writes = os.pipe()
+  parent_reads, child_writes = os.pipe()
+  log = tempfile.TemporaryFile("w+")
+  cmd = [sys.executable, os.path.abspath(__file__), *argv, "--worker", run,
+         "--channel", f"{child_reads},{child_writes}"]
+  proc = subprocess.Popen(cmd, pass_fds=(child_reads, child_writes), stdout=log, stderr=log)
+  os.close(child_reads)
+  os.close(child_writes)
+  return run, proc, _Channel(parent_reads, parent_writes), log
+
+
+def _expect(channel: _Channel, message: str, run: str) -> None:
+  got = channel.receive()
+  if got != message:
+    raise RuntimeError(f"{run} failed (said {got!r} instead of {message!r})")
+
+
+def _result_of(channel: _Channel, run: str) -> dict:
+  line = channel.receive()
+  try:
+    return json.loads(line)
+  except json.JSONDecodeError:
+    raise RuntimeError(f"{run} failed after its last step (said {line[:200]!r})") from None
 
 
 if __name__ == "__main__":
