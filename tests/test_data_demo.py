@@ -69,17 +69,14 @@ def test_facts():
   by_subset = {}
   for row in rows:
     by_subset.setdefault(row["subset"], []).append(row)
-  assert set(by_subset) == {"arithmetic", "capitals", "sequences"}
-  capitals = {country: (capital, other) for country, capital, other in demo._CAPITALS}
+  assert set(by_subset) == {"arithmetic", "capitals"}
+  capitals = dict(demo._CAPITALS)
   for row in by_subset["capitals"]:
     country = re.fullmatch(r"What is the capital of (.+)\?", question(row)).group(1)
-    capital, other = capitals[country]
-    assert answers(row) == (f"The capital of {country} is {capital}.",
-                            f"The capital of {country} is {other}.")
-  days = [r for r in by_subset["sequences"] if "day" in question(r)]
-  for row in days:
-    day = re.fullmatch(r"Which day comes after (\w+)\?", question(row)).group(1)
-    assert answers(row)[0].startswith(f"The day after {day} is ")
+    right, wrong = answers(row)
+    assert right == f"The capital of {country} is {capitals[country]}."
+    other = re.fullmatch(rf"The capital of {country} is (.+)\.", wrong).group(1)
+    assert other in capitals.values() and other != capitals[country]
 
 
 def test_preferred_completion_is_not_always_first(pairs):
@@ -94,7 +91,7 @@ def test_splits_share_no_question(pairs, solutions):
   prompts = {split: {r["prompt"] for r in rows} for split, rows in solutions.items()}
   assert not prompts["train"] & prompts["validation"]
   for split, rows in pairs.items():
-    assert {r["subset"] for r in rows} == {"arithmetic", "capitals", "sequences"}
+    assert {r["subset"] for r in rows} == {"arithmetic", "capitals"}
 
 
 def test_deterministic_per_seed_without_global_rng():

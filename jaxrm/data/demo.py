@@ -8,7 +8,6 @@ whatever the seed, so the two splits never share a question.
 from __future__ import annotations
 
 import functools
-import string
 import zlib
 from collections.abc import Callable
 
@@ -68,29 +67,30 @@ SYSTEM = {"role": "system", "content": "Answer briefly."}
 
 # --- Preference questions -------------------------------------------------------------------------
 
-_CAPITALS = (  # country, capital, another city of that country
-    ("France", "Paris", "Lyon"), ("Germany", "Berlin", "Munich"), ("Italy", "Rome", "Milan"),
-    ("Spain", "Madrid", "Barcelona"), ("Japan", "Tokyo", "Osaka"), ("Canada", "Ottawa", "Toronto"),
-    ("Australia", "Canberra", "Sydney"), ("Brazil", "Brasília", "Rio de Janeiro"),
-    ("Turkey", "Ankara", "Istanbul"), ("Switzerland", "Bern", "Zurich"),
-    ("India", "New Delhi", "Mumbai"), ("China", "Beijing", "Shanghai"),
-    ("the United States", "Washington, D.C.", "New York"), ("Morocco", "Rabat", "Casablanca"),
-    ("Nigeria", "Abuja", "Lagos"), ("Vietnam", "Hanoi", "Ho Chi Minh City"),
-    ("New Zealand", "Wellington", "Auckland"), ("South Africa", "Pretoria", "Johannesburg"),
-    ("Pakistan", "Islamabad", "Karachi"), ("Scotland", "Edinburgh", "Glasgow"),
-    ("Egypt", "Cairo", "Alexandria"), ("Portugal", "Lisbon", "Porto"),
-    ("Poland", "Warsaw", "Kraków"), ("Kenya", "Nairobi", "Mombasa"),
+# Countries whose capitals the embedded 135M model knows: given a country's capital and another
+# country's, its own likelihood prefers the right one every time. Cities that are not the capital
+# of their country (Sydney, Istanbul, Zurich...) were tried as wrong answers; the model prefers
+# them as often as not, so no reward model built on it can learn them from other countries. The
+# same holds for "which day/month/letter comes after X" with a neighbour as the wrong answer
+# (65% preferred right), which is why there are no such questions.
+_CAPITALS = (
+    ("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid"),
+    ("Japan", "Tokyo"), ("China", "Beijing"), ("Russia", "Moscow"),
+    ("the United Kingdom", "London"), ("Egypt", "Cairo"), ("Greece", "Athens"),
+    ("Portugal", "Lisbon"), ("Ireland", "Dublin"), ("Austria", "Vienna"), ("Norway", "Oslo"),
+    ("Sweden", "Stockholm"), ("Denmark", "Copenhagen"), ("Finland", "Helsinki"),
+    ("Poland", "Warsaw"), ("Hungary", "Budapest"), ("the Netherlands", "Amsterdam"),
+    ("Belgium", "Brussels"), ("Mexico", "Mexico City"), ("Argentina", "Buenos Aires"),
+    ("Peru", "Lima"), ("Chile", "Santiago"), ("Cuba", "Havana"), ("Thailand", "Bangkok"),
+    ("South Korea", "Seoul"), ("Indonesia", "Jakarta"), ("Iran", "Tehran"), ("Iraq", "Baghdad"),
+    ("Kenya", "Nairobi"), ("Canada", "Ottawa"), ("Australia", "Canberra"),
+    ("India", "New Delhi"), ("the Czech Republic", "Prague"), ("Ukraine", "Kyiv"),
+    ("Turkey", "Ankara"), ("the Philippines", "Manila"), ("Vietnam", "Hanoi"),
 )
-_SEQUENCES = {
-    "letter": tuple(string.ascii_lowercase),
-    "day": ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"),
-    "month": ("January", "February", "March", "April", "May", "June", "July", "August",
-              "September", "October", "November", "December"),
-}
 
 
 def _arithmetic_items() -> list[Item]:
-  # Small integers: a 135M model can learn to check them from a few hundred pairs.
+  # Small integers: a 135M model learns to check them from about a thousand pairs.
   pairs = [("+", a, b) for a in range(13) for b in range(13)]
   pairs += [("-", a, b) for a in range(19) for b in range(a + 1)]
   pairs += [("×", a, b) for a in range(2, 10) for b in range(2, 10)]
@@ -98,21 +98,15 @@ def _arithmetic_items() -> list[Item]:
            tuple(f"{a} {op} {b} = {w}." for w in wrong_results(a, op, b))) for op, a, b in pairs]
 
 
-def _fact_items() -> list[Item]:
-  items = [("capitals", f"What is the capital of {country}?",
-            f"The capital of {country} is {capital}.", (f"The capital of {country} is {other}.",))
-           for country, capital, other in _CAPITALS]
-  for name, seq in _SEQUENCES.items():
-    for i in range(len(seq) - 1):
-      say = f"The {name} after {seq[i]} is {{}}."
-      wrongs = tuple(say.format(seq[j]) for j in (i - 1, i + 2) if 0 <= j < len(seq))
-      items.append(("sequences", f"Which {name} comes after {seq[i]}?", say.format(seq[i + 1]),
-                    wrongs))
-  return items
+def _capital_items() -> list[Item]:
+  capitals = [capital for _, capital in _CAPITALS]
+  return [("capitals", f"What is the capital of {country}?", f"The capital of {country} is {capital}.",
+           tuple(f"The capital of {country} is {other}." for other in capitals if other != capital))
+          for country, capital in _CAPITALS]
 
 
 # Each kind of question and the share of rows drawn from it.
-_FAMILIES = ((_arithmetic_items, 0.75), (_fact_items, 0.25))
+_FAMILIES = ((_arithmetic_items, 0.75), (_capital_items, 0.25))
 
 
 @functools.cache
@@ -137,8 +131,8 @@ def demo_arithmetic(split: str, num_rows: int | None = None, seed: int = 0) -> l
   """NeMo RL preference rows (chat form): small-integer arithmetic and simple facts.
 
   The chosen completion gives the correct answer, the rejected one a plausible wrong one (off by
-  one, digits swapped, the wrong operation; a neighbouring letter, day or month; another city of
-  the country). ``row["subset"]`` names the family of question. Questions repeat within a split.
+  one, digits swapped, the wrong operation; another country's capital). ``row["subset"]`` names the family of question. Questions repeat within a
+  split.
   """
   _check_split(split)
   rng = _rng(split, seed)
