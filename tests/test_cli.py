@@ -12,11 +12,6 @@ GOOD_ROW = '{"prompt": "2+2?", "chosen": "4", "rejected": "5"}\n'
 
 
 @pytest.fixture(scope="module")
-def model_dir(request, tmp_path_factory):
-  return tiny_run.tiny_model_dir(tiny_run.cache_root(request, tmp_path_factory))
-
-
-@pytest.fixture(scope="module")
 def runs(model_dir, tmp_path_factory):
   """Every failing command, started together (each spends most of its time importing)."""
   tmp = tmp_path_factory.mktemp("cli")

@@ -34,15 +34,8 @@ RUN = {"train.max_steps": 3, "eval.val_period": 0, "eval.batch_size": 3,
        "checkpointing.save_period": 0, "logger.tensorboard": False}
 
 
-@pytest.fixture(scope="session")
-def root(request, tmp_path_factory):
-  path = tiny_run.cache_root(request, tmp_path_factory)
-  tiny_run.enable_compile_cache(path)
-  return path
-
-
 @pytest.fixture(scope="module")
-def runs(root, tmp_path_factory):
+def runs(cache_root, tmp_path_factory):
   """``runs(head, packing, micro_batch_size)``: the output directory of that run, trained once.
 
   ``head``: "sequence" trains pairs, "token" stepwise rows (without validation, to compile less).
@@ -53,7 +46,7 @@ def runs(root, tmp_path_factory):
     key = (head, packing, micro_batch_size)
     if key not in done:
       out = str(tmp_path_factory.mktemp("runs") / "-".join(map(str, key)))
-      train.train_and_evaluate(config(root, head, out, packing, micro_batch_size,
+      train.train_and_evaluate(config(cache_root, head, out, packing, micro_batch_size,
                                       eval__val_at_end=head == "sequence"))
       done[key] = out
     return done[key]
@@ -61,8 +54,8 @@ def runs(root, tmp_path_factory):
   return get
 
 
-def config(root, head, out, packing, micro_batch_size=8, **overrides):
-  c = tiny_run.config(tiny_run.tiny_model_dir(root, head=head), out, data__packing=packing,
+def config(cache_root, head, out, packing, micro_batch_size=8, **overrides):
+  c = tiny_run.config(tiny_run.tiny_model_dir(cache_root, head=head), out, data__packing=packing,
                       train__micro_batch_size=micro_batch_size)
   if head == "token":
     tiny_run.set_keys(c, {"reward.type": "stepwise", "data.dataset_name": "demo_arithmetic_steps"})
@@ -112,11 +105,12 @@ def test_packed_stepwise_training_equals_unpacked(runs):
   assert_same_training(runs("token", "packed"), runs("token", "none"), STEP_KEYS)
 
 
-def test_packed_run_resumes_exactly(runs, root, tmp_path):
+def test_packed_run_resumes_exactly(runs, cache_root, tmp_path):
   out = str(tmp_path / "run")
-  train.train_and_evaluate(config(root, "sequence", out, "shared_prompt", 4), stop_after_steps=2)
+  train.train_and_evaluate(config(cache_root, "sequence", out, "shared_prompt", 4),
+                           stop_after_steps=2)
   assert [r["step"] for r in train_rows(out)] == [1, 2]
-  train.train_and_evaluate(config(root, "sequence", out, "shared_prompt", 4))
+  train.train_and_evaluate(config(cache_root, "sequence", out, "shared_prompt", 4))
   uninterrupted = runs("sequence", "shared_prompt", 4)
   rows, want = train_rows(out), train_rows(uninterrupted)
   assert [r["step"] for r in rows] == [1, 2, 3]
@@ -125,7 +119,7 @@ def test_packed_run_resumes_exactly(runs, root, tmp_path):
 
 
 @pytest.mark.slow
-def test_packed_rows_split_over_two_devices(runs, root, tmp_path):
+def test_packed_rows_split_over_two_devices(runs, cache_root, tmp_path):
   """fsdp=2 on 2 CPU devices, 2 micro-batches of 2 pairs per device: each device takes half of
   every micro-batch's rows, and the rewards are read back across the two."""
   out = str(tmp_path / "sharded")
@@ -133,7 +127,7 @@ def test_packed_rows_split_over_two_devices(runs, root, tmp_path):
            "--config.train.micro_batch_size=2", "--config.train.max_steps=3",
            "--config.eval.val_period=0", "--config.eval.val_at_end=False",
            "--config.checkpointing.enabled=False"]
-  result = tiny_run.run(tiny_run.cli(tiny_run.tiny_model_dir(root), out, *flags),
+  result = tiny_run.run(tiny_run.cli(tiny_run.tiny_model_dir(cache_root), out, *flags),
                         XLA_FLAGS="--xla_force_host_platform_device_count=2")
   assert result.returncode == 0, tiny_run.describe(result)
   assert "mesh: {'data': 1, 'fsdp': 2, 'tensor': 1} on 2 cpu devices" in result.stdout
@@ -178,20 +172,21 @@ def test_micro_batches_of_two_hosts_index_the_global_batch():
 # ------------------------------------------------------------------ config errors
 
 
-def test_bad_packing_values_name_the_key(root, tmp_path):
+def test_bad_packing_values_name_the_key(cache_root, tmp_path):
   out = str(tmp_path / "run")
   with pytest.raises(train.UserError, match=r"^data.packing must be one of none, packed, "
                                             r"shared_prompt; got 'pack'$"):
-    train.train_and_evaluate(config(root, "sequence", out, "pack"))
+    train.train_and_evaluate(config(cache_root, "sequence", out, "pack"))
   with pytest.raises(train.UserError, match=r"^data.packed_row_length=-1: use a number of tokens"):
-    train.train_and_evaluate(config(root, "sequence", out, "packed", data__packed_row_length=-1))
+    train.train_and_evaluate(config(cache_root, "sequence", out, "packed",
+                                    data__packed_row_length=-1))
   with pytest.raises(train.UserError, match=r"^data.packing='shared_prompt' writes a preference "
                                             r"group's prompt once; .* use data.packing='packed'$"):
-    train.train_and_evaluate(config(root, "token", out, "shared_prompt"))
+    train.train_and_evaluate(config(cache_root, "token", out, "shared_prompt"))
 
 
-def test_row_too_short_for_a_group(root, tmp_path):
-  c = config(root, "sequence", str(tmp_path / "run"), "packed", data__packed_row_length=40)
+def test_row_too_short_for_a_group(cache_root, tmp_path):
+  c = config(cache_root, "sequence", str(tmp_path / "run"), "packed", data__packed_row_length=40)
   # Demo pairs are 30-odd tokens per completion: a pair needs more than 40 tokens.
   with pytest.raises(train.UserError, match=r"^data.packed_row_length=40 is too short for "
                                             r"demo_arithmetic:train\[row \d+\] \(train\), which takes \d+ "

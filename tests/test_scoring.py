@@ -30,18 +30,6 @@ CHATS = [
 
 
 @pytest.fixture(scope="module")
-def cache_root(request, tmp_path_factory):
-  root = tiny_run.cache_root(request, tmp_path_factory)
-  tiny_run.enable_compile_cache(root)
-  return root
-
-
-@pytest.fixture(scope="module")
-def model_dir(cache_root):
-  return tiny_run.tiny_model_dir(cache_root)
-
-
-@pytest.fixture(scope="module")
 def run_dir(model_dir, tmp_path_factory):
   """Two training steps, validated and checkpointed after each."""
   from jaxrm.train import train_and_evaluate

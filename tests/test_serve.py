@@ -24,19 +24,6 @@ OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 @pytest.fixture(scope="module")
-def cache_root(request, tmp_path_factory):
-  root = tiny_run.cache_root(request, tmp_path_factory)
-  tiny_run.enable_compile_cache(root)
-  return root
-
-
-@pytest.fixture(scope="module")
-def model_dir(cache_root):
-  """A tiny random llama sequence classifier over SmolLM2's vocabulary, with its tokenizer."""
-  return tiny_run.tiny_model_dir(cache_root)
-
-
-@pytest.fixture(scope="module")
 def rm(model_dir):
   return RewardModel.from_pretrained(model_dir)
 

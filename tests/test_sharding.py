@@ -20,23 +20,6 @@ from jaxrm.models.config import from_hf_config
 MESH_222 = AbstractMesh((2, 2, 2), sharding.MESH_AXES)
 
 
-@pytest.fixture(scope="session")
-def root(request, tmp_path_factory):
-  path = tiny_run.cache_root(request, tmp_path_factory)
-  tiny_run.enable_compile_cache(path)
-  return path
-
-
-@pytest.fixture(scope="session")
-def model_dir(root):
-  return tiny_run.tiny_model_dir(root)
-
-
-@pytest.fixture(scope="session")
-def baseline(model_dir, tmp_path_factory):
-  return tiny_run.baseline_run(model_dir, str(tmp_path_factory.mktemp("runs")))
-
-
 # ------------------------------------------------------------------ rules
 
 

@@ -24,24 +24,6 @@ TRAIN_KEYS = ("train/loss", "train/accuracy", "train/grad_norm", "train/learning
 VAL_SETS = ("default", "train_sample")
 
 
-@pytest.fixture(scope="session")
-def root(request, tmp_path_factory):
-  path = tiny_run.cache_root(request, tmp_path_factory)
-  tiny_run.enable_compile_cache(path)
-  return path
-
-
-@pytest.fixture(scope="session")
-def model_dir(root):
-  return tiny_run.tiny_model_dir(root)
-
-
-@pytest.fixture(scope="session")
-def baseline(model_dir, tmp_path_factory):
-  """4 uninterrupted steps; validation and checkpoints at steps 2 and 4."""
-  return tiny_run.baseline_run(model_dir, str(tmp_path_factory.mktemp("runs")))
-
-
 @pytest.fixture(scope="module")
 def stopped(model_dir, tmp_path_factory):
   """The baseline's run stopped after 2 of its 4 steps."""
@@ -217,10 +199,10 @@ def test_gradient_accumulation_equals_one_big_batch(baseline, model_dir, tmp_pat
                                [whole[s][key] for s in (1, 2, 3, 4)], rtol=0, atol=1e-5, err_msg=key)
 
 
-def test_stepwise_run_reports_step_metrics(root, tmp_path):
+def test_stepwise_run_reports_step_metrics(cache_root, tmp_path):
   out = str(tmp_path / "prm")
   train.train_and_evaluate(tiny_run.config(
-      tiny_run.tiny_model_dir(root, head="token"), out, reward__type="stepwise", data__dataset_name="demo_arithmetic_steps", train__max_steps=2,
+      tiny_run.tiny_model_dir(cache_root, head="token"), out, reward__type="stepwise", data__dataset_name="demo_arithmetic_steps", train__max_steps=2,
       data__val_data_paths={"default": "validation"}))
   train_rows = rows_with(out, "train/loss")
   assert list(train_rows) == [1, 2]
