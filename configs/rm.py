@@ -20,7 +20,6 @@ def get_config(arg=None):
   c.output_dir = "runs/rm"
   c.data.max_length = 128
   c.data.bucket_multiple = 16
-  c.data.max_val_rows = 200
   c.data.packing = "shared_prompt"  # the prompt once per pair: ~1.8x the pairs per second here
   c.train.global_batch_size = 8
   c.train.micro_batch_size = 8

@@ -334,7 +334,8 @@ def main(argv: Sequence[str]) -> None:
 
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  logging.getLogger("jax._src").setLevel(logging.WARNING)
+  for noisy in ("absl", "jax._src"):  # Orbax logs every restore at INFO through absl
+    logging.getLogger(noisy).setLevel(logging.WARNING)
   f = flags.FLAGS
   try:
     drops = DropReport()

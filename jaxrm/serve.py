@@ -236,7 +236,8 @@ def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-  logging.getLogger("jax._src").setLevel(logging.WARNING)
+  for noisy in ("absl", "jax._src"):  # Orbax logs every restore at INFO through absl
+    logging.getLogger(noisy).setLevel(logging.WARNING)
   f = flags.FLAGS
   try:
     rm = RewardModel.from_pretrained(f.model, dtype=f.dtype)

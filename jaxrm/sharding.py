@@ -97,9 +97,15 @@ def param_shardings(abstract_state, mesh: Mesh, rules: dict[str, Any] = DEFAULT_
   return jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def batch_sharding(mesh: Mesh, ndim: int, rules: dict[str, Any] = DEFAULT_RULES) -> NamedSharding:
-  """Sharding of a batch array: leading dimension over the data-parallel axes."""
-  return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules))
+def batch_sharding(mesh: Mesh, ndim: int, rules: dict[str, Any] = DEFAULT_RULES, *,
+                   stacked: bool = False) -> NamedSharding:
+  """Sharding of a batch array: rows over the data-parallel axes.
+
+  Rows are the leading dimension, or with ``stacked`` (micro-batches stacked for gradient
+  accumulation, ``[n_micro, rows, ...]``) the second.
+  """
+  lead = (None, "batch") if stacked else ("batch",)
+  return NamedSharding(mesh, logical_to_spec(lead + (None,) * (ndim - len(lead)), rules))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

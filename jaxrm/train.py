@@ -171,7 +171,7 @@ def train_and_evaluate(config, *, stop_after_steps: int | None = None) -> dict[s
       for name, ex in val_sets.items()}
 
   def global_batch(local, stacked=False):
-    return pipeline.to_global_batch(local, lambda k, v: _batch_sharding(mesh, v.ndim, stacked))
+    return pipeline.to_global_batch(local, lambda k, v: sharding.batch_sharding(mesh, v.ndim, stacked=stacked))
 
   # Packed micro-batches come stacked: [grad_accum, rows, ...].
   stacked_train = pack is not None and grad_accum > 1
@@ -379,17 +379,6 @@ def _token_counts(batch) -> tuple[int, float]:
   real_rows = batch["ranks"].reshape(-1) >= 0 if "ranks" in batch else batch["example_mask"] > 0
   tokens = int(mask[real_rows].sum())
   return tokens, tokens / mask.size
-
-
-def _batch_sharding(mesh, ndim: int, stacked: bool):
-  """The sharding of a batch array: rows over the data-parallel devices; with ``stacked``, the
-  leading axis is micro-batches and rows are the second."""
-  from jax.sharding import NamedSharding
-
-  from jaxrm import sharding
-  if not stacked:
-    return sharding.batch_sharding(mesh, ndim)
-  return NamedSharding(mesh, sharding.logical_to_spec((None, "batch") + (None,) * (ndim - 2)))
 
 
 def _check_checkpointing(config, metric_name: str | None) -> None:

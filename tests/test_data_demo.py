@@ -54,14 +54,14 @@ def test_chosen_is_right_and_rejected_plausibly_wrong(pairs):
     wrong = int(EQUATION.fullmatch(rejected).group(4))
     right = int(right)
     assert wrong != right and wrong >= 0
-    if abs(wrong - right) == 1:
-      mistakes.add("off by one")
+    if abs(wrong - right) == 10:
+      mistakes.add("off by ten")
     elif sorted(str(wrong)) == sorted(str(right)):
       mistakes.add("swapped digits")
     else:
       assert wrong in [f(int(a), int(b)) for f in OPS.values()]
       mistakes.add("wrong operation")
-  assert mistakes == {"off by one", "swapped digits", "wrong operation"}
+  assert mistakes == {"off by ten", "swapped digits", "wrong operation"}
 
 
 def test_facts():
@@ -142,6 +142,6 @@ def test_sizes_and_unknown_split(solutions):
 
 
 def test_wrong_results():
-  assert demo.wrong_results(12, "+", 7) == [5, 18, 20, 84, 91]  # 12-7, off by one, 12×7, 91
-  assert demo.wrong_results(3, "-", 3) == [1, 6, 9]  # no negative, no swap of a single digit
-  assert demo.wrong_results(5, "×", 2) == [3, 7, 9, 11]  # 10 has no swap (it would read 01)
+  assert demo.wrong_results(12, "+", 7) == [5, 9, 29, 84, 91]  # 12-7, off by ten, 12×7, 91
+  assert demo.wrong_results(3, "-", 3) == [6, 9, 10]  # no negative, no swap of a single digit
+  assert demo.wrong_results(5, "×", 2) == [0, 3, 7, 20]  # 10 has no swap (it would read 01)

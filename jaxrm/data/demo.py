@@ -55,9 +55,15 @@ def _swap_last_digits(n: int) -> int | None:
 
 
 def wrong_results(a: int, op: str, b: int) -> list[int]:
-  """Plausible wrong values of ``a op b``: off by one, last digits swapped, another operation."""
+  """Plausible wrong values of ``a op b``: off by ten, last digits swapped, another operation.
+
+  Off-by-one answers were tried and left out: the embedded 135M model's likelihood prefers the
+  right answer to one off by one only 73% of the time in subtraction, and a reward model trained
+  on a thousand pairs scored held-out off-by-one pairs at chance (40-49% for + and -), while it
+  learned the other mistakes.
+  """
   right = _OPS[op](a, b)
-  candidates = [right - 1, right + 1, _swap_last_digits(right)]
+  candidates = [right - 10, right + 10, _swap_last_digits(right)]
   candidates += [f(a, b) for other, f in _OPS.items() if other != op]
   return sorted({c for c in candidates if c is not None and c >= 0 and c != right})
 
@@ -90,7 +96,7 @@ _CAPITALS = (
 
 
 def _arithmetic_items() -> list[Item]:
-  # Small integers: a 135M model learns to check them from about a thousand pairs.
+  # Small integers: a 135M model learns to check most of them from about a thousand pairs.
   pairs = [("+", a, b) for a in range(13) for b in range(13)]
   pairs += [("-", a, b) for a in range(19) for b in range(a + 1)]
   pairs += [("×", a, b) for a in range(2, 10) for b in range(2, 10)]
@@ -105,7 +111,10 @@ def _capital_items() -> list[Item]:
           for country, capital in _CAPITALS]
 
 
-# Each kind of question and the share of rows drawn from it.
+# Each kind of question and the share of rows drawn from it. Within arithmetic every question is as
+# likely as any other, so multiplications (64 of 423 questions) are rarer; giving each operation a
+# third of the rows was tried and lowered held-out accuracy (90.4% vs 93.0% after 120 x 8 pairs),
+# as checking exact products is the hardest part for the embedded model.
 _FAMILIES = ((_arithmetic_items, 0.75), (_capital_items, 0.25))
 
 
@@ -131,8 +140,9 @@ def demo_arithmetic(split: str, num_rows: int | None = None, seed: int = 0) -> l
   """NeMo RL preference rows (chat form): small-integer arithmetic and simple facts.
 
   The chosen completion gives the correct answer, the rejected one a plausible wrong one (off by
-  one, digits swapped, the wrong operation; another country's capital). ``row["subset"]`` names the family of question. Questions repeat within a
-  split.
+  ten, digits swapped, the wrong operation; another country's capital). Three rows in four are
+  arithmetic, one in four capitals. ``row["subset"]`` names the family of question (``arithmetic``
+  or ``capitals``). Questions repeat within a split.
   """
   _check_split(split)
   rng = _rng(split, seed)
@@ -187,7 +197,7 @@ def _solution(start: int, ops: list[tuple[str, int]], mistake: int | None,
   for i, (op, x) in enumerate(ops):
     result = _OPS[op](value, x)
     if i == mistake:
-      # The rest of the chain must stay non-negative; the right value plus one always does, as
+      # The rest of the chain must stay non-negative; the right value plus ten always does, as
       # every operation grows with its input.
       wrongs = [w for w in wrong_results(value, op, x) if _chain(w, ops[i + 1:]) >= 0]
       result = wrongs[rng.integers(len(wrongs))]
