@@ -113,8 +113,8 @@ def _capital_items() -> list[Item]:
 
 # Each kind of question and the share of rows drawn from it. Within arithmetic every question is as
 # likely as any other, so multiplications (64 of 423 questions) are rarer; giving each operation a
-# third of the rows was tried and lowered held-out accuracy (90.4% vs 93.0% after 120 x 8 pairs),
-# as checking exact products is the hardest part for the embedded model.
+# third of the arithmetic rows was tried and lowered held-out accuracy (90.4% vs 93.0% after
+# 120 x 8 pairs), as checking exact products is the hardest part for the embedded model.
 _FAMILIES = ((_arithmetic_items, 0.75), (_capital_items, 0.25))
 
 

@@ -296,13 +296,6 @@ def group_logits(logits_btc, token_index_gt):
   return logits_btc.reshape(-1, logits_btc.shape[-1])[token_index_gt]
 
 
-def packing_stats(batch: Batch) -> dict[str, float]:
-  """Real tokens, padded tokens (B * T) and their ratio, the packing efficiency."""
-  real = int(batch["attention_mask"].sum())
-  padded = int(batch["attention_mask"].size)
-  return {"real_tokens": real, "padded_tokens": padded, "efficiency": real / padded}
-
-
 @dataclasses.dataclass(frozen=True)
 class PackedCollator:
   """Packs this host's groups of one global batch, with the same shapes on every host.
