@@ -216,7 +216,7 @@ def _jaxrm_step(cfg: ModelConfig, seed: int):
   model's parameter count."""
   import jax
   from flax import nnx
-  from jaxrm import optim, steps
+  from jaxrm import optim, sharding, steps
   from jaxrm.models.decoder import RewardModelModule
 
   model = nnx.jit(lambda: RewardModelModule(cfg, rngs=nnx.Rngs(seed)))()
@@ -224,10 +224,11 @@ def _jaxrm_step(cfg: ModelConfig, seed: int):
   num_params = sum(x.size for x in jax.tree.leaves(params))
   sched = dict(learning_rate=1e-5, warmup_steps=0, total_steps=1, decay="constant")
   tx = optim.make_optimizer(**sched, max_grad_norm=1.0)
+  mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), devices=jax.devices()[:1])
+  state, shardings = steps.init_state(params, tx, seed=seed, mesh=mesh)
   train_step = steps.make_train_step(steps.make_loss_fn(model, steps.RewardSpec()), tx,
-                                     optim.make_schedule(**sched))
-  state = {"params": params, "opt_state": jax.jit(tx.init)(params),
-           "step": jax.numpy.zeros((), "int32")}
+                                     optim.make_schedule(**sched), state_shardings=shardings,
+                                     mesh=mesh)
   return train_step, state, num_params
 
 
