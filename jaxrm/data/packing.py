@@ -235,7 +235,13 @@ def pack_preference(groups: Sequence[PreferenceExample], spec: PackSpec, *,
   t, plan = _plan(units, spec, [e.source for e in groups])
   b = _rows_needed(plan, t, spec, num_rows)
   r = num_rewards or _round_up(rewards_per_row(groups, plan), spec.rewards_multiple)
-  rows = _Rows(b, t, spec.pad_id)
+  return _fill_preference(groups, units, plan, _Rows(b, t, spec.pad_id), g, k, r)
+
+
+def _fill_preference(groups: Sequence[PreferenceExample], units: list[list[_Piece]],
+                     plan: list[list[int]], rows: _Rows, g: int, k: int, r: int) -> Batch:
+  """The packed preference batch of ``groups``, placed as ``plan`` says into ``rows``."""
+  b = rows.num_rows
   reward_positions = np.full((b, r), -1, np.int32)
   reward_index = np.zeros((g, k), np.int32)
   ranks = np.full((g, k), -1, np.int32)
@@ -276,6 +282,13 @@ def pack_stepwise(examples: Sequence[StepwiseExample], spec: PackSpec, *,
   units = [_stepwise_unit(e) for e in examples]
   t, plan = _plan(units, spec, [e.source for e in examples])
   rows = _Rows(_rows_needed(plan, t, spec, num_rows), t, spec.pad_id)
+  return _fill_stepwise(examples, units, plan, rows, g)
+
+
+def _fill_stepwise(examples: Sequence[StepwiseExample], units: list[list[_Piece]],
+                   plan: list[list[int]], rows: _Rows, g: int) -> Batch:
+  """The packed stepwise batch of ``examples``, placed as ``plan`` says into ``rows``."""
+  t = rows.row_length
   token_index = np.zeros((g, t), np.int32)
   labels = np.full((g, t), IGNORE, np.int32)
   for i, row, [(start, end)] in _fill(units, plan, rows):
@@ -348,13 +361,15 @@ class PackedCollator:
     num_rewards = None if stepwise else _round_up(
         max(rewards_per_row(part, plan) for part, plan in zip(parts, plans)), spec.rewards_multiple)
     micro = []
-    for local in slices[self.process_index]:
+    for m, local in enumerate(slices[self.process_index]):
+      part = self.process_index * n + m
+      rows = _Rows(num_rows, row_length, spec.pad_id)
       if stepwise:
-        batch = pack_stepwise(local, spec, num_examples=self.batch_size // n, num_rows=num_rows)
+        batch = _fill_stepwise(local, units[part], plans[part], rows, self.batch_size // n)
         batch["token_index"] += self.process_index * num_rows * row_length
       else:
-        batch = pack_preference(local, spec, num_groups=self.batch_size // n, num_completions=k,
-                                num_rows=num_rows, num_rewards=num_rewards)
+        batch = _fill_preference(local, units[part], plans[part], rows, self.batch_size // n, k,
+                                 num_rewards)
         batch["reward_index"] += self.process_index * num_rows * num_rewards
       micro.append(batch)
     if n == 1:
