@@ -31,17 +31,17 @@ import numpy as np
 
 from jaxrm import losses
 from jaxrm.data import pipeline
-from jaxrm.data.errors import DataError, DropReport
+from jaxrm.data.drops import DropReport
+from jaxrm.errors import DataError, EvaluationError
+from jaxrm.models.heads import correct_probability
 from jaxrm.data.records import PreferenceRecord, StepwiseRecord
-from jaxrm.data.tokenize import IGNORE, PreferenceExample, StepwiseExample, TokenizeOptions, tokenize_all
+from jaxrm.data.tokenize import PreferenceExample, StepwiseExample, TokenizeOptions, pad_id, tokenize_all
+from jaxrm.batches import IGNORE_INDEX
 
 NO_SUBSET = "(none)"  # the subset of rows that have no subset column
 REPORT_FILE = "eval.json"
 HISTOGRAM_FILE = "rewards.png"
 
-
-class EvaluationError(ValueError):
-  """The model and the data do not fit together. The CLI prints its message without a traceback."""
 
 
 def evaluate(rm, data: Sequence[Any], *, options: TokenizeOptions | None = None, batch_size: int = 8,
@@ -68,11 +68,10 @@ def evaluate(rm, data: Sequence[Any], *, options: TokenizeOptions | None = None,
   examples = _examples(rm, data, options or TokenizeOptions(), drops)
   stepwise = isinstance(examples[0], StepwiseExample)
   _check_head(rm.config, stepwise)
-  pad_id = rm.tokenizer.pad_token_id if rm.tokenizer is not None else None
-  pad_id = pad_id if pad_id is not None else rm.config.pad_token_id or 0
+  pad = pad_id(rm.tokenizer, rm.config.pad_token_id)
   max_len = max(len(ids) for e in examples for ids in _sequences(e))
   buckets = pipeline.length_buckets(-(-max_len // bucket_multiple) * bucket_multiple, bucket_multiple)
-  batches = pipeline.make_eval_batches(examples, batch_size=batch_size, buckets=buckets, pad_id=pad_id)
+  batches = pipeline.make_eval_batches(examples, batch_size=batch_size, buckets=buckets, pad_id=pad)
   if stepwise:
     metrics_fn, scores, arrays = _stepwise_arrays(rm, batches, len(examples))
   else:
@@ -178,28 +177,23 @@ def _stepwise_arrays(rm, batches: list[pipeline.Batch], n: int):
   for b in batches:
     logits = rm.score_tokens(b["input_ids"], b["attention_mask"])  # [B, T, 2]
     for row_logits, row_labels in zip(logits, b["labels"]):
-      where = row_labels != IGNORE
+      where = row_labels != IGNORE_INDEX
       step_logits.append(row_logits[where])
       step_labels.append(row_labels[where])
   step_logits, step_labels = step_logits[:n], step_labels[:n]
   num_steps = max(len(x) for x in step_labels)
   logits = np.zeros((n, num_steps, 2), np.float32)
-  labels = np.full((n, num_steps), IGNORE, np.int32)
+  labels = np.full((n, num_steps), IGNORE_INDEX, np.int32)
   for i, (x, y) in enumerate(zip(step_logits, step_labels)):
     logits[i, :len(y)], labels[i, :len(y)] = x, y
   all_logits, all_labels = np.concatenate(step_logits), np.concatenate(step_labels)
-  p_correct = _softmax(all_logits)[:, 1]
+  p_correct = correct_probability(all_logits)
   scores = {"correct": p_correct[all_labels == 1], "error": p_correct[all_labels == 0]}
   return _stepwise_metrics, scores, (logits, labels)
 
 
 def _stepwise_metrics(logits, labels, mask) -> dict[str, float]:
   return losses.finalize_metrics(_stepwise_sums(logits, labels, mask))
-
-
-def _softmax(x: np.ndarray) -> np.ndarray:
-  e = np.exp(x - np.max(x, axis=-1, keepdims=True))
-  return e / np.sum(e, axis=-1, keepdims=True)
 
 
 # ------------------------------------------------------------------------------------------- output
@@ -312,8 +306,8 @@ def _define_flags() -> None:
 
 def _load_records(data: str, dataset_name: str | None, split: str, subset_field: str | None,
                   max_rows: int, drops: DropReport):
-  from jaxrm.data import datasets
-  if data in datasets.DATASET_NAMES:
+  from jaxrm.data import registry
+  if data in registry.DATASET_NAMES:
     if dataset_name not in (None, data):
       raise EvaluationError(f"--data={data} names a dataset, which --dataset_name={dataset_name} contradicts; "
                             "give one of them")
@@ -321,15 +315,15 @@ def _load_records(data: str, dataset_name: str | None, split: str, subset_field:
   else:
     dataset_name, path = dataset_name or "PreferenceDataset", data
   options = {} if subset_field is None else {"subset_field": subset_field}
-  records = datasets.load_records(dataset_name, path, split=split, drops=drops, **options)
+  records = registry.load_records(dataset_name, path, split=split, drops=drops, **options)
   return records[:max_rows] if max_rows else records
 
 
 def main(argv: Sequence[str]) -> None:
   from absl import app, flags
 
-  from jaxrm.checkpoints.weight_map import CheckpointError
-  from jaxrm.models.config import UnsupportedModelError
+  from jaxrm.errors import CheckpointError
+  from jaxrm.errors import UnsupportedModelError
   from jaxrm.reward_model import RewardModel
 
   if len(argv) > 1:

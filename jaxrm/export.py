@@ -28,9 +28,11 @@ from absl import logging as absl_logging
 from flax import nnx
 
 from jaxrm.checkpointing import RUN_MODEL_CONFIG
-from jaxrm.checkpoints.safetensors_io import save_safetensors
-from jaxrm.checkpoints.weight_map import CheckpointError, to_hf_names
-from jaxrm.models.config import UnsupportedModelError, to_hf_config
+from jaxrm.hf.safetensors_io import save_safetensors
+from jaxrm.hf.weight_map import to_hf_names
+from jaxrm.errors import CheckpointError
+from jaxrm.models.config import to_hf_config
+from jaxrm.errors import UnsupportedModelError
 from jaxrm.reward_model import SCORING_KEY, RewardModel
 
 log = logging.getLogger(__name__)

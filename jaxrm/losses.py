@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-IGNORE_INDEX = -100  # label of a token that is not a step
+from jaxrm.batches import IGNORE_INDEX
 
 # Stands in for -inf in masked logsumexp terms: exp() of it is exactly 0, yet, unlike -inf, it
 # never makes a NaN in gradients of rows where every entry is masked.

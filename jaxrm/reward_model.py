@@ -22,15 +22,18 @@ from jax.sharding import Mesh
 
 from jaxrm import reward_funcs, sharding
 from jaxrm.checkpointing import BEST_FILE, RUN_MODEL_CONFIG, RUN_TOKENIZER_DIR, Checkpointer
-from jaxrm.checkpoints.loader import abstract_model, load_model
-from jaxrm.checkpoints.safetensors_io import HFCheckpoint
-from jaxrm.checkpoints.weight_map import CheckpointError
-from jaxrm.data.errors import DataError, DropReport
+from jaxrm.hf.loader import abstract_model, load_model
+from jaxrm.hf.safetensors_io import HFCheckpoint
+from jaxrm.errors import CheckpointError
+from jaxrm.data.drops import DropReport
+from jaxrm.errors import DataError
 from jaxrm.data.pipeline import length_buckets
 from jaxrm.data.records import PreferenceRecord, StepwiseRecord, Text
-from jaxrm.data.tokenize import IGNORE, TokenizeOptions, tokenize_preference, tokenize_stepwise
+from jaxrm.data.tokenize import TokenizeOptions, pad_id, tokenize_preference, tokenize_stepwise
+from jaxrm.batches import IGNORE_INDEX
 from jaxrm.models.config import ModelConfig, RopeConfig, from_hf_config
-from jaxrm.models.decoder import RewardModelModule
+from jaxrm.models.decoder import Decoder
+from jaxrm.models.heads import correct_probability
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +46,7 @@ DEFAULT_STEP_SEPARATOR = TokenizeOptions.step_separator
 def resolve_path(path: str) -> str:
   """``embedded:SmolLM2-135M-Instruct`` -> the packaged GGUF; a hub name -> its downloaded snapshot."""
   if path.startswith(EMBEDDED_PREFIX):
-    from jaxrm.checkpoints.gguf import embedded_model_path
+    from jaxrm.hf.gguf import embedded_model_path
     return embedded_model_path()
   if not os.path.exists(path) and path.count("/") == 1 and not path.startswith((".", "/")):
     from huggingface_hub import snapshot_download
@@ -58,7 +61,7 @@ def open_checkpoint(path: str):
   """A tensor source for an HF checkpoint directory or a ``.gguf`` file."""
   path = resolve_path(path)
   if path.endswith(".gguf"):
-    from jaxrm.checkpoints.gguf import GGUFCheckpoint
+    from jaxrm.hf.gguf import GGUFCheckpoint
     return GGUFCheckpoint(path)
   if os.path.isdir(path):
     return HFCheckpoint(path)
@@ -189,7 +192,7 @@ class RewardModel:
     step_separator: the text that ends every step in ``score_steps`` (as in training).
   """
 
-  def __init__(self, model: RewardModelModule, tokenizer=None, *, reward_stats: dict | None = None,
+  def __init__(self, model: Decoder, tokenizer=None, *, reward_stats: dict | None = None,
                step_separator: str = DEFAULT_STEP_SEPARATOR):
     self.model = model
     self.tokenizer = tokenizer
@@ -393,7 +396,7 @@ class RewardModel:
     attend to one token and their outputs are dropped.
     """
     buckets = length_buckets(max(self._max_length(max_length), bucket), bucket)
-    pad = self.config.pad_token_id or 0
+    pad = pad_id(self.tokenizer, self.config.pad_token_id)
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     for start in range(0, len(order), batch_size):
       rows = order[start:start + batch_size]
@@ -429,7 +432,7 @@ class RewardModel:
     if example is None:
       raise DataError(f"{where}: the prompt and its {len(steps)} steps are longer than "
                       f"max_length={opts.max_length} tokens")
-    return example.input_ids.tolist(), np.flatnonzero(example.labels != IGNORE).tolist()
+    return example.input_ids.tolist(), np.flatnonzero(example.labels != IGNORE_INDEX).tolist()
 
   def score_steps(self, prompt: Text, steps: Sequence[str], *, max_length: int | None = None) -> list[float]:
     """Probability that each step is correct (token-head models): class 1 at the step's label token."""
@@ -451,8 +454,7 @@ class RewardModel:
     for rows, logits in self._batched([ids for ids, _ in encoded], batch_size, bucket, max_length):
       for j, logits_tc in zip(rows, logits):
         at = logits_tc[encoded[j][1]]  # [steps, C]
-        probs = np.exp(at - at.max(-1, keepdims=True))
-        out[todo[j]] = (probs[:, 1] / probs.sum(-1)).tolist()
+        out[todo[j]] = correct_probability(at).tolist()
     return out
 
   # ---------------------------------------------------------------- reward functions

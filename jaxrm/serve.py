@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import jinja2
 
-from jaxrm.data.errors import DataError
+from jaxrm.errors import DataError
 from jaxrm.data.formats import kind, validate_messages
 
 log = logging.getLogger("jaxrm.serve")
@@ -229,8 +229,8 @@ def _define_flags() -> None:
 def main(argv) -> None:
   from absl import app, flags
 
-  from jaxrm.checkpoints.weight_map import CheckpointError
-  from jaxrm.models.config import UnsupportedModelError
+  from jaxrm.errors import CheckpointError
+  from jaxrm.errors import UnsupportedModelError
   from jaxrm.reward_model import RewardModel
 
   if len(argv) > 1:

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from jaxrm import losses, sharding
 from jaxrm.data.packing import group_logits, group_rewards
-from jaxrm.models.decoder import RewardModelModule
+from jaxrm.models.decoder import Decoder
 
 REWARD_TYPES = ("bradley_terry", "ranking", "stepwise")
 RANKING_LOSSES = ("plackett_luce", "all_pairs")
@@ -46,7 +46,7 @@ def _is_packed(batch: dict[str, Any]) -> bool:
   return "reward_index" in batch or "token_index" in batch
 
 
-def _outputs(model: RewardModelModule, batch: dict[str, jax.Array]) -> jax.Array:
+def _outputs(model: Decoder, batch: dict[str, jax.Array]) -> jax.Array:
   """Rewards [G, K] of a preference batch, or logits [G, T, C] of a stepwise one, packed or not."""
   if not _is_packed(batch):
     out = model(batch["input_ids"], batch["attention_mask"])
@@ -58,7 +58,7 @@ def _outputs(model: RewardModelModule, batch: dict[str, jax.Array]) -> jax.Array
   return group_rewards(model(*rows, reward_positions=batch["reward_positions"]), batch["reward_index"])
 
 
-def make_loss_fn(model: RewardModelModule, spec: RewardSpec) -> Callable:
+def make_loss_fn(model: Decoder, spec: RewardSpec) -> Callable:
   """``loss_fn(params, batch) -> (loss_total, metrics)``; loss_total is a sum, metrics["loss"].count its count.
 
   ``batch`` is unpacked (``pipeline``'s layout) or packed (``packing``'s); both give the same

@@ -79,8 +79,9 @@ def train_and_evaluate(config, *, stop_after_steps: int | None = None) -> dict[s
   from flax import nnx
 
   from jaxrm import checkpointing, optim, sharding, steps
-  from jaxrm.data import datasets, packing, pipeline
-  from jaxrm.data.errors import DropReport
+  from jaxrm.data import registry, packing, pipeline
+  from jaxrm.data.drops import DropReport
+  from jaxrm.data import tokenize
   from jaxrm.data.tokenize import TokenizeOptions, tokenize_all
   from jaxrm.losses import accumulate, finalize_metrics
   from jaxrm.metrics_writer import MetricsWriter
@@ -116,17 +117,17 @@ def train_and_evaluate(config, *, stop_after_steps: int | None = None) -> dict[s
   num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
 
   # ------------------------------------------------------------------ input
-  if datasets.is_stepwise(config.data.dataset_name) != stepwise:
+  if registry.is_stepwise(config.data.dataset_name) != stepwise:
     raise UserError(f"reward.type={spec.type!r} does not fit data.dataset_name={config.data.dataset_name!r} "
                     f"({'stepwise' if not stepwise else 'preference'} data)")
   opts = TokenizeOptions(max_length=config.data.max_length, truncation=config.data.truncation,
                          step_separator=config.data.step_separator,
                          train_on_last_step_only=config.data.train_on_last_step_only)
   buckets = pipeline.length_buckets(config.data.max_length, config.data.bucket_multiple)
-  pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+  pad_id = tokenize.pad_id(tokenizer, rm.config.pad_token_id)
 
   def load(path, split, limit, drops):
-    records = datasets.load_records(config.data.dataset_name, path or None, split=split, drops=drops)
+    records = registry.load_records(config.data.dataset_name, path or None, split=split, drops=drops)
     if limit:
       records = records[:limit]
     return tokenize_all(records, tokenizer, opts, drops)
@@ -135,7 +136,7 @@ def train_and_evaluate(config, *, stop_after_steps: int | None = None) -> dict[s
   train_examples = load(config.data.train_data_path, "train", config.data.max_train_rows, train_drops)
   val_sets, val_drops = {}, {}
   for name, path in config.data.val_data_paths.items():
-    datasets.check_val_set_name(name)
+    registry.check_val_set_name(name)
     val_drops[name] = DropReport()
     val_sets[name] = load(path, "validation", config.data.max_val_rows, val_drops[name])
     if not val_sets[name]:
@@ -521,9 +522,9 @@ def main(argv):
   if FLAGS.config is None:
     _exit_usage("--config is required, e.g. --config=configs/rm.py")
   initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
-  from jaxrm.checkpoints.weight_map import CheckpointError
-  from jaxrm.data.errors import DataError
-  from jaxrm.models.config import UnsupportedModelError
+  from jaxrm.errors import CheckpointError
+  from jaxrm.errors import DataError
+  from jaxrm.errors import UnsupportedModelError
   try:
     train_and_evaluate(FLAGS.config)
   except (UserError, DataError, CheckpointError, UnsupportedModelError) as e:

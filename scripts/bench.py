@@ -217,9 +217,9 @@ def _jaxrm_step(cfg: ModelConfig, seed: int):
   import jax
   from flax import nnx
   from jaxrm import optim, sharding, steps
-  from jaxrm.models.decoder import RewardModelModule
+  from jaxrm.models.decoder import Decoder
 
-  model = nnx.jit(lambda: RewardModelModule(cfg, rngs=nnx.Rngs(seed)))()
+  model = nnx.jit(lambda: Decoder(cfg, rngs=nnx.Rngs(seed)))()
   params = nnx.state(model)
   num_params = sum(x.size for x in jax.tree.leaves(params))
   sched = dict(learning_rate=1e-5, warmup_steps=0, total_steps=1, decay="constant")
@@ -441,9 +441,9 @@ def dry_run(args) -> None:
   """Model size and FLOPs per token, and each mode's batch shapes, without compiling anything."""
   import jax
   from flax import nnx
-  from jaxrm.models.decoder import RewardModelModule
+  from jaxrm.models.decoder import Decoder
   cfg = model_config(args)
-  abstract = nnx.eval_shape(lambda: RewardModelModule(cfg, rngs=nnx.Rngs(0)))
+  abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
   num_params = sum(x.size for x in jax.tree.leaves(nnx.state(abstract)))
   print(f"{num_params / 1e6:.1f}M parameters, N = {dense_params(cfg, num_params) / 1e6:.1f}M "
         f"non-embedding: 6N = {6 * dense_params(cfg, num_params) / 1e9:.2f} GFLOP per token, "

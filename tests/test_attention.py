@@ -8,7 +8,7 @@ from flax import nnx
 
 from jaxrm.data import packing
 from jaxrm.models import layers as L
-from jaxrm.models.decoder import RewardModelModule, attention_fn
+from jaxrm.models.decoder import Decoder, attention_fn
 from test_packing import jitted, packed_rewards, pref, random_groups, tiny_config, tiny_model
 
 
@@ -107,7 +107,7 @@ def test_cudnn_setting_equals_xla_setting_on_packed_rows():
 
 def test_unknown_attention_impl_is_an_error():
   with pytest.raises(ValueError, match=r"attention_impl='flash'; use one of xla, cudnn"):
-    nnx.eval_shape(lambda: RewardModelModule(tiny_config(attention_impl="flash"), rngs=nnx.Rngs(0)))
+    nnx.eval_shape(lambda: Decoder(tiny_config(attention_impl="flash"), rngs=nnx.Rngs(0)))
 
 
 def test_reward_positions_need_a_sequence_head():

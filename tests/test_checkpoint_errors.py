@@ -9,9 +9,9 @@ import pytest
 
 import hf_tiny
 from jaxrm import RewardModel
-from jaxrm.checkpoints.safetensors_io import HFCheckpoint, SafetensorsFile, save_safetensors
-from jaxrm.checkpoints.weight_map import CheckpointError
-from jaxrm.models.config import UnsupportedModelError
+from jaxrm.hf.safetensors_io import HFCheckpoint, SafetensorsFile, save_safetensors
+from jaxrm.errors import CheckpointError
+from jaxrm.errors import UnsupportedModelError
 
 
 @pytest.fixture(scope="module")

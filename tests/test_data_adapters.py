@@ -5,8 +5,9 @@ import json
 
 import pytest
 
-from jaxrm.data import adapters, datasets
-from jaxrm.data.errors import DataError, DropReport
+from jaxrm.data import adapters, registry
+from jaxrm.data.drops import DropReport
+from jaxrm.errors import DataError
 from jaxrm.data.records import PreferenceRecord, StepwiseRecord
 
 SRC = "raw.jsonl:3"
@@ -285,14 +286,14 @@ def test_math_shepherd_bad_rows(changes, message):
 
 
 def test_names_and_kinds():
-  assert datasets.DATASET_NAMES == (
+  assert registry.DATASET_NAMES == (
       "PreferenceDataset", "HelpSteer3", "UltraFeedback", "PRM800K", "MathShepherd",
       "StepwiseDataset", "demo_arithmetic", "demo_arithmetic_steps")
-  assert [n for n in datasets.DATASET_NAMES if datasets.is_stepwise(n)] == [
+  assert [n for n in registry.DATASET_NAMES if registry.is_stepwise(n)] == [
       "PRM800K", "MathShepherd", "StepwiseDataset", "demo_arithmetic_steps"]
-  assert error_of(datasets.is_stepwise, "HelpSteer2") == (
+  assert error_of(registry.is_stepwise, "HelpSteer2") == (
       "data.dataset_name 'HelpSteer2' is not known; use one of "
-      + ", ".join(datasets.DATASET_NAMES))
+      + ", ".join(registry.DATASET_NAMES))
 
 
 def write_jsonl(path, rows):
@@ -308,7 +309,7 @@ def test_preference_dataset_from_jsonl_counts_drops(tmp_path):
   ])
   drops = DropReport()
   drops.drop("earlier reason", "other.jsonl:1")
-  records = datasets.load_records("PreferenceDataset", path, drops=drops)
+  records = registry.load_records("PreferenceDataset", path, drops=drops)
   assert [(r.source, r.context, r.meta) for r in records] == [
       (f"{path}:1", "Q1", {"subset": "x"}), (f"{path}:3", "Q3", {})]
   assert drops.counts == {"earlier reason": 1, "identical completions (chosen == rejected)": 1}
@@ -319,15 +320,15 @@ def test_error_names_file_line_and_field(tmp_path):
   bad = {"context": "Q", "completions": [{"rank": 0, "completion": "A"},
                                          {"rank": 1.5, "completion": "B"}]}
   path = write_jsonl(tmp_path / "val.jsonl", [{"prompt": "Q", "chosen": "A", "rejected": "B"}, bad])
-  assert error_of(datasets.load_records, "PreferenceDataset", path, drops=DropReport()) == (
+  assert error_of(registry.load_records, "PreferenceDataset", path, drops=DropReport()) == (
       f"{path}:2: field 'completions[1].rank': expected an integer rank, got 1.5 (a number)")
 
 
 def test_stepwise_dataset_and_all_rows_dropped(tmp_path):
   path = write_jsonl(tmp_path / "s.jsonl", [{"prompt": "Q", "completions": ["a"], "labels": [1]}])
-  assert datasets.load_records("StepwiseDataset", path, drops=DropReport())[0].labels == (True,)
+  assert registry.load_records("StepwiseDataset", path, drops=DropReport())[0].labels == (True,)
   path = write_jsonl(tmp_path / "ties.jsonl", [{"chosen": "A", "rejected": "A"}] * 2)
-  message = error_of(datasets.load_records, "PreferenceDataset", path, drops=DropReport())
+  message = error_of(registry.load_records, "PreferenceDataset", path, drops=DropReport())
   assert message.startswith(f"{path}: all 2 rows were dropped\n{path}: 2 rows dropped\n")
 
 
@@ -345,13 +346,13 @@ def test_public_datasets_read_their_usual_place(hub):
   calls, answers = hub
   answers[:] = [[FOUND_ERROR], [SHEPHERD], [ULTRAFEEDBACK], [HELPSTEER3]]
   kwargs = {"drops": DropReport()}
-  records = datasets.load_records("HelpSteer3", None, split="validation", **kwargs)
+  records = registry.load_records("HelpSteer3", None, split="validation", **kwargs)
   assert records[0].meta == {"subset": "general"} and records[0].source == (
       "nvidia/HelpSteer3:validation[row 0]")
-  datasets.load_records("UltraFeedback", None, split="validation", **kwargs)
-  records = datasets.load_records("MathShepherd", None, **kwargs)
+  registry.load_records("UltraFeedback", None, split="validation", **kwargs)
+  records = registry.load_records("MathShepherd", None, **kwargs)
   assert records[0].meta == {"subset": "GSM8K"}
-  records = datasets.load_records("PRM800K", None, split="validation", neutral="incorrect",
+  records = registry.load_records("PRM800K", None, split="validation", neutral="incorrect",
                                   **kwargs)
   assert records[0].labels == (False, True, False)
   url = "https://github.com/openai/prm800k/raw/refs/heads/main/prm800k/data/phase2_test.jsonl"
@@ -365,7 +366,7 @@ def test_public_datasets_read_their_usual_place(hub):
 
 def test_subset_field_option_and_local_path(tmp_path):
   path = write_jsonl(tmp_path / "hs3.jsonl", [HELPSTEER3])
-  records = datasets.load_records("HelpSteer3", path, drops=DropReport(), subset_field="language")
+  records = registry.load_records("HelpSteer3", path, drops=DropReport(), subset_field="language")
   assert records[0].meta == {"subset": "english"}
 
 
@@ -384,11 +385,11 @@ def test_subset_field_option_and_local_path(tmp_path):
      "demo_arithmetic_steps:train: has no rows"),
 ])
 def test_registry_errors(name, path, options, message):
-  assert error_of(datasets.load_records, name, path, drops=DropReport(), **options) == message
+  assert error_of(registry.load_records, name, path, drops=DropReport(), **options) == message
 
 
 def test_demo_sets_take_the_split_as_path():
-  records = datasets.load_records("demo_arithmetic", "validation", drops=DropReport(), num_rows=3,
+  records = registry.load_records("demo_arithmetic", "validation", drops=DropReport(), num_rows=3,
                                   seed=1)
   assert [r.source for r in records] == [f"demo_arithmetic:validation[row {i}]" for i in range(3)]
   assert all(r.meta["subset"] for r in records)
@@ -396,7 +397,7 @@ def test_demo_sets_take_the_split_as_path():
 
 @pytest.mark.parametrize("name", ["held_out", "HelpSteer3-val", "v1.2", "0"])
 def test_val_set_names_usable_in_metric_names(name):
-  assert datasets.check_val_set_name(name) == name
+  assert registry.check_val_set_name(name) == name
 
 
 @pytest.mark.parametrize("name, message", [
@@ -408,4 +409,4 @@ def test_val_set_names_usable_in_metric_names(name):
     (3, "validation set name 3: must be a non-empty string"),
 ])
 def test_val_set_names_unusable_in_metric_names(name, message):
-  assert error_of(datasets.check_val_set_name, name) == message
+  assert error_of(registry.check_val_set_name, name) == message

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from jaxrm.data import demo, formats
-from jaxrm.data.errors import DataError, DropReport
+from jaxrm.data.drops import DropReport
+from jaxrm.errors import DataError
 
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "×": lambda a, b: a * b}
 EQUATION = re.compile(r"(\d+) ([-+×]) (\d+) = (-?\d+)\.?")

@@ -7,7 +7,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from jaxrm.data import formats, sources
-from jaxrm.data.errors import DataError, DropReport
+from jaxrm.data.drops import DropReport
+from jaxrm.errors import DataError
 from jaxrm.data.formats import DROP_IDENTICAL
 from jaxrm.data.records import PreferenceRecord, StepwiseRecord
 

@@ -11,10 +11,12 @@ import pytest
 import hf_tiny
 import tiny_run
 from jaxrm import RewardModel
-from jaxrm.data import datasets
-from jaxrm.data.errors import DropReport
-from jaxrm.data.tokenize import IGNORE, PAIR_TOO_LONG, PreferenceExample, StepwiseExample, TokenizeOptions
-from jaxrm.evaluate import NO_SUBSET, EvaluationError, evaluate, format_report
+from jaxrm.data import registry
+from jaxrm.data.drops import DropReport
+from jaxrm.data.tokenize import PAIR_TOO_LONG, PreferenceExample, StepwiseExample, TokenizeOptions
+from jaxrm.batches import IGNORE_INDEX
+from jaxrm.evaluate import NO_SUBSET, evaluate, format_report
+from jaxrm.errors import EvaluationError
 
 def _softplus(x):
   return math.log1p(math.exp(x))
@@ -114,10 +116,10 @@ def test_no_subset_column_means_no_subsets():
 def steps(predicted, labels, subset):
   """A stepwise example: a prompt token, then per step a filler token and a separator token whose
   parity sets ParityPRM's prediction (even: correct) and which carries the step's label."""
-  ids, lab = [3], [IGNORE]
+  ids, lab = [3], [IGNORE_INDEX]
   for p, y in zip(predicted, labels):
     ids += [11, 4 if p else 5]
-    lab += [IGNORE, y]
+    lab += [IGNORE_INDEX, y]
   return StepwiseExample(input_ids=np.asarray(ids, np.int32), labels=np.asarray(lab, np.int32),
                          source=f"hand[{labels}]", meta={"subset": subset})
 
@@ -214,7 +216,7 @@ def data_file(tmp_path_factory):
 
 def test_rewards_equal_rm_score(rm, data_file):
   drops = DropReport()
-  records = datasets.load_records("PreferenceDataset", data_file, split="validation", drops=drops)
+  records = registry.load_records("PreferenceDataset", data_file, split="validation", drops=drops)
   result = evaluate(rm, records, options=TokenizeOptions(max_length=96), batch_size=2, drops=drops)
   chosen = rm.score([c for c, _ in KEPT])
   rejected = rm.score([r for _, r in KEPT])
@@ -237,7 +239,7 @@ def test_token_head_scores_are_step_probabilities(tmp_path, rm):
                 bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id).save_pretrained(tmp_path)
   prm = RewardModel.from_pretrained(tmp_path, tokenizer=tok)
   drops = DropReport()
-  records = datasets.load_records("demo_arithmetic_steps", None, split="validation", drops=drops,
+  records = registry.load_records("demo_arithmetic_steps", None, split="validation", drops=drops,
                                   num_rows=3)
   result = evaluate(prm, records, options=TokenizeOptions(max_length=256), drops=drops)
   # Each separator's last token carries its step's label; one padded batch scores every row.

@@ -15,8 +15,8 @@ from flax import nnx
 import hf_tiny
 import tiny_run
 from jaxrm import RewardModel
-from jaxrm.checkpoints import gguf
-from jaxrm.checkpoints.weight_map import CheckpointError
+from jaxrm.hf import gguf
+from jaxrm.errors import CheckpointError
 from jaxrm.export import export
 
 LENGTHS = [24, 17, 9]  # longer than the sliding windows (8)

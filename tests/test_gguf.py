@@ -10,8 +10,8 @@ import pytest
 import torch
 import transformers
 
-from jaxrm.checkpoints import gguf as gguf_ckpt
-from jaxrm.checkpoints.weight_map import CheckpointError
+from jaxrm.hf import gguf as gguf_ckpt
+from jaxrm.errors import CheckpointError
 
 CHATML_CONVERSATION = [
     {"role": "system", "content": "Answer briefly."},

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxrm import losses
-from jaxrm.losses import IGNORE_INDEX as X
+from jaxrm.batches import IGNORE_INDEX as X
 
 # Jitted once here, as training uses them; it also keeps the tests fast (one compile per shape
 # instead of one per operation and shape).

@@ -12,7 +12,8 @@ import pytest
 import tiny_run
 from jaxrm import train
 from jaxrm.data import packing
-from jaxrm.data.tokenize import IGNORE, PreferenceExample, StepwiseExample
+from jaxrm.data.tokenize import PreferenceExample, StepwiseExample
+from jaxrm.batches import IGNORE_INDEX
 
 # float32 sums taken in another order (rows of other lengths, several sequences side by side,
 # micro-batches) move these runs' losses and gradient norms by about 1e-7; a token that sees one it
@@ -148,7 +149,7 @@ def test_micro_batches_of_two_hosts_index_the_global_batch():
                     np.array(prompt(i) + [3] * (1 + i % 2), np.int32))
   pairs = [PreferenceExample(pair(i), (0, 1), 0.0, f"pair {i}", {}) for i in range(8)]
   seqs = [StepwiseExample(rng.integers(3, 99, 2 + i % 4).astype(np.int32),
-                          np.full(2 + i % 4, IGNORE, np.int32), f"seq {i}", {}) for i in range(8)]
+                          np.full(2 + i % 4, IGNORE_INDEX, np.int32), f"seq {i}", {}) for i in range(8)]
   spec = packing.PackSpec(row_length=16, length_multiple=4, shared_prompt=True, rewards_multiple=1)
   for groups in (pairs, seqs):
     hosts = [packing.PackedCollator(4, spec, num_completions=2, process_index=p, process_count=2,

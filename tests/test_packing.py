@@ -10,10 +10,11 @@ from flax import nnx
 from jaxrm import losses
 from jaxrm.data import packing
 from jaxrm.data.pipeline import Collator
-from jaxrm.data.tokenize import IGNORE, PreferenceExample, StepwiseExample
+from jaxrm.data.tokenize import PreferenceExample, StepwiseExample
+from jaxrm.batches import IGNORE_INDEX
 from jaxrm.models import layers as L
 from jaxrm.models.config import ModelConfig
-from jaxrm.models.decoder import RewardModelModule
+from jaxrm.models.decoder import Decoder
 
 VOCAB = 128
 ROW = 64  # packed row length of the model tests
@@ -70,20 +71,20 @@ def test_plain_layout_with_fillers_and_absent_completions():
 
 
 def test_stepwise_layout():
-  s1 = step([3, 4, 5], [IGNORE, IGNORE, 1])
-  s2 = step([6, 7], [IGNORE, 0])
-  s3 = step([8, 9, 10, 11], [IGNORE, 1, IGNORE, 0])
+  s1 = step([3, 4, 5], [IGNORE_INDEX, IGNORE_INDEX, 1])
+  s2 = step([6, 7], [IGNORE_INDEX, 0])
+  s3 = step([8, 9, 10, 11], [IGNORE_INDEX, 1, IGNORE_INDEX, 0])
   batch = packing.pack_stepwise([s1, s2, s3], packing.PackSpec(row_length=6), num_examples=4)
   np.testing.assert_array_equal(batch["input_ids"], [[8, 9, 10, 11, 6, 7], [3, 4, 5, 0, 0, 0]])
   np.testing.assert_array_equal(batch["positions"], [[0, 1, 2, 3, 0, 1], [0, 1, 2, 0, 0, 0]])
   np.testing.assert_array_equal(batch["segment_ids"], [[1, 1, 1, 1, 2, 2], [1, 1, 1, 0, 0, 0]])
   np.testing.assert_array_equal(batch["token_index"], [[6, 7, 8, 0, 0, 0], [4, 5, 0, 0, 0, 0],
                                                        [0, 1, 2, 3, 0, 0], [0] * 6])
-  np.testing.assert_array_equal(batch["labels"][:, :4], [[IGNORE, IGNORE, 1, IGNORE],
-                                                         [IGNORE, 0, IGNORE, IGNORE],
-                                                         [IGNORE, 1, IGNORE, 0],
-                                                         [IGNORE] * 4])
-  assert (batch["labels"][:, 4:] == IGNORE).all()
+  np.testing.assert_array_equal(batch["labels"][:, :4], [[IGNORE_INDEX, IGNORE_INDEX, 1, IGNORE_INDEX],
+                                                         [IGNORE_INDEX, 0, IGNORE_INDEX, IGNORE_INDEX],
+                                                         [IGNORE_INDEX, 1, IGNORE_INDEX, 0],
+                                                         [IGNORE_INDEX] * 4])
+  assert (batch["labels"][:, 4:] == IGNORE_INDEX).all()
   np.testing.assert_array_equal(batch["example_mask"], [1, 1, 1, 0])
   # The group layout reads each sequence's tokens back in order.
   flat = batch["input_ids"].reshape(-1)
@@ -178,7 +179,7 @@ def tiny_config(**overrides):
 
 def tiny_model(cfg, seed=0):
   """A model with large random weights (so that every mask matters), built without compiling."""
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: RewardModelModule(cfg, rngs=nnx.Rngs(0))))
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
   rng = np.random.default_rng(seed)
 
   def init(path, x):
@@ -275,7 +276,7 @@ def test_packed_stepwise_logits_and_loss_equal_unpacked():
   examples = []
   for i in range(5):
     n = int(rng.integers(4, 30))
-    labels = np.where(rng.random(n) < 0.3, rng.integers(0, 2, n), IGNORE)
+    labels = np.where(rng.random(n) < 0.3, rng.integers(0, 2, n), IGNORE_INDEX)
     examples.append(step(rng.integers(3, VOCAB, n), labels, source=f"seq {i}"))
   ref = Collator(batch_size=5, buckets=(UNPACKED,))(examples)
   expected = forward(input_ids=ref["input_ids"], attention_mask=ref["attention_mask"])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxrm.data import pipeline as pl
-from jaxrm.data.errors import DataError
+from jaxrm.errors import DataError
 from jaxrm.data.tokenize import PreferenceExample, StepwiseExample
 
 BUCKETS = (16, 32, 40)

@@ -14,9 +14,10 @@ from flax import nnx
 import hf_tiny
 import tiny_run
 from jaxrm import RewardModel
-from jaxrm.checkpoints.weight_map import CheckpointError
-from jaxrm.data import datasets
-from jaxrm.data.errors import DataError, DropReport
+from jaxrm.errors import CheckpointError
+from jaxrm.data import registry
+from jaxrm.data.drops import DropReport
+from jaxrm.errors import DataError
 from jaxrm.data.tokenize import TokenizeOptions, tokenize_all
 
 NL = 198  # SmolLM2's "\n"
@@ -169,7 +170,7 @@ def test_step_separator_comes_from_the_run_config(run_copy):
 
 
 def test_score_tokenizes_and_scores_as_training(rm):
-  records = datasets.load_records("demo_arithmetic", None, split="validation", drops=DropReport())[:6]
+  records = registry.load_records("demo_arithmetic", None, split="validation", drops=DropReport())[:6]
   examples = tokenize_all(records, rm.tokenizer, TokenizeOptions(max_length=96), DropReport())
   assert len(examples) == 6
   prompts, completions, rows = [], [], []

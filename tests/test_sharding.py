@@ -14,7 +14,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 
 import tiny_run
 from jaxrm import sharding
-from jaxrm.checkpoints.loader import abstract_model
+from jaxrm.hf.loader import abstract_model
 from jaxrm.models.config import from_hf_config
 
 MESH_222 = AbstractMesh((2, 2, 2), sharding.MESH_AXES)

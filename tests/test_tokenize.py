@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import transformers
 
-from jaxrm.checkpoints import gguf
+from jaxrm.hf import gguf
 from jaxrm.data import tokenize as tk
-from jaxrm.data.errors import DataError, DropReport
+from jaxrm.data.drops import DropReport
+from jaxrm.errors import DataError
 from jaxrm.data.pipeline import make_eval_batches
 from jaxrm.data.records import PreferenceRecord, StepwiseRecord
 

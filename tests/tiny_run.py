@@ -166,7 +166,7 @@ def tokenizer_dir(cache_root: str) -> str:
   saved = os.path.join(cache_root, TOKENIZER_CACHE)
   if not os.path.exists(os.path.join(saved, "tokenizer.json")):
     import transformers
-    from jaxrm.checkpoints import gguf
+    from jaxrm.hf import gguf
     path = gguf.embedded_model_path()
     tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     _save_atomically(saved, tok.save_pretrained)

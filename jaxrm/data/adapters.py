@@ -11,7 +11,8 @@ import re
 from typing import Any
 
 from jaxrm.data import formats
-from jaxrm.data.errors import DataError, DropReport, row_error
+from jaxrm.data.drops import DropReport, row_error
+from jaxrm.errors import DataError
 from jaxrm.data.formats import required, row_meta
 from jaxrm.data.records import PreferenceRecord, StepwiseRecord
 

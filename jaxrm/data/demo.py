@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxrm.data.errors import DataError
+from jaxrm.errors import DataError
 
 SPLITS = ("train", "validation")
 DEFAULT_ROWS = {"train": 4000, "validation": 500}

@@ -27,7 +27,7 @@ import numbers
 from collections.abc import Sequence
 from typing import Any
 
-from jaxrm.data.errors import DropReport, row_error
+from jaxrm.data.drops import DropReport, row_error
 from jaxrm.data.records import Message, PreferenceRecord, StepwiseRecord, Text
 
 ROLES = ("system", "user", "assistant", "tool")

@@ -37,7 +37,8 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxrm.data.tokenize import IGNORE, PreferenceExample, StepwiseExample
+from jaxrm.data.tokenize import PreferenceExample, StepwiseExample
+from jaxrm.batches import IGNORE_INDEX
 
 Batch = dict[str, np.ndarray]
 
@@ -290,7 +291,7 @@ def _fill_stepwise(examples: Sequence[StepwiseExample], units: list[list[_Piece]
   """The packed stepwise batch of ``examples``, placed as ``plan`` says into ``rows``."""
   t = rows.row_length
   token_index = np.zeros((g, t), np.int32)
-  labels = np.full((g, t), IGNORE, np.int32)
+  labels = np.full((g, t), IGNORE_INDEX, np.int32)
   for i, row, [(start, end)] in _fill(units, plan, rows):
     token_index[i, :end - start] = row * t + np.arange(start, end)
     labels[i, :end - start] = examples[i].labels

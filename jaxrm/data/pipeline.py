@@ -37,9 +37,10 @@ import grain
 import jax
 import numpy as np
 
-from jaxrm.data.errors import DataError
+from jaxrm.errors import DataError
 from jaxrm.data.packing import PackedCollator, PackSpec
-from jaxrm.data.tokenize import IGNORE, PreferenceExample, StepwiseExample
+from jaxrm.data.tokenize import PreferenceExample, StepwiseExample
+from jaxrm.batches import IGNORE_INDEX
 
 Example = PreferenceExample | StepwiseExample
 Batch = dict[str, np.ndarray]
@@ -86,7 +87,7 @@ class Collator:
     example_mask = (np.arange(self.batch_size) < n_real).astype(np.float32)
     if isinstance(groups[0], StepwiseExample):
       batch = _collate_stepwise(local, length, self.pad_id)
-      batch["labels"][n_real:] = IGNORE
+      batch["labels"][n_real:] = IGNORE_INDEX
     else:
       batch = _collate_preference(local, self.num_completions, length, self.pad_id)
       batch["ranks"][n_real:] = -1
@@ -250,7 +251,7 @@ def _collate_stepwise(examples: Sequence[StepwiseExample], length: int, pad_id: 
   b = len(examples)
   input_ids = np.full((b, length), pad_id, np.int32)
   attention_mask = np.zeros((b, length), np.int32)
-  labels = np.full((b, length), IGNORE, np.int32)
+  labels = np.full((b, length), IGNORE_INDEX, np.int32)
   for i, e in enumerate(examples):
     input_ids[i, :len(e.input_ids)] = e.input_ids
     attention_mask[i, :len(e.input_ids)] = 1

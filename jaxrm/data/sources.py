@@ -11,7 +11,8 @@ import os
 import re
 from collections.abc import Iterable, Iterator
 
-from jaxrm.data.errors import DataError, row_error
+from jaxrm.data.drops import row_error
+from jaxrm.errors import DataError
 from jaxrm.data.formats import kind
 
 _FILE_SUFFIXES = (".jsonl", ".json", ".parquet")

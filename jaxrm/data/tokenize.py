@@ -33,7 +33,7 @@ Over-length rows (``max_length`` counts every token):
   without its question means nothing.
 
 Rows that cannot be made to fit, or whose completions tokenize identically, are dropped and counted
-in the :class:`~jaxrm.data.errors.DropReport` under the reasons below.
+in the :class:`~jaxrm.data.drops.DropReport` under the reasons below.
 """
 
 from __future__ import annotations
@@ -44,10 +44,9 @@ from typing import Any, Iterable, Sequence
 import jinja2
 import numpy as np
 
-from jaxrm.data.errors import DropReport, row_error
+from jaxrm.batches import IGNORE_INDEX
+from jaxrm.data.drops import DropReport, row_error
 from jaxrm.data.records import Message, PreferenceRecord, StepwiseRecord, Text
-
-IGNORE = -100  # label of a position that carries no step label
 
 # Drop reasons, as counted in the DropReport.
 PROMPT_TOO_LONG = "prompt alone is max_length tokens or longer"
@@ -155,7 +154,7 @@ def tokenize_stepwise(record: StepwiseRecord, tokenizer, opts: TokenizeOptions,
     drops.drop(reason, record.source)
     return None
   input_ids = prefix + [t for s in steps[:kept] for t in s]
-  labels = np.full(len(input_ids), IGNORE, np.int32)
+  labels = np.full(len(input_ids), IGNORE_INDEX, np.int32)
   ends = len(prefix) + np.cumsum([len(s) for s in steps[:kept]]) - 1  # last separator tokens
   first = kept - 1 if opts.train_on_last_step_only else 0
   labels[ends[first:]] = np.asarray(record.labels[first:kept], np.int32)
@@ -165,6 +164,17 @@ def tokenize_stepwise(record: StepwiseRecord, tokenizer, opts: TokenizeOptions,
       source=record.source,
       meta=dict(record.meta),
   )
+
+
+def pad_id(tokenizer, model_pad_token_id: int | None = None) -> int:
+  """The token id written into padding: the tokenizer's pad token, else the model's, else 0.
+
+  Padding is never attended to, so any valid id works; these keep batches readable.
+  """
+  for candidate in (getattr(tokenizer, "pad_token_id", None), model_pad_token_id):
+    if candidate is not None:
+      return int(candidate)
+  return 0
 
 
 def tokenize_all(records: Iterable[PreferenceRecord | StepwiseRecord], tokenizer,

@@ -12,15 +12,13 @@ import math
 from typing import Any
 
 import numpy as np
+from jaxrm.errors import UnsupportedModelError
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
 HEADS = ("sequence", "token")
 ROPE_TYPES = ("default", "linear", "llama3")
 REMAT_POLICIES = ("none", "full", "dots")
 
-
-class UnsupportedModelError(ValueError):
-  """The checkpoint's architecture or one of its settings is not supported."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,10 +13,10 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxrm import sharding
+from jaxrm.models import heads
 from jaxrm.models import layers as L
 from jaxrm.models.config import ModelConfig
 
@@ -62,13 +62,11 @@ def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tup
   return shapes
 
 
-def head_init(cfg: ModelConfig):
-  """Initializer of a new reward head: normal(0, 1/sqrt(hidden + 1))."""
-  return jax.nn.initializers.normal(1.0 / np.sqrt(cfg.hidden_size + 1))
+class Decoder(nnx.Module):
+  """A decoder LLM ending in a reward head (:mod:`jaxrm.models.heads`) instead of the LM head.
 
-
-class RewardModelModule(nnx.Module):
-  """Backbone + reward head. ``__call__`` returns rewards [B] (sequence head) or logits [B, T, C]."""
+  ``__call__`` returns rewards [B] (sequence head) or logits [B, T, C] (token head).
+  """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     if cfg.attention_impl not in ATTENTION_IMPLS:
@@ -85,7 +83,7 @@ class RewardModelModule(nnx.Module):
       setattr(self.layers, name, _param(rngs.params(), shape, axes, dtype, init))
     self.final_norm = _param(rngs.params(), (cfg.hidden_size,), ("embed",), dtype, norm_init)
     self.score = _param(rngs.params(), (cfg.hidden_size, cfg.num_labels), ("embed", "labels"), dtype,
-                        head_init(cfg))
+                        heads.head_init(cfg))
     if cfg.head_bias:
       self.score_bias = _param(rngs.params(), (cfg.num_labels,), ("labels",), dtype, jax.nn.initializers.zeros)
 
@@ -145,27 +143,9 @@ class RewardModelModule(nnx.Module):
                        "logits at every position")
     h = self.hidden_states(input_ids, attention_mask, positions, segment_ids, branch_ids)
     bias = self.score_bias[...] if cfg.head_bias else None
-    w = self.score[...].astype(jnp.float32)
     if cfg.head == "token":
-      b, t, d = h.shape
-      logits = L.linear(h.reshape(b * t, d).astype(jnp.float32), w, bias)
-      return logits.reshape(b, t, cfg.num_labels)
-    if reward_positions is not None:
-      h_read = jnp.take_along_axis(h, jnp.maximum(reward_positions, 0)[..., None], axis=1)  # [B, R, D]
-      b, r, d = h_read.shape
-      rewards = L.linear(h_read.reshape(b * r, d).astype(jnp.float32), w, bias).reshape(b, r, -1)
-      rewards = jnp.where(reward_positions[..., None] >= 0, rewards, 0.0)
-      return rewards[..., 0] if cfg.num_labels == 1 else rewards
-    last = last_token_index(attention_mask)
-    h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]  # [B, D]
-    rewards = L.linear(h_last.astype(jnp.float32), w, bias)
-    return rewards[:, 0] if cfg.num_labels == 1 else rewards
-
-
-def last_token_index(attention_mask_bt):
-  """int32 [B]: index of the last real token of each row, for left or right padding."""
-  t = attention_mask_bt.shape[1]
-  return (t - 1 - jnp.argmax(jnp.flip(attention_mask_bt > 0, axis=1), axis=1)).astype(jnp.int32)
+      return heads.token_logits(h, self.score[...], bias)
+    return heads.sequence_rewards(h, self.score[...], bias, attention_mask, reward_positions)
 
 
 def attention_fn(cfg: ModelConfig) -> Callable:

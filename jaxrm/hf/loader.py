@@ -15,12 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
 from jaxrm import sharding
-from jaxrm.checkpoints.weight_map import CheckpointError, HEAD_PARAMS, plan
+from jaxrm.hf.weight_map import HEAD_PARAMS, plan
+from jaxrm.errors import CheckpointError
 from jaxrm.models.config import ModelConfig
-from jaxrm.models.decoder import RewardModelModule, head_init
+from jaxrm.models.decoder import Decoder
+from jaxrm.models.heads import head_init
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +35,8 @@ class TensorSource(Protocol):
   def get_tensor(self, key: str) -> np.ndarray: ...
 
 
-def abstract_model(cfg: ModelConfig, seed: int = 0) -> RewardModelModule:
-  return nnx.eval_shape(lambda: RewardModelModule(cfg, rngs=nnx.Rngs(seed)))
+def abstract_model(cfg: ModelConfig, seed: int = 0) -> Decoder:
+  return nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(seed)))
 
 
 def _assemble(name: str, shape, dtype, slots, source: TensorSource) -> np.ndarray:
@@ -64,8 +66,8 @@ def _place(host: np.ndarray, target: NamedSharding | None) -> jax.Array:
 
 
 def load_model(cfg: ModelConfig, source: TensorSource, *, mesh: Mesh | None = None, seed: int = 0,
-               new_head: bool = False) -> RewardModelModule:
-  """A :class:`RewardModelModule` holding ``source``'s weights.
+               new_head: bool = False) -> Decoder:
+  """A :class:`Decoder` holding ``source``'s weights.
 
   The head is new (normal, seeded) when the checkpoint has none or when ``new_head`` is set.
   """

@@ -15,12 +15,10 @@ from typing import Iterable
 
 from jaxrm.models.config import ModelConfig
 from jaxrm.models.decoder import layer_param_shapes
+from jaxrm.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
-
-class CheckpointError(ValueError):
-  """A checkpoint does not fit the model (missing/unexpected keys, wrong shapes, bad files)."""
 
 
 @dataclasses.dataclass(frozen=True)

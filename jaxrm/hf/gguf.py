@@ -17,7 +17,7 @@ import tempfile
 import gguf
 import numpy as np
 
-from jaxrm.checkpoints.weight_map import CheckpointError
+from jaxrm.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 

@@ -1,18 +1,15 @@
-"""Data errors and the report of rows dropped on purpose.
+"""The report of rows dropped on purpose, and the error that names a bad row.
 
-Bad input either raises :class:`DataError` (naming file, line/row and field) or is dropped and
-counted in a :class:`DropReport` that training prints at start and writes into the run directory.
+Bad input either raises :class:`~jaxrm.errors.DataError` (naming file, line/row and field) or is
+dropped and counted in a :class:`DropReport` that training prints at start and writes into the
+run directory.
 """
 
 from __future__ import annotations
 
 import collections
-import json
-import os
 
-
-class DataError(ValueError):
-  """A user-data problem. The CLI prints its message without a traceback."""
+from jaxrm.errors import DataError
 
 
 def row_error(source: str, field: str | None, message: str) -> DataError:
@@ -60,7 +57,3 @@ class DropReport:
     for r, n in self.counts.most_common():
       lines.append(f"  {n:>7}  {r}  (e.g. {', '.join(self.examples[r][:3])})")
     return "\n".join(lines)
-
-  def write(self, path: str | os.PathLike) -> None:
-    with open(path, "w") as f:
-      json.dump(self.as_dict(), f, indent=2)

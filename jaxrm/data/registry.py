@@ -12,7 +12,8 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 
 from jaxrm.data import adapters, demo, formats, sources
-from jaxrm.data.errors import DataError, DropReport
+from jaxrm.data.drops import DropReport
+from jaxrm.errors import DataError
 from jaxrm.data.records import PreferenceRecord, StepwiseRecord
 
 _PRM800K_URL = ("https://github.com/openai/prm800k/raw/refs/heads/main/prm800k/data/"
