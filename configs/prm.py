@@ -4,11 +4,7 @@ r"""Process (stepwise) reward model: the embedded SmolLM2-135M-Instruct on demo_
   python -m jaxrm.train --config=configs/prm.py:smoke
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
-from common import base_config  # noqa: E402
+from jaxrm.config import base_config
 
 
 def get_config(arg=None):

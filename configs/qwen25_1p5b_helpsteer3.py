@@ -5,11 +5,7 @@ Needs the Hugging Face hub (model and dataset are downloaded) and a GPU:
   python -m jaxrm.train --config=configs/qwen25_1p5b_helpsteer3.py
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
-from common import base_config  # noqa: E402
+from jaxrm.config import base_config
 
 
 def get_config(arg=None):

@@ -8,11 +8,7 @@ r"""Bradley-Terry reward model: the embedded SmolLM2-135M-Instruct on demo_arith
       --config.data.val_data_paths.default=val.jsonl --config.train.max_steps=500
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
-from common import base_config  # noqa: E402
+from jaxrm.config import base_config
 
 
 def get_config(arg=None):

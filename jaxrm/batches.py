@@ -1,3 +1,171 @@
-"""The batch layouts that the data pipeline builds and the train and eval steps consume."""
+"""The batch layouts that the data pipeline builds and the train and eval steps consume.
+
+Four frozen pytrees, one per layout: :class:`PreferenceBatch` and :class:`StepwiseBatch` hold one
+sequence per row (built by ``data.pipeline.Collator``), :class:`PackedPreferenceBatch` and
+:class:`PackedStepwiseBatch` several (built by ``data.packing``). Their arrays are numpy on the
+host that collated them and ``jax.Array`` once ``pipeline.to_global_batch`` has placed them. Where
+n micro-batches are stacked for gradient accumulation, every array gets a leading ``[n]`` axis and
+the batch is still one object.
+
+In every layout G is the number of groups (preference) or sequences (stepwise), T the row length.
+A row or slot that holds nothing real (an absent completion, a filler group that pads the last
+eval batch) is hidden by ``ranks == -1``, ``labels == IGNORE_INDEX`` or ``example_mask == 0``.
+
+Each batch runs the model on itself (:meth:`outputs`, the array its loss takes) and counts its
+real tokens on the host (:meth:`token_counts`).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Union
+
+import jax
+import numpy as np
+from flax import struct
 
 IGNORE_INDEX = -100  # label of a position that carries no step label
+
+Array = Union[np.ndarray, jax.Array]
+
+
+@struct.dataclass
+class PreferenceBatch:
+  """G groups of K completions, one per row; completion j of group i is row i*K + j.
+
+  T is the smallest length bucket that holds the longest sequence of the *global* batch, so that
+  every host builds the same shapes. An absent completion or a filler group repeats a real
+  sequence of the batch instead of being all padding, because a row with no attended token can
+  turn attention into NaN.
+  """
+
+  input_ids: Array  # [G*K, T] int32, right-padded with pad_id
+  attention_mask: Array  # [G*K, T] int32
+  ranks: Array  # [G, K] int32: position in preference order (0 = best), -1 = no completion
+  margin: Array  # [G] float32
+  example_mask: Array  # [G] float32: 0 for filler groups
+
+  # Unpacked batches are split into micro-batches by the train step, packed ones by the collator.
+  packed: ClassVar[bool] = False
+
+  def outputs(self, model) -> jax.Array:
+    """Rewards [G, K]."""
+    return model(self.input_ids, self.attention_mask).reshape(self.ranks.shape)
+
+  def token_counts(self) -> tuple[int, float]:
+    """(tokens of the real completions, their share of the token slots), on the host."""
+    mask = np.asarray(self.attention_mask)
+    return _unpacked_counts(mask, np.asarray(self.ranks).reshape(mask.shape[:-1]) >= 0)
+
+
+@struct.dataclass
+class StepwiseBatch:
+  """G sequences, one per row, labelled at the last token of each step."""
+
+  input_ids: Array  # [G, T] int32, right-padded with pad_id
+  attention_mask: Array  # [G, T] int32
+  labels: Array  # [G, T] int32: 1 = step correct, 0 = step in error, IGNORE_INDEX = no step
+  example_mask: Array  # [G] float32: 0 for filler sequences
+
+  packed: ClassVar[bool] = False
+
+  def outputs(self, model) -> jax.Array:
+    """Logits [G, T, C]."""
+    return model(self.input_ids, self.attention_mask)
+
+  def token_counts(self) -> tuple[int, float]:
+    """(tokens of the real sequences, their share of the token slots), on the host."""
+    return _unpacked_counts(np.asarray(self.attention_mask), np.asarray(self.example_mask) > 0)
+
+
+@struct.dataclass
+class PackedPreferenceBatch:
+  """G groups of up to K completions packed into B rows; every completion of a group shares a row.
+
+  Plain packing writes each completion as a sequence of its own (block-diagonal attention);
+  shared-prompt packing writes the tokens the completions share (the prompt) once, then each
+  completion's own tokens, which see the prompt and themselves only. Absent completions and
+  filler groups take no room: their ``reward_index`` points at slot 0.
+  """
+
+  input_ids: Array  # [B, T] int32, pad_id after a row's last sequence
+  attention_mask: Array  # [B, T] int32
+  positions: Array  # [B, T] int32: from 0 in each sequence; a completion continues its prompt's
+  segment_ids: Array  # [B, T] int32: 1, 2, ... per sequence (shared-prompt: per group), 0 = padding
+  branch_ids: Array  # [B, T] int32: 0 = shared prompt or plain sequence, j + 1 = completion j
+  reward_positions: Array  # [B, R] int32: index in its row of each completion's last token, -1 = unused
+  reward_index: Array  # [G, K] int32: where group g's completion k sits in rewards.reshape(-1)
+  ranks: Array  # [G, K] int32: as in PreferenceBatch
+  margin: Array  # [G] float32
+  example_mask: Array  # [G] float32
+
+  packed: ClassVar[bool] = True
+
+  def outputs(self, model) -> jax.Array:
+    """Rewards [G, K], read at ``reward_positions`` and gathered into the unpacked layout."""
+    rewards = model(*_rows(self), reward_positions=self.reward_positions)  # [B, R]
+    return group_rewards(rewards, self.reward_index)
+
+  def token_counts(self) -> tuple[int, float]:
+    """(tokens of the real completions, share of the token slots that hold a real token).
+
+    Each completion counts whole, a shared prompt once per completion, so that a batch counts the
+    same tokens whether it is packed, shared-prompt packed or unpacked.
+    """
+    mask, ends = np.asarray(self.attention_mask), np.asarray(self.reward_positions)
+    # A completion ends at position length - 1.
+    lengths = np.take_along_axis(np.asarray(self.positions), np.maximum(ends, 0), axis=-1) + 1
+    return int(lengths[ends >= 0].sum()), float(mask.sum()) / mask.size
+
+
+@struct.dataclass
+class PackedStepwiseBatch:
+  """G sequences packed into B rows; filler sequences take no room (``token_index`` 0)."""
+
+  input_ids: Array  # [B, T] int32
+  attention_mask: Array  # [B, T] int32
+  positions: Array  # [B, T] int32: from 0 in each sequence
+  segment_ids: Array  # [B, T] int32: 1, 2, ... per sequence, 0 = padding
+  branch_ids: Array  # [B, T] int32: all 0
+  token_index: Array  # [G, T] int32: where token i of sequence g sits in logits.reshape(B * T, C)
+  labels: Array  # [G, T] int32: the unpacked labels, IGNORE_INDEX past each sequence
+  example_mask: Array  # [G] float32
+
+  packed: ClassVar[bool] = True
+
+  def outputs(self, model) -> jax.Array:
+    """Logits [G, T, C], sequence g's tokens first, as ``labels`` has them."""
+    return group_logits(model(*_rows(self)), self.token_index)
+
+  def token_counts(self) -> tuple[int, float]:
+    """(real tokens, their share of the token slots): fillers take no room, so every attended
+    token is real."""
+    mask = np.asarray(self.attention_mask)
+    return int(mask.sum()), float(mask.sum()) / mask.size
+
+
+Batch = Union[PreferenceBatch, StepwiseBatch, PackedPreferenceBatch, PackedStepwiseBatch]
+
+
+def group_rewards(rewards_br, reward_index_gk):
+  """Packed rewards [B, R] -> the [G, K] layout of the unpacked batch (jax or numpy arrays)."""
+  return rewards_br.reshape(-1)[reward_index_gk]
+
+
+def group_logits(logits_btc, token_index_gt):
+  """Packed token logits [B, T, C] -> [G, T, C], sequence g's tokens first in row g."""
+  return logits_btc.reshape(-1, logits_btc.shape[-1])[token_index_gt]
+
+
+def _rows(batch: PackedPreferenceBatch | PackedStepwiseBatch) -> tuple[Array, ...]:
+  """The model's row inputs, in the order it takes them."""
+  return (batch.input_ids, batch.attention_mask, batch.positions, batch.segment_ids,
+          batch.branch_ids)
+
+
+def _unpacked_counts(mask: np.ndarray, real_rows: np.ndarray) -> tuple[int, float]:
+  """Attended tokens of the real rows, and their share of ``mask``'s slots.
+
+  Absent completions and filler groups repeat real rows; they are not counted.
+  """
+  tokens = int(mask[real_rows].sum())
+  return tokens, tokens / mask.size

@@ -1,4 +1,9 @@
-"""Orbax checkpoints of a training run: the latest (to resume) and the best k (by a metric).
+"""A training run's directory: its Orbax checkpoints, and the files that say how to load them.
+
+A run's output directory holds ``config.json`` (the training config), ``model_config.json``
+(the :class:`~jaxrm.models.config.ModelConfig` and its HF form), ``tokenizer/`` and the checkpoint
+directory (``checkpoints/`` unless ``checkpointing.checkpoint_dir``). :func:`write_run_files` writes
+the first three; :func:`find_run` and :func:`restore_for_scoring` read them back.
 
 Each checkpoint holds four items: ``params`` (the model's parameters), ``opt_state``, ``data``
 (the training iterator's state) and ``meta`` (step, RNG, reward statistics, metrics, config).
@@ -8,7 +13,9 @@ the previous checkpoints intact. ``best_checkpoint.json`` names the best step.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 from typing import Any
 
@@ -16,20 +23,17 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint._src.checkpoint_managers import preservation_policy as pp
 
+from jaxrm.config import normalize_metric_name
+from jaxrm.errors import CheckpointError
+from jaxrm.models.config import ModelConfig, config_from_dict, to_hf_config
+
+log = logging.getLogger(__name__)
+
+RUN_CONFIG = "config.json"
 RUN_MODEL_CONFIG = "model_config.json"
 RUN_TOKENIZER_DIR = "tokenizer"
 BEST_FILE = "best_checkpoint.json"
 ITEMS = ("params", "opt_state", "data", "meta")
-
-
-def normalize_metric_name(name: str | None) -> str | None:
-  """Accepts NeMo RL's ``val:validation-default_loss`` form as well as ``validation-default_loss``."""
-  if not name:
-    return None
-  for prefix in ("val:", "val/", "validation/"):
-    if name.startswith(prefix):
-      name = name[len(prefix):]
-  return name
 
 
 class Checkpointer:
@@ -147,3 +151,127 @@ def read_best(directory: str) -> dict | None:
 
 def _abstract(tree):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+# ------------------------------------------------------------------ run directories
+
+
+def write_run_files(out_dir: str, *, config_json: str, model_config: ModelConfig, tokenizer: Any) -> None:
+  """Writes what loading a run needs besides its checkpoints.
+
+  Args:
+    out_dir: the run's output directory.
+    config_json: the training config as JSON (``config.json``).
+    model_config: the model trained (``model_config.json``: ``{"jaxrm": asdict, "hf": to_hf_config}``).
+    tokenizer: saved under ``tokenizer/`` unless a resumed run already saved it there.
+  """
+  with open(os.path.join(out_dir, RUN_CONFIG), "w") as f:
+    f.write(config_json)
+  with open(os.path.join(out_dir, RUN_MODEL_CONFIG), "w") as f:
+    json.dump({"jaxrm": dataclasses.asdict(model_config), "hf": to_hf_config(model_config)}, f, indent=2)
+  tok_dir = os.path.join(out_dir, RUN_TOKENIZER_DIR)
+  if not os.path.isdir(tok_dir):
+    tokenizer.save_pretrained(tok_dir)
+
+
+def is_run_dir(path: str) -> bool:
+  """Whether ``path`` is a training output directory (it holds ``model_config.json``)."""
+  return os.path.isfile(os.path.join(path, RUN_MODEL_CONFIG))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunCheckpoint:
+  """Where a training run keeps its files, and the step a checkpoint path names (if any).
+
+  Attributes:
+    run_dir: has ``model_config.json`` and ``tokenizer/``.
+    checkpoint_dir: the Orbax directory: ``<step>/{params,opt_state,data,meta}``.
+    step: the step of a path naming one checkpoint, else None.
+    settings: the run's training config (``config.json``), or {} when it is missing.
+  """
+
+  run_dir: str
+  checkpoint_dir: str
+  step: int | None = None
+  settings: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+  @property
+  def tokenizer_dir(self) -> str:
+    return os.path.join(self.run_dir, RUN_TOKENIZER_DIR)
+
+  def model_config(self) -> ModelConfig:
+    """The :class:`ModelConfig` the run trained (from ``model_config.json``)."""
+    path = os.path.join(self.run_dir, RUN_MODEL_CONFIG)
+    with open(path) as f:
+      return config_from_dict(json.load(f)["jaxrm"], path)
+
+
+def find_run(path: str) -> RunCheckpoint | None:
+  """The run behind ``path`` when it is a training output directory or one of its checkpoints."""
+  if is_run_dir(path):
+    return _run(path)
+  norm = os.path.normpath(os.path.abspath(path))
+  if os.path.basename(norm).isdigit() and os.path.isdir(os.path.join(norm, "params")):
+    checkpoint_dir = os.path.dirname(norm)
+    run_dir = os.path.dirname(checkpoint_dir)
+    if not is_run_dir(run_dir):
+      raise CheckpointError(
+          f"{path} is a training checkpoint, but {run_dir} has no {RUN_MODEL_CONFIG}; load the run's "
+          f"output directory (the one holding {RUN_MODEL_CONFIG}) with step={os.path.basename(norm)}")
+    return dataclasses.replace(_run(run_dir), checkpoint_dir=checkpoint_dir, step=int(os.path.basename(norm)))
+  return None
+
+
+def _run(run_dir: str) -> RunCheckpoint:
+  settings = _run_settings(run_dir)
+  custom = settings.get("checkpointing", {}).get("checkpoint_dir")
+  return RunCheckpoint(run_dir, custom or os.path.join(run_dir, "checkpoints"), settings=settings)
+
+
+def _run_settings(run_dir: str) -> dict[str, Any]:
+  path = os.path.join(run_dir, RUN_CONFIG)
+  if not os.path.isfile(path):
+    return {}
+  with open(path) as f:
+    return json.load(f)
+
+
+def restore_for_scoring(run: RunCheckpoint, step: int | None, target: dict) -> tuple[dict, dict]:
+  """The parameters and ``meta`` of one checkpoint of ``run``.
+
+  Args:
+    run: from :func:`find_run`.
+    step: the step to load; default: the step ``run`` names, else the best (``best_checkpoint.json``,
+      else Orbax's best by the run's metric, else the latest).
+    target: pure dict of ``jax.ShapeDtypeStruct``s (with shardings) shaped like the parameters.
+  """
+  if not os.path.isdir(run.checkpoint_dir):
+    raise CheckpointError(f"{run.run_dir}: no checkpoint directory {run.checkpoint_dir} "
+                          "(training writes checkpoints there when checkpointing.enabled is true)")
+  ckpt_settings = run.settings.get("checkpointing", {})
+  ckpt = Checkpointer(run.checkpoint_dir, metric_name=ckpt_settings.get("metric_name"),
+                      higher_is_better=bool(ckpt_settings.get("higher_is_better", False)))
+  try:
+    return ckpt.restore_params(_pick_step(ckpt, run, step), target)
+  finally:
+    ckpt.close()
+
+
+def _pick_step(ckpt: Checkpointer, run: RunCheckpoint, step: int | None) -> int:
+  if run.step is not None and step is not None and step != run.step:
+    raise CheckpointError(f"{run.checkpoint_dir}/{run.step} is the checkpoint of step {run.step}, "
+                          f"but step={step} was asked for; pass one or the other")
+  steps = ckpt.all_steps()
+  if not steps:
+    raise CheckpointError(f"{run.checkpoint_dir}: no complete checkpoint yet (training saves one every "
+                          "checkpointing.save_period steps and at the end)")
+  step = run.step if run.step is not None else step
+  if step is None:
+    best = read_best(ckpt.directory)
+    # Without the file: Orbax's best by the run's metric, or the latest when none has it.
+    step = int(best["step"]) if best is not None else ckpt.best_step()
+    log.info("loading the best checkpoint of %s: step %s", run.run_dir, step)
+  if step not in steps:
+    raise CheckpointError(f"{run.checkpoint_dir}: no checkpoint for step {step}; available steps: "
+                          f"{', '.join(map(str, steps))}")
+  return step

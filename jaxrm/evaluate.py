@@ -23,25 +23,23 @@ import json
 import logging
 import math
 import os
-import sys
 from typing import Any, Sequence
 
 import jax
 import numpy as np
 
-from jaxrm import losses
+from jaxrm import cli, losses
+from jaxrm.batches import IGNORE_INDEX, PreferenceBatch, StepwiseBatch
 from jaxrm.data import pipeline
 from jaxrm.data.drops import DropReport
-from jaxrm.errors import DataError, EvaluationError
+from jaxrm.errors import EvaluationError
 from jaxrm.models.heads import correct_probability
 from jaxrm.data.records import PreferenceRecord, StepwiseRecord
 from jaxrm.data.tokenize import PreferenceExample, StepwiseExample, TokenizeOptions, pad_id, tokenize_all
-from jaxrm.batches import IGNORE_INDEX
 
 NO_SUBSET = "(none)"  # the subset of rows that have no subset column
 REPORT_FILE = "eval.json"
 HISTOGRAM_FILE = "rewards.png"
-
 
 
 def evaluate(rm, data: Sequence[Any], *, options: TokenizeOptions | None = None, batch_size: int = 8,
@@ -139,13 +137,13 @@ def _sequences(example) -> Sequence[np.ndarray]:
 # --------------------------------------------------------------------------------------- preferences
 
 
-def _preference_arrays(rm, batches: list[pipeline.Batch], n: int):
+def _preference_arrays(rm, batches: list[PreferenceBatch], n: int):
   """Rewards [N, K] (best completion first), ranks [N, K] (-1 absent) and margins [N]."""
-  k = batches[0]["ranks"].shape[1]
+  k = batches[0].ranks.shape[1]
   rewards = np.concatenate(
-      [rm.score_tokens(b["input_ids"], b["attention_mask"]).reshape(-1, k) for b in batches])[:n]
-  ranks = np.concatenate([b["ranks"] for b in batches])[:n]
-  margin = np.concatenate([b["margin"] for b in batches])[:n]
+      [rm.score_tokens(b.input_ids, b.attention_mask).reshape(-1, k) for b in batches])[:n]
+  ranks = np.concatenate([b.ranks for b in batches])[:n]
+  margin = np.concatenate([b.margin for b in batches])[:n]
   worst = np.max(ranks, axis=1)  # completions are in preference order: the worst is the last real one
   scores = {"chosen": rewards[:, 0], "rejected": rewards[np.arange(n), worst]}
   return _preference_metrics, scores, (rewards, ranks, margin)
@@ -171,12 +169,12 @@ def _preference_metrics(rewards, ranks, margin, mask) -> dict[str, float]:
 # ------------------------------------------------------------------------------------------ stepwise
 
 
-def _stepwise_arrays(rm, batches: list[pipeline.Batch], n: int):
+def _stepwise_arrays(rm, batches: list[StepwiseBatch], n: int):
   """Logits [N, S, 2] and labels [N, S] of each example's labelled steps, in order; -100 pads."""
   step_logits, step_labels = [], []
   for b in batches:
-    logits = rm.score_tokens(b["input_ids"], b["attention_mask"])  # [B, T, 2]
-    for row_logits, row_labels in zip(logits, b["labels"]):
+    logits = rm.score_tokens(b.input_ids, b.attention_mask)  # [B, T, 2]
+    for row_logits, row_labels in zip(logits, b.labels):
       where = row_labels != IGNORE_INDEX
       step_logits.append(row_logits[where])
       step_labels.append(row_labels[where])
@@ -319,27 +317,19 @@ def _load_records(data: str, dataset_name: str | None, split: str, subset_field:
   return records[:max_rows] if max_rows else records
 
 
-def main(argv: Sequence[str]) -> None:
-  from absl import app, flags
+def main() -> None:
+  """Evaluates ``--model`` on ``--data`` and prints (and with ``--output`` writes) the report."""
+  from absl import flags
 
-  from jaxrm.errors import CheckpointError
-  from jaxrm.errors import UnsupportedModelError
   from jaxrm.reward_model import RewardModel
 
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  for noisy in ("absl", "jax._src"):  # Orbax logs every restore at INFO through absl
-    logging.getLogger(noisy).setLevel(logging.WARNING)
+  cli.setup_logging(logging.WARNING)  # the report is the output: only warnings go with it
   f = flags.FLAGS
-  try:
-    drops = DropReport()
-    records = _load_records(f.data, f.dataset_name, f.split, f.subset_field, f.max_rows, drops)
-    rm = RewardModel.from_pretrained(f.model, dtype=f.dtype)
-    options = TokenizeOptions(max_length=f.max_length, truncation=f.truncation, step_separator=f.step_separator)
-    result = evaluate(rm, records, options=options, batch_size=f.batch_size, drops=drops)
-  except (DataError, EvaluationError, CheckpointError, UnsupportedModelError, FileNotFoundError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(1)
+  drops = DropReport()
+  records = _load_records(f.data, f.dataset_name, f.split, f.subset_field, f.max_rows, drops)
+  rm = RewardModel.from_pretrained(f.model, dtype=f.dtype)
+  options = TokenizeOptions(max_length=f.max_length, truncation=f.truncation, step_separator=f.step_separator)
+  result = evaluate(rm, records, options=options, batch_size=f.batch_size, drops=drops)
   print(f"jaxrm evaluate: model {f.model}, data {f.data}")
   print(format_report(result))
   print(f"\n{drops.summary('dropped rows')}")
@@ -349,6 +339,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  from absl import app as _app
-  _define_flags()
-  _app.run(main)
+  cli.run(main, define_flags=_define_flags)

@@ -1,10 +1,13 @@
 """Reward-model losses: Bradley-Terry, Plackett-Luce ranking and stepwise cross-entropy.
 
-Each loss is a pure function of one batch that returns ``(loss, metrics)``. The metrics hold sums
-and counts, not means, so that batches combine exactly: :func:`accumulate` adds two of them
-(micro-batches of one step, or every batch of a validation set) and :func:`finalize_metrics`
-divides once at the end. A validation loss is therefore the mean over the whole set, not a mean of
-batch means, and filler groups that pad the last batch change nothing.
+Each loss is a pure function of one batch's arrays that returns ``(loss, metrics)``;
+:data:`LOSSES` says which one each reward type trains with, and :func:`batch_loss` gives it as a
+function of the model's outputs and the batch.
+
+The metrics hold sums and counts, not means, so that batches combine exactly: :func:`accumulate`
+adds two of them (micro-batches of one step, or every batch of a validation set) and
+:func:`finalize_metrics` divides once at the end. A validation loss is therefore the mean over the
+whole set, not a mean of batch means, and filler groups that pad the last batch change nothing.
 
 ``metrics["loss"].total`` is differentiable. To average over a global batch split into
 micro-batches with different numbers of real pairs, differentiate ``metrics["loss"].total`` divided
@@ -13,15 +16,20 @@ by the global count instead of averaging the per-micro-batch ``loss``.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import operator
-from typing import NamedTuple, Union
+from typing import Callable, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrm.batches import IGNORE_INDEX
+from jaxrm.batches import IGNORE_INDEX, Batch
+
+REWARD_TYPES = ("bradley_terry", "ranking", "stepwise")
+RANKING_LOSSES = ("plackett_luce", "all_pairs")
 
 # Stands in for -inf in masked logsumexp terms: exp() of it is exactly 0, yet, unlike -inf, it
 # never makes a NaN in gradients of rows where every entry is masked.
@@ -86,6 +94,11 @@ def _mean(values: jax.Array, mask: jax.Array) -> Ratio:
   return Ratio(_masked_sum(values, mask), _count(mask))
 
 
+def _value(loss: Ratio) -> jax.Array:
+  """The mean a loss function returns; 0 when nothing is counted (an all-filler batch)."""
+  return loss.total / jnp.maximum(loss.count, 1.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Preferences
 
@@ -143,28 +156,48 @@ def bradley_terry_loss(
     margin: jax.Array | None = None,  # [B] float32
     *,
     center_rewards_coefficient: float = 0.0,
-    all_pairs: bool = False,
 ) -> tuple[jax.Array, Metrics]:
-  """Mean over pairs of ``-log sigmoid(r_chosen - r_rejected - margin)``.
+  """Mean over groups of ``-log sigmoid(r_best - r_worst - margin)``: one pair per group with two
+  or more real completions, its best against its worst.
 
-  The pairs are each group's best against its worst completion, or with ``all_pairs`` every
-  ordered pair of real completions. ``center_rewards_coefficient`` adds
-  ``coef * mean((r_chosen + r_rejected) ** 2)`` over the same pairs, which keeps rewards near 0.
-  Accuracy and reward means are always over best-vs-worst pairs; ``pairwise_accuracy`` is over
-  every pair.
+  ``center_rewards_coefficient`` adds ``coef * mean((r_best + r_worst) ** 2)``, which keeps
+  rewards near 0. ``pairwise_accuracy`` is over every ordered pair of real completions.
   """
   rewards, real = _real_completions(rewards, ranks, example_mask)
+  best_worst, ordered = _best_worst_pairs(ranks, real), _ordered_pairs(ranks, real)
+  loss = _pair_loss(rewards, margin, best_worst, center_rewards_coefficient)
+  return _value(loss), {"loss": loss, **_preference_metrics(rewards, real, best_worst, ordered)}
+
+
+def all_pairs_bradley_terry_loss(
+    rewards: jax.Array,  # [B, K] float
+    ranks: jax.Array,  # [B, K] int32, distinct per group, lower preferred, -1 absent
+    example_mask: jax.Array,  # [B] float32, 0 for filler groups
+    margin: jax.Array | None = None,  # [B] float32
+    *,
+    center_rewards_coefficient: float = 0.0,
+) -> tuple[jax.Array, Metrics]:
+  """:func:`bradley_terry_loss` over every ordered pair of real completions, averaged over pairs
+  (not over groups).
+
+  Accuracy and reward means stay over best-vs-worst pairs, as :func:`bradley_terry_loss` reports
+  them.
+  """
+  rewards, real = _real_completions(rewards, ranks, example_mask)
+  best_worst, ordered = _best_worst_pairs(ranks, real), _ordered_pairs(ranks, real)
+  loss = _pair_loss(rewards, margin, ordered, center_rewards_coefficient)
+  return _value(loss), {"loss": loss, **_preference_metrics(rewards, real, best_worst, ordered)}
+
+
+def _pair_loss(rewards, margin, pairs, center_rewards_coefficient: float) -> Ratio:
+  """Sum and count of ``-log sigmoid(r_i - r_j - margin) + coef * (r_i + r_j) ** 2`` over
+  ``pairs[b, i, j]`` (``[B, K, K]``: completion i preferred to j)."""
   margin = jnp.zeros(rewards.shape[:1]) if margin is None else margin.astype(jnp.float32)
-  ordered = _ordered_pairs(ranks, real)
-  best_worst = _best_worst_pairs(ranks, real)
-  pairs = ordered if all_pairs else best_worst
   chosen = rewards[:, :, None]  # [B, K, 1]
   rejected = rewards[:, None, :]  # [B, 1, K]
   per_pair = (-jax.nn.log_sigmoid(chosen - rejected - margin[:, None, None])
               + center_rewards_coefficient * (chosen + rejected) ** 2)  # [B, K, K]
-  loss = _mean(per_pair, pairs)
-  metrics = {"loss": loss, **_preference_metrics(rewards, real, best_worst, ordered)}
-  return loss.total / jnp.maximum(loss.count, 1.0), metrics
+  return _mean(per_pair, pairs)
 
 
 def plackett_luce_loss(
@@ -177,7 +210,7 @@ def plackett_luce_loss(
   A ranking of n completions is n - 1 choices, each of the next-best completion among those not
   yet chosen: ``log softmax`` over the rewards of the remaining ones. The loss is the mean over
   all choices in the batch, so with two completions per group it equals
-  :func:`bradley_terry_loss`.
+  :func:`bradley_terry_loss` (without margin).
   """
   rewards, real = _real_completions(rewards, ranks, example_mask)
   # remaining[b, i, j]: completion j is still unchosen when completion i is chosen.
@@ -192,7 +225,7 @@ def plackett_luce_loss(
       **_preference_metrics(rewards, real, _best_worst_pairs(ranks, real),
                             _ordered_pairs(ranks, real)),
   }
-  return loss.total / jnp.maximum(loss.count, 1.0), metrics
+  return _value(loss), metrics
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,7 +269,7 @@ def stepwise_loss(
       "first_error_found": _first_error_found(is_error, said_error),
       "positive_rate": Ratio(_count(is_correct), _count(labelled)),
   }
-  return loss.total / jnp.maximum(loss.count, 1.0), metrics
+  return _value(loss), metrics
 
 
 def _first_error_found(is_error, said_error) -> Ratio:
@@ -246,3 +279,68 @@ def _first_error_found(is_error, said_error) -> Ratio:
   first_said = jnp.min(jnp.where(said_error, positions, length), axis=1)  # [B]
   has_error = first_error < length
   return Ratio(_count(has_error & (first_said == first_error)), _count(has_error))
+
+
+# ---------------------------------------------------------------------------------------------
+# Which loss a reward type trains with
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSpec:
+  """Which loss trains the model."""
+
+  type: str = "bradley_terry"  # bradley_terry | ranking | stepwise
+  ranking_loss: str = "plackett_luce"  # for type=ranking: plackett_luce | all_pairs
+  center_rewards_coefficient: float = 0.0
+
+  def __post_init__(self):
+    if self.type not in REWARD_TYPES:
+      raise ValueError(f"reward.type must be one of {', '.join(REWARD_TYPES)}; got {self.type!r}")
+    if self.ranking_loss not in RANKING_LOSSES:
+      raise ValueError(f"reward.ranking_loss must be one of {', '.join(RANKING_LOSSES)}; got {self.ranking_loss!r}")
+
+  @property
+  def loss_key(self) -> tuple[str, str | None]:
+    """This spec's key in :data:`LOSSES`: ``ranking_loss`` matters to type ``ranking`` only."""
+    return self.type, self.ranking_loss if self.type == "ranking" else None
+
+
+# outputs (rewards [G, K] or logits [G, T, C]) and their batch -> (loss, metrics)
+BatchLoss = Callable[[jax.Array, Batch], tuple[jax.Array, Metrics]]
+
+
+def _bradley_terry(spec: RewardSpec, rewards, batch) -> tuple[jax.Array, Metrics]:
+  return bradley_terry_loss(rewards, batch.ranks, batch.example_mask, batch.margin,
+                            center_rewards_coefficient=spec.center_rewards_coefficient)
+
+
+def _all_pairs(spec: RewardSpec, rewards, batch) -> tuple[jax.Array, Metrics]:
+  return all_pairs_bradley_terry_loss(rewards, batch.ranks, batch.example_mask, batch.margin,
+                                      center_rewards_coefficient=spec.center_rewards_coefficient)
+
+
+def _plackett_luce(spec: RewardSpec, rewards, batch) -> tuple[jax.Array, Metrics]:
+  del spec  # Plackett-Luce has no margin and no centering
+  return plackett_luce_loss(rewards, batch.ranks, batch.example_mask)
+
+
+def _stepwise(spec: RewardSpec, logits, batch) -> tuple[jax.Array, Metrics]:
+  del spec
+  return stepwise_loss(logits, batch.labels, batch.example_mask)
+
+
+# RewardSpec.loss_key -> fn(spec, outputs, batch) -> (loss, metrics)
+LOSSES: dict[tuple[str, str | None], Callable[..., tuple[jax.Array, Metrics]]] = {
+    ("bradley_terry", None): _bradley_terry,
+    ("ranking", "plackett_luce"): _plackett_luce,
+    ("ranking", "all_pairs"): _all_pairs,
+    ("stepwise", None): _stepwise,
+}
+
+
+def batch_loss(spec: RewardSpec) -> BatchLoss:
+  """``loss(outputs, batch) -> (loss, metrics)`` of the loss ``spec`` trains with.
+
+  ``outputs`` is what ``batch.outputs(model)`` returns; packed and unpacked batches alike.
+  """
+  return functools.partial(LOSSES[spec.loss_key], spec)

@@ -71,25 +71,19 @@ def _key_name(entry) -> str:
 
 
 def make_optimizer(
+    schedule: optax.Schedule,
     *,
-    learning_rate: float,
-    warmup_steps: int,
-    total_steps: int,
-    decay: str = "cosine",
-    min_lr_ratio: float = 0.0,
     weight_decay: float = 0.0,
     max_grad_norm: float = 1.0,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
 ) -> optax.GradientTransformation:
-  """AdamW on the schedule of :func:`make_schedule`, after clipping the global gradient norm.
+  """AdamW following ``schedule`` (see :func:`make_schedule`), after clipping the global gradient norm.
 
   Weight decay is decoupled (scaled by the learning rate, as in PyTorch's AdamW) and skips norm
   and bias parameters (:func:`weight_decay_mask`). ``max_grad_norm <= 0`` disables clipping.
   """
-  schedule = make_schedule(learning_rate=learning_rate, warmup_steps=warmup_steps,
-                           total_steps=total_steps, decay=decay, min_lr_ratio=min_lr_ratio)
   adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
                       mask=weight_decay_mask)
   if max_grad_norm <= 0:

@@ -15,15 +15,28 @@ Two calling conventions:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
 
 from jaxrm.data.records import Text
-
-if TYPE_CHECKING:
-  from jaxrm.reward_model import RewardModel
+from jaxrm.models.config import ModelConfig
 
 
-def _check_scalar_head(rm: "RewardModel") -> None:
+class Scorer(Protocol):
+  """What a reward function scores with: a :class:`jaxrm.RewardModel`, or anything alike."""
+
+  @property
+  def config(self) -> ModelConfig: ...
+
+  def score(self, items: Sequence[Text] | None = None, *, prompts: Sequence[Text] | None = None,
+            completions: Sequence[Text] | None = None, normalize: bool = False,
+            batch_size: int = 8) -> np.ndarray:
+    """Rewards float32 [N] of ``items``, or of ``prompts`` joined with ``completions``."""
+    ...
+
+
+def _check_scalar_head(rm: Scorer) -> None:
   if rm.config.head != "sequence" or rm.config.num_labels != 1:
     raise ValueError("a reward function needs a sequence head with one label; this model has a "
                      f"{rm.config.head} head with {rm.config.num_labels} label(s)")
@@ -34,7 +47,7 @@ def _named(f: Callable, name: str) -> Callable:
   return f
 
 
-def as_reward_func(rm: "RewardModel", *, normalize: bool = False, batch_size: int = 8,
+def as_reward_func(rm: Scorer, *, normalize: bool = False, batch_size: int = 8,
                    name: str = "jaxrm_reward") -> Callable[..., list[float]]:
   """``f(prompts, completions, **kwargs) -> list[float]`` for TRL's GRPOTrainer.
 
@@ -57,7 +70,7 @@ def as_reward_func(rm: "RewardModel", *, normalize: bool = False, batch_size: in
   return _named(reward_func, name)
 
 
-def as_multi_agent_reward_func(rm: "RewardModel", formatter: Callable[..., Text], *, normalize: bool = False,
+def as_multi_agent_reward_func(rm: Scorer, formatter: Callable[..., Text], *, normalize: bool = False,
                                batch_size: int = 8, name: str = "jaxrm_reward") -> Callable[..., list[float]]:
   """``f(*agent_completions, batch_items) -> list[float]``: one reward per joint response.
 

@@ -7,9 +7,7 @@ and single training checkpoints. Text is tokenized by the functions training use
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
 import logging
 import os
 from typing import Any, Callable, Sequence
@@ -20,26 +18,23 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrm import reward_funcs, sharding
-from jaxrm.checkpointing import BEST_FILE, RUN_MODEL_CONFIG, RUN_TOKENIZER_DIR, Checkpointer
-from jaxrm.hf.loader import abstract_model, load_model
-from jaxrm.hf.safetensors_io import HFCheckpoint
-from jaxrm.errors import CheckpointError
+from jaxrm import checkpointing, reward_funcs
+from jaxrm.batches import IGNORE_INDEX
 from jaxrm.data.drops import DropReport
-from jaxrm.errors import DataError
 from jaxrm.data.pipeline import length_buckets
 from jaxrm.data.records import PreferenceRecord, StepwiseRecord, Text
 from jaxrm.data.tokenize import TokenizeOptions, pad_id, tokenize_preference, tokenize_stepwise
-from jaxrm.batches import IGNORE_INDEX
-from jaxrm.models.config import ModelConfig, RopeConfig, from_hf_config
+from jaxrm.errors import CheckpointError, DataError
+from jaxrm.hf import export as hf_export
+from jaxrm.hf.loader import load_model, placed_abstract_model
+from jaxrm.hf.safetensors_io import HFCheckpoint
+from jaxrm.models.config import ModelConfig, from_hf_config
 from jaxrm.models.decoder import Decoder
 from jaxrm.models.heads import correct_probability
 
 log = logging.getLogger(__name__)
 
 EMBEDDED_PREFIX = "embedded:"
-# Key of config.json (exports) holding what scoring needs beyond the architecture.
-SCORING_KEY = "jaxrm"
 DEFAULT_STEP_SEPARATOR = TokenizeOptions.step_separator
 
 
@@ -86,94 +81,11 @@ def _tokenizer_from_dir(path: str):
   return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
 
 
-# ------------------------------------------------------------------ training runs
-
-
-@dataclasses.dataclass(frozen=True)
-class RunCheckpoint:
-  """Where a training run keeps its files, and the step a checkpoint path names (if any)."""
-
-  run_dir: str  # has model_config.json and tokenizer/
-  checkpoint_dir: str  # Orbax directory: <step>/{params,opt_state,data,meta}
-  step: int | None = None
-
-
-def find_run(path: str) -> RunCheckpoint | None:
-  """The run behind ``path`` when it is a training output directory or one of its checkpoints."""
-  if os.path.isfile(os.path.join(path, RUN_MODEL_CONFIG)):
-    return RunCheckpoint(path, _checkpoint_dir(path))
-  norm = os.path.normpath(os.path.abspath(path))
-  if os.path.basename(norm).isdigit() and os.path.isdir(os.path.join(norm, "params")):
-    checkpoint_dir = os.path.dirname(norm)
-    run_dir = os.path.dirname(checkpoint_dir)
-    if not os.path.isfile(os.path.join(run_dir, RUN_MODEL_CONFIG)):
-      raise CheckpointError(
-          f"{path} is a training checkpoint, but {run_dir} has no {RUN_MODEL_CONFIG}; load the run's "
-          f"output directory (the one holding {RUN_MODEL_CONFIG}) with step={os.path.basename(norm)}")
-    return RunCheckpoint(run_dir, checkpoint_dir, int(os.path.basename(norm)))
-  return None
-
-
-def _run_settings(run_dir: str) -> dict[str, Any]:
-  """The run's training config (``config.json``), or {} when it is missing."""
-  path = os.path.join(run_dir, "config.json")
-  if not os.path.isfile(path):
-    return {}
-  with open(path) as f:
-    return json.load(f)
-
-
-def _checkpoint_dir(run_dir: str) -> str:
-  custom = _run_settings(run_dir).get("checkpointing", {}).get("checkpoint_dir")
-  return custom or os.path.join(run_dir, "checkpoints")
-
-
-def config_from_dict(d: dict[str, Any], where: str) -> ModelConfig:
-  """Inverse of ``dataclasses.asdict(ModelConfig)`` (JSON turned tuples into lists)."""
-  known = {f.name for f in dataclasses.fields(ModelConfig)}
-  unknown = sorted(set(d) - known)
-  if unknown:
-    raise CheckpointError(f"{where}: unknown model config fields {unknown}; was it written by a newer jaxrm?")
-  kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
-  kwargs["rope"] = RopeConfig(**d.get("rope", {}))
-  return ModelConfig(**kwargs)
-
-
-def _pick_step(ckpt: Checkpointer, run: RunCheckpoint, step: int | None) -> int:
-  if run.step is not None and step is not None and step != run.step:
-    raise CheckpointError(f"{run.checkpoint_dir}/{run.step} is the checkpoint of step {run.step}, "
-                          f"but step={step} was asked for; pass one or the other")
-  steps = sorted(ckpt.manager.all_steps())
-  if not steps:
-    raise CheckpointError(f"{run.checkpoint_dir}: no complete checkpoint yet (training saves one every "
-                          "checkpointing.save_period steps and at the end)")
-  step = run.step if run.step is not None else step
-  if step is None:
-    best_file = os.path.join(run.checkpoint_dir, BEST_FILE)
-    if os.path.isfile(best_file):
-      with open(best_file) as f:
-        step = int(json.load(f)["step"])
-    else:  # Orbax's best by the run's metric; the latest when no checkpoint has the metric
-      best = ckpt.best_step()
-      step = steps[-1] if best is None else best
-    log.info("loading the best checkpoint of %s: step %s", run.run_dir, step)
-  if step not in steps:
-    raise CheckpointError(f"{run.checkpoint_dir}: no checkpoint for step {step}; available steps: "
-                          f"{', '.join(map(str, steps))}")
-  return step
-
-
-def _restore_target(cfg: ModelConfig, mesh: Mesh | None):
-  """(graphdef, abstract state, Orbax restore target: ShapeDtypeStructs with their shardings)."""
-  graphdef, state = nnx.split(abstract_model(cfg))
-  pure = nnx.to_pure_dict(state)
-  if mesh is None:
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), pure)
-  else:
-    shardings = nnx.to_pure_dict(sharding.param_shardings(state, mesh))
-    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), pure, shardings)
-  return graphdef, state, target
+def _head_overrides(head: str | None, num_labels: int | None) -> dict[str, Any]:
+  """Config changes that give an HF checkpoint a (new) ``head`` with ``num_labels`` labels."""
+  if head is not None:
+    return dict(head=head, head_bias=head == "token", num_labels=num_labels or (2 if head == "token" else 1))
+  return {} if num_labels is None else dict(num_labels=num_labels)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -216,6 +128,7 @@ class RewardModel:
       seed: int = 0,
       tokenizer: Any = None,
       step: int | None = None,
+      load_weights: bool = True,
       **config_overrides,
   ) -> "RewardModel":
     """Loads a checkpoint.
@@ -232,67 +145,58 @@ class RewardModel:
       seed: seed of a newly initialised head.
       tokenizer: use this tokenizer instead of the checkpoint's.
       step: which checkpoint of a training output directory (default: the best one).
+      load_weights: False reads no tensors: ``model`` is then abstract, its parameters
+        ``jax.ShapeDtypeStruct``s with the shardings they would have on ``mesh`` (e.g. a restore
+        target for a training checkpoint), and a training run's checkpoints are not opened
+        (``step`` is not checked, ``reward_stats`` is None). Config and tokenizer load as usual.
     """
     path = resolve_path(os.fspath(path))
     overrides = dict(dtype=dtype, param_dtype=param_dtype or dtype, **config_overrides)
-    run = find_run(path)
+    run = checkpointing.find_run(path)
     if run is not None:
-      return cls._from_run(run, step, overrides, head, num_labels, mesh, tokenizer)
+      return cls._from_run(run, step, overrides, head, num_labels, mesh, tokenizer, load_weights)
     source = open_checkpoint(path)
     if step is not None:
       raise CheckpointError(f"step={step} selects a checkpoint of a training output directory, but "
-                            f"{path} is not one (no {RUN_MODEL_CONFIG})")
-    if head is not None:
-      overrides["head"] = head
-      overrides["head_bias"] = head == "token"
-      overrides["num_labels"] = num_labels or (2 if head == "token" else 1)
-    elif num_labels is not None:
-      overrides["num_labels"] = num_labels
-    cfg = from_hf_config(source.config, **overrides)
-    saved = from_hf_config(source.config)
-    new_head = (saved.head, saved.num_labels) != (cfg.head, cfg.num_labels)
-    model = load_model(cfg, source, mesh=mesh, seed=seed, new_head=new_head)
+                            f"{path} is not one (no {checkpointing.RUN_MODEL_CONFIG})")
+    cfg = from_hf_config(source.config, **(overrides | _head_overrides(head, num_labels)))
+    if load_weights:
+      saved = from_hf_config(source.config)
+      new_head = (saved.head, saved.num_labels) != (cfg.head, cfg.num_labels)
+      model = load_model(cfg, source, mesh=mesh, seed=seed, new_head=new_head)
+    else:
+      model = placed_abstract_model(cfg, mesh)
     tok = tokenizer if tokenizer is not None else _load_tokenizer(source, path)
     if tok is not None and cfg.pad_token_id is None and tok.pad_token_id is not None:
       model.config = cfg.replace(pad_token_id=tok.pad_token_id)
-    scoring = source.config.get(SCORING_KEY) or {}
+    scoring = source.config.get(hf_export.SCORING_KEY) or {}
     return cls(model, tok, reward_stats=scoring.get("reward_stats"),
                step_separator=scoring.get("step_separator", DEFAULT_STEP_SEPARATOR))
 
   @classmethod
-  def _from_run(cls, run: RunCheckpoint, step, overrides, head, num_labels, mesh, tokenizer) -> "RewardModel":
-    config_path = os.path.join(run.run_dir, RUN_MODEL_CONFIG)
-    with open(config_path) as f:
-      cfg = config_from_dict(json.load(f)["jaxrm"], config_path)
+  def _from_run(cls, run: checkpointing.RunCheckpoint, step, overrides, head, num_labels, mesh, tokenizer,
+                load_weights: bool) -> "RewardModel":
+    cfg = run.model_config()
     for name, wanted in (("head", head), ("num_labels", num_labels)):
       if wanted is not None and wanted != getattr(cfg, name):
         raise CheckpointError(f"{run.run_dir} was trained with {name}={getattr(cfg, name)!r}; "
                               f"it cannot be loaded with {name}={wanted!r}")
-    cfg = cfg.replace(**overrides)
-    if not os.path.isdir(run.checkpoint_dir):
-      raise CheckpointError(f"{run.run_dir}: no checkpoint directory {run.checkpoint_dir} "
-                            "(training writes checkpoints there when checkpointing.enabled is true)")
-    settings = _run_settings(run.run_dir)
-    ckpt_settings = settings.get("checkpointing", {})
-    ckpt = Checkpointer(run.checkpoint_dir, metric_name=ckpt_settings.get("metric_name"),
-                        higher_is_better=bool(ckpt_settings.get("higher_is_better", False)))
-    try:
-      chosen = _pick_step(ckpt, run, step)
-      graphdef, state, target = _restore_target(cfg, mesh)
-      params, meta = ckpt.restore_params(chosen, target)
-    finally:
-      ckpt.close()
-    nnx.replace_by_pure_dict(state, params)
-    model = nnx.merge(graphdef, state)
+    model = placed_abstract_model(cfg.replace(**overrides), mesh)
+    meta = {}
+    if load_weights:
+      graphdef, state = nnx.split(model)
+      params, meta = checkpointing.restore_for_scoring(run, step, nnx.to_pure_dict(state))
+      nnx.replace_by_pure_dict(state, params)
+      model = nnx.merge(graphdef, state)
     if tokenizer is None:
-      tokenizer = _tokenizer_from_dir(os.path.join(run.run_dir, RUN_TOKENIZER_DIR))
-    separator = settings.get("data", {}).get("step_separator", DEFAULT_STEP_SEPARATOR)
+      tokenizer = _tokenizer_from_dir(run.tokenizer_dir)
+    separator = run.settings.get("data", {}).get("step_separator", DEFAULT_STEP_SEPARATOR)
     return cls(model, tokenizer, reward_stats=meta.get("reward_stats"), step_separator=separator)
 
   def save_pretrained(self, out_dir: str | os.PathLike, *, dtype: str | None = None) -> None:
-    """Writes an HF checkpoint directory (see :func:`jaxrm.export.save_pretrained`)."""
-    from jaxrm.export import save_pretrained
-    save_pretrained(self, out_dir, dtype=dtype)
+    """Writes an HF checkpoint directory (see :func:`jaxrm.hf.export.save_pretrained`)."""
+    hf_export.save_pretrained(out_dir, self.model, self.tokenizer, reward_stats=self.reward_stats,
+                              step_separator=self.step_separator, dtype=dtype)
 
   # ---------------------------------------------------------------- scoring
 

@@ -26,15 +26,15 @@ import dataclasses
 import ipaddress
 import json
 import logging
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
 import jinja2
 
-from jaxrm.errors import DataError
+from jaxrm import cli
 from jaxrm.data.formats import kind, validate_messages
+from jaxrm.errors import ConfigError, DataError
 
 log = logging.getLogger("jaxrm.serve")
 
@@ -54,6 +54,12 @@ class Limits:
   max_request_bytes: int = 16 * 2**20
   max_length: int | None = None
 
+  def __post_init__(self):
+    for name in ("max_batch", "max_request_bytes", "max_length"):
+      value = getattr(self, name)
+      if value is not None and value < 1:
+        raise ConfigError(f"{name}={value}: must be at least 1 (--{name})")
+
 
 class RequestError(Exception):
   """A request the server refuses, with the HTTP status to answer."""
@@ -68,14 +74,14 @@ class RewardService:
 
   def __init__(self, rm, limits: Limits = Limits(), *, batch_size: int = 8, normalize: bool = False):
     if rm.config.head != "sequence" or rm.config.num_labels != 1:
-      raise ValueError("the server scores with one reward per sequence; this model has a "
-                       f"{rm.config.head} head with {rm.config.num_labels} labels (a process reward model "
-                       "scores steps: use rm.score_steps)")
+      raise ConfigError("the server scores with one reward per sequence; this model has a "
+                        f"{rm.config.head} head with {rm.config.num_labels} labels (a process reward model "
+                        "scores steps: use rm.score_steps)")
     if rm.tokenizer is None:
-      raise ValueError("the model has no tokenizer, and the server scores text; load it with tokenizer=")
+      raise ConfigError("the model has no tokenizer, and the server scores text; load it with tokenizer=")
     if normalize and not rm.reward_stats:
-      raise ValueError("normalizing needs the reward mean/std recorded at validation, and this model has "
-                       "none: serve a training output directory (or an export of one) whose run validated")
+      raise ConfigError("normalizing needs the reward mean/std recorded at validation, and this model has "
+                        "none: serve a training output directory (or an export of one) whose run validated")
     self.rm = rm
     self.limits = limits
     self.batch_size = batch_size
@@ -226,27 +232,17 @@ def _define_flags() -> None:
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
 
 
-def main(argv) -> None:
-  from absl import app, flags
+def main() -> None:
+  from absl import flags
 
-  from jaxrm.errors import CheckpointError
-  from jaxrm.errors import UnsupportedModelError
   from jaxrm.reward_model import RewardModel
 
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-  for noisy in ("absl", "jax._src"):  # Orbax logs every restore at INFO through absl
-    logging.getLogger(noisy).setLevel(logging.WARNING)
+  cli.setup_logging(logging.INFO, timestamps=True)
   f = flags.FLAGS
-  try:
-    rm = RewardModel.from_pretrained(f.model, dtype=f.dtype)
-    limits = Limits(max_batch=f.max_batch, max_request_bytes=f.max_request_bytes, max_length=f.max_length)
-    server = make_server(rm, f.host, f.port, limits=limits, batch_size=f.batch_size, normalize=f.normalize,
-                         model_name=f.model)
-  except (CheckpointError, UnsupportedModelError, FileNotFoundError, ValueError, OSError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(1)
+  rm = RewardModel.from_pretrained(f.model, dtype=f.dtype)
+  limits = Limits(max_batch=f.max_batch, max_request_bytes=f.max_request_bytes, max_length=f.max_length)
+  server = make_server(rm, f.host, f.port, limits=limits, batch_size=f.batch_size, normalize=f.normalize,
+                       model_name=f.model)
   host, port = server.server_address[:2]
   if not ipaddress.ip_address(host).is_loopback:
     log.warning("listening on %s: anyone who can reach this address can use the model", host)
@@ -261,6 +257,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  from absl import app as _app
-  _define_flags()
-  _app.run(main)
+  cli.run(main, define_flags=_define_flags)

@@ -63,6 +63,12 @@ def make_mesh(cfg: MeshConfig = MeshConfig(), devices: Sequence[jax.Device] | No
   return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
 
 
+def data_parallel_size(mesh: Mesh) -> int:
+  """How many ways a batch is split: the product of the mesh axes that ``batch`` maps to."""
+  axes = DEFAULT_RULES["batch"]
+  return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+
+
 def logical_to_spec(logical_axes: Sequence[str | None], rules: dict[str, Any] = DEFAULT_RULES) -> P:
   """PartitionSpec for a tensor whose dimensions carry ``logical_axes``; a mesh axis is used once."""
   used: set[str] = set()

@@ -1,14 +1,17 @@
-"""The jitted train and eval steps, the train state, and the loss each reward type uses.
+"""The jitted train and eval steps, the train state, and their compilation per batch shape.
 
 State is a plain dict ``{"params", "opt_state", "step", "rng"}``; ``params`` is the model's
 ``nnx.State`` (float32 master weights; the model computes in its own compute dtype). Optimizer
-moments are sharded like their parameters; counters, step and RNG are replicated.
+moments are sharded like their parameters; counters, step and RNG are replicated. Batches are the
+classes of :mod:`jaxrm.batches`; the loss is the one :data:`jaxrm.losses.LOSSES` gives the
+reward type.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import logging
+import time
 from typing import Any, Callable, Sequence
 
 import jax
@@ -19,76 +22,36 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrm import losses, sharding
-from jaxrm.data.packing import group_logits, group_rewards
+from jaxrm.batches import Batch
+from jaxrm.losses import RewardSpec
 from jaxrm.models.decoder import Decoder
 
-REWARD_TYPES = ("bradley_terry", "ranking", "stepwise")
-RANKING_LOSSES = ("plackett_luce", "all_pairs")
-
-
-@dataclasses.dataclass(frozen=True)
-class RewardSpec:
-  """Which loss trains the model."""
-
-  type: str = "bradley_terry"  # bradley_terry | ranking | stepwise
-  ranking_loss: str = "plackett_luce"  # for type=ranking: plackett_luce | all_pairs
-  center_rewards_coefficient: float = 0.0
-
-  def __post_init__(self):
-    if self.type not in REWARD_TYPES:
-      raise ValueError(f"reward.type must be one of {', '.join(REWARD_TYPES)}; got {self.type!r}")
-    if self.ranking_loss not in RANKING_LOSSES:
-      raise ValueError(f"reward.ranking_loss must be one of {', '.join(RANKING_LOSSES)}; got {self.ranking_loss!r}")
-
-
-def _is_packed(batch: dict[str, Any]) -> bool:
-  """Whether ``batch`` has the packed layout of ``jaxrm.data.packing``."""
-  return "reward_index" in batch or "token_index" in batch
-
-
-def _outputs(model: Decoder, batch: dict[str, jax.Array]) -> jax.Array:
-  """Rewards [G, K] of a preference batch, or logits [G, T, C] of a stepwise one, packed or not."""
-  if not _is_packed(batch):
-    out = model(batch["input_ids"], batch["attention_mask"])
-    return out if "labels" in batch else out.reshape(batch["ranks"].shape)
-  rows = (batch["input_ids"], batch["attention_mask"], batch["positions"], batch["segment_ids"],
-          batch["branch_ids"])
-  if "token_index" in batch:
-    return group_logits(model(*rows), batch["token_index"])
-  return group_rewards(model(*rows, reward_positions=batch["reward_positions"]), batch["reward_index"])
+log = logging.getLogger("jaxrm.steps")
 
 
 def make_loss_fn(model: Decoder, spec: RewardSpec) -> Callable:
   """``loss_fn(params, batch) -> (loss_total, metrics)``; loss_total is a sum, metrics["loss"].count its count.
 
-  ``batch`` is unpacked (``pipeline``'s layout) or packed (``packing``'s); both give the same
-  losses and metrics, counted per group or sequence.
+  ``batch`` is any class of :mod:`jaxrm.batches`; packed and unpacked layouts give the same losses
+  and metrics, counted per group or sequence.
   """
   graphdef = nnx.graphdef(model)
+  batch_loss = losses.batch_loss(spec)
 
-  def loss_fn(params, batch):
-    out = _outputs(nnx.merge(graphdef, params), batch)
-    if spec.type == "stepwise":
-      _, metrics = losses.stepwise_loss(out, batch["labels"], batch["example_mask"])
-    elif spec.type == "ranking" and spec.ranking_loss == "plackett_luce":
-      _, metrics = losses.plackett_luce_loss(out, batch["ranks"], batch["example_mask"])
-    else:
-      _, metrics = losses.bradley_terry_loss(
-          out, batch["ranks"], batch["example_mask"], batch.get("margin"),
-          center_rewards_coefficient=spec.center_rewards_coefficient,
-          all_pairs=spec.type == "ranking")
+  def loss_fn(params, batch: Batch):
+    _, metrics = batch_loss(batch.outputs(nnx.merge(graphdef, params)), batch)
     return metrics["loss"].total, metrics
 
   return loss_fn
 
 
-def _microbatches(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:
-  """[G*k, ...] arrays -> [n, G/n*k, ...], keeping each group's rows together.
+def _microbatches(batch: Batch, n: int) -> Batch:
+  """An unpacked batch's [G*k, ...] arrays -> [n, G/n*k, ...], keeping each group's rows together.
 
   Micro-batch m takes groups m, m+n, m+2n...: each micro-batch stays spread over every
   data-parallel shard instead of living on one.
   """
-  groups = batch["example_mask"].shape[0]
+  groups = batch.example_mask.shape[0]
 
   def split(x):
     per_group = x.shape[0] // groups
@@ -96,7 +59,7 @@ def _microbatches(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:
     x = jnp.swapaxes(x, 0, 1)
     return x.reshape(n, groups // n * per_group, *x.shape[3:])
 
-  return {k: split(v) for k, v in batch.items()}
+  return jax.tree.map(split, batch)
 
 
 def init_state(params: nnx.State, tx: optax.GradientTransformation, *, seed: int,
@@ -156,7 +119,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedul
     if grad_accum_steps == 1:
       (_, metrics), grads = grad_fn(params, batch)
     else:
-      micro = batch if _is_packed(batch) else _microbatches(batch, grad_accum_steps)
+      micro = batch if batch.packed else _microbatches(batch, grad_accum_steps)
       first = jax.tree.map(lambda x: x[0], micro)
       zero_metrics = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: loss_fn(params, first)[1]))
       zero_grads = jax.tree.map(jnp.zeros_like, params)
@@ -194,3 +157,40 @@ def make_eval_step(loss_fn: Callable, *, mesh: Mesh | None = None) -> Callable:
 
 def _activations_on(mesh: Mesh | None):
   return sharding.activation_sharding(mesh) if mesh is not None else contextlib.nullcontext()
+
+
+class CompiledPerShape:
+  """A jitted step compiled ahead of time once per batch shape, logging its memory use.
+
+  Called as ``jitted`` is, with the batch last; a batch of another class or other array shapes
+  compiles anew.
+  """
+
+  def __init__(self, name: str, jitted: Callable):
+    self.name = name
+    self._jitted = jitted
+    self._compiled: dict[Any, Any] = {}
+
+  def compile(self, *args):
+    """The step compiled for ``args`` (the batch last), compiling it if their shapes are new."""
+    batch = args[-1]
+    key = (type(batch), tuple(x.shape for x in jax.tree.leaves(batch)))
+    compiled = self._compiled.get(key)
+    if compiled is None:
+      t0 = time.time()
+      compiled = self._compiled[key] = self._jitted.lower(*args).compile()
+      log.info("%s compiled for input_ids %s in %.1fs; %s", self.name, batch.input_ids.shape,
+               time.time() - t0, _memory(compiled))
+    return compiled
+
+  def __call__(self, *args):
+    return self.compile(*args)(*args)
+
+
+def _memory(compiled) -> str:
+  stats = compiled.memory_analysis()
+  if stats is None:
+    return "no memory analysis on this backend"
+  mib = lambda n: f"{n / 2**20:.1f} MiB"
+  return (f"per device: arguments {mib(stats.argument_size_in_bytes)}, outputs {mib(stats.output_size_in_bytes)}, "
+          f"temporaries {mib(stats.temp_size_in_bytes)}, aliased {mib(stats.alias_size_in_bytes)}")

@@ -180,8 +180,9 @@ def step_flops(cfg: ModelConfig, n_dense: int, tokens: int, keys: int) -> float:
 def attended_keys(batch) -> int:
   """Sum over real tokens of the keys each attends to: its position + 1 (unpacked rows are
   right-padded, so a row's positions count its real tokens)."""
-  mask = batch["attention_mask"]  # [B, T]
-  positions = batch["positions"] if "positions" in batch else np.cumsum(mask, -1) - 1
+  from jaxrm.batches import PreferenceBatch
+  mask = batch.attention_mask  # [B, T]
+  positions = np.cumsum(mask, -1) - 1 if isinstance(batch, PreferenceBatch) else batch.positions
   return int(((positions + 1) * mask).sum())
 
 
@@ -199,10 +200,6 @@ def collator(mode: str, args):
   return packing.PackedCollator(args.batch_size, spec, num_completions=2)
 
 
-def _shape_key(batch) -> tuple:
-  return tuple((k, v.shape) for k, v in sorted(batch.items()))
-
-
 def _peak_memory_gib() -> float:
   import jax
   stats = jax.local_devices()[0].memory_stats() or {}
@@ -212,24 +209,24 @@ def _peak_memory_gib() -> float:
 
 
 def _jaxrm_step(cfg: ModelConfig, seed: int):
-  """The trainer's jitted step for a Bradley-Terry model of ``cfg``, its initial state, and the
-  model's parameter count."""
+  """The trainer's step for a Bradley-Terry model of ``cfg`` (compiled once per batch shape), its
+  initial state, and the model's parameter count."""
   import jax
   from flax import nnx
   from jaxrm import optim, sharding, steps
+  from jaxrm.losses import RewardSpec
   from jaxrm.models.decoder import Decoder
 
   model = nnx.jit(lambda: Decoder(cfg, rngs=nnx.Rngs(seed)))()
   params = nnx.state(model)
   num_params = sum(x.size for x in jax.tree.leaves(params))
-  sched = dict(learning_rate=1e-5, warmup_steps=0, total_steps=1, decay="constant")
-  tx = optim.make_optimizer(**sched, max_grad_norm=1.0)
+  schedule = optim.make_schedule(learning_rate=1e-5, warmup_steps=0, total_steps=1, decay="constant")
+  tx = optim.make_optimizer(schedule, max_grad_norm=1.0)
   mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), devices=jax.devices()[:1])
   state, shardings = steps.init_state(params, tx, seed=seed, mesh=mesh)
-  train_step = steps.make_train_step(steps.make_loss_fn(model, steps.RewardSpec()), tx,
-                                     optim.make_schedule(**sched), state_shardings=shardings,
-                                     mesh=mesh)
-  return train_step, state, num_params
+  train_step = steps.make_train_step(steps.make_loss_fn(model, RewardSpec()), tx, schedule,
+                                     state_shardings=shardings, mesh=mesh)
+  return steps.CompiledPerShape("train step", train_step), state, num_params
 
 
 def run_jaxrm(mode: str, args, channel: "_Channel") -> dict:
@@ -241,11 +238,10 @@ def run_jaxrm(mode: str, args, channel: "_Channel") -> dict:
   collate = collator(mode, args)
   groups = batches_of(bench_pairs(args), args)
   batches = [collate(g) for g in groups]
-  start, compiled = time.perf_counter(), {}
+  start = time.perf_counter()
   try:
     for batch in batches:
-      if _shape_key(batch) not in compiled:
-        compiled[_shape_key(batch)] = train_step.lower(state, batch).compile()
+      train_step.compile(state, batch)
   except Exception as e:  # cuDNN may refuse a shape or mask: measure the XLA path instead
     if cfg.attention_impl != "cudnn":
       raise
@@ -260,12 +256,12 @@ def run_jaxrm(mode: str, args, channel: "_Channel") -> dict:
   for i, batch in enumerate(batches):
     channel.wait_for("step")
     clock = _Clock()
-    state, _ = compiled[_shape_key(batch)](state, batch)
+    state, _ = train_step(state, batch)
     jax.block_until_ready(state)
     clock.stop()
     if i >= args.warmup:
-      real = int(batch["attention_mask"].sum())
-      _count(totals, clock, groups[i], real=real, fed=batch["attention_mask"].size,
+      real = int(batch.attention_mask.sum())
+      _count(totals, clock, groups[i], real=real, fed=batch.attention_mask.size,
              flops=step_flops(cfg, n_dense, real, attended_keys(batch)))
     channel.send("done")
   channel.wait_for("finish")
@@ -453,7 +449,7 @@ def dry_run(args) -> None:
     collate = collator(mode, args)
     for i, g in enumerate(groups):
       batch = collate(g)
-      mask = batch["attention_mask"]
+      mask = batch.attention_mask
       print(f"{mode} batch {i}: input_ids {list(mask.shape)}, efficiency {mask.sum() / mask.size:.1%}")
 
 

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from helpers import jitted, pref, random_groups, tiny_config, tiny_model
 from jaxrm.data import packing
 from jaxrm.models import layers as L
 from jaxrm.models.decoder import Decoder, attention_fn
-from test_packing import jitted, packed_rewards, pref, random_groups, tiny_config, tiny_model
 
 
 def tree_mask():
@@ -35,10 +35,10 @@ def long_rows(seed=0):
     prompt = list(rng.integers(3, 100, rng.integers(20, 80)))
     groups.append(pref(*(prompt + list(rng.integers(3, 100, rng.integers(5, 50))) for _ in range(3))))
   batch = packing.pack_preference(groups, packing.PackSpec(300, shared_prompt=True))
-  b = batch["input_ids"].shape[0]
-  mask = L.attention_mask(batch["attention_mask"], batch["positions"], batch["segment_ids"],
-                          branch_ids_bt=batch["branch_ids"])
-  assert 2 * L.CHUNK < 300 and not batch["attention_mask"].all()
+  b = batch.input_ids.shape[0]
+  mask = L.attention_mask(batch.attention_mask, batch.positions, batch.segment_ids,
+                          branch_ids_bt=batch.branch_ids)
+  assert 2 * L.CHUNK < 300 and not batch.attention_mask.all()
   q = rng.standard_normal((b, 300, 4, 8), np.float32)
   k, v = rng.standard_normal((2, b, 300, 2, 8), np.float32)
   return q, k, v, mask
@@ -99,9 +99,9 @@ def test_float32_never_takes_cudnn():
 def test_cudnn_setting_equals_xla_setting_on_packed_rows():
   groups = random_groups(np.random.default_rng(5), 3, 3)
   batch = packing.pack_preference(groups, packing.PackSpec(64, shared_prompt=True))
-  xla = packed_rewards(jitted(tiny_model(tiny_config())), batch)
-  fused = packed_rewards(jitted(tiny_model(tiny_config(attention_impl="cudnn"))), batch)
-  real = batch["ranks"] >= 0
+  xla = jitted(tiny_model(tiny_config()))(batch)
+  fused = jitted(tiny_model(tiny_config(attention_impl="cudnn")))(batch)
+  real = batch.ranks >= 0
   np.testing.assert_allclose(np.asarray(fused)[real], np.asarray(xla)[real], atol=1e-5, rtol=0)
 
 

@@ -4,11 +4,13 @@ import json
 import os
 import re
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import hf_tiny
-from jaxrm import RewardModel
+from jaxrm import RewardModel, sharding
 from jaxrm.hf.safetensors_io import HFCheckpoint, SafetensorsFile, save_safetensors
 from jaxrm.errors import CheckpointError
 from jaxrm.errors import UnsupportedModelError
@@ -121,3 +123,24 @@ def test_token_head_from_sequence_classifier_gets_new_head(saved):
   tok = RewardModel.from_pretrained(saved, head="token", seed=5)
   assert tok.config.head == "token" and tok.model.score[...].shape == (64, 2)
   np.testing.assert_array_equal(np.asarray(tok.model.layers.q[...]), np.asarray(seq.model.layers.q[...]))
+
+
+def test_abstract_load_reads_no_tensor(saved, monkeypatch):
+  """load_weights=False: no tensor read; each parameter a ShapeDtypeStruct placed like the loaded one."""
+  mesh = sharding.make_mesh(sharding.MeshConfig(1, -1, 1))
+  loaded = {m: RewardModel.from_pretrained(saved, mesh=m) for m in (None, mesh)}
+
+  def no_reading(self, key):
+    raise AssertionError(f"tensor {key} was read")
+
+  monkeypatch.setattr(HFCheckpoint, "get_tensor", no_reading)
+  for m, full in loaded.items():
+    rm = RewardModel.from_pretrained(saved, mesh=m, load_weights=False)
+    assert rm.config == full.config
+    want = dict(nnx.to_flat_state(nnx.state(full.model)))
+    got = dict(nnx.to_flat_state(nnx.state(rm.model)))
+    assert got.keys() == want.keys()
+    for path, var in got.items():
+      value, ref = var.get_value(), want[path].get_value()
+      assert isinstance(value, jax.ShapeDtypeStruct), path
+      assert (value.shape, value.dtype, value.sharding) == (ref.shape, ref.dtype, ref.sharding), path

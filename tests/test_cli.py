@@ -60,13 +60,13 @@ def test_unknown_key_is_named(runs):
                                      "keys (it is a value)"),
 ])
 def test_unknown_keys_at_any_depth(flag, message, capsys):
-  from jaxrm import train
+  from jaxrm import cli
   with pytest.raises(SystemExit) as exit_info:
-    train._check_config_keys(["train", f"--config={tiny_run.__file__}", flag])
+    cli.check_config_keys(["train", f"--config={tiny_run.__file__}", flag])
   assert exit_info.value.code == 2
   assert capsys.readouterr().err.startswith(f"error: {flag.split('=')[0]}: {message}")
-  train._check_config_keys(["train", f"--config={tiny_run.__file__}", "--config.train.max_steps=3",
-                            "--noconfig.eval.val_at_start", "--config.data.val_data_paths.default=x"])
+  cli.check_config_keys(["train", f"--config={tiny_run.__file__}", "--config.train.max_steps=3",
+                          "--noconfig.eval.val_at_start", "--config.data.val_data_paths.default=x"])
 
 
 def test_wrong_type_is_named(runs):
@@ -78,9 +78,9 @@ def test_config_file_problems(runs, capsys):
   assert error_line(runs["unknown_variant"], 2) == (
       "error: flag --config=configs/rm.py:bogus: Error whilst parsing config file: "
       "ValueError: unknown variant 'bogus' of configs/rm.py; known: smoke")
-  from jaxrm import train
+  from jaxrm import cli
   with pytest.raises(SystemExit):
-    train._check_config_keys(["train", "--config=configs/nonexistent.py:smoke"])
+    cli.check_config_keys(["train", "--config=configs/nonexistent.py:smoke"])
   assert capsys.readouterr().err == (
       "error: --config=configs/nonexistent.py:smoke: no such config file 'configs/nonexistent.py'\n")
 

@@ -8,11 +8,13 @@ import numpy as np
 import pytest
 
 from jaxrm import losses
-from jaxrm.batches import IGNORE_INDEX as X
+from jaxrm.batches import IGNORE_INDEX as X, PreferenceBatch, StepwiseBatch
+from jaxrm.losses import RewardSpec
 
 # Jitted once here, as training uses them; it also keeps the tests fast (one compile per shape
 # instead of one per operation and shape).
-bradley_terry_loss = jax.jit(losses.bradley_terry_loss, static_argnames="all_pairs")
+bradley_terry_loss = jax.jit(losses.bradley_terry_loss)
+all_pairs_loss = jax.jit(losses.all_pairs_bradley_terry_loss)
 plackett_luce_loss = jax.jit(losses.plackett_luce_loss)
 stepwise_loss = jax.jit(losses.stepwise_loss)
 
@@ -97,7 +99,7 @@ def test_ranks_in_any_order_pick_best_and_worst():
 def test_all_pairs_averages_over_pairs_not_groups():
   # Group 1 ranks three completions (three pairs), group 2 has one pair; 4 pairs in all.
   batch = preference([[1.0, 0.5, 2.0], [3.0, 1.0, 0.0]], [[0, 1, 2], [0, 1, -1]])
-  loss, metrics = bradley_terry_loss(**batch, all_pairs=True)
+  loss, metrics = all_pairs_loss(**batch)
   differences = [1.0 - 0.5, 1.0 - 2.0, 0.5 - 2.0, 3.0 - 1.0]
   np.testing.assert_allclose(loss, np.mean(neg_log_sigmoid(differences)), rtol=1e-6)
   finalized = losses.finalize_metrics(metrics)
@@ -106,7 +108,7 @@ def test_all_pairs_averages_over_pairs_not_groups():
   assert finalized["accuracy"] == 0.5
   assert finalized["margin"] == pytest.approx(((1 - 2) + (3 - 1)) / 2)
 
-  best_worst_loss, _ = bradley_terry_loss(**batch)
+  best_worst_loss, _ = bradley_terry_loss(**batch)  # one pair per group
   np.testing.assert_allclose(best_worst_loss, np.mean(neg_log_sigmoid([1.0 - 2.0, 3.0 - 1.0])),
                              rtol=1e-6)
 
@@ -168,8 +170,7 @@ def test_gradients_finite_and_zero_on_masked_slots():
   ranks = jnp.array([[1, 2, 0], [1, -1, 0], [0, 1, 2]], jnp.int32)
   example_mask = jnp.array([1.0, 1.0, 0.0])
   expected_zero = np.array([[0, 0, 0], [0, 1, 0], [1, 1, 1]], bool)
-  for loss_fn in (losses.plackett_luce_loss,
-                  lambda *args: bradley_terry_loss(*args, all_pairs=True)):
+  for loss_fn in (losses.plackett_luce_loss, losses.all_pairs_bradley_terry_loss):
     grads = jax.jit(jax.grad(lambda r: loss_fn(r, ranks, example_mask)[0]))(rewards)
     assert np.isfinite(grads).all()
     assert (np.asarray(grads)[expected_zero] == 0).all()
@@ -266,3 +267,53 @@ def test_two_batches_accumulate_to_the_concatenated_batch():
   accumulated = losses.accumulate(stepwise_loss(logits[:2], labels[:2], step_mask[:2])[1],
                                   stepwise_loss(logits[2:], labels[2:], step_mask[2:])[1])
   assert_metrics_close(losses.finalize_metrics(accumulated), losses.finalize_metrics(expected))
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss of each reward type
+
+
+def test_each_reward_type_trains_with_its_loss():
+  # Three ranked completions and a margin: the three preference losses all differ here.
+  rewards = jnp.array([[1.0, 0.5, 2.0], [3.0, 1.0, 0.0]])
+  ranks = jnp.array([[0, 1, 2], [0, 1, -1]], jnp.int32)
+  mask, margin = jnp.ones(2), jnp.array([0.5, 0.0])
+  # The batch's token arrays are not read by the loss: the rewards stand in for the model's outputs.
+  batch = PreferenceBatch(input_ids=None, attention_mask=None, ranks=ranks, margin=margin,
+                          example_mask=mask)
+  expected = {
+      RewardSpec("bradley_terry", center_rewards_coefficient=0.1):
+          losses.bradley_terry_loss(rewards, ranks, mask, margin, center_rewards_coefficient=0.1),
+      RewardSpec("ranking", "plackett_luce"): losses.plackett_luce_loss(rewards, ranks, mask),
+      RewardSpec("ranking", "all_pairs", center_rewards_coefficient=0.1):
+          losses.all_pairs_bradley_terry_loss(rewards, ranks, mask, margin,
+                                              center_rewards_coefficient=0.1),
+  }
+  values = {spec: float(losses.batch_loss(spec)(rewards, batch)[0]) for spec in expected}
+  assert len(set(values.values())) == 3
+  for spec, (loss, metrics) in expected.items():
+    assert values[spec] == pytest.approx(float(loss), rel=1e-6), spec
+    assert_metrics_close(losses.finalize_metrics(losses.batch_loss(spec)(rewards, batch)[1]),
+                         losses.finalize_metrics(metrics))
+  # A spec without type=ranking ignores ranking_loss.
+  assert RewardSpec("bradley_terry", "all_pairs").loss_key == ("bradley_terry", None)
+
+  logits = jnp.asarray(np.random.default_rng(3).normal(size=(2, 4, 2)), jnp.float32)
+  labels = jnp.array([[X, 1, X, 0], [0, X, X, 1]], jnp.int32)
+  steps = StepwiseBatch(input_ids=None, attention_mask=None, labels=labels, example_mask=mask)
+  loss, _ = losses.batch_loss(RewardSpec("stepwise"))(logits, steps)
+  assert float(loss) == pytest.approx(float(losses.stepwise_loss(logits, labels, mask)[0]), rel=1e-6)
+
+
+def test_every_reward_spec_has_a_loss():
+  specs = [RewardSpec(t, r) for t in losses.REWARD_TYPES for r in losses.RANKING_LOSSES]
+  assert {spec.loss_key for spec in specs} == set(losses.LOSSES)
+
+
+def test_bad_reward_spec_names_the_choices():
+  with pytest.raises(ValueError, match=r"reward.type must be one of bradley_terry, ranking, "
+                                       r"stepwise; got 'pairs'"):
+    RewardSpec("pairs")
+  with pytest.raises(ValueError, match=r"reward.ranking_loss must be one of plackett_luce, "
+                                       r"all_pairs; got 'listnet'"):
+    RewardSpec("ranking", "listnet")

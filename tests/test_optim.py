@@ -5,6 +5,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -95,8 +96,7 @@ def test_first_update_decays_matrices_only_and_clips():
   params = params_tree()
   # With zero gradients Adam's step is 0, so the update is the decoupled decay alone:
   # -lr * weight_decay * param on decayed parameters, nothing elsewhere.
-  tx = optim.make_optimizer(learning_rate=0.1, warmup_steps=0, total_steps=1, decay="constant",
-                            weight_decay=0.5)
+  tx = optim.make_optimizer(optax.constant_schedule(0.1), weight_decay=0.5)
   updates, _ = jax.jit(tx.update)(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
   expected = jax.tree.map(lambda decays: -0.05 if decays else 0.0, EXPECTED_MASK)
   jax.tree.map(lambda u, e: np.testing.assert_allclose(u, e, rtol=1e-6), updates, expected)
@@ -106,7 +106,6 @@ def test_first_update_decays_matrices_only_and_clips():
   params = {"w": jnp.zeros(2)}
   grads = {"w": jnp.array([6.0, 8.0])}
   for max_grad_norm, g in ((1.0, np.array([0.6, 0.8])), (0.0, np.array([6.0, 8.0]))):
-    tx = optim.make_optimizer(learning_rate=0.1, warmup_steps=0, total_steps=1,
-                              decay="constant", max_grad_norm=max_grad_norm, eps=1.0)
+    tx = optim.make_optimizer(optax.constant_schedule(0.1), max_grad_norm=max_grad_norm, eps=1.0)
     updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
     np.testing.assert_allclose(updates["w"], -0.1 * g / (np.abs(g) + 1.0), rtol=1e-5)

@@ -1,16 +1,17 @@
 """Training on packed rows (data.packing=packed or shared_prompt) equals training on unpacked ones:
-per-step metrics, final parameters and validation, with gradient accumulation, data-parallel
+the first update, per-step metrics and validation, with gradient accumulation, data-parallel
 devices and resume; and the config errors of packing."""
 
-import os
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
+import optax
 import pytest
+from flax import nnx
 
 import tiny_run
-from jaxrm import train
+from jaxrm import sharding
+from jaxrm.errors import UserError
 from jaxrm.data import packing
 from jaxrm.data.tokenize import PreferenceExample, StepwiseExample
 from jaxrm.batches import IGNORE_INDEX
@@ -19,10 +20,12 @@ from jaxrm.batches import IGNORE_INDEX
 # micro-batches) move these runs' losses and gradient norms by about 1e-7; a token that sees one it
 # should not (shared-prompt branches seeing each other) moves the loss by about 1e-2.
 METRIC_ATOL = 1e-5
-# Adam scales every update to about the learning rate (1e-3), so rounding in a gradient element
-# near zero can move its update by a fraction of that (4e-6 seen here); a wrong gradient moves
-# updates by the learning rate itself.
-PARAM_ATOL = 1e-4
+# The first update with plain SGD at learning rate 1 is minus the gradient of the mean loss, the
+# one thing every layout must compute alike: summed in another order, float32 moves an element by
+# about 1e-7 of the largest (3e-8 seen here); a token that sees one it should not moves elements
+# by 1e-2 of the largest. (Parameters after a few Adam steps are no such thing: for a gradient
+# element near zero, m / sqrt(v) turns float noise into a step of the full learning rate.)
+UPDATE_RTOL = 1e-6
 TRAIN_KEYS = ("train/loss", "train/accuracy", "train/grad_norm", "train/chosen_reward",
               "train/reward_std")
 STEP_KEYS = ("train/loss", "train/step_accuracy", "train/grad_norm", "train/f1_error",
@@ -47,7 +50,7 @@ def runs(cache_root, tmp_path_factory):
     key = (head, packing, micro_batch_size)
     if key not in done:
       out = str(tmp_path_factory.mktemp("runs") / "-".join(map(str, key)))
-      train.train_and_evaluate(config(cache_root, head, out, packing, micro_batch_size,
+      tiny_run.train(config(cache_root, head, out, packing, micro_batch_size,
                                       eval__val_at_end=head == "sequence"))
       done[key] = out
     return done[key]
@@ -67,11 +70,6 @@ def train_rows(out):
   return [r for r in tiny_run.read_metrics(out) if "train/loss" in r]
 
 
-def final_params(out):
-  path = os.path.join(out, "checkpoints", str(RUN["train.max_steps"]), "params")
-  return ocp.PyTreeCheckpointer().restore(path)
-
-
 def assert_same_training(out, expected, keys):
   rows, want = train_rows(out), train_rows(expected)
   assert [r["step"] for r in rows] == [r["step"] for r in want] == [1, 2, 3]
@@ -87,10 +85,7 @@ def assert_same_training(out, expected, keys):
   for key in val_want[0] if val_want else ():
     if key.startswith("validation-default_"):
       np.testing.assert_allclose(val[0][key], val_want[0][key], rtol=0, atol=METRIC_ATOL, err_msg=key)
-  got, ref = final_params(out), final_params(expected)
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(ref)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=PARAM_ATOL,
-                               err_msg=jax.tree_util.keystr(path))
+  # The parameters themselves are compared where it is exact: see test_first_update_*.
 
 
 def test_shared_prompt_training_equals_unpacked(runs):
@@ -108,10 +103,10 @@ def test_packed_stepwise_training_equals_unpacked(runs):
 
 def test_packed_run_resumes_exactly(runs, cache_root, tmp_path):
   out = str(tmp_path / "run")
-  train.train_and_evaluate(config(cache_root, "sequence", out, "shared_prompt", 4),
+  tiny_run.train(config(cache_root, "sequence", out, "shared_prompt", 4),
                            stop_after_steps=2)
   assert [r["step"] for r in train_rows(out)] == [1, 2]
-  train.train_and_evaluate(config(cache_root, "sequence", out, "shared_prompt", 4))
+  tiny_run.train(config(cache_root, "sequence", out, "shared_prompt", 4))
   uninterrupted = runs("sequence", "shared_prompt", 4)
   rows, want = train_rows(out), train_rows(uninterrupted)
   assert [r["step"] for r in rows] == [1, 2, 3]
@@ -139,6 +134,53 @@ def test_packed_rows_split_over_two_devices(runs, cache_root, tmp_path):
                                atol=METRIC_ATOL, err_msg=key)
 
 
+# ------------------------------------------------------------------ the first update
+
+
+def first_update(cache_root, head, pack, micro_batches):
+  """The update of ``steps.make_train_step`` (SGD, learning rate 1: minus the mean-loss gradient)
+  on one global batch of 8 groups at the tiny model's initial parameters, as a flat vector."""
+  from jaxrm import steps
+  from jaxrm.data import pipeline, registry
+  from jaxrm.data.drops import DropReport
+  from jaxrm.data.tokenize import TokenizeOptions, pad_id, tokenize_all
+  from jaxrm.losses import RewardSpec
+  from jaxrm.reward_model import RewardModel
+
+  rm = RewardModel.from_pretrained(tiny_run.tiny_model_dir(cache_root, head=head))
+  name, spec = (("demo_arithmetic_steps", RewardSpec("stepwise")) if head == "token"
+                else ("demo_arithmetic", RewardSpec()))
+  records = registry.load_records(name, None, split="train", drops=DropReport())[:8]
+  examples = tokenize_all(records, rm.tokenizer, TokenizeOptions(max_length=96), DropReport())
+  collate = pipeline.make_train_iterator(
+      examples, batch_size=8, seed=0, buckets=(96,), pad_id=pad_id(rm.tokenizer), pack=pack,
+      micro_batches=micro_batches if pack is not None else 1)[0]
+  mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), devices=jax.devices()[:1])
+  tx = optax.sgd(1.0)
+  params = nnx.state(rm.model)
+  before = np.concatenate([np.ravel(x) for x in jax.tree.leaves(params)])
+  state, shardings = steps.init_state(params, tx, seed=0, mesh=mesh)
+  train_step = steps.make_train_step(steps.make_loss_fn(rm.model, spec), tx, lambda _: 1.0,
+                                     grad_accum_steps=micro_batches, state_shardings=shardings, mesh=mesh)
+  stacked = pack is not None and micro_batches > 1
+  state, _ = train_step(state, pipeline.to_global_batch(next(collate), mesh, stacked=stacked))
+  return np.concatenate([np.ravel(x) for x in jax.tree.leaves(state["params"])]) - before
+
+
+@pytest.mark.parametrize("head, pack", [
+    ("sequence", packing.PackSpec(row_length=192, length_multiple=16, shared_prompt=True)),
+    ("sequence", packing.PackSpec(row_length=192, length_multiple=16)),
+    ("token", packing.PackSpec(row_length=192, length_multiple=16)),
+], ids=["shared_prompt", "packed", "packed_stepwise"])
+def test_first_update_equals_unpacked(cache_root, head, pack):
+  """Packed micro-batches (2 of 4 groups) move every parameter as the unpacked batch does."""
+  unpacked = first_update(cache_root, head, None, 2)
+  got = first_update(cache_root, head, pack, 2)
+  scale = np.abs(unpacked).max()
+  assert scale > 0
+  np.testing.assert_allclose(got, unpacked, rtol=0, atol=UPDATE_RTOL * scale)
+
+
 # ------------------------------------------------------------------ micro-batches of two hosts
 
 
@@ -154,18 +196,18 @@ def test_micro_batches_of_two_hosts_index_the_global_batch():
   for groups in (pairs, seqs):
     hosts = [packing.PackedCollator(4, spec, num_completions=2, process_index=p, process_count=2,
                                     micro_batches=2)(groups) for p in range(2)]
-    assert {k: v.shape for k, v in hosts[0].items()} == {k: v.shape for k, v in hosts[1].items()}
+    assert {k: v.shape for k, v in vars(hosts[0]).items()} == {k: v.shape for k, v in vars(hosts[1]).items()}
     # What to_global_batch assembles: rows (and groups) of host 0, then of host 1, on axis 1.
-    whole = {k: np.concatenate([h[k] for h in hosts], axis=1) for k in hosts[0]}
-    assert whole["input_ids"].shape[0] == 2
+    whole = jax.tree.map(lambda *xs: np.concatenate(xs, axis=1), *hosts)
+    assert whole.input_ids.shape[0] == 2
     for m in range(2):  # micro-batch m holds groups m, m + 2, m + 4, m + 6, as unpacked
-      ids = whole["input_ids"][m]
+      ids = whole.input_ids[m]
       if groups is pairs:  # a completion's last token stands in for its reward
-        last = np.take_along_axis(ids, np.maximum(whole["reward_positions"][m], 0), axis=1)
-        np.testing.assert_array_equal(packing.group_rewards(last, whole["reward_index"][m]),
+        last = np.take_along_axis(ids, np.maximum(whole.reward_positions[m], 0), axis=1)
+        np.testing.assert_array_equal(packing.group_rewards(last, whole.reward_index[m]),
                                       [[c[-1] for c in pairs[i].input_ids] for i in range(m, 8, 2)])
       else:
-        tokens = packing.group_logits(ids[..., None], whole["token_index"][m])[..., 0]
+        tokens = packing.group_logits(ids[..., None], whole.token_index[m])[..., 0]
         for g, i in enumerate(range(m, 8, 2)):
           np.testing.assert_array_equal(tokens[g, :len(seqs[i].input_ids)], seqs[i].input_ids)
 
@@ -175,22 +217,22 @@ def test_micro_batches_of_two_hosts_index_the_global_batch():
 
 def test_bad_packing_values_name_the_key(cache_root, tmp_path):
   out = str(tmp_path / "run")
-  with pytest.raises(train.UserError, match=r"^data.packing must be one of none, packed, "
+  with pytest.raises(UserError, match=r"^data.packing must be one of none, packed, "
                                             r"shared_prompt; got 'pack'$"):
-    train.train_and_evaluate(config(cache_root, "sequence", out, "pack"))
-  with pytest.raises(train.UserError, match=r"^data.packed_row_length=-1: use a number of tokens"):
-    train.train_and_evaluate(config(cache_root, "sequence", out, "packed",
+    tiny_run.train(config(cache_root, "sequence", out, "pack"))
+  with pytest.raises(UserError, match=r"^data.packed_row_length=-1: use a number of tokens"):
+    tiny_run.train(config(cache_root, "sequence", out, "packed",
                                     data__packed_row_length=-1))
-  with pytest.raises(train.UserError, match=r"^data.packing='shared_prompt' writes a preference "
+  with pytest.raises(UserError, match=r"^data.packing='shared_prompt' writes a preference "
                                             r"group's prompt once; .* use data.packing='packed'$"):
-    train.train_and_evaluate(config(cache_root, "token", out, "shared_prompt"))
+    tiny_run.train(config(cache_root, "token", out, "shared_prompt"))
 
 
 def test_row_too_short_for_a_group(cache_root, tmp_path):
   c = config(cache_root, "sequence", str(tmp_path / "run"), "packed", data__packed_row_length=40)
   # Demo pairs are 30-odd tokens per completion: a pair needs more than 40 tokens.
-  with pytest.raises(train.UserError, match=r"^data.packed_row_length=40 is too short for "
+  with pytest.raises(UserError, match=r"^data.packed_row_length=40 is too short for "
                                             r"demo_arithmetic:train\[row \d+\] \(train\), which takes \d+ "
                                             r"tokens in one row: set data.packed_row_length >= \d+, "
                                             r"or 0 to size rows automatically$"):
-    train.train_and_evaluate(c)
+    tiny_run.train(c)

@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -13,7 +14,7 @@ from flax import nnx
 
 import hf_tiny
 import tiny_run
-from jaxrm import RewardModel
+from jaxrm import RewardModel, checkpointing
 from jaxrm.errors import CheckpointError
 from jaxrm.data import registry
 from jaxrm.data.drops import DropReport
@@ -33,9 +34,8 @@ CHATS = [
 @pytest.fixture(scope="module")
 def run_dir(model_dir, tmp_path_factory):
   """Two training steps, validated and checkpointed after each."""
-  from jaxrm.train import train_and_evaluate
   out = str(tmp_path_factory.mktemp("run"))
-  train_and_evaluate(tiny_run.config(
+  tiny_run.train(tiny_run.config(
       model_dir, out, train__max_steps=2, eval__val_period=1, checkpointing__save_period=1,
       checkpointing__keep_top_k=2, data__max_train_rows=16))
   return out
@@ -156,6 +156,20 @@ def test_run_errors(run_dir, run_copy, model_dir, tmp_path):
   shutil.rmtree(ckpt_dir)
   with pytest.raises(CheckpointError, match=re.escape(f"{run_copy}: no checkpoint directory {ckpt_dir}")):
     RewardModel.from_pretrained(run_copy)
+
+
+def test_run_loads_abstract_without_opening_checkpoints(rm, run_dir, monkeypatch):
+  def no_restoring(*args, **kwargs):
+    raise AssertionError("a checkpoint was restored")
+
+  monkeypatch.setattr(checkpointing.Checkpointer, "restore_params", no_restoring)
+  abstract = RewardModel.from_pretrained(run_dir, load_weights=False)
+  assert abstract.config == rm.config and abstract.reward_stats is None
+  assert abstract.tokenizer.chat_template == rm.tokenizer.chat_template
+  want = {k: (v.shape, v.dtype, v.sharding) for k, v in nnx.to_flat_state(nnx.state(rm.model))}
+  got = {k: v.get_value() for k, v in nnx.to_flat_state(nnx.state(abstract.model))}
+  assert all(isinstance(v, jax.ShapeDtypeStruct) for v in got.values())
+  assert {k: (v.shape, v.dtype, v.sharding) for k, v in got.items()} == want
 
 
 def test_step_separator_comes_from_the_run_config(run_copy):

@@ -89,7 +89,7 @@ def test_reward_position_with_pad_equal_to_eos(tok):
   ex = tk.tokenize_preference(pair([user("2+3?")], [assistant("5")], [assistant("6")]), tok,
                               opts(), DropReport())
   [batch] = make_eval_batches([ex], batch_size=1, buckets=(64,), pad_id=tok.pad_token_id)
-  ids, mask = batch["input_ids"][0], batch["attention_mask"][0]
+  ids, mask = batch.input_ids[0], batch.attention_mask[0]
   last = int(mask.sum()) - 1
   assert last == len(ex.input_ids[0]) - 1 and mask[last + 1:].sum() == 0
   assert ids[last - 1:last + 1].tolist() == [IM_END, NL]
@@ -107,9 +107,9 @@ def test_llama3_like_template_ends_on_eos_without_double_bos(llama3_like):
   assert t.decode(ids) == "<|endoftext|><|im_start|>user\nhi<|im_end|><|im_start|>assistant\n5" \
                           "<|im_end|>"
   [batch] = make_eval_batches([ex], batch_size=1, buckets=(16,), pad_id=t.pad_token_id)
-  last = int(batch["attention_mask"][0].sum()) - 1
-  assert last == 11 and batch["input_ids"][0, last] == t.pad_token_id  # eos == pad, yet attended
-  assert batch["input_ids"][0, last - 1] == 37
+  last = int(batch.attention_mask[0].sum()) - 1
+  assert last == 11 and batch.input_ids[0, last] == t.pad_token_id  # eos == pad, yet attended
+  assert batch.input_ids[0, last - 1] == 37
 
 
 def test_plain_text_gets_the_tokenizers_bos_and_keeps_it_when_cut(llama3_like):

@@ -17,7 +17,9 @@ import pytest
 from flax import nnx
 
 import tiny_run
-from jaxrm import checkpointing, train
+from jaxrm import checkpointing
+from jaxrm.config import normalize_metric_name
+from jaxrm.errors import UserError
 
 TRAIN_KEYS = ("train/loss", "train/accuracy", "train/grad_norm", "train/learning_rate",
               "timing/train/step_time", "train/tokens_per_second")
@@ -28,7 +30,7 @@ VAL_SETS = ("default", "train_sample")
 def stopped(model_dir, tmp_path_factory):
   """The baseline's run stopped after 2 of its 4 steps."""
   out = str(tmp_path_factory.mktemp("stopped") / "run")
-  train.train_and_evaluate(tiny_run.config(model_dir, out), stop_after_steps=2)
+  tiny_run.train(tiny_run.config(model_dir, out), stop_after_steps=2)
   return out
 
 
@@ -110,7 +112,7 @@ def _tiny_state(value):
     ("validation-default_loss", False, [0.5, 0.9, 0.7, 0.6], [1, 4], 1),
 ])
 def test_checkpointer_keeps_best_k_and_latest(tmp_path, name, higher, values, kept, best):
-  metric = checkpointing.normalize_metric_name(name)
+  metric = normalize_metric_name(name)
   ckpt = checkpointing.Checkpointer(str(tmp_path), metric_name=name, higher_is_better=higher,
                                     keep_top_k=2 if higher else 1)
   for step, v in enumerate(values, start=1):
@@ -155,7 +157,7 @@ def test_resume_equals_uninterrupted_run(baseline, stopped, model_dir, tmp_path)
   assert list(tiny_run.train_losses(out)) == [1, 2]
   assert checkpoint_steps(out) == [2]
 
-  train.train_and_evaluate(tiny_run.config(model_dir, out))
+  tiny_run.train(tiny_run.config(model_dir, out))
 
   resumed, uninterrupted = rows_with(out, "train/loss"), rows_with(baseline, "train/loss")
   assert list(resumed) == [1, 2, 3, 4]
@@ -180,9 +182,9 @@ def test_non_finite_loss_stops_naming_the_step(stopped, model_dir, tmp_path, mon
     return state, data, meta
 
   monkeypatch.setattr(checkpointing.Checkpointer, "restore", poisoned)
-  with pytest.raises(train.UserError, match=r"non-finite loss \(nan\) or gradient norm \(nan\) at step 3; "
+  with pytest.raises(UserError, match=r"non-finite loss \(nan\) or gradient norm \(nan\) at step 3; "
                                             r"stopping\. Last good checkpoint: step 2 in "):
-    train.train_and_evaluate(tiny_run.config(model_dir, out))
+    tiny_run.train(tiny_run.config(model_dir, out))
   assert checkpoint_steps(out) == [2]
   assert list(tiny_run.train_losses(out)) == [1, 2]
 
@@ -190,7 +192,7 @@ def test_non_finite_loss_stops_naming_the_step(stopped, model_dir, tmp_path, mon
 def test_gradient_accumulation_equals_one_big_batch(baseline, model_dir, tmp_path):
   out = str(tmp_path / "accum")
   # 8 pairs per step as 2 micro-batches of 4.
-  train.train_and_evaluate(tiny_run.config(model_dir, out, train__micro_batch_size=4, eval__val_period=0,
+  tiny_run.train(tiny_run.config(model_dir, out, train__micro_batch_size=4, eval__val_period=0,
                                            eval__val_at_end=False, checkpointing__enabled=False))
   accumulated, whole = rows_with(out, "train/loss"), rows_with(baseline, "train/loss")
   assert list(accumulated) == [1, 2, 3, 4]
@@ -201,7 +203,7 @@ def test_gradient_accumulation_equals_one_big_batch(baseline, model_dir, tmp_pat
 
 def test_stepwise_run_reports_step_metrics(cache_root, tmp_path):
   out = str(tmp_path / "prm")
-  train.train_and_evaluate(tiny_run.config(
+  tiny_run.train(tiny_run.config(
       tiny_run.tiny_model_dir(cache_root, head="token"), out, reward__type="stepwise", data__dataset_name="demo_arithmetic_steps", train__max_steps=2,
       data__val_data_paths={"default": "validation"}))
   train_rows = rows_with(out, "train/loss")
@@ -222,28 +224,28 @@ def test_stepwise_run_reports_step_metrics(cache_root, tmp_path):
 
 def test_metric_name_must_name_a_validation_set(model_dir, tmp_path):
   c = tiny_run.config(model_dir, str(tmp_path / "run"), checkpointing__metric_name="validation-nosuch_loss")
-  with pytest.raises(train.UserError, match=r"checkpointing.metric_name='validation-nosuch_loss' names no "
+  with pytest.raises(UserError, match=r"checkpointing.metric_name='validation-nosuch_loss' names no "
                                             r"validation set; .* one of default, train_sample"):
-    train.train_and_evaluate(c)
+    tiny_run.train(c)
 
 
 def test_metric_name_must_be_a_validation_metric(model_dir, tmp_path):
   c = tiny_run.config(model_dir, str(tmp_path / "run"), checkpointing__metric_name="validation-default_nosuch",
                       eval__val_at_start=True)
-  with pytest.raises(train.UserError, match=r"'validation-default_nosuch' is not a validation metric; "
+  with pytest.raises(UserError, match=r"'validation-default_nosuch' is not a validation metric; "
                                             r"available: .*validation-default_accuracy"):
-    train.train_and_evaluate(c)
+    tiny_run.train(c)
 
 
 def test_bad_reward_type_and_batch_sizes(model_dir, tmp_path):
   c = tiny_run.config(model_dir, str(tmp_path / "run"), reward__type="pairwise")
-  with pytest.raises(train.UserError, match=r"reward.type must be one of bradley_terry, ranking, stepwise; "
+  with pytest.raises(UserError, match=r"reward.type must be one of bradley_terry, ranking, stepwise; "
                                             r"got 'pairwise'"):
-    train.train_and_evaluate(c)
+    tiny_run.train(c)
   c = tiny_run.config(model_dir, str(tmp_path / "run"), train__micro_batch_size=3)
-  with pytest.raises(train.UserError, match=r"train.global_batch_size=8 must be a multiple of "
+  with pytest.raises(UserError, match=r"train.global_batch_size=8 must be a multiple of "
                                             r"micro_batch_size x data-parallel devices = 3 x 1"):
-    train.train_and_evaluate(c)
+    tiny_run.train(c)
 
 
 # ------------------------------------------------------------------ SIGKILL
@@ -270,7 +272,7 @@ def test_sigkilled_run_resumes_from_latest_checkpoint(model_dir, tmp_path):
   assert 5 <= latest <= killed_at < 16
 
   # The same run again (here in-process) continues from the latest checkpoint and finishes.
-  train.train_and_evaluate(tiny_run.set_keys(tiny_run.config(model_dir, out), overrides))
+  tiny_run.train(tiny_run.set_keys(tiny_run.config(model_dir, out), overrides))
   assert checkpoint_steps(out)[-1] == 16
   # The rows the killed run wrote after its last checkpoint were dropped and written again.
   train_rows = rows_with(out, "train/loss")

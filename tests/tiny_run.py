@@ -15,7 +15,6 @@ warmup, so runs of different lengths share one compiled train step.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -49,15 +48,6 @@ TINY = {
 }
 
 
-def base_config():
-  """``configs/common.py``'s ``base_config()``: every key with its default."""
-  path = os.path.join(ROOT, "configs", "common.py")
-  spec = importlib.util.spec_from_file_location("jaxrm_configs_common", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.base_config()
-
-
 def set_keys(config, overrides: dict):
   """Sets dotted keys (``"train.max_steps"``) of a ConfigDict; returns it."""
   for key, value in overrides.items():
@@ -71,6 +61,7 @@ def set_keys(config, overrides: dict):
 
 def get_config(arg=None):
   """The tiny run; ``arg`` is the model directory."""
+  from jaxrm.config import base_config
   c = base_config()
   c.model.name_or_path = arg or ""
   c.data.val_data_paths = {"default": "validation", "train_sample": "train"}
@@ -79,10 +70,21 @@ def get_config(arg=None):
 
 
 def config(model_dir: str, output_dir: str, **overrides):
-  """The tiny run's ConfigDict writing into ``output_dir``; overrides use ``__`` for dots."""
+  """The tiny run's ConfigDict writing into ``output_dir``; overrides use ``__`` for dots.
+
+  A ConfigDict, as the command line gives it: :func:`train` reads it into a ``RunConfig`` as
+  the CLI does, so config errors surface as they would there.
+  """
   c = get_config(model_dir)
   c.output_dir = output_dir
   return set_keys(c, {k.replace("__", "."): v for k, v in overrides.items()})
+
+
+def train(config_dict, **kwargs):
+  """Trains as ``python -m jaxrm.train`` does with this config: the ConfigDict read into a
+  ``RunConfig`` at the edge, then ``trainer.train_and_evaluate``."""
+  from jaxrm import cli, trainer
+  return trainer.train_and_evaluate(cli.run_config(config_dict), **kwargs)
 
 
 def cli(model_dir: str, output_dir: str, *flags: str) -> list[str]:
@@ -151,9 +153,8 @@ def enable_compile_cache(root: str) -> None:
 def baseline_run(model_dir: str, root: str) -> str:
   """The tiny run, uninterrupted on one device, trained once per session; its output directory."""
   if model_dir not in _baseline:
-    from jaxrm import train
     output_dir = os.path.join(root, "baseline")
-    train.train_and_evaluate(config(model_dir, output_dir))
+    train(config(model_dir, output_dir))
     _baseline[model_dir] = output_dir
   return _baseline[model_dir]
 
@@ -215,14 +216,14 @@ def _sharded_main(model_dir: str, output_dir: str) -> None:
   jax.config.update("jax_num_cpu_devices", 8)
   import optax
   from flax import nnx
-  from jaxrm import optim, sharding, steps, train
+  from jaxrm import optim, sharding, steps
   from jaxrm.reward_model import RewardModel
 
   c = config(model_dir, output_dir, mesh__data=2, mesh__fsdp=2, mesh__tensor=2, train__micro_batch_size=2)
-  train.train_and_evaluate(c)
+  train(c)
   mesh = sharding.make_mesh(sharding.MeshConfig(2, 2, 2))
   params = nnx.state(RewardModel.from_pretrained(model_dir, mesh=mesh).model)
-  tx = optim.make_optimizer(learning_rate=1e-3, warmup_steps=0, total_steps=1, decay="constant")
+  tx = optim.make_optimizer(optax.constant_schedule(1e-3))
   state, _ = steps.init_state(params, tx, seed=0, mesh=mesh)
   q = state["params"]["layers"]["q"].get_value()
   mu_q = optax.tree_utils.tree_get(state["opt_state"], "mu")["layers"]["q"].get_value()

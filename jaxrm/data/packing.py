@@ -1,30 +1,12 @@
 """Sequence packing: several sequences per row, with the outputs mapped back to the group layout.
 
-A packed preference batch holds G groups of up to K completions in B rows of T tokens. Every
-completion of a group lands in the same row. Plain packing writes each completion as a sequence of
-its own (block-diagonal attention); shared-prompt packing writes the tokens the completions share
-(the prompt) once, then each completion's own tokens, which see the prompt and themselves only::
-
-  input_ids         # [B, T] int32, pad_id after a row's last sequence
-  attention_mask    # [B, T] int32
-  positions         # [B, T] int32: from 0 in each sequence; a completion continues its prompt's
-  segment_ids       # [B, T] int32: 1, 2, ... per sequence (shared-prompt: per group), 0 = padding
-  branch_ids        # [B, T] int32: 0 = shared prompt or plain sequence, j + 1 = completion j
-  reward_positions  # [B, R] int32: index in its row of each completion's last token, -1 = unused
-  reward_index      # [G, K] int32: where group g's completion k sits in rewards.reshape(-1)
-  ranks, margin, example_mask  # [G, K], [G], [G]: exactly as the unpacked batch has them
-
-so ``group_rewards(model(..., reward_positions=...), reward_index)`` is the ``[G, K]`` array the
-losses take. A packed stepwise batch holds G sequences::
-
-  input_ids, attention_mask, positions, segment_ids, branch_ids  # [B, T] int32
-  token_index   # [G, T] int32: where token i of sequence g sits in logits.reshape(B * T, C)
-  labels        # [G, T] int32: the unpacked labels, -100 past each sequence
-  example_mask  # [G] float32
-
-and ``group_logits(logits, token_index)`` gives the ``[G, T, C]`` logits that go with ``labels``.
-Absent completions and filler groups take no room: their ``reward_index``/``token_index`` point
-at slot 0 and ``ranks == -1`` / ``labels == -100`` / ``example_mask == 0`` hide them, as unpacked.
+A packed preference batch (:class:`~jaxrm.batches.PackedPreferenceBatch`) holds G groups of up to
+K completions in B rows of T tokens, every completion of a group in the same row: each as a
+sequence of its own (plain packing), or with the prompt they share written once and each
+completion's own tokens branching off it (shared-prompt packing). A packed stepwise batch
+(:class:`~jaxrm.batches.PackedStepwiseBatch`) holds G sequences. The layouts, and how the model's
+outputs are gathered back into the unpacked ``[G, K]`` / ``[G, T, C]`` layout, are documented in
+:mod:`jaxrm.batches`.
 
 Rows are filled first-fit in order of decreasing length. A row that holds no sequence is all
 padding; attention masks every key of it with a finite logit, so it stays NaN-free.
@@ -35,12 +17,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import jax
 import numpy as np
 
+from jaxrm.batches import IGNORE_INDEX, PackedPreferenceBatch, PackedStepwiseBatch
+# Re-exported: whoever packs rows reads the model's outputs back with these.
+from jaxrm.batches import group_logits as group_logits, group_rewards as group_rewards
 from jaxrm.data.tokenize import PreferenceExample, StepwiseExample
-from jaxrm.batches import IGNORE_INDEX
-
-Batch = dict[str, np.ndarray]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +173,8 @@ class _Rows:
       cursor = sl.stop
     return spans
 
-  def arrays(self) -> Batch:
+  def arrays(self) -> dict[str, np.ndarray]:
+    """The row arrays, named as the batch classes name them."""
     return {"input_ids": self.input_ids, "attention_mask": self.attention_mask,
             "positions": self.positions, "segment_ids": self.segment_ids,
             "branch_ids": self.branch_ids}
@@ -214,8 +198,9 @@ def rewards_per_row(groups: Sequence[PreferenceExample], plan: list[list[int]]) 
 
 def pack_preference(groups: Sequence[PreferenceExample], spec: PackSpec, *,
                     num_groups: int | None = None, num_completions: int | None = None,
-                    num_rows: int | None = None, num_rewards: int | None = None) -> Batch:
-  """Packs preference groups into rows (see the module docstring for the layout).
+                    num_rows: int | None = None, num_rewards: int | None = None
+                    ) -> PackedPreferenceBatch:
+  """Packs preference groups into rows (the layout is :class:`~jaxrm.batches.PackedPreferenceBatch`).
 
   Args:
     groups: the groups of this batch, best completion first in each (as tokenized).
@@ -240,8 +225,12 @@ def pack_preference(groups: Sequence[PreferenceExample], spec: PackSpec, *,
 
 
 def _fill_preference(groups: Sequence[PreferenceExample], units: list[list[_Piece]],
-                     plan: list[list[int]], rows: _Rows, g: int, k: int, r: int) -> Batch:
-  """The packed preference batch of ``groups``, placed as ``plan`` says into ``rows``."""
+                     plan: list[list[int]], rows: _Rows, g: int, k: int, r: int,
+                     first_row: int = 0) -> PackedPreferenceBatch:
+  """The packed preference batch of ``groups``, placed as ``plan`` says into ``rows``.
+
+  ``first_row``: the global index of ``rows``' first row, where ``reward_index`` starts counting.
+  """
   b = rows.num_rows
   reward_positions = np.full((b, r), -1, np.int32)
   reward_index = np.zeros((g, k), np.int32)
@@ -258,18 +247,20 @@ def _fill_preference(groups: Sequence[PreferenceExample], units: list[list[_Piec
     ends = [end - 1 for (_, end), p in zip(spans, units[i]) if p.rewarded]
     slots = used[row] + np.arange(n)
     reward_positions[row, slots] = ends
-    reward_index[i, :n] = row * r + slots
+    reward_index[i, :n] = (first_row + row) * r + slots
     used[row] += n
     ranks[i, :n] = np.arange(n)
     margin[i] = groups[i].margin
   example_mask = (np.arange(g) < len(groups)).astype(np.float32)
-  return {**rows.arrays(), "reward_positions": reward_positions, "reward_index": reward_index,
-          "ranks": ranks, "margin": margin, "example_mask": example_mask}
+  return PackedPreferenceBatch(**rows.arrays(), reward_positions=reward_positions,
+                               reward_index=reward_index, ranks=ranks, margin=margin,
+                               example_mask=example_mask)
 
 
 def pack_stepwise(examples: Sequence[StepwiseExample], spec: PackSpec, *,
-                  num_examples: int | None = None, num_rows: int | None = None) -> Batch:
-  """Packs stepwise sequences into rows (see the module docstring for the layout).
+                  num_examples: int | None = None, num_rows: int | None = None
+                  ) -> PackedStepwiseBatch:
+  """Packs stepwise sequences into rows (the layout is :class:`~jaxrm.batches.PackedStepwiseBatch`).
 
   Args:
     examples: the sequences of this batch.
@@ -287,27 +278,21 @@ def pack_stepwise(examples: Sequence[StepwiseExample], spec: PackSpec, *,
 
 
 def _fill_stepwise(examples: Sequence[StepwiseExample], units: list[list[_Piece]],
-                   plan: list[list[int]], rows: _Rows, g: int) -> Batch:
-  """The packed stepwise batch of ``examples``, placed as ``plan`` says into ``rows``."""
+                   plan: list[list[int]], rows: _Rows, g: int,
+                   first_row: int = 0) -> PackedStepwiseBatch:
+  """The packed stepwise batch of ``examples``, placed as ``plan`` says into ``rows``.
+
+  ``first_row``: the global index of ``rows``' first row, where ``token_index`` starts counting.
+  """
   t = rows.row_length
   token_index = np.zeros((g, t), np.int32)
   labels = np.full((g, t), IGNORE_INDEX, np.int32)
   for i, row, [(start, end)] in _fill(units, plan, rows):
-    token_index[i, :end - start] = row * t + np.arange(start, end)
+    token_index[i, :end - start] = (first_row + row) * t + np.arange(start, end)
     labels[i, :end - start] = examples[i].labels
   example_mask = (np.arange(g) < len(examples)).astype(np.float32)
-  return {**rows.arrays(), "token_index": token_index, "labels": labels,
-          "example_mask": example_mask}
-
-
-def group_rewards(rewards_br, reward_index_gk):
-  """Packed rewards [B, R] -> the [G, K] layout of the unpacked batch (jax or numpy arrays)."""
-  return rewards_br.reshape(-1)[reward_index_gk]
-
-
-def group_logits(logits_btc, token_index_gt):
-  """Packed token logits [B, T, C] -> [G, T, C], sequence g's tokens first in row g."""
-  return logits_btc.reshape(-1, logits_btc.shape[-1])[token_index_gt]
+  return PackedStepwiseBatch(**rows.arrays(), token_index=token_index, labels=labels,
+                             example_mask=example_mask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,7 +329,8 @@ class PackedCollator:
       raise ValueError(f"batch_size={self.batch_size} groups per host cannot be split into "
                        f"micro_batches={self.micro_batches} equal micro-batches")
 
-  def __call__(self, groups: Sequence[PreferenceExample | StepwiseExample]) -> Batch:
+  def __call__(self, groups: Sequence[PreferenceExample | StepwiseExample]
+               ) -> PackedPreferenceBatch | PackedStepwiseBatch:
     n = self.micro_batches
     # slices[p][m]: host p's micro-batch m.
     slices = [[list(groups[p * self.batch_size:(p + 1) * self.batch_size])[m::n] for m in range(n)]
@@ -362,17 +348,17 @@ class PackedCollator:
     num_rewards = None if stepwise else _round_up(
         max(rewards_per_row(part, plan) for part, plan in zip(parts, plans)), spec.rewards_multiple)
     micro = []
+    first_row = self.process_index * num_rows  # this host's rows follow the lower hosts'
     for m, local in enumerate(slices[self.process_index]):
       part = self.process_index * n + m
       rows = _Rows(num_rows, row_length, spec.pad_id)
       if stepwise:
-        batch = _fill_stepwise(local, units[part], plans[part], rows, self.batch_size // n)
-        batch["token_index"] += self.process_index * num_rows * row_length
+        batch = _fill_stepwise(local, units[part], plans[part], rows, self.batch_size // n,
+                               first_row)
       else:
         batch = _fill_preference(local, units[part], plans[part], rows, self.batch_size // n, k,
-                                 num_rewards)
-        batch["reward_index"] += self.process_index * num_rows * num_rewards
+                                 num_rewards, first_row)
       micro.append(batch)
     if n == 1:
       return micro[0]
-    return {key: np.stack([b[key] for b in micro]) for key in micro[0]}
+    return jax.tree.map(lambda *arrays: np.stack(arrays), *micro)

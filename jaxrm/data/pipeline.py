@@ -1,49 +1,34 @@
 """Grain input pipeline: tokenized examples -> fixed-shape, per-host numpy batches.
 
-Preference batch (B groups of K completions on this host; completion j of group i is row i*K + j)::
-
-  input_ids       # [B*K, T] int32, right-padded with pad_id
-  attention_mask  # [B*K, T] int32
-  ranks           # [B, K] int32: position in preference order (0 = best), -1 = no completion
-  margin          # [B] float32
-  example_mask    # [B] float32: 0 for filler groups that pad the last eval batch
-
-Stepwise batch::
-
-  input_ids, attention_mask, labels  # [B, T] int32; labels -100 where there is no step label
-  example_mask                       # [B] float32
-
-T is the smallest length bucket that holds the longest sequence of the *global* batch, so every
-host builds the same shapes. A slot that would otherwise be all padding (a group with fewer than K
-completions, a filler group) repeats a real sequence of the batch instead, because a row with no
-attended token can turn attention into NaN; ``ranks == -1`` and ``example_mask == 0`` (and labels
--100) mark such rows for the loss to ignore.
-
-Length is bucketed per batch; the data is never sorted by length, which would bias training.
+Preference examples are collated into a :class:`~jaxrm.batches.PreferenceBatch`, stepwise ones
+into a :class:`~jaxrm.batches.StepwiseBatch` (both layouts are in :mod:`jaxrm.batches`). T is the
+smallest length bucket that holds the longest sequence of the *global* batch, so every host builds
+the same shapes. Length is bucketed per batch; the data is never sorted by length, which would
+bias training.
 
 With a :class:`~jaxrm.data.packing.PackSpec`, batches are packed instead (several sequences per
-row; the layout is in :mod:`jaxrm.data.packing`), with the same shuffling, per-host split and
-resume state. A packed training batch split into n micro-batches carries a leading ``[n]`` axis
-on every array, its batch dimension second.
+row: a :class:`~jaxrm.batches.PackedPreferenceBatch` or :class:`~jaxrm.batches.PackedStepwiseBatch`),
+with the same shuffling, per-host split and resume state. A packed training batch split into n
+micro-batches carries a leading ``[n]`` axis on every array, its batch dimension second.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Sequence
 
 from absl import flags
 import grain
 import jax
 import numpy as np
 
+from jaxrm import sharding
+from jaxrm.batches import IGNORE_INDEX, Batch, PreferenceBatch, StepwiseBatch
 from jaxrm.errors import DataError
 from jaxrm.data.packing import PackedCollator, PackSpec
 from jaxrm.data.tokenize import PreferenceExample, StepwiseExample
-from jaxrm.batches import IGNORE_INDEX
 
 Example = PreferenceExample | StepwiseExample
-Batch = dict[str, np.ndarray]
 
 
 def length_buckets(max_length: int, multiple: int = 64) -> tuple[int, ...]:
@@ -76,24 +61,17 @@ class Collator:
   process_index: int = 0
   process_count: int = 1
 
-  def __call__(self, groups: Sequence[Example]) -> Batch:
+  def __call__(self, groups: Sequence[Example]) -> PreferenceBatch | StepwiseBatch:
     """Collates ``groups`` (at most one global batch); missing groups become fillers."""
     length = self._bucket(groups)
     start = self.process_index * self.batch_size
     local = list(groups[start:start + self.batch_size])
     n_real = len(local)
-    # Fillers repeat a real example of the global batch; its mask entries then zero them out.
+    # Fillers repeat a real example of the global batch; their mask entries then zero them out.
     local += [groups[0]] * (self.batch_size - n_real)
-    example_mask = (np.arange(self.batch_size) < n_real).astype(np.float32)
     if isinstance(groups[0], StepwiseExample):
-      batch = _collate_stepwise(local, length, self.pad_id)
-      batch["labels"][n_real:] = IGNORE_INDEX
-    else:
-      batch = _collate_preference(local, self.num_completions, length, self.pad_id)
-      batch["ranks"][n_real:] = -1
-      batch["margin"][n_real:] = 0.0
-    batch["example_mask"] = example_mask
-    return batch
+      return _collate_stepwise(local, n_real, length, self.pad_id)
+    return _collate_preference(local, n_real, self.num_completions, length, self.pad_id)
 
   def _bucket(self, groups: Sequence[Example]) -> int:
     longest, source = max((len(ids), e.source) for e in groups for ids in _sequences(e))
@@ -189,19 +167,17 @@ def make_eval_batches(examples: Sequence[Example], *, batch_size: int, buckets: 
   return [collate(examples[i:i + step]) for i in range(0, len(examples), step)]
 
 
-def to_global_batch(local_batch: Batch,
-                    sharding: jax.sharding.Sharding | Callable[[str, np.ndarray],
-                                                               jax.sharding.Sharding]
-                    ) -> dict[str, jax.Array]:
-  """Assembles every host's local batch into global arrays.
+def to_global_batch(local_batch: Batch, mesh: jax.sharding.Mesh, *, stacked: bool = False) -> Batch:
+  """Assembles every host's local batch into one batch of global arrays on ``mesh``.
 
   Args:
     local_batch: this host's batch (its rows are a contiguous slice of the global batch).
-    sharding: one sharding for every array, or ``fn(name, array) -> sharding``; it should split
-      the leading (batch) dimension over the data-parallel mesh axes.
+    mesh: the device mesh; rows are split over its data-parallel axes
+      (``sharding.batch_sharding``).
+    stacked: the arrays are micro-batches stacked along a leading ``[n]`` axis, rows second.
   """
-  shardings = {k: sharding(k, v) if callable(sharding) else sharding
-               for k, v in local_batch.items()}
+  shardings = jax.tree.map(lambda x: sharding.batch_sharding(mesh, x.ndim, stacked=stacked),
+                           local_batch)
   return jax.make_array_from_process_local_data(shardings, local_batch)
 
 
@@ -224,8 +200,9 @@ def _collator(examples: Sequence[Example], batch_size: int, buckets: Sequence[in
                   process_count=process_count)
 
 
-def _collate_preference(groups: Sequence[PreferenceExample], k: int, length: int,
-                        pad_id: int) -> Batch:
+def _collate_preference(groups: Sequence[PreferenceExample], n_real: int, k: int, length: int,
+                        pad_id: int) -> PreferenceBatch:
+  """The first ``n_real`` of ``groups`` are real, the rest fillers."""
   b = len(groups)
   input_ids = np.full((b * k, length), pad_id, np.int32)
   attention_mask = np.zeros((b * k, length), np.int32)
@@ -243,11 +220,15 @@ def _collate_preference(groups: Sequence[PreferenceExample], k: int, length: int
       attention_mask[i * k + j, :len(ids)] = 1
     ranks[i, :n] = np.arange(n)
     margin[i] = group.margin
-  return {"input_ids": input_ids, "attention_mask": attention_mask, "ranks": ranks,
-          "margin": margin}
+  ranks[n_real:] = -1
+  margin[n_real:] = 0.0
+  return PreferenceBatch(input_ids=input_ids, attention_mask=attention_mask, ranks=ranks,
+                         margin=margin, example_mask=_example_mask(b, n_real))
 
 
-def _collate_stepwise(examples: Sequence[StepwiseExample], length: int, pad_id: int) -> Batch:
+def _collate_stepwise(examples: Sequence[StepwiseExample], n_real: int, length: int,
+                      pad_id: int) -> StepwiseBatch:
+  """The first ``n_real`` of ``examples`` are real, the rest fillers."""
   b = len(examples)
   input_ids = np.full((b, length), pad_id, np.int32)
   attention_mask = np.zeros((b, length), np.int32)
@@ -256,7 +237,14 @@ def _collate_stepwise(examples: Sequence[StepwiseExample], length: int, pad_id: 
     input_ids[i, :len(e.input_ids)] = e.input_ids
     attention_mask[i, :len(e.input_ids)] = 1
     labels[i, :len(e.labels)] = e.labels
-  return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+  labels[n_real:] = IGNORE_INDEX
+  return StepwiseBatch(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
+                       example_mask=_example_mask(b, n_real))
+
+
+def _example_mask(size: int, n_real: int) -> np.ndarray:
+  """[size] float32: 1 for the first ``n_real`` entries, 0 for the fillers after them."""
+  return (np.arange(size) < n_real).astype(np.float32)
 
 
 def _sequences(example: Example) -> Sequence[np.ndarray]:

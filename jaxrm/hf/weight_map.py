@@ -3,7 +3,8 @@
 Each rule is ``(hf_template, param, transpose)``: ``{i}`` in a template is the layer index, and
 the parameter is then one slice of a stacked ``layers.<name>`` array. Linear weights are stored
 ``[out, in]`` by transformers and ``[in, out]`` here, hence the transpose. The same table serves
-loading and export. HF key names appear nowhere else.
+loading and export. :data:`GGUF_TO_HF` names llama.cpp's tensors by their HF names, so a GGUF
+file loads through the same table. HF key names appear nowhere else.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from jaxrm.errors import CheckpointError
 log = logging.getLogger(__name__)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Rule:
   hf: str  # e.g. "model.layers.{i}.self_attn.q_proj.weight"
@@ -29,7 +29,12 @@ class Rule:
 
   @property
   def pattern(self) -> re.Pattern:
-    return re.compile("^" + re.escape(self.hf).replace(r"\{i\}", r"(\d+)") + "$")
+    return _template_pattern(self.hf)
+
+
+def _template_pattern(template: str) -> re.Pattern:
+  """``model.layers.{i}.x`` -> a pattern matching it for any layer, the index as group 1."""
+  return re.compile("^" + re.escape(template).replace(r"\{i\}", r"(\d+)") + "$")
 
 
 _ATTN = "model.layers.{i}.self_attn."
@@ -64,8 +69,10 @@ RULES: dict[str, list[Rule]] = {
     ],
 }
 
+LM_HEAD = "lm_head.weight"  # absent when tied to the embedding
+
 # Present in causal-LM checkpoints and deliberately not loaded.
-SKIPPED = (re.compile(r"^lm_head\.weight$"), re.compile(r".*rotary_emb\.inv_freq$"))
+SKIPPED = (re.compile("^" + re.escape(LM_HEAD) + "$"), re.compile(r".*rotary_emb\.inv_freq$"))
 
 HEAD_PARAMS = ("score", "score_bias")
 
@@ -139,3 +146,46 @@ def to_hf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None, bool]]:
     layers = range(cfg.num_layers) if "{i}" in rule.hf else [None]
     out.extend((rule.hf.format(i=i), rule.param, i, rule.transpose) for i in layers)
   return out
+
+
+# GGUF tensor name (without ".weight") -> HF tensor name (without ".weight"), Llama layout.
+GGUF_TO_HF = (
+    (r"token_embd", r"model.embed_tokens"),
+    (r"blk\.(\d+)\.attn_q", r"model.layers.\1.self_attn.q_proj"),
+    (r"blk\.(\d+)\.attn_k", r"model.layers.\1.self_attn.k_proj"),
+    (r"blk\.(\d+)\.attn_v", r"model.layers.\1.self_attn.v_proj"),
+    (r"blk\.(\d+)\.attn_output", r"model.layers.\1.self_attn.o_proj"),
+    (r"blk\.(\d+)\.ffn_gate", r"model.layers.\1.mlp.gate_proj"),
+    (r"blk\.(\d+)\.ffn_up", r"model.layers.\1.mlp.up_proj"),
+    (r"blk\.(\d+)\.ffn_down", r"model.layers.\1.mlp.down_proj"),
+    (r"blk\.(\d+)\.attn_norm", r"model.layers.\1.input_layernorm"),
+    (r"blk\.(\d+)\.ffn_norm", r"model.layers.\1.post_attention_layernorm"),
+    (r"output_norm", r"model.norm"),
+    (r"output", r"lm_head"),
+)
+
+# llama.cpp interleaves the rotary pairs of q and k rows; HF tensor -> the config.json field
+# holding that projection's number of heads, which undoing the permutation needs.
+GGUF_PERMUTED_ROWS = {
+    _ATTN + "q_proj.weight": "num_attention_heads",
+    _ATTN + "k_proj.weight": "num_key_value_heads",
+}
+
+
+def hf_name_of_gguf(gguf_name: str) -> str | None:
+  """HF name of a GGUF ".weight" tensor, or None if :data:`GGUF_TO_HF` has no rule for it."""
+  base, dot, suffix = gguf_name.rpartition(".")
+  if suffix != "weight":
+    return None
+  for pattern, replacement in GGUF_TO_HF:
+    if re.fullmatch(pattern, base):
+      return re.sub(pattern, replacement, base) + dot + suffix
+  return None
+
+
+def gguf_permuted_heads(hf_key: str) -> str | None:
+  """The config.json field with the head count of a tensor whose GGUF rows are permuted, else None."""
+  for template, field in GGUF_PERMUTED_ROWS.items():
+    if _template_pattern(template).match(hf_key):
+      return field
+  return None

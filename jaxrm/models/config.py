@@ -2,7 +2,8 @@
 
 The families differ in a handful of switches (biases, q/k norms, sliding windows, soft-capping,
 Gemma-style norms); :func:`from_hf_config` reads them from a transformers ``config.json`` dict and
-:func:`to_hf_config` writes one back.
+:func:`to_hf_config` writes one back. :func:`config_from_dict` reads back what
+``dataclasses.asdict`` wrote (a training run's ``model_config.json``).
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ import math
 from typing import Any
 
 import numpy as np
-from jaxrm.errors import UnsupportedModelError
+
+from jaxrm.errors import CheckpointError, ConfigError, UnsupportedModelError
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
 HEADS = ("sequence", "token")
 ROPE_TYPES = ("default", "linear", "llama3")
 REMAT_POLICIES = ("none", "full", "dots")
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,13 +90,13 @@ class ModelConfig:
     if self.family not in FAMILIES:
       raise UnsupportedModelError(f"model family {self.family!r} is not supported; supported: {', '.join(FAMILIES)}")
     if self.head not in HEADS:
-      raise ValueError(f"head must be one of {HEADS}, got {self.head!r}")
+      raise ConfigError(f"head must be one of {HEADS}, got {self.head!r}")
     if self.remat not in REMAT_POLICIES:
-      raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+      raise ConfigError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
     if self.num_heads % self.num_kv_heads:
-      raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+      raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
     if self.layer_types and len(self.layer_types) != self.num_layers:
-      raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+      raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
 
   @property
   def sliding_layers(self) -> np.ndarray:
@@ -112,6 +113,22 @@ class ModelConfig:
 
   def replace(self, **changes) -> "ModelConfig":
     return dataclasses.replace(self, **changes)
+
+
+def config_from_dict(d: dict[str, Any], where: str) -> ModelConfig:
+  """Inverse of ``dataclasses.asdict(ModelConfig)`` (JSON turned tuples into lists).
+
+  Args:
+    d: the dict, e.g. ``json.load(...)["jaxrm"]`` of a run's ``model_config.json``.
+    where: the file it came from, for error messages.
+  """
+  known = {f.name for f in dataclasses.fields(ModelConfig)}
+  unknown = sorted(set(d) - known)
+  if unknown:
+    raise CheckpointError(f"{where}: unknown model config fields {unknown}; was it written by a newer jaxrm?")
+  kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+  kwargs["rope"] = RopeConfig(**d.get("rope", {}))
+  return ModelConfig(**kwargs)
 
 
 # Architectures transformers saves in config.json, per family and head.

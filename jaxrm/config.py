@@ -1,0 +1,222 @@
+"""A training run's settings: frozen dataclasses, one per config section, and their defaults.
+
+The library takes a :class:`RunConfig`; config files and the command line use the
+``ml_collections.ConfigDict`` that :func:`base_config` builds from the same dataclasses, so every
+key, its default and its type are written once, here. Keys follow NeMo RL's names where it has one
+(``data.dataset_name``, ``data.train_data_path``, ``data.val_data_paths``,
+``checkpointing.metric_name``...). From a notebook::
+
+  from jaxrm.config import RunConfig, TrainSpec
+  config = RunConfig(output_dir="runs/nb", train=TrainSpec(max_steps=20, warmup_steps=2))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from jaxrm.data.tokenize import TokenizeOptions
+from jaxrm.errors import ConfigError
+from jaxrm.losses import RewardSpec
+from jaxrm.sharding import MeshConfig
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
+PACKING_MODES = ("none", "packed", "shared_prompt")
+# NeMo RL writes a checkpoint metric as "val:<name>"; these prefixes are accepted and dropped.
+METRIC_PREFIXES = ("val:", "val/", "validation/")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  name_or_path: str = EMBEDDED_MODEL  # HF dir, .gguf file, hub name, or a jaxrm run/checkpoint dir
+  dtype: str = "float32"  # compute dtype: float32 | bfloat16
+  param_dtype: str = "float32"  # master weights (and optimizer state)
+  remat: str = "none"  # none | full | dots
+  seed: int = 0  # seed of a new reward head
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+  dataset_name: str = "demo_arithmetic"
+  train_data_path: str = ""  # empty: the dataset's default (demo sets: made on the spot)
+  val_data_paths: dict[str, str] = dataclasses.field(default_factory=lambda: {"default": "validation"})
+  max_length: int = 256
+  truncation: str = "drop"  # drop | left
+  step_separator: str = "\n"
+  train_on_last_step_only: bool = False
+  bucket_multiple: int = 64
+  # none | packed (several sequences per row) | shared_prompt (packed, a group's prompt written once)
+  packing: str = "none"
+  # Tokens per packed row; 0: each batch's rows as long as its longest group (at most
+  # max_length x completions per group), rounded up to bucket_multiple.
+  packed_row_length: int = 0
+  num_workers: int = 0
+  shuffle_seed: int = 0
+  max_train_rows: int = 0  # 0: all
+  max_val_rows: int = 0  # per validation set; 0: all
+
+  def __post_init__(self):
+    if self.packing not in PACKING_MODES:
+      raise ConfigError(f"data.packing must be one of {', '.join(PACKING_MODES)}; got {self.packing!r}")
+    if self.packed_row_length < 0:
+      raise ConfigError(f"data.packed_row_length={self.packed_row_length}: use a number of tokens per "
+                        "row, or 0 to size rows from each batch's longest group")
+
+  @property
+  def tokenize_options(self) -> TokenizeOptions:
+    return TokenizeOptions(max_length=self.max_length, truncation=self.truncation,
+                           step_separator=self.step_separator,
+                           train_on_last_step_only=self.train_on_last_step_only)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSpec:
+  global_batch_size: int = 16  # groups (pairs, ranked lists or stepwise rows) per update
+  micro_batch_size: int = 16  # groups per device per forward pass (gradient accumulation)
+  max_steps: int = 100
+  max_epochs: int = 1
+  learning_rate: float = 1e-5
+  lr_decay: str = "cosine"  # cosine | linear | constant
+  min_lr_ratio: float = 0.0
+  warmup_steps: int = 10
+  weight_decay: float = 0.0
+  max_grad_norm: float = 1.0
+  seed: int = 0
+  log_period: int = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSpec:
+  val_period: int = 50
+  val_at_start: bool = False
+  val_at_end: bool = True
+  val_batches: int = 0  # 0: the whole validation set
+  batch_size: int = 32  # groups per validation batch
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSpec:
+  enabled: bool = True
+  checkpoint_dir: str = ""  # empty: <output_dir>/checkpoints
+  metric_name: str = "validation-default_loss"  # NeMo RL's "val:" prefix is accepted
+  higher_is_better: bool = False
+  keep_top_k: int = 2
+  save_period: int = 50
+
+  @property
+  def metric(self) -> str | None:
+    """``metric_name`` without NeMo RL's ``val:`` prefix; None when checkpoints are not ranked."""
+    return normalize_metric_name(self.metric_name)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggerSpec:
+  tensorboard: bool = True
+  log_dir: str = ""  # empty: <output_dir>/tensorboard
+  progress_bar: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """Everything a training run is told; each field is one section of the config."""
+
+  output_dir: str = "runs/rm"
+  model: ModelSpec = ModelSpec()
+  reward: RewardSpec = RewardSpec()
+  data: DataSpec = DataSpec()
+  train: TrainSpec = TrainSpec()
+  eval: EvalSpec = EvalSpec()
+  checkpointing: CheckpointSpec = CheckpointSpec()
+  mesh: MeshConfig = MeshConfig()
+  logger: LoggerSpec = LoggerSpec()
+
+  def __post_init__(self):
+    if self.data.packing == "shared_prompt" and self.reward.type == "stepwise":
+      raise ConfigError("data.packing='shared_prompt' writes a preference group's prompt once; stepwise "
+                        "sequences have no group to share it: use data.packing='packed'")
+    if self.data.packing == "none" and self.data.packed_row_length:
+      log.warning("data.packed_row_length=%d is ignored: data.packing is 'none'", self.data.packed_row_length)
+    if self.checkpointing.enabled:
+      _check_checkpoint_metric(self)
+
+  @property
+  def stepwise(self) -> bool:
+    return self.reward.type == "stepwise"
+
+  def to_dict(self) -> dict[str, Any]:
+    """The nested dict of every key (what ``config.json`` holds)."""
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> "RunConfig":
+    """Inverse of :meth:`to_dict`; sections or keys left out keep their defaults."""
+    kwargs = {}
+    for name, value in d.items():
+      section = _SECTIONS.get(name)
+      if section is None and name != "output_dir":
+        raise ConfigError(f"the config has no key {name!r}; it has output_dir, {', '.join(_SECTIONS)}")
+      kwargs[name] = value if section is None else _section(section, name, value)
+    return cls(**kwargs)
+
+
+_SECTIONS = {"model": ModelSpec, "reward": RewardSpec, "data": DataSpec, "train": TrainSpec, "eval": EvalSpec,
+             "checkpointing": CheckpointSpec, "mesh": MeshConfig, "logger": LoggerSpec}
+
+
+def from_config_dict(config) -> RunConfig:
+  """The :class:`RunConfig` of an ``ml_collections.ConfigDict`` (a config file's ``get_config()``).
+
+  Raises:
+    ConfigError: a value that cannot work, named by its key.
+  """
+  try:
+    return RunConfig.from_dict(config.to_dict())
+  except ValueError as e:  # a section's own check (e.g. RewardSpec, MeshConfig)
+    raise ConfigError(str(e)) from None
+
+
+def base_config():
+  """Every config key with its default, as the ``ConfigDict`` config files start from.
+
+  Overriding a key that does not exist, or with a value of the wrong type, fails when the
+  command line is parsed.
+  """
+  import ml_collections
+  return ml_collections.ConfigDict(RunConfig().to_dict())
+
+
+def normalize_metric_name(name: str | None) -> str | None:
+  """Accepts NeMo RL's ``val:validation-default_loss`` form as well as ``validation-default_loss``."""
+  if not name:
+    return None
+  for prefix in METRIC_PREFIXES:
+    if name.startswith(prefix):
+      name = name[len(prefix):]
+  return name
+
+
+def _section(section_type, name: str, values: dict[str, Any]):
+  known = {f.name for f in dataclasses.fields(section_type)}
+  unknown = sorted(set(values) - known)
+  if unknown:
+    raise ConfigError(f"config.{name} has no key {unknown[0]!r}; it has {', '.join(sorted(known))}")
+  return section_type(**values)
+
+
+def _check_checkpoint_metric(config: RunConfig) -> None:
+  metric = config.checkpointing.metric
+  if not metric:
+    return
+  sets = list(config.data.val_data_paths)
+  if not any(metric.startswith(f"validation-{n}_") for n in sets):
+    raise ConfigError(
+        f"checkpointing.metric_name={config.checkpointing.metric_name!r} names no validation set; use "
+        f"'validation-<set>_<metric>' with <set> one of {', '.join(sets) or '(none: data.val_data_paths is empty)'}, "
+        "e.g. 'validation-default_loss' (or set it to '' to keep the latest checkpoints)")
+  val_period, save_period = config.eval.val_period, config.checkpointing.save_period
+  if save_period and (not val_period or save_period % val_period):
+    log.warning("checkpointing.save_period=%d is not a multiple of eval.val_period=%d: checkpoints saved "
+                "without a validation are kept only while they are the latest", save_period, val_period)

@@ -1,0 +1,429 @@
+"""The training loop: :func:`train_and_evaluate` trains and validates a reward model.
+
+A run is set up in the order of its banner comments (mesh, checkpoint, model, input, update,
+summary), then :func:`_loop` runs one jitted train step per global batch, validating, logging and
+checkpointing on the way. Everything is told by a :class:`jaxrm.config.RunConfig`, so a notebook
+needs no config file. The CLI is ``python -m jaxrm.train``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jaxrm import checkpointing, optim, sharding, steps
+from jaxrm.config import RunConfig
+from jaxrm.data import packing, pipeline, registry
+from jaxrm.data.drops import DropReport
+from jaxrm.data.packing import PackSpec
+from jaxrm.data.tokenize import pad_id, tokenize_all
+from jaxrm.errors import ConfigError, UserError
+from jaxrm.losses import accumulate, finalize_metrics
+from jaxrm.metrics_writer import MetricsWriter
+
+log = logging.getLogger("jaxrm.train")
+
+
+@dataclasses.dataclass
+class _Data:
+  """The tokenized examples of a run and the rows dropped from each set."""
+
+  train: list
+  validation: dict[str, list]
+  drops: dict[str, DropReport]  # "train", "validation-<name>"
+  num_completions: int | None  # K of preference batches; None for stepwise data
+
+
+@dataclasses.dataclass
+class _Input:
+  """How the examples become global batches."""
+
+  train_iter: Any  # grain iterator of this host's batches; its state is checkpointed
+  stream: pipeline.TrainStream
+  validation: dict[str, list]  # name -> this host's batches
+  pack: PackSpec | None
+  grad_accum: int
+
+
+@dataclasses.dataclass
+class _Run:
+  """What the loop reads and updates."""
+
+  config: RunConfig
+  mesh: Any
+  rm: Any
+  data: _Data
+  input: _Input
+  total_steps: int
+  state: dict[str, Any]
+  train_step: steps.CompiledPerShape
+  eval_step: steps.CompiledPerShape
+  ckpt: checkpointing.Checkpointer | None
+  writer: MetricsWriter
+  start_step: int
+  last_val: dict[str, float]  # the latest validation results
+
+
+@contextlib.contextmanager
+def _config_errors():
+  """A ValueError raised while a config value is used is the user's to fix."""
+  try:
+    yield
+  except UserError:
+    raise
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+
+
+def train_and_evaluate(config: RunConfig, *, stop_after_steps: int | None = None) -> dict[str, float]:
+  """Runs training as ``config`` says; returns the last validation metrics.
+
+  Continues from the latest checkpoint in the checkpoint directory, if any. ``stop_after_steps``
+  ends the run early, after saving a checkpoint, without marking it finished: running again
+  continues it.
+
+  Raises:
+    UserError: a config value, the data or the model does not work (the message says why);
+      also a non-finite loss or gradient norm, naming the step.
+  """
+  run = _prepare(config)
+  try:
+    return _loop(run, stop_after_steps)
+  finally:
+    run.writer.close()
+    if run.ckpt is not None:
+      run.ckpt.close()
+
+
+def _prepare(config: RunConfig) -> _Run:
+  out_dir = os.path.abspath(config.output_dir)
+  is_main = jax.process_index() == 0
+  if is_main:
+    os.makedirs(out_dir, exist_ok=True)
+  # ------------------------------------------------------------------ mesh
+  with _config_errors():
+    mesh = sharding.make_mesh(config.mesh)
+  # ------------------------------------------------------------------ checkpoint
+  # An existing run resumes: known before the model loads, whose weights it then does not read.
+  # A new run's checkpoint directory is made only once its input has been read without error.
+  existing = os.path.isdir(_checkpoint_dir(config, out_dir))
+  ckpt = _checkpointer(config, out_dir) if existing else None
+  resume_step = ckpt.latest_step() if ckpt is not None else None
+  # ------------------------------------------------------------------ model
+  rm = _load_model(config, mesh, weights=resume_step is None)
+  # ------------------------------------------------------------------ input
+  data = _load_data(config, rm.tokenizer)
+  inputs = _make_input(config, mesh, data, pad_id(rm.tokenizer, rm.config.pad_token_id))
+  total_steps = min(config.train.max_steps, config.train.max_epochs * inputs.stream.steps_per_epoch)
+  if ckpt is None:
+    ckpt = _checkpointer(config, out_dir)
+  # ------------------------------------------------------------------ update
+  t = config.train
+  with _config_errors():
+    schedule = optim.make_schedule(learning_rate=t.learning_rate, warmup_steps=t.warmup_steps,
+                                   total_steps=total_steps, decay=t.lr_decay, min_lr_ratio=t.min_lr_ratio)
+  tx = optim.make_optimizer(schedule, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm)
+  state, state_shardings = steps.init_state(nnx.state(rm.model), tx, seed=config.train.seed, mesh=mesh)
+  loss_fn = steps.make_loss_fn(rm.model, config.reward)
+  train_step = steps.CompiledPerShape("train step", steps.make_train_step(
+      loss_fn, tx, schedule, grad_accum_steps=inputs.grad_accum, state_shardings=state_shardings, mesh=mesh))
+  eval_step = steps.CompiledPerShape("eval step", steps.make_eval_step(loss_fn, mesh=mesh))
+  start_step, last_val = 0, {}
+  if resume_step is not None:
+    state, last_val = _resume(ckpt, resume_step, state, inputs.train_iter)
+    start_step = resume_step
+  if ckpt is not None and is_main:
+    checkpointing.write_run_files(out_dir, config_json=json.dumps(config.to_dict(), indent=2),
+                                  model_config=rm.config, tokenizer=rm.tokenizer)
+  # ------------------------------------------------------------------ summary
+  writer = MetricsWriter(out_dir, tensorboard=config.logger.tensorboard,
+                         log_dir=config.logger.log_dir or os.path.join(out_dir, "tensorboard"), enabled=is_main,
+                         resume_step=start_step)
+  run = _Run(config, mesh, rm, data, inputs, total_steps, state, train_step, eval_step, ckpt, writer,
+             start_step, last_val)
+  if is_main:
+    _write_drops(out_dir, data)
+    print(_summary(run, out_dir), flush=True)
+  return run
+
+
+def _checkpoint_dir(config: RunConfig, out_dir: str) -> str:
+  return config.checkpointing.checkpoint_dir or os.path.join(out_dir, "checkpoints")
+
+
+def _checkpointer(config: RunConfig, out_dir: str) -> checkpointing.Checkpointer | None:
+  spec = config.checkpointing
+  if not spec.enabled:
+    return None
+  with _config_errors():
+    return checkpointing.Checkpointer(_checkpoint_dir(config, out_dir), metric_name=spec.metric,
+                                      higher_is_better=spec.higher_is_better, keep_top_k=spec.keep_top_k)
+
+
+def _load_model(config: RunConfig, mesh, *, weights: bool):
+  """The reward model on ``mesh``; without ``weights`` (a resumed run) its parameters stay
+  abstract until the checkpoint fills them, and the checkpoint's weights are never read."""
+  from jaxrm.reward_model import RewardModel
+  with _config_errors():
+    rm = RewardModel.from_pretrained(
+        config.model.name_or_path, dtype=config.model.dtype, param_dtype=config.model.param_dtype,
+        head="token" if config.stepwise else "sequence", mesh=mesh, seed=config.model.seed,
+        remat=config.model.remat, load_weights=weights)
+  if rm.tokenizer is None:
+    raise ConfigError(f"model.name_or_path={config.model.name_or_path!r} has no tokenizer files")
+  return rm
+
+
+def _resume(ckpt: checkpointing.Checkpointer, step: int, state, train_iter):
+  """The state saved at ``step`` (the data iterator moved to where it was) and its validation."""
+  state, data_state, meta = ckpt.restore(step, state)
+  state = steps.set_step_and_rng(state, meta["step"], meta["rng"])
+  train_iter.set_state(data_state)
+  log.info("resumed from step %d (%s)", step, ckpt.directory)
+  return state, meta.get("metrics") or {}
+
+
+# ------------------------------------------------------------------ input
+
+
+def _load_data(config: RunConfig, tokenizer) -> _Data:
+  spec = config.data
+  if registry.is_stepwise(spec.dataset_name) != config.stepwise:
+    raise ConfigError(f"reward.type={config.reward.type!r} does not fit data.dataset_name={spec.dataset_name!r} "
+                      f"({'stepwise' if not config.stepwise else 'preference'} data)")
+
+  def load(path: str, split: str, limit: int, drops: DropReport) -> list:
+    records = registry.load_records(spec.dataset_name, path or None, split=split, drops=drops)
+    return tokenize_all(records[:limit] if limit else records, tokenizer, spec.tokenize_options, drops)
+
+  drops = {"train": DropReport()}
+  train = load(spec.train_data_path, "train", spec.max_train_rows, drops["train"])
+  validation = {}
+  for name, path in spec.val_data_paths.items():
+    registry.check_val_set_name(name)
+    drops[f"validation-{name}"] = report = DropReport()
+    validation[name] = load(path, "validation", spec.max_val_rows, report)
+    if not validation[name]:
+      raise ConfigError(f"validation set {name!r} has no usable rows\n{report.summary(name)}")
+  num_completions = None if config.stepwise else max(
+      pipeline.max_completions(train), *(pipeline.max_completions(v) for v in validation.values()))
+  return _Data(train, validation, drops, num_completions)
+
+
+def _make_input(config: RunConfig, mesh, data: _Data, pad: int) -> _Input:
+  process_index, process_count = jax.process_index(), jax.process_count()
+  data_parallel = sharding.data_parallel_size(mesh)
+  gbs, mbs = config.train.global_batch_size, config.train.micro_batch_size
+  if gbs % (mbs * data_parallel):
+    raise ConfigError(f"train.global_batch_size={gbs} must be a multiple of micro_batch_size x data-parallel "
+                      f"devices = {mbs} x {data_parallel}")
+  if gbs % process_count:
+    raise ConfigError(f"train.global_batch_size={gbs} must be divisible by the {process_count} processes")
+  grad_accum = gbs // (mbs * data_parallel)
+  # Packed row counts: equal rows on every data-parallel device, in steps of a quarter micro-batch
+  # per device (few compiled shapes).
+  pack = _pack_spec(config, data.num_completions, rows_multiple=(
+      data_parallel // math.gcd(data_parallel, process_count) * max(mbs // 4, 1)))
+  if pack is not None:
+    _check_row_length(pack, {"train": data.train, **{f"validation set {n!r}": v for n, v in data.validation.items()}})
+  buckets = pipeline.length_buckets(config.data.max_length, config.data.bucket_multiple)
+  hosts = dict(pad_id=pad, num_completions=data.num_completions, process_index=process_index,
+               process_count=process_count, pack=pack)
+  with _config_errors():
+    train_iter, stream = pipeline.make_train_iterator(
+        data.train, batch_size=gbs // process_count, seed=config.data.shuffle_seed, buckets=buckets,
+        num_workers=config.data.num_workers, micro_batches=grad_accum if pack is not None else 1, **hosts)
+  eval_bs = max(config.eval.batch_size // data_parallel, 1) * data_parallel
+  validation = {name: pipeline.make_eval_batches(ex, batch_size=eval_bs // process_count, buckets=buckets, **hosts)
+                for name, ex in data.validation.items()}
+  return _Input(train_iter, stream, validation, pack, grad_accum)
+
+
+def _pack_spec(config: RunConfig, num_completions: int | None, rows_multiple: int) -> PackSpec | None:
+  """The ``PackSpec`` that ``data.packing`` and ``data.packed_row_length`` ask for; None: unpacked.
+
+  Args:
+    config: the run's config.
+    num_completions: K of preference data; None for stepwise data.
+    rows_multiple: each host's row count is rounded up to a multiple of this.
+  """
+  spec = config.data
+  if spec.packing == "none":
+    return None
+  # Automatic rows fit a group of K completions of max_length tokens, and are as long as each
+  # batch's longest group, in steps of bucket_multiple (few compiled shapes).
+  return PackSpec(row_length=spec.packed_row_length or spec.max_length * (num_completions or 1),
+                  length_multiple=0 if spec.packed_row_length else spec.bucket_multiple,
+                  shared_prompt=spec.packing == "shared_prompt", rows_multiple=rows_multiple)
+
+
+def _check_row_length(pack: PackSpec, example_sets: dict[str, list]) -> None:
+  """Stops before training if a group cannot fit in one packed row."""
+  for name, examples in example_sets.items():
+    need, source = max(((packing.packed_length(e, pack.shared_prompt), e.source) for e in examples),
+                       default=(0, ""))
+    if need > pack.row_length:
+      raise ConfigError(f"data.packed_row_length={pack.row_length} is too short for {source} ({name}), "
+                        f"which takes {need} tokens in one row: set data.packed_row_length >= {need}, "
+                        "or 0 to size rows automatically")
+
+
+# ------------------------------------------------------------------ summary
+
+
+def _write_drops(out_dir: str, data: _Data) -> None:
+  with open(os.path.join(out_dir, "dropped_rows.json"), "w") as f:
+    json.dump({name: d.as_dict() for name, d in data.drops.items()}, f, indent=2)
+
+
+def _summary(run: _Run, out_dir: str) -> str:
+  """What the run is about to do, as printed at its start."""
+  config, rm, data = run.config, run.rm, run.data
+  gbs = config.train.global_batch_size
+  num_params = sum(x.size for x in jax.tree.leaves(nnx.state(rm.model)))
+  tokens_per_step = gbs * sum(map(packing.packed_length, data.train)) / len(data.train)
+  drops = "".join(f"{d.summary(name)}\n" for name, d in data.drops.items())
+  return (
+      f"jaxrm: {rm.config.family} model {config.model.name_or_path}, {num_params / 1e6:.1f}M parameters, "
+      f"{rm.config.dtype} compute / {rm.config.param_dtype} weights, {config.reward.type} loss\n"
+      f"mesh: {dict(run.mesh.shape)} on {jax.device_count()} {jax.default_backend()} devices, "
+      f"{jax.process_count()} process(es)\n"
+      f"data: {len(data.train)} train examples ({run.input.stream.steps_per_epoch} steps/epoch), "
+      + ", ".join(f"{n}: {len(v)}" for n, v in data.validation.items()) + " validation\n"
+      + drops
+      + f"steps: {run.start_step} -> {run.total_steps}, batch {gbs} groups (x{run.input.grad_accum} accumulation), "
+      f"{tokens_per_step:.0f} tokens/step on average, {_describe_packing(run.input.pack, data.train, gbs)}\n"
+      f"output in {out_dir}")
+
+
+def _describe_packing(pack: PackSpec | None, train_examples: list, gbs: int) -> str:
+  if pack is None:
+    return "one sequence per row (data.packing=none)"
+  rows = f"up to {pack.row_length}" if pack.length_multiple else f"{pack.row_length}"
+  text = f"packed into rows of {rows} tokens"
+  if pack.shared_prompt:
+    shared = gbs * sum(packing.packed_length(e, True) for e in train_examples) / len(train_examples)
+    text += f", {shared:.0f} tokens/step once prompts are shared"
+  return text
+
+
+# ------------------------------------------------------------------ evals
+
+
+def _evaluate(run: _Run, step: int) -> dict[str, float]:
+  """Every validation set's metrics (``validation-<set>_<metric>``), logged at ``step``."""
+  t0 = time.time()
+  results = {}
+  for name, batches in run.input.validation.items():
+    if run.config.eval.val_batches:
+      batches = batches[:run.config.eval.val_batches]
+    acc = None
+    for b in batches:
+      m = run.eval_step(run.state["params"], pipeline.to_global_batch(b, run.mesh))
+      acc = m if acc is None else accumulate(acc, m)
+    for k, v in finalize_metrics(jax.device_get(acc)).items():
+      results[f"validation-{name}_{k}"] = v
+  results["timing/validation/total_validation_time"] = time.time() - t0
+  metric = run.config.checkpointing.metric
+  if run.ckpt is not None and metric and metric not in results:
+    raise ConfigError(f"checkpointing.metric_name={run.config.checkpointing.metric_name!r} is not a validation "
+                      f"metric; available: {', '.join(sorted(results))}")
+  run.writer.write(step, results)
+  return results
+
+
+# ------------------------------------------------------------------ loop
+
+
+def _loop(run: _Run, stop_after_steps: int | None) -> dict[str, float]:
+  config = run.config
+  progress = _progress(config, run.start_step, run.total_steps, run.writer.enabled)
+  step = run.start_step
+  try:
+    if config.eval.val_at_start and step == 0:
+      run.last_val = _evaluate(run, 0)
+    if step >= run.total_steps:
+      log.info("the run in %s has already reached step %d", config.output_dir, run.total_steps)
+    while step < run.total_steps:
+      step += 1
+      metrics = _train_step(run, step)
+      if progress is not None:
+        progress.update(1)
+        accuracy = metrics.get("train/accuracy", metrics.get("train/step_accuracy", math.nan))
+        progress.set_postfix(loss=f"{metrics['train/loss']:.4f}", acc=f"{accuracy:.3f}")
+      if step % config.train.log_period == 0 or step == run.total_steps or step == run.start_step + 1:
+        run.writer.write(step, metrics)
+      stopping = stop_after_steps is not None and step >= run.start_step + stop_after_steps
+      _validate_and_save(run, step, stopping)
+      if stopping:
+        break
+  finally:
+    if progress is not None:
+      progress.close()
+  return run.last_val
+
+
+def _train_step(run: _Run, step: int) -> dict[str, float]:
+  """Runs update number ``step`` on the next batch; returns its ``train/...`` metrics.
+
+  Raises:
+    UserError: a non-finite loss or gradient norm (the last good checkpoint stays).
+  """
+  t0 = time.time()
+  local = next(run.input.train_iter)
+  real_tokens, efficiency = local.token_counts()
+  stacked = run.input.pack is not None and run.input.grad_accum > 1  # [grad_accum, rows, ...]
+  run.state, (metrics, extra) = run.train_step(run.state, pipeline.to_global_batch(local, run.mesh, stacked=stacked))
+  m = finalize_metrics(jax.device_get(metrics))
+  grad_norm, lr = (float(x) for x in jax.device_get((extra["grad_norm"], extra["learning_rate"])))
+  step_time = time.time() - t0
+  if not (math.isfinite(m["loss"]) and math.isfinite(grad_norm)):
+    good = run.ckpt.latest_step() if run.ckpt is not None else None
+    kept = f"step {good} in {run.ckpt.directory}" if good is not None else "none"
+    raise UserError(
+        f"non-finite loss ({m['loss']}) or gradient norm ({grad_norm}) at step {step}; stopping. "
+        f"Last good checkpoint: {kept}. Try a lower train.learning_rate or train.max_grad_norm")
+  row = {f"train/{k}": v for k, v in m.items()}
+  row.update({"train/grad_norm": grad_norm, "train/learning_rate": lr, "timing/train/step_time": step_time,
+              "train/tokens_per_second": real_tokens * jax.process_count() / max(step_time, 1e-9),
+              "train/packing_efficiency": efficiency,
+              "train/epoch": step / run.input.stream.steps_per_epoch})
+  return row
+
+
+def _validate_and_save(run: _Run, step: int, stopping: bool) -> None:
+  """Validates and checkpoints at ``step`` when their periods (or the run's end) say so."""
+  config, is_last = run.config, step == run.total_steps
+  fresh_val = None
+  if (config.eval.val_period and step % config.eval.val_period == 0) or (is_last and config.eval.val_at_end):
+    run.last_val = fresh_val = _evaluate(run, step)
+  save_period = config.checkpointing.save_period
+  if run.ckpt is not None and ((save_period and step % save_period == 0) or is_last or stopping):
+    meta = {"step": step, "rng": jax.device_get(run.state["rng"]).tolist(),
+            "reward_stats": _reward_stats(run.last_val), "metrics": fresh_val or {}, "config": config.to_dict()}
+    run.ckpt.save(step, run.state, run.input.train_iter.get_state(), meta, metrics=fresh_val)
+
+
+def _reward_stats(val: dict[str, float]) -> dict[str, float]:
+  """Reward mean/std of the first validation set: scoring can normalise with them."""
+  for key, value in val.items():
+    if key.endswith("_reward_mean"):
+      return {"mean": value, "std": val[key[:-len("mean")] + "std"], "from": key[:-len("_reward_mean")]}
+  return {}
+
+
+def _progress(config: RunConfig, start: int, total: int, enabled: bool):
+  if not (enabled and config.logger.progress_bar):
+    return None
+  from tqdm import tqdm
+  return tqdm(total=total, initial=start, desc="train", dynamic_ncols=True, file=sys.stderr)
