@@ -21,11 +21,12 @@ from jaxrm.batches import IGNORE_INDEX
 # should not (shared-prompt branches seeing each other) moves the loss by about 1e-2.
 METRIC_ATOL = 1e-5
 # The first update with plain SGD at learning rate 1 is minus the gradient of the mean loss, the
-# one thing every layout must compute alike: summed in another order, float32 moves an element by
-# about 1e-7 of the largest (3e-8 seen here); a token that sees one it should not moves elements
-# by 1e-2 of the largest. (Parameters after a few Adam steps are no such thing: for a gradient
-# element near zero, m / sqrt(v) turns float noise into a step of the full learning rate.)
-UPDATE_RTOL = 1e-6
+# one thing every layout must compute alike, up to float32 sums taken in another order: an element
+# summed over every row (the reward head's) then moves by tens of float32 epsilons of the largest
+# (6e-6 of it seen here, on 3.2M elements), while a shared-prompt branch that sees its sibling
+# moves elements by twice the largest. (Parameters after a few Adam steps are no such thing: for a
+# gradient element near zero, m / sqrt(v) turns float noise into a step of the full learning rate.)
+UPDATE_RTOL = 1e-4
 TRAIN_KEYS = ("train/loss", "train/accuracy", "train/grad_norm", "train/chosen_reward",
               "train/reward_std")
 STEP_KEYS = ("train/loss", "train/step_accuracy", "train/grad_norm", "train/f1_error",
