@@ -20,6 +20,7 @@ import tiny_run
 from jaxrm import checkpointing
 from jaxrm.config import normalize_metric_name
 from jaxrm.errors import UserError
+from jaxrm.hf.safetensors_io import HFCheckpoint
 
 TRAIN_KEYS = ("train/loss", "train/accuracy", "train/grad_norm", "train/learning_rate",
               "timing/train/step_time", "train/tokens_per_second")
@@ -151,12 +152,16 @@ def test_checkpointer_without_metric_keeps_latest_k(tmp_path):
 # ------------------------------------------------------------------ resume
 
 
-def test_resume_equals_uninterrupted_run(baseline, stopped, model_dir, tmp_path):
+def test_resume_equals_uninterrupted_run(baseline, stopped, model_dir, tmp_path, monkeypatch):
   out = str(tmp_path / "run")
   shutil.copytree(stopped, out)
   assert list(tiny_run.train_losses(out)) == [1, 2]
   assert checkpoint_steps(out) == [2]
 
+  def unread(self, key):  # the checkpoint holds every parameter: the HF weights are not read
+    raise AssertionError(f"a resumed run read {key} from {model_dir}")
+
+  monkeypatch.setattr(HFCheckpoint, "get_tensor", unread)
   tiny_run.train(tiny_run.config(model_dir, out))
 
   resumed, uninterrupted = rows_with(out, "train/loss"), rows_with(baseline, "train/loss")
