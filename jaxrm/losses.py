@@ -163,10 +163,7 @@ def bradley_terry_loss(
   ``center_rewards_coefficient`` adds ``coef * mean((r_best + r_worst) ** 2)``, which keeps
   rewards near 0. ``pairwise_accuracy`` is over every ordered pair of real completions.
   """
-  rewards, real = _real_completions(rewards, ranks, example_mask)
-  best_worst, ordered = _best_worst_pairs(ranks, real), _ordered_pairs(ranks, real)
-  loss = _pair_loss(rewards, margin, best_worst, center_rewards_coefficient)
-  return _value(loss), {"loss": loss, **_preference_metrics(rewards, real, best_worst, ordered)}
+  return _pairwise_loss(rewards, ranks, example_mask, margin, center_rewards_coefficient, all_pairs=False)
 
 
 def all_pairs_bradley_terry_loss(
@@ -183,9 +180,14 @@ def all_pairs_bradley_terry_loss(
   Accuracy and reward means stay over best-vs-worst pairs, as :func:`bradley_terry_loss` reports
   them.
   """
+  return _pairwise_loss(rewards, ranks, example_mask, margin, center_rewards_coefficient, all_pairs=True)
+
+
+def _pairwise_loss(rewards, ranks, example_mask, margin, center_rewards_coefficient: float, *,
+                   all_pairs: bool) -> tuple[jax.Array, Metrics]:
   rewards, real = _real_completions(rewards, ranks, example_mask)
   best_worst, ordered = _best_worst_pairs(ranks, real), _ordered_pairs(ranks, real)
-  loss = _pair_loss(rewards, margin, ordered, center_rewards_coefficient)
+  loss = _pair_loss(rewards, margin, ordered if all_pairs else best_worst, center_rewards_coefficient)
   return _value(loss), {"loss": loss, **_preference_metrics(rewards, real, best_worst, ordered)}
 
 
