@@ -9,6 +9,14 @@ import pytest  # noqa: E402
 import tiny_run  # noqa: E402
 
 
+def pytest_runtest_setup(item):
+  """``@pytest.mark.gpu`` tests run only where JAX's default backend is a GPU."""
+  if item.get_closest_marker("gpu") is not None:
+    import jax
+    if jax.default_backend() != "gpu":
+      pytest.skip(f"needs a GPU; JAX's default backend is {jax.default_backend()}")
+
+
 @pytest.fixture(scope="session")
 def cache_root(request, tmp_path_factory):
   """Where tiny models and JAX's compiled programs are kept between runs of the suite."""
@@ -21,6 +29,27 @@ def cache_root(request, tmp_path_factory):
 def model_dir(cache_root):
   """A tiny random llama sequence classifier over SmolLM2's vocabulary, with its tokenizer."""
   return tiny_run.tiny_model_dir(cache_root)
+
+
+@pytest.fixture(scope="session")
+def tiny_rm(model_dir):
+  """The model of ``model_dir``, loaded once; tests read it and never change it."""
+  from jaxrm import RewardModel
+  return RewardModel.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_prm(cache_root):
+  """The same tiny llama with a two-label token head (a process reward model), loaded once."""
+  from jaxrm import RewardModel
+  return RewardModel.from_pretrained(tiny_run.tiny_model_dir(cache_root, head="token"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(cache_root):
+  """SmolLM2's tokenizer: converted from the embedded GGUF once, then kept in ``cache_root``."""
+  import transformers
+  return transformers.AutoTokenizer.from_pretrained(tiny_run.tokenizer_dir(cache_root))
 
 
 @pytest.fixture(scope="session")

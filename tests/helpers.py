@@ -1,21 +1,121 @@
-"""What the packing and attention tests share: hand-made groups and a tiny random model."""
+"""What several test files build by hand: chat messages, tokenized examples, records, loss inputs, a
+tiny random decoder, and the tolerances they share."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrm.data.tokenize import PreferenceExample
+from jaxrm.batches import IGNORE_INDEX
+from jaxrm.data.records import PreferenceRecord
+from jaxrm.data.tokenize import PreferenceExample, StepwiseExample
 from jaxrm.models.config import ModelConfig
 from jaxrm.models.decoder import Decoder
 
-VOCAB = 128
+VOCAB = 128  # of the tiny decoder below
+# SmolLM2's <|im_start|>, <|im_end|> (also its eos and pad token) and "\n".
+IM_START, IM_END, NL = 1, 2, 198
+
+# ------------------------------------------------------------------ tolerances
+
+# jaxrm against transformers' PyTorch model, both in float32: the same arithmetic in other orders
+# (XLA's fused matmuls and reductions against PyTorch's kernels), over 2-3 layers of the tiny models
+# and 30 of SmolLM2-135M. Outputs are O(1); they differ by ~1e-6 on the tiny models and ~1e-5 on
+# SmolLM2, while a weight loaded into the wrong place (every weight is perturbed away from its init)
+# moves them by orders of magnitude more. 1e-4 is the usual float32 parity tolerance.
+PARITY_ATOL = 1e-4
+
+# The tiny decoder's outputs computed two ways in float32 (packed or unpacked rows, the einsum or
+# jax.nn.dot_product_attention): the same sums in other orders and over other padded lengths.
+# tiny_model's large weights give outputs up to ~6, whose float32 spacing is ~5e-7; the two ways
+# differ by a few such steps (up to ~4e-6).
+REORDERED_ATOL = 1e-5
+
+# One row's reward scored in different batches, padded to other lengths: its float32 attention and
+# reductions run over other shapes. Rewards are O(1), so a few float32 roundings are ~1e-7; atol
+# covers rewards near 0, where rtol alone would ask for more than float32 holds.
+REBATCHED = dict(rtol=1e-5, atol=1e-6)
+
+# ------------------------------------------------------------------ chat messages
 
 
-def pref(*seqs, margin=0.0, source="row"):
+def user(text):
+  return {"role": "user", "content": text}
+
+
+def assistant(text):
+  return {"role": "assistant", "content": text}
+
+
+# ------------------------------------------------------------------ token rows and references
+
+
+def right_padded(rows, pad, length=None, dtype=np.int32):
+  """Token-id rows right-padded with ``pad`` to ``length`` (default: the longest row): ids and an
+  attention mask, both [B, T] of ``dtype``."""
+  length = length or max(map(len, rows))
+  ids = np.full((len(rows), length), pad, dtype)
+  mask = np.zeros((len(rows), length), dtype)
+  for i, r in enumerate(rows):
+    ids[i, :len(r)], mask[i, :len(r)] = r, 1
+  return ids, mask
+
+
+def softplus(x):
+  """log(1 + exp(x)) = -log sigmoid(-x), in float64 numpy."""
+  return np.log1p(np.exp(np.asarray(x, np.float64)))
+
+
+# ------------------------------------------------------------------ examples and records
+
+
+def pref(*seqs, margin=0.0, source="row", subset=None):
   """A preference example whose completions (best first) are token-id lists."""
   ids = tuple(np.asarray(s, np.int32) for s in seqs)
-  return PreferenceExample(ids, tuple(range(len(ids))), margin, source, {})
+  return PreferenceExample(ids, tuple(range(len(ids))), margin, source,
+                           {} if subset is None else {"subset": subset})
+
+
+def stepwise(ids, labels, source="row"):
+  """A stepwise example from a token-id list and its per-token labels (IGNORE_INDEX off the steps)."""
+  return StepwiseExample(np.asarray(ids, np.int32), np.asarray(labels, np.int32), source, {})
+
+
+def numbered_pref(i, n=2):
+  """Preference example i: completion j's tokens are 1000*i + 100*j + 1, + 2, ...; lengths vary
+  with i, so the example a batch row came from can be read off its tokens; ranks are 10, 11, ..."""
+  length = 3 + (i * 7) % 30
+  ids = tuple(np.arange(1, length + 1 - j, dtype=np.int32) + 1000 * i + 100 * j for j in range(n))
+  return PreferenceExample(input_ids=ids, ranks=tuple(range(10, 10 + n)), margin=float(i),
+                           source=f"row {i}", meta={})
+
+
+def numbered_stepwise(i):
+  """Stepwise example i: tokens 1000*i + 1, + 2, ...; one label (i % 2) on the last token."""
+  length = 2 + i % 5
+  labels = np.full(length, IGNORE_INDEX, np.int32)
+  labels[-1] = i % 2
+  return StepwiseExample(input_ids=np.arange(length, dtype=np.int32) + 1000 * i + 1,
+                         labels=labels, source=f"row {i}", meta={})
+
+
+def pair_record(context, chosen, rejected, source="t.jsonl:1", **kw):
+  """A two-completion PreferenceRecord listing the rejected completion first (ranks 1, 0), as a
+  dataset may: tokenizing must put the chosen one first."""
+  return PreferenceRecord(context=context, completions=(rejected, chosen), ranks=(1, 0),
+                          source=source, **kw)
+
+
+def preference_loss_args(rewards, ranks, example_mask=None, margin=None):
+  """Keyword arguments of a preference loss: rewards [G, K] float32, ranks [G, K] int32,
+  example_mask [G] (all ones unless given), and margin [G] when given."""
+  rewards = np.asarray(rewards, np.float32)
+  mask = np.ones(len(rewards), np.float32) if example_mask is None else example_mask
+  batch = dict(rewards=jnp.asarray(rewards), ranks=jnp.asarray(ranks, jnp.int32),
+               example_mask=jnp.asarray(mask, jnp.float32))
+  if margin is not None:
+    batch["margin"] = jnp.asarray(margin, jnp.float32)
+  return batch
 
 
 def random_groups(rng, num_groups, k, prefix_case=True):
@@ -29,6 +129,9 @@ def random_groups(rng, num_groups, k, prefix_case=True):
       seqs[1] = np.concatenate([seqs[0], rng.integers(3, VOCAB, 2)])
     groups.append(pref(*seqs, margin=float(g) / 4, source=f"group {g}"))
   return groups
+
+
+# ------------------------------------------------------------------ models
 
 
 def tiny_config(**overrides):
@@ -56,3 +159,17 @@ def jitted(model):
   """Jitted ``batch -> batch.outputs(model)``: rewards [G, K] or logits [G, T, C], packed or not."""
   graphdef, state = nnx.split(model)
   return jax.jit(lambda batch: batch.outputs(nnx.merge(graphdef, state)))
+
+
+def params(rm):
+  """A RewardModel's parameters as numpy arrays, by flat path."""
+  return {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(rm.model))}
+
+
+def assert_same_params(a, b):
+  """Two RewardModels hold the same parameter paths with bit-equal values."""
+  pa, pb = params(a), params(b)
+  assert pa.keys() == pb.keys()
+  for k in pa:
+    np.testing.assert_array_equal(pa[k], pb[k], err_msg=str(k))
+

@@ -23,6 +23,7 @@ FAMILY_CONFIGS = {
         hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None)),
 }
 FAMILIES = tuple(FAMILY_CONFIGS)
+LENGTHS = [24, 17, 9]  # rows of a parity batch: longer than the sliding windows (8)
 
 
 def tiny_config(family: str, num_labels: int = 1, **overrides):

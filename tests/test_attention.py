@@ -1,4 +1,7 @@
-"""The attention routes: einsum (XLA) and ``jax.nn.dot_product_attention`` (cuDNN on GPUs)."""
+"""The attention routes: einsum (XLA) and ``jax.nn.dot_product_attention`` (cuDNN on GPUs).
+
+Which route a config takes is asserted for every backend on any machine; cuDNN's kernel itself only
+runs where there is a GPU (``@pytest.mark.gpu``)."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import jitted, pref, random_groups, tiny_config, tiny_model
+from helpers import REORDERED_ATOL, jitted, pref, random_groups, tiny_config, tiny_model
 from jaxrm.data import packing
 from jaxrm.models import layers as L
 from jaxrm.models.decoder import Decoder, attention_fn
@@ -50,6 +53,8 @@ def test_fused_xla_call_matches_einsum_with_gqa_and_a_tree_mask():
   fused = L.fused_attention(q, k, v, mask, scale=0.3, implementation="xla")
   assert np.isfinite(einsum).all() and np.isfinite(fused).all()  # padding queries too
   attends = np.asarray(mask).any(-1)
+  # One float32 softmax-weighted mean of v (|v| < 5) computed two ways: a few float32 spacings
+  # (2.4e-7 at 2-4) apart.
   np.testing.assert_allclose(np.asarray(fused)[attends], np.asarray(einsum)[attends], atol=1e-6, rtol=0)
 
 
@@ -76,33 +81,74 @@ def test_attention_gradients_equal_autodiff(softcap):
 
   got = jax.grad(loss(L.dot_product_attention), argnums=(0, 1, 2))(q, k, v)
   want = jax.grad(loss(reference_attention), argnums=(0, 1, 2))(q, k, v)
+  # float32 sums over up to 300 keys (and over the query blocks, for dk and dv) in other orders;
+  # the gradients reach ~6, where float32's spacing is 4.8e-7.
   for g, e in zip(got, want):
     assert np.abs(e).max() > 0.1
     np.testing.assert_allclose(g, e, atol=1e-5, rtol=0)
 
 
-def test_attention_route_per_config():
+def route_on(backend, cfg):
+  """``attention_fn(cfg)`` as it decides where JAX's default backend is ``backend``: the decision
+  reads ``jax.default_backend()``, answered here for the one call."""
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(jax, "default_backend", lambda: backend)
+    return attention_fn(cfg)
+
+
+@pytest.mark.parametrize("backend, fused", [("gpu", "cudnn"), ("cpu", "xla"), ("tpu", "xla")])
+def test_attention_route_per_config(backend, fused):
+  for dtype in ("bfloat16", "float16"):
+    route = route_on(backend, tiny_config(attention_impl="cudnn", dtype=dtype))
+    assert route.func is L.fused_attention
+    assert route.keywords["implementation"] == fused
+  for dtype in ("float32", "bfloat16"):
+    assert route_on(backend, tiny_config(dtype=dtype)).func is L.dot_product_attention
+    # jax.nn.dot_product_attention has no soft-capping: Gemma 2 keeps the einsum path.
+    capped = route_on(backend, tiny_config(attention_impl="cudnn", dtype=dtype,
+                                           attn_logit_softcapping=50.0))
+    assert capped.func is L.dot_product_attention and capped.keywords["softcap"] == 50.0
+
+
+def test_attention_route_on_this_machine():
   route = attention_fn(tiny_config(attention_impl="cudnn", dtype="bfloat16"))
   assert route.func is L.fused_attention
   assert route.keywords["implementation"] == ("cudnn" if jax.default_backend() == "gpu" else "xla")
-  assert attention_fn(tiny_config()).func is L.dot_product_attention
-  # jax.nn.dot_product_attention has no soft-capping: Gemma 2 keeps the einsum path.
-  capped = attention_fn(tiny_config(attention_impl="cudnn", attn_logit_softcapping=50.0))
-  assert capped.func is L.dot_product_attention and capped.keywords["softcap"] == 50.0
 
 
-def test_float32_never_takes_cudnn():
-  route = attention_fn(tiny_config(attention_impl="cudnn", dtype="float32"))
-  assert route.keywords["implementation"] == "xla"
+@pytest.mark.parametrize("backend", ["gpu", "cpu"])
+def test_float32_never_takes_cudnn(backend):
+  route = route_on(backend, tiny_config(attention_impl="cudnn", dtype="float32"))
+  assert route.func is L.fused_attention and route.keywords["implementation"] == "xla"
 
 
 def test_cudnn_setting_equals_xla_setting_on_packed_rows():
+  """In float32 the cudnn setting takes ``jax.nn.dot_product_attention``'s XLA lowering on every
+  backend (test_float32_never_takes_cudnn): this checks that call's mask and head layout inside the
+  model, on any machine. cuDNN's kernel itself is test_cudnn_kernel_matches_einsum."""
   groups = random_groups(np.random.default_rng(5), 3, 3)
   batch = packing.pack_preference(groups, packing.PackSpec(64, shared_prompt=True))
   xla = jitted(tiny_model(tiny_config()))(batch)
   fused = jitted(tiny_model(tiny_config(attention_impl="cudnn")))(batch)
   real = batch.ranks >= 0
-  np.testing.assert_allclose(np.asarray(fused)[real], np.asarray(xla)[real], atol=1e-5, rtol=0)
+  np.testing.assert_allclose(np.asarray(fused)[real], np.asarray(xla)[real], atol=REORDERED_ATOL,
+                             rtol=0)
+
+
+@pytest.mark.gpu
+def test_cudnn_kernel_matches_einsum():
+  """cuDNN's fused kernel in bfloat16, with GQA and a tree mask, against the float32 einsum on the
+  same bfloat16-rounded inputs."""
+  q, k, v, mask = long_rows(3)
+  q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+  fused = L.fused_attention(q, k, v, mask, scale=0.3, implementation="cudnn")
+  q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
+  einsum = L.dot_product_attention(q32, k32, v32, mask, scale=0.3, softcap=None)
+  attends = np.asarray(mask).any(-1)
+  # cuDNN rounds the softmax weights to bfloat16 before they weigh v, and then its output: each a
+  # relative 2**-9, so the output is off by at most about 2**-8 of max |v|.
+  np.testing.assert_allclose(np.asarray(fused, np.float32)[attends], np.asarray(einsum)[attends],
+                             atol=2.0 ** -8 * float(np.abs(v32).max()), rtol=0)
 
 
 def test_unknown_attention_impl_is_an_error():

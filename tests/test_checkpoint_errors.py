@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 import hf_tiny
+from helpers import PARITY_ATOL
 from jaxrm import RewardModel, sharding
 from jaxrm.hf.safetensors_io import HFCheckpoint, SafetensorsFile, save_safetensors
 from jaxrm.errors import CheckpointError
@@ -99,7 +100,7 @@ def test_sharded_checkpoint_and_bf16(tmp_path):
   assert tensor.dtype.name == "bfloat16"
   np.testing.assert_array_equal(tensor.astype(np.float32), ref)
   rm = RewardModel.from_pretrained(tmp_path, dtype="float32")
-  np.testing.assert_allclose(rm.score_tokens(ids, mask), expected, atol=1e-4, rtol=0)
+  np.testing.assert_allclose(rm.score_tokens(ids, mask), expected, atol=PARITY_ATOL, rtol=0)
 
 
 def test_base_model_gets_seeded_new_head(tmp_path):

@@ -5,20 +5,13 @@ import json
 
 import pytest
 
+from helpers import assistant, user
 from jaxrm.data import adapters, registry
 from jaxrm.data.drops import DropReport
 from jaxrm.errors import DataError
 from jaxrm.data.records import PreferenceRecord, StepwiseRecord
 
 SRC = "raw.jsonl:3"
-
-
-def user(text):
-  return {"role": "user", "content": text}
-
-
-def assistant(text):
-  return {"role": "assistant", "content": text}
 
 
 def error_of(fn, *args, **kwargs) -> str:

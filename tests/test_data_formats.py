@@ -6,6 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from helpers import assistant, user
 from jaxrm.data import formats, sources
 from jaxrm.data.drops import DropReport
 from jaxrm.errors import DataError
@@ -13,14 +14,6 @@ from jaxrm.data.formats import DROP_IDENTICAL
 from jaxrm.data.records import PreferenceRecord, StepwiseRecord
 
 SRC = "train.jsonl:7"
-
-
-def user(text):
-  return {"role": "user", "content": text}
-
-
-def assistant(text):
-  return {"role": "assistant", "content": text}
 
 
 def nemo_row(**changes):

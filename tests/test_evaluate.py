@@ -8,18 +8,20 @@ import types
 import numpy as np
 import pytest
 
-import hf_tiny
 import tiny_run
-from jaxrm import RewardModel
+from helpers import REBATCHED, assistant, pref, right_padded, softplus, user
 from jaxrm.data import registry
 from jaxrm.data.drops import DropReport
-from jaxrm.data.tokenize import PAIR_TOO_LONG, PreferenceExample, StepwiseExample, TokenizeOptions
+from jaxrm.data.tokenize import PAIR_TOO_LONG, StepwiseExample, TokenizeOptions
 from jaxrm.batches import IGNORE_INDEX
 from jaxrm.evaluate import NO_SUBSET, evaluate, format_report
 from jaxrm.errors import EvaluationError
 
-def _softplus(x):
-  return math.log1p(math.exp(x))
+# The stand-in models' rewards and the metrics are float32 (a reward of 0.3 is not exact in binary);
+# a mean or a loss over a dozen of them is a few float32 roundings (~6e-8 each) from the float64
+# value computed here. Rates (4 / 6) are ratios of counts: pytest.approx's default (rel 1e-6) holds
+# them too.
+F32_RTOL = 1e-6
 
 
 # ------------------------------------------------------------------------ metrics on known scores
@@ -48,13 +50,6 @@ class ParityPRM:
     return np.stack([~even, even], axis=-1).astype(np.float32)  # [B, T, 2]
 
 
-def pref(*completions, subset=None, margin=0.0):
-  """A preference example whose completions (best first) are token-id lists."""
-  return PreferenceExample(
-      input_ids=tuple(np.asarray(c, np.int32) for c in completions), ranks=tuple(range(len(completions))),
-      margin=margin, source=f"hand[{completions}]", meta={} if subset is None else {"subset": subset})
-
-
 # Rewards best-first (last token / 10); comments give chosen vs rejected.
 PREFERENCES = [
     pref([1, 2, 30], [1, 2, 10], subset="math", margin=0.5),  # 3.0 vs 1.0: right
@@ -76,20 +71,22 @@ def test_preference_metrics_by_hand():
   assert m["accuracy"] == pytest.approx(4 / 6)
   assert m["tie_rate"] == pytest.approx(1 / 6)
   assert m["pairwise_accuracy"] == pytest.approx(5 / 8)
-  assert m["chosen_reward"] == pytest.approx(chosen.mean(), rel=1e-6)
-  assert m["rejected_reward"] == pytest.approx(rejected.mean(), rel=1e-6)
-  assert m["margin"] == pytest.approx(margins.mean(), rel=1e-6)
-  assert m["chosen_reward_std"] == pytest.approx(chosen.std(), rel=1e-6)
-  assert m["rejected_reward_std"] == pytest.approx(rejected.std(), rel=1e-6)
-  assert m["margin_std"] == pytest.approx(margins.std(), rel=1e-6)
+  assert m["chosen_reward"] == pytest.approx(chosen.mean(), rel=F32_RTOL)
+  assert m["rejected_reward"] == pytest.approx(rejected.mean(), rel=F32_RTOL)
+  assert m["margin"] == pytest.approx(margins.mean(), rel=F32_RTOL)
+  assert m["chosen_reward_std"] == pytest.approx(chosen.std(), rel=F32_RTOL)
+  assert m["rejected_reward_std"] == pytest.approx(rejected.std(), rel=F32_RTOL)
+  assert m["margin_std"] == pytest.approx(margins.std(), rel=F32_RTOL)
   all_rewards = [3, 1, 0.5, 2, 4, 5, 1, 0.7, 0.7, 0.9, 0.2, 0.3, 0.1]
-  assert m["reward_mean"] == pytest.approx(np.mean(all_rewards), rel=1e-6)
+  assert m["reward_mean"] == pytest.approx(np.mean(all_rewards), rel=F32_RTOL)
+  # reward_std is finalised as sqrt(E[x^2] - E[x]^2) from float32 sums: the subtraction cancels
+  # digits that np.std (used for the other stds) keeps.
   assert m["reward_std"] == pytest.approx(np.std(all_rewards), rel=1e-5)
   # Example 0's margin of 0.5 is subtracted inside the loss.
-  losses = [_softplus(-(2.0 - 0.5))] + [_softplus(-x) for x in margins[1:]]
-  assert m["loss"] == pytest.approx(np.mean(losses), rel=1e-6)
-  np.testing.assert_allclose(result["scores"]["chosen"], chosen, rtol=1e-6)
-  np.testing.assert_allclose(result["scores"]["rejected"], rejected, rtol=1e-6)
+  losses = [softplus(-(2.0 - 0.5))] + [softplus(-x) for x in margins[1:]]
+  assert m["loss"] == pytest.approx(np.mean(losses), rel=F32_RTOL)
+  np.testing.assert_allclose(result["scores"]["chosen"], chosen, rtol=F32_RTOL)
+  np.testing.assert_allclose(result["scores"]["rejected"], rejected, rtol=F32_RTOL)
 
   subsets = result["subsets"]
   assert list(subsets) == [NO_SUBSET, "facts", "math"]
@@ -99,7 +96,7 @@ def test_preference_metrics_by_hand():
   assert subsets["facts"]["pairwise_accuracy"] == pytest.approx(2 / 4)
   assert subsets["facts"]["tie_rate"] == pytest.approx(1 / 2)
   assert subsets[NO_SUBSET]["accuracy"] == 1.0
-  assert subsets["math"]["margin"] == pytest.approx((2.0 - 1.5 + 0.7) / 3, rel=1e-6)
+  assert subsets["math"]["margin"] == pytest.approx((2.0 - 1.5 + 0.7) / 3, rel=F32_RTOL)
 
   report = format_report(result)
   assert "accuracy           0.6667  (best completion scored above the worst; ties 0.1667)" in report
@@ -140,15 +137,15 @@ def test_stepwise_metrics_by_hand():
   assert m["f1_error"] == pytest.approx(2 * 3 / (4 + 5))  # 2TP / (labelled errors + predicted errors)
   assert m["first_error_found"] == pytest.approx(1 / 2)
   assert m["positive_rate"] == pytest.approx(4 / 8)  # the always-correct baseline's accuracy
-  right, wrong = _softplus(-1.0), _softplus(1.0)  # cross-entropy of logits (0, 1) / (1, 0)
-  assert m["loss"] == pytest.approx((5 * right + 3 * wrong) / 8, rel=1e-6)
+  right, wrong = softplus(-1.0), softplus(1.0)  # cross-entropy of logits (0, 1) / (1, 0)
+  assert m["loss"] == pytest.approx((5 * right + 3 * wrong) / 8, rel=F32_RTOL)
   assert result["subsets"]["x"]["step_accuracy"] == pytest.approx(2 / 5)
   assert result["subsets"]["x"]["first_error_found"] == 0.0
   assert result["subsets"]["y"]["step_accuracy"] == 1.0
   assert result["subsets"]["y"]["first_error_found"] == 1.0
   p = 1 / (1 + math.exp(-1))  # P(correct) when a step is predicted correct
-  np.testing.assert_allclose(result["scores"]["correct"], [1 - p, 1 - p, p, p], rtol=1e-6)
-  np.testing.assert_allclose(result["scores"]["error"], [p, 1 - p, 1 - p, 1 - p], rtol=1e-6)
+  np.testing.assert_allclose(result["scores"]["correct"], [1 - p, 1 - p, p, p], rtol=F32_RTOL)
+  np.testing.assert_allclose(result["scores"]["error"], [p, 1 - p, 1 - p, 1 - p], rtol=F32_RTOL)
   report = format_report(result)
   assert "step accuracy      0.6250  (baseline calling every step correct: 0.5000)" in report
   assert "first error found  0.5000" in report
@@ -166,19 +163,6 @@ def test_model_and_data_must_fit(rm, examples, message):
 
 
 # ----------------------------------------------------------------- a real model and its tokenizer
-
-
-@pytest.fixture(scope="module")
-def rm(model_dir):
-  return RewardModel.from_pretrained(model_dir)
-
-
-def user(text):
-  return {"role": "user", "content": text}
-
-
-def assistant(text):
-  return {"role": "assistant", "content": text}
 
 
 ROWS = [
@@ -214,15 +198,15 @@ def data_file(tmp_path_factory):
   return str(path)
 
 
-def test_rewards_equal_rm_score(rm, data_file):
+def test_rewards_equal_rm_score(tiny_rm, data_file):
   drops = DropReport()
   records = registry.load_records("PreferenceDataset", data_file, split="validation", drops=drops)
-  result = evaluate(rm, records, options=TokenizeOptions(max_length=96), batch_size=2, drops=drops)
-  chosen = rm.score([c for c, _ in KEPT])
-  rejected = rm.score([r for _, r in KEPT])
+  result = evaluate(tiny_rm, records, options=TokenizeOptions(max_length=96), batch_size=2, drops=drops)
+  chosen = tiny_rm.score([c for c, _ in KEPT])
+  rejected = tiny_rm.score([r for _, r in KEPT])
   # Padded to other lengths in other batches: equal up to float32 rounding.
-  np.testing.assert_allclose(result["scores"]["chosen"], chosen, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(result["scores"]["rejected"], rejected, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(result["scores"]["chosen"], chosen, **REBATCHED)
+  np.testing.assert_allclose(result["scores"]["rejected"], rejected, **REBATCHED)
   right = chosen > rejected
   assert result["metrics"]["accuracy"] == pytest.approx(right.mean())
   for name in ("math", "facts", NO_SUBSET):
@@ -233,11 +217,8 @@ def test_rewards_equal_rm_score(rm, data_file):
   assert result["dropped"]["reasons"][PAIR_TOO_LONG]["examples"] == [f"{data_file}:6"]
 
 
-def test_token_head_scores_are_step_probabilities(tmp_path, rm):
-  tok = rm.tokenizer
-  hf_tiny.build("llama", head="token", vocab_size=len(tok), num_hidden_layers=2, pad_token_id=tok.pad_token_id,
-                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id).save_pretrained(tmp_path)
-  prm = RewardModel.from_pretrained(tmp_path, tokenizer=tok)
+def test_token_head_scores_are_step_probabilities(tiny_prm):
+  prm = tiny_prm
   drops = DropReport()
   records = registry.load_records("demo_arithmetic_steps", None, split="validation", drops=drops,
                                   num_rows=3)
@@ -251,15 +232,14 @@ def test_token_head_scores_are_step_probabilities(tmp_path, rm):
       ids = ids + encode(step) + encode("\n")
       label_at.append((len(rows), len(ids) - 1, label))
     rows.append(ids)
-  input_ids, mask = np.zeros((len(rows), 256), np.int32), np.zeros((len(rows), 256), np.int32)
-  for i, ids in enumerate(rows):
-    input_ids[i, :len(ids)], mask[i, :len(ids)] = ids, 1
+  input_ids, mask = right_padded(rows, pad=0, length=256)
   logits = prm.score_tokens(input_ids, mask)
   expected = {True: [], False: []}
   for i, t, label in label_at:
     expected[label].append(np.exp(logits[i, t, 1]) / np.exp(logits[i, t]).sum())
-  np.testing.assert_allclose(result["scores"]["correct"], expected[True], rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(result["scores"]["error"], expected[False], rtol=1e-5, atol=1e-6)
+  # evaluate batches and pads the rows itself; the reference scores them in one batch of 256.
+  np.testing.assert_allclose(result["scores"]["correct"], expected[True], **REBATCHED)
+  np.testing.assert_allclose(result["scores"]["error"], expected[False], **REBATCHED)
   assert result["metrics"]["positive_rate"] == pytest.approx(
       len(expected[True]) / (len(expected[True]) + len(expected[False])))
 
@@ -271,7 +251,7 @@ def _cli(*args):
   return tiny_run.run([sys.executable, "-m", "jaxrm.evaluate", *args])
 
 
-def test_cli_prints_and_writes_report(rm, model_dir, data_file, tmp_path):
+def test_cli_prints_and_writes_report(tiny_rm, model_dir, data_file, tmp_path):
   out = tmp_path / "eval"
   proc = _cli(f"--model={model_dir}", f"--data={data_file}", "--max_length=96", "--batch_size=4",
               f"--output={out}")
@@ -280,9 +260,11 @@ def test_cli_prints_and_writes_report(rm, model_dir, data_file, tmp_path):
   assert report["model"] == model_dir and report["data"] == data_file
   assert report["num_examples"] == 5 and report["dropped"]["total"] == 2
   assert "scores" not in report
-  chosen, rejected = rm.score([c for c, _ in KEPT]), rm.score([r for _, r in KEPT])
+  chosen, rejected = tiny_rm.score([c for c, _ in KEPT]), tiny_rm.score([r for _, r in KEPT])
   assert report["metrics"]["accuracy"] == pytest.approx((chosen > rejected).mean())
-  assert report["metrics"]["chosen_reward"] == pytest.approx(chosen.mean(), rel=1e-5, abs=1e-6)
+  # Another process, batching the rows its own way (batch_size=4).
+  assert report["metrics"]["chosen_reward"] == pytest.approx(chosen.mean(), rel=REBATCHED["rtol"],
+                                                             abs=REBATCHED["atol"])
   assert sorted(report["subsets"]) == [NO_SUBSET, "facts", "math"]
   assert (out / "rewards.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert f"accuracy           {report['metrics']['accuracy']:.4f}" in proc.stdout

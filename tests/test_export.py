@@ -10,21 +10,16 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from flax import nnx
 
 import hf_tiny
 import tiny_run
+from helpers import IM_END, NL, PARITY_ATOL, assert_same_params, params, right_padded
 from jaxrm import RewardModel
 from jaxrm.hf import gguf
 from jaxrm.errors import CheckpointError
 from jaxrm.export import export
 
-LENGTHS = [24, 17, 9]  # longer than the sliding windows (8)
 ARCH = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma2": "Gemma2"}
-
-
-def params(rm):
-  return {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(rm.model))}
 
 
 def safetensors_header(path):
@@ -52,21 +47,18 @@ def test_transformers_loads_export_and_scores_like_jaxrm(family, head, tmp_path)
   assert type(hf).__name__ == arch
   assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
 
-  ids, mask = hf_tiny.batch(LENGTHS, seed=1)  # right-padded; no real token is the pad id
+  ids, mask = hf_tiny.batch(hf_tiny.LENGTHS, seed=1)  # right-padded; no real token is the pad id
   theirs = hf_tiny.torch_forward(hf.eval(), ids, mask)
   ours = rm.score_tokens(ids, mask)
   if head == "sequence":
-    np.testing.assert_allclose(ours, theirs[:, 0], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(ours, theirs[:, 0], atol=PARITY_ATOL, rtol=0)
   else:
     real = mask.astype(bool)
-    np.testing.assert_allclose(ours[real], theirs[real], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(ours[real], theirs[real], atol=PARITY_ATOL, rtol=0)
 
   back = RewardModel.from_pretrained(out)
   assert back.config == rm.config
-  ours, theirs = params(rm), params(back)
-  assert ours.keys() == theirs.keys()
-  for k in ours:
-    np.testing.assert_array_equal(ours[k], theirs[k], err_msg=str(k))
+  assert_same_params(rm, back)
 
 
 def test_bfloat16_export(tmp_path):
@@ -92,12 +84,6 @@ def test_export_refuses_a_run_directory(tmp_path):
     export(str(tmp_path / "src"), str(tmp_path / "run"))
 
 
-@pytest.fixture(scope="module")
-def smollm2_tokenizer(request, tmp_path_factory):
-  root = tiny_run.cache_root(request, tmp_path_factory)
-  return transformers.AutoTokenizer.from_pretrained(tiny_run.tokenizer_dir(root))
-
-
 def test_embedded_gguf_export_scores_like_jaxrm(smollm2_tokenizer, tmp_path):
   """SmolLM2-135M from its GGUF (with a new, seeded head): the export scores alike in transformers."""
   rm = RewardModel.from_pretrained(gguf.embedded_model_path(), seed=2, tokenizer=smollm2_tokenizer)
@@ -113,16 +99,12 @@ def test_embedded_gguf_export_scores_like_jaxrm(smollm2_tokenizer, tmp_path):
            [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue, I think."}]]
   rows = [rm.encode(c) for c in chats]
   assert rows[0] == tok(tok.apply_chat_template(chats[0], tokenize=False), add_special_tokens=False)["input_ids"]
-  lengths = np.array([len(r) for r in rows])
-  ids = np.full((2, lengths.max()), 2, np.int64)
-  for i, r in enumerate(rows):
-    ids[i, :len(r)] = r
+  ids, mask = right_padded(rows, pad=IM_END, dtype=np.int64)
   # Rows end "<|im_end|>\n": transformers pools at the last token that is not the pad (== eos) id,
   # which is the last real token, where jaxrm reads the reward.
-  assert all(r[-2:] == [2, 198] for r in rows)
-  mask = (np.arange(lengths.max())[None] < lengths[:, None]).astype(np.int64)
+  assert all(r[-2:] == [IM_END, NL] for r in rows)
   theirs = hf_tiny.torch_forward(hf, ids, mask)[:, 0]
-  np.testing.assert_allclose(rm.score(chats), theirs, atol=1e-4, rtol=0)
+  np.testing.assert_allclose(rm.score(chats), theirs, atol=PARITY_ATOL, rtol=0)
 
 
 def test_cli(tmp_path):

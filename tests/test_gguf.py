@@ -10,6 +10,7 @@ import pytest
 import torch
 import transformers
 
+from helpers import PARITY_ATOL, right_padded
 from jaxrm.hf import gguf as gguf_ckpt
 from jaxrm.errors import CheckpointError
 
@@ -226,15 +227,10 @@ def test_smollm2_rewards_match_transformers(path, hf_model):
   with torch.no_grad():
     cls.score.weight.copy_(torch.from_numpy(np.asarray(rm.model.score[...]).T.copy()))
   chats = [CHATML_CONVERSATION, [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]]
-  rows = [rm.encode(c) for c in chats]
-  t = max(map(len, rows))
-  ids = np.full((2, t), rm.tokenizer.pad_token_id, np.int64)
-  mask = np.zeros((2, t), np.int64)
-  for i, r in enumerate(rows):
-    ids[i, :len(r)], mask[i, :len(r)] = r, 1
+  ids, mask = right_padded([rm.encode(c) for c in chats], pad=rm.tokenizer.pad_token_id, dtype=np.int64)
   with torch.no_grad():
     # pad == eos here, so transformers' own pooling (first pad id) would stop early: read the last real token.
     hidden = cls.model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).last_hidden_state
     expected = cls.score(hidden)[torch.arange(2), torch.from_numpy(mask.sum(1) - 1), 0].numpy()
-  np.testing.assert_allclose(rm.score_tokens(ids, mask), expected, atol=1e-4, rtol=0)
-  np.testing.assert_allclose(rm.score(chats), expected, atol=1e-4, rtol=0)
+  np.testing.assert_allclose(rm.score_tokens(ids, mask), expected, atol=PARITY_ATOL, rtol=0)
+  np.testing.assert_allclose(rm.score(chats), expected, atol=PARITY_ATOL, rtol=0)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import preference_loss_args, softplus
 from jaxrm import losses
 from jaxrm.batches import IGNORE_INDEX as X, PreferenceBatch, StepwiseBatch
 from jaxrm.losses import RewardSpec
@@ -18,27 +19,20 @@ all_pairs_loss = jax.jit(losses.all_pairs_bradley_terry_loss)
 plackett_luce_loss = jax.jit(losses.plackett_luce_loss)
 stepwise_loss = jax.jit(losses.stepwise_loss)
 
-
-def softplus(x):
-  """-log sigmoid(-x), in numpy."""
-  return np.log1p(np.exp(x))
+# The losses run in float32, the hand computations here in float64: a loss or metric is a handful
+# of float32 operations (exp, log1p, a mean of a few terms), each rounding by ~6e-8 relative, while
+# a wrong pair, rank or mask changes it by far more than 1e-6. pytest.approx's default (rel 1e-6)
+# is the same bound, for rates that are ratios of counts.
+RTOL = 1e-6
 
 
 def neg_log_sigmoid(x):
   return softplus(-np.asarray(x, np.float64))
 
 
-def preference(rewards, ranks, example_mask=None, margin=None):
-  rewards = np.asarray(rewards, np.float32)
-  mask = np.ones(len(rewards), np.float32) if example_mask is None else example_mask
-  batch = dict(rewards=jnp.asarray(rewards), ranks=jnp.asarray(ranks, jnp.int32),
-               example_mask=jnp.asarray(mask, jnp.float32))
-  if margin is not None:
-    batch["margin"] = jnp.asarray(margin, jnp.float32)
-  return batch
-
-
-def assert_metrics_close(actual, expected, rtol=1e-6, atol=1e-6):
+def assert_metrics_close(actual, expected, rtol=RTOL, atol=1e-6):
+  """``atol`` is for metrics at or near 0 (a margin, an error recall), where rtol alone would allow
+  no rounding at all."""
   assert actual.keys() == expected.keys()
   for name in expected:
     np.testing.assert_allclose(actual[name], expected[name], rtol=rtol, atol=atol, err_msg=name)
@@ -49,8 +43,8 @@ def assert_metrics_close(actual, expected, rtol=1e-6, atol=1e-6):
 
 
 def test_bradley_terry_pairs_by_hand():
-  loss, metrics = bradley_terry_loss(**preference([[2, 1], [0, 3]], [[0, 1], [0, 1]]))
-  np.testing.assert_allclose(loss, (neg_log_sigmoid(1) + neg_log_sigmoid(-3)) / 2, rtol=1e-6)
+  loss, metrics = bradley_terry_loss(**preference_loss_args([[2, 1], [0, 3]], [[0, 1], [0, 1]]))
+  np.testing.assert_allclose(loss, (neg_log_sigmoid(1) + neg_log_sigmoid(-3)) / 2, rtol=RTOL)
   assert_metrics_close(losses.finalize_metrics(metrics), {
       "loss": float(loss),
       "accuracy": 0.5,
@@ -65,32 +59,32 @@ def test_bradley_terry_pairs_by_hand():
 
 
 def test_bradley_terry_margin_and_centering():
-  batch = preference([[2, 1], [0, 3]], [[0, 1], [1, 0]], margin=[0.5, 1.0])
+  batch = preference_loss_args([[2, 1], [0, 3]], [[0, 1], [1, 0]], margin=[0.5, 1.0])
   loss, metrics = bradley_terry_loss(**batch, center_rewards_coefficient=0.1)
   # Group 2 prefers the second completion: chosen 3, rejected 0.
   expected = (neg_log_sigmoid(2 - 1 - 0.5) + neg_log_sigmoid(3 - 0 - 1.0)) / 2
   expected += 0.1 * ((2 + 1) ** 2 + (3 + 0) ** 2) / 2
-  np.testing.assert_allclose(loss, expected, rtol=1e-6)
-  np.testing.assert_allclose(losses.finalize_metrics(metrics)["loss"], expected, rtol=1e-6)
+  np.testing.assert_allclose(loss, expected, rtol=RTOL)
+  np.testing.assert_allclose(losses.finalize_metrics(metrics)["loss"], expected, rtol=RTOL)
   # The margin shifts the loss only; the reported margin is the raw reward difference.
   assert losses.finalize_metrics(metrics)["margin"] == pytest.approx(2.0)
 
 
 def test_filler_groups_and_absent_slots_change_nothing():
-  loss, metrics = bradley_terry_loss(**preference([[2, 1], [0, 3]], [[0, 1], [0, 1]]))
+  loss, metrics = bradley_terry_loss(**preference_loss_args([[2, 1], [0, 3]], [[0, 1], [0, 1]]))
   # Same two pairs with an absent middle slot in the first group, and a filler group whose
   # rewards are garbage (a model may give anything, even NaN, for an all-padding row).
-  padded = preference([[2, 9, 1], [0, 3, 0], [np.nan, 7, 100]],
+  padded = preference_loss_args([[2, 9, 1], [0, 3, 0], [np.nan, 7, 100]],
                       [[0, -1, 1], [0, 1, -1], [0, 1, 2]], example_mask=[1, 1, 0])
   padded_loss, padded_metrics = bradley_terry_loss(**padded)
-  np.testing.assert_allclose(padded_loss, loss, rtol=1e-6)
+  np.testing.assert_allclose(padded_loss, loss, rtol=RTOL)
   assert_metrics_close(losses.finalize_metrics(padded_metrics), losses.finalize_metrics(metrics))
 
 
 def test_ranks_in_any_order_pick_best_and_worst():
   # Ranks 2, 0, 1: the best is slot 1 (reward 5), the worst slot 0 (reward 1).
-  loss, metrics = bradley_terry_loss(**preference([[1, 5, 4]], [[2, 0, 1]]))
-  np.testing.assert_allclose(loss, neg_log_sigmoid(5 - 1), rtol=1e-6)
+  loss, metrics = bradley_terry_loss(**preference_loss_args([[1, 5, 4]], [[2, 0, 1]]))
+  np.testing.assert_allclose(loss, neg_log_sigmoid(5 - 1), rtol=RTOL)
   finalized = losses.finalize_metrics(metrics)
   assert (finalized["chosen_reward"], finalized["rejected_reward"]) == (5.0, 1.0)
   assert finalized["pairwise_accuracy"] == 1.0
@@ -98,10 +92,10 @@ def test_ranks_in_any_order_pick_best_and_worst():
 
 def test_all_pairs_averages_over_pairs_not_groups():
   # Group 1 ranks three completions (three pairs), group 2 has one pair; 4 pairs in all.
-  batch = preference([[1.0, 0.5, 2.0], [3.0, 1.0, 0.0]], [[0, 1, 2], [0, 1, -1]])
+  batch = preference_loss_args([[1.0, 0.5, 2.0], [3.0, 1.0, 0.0]], [[0, 1, 2], [0, 1, -1]])
   loss, metrics = all_pairs_loss(**batch)
   differences = [1.0 - 0.5, 1.0 - 2.0, 0.5 - 2.0, 3.0 - 1.0]
-  np.testing.assert_allclose(loss, np.mean(neg_log_sigmoid(differences)), rtol=1e-6)
+  np.testing.assert_allclose(loss, np.mean(neg_log_sigmoid(differences)), rtol=RTOL)
   finalized = losses.finalize_metrics(metrics)
   assert finalized["pairwise_accuracy"] == pytest.approx(2 / 4)
   # Accuracy stays best vs worst: group 1 has 1 < 2 (wrong), group 2 has 3 > 1 (right).
@@ -110,18 +104,18 @@ def test_all_pairs_averages_over_pairs_not_groups():
 
   best_worst_loss, _ = bradley_terry_loss(**batch)  # one pair per group
   np.testing.assert_allclose(best_worst_loss, np.mean(neg_log_sigmoid([1.0 - 2.0, 3.0 - 1.0])),
-                             rtol=1e-6)
+                             rtol=RTOL)
 
 
 def test_ties_count_as_wrong_and_are_reported():
-  _, metrics = bradley_terry_loss(**preference([[1, 1], [2, 0], [0, 0]], [[0, 1]] * 3))
+  _, metrics = bradley_terry_loss(**preference_loss_args([[1, 1], [2, 0], [0, 0]], [[0, 1]] * 3))
   finalized = losses.finalize_metrics(metrics)
   assert finalized["accuracy"] == pytest.approx(1 / 3)
   assert finalized["tie_rate"] == pytest.approx(2 / 3)
 
 
 def test_all_filler_batch_has_zero_loss_and_nan_metrics():
-  loss, metrics = bradley_terry_loss(**preference([[1, 2]], [[0, 1]], example_mask=[0]))
+  loss, metrics = bradley_terry_loss(**preference_loss_args([[1, 2]], [[0, 1]], example_mask=[0]))
   assert float(loss) == 0.0
   finalized = losses.finalize_metrics(metrics)
   assert math.isnan(finalized["accuracy"]) and math.isnan(finalized["reward_std"])
@@ -141,10 +135,10 @@ def test_plackett_luce_with_two_completions_equals_bradley_terry():
   rewards = rng.normal(size=(5, 3)).astype(np.float32) * 3
   # Two real completions per group, in varying slots and orders; the last group is filler.
   ranks = [[0, 1, -1], [1, -1, 0], [-1, 0, 1], [3, 7, -1], [0, 1, -1]]
-  batch = preference(rewards, ranks, example_mask=[1, 1, 1, 1, 0])
+  batch = preference_loss_args(rewards, ranks, example_mask=[1, 1, 1, 1, 0])
   pl_loss, pl_metrics = plackett_luce_loss(**batch)
   bt_loss, bt_metrics = bradley_terry_loss(**batch)
-  np.testing.assert_allclose(pl_loss, bt_loss, rtol=1e-6)
+  np.testing.assert_allclose(pl_loss, bt_loss, rtol=RTOL)
   assert_metrics_close(losses.finalize_metrics(pl_metrics), losses.finalize_metrics(bt_metrics))
 
 
@@ -153,14 +147,14 @@ def test_plackett_luce_by_hand():
   # Group 1 ranks c > a > b (ranks given out of order): two choices.
   # Group 2 has one absent slot: one choice, y over x.
   x, y = 0.5, 1.5
-  batch = preference([[a, b, c], [x, 42.0, y]], [[1, 2, 0], [1, -1, 0]])
+  batch = preference_loss_args([[a, b, c], [x, 42.0, y]], [[1, 2, 0], [1, -1, 0]])
   loss, metrics = plackett_luce_loss(**batch)
   first = np.log(np.exp(a) + np.exp(b) + np.exp(c)) - c
   second = np.log(np.exp(a) + np.exp(b)) - a
   third = np.log(np.exp(x) + np.exp(y)) - y
-  np.testing.assert_allclose(loss, (first + second + third) / 3, rtol=1e-6)
+  np.testing.assert_allclose(loss, (first + second + third) / 3, rtol=RTOL)
   finalized = losses.finalize_metrics(metrics)
-  assert finalized["loss"] == pytest.approx((first + second + third) / 3, rel=1e-6)
+  assert finalized["loss"] == pytest.approx((first + second + third) / 3, rel=RTOL)
   assert finalized["accuracy"] == 1.0  # best vs worst: c > b and y > x
   assert finalized["pairwise_accuracy"] == pytest.approx(3 / 4)  # only a > b is wrong
 
@@ -191,8 +185,8 @@ def test_stepwise_cross_entropy_by_hand():
   log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
   steps = [(0, 1), (0, 3), (0, 4), (1, 2)]
   expected = -np.mean([log_probs[b, t, labels[b, t]] for b, t in steps])
-  np.testing.assert_allclose(loss, expected, rtol=1e-6)
-  np.testing.assert_allclose(losses.finalize_metrics(metrics)["loss"], expected, rtol=1e-6)
+  np.testing.assert_allclose(loss, expected, rtol=RTOL)
+  np.testing.assert_allclose(losses.finalize_metrics(metrics)["loss"], expected, rtol=RTOL)
 
 
 def step_logits(predictions):
@@ -250,10 +244,10 @@ def test_two_batches_accumulate_to_the_concatenated_batch():
   rewards = rng.normal(size=(6, 3)).astype(np.float32)
   ranks = np.array([[0, 1, 2], [2, -1, 0], [1, 0, -1], [0, 2, 1], [0, 1, 2], [1, 0, 2]])
   mask = np.array([1, 1, 1, 1, 1, 0], np.float32)
-  whole = preference(rewards, ranks, mask)
+  whole = preference_loss_args(rewards, ranks, mask)
   # The halves hold 3 and 2 real groups (5 and 6 ordered pairs), so averaging the two batch
   # means would not give the whole-batch mean. Equal shapes keep it to one more compile.
-  first, second = preference(rewards[:3], ranks[:3], mask[:3]), preference(
+  first, second = preference_loss_args(rewards[:3], ranks[:3], mask[:3]), preference_loss_args(
       rewards[3:], ranks[3:], mask[3:])
   for loss_fn in (bradley_terry_loss, plackett_luce_loss):
     _, expected = loss_fn(**whole)
@@ -292,7 +286,7 @@ def test_each_reward_type_trains_with_its_loss():
   values = {spec: float(losses.batch_loss(spec)(rewards, batch)[0]) for spec in expected}
   assert len(set(values.values())) == 3
   for spec, (loss, metrics) in expected.items():
-    assert values[spec] == pytest.approx(float(loss), rel=1e-6), spec
+    assert values[spec] == pytest.approx(float(loss), rel=RTOL), spec
     assert_metrics_close(losses.finalize_metrics(losses.batch_loss(spec)(rewards, batch)[1]),
                          losses.finalize_metrics(metrics))
   # A spec without type=ranking ignores ranking_loss.
@@ -302,7 +296,7 @@ def test_each_reward_type_trains_with_its_loss():
   labels = jnp.array([[X, 1, X, 0], [0, X, X, 1]], jnp.int32)
   steps = StepwiseBatch(input_ids=None, attention_mask=None, labels=labels, example_mask=mask)
   loss, _ = losses.batch_loss(RewardSpec("stepwise"))(logits, steps)
-  assert float(loss) == pytest.approx(float(losses.stepwise_loss(logits, labels, mask)[0]), rel=1e-6)
+  assert float(loss) == pytest.approx(float(losses.stepwise_loss(logits, labels, mask)[0]), rel=RTOL)
 
 
 def test_every_reward_spec_has_a_loss():

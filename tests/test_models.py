@@ -4,9 +4,8 @@ import numpy as np
 import pytest
 
 import hf_tiny
+from helpers import PARITY_ATOL
 from jaxrm import RewardModel
-
-LENGTHS = [24, 17, 9]  # longer than the sliding windows (8)
 
 
 @pytest.fixture(scope="module", params=hf_tiny.FAMILIES)
@@ -20,15 +19,15 @@ def test_parity_with_transformers(family, head, tmp_path):
   torch_model.save_pretrained(tmp_path)
   rm = RewardModel.from_pretrained(tmp_path, dtype="float32")
   assert rm.config.family == family and rm.config.head == head
-  ids, mask = hf_tiny.batch(LENGTHS)
+  ids, mask = hf_tiny.batch(hf_tiny.LENGTHS)
   expected = hf_tiny.torch_forward(torch_model, ids, mask)
   got = rm.score_tokens(ids, mask)
   if head == "sequence":
-    np.testing.assert_allclose(got, expected[:, 0], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(got, expected[:, 0], atol=PARITY_ATOL, rtol=0)
     # Left padding gives the rewards of the unpadded rows.
-    lids, lmask = hf_tiny.batch(LENGTHS, left=True)
-    np.testing.assert_allclose(rm.score_tokens(lids, lmask), expected[:, 0], atol=1e-4, rtol=0)
+    lids, lmask = hf_tiny.batch(hf_tiny.LENGTHS, left=True)
+    np.testing.assert_allclose(rm.score_tokens(lids, lmask), expected[:, 0], atol=PARITY_ATOL, rtol=0)
   else:
-    assert got.shape == (3, max(LENGTHS), 2)
+    assert got.shape == (3, max(hf_tiny.LENGTHS), 2)
     real = mask.astype(bool)
-    np.testing.assert_allclose(got[real], expected[real], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(got[real], expected[real], atol=PARITY_ATOL, rtol=0)

@@ -7,30 +7,14 @@ import jax
 import numpy as np
 import pytest
 
+from helpers import numbered_pref, numbered_stepwise
 from jaxrm import sharding
 from jaxrm.batches import PreferenceBatch, StepwiseBatch
 from jaxrm.data import pipeline as pl
 from jaxrm.data.packing import PackSpec
 from jaxrm.errors import DataError
-from jaxrm.data.tokenize import PreferenceExample, StepwiseExample
 
 BUCKETS = (16, 32, 40)
-
-
-def pref(i, n=2):
-  """Group i: completion j's tokens are 1000*i + 100*j + 1, + 2, ...; lengths vary with i."""
-  length = 3 + (i * 7) % 30
-  ids = tuple(np.arange(1, length + 1 - j, dtype=np.int32) + 1000 * i + 100 * j for j in range(n))
-  return PreferenceExample(input_ids=ids, ranks=tuple(range(10, 10 + n)), margin=float(i),
-                           source=f"row {i}", meta={})
-
-
-def step(i):
-  length = 2 + i % 5
-  labels = np.full(length, -100, np.int32)
-  labels[-1] = i % 2
-  return StepwiseExample(input_ids=np.arange(length, dtype=np.int32) + 1000 * i + 1,
-                         labels=labels, source=f"row {i}", meta={})
 
 
 def group_ids(batch, k=2):
@@ -66,7 +50,7 @@ def test_length_buckets():
 
 
 def test_same_seed_same_batches_and_reshuffled_epochs():
-  examples = [pref(i) for i in range(11)]
+  examples = [numbered_pref(i) for i in range(11)]
   it, stream = train(examples)
   assert stream.steps_per_epoch == 5 and stream.epoch(4) == 0 and stream.epoch(5) == 1
   batches = take(it, 10)
@@ -81,7 +65,7 @@ def test_same_seed_same_batches_and_reshuffled_epochs():
 
 
 def test_group_integrity_and_bucket_shapes():
-  examples = [pref(i) for i in range(8)]
+  examples = [numbered_pref(i) for i in range(8)]
   for batch in take(train(examples, batch_size=4)[0], 4):
     assert isinstance(batch, PreferenceBatch)
     groups = group_ids(batch)
@@ -102,7 +86,7 @@ def test_group_integrity_and_bucket_shapes():
 
 
 def test_ranked_groups_pad_absent_slots():
-  examples = [pref(0, n=3), pref(1, n=2)]
+  examples = [numbered_pref(0, n=3), numbered_pref(1, n=2)]
   [batch] = pl.make_eval_batches(examples, batch_size=2, buckets=BUCKETS, pad_id=5)
   np.testing.assert_array_equal(batch.ranks, [[0, 1, 2], [0, 1, -1]])
   assert batch.input_ids.shape == (6, 16)
@@ -115,7 +99,7 @@ def test_ranked_groups_pad_absent_slots():
 
 
 def test_eval_covers_everything_once_with_fillers():
-  examples = [pref(i) for i in range(5)]
+  examples = [numbered_pref(i) for i in range(5)]
   batches = pl.make_eval_batches(examples, batch_size=2, buckets=BUCKETS)
   assert [group_ids(b) for b in batches] == [[0, 1], [2, 3], [4, 4]]
   last = batches[-1]
@@ -127,7 +111,7 @@ def test_eval_covers_everything_once_with_fillers():
 
 
 def test_eval_per_host_split():
-  examples = [pref(i) for i in range(5)]
+  examples = [numbered_pref(i) for i in range(5)]
   hosts = [pl.make_eval_batches(examples, batch_size=1, buckets=BUCKETS, process_index=p,
                                 process_count=2) for p in range(2)]
   assert [[group_ids(b) for b in h] for h in hosts] == [[[0], [2], [4]], [[1], [3], [4]]]
@@ -137,7 +121,7 @@ def test_eval_per_host_split():
 
 
 def test_per_host_batches_are_halves_of_the_global_batch():
-  examples = [pref(i) for i in range(13)]
+  examples = [numbered_pref(i) for i in range(13)]
   whole = take(train(examples, batch_size=4)[0], 6)
   halves = [take(train(examples, process_index=p, process_count=2)[0], 6) for p in range(2)]
   for b, h0, h1 in zip(whole, *halves):
@@ -148,7 +132,7 @@ def test_per_host_batches_are_halves_of_the_global_batch():
 
 
 def test_resume_from_state_is_exact():
-  examples = [pref(i) for i in range(11)]
+  examples = [numbered_pref(i) for i in range(11)]
   it, _ = train(examples)
   take(it, 3)
   state = json.loads(json.dumps(it.get_state()))  # what a checkpoint stores
@@ -160,7 +144,7 @@ def test_resume_from_state_is_exact():
 
 @pytest.mark.parametrize("pack", [None, PackSpec(row_length=64, shared_prompt=True)])
 def test_worker_processes_give_the_same_batches(pack):
-  examples = [pref(i) for i in range(11)]
+  examples = [numbered_pref(i) for i in range(11)]
   kw = dict(batch_size=4, pack=pack, micro_batches=2 if pack else 1)
   it, _ = train(examples, num_workers=1, **kw)
   batches = take(it, 3)
@@ -169,7 +153,7 @@ def test_worker_processes_give_the_same_batches(pack):
 
 
 def test_stepwise_batches():
-  examples = [step(i) for i in range(3)]
+  examples = [numbered_stepwise(i) for i in range(3)]
   batches = pl.make_eval_batches(examples, batch_size=2, buckets=BUCKETS, pad_id=9)
   first, last = batches
   assert isinstance(first, StepwiseBatch)
@@ -181,13 +165,13 @@ def test_stepwise_batches():
   np.testing.assert_array_equal(last.example_mask, [1.0, 0.0])
   assert (last.labels[1] == -100).all() and last.attention_mask[1].sum() == 4
   assert first.token_counts() == (2 + 3, 5 / 32) and last.token_counts() == (4, 4 / 32)
-  it, stream = train([step(i) for i in range(4)])
+  it, stream = train([numbered_stepwise(i) for i in range(4)])
   assert stream.steps_per_epoch == 2 and next(it).input_ids.shape == (2, 16)
 
 
 def test_to_global_batch_shards_the_batch_dimension():
   mesh = sharding.make_mesh()
-  [local] = pl.make_eval_batches([pref(i) for i in range(2 * mesh.size)],
+  [local] = pl.make_eval_batches([numbered_pref(i) for i in range(2 * mesh.size)],
                                  batch_size=2 * mesh.size, buckets=BUCKETS)
   batch = pl.to_global_batch(local, mesh)
   assert isinstance(batch, PreferenceBatch)
@@ -206,10 +190,10 @@ def test_to_global_batch_shards_the_batch_dimension():
 def test_errors_say_what_to_do():
   with pytest.raises(DataError, match=r"the training set has 3 examples after dropped rows; one "
                                       r"global batch needs 4 \(batch_size 2 x 2 hosts\)"):
-    train([pref(i) for i in range(3)], process_count=2)
+    train([numbered_pref(i) for i in range(3)], process_count=2)
   with pytest.raises(ValueError, match=r"a sequence of 17 tokens \(row 2\) exceeds the largest "
                                        r"length bucket 16"):
-    pl.make_eval_batches([pref(0), pref(2)], batch_size=2, buckets=(8, 16))
+    pl.make_eval_batches([numbered_pref(0), numbered_pref(2)], batch_size=2, buckets=(8, 16))
   with pytest.raises(ValueError, match="row 0 has 3 completions but batches hold "
                                        "num_completions=2"):
-    pl.make_eval_batches([pref(0, n=3)], batch_size=1, buckets=BUCKETS, num_completions=2)
+    pl.make_eval_batches([numbered_pref(0, n=3)], batch_size=1, buckets=BUCKETS, num_completions=2)

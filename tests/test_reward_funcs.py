@@ -7,17 +7,17 @@ import numpy as np
 import pytest
 import torch
 
-import tiny_run
 from jaxrm import RewardModel, reward_funcs
 
 STATS = {"mean": 0.25, "std": 2.0, "from": "validation-default"}
+# Normalizing is one float32 subtraction and division, against numpy's: a rounding or two apart.
+NORMALIZED_RTOL = 1e-6
 
 
 @pytest.fixture(scope="module")
-def rm(request, tmp_path_factory):
-  model_dir = tiny_run.tiny_model_dir(tiny_run.cache_root(request, tmp_path_factory))
-  loaded = RewardModel.from_pretrained(model_dir)
-  return RewardModel(loaded.model, loaded.tokenizer, reward_stats=STATS)
+def validated_rm(tiny_rm):
+  """The tiny model with the reward mean/std (STATS) that a validation would have recorded."""
+  return RewardModel(tiny_rm.model, tiny_rm.tokenizer, reward_stats=STATS)
 
 
 def trl_call(reward_func, prompts, completions, **columns):
@@ -39,72 +39,72 @@ def comlrl_call(reward_func, prompts, agent_completions, item):
   return [float(r) for r in reward_func(*agent_completions, **kwargs)]
 
 
-def test_trl_standard_format(rm):
-  f = rm.as_reward_func()
+def test_trl_standard_format(validated_rm):
+  f = validated_rm.as_reward_func()
   assert f.__name__ == "jaxrm_reward"
   prompts = ["Q: 1 + 1?", "Q: 1 + 1?", "Q: 2 + 3?", "Q: 2 + 3?"]  # two generations per prompt
   completions = [" A: 2", " A: 11", " A: 5", " A: 23"]
   got = trl_call(f, prompts, completions, answer=["2", "2", "5", "5"])
-  expected = rm.score([p + c for p, c in zip(prompts, completions)])
+  expected = validated_rm.score([p + c for p, c in zip(prompts, completions)])
   np.testing.assert_array_equal(got, expected)
   raw = f(prompts=prompts, completions=completions)
   assert isinstance(raw, list) and all(type(r) is float for r in raw)
   assert len(set(raw)) == 4
 
 
-def test_trl_conversational_format(rm):
-  f = reward_funcs.as_reward_func(rm, name="rm_helpfulness")
+def test_trl_conversational_format(validated_rm):
+  f = reward_funcs.as_reward_func(validated_rm, name="rm_helpfulness")
   assert f.__name__ == "rm_helpfulness"
   prompts = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}],
              [{"role": "user", "content": "2 + 2?"}]]
   completions = [[{"role": "assistant", "content": "Paris."}], [{"role": "assistant", "content": "4"}]]
   got = trl_call(f, prompts, completions)
-  np.testing.assert_array_equal(got, rm.score([p + c for p, c in zip(prompts, completions)]))
+  np.testing.assert_array_equal(got, validated_rm.score([p + c for p, c in zip(prompts, completions)]))
 
 
-def test_normalized_rewards(rm):
+def test_normalized_rewards(validated_rm):
   prompts, completions = ["Q: 1 + 1?"] * 2, [" A: 2", " A: 3"]
-  raw = trl_call(rm.as_reward_func(), prompts, completions)
-  normalized = trl_call(rm.as_reward_func(normalize=True), prompts, completions)
-  np.testing.assert_allclose(normalized, (raw - 0.25) / 2.0, rtol=1e-6)
+  raw = trl_call(validated_rm.as_reward_func(), prompts, completions)
+  normalized = trl_call(validated_rm.as_reward_func(normalize=True), prompts, completions)
+  np.testing.assert_allclose(normalized, (raw - 0.25) / 2.0, rtol=NORMALIZED_RTOL)
 
 
-def test_comlrl_multi_agent_text_formatter(rm):
+def test_comlrl_multi_agent_text_formatter(validated_rm):
   item = {"prompt": "Describe a city in the clouds.", "target_min": 2.0}
 
   def formatter(item, brief, detailed):
     return f"{item['prompt']}\n\nBrief: {brief}\n\nDetailed: {detailed}"
 
-  f = rm.as_multi_agent_reward_func(formatter)
+  f = validated_rm.as_multi_agent_reward_func(formatter)
   brief = ["Floating towers.", "Mist.", "A city."]
   detailed = ["Towers float on mist, linked by bridges.", "Everything is mist.", "A city above the sky."]
   got = comlrl_call(f, ["p1", "p2"], [brief, detailed], item)
-  expected = rm.score([formatter(item, b, d) for b, d in zip(brief, detailed)])
+  expected = validated_rm.score([formatter(item, b, d) for b, d in zip(brief, detailed)])
   assert got == expected.tolist() and len(set(got)) == 3
 
 
-def test_comlrl_chat_formatter_and_per_row_items(rm):
+def test_comlrl_chat_formatter_and_per_row_items(validated_rm):
   def formatter(item, *completions):
     reply = "\n".join(f"Agent {i}: {c}" for i, c in enumerate(completions))
     return [{"role": "user", "content": item["prompt"]}, {"role": "assistant", "content": reply}]
 
-  f = reward_funcs.as_multi_agent_reward_func(rm, formatter, normalize=True)
+  f = reward_funcs.as_multi_agent_reward_func(validated_rm, formatter, normalize=True)
   agents = [["one", "uno"], ["two", "dos"], ["three", "tres"]]
   items = [{"prompt": "Count in English."}, {"prompt": "Count in Spanish."}]
   got = f(*agents, batch_items=items)
   chats = [formatter(item, *joint) for item, joint in zip(items, zip(*agents))]
-  np.testing.assert_allclose(got, (rm.score(chats) - 0.25) / 2.0, rtol=1e-6)
+  np.testing.assert_allclose(got, (validated_rm.score(chats) - 0.25) / 2.0, rtol=NORMALIZED_RTOL)
 
 
-def test_errors(rm, tmp_path):
-  f = rm.as_multi_agent_reward_func(lambda item, a, b: item["prompt"] + a + b, name="pair_rm")
+def test_errors(validated_rm, tmp_path):
+  f = validated_rm.as_multi_agent_reward_func(lambda item, a, b: item["prompt"] + a + b, name="pair_rm")
   with pytest.raises(ValueError, match=r"pair_rm: each agent must give as many completions; got \[2, 1\]"):
     f(["a", "b"], ["c"], batch_items=[{"prompt": "p"}])
   with pytest.raises(ValueError, match="pair_rm: batch_items .* is required"):
     f(["a"], ["b"])
   with pytest.raises(ValueError, match="pair_rm: 2 batch_items for 3 joint responses"):
     f(["a", "b", "c"], ["d", "e", "f"], batch_items=[{"prompt": "p"}] * 2)
-  prm = types.SimpleNamespace(config=rm.config.replace(head="token", num_labels=2))
+  prm = types.SimpleNamespace(config=validated_rm.config.replace(head="token", num_labels=2))
   with pytest.raises(ValueError, match="a reward function needs a sequence head with one label; this model "
                                        "has a token head with 2 label"):
     reward_funcs.as_reward_func(prm)

@@ -14,6 +14,7 @@ from flax import nnx
 
 import hf_tiny
 import tiny_run
+from helpers import NL, PARITY_ATOL, assert_same_params, params, right_padded
 from jaxrm import RewardModel, checkpointing
 from jaxrm.errors import CheckpointError
 from jaxrm.data import registry
@@ -21,7 +22,10 @@ from jaxrm.data.drops import DropReport
 from jaxrm.errors import DataError
 from jaxrm.data.tokenize import TokenizeOptions, tokenize_all
 
-NL = 198  # SmolLM2's "\n"
+# score() sorts rows by length and pads each batch to its own bucket, while the references below pad
+# to one fixed length: the same float32 rewards through sums over other padded lengths. Rewards are
+# O(1); on CPU they usually come out bit-equal.
+REBATCHED_ATOL = 1e-5
 
 CHATS = [
     [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}],
@@ -49,37 +53,20 @@ def run_copy(run_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def rm(run_dir):
+  """The run's best checkpoint (trained, with the reward stats its validation recorded); not the
+  untrained ``tiny_rm``."""
   return RewardModel.from_pretrained(run_dir)
 
 
 @pytest.fixture(scope="module")
-def prm(model_dir, tmp_path_factory):
+def prm(smollm2_tokenizer, tmp_path_factory):
   """A random 2-layer Qwen2 token-classification model with SmolLM2's tokenizer."""
-  tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+  tok = smollm2_tokenizer
   out = tmp_path_factory.mktemp("prm")
   hf_tiny.build("qwen2", "token", vocab_size=len(tok), num_hidden_layers=2,
                 pad_token_id=tok.pad_token_id).save_pretrained(out)
   tok.save_pretrained(out)
   return RewardModel.from_pretrained(out)
-
-
-def params(rm):
-  return {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(rm.model))}
-
-
-def assert_same_params(a, b):
-  pa, pb = params(a), params(b)
-  assert pa.keys() == pb.keys()
-  for k in pa:
-    np.testing.assert_array_equal(pa[k], pb[k], err_msg=str(k))
-
-
-def right_padded(rows, length, pad=2):
-  ids = np.full((len(rows), length), pad, np.int32)
-  mask = np.zeros((len(rows), length), np.int32)
-  for i, r in enumerate(rows):
-    ids[i, :len(r)], mask[i, :len(r)] = r, 1
-  return ids, mask
 
 
 def meta(run_dir, step):
@@ -199,11 +186,11 @@ def test_score_tokenizes_and_scores_as_training(rm):
   # Each row ends "<|im_end|>\n": the eos (== pad) token is inside the row, not mistaken for padding.
   assert rows[0][-2:] == [rm.tokenizer.pad_token_id, NL]
   # Reference: rows in their own order, four per batch, padded to 64 (score() sorts them by length).
-  expected = np.concatenate([rm.score_tokens(*right_padded(rows[i:i + 4], 64)) for i in range(0, 12, 4)])
+  expected = np.concatenate([rm.score_tokens(*right_padded(rows[i:i + 4], pad=2, length=64)) for i in range(0, 12, 4)])
   np.testing.assert_allclose(rm.score(prompts=prompts, completions=completions, batch_size=4),
-                             expected, atol=1e-5, rtol=0)
+                             expected, atol=REBATCHED_ATOL, rtol=0)
   np.testing.assert_allclose(rm.score([p + c for p, c in zip(prompts, completions)], batch_size=4),
-                             expected, atol=1e-5, rtol=0)
+                             expected, atol=REBATCHED_ATOL, rtol=0)
 
 
 def test_plain_text_layout_and_batching(rm):
@@ -212,8 +199,8 @@ def test_plain_text_layout_and_batching(rm):
   assert rm.encode("1 + 1 = 2") == tok("1 + 1 = 2")["input_ids"]
   assert rm.encode("Q: 1 + 1?", " A: 2") == tok("Q: 1 + 1? A: 2")["input_ids"]  # joined, then tokenized
   got = rm.score(texts, batch_size=4)
-  np.testing.assert_allclose(got, rm.score_tokens(*right_padded([rm.encode(t) for t in texts], 64)),
-                             atol=1e-5, rtol=0)
+  np.testing.assert_allclose(got, rm.score_tokens(*right_padded([rm.encode(t) for t in texts], pad=2, length=64)),
+                             atol=REBATCHED_ATOL, rtol=0)
   assert got.dtype == np.float32 and got.shape == (4,)
   assert rm.score([]).shape == (0,)
 
@@ -221,6 +208,7 @@ def test_plain_text_layout_and_batching(rm):
 def test_normalize_uses_validation_stats(rm, model_dir):
   raw = rm.score(CHATS)
   mean, std = rm.reward_stats["mean"], rm.reward_stats["std"]
+  # One float32 subtraction and division against numpy's: a rounding or two apart.
   np.testing.assert_allclose(rm.score(CHATS, normalize=True), (raw - mean) / std, rtol=1e-6)
   untrained = RewardModel.from_pretrained(model_dir)
   assert untrained.reward_stats is None
@@ -275,6 +263,8 @@ def test_score_steps_layout_and_probabilities(prm):
   assert all(ids[p] == NL for p in positions)
   logits = prm.score_tokens([ids], [[1] * len(ids)])[0]
   probs = prm.score_steps("Compute (2 + 2) * 3.", steps)
+  # The same logits through jaxrm's softmax and numpy's: probabilities in (0, 1), where float32's
+  # spacing is at most 6e-8.
   np.testing.assert_allclose(probs, softmax1(logits[positions]), atol=1e-6, rtol=0)
   assert len(probs) == 3 and all(0 < p < 1 for p in probs)
 
@@ -286,7 +276,7 @@ def test_score_steps_batch_and_chat_prompts(prm):
   batch = prm.score_steps_batch(prompts, steps_lists, batch_size=2, bucket=16)
   assert [len(b) for b in batch] == [2, 3, 0]
   for got, p, s in zip(batch, prompts, steps_lists):
-    np.testing.assert_allclose(got, prm.score_steps(p, s), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got, prm.score_steps(p, s), atol=REBATCHED_ATOL, rtol=0)
   # A chat prompt ends with the generation prompt: the steps are the assistant's open turn.
   ids, positions = prm.encode_steps(chat, steps_lists[1])
   opening = prm.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
@@ -321,15 +311,12 @@ def test_run_export_scores_like_jaxrm_in_transformers(rm, run_dir, tmp_path):
   rm.save_pretrained(tmp_path)
   hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path, dtype=torch.float32).eval()
   rows = [rm.encode(c) for c in CHATS]
-  lengths = np.array([len(r) for r in rows])
-  ids = np.full((len(rows), lengths.max()), rm.tokenizer.pad_token_id, np.int64)
-  for i, r in enumerate(rows):
-    ids[i, :len(r)] = r
+  for r in rows:
     assert r[-1] != hf.config.pad_token_id  # transformers pools at the last non-pad token: the same one
-  mask = (np.arange(lengths.max())[None] < lengths[:, None]).astype(np.int64)
+  ids, mask = right_padded(rows, pad=rm.tokenizer.pad_token_id, dtype=np.int64)
   with torch.no_grad():
     theirs = hf(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits[:, 0].numpy()
-  np.testing.assert_allclose(rm.score(CHATS), theirs, atol=1e-4, rtol=0)
+  np.testing.assert_allclose(rm.score(CHATS), theirs, atol=PARITY_ATOL, rtol=0)
   back = RewardModel.from_pretrained(tmp_path)
   assert_same_params(rm, back)
   assert back.reward_stats == rm.reward_stats and back.step_separator == rm.step_separator

@@ -15,17 +15,13 @@ import urllib.request
 import pytest
 
 import tiny_run
+from helpers import REBATCHED, assistant, user
 from jaxrm import RewardModel
 from jaxrm.serve import Limits, RewardService, make_server
 
 LIMITS = Limits(max_batch=4, max_request_bytes=2048, max_length=64)
 # Proxies from the environment must not see loopback requests.
 OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-@pytest.fixture(scope="module")
-def rm(model_dir):
-  return RewardModel.from_pretrained(model_dir)
 
 
 @contextlib.contextmanager
@@ -43,8 +39,8 @@ def serving(rm, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def url(rm):
-  with serving(rm) as u:
+def url(tiny_rm):
+  with serving(tiny_rm) as u:
     yield u
 
 
@@ -61,14 +57,6 @@ def call(url, path, body=None, *, raw=None, method=None):
       return e.code, json.loads(e.read())
 
 
-def user(text):
-  return {"role": "user", "content": text}
-
-
-def assistant(text):
-  return {"role": "assistant", "content": text}
-
-
 TEXTS = [
     "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n",
     "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n5<|im_end|>\n",
@@ -80,36 +68,37 @@ CONVERSATIONS = [
 ]
 
 
-def test_get_reward_is_openrlhf_compatible(url, rm):
+def test_get_reward_is_openrlhf_compatible(url, tiny_rm):
   # OpenRLHF's remote_rm_fn posts the rendered texts with their prompts and labels.
   status, reply = call(url, "/get_reward", {"query": TEXTS, "prompts": ["p"] * 3, "labels": [""] * 3})
   assert status == 200
-  assert reply == {"rewards": rm.score(TEXTS, batch_size=2).tolist()}
+  assert reply == {"rewards": tiny_rm.score(TEXTS, batch_size=2).tolist()}
 
 
-def test_score_conversations(url, rm):
+def test_score_conversations(url, tiny_rm):
   status, reply = call(url, "/score", {"conversations": CONVERSATIONS})
   assert status == 200
-  assert reply == {"rewards": rm.score(CONVERSATIONS, batch_size=2).tolist()}
+  assert reply == {"rewards": tiny_rm.score(CONVERSATIONS, batch_size=2).tolist()}
 
 
-def test_long_conversations_lose_their_oldest_turns(url, rm):
+def test_long_conversations_lose_their_oldest_turns(url, tiny_rm):
   long = [user("one two " * 30), assistant("Noted."), user("Capital of France?"), assistant("Paris")]
   status, reply = call(url, "/score", {"conversations": [long]})
   assert status == 200
-  assert reply["rewards"] == rm.score([long], max_length=LIMITS.max_length).tolist()
-  assert reply["rewards"] == rm.score([long[2:]]).tolist()
+  assert reply["rewards"] == tiny_rm.score([long], max_length=LIMITS.max_length).tolist()
+  assert reply["rewards"] == tiny_rm.score([long[2:]]).tolist()
 
 
-def test_normalized_rewards(rm):
+def test_normalized_rewards(tiny_rm):
   with pytest.raises(ValueError, match="normalizing needs the reward mean/std recorded at validation"):
-    make_server(rm, "127.0.0.1", 0, normalize=True)
+    make_server(tiny_rm, "127.0.0.1", 0, normalize=True)
   stats = {"mean": 0.5, "std": 2.0, "from": "validation-default"}
-  validated = RewardModel(rm.model, rm.tokenizer, reward_stats=stats)
+  validated = RewardModel(tiny_rm.model, tiny_rm.tokenizer, reward_stats=stats)
   with serving(validated, normalize=True) as u:
     status, reply = call(u, "/get_reward", {"query": TEXTS})
   assert status == 200
-  raw = rm.score(TEXTS, batch_size=2)
+  raw = tiny_rm.score(TEXTS, batch_size=2)
+  # One float32 subtraction and division against numpy's: a rounding or two apart.
   assert reply["rewards"] == pytest.approx((raw - 0.5) / 2.0, rel=1e-6)
 
 
@@ -165,14 +154,16 @@ def test_wrong_method_and_missing_length(url):
     conn.close()
 
 
-def test_concurrent_requests_get_their_own_rewards(url, rm):
+def test_concurrent_requests_get_their_own_rewards(url, tiny_rm):
   bodies = [TEXTS[i:] for i in range(3)] * 2
   with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
     replies = list(pool.map(lambda texts: call(url, "/get_reward", {"query": texts}), bodies))
-  expected = rm.score(TEXTS, batch_size=2).tolist()
+  expected = tiny_rm.score(TEXTS, batch_size=2).tolist()
   for texts, (status, reply) in zip(bodies, replies):
     assert status == 200
-    assert reply["rewards"] == pytest.approx(expected[3 - len(texts):], rel=1e-5, abs=1e-6)
+    # A request of 1 or 2 of the texts scores them in other batches than all 3 do: other padding.
+    assert reply["rewards"] == pytest.approx(expected[3 - len(texts):], rel=REBATCHED["rtol"],
+                                             abs=REBATCHED["atol"])
 
 
 def test_process_reward_models_are_refused():

@@ -1,13 +1,11 @@
 """Token and label layouts, truncation and drop rules, with SmolLM2's real ChatML tokenizer."""
 
 import copy
-import os
 
 import numpy as np
 import pytest
-import transformers
 
-from jaxrm.hf import gguf
+from helpers import IM_END, IM_START, NL, assistant, pair_record, user
 from jaxrm.data import tokenize as tk
 from jaxrm.data.drops import DropReport
 from jaxrm.errors import DataError
@@ -17,21 +15,12 @@ from jaxrm.data.records import PreferenceRecord, StepwiseRecord
 # The SmolLM2 chat template adds this system turn when a conversation has none.
 SYSTEM = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
           "Face<|im_end|>\n")
-IM_START, IM_END, NL = 1, 2, 198  # <|im_start|>, <|im_end|> (== eos == pad), "\n"
 
 
 @pytest.fixture(scope="module")
-def tok(request, tmp_path_factory):
-  """SmolLM2's tokenizer. Converting the GGUF vocabulary takes seconds, so the result is kept in
-  pytest's cache directory (GGUFCheckpoint.tokenizer would also parse every tensor header)."""
-  cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
-  name = "smollm2_135m_instruct_tokenizer"
-  saved = str(cache.mkdir(name) if cache else tmp_path_factory.mktemp(name))
-  if not os.path.exists(os.path.join(saved, "tokenizer.json")):
-    path = gguf.embedded_model_path()
-    transformers.AutoTokenizer.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path)).save_pretrained(saved)
-  return transformers.AutoTokenizer.from_pretrained(saved)
+def tok(smollm2_tokenizer):
+  """SmolLM2's tokenizer (tests/conftest.py), by a short name; tests that change it change a copy."""
+  return smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -48,26 +37,13 @@ def llama3_like(tok):
   return t
 
 
-def user(text):
-  return {"role": "user", "content": text}
-
-
-def assistant(text):
-  return {"role": "assistant", "content": text}
-
-
-def pair(context, chosen, rejected, source="t.jsonl:1", **kw):
-  return PreferenceRecord(context=context, completions=(rejected, chosen), ranks=(1, 0),
-                          source=source, **kw)
-
-
 def opts(**kw):
   return tk.TokenizeOptions(**kw)
 
 
 def test_chat_pair_layout_best_first(tok):
   drops = DropReport()
-  ex = tk.tokenize_preference(pair([user("2+3?")], [assistant("5")], [assistant("6")]), tok,
+  ex = tk.tokenize_preference(pair_record([user("2+3?")], [assistant("5")], [assistant("6")]), tok,
                               opts(), drops)
   assert ex.ranks == (0, 1) and ex.margin == 0.0 and drops.total == 0
   chosen, rejected = ex.input_ids
@@ -86,7 +62,7 @@ def test_chat_pair_layout_best_first(tok):
 def test_reward_position_with_pad_equal_to_eos(tok):
   """The last attended token is the completion's end of turn, not the first eos in the row."""
   assert tok.pad_token_id == tok.eos_token_id == IM_END
-  ex = tk.tokenize_preference(pair([user("2+3?")], [assistant("5")], [assistant("6")]), tok,
+  ex = tk.tokenize_preference(pair_record([user("2+3?")], [assistant("5")], [assistant("6")]), tok,
                               opts(), DropReport())
   [batch] = make_eval_batches([ex], batch_size=1, buckets=(64,), pad_id=tok.pad_token_id)
   ids, mask = batch.input_ids[0], batch.attention_mask[0]
@@ -100,7 +76,7 @@ def test_reward_position_with_pad_equal_to_eos(tok):
 
 def test_llama3_like_template_ends_on_eos_without_double_bos(llama3_like):
   t = llama3_like
-  ex = tk.tokenize_preference(pair([user("hi")], [assistant("5")], [assistant("6")]), t, opts(),
+  ex = tk.tokenize_preference(pair_record([user("hi")], [assistant("5")], [assistant("6")]), t, opts(),
                               DropReport())
   ids = ex.input_ids[0]
   assert ids.tolist() == [0, IM_START, 4093, NL, 6004, IM_END, IM_START, 520, 9531, NL, 37, IM_END]
@@ -113,7 +89,7 @@ def test_llama3_like_template_ends_on_eos_without_double_bos(llama3_like):
 
 
 def test_plain_text_gets_the_tokenizers_bos_and_keeps_it_when_cut(llama3_like):
-  rec = pair("a b c d e f =", " 5", " 6")
+  rec = pair_record("a b c d e f =", " 5", " 6")
   ex = tk.tokenize_preference(rec, llama3_like, opts(), DropReport())
   assert ex.input_ids[0].tolist() == [0, 81, 278, 265, 287, 297, 275, 446, 216, 37]
   cut = tk.tokenize_preference(rec, llama3_like, opts(max_length=6, truncation="left"),
@@ -124,7 +100,7 @@ def test_plain_text_gets_the_tokenizers_bos_and_keeps_it_when_cut(llama3_like):
 
 
 def test_plain_text_pair(tok):
-  ex = tk.tokenize_preference(pair("Q: 2+3=", " 5", " 6"), tok, opts(), DropReport())
+  ex = tk.tokenize_preference(pair_record("Q: 2+3=", " 5", " 6"), tok, opts(), DropReport())
   # "Q" ":" " " "2" "+" "3" "=" " " "5": SmolLM2 adds no BOS/EOS to plain text.
   assert ex.input_ids[0].tolist() == [65, 42, 216, 34, 27, 35, 45, 216, 37]
   assert ex.input_ids[1].tolist() == [65, 42, 216, 34, 27, 35, 45, 216, 38]
@@ -203,9 +179,9 @@ def test_stepwise_left_truncation_drops_old_turns_first(tok):
 
 def test_over_length_pair_dropped_and_counted(tok):
   drops = DropReport()
-  rec = pair("Q: 2+3=", " 5 " * 10, " 6")
+  rec = pair_record("Q: 2+3=", " 5 " * 10, " 6")
   assert tk.tokenize_preference(rec, tok, opts(max_length=12), drops) is None
-  assert tk.tokenize_preference(pair("Q " * 20, " 5", " 6", source="t.jsonl:9"), tok,
+  assert tk.tokenize_preference(pair_record("Q " * 20, " 5", " 6", source="t.jsonl:9"), tok,
                                 opts(max_length=12), drops) is None
   assert drops.counts == {tk.PAIR_TOO_LONG: 1, tk.PROMPT_TOO_LONG: 1}
   assert drops.examples[tk.PROMPT_TOO_LONG] == ["t.jsonl:9"]
@@ -215,7 +191,7 @@ def test_over_length_pair_dropped_and_counted(tok):
 def test_left_truncation_drops_oldest_turns_keeps_completions(tok):
   context = [{"role": "system", "content": "Be brief."}, user("tell me a story " * 10),
              assistant("once upon a time"), user("2+3?")]
-  rec = pair(context, [assistant("5")], [assistant("6")])
+  rec = pair_record(context, [assistant("5")], [assistant("6")])
   ex = tk.tokenize_preference(rec, tok, opts(max_length=40, truncation="left"), DropReport())
   expected = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+3?<|im_end|>\n"
               "<|im_start|>assistant\n{}<|im_end|>\n")
@@ -223,27 +199,27 @@ def test_left_truncation_drops_oldest_turns_keeps_completions(tok):
 
 
 def test_left_truncation_cuts_oldest_context_tokens(tok):
-  rec = pair("a b c d e f g h i j =", " 5", " 66")  # prompt 11 tokens, completions 2 and 3
+  rec = pair_record("a b c d e f g h i j =", " 5", " 66")  # prompt 11 tokens, completions 2 and 3
   ex = tk.tokenize_preference(rec, tok, opts(max_length=8, truncation="left"), DropReport())
   # Both completions keep the same context: 6 tokens cut to make room for the longer one.
   assert [tok.decode(ids) for ids in ex.input_ids] == [" g h i j = 5", " g h i j = 66"]
   assert [len(ids) for ids in ex.input_ids] == [7, 8]
   drops = DropReport()
-  long = pair("Q:", " 5" * 20, " 6")
+  long = pair_record("Q:", " 5" * 20, " 6")
   assert tk.tokenize_preference(long, tok, opts(max_length=8, truncation="left"), drops) is None
   assert drops.counts == {tk.COMPLETION_TOO_LONG: 1}
 
 
 def test_identical_completions_dropped(tok):
   drops = DropReport()
-  rec = pair([user("2+3?")], [assistant("5")], [assistant("5")], source="t.jsonl:4")
+  rec = pair_record([user("2+3?")], [assistant("5")], [assistant("5")], source="t.jsonl:4")
   assert tk.tokenize_preference(rec, tok, opts(), drops) is None
   assert drops.counts == {tk.IDENTICAL_COMPLETIONS: 1}
   assert drops.examples[tk.IDENTICAL_COMPLETIONS] == ["t.jsonl:4"]
 
 
 def test_mixed_text_and_conversation_is_an_error(tok):
-  rec = pair([user("2+3?")], "5", "6", source="t.jsonl:3")
+  rec = pair_record([user("2+3?")], "5", "6", source="t.jsonl:3")
   with pytest.raises(DataError, match=r"t.jsonl:3: field 'completions\[0\]': is plain text but "
                                       r"the context is a conversation"):
     tk.tokenize_preference(rec, tok, opts(), DropReport())
@@ -260,7 +236,7 @@ def test_template_error_names_row(tok):
 
 def test_tokenize_all_skips_dropped(tok):
   drops = DropReport()
-  records = [pair("Q", " a", " b"), pair("Q", " a", " a", source="dup"),
+  records = [pair_record("Q", " a", " b"), pair_record("Q", " a", " a", source="dup"),
              StepwiseRecord(prompt="Q", steps=("a",), labels=(False,), source="s")]
   out = tk.tokenize_all(records, tok, opts(), drops)
   assert [type(e) for e in out] == [tk.PreferenceExample, tk.StepwiseExample]

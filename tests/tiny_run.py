@@ -22,7 +22,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOKENIZER_CACHE = "smollm2_135m_instruct_tokenizer"  # shared with test_tokenize.py
+TOKENIZER_CACHE = "smollm2_135m_instruct_tokenizer"
 MODEL_CACHE = "jaxrm_tiny_llama_smollm2_vocab_v1"
 
 # What every tiny run trains: 4 steps of 8 pairs; checkpoints and validation every 2 steps.
