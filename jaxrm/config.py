@@ -19,6 +19,7 @@ from typing import Any
 from jaxrm.data.tokenize import TokenizeOptions
 from jaxrm.errors import ConfigError
 from jaxrm.losses import RewardSpec
+from jaxrm.models.config import ATTENTION_IMPLS
 from jaxrm.sharding import MeshConfig
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,12 @@ class ModelSpec:
   dtype: str = "float32"  # compute dtype: float32 | bfloat16
   param_dtype: str = "float32"  # master weights (and optimizer state)
   remat: str = "none"  # none | full | dots
+  # auto (a fused flash kernel on GPU, the reference path elsewhere) | reference | pallas | cudnn
+  attention: str = "auto"
+
+  def __post_init__(self):
+    if self.attention not in ATTENTION_IMPLS:
+      raise ConfigError(f"model.attention must be one of {', '.join(ATTENTION_IMPLS)}; got {self.attention!r}")
   seed: int = 0  # seed of a new reward head
 
 

@@ -299,6 +299,8 @@ def _define_flags() -> None:
   flags.DEFINE_string("step_separator", "\n", "Text after each step of a stepwise row.")
   flags.DEFINE_integer("batch_size", 8, "Examples per forward pass.")
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
+  flags.DEFINE_string("attention", "auto", "Attention implementation: auto (a fused kernel on GPU, the "
+                      "reference path elsewhere) | reference | pallas | cudnn.")
   flags.DEFINE_string("output", None, "Directory for eval.json and rewards.png (default: print only).")
 
 
@@ -327,7 +329,7 @@ def main() -> None:
   f = flags.FLAGS
   drops = DropReport()
   records = _load_records(f.data, f.dataset_name, f.split, f.subset_field, f.max_rows, drops)
-  rm = RewardModel.from_pretrained(f.model, dtype=f.dtype)
+  rm = RewardModel.from_pretrained(f.model, dtype=f.dtype, attention_impl=f.attention)
   options = TokenizeOptions(max_length=f.max_length, truncation=f.truncation, step_separator=f.step_separator)
   result = evaluate(rm, records, options=options, batch_size=f.batch_size, drops=drops)
   print(f"jaxrm evaluate: model {f.model}, data {f.data}")

@@ -230,6 +230,8 @@ def _define_flags() -> None:
                     "validation (models saved by training).")
   flags.DEFINE_integer("batch_size", 8, "Sequences per forward pass.")
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
+  flags.DEFINE_string("attention", "auto", "Attention implementation: auto (a fused kernel on GPU, the "
+                      "reference path elsewhere) | reference | pallas | cudnn.")
 
 
 def main() -> None:
@@ -239,7 +241,7 @@ def main() -> None:
 
   cli.setup_logging(logging.INFO, timestamps=True)
   f = flags.FLAGS
-  rm = RewardModel.from_pretrained(f.model, dtype=f.dtype)
+  rm = RewardModel.from_pretrained(f.model, dtype=f.dtype, attention_impl=f.attention)
   limits = Limits(max_batch=f.max_batch, max_request_bytes=f.max_request_bytes, max_length=f.max_length)
   server = make_server(rm, f.host, f.port, limits=limits, batch_size=f.batch_size, normalize=f.normalize,
                        model_name=f.model)

@@ -132,6 +132,18 @@ def activation_sharding(mesh: Mesh, rules: dict[str, Any] = DEFAULT_RULES):
     _ACTIVE.pop()
 
 
+def active_mesh() -> Mesh | None:
+  """The mesh of the innermost :func:`activation_sharding` context; None outside one."""
+  return _ACTIVE[-1][0] if _ACTIVE else None
+
+
+def activation_spec(shape: Sequence[int], logical_axes: Sequence[str | None]) -> P:
+  """The PartitionSpec that :func:`constrain` would give an activation of ``shape`` (inside
+  :func:`activation_sharding`), e.g. for a ``shard_map`` around a kernel XLA cannot split."""
+  mesh, rules = _ACTIVE[-1]
+  return _fits(shape, logical_to_spec(logical_axes, rules), mesh)
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
   """``with_sharding_constraint`` by logical names; a no-op outside :func:`activation_sharding`."""
   if not _ACTIVE:

@@ -30,6 +30,7 @@ from jaxrm.data.tokenize import pad_id, tokenize_all
 from jaxrm.errors import ConfigError, UserError
 from jaxrm.losses import accumulate, finalize_metrics
 from jaxrm.metrics_writer import MetricsWriter
+from jaxrm.models.decoder import attention_summary
 
 log = logging.getLogger("jaxrm.train")
 
@@ -178,7 +179,7 @@ def _load_model(config: RunConfig, mesh, *, weights: bool):
     rm = RewardModel.from_pretrained(
         config.model.name_or_path, dtype=config.model.dtype, param_dtype=config.model.param_dtype,
         head="token" if config.stepwise else "sequence", mesh=mesh, seed=config.model.seed,
-        remat=config.model.remat, load_weights=weights)
+        remat=config.model.remat, attention_impl=config.model.attention, load_weights=weights)
   if rm.tokenizer is None:
     raise ConfigError(f"model.name_or_path={config.model.name_or_path!r} has no tokenizer files")
   return rm
@@ -296,6 +297,7 @@ def _summary(run: _Run, out_dir: str) -> str:
   return (
       f"jaxrm: {rm.config.family} model {config.model.name_or_path}, {num_params / 1e6:.1f}M parameters, "
       f"{rm.config.dtype} compute / {rm.config.param_dtype} weights, {config.reward.type} loss\n"
+      f"{attention_summary(rm.config)}\n"
       f"mesh: {dict(run.mesh.shape)} on {jax.device_count()} {jax.default_backend()} devices, "
       f"{jax.process_count()} process(es)\n"
       f"data: {len(data.train)} train examples ({run.input.stream.steps_per_epoch} steps/epoch), "

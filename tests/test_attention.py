@@ -1,18 +1,23 @@
-"""The attention routes: einsum (XLA) and ``jax.nn.dot_product_attention`` (cuDNN on GPUs).
+"""The attention routes: the reference einsum, ``jax.nn.dot_product_attention`` (cuDNN on GPUs) and
+the Pallas flash kernel (tests/test_flash_attention.py checks its arithmetic).
 
 Which route a config takes is asserted for every backend on any machine; cuDNN's kernel itself only
 runs where there is a GPU (``@pytest.mark.gpu``)."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from helpers import REORDERED_ATOL, jitted, pref, random_groups, tiny_config, tiny_model
 from jaxrm.data import packing
+from jaxrm.errors import ConfigError
 from jaxrm.models import layers as L
-from jaxrm.models.decoder import Decoder, attention_fn
+from jaxrm.models.config import config_from_dict
+from jaxrm.models.decoder import attention_fn, attention_route, attention_summary
+from jaxrm.models.flash_attention import flash_attention
 
 
 def tree_mask():
@@ -88,26 +93,38 @@ def test_attention_gradients_equal_autodiff(softcap):
     np.testing.assert_allclose(g, e, atol=1e-5, rtol=0)
 
 
-def route_on(backend, cfg):
-  """``attention_fn(cfg)`` as it decides where JAX's default backend is ``backend``: the decision
-  reads ``jax.default_backend()``, answered here for the one call."""
-  with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(jax, "default_backend", lambda: backend)
-    return attention_fn(cfg)
-
-
 @pytest.mark.parametrize("backend, fused", [("gpu", "cudnn"), ("cpu", "xla"), ("tpu", "xla")])
 def test_attention_route_per_config(backend, fused):
   for dtype in ("bfloat16", "float16"):
-    route = route_on(backend, tiny_config(attention_impl="cudnn", dtype=dtype))
+    route = attention_fn(tiny_config(attention_impl="cudnn", dtype=dtype), backend)
     assert route.func is L.fused_attention
     assert route.keywords["implementation"] == fused
   for dtype in ("float32", "bfloat16"):
-    assert route_on(backend, tiny_config(dtype=dtype)).func is L.dot_product_attention
+    assert attention_fn(tiny_config(attention_impl="reference", dtype=dtype), backend).func is L.dot_product_attention
     # jax.nn.dot_product_attention has no soft-capping: Gemma 2 keeps the einsum path.
-    capped = route_on(backend, tiny_config(attention_impl="cudnn", dtype=dtype,
-                                           attn_logit_softcapping=50.0))
+    capped = attention_fn(tiny_config(attention_impl="cudnn", dtype=dtype, attn_logit_softcapping=50.0),
+                          backend)
     assert capped.func is L.dot_product_attention and capped.keywords["softcap"] == 50.0
+
+
+@pytest.mark.parametrize("backend", ["gpu", "cpu", "tpu"])
+def test_auto_takes_the_pallas_kernel_on_a_gpu_only(backend):
+  for softcap in (None, 50.0):  # the kernel soft-caps: Gemma 2 takes it too
+    cfg = tiny_config(dtype="bfloat16", attn_logit_softcapping=softcap)
+    route = attention_fn(cfg, backend)
+    if backend == "gpu":
+      assert attention_route(cfg, backend) == "pallas"
+      assert route.func is flash_attention and route.keywords["softcap"] == softcap
+      assert not route.keywords["interpret"]
+    else:
+      assert attention_route(cfg, backend) == "reference" and route.func is L.dot_product_attention
+
+
+@pytest.mark.parametrize("backend", ["gpu", "cpu"])
+def test_pallas_setting_interprets_the_kernel_off_a_gpu(backend):
+  route = attention_fn(tiny_config(attention_impl="pallas"), backend)
+  assert route.func is flash_attention and route.keywords["interpret"] == (backend != "gpu")
+  assert route.keywords["scale"] == tiny_config().attn_scale
 
 
 def test_attention_route_on_this_machine():
@@ -118,8 +135,25 @@ def test_attention_route_on_this_machine():
 
 @pytest.mark.parametrize("backend", ["gpu", "cpu"])
 def test_float32_never_takes_cudnn(backend):
-  route = route_on(backend, tiny_config(attention_impl="cudnn", dtype="float32"))
+  route = attention_fn(tiny_config(attention_impl="cudnn", dtype="float32"), backend)
   assert route.func is L.fused_attention and route.keywords["implementation"] == "xla"
+
+
+def test_attention_summary_names_the_route_and_its_features():
+  gemma = tiny_config(attn_logit_softcapping=50.0)  # and tiny_config's window on layer 0 of 2
+  assert attention_summary(gemma, "gpu") == (
+      "attention: pallas flash kernel on all 2 layers; sliding window of 6 positions on 1 of them; "
+      "logit soft-capping at 50")
+  assert attention_summary(gemma.replace(attention_impl="pallas"), "cpu").startswith(
+      "attention: pallas flash kernel in interpret mode (no GPU; slow) on all 2 layers")
+  assert attention_summary(gemma.replace(attention_impl="cudnn"), "gpu").startswith(
+      "attention: reference einsum (cudnn has no logit soft-capping) on all 2 layers")
+  plain = tiny_config(sliding_window=None, layer_types=())
+  assert attention_summary(plain, "cpu") == (
+      "attention: reference einsum (auto: the pallas kernel needs a GPU; this backend is cpu) "
+      "on all 2 layers")
+  assert attention_summary(plain.replace(attention_impl="cudnn", dtype="bfloat16"), "gpu") == (
+      "attention: cuDNN (jax.nn.dot_product_attention) on all 2 layers")
 
 
 def test_cudnn_setting_equals_xla_setting_on_packed_rows():
@@ -128,7 +162,7 @@ def test_cudnn_setting_equals_xla_setting_on_packed_rows():
   model, on any machine. cuDNN's kernel itself is test_cudnn_kernel_matches_einsum."""
   groups = random_groups(np.random.default_rng(5), 3, 3)
   batch = packing.pack_preference(groups, packing.PackSpec(64, shared_prompt=True))
-  xla = jitted(tiny_model(tiny_config()))(batch)
+  xla = jitted(tiny_model(tiny_config(attention_impl="reference")))(batch)
   fused = jitted(tiny_model(tiny_config(attention_impl="cudnn")))(batch)
   real = batch.ranks >= 0
   np.testing.assert_allclose(np.asarray(fused)[real], np.asarray(xla)[real], atol=REORDERED_ATOL,
@@ -152,8 +186,15 @@ def test_cudnn_kernel_matches_einsum():
 
 
 def test_unknown_attention_impl_is_an_error():
-  with pytest.raises(ValueError, match=r"attention_impl='flash'; use one of xla, cudnn"):
-    nnx.eval_shape(lambda: Decoder(tiny_config(attention_impl="flash"), rngs=nnx.Rngs(0)))
+  with pytest.raises(ConfigError, match=r"attention_impl='flash'; use one of auto, reference, pallas, cudnn"):
+    tiny_config(attention_impl="flash")
+
+
+def test_a_run_written_with_the_xla_setting_reads_back_as_reference():
+  """Older runs' model_config.json hold attention_impl="xla", the einsum's former name."""
+  old = dataclasses.asdict(tiny_config())
+  old.update(attention_impl="xla", layer_types=list(old["layer_types"]))
+  assert config_from_dict(old, "model_config.json") == tiny_config(attention_impl="reference")
 
 
 def test_reward_positions_need_a_sequence_head():

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from jaxrm.config import (CheckpointSpec, DataSpec, RunConfig, TrainSpec, base_config, from_config_dict,
+from jaxrm.config import (CheckpointSpec, DataSpec, ModelSpec, RunConfig, TrainSpec, base_config, from_config_dict,
                           normalize_metric_name)
 from jaxrm.errors import ConfigError
 
@@ -39,6 +39,7 @@ def test_a_notebook_sets_only_what_it_changes():
 
 
 @pytest.mark.parametrize("make, message", [
+    (lambda: ModelSpec(attention="flash"), "model.attention must be one of auto, reference, pallas, cudnn; got 'flash'"),
     (lambda: DataSpec(packing="pack"), "data.packing must be one of none, packed, shared_prompt; got 'pack'"),
     (lambda: DataSpec(packed_row_length=-1), "data.packed_row_length=-1: use a number of tokens per row"),
     (lambda: RunConfig(checkpointing=CheckpointSpec(metric_name="validation-other_loss")),

@@ -31,3 +31,15 @@ def test_parity_with_transformers(family, head, tmp_path):
     assert got.shape == (3, max(hf_tiny.LENGTHS), 2)
     real = mask.astype(bool)
     np.testing.assert_allclose(got[real], expected[real], atol=PARITY_ATOL, rtol=0)
+
+
+def test_parity_with_transformers_through_the_pallas_kernel(family, tmp_path):
+  """The flash kernel (interpret mode off a GPU) in each family's decoder: Gemma 2's soft-capping
+  and sliding layers, Qwen's and Mistral's windows, rows of 24 tokens (the kernel pads to 32)."""
+  torch_model = hf_tiny.build(family, "sequence")
+  torch_model.save_pretrained(tmp_path)
+  rm = RewardModel.from_pretrained(tmp_path, dtype="float32", attention_impl="pallas")
+  assert rm.config.attention_impl == "pallas"
+  ids, mask = hf_tiny.batch(hf_tiny.LENGTHS)
+  expected = hf_tiny.torch_forward(torch_model, ids, mask)
+  np.testing.assert_allclose(rm.score_tokens(ids, mask), expected[:, 0], atol=PARITY_ATOL, rtol=0)

@@ -20,6 +20,9 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
 HEADS = ("sequence", "token")
 ROPE_TYPES = ("default", "linear", "llama3")
 REMAT_POLICIES = ("none", "full", "dots")
+# auto: the Pallas flash kernel on a GPU, the reference einsum elsewhere (see decoder.attention_route)
+ATTENTION_IMPLS = ("auto", "reference", "pallas", "cudnn")
+LEGACY_ATTENTION_IMPLS = {"xla": "reference"}  # what older runs' model_config.json may hold
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +87,7 @@ class ModelConfig:
   dtype: str = "float32"  # compute dtype
   param_dtype: str = "float32"
   remat: str = "none"  # none | full | dots
-  attention_impl: str = "xla"  # xla | cudnn
+  attention_impl: str = "auto"  # auto | reference | pallas | cudnn
 
   def __post_init__(self):
     if self.family not in FAMILIES:
@@ -93,6 +96,8 @@ class ModelConfig:
       raise ConfigError(f"head must be one of {HEADS}, got {self.head!r}")
     if self.remat not in REMAT_POLICIES:
       raise ConfigError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ConfigError(f"attention_impl={self.attention_impl!r}; use one of {', '.join(ATTENTION_IMPLS)}")
     if self.num_heads % self.num_kv_heads:
       raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
     if self.layer_types and len(self.layer_types) != self.num_layers:
@@ -128,6 +133,8 @@ def config_from_dict(d: dict[str, Any], where: str) -> ModelConfig:
     raise CheckpointError(f"{where}: unknown model config fields {unknown}; was it written by a newer jaxrm?")
   kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
   kwargs["rope"] = RopeConfig(**d.get("rope", {}))
+  if "attention_impl" in kwargs:
+    kwargs["attention_impl"] = LEGACY_ATTENTION_IMPLS.get(kwargs["attention_impl"], kwargs["attention_impl"])
   return ModelConfig(**kwargs)
 
 

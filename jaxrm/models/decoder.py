@@ -4,6 +4,11 @@ Layer parameters are stacked along a leading ``layers`` axis and the forward pas
 them, so a 30-layer model compiles one block, not thirty. The LM head is never computed: the
 model ends in a sequence head (``score``: one reward per row, read at the last real token) or a
 token head (``num_labels`` logits per token, for process reward models).
+
+Attention takes one of three routes (:func:`attention_route`): the Pallas flash kernel
+(``flash_attention.py``, the default on a GPU), which masks from per-token ids; the reference
+einsum (``layers.dot_product_attention``, the default elsewhere) and ``jax.nn.dot_product_attention``
+(cuDNN), which take a dense mask built once for all layers.
 """
 
 from __future__ import annotations
@@ -14,14 +19,13 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxrm import sharding
 from jaxrm.models import heads
 from jaxrm.models import layers as L
 from jaxrm.models.config import ModelConfig
-
-
-ATTENTION_IMPLS = ("xla", "cudnn")
+from jaxrm.models.flash_attention import NO_WINDOW, flash_attention, layout
 
 
 class Layers(nnx.Module):
@@ -69,8 +73,6 @@ class Decoder(nnx.Module):
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    if cfg.attention_impl not in ATTENTION_IMPLS:
-      raise ValueError(f"attention_impl={cfg.attention_impl!r}; use one of {', '.join(ATTENTION_IMPLS)}")
     self.config = cfg
     dtype = jnp.dtype(cfg.param_dtype)
     normal = jax.nn.initializers.normal(0.02)
@@ -98,6 +100,10 @@ class Decoder(nnx.Module):
       segment_ids: [B, T] int32; tokens attend only within their segment (packed rows).
       branch_ids: [B, T] int32 (shared-prompt rows): 0 = a segment's shared prefix, b > 0 = one
         branch, which sees the prefix and itself only (see ``layers.attention_mask``).
+
+    The states of padding tokens depend on the attention route (the Pallas kernel gives padding
+    queries no keys, the reference the real keys before them); losses and scores read real
+    tokens only.
     """
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
@@ -107,24 +113,18 @@ class Decoder(nnx.Module):
     if cfg.gemma_norms:
       x = x * jnp.asarray(cfg.hidden_size**0.5, dtype)
     cos, sin = L.rope_tables(positions, cfg.rope.inv_freq(cfg.head_dim))
-    full = L.attention_mask(attention_mask, positions, segment_ids, branch_ids_bt=branch_ids)
-    sliding = cfg.sliding_layers
-    window = None
-    if sliding.any():
-      window = L.attention_mask(attention_mask, positions, segment_ids, cfg.sliding_window, branch_ids)
-    attend = attention_fn(cfg)
+    attend = _layer_attention(cfg, attention_mask, positions, segment_ids, branch_ids)
 
     def block(x_btd, params_and_flag):
       p, is_sliding = params_and_flag
-      mask = full if window is None else jnp.where(is_sliding, window, full)
       x_btd = sharding.constrain(x_btd, ("batch", "length", "act_embed"))
-      return _block(cfg, attend, x_btd, p, cos, sin, mask), None
+      return _block(cfg, functools.partial(attend, is_sliding=is_sliding), x_btd, p, cos, sin), None
 
     if cfg.remat != "none":
       policy = None if cfg.remat == "full" else jax.checkpoint_policies.dots_with_no_batch_dims_saveable
       block = jax.checkpoint(block, policy=policy, prevent_cse=False)
     params = {k: v[...] for k, v in vars(self.layers).items() if isinstance(v, nnx.Variable)}
-    x, _ = jax.lax.scan(block, x, (params, jnp.asarray(sliding)))
+    x, _ = jax.lax.scan(block, x, (params, jnp.asarray(cfg.sliding_layers)))
     return L.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, cfg.gemma_norms)
 
   def __call__(self, input_ids, attention_mask, positions=None, segment_ids=None, branch_ids=None,
@@ -148,22 +148,118 @@ class Decoder(nnx.Module):
     return heads.sequence_rewards(h, self.score[...], bias, attention_mask, reward_positions)
 
 
-def attention_fn(cfg: ModelConfig) -> Callable:
-  """The attention of ``cfg``: q [B, T, H, Dh], k/v [B, S, K, Dh], bool mask [B, T, S] -> [B, T, H, Dh].
+def attention_route(cfg: ModelConfig, backend: str | None = None) -> str:
+  """What computes the attention of ``cfg`` where JAX's default backend is ``backend`` (default:
+  this one's): ``"pallas"`` (:mod:`jaxrm.models.flash_attention`), ``"cudnn"``
+  (``jax.nn.dot_product_attention``) or ``"reference"`` (``layers.dot_product_attention``).
 
-  ``attention_impl="cudnn"`` goes through ``jax.nn.dot_product_attention``: cuDNN's fused kernel
-  on a GPU in bfloat16/float16, that call's XLA lowering elsewhere. The call has no logit
-  soft-capping, so soft-capped models (Gemma 2) keep the einsum path, as ``"xla"`` does.
+  ``auto`` takes the Pallas kernel on a GPU and the reference elsewhere. ``cudnn`` has no logit
+  soft-capping, so soft-capped models (Gemma 2) take the reference instead.
   """
-  if cfg.attention_impl == "cudnn" and cfg.attn_logit_softcapping is None:
-    fused = jax.default_backend() == "gpu" and jnp.dtype(cfg.dtype) in (jnp.bfloat16, jnp.float16)
+  backend = backend or jax.default_backend()
+  if cfg.attention_impl == "auto":
+    return "pallas" if backend == "gpu" else "reference"
+  if cfg.attention_impl == "cudnn" and cfg.attn_logit_softcapping is not None:
+    return "reference"
+  return cfg.attention_impl
+
+
+def attention_fn(cfg: ModelConfig, backend: str | None = None) -> Callable:
+  """The attention of ``cfg`` on ``backend`` (default: JAX's default backend).
+
+  Every route takes q [B, T, H, Dh], k/v [B, S, K, Dh] and returns [B, T, H, Dh]; the Pallas
+  kernel then takes a ``flash_attention.Layout`` and a window, the others a bool mask [B, T, S].
+  The Pallas kernel runs through Triton on a GPU and in interpret mode elsewhere (slow: for
+  tests); the cudnn setting reaches cuDNN's kernel on a GPU in bfloat16/float16 and the same
+  call's XLA lowering otherwise.
+  """
+  backend = backend or jax.default_backend()
+  route = attention_route(cfg, backend)
+  if route == "pallas":
+    return functools.partial(flash_attention, scale=cfg.attn_scale, softcap=cfg.attn_logit_softcapping,
+                             interpret=backend != "gpu")
+  if route == "cudnn":
     return functools.partial(L.fused_attention, scale=cfg.attn_scale,
-                             implementation="cudnn" if fused else "xla")
+                             implementation="cudnn" if _cudnn_runs(cfg, backend) else "xla")
   return functools.partial(L.dot_product_attention, scale=cfg.attn_scale,
                            softcap=cfg.attn_logit_softcapping)
 
 
-def _block(cfg: ModelConfig, attend: Callable, x_btd, p, cos, sin, mask):
+def _cudnn_runs(cfg: ModelConfig, backend: str) -> bool:
+  return backend == "gpu" and jnp.dtype(cfg.dtype) in (jnp.bfloat16, jnp.float16)
+
+
+def attention_summary(cfg: ModelConfig, backend: str | None = None) -> str:
+  """One line saying what computes the attention of ``cfg`` on ``backend``, for the run's log."""
+  backend = backend or jax.default_backend()
+  route = attention_route(cfg, backend)
+  if route == "pallas":
+    what = "pallas flash kernel" + ("" if backend == "gpu" else " in interpret mode (no GPU; slow)")
+  elif route == "cudnn":
+    what = ("cuDNN (jax.nn.dot_product_attention)" if _cudnn_runs(cfg, backend) else
+            "jax.nn.dot_product_attention's XLA lowering (cuDNN needs a GPU and bfloat16/float16)")
+  else:
+    what = "reference einsum"
+    if cfg.attention_impl == "auto":
+      what += f" (auto: the pallas kernel needs a GPU; this backend is {backend})"
+    elif cfg.attention_impl == "cudnn":
+      what += " (cudnn has no logit soft-capping)"
+  features = []
+  if (sliding := int(cfg.sliding_layers.sum())):
+    features.append(f"sliding window of {cfg.sliding_window} positions on {sliding} of them")
+  if cfg.attn_logit_softcapping is not None:
+    features.append(f"logit soft-capping at {cfg.attn_logit_softcapping:g}")
+  return f"attention: {what} on all {cfg.num_layers} layers" + "".join(f"; {f}" for f in features)
+
+
+def _layer_attention(cfg: ModelConfig, attention_mask, positions, segment_ids, branch_ids) -> Callable:
+  """``(q, k, v, *, is_sliding) -> [B, T, H, Dh]`` for one layer of the scan; what masks the
+  attention (a dense mask, or the Pallas kernel's per-token layout) is built once for all layers."""
+  attend = attention_fn(cfg)
+  windowed = bool(cfg.sliding_layers.any())
+  if attention_route(cfg) == "pallas":
+    real = attention_mask > 0
+    ids = layout(real.astype(jnp.int32) if segment_ids is None else jnp.where(real, segment_ids, 0),
+                 branch_ids, positions)
+
+    def fused(q, k, v, *, is_sliding):
+      window = jnp.where(is_sliding, cfg.sliding_window, NO_WINDOW) if windowed else None
+      return _per_shard(attend, q, k, v, ids, window)
+
+    return fused
+  full = L.attention_mask(attention_mask, positions, segment_ids, branch_ids_bt=branch_ids)
+  window = None
+  if windowed:
+    window = L.attention_mask(attention_mask, positions, segment_ids, cfg.sliding_window, branch_ids)
+
+  def dense(q, k, v, *, is_sliding):
+    return attend(q, k, v, full if window is None else jnp.where(is_sliding, window, full))
+
+  return dense
+
+
+def _per_shard(attend: Callable, q_bthd, k_bskd, v_bskd, ids, window):
+  """``attend(q, k, v, ids, window)``, run on each device's rows and heads under
+  ``sharding.activation_sharding``.
+
+  XLA cannot split a Pallas kernel: left to itself, it would gather the whole batch onto every
+  device and compute all of it there. Heads are split only where the key heads split alike, so
+  that each device holds every query head of its key heads.
+  """
+  args = (q_bthd, k_bskd, v_bskd, ids) + (() if window is None else (window,))
+  mesh = sharding.active_mesh()
+  if mesh is None:
+    return attend(*args)
+  spec = lambda x, axes: sharding.activation_spec(x.shape, axes)
+  q_spec = spec(q_bthd, ("batch", "length", "heads", "head_dim"))
+  k_spec = spec(k_bskd, ("batch", "length", "kv_heads", "head_dim"))
+  if q_spec[2] != k_spec[2]:
+    q_spec, k_spec = (P(x[0], x[1], None, x[3]) for x in (q_spec, k_spec))
+  specs = (q_spec, k_spec, k_spec, P(q_spec[0], None)) + (() if window is None else (P(),))
+  return jax.shard_map(attend, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(*args)
+
+
+def _block(cfg: ModelConfig, attend: Callable, x_btd, p, cos, sin):
   b, t, d = x_btd.shape
   h_, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   norm = lambda x, w: L.rms_norm(x, w, cfg.rms_norm_eps, cfg.gemma_norms)
@@ -175,7 +271,7 @@ def _block(cfg: ModelConfig, attend: Callable, x_btd, p, cos, sin, mask):
   if cfg.qk_norm:
     q, k = norm(q, p["q_norm"][None, None]), norm(k, p["k_norm"][None, None])
   q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
-  a = attend(q, k, v, mask)
+  a = attend(q, k, v)
   a = L.linear(a.reshape(b * t, h_ * hd), p["o"], p.get("o_bias"))
   if cfg.gemma_norms:
     a = norm(a, p["post_attn_norm"])

@@ -1,0 +1,398 @@
+"""Flash attention as Pallas kernels, masked per block from per-token ids instead of a dense mask.
+
+One kernel serves jaxrm's three row layouts: right-padded rows, packed rows (block-diagonal
+causal) and shared-prompt rows (a tree: each branch sees the prompt and itself). Who may attend to
+whom is read from a :class:`Layout` of per-token int32 arrays, so no [B, T, S] mask is built or
+read; blocks of keys after a block of queries (causal) or before its earliest segment (packed
+rows) are skipped, not computed and then masked.
+
+The design follows ``jax.experimental.pallas.ops.gpu.attention`` (forward with a log-sum-exp
+residual, backward recomputing the weights block by block), with separate dq and dk/dv kernels so
+that grouped-query heads can sum their dk/dv inside the kernel. On a GPU the kernels lower through
+Triton; elsewhere ``interpret=True`` runs them as ordinary XLA ops (slow: for tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxrm.models.layers import NEG_INF
+
+LENGTH_MULTIPLE = 16  # rows are padded to this; Triton's matrix products need blocks of >= 16
+NO_WINDOW = 2**30  # a window wider than any row: the full-attention layers of a sliding model
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Rows per tile; each is reduced to the largest power of two (>= 16) that divides the length.
+
+  Forward and dq programs hold ``q`` queries and loop over keys ``k`` at a time; dk/dv programs
+  hold ``k_dkv`` keys and loop over queries ``q_dkv`` at a time. The defaults follow
+  ``jax.experimental.pallas.ops.gpu.attention``'s and are not tuned for a particular GPU.
+  """
+
+  q: int = 64
+  k: int = 64
+  q_dkv: int = 32
+  k_dkv: int = 32
+
+
+class Layout(NamedTuple):
+  """Who attends to whom: int32 [B, T'] arrays, T' = T rounded up to ``LENGTH_MULTIPLE``.
+
+  A query attends to a key at or before it (by index) of the same segment, whose branch is 0 or
+  the query's own, and (in a sliding-window layer) fewer than ``window`` positions back.
+  ``first_key`` and ``last_query`` bound each token's segment, so that the kernels skip the
+  blocks that lie outside every segment of a block.
+  """
+
+  segment_ids: jax.Array  # 1, 2, ... per sequence; 0 = padding, which sees and is seen by nothing
+  branch_ids: jax.Array  # 0 = a prefix every branch sees; b > 0 = a branch that sees 0 and b
+  positions: jax.Array  # rotary positions, for the sliding window
+  first_key: jax.Array  # lowest index of the token's segment (T' for padding)
+  last_query: jax.Array  # highest index of the token's segment (-1 for padding)
+
+
+def layout(segment_ids_bt, branch_ids_bt=None, positions_bt=None) -> Layout:
+  """The :class:`Layout` of rows whose real tokens carry ``segment_ids_bt`` > 0 ([B, T] int32).
+
+  Unpacked rows pass their attention mask as segment ids. Build it once per batch: every layer
+  reads the same one.
+  """
+  b, t = segment_ids_bt.shape
+  zeros = jnp.zeros((b, t), jnp.int32)
+  ids = [segment_ids_bt, zeros if branch_ids_bt is None else branch_ids_bt,
+         zeros if positions_bt is None else positions_bt]
+  pad = _round_up(t, LENGTH_MULTIPLE) - t
+  segment, branch, position = (jnp.pad(x.astype(jnp.int32), ((0, 0), (0, pad))) for x in ids)
+  return Layout(segment, branch, position, *_segment_spans(segment))
+
+
+def _segment_spans(segment_bt):
+  """Lowest and highest index of each token's segment, as int32 [B, T] each."""
+  b, t = segment_bt.shape
+  real = segment_bt != 0
+  # Ids outside [1, T] share one bucket: that widens spans, which stay valid bounds.
+  bucket = (jnp.clip(segment_bt, 1, t) + (t + 1) * jnp.arange(b)[:, None]).ravel()
+  index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  first = jax.ops.segment_min(jnp.where(real, index, t).ravel(), bucket, b * (t + 1))[bucket]
+  last = jax.ops.segment_max(jnp.where(real, index, -1).ravel(), bucket, b * (t + 1))[bucket]
+  return jnp.where(real, first.reshape(b, t), t), jnp.where(real, last.reshape(b, t), -1)
+
+
+def flash_attention(q_bthd, k_bskd, v_bskd, ids: Layout, window=None, *, scale: float,
+                    softcap: float | None = None, interpret: bool = False,
+                    blocks: BlockSizes = BlockSizes()):
+  """Causal grouped-query self-attention; logits and softmax in float32. Returns [B, T, H, Dh].
+
+  Args:
+    q_bthd: [B, T, H, Dh] queries; H a multiple of the K key heads.
+    k_bskd, v_bskd: [B, T, K, Dh].
+    ids: the rows' :class:`Layout` (see :func:`layout`).
+    window: None, or an int32 scalar (it may be traced, so that one kernel serves the sliding and
+      the full layers of a scan): keys at least this many positions back are hidden.
+    scale: multiplies the logits.
+    softcap: Gemma 2's soft-capping, ``softcap * tanh(logits / softcap)``.
+    interpret: run the kernels as XLA ops (any backend) instead of through Triton (GPU).
+
+  Queries that see no key (padding) get zeros, and pass no gradient.
+  """
+  b, t, h, d = q_bthd.shape
+  if k_bskd.shape[1] != t or h % k_bskd.shape[2]:
+    raise ValueError(f"flash_attention: q {q_bthd.shape} and k {k_bskd.shape} need the same length "
+                     "and heads that are a multiple of the key heads")
+  # Triton loads power-of-two tiles and multiplies matrices of >= 16: zero-padded head dims add
+  # nothing to the logits, and their outputs are cut off.
+  t_pad, d_pad = ids.segment_ids.shape[1], max(16, pl.next_power_of_2(d))
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, t_pad - t), (0, 0), (0, d_pad - d)))
+  window_1 = jnp.full((1,), NO_WINDOW if window is None else window, jnp.int32)
+  static = _Static(scale, softcap, window is not None, interpret, blocks)
+  out = _attention(pad(q_bthd), pad(k_bskd), pad(v_bskd), (*ids, window_1), static)
+  return out[:, :t, :, :d]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  scale: float
+  softcap: float | None
+  windowed: bool
+  interpret: bool
+  blocks: BlockSizes
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, ids, static: _Static):
+  return _forward(q, k, v, ids, static)[0]
+
+
+def _attention_fwd(q, k, v, ids, static):
+  out, lse = _forward(q, k, v, ids, static)
+  return out, (q, k, v, ids, out, lse)
+
+
+def _attention_bwd(static, residuals, d_out):
+  q, k, v, ids, out, lse = residuals
+  # The softmax's backward subtracts sum_d(out * d_out) per query: computed once, not per block.
+  delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), d_out.astype(jnp.float32))
+  d_q = _backward_dq(q, k, v, d_out, lse, delta, ids, static)
+  d_k, d_v = _backward_dkv(q, k, v, d_out, lse, delta, ids, static)
+  return d_q, d_k, d_v, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# ------------------------------------------------------------------ pallas_call wrappers
+
+
+def _forward(q, k, v, ids, static):
+  b, t, h, d = q.shape
+  groups = h // k.shape[2]
+  block_q, block_k = _block(t, static.blocks.q), _block(t, static.blocks.k)
+  q_spec = pl.BlockSpec((None, block_q, None, d), lambda i, b, h: (b, i, h, 0))
+  kv_spec = pl.BlockSpec((None, t, None, d), lambda i, b, h: (b, 0, lax.div(h, groups), 0))
+  kernel = functools.partial(_forward_kernel, scale=static.scale, softcap=static.softcap,
+                             windowed=static.windowed, block_k=block_k)
+  return pl.pallas_call(
+      kernel,
+      grid=(t // block_q, b, h),
+      in_specs=[q_spec, kv_spec, kv_spec, *_id_specs(t, lambda i, b, h: b)],
+      out_specs=[q_spec, pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((b, h, t), jnp.float32)],  # log-sum-exp of each query's logits
+      compiler_params=_compiler_params(d),
+      interpret=static.interpret,
+      name="jaxrm_flash_forward",
+  )(q, k, v, *ids)
+
+
+def _backward_dq(q, k, v, d_out, lse, delta, ids, static):
+  b, t, h, d = q.shape
+  groups = h // k.shape[2]
+  block_q, block_k = _block(t, static.blocks.q), _block(t, static.blocks.k)
+  q_spec = pl.BlockSpec((None, block_q, None, d), lambda i, b, h: (b, i, h, 0))
+  kv_spec = pl.BlockSpec((None, t, None, d), lambda i, b, h: (b, 0, lax.div(h, groups), 0))
+  row_spec = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
+  kernel = functools.partial(_dq_kernel, scale=static.scale, softcap=static.softcap,
+                             windowed=static.windowed, block_k=block_k)
+  return pl.pallas_call(
+      kernel,
+      grid=(t // block_q, b, h),
+      in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec,
+                *_id_specs(t, lambda i, b, h: b)],
+      out_specs=q_spec,
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      compiler_params=_compiler_params(d),
+      interpret=static.interpret,
+      name="jaxrm_flash_dq",
+  )(q, k, v, d_out, lse, delta, *ids)
+
+
+def _backward_dkv(q, k, v, d_out, lse, delta, ids, static):
+  """dk and dv, each program summing over the query heads that share its key head."""
+  b, t, kv, d = k.shape
+  groups = q.shape[2] // kv
+  block_q, block_k = _block(t, static.blocks.q_dkv), _block(t, static.blocks.k_dkv)
+  group_spec = pl.BlockSpec((None, t, groups, d), lambda j, b, g: (b, 0, g, 0))
+  group_rows_spec = pl.BlockSpec((None, groups, t), lambda j, b, g: (b, g, 0))
+  kv_spec = pl.BlockSpec((None, block_k, None, d), lambda j, b, g: (b, j, g, 0))
+  kernel = functools.partial(_dkv_kernel, scale=static.scale, softcap=static.softcap,
+                             windowed=static.windowed, block_q=block_q, groups=groups)
+  return pl.pallas_call(
+      kernel,
+      grid=(t // block_k, b, kv),
+      in_specs=[group_spec, kv_spec, kv_spec, group_spec, group_rows_spec, group_rows_spec,
+                *_id_specs(t, lambda j, b, g: b)],
+      out_specs=[kv_spec, kv_spec],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      compiler_params=_compiler_params(d),
+      interpret=static.interpret,
+      name="jaxrm_flash_dkv",
+  )(q, k, v, d_out, lse, delta, *ids)
+
+
+def _id_specs(t, row_of):
+  """Whole rows of the five :class:`Layout` arrays, and the window scalar."""
+  row = pl.BlockSpec((None, t), lambda *grid: (row_of(*grid), 0))
+  return [row] * len(Layout._fields) + [pl.BlockSpec((1,), lambda *grid: (0,))]
+
+
+def _block(length: int, preferred: int) -> int:
+  block = preferred
+  while length % block:
+    block //= 2
+  return block
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def _compiler_params(head_dim: int):
+  # Used by the Triton lowering only; interpret mode ignores them.
+  return plgpu.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+
+
+# ------------------------------------------------------------------ kernels
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, segment_ref, branch_ref, position_ref, first_ref, last_ref,
+                    window_ref, out_ref, lse_ref, *, scale, softcap, windowed, block_k):
+  """One block of queries of one head: an online softmax over the blocks of keys it can see."""
+  del last_ref
+  block_q = q_ref.shape[0]
+  q_start = pl.program_id(0) * block_q
+  q_rows = pl.ds(q_start, block_q)
+  q_ids = _ids(segment_ref, branch_ref, position_ref, q_rows)
+  window = window_ref[0] if windowed else None
+  q = q_ref[...]
+
+  def step(kb, carry):
+    acc, row_max, row_sum = carry
+    k_start = pl.multiple_of(kb * block_k, block_k)
+    k_rows = pl.ds(k_start, block_k)
+    logits, _ = _logits(q, k_ref[k_rows, :], scale, softcap)
+    mask = _mask(q_start, q_ids, k_start, _ids(segment_ref, branch_ref, position_ref, k_rows), window)
+    new_max = jnp.maximum(row_max, jnp.max(jnp.where(mask, logits, NEG_INF), axis=1))
+    # Masked entries are zeroed, not just pushed to NEG_INF: while a row has seen no key its
+    # running max is NEG_INF too, and exp(0) would count them.
+    probs = jnp.where(mask, jnp.exp(logits - new_max[:, None]), 0.0)
+    rescale = jnp.exp(row_max - new_max)
+    acc = acc * rescale[:, None] + _matmul(probs.astype(v_ref.dtype), v_ref[k_rows, :])
+    return acc, new_max, row_sum * rescale + jnp.sum(probs, axis=1)
+
+  start, stop = _key_blocks(first_ref[q_rows], q_start + block_q, block_k)
+  init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_q,), NEG_INF, jnp.float32),
+          jnp.zeros((block_q,), jnp.float32))
+  acc, row_max, row_sum = lax.fori_loop(start, stop, step, init)
+  # A query that sees no key (row_sum 0) gets zeros, and a log-sum-exp so large that the
+  # backward pass's exp(logits - lse) is 0 for it.
+  seen = row_sum > 0
+  safe_sum = jnp.where(seen, row_sum, 1.0)
+  out_ref[...] = (acc / safe_sum[:, None]).astype(out_ref.dtype)
+  lse_ref[...] = jnp.where(seen, row_max + jnp.log(safe_sum), -NEG_INF)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, segment_ref, branch_ref,
+               position_ref, first_ref, last_ref, window_ref, d_q_ref, *, scale, softcap, windowed,
+               block_k):
+  """dq of one block of queries of one head, over the blocks of keys it can see."""
+  del last_ref
+  block_q = q_ref.shape[0]
+  q_start = pl.program_id(0) * block_q
+  q_rows = pl.ds(q_start, block_q)
+  q_ids = _ids(segment_ref, branch_ref, position_ref, q_rows)
+  window = window_ref[0] if windowed else None
+  q, d_out, lse, delta = q_ref[...], d_out_ref[...], lse_ref[...], delta_ref[...]
+
+  def step(kb, d_q):
+    k_start = pl.multiple_of(kb * block_k, block_k)
+    k_rows = pl.ds(k_start, block_k)
+    k, v = k_ref[k_rows, :], v_ref[k_rows, :]
+    mask = _mask(q_start, q_ids, k_start, _ids(segment_ref, branch_ref, position_ref, k_rows), window)
+    d_logits = _d_logits(q, k, v, d_out, lse, delta, mask, scale, softcap)[1]
+    return d_q + _matmul(d_logits.astype(k.dtype), k)
+
+  start, stop = _key_blocks(first_ref[q_rows], q_start + block_q, block_k)
+  d_q = lax.fori_loop(start, stop, step, jnp.zeros(q.shape, jnp.float32))
+  d_q_ref[...] = (d_q * scale).astype(d_q_ref.dtype)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, segment_ref, branch_ref,
+                position_ref, first_ref, last_ref, window_ref, d_k_ref, d_v_ref, *, scale, softcap,
+                windowed, block_q, groups):
+  """dk and dv of one block of keys of one key head, over its query heads and the queries that
+  can see it."""
+  del first_ref
+  block_k = k_ref.shape[0]
+  k_start = pl.program_id(0) * block_k
+  k_rows = pl.ds(k_start, block_k)
+  k_ids = _ids(segment_ref, branch_ref, position_ref, k_rows)
+  window = window_ref[0] if windowed else None
+  k, v = k_ref[...], v_ref[...]
+  # Queries before the block see none of it (causal), nor do those after its last segment.
+  start = lax.div(k_start, block_q)
+  stop = lax.div(jnp.max(last_ref[k_rows]) + block_q, block_q)
+
+  def step_head(g, carry):
+    def step(qb, carry):
+      d_k, d_v = carry
+      q_start = pl.multiple_of(qb * block_q, block_q)
+      q_rows = pl.ds(q_start, block_q)
+      q, d_out = q_ref[q_rows, g, :], d_out_ref[q_rows, g, :]
+      mask = _mask(q_start, _ids(segment_ref, branch_ref, position_ref, q_rows), k_start, k_ids,
+                   window)
+      probs, d_logits = _d_logits(q, k, v, d_out, lse_ref[g, q_rows], delta_ref[g, q_rows], mask,
+                                  scale, softcap)
+      d_v = d_v + _matmul_t(probs.astype(d_out.dtype), d_out)
+      return d_k + _matmul_t(d_logits.astype(q.dtype), q), d_v
+
+    return lax.fori_loop(start, stop, step, carry)
+
+  zeros = jnp.zeros(k.shape, jnp.float32)
+  d_k, d_v = lax.fori_loop(0, groups, step_head, (zeros, zeros))
+  d_k_ref[...] = (d_k * scale).astype(d_k_ref.dtype)
+  d_v_ref[...] = d_v.astype(d_v_ref.dtype)
+
+
+# ------------------------------------------------------------------ kernel pieces
+
+
+def _ids(segment_ref, branch_ref, position_ref, rows):
+  return segment_ref[rows], branch_ref[rows], position_ref[rows]
+
+
+def _mask(q_start, q_ids, k_start, k_ids, window):
+  """bool [block_q, block_k]: the rule of :class:`Layout`."""
+  (q_segment, q_branch, q_position), (k_segment, k_branch, k_position) = q_ids, k_ids
+  q_index = q_start + jnp.arange(q_segment.shape[0], dtype=jnp.int32)
+  k_index = k_start + jnp.arange(k_segment.shape[0], dtype=jnp.int32)
+  mask = (q_index[:, None] >= k_index[None, :]) & (k_segment[None, :] != 0)
+  mask &= q_segment[:, None] == k_segment[None, :]
+  mask &= (k_branch[None, :] == 0) | (k_branch[None, :] == q_branch[:, None])
+  if window is not None:
+    mask &= q_position[:, None] - k_position[None, :] < window
+  return mask
+
+
+def _key_blocks(first_key_q, q_end, block_k):
+  """[start, stop) of the key blocks that a block of queries (their ``first_key``, the block's
+  end) can see."""
+  return lax.div(jnp.min(first_key_q), block_k), lax.div(q_end + block_k - 1, block_k)
+
+
+def _logits(q, k, scale, softcap):
+  """float32 [block_q, block_k] logits, and d(capped)/d(logits) when soft-capped."""
+  logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  logits = logits * scale
+  if softcap is None:
+    return logits, None
+  capped = jnp.tanh(logits / softcap)
+  return capped * softcap, 1.0 - capped * capped
+
+
+def _d_logits(q, k, v, d_out, lse, delta, mask, scale, softcap):
+  """The attention weights of a block, and the gradient of the loss w.r.t. its scaled logits
+  (before ``scale``, which the caller applies once)."""
+  logits, slope = _logits(q, k, scale, softcap)
+  probs = jnp.where(mask, jnp.exp(logits - lse[:, None]), 0.0)
+  d_probs = lax.dot_general(d_out, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  d_logits = probs * (d_probs - delta[:, None])
+  return probs, d_logits if slope is None else d_logits * slope
+
+
+def _matmul(a, b):
+  return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _matmul_t(a, b):
+  """a.T @ b."""
+  return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
