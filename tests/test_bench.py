@@ -1,0 +1,109 @@
+"""scripts/bench.py's memory plan and scripts/gpu_check.py's dry run, on a tiny shape on CPU."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import bench  # noqa: E402
+from jaxrm.hf.loader import abstract_model  # noqa: E402
+from jaxrm.models.decoder import Decoder  # noqa: E402
+
+TINY_LENGTH = 32
+
+
+def run_script(*args, timeout=600):
+  out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=timeout, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  return out.stdout
+
+
+@pytest.fixture(scope="module")
+def tiny_plan(tmp_path_factory):
+  """The plan of the tiny shape on one device and on fsdp=8 (8 fake CPU devices)."""
+  path = str(tmp_path_factory.mktemp("plan") / "plan.json")
+  stdout = run_script("scripts/bench.py", "--plan", "--plan_models=tiny",
+                      f"--plan_lengths={TINY_LENGTH}", "--plan_remat=none",
+                      "--plan_meshes=1x1x1,1x8x1", f"--json={path}")
+  with open(path) as f:
+    return json.load(f), stdout, path
+
+
+def test_plan_counts_each_devices_bytes(tiny_plan):
+  plan, stdout, _ = tiny_plan
+  assert plan["backend"] == "cpu" and plan["attention"] == "auto" and plan["failed"] == []
+  assert set(plan["cards_gib"]) == {"80 GB", "141 GB"}
+  one, eight = sorted(plan["rows"], key=lambda r: r["devices"])
+  params = one["params"]
+  assert params == sum(x.size for x in jax.tree.leaves(nnx.state(abstract_model(bench.SHAPES["tiny"]))))
+  # float32 master weights; every tiny parameter has a hidden (embed) axis of 64, which fsdp
+  # splits 8 ways.
+  assert one["param_bytes"] == params * 4
+  assert eight["param_bytes"] == params * 4 // 8
+  for row in (one, eight):
+    # AdamW's two moments are sharded like the parameters; its counters are replicated int32s.
+    assert 0 < row["opt_state_bytes"] - 2 * row["param_bytes"] <= 16
+    assert row["input_ids_per_device"] == [2, TINY_LENGTH]  # one pair per device
+    assert row["pairs"] == row["devices"]
+    assert row["temp_bytes"] > 0
+    assert row["argument_bytes"] >= row["param_bytes"] + row["opt_state_bytes"]
+    assert row["total_bytes"] >= row["argument_bytes"] + row["temp_bytes"]
+    assert row["fits"] == {"80 GB": True, "141 GB": True}
+  assert (one["mesh"], eight["mesh"]) == ("1x1x1", "1x8x1")
+  assert "tiny | 32 | none | 1x8x1" in stdout
+
+
+def test_abstract_state_is_what_init_state_builds():
+  from jaxrm import sharding, steps
+  cfg = bench.plan_config("tiny", "none", "auto")
+  mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), devices=jax.devices()[:1])
+  params = nnx.state(nnx.jit(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))())
+  tx, _ = bench.plan_optimizer()
+  real, real_shardings = steps.init_state(params, tx, seed=0, mesh=mesh)
+  abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
+  abstract, shardings = bench.abstract_state(abstract_params, tx, mesh)
+  assert jax.tree.structure(abstract) == jax.tree.structure(real)
+  assert jax.tree.structure(shardings) == jax.tree.structure(real_shardings)
+  for a, r in zip(jax.tree.leaves(abstract), jax.tree.leaves(real)):
+    assert (a.shape, a.dtype, a.sharding) == (r.shape, r.dtype, r.sharding)
+  assert bench.bytes_per_device(abstract) == bench.bytes_per_device(real)
+
+
+def test_full_pairs_is_the_plan_batch():
+  batch = bench.full_pairs(3, 16, vocab=100)
+  assert batch.input_ids.shape == batch.attention_mask.shape == (6, 16)
+  assert batch.attention_mask.all() and batch.input_ids.max() < 100
+  np.testing.assert_array_equal(batch.ranks, [[0, 1]] * 3)
+
+
+def test_gpu_check_dry_run(tiny_plan, tmp_path):
+  _, _, plan_path = tiny_plan
+  out = str(tmp_path / "gpu_check.json")
+  stdout = run_script("scripts/gpu_check.py", "--dry_run", f"--plan={plan_path}", f"--out={out}")
+  with open(out) as f:
+    report = json.load(f)
+  assert report["dry_run"] is True
+  steps = report["steps"]
+  assert list(steps) == ["machine", "gpu_tests", "bench", "fit", "calibration"]
+  assert set(report["json_keys"]) == set(steps) and "planned JSON keys" in stdout
+  assert "tests/test_attention.py" in steps["gpu_tests"]["files"]
+  assert steps["gpu_tests"]["would_run"] and steps["gpu_tests"]["rc"] == 0
+  assert steps["bench"]["rc"] == 0
+  assert "6 * N * real_tokens + 12 * L * H * Dh * attended_keys" in steps["bench"]["dry_run_output"]
+  assert "input_ids [" in steps["bench"]["dry_run_output"]
+  fit = steps["fit"]
+  assert fit["rc"] == 0 and fit["would_train"] == f"tiny T={TINY_LENGTH} remat=none"
+  assert fit["planned"]["devices"] == 1
+  sized = fit["sized"]
+  assert sized["param_bytes"] == fit["planned"]["param_bytes"]
+  assert sized["input_ids"] == [2, TINY_LENGTH]
+  assert "--attention=reference" in steps["calibration"]["would_run"]
