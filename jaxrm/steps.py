@@ -1,8 +1,10 @@
 """The jitted train and eval steps, the train state, and their compilation per batch shape.
 
 State is a plain dict ``{"params", "opt_state", "step", "rng"}``; ``params`` is the model's
-``nnx.State`` (float32 master weights; the model computes in its own compute dtype). Optimizer
-moments are sharded like their parameters; counters, step and RNG are replicated. Batches are the
+``nnx.State`` (float32 master weights; the model computes in its own compute dtype). With LoRA,
+``params`` holds only what is trained (adapters and head) and ``frozen`` the rest, which has no
+gradient and no optimizer state (:func:`model_params` joins them). Optimizer moments are sharded
+like their parameters; counters, step and RNG are replicated. Batches are the
 classes of :mod:`jaxrm.batches`; the loss is the one :data:`jaxrm.losses.LOSSES` gives the
 reward type.
 """
@@ -30,16 +32,19 @@ log = logging.getLogger("jaxrm.steps")
 
 
 def make_loss_fn(model: Decoder, spec: RewardSpec) -> Callable:
-  """``loss_fn(params, batch) -> (loss_total, metrics)``; loss_total is a sum, metrics["loss"].count its count.
+  """``loss_fn(params, batch, frozen=None) -> (loss_total, metrics)``; loss_total is a sum,
+  metrics["loss"].count its count.
 
   ``batch`` is any class of :mod:`jaxrm.batches`; packed and unpacked layouts give the same losses
-  and metrics, counted per group or sequence.
+  and metrics, counted per group or sequence. ``frozen`` is the part of the model's state that
+  ``params`` leaves out (``state["frozen"]``, see :func:`init_state`).
   """
   graphdef = nnx.graphdef(model)
   batch_loss = losses.batch_loss(spec)
 
-  def loss_fn(params, batch: Batch):
-    _, metrics = batch_loss(batch.outputs(nnx.merge(graphdef, params)), batch)
+  def loss_fn(params, batch: Batch, frozen=None):
+    model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
+    _, metrics = batch_loss(batch.outputs(model), batch)
     return metrics["loss"].total, metrics
 
   return loss_fn
@@ -62,8 +67,8 @@ def _microbatches(batch: Batch, n: int) -> Batch:
   return jax.tree.map(split, batch)
 
 
-def init_state(params: nnx.State, tx: optax.GradientTransformation, *, seed: int,
-               mesh: Mesh) -> tuple[dict[str, Any], dict[str, Any]]:
+def init_state(params: nnx.State, tx: optax.GradientTransformation, *, seed: int, mesh: Mesh,
+               trainable: nnx.filterlib.Filter = ...) -> tuple[dict[str, Any], dict[str, Any]]:
   """The initial train state, every leaf placed on ``mesh``, and its shardings.
 
   Args:
@@ -71,18 +76,31 @@ def init_state(params: nnx.State, tx: optax.GradientTransformation, *, seed: int
     tx: the optimizer.
     seed: seed of the state's RNG key.
     mesh: the device mesh.
+    trainable: an nnx filter of the parameters to train (``lora.trainable_filter``). Unless it is
+      ``...`` (all of them), the others go to ``state["frozen"]``.
   """
   replicated = sharding.replicated(mesh)
+  frozen = {}  # {"frozen": the parameters not trained}, or nothing when all are
+  if trainable is not ...:
+    params, frozen["frozen"] = nnx.split_state(params, trainable, ...)
   param_shardings = jax.tree.map(lambda x: x.sharding, params)
   opt_shardings = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, params), param_shardings,
                                         transform_non_params=lambda _: replicated)
-  shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated, "rng": replicated}
+  shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated, "rng": replicated,
+               **jax.tree.map(lambda x: x.sharding, frozen)}
   step_and_rng = jax.jit(
       lambda: {"step": jnp.zeros((), jnp.int32), "rng": jax.random.key_data(jax.random.key(seed))},
       out_shardings={"step": replicated, "rng": replicated})()
   state = {"params": params, "opt_state": jax.jit(tx.init, out_shardings=opt_shardings)(params),
-           **step_and_rng}
+           **step_and_rng, **frozen}
   return state, shardings
+
+
+def model_params(state: dict[str, Any]) -> nnx.State:
+  """The whole model's parameters of a train state: ``params``, joined with ``frozen`` if any."""
+  if "frozen" not in state:
+    return state["params"]
+  return nnx.merge_state(state["params"], state["frozen"])
 
 
 def set_step_and_rng(state: dict[str, Any], step: int, rng: Sequence[int]) -> dict[str, Any]:
@@ -100,10 +118,11 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedul
                     mesh: Mesh | None = None) -> Callable:
   """One jitted ``(state, batch) -> (state, (metrics, extra))`` with the state donated.
 
-  Gradients of summed losses are accumulated over ``grad_accum_steps`` micro-batches and divided
-  by the total count, so the update follows the mean loss over the whole global batch. An
-  unpacked batch is split here; a packed one comes split, each array with a leading
-  ``[grad_accum_steps]`` axis (see ``packing.PackedCollator``).
+  Only ``state["params"]`` is differentiated and updated; ``state["frozen"]`` (LoRA's base, see
+  :func:`init_state`) passes through. Gradients of summed losses are accumulated over
+  ``grad_accum_steps`` micro-batches and divided by the total count, so the update follows the
+  mean loss over the whole global batch. An unpacked batch is split here; a packed one comes
+  split, each array with a leading ``[grad_accum_steps]`` axis (see ``packing.PackedCollator``).
   ``metrics`` are the loss's sums and counts (see ``losses.finalize_metrics``); ``extra`` holds
   ``grad_norm`` (before clipping) and ``learning_rate``. With ``mesh``, activations are pinned to
   it at block boundaries.
@@ -115,18 +134,18 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedul
       return _step(state, batch)
 
   def _step(state, batch):
-    params = state["params"]
+    params, frozen = state["params"], state.get("frozen")
     if grad_accum_steps == 1:
-      (_, metrics), grads = grad_fn(params, batch)
+      (_, metrics), grads = grad_fn(params, batch, frozen)
     else:
       micro = batch if batch.packed else _microbatches(batch, grad_accum_steps)
       first = jax.tree.map(lambda x: x[0], micro)
-      zero_metrics = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: loss_fn(params, first)[1]))
+      zero_metrics = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: loss_fn(params, first, frozen)[1]))
       zero_grads = jax.tree.map(jnp.zeros_like, params)
 
       def body(carry, mb):
         g_acc, m_acc = carry
-        (_, m), g = grad_fn(params, mb)
+        (_, m), g = grad_fn(params, mb, frozen)
         return (jax.tree.map(jnp.add, g_acc, g), losses.accumulate(m_acc, m)), None
 
       (grads, metrics), _ = jax.lax.scan(body, (zero_grads, zero_metrics), micro)
@@ -146,7 +165,8 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedul
 
 
 def make_eval_step(loss_fn: Callable, *, mesh: Mesh | None = None) -> Callable:
-  """Jitted ``(params, batch) -> metrics`` (sums and counts; accumulate over batches)."""
+  """Jitted ``(params, batch) -> metrics`` (sums and counts; accumulate over batches); ``params``
+  are the whole model's (:func:`model_params` of a train state)."""
 
   def step(params, batch):
     with _activations_on(mesh):

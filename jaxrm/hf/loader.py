@@ -3,7 +3,8 @@
 The model is built with ``nnx.eval_shape`` (no random weights are materialised just to be
 overwritten); each parameter is assembled on the host from its checkpoint tensors, checked, and
 handed to ``jax.make_array_from_callback`` with its target sharding, so only the shards a process
-owns are transferred and the host holds one parameter at a time.
+owns are transferred and the host holds one parameter at a time. LoRA adapters are never in a
+checkpoint: they are initialised here, as the decoder would initialise them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxrm import sharding
 from jaxrm.hf.weight_map import HEAD_PARAMS, plan
 from jaxrm.errors import CheckpointError
+from jaxrm.models import lora
 from jaxrm.models.config import ModelConfig
 from jaxrm.models.decoder import Decoder
 from jaxrm.models.heads import head_init
@@ -88,19 +90,26 @@ def load_model(cfg: ModelConfig, source: TensorSource, *, mesh: Mesh | None = No
                new_head: bool = False) -> Decoder:
   """A :class:`Decoder` holding ``source``'s weights.
 
-  The head is new (normal, seeded) when the checkpoint has none or when ``new_head`` is set.
+  The head is new (normal, seeded) when the checkpoint has none or when ``new_head`` is set;
+  LoRA adapters (``cfg.lora``) are always new (seeded; B is zero, so the model scores as the
+  checkpoint does).
   """
   graphdef, state = nnx.split(abstract_model(cfg, seed))
   targets = sharding.param_shardings(state, mesh) if mesh is not None else None
   slots = plan(cfg, source.keys(), new_head=new_head)
   key = jax.random.key(seed)
   flat_targets = dict(nnx.to_flat_state(targets)) if targets is not None else {}
-  for path, var in nnx.to_flat_state(state):
+  if cfg.lora.enabled:
+    log.info("initialising LoRA adapters of rank %d (alpha %g) on %s (seed %d)", cfg.lora.rank,
+             cfg.lora.alpha, ", ".join(cfg.lora.targets), seed)
+  for i, (path, var) in enumerate(nnx.to_flat_state(state)):
     name = ".".join(str(p) for p in path)
     shape, dtype = var.get_value().shape, var.get_value().dtype
     target = flat_targets.get(path)
     if name in slots:
       host = _assemble(name, shape, dtype, slots[name], source)
+    elif isinstance(var, lora.LoraParam):
+      host = np.asarray(lora.adapter_init(name)(jax.random.fold_in(key, i), shape, dtype))
     elif name in HEAD_PARAMS:
       log.info("checkpoint has no reward head: initialising %s (seed %d)", name, seed)
       init = head_init(cfg) if name == "score" else jax.nn.initializers.zeros

@@ -3,7 +3,8 @@
 The families differ in a handful of switches (biases, q/k norms, sliding windows, soft-capping,
 Gemma-style norms); :func:`from_hf_config` reads them from a transformers ``config.json`` dict and
 :func:`to_hf_config` writes one back. :func:`config_from_dict` reads back what
-``dataclasses.asdict`` wrote (a training run's ``model_config.json``).
+``dataclasses.asdict`` wrote (a training run's ``model_config.json``). LoRA adapters (``lora``,
+:class:`jaxrm.models.lora.LoraConfig`) are not in transformers' config: they come from overrides.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from jaxrm.errors import CheckpointError, ConfigError, UnsupportedModelError
+from jaxrm.models.lora import LoraConfig
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
 HEADS = ("sequence", "token")
@@ -88,6 +90,7 @@ class ModelConfig:
   param_dtype: str = "float32"
   remat: str = "none"  # none | full | dots
   attention_impl: str = "auto"  # auto | reference | pallas | cudnn
+  lora: LoraConfig = LoraConfig()  # rank 0: no adapters, the whole model trains
 
   def __post_init__(self):
     if self.family not in FAMILIES:
@@ -133,6 +136,7 @@ def config_from_dict(d: dict[str, Any], where: str) -> ModelConfig:
     raise CheckpointError(f"{where}: unknown model config fields {unknown}; was it written by a newer jaxrm?")
   kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
   kwargs["rope"] = RopeConfig(**d.get("rope", {}))
+  kwargs["lora"] = LoraConfig(**d.get("lora", {}))
   if "attention_impl" in kwargs:
     kwargs["attention_impl"] = LEGACY_ATTENTION_IMPLS.get(kwargs["attention_impl"], kwargs["attention_impl"])
   return ModelConfig(**kwargs)

@@ -9,6 +9,9 @@ Attention takes one of three routes (:func:`attention_route`): the Pallas flash 
 (``flash_attention.py``, the default on a GPU), which masks from per-token ids; the reference
 einsum (``layers.dot_product_attention``, the default elsewhere) and ``jax.nn.dot_product_attention``
 (cuDNN), which take a dense mask built once for all layers.
+
+With ``config.lora`` on, the targeted projections carry low-rank adapters (:mod:`jaxrm.models.lora`),
+stacked like the weights they adapt.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxrm import sharding
-from jaxrm.models import heads
+from jaxrm.models import heads, lora
 from jaxrm.models import layers as L
 from jaxrm.models.config import ModelConfig
 from jaxrm.models.flash_attention import NO_WINDOW, flash_attention, layout
@@ -88,6 +91,10 @@ class Decoder(nnx.Module):
                         heads.head_init(cfg))
     if cfg.head_bias:
       self.score_bias = _param(rngs.params(), (cfg.num_labels,), ("labels",), dtype, jax.nn.initializers.zeros)
+    # Last, so that the base and head draw the same random numbers with adapters as without.
+    for name, (shape, axes) in lora.adapter_shapes(cfg.lora, layer_param_shapes(cfg)).items():
+      value = lora.adapter_init(name)(rngs.params(), shape, dtype)
+      setattr(self.layers, name, lora.LoraParam(value, logical_axes=axes))
 
   def hidden_states(self, input_ids, attention_mask, positions=None, segment_ids=None,
                     branch_ids=None):
@@ -263,23 +270,29 @@ def _block(cfg: ModelConfig, attend: Callable, x_btd, p, cos, sin):
   b, t, d = x_btd.shape
   h_, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   norm = lambda x, w: L.rms_norm(x, w, cfg.rms_norm_eps, cfg.gemma_norms)
+
+  def linear(x_nd, name):  # the projection ``name``, plus its adapter where it has one
+    y = L.linear(x_nd, p[name], p.get(f"{name}_bias"))
+    if f"{name}_lora_a" in p:
+      y = y + lora.delta(x_nd, p[f"{name}_lora_a"], p[f"{name}_lora_b"], cfg.lora.scale)
+    return y
+
   x = x_btd.reshape(b * t, d)
   h = norm(x, p["input_norm"])
-  q = L.linear(h, p["q"], p.get("q_bias")).reshape(b, t, h_, hd)
-  k = L.linear(h, p["k"], p.get("k_bias")).reshape(b, t, kv, hd)
-  v = L.linear(h, p["v"], p.get("v_bias")).reshape(b, t, kv, hd)
+  q = linear(h, "q").reshape(b, t, h_, hd)
+  k = linear(h, "k").reshape(b, t, kv, hd)
+  v = linear(h, "v").reshape(b, t, kv, hd)
   if cfg.qk_norm:
     q, k = norm(q, p["q_norm"][None, None]), norm(k, p["k_norm"][None, None])
   q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
   a = attend(q, k, v)
-  a = L.linear(a.reshape(b * t, h_ * hd), p["o"], p.get("o_bias"))
+  a = linear(a.reshape(b * t, h_ * hd), "o")
   if cfg.gemma_norms:
     a = norm(a, p["post_attn_norm"])
   x = x + a
   h = norm(x, p["mlp_norm"])
   act = L.activation(cfg.hidden_act)
-  m = act(L.linear(h, p["gate"], p.get("gate_bias"))) * L.linear(h, p["up"], p.get("up_bias"))
-  m = L.linear(m, p["down"], p.get("down_bias"))
+  m = linear(act(linear(h, "gate")) * linear(h, "up"), "down")
   if cfg.gemma_norms:
     m = norm(m, p["post_mlp_norm"])
   return (x + m).reshape(b, t, d)
