@@ -67,6 +67,30 @@ def _microbatches(batch: Batch, n: int) -> Batch:
   return jax.tree.map(split, batch)
 
 
+def abstract_state(params: nnx.State, tx: optax.GradientTransformation, *, mesh: Mesh,
+                   trainable: nnx.filterlib.Filter = ...) -> tuple[dict[str, Any], dict[str, Any]]:
+  """The train state :func:`init_state` builds, as ``jax.ShapeDtypeStruct``s with their shardings,
+  and the shardings. ``params`` may be abstract: nothing is allocated (the memory plan compiles
+  the step on it).
+
+  Optimizer moments are sharded like their parameters; counters, step and RNG are replicated.
+  """
+  replicated = sharding.replicated(mesh)
+  frozen = {}  # {"frozen": the parameters not trained}, or nothing when all are
+  if trainable is not ...:
+    params, frozen["frozen"] = nnx.split_state(params, trainable, ...)
+  param_shardings = jax.tree.map(lambda x: x.sharding, params)
+  opt_state = jax.eval_shape(tx.init, params)
+  opt_shardings = optax.tree_map_params(tx, lambda _, s: s, opt_state, param_shardings,
+                                        transform_non_params=lambda _: replicated)
+  shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated, "rng": replicated,
+               **jax.tree.map(lambda x: x.sharding, frozen)}
+  shapes = {"params": params, "opt_state": opt_state, "step": jax.ShapeDtypeStruct((), jnp.int32),
+            "rng": jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))), **frozen}
+  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+  return state, shardings
+
+
 def init_state(params: nnx.State, tx: optax.GradientTransformation, *, seed: int, mesh: Mesh,
                trainable: nnx.filterlib.Filter = ...) -> tuple[dict[str, Any], dict[str, Any]]:
   """The initial train state, every leaf placed on ``mesh``, and its shardings.
@@ -79,19 +103,15 @@ def init_state(params: nnx.State, tx: optax.GradientTransformation, *, seed: int
     trainable: an nnx filter of the parameters to train (``lora.trainable_filter``). Unless it is
       ``...`` (all of them), the others go to ``state["frozen"]``.
   """
-  replicated = sharding.replicated(mesh)
-  frozen = {}  # {"frozen": the parameters not trained}, or nothing when all are
+  _, shardings = abstract_state(params, tx, mesh=mesh, trainable=trainable)
+  frozen = {}
   if trainable is not ...:
     params, frozen["frozen"] = nnx.split_state(params, trainable, ...)
-  param_shardings = jax.tree.map(lambda x: x.sharding, params)
-  opt_shardings = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, params), param_shardings,
-                                        transform_non_params=lambda _: replicated)
-  shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated, "rng": replicated,
-               **jax.tree.map(lambda x: x.sharding, frozen)}
+  replicated = shardings["step"]
   step_and_rng = jax.jit(
       lambda: {"step": jnp.zeros((), jnp.int32), "rng": jax.random.key_data(jax.random.key(seed))},
       out_shardings={"step": replicated, "rng": replicated})()
-  state = {"params": params, "opt_state": jax.jit(tx.init, out_shardings=opt_shardings)(params),
+  state = {"params": params, "opt_state": jax.jit(tx.init, out_shardings=shardings["opt_state"])(params),
            **step_and_rng, **frozen}
   return state, shardings
 

@@ -576,31 +576,6 @@ def plan_optimizer():
   return optim.make_optimizer(schedule, weight_decay=0.1, max_grad_norm=1.0), schedule
 
 
-def abstract_state(params, tx, mesh):
-  """``steps.init_state(params, tx, ...)`` as ``jax.ShapeDtypeStruct``s with their shardings,
-  and the shardings: ``params`` may be abstract, and nothing is allocated.
-
-  ``init_state`` itself runs ``tx.init`` on arrays; this follows it step by step (moments sharded
-  like their parameters, counters, step and RNG replicated), and tests/test_bench.py checks that
-  both give the same shapes, dtypes and shardings.
-  """
-  import jax
-  import jax.numpy as jnp
-  import optax
-  from jaxrm import sharding
-  replicated = sharding.replicated(mesh)
-  param_shardings = jax.tree.map(lambda x: x.sharding, params)
-  opt_state = jax.eval_shape(tx.init, params)
-  opt_shardings = optax.tree_map_params(tx, lambda _, s: s, opt_state, param_shardings,
-                                        transform_non_params=lambda _: replicated)
-  shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated,
-               "rng": replicated}
-  shapes = {"params": params, "opt_state": opt_state, "step": jax.ShapeDtypeStruct((), jnp.int32),
-            "rng": jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))}
-  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
-  return state, shardings
-
-
 def full_pairs(pairs: int, length: int, vocab: int, seed: int = 0):
   """``pairs`` preference pairs whose two completions both fill ``length`` tokens: the unpacked
   batch (``data.packing=none``) at its longest. input_ids [2 * pairs, length]."""
@@ -637,7 +612,7 @@ def planned_step(cfg: ModelConfig, length: int, mesh):
   from jaxrm.losses import RewardSpec
   model = placed_abstract_model(cfg, mesh)
   tx, schedule = plan_optimizer()
-  state, shardings = abstract_state(nnx.state(model), tx, mesh)
+  state, shardings = steps.abstract_state(nnx.state(model), tx, mesh=mesh)
   pairs = sharding.data_parallel_size(mesh)
   batch = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.batch_sharding(mesh, x.ndim)),

@@ -70,7 +70,7 @@ def test_abstract_state_is_what_init_state_builds():
   tx, _ = bench.plan_optimizer()
   real, real_shardings = steps.init_state(params, tx, seed=0, mesh=mesh)
   abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
-  abstract, shardings = bench.abstract_state(abstract_params, tx, mesh)
+  abstract, shardings = steps.abstract_state(abstract_params, tx, mesh=mesh)
   assert jax.tree.structure(abstract) == jax.tree.structure(real)
   assert jax.tree.structure(shardings) == jax.tree.structure(real_shardings)
   for a, r in zip(jax.tree.leaves(abstract), jax.tree.leaves(real)):
