@@ -2,6 +2,7 @@ r"""Bradley-Terry reward model: the embedded SmolLM2-135M-Instruct on demo_arith
 
   python -m jaxrm.train --config=configs/rm.py
   python -m jaxrm.train --config=configs/rm.py:smoke           # about a minute on CPU
+  python -m jaxrm.train --config=configs/rm.py:lora            # LoRA rank 16 on all-linear
   python -m jaxrm.train --config=configs/rm.py \
       --config.data.dataset_name=PreferenceDataset \
       --config.data.train_data_path=train.jsonl \
@@ -33,6 +34,13 @@ def get_config(arg=None):
     c.eval.val_period = 3
     c.data.max_val_rows = 32
     c.checkpointing.save_period = 3
+  elif arg == "lora":
+    # Adapters over a frozen base; they start at B = 0 and want a larger learning rate.
+    c.output_dir = "runs/rm-lora"
+    c.model.lora.rank = 16
+    c.model.lora.alpha = 32.0
+    c.model.lora.target_modules = "all-linear"
+    c.train.learning_rate = 2e-4
   elif arg:
-    raise ValueError(f"unknown variant {arg!r} of configs/rm.py; known: smoke")
+    raise ValueError(f"unknown variant {arg!r} of configs/rm.py; known: smoke, lora")
   return c

@@ -5,8 +5,11 @@ A run's output directory holds ``config.json`` (the training config), ``model_co
 directory (``checkpoints/`` unless ``checkpointing.checkpoint_dir``). :func:`write_run_files` writes
 the first three; :func:`find_run` and :func:`restore_for_scoring` read them back.
 
-Each checkpoint holds four items: ``params`` (the model's parameters), ``opt_state``, ``data``
+Each checkpoint holds four items: ``params`` (the trained parameters), ``opt_state``, ``data``
 (the training iterator's state) and ``meta`` (step, RNG, reward statistics, metrics, config).
+A LoRA run trains, and so saves, only its adapters and reward head: its frozen base stays in the
+HF checkpoint or GGUF file that ``model_config.json`` names (``base_model``), and is read from
+there on resume and for scoring.
 Orbax writes into a temporary directory and renames it when complete, so a crash mid-save leaves
 the previous checkpoints intact. ``best_checkpoint.json`` names the best step.
 """
@@ -156,7 +159,8 @@ def _abstract(tree):
 # ------------------------------------------------------------------ run directories
 
 
-def write_run_files(out_dir: str, *, config_json: str, model_config: ModelConfig, tokenizer: Any) -> None:
+def write_run_files(out_dir: str, *, config_json: str, model_config: ModelConfig, tokenizer: Any,
+                    base_model: str | None = None) -> None:
   """Writes what loading a run needs besides its checkpoints.
 
   Args:
@@ -164,11 +168,16 @@ def write_run_files(out_dir: str, *, config_json: str, model_config: ModelConfig
     config_json: the training config as JSON (``config.json``).
     model_config: the model trained (``model_config.json``: ``{"jaxrm": asdict, "hf": to_hf_config}``).
     tokenizer: saved under ``tokenizer/`` unless a resumed run already saved it there.
+    base_model: a LoRA run's frozen base (an HF directory, .gguf file or hub name), whose weights
+      its checkpoints leave out (``model_config.json``'s ``base_model``).
   """
   with open(os.path.join(out_dir, RUN_CONFIG), "w") as f:
     f.write(config_json)
+  saved = {"jaxrm": dataclasses.asdict(model_config), "hf": to_hf_config(model_config)}
+  if base_model is not None:
+    saved["base_model"] = base_model
   with open(os.path.join(out_dir, RUN_MODEL_CONFIG), "w") as f:
-    json.dump({"jaxrm": dataclasses.asdict(model_config), "hf": to_hf_config(model_config)}, f, indent=2)
+    json.dump(saved, f, indent=2)
   tok_dir = os.path.join(out_dir, RUN_TOKENIZER_DIR)
   if not os.path.isdir(tok_dir):
     tokenizer.save_pretrained(tok_dir)
@@ -202,8 +211,19 @@ class RunCheckpoint:
   def model_config(self) -> ModelConfig:
     """The :class:`ModelConfig` the run trained (from ``model_config.json``)."""
     path = os.path.join(self.run_dir, RUN_MODEL_CONFIG)
-    with open(path) as f:
-      return config_from_dict(json.load(f)["jaxrm"], path)
+    return config_from_dict(self._saved_model()["jaxrm"], path)
+
+  def base_model(self) -> str:
+    """Where a LoRA run's frozen base is (its checkpoints hold only the adapters and the head)."""
+    base = self._saved_model().get("base_model") or self.settings.get("model", {}).get("name_or_path")
+    if not base:
+      raise CheckpointError(f"{self.run_dir}: {RUN_MODEL_CONFIG} names no base model for the LoRA adapters "
+                            "(and config.json has no model.name_or_path)")
+    return base
+
+  def _saved_model(self) -> dict[str, Any]:
+    with open(os.path.join(self.run_dir, RUN_MODEL_CONFIG)) as f:
+      return json.load(f)
 
 
 def find_run(path: str) -> RunCheckpoint | None:
@@ -237,13 +257,15 @@ def _run_settings(run_dir: str) -> dict[str, Any]:
 
 
 def restore_for_scoring(run: RunCheckpoint, step: int | None, target: dict) -> tuple[dict, dict]:
-  """The parameters and ``meta`` of one checkpoint of ``run``.
+  """The saved parameters and ``meta`` of one checkpoint of ``run``.
 
   Args:
     run: from :func:`find_run`.
     step: the step to load; default: the step ``run`` names, else the best (``best_checkpoint.json``,
       else Orbax's best by the run's metric, else the latest).
-    target: pure dict of ``jax.ShapeDtypeStruct``s (with shardings) shaped like the parameters.
+    target: pure dict of ``jax.ShapeDtypeStruct``s (with shardings) shaped like the saved
+      parameters: the whole model's, or for a LoRA run only the trained ones (adapters and head,
+      ``lora.trainable_filter``).
   """
   if not os.path.isdir(run.checkpoint_dir):
     raise CheckpointError(f"{run.run_dir}: no checkpoint directory {run.checkpoint_dir} "

@@ -20,6 +20,7 @@ from jaxrm.data.tokenize import TokenizeOptions
 from jaxrm.errors import ConfigError
 from jaxrm.losses import RewardSpec
 from jaxrm.models.config import ATTENTION_IMPLS
+from jaxrm.models.lora import ALL_LINEAR, LoraConfig
 from jaxrm.sharding import MeshConfig
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,44 @@ METRIC_PREFIXES = ("val:", "val/", "validation/")
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraSpec:
+  """``model.lora``: low-rank adapters trained over a frozen base (peft's key names)."""
+
+  rank: int = 0  # 0: no adapters, the whole model trains
+  alpha: float = 16.0  # the update is scaled by alpha / rank
+  dropout: float = 0.0  # only 0.0 for now
+  # peft's module names, comma-separated ("q_proj,v_proj"), or "all-linear"
+  target_modules: str = ALL_LINEAR
+  base_dtype: str = ""  # the frozen base's storage: "" (model.param_dtype) | bfloat16 | int8 | nf4
+
+  def __post_init__(self):
+    if not isinstance(self.target_modules, str):  # a notebook may pass a list of names
+      object.__setattr__(self, "target_modules", ",".join(self.target_modules))
+    if self.dropout != 0.0:
+      raise ConfigError(f"model.lora.dropout={self.dropout!r}: LoRA dropout is not supported yet; use 0.0")
+    # LoraConfig checks the values; each message is put under the key it is about.
+    for key, kwargs in (("rank", dict(rank=self.rank)), ("alpha", dict(alpha=self.alpha)),
+                        ("target_modules", dict(targets=self.targets)),
+                        ("target_modules", dict(rank=self.rank, targets=self.targets)),
+                        ("base_dtype", self._lora_kwargs())):
+      try:
+        LoraConfig(**kwargs)
+      except ConfigError as e:
+        raise ConfigError(f"model.lora.{key}={getattr(self, key)!r}: {e}") from None
+
+  @property
+  def targets(self) -> tuple[str, ...]:
+    return tuple(t.strip() for t in self.target_modules.split(",") if t.strip())
+
+  def lora_config(self) -> LoraConfig:
+    """The model's :class:`~jaxrm.models.lora.LoraConfig`."""
+    return LoraConfig(**self._lora_kwargs())
+
+  def _lora_kwargs(self) -> dict[str, Any]:
+    return dict(rank=self.rank, alpha=self.alpha, targets=self.targets, base_dtype=self.base_dtype or None)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSpec:
   name_or_path: str = EMBEDDED_MODEL  # HF dir, .gguf file, hub name, or a jaxrm run/checkpoint dir
   dtype: str = "float32"  # compute dtype: float32 | bfloat16
@@ -38,11 +77,12 @@ class ModelSpec:
   remat: str = "none"  # none | full | dots
   # auto (a fused flash kernel on GPU, the reference path elsewhere) | reference | pallas | cudnn
   attention: str = "auto"
+  seed: int = 0  # seed of a new reward head
+  lora: LoraSpec = LoraSpec()
 
   def __post_init__(self):
     if self.attention not in ATTENTION_IMPLS:
       raise ConfigError(f"model.attention must be one of {', '.join(ATTENTION_IMPLS)}; got {self.attention!r}")
-  seed: int = 0  # seed of a new reward head
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,11 +246,21 @@ def normalize_metric_name(name: str | None) -> str | None:
 
 
 def _section(section_type, name: str, values: dict[str, Any]):
-  known = {f.name for f in dataclasses.fields(section_type)}
-  unknown = sorted(set(values) - known)
+  """``section_type`` from a dict; a field whose default is a dataclass is a nested section."""
+  fields = {f.name: f for f in dataclasses.fields(section_type)}
+  unknown = sorted(set(values) - set(fields))
   if unknown:
-    raise ConfigError(f"config.{name} has no key {unknown[0]!r}; it has {', '.join(sorted(known))}")
-  return section_type(**values)
+    raise ConfigError(f"config.{name} has no key {unknown[0]!r}; it has {', '.join(sorted(fields))}")
+  kwargs = {}
+  for key, value in values.items():
+    nested = type(fields[key].default)
+    if dataclasses.is_dataclass(nested) and not isinstance(value, nested):
+      if not isinstance(value, dict):
+        raise ConfigError(f"config.{name}.{key} is a section ({', '.join(f.name for f in dataclasses.fields(nested))}); "
+                          f"got {value!r}")
+      value = _section(nested, f"{name}.{key}", value)
+    kwargs[key] = value
+  return section_type(**kwargs)
 
 
 def _check_checkpoint_metric(config: RunConfig) -> None:

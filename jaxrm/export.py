@@ -1,12 +1,15 @@
 r"""Exports a reward model as a Hugging Face checkpoint directory.
 
   python -m jaxrm.export --checkpoint=runs/rm --out=exported/rm [--dtype=bfloat16] [--step=200]
+  python -m jaxrm.export --checkpoint=runs/rm-lora --out=exported/adapters --adapters_only
 
 ``--checkpoint`` is a training output directory (its best checkpoint unless ``--step``), one
 training checkpoint (``runs/rm/checkpoints/200``), an HF directory or a ``.gguf`` file. The output
 loads with transformers' ``AutoModelForSequenceClassification`` (sequence heads) or
 ``AutoModelForTokenClassification`` (token heads, process reward models); what it holds is
-described in :mod:`jaxrm.hf.export`.
+described in :mod:`jaxrm.hf.export`. A model trained with LoRA is exported with its adapters merged
+into the weights, or with ``--adapters_only`` as a peft adapter directory over its base checkpoint
+(``--base_model``; default: the run's ``model.name_or_path``).
 """
 
 from __future__ import annotations
@@ -15,17 +18,38 @@ import logging
 
 from absl import app, flags
 
-from jaxrm import cli
-from jaxrm.hf.export import DTYPES
+from jaxrm import checkpointing, cli
+from jaxrm.hf.export import DTYPES, save_peft_adapters
 from jaxrm.models.config import to_hf_config
 from jaxrm.reward_model import RewardModel
 
+log = logging.getLogger(__name__)
 
-def export(checkpoint: str, out_dir: str, *, dtype: str = "float32", step: int | None = None) -> RewardModel:
-  """Loads ``checkpoint`` (any path ``RewardModel.from_pretrained`` takes) and exports it."""
+
+def export(checkpoint: str, out_dir: str, *, dtype: str = "float32", step: int | None = None,
+           adapters_only: bool = False, base_model: str | None = None) -> RewardModel:
+  """Loads ``checkpoint`` (any path ``RewardModel.from_pretrained`` takes) and exports it.
+
+  ``adapters_only`` writes its LoRA adapters and head as a peft adapter directory instead, naming
+  ``base_model`` (default: the training run's ``model.name_or_path``) as their base.
+  """
   rm = RewardModel.from_pretrained(checkpoint, dtype=dtype, step=step)
-  rm.save_pretrained(out_dir, dtype=dtype)
+  if not adapters_only:
+    rm.save_pretrained(out_dir, dtype=dtype)
+    return rm
+  base = base_model or _trained_from(checkpoint)
+  save_peft_adapters(out_dir, rm.model, rm.tokenizer, base_model_name_or_path=base, dtype=dtype)
+  if base is None or base.endswith(".gguf") or base.startswith("embedded:"):
+    log.warning("peft loads adapters over an HF checkpoint, and their base is %s: export the base with "
+                "`python -m jaxrm.export --checkpoint=<base> --out=<dir>`, load the adapters over <dir>, "
+                "and pass --base_model=<dir> to record it in adapter_config.json", base or "not known")
   return rm
+
+
+def _trained_from(checkpoint: str) -> str | None:
+  """The ``model.name_or_path`` a training run started from, or None for other checkpoints."""
+  run = checkpointing.find_run(checkpoint)
+  return run.settings.get("model", {}).get("name_or_path") if run is not None else None
 
 
 FLAGS = flags.FLAGS
@@ -37,15 +61,22 @@ def define_flags() -> None:
   flags.DEFINE_string("out", None, "Directory to write the HF checkpoint into.")
   flags.DEFINE_enum("dtype", "float32", list(DTYPES), "Dtype of the exported tensors.")
   flags.DEFINE_integer("step", None, "Checkpoint step of a training output dir (default: the best).")
+  flags.DEFINE_bool("adapters_only", False, "Write the LoRA adapters and head as a peft adapter directory "
+                    "instead of a merged checkpoint.")
+  flags.DEFINE_string("base_model", None, "With --adapters_only: the base checkpoint recorded in "
+                      "adapter_config.json (default: the run's model.name_or_path).")
 
 
 def main() -> None:
   if not FLAGS.checkpoint or not FLAGS.out:
     raise app.UsageError("--checkpoint and --out are required")
   cli.setup_logging(logging.WARNING)
-  rm = export(FLAGS.checkpoint, FLAGS.out, dtype=FLAGS.dtype, step=FLAGS.step)
+  rm = export(FLAGS.checkpoint, FLAGS.out, dtype=FLAGS.dtype, step=FLAGS.step,
+              adapters_only=FLAGS.adapters_only, base_model=FLAGS.base_model)
+  what = (f"peft LoRA adapters (rank {rm.config.lora.rank})" if FLAGS.adapters_only
+          else to_hf_config(rm.config)["architectures"][0])
   print(f"exported {FLAGS.checkpoint} ({rm.config.family}, {rm.config.head} head) to {FLAGS.out} "
-        f"as {to_hf_config(rm.config)['architectures'][0]} in {FLAGS.dtype}")
+        f"as {what} in {FLAGS.dtype}")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from jaxrm.hf.loader import load_model, placed_abstract_model
 from jaxrm.hf.safetensors_io import HFCheckpoint
 from jaxrm.models.config import ModelConfig, from_hf_config
 from jaxrm.models.decoder import Decoder
+from jaxrm.models import lora
 from jaxrm.models.heads import correct_probability
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,26 @@ def _head_overrides(head: str | None, num_labels: int | None) -> dict[str, Any]:
   return {} if num_labels is None else dict(num_labels=num_labels)
 
 
+def _restore_lora_run(run: checkpointing.RunCheckpoint, step: int | None, cfg: ModelConfig,
+                      mesh: Mesh | None) -> tuple[Decoder, dict]:
+  """A LoRA run's model: the base from the HF checkpoint or GGUF file it trained over, the
+  adapters and head from its checkpoint; and the checkpoint's ``meta``."""
+  base = run.base_model()
+  try:
+    source = open_checkpoint(base)
+  except CheckpointError as e:
+    raise CheckpointError(f"{run.run_dir} holds LoRA adapters over {base}, which cannot be read: {e}") from None
+  saved = from_hf_config(source.config)
+  model = load_model(cfg, source, mesh=mesh, new_head=(saved.head, saved.num_labels) != (cfg.head, cfg.num_labels))
+  graphdef, state = nnx.split(model)
+  trained, frozen = nnx.split_state(state, lora.trainable_filter(cfg.lora), ...)
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        nnx.to_pure_dict(trained))
+  params, meta = checkpointing.restore_for_scoring(run, step, target)
+  nnx.replace_by_pure_dict(trained, params)
+  return nnx.merge(graphdef, trained, frozen), meta
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _forward(graphdef, state, input_ids, attention_mask):
   # Module-level, keyed on the graphdef: models of one architecture (two checkpoints of a run)
@@ -136,7 +157,8 @@ class RewardModel:
     Args:
       path: an HF checkpoint directory (config.json + safetensors), a .gguf file, a training
         output directory (its best checkpoint, or ``step``), or one training checkpoint
-        (``<output_dir>/checkpoints/<step>``).
+        (``<output_dir>/checkpoints/<step>``). A LoRA run's base is read from where it trained
+        (``model_config.json`` names it), its adapters and head from the checkpoint.
       dtype: compute dtype ("float32" | "bfloat16"); parameters default to the same.
       head: "sequence" (one reward per row) or "token" (per-token logits, for process reward
         models); default: whatever the checkpoint was saved as (a sequence head for base models).
@@ -177,14 +199,18 @@ class RewardModel:
   def _from_run(cls, run: checkpointing.RunCheckpoint, step, overrides, head, num_labels, mesh, tokenizer,
                 load_weights: bool) -> "RewardModel":
     cfg = run.model_config()
-    for name, wanted in (("head", head), ("num_labels", num_labels)):
+    for name, wanted in (("head", head), ("num_labels", num_labels), ("lora", overrides.get("lora"))):
       if wanted is not None and wanted != getattr(cfg, name):
         raise CheckpointError(f"{run.run_dir} was trained with {name}={getattr(cfg, name)!r}; "
                               f"it cannot be loaded with {name}={wanted!r}")
-    model = placed_abstract_model(cfg.replace(**overrides), mesh)
+    cfg = cfg.replace(**overrides)
     meta = {}
-    if load_weights:
-      graphdef, state = nnx.split(model)
+    if not load_weights:
+      model = placed_abstract_model(cfg, mesh)
+    elif cfg.lora.enabled:
+      model, meta = _restore_lora_run(run, step, cfg, mesh)
+    else:
+      graphdef, state = nnx.split(placed_abstract_model(cfg, mesh))
       params, meta = checkpointing.restore_for_scoring(run, step, nnx.to_pure_dict(state))
       nnx.replace_by_pure_dict(state, params)
       model = nnx.merge(graphdef, state)

@@ -30,6 +30,7 @@ from jaxrm.data.tokenize import pad_id, tokenize_all
 from jaxrm.errors import ConfigError, UserError
 from jaxrm.losses import accumulate, finalize_metrics
 from jaxrm.metrics_writer import MetricsWriter
+from jaxrm.models import lora
 from jaxrm.models.decoder import attention_summary
 
 log = logging.getLogger("jaxrm.train")
@@ -115,13 +116,18 @@ def _prepare(config: RunConfig) -> _Run:
   with _config_errors():
     mesh = sharding.make_mesh(config.mesh)
   # ------------------------------------------------------------------ checkpoint
-  # An existing run resumes: known before the model loads, whose weights it then does not read.
+  # An existing run resumes: known before the model loads, whose weights it then does not read
+  # (unless LoRA trains over them: a LoRA checkpoint holds only the adapters and the head).
   # A new run's checkpoint directory is made only once its input has been read without error.
+  lora_cfg = config.model.lora.lora_config()
+  _check_lora_base(config, lora_cfg)
   existing = os.path.isdir(_checkpoint_dir(config, out_dir))
   ckpt = _checkpointer(config, out_dir) if existing else None
   resume_step = ckpt.latest_step() if ckpt is not None else None
+  if resume_step is not None:
+    _check_same_lora(out_dir, lora_cfg)
   # ------------------------------------------------------------------ model
-  rm = _load_model(config, mesh, weights=resume_step is None)
+  rm = _load_model(config, mesh, lora_cfg, weights=resume_step is None or lora_cfg.enabled)
   # ------------------------------------------------------------------ input
   data = _load_data(config, rm.tokenizer)
   inputs = _make_input(config, mesh, data, pad_id(rm.tokenizer, rm.config.pad_token_id))
@@ -134,7 +140,8 @@ def _prepare(config: RunConfig) -> _Run:
     schedule = optim.make_schedule(learning_rate=t.learning_rate, warmup_steps=t.warmup_steps,
                                    total_steps=total_steps, decay=t.lr_decay, min_lr_ratio=t.min_lr_ratio)
   tx = optim.make_optimizer(schedule, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm)
-  state, state_shardings = steps.init_state(nnx.state(rm.model), tx, seed=config.train.seed, mesh=mesh)
+  state, state_shardings = steps.init_state(nnx.state(rm.model), tx, seed=config.train.seed, mesh=mesh,
+                                            trainable=lora.trainable_filter(lora_cfg))
   loss_fn = steps.make_loss_fn(rm.model, config.reward)
   train_step = steps.CompiledPerShape("train step", steps.make_train_step(
       loss_fn, tx, schedule, grad_accum_steps=inputs.grad_accum, state_shardings=state_shardings, mesh=mesh))
@@ -145,7 +152,8 @@ def _prepare(config: RunConfig) -> _Run:
     start_step = resume_step
   if ckpt is not None and is_main:
     checkpointing.write_run_files(out_dir, config_json=json.dumps(config.to_dict(), indent=2),
-                                  model_config=rm.config, tokenizer=rm.tokenizer)
+                                  model_config=rm.config, tokenizer=rm.tokenizer,
+                                  base_model=_base_reference(config.model.name_or_path) if lora_cfg.enabled else None)
   # ------------------------------------------------------------------ summary
   writer = MetricsWriter(out_dir, tensorboard=config.logger.tensorboard,
                          log_dir=config.logger.log_dir or os.path.join(out_dir, "tensorboard"), enabled=is_main,
@@ -171,18 +179,49 @@ def _checkpointer(config: RunConfig, out_dir: str) -> checkpointing.Checkpointer
                                       higher_is_better=spec.higher_is_better, keep_top_k=spec.keep_top_k)
 
 
-def _load_model(config: RunConfig, mesh, *, weights: bool):
-  """The reward model on ``mesh``; without ``weights`` (a resumed run) its parameters stay
-  abstract until the checkpoint fills them, and the checkpoint's weights are never read."""
+def _load_model(config: RunConfig, mesh, lora_cfg: lora.LoraConfig, *, weights: bool):
+  """The reward model on ``mesh``, with adapters as ``lora_cfg`` says; without ``weights`` (a
+  resumed full run) its parameters stay abstract until the checkpoint fills them, and the
+  checkpoint's weights are never read."""
   from jaxrm.reward_model import RewardModel
   with _config_errors():
     rm = RewardModel.from_pretrained(
         config.model.name_or_path, dtype=config.model.dtype, param_dtype=config.model.param_dtype,
         head="token" if config.stepwise else "sequence", mesh=mesh, seed=config.model.seed,
-        remat=config.model.remat, attention_impl=config.model.attention, load_weights=weights)
+        remat=config.model.remat, attention_impl=config.model.attention, lora=lora_cfg, load_weights=weights)
   if rm.tokenizer is None:
     raise ConfigError(f"model.name_or_path={config.model.name_or_path!r} has no tokenizer files")
   return rm
+
+
+def _check_lora_base(config: RunConfig, lora_cfg: lora.LoraConfig) -> None:
+  """LoRA trains over HF or GGUF weights; a jaxrm run's own checkpoint has no adapters to resume."""
+  path = config.model.name_or_path
+  if lora_cfg.enabled and checkpointing.find_run(path) is not None:
+    raise ConfigError(f"model.lora.rank={lora_cfg.rank} needs an HF checkpoint or .gguf file as model.name_or_path, "
+                      f"but {path!r} is a jaxrm training run: export it first (python -m jaxrm.export) and "
+                      "train the adapters over the export")
+
+
+def _check_same_lora(out_dir: str, lora_cfg: lora.LoraConfig) -> None:
+  """A run resumes with the adapters it was saved with (its checkpoint holds exactly those)."""
+  if not checkpointing.is_run_dir(out_dir):
+    return
+  saved = checkpointing.find_run(out_dir).model_config().lora
+  if (saved.enabled or lora_cfg.enabled) and saved != lora_cfg:
+    describe = lambda c: _describe_lora(c) + (f", base {c.base_dtype}" if c.base_dtype else "")
+    raise ConfigError(f"{out_dir} holds a run trained with {describe(saved)}, but model.lora asks for "
+                      f"{describe(lora_cfg)}: resume with the run's settings, or use another output_dir")
+
+
+def _describe_lora(cfg: lora.LoraConfig) -> str:
+  """``LoRA rank 8 (alpha 16) on q_proj, v_proj``, or ``no LoRA``."""
+  return f"LoRA rank {cfg.rank} (alpha {cfg.alpha:g}) on {', '.join(cfg.targets)}" if cfg.enabled else "no LoRA"
+
+
+def _base_reference(name_or_path: str) -> str:
+  """How a LoRA run names its base: a local path made absolute, a hub or embedded name as given."""
+  return os.path.abspath(name_or_path) if os.path.exists(name_or_path) else name_or_path
 
 
 def _resume(ckpt: checkpointing.Checkpointer, step: int, state, train_iter):
@@ -292,11 +331,17 @@ def _summary(run: _Run, out_dir: str) -> str:
   config, rm, data = run.config, run.rm, run.data
   gbs = config.train.global_batch_size
   num_params = sum(x.size for x in jax.tree.leaves(nnx.state(rm.model)))
+  lora_cfg, trains = rm.config.lora, ""
+  if lora_cfg.enabled:
+    trained = sum(x.size for x in jax.tree.leaves(run.state["params"]))
+    trains = (f"{_describe_lora(lora_cfg)}: {_count(trained)} trainable of {_count(num_params)} parameters"
+              + (f", the base stored as {lora_cfg.base_dtype}" if lora_cfg.base_dtype else "") + "\n")
   tokens_per_step = gbs * sum(map(packing.packed_length, data.train)) / len(data.train)
   drops = "".join(f"{d.summary(name)}\n" for name, d in data.drops.items())
   return (
       f"jaxrm: {rm.config.family} model {config.model.name_or_path}, {num_params / 1e6:.1f}M parameters, "
       f"{rm.config.dtype} compute / {rm.config.param_dtype} weights, {config.reward.type} loss\n"
+      f"{trains}"
       f"{attention_summary(rm.config)}\n"
       f"mesh: {dict(run.mesh.shape)} on {jax.device_count()} {jax.default_backend()} devices, "
       f"{jax.process_count()} process(es)\n"
@@ -306,6 +351,10 @@ def _summary(run: _Run, out_dir: str) -> str:
       + f"steps: {run.start_step} -> {run.total_steps}, batch {gbs} groups (x{run.input.grad_accum} accumulation), "
       f"{tokens_per_step:.0f} tokens/step on average, {_describe_packing(run.input.pack, data.train, gbs)}\n"
       f"output in {out_dir}")
+
+
+def _count(n: int) -> str:
+  return f"{n / 1e6:.1f}M" if n >= 100_000 else f"{n / 1e3:.1f}K"
 
 
 def _describe_packing(pack: PackSpec | None, train_examples: list, gbs: int) -> str:
@@ -326,12 +375,13 @@ def _evaluate(run: _Run, step: int) -> dict[str, float]:
   """Every validation set's metrics (``validation-<set>_<metric>``), logged at ``step``."""
   t0 = time.time()
   results = {}
+  params = steps.model_params(run.state)
   for name, batches in run.input.validation.items():
     if run.config.eval.val_batches:
       batches = batches[:run.config.eval.val_batches]
     acc = None
     for b in batches:
-      m = run.eval_step(run.state["params"], pipeline.to_global_batch(b, run.mesh))
+      m = run.eval_step(params, pipeline.to_global_batch(b, run.mesh))
       acc = m if acc is None else accumulate(acc, m)
     for k, v in finalize_metrics(jax.device_get(acc)).items():
       results[f"validation-{name}_{k}"] = v

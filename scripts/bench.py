@@ -147,6 +147,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--plan_remat", default=",".join(PLAN_REMATS), help="remat policies, comma-separated")
   p.add_argument("--plan_meshes", default=",".join(PLAN_MESHES),
                  help="meshes as data x fsdp x tensor (1x8x1: fsdp=8), comma-separated")
+  p.add_argument("--plan_lora", type=int, default=0,
+                 help="memory plan of LoRA training: adapters of this rank on every linear layer "
+                      "(0: full-parameter training)")
+  p.add_argument("--plan_base_dtype", default="",
+                 help="with --plan_lora: the frozen base's dtype (bfloat16, int8, nf4; '': float32)")
   p.add_argument("--plan_backend", default="cpu",
                  help="cpu: fake CPU devices, as many as the largest mesh needs; gpu (or any other "
                       "backend): compile for that machine's own devices instead")
@@ -595,10 +600,14 @@ def bytes_per_device(tree) -> int:
              for x in jax.tree.leaves(tree))
 
 
-def plan_config(name: str, remat: str, attention: str) -> ModelConfig:
-  """SHAPES[name] as the plan and ``--fit`` train it: bf16 compute, float32 master weights."""
+def plan_config(name: str, remat: str, attention: str, lora_rank: int = 0,
+                base_dtype: str = "") -> ModelConfig:
+  """SHAPES[name] as the plan and ``--fit`` train it: bf16 compute, float32 master weights (with
+  ``lora_rank``: float32 adapters on all seven linear layers over a frozen base in ``base_dtype``)."""
+  from jaxrm.models.lora import LoraConfig
+  lora = LoraConfig(rank=lora_rank, base_dtype=base_dtype or None) if lora_rank else LoraConfig()
   return SHAPES[name].replace(dtype="bfloat16", param_dtype="float32", remat=remat,
-                              attention_impl=attention, pad_token_id=PAD)
+                              attention_impl=attention, pad_token_id=PAD, lora=lora)
 
 
 def planned_step(cfg: ModelConfig, length: int, mesh):
@@ -612,7 +621,9 @@ def planned_step(cfg: ModelConfig, length: int, mesh):
   from jaxrm.losses import RewardSpec
   model = placed_abstract_model(cfg, mesh)
   tx, schedule = plan_optimizer()
-  state, shardings = steps.abstract_state(nnx.state(model), tx, mesh=mesh)
+  from jaxrm.models import lora
+  state, shardings = steps.abstract_state(nnx.state(model), tx, mesh=mesh,
+                                          trainable=lora.trainable_filter(cfg.lora))
   pairs = sharding.data_parallel_size(mesh)
   batch = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.batch_sharding(mesh, x.ndim)),
@@ -623,13 +634,13 @@ def planned_step(cfg: ModelConfig, length: int, mesh):
 
 
 def plan_one(name: str, length: int, remat: str, mesh_dims: tuple[int, int, int],
-             attention: str) -> dict:
+             attention: str, lora_rank: int = 0, base_dtype: str = "") -> dict:
   """Compiles the trainer's step for shape ``name`` at ``length`` tokens on a mesh of (fake)
   devices and returns one device's bytes: parameters, optimizer state, XLA's temporaries and
   their total."""
   import jax
   from jaxrm import sharding
-  cfg = plan_config(name, remat, attention)
+  cfg = plan_config(name, remat, attention, lora_rank, base_dtype)
   devices = int(np.prod(mesh_dims))
   mesh = sharding.make_mesh(sharding.MeshConfig(*mesh_dims), devices=jax.devices()[:devices])
   step, state, batch = planned_step(cfg, length, mesh)
@@ -640,11 +651,13 @@ def plan_one(name: str, length: int, remat: str, mesh_dims: tuple[int, int, int]
   total = (m.argument_size_in_bytes + m.temp_size_in_bytes
            + max(m.output_size_in_bytes - m.alias_size_in_bytes, 0))
   return {
-      "model": name, "params": sum(x.size for x in jax.tree.leaves(state["params"])),
+      "model": name + (f"+lora{lora_rank}" + (f"-{base_dtype}" if base_dtype else "") if lora_rank else ""),
+      "params": sum(x.size for x in jax.tree.leaves((state["params"], state.get("frozen", {})))),
+      "trainable": sum(x.size for x in jax.tree.leaves(state["params"])),
       "length": length, "remat": cfg.remat, "attention": cfg.attention_impl,
       "mesh": "x".join(map(str, mesh_dims)), "devices": devices, "pairs": batch.margin.shape[0],
       "input_ids_per_device": list(batch.input_ids.sharding.shard_shape(batch.input_ids.shape)),
-      "param_bytes": bytes_per_device(state["params"]),
+      "param_bytes": bytes_per_device((state["params"], state.get("frozen", {}))),
       "opt_state_bytes": bytes_per_device(state["opt_state"]),
       "batch_bytes": bytes_per_device(batch),
       "argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
@@ -673,7 +686,8 @@ def _markdown(cells) -> str:
 
 def plan_table(rows: list[dict]) -> str:
   """The plan's rows as a Markdown table, by model, length, mesh and remat."""
-  order = lambda r: (list(SHAPES).index(r["model"]) if r["model"] in SHAPES else len(SHAPES),
+  shape = lambda r: r["model"].split("+")[0]
+  order = lambda r: (list(SHAPES).index(shape(r)) if shape(r) in SHAPES else len(SHAPES), r["model"],
                      r["length"], r["devices"], r["mesh"], PLAN_REMATS.index(r["remat"]))
   return "\n".join([_markdown(PLAN_COLUMNS), _markdown(["---"] * len(PLAN_COLUMNS)),
                     *map(plan_row, sorted(rows, key=order))])
@@ -690,7 +704,9 @@ def run_plan(args) -> dict:
   import jax
   settings = [(m, t, r, mesh) for m in args.plan_models for t in args.plan_lengths
               for r in args.plan_remat for mesh in args.plan_meshes]
-  wanted = {(m, t, r, "x".join(map(str, mesh)), args.attention) for m, t, r, mesh in settings}
+  suffix = (f"+lora{args.plan_lora}" + (f"-{args.plan_base_dtype}" if args.plan_base_dtype else "")
+            if args.plan_lora else "")
+  wanted = {(m + suffix, t, r, "x".join(map(str, mesh)), args.attention) for m, t, r, mesh in settings}
   kept = []
   if args.json and os.path.exists(args.json):
     with open(args.json) as f:
@@ -706,7 +722,7 @@ def run_plan(args) -> dict:
   print(_markdown(PLAN_COLUMNS), flush=True)
   for name, length, remat, mesh in settings:
     try:
-      row = plan_one(name, length, remat, mesh, args.attention)
+      row = plan_one(name, length, remat, mesh, args.attention, args.plan_lora, args.plan_base_dtype)
     except Exception as e:  # e.g. a mesh that does not divide the batch: say so, keep going
       where = f"{name} T={length} remat={remat} mesh={'x'.join(map(str, mesh))}"
       out["failed"].append({"setting": where, "error": str(e).splitlines()[0][:300]})
@@ -784,7 +800,7 @@ def fit_dry_run(args) -> dict:
   _, state, batch = planned_step(cfg, args.max_length, mesh)
   return {"dry_run": True, "model": args.model, "length": args.max_length, "remat": args.remat,
           "attention": args.attention, "params": sum(x.size for x in jax.tree.leaves(state["params"])),
-          "param_bytes": bytes_per_device(state["params"]),
+          "param_bytes": bytes_per_device((state["params"], state.get("frozen", {}))),
           "opt_state_bytes": bytes_per_device(state["opt_state"]),
           "input_ids": list(batch.input_ids.shape)}
 

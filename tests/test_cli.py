@@ -77,7 +77,7 @@ def test_wrong_type_is_named(runs):
 def test_config_file_problems(runs, capsys):
   assert error_line(runs["unknown_variant"], 2) == (
       "error: flag --config=configs/rm.py:bogus: Error whilst parsing config file: "
-      "ValueError: unknown variant 'bogus' of configs/rm.py; known: smoke")
+      "ValueError: unknown variant 'bogus' of configs/rm.py; known: smoke, lora")
   from jaxrm import cli
   with pytest.raises(SystemExit):
     cli.check_config_keys(["train", "--config=configs/nonexistent.py:smoke"])

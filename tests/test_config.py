@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from jaxrm.config import (CheckpointSpec, DataSpec, ModelSpec, RunConfig, TrainSpec, base_config, from_config_dict,
-                          normalize_metric_name)
+from jaxrm.config import (CheckpointSpec, DataSpec, LoraSpec, ModelSpec, RunConfig, TrainSpec, base_config,
+                          from_config_dict, normalize_metric_name)
+from jaxrm.models.lora import LoraConfig
 from jaxrm.errors import ConfigError
 
 
@@ -48,11 +49,39 @@ def test_a_notebook_sets_only_what_it_changes():
     (lambda: RunConfig.from_dict({"trian": {}}), "the config has no key 'trian'; it has output_dir, model"),
     (lambda: RunConfig.from_dict({"train": {"max_stepz": 1}}),
      "config.train has no key 'max_stepz'; it has global_batch_size"),
+    (lambda: RunConfig.from_dict({"model": {"lora": {"rnak": 8}}}),
+     "config.model.lora has no key 'rnak'; it has alpha, base_dtype, dropout, rank, target_modules"),
+    (lambda: RunConfig.from_dict({"model": {"lora": 8}}), "config.model.lora is a section (rank, alpha"),
+    (lambda: LoraSpec(rank=-1), "model.lora.rank=-1: LoRA rank=-1; use 0"),
+    (lambda: LoraSpec(rank=8, alpha=0.0), "model.lora.alpha=0.0: LoRA alpha=0.0; use a positive number"),
+    (lambda: LoraSpec(rank=8, target_modules="q_proj,qkv_proj"),
+     "model.lora.target_modules='q_proj,qkv_proj': LoRA targets ['qkv_proj'] are not projections"),
+    (lambda: LoraSpec(rank=8, target_modules=""), "model.lora.target_modules='': LoRA rank=8 adapts no projection"),
+    (lambda: LoraSpec(rank=8, dropout=0.1), "model.lora.dropout=0.1: LoRA dropout is not supported yet; use 0.0"),
+    (lambda: LoraSpec(rank=8, base_dtype="fp8"), "model.lora.base_dtype='fp8': LoRA base_dtype='fp8'; use one of"),
+    (lambda: LoraSpec(base_dtype="nf4"), "model.lora.base_dtype='nf4': LoRA base_dtype='nf4' freezes"),
 ])
 def test_bad_values_name_their_key(make, message):
   with pytest.raises(ConfigError) as e:
     make()
   assert str(e.value).startswith(message)
+
+
+def test_lora_is_a_nested_section_set_from_the_command_line():
+  c = base_config()
+  assert c.model.lora.to_dict() == {"rank": 0, "alpha": 16.0, "dropout": 0.0, "target_modules": "all-linear",
+                                    "base_dtype": ""}
+  assert not from_config_dict(c).model.lora.lora_config().enabled
+  # What --config.model.lora.rank=8 --config.model.lora.target_modules=q_proj,v_proj sets.
+  c.model.lora.rank = 8
+  c.model.lora.target_modules = "q_proj, v_proj"
+  c.model.lora.base_dtype = "int8"
+  run = from_config_dict(c)
+  assert run.model.lora.lora_config() == LoraConfig(rank=8, targets=("q_proj", "v_proj"), base_dtype="int8")
+  assert RunConfig.from_dict(json.loads(json.dumps(run.to_dict()))) == run
+  # A notebook may name the targets as a list; the spec keeps the string form of the config.
+  assert LoraSpec(rank=4, target_modules=["v_proj", "q_proj"]).target_modules == "v_proj,q_proj"
+  assert ModelSpec(lora=LoraSpec(rank=4)).lora.lora_config().targets == LoraConfig().targets
 
 
 def test_section_checks_become_config_errors():

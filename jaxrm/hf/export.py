@@ -5,6 +5,10 @@
   (validation reward statistics, the step separator), which transformers ignores and jaxrm reads back;
 * ``model.safetensors``: every tensor named by the family's weight map;
 * the tokenizer files, chat template included.
+
+A model with LoRA adapters is written with the adapters merged into its weights (a plain
+checkpoint, no peft needed), or, by :func:`save_peft_adapters`, as a peft adapter directory
+(``adapter_config.json`` + ``adapter_model.safetensors``) to apply over its base checkpoint.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ import numpy as np
 from flax import nnx
 
 from jaxrm.checkpointing import is_run_dir
-from jaxrm.errors import CheckpointError
+from jaxrm.errors import CheckpointError, ConfigError
 from jaxrm.hf.safetensors_io import save_safetensors
-from jaxrm.hf.weight_map import to_hf_names
+from jaxrm.hf.weight_map import PEFT_HEAD, peft_names, to_hf_names
+from jaxrm.models import lora
 from jaxrm.models.config import ModelConfig, to_hf_config
 from jaxrm.models.decoder import Decoder
 
@@ -32,15 +37,65 @@ DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 SCORING_KEY = "jaxrm"
 
 
-def hf_tensors(model: Decoder, dtype: str = "float32") -> dict[str, np.ndarray]:
-  """HF name -> host array ([out, in] for linear weights), one entry per layer, in ``dtype``."""
-  params = {".".join(map(str, path)): np.asarray(var.get_value())
-            for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+def _host_params(model: Decoder, *, merge: bool) -> dict[str, np.ndarray]:
+  """Dotted param name -> host array; with ``merge``, LoRA adapters are folded into their weights
+  (a base stored lower, ``lora.base_dtype``, is decoded to the model's parameter dtype first)."""
+  cfg = model.config
+  if merge and cfg.lora.enabled:
+    state = lora.merge(nnx.state(model), cfg.lora, dtype=cfg.param_dtype)
+  else:
+    state = nnx.state(model, nnx.Param)
+  return {".".join(map(str, path)): np.asarray(var.get_value()) for path, var in nnx.to_flat_state(state)}
+
+
+def _named_tensors(params: dict[str, np.ndarray], names, dtype: str) -> dict[str, np.ndarray]:
   out = {}
-  for key, param, layer, transpose in to_hf_names(model.config):
+  for key, param, layer, transpose in names:
     host = params[param] if layer is None else params[param][layer]  # un-stacks the layers
     out[key] = np.ascontiguousarray((host.T if transpose else host).astype(DTYPES[dtype], copy=False))
   return out
+
+
+def hf_tensors(model: Decoder, dtype: str = "float32") -> dict[str, np.ndarray]:
+  """HF name -> host array ([out, in] for linear weights), one entry per layer, in ``dtype``.
+
+  LoRA adapters are merged into the weights they adapt (``W + alpha/r * A @ B``).
+  """
+  return _named_tensors(_host_params(model, merge=True), to_hf_names(model.config), dtype)
+
+
+def peft_tensors(model: Decoder, dtype: str = "float32") -> dict[str, np.ndarray]:
+  """peft name -> host array: each layer's ``lora_A`` [r, in] and ``lora_B`` [out, r], and the head."""
+  if not model.config.lora.enabled:
+    raise ConfigError("the model has no LoRA adapters (lora.rank is 0): export it whole (without "
+                      "adapters_only), or train it with LoRA (model.lora.rank > 0)")
+  return _named_tensors(_host_params(model, merge=False), peft_names(model.config), dtype)
+
+
+def peft_config(cfg: ModelConfig, base_model_name_or_path: str | None) -> dict:
+  """adapter_config.json: a peft ``LoraConfig`` for ``cfg.lora``, with the head saved in full."""
+  alpha = cfg.lora.alpha
+  return {
+      "peft_type": "LORA",
+      "task_type": "TOKEN_CLS" if cfg.head == "token" else "SEQ_CLS",
+      "base_model_name_or_path": base_model_name_or_path,
+      "revision": None,
+      "r": cfg.lora.rank,
+      "lora_alpha": int(alpha) if alpha.is_integer() else alpha,
+      "lora_dropout": 0.0,
+      "target_modules": list(cfg.lora.targets),
+      "bias": "none",
+      "modules_to_save": [PEFT_HEAD],
+      "fan_in_fan_out": False,
+      "inference_mode": True,
+      "init_lora_weights": True,
+      "use_rslora": False,
+      "use_dora": False,
+      "layers_to_transform": None,
+      "layers_pattern": None,
+      "rank_pattern": {},
+      "alpha_pattern": {},
+  }
 
 
 def hf_config(cfg: ModelConfig, dtype: str = "float32", *, tokenizer: Any = None,
@@ -60,14 +115,26 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32", *, tokenizer: Any = None
   if pad is None:
     log.warning("no pad token id: transformers' %s scores such a model one row at a time",
                 to_hf_config(cfg)["architectures"][0])
-  hf = to_hf_config(cfg.replace(param_dtype=dtype, pad_token_id=pad))
+  hf = to_hf_config(cfg.replace(param_dtype=dtype, pad_token_id=pad, lora=lora.LoraConfig()))
   hf[SCORING_KEY] = {"reward_stats": reward_stats, "step_separator": step_separator}
   return hf
 
 
+def _check_dtype(dtype: str) -> str:
+  if dtype not in DTYPES:
+    raise ValueError(f"dtype={dtype!r}; export writes {' or '.join(DTYPES)}")
+  return dtype
+
+
+def _check_out_dir(out_dir: str) -> None:
+  if is_run_dir(out_dir):
+    raise CheckpointError(f"{out_dir} is a training output directory; export into another directory")
+
+
 def save_pretrained(out_dir: str | os.PathLike, model: Decoder, tokenizer: Any = None, *,
                     reward_stats: dict | None = None, step_separator: str, dtype: str | None = None) -> None:
-  """Writes ``model`` (and ``tokenizer``) to ``out_dir`` as an HF checkpoint directory.
+  """Writes ``model`` (and ``tokenizer``) to ``out_dir`` as an HF checkpoint directory; LoRA
+  adapters are merged into the weights, and the config written is that of a model without them.
 
   Args:
     out_dir: created if missing; existing export files in it are replaced.
@@ -77,11 +144,8 @@ def save_pretrained(out_dir: str | os.PathLike, model: Decoder, tokenizer: Any =
     dtype: tensor dtype, "float32" or "bfloat16" (default: the model's parameter dtype).
   """
   out_dir = os.fspath(out_dir)
-  dtype = dtype or model.config.param_dtype
-  if dtype not in DTYPES:
-    raise ValueError(f"dtype={dtype!r}; export writes {' or '.join(DTYPES)}")
-  if is_run_dir(out_dir):
-    raise CheckpointError(f"{out_dir} is a training output directory; export into another directory")
+  dtype = _check_dtype(dtype or model.config.param_dtype)
+  _check_out_dir(out_dir)
   os.makedirs(out_dir, exist_ok=True)
   save_safetensors(os.path.join(out_dir, "model.safetensors"), hf_tensors(model, dtype))
   config = hf_config(model.config, dtype, tokenizer=tokenizer, reward_stats=reward_stats,
@@ -92,3 +156,35 @@ def save_pretrained(out_dir: str | os.PathLike, model: Decoder, tokenizer: Any =
     tokenizer.save_pretrained(out_dir)
   else:
     log.warning("the model has no tokenizer: %s holds no tokenizer files", out_dir)
+
+
+def save_peft_adapters(out_dir: str | os.PathLike, model: Decoder, tokenizer: Any = None, *,
+                       base_model_name_or_path: str | None, dtype: str | None = None) -> None:
+  """Writes ``model``'s LoRA adapters and head to ``out_dir`` as a peft adapter directory.
+
+  ``peft.PeftModel.from_pretrained(base, out_dir)`` then scores like ``model``, ``base`` being the
+  checkpoint the adapters were trained over loaded as ``*ForSequenceClassification`` /
+  ``*ForTokenClassification`` (its head, if any, is replaced by the saved one).
+
+  Args:
+    out_dir: created if missing; existing adapter files in it are replaced.
+    model: a model with LoRA adapters; its parameters must be addressable from this process.
+    tokenizer: saved beside the adapters; None writes no tokenizer files.
+    base_model_name_or_path: the base checkpoint (an HF directory or hub name), recorded in
+      adapter_config.json for ``AutoPeftModel*`` loaders; None records none.
+    dtype: tensor dtype, "float32" or "bfloat16" (default: the model's parameter dtype).
+  """
+  out_dir = os.fspath(out_dir)
+  dtype = _check_dtype(dtype or model.config.param_dtype)
+  _check_out_dir(out_dir)
+  tensors = peft_tensors(model, dtype)
+  os.makedirs(out_dir, exist_ok=True)
+  save_safetensors(os.path.join(out_dir, "adapter_model.safetensors"), tensors)
+  with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+    json.dump(peft_config(model.config, base_model_name_or_path), f, indent=2)
+  if model.config.lora.base_dtype is not None:
+    log.warning("the adapters were trained over a %s base; peft applies them over the base checkpoint "
+                "as it loads it, so its scores differ from jaxrm's by the base's rounding (a merged export "
+                "keeps jaxrm's)", model.config.lora.base_dtype)
+  if tokenizer is not None:
+    tokenizer.save_pretrained(out_dir)

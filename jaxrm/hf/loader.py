@@ -4,7 +4,9 @@ The model is built with ``nnx.eval_shape`` (no random weights are materialised j
 overwritten); each parameter is assembled on the host from its checkpoint tensors, checked, and
 handed to ``jax.make_array_from_callback`` with its target sharding, so only the shards a process
 owns are transferred and the host holds one parameter at a time. LoRA adapters are never in a
-checkpoint: they are initialised here, as the decoder would initialise them.
+checkpoint: they are initialised here, as the decoder would initialise them. A base stored as
+codes (``cfg.lora.base_dtype`` int8 or nf4) is quantized layer by layer as it is read, so the
+host never holds the float weights of more than one layer of one projection.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxrm import sharding
 from jaxrm.hf.weight_map import HEAD_PARAMS, plan
 from jaxrm.errors import CheckpointError
-from jaxrm.models import lora
+from jaxrm.models import lora, quantize
 from jaxrm.models.config import ModelConfig
 from jaxrm.models.decoder import Decoder
 from jaxrm.models.heads import head_init
@@ -60,24 +62,41 @@ def placed_abstract_model(cfg: ModelConfig, mesh: Mesh | None = None) -> Decoder
   return nnx.merge(graphdef, state)
 
 
+def _tensor(name: str, want, slot, source: TensorSource) -> np.ndarray:
+  """The checkpoint tensor of ``slot``, transposed as the parameter holds it, its shape checked."""
+  t = source.get_tensor(slot.key)
+  if slot.transpose:
+    t = t.T
+  if tuple(t.shape) != tuple(want):
+    raw = tuple(t.T.shape) if slot.transpose else tuple(t.shape)
+    raise CheckpointError(
+        f"tensor {slot.key!r} has shape {raw}, but parameter {name} expects "
+        f"{tuple(want[::-1]) if slot.transpose else tuple(want)} (check config.json against the weights)")
+  return t
+
+
 def _assemble(name: str, shape, dtype, slots, source: TensorSource) -> np.ndarray:
   stacked = slots[0].layer is not None
   buf = np.empty(shape, dtype)
   for slot in slots:
-    t = source.get_tensor(slot.key)
-    if slot.transpose:
-      t = t.T
-    want = shape[1:] if stacked else shape
-    if tuple(t.shape) != tuple(want):
-      raw = tuple(t.T.shape) if slot.transpose else tuple(t.shape)
-      raise CheckpointError(
-          f"tensor {slot.key!r} has shape {raw}, but parameter {name} expects "
-          f"{tuple(want[::-1]) if slot.transpose else tuple(want)} (check config.json against the weights)")
+    t = _tensor(name, shape[1:] if stacked else shape, slot, source)
     if stacked:
       buf[slot.layer] = t
     else:
       buf[...] = t
   return buf
+
+
+def _assemble_coded(name: str, codes_var, scale_var, fmt: str, slots, source: TensorSource):
+  """(codes, scales) of a stacked weight stored in ``fmt``, each layer quantized as it is read:
+  the host holds one layer in float, never the whole weight."""
+  codes = np.empty(codes_var.get_value().shape, codes_var.get_value().dtype)
+  scale = np.empty(scale_var.get_value().shape, scale_var.get_value().dtype)
+  d_in, d_out = codes.shape[1] * (2 if fmt == "nf4" else 1), codes.shape[2]  # nf4: two rows a byte
+  for slot in slots:
+    codes[slot.layer], scale[slot.layer] = quantize.quantize(
+        np.asarray(_tensor(name, (d_in, d_out), slot, source), np.float32), fmt)
+  return codes, scale
 
 
 def _place(host: np.ndarray, target: NamedSharding | None) -> jax.Array:
@@ -102,10 +121,25 @@ def load_model(cfg: ModelConfig, source: TensorSource, *, mesh: Mesh | None = No
   if cfg.lora.enabled:
     log.info("initialising LoRA adapters of rank %d (alpha %g) on %s (seed %d)", cfg.lora.rank,
              cfg.lora.alpha, ", ".join(cfg.lora.targets), seed)
-  for i, (path, var) in enumerate(nnx.to_flat_state(state)):
+  if cfg.lora.base_dtype is not None:
+    log.info("storing the frozen base's projection weights (%s) in %s", ", ".join(quantize.WEIGHTS),
+             cfg.lora.base_dtype)
+  flat = dict(nnx.to_flat_state(state))
+  # Scales are placed with their codes; leaving them out of the count keeps each adapter's seed
+  # what it is over a base in the parameter dtype.
+  entries = [(path, var) for path, var in flat.items()
+             if not (isinstance(var, quantize.QuantizedWeight) and path[-1].endswith(quantize.SCALE))]
+  for i, (path, var) in enumerate(entries):
     name = ".".join(str(p) for p in path)
     shape, dtype = var.get_value().shape, var.get_value().dtype
     target = flat_targets.get(path)
+    if isinstance(var, quantize.QuantizedWeight):
+      scale_path = path[:-1] + (path[-1] + quantize.SCALE,)
+      codes, scale = _assemble_coded(name, var, flat[scale_path], cfg.lora.base_dtype, slots[name], source)
+      var.set_value(_place(codes, target))
+      flat[scale_path].set_value(_place(scale, flat_targets.get(scale_path)))
+      del codes, scale
+      continue
     if name in slots:
       host = _assemble(name, shape, dtype, slots[name], source)
     elif isinstance(var, lora.LoraParam):

@@ -3,7 +3,8 @@
 Each rule is ``(hf_template, param, transpose)``: ``{i}`` in a template is the layer index, and
 the parameter is then one slice of a stacked ``layers.<name>`` array. Linear weights are stored
 ``[out, in]`` by transformers and ``[in, out]`` here, hence the transpose. The same table serves
-loading and export. :data:`GGUF_TO_HF` names llama.cpp's tensors by their HF names, so a GGUF
+loading and export. :func:`peft_names` derives peft's adapter-file names from the same table.
+:data:`GGUF_TO_HF` names llama.cpp's tensors by their HF names, so a GGUF
 file loads through the same table. HF key names appear nowhere else.
 """
 
@@ -145,6 +146,31 @@ def to_hf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None, bool]]:
   for rule in active_rules(cfg):
     layers = range(cfg.num_layers) if "{i}" in rule.hf else [None]
     out.extend((rule.hf.format(i=i), rule.param, i, rule.transpose) for i in layers)
+  return out
+
+
+# peft's PeftModel holds the HF model as ``base_model.model``, so its keys start with this.
+PEFT_PREFIX = "base_model.model."
+PEFT_HEAD = "score"  # the head module peft saves in full (its ``modules_to_save``)
+
+
+def peft_names(cfg: ModelConfig) -> list[tuple[str, str, int | None, bool]]:
+  """(peft key, param, layer, transpose) for every tensor of a peft LoRA adapter file.
+
+  Each adapted projection ``<module>.weight`` gives ``<module>.lora_A.weight`` [r, in] and
+  ``<module>.lora_B.weight`` [out, r] (jaxrm keeps A [in, r] and B [r, out]: both transposed); the
+  trained head keeps its HF name. All under :data:`PEFT_PREFIX`, as
+  ``peft.get_peft_model_state_dict`` names them.
+  """
+  adapted = {f"layers.{name}" for name in cfg.lora.params} if cfg.lora.enabled else set()
+  out = []
+  for key, param, layer, transpose in to_hf_names(cfg):
+    if param in adapted:
+      module = PEFT_PREFIX + key.removesuffix(".weight")
+      out.append((f"{module}.lora_A.weight", f"{param}_lora_a", layer, True))
+      out.append((f"{module}.lora_B.weight", f"{param}_lora_b", layer, True))
+    elif param in HEAD_PARAMS:
+      out.append((PEFT_PREFIX + key, param, layer, transpose))
   return out
 
 

@@ -105,6 +105,13 @@ class ModelConfig:
       raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
     if self.layer_types and len(self.layer_types) != self.num_layers:
       raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+    if self.lora.base_dtype == "nf4":  # two codes per byte along each projection's input
+      inputs = {"hidden_size": self.hidden_size, "num_heads * head_dim": self.num_heads * self.head_dim,
+                "intermediate_size": self.intermediate_size}
+      odd = [f"{k}={v}" for k, v in inputs.items() if v % 2]
+      if odd:
+        raise ConfigError(f"LoRA base_dtype='nf4' packs two codes per byte along a projection's input, "
+                          f"but {', '.join(odd)} is odd; use base_dtype='int8' or 'bfloat16'")
 
   @property
   def sliding_layers(self) -> np.ndarray:

@@ -11,7 +11,8 @@ einsum (``layers.dot_product_attention``, the default elsewhere) and ``jax.nn.do
 (cuDNN), which take a dense mask built once for all layers.
 
 With ``config.lora`` on, the targeted projections carry low-rank adapters (:mod:`jaxrm.models.lora`),
-stacked like the weights they adapt.
+stacked like the weights they adapt; ``config.lora.base_dtype`` stores the frozen projection
+weights in bfloat16, int8 or nf4 (:mod:`jaxrm.models.quantize`), decoded layer by layer in the scan.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxrm import sharding
-from jaxrm.models import heads, lora
+from jaxrm.models import heads, lora, quantize
 from jaxrm.models import layers as L
 from jaxrm.models.config import ModelConfig
 from jaxrm.models.flash_attention import NO_WINDOW, flash_attention, layout
@@ -83,9 +84,18 @@ class Decoder(nnx.Module):
     norm_init = jax.nn.initializers.zeros if cfg.gemma_norms else jax.nn.initializers.ones
     self.embed = _param(rngs.params(), (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype, normal)
     self.layers = Layers()
+    base_dtype = cfg.lora.base_dtype
     for name, (shape, axes) in layer_param_shapes(cfg).items():
       init = norm_init if name.endswith("norm") else jax.nn.initializers.zeros if name.endswith("bias") else normal
-      setattr(self.layers, name, _param(rngs.params(), shape, axes, dtype, init))
+      if base_dtype is None or name not in quantize.WEIGHTS:
+        setattr(self.layers, name, _param(rngs.params(), shape, axes, dtype, init))
+      elif base_dtype == "bfloat16":
+        setattr(self.layers, name, _param(rngs.params(), shape, axes, jnp.bfloat16, init))
+      else:
+        codes, scale = quantize.quantize(init(rngs.params(), shape, dtype), base_dtype)
+        for suffix, value in (("", codes), (quantize.SCALE, scale)):
+          stored_axes = quantize.stored(base_dtype, shape, axes)[suffix][2]
+          setattr(self.layers, name + suffix, quantize.QuantizedWeight(value, logical_axes=stored_axes))
     self.final_norm = _param(rngs.params(), (cfg.hidden_size,), ("embed",), dtype, norm_init)
     self.score = _param(rngs.params(), (cfg.hidden_size, cfg.num_labels), ("embed", "labels"), dtype,
                         heads.head_init(cfg))
@@ -272,7 +282,11 @@ def _block(cfg: ModelConfig, attend: Callable, x_btd, p, cos, sin):
   norm = lambda x, w: L.rms_norm(x, w, cfg.rms_norm_eps, cfg.gemma_norms)
 
   def linear(x_nd, name):  # the projection ``name``, plus its adapter where it has one
-    y = L.linear(x_nd, p[name], p.get(f"{name}_bias"))
+    if name + quantize.SCALE in p:  # a coded base weight, decoded here for this layer only
+      y = quantize.linear(x_nd, p[name], p[name + quantize.SCALE], cfg.lora.base_dtype)
+      y = y if f"{name}_bias" not in p else y + p[f"{name}_bias"].astype(y.dtype)
+    else:
+      y = L.linear(x_nd, p[name], p.get(f"{name}_bias"))
     if f"{name}_lora_a" in p:
       y = y + lora.delta(x_nd, p[f"{name}_lora_a"], p[f"{name}_lora_b"], cfg.lora.scale)
     return y

@@ -32,6 +32,7 @@ from flax import nnx
 
 from jaxrm.errors import ConfigError
 from jaxrm.models import layers as L
+from jaxrm.models import quantize
 
 # flax's own Param subclass for adapters (nnx.LoRA and qwix use it too).
 LoraParam = nnx.LoRAParam
@@ -73,11 +74,18 @@ class LoraConfig:
   ``alpha`` defaults to 16 (OpenRLHF's ``--lora_alpha``; peft's ``LoraConfig`` defaults to 8): the
   update is scaled by ``alpha / rank``, 2 at rank 8. ``targets`` takes peft's names, or
   ``all-linear`` (the default, as in OpenRLHF); it is stored expanded.
+
+  ``base_dtype`` stores the frozen base's projection weights in lower precision (QLoRA):
+  ``"bfloat16"``, ``"int8"`` or ``"nf4"`` (:mod:`jaxrm.models.quantize`); None keeps the model's
+  parameter dtype. It needs adapters (rank > 0): a base that low is for training adapters over,
+  and without any the whole model would train, codes included. To score with less memory, load
+  in bfloat16 (``param_dtype``).
   """
 
   rank: int = 0
   alpha: float = 16.0
   targets: tuple[str, ...] = tuple(TARGETS)
+  base_dtype: str | None = None
 
   def __post_init__(self):
     if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
@@ -90,6 +98,13 @@ class LoraConfig:
     if self.rank and not targets:
       raise ConfigError(f"LoRA rank={self.rank} adapts no projection (targets is empty); name some of "
                         f"{', '.join(TARGETS)}, or {ALL_LINEAR!r}")
+    if self.base_dtype is not None and self.base_dtype not in quantize.FORMATS:
+      raise ConfigError(f"LoRA base_dtype={self.base_dtype!r}; use one of {', '.join(quantize.FORMATS)}, "
+                        "or None to keep the model's parameter dtype")
+    if self.base_dtype is not None and not self.rank:
+      raise ConfigError(f"LoRA base_dtype={self.base_dtype!r} freezes a {self.base_dtype} base, but rank=0 "
+                        "trains no adapters over it; set a rank (e.g. 8), or drop base_dtype (to score in "
+                        "less memory, load with param_dtype='bfloat16')")
     object.__setattr__(self, "alpha", float(self.alpha))
     object.__setattr__(self, "targets", targets)
 
@@ -152,26 +167,37 @@ def trainable_filter(cfg: LoraConfig) -> nnx.filterlib.Filter:
   return nnx.Any(LoraParam, *(nnx.PathContains(name) for name in HEAD_PARAMS))
 
 
-def merge(params: nnx.State, cfg: LoraConfig) -> nnx.State:
+def merge(params: nnx.State, cfg: LoraConfig, dtype: str = "float32") -> nnx.State:
   """``params`` with every adapted weight replaced by ``W + scale * A @ B`` (per layer, in float32,
   cast back to W's dtype) and the adapters removed: the parameters of the same model without
   LoRA (``cfg.replace(lora=LoraConfig())``), e.g. for export.
 
+  A base stored lower (``cfg.base_dtype``) is decoded first, and its merged projection weights
+  are ``nnx.Param``s in ``dtype`` (pass the model's ``param_dtype``); the codes' scales go.
+
   Args:
     params: the whole model's state (base and adapters).
     cfg: the model's LoRA settings.
+    dtype: the merged projection weights' dtype where ``cfg.base_dtype`` is set.
   """
   flat = dict(nnx.to_flat_state(params))
   merged = []
   for path, var in flat.items():
-    if isinstance(var, LoraParam):
+    if isinstance(var, LoraParam) or (isinstance(var, quantize.QuantizedWeight) and path[-1].endswith(quantize.SCALE)):
       continue
+    w = var.get_value()
+    lowered = cfg.base_dtype is not None and path[-1] in quantize.WEIGHTS and len(path) > 1
+    if isinstance(var, quantize.QuantizedWeight):
+      w = quantize.dequantize(w, flat[path[:-1] + (path[-1] + quantize.SCALE,)].get_value(), cfg.base_dtype)
+      var = nnx.Param(w, **var.get_metadata())
+    out_dtype = jnp.dtype(dtype) if lowered else w.dtype
     a = flat.get(path[:-1] + (f"{path[-1]}_lora_a",))
     if a is not None:
       b = flat[path[:-1] + (f"{path[-1]}_lora_b",)]
-      w = var.get_value()
       ab = jnp.einsum("lir,lro->lio", a.get_value().astype(jnp.float32), b.get_value().astype(jnp.float32),
                       precision=jax.lax.Precision.HIGHEST)
-      var = var.replace((w.astype(jnp.float32) + cfg.scale * ab).astype(w.dtype))
+      var = var.replace((w.astype(jnp.float32) + cfg.scale * ab).astype(out_dtype))
+    elif lowered:
+      var = var.replace(w.astype(out_dtype))
     merged.append((path, var))
   return nnx.from_flat_state(merged)
