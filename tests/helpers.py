@@ -173,3 +173,51 @@ def assert_same_params(a, b):
   for k in pa:
     np.testing.assert_array_equal(pa[k], pb[k], err_msg=str(k))
 
+
+
+# ------------------------------------------------------------------ parameters and demo batches
+
+
+def flat_params(state) -> dict[str, np.ndarray]:
+  """``layers.q`` -> host array, for every Variable of an nnx state."""
+  return {".".join(map(str, path)): np.array(var.get_value()) for path, var in nnx.to_flat_state(state)}
+
+
+def assert_only_trained_moved(before: dict, after: dict, trained) -> None:
+  """Every parameter named in ``trained`` changed; every other one is bit-identical, same dtype."""
+  assert after.keys() == before.keys()
+  for name in before:
+    if name in trained:
+      assert not np.array_equal(after[name], before[name]), f"{name} did not move"
+    else:
+      np.testing.assert_array_equal(after[name], before[name], err_msg=f"{name} of the base moved")
+      assert after[name].dtype == before[name].dtype, name
+
+
+def padded_tokens(vocab_size: int):
+  """Three rows of 12 random token ids and their mask; the last row right-padded to 7."""
+  ids = np.random.default_rng(0).integers(0, vocab_size, (3, 12)).astype(np.int32)
+  mask = np.ones_like(ids)
+  mask[2, 7:] = 0
+  return ids, mask
+
+
+def model_config_of(model_dir: str) -> ModelConfig:
+  """The ModelConfig of an HF checkpoint directory."""
+  import json
+  import os
+  from jaxrm.models.config import from_hf_config
+  with open(os.path.join(model_dir, "config.json")) as f:
+    return from_hf_config(json.load(f))
+
+
+def demo_batches(tokenizer, n: int):
+  """The first ``n`` training batches of 8 demo_arithmetic pairs (max_length 96, one bucket)."""
+  from jaxrm.data import pipeline, registry
+  from jaxrm.data.drops import DropReport
+  from jaxrm.data.tokenize import TokenizeOptions, pad_id, tokenize_all
+  records = registry.load_records("demo_arithmetic", None, split="train", drops=DropReport())[:8 * n]
+  examples = tokenize_all(records, tokenizer, TokenizeOptions(max_length=96), DropReport())
+  batches = pipeline.make_train_iterator(examples, batch_size=8, seed=0, buckets=(96,),
+                                         pad_id=pad_id(tokenizer))[0]
+  return [next(batches) for _ in range(n)]

@@ -101,3 +101,19 @@ def test_cycle_finder_finds_cycles():
   graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": {"e"}, "e": set()}
   assert _components(graph) == [["a", "b", "c"]]
   assert _path_through(graph, {"a", "b", "c"}) == ["a", "b", "c", "a"]
+
+
+def test_no_test_module_imports_another():
+  """Shared test code lives in conftest.py and helpers.py, not in another test module."""
+  tests_dir = os.path.join(tiny_run.ROOT, "tests")
+  offenders = []
+  for name in sorted(os.listdir(tests_dir)):
+    if not (name.startswith("test_") and name.endswith(".py")):
+      continue
+    with open(os.path.join(tests_dir, name)) as f:
+      tree = ast.parse(f.read(), name)
+    for node in ast.walk(tree):
+      modules = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+      offenders += [f"{name} imports {m}" for m in modules if m.split(".")[0].startswith("test_")]
+  assert not offenders, offenders

@@ -3,7 +3,6 @@ weights, and shard like the weights they adapt."""
 
 import dataclasses
 import json
-import os
 
 import jax
 import numpy as np
@@ -13,15 +12,14 @@ from flax import nnx
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
+from helpers import assert_only_trained_moved, demo_batches, flat_params, model_config_of, padded_tokens
 from jaxrm import optim, sharding, steps
-from jaxrm.data import pipeline, registry
-from jaxrm.data.drops import DropReport
-from jaxrm.data.tokenize import TokenizeOptions, pad_id, tokenize_all
+from jaxrm.data import pipeline
 from jaxrm.errors import ConfigError
 from jaxrm.hf.loader import abstract_model
 from jaxrm.losses import RewardSpec
 from jaxrm.models import lora
-from jaxrm.models.config import ModelConfig, config_from_dict, from_hf_config
+from jaxrm.models.config import ModelConfig, config_from_dict
 from jaxrm.models.decoder import Decoder
 from jaxrm.models.lora import LoraConfig, LoraParam
 from jaxrm.reward_model import RewardModel
@@ -35,23 +33,6 @@ BASE = nnx.Not(LoraParam)
 # size) then agree to about one float32 ulp (measured: <= 1.2e-7); 1e-5 bounds that with room while
 # the adapters move them by 5e-2 or more.
 MERGE_ATOL = 1e-5
-
-
-def _flat(state) -> dict[str, np.ndarray]:
-  return {".".join(map(str, path)): np.array(var.get_value()) for path, var in nnx.to_flat_state(state)}
-
-
-def _tokens(vocab_size: int):
-  """Three rows of 12 tokens; the last right-padded to 7."""
-  ids = np.random.default_rng(0).integers(0, vocab_size, (3, 12)).astype(np.int32)
-  mask = np.ones_like(ids)
-  mask[2, 7:] = 0
-  return ids, mask
-
-
-def _tiny_config(model_dir):
-  with open(os.path.join(model_dir, "config.json")) as f:
-    return from_hf_config(json.load(f))
 
 
 # ------------------------------------------------------------------ config
@@ -79,7 +60,7 @@ def test_bad_settings_say_what_to_use(kwargs, message):
 
 
 def test_model_config_round_trips_its_lora_settings(model_dir):
-  cfg = _tiny_config(model_dir).replace(lora=QV)
+  cfg = model_config_of(model_dir).replace(lora=QV)
   assert config_from_dict(json.loads(json.dumps(dataclasses.asdict(cfg))), "model_config.json") == cfg
   old = dataclasses.asdict(cfg)
   del old["lora"]  # a run saved before LoRA existed
@@ -111,7 +92,7 @@ def _names(state) -> list[str]:
 @pytest.mark.parametrize("cfg", [QV, ALL], ids=["q_v", "all_linear"])
 def test_new_adapters_leave_rewards_bit_equal(tiny_rm, model_dir, cfg):
   rm = RewardModel.from_pretrained(model_dir, lora=cfg)
-  adapters = _flat(nnx.state(rm.model, LoraParam))
+  adapters = flat_params(nnx.state(rm.model, LoraParam))
   assert sorted(adapters) == sorted(f"layers.{p}_lora_{ab}" for p in cfg.params for ab in "ab")
   for name, value in adapters.items():
     if name.endswith("_lora_a"):  # peft's kaiming-uniform: U(-1/sqrt(in), 1/sqrt(in))
@@ -120,23 +101,15 @@ def test_new_adapters_leave_rewards_bit_equal(tiny_rm, model_dir, cfg):
     else:
       assert value.shape[1] == cfg.rank and not value.any(), name
   # The base is the checkpoint's, untouched.
-  base, want = _flat(nnx.state(rm.model, BASE)), _flat(nnx.state(tiny_rm.model))
+  base, want = flat_params(nnx.state(rm.model, BASE)), flat_params(nnx.state(tiny_rm.model))
   assert base.keys() == want.keys()
   for name in want:
     np.testing.assert_array_equal(base[name], want[name], err_msg=name)
-  ids, mask = _tokens(rm.config.vocab_size)
+  ids, mask = padded_tokens(rm.config.vocab_size)
   np.testing.assert_array_equal(rm.score_tokens(ids, mask), tiny_rm.score_tokens(ids, mask))
 
 
 # ------------------------------------------------------------------ training over a frozen base
-
-
-def _batches(rm, n: int):
-  records = registry.load_records("demo_arithmetic", None, split="train", drops=DropReport())[:8 * n]
-  examples = tokenize_all(records, rm.tokenizer, TokenizeOptions(max_length=96), DropReport())
-  batches = pipeline.make_train_iterator(examples, batch_size=8, seed=0, buckets=(96,),
-                                         pad_id=pad_id(rm.tokenizer))[0]
-  return [next(batches) for _ in range(n)]
 
 
 def _size(tree) -> int:
@@ -147,7 +120,7 @@ def test_training_moves_adapters_and_head_only(tiny_rm, model_dir):
   rm = RewardModel.from_pretrained(model_dir, lora=QV)
   mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), devices=jax.devices()[:1])
   tx = optim.make_optimizer(optax.constant_schedule(1e-2), weight_decay=0.01)
-  before = _flat(nnx.state(rm.model))
+  before = flat_params(nnx.state(rm.model))
   state, shardings = steps.init_state(nnx.state(rm.model), tx, seed=0, mesh=mesh,
                                       trainable=lora.trainable_filter(rm.config.lora))
   assert sorted(state) == sorted(shardings) == ["frozen", "opt_state", "params", "rng", "step"]
@@ -166,18 +139,12 @@ def test_training_moves_adapters_and_head_only(tiny_rm, model_dir):
   # Two micro-batches: the frozen base passes through gradient accumulation as well.
   train_step = steps.make_train_step(steps.make_loss_fn(rm.model, RewardSpec()), tx, lambda _: 1e-2,
                                      grad_accum_steps=2, state_shardings=shardings, mesh=mesh)
-  for batch in _batches(rm, 3):
+  for batch in demo_batches(rm.tokenizer, 3):
     state, (_, extra) = train_step(state, pipeline.to_global_batch(batch, mesh))
     assert np.isfinite(extra["grad_norm"]) and extra["grad_norm"] > 0
   assert int(state["step"]) == 3
 
-  after = _flat(steps.model_params(state))
-  assert after.keys() == before.keys()
-  for name in before:
-    if name in trained_names:
-      assert not np.array_equal(after[name], before[name]), f"{name} did not move"
-    else:
-      np.testing.assert_array_equal(after[name], before[name], err_msg=f"{name} of the base moved")
+  assert_only_trained_moved(before, flat_params(steps.model_params(state)), trained_names)
 
 
 def test_first_step_trains_b_and_head_as_full_training_does(tiny_rm, model_dir):
@@ -185,15 +152,15 @@ def test_first_step_trains_b_and_head_as_full_training_does(tiny_rm, model_dir):
   fine-tuning; A gets none (its gradient goes through B), B gets one."""
   mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), devices=jax.devices()[:1])
   tx = optax.sgd(1.0)
-  batch = _batches(tiny_rm, 1)[0]
+  batch = demo_batches(tiny_rm.tokenizer, 1)[0]
 
   def first_step(rm, trainable):
-    before = _flat(nnx.state(rm.model))
+    before = flat_params(nnx.state(rm.model))
     state, shardings = steps.init_state(nnx.state(rm.model), tx, seed=0, mesh=mesh, trainable=trainable)
     step = steps.make_train_step(steps.make_loss_fn(rm.model, RewardSpec()), tx, lambda _: 1.0,
                                  state_shardings=shardings, mesh=mesh)
     state, (metrics, _) = step(state, pipeline.to_global_batch(batch, mesh))
-    after = _flat(state["params"])
+    after = flat_params(state["params"])
     return {k: after[k] - before[k] for k in after}, metrics["loss"].total
 
   rm = RewardModel.from_pretrained(model_dir, lora=ALL)
@@ -223,7 +190,7 @@ def test_merged_weights_give_the_adapted_models_rewards(tiny_rm, model_dir):
   assert sorted(_names(merged_state)) == sorted(_names(nnx.state(abstract_model(merged_cfg))))
   merged = RewardModel(nnx.merge(nnx.graphdef(abstract_model(merged_cfg)), merged_state))
 
-  ids, mask = _tokens(rm.config.vocab_size)
+  ids, mask = padded_tokens(rm.config.vocab_size)
   want, got = adapted.score_tokens(ids, mask), merged.score_tokens(ids, mask)
   assert np.abs(want - tiny_rm.score_tokens(ids, mask)).min() > 100 * MERGE_ATOL  # the adapters matter
   np.testing.assert_allclose(got, want, rtol=0, atol=MERGE_ATOL)
@@ -236,7 +203,7 @@ def test_merged_weights_give_the_adapted_models_rewards(tiny_rm, model_dir):
 
 
 def test_adapters_shard_like_their_weights(model_dir):
-  cfg = _tiny_config(model_dir).replace(lora=ALL)
+  cfg = model_config_of(model_dir).replace(lora=ALL)
   mesh = AbstractMesh((2, 2, 2), sharding.MESH_AXES)
   shardings = sharding.param_shardings(nnx.state(abstract_model(cfg)), mesh)
   specs = {".".join(map(str, path)): s.spec for path, s in nnx.to_flat_state(shardings)}

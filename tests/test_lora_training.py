@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 import tiny_run
+from helpers import flat_params
 from jaxrm import checkpointing
 from jaxrm.data import registry
 from jaxrm.data.drops import DropReport
@@ -24,10 +25,6 @@ from jaxrm.reward_model import RewardModel
 LORA = dict(model__lora__rank=4, model__lora__target_modules="q_proj,v_proj", train__learning_rate=1e-2,
             eval__val_at_start=True)
 ADAPTERS = ["layers.q_lora_a", "layers.q_lora_b", "layers.v_lora_a", "layers.v_lora_b", "score"]
-
-
-def _flat(state) -> dict[str, np.ndarray]:
-  return {".".join(map(str, path)): np.array(var.get_value()) for path, var in nnx.to_flat_state(state)}
 
 
 def _rows(output_dir, key):
@@ -84,13 +81,13 @@ def test_restored_base_is_the_hf_checkpoint_and_scores_like_the_live_model(lora_
   assert rm.config.lora == lora.LoraConfig(rank=4, targets=("q_proj", "v_proj"))
   state = nnx.state(rm.model)
   trained, base = nnx.split_state(state, lora.trainable_filter(rm.config.lora), ...)
-  assert sorted(_flat(trained)) == ADAPTERS
-  want = _flat(nnx.state(tiny_rm.model))
-  got = _flat(base)
+  assert sorted(flat_params(trained)) == ADAPTERS
+  want = flat_params(nnx.state(tiny_rm.model))
+  got = flat_params(base)
   assert sorted(got) == sorted(set(want) - {"score"})
   for name in got:  # bit-identical: training never wrote the base
     np.testing.assert_array_equal(got[name], want[name], err_msg=name)
-  assert not np.array_equal(_flat(trained)["score"], want["score"])
+  assert not np.array_equal(flat_params(trained)["score"], want["score"])
 
   # The validation the live state ran at step 4, again with the loaded model. Rows are padded to
   # other lengths here (buckets of 64 instead of 96), which changes float32 sums at ~1e-7.

@@ -10,6 +10,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
+from helpers import assert_only_trained_moved, demo_batches, flat_params, model_config_of, padded_tokens
 from jaxrm import optim, sharding, steps
 from jaxrm.data import pipeline
 from jaxrm.errors import ConfigError
@@ -20,7 +21,6 @@ from jaxrm.models.config import ModelConfig
 from jaxrm.models.lora import LoraConfig, LoraParam
 from jaxrm.models.quantize import QuantizedWeight
 from jaxrm.reward_model import RewardModel
-from test_lora import _batches, _flat, _tiny_config, _tokens
 
 # Rewards (0.4 to 0.8 in size) of the tiny model with its base rounded, against float32. Measured:
 # bfloat16 2.6e-3 (each weight within 2^-9 of itself), int8 3.3e-3 (within absmax/254 of its
@@ -103,10 +103,10 @@ def qlora(model_dir):
 
 
 def test_loader_quantizes_the_checkpoints_weights(tiny_rm, qlora):
-  want = _flat(nnx.state(tiny_rm.model))
+  want = flat_params(nnx.state(tiny_rm.model))
   for fmt, rm in qlora.items():
     state = nnx.state(rm.model)
-    got = _flat(state)
+    got = flat_params(state)
     for name in quantize.WEIGHTS:
       key = f"layers.{name}"
       if fmt == "bfloat16":
@@ -122,12 +122,12 @@ def test_loader_quantizes_the_checkpoints_weights(tiny_rm, qlora):
     for key in ("embed", "final_norm", "score", "layers.input_norm", "layers.q_bias"):
       np.testing.assert_array_equal(got[key], want[key], err_msg=f"{fmt} {key}")
     # Adapters draw what they draw over a float32 base.
-    for key, value in _flat(nnx.state(qlora["bfloat16"].model, LoraParam)).items():
+    for key, value in flat_params(nnx.state(qlora["bfloat16"].model, LoraParam)).items():
       np.testing.assert_array_equal(got[key], value, err_msg=f"{fmt} {key}")
 
 
 def test_rewards_over_a_lowered_base_stay_near_float32(tiny_rm, qlora):
-  ids, mask = _tokens(tiny_rm.config.vocab_size)
+  ids, mask = padded_tokens(tiny_rm.config.vocab_size)
   want = np.asarray(tiny_rm.score_tokens(ids, mask))
   for fmt, rm in qlora.items():
     got = np.asarray(rm.score_tokens(ids, mask))
@@ -153,7 +153,7 @@ def test_nf4_base_is_about_an_eighth_of_float32(tiny_rm, qlora):
 def test_codes_shard_like_their_weight(model_dir):
   mesh = AbstractMesh((2, 2, 2), sharding.MESH_AXES)
   for fmt in quantize.CODED:
-    cfg = _tiny_config(model_dir).replace(lora=LoraConfig(rank=4, base_dtype=fmt))
+    cfg = model_config_of(model_dir).replace(lora=LoraConfig(rank=4, base_dtype=fmt))
     shardings = sharding.param_shardings(nnx.state(abstract_model(cfg)), mesh)
     specs = {".".join(map(str, path)): s.spec for path, s in nnx.to_flat_state(shardings)}
     assert specs["layers.q"] == P(None, "fsdp", "tensor"), fmt
@@ -174,27 +174,20 @@ def test_training_leaves_the_coded_base_bit_identical(model_dir, fmt):
   rm = RewardModel.from_pretrained(model_dir, lora=cfg)
   mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), devices=jax.devices()[:1])
   tx = optim.make_optimizer(optax.constant_schedule(1e-2), weight_decay=0.01)
-  before = _flat(nnx.state(rm.model))
+  before = flat_params(nnx.state(rm.model))
   state, shardings = steps.init_state(nnx.state(rm.model), tx, seed=0, mesh=mesh,
                                       trainable=lora.trainable_filter(cfg))
   frozen = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(state["frozen"])}
   assert all(isinstance(frozen[f"layers.{n}{s}"], QuantizedWeight)
              for n in quantize.WEIGHTS for s in ("", quantize.SCALE))
-  trained = sorted(_flat(state["params"]))
+  trained = sorted(flat_params(state["params"]))
   assert all(n.endswith(("_lora_a", "_lora_b")) or n == "score" for n in trained)
   train_step = steps.make_train_step(steps.make_loss_fn(rm.model, RewardSpec()), tx, lambda _: 1e-2,
                                      grad_accum_steps=2, state_shardings=shardings, mesh=mesh)
-  for batch in _batches(rm, 2):
+  for batch in demo_batches(rm.tokenizer, 2):
     state, (_, extra) = train_step(state, pipeline.to_global_batch(batch, mesh))
     assert np.isfinite(extra["grad_norm"]) and extra["grad_norm"] > 0
-  after = _flat(steps.model_params(state))
-  assert after.keys() == before.keys()
-  for name in before:
-    if name in trained:
-      assert not np.array_equal(after[name], before[name]), f"{name} did not move"
-    else:
-      np.testing.assert_array_equal(after[name], before[name], err_msg=f"{name} of the base moved")
-      assert after[name].dtype == before[name].dtype, name
+  assert_only_trained_moved(before, flat_params(steps.model_params(state)), trained)
 
 
 def test_merge_decodes_the_base_into_float_weights(qlora):
@@ -208,12 +201,12 @@ def test_merge_decodes_the_base_into_float_weights(qlora):
   merged_state = lora.merge(state, rm.config.lora, "float32")
   merged_cfg = rm.config.replace(lora=LoraConfig())
   abstract = abstract_model(merged_cfg)
-  assert sorted(_flat(merged_state)) == sorted(_flat(nnx.state(abstract)))
+  assert sorted(flat_params(merged_state)) == sorted(flat_params(nnx.state(abstract)))
   for name in quantize.WEIGHTS:
     var = merged_state["layers"][name]
     assert type(var) is nnx.Param and var.get_value().dtype == np.float32, name
   merged = RewardModel(nnx.merge(nnx.graphdef(abstract), merged_state))
-  ids, mask = _tokens(rm.config.vocab_size)
+  ids, mask = padded_tokens(rm.config.vocab_size)
   # Decoding, then adding A @ B, reorders float32 sums only (see test_lora.MERGE_ATOL).
   np.testing.assert_allclose(merged.score_tokens(ids, mask), adapted.score_tokens(ids, mask), rtol=0, atol=1e-5)
 
