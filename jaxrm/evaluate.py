@@ -1,19 +1,28 @@
-r"""Evaluates a reward model on preference or stepwise data.
+r"""Evaluates a reward model on preference or stepwise data, or on a public benchmark.
 
   python -m jaxrm.evaluate --model=runs/rm --data=demo_arithmetic
   python -m jaxrm.evaluate --model=model.gguf --data=rewardbench.jsonl --subset_field=subset \
       --output=eval/
   python -m jaxrm.evaluate --model=runs/prm --data=steps.jsonl --dataset_name=StepwiseDataset
+  python -m jaxrm.evaluate --model=runs/rm --benchmark=rewardbench --max_length=2048 --output=eval/
+  python -m jaxrm.evaluate --model=runs/prm --benchmark=processbench --data=ProcessBench/ --output=eval/
+
+``--benchmark`` (rewardbench, rewardbench2, rmbench, processbench) scores by that benchmark's
+official rules (see :mod:`jaxrm.benchmarks`) and reports its official figures under their official
+names, with a length-bias report for the preference benchmarks; ``--data`` is then a file or
+``save_to_disk`` directory in the benchmark's public schema, or a hub name (default: the
+benchmark's own dataset), and ``--output`` gets ``eval.json`` and ``length_bias.png``.
 
 ``--data`` is a file or directory in the format ``--dataset_name`` names (PreferenceDataset by
 default), or the name of a dataset itself (``demo_arithmetic``, ``HelpSteer3``...), read from its
 usual place.
 
 Preference data (sequence-head models): accuracy (the best completion scored above the worst),
-overall and per subset (a RewardBench-style column, ``--subset_field``), the loss and the reward
-statistics. Stepwise data (token-head models): step accuracy, recall of each class, F1 of the error
-class, the share of solutions whose first error is found exactly, and the baseline that calls
-every step correct. With ``--output`` it writes ``eval.json`` and ``rewards.png``, a histogram of
+overall and per subset (a RewardBench-style column, ``--subset_field``), the loss, the reward
+statistics and the length bias (reward against completion length in tokens, and
+``length_bias.png``). Stepwise data (token-head models): step accuracy, recall of each class, F1
+of the error class, the share of solutions whose first error is found exactly, and the baseline
+that calls every step correct. With ``--output`` it writes ``eval.json`` and ``rewards.png``, a histogram of
 chosen vs rejected rewards (of the probability that a step is correct, for stepwise models).
 """
 
@@ -28,8 +37,10 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from jaxrm import cli, losses
+from jaxrm import benchmarks, cli, losses
 from jaxrm.batches import IGNORE_INDEX, PreferenceBatch, StepwiseBatch
+from jaxrm.benchmarks import length_bias
+from jaxrm.benchmarks.scoring import Scorer, model_scorer
 from jaxrm.data import pipeline
 from jaxrm.data.drops import DropReport
 from jaxrm.errors import EvaluationError
@@ -60,7 +71,9 @@ def evaluate(rm, data: Sequence[Any], *, options: TokenizeOptions | None = None,
     ``subsets`` maps each subset to ``{"num_examples", **metrics}`` (empty when no row has one);
     ``scores`` holds float32 arrays: ``chosen``/``rejected`` rewards [N] of each example's best and
     worst completion, or for stepwise models ``correct``/``error``, the probability that a step is
-    correct, for the steps labelled each way.
+    correct, for the steps labelled each way. Preference results also have ``length_bias`` (see
+    :mod:`jaxrm.benchmarks.length_bias`; lengths in tokens after the prompt), whose comparisons
+    are ``scores["length"]``.
   """
   drops = drops if drops is not None else DropReport()
   examples = _examples(rm, data, options or TokenizeOptions(), drops)
@@ -74,7 +87,7 @@ def evaluate(rm, data: Sequence[Any], *, options: TokenizeOptions | None = None,
     metrics_fn, scores, arrays = _stepwise_arrays(rm, batches, len(examples))
   else:
     metrics_fn, scores, arrays = _preference_arrays(rm, batches, len(examples))
-  return {
+  result = {
       "kind": "stepwise" if stepwise else "preference",
       "num_examples": len(examples),
       "metrics": metrics_fn(*arrays, np.ones(len(examples), np.float32)),
@@ -82,6 +95,10 @@ def evaluate(rm, data: Sequence[Any], *, options: TokenizeOptions | None = None,
       "dropped": drops.as_dict(),
       "scores": scores,
   }
+  if not stepwise:
+    scores["length"] = _length_comparisons(examples, arrays[0])
+    result["length_bias"] = length_bias.report(scores["length"], unit="tokens")
+  return result
 
 
 def _per_subset(examples, metrics_of) -> dict[str, dict[str, float]]:
@@ -147,6 +164,23 @@ def _preference_arrays(rm, batches: list[PreferenceBatch], n: int):
   worst = np.max(ranks, axis=1)  # completions are in preference order: the worst is the last real one
   scores = {"chosen": rewards[:, 0], "rejected": rewards[np.arange(n), worst]}
   return _preference_metrics, scores, (rewards, ranks, margin)
+
+
+def _length_comparisons(examples: list[PreferenceExample], rewards: np.ndarray) -> length_bias.Comparisons:
+  """The best vs the worst completion of each example; lengths in tokens after the shared prompt."""
+  pairs, responses = [], []
+  for e, r in zip(examples, rewards):
+    shared = _shared_prefix(e.input_ids)
+    lengths = [len(ids) - shared for ids in e.input_ids]  # best first, the worst last
+    pairs.append((r[0], lengths[0], r[len(lengths) - 1], lengths[-1]))
+    responses += [(r[j], n, j == 0) for j, n in enumerate(lengths)]
+  return length_bias.comparisons(pairs, responses)
+
+
+def _shared_prefix(sequences: Sequence[np.ndarray]) -> int:
+  n = min(len(x) for x in sequences)
+  same = np.all([x[:n] == sequences[0][:n] for x in sequences], axis=0)
+  return int(np.argmin(same)) if not same.all() else n
 
 
 # Jitted: one compile per evaluation instead of one per operation, whatever the number of subsets.
@@ -229,6 +263,8 @@ def format_report(result: dict[str, Any]) -> str:
     lines.append(f"{'subset':<{width}}  {'n':>6}" + "".join(f"  {c:>17}" for c in columns))
     for name, sm in result["subsets"].items():
       lines.append(f"{name:<{width}}  {sm['num_examples']:>6}" + "".join(f"  {sm[c]:>17.4f}" for c in columns))
+  if "length_bias" in result:
+    lines += ["", length_bias.format_report(result["length_bias"])]
   return "\n".join(lines)
 
 
@@ -251,8 +287,9 @@ def plot_scores(result: dict[str, Any], ax) -> None:
   ax.legend()
 
 
-def write_outputs(result: dict[str, Any], output_dir: str, info: dict[str, Any]) -> None:
-  """Writes ``eval.json`` (``info`` merged in; no per-row scores) and ``rewards.png``."""
+def write_outputs(result: dict[str, Any], output_dir: str, info: dict[str, Any]) -> list[str]:
+  """Writes ``eval.json`` (``info`` merged in; no per-row scores), ``rewards.png`` and, for
+  preferences, ``length_bias.png``; returns their paths."""
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
 
@@ -265,6 +302,11 @@ def write_outputs(result: dict[str, Any], output_dir: str, info: dict[str, Any])
   plot_scores(result, fig.add_subplot())
   fig.tight_layout()
   fig.savefig(os.path.join(output_dir, HISTOGRAM_FILE), dpi=100)
+  files = [os.path.join(output_dir, f) for f in (REPORT_FILE, HISTOGRAM_FILE)]
+  if "length" in result["scores"]:
+    files.append(os.path.join(output_dir, length_bias.PLOT_FILE))
+    length_bias.plot(result["scores"]["length"], files[-1], "Reward against completion length", unit="tokens")
+  return files
 
 
 def _json_safe(value):
@@ -285,11 +327,15 @@ def _define_flags() -> None:
   from absl import flags
   flags.DEFINE_string("model", None, "HF checkpoint dir, .gguf file, embedded:NAME, or a jaxrm run dir.",
                       required=True)
-  flags.DEFINE_string("data", None, "A data file/directory, or a dataset name (demo_arithmetic...).",
-                      required=True)
+  flags.DEFINE_string("data", None, "A data file/directory, or a dataset name (demo_arithmetic...); with "
+                      "--benchmark, a file/directory in its schema or a hub name (default: its hub dataset).")
+  flags.DEFINE_enum("benchmark", None, list(benchmarks.BENCHMARKS), "Score by this benchmark's official "
+                    "rules instead of plain accuracy.")
+  flags.DEFINE_float("threshold", 0.5, "processbench: a step is wrong when P(correct) is below this.")
   flags.DEFINE_string("dataset_name", None, "Format of --data: PreferenceDataset (default), StepwiseDataset, "
                       "or a public/demo dataset name.")
-  flags.DEFINE_string("split", "validation", "Split of a dataset read by name, or of a saved DatasetDict.")
+  flags.DEFINE_string("split", "validation", "Split of a dataset read by name, or of a saved DatasetDict "
+                      "(with --benchmark, default: the benchmark's; processbench: comma-separated).")
   flags.DEFINE_string("subset_field", None, "Column holding each row's subset (default: the dataset's, "
                       "'subset' for user files).")
   flags.DEFINE_integer("max_rows", 0, "Evaluate only the first N rows (0: all).")
@@ -301,7 +347,8 @@ def _define_flags() -> None:
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
   flags.DEFINE_string("attention", "auto", "Attention implementation: auto (a fused kernel on GPU, the "
                       "reference path elsewhere) | reference | pallas | cudnn.")
-  flags.DEFINE_string("output", None, "Directory for eval.json and rewards.png (default: print only).")
+  flags.DEFINE_string("output", None, "Directory for eval.json and rewards.png (length_bias.png with "
+                      "--benchmark; default: print only).")
 
 
 def _load_records(data: str, dataset_name: str | None, split: str, subset_field: str | None,
@@ -327,6 +374,12 @@ def main() -> None:
 
   cli.setup_logging(logging.WARNING)  # the report is the output: only warnings go with it
   f = flags.FLAGS
+  if f.benchmark:
+    _benchmark_main(f)
+    return
+  if not f.data:
+    raise EvaluationError("--data is required (a data file or directory, or a dataset name), unless "
+                          "--benchmark names a benchmark")
   drops = DropReport()
   records = _load_records(f.data, f.dataset_name, f.split, f.subset_field, f.max_rows, drops)
   rm = RewardModel.from_pretrained(f.model, dtype=f.dtype, attention_impl=f.attention)
@@ -336,8 +389,69 @@ def main() -> None:
   print(format_report(result))
   print(f"\n{drops.summary('dropped rows')}")
   if f.output:
-    write_outputs(result, f.output, {"model": f.model, "data": f.data})
-    print(f"wrote {os.path.join(f.output, REPORT_FILE)} and {os.path.join(f.output, HISTOGRAM_FILE)}")
+    print(f"wrote {', '.join(write_outputs(result, f.output, {'model': f.model, 'data': f.data}))}")
+
+
+def _benchmark_main(f) -> None:
+  from jaxrm.reward_model import RewardModel
+
+  split = f.split if f["split"].present else None
+  loaded = benchmarks.load(f.benchmark, f.data, split=split, max_rows=f.max_rows)  # bad rows fail fast
+  rm = RewardModel.from_pretrained(f.model, dtype=f.dtype, attention_impl=f.attention)
+  report = run_benchmark(f.benchmark, rm, loaded, threshold=f.threshold, batch_size=f.batch_size,
+                         max_length=f.max_length, output_dir=f.output, info={"model": f.model})
+  print(f"jaxrm evaluate: model {f.model}")
+  print(benchmarks.format_report(report))
+  print(f"\n{report['drop_report'].summary('dropped rows')}")
+  if f.output:
+    print(f"wrote {', '.join(report['files'])}")
+
+
+# ----------------------------------------------------------------------------------------- benchmarks
+
+
+def run_benchmark(name: str, model, data: str | dict | None = None, *, split: str | None = None,
+                  max_rows: int = 0, threshold: float = 0.5, batch_size: int = 32, max_length: int = 2048,
+                  output_dir: str | None = None, info: dict[str, Any] | None = None) -> dict[str, Any]:
+  """Runs a public benchmark by its official rules (see :mod:`jaxrm.benchmarks`).
+
+  Args:
+    name: rewardbench, rewardbench2, rmbench or processbench.
+    model: a :class:`jaxrm.RewardModel` (a sequence head for the preference benchmarks, a token
+      head for processbench), or a :class:`~jaxrm.benchmarks.scoring.Scorer` of reward / step
+      functions.
+    data: a file or ``save_to_disk`` directory in the benchmark's schema, or a hub name (default
+      the benchmark's hub dataset); or rows already read by :func:`jaxrm.benchmarks.load`.
+    split: the split (processbench: comma-separated splits); default the benchmark's.
+    max_rows: score only the first N rows of each split (0: all).
+    threshold: processbench: a step is wrong when P(correct) is below this.
+    batch_size, max_length: rows per forward pass; longest row in tokens (longer ones lose their
+      oldest tokens, as the official harnesses truncate on the left; too-long solutions are dropped).
+    output_dir: where to write ``eval.json`` and ``length_bias.png``; the paths go in ``"files"``.
+    info: more keys for ``eval.json`` (the CLI gives the model).
+
+  Returns:
+    The report of :func:`jaxrm.benchmarks.score`, and ``"files"``: what was written.
+  """
+  scorer = model if isinstance(model, Scorer) else model_scorer(model, batch_size=batch_size,
+                                                                max_length=max_length)
+  loaded = data if isinstance(data, dict) else benchmarks.load(name, data, split=split, max_rows=max_rows)
+  report = benchmarks.score(loaded, scorer, threshold=threshold)
+  report["files"] = write_benchmark_outputs(report, output_dir, info or {}) if output_dir else []
+  return report
+
+
+def write_benchmark_outputs(report: dict[str, Any], output_dir: str, info: dict[str, Any]) -> list[str]:
+  """Writes ``eval.json`` (no per-row data) and, for preference benchmarks, ``length_bias.png``."""
+  os.makedirs(output_dir, exist_ok=True)
+  files = [os.path.join(output_dir, REPORT_FILE)]
+  with open(files[0], "w") as f:
+    json.dump(_json_safe({**info, **{k: v for k, v in report.items() if k not in benchmarks.ROW_KEYS}}),
+              f, indent=2)
+  if "comparisons" in report:
+    files.append(os.path.join(output_dir, length_bias.PLOT_FILE))
+    length_bias.plot(report["comparisons"], files[-1], f"{report['benchmark']}: reward against response length")
+  return files
 
 
 if __name__ == "__main__":

@@ -289,3 +289,70 @@ def test_cli_errors_without_traceback(tmp_path, rows, model, message):
   assert proc.returncode == 1
   assert message in proc.stderr and proc.stderr.startswith("error: ")
   assert "Traceback" not in proc.stderr
+
+
+def test_length_bias_of_preference_data():
+  examples = [
+      pref([1, 5, 5, 30], [1, 10]),  # 3.0 vs 1.0, 3 tokens after the prompt vs 1: right, chosen longer
+      pref([1, 2], [1, 4, 4, 20]),  # 0.2 vs 2.0, 1 token vs 3: wrong, chosen shorter
+      pref([1, 7], [1, 6]),  # 0.7 vs 0.6, 1 token each: right
+  ]
+  bias = evaluate(LastTokenRM(), examples)["length_bias"]
+  assert bias["unit"] == "tokens"
+  assert bias["chosen_longer"] == {"accuracy": 1.0, "num_pairs": 1}
+  assert bias["chosen_shorter"] == {"accuracy": 0.0, "num_pairs": 1}
+  assert bias["same_length"] == {"accuracy": 1.0, "num_pairs": 1}
+  # Ranks of the rewards (3, 1, .2, 2, .7, .6): 6 4 1 5 3 2; of the lengths (3, 1, 1, 3, 1, 1),
+  # ties averaged: 5.5 2.5 2.5 5.5 2.5 2.5. Pearson of the ranks: 12 / sqrt(17.5 * 12).
+  assert bias["spearman"]["rho"] == pytest.approx(12 / math.sqrt(17.5 * 12))
+  assert bias["spearman"]["num_responses"] == 6
+
+
+# ------------------------------------------------------------------------------------ benchmarks
+
+
+RB_ROWS = [
+    {"prompt": "What is 2 + 2?", "chosen": "4", "rejected": "5", "subset": "math-prm", "id": 0},
+    {"prompt": "Capital of France?", "chosen": "Paris", "rejected": "Lyon", "subset": "hep-python", "id": 1},
+    {"prompt": "Say hi.", "chosen": "Hi!", "rejected": "Go away.", "subset": "hep-python", "id": 2},
+    {"prompt": "Name a prime.", "chosen": "7", "rejected": "9", "subset": "alpacaeval-easy", "id": 3},
+]
+
+
+def test_cli_runs_a_benchmark(tiny_rm, model_dir, tmp_path):
+  data = tmp_path / "rb.jsonl"
+  data.write_text("".join(json.dumps(r) + "\n" for r in RB_ROWS))
+  out = tmp_path / "eval"
+  proc = _cli(f"--model={model_dir}", "--benchmark=rewardbench", f"--data={data}", "--max_length=96",
+              f"--output={out}")
+  assert proc.returncode == 0, proc.stderr
+  report = json.loads((out / "eval.json").read_text())
+  # The official harness's conversations: the prompt as a user turn, the response as the reply.
+  chat = lambda r, key: [user(r["prompt"]), assistant(r[key])]
+  chosen = tiny_rm.score([chat(r, "chosen") for r in RB_ROWS])
+  rejected = tiny_rm.score([chat(r, "rejected") for r in RB_ROWS])
+  right = chosen > rejected
+  assert np.all(np.abs(chosen - rejected) > 1e-4)  # no pair so close that rebatching could flip it
+  results = report["results"]
+  assert results["math-prm"] == float(right[0]) and results["alpacaeval-easy"] == float(right[3])
+  assert results["hep-python"] == pytest.approx(right[1:3].mean())
+  reasoning = (984 * right[0] + 164 * right[1:3].mean()) / (984 + 164)
+  assert results["Reasoning"] == pytest.approx(reasoning)
+  assert results["Score"] == pytest.approx((results["Chat"] + reasoning) / 4)  # Chat Hard, Safety: 0
+  assert report["model"] == model_dir and report["throughput"]["items"] == 8
+  assert report["throughput"]["truncated"] == 0
+  assert report["length_bias"]["spearman"]["num_responses"] == 8
+  assert (out / "length_bias.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert "    Score |      Chat | Chat Hard |    Safety | Reasoning" in proc.stdout
+  assert "items/s" in proc.stdout and "length bias (characters)" in proc.stdout
+
+
+def test_cli_benchmark_offline_hub_error_without_traceback():
+  # The data is read before the model, so a missing model is never reached; HF_HUB_OFFLINE makes the
+  # hub fail at once instead of after retries. (Row errors are tested in test_benchmark_*.py.)
+  proc = tiny_run.run([sys.executable, "-m", "jaxrm.evaluate", "--model=/nonexistent/model",
+                       "--benchmark=rewardbench"], HF_HUB_OFFLINE="1")
+  assert proc.returncode == 1, proc.stderr
+  assert proc.stderr.startswith("error: allenai/reward-bench: not a local path, and reading it as a hub "
+                                "dataset (split 'filtered', config None) failed")
+  assert "Traceback" not in proc.stderr

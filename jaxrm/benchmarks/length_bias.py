@@ -1,0 +1,101 @@
+"""Length bias of a preference evaluation: does the reward follow the response's length?
+
+The benchmarks measure lengths in characters of the response text, so that they do not depend on
+the tokenizer; token-id data is measured in tokens. Each evaluation gives its (chosen, rejected)
+comparisons as :class:`Comparisons`; the report has the
+Spearman correlation of reward with length over every scored response, and the accuracy of the
+comparisons where the chosen response is the longer one, the shorter one, or as long.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+PLOT_FILE = "length_bias.png"
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparisons:
+  """Pairs of scored responses, the chosen one meant to win: rewards and lengths float [P].
+
+  ``responses`` holds the reward and length of every distinct scored response once ([R, 2]), for
+  the correlation; a response compared several times (best-of-N) appears once there.
+  """
+
+  chosen_reward: np.ndarray
+  rejected_reward: np.ndarray
+  chosen_length: np.ndarray
+  rejected_length: np.ndarray
+  responses: np.ndarray  # [R, 2]: reward, length
+  chosen_responses: np.ndarray  # [R] bool: whether each response is a chosen one
+
+
+def comparisons(pairs: list[tuple[float, int, float, int]],
+                responses: list[tuple[float, int, bool]]) -> Comparisons:
+  """From ``(chosen reward, chosen length, rejected reward, rejected length)`` pairs and the
+  ``(reward, length, is chosen)`` of every scored response."""
+  p = np.asarray(pairs, np.float64).reshape(-1, 4)
+  r = np.asarray(responses, np.float64).reshape(-1, 3)
+  return Comparisons(p[:, 0], p[:, 2], p[:, 1], p[:, 3], r[:, :2], r[:, 2] > 0)
+
+
+def report(c: Comparisons, unit: str = "characters") -> dict[str, Any]:
+  """``{"unit", "spearman": {...}, "chosen_longer" | "chosen_shorter" | "same_length": {...}}``."""
+  from scipy import stats
+
+  rewards, lengths = c.responses[:, 0], c.responses[:, 1]
+  varied = len(rewards) > 1 and np.ptp(rewards) > 0 and np.ptp(lengths) > 0
+  rho, p_value = stats.spearmanr(rewards, lengths) if varied else (math.nan, math.nan)
+  right = c.chosen_reward > c.rejected_reward
+  out = {"unit": unit,
+         "spearman": {"rho": float(rho), "p_value": float(p_value), "num_responses": len(rewards)}}
+  for name, where in (("chosen_longer", c.chosen_length > c.rejected_length),
+                      ("chosen_shorter", c.chosen_length < c.rejected_length),
+                      ("same_length", c.chosen_length == c.rejected_length)):
+    out[name] = {"accuracy": float(right[where].mean()) if where.any() else math.nan,
+                 "num_pairs": int(where.sum())}
+  return out
+
+
+def format_report(bias: dict[str, Any]) -> str:
+  """The length-bias lines the CLI prints."""
+  s = bias["spearman"]
+  lines = [f"length bias ({bias['unit']}): Spearman rho(reward, length) {s['rho']:.3f} over "
+           f"{s['num_responses']} responses"]
+  for name, label in (("chosen_longer", "chosen longer"), ("chosen_shorter", "chosen shorter"),
+                      ("same_length", "same length")):
+    lines.append(f"  accuracy when {label:<14} {_pct(bias[name]['accuracy']):>6}  "
+                 f"({bias[name]['num_pairs']} pairs)")
+  for category, slice_ in bias.get("length_categories", {}).items():
+    if slice_["num_pairs"]:
+      lines.append(f"  length category {category:<8} {_pct(slice_['accuracy']):>6}  "
+                   f"({slice_['num_pairs']} pairs; {slice_['meaning']})")
+  return "\n".join(lines)
+
+
+def _pct(x: float) -> str:
+  return "-" if x is None or not math.isfinite(x) else f"{100 * x:.1f}"
+
+
+def plot(c: Comparisons, path: str, title: str, unit: str = "characters") -> None:
+  """Writes a PNG of reward against response length, chosen and rejected responses apart."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+
+  fig = Figure(figsize=(7, 4.5))
+  FigureCanvasAgg(fig)
+  ax = fig.add_subplot()
+  for chosen, label, color in ((True, "chosen", "tab:green"), (False, "rejected", "tab:red")):
+    pts = c.responses[c.chosen_responses == chosen]
+    ax.scatter(pts[:, 1], pts[:, 0], s=8, alpha=0.5, color=color, label=f"{label} (n={len(pts)})")
+  ax.set_xscale("symlog")
+  ax.set_xlabel(f"response length ({unit})")
+  ax.set_ylabel("reward")
+  ax.set_title(title)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)

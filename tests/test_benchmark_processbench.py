@@ -1,0 +1,100 @@
+"""ProcessBench: the predicted first error, accuracies on erroneous and correct samples, F1."""
+
+import json
+
+import pytest
+
+from jaxrm.benchmarks import format_report, load, run
+from jaxrm.benchmarks.scoring import Scorer
+from jaxrm.errors import DataError, EvaluationError
+
+# The stub PRM's P(step correct) for each step text.
+P_CORRECT = {"ok": 0.9, "bad": 0.2, "meh": 0.5}
+
+
+def step_probabilities(problems, steps_lists):
+  return [[P_CORRECT[s.split()[0]] for s in steps] for steps in steps_lists]
+
+
+def sample(i, steps, label):
+  return {"id": f"s-{i}", "generator": "m", "problem": f"problem {i}", "steps": [f"{s} step" for s in steps],
+          "final_answer_correct": label == -1, "label": label}
+
+
+GSM8K = [
+    sample(0, ["ok", "ok"], -1),  # predicted -1: right
+    sample(1, ["ok", "bad"], -1),  # a correct solution called wrong at step 1
+    sample(2, ["ok", "bad", "ok"], 1),  # right
+    # The error is at step 0 (P = 0.5, not below the threshold): found one step late.
+    sample(3, ["meh", "bad"], 0),
+    sample(4, ["ok", "ok", "bad"], 2),  # right
+]
+MATH = [sample(10, ["ok"], -1), sample(11, ["bad", "ok"], 0)]
+
+
+def write_jsonl(path, rows):
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return str(path)
+
+
+def test_official_figures_by_hand(tmp_path):
+  report = run("processbench", Scorer(steps_fn=step_probabilities), write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K))
+  g = report["results"]["gsm8k"]  # a file is one split, named after the file
+  assert g["error_acc"] == pytest.approx(200 / 3)  # samples 2 and 4 of 2, 3, 4
+  assert g["correct_acc"] == pytest.approx(50.0)  # sample 0 of 0, 1
+  assert g["f1"] == pytest.approx(2 * (200 / 3) * 50 / (200 / 3 + 50))
+  assert report["results"]["average_f1"] == pytest.approx(g["f1"])
+  assert [p["prediction"] for p in report["predictions"]["gsm8k"]] == [-1, 1, 1, 1, 2]
+  assert report["counts"]["gsm8k"] == {"error": 3, "correct": 2}
+  assert "length_bias" not in report
+  # A higher threshold calls P = 0.5 wrong: sample 3's error is found at step 0.
+  strict = run("processbench", Scorer(steps_fn=step_probabilities), write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K),
+               threshold=0.6)
+  assert strict["results"]["gsm8k"]["error_acc"] == 100.0
+
+
+def test_splits_of_a_saved_dataset_dict(tmp_path):
+  import datasets
+
+  path = str(tmp_path / "pb")
+  datasets.DatasetDict({"math": datasets.Dataset.from_list(MATH),
+                        "gsm8k": datasets.Dataset.from_list(GSM8K)}).save_to_disk(path)
+  calls = []
+  scorer = Scorer(steps_fn=lambda p, s: calls.append(len(p)) or step_probabilities(p, s))
+  report = run("processbench", scorer, path)
+  assert calls == [7]  # both splits in one call
+  r = report["results"]
+  assert list(r) == ["gsm8k", "math", "average_f1"]  # the official order
+  assert r["math"] == {"error_acc": 100.0, "correct_acc": 100.0, "f1": 100.0}
+  assert r["average_f1"] == pytest.approx((r["gsm8k"]["f1"] + 100) / 2)
+  table = format_report(report)
+  assert "gsm8k           math   Avg. F1" in table
+  assert f"{'F1':>12}{r['gsm8k']['f1']:>15.1f}{100:>15.1f}{r['average_f1']:>10.1f}" in table
+  only_math = run("processbench", Scorer(steps_fn=step_probabilities), path, split="math")
+  assert list(only_math["results"]) == ["math", "average_f1"]
+
+
+def test_unscorable_solutions_are_dropped_and_counted(tmp_path):
+  too_long = lambda p, s: [None if len(steps) > 2 else probs for steps, probs in zip(s, step_probabilities(p, s))]
+  report = run("processbench", Scorer(steps_fn=too_long), write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K))
+  assert report["dropped"]["total"] == 2  # samples 2 and 4 have 3 steps
+  (reason,) = report["dropped"]["reasons"]
+  assert reason.startswith("problem + steps longer than max_length")
+  assert report["dropped"]["reasons"][reason]["examples"] == [f"{tmp_path}/gsm8k.jsonl:3",
+                                                              f"{tmp_path}/gsm8k.jsonl:5"]
+  assert report["results"]["gsm8k"]["error_acc"] == 0.0  # only sample 3 is left among the erroneous
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({**GSM8K[0], "label": 2}, "gsm8k.jsonl:2: field 'label': is 2; it is the index of the first wrong step"),
+    ({**GSM8K[0], "label": True}, "gsm8k.jsonl:2: field 'label': expected an integer"),
+    ({k: v for k, v in GSM8K[0].items() if k != "steps"}, "gsm8k.jsonl:2: field 'steps': is missing"),
+])
+def test_rows_outside_the_schema_name_row_and_field(tmp_path, bad, message):
+  with pytest.raises(DataError, match=message):
+    load("processbench", write_jsonl(tmp_path / "gsm8k.jsonl", [GSM8K[0], bad]))
+
+
+def test_a_sequence_head_model_is_refused(tmp_path):
+  with pytest.raises(EvaluationError, match="needs a token-head"):
+    run("processbench", Scorer(rewards_fn=lambda c: [0.0] * len(c)), write_jsonl(tmp_path / "g.jsonl", GSM8K))
