@@ -37,7 +37,7 @@ class LoraSpec:
 
   rank: int = 0  # 0: no adapters, the whole model trains
   alpha: float = 16.0  # the update is scaled by alpha / rank
-  dropout: float = 0.0  # only 0.0 for now
+  dropout: float = 0.0  # dropout on each adapter's input, in training only (peft's lora_dropout)
   # peft's module names, comma-separated ("q_proj,v_proj"), or "all-linear"
   target_modules: str = ALL_LINEAR
   base_dtype: str = ""  # the frozen base's storage: "" (model.param_dtype) | bfloat16 | int8 | nf4
@@ -45,10 +45,9 @@ class LoraSpec:
   def __post_init__(self):
     if not isinstance(self.target_modules, str):  # a notebook may pass a list of names
       object.__setattr__(self, "target_modules", ",".join(self.target_modules))
-    if self.dropout != 0.0:
-      raise ConfigError(f"model.lora.dropout={self.dropout!r}: LoRA dropout is not supported yet; use 0.0")
     # LoraConfig checks the values; each message is put under the key it is about.
     for key, kwargs in (("rank", dict(rank=self.rank)), ("alpha", dict(alpha=self.alpha)),
+                        ("dropout", dict(dropout=self.dropout)),
                         ("target_modules", dict(targets=self.targets)),
                         ("target_modules", dict(rank=self.rank, targets=self.targets)),
                         ("base_dtype", self._lora_kwargs())):
@@ -66,7 +65,8 @@ class LoraSpec:
     return LoraConfig(**self._lora_kwargs())
 
   def _lora_kwargs(self) -> dict[str, Any]:
-    return dict(rank=self.rank, alpha=self.alpha, targets=self.targets, base_dtype=self.base_dtype or None)
+    return dict(rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=self.targets,
+                base_dtype=self.base_dtype or None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,9 +21,10 @@ from jaxrm.evaluate import evaluate
 from jaxrm.models import lora
 from jaxrm.reward_model import RewardModel
 
-# Rank 4 on q and v; a LoRA learning rate (adapters start at B = 0 and need larger steps).
-LORA = dict(model__lora__rank=4, model__lora__target_modules="q_proj,v_proj", train__learning_rate=1e-2,
-            eval__val_at_start=True)
+# Rank 4 on q and v, with dropout (so that resuming must draw the masks an uninterrupted run
+# draws); a LoRA learning rate (adapters start at B = 0 and need larger steps).
+LORA = dict(model__lora__rank=4, model__lora__target_modules="q_proj,v_proj", model__lora__dropout=0.1,
+            train__learning_rate=1e-2, eval__val_at_start=True)
 ADAPTERS = ["layers.q_lora_a", "layers.q_lora_b", "layers.v_lora_a", "layers.v_lora_b", "score"]
 
 
@@ -78,7 +79,7 @@ def _paths(tree, prefix=()):
 def test_restored_base_is_the_hf_checkpoint_and_scores_like_the_live_model(lora_run, tiny_rm, model_dir):
   rm = RewardModel.from_pretrained(lora_run, step=4)
   assert checkpointing.find_run(lora_run).base_model() == os.path.abspath(model_dir)
-  assert rm.config.lora == lora.LoraConfig(rank=4, targets=("q_proj", "v_proj"))
+  assert rm.config.lora == lora.LoraConfig(rank=4, dropout=0.1, targets=("q_proj", "v_proj"))
   state = nnx.state(rm.model)
   trained, base = nnx.split_state(state, lora.trainable_filter(rm.config.lora), ...)
   assert sorted(flat_params(trained)) == ADAPTERS
@@ -124,8 +125,8 @@ def test_resume_equals_uninterrupted_run(lora_run, model_dir, tmp_path):
     (dict(model__lora__rank=-2), r"model.lora.rank=-2: LoRA rank=-2; use 0"),
     (dict(model__lora__rank=4, model__lora__target_modules="q_proj,qkv"),
      r"model.lora.target_modules='q_proj,qkv': LoRA targets \['qkv'\] are not projections"),
-    (dict(model__lora__rank=4, model__lora__dropout=0.05),
-     r"model.lora.dropout=0.05: LoRA dropout is not supported yet; use 0.0"),
+    (dict(model__lora__rank=4, model__lora__dropout=1.5),
+     r"model.lora.dropout=1.5: LoRA dropout=1.5; use a probability in \[0, 1\)"),
     (dict(model__lora__rank=4, model__lora__alpha=-1.0), r"model.lora.alpha=-1.0: LoRA alpha=-1.0"),
 ])
 def test_config_errors_name_their_key(model_dir, tmp_path, overrides, message):

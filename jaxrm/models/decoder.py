@@ -107,7 +107,7 @@ class Decoder(nnx.Module):
       setattr(self.layers, name, lora.LoraParam(value, logical_axes=axes))
 
   def hidden_states(self, input_ids, attention_mask, positions=None, segment_ids=None,
-                    branch_ids=None):
+                    branch_ids=None, dropout_rng=None):
     """Final-norm hidden states [B, T, D] in the compute dtype.
 
     Args:
@@ -117,6 +117,8 @@ class Decoder(nnx.Module):
       segment_ids: [B, T] int32; tokens attend only within their segment (packed rows).
       branch_ids: [B, T] int32 (shared-prompt rows): 0 = a segment's shared prefix, b > 0 = one
         branch, which sees the prefix and itself only (see ``layers.attention_mask``).
+      dropout_rng: a PRNG key for the adapters' dropout (``config.lora.dropout``), given in
+        training only; None (scoring, evaluation) drops nothing.
 
     The states of padding tokens depend on the attention route (the Pallas kernel gives padding
     queries no keys, the reference the real keys before them); losses and scores read real
@@ -132,24 +134,28 @@ class Decoder(nnx.Module):
     cos, sin = L.rope_tables(positions, cfg.rope.inv_freq(cfg.head_dim))
     attend = _layer_attention(cfg, attention_mask, positions, segment_ids, branch_ids)
 
-    def block(x_btd, params_and_flag):
-      p, is_sliding = params_and_flag
+    def block(x_btd, per_layer):
+      p, is_sliding, key = per_layer
       x_btd = sharding.constrain(x_btd, ("batch", "length", "act_embed"))
-      return _block(cfg, functools.partial(attend, is_sliding=is_sliding), x_btd, p, cos, sin), None
+      return _block(cfg, functools.partial(attend, is_sliding=is_sliding), x_btd, p, cos, sin, key), None
 
     if cfg.remat != "none":
       policy = None if cfg.remat == "full" else jax.checkpoint_policies.dots_with_no_batch_dims_saveable
       block = jax.checkpoint(block, policy=policy, prevent_cse=False)
     params = {k: v[...] for k, v in vars(self.layers).items() if isinstance(v, nnx.Variable)}
-    x, _ = jax.lax.scan(block, x, (params, jnp.asarray(cfg.sliding_layers)))
+    keys = None  # one dropout key per layer, or none
+    if dropout_rng is not None and cfg.lora.enabled and cfg.lora.dropout > 0:
+      keys = jax.random.split(dropout_rng, cfg.num_layers)
+    x, _ = jax.lax.scan(block, x, (params, jnp.asarray(cfg.sliding_layers), keys))
     return L.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, cfg.gemma_norms)
 
   def __call__(self, input_ids, attention_mask, positions=None, segment_ids=None, branch_ids=None,
-               reward_positions=None):
+               reward_positions=None, dropout_rng=None):
     """Rewards float32 [B] (sequence head, one label), [B, C] (several), or logits [B, T, C] (token head).
 
     Args:
-      input_ids, attention_mask, positions, segment_ids, branch_ids: as in :meth:`hidden_states`.
+      input_ids, attention_mask, positions, segment_ids, branch_ids, dropout_rng: as in
+        :meth:`hidden_states`.
       reward_positions: [B, R] int32 (sequence head, packed rows): read a reward at each of these
         indices instead of at the last real token, giving rewards [B, R] ([B, R, C] for several
         labels); slots of -1 are unused and read 0.
@@ -158,7 +164,7 @@ class Decoder(nnx.Module):
     if reward_positions is not None and cfg.head == "token":
       raise ValueError("reward_positions needs a sequence head; a token head already returns "
                        "logits at every position")
-    h = self.hidden_states(input_ids, attention_mask, positions, segment_ids, branch_ids)
+    h = self.hidden_states(input_ids, attention_mask, positions, segment_ids, branch_ids, dropout_rng)
     bias = self.score_bias[...] if cfg.head_bias else None
     if cfg.head == "token":
       return heads.token_logits(h, self.score[...], bias)
@@ -276,7 +282,10 @@ def _per_shard(attend: Callable, q_bthd, k_bskd, v_bskd, ids, window):
   return jax.shard_map(attend, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(*args)
 
 
-def _block(cfg: ModelConfig, attend: Callable, x_btd, p, cos, sin):
+_PROJECTIONS = tuple(lora.TARGETS.values())  # each adapter's dropout draws from its own key
+
+
+def _block(cfg: ModelConfig, attend: Callable, x_btd, p, cos, sin, dropout_key=None):
   b, t, d = x_btd.shape
   h_, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   norm = lambda x, w: L.rms_norm(x, w, cfg.rms_norm_eps, cfg.gemma_norms)
@@ -288,7 +297,9 @@ def _block(cfg: ModelConfig, attend: Callable, x_btd, p, cos, sin):
     else:
       y = L.linear(x_nd, p[name], p.get(f"{name}_bias"))
     if f"{name}_lora_a" in p:
-      y = y + lora.delta(x_nd, p[f"{name}_lora_a"], p[f"{name}_lora_b"], cfg.lora.scale)
+      key = None if dropout_key is None else jax.random.fold_in(dropout_key, _PROJECTIONS.index(name))
+      y = y + lora.delta(x_nd, p[f"{name}_lora_a"], p[f"{name}_lora_b"], cfg.lora.scale,
+                         dropout=cfg.lora.dropout, key=key)
     return y
 
   x = x_btd.reshape(b * t, d)

@@ -72,7 +72,9 @@ class LoraConfig:
   default) trains the whole model instead.
 
   ``alpha`` defaults to 16 (OpenRLHF's ``--lora_alpha``; peft's ``LoraConfig`` defaults to 8): the
-  update is scaled by ``alpha / rank``, 2 at rank 8. ``targets`` takes peft's names, or
+  update is scaled by ``alpha / rank``, 2 at rank 8. ``dropout`` is peft's ``lora_dropout``: in
+  training, each adapter's input is dropped at this rate (its own draw per adapter, layer and
+  step); scoring never drops. ``targets`` takes peft's names, or
   ``all-linear`` (the default, as in OpenRLHF); it is stored expanded.
 
   ``base_dtype`` stores the frozen base's projection weights in lower precision (QLoRA):
@@ -84,6 +86,7 @@ class LoraConfig:
 
   rank: int = 0
   alpha: float = 16.0
+  dropout: float = 0.0
   targets: tuple[str, ...] = tuple(TARGETS)
   base_dtype: str | None = None
 
@@ -94,6 +97,9 @@ class LoraConfig:
     if not self.alpha > 0:
       raise ConfigError(f"LoRA alpha={self.alpha!r}; use a positive number (the update is scaled by "
                         "alpha / rank; 16 is the default)")
+    if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+      raise ConfigError(f"LoRA dropout={self.dropout!r}; use a probability in [0, 1), such as 0.05 or 0.1 "
+                        "(0: no dropout)")
     targets = expand_targets(self.targets)
     if self.rank and not targets:
       raise ConfigError(f"LoRA rank={self.rank} adapts no projection (targets is empty); name some of "
@@ -106,6 +112,7 @@ class LoraConfig:
                         "trains no adapters over it; set a rank (e.g. 8), or drop base_dtype (to score in "
                         "less memory, load with param_dtype='bfloat16')")
     object.__setattr__(self, "alpha", float(self.alpha))
+    object.__setattr__(self, "dropout", float(self.dropout))
     object.__setattr__(self, "targets", targets)
 
   @property
@@ -151,11 +158,16 @@ def adapter_init(name: str):
   return _kaiming_uniform_a if name.endswith("_lora_a") else jax.nn.initializers.zeros
 
 
-def delta(x_nd, a_dr, b_rf, scale: float):
-  """``scale * (x @ A) @ B`` in ``x``'s dtype: what an adapter adds to ``x @ W``.
+def delta(x_nd, a_dr, b_rf, scale: float, *, dropout: float = 0.0, key=None):
+  """``scale * (dropout(x) @ A) @ B`` in ``x``'s dtype: what an adapter adds to ``x @ W``.
 
-  The scale multiplies the [N, r] intermediate rather than the [N, out] result (r is small).
+  As in peft, dropout (at rate ``dropout``, drawn from ``key``; none without a key) applies to
+  the adapter's input only, kept values scaled by ``1 / (1 - dropout)``. The scale multiplies the
+  [N, r] intermediate rather than the [N, out] result (r is small).
   """
+  if key is not None and dropout > 0:
+    keep = jax.random.bernoulli(key, 1.0 - dropout, x_nd.shape)
+    x_nd = jnp.where(keep, x_nd / jnp.asarray(1.0 - dropout, x_nd.dtype), jnp.zeros((), x_nd.dtype))
   return L.linear(L.linear(x_nd, a_dr) * jnp.asarray(scale, x_nd.dtype), b_rf)
 
 
