@@ -12,6 +12,7 @@ reward type.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from typing import Any, Callable, Sequence
@@ -32,19 +33,21 @@ log = logging.getLogger("jaxrm.steps")
 
 
 def make_loss_fn(model: Decoder, spec: RewardSpec) -> Callable:
-  """``loss_fn(params, batch, frozen=None) -> (loss_total, metrics)``; loss_total is a sum,
-  metrics["loss"].count its count.
+  """``loss_fn(params, batch, frozen=None, rng=None) -> (loss_total, metrics)``; loss_total is a
+  sum, metrics["loss"].count its count.
 
   ``batch`` is any class of :mod:`jaxrm.batches`; packed and unpacked layouts give the same losses
   and metrics, counted per group or sequence. ``frozen`` is the part of the model's state that
-  ``params`` leaves out (``state["frozen"]``, see :func:`init_state`).
+  ``params`` leaves out (``state["frozen"]``, see :func:`init_state`). ``rng`` (a PRNG key, in
+  training) drives the adapters' dropout; without it nothing is dropped.
   """
   graphdef = nnx.graphdef(model)
   batch_loss = losses.batch_loss(spec)
 
-  def loss_fn(params, batch: Batch, frozen=None):
+  def loss_fn(params, batch: Batch, frozen=None, rng=None):
     model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
-    _, metrics = batch_loss(batch.outputs(model), batch)
+    forward = model if rng is None else functools.partial(model, dropout_rng=rng)
+    _, metrics = batch_loss(batch.outputs(forward), batch)
     return metrics["loss"].total, metrics
 
   return loss_fn
@@ -155,33 +158,93 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedul
 
   def _step(state, batch):
     params, frozen = state["params"], state.get("frozen")
+    rng = _step_key(state)
     if grad_accum_steps == 1:
-      (_, metrics), grads = grad_fn(params, batch, frozen)
+      (_, metrics), grads = grad_fn(params, batch, frozen, rng)
     else:
       micro = batch if batch.packed else _microbatches(batch, grad_accum_steps)
       first = jax.tree.map(lambda x: x[0], micro)
       zero_metrics = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: loss_fn(params, first, frozen)[1]))
       zero_grads = jax.tree.map(jnp.zeros_like, params)
 
-      def body(carry, mb):
-        g_acc, m_acc = carry
-        (_, m), g = grad_fn(params, mb, frozen)
+      def body(carry, mb_and_index):
+        (g_acc, m_acc), (mb, i) = carry, mb_and_index
+        (_, m), g = grad_fn(params, mb, frozen, jax.random.fold_in(rng, i))
         return (jax.tree.map(jnp.add, g_acc, g), losses.accumulate(m_acc, m)), None
 
-      (grads, metrics), _ = jax.lax.scan(body, (zero_grads, zero_metrics), micro)
-    count = jnp.maximum(metrics["loss"].count, 1.0)
-    grads = jax.tree.map(lambda g: g / count, grads)
-    grad_norm = optax.tree.norm(grads)
-    updates, opt_state = tx.update(grads, state["opt_state"], params)
-    new_state = dict(state, params=optax.apply_updates(params, updates), opt_state=opt_state,
-                     step=state["step"] + 1)
-    extra = {"grad_norm": grad_norm, "learning_rate": schedule(state["step"])}
-    return new_state, (metrics, extra)
+      (grads, metrics), _ = jax.lax.scan(body, (zero_grads, zero_metrics),
+                                         (micro, jnp.arange(grad_accum_steps)))
+    return _update(tx, schedule, state, grads, metrics)
 
   if state_shardings is None:
     return jax.jit(step, donate_argnums=0)
   return jax.jit(step, donate_argnums=0, in_shardings=(state_shardings, None),
                  out_shardings=(state_shardings, None))
+
+
+def _step_key(state) -> jax.Array:
+  """This step's PRNG key (adapter dropout), from the state's seed and step: a resumed run
+  draws what an uninterrupted one would. Micro-batch i folds in i."""
+  return jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
+
+
+def _update(tx: optax.GradientTransformation, schedule: Callable, state, grads, metrics):
+  """The optimizer's update of ``state`` by summed ``grads`` over the count of the summed loss."""
+  params = state["params"]
+  count = jnp.maximum(metrics["loss"].count, 1.0)
+  grads = jax.tree.map(lambda g: g / count, grads)
+  grad_norm = optax.tree.norm(grads)
+  updates, opt_state = tx.update(grads, state["opt_state"], params)
+  new_state = dict(state, params=optax.apply_updates(params, updates), opt_state=opt_state,
+                   step=state["step"] + 1)
+  extra = {"grad_norm": grad_norm, "learning_rate": schedule(state["step"])}
+  return new_state, (metrics, extra)
+
+
+class MicroBatchedStep:
+  """``(state, micro_batches) -> (state, (metrics, extra))``: gradient accumulation over
+  micro-batches that each keep their own shape (padded to their own length bucket), where
+  :func:`make_train_step` takes one array per field, every micro-batch padded alike.
+
+  The gradient of each micro-batch is one jitted call, compiled once per micro-batch shape (so
+  the compiled programs stay as few as the buckets); the sums are added on device and the
+  update is a last jitted call that donates the state. The update equals
+  :func:`make_train_step`'s on the same groups up to float32 summation order, and the dropout
+  draws are the same (micro-batch i folds in i).
+  """
+
+  def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation, schedule: Callable, *,
+               state_shardings: Any = None, mesh: Mesh | None = None):
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def grads_of(state, index, batch):
+      with _activations_on(mesh):
+        rng = jax.random.fold_in(_step_key(state), index)
+        (_, metrics), grads = grad_fn(state["params"], batch, state.get("frozen"), rng)
+      return grads, metrics
+
+    def add(total, new):
+      return jax.tree.map(jnp.add, total[0], new[0]), losses.accumulate(total[1], new[1])
+
+    update = functools.partial(_update, tx, schedule)
+    if state_shardings is None:
+      self._grads = jax.jit(grads_of)
+      self._update = jax.jit(update, donate_argnums=0)
+    else:
+      self._grads = jax.jit(grads_of, in_shardings=(state_shardings, None, None),
+                            out_shardings=(state_shardings["params"], None))
+      self._update = jax.jit(update, donate_argnums=0,
+                             in_shardings=(state_shardings, state_shardings["params"], None),
+                             out_shardings=(state_shardings, None))
+    self._add = jax.jit(add, donate_argnums=0)
+    self.grads = CompiledPerShape("micro-batch gradient", self._grads)
+
+  def __call__(self, state, micro_batches: Sequence[Batch]):
+    total = None
+    for i, batch in enumerate(micro_batches):
+      new = self.grads(state, np.int32(i), batch)
+      total = new if total is None else self._add(total, new)
+    return self._update(state, *total)
 
 
 def make_eval_step(loss_fn: Callable, *, mesh: Mesh | None = None) -> Callable:
