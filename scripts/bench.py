@@ -23,7 +23,12 @@ One training step of a planned setting on this machine's first device, with rand
 
   python scripts/bench.py --fit --model=qwen2.5-1.5b --max_length=2048 --remat=dots
 
-TRL is needed only for ``--vs-trl``, not by jaxrm: ``pip install --no-deps trl`` into the
+LoRA against full training, each mode in lockstep with the same mode training rank-16 adapters on
+every linear layer over a frozen base (step time and peak memory of both, in the same run)::
+
+  python scripts/bench.py --model=smollm2-135m --vs-lora --modes=unpacked,shared_prompt
+
+TRL is needed only for ``--vs-trl``, not by jaxrm: ``pip install --no-deps trl==1.16.0`` into the
 environment.
 
 Every run has its own process (so peak memory is its own) and the same procedurally generated
@@ -40,6 +45,12 @@ load that changes between two runs otherwise decides the ratio. Each side compil
 program per distinct batch shape) and loads before the first step; only steps are timed, after
 ``--warmup`` untimed ones, from the start of the step to its updated parameters (batches are
 collated before the clock starts, as both trainers' data loaders do).
+
+A lockstep pair also reports its per-step ratio: batch i is the same on both sides, so step i's
+ratio is the partner's seconds over the run's; the median, quartiles and range over the timed
+steps show the spread that one total ratio hides. Each worker also times a plain 2048^3 float32
+matmul under ``jax.jit`` in its own process (TRL's also under torch), the yardstick its model
+FLOP/s are quoted against, and records its thread settings.
 
 Reported per run: pairs/s and pairs per CPU-second (process CPU time, all threads); tokens/s of
 the sequences as a trainer without packing sees them (prompt counted once per completion), of
@@ -120,6 +131,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--modes", default=",".join(JAXRM_MODES),
                  help=f"jaxrm modes, comma-separated, from {', '.join(JAXRM_MODES)}")
   p.add_argument("--vs-trl", action="store_true", help="run TRL's RewardTrainer in lockstep with each mode")
+  p.add_argument("--vs-lora", action="store_true",
+                 help="run each mode in lockstep with the same mode training LoRA adapters "
+                      "(--lora_rank on every linear layer, over a frozen base)")
+  p.add_argument("--lora_rank", type=int, default=16, help="rank of the adapters of --vs-lora")
   p.add_argument("--gpu", action="store_true", help=f"H200 preset: {GPU_PRESET}")
   p.add_argument("--dry_run", action="store_true",
                  help="print the settings, the data and each mode's batch shapes, then stop")
@@ -176,6 +191,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.plan_meshes = [mesh_sizes(m) for m in args.plan_meshes.split(",") if m]
   except ValueError as e:
     p.error(f"--plan_lengths or --plan_meshes: {e}")
+  if args.vs_trl and args.vs_lora:
+    p.error("--vs-trl and --vs-lora: choose one partner per run")
   unknown = sorted(set(args.modes) - set(JAXRM_MODES))
   if unknown:
     p.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(JAXRM_MODES)}")
@@ -305,11 +322,13 @@ def _peak_memory_gib() -> float:
 
 def _jaxrm_step(cfg: ModelConfig, seed: int):
   """The trainer's step for a Bradley-Terry model of ``cfg`` (compiled once per batch shape), its
-  initial state, and the model's parameter count."""
+  initial state, and the model's parameter count. With ``cfg.lora`` on, only the adapters and the
+  head train, as in the trainer."""
   import jax
   from flax import nnx
   from jaxrm import optim, sharding, steps
   from jaxrm.losses import RewardSpec
+  from jaxrm.models import lora
   from jaxrm.models.decoder import Decoder
 
   model = nnx.jit(lambda: Decoder(cfg, rngs=nnx.Rngs(seed)))()
@@ -318,17 +337,31 @@ def _jaxrm_step(cfg: ModelConfig, seed: int):
   schedule = optim.make_schedule(learning_rate=1e-5, warmup_steps=0, total_steps=1, decay="constant")
   tx = optim.make_optimizer(schedule, max_grad_norm=1.0)
   mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), devices=jax.devices()[:1])
-  state, shardings = steps.init_state(params, tx, seed=seed, mesh=mesh)
+  state, shardings = steps.init_state(params, tx, seed=seed, mesh=mesh, trainable=lora.trainable_filter(cfg.lora))
   train_step = steps.make_train_step(steps.make_loss_fn(model, RewardSpec()), tx, schedule,
                                      state_shardings=shardings, mesh=mesh)
   return steps.CompiledPerShape("train step", train_step), state, num_params
 
 
+LORA_SUFFIX = "+lora"  # a worker "<mode>+lora" trains adapters (--vs-lora)
+
+
+def lora_config(args):
+  """The adapters of ``--vs-lora``: rank ``--lora_rank`` on every linear layer, OpenRLHF's alpha."""
+  from jaxrm.models.lora import LoraConfig
+  return LoraConfig(rank=args.lora_rank, alpha=16.0, targets="all-linear")
+
+
 def run_jaxrm(mode: str, args, channel: "_Channel") -> dict:
   """Compiles every batch shape, says "ready", then runs one step per "step" from the parent."""
+  import dataclasses
+
   import jax
 
   cfg = model_config(args)
+  mode, lora_on = mode.removesuffix(LORA_SUFFIX), mode.endswith(LORA_SUFFIX)
+  if lora_on:
+    cfg = dataclasses.replace(cfg, lora=lora_config(args))
   train_step, state, num_params = _jaxrm_step(cfg, args.seed)
   collate = collator(mode, args)
   groups = batches_of(bench_pairs(args), args)
@@ -337,6 +370,7 @@ def run_jaxrm(mode: str, args, channel: "_Channel") -> dict:
   for batch in batches:
     train_step.compile(state, batch)
   compile_s = time.perf_counter() - start
+  matmul_s = jax_matmul_tflops()
 
   channel.send("ready")
   totals = _new_totals()
@@ -353,7 +387,10 @@ def run_jaxrm(mode: str, args, channel: "_Channel") -> dict:
              flops=step_flops(cfg, n_dense, real, attended_keys(batch)))
     channel.send("done")
   channel.wait_for("finish")
-  return _result(f"jaxrm {mode}", args, totals, num_params, compile_s=compile_s,
+  trained = sum(x.size for x in jax.tree.leaves(state["params"]))
+  name = f"jaxrm {mode}" + (f" LoRA r{args.lora_rank}" if lora_on else "")
+  return _result(name, args, totals, num_params, compile_s=compile_s, trained_params_m=trained / 1e6,
+                 matmul_tflops=matmul_s, threads=_threads(),
                  compiled_shapes=len({tuple(x.shape for x in jax.tree.leaves(b)) for b in batches}),
                  flop_formula=flop_formula(cfg, n_dense),
                  attention=cfg.attention_impl, backend=jax.default_backend(),
@@ -387,6 +424,7 @@ def run_trl(args, channel: "_Channel") -> dict:
   data = datasets.Dataset.from_dict({"chosen_ids": [e.input_ids[0].tolist() for e in examples],
                                      "rejected_ids": [e.input_ids[1].tolist() for e in examples]})
   on_gpu = torch.cuda.is_available()
+  matmul_tflops = jax_matmul_tflops()  # the same yardstick as jaxrm's, measured in this process
   lockstep = _TrlLockstep(channel, args.warmup + args.steps)
   with tempfile.TemporaryDirectory() as out:
     config = trl.RewardConfig(
@@ -410,7 +448,9 @@ def run_trl(args, channel: "_Channel") -> dict:
            flops=step_flops(cfg, n_dense, sum(lengths), sum(n * (n + 1) // 2 for n in lengths)))
   memory = (torch.cuda.max_memory_allocated() / 2**30 if on_gpu
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
-  return _result("TRL RewardTrainer", args, totals, num_params, memory_gib=memory,
+  threads = dict(_threads(), torch_threads=torch.get_num_threads(), torch_interop_threads=torch.get_num_interop_threads())
+  return _result("TRL RewardTrainer", args, totals, num_params, memory_gib=memory, threads=threads,
+                 matmul_tflops=matmul_tflops, torch_matmul_tflops=torch_matmul_tflops(torch, on_gpu),
                  attention=model.config._attn_implementation, backend="cuda" if on_gpu else "cpu",
                  versions=f"trl {trl.__version__}, transformers {transformers.__version__}, "
                           f"torch {torch.__version__}")
@@ -449,6 +489,43 @@ class _TrlLockstep:
 
 
 # ---------------------------------------------------------------------------------- reports
+
+MATMUL_N = 2048  # the yardstick: a plain N x N x N float32 matmul
+
+
+def _best_tflops(run, n: int = MATMUL_N, reps: int = 5) -> float:
+  """TFLOP/s of the fastest of ``reps`` calls of ``run`` (an N^3 matmul, waited for)."""
+  run()
+  best = min(_timed(run) for _ in range(reps))
+  return 2 * n**3 / best / 1e12
+
+
+def _timed(run) -> float:
+  start = time.perf_counter()
+  run()
+  return time.perf_counter() - start
+
+
+def jax_matmul_tflops() -> float:
+  """A plain float32 2048^3 matmul under ``jax.jit`` on the default device, in TFLOP/s."""
+  import jax
+  import jax.numpy as jnp
+  a = jax.random.normal(jax.random.key(0), (MATMUL_N, MATMUL_N), jnp.float32)
+  f = jax.jit(jnp.matmul)
+  return _best_tflops(lambda: f(a, a).block_until_ready())
+
+
+def torch_matmul_tflops(torch, on_gpu: bool) -> float:
+  """The same matmul in torch (MKL/oneDNN on CPU), in TFLOP/s."""
+  a = torch.randn(MATMUL_N, MATMUL_N, device="cuda" if on_gpu else "cpu")
+  sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+  return _best_tflops(lambda: (a @ a, sync()))
+
+
+def _threads() -> dict:
+  """What sets this process's threads: CPUs it may run on and the environment that sizes pools."""
+  env = {k: os.environ[k] for k in ("XLA_FLAGS", "OMP_NUM_THREADS", "MKL_NUM_THREADS") if k in os.environ}
+  return {"cpus": len(os.sched_getaffinity(0)), **env}
 
 
 class _Clock:
@@ -511,16 +588,34 @@ COLUMNS = (  # key, header, format
 )
 
 
+def paired_ratios(run: dict, partner: dict) -> dict:
+  """``run``'s speed over ``partner``'s, step by step: both took the same batch i in turn, so the
+  ratio of step i is partner's seconds over run's. Median, quartiles and range over the steps."""
+  ratios = np.asarray(partner["totals"]["step_seconds"]) / np.asarray(run["totals"]["step_seconds"])
+  q = np.percentile(ratios, [0, 25, 50, 75, 100])
+  return {"steps": len(ratios), "median": float(q[2]), "quartiles": [float(q[1]), float(q[3])],
+          "range": [float(q[0]), float(q[4])], "per_step": [round(float(r), 3) for r in ratios]}
+
+
 def print_table(results: list[dict]) -> None:
-  """One row per run, then each jaxrm run's pairs/s as a multiple of its TRL partner's."""
-  print(f"{'run':<24}" + "".join(f"{h:>12}" for _, h, _ in COLUMNS))
+  """One row per run, then each jaxrm run's speed as a multiple of its lockstep partner's."""
+  print(f"{'run':<28}" + "".join(f"{h:>12}" for _, h, _ in COLUMNS))
   for r in results:
-    print(f"{r['name']:<24}" + "".join(f"{fmt.format(r[k]) if k in r else '-':>12}" for k, _, fmt in COLUMNS))
+    print(f"{r['name']:<28}" + "".join(f"{fmt.format(r[k]) if k in r else '-':>12}" for k, _, fmt in COLUMNS))
   for r in results:
     if "vs" in r:
-      trl = r["vs"]
-      print(f"{r['name']}: {r['pairs_per_s'] / trl['pairs_per_s']:.2f}x the pairs/s of TRL in "
-            f"lockstep with it ({r['pairs_per_cpu_s'] / trl['pairs_per_cpu_s']:.2f}x per CPU-second)")
+      other, ratio = r["vs"], r["vs_ratio"]
+      print(f"{r['name']} vs {other['name']}: {r['pairs_per_s'] / other['pairs_per_s']:.2f}x the pairs/s "
+            f"({r['pairs_per_cpu_s'] / other['pairs_per_cpu_s']:.2f}x per CPU-second); per step, paired: "
+            f"median {ratio['median']:.2f}x, quartiles {ratio['quartiles'][0]:.2f}-{ratio['quartiles'][1]:.2f}, "
+            f"range {ratio['range'][0]:.2f}-{ratio['range'][1]:.2f} over {ratio['steps']} steps; peak "
+            f"memory {r['peak_memory_gib']:.2f} vs {other['peak_memory_gib']:.2f} GiB")
+  for r in results:
+    if "matmul_tflops" in r:
+      print(f"{r['name']}: {r['model_tflops']:.3f} model TFLOP/s = {r['model_tflops'] / r['matmul_tflops']:.0%} of "
+            f"a plain {MATMUL_N}^3 float32 jax.jit matmul in the same process ({r['matmul_tflops']:.3f})"
+            + (f"; torch's matmul there: {r['torch_matmul_tflops']:.3f}" if "torch_matmul_tflops" in r else "")
+            + f"; threads {json.dumps(r.get('threads', {}))}")
 
 
 def dry_run(args) -> None:
@@ -841,11 +936,14 @@ def main(argv=None) -> None:
     return
   results, failed = [], []
   for mode in args.modes:
-    session = run_lockstep([mode, "trl"] if args.vs_trl else [mode], argv, args.warmup + args.steps)
+    partner = "trl" if args.vs_trl else mode + LORA_SUFFIX if args.vs_lora else None
+    session = run_lockstep([mode] + ([partner] if partner else []), argv, args.warmup + args.steps)
     if not session:
       failed.append(mode)
-    elif args.vs_trl:
-      session[0]["vs"] = session[1]
+    elif partner:
+      # LoRA is the run compared with full training; TRL the partner jaxrm is compared with.
+      run, other = session if args.vs_trl else session[::-1]
+      run["vs"], run["vs_ratio"] = other, paired_ratios(run, other)
     results += session
     for r in session:
       print(f"{r['name']}: {r['pairs_per_s']:.4f} pairs/s", flush=True)

@@ -107,3 +107,27 @@ def test_gpu_check_dry_run(tiny_plan, tmp_path):
   assert sized["param_bytes"] == fit["planned"]["param_bytes"]
   assert sized["input_ids"] == [2, TINY_LENGTH]
   assert "--attention=reference" in steps["calibration"]["would_run"]
+
+
+def test_paired_ratios_are_per_step():
+  run = {"totals": {"step_seconds": [1.0, 2.0, 1.0, 4.0]}}
+  partner = {"totals": {"step_seconds": [2.0, 2.0, 3.0, 2.0]}}
+  r = bench.paired_ratios(run, partner)
+  assert r["per_step"] == [2.0, 1.0, 3.0, 0.5]
+  assert r["median"] == 1.5 and r["range"] == [0.5, 3.0] and r["steps"] == 4
+  assert r["quartiles"] == [0.875, 2.25]  # numpy's linear interpolation between the sorted ratios
+
+
+def test_vs_lora_runs_full_and_lora_training_in_lockstep(tmp_path):
+  out = str(tmp_path / "lora.json")
+  stdout = run_script("scripts/bench.py", "--model=tiny", "--modes=unpacked", "--vs-lora", "--lora_rank=4",
+                      "--batch_size=2", "--steps=2", "--warmup=1", "--max_length=64", f"--json={out}")
+  with open(out) as f:
+    full, adapted = json.load(f)["results"]
+  assert (full["name"], adapted["name"]) == ("jaxrm unpacked", "jaxrm unpacked LoRA r4")
+  assert full["trained_params_m"] == full["params_m"]
+  # Rank 4 on 7 projections of 2 layers (hidden 64, heads 4 x 16, kv 2 x 16, mlp 128), and the head.
+  per_layer = 4 * ((64 + 64) + (64 + 32) * 2 + (64 + 64) + (64 + 128) * 2 + (128 + 64))
+  assert adapted["trained_params_m"] * 1e6 == pytest.approx(2 * per_layer + 64)
+  assert len(adapted["vs_ratio"]["per_step"]) == 2 and adapted["vs"]["name"] == "jaxrm unpacked"
+  assert "jaxrm unpacked LoRA r4 vs jaxrm unpacked:" in stdout
