@@ -11,10 +11,17 @@ Two calling conventions:
   of completions per agent, all of the same length (joint responses are aligned by position), and
   the task item(s). ``formatter(item, *completions)`` builds what the model scores -- a string or
   a message list -- from the task item and one joint response.
+
+:func:`remote_reward_func` is the TRL function of a model served by ``python -m jaxrm.serve`` on
+another host: the same call, scored by the server's ``/score``.
 """
 
 from __future__ import annotations
 
+import json
+import time
+import urllib.error
+import urllib.request
 from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
@@ -104,3 +111,57 @@ def as_multi_agent_reward_func(rm: Scorer, formatter: Callable[..., Text], *, no
     return rm.score(texts, normalize=normalize, batch_size=batch_size).tolist()
 
   return _named(reward_func, name)
+
+
+# Statuses a busy server answers (queue full, request timed out): worth retrying after Retry-After.
+RETRIED_STATUSES = (503, 504)
+
+
+def remote_reward_func(url: str, *, api_key: str | None = None, timeout: float = 300.0, retries: int = 8,
+                       name: str = "jaxrm_reward") -> Callable[..., list[float]]:
+  """``f(prompts, completions, **kwargs) -> list[float]`` for TRL's GRPOTrainer, scored by a server.
+
+  Sends the pairs to the ``/score`` endpoint of ``python -m jaxrm.serve``, which joins them as
+  :func:`as_reward_func` does. A busy server's 503/504 is retried after its Retry-After, up to
+  ``retries`` times; any other error raises with the server's message. Connections go straight to
+  ``url``, whatever HTTP proxy the environment names.
+
+  Args:
+    url: the server, ``http://HOST:PORT``.
+    api_key: the server's ``--api_key``, if it has one.
+    timeout: seconds to wait for one answer.
+    retries: tries after a busy answer before giving up.
+    name: ``f.__name__``, the name TRL logs the rewards under.
+  """
+  endpoint = url.rstrip("/") + "/score"
+  headers = {"Content-Type": "application/json"}
+  if api_key:
+    headers["Authorization"] = f"Bearer {api_key}"
+  opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+  def reward_func(prompts: Sequence[Text], completions: Sequence[Text], **kwargs: Any) -> list[float]:
+    del kwargs  # dataset columns and trainer state: the model needs only the text
+    body = json.dumps({"prompts": list(prompts), "completions": list(completions)}).encode()
+    attempt = 0
+    while True:
+      request = urllib.request.Request(endpoint, data=body, headers=headers, method="POST")
+      try:
+        with opener.open(request, timeout=timeout) as reply:
+          return [float(r) for r in json.loads(reply.read())["rewards"]]
+      except urllib.error.HTTPError as e:
+        with e:
+          message = _error_message(e)
+          if e.code not in RETRIED_STATUSES or attempt == retries:
+            raise ValueError(f"{name}: {endpoint} answered {e.code}: {message}") from None
+          time.sleep(float(e.headers.get("Retry-After") or 1))
+      attempt += 1
+
+  return _named(reward_func, name)
+
+
+def _error_message(e: urllib.error.HTTPError) -> str:
+  raw = e.read()
+  try:
+    return json.loads(raw)["error"]
+  except (ValueError, KeyError, TypeError):
+    return raw.decode(errors="replace")[:500]

@@ -108,3 +108,78 @@ def test_errors(validated_rm, tmp_path):
   with pytest.raises(ValueError, match="a reward function needs a sequence head with one label; this model "
                                        "has a token head with 2 label"):
     reward_funcs.as_reward_func(prm)
+
+
+# ------------------------------------------------------------------ remote: a jaxrm server on loopback
+
+
+@pytest.fixture(scope="module")
+def server_url(validated_rm):
+  from jaxrm.server import ServerConfig, make_server
+  server = make_server(validated_rm, "127.0.0.1", 0, config=ServerConfig(max_length=64, batch_size=4)).start()
+  try:
+    server.wait_ready(timeout=300)
+    yield server.url
+  finally:
+    server.shutdown()
+
+
+def test_remote_reward_func_returns_the_local_rewards(validated_rm, server_url):
+  remote = reward_funcs.remote_reward_func(server_url, name="remote_rm")
+  assert remote.__name__ == "remote_rm"
+  local = validated_rm.as_reward_func()
+  standard = (["Q: 1 + 1?", "Q: 1 + 1?", "Q: 2 + 3?"], [" A: 2", " A: 11", " A: 5"])
+  chat = ([[{"role": "user", "content": "Capital of France?"}]] * 2,
+          [[{"role": "assistant", "content": "Paris."}], [{"role": "assistant", "content": "Lyon."}]])
+  for prompts, completions in (standard, chat):
+    got = trl_call(remote, prompts, completions, answer=["x"] * len(prompts))
+    # Exactly equal: one request alone on the server is sorted, padded and batched as rm.score
+    # does it here (rows of at most 64 tokens padded to 64, 2 or 3 rows padded to 2 or 4 rows),
+    # so the same compiled program sees the same inputs.
+    np.testing.assert_array_equal(got, trl_call(local, prompts, completions))
+  raw = remote(prompts=standard[0], completions=standard[1])
+  assert isinstance(raw, list) and all(type(r) is float for r in raw)
+
+
+def test_remote_reward_func_raises_the_servers_message(server_url):
+  remote = reward_funcs.remote_reward_func(server_url, name="remote_rm")
+  with pytest.raises(ValueError, match=r"remote_rm: .*/score answered 400: 1 prompts but 2 completions"):
+    remote(prompts=["a"], completions=["b", "c"])
+
+
+def test_remote_reward_func_retries_a_busy_server_with_its_key():
+  """Against a stand-in server that is busy every other request: the same request is sent again."""
+  import http.server
+  import json
+  import threading
+
+  seen = []
+
+  class Handler(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+      body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+      seen.append((self.path, self.headers["Authorization"], body))
+      busy = len(seen) % 2 == 1
+      reply = json.dumps({"error": "busy"} if busy else {"rewards": [0.5, -1]}).encode()
+      self.send_response(503 if busy else 200)
+      self.send_header("Retry-After", "0")
+      self.send_header("Content-Length", str(len(reply)))
+      self.end_headers()
+      self.wfile.write(reply)
+
+    def log_message(self, *args):
+      pass
+
+  stand_in = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+  threading.Thread(target=stand_in.serve_forever, daemon=True).start()
+  url = "http://%s:%d" % stand_in.server_address[:2]
+  try:
+    remote = reward_funcs.remote_reward_func(url + "/", api_key="k")
+    assert remote(prompts=["p", "p"], completions=["a", "b"], trainer_state=None) == [0.5, -1.0]
+    assert seen == [("/score", "Bearer k", {"prompts": ["p", "p"], "completions": ["a", "b"]})] * 2
+    with pytest.raises(ValueError, match="answered 503: busy"):
+      reward_funcs.remote_reward_func(url, retries=0)(prompts=["p"], completions=["a"])
+    assert len(seen) == 3
+  finally:
+    stand_in.shutdown()
+    stand_in.server_close()

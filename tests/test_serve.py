@@ -1,10 +1,13 @@
-"""jaxrm.serve: real HTTP requests on 127.0.0.1 against a tiny random model, malformed ones included."""
+"""jaxrm.serve: real HTTP requests on 127.0.0.1 against a tiny random model: well-formed, concurrent,
+malformed, stalled and overflowing ones; every reward is checked against ``rm.score`` of the same items."""
 
 import concurrent.futures
 import contextlib
-import http.client
+import dataclasses
 import json
 import queue
+import re
+import socket
 import subprocess
 import sys
 import threading
@@ -16,45 +19,72 @@ import pytest
 
 import tiny_run
 from helpers import REBATCHED, assistant, user
-from jaxrm import RewardModel
-from jaxrm.serve import Limits, RewardService, make_server
+from jaxrm.errors import ConfigError
+from jaxrm.server import ServerConfig, make_server
 
-LIMITS = Limits(max_batch=4, max_request_bytes=2048, max_length=64)
+# Two buckets, so batches are length-bucketed; short timeouts, so stalled clients are dropped fast.
+CONFIG = ServerConfig(max_batch=4, max_request_bytes=2048, max_length=64, buckets=(32, 64), batch_size=4,
+                      batch_wait_ms=20, header_timeout=1, body_timeout=1)
 # Proxies from the environment must not see loopback requests.
 OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+# Bounds every socket read, so that a server that fails to answer fails the test instead of hanging it.
+SOCKET_TIMEOUT = 30
+
+
+def approx(rewards):
+  # The server pads rows to its own buckets and batches them with other requests' rows: each
+  # reward is rm.score's up to the float32 roundings of other shapes.
+  return pytest.approx(list(rewards), rel=REBATCHED["rtol"], abs=REBATCHED["atol"])
 
 
 @contextlib.contextmanager
-def serving(rm, **kwargs):
-  """The URL of a server on a free loopback port, run in a thread."""
-  server = make_server(rm, "127.0.0.1", 0, limits=LIMITS, batch_size=2, model_name="tiny", **kwargs)
-  thread = threading.Thread(target=server.serve_forever, daemon=True)
-  thread.start()
+def serving(rm, config=CONFIG):
+  """A ready server on a free loopback port, run in a thread."""
+  server = make_server(rm, "127.0.0.1", 0, config=config, model_name="tiny").start()
   try:
-    yield "http://%s:%d" % server.server_address[:2]
+    server.wait_ready(timeout=300)
+    yield server
   finally:
     server.shutdown()
-    server.server_close()
-    thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
-def url(tiny_rm):
-  with serving(tiny_rm) as u:
-    yield u
+def server(tiny_rm):
+  with serving(tiny_rm) as s:
+    yield s
 
 
-def call(url, path, body=None, *, raw=None, method=None):
-  """(status, decoded JSON reply) of one request; ``raw`` bytes are sent as they are."""
+@pytest.fixture(scope="module")
+def url(server):
+  return server.url
+
+
+def call(url, path, body=None, *, raw=None, method=None, headers=None):
+  """(status, decoded JSON reply, reply headers) of one request; ``raw`` bytes are sent as they are."""
   data = raw if raw is not None else None if body is None else json.dumps(body).encode()
   req = urllib.request.Request(url + path, data=data, method=method or ("GET" if data is None else "POST"),
-                               headers={"Content-Type": "application/json"})
+                               headers={"Content-Type": "application/json", **(headers or {})})
   try:
-    with OPENER.open(req, timeout=120) as reply:
-      return reply.status, json.loads(reply.read())
+    with OPENER.open(req, timeout=SOCKET_TIMEOUT) as reply:
+      return reply.status, json.loads(reply.read()), reply.headers
   except urllib.error.HTTPError as e:
     with e:
-      return e.code, json.loads(e.read())
+      return e.code, json.loads(e.read()), e.headers
+
+
+def rewards_of(url, texts):
+  status, reply, _ = call(url, "/get_reward", {"query": texts})
+  assert status == 200, reply
+  return reply["rewards"]
+
+
+def metric(url, name):
+  """The value of one sample of the server's /metrics (``name`` with its labels, if any)."""
+  with OPENER.open(url + "/metrics", timeout=SOCKET_TIMEOUT) as reply:
+    text = reply.read().decode()
+  found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+  assert found, f"{name} is not in /metrics:\n{text}"
+  return float(found.group(1))
 
 
 TEXTS = [
@@ -67,61 +97,148 @@ CONVERSATIONS = [
     [{"role": "system", "content": "Be brief."}, user("Capital of France?"), assistant("Lyon")],
 ]
 
+# ------------------------------------------------------------------ endpoints
+
 
 def test_get_reward_is_openrlhf_compatible(url, tiny_rm):
   # OpenRLHF's remote_rm_fn posts the rendered texts with their prompts and labels.
-  status, reply = call(url, "/get_reward", {"query": TEXTS, "prompts": ["p"] * 3, "labels": [""] * 3})
+  status, reply, _ = call(url, "/get_reward", {"query": TEXTS, "prompts": ["p"] * 3, "labels": [""] * 3})
   assert status == 200
-  assert reply == {"rewards": tiny_rm.score(TEXTS, batch_size=2).tolist()}
+  assert reply["rewards"] == approx(tiny_rm.score(TEXTS))
 
 
-def test_score_conversations(url, tiny_rm):
-  status, reply = call(url, "/score", {"conversations": CONVERSATIONS})
+def test_score_conversations_and_pairs(url, tiny_rm):
+  status, reply, _ = call(url, "/score", {"conversations": CONVERSATIONS})
   assert status == 200
-  assert reply == {"rewards": tiny_rm.score(CONVERSATIONS, batch_size=2).tolist()}
+  assert reply["rewards"] == approx(tiny_rm.score(CONVERSATIONS))
+  prompts, completions = ["Q: 1 + 1?", "Q: 2 + 3?"], [" A: 2", " A: 5"]
+  status, reply, _ = call(url, "/score", {"prompts": prompts, "completions": completions})
+  assert status == 200
+  assert reply["rewards"] == approx(tiny_rm.score(prompts=prompts, completions=completions))
+  chat_prompts = [c[:-1] for c in CONVERSATIONS]
+  chat_completions = [c[-1:] for c in CONVERSATIONS]
+  status, reply, _ = call(url, "/score", {"prompts": chat_prompts, "completions": chat_completions})
+  assert status == 200
+  assert reply["rewards"] == approx(tiny_rm.score(CONVERSATIONS))
 
 
 def test_long_conversations_lose_their_oldest_turns(url, tiny_rm):
   long = [user("one two " * 30), assistant("Noted."), user("Capital of France?"), assistant("Paris")]
-  status, reply = call(url, "/score", {"conversations": [long]})
+  status, reply, _ = call(url, "/score", {"conversations": [long]})
   assert status == 200
-  assert reply["rewards"] == tiny_rm.score([long], max_length=LIMITS.max_length).tolist()
-  assert reply["rewards"] == tiny_rm.score([long[2:]]).tolist()
+  assert reply["rewards"] == approx(tiny_rm.score([long], max_length=CONFIG.max_length))
+  assert reply["rewards"] == approx(tiny_rm.score([long[2:]]))
+
+
+def test_openrlhf_text_strips_pad_and_eos_then_appends_one(tiny_rm):
+  eos = tiny_rm.tokenizer.eos_token
+  with serving(tiny_rm, dataclasses.replace(CONFIG, openrlhf_text=True)) as s:
+    got = rewards_of(s.url, [f"{eos}{eos}Hello world{eos}{eos}{eos}", "Hello world"])
+    status, reply, _ = call(s.url, "/get_reward", {"query": ["one two " * 40]})
+    assert status == 400
+    assert re.fullmatch(r"cannot score query\[0\]: \d+ tokens, longer than max_length=64 \(--max_length\)",
+                        reply["error"])
+  # SmolLM2's tokenizer adds no special tokens, so rm.score (which lets it) tokenizes alike.
+  expected = tiny_rm.score([f"Hello world{eos}"] * 2)
+  assert got == approx(expected)
+  assert got[:1] != approx(tiny_rm.score(["Hello world"]))  # the eos changes the reward
 
 
 def test_normalized_rewards(tiny_rm):
-  with pytest.raises(ValueError, match="normalizing needs the reward mean/std recorded at validation"):
-    make_server(tiny_rm, "127.0.0.1", 0, normalize=True)
+  from jaxrm import RewardModel
+  with pytest.raises(ConfigError, match="normalizing needs the reward mean/std recorded at validation"):
+    make_server(tiny_rm, "127.0.0.1", 0, config=ServerConfig(normalize=True))
   stats = {"mean": 0.5, "std": 2.0, "from": "validation-default"}
   validated = RewardModel(tiny_rm.model, tiny_rm.tokenizer, reward_stats=stats)
-  with serving(validated, normalize=True) as u:
-    status, reply = call(u, "/get_reward", {"query": TEXTS})
-  assert status == 200
-  raw = tiny_rm.score(TEXTS, batch_size=2)
-  # One float32 subtraction and division against numpy's: a rounding or two apart.
-  assert reply["rewards"] == pytest.approx((raw - 0.5) / 2.0, rel=1e-6)
+  with serving(validated, dataclasses.replace(CONFIG, normalize=True)) as s:
+    got = rewards_of(s.url, TEXTS)
+  raw = tiny_rm.score(TEXTS)
+  # Other padding (REBATCHED), then one float32 subtraction and division against numpy's.
+  assert got == pytest.approx((raw - 0.5) / 2.0, rel=REBATCHED["rtol"], abs=REBATCHED["atol"])
 
 
-def test_empty_batch_and_health(url):
-  assert call(url, "/get_reward", {"query": []}) == (200, {"rewards": []})
-  assert call(url, "/score", {"conversations": []}) == (200, {"rewards": []})
-  assert call(url, "/health") == (200, {"status": "ok", "model": "tiny"})
+def test_empty_batches_health_and_metrics(url):
+  assert call(url, "/get_reward", {"query": []})[:2] == (200, {"rewards": []})
+  assert call(url, "/score", {"conversations": []})[:2] == (200, {"rewards": []})
+  assert call(url, "/health")[:2] == (200, {"status": "ok", "model": "tiny"})
+  assert metric(url, 'jaxrm_requests_total{endpoint="/get_reward",status="200"}') >= 1
+
+
+def test_process_reward_models_are_refused():
+  prm = types.SimpleNamespace(config=types.SimpleNamespace(head="token", num_labels=2), tokenizer=object())
+  with pytest.raises(ConfigError, match="has a token head with 2 labels"):
+    make_server(prm, "127.0.0.1", 0)
+
+
+def test_config_errors_say_which_flag():
+  with pytest.raises(ConfigError, match=r"max_queued_tokens=0: must be at least 1 \(--max_queued_tokens\)"):
+    ServerConfig(max_queued_tokens=0)
+  with pytest.raises(ConfigError, match="batch_tokens=32 < max_length=64: .* raise --batch_tokens"):
+    ServerConfig(max_length=64, batch_tokens=32).resolved(128)
+  with pytest.raises(ConfigError, match="longer than the model's context"):
+    ServerConfig(max_length=256).resolved(128)
+  assert ServerConfig(max_length=300).resolved(8192).buckets == (64, 128, 256, 300)
+  assert ServerConfig().resolved(8192).max_length == 2048
+
+
+def test_api_key(tiny_rm):
+  with serving(tiny_rm, dataclasses.replace(CONFIG, api_key="s3cret")) as s:
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+      status, reply, reply_headers = call(s.url, "/get_reward", {"query": TEXTS}, headers=headers)
+      assert status == 401 and "Authorization: Bearer" in reply["error"]
+      assert reply_headers["WWW-Authenticate"] == "Bearer"
+    status, reply, _ = call(s.url, "/get_reward", {"query": TEXTS}, headers={"Authorization": "Bearer s3cret"})
+    assert status == 200 and reply["rewards"] == approx(tiny_rm.score(TEXTS))
+    assert call(s.url, "/health")[0] == 200  # probes need no key
+    assert call(s.url, "/metrics")[0] == 401
+
+# ------------------------------------------------------------------ concurrency and batching
+
+
+def test_concurrent_clients_get_their_own_rewards_in_shared_batches(url, tiny_rm):
+  words = "alpha beta gamma delta epsilon zeta eta theta".split()
+  # 64 requests of 1 to 4 texts, 2 to 50 tokens: every text differs, so a reward given to the
+  # wrong request or in the wrong order shows.
+  bodies = [[f"request {r} item {i}: " + " ".join(words[(r + i + k) % 8] for k in range((r * 7 + i * 5) % 45))
+             for i in range(1 + r % 4)] for r in range(64)]
+  batches_before = metric(url, "jaxrm_batch_requests_count")
+  alone_before = metric(url, 'jaxrm_batch_requests_bucket{le="1.0"}')
+  start = threading.Barrier(64, timeout=SOCKET_TIMEOUT)
+
+  def client(texts):
+    start.wait()  # all 64 send at once
+    return call(url, "/get_reward", {"query": texts})
+
+  with concurrent.futures.ThreadPoolExecutor(max_workers=64) as pool:
+    replies = list(pool.map(client, bodies))
+  for texts, (status, reply, _) in zip(bodies, replies):
+    assert status == 200, reply
+    assert reply["rewards"] == approx(tiny_rm.score(texts))
+  batches = metric(url, "jaxrm_batch_requests_count") - batches_before
+  shared = batches - (metric(url, 'jaxrm_batch_requests_bucket{le="1.0"}') - alone_before)
+  assert shared > 0, "no forward pass held rows of more than one request"
+  assert metric(url, "jaxrm_queue_tokens") == 0
+
+
+# ------------------------------------------------------------------ hostile and malformed requests
 
 
 @pytest.mark.parametrize("path, body, status, message", [
     ("/get_reward", b"{not json", 400, "the body is not valid JSON: Expecting property name"),
     ("/get_reward", b"\xff\xfe\x00", 400, "the body is not valid JSON"),
+    ("/get_reward", b"", 400, "the body is empty; send a JSON object"),
+    ("/get_reward", b"[" * 2000, 400, "the body is not valid JSON: it nests too deeply"),
     ("/get_reward", b"[1, 2]", 400, "the body is a list; expected a JSON object"),
     ("/get_reward", {"texts": ["a"]}, 400, "the body has no 'query'; send {\"query\": a list of strings"),
     ("/get_reward", {"query": "a"}, 400, "'query' is a string; expected a list of strings"),
     ("/get_reward", {"query": ["a", 3]}, 400, "query[1] is an integer; expected a string"),
     ("/get_reward", {"query": ["a", None]}, 400, "query[1] is null; expected a string"),
-    ("/get_reward", {"query": ["a"] * 5}, 400,
-     "'query' has 5 items; this server scores at most 4 per request (--max_batch)"),
+    ("/get_reward", {"query": ["a"] * 5}, 413,
+     "'query' has 5 items; this server scores at most 4 per request (--max_batch): split the request"),
     ("/get_reward", {"query": ["ok", "one two " * 40]}, 400,
-     "cannot score the query: items[1]: the completion alone is longer than max_length=64 tokens"),
-    ("/get_reward", {"query": ["ok", ""]}, 400, "cannot score the query: items[1]: no tokens to score"),
-    ("/get_reward", {"query": ["x" * 3000]}, 413, "this server takes at most 2048 (--max_request_bytes)"),
+     "cannot score query[1]: the completion alone is longer than max_length=64 tokens (--max_length)"),
+    ("/get_reward", {"query": ["ok", ""]}, 400, "cannot score query[1]: no tokens to score"),
+    ("/get_reward", {"query": ["x" * 3000]}, 413, "the most this server takes (--max_request_bytes)"),
     ("/score", {"conversations": [[user("hi")], [{"role": "robot", "content": "x"}]]}, 400,
      "request: field 'conversations[1][0].role': unknown role 'robot'"),
     ("/score", {"conversations": [[user("hi")], [{"role": "user", "content": 7}]]}, 400,
@@ -130,66 +247,154 @@ def test_empty_batch_and_health(url):
      "field 'conversations[0]': expected a list of messages, got an object"),
     ("/score", {"conversations": [[]]}, 400, "conversations[0] has no messages"),
     ("/score", {"conversations": {"a": 1}}, 400, "'conversations' is an object; expected a list"),
-    ("/get_rewards", {"query": ["a"]}, 404, "no endpoint /get_rewards; this server has GET /health, "
-     "POST /get_reward, POST /score"),
+    ("/score", {"prompts": ["a", "b"], "completions": ["c"]}, 400, "2 prompts but 1 completions"),
+    ("/score", {"prompts": ["a"], "completions": [[assistant("c")]]}, 400,
+     "the prompt is plain text but the completion is a conversation"),
+    ("/score", {"query": ["a"]}, 400, "the body has neither 'conversations' nor 'prompts' and 'completions'"),
+    ("/get_rewards", {"query": ["a"]}, 404, ("no endpoint /get_rewards; this server has GET /health, "
+                                              "GET /metrics, POST /get_reward, POST /score")),
 ])
 def test_malformed_requests_get_4xx_with_a_message(url, path, body, status, message):
   raw = body if isinstance(body, bytes) else None
-  code, reply = call(url, path, None if raw else body, raw=raw)
+  code, reply, _ = call(url, path, None if raw is not None else body, raw=raw)
   assert code == status
   assert message in reply["error"]
 
 
-def test_wrong_method_and_missing_length(url):
-  assert call(url, "/score", method="GET") == (405, {"error": "/score takes POST"})
+def test_wrong_method(url):
+  status, reply, headers = call(url, "/score", method="GET")
+  assert (status, reply) == (405, {"error": "/score takes POST"})
+  assert headers["Allow"] == "POST"
+
+
+def test_unicode_and_control_characters_are_scored_as_sent(url, tiny_rm):
+  texts = ["Ünïcode ✓ 数学 😀", "tab\there\x00nul\x07bell\x1b[31m escape", "\u202eright-to-left\ufeff"]
+  assert rewards_of(url, texts) == approx(tiny_rm.score(texts))
+
+
+def raw_connection(url):
   host, port = url.removeprefix("http://").split(":")
-  conn = http.client.HTTPConnection(host, int(port), timeout=60)
+  return socket.create_connection((host, int(port)), timeout=SOCKET_TIMEOUT)
+
+
+def read_all(sock) -> bytes:
+  """What the server sends until it closes the connection (or resets it, having left unread data)."""
+  chunks = []
   try:
-    conn.putrequest("POST", "/get_reward")
-    conn.endheaders()  # no Content-Length, no body
-    reply = conn.getresponse()
-    assert reply.status == 411
-    assert json.loads(reply.read()) == {"error": "the request has no Content-Length header"}
+    while chunk := sock.recv(65536):
+      chunks.append(chunk)
+  except ConnectionResetError:
+    pass
+  return b"".join(chunks)
+
+
+def test_hostile_clients_do_not_stop_a_well_formed_request(url, tiny_rm):
+  # A body that never ends, headers that never end, a Content-Length that is no number, garbage
+  # instead of HTTP: each gets its error or is dropped, while a good request is answered.
+  stalled_body = raw_connection(url)
+  stalled_body.sendall(b"POST /get_reward HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: 100\r\n\r\n{\"query\": [")
+  stalled_headers = raw_connection(url)
+  stalled_headers.sendall(b"POST /get_reward HTTP/1.1\r\nHost: t\r\nContent-Le")
+  garbage = raw_connection(url)
+  garbage.sendall(b"\x16\x03\x01 not http at all\r\n\r\n")
+  bad_length = raw_connection(url)
+  bad_length.sendall(b"POST /get_reward HTTP/1.1\r\nHost: t\r\nContent-Length: lots\r\n\r\n{}")
+  try:
+    assert rewards_of(url, TEXTS) == approx(tiny_rm.score(TEXTS))
+    reply = read_all(stalled_body)
+    assert reply.startswith(b"HTTP/1.1 408 ")
+    assert b'"the body took more than 1 s to arrive (--body_timeout)"' in reply
+    assert read_all(stalled_headers) == b""  # dropped after header_timeout
+    for sock in (garbage, bad_length):
+      assert read_all(sock).startswith(b"HTTP/1.1 400 ")
   finally:
-    conn.close()
+    for sock in (stalled_body, stalled_headers, garbage, bad_length):
+      sock.close()
+  assert rewards_of(url, TEXTS[:1]) == approx(tiny_rm.score(TEXTS[:1]))
 
 
-def test_concurrent_requests_get_their_own_rewards(url, tiny_rm):
-  bodies = [TEXTS[i:] for i in range(3)] * 2
-  with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
-    replies = list(pool.map(lambda texts: call(url, "/get_reward", {"query": texts}), bodies))
-  expected = tiny_rm.score(TEXTS, batch_size=2).tolist()
-  for texts, (status, reply) in zip(bodies, replies):
-    assert status == 200
-    # A request of 1 or 2 of the texts scores them in other batches than all 3 do: other padding.
-    assert reply["rewards"] == pytest.approx(expected[3 - len(texts):], rel=REBATCHED["rtol"],
-                                             abs=REBATCHED["atol"])
+def test_queue_overflow_503_then_timeout_504_then_recovery(tiny_rm):
+  first, second = TEXTS[:2], TEXTS[2:]
+  tokens = [sum(len(tiny_rm.encode(t)) for t in texts) for texts in (first, second)]
+  # Room for the first request alone; the scoring worker is held while it is in, so it stays queued.
+  config = dataclasses.replace(CONFIG, max_queued_tokens=tokens[0] + tokens[1] - 1, request_timeout=4)
+  with serving(tiny_rm, config) as s:
+    gate, score = threading.Event(), s.batcher.score_fn
+    s.batcher.score_fn = lambda ids, mask: (gate.wait(SOCKET_TIMEOUT), score(ids, mask))[1]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      held = pool.submit(call, s.url, "/get_reward", {"query": first})
+      for _ in range(1000):  # until the first request's tokens are queued
+        if metric(s.url, "jaxrm_queue_tokens") == tokens[0]:
+          break
+        threading.Event().wait(0.01)
+      status, reply, headers = call(s.url, "/get_reward", {"query": second})
+      assert (status, headers["Retry-After"]) == (503, "1")
+      assert "the server is busy" in reply["error"] and "--max_queued_tokens" in reply["error"]
+      assert call(s.url, "/health")[:2] == (200, {"status": "ok", "model": "tiny"})
+      status, reply, _ = held.result(timeout=SOCKET_TIMEOUT)
+      assert status == 504 and "(--request_timeout)" in reply["error"]
+    gate.set()
+    assert metric(s.url, "jaxrm_queue_tokens") == 0
+    assert rewards_of(s.url, second) == approx(tiny_rm.score(second))
+    assert rewards_of(s.url, first) == approx(tiny_rm.score(first))
 
 
-def test_process_reward_models_are_refused():
-  prm = types.SimpleNamespace(config=types.SimpleNamespace(head="token", num_labels=2), tokenizer=object())
-  with pytest.raises(ValueError, match="has a token head with 2 labels"):
-    RewardService(prm)
+def test_request_larger_than_the_queue_is_refused(tiny_rm):
+  config = dataclasses.replace(CONFIG, max_queued_tokens=10)
+  with serving(tiny_rm, config) as s:
+    status, reply, _ = call(s.url, "/get_reward", {"query": TEXTS})
+    assert status == 413 and "this server queues at most 10 (--max_queued_tokens): split" in reply["error"]
+
+def test_connections_past_the_limit_get_503(tiny_rm):
+  # Headers may take long here: the idle connections below hold their places for the whole test.
+  config = dataclasses.replace(CONFIG, max_connections=2, header_timeout=SOCKET_TIMEOUT)
+  with serving(tiny_rm, config) as s:
+    idle = [raw_connection(s.url) for _ in range(2)]
+    try:
+      status, reply, headers = call(s.url, "/get_reward", {"query": TEXTS})
+      assert (status, headers["Retry-After"]) == (503, "1")
+      assert "2 open connections, its most (--max_connections)" in reply["error"]
+    finally:
+      for sock in idle:
+        sock.close()
+    for _ in range(1000):  # until the server has seen the idle connections close
+      status, reply, _ = call(s.url, "/get_reward", {"query": TEXTS})
+      if status == 200:
+        break
+      threading.Event().wait(0.01)
+    assert reply["rewards"] == approx(tiny_rm.score(TEXTS))
+
+
+# ------------------------------------------------------------------ command line
 
 
 def test_cli_serves_until_stopped(model_dir):
-  proc = subprocess.Popen([sys.executable, "-m", "jaxrm.serve", f"--model={model_dir}", "--port=0"],
+  proc = subprocess.Popen([sys.executable, "-m", "jaxrm.serve", f"--model={model_dir}", "--port=0",
+                           "--max_length=32", "--batch_size=2"],
                           cwd=tiny_run.ROOT, env=tiny_run.subprocess_env(), stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
   lines = queue.Queue()
   threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
   try:
     first = lines.get(timeout=180)
-    assert first.startswith(f"jaxrm: serving {model_dir} on http://127.0.0.1:"), proc.stderr.read()
+    assert first.startswith(f"jaxrm: serving {model_dir} on http://127.0.0.1:"), first
     server_url = first.split(" on ")[1].split()[0]
-    assert call(server_url, "/health") == (200, {"status": "ok", "model": model_dir})
+    for _ in range(1200):  # "starting" while the batch shapes compile
+      status, reply, _ = call(server_url, "/health")
+      if status == 200:
+        break
+      assert (status, reply["status"]) == (503, "starting")
+      threading.Event().wait(0.1)
+    assert (status, reply) == (200, {"status": "ok", "model": model_dir})
   finally:
     proc.terminate()
     proc.wait(timeout=60)
+  assert "Traceback" not in proc.stderr.read()  # stopped cleanly (uvicorn then re-raises the SIGTERM)
 
 
 def test_cli_error_without_traceback():
   proc = tiny_run.run([sys.executable, "-m", "jaxrm.serve", "--model=/nonexistent/model"])
   assert proc.returncode == 1
-  assert proc.stderr.startswith("error: /nonexistent/model: no such file or directory")
+  assert proc.stderr.startswith("error: /nonexistent/model: no such file or directory"), proc.stderr
   assert "Traceback" not in proc.stderr

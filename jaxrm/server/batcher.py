@@ -1,0 +1,245 @@
+"""Dynamic batching: one worker thread owns the model and scores the rows of many requests together.
+
+Request handlers tokenize, then :meth:`Batcher.submit` their rows and await the future it returns.
+The worker takes what is queued (waiting up to ``batch_wait_ms`` for a batch to fill), sorts the
+rows of all those requests by length, cuts them into batches of at most ``batch_size`` rows and
+``batch_tokens`` padded tokens, pads each to a compiled bucket length, scores it, and hands every
+request back its own rewards, in its own order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+from jaxrm.server.config import ServerConfig
+from jaxrm.server.metrics import Metrics
+
+log = logging.getLogger("jaxrm.server")
+
+# ids [B, T] int32, mask [B, T] int32 -> rewards [B] float32. The one place scoring happens.
+ScoreFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
+# How many full batches of rows the worker takes from the queue at once: enough to sort
+# requests of many lengths into buckets, few enough that new arrivals are not kept waiting long.
+DRAIN_BATCHES = 8
+
+
+class QueueFull(Exception):
+  """The queued tokens would pass ``max_queued_tokens``."""
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+  """The rows of one request, and where their rewards go."""
+
+  rows: list[list[int]]
+  loop: asyncio.AbstractEventLoop
+  future: asyncio.Future
+  rewards: np.ndarray
+  left: int
+  tokens: int
+  done: bool = False  # answered, failed or given up: its tokens are no longer queued
+
+
+def row_sizes(batch_size: int) -> list[int]:
+  """Rows a batch may have: powers of two below batch_size, and batch_size."""
+  sizes, b = [], 1
+  while b < batch_size:
+    sizes.append(b)
+    b *= 2
+  return sizes + [batch_size]
+
+
+class Batcher:
+  """The scoring worker and its queue."""
+
+  def __init__(self, score_fn: ScoreFn, config: ServerConfig, pad_id: int, metrics: Metrics):
+    self.score_fn = score_fn
+    self.config = config
+    self.pad_id = pad_id
+    self.metrics = metrics
+    self.ready = threading.Event()
+    self.failed: str | None = None  # why warm-up failed, if it did
+    self._queue: queue.Queue[Job] = queue.Queue()
+    self._lock = threading.Lock()
+    self._queued_tokens = 0
+    self._queued_items = 0
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, name="jaxrm-scoring", daemon=True)
+
+  # ------------------------------------------------------------------ handler side
+
+  def submit(self, rows: list[list[int]]) -> Job:
+    """Queues one request's token rows; await ``job.future`` for rewards [N] (QueueFull: 503)."""
+    loop = asyncio.get_running_loop()
+    tokens = sum(map(len, rows))
+    with self._lock:
+      if self._queued_tokens + tokens > self.config.max_queued_tokens:
+        raise QueueFull()
+      self._queued_tokens += tokens
+      self._queued_items += len(rows)
+      self._update_gauges()
+    job = Job(rows, loop, loop.create_future(), np.zeros(len(rows), np.float32), len(rows), tokens)
+    self._queue.put(job)
+    return job
+
+  def give_up(self, job: Job) -> None:
+    """The handler no longer waits (timeout, disconnect): its unscored rows are skipped."""
+    self._release(job)
+
+  # ------------------------------------------------------------------ worker side
+
+  def start(self) -> None:
+    self._thread.start()
+
+  def stop(self) -> None:
+    self._stop.set()
+    self._thread.join(timeout=60)
+
+  def _run(self) -> None:
+    try:
+      self._warm_up()
+    except Exception as e:  # pylint: disable=broad-except  # /health says why instead of hanging
+      log.exception("warm-up failed")
+      self.failed = f"{type(e).__name__}: {e}"
+      return
+    self.ready.set()
+    while not self._stop.is_set():
+      jobs = self._collect()
+      try:
+        self._score_jobs(jobs)
+      except Exception as e:  # pylint: disable=broad-except  # fail these requests, keep serving
+        log.exception("scoring failed")
+        for job in jobs:
+          self._fail(job, e)
+
+  def shapes(self) -> list[tuple[int, int]]:
+    """(rows, length) of every batch the worker may form."""
+    cfg = self.config
+    return [(b, t) for t in cfg.buckets for b in row_sizes(cfg.batch_size) if b == 1 or b * t <= cfg.batch_tokens]
+
+  def _warm_up(self) -> None:
+    start = time.perf_counter()
+    shapes = self.shapes()
+    for b, t in shapes:
+      ids = np.full((b, t), self.pad_id, np.int32)
+      mask = np.zeros((b, t), np.int32)
+      mask[:, 0] = 1
+      self.score_fn(ids, mask)
+    log.info("compiled %d batch shapes in %.1f s", len(shapes), time.perf_counter() - start)
+
+  def _collect(self) -> list[Job]:
+    """The jobs to score next: the first to arrive, those arriving within batch_wait_ms, and any
+    already queued, up to DRAIN_BATCHES batches' worth of rows."""
+    try:
+      jobs = [self._queue.get(timeout=0.1)]
+    except queue.Empty:
+      return []
+    rows = len(jobs[0].rows)
+    deadline = time.monotonic() + self.config.batch_wait_ms / 1000
+    while rows < self.config.batch_size * DRAIN_BATCHES:
+      wait = deadline - time.monotonic()
+      try:
+        job = self._queue.get(timeout=wait) if wait > 0 and rows < self.config.batch_size else \
+            self._queue.get_nowait()
+      except queue.Empty:
+        break
+      jobs.append(job)
+      rows += len(job.rows)
+    return jobs
+
+  def _score_jobs(self, jobs: list[Job]) -> None:
+    rows = [(job, i) for job in jobs if not job.done for i in range(len(job.rows))]
+    rows.sort(key=lambda r: len(r[0].rows[r[1]]))
+    for batch in self._plan(rows):
+      batch = [(job, i) for job, i in batch if not job.done]  # a handler may have given up since
+      if not batch:
+        continue
+      try:
+        rewards = self._forward([job.rows[i] for job, i in batch])
+      except Exception as e:  # pylint: disable=broad-except  # fail these requests, keep serving
+        log.exception("scoring a batch failed")
+        for job in {job for job, _ in batch}:
+          self._fail(job, e)
+        continue
+      self.metrics.batch(rows=len(batch), requests=len({id(job) for job, _ in batch}))
+      for (job, i), r in zip(batch, rewards):
+        if job.done:
+          continue
+        job.rewards[i] = r
+        job.left -= 1
+        if job.left == 0:
+          self._answer(job)
+
+  def _plan(self, rows: list[tuple[Job, int]]) -> list[list[tuple[Job, int]]]:
+    """Rows sorted by length, cut into batches within batch_size rows and batch_tokens tokens."""
+    cfg = self.config
+    batches, current = [], []
+    for row in rows:
+      t = self._bucket(len(row[0].rows[row[1]]))  # the batch's length: rows come shortest first
+      if current and (len(current) == cfg.batch_size
+                      or _padded_rows(len(current) + 1, cfg.batch_size) * t > cfg.batch_tokens):
+        batches.append(current)
+        current = []
+      current.append(row)
+    return batches + ([current] if current else [])
+
+  def _bucket(self, length: int) -> int:
+    return next(b for b in self.config.buckets if b >= length)
+
+  def _forward(self, rows: list[list[int]]) -> np.ndarray:
+    """Rewards of rows (at most one batch), right-padded to a compiled shape."""
+    t = self._bucket(max(map(len, rows)))
+    b = _padded_rows(len(rows), self.config.batch_size)
+    ids = np.full((b, t), self.pad_id, np.int32)
+    mask = np.zeros((b, t), np.int32)
+    for j, r in enumerate(rows):
+      ids[j, :len(r)] = r
+      mask[j, :len(r)] = 1
+    mask[len(rows):, 0] = 1  # filler rows attend to one token; their outputs are dropped
+    self.metrics.tokens(real=sum(map(len, rows)), padded=b * t)
+    return np.asarray(self.score_fn(ids, mask))[:len(rows)]
+
+  # ------------------------------------------------------------------ results
+
+  def _release(self, job: Job) -> bool:
+    with self._lock:
+      if job.done:
+        return False
+      job.done = True
+      self._queued_tokens -= job.tokens
+      self._queued_items -= len(job.rows)
+      self._update_gauges()
+    return True
+
+  def _answer(self, job: Job) -> None:
+    if self._release(job):
+      job.loop.call_soon_threadsafe(_set_result, job.future, job.rewards.tolist())
+
+  def _fail(self, job: Job, error: Exception) -> None:
+    if self._release(job):
+      job.loop.call_soon_threadsafe(_set_exception, job.future, error)
+
+  def _update_gauges(self) -> None:
+    self.metrics.queue(items=self._queued_items, tokens=self._queued_tokens)
+
+
+def _padded_rows(n: int, batch_size: int) -> int:
+  return next(b for b in row_sizes(batch_size) if b >= n)
+
+
+def _set_result(future: asyncio.Future, value) -> None:
+  if not future.done():  # the handler may have been cancelled meanwhile
+    future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, error: Exception) -> None:
+  if not future.done():
+    future.set_exception(error)

@@ -1,0 +1,92 @@
+"""``ServerConfig``: what the reward server accepts, how it batches, and how long it waits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxrm.errors import ConfigError
+
+# Tokens per item when neither the caller nor the model's training run says: long enough for
+# most RL rollouts, short enough that a batch of them is not a model's whole context per row.
+DEFAULT_MAX_LENGTH = 2048
+SMALLEST_BUCKET = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+  """Limits, batching and timeouts of one server; each field is the CLI flag of the same name.
+
+  Attributes:
+    max_batch: items (texts, conversations or pairs) per request.
+    max_request_bytes: size of a request body.
+    max_length: tokens per item. A longer conversation loses its oldest turns (as in training),
+      a longer text or last message is refused. None: ``DEFAULT_MAX_LENGTH`` (or the model's
+      context, if shorter); the CLI passes the training run's ``data.max_length`` when it has one.
+    batch_size: rows per forward pass.
+    batch_tokens: padded tokens per forward pass (rows x bucket length); None: batch_size x max_length.
+    buckets: padded lengths a batch may have, each compiled at start; None: powers of two from 64
+      up to max_length, and max_length.
+    batch_wait_ms: how long the scoring worker waits for more requests to join a batch.
+    max_queued_tokens: tokens waiting or being scored, all requests together; past it, 503.
+    request_timeout: seconds a request may wait for its rewards (queue and scoring) before 504.
+    header_timeout: seconds a connection may take to send a request's headers before it is dropped.
+    body_timeout: seconds a request may take to send its body before 408.
+    keep_alive: seconds an idle keep-alive connection is kept.
+    max_connections: open connections; past it, new requests get 503.
+    openrlhf_text: strip pad/eos tokens from each ``/get_reward`` text, append one eos and
+      tokenize without adding special tokens, as OpenRLHF's ``serve_rm`` does, so a model trained
+      by OpenRLHF scores what it was trained on (a text over max_length is refused, not cut).
+    normalize: return (reward - mean) / std with the statistics recorded at validation.
+    api_key: if set, every endpoint but ``/health`` needs ``Authorization: Bearer <api_key>``.
+  """
+
+  max_batch: int = 256
+  max_request_bytes: int = 16 * 2**20
+  max_length: int | None = None
+  batch_size: int = 8
+  batch_tokens: int | None = None
+  buckets: tuple[int, ...] | None = None
+  batch_wait_ms: float = 5.0
+  max_queued_tokens: int = 2**20
+  request_timeout: float = 60.0
+  header_timeout: float = 10.0
+  body_timeout: float = 30.0
+  keep_alive: float = 5.0
+  max_connections: int = 1024
+  openrlhf_text: bool = False
+  normalize: bool = False
+  api_key: str | None = dataclasses.field(default=None, repr=False)
+
+  def __post_init__(self):
+    for name in ("max_batch", "max_request_bytes", "max_length", "batch_size", "batch_tokens",
+                 "max_queued_tokens", "max_connections"):
+      value = getattr(self, name)
+      if value is not None and value < 1:
+        raise ConfigError(f"{name}={value}: must be at least 1 (--{name})")
+    for name in ("batch_wait_ms", "request_timeout", "header_timeout", "body_timeout", "keep_alive"):
+      if not getattr(self, name) >= 0:
+        raise ConfigError(f"{name}={getattr(self, name)}: must be 0 or more (--{name})")
+    if self.buckets is not None and (not self.buckets or min(self.buckets) < 1):
+      raise ConfigError(f"buckets={self.buckets}: give positive lengths, e.g. --buckets=128,512,2048")
+
+  def resolved(self, context_length: int) -> ServerConfig:
+    """This config with max_length, batch_tokens and buckets filled in for a model's context."""
+    max_length = self.max_length or min(DEFAULT_MAX_LENGTH, context_length)
+    if max_length > context_length:
+      raise ConfigError(f"max_length={max_length} is longer than the model's context ({context_length} "
+                        "tokens): lower --max_length")
+    batch_tokens = self.batch_tokens or self.batch_size * max_length
+    if batch_tokens < max_length:
+      raise ConfigError(f"batch_tokens={batch_tokens} < max_length={max_length}: an item of max_length "
+                        "tokens would fit no batch; raise --batch_tokens or lower --max_length")
+    buckets = tuple(sorted({b for b in self.buckets or _powers_of_two(max_length) if b < max_length}
+                           | {max_length}))
+    return dataclasses.replace(self, max_length=max_length, batch_tokens=batch_tokens, buckets=buckets)
+
+
+def _powers_of_two(limit: int) -> list[int]:
+  out, b = [], SMALLEST_BUCKET
+  while b < limit:
+    out.append(b)
+    b *= 2
+  return out

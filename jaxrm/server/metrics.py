@@ -1,0 +1,54 @@
+"""The server's Prometheus metrics, in a registry of its own (two servers in one process keep theirs apart)."""
+
+from __future__ import annotations
+
+import prometheus_client as prom
+
+# Powers of two: batches have 1, 2, 4... rows (row_sizes), and requests per batch grow alike.
+COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+  """Requests, items, tokens, batch sizes, queue depth and latency; ``text()`` is /metrics."""
+
+  def __init__(self):
+    self.registry = prom.CollectorRegistry()
+    r = self.registry
+    self._requests = prom.Counter("jaxrm_requests", "Requests answered, by endpoint and status.",
+                                  ["endpoint", "status"], registry=r)
+    self._latency = prom.Histogram("jaxrm_request_seconds", "Seconds from a request's headers to its answer.",
+                                   ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+    self._items = prom.Counter("jaxrm_items", "Items scored.", registry=r)
+    self._tokens = prom.Counter("jaxrm_tokens", "Real tokens scored.", registry=r)
+    self._padded = prom.Counter("jaxrm_padded_tokens", "Positions fed to the model, padding included.",
+                                registry=r)
+    self._rows = prom.Histogram("jaxrm_batch_rows", "Items per forward pass.", buckets=COUNT_BUCKETS,
+                                registry=r)
+    self._batch_requests = prom.Histogram("jaxrm_batch_requests", "Requests with rows in one forward pass.",
+                                          buckets=COUNT_BUCKETS, registry=r)
+    self._queue_items = prom.Gauge("jaxrm_queue_items", "Items waiting or being scored.", registry=r)
+    self._queue_tokens = prom.Gauge("jaxrm_queue_tokens", "Tokens waiting or being scored.", registry=r)
+
+  def request(self, endpoint: str, status: int, seconds: float) -> None:
+    self._requests.labels(endpoint, str(status)).inc()
+    self._latency.labels(endpoint).observe(seconds)
+
+  def batch(self, rows: int, requests: int) -> None:
+    self._items.inc(rows)
+    self._rows.observe(rows)
+    self._batch_requests.observe(requests)
+
+  def tokens(self, real: int, padded: int) -> None:
+    self._tokens.inc(real)
+    self._padded.inc(padded)
+
+  def queue(self, items: int, tokens: int) -> None:
+    self._queue_items.set(items)
+    self._queue_tokens.set(tokens)
+
+  def text(self) -> bytes:
+    return prom.generate_latest(self.registry)
+
+
+CONTENT_TYPE = prom.CONTENT_TYPE_LATEST
