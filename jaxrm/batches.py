@@ -1,15 +1,17 @@
 """The batch layouts that the data pipeline builds and the train and eval steps consume.
 
-Four frozen pytrees, one per layout: :class:`PreferenceBatch` and :class:`StepwiseBatch` hold one
-sequence per row (built by ``data.pipeline.Collator``), :class:`PackedPreferenceBatch` and
-:class:`PackedStepwiseBatch` several (built by ``data.packing``). Their arrays are numpy on the
+Five frozen pytrees, one per layout: :class:`PreferenceBatch`, :class:`StepwiseBatch` and
+:class:`RegressionBatch` hold one sequence per row (built by ``data.pipeline.Collator``),
+:class:`PackedPreferenceBatch` and :class:`PackedStepwiseBatch` several (built by
+``data.packing``). Their arrays are numpy on the
 host that collated them and ``jax.Array`` once ``pipeline.to_global_batch`` has placed them. Where
 n micro-batches are stacked for gradient accumulation, every array gets a leading ``[n]`` axis and
 the batch is still one object.
 
-In every layout G is the number of groups (preference) or sequences (stepwise), T the row length.
-A row or slot that holds nothing real (an absent completion, a filler group that pads the last
-eval batch) is hidden by ``ranks == -1``, ``labels == IGNORE_INDEX`` or ``example_mask == 0``.
+In every layout G is the number of groups (preference) or sequences (stepwise, regression), T the
+row length, A the number of rated attributes. A row or slot that holds nothing real (an absent
+completion, a filler group that pads the last eval batch) is hidden by ``ranks == -1``,
+``labels == IGNORE_INDEX``, ``label_mask == 0`` or ``example_mask == 0``.
 
 Each batch runs the model on itself (:meth:`outputs`, the array its loss takes) and counts its
 real tokens on the host (:meth:`token_counts`).
@@ -43,6 +45,7 @@ class PreferenceBatch:
   ranks: Array  # [G, K] int32: position in preference order (0 = best), -1 = no completion
   margin: Array  # [G] float32
   example_mask: Array  # [G] float32: 0 for filler groups
+  strength: Array | None = None  # [G] float32: annotated preference strength, 1 where none is given
 
   # Unpacked batches are split into micro-batches by the train step, packed ones by the collator.
   packed: ClassVar[bool] = False
@@ -78,6 +81,28 @@ class StepwiseBatch:
 
 
 @struct.dataclass
+class RegressionBatch:
+  """G responses, one per row, each rated on A attributes (a missing rating is masked)."""
+
+  input_ids: Array  # [G, T] int32, right-padded with pad_id
+  attention_mask: Array  # [G, T] int32
+  labels: Array  # [G, A] float32: the ratings, 0 where missing
+  label_mask: Array  # [G, A] float32: 1 where rated
+  group: Array  # [G] int32: rows that answer one prompt share it (validation's same-prompt pairs)
+  example_mask: Array  # [G] float32: 0 for filler rows
+
+  packed: ClassVar[bool] = False
+
+  def outputs(self, model) -> jax.Array:
+    """Predictions [G, A]."""
+    return model(self.input_ids, self.attention_mask).reshape(self.labels.shape)
+
+  def token_counts(self) -> tuple[int, float]:
+    """(tokens of the real rows, their share of the token slots), on the host."""
+    return _unpacked_counts(np.asarray(self.attention_mask), np.asarray(self.example_mask) > 0)
+
+
+@struct.dataclass
 class PackedPreferenceBatch:
   """G groups of up to K completions packed into B rows; every completion of a group shares a row.
 
@@ -97,6 +122,7 @@ class PackedPreferenceBatch:
   ranks: Array  # [G, K] int32: as in PreferenceBatch
   margin: Array  # [G] float32
   example_mask: Array  # [G] float32
+  strength: Array | None = None  # [G] float32: as in PreferenceBatch
 
   packed: ClassVar[bool] = True
 
@@ -143,7 +169,7 @@ class PackedStepwiseBatch:
     return int(mask.sum()), float(mask.sum()) / mask.size
 
 
-Batch = Union[PreferenceBatch, StepwiseBatch, PackedPreferenceBatch, PackedStepwiseBatch]
+Batch = Union[PreferenceBatch, StepwiseBatch, RegressionBatch, PackedPreferenceBatch, PackedStepwiseBatch]
 
 
 def group_rewards(rewards_br, reward_index_gk):

@@ -26,6 +26,7 @@ from jaxrm.data.records import PreferenceRecord, StepwiseRecord, Text
 from jaxrm.data.tokenize import TokenizeOptions, pad_id, tokenize_preference, tokenize_stepwise
 from jaxrm.errors import CheckpointError, DataError
 from jaxrm.hf import export as hf_export
+from jaxrm.losses import combination_weights
 from jaxrm.hf.loader import load_model, placed_abstract_model
 from jaxrm.hf.safetensors_io import HFCheckpoint
 from jaxrm.models.config import ModelConfig, from_hf_config
@@ -109,6 +110,14 @@ def _restore_lora_run(run: checkpointing.RunCheckpoint, step: int | None, cfg: M
   return nnx.merge(graphdef, trained, frozen), meta
 
 
+def _run_attributes(settings: dict) -> tuple[str, ...] | None:
+  """A training run's attribute names, when it trained a regression model."""
+  reward = settings.get("reward") or {}
+  if reward.get("type") != "regression":
+    return None
+  return tuple(a.strip() for a in reward.get("attributes", "").split(",") if a.strip())
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _forward(graphdef, state, input_ids, attention_mask):
   # Module-level, keyed on the graphdef: models of one architecture (two checkpoints of a run)
@@ -123,14 +132,18 @@ class RewardModel:
     reward_stats: {"mean", "std", "from"} of the rewards on the validation set when the model was
       saved by training (used by ``score(normalize=True)``), else None.
     step_separator: the text that ends every step in ``score_steps`` (as in training).
+    attributes: a regression model's attribute names, one per output of ``score``, else None.
   """
 
   def __init__(self, model: Decoder, tokenizer=None, *, reward_stats: dict | None = None,
-               step_separator: str = DEFAULT_STEP_SEPARATOR):
+               step_separator: str = DEFAULT_STEP_SEPARATOR, attributes: Sequence[str] | None = None):
     self.model = model
     self.tokenizer = tokenizer
     self.reward_stats = reward_stats or None
     self.step_separator = step_separator
+    if attributes is not None and len(attributes) != model.config.num_labels:
+      raise ValueError(f"{len(attributes)} attribute names for a head of {model.config.num_labels} outputs")
+    self.attributes = tuple(attributes) if attributes is not None else None
 
   @property
   def config(self) -> ModelConfig:
@@ -193,7 +206,8 @@ class RewardModel:
       model.config = cfg.replace(pad_token_id=tok.pad_token_id)
     scoring = source.config.get(hf_export.SCORING_KEY) or {}
     return cls(model, tok, reward_stats=scoring.get("reward_stats"),
-               step_separator=scoring.get("step_separator", DEFAULT_STEP_SEPARATOR))
+               step_separator=scoring.get("step_separator", DEFAULT_STEP_SEPARATOR),
+               attributes=hf_export.regression_attributes(source.config, model.config))
 
   @classmethod
   def _from_run(cls, run: checkpointing.RunCheckpoint, step, overrides, head, num_labels, mesh, tokenizer,
@@ -217,12 +231,13 @@ class RewardModel:
     if tokenizer is None:
       tokenizer = _tokenizer_from_dir(run.tokenizer_dir)
     separator = run.settings.get("data", {}).get("step_separator", DEFAULT_STEP_SEPARATOR)
-    return cls(model, tokenizer, reward_stats=meta.get("reward_stats"), step_separator=separator)
+    return cls(model, tokenizer, reward_stats=meta.get("reward_stats"), step_separator=separator,
+               attributes=_run_attributes(run.settings))
 
   def save_pretrained(self, out_dir: str | os.PathLike, *, dtype: str | None = None) -> None:
     """Writes an HF checkpoint directory (see :func:`jaxrm.hf.export.save_pretrained`)."""
     hf_export.save_pretrained(out_dir, self.model, self.tokenizer, reward_stats=self.reward_stats,
-                              step_separator=self.step_separator, dtype=dtype)
+                              step_separator=self.step_separator, dtype=dtype, attributes=self.attributes)
 
   # ---------------------------------------------------------------- scoring
 
@@ -278,13 +293,18 @@ class RewardModel:
 
   def score(self, items: Sequence[Text] | None = None, *, prompts: Sequence[Text] | None = None,
             completions: Sequence[Text] | None = None, normalize: bool = False, batch_size: int = 8,
-            bucket: int = 64, max_length: int | None = None) -> np.ndarray:
-    """Rewards float32 [N] of chats (message lists) or plain strings.
+            bucket: int = 64, max_length: int | None = None,
+            combine: str | dict[str, float] | Sequence[float] | None = None) -> np.ndarray:
+    """Rewards float32 [N] of chats (message lists) or plain strings; [N, num_labels] for a head
+    with several outputs (a regression model: one per name of ``attributes``).
 
     Give either ``items`` (whole conversations or texts) or ``prompts`` and ``completions``
     (pairs, both message lists or both strings, joined as training joins them).
 
     Args:
+      combine: a multi-output model's scores combined into one [N]: an attribute's name
+        (``"helpfulness"``), ``"name=weight,..."``, a dict of names to weights (those left out
+        weigh 0), or one weight per output. The weighted sum of the outputs is returned.
       normalize: return (reward - mean) / std with the statistics recorded at validation.
       batch_size: rows per forward pass. Rows are sorted by length, and each batch padded to a
         multiple of ``bucket`` tokens, so few programs compile and little padding is computed.
@@ -292,9 +312,20 @@ class RewardModel:
     """
     if self.config.head != "sequence":
       raise ValueError("score() needs a sequence-head model; this one has a token head: use score_steps()")
+    weights = None if combine is None else self.combination(combine)
     encoded = self._encode_items(items, prompts, completions, max_length)
     rewards = self._score_encoded(encoded, batch_size, bucket, max_length)
+    if weights is not None:
+      rewards = (rewards.reshape(len(encoded), -1).astype(np.float64) @ weights).astype(np.float32)
     return self._normalize(rewards) if normalize else rewards
+
+  def combination(self, combine: str | dict[str, float] | Sequence[float]) -> np.ndarray:
+    """float64 [num_labels]: the weight of each output in ``combine`` (see :meth:`score`)."""
+    names = self.attributes or tuple(f"LABEL_{i}" for i in range(self.config.num_labels))
+    try:
+      return np.asarray(combination_weights(combine, names), np.float64)
+    except ValueError as e:
+      raise ValueError(f"score(combine=...): {e}") from None
 
   def _encode_items(self, items, prompts, completions, max_length) -> list[list[int]]:
     if (items is None) == (prompts is None and completions is None):
@@ -343,6 +374,9 @@ class RewardModel:
 
   def _normalize(self, rewards: np.ndarray) -> np.ndarray:
     stats = self.reward_stats
+    if rewards.ndim > 1:
+      raise ValueError("normalize=True applies to one reward per row; combine this model's "
+                       f"{rewards.shape[-1]} outputs into one (score(..., combine=...)) or score without it")
     if not stats:
       raise ValueError("normalize=True needs the reward mean/std recorded at validation, and this model has "
                        "none: load a training output directory or checkpoint whose run validated "

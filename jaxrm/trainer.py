@@ -28,7 +28,8 @@ from jaxrm.data.drops import DropReport
 from jaxrm.data.packing import PackSpec
 from jaxrm.data.tokenize import pad_id, tokenize_all
 from jaxrm.errors import ConfigError, UserError
-from jaxrm.losses import accumulate, finalize_metrics
+from jaxrm import losses
+from jaxrm.losses import RewardSpec, accumulate, finalize_metrics
 from jaxrm.metrics_writer import MetricsWriter
 from jaxrm.models import lora
 from jaxrm.models.decoder import attention_summary
@@ -43,7 +44,7 @@ class _Data:
   train: list
   validation: dict[str, list]
   drops: dict[str, DropReport]  # "train", "validation-<name>"
-  num_completions: int | None  # K of preference batches; None for stepwise data
+  num_completions: int | None  # K of preference batches; None for stepwise and rated data
 
 
 @dataclasses.dataclass
@@ -145,7 +146,8 @@ def _prepare(config: RunConfig) -> _Run:
   loss_fn = steps.make_loss_fn(rm.model, config.reward)
   train_step = steps.CompiledPerShape("train step", steps.make_train_step(
       loss_fn, tx, schedule, grad_accum_steps=inputs.grad_accum, state_shardings=state_shardings, mesh=mesh))
-  eval_step = steps.CompiledPerShape("eval step", steps.make_eval_step(loss_fn, mesh=mesh))
+  eval_loss_fn = _eval_loss_fn(rm.model, config.reward) if config.reward.loss_key in losses.SAMPLES else loss_fn
+  eval_step = steps.CompiledPerShape("eval step", steps.make_eval_step(eval_loss_fn, mesh=mesh))
   start_step, last_val = 0, {}
   if resume_step is not None:
     state, last_val = _resume(ckpt, resume_step, state, inputs.train_iter)
@@ -184,10 +186,12 @@ def _load_model(config: RunConfig, mesh, lora_cfg: lora.LoraConfig, *, weights: 
   resumed full run) its parameters stay abstract until the checkpoint fills them, and the
   checkpoint's weights are never read."""
   from jaxrm.reward_model import RewardModel
+  regression = config.reward.type == "regression"
   with _config_errors():
     rm = RewardModel.from_pretrained(
         config.model.name_or_path, dtype=config.model.dtype, param_dtype=config.model.param_dtype,
         head="token" if config.stepwise else "sequence", mesh=mesh, seed=config.model.seed,
+        num_labels=len(config.reward.attribute_names) if regression else None,
         remat=config.model.remat, attention_impl=config.model.attention, lora=lora_cfg, load_weights=weights)
   if rm.tokenizer is None:
     raise ConfigError(f"model.name_or_path={config.model.name_or_path!r} has no tokenizer files")
@@ -238,12 +242,14 @@ def _resume(ckpt: checkpointing.Checkpointer, step: int, state, train_iter):
 
 def _load_data(config: RunConfig, tokenizer) -> _Data:
   spec = config.data
-  if registry.is_stepwise(spec.dataset_name) != config.stepwise:
-    raise ConfigError(f"reward.type={config.reward.type!r} does not fit data.dataset_name={spec.dataset_name!r} "
-                      f"({'stepwise' if not config.stepwise else 'preference'} data)")
+  kind = registry.kind(spec.dataset_name)
+  if config.reward.type not in registry.KINDS[kind]:
+    raise ConfigError(f"reward.type={config.reward.type!r} does not fit data.dataset_name={spec.dataset_name!r}, "
+                      f"which holds {kind} data (for reward.type {' or '.join(registry.KINDS[kind])})")
+  options = _read_options(config.reward, spec.dataset_name)
 
   def load(path: str, split: str, limit: int, drops: DropReport) -> list:
-    records = registry.load_records(spec.dataset_name, path or None, split=split, drops=drops)
+    records = registry.load_records(spec.dataset_name, path or None, split=split, drops=drops, **options)
     return tokenize_all(records[:limit] if limit else records, tokenizer, spec.tokenize_options, drops)
 
   drops = {"train": DropReport()}
@@ -255,9 +261,26 @@ def _load_data(config: RunConfig, tokenizer) -> _Data:
     validation[name] = load(path, "validation", spec.max_val_rows, report)
     if not validation[name]:
       raise ConfigError(f"validation set {name!r} has no usable rows\n{report.summary(name)}")
-  num_completions = None if config.stepwise else max(
+  if config.reward.preference_strength_scaling and all(e.strength is None for e in train):
+    raise ConfigError(f"reward.preference_strength_scaling weighs each pair by its preference strength, but no "
+                      f"training row of {spec.dataset_name} has one: give rows a 'strength' (HelpSteer3 has "
+                      "overall_preference), or set reward.preference_strength_scaling=False")
+  num_completions = None if kind != "preference" else max(
       pipeline.max_completions(train), *(pipeline.max_completions(v) for v in validation.values()))
   return _Data(train, validation, drops, num_completions)
+
+
+def _read_options(reward: RewardSpec, dataset_name: str) -> dict:
+  """What a rated dataset is read for: the attributes, in the head's order, and their range."""
+  if reward.type != "regression":
+    return {}
+  options = {"attributes": reward.attribute_names}
+  if registry.takes_option(dataset_name, "value_range"):
+    options["value_range"] = reward.value_range
+  elif reward.value_range is not None:
+    log.warning("reward.attribute_range=%r is not used: %s checks its own range", reward.attribute_range,
+                dataset_name)
+  return options
 
 
 def _make_input(config: RunConfig, mesh, data: _Data, pad: int) -> _Input:
@@ -270,6 +293,9 @@ def _make_input(config: RunConfig, mesh, data: _Data, pad: int) -> _Input:
   if gbs % process_count:
     raise ConfigError(f"train.global_batch_size={gbs} must be divisible by the {process_count} processes")
   grad_accum = gbs // (mbs * data_parallel)
+  if config.reward.type == "regression" and config.data.packing != "none":
+    raise ConfigError(f"data.packing={config.data.packing!r}: regression rows are not packed yet; use "
+                      "data.packing='none'")
   # Packed row counts: equal rows on every data-parallel device, in steps of a quarter micro-batch
   # per device (few compiled shapes).
   pack = _pack_spec(config, data.num_completions, rows_multiple=(
@@ -382,6 +408,8 @@ def _evaluate(run: _Run, step: int) -> dict[str, float]:
     acc = None
     for b in batches:
       m = run.eval_step(params, pipeline.to_global_batch(b, run.mesh))
+      if any(isinstance(v, losses.Samples) for v in m.values()):
+        m = _samples_to_host(m)
       acc = m if acc is None else accumulate(acc, m)
     for k, v in finalize_metrics(jax.device_get(acc)).items():
       results[f"validation-{name}_{k}"] = v
@@ -392,6 +420,30 @@ def _evaluate(run: _Run, step: int) -> dict[str, float]:
                       f"metric; available: {', '.join(sorted(results))}")
   run.writer.write(step, results)
   return results
+
+
+def _eval_loss_fn(model, spec: RewardSpec):
+  """The loss function of ``steps.make_loss_fn``, whose metrics also keep the per-example
+  :class:`~jaxrm.losses.Samples` that Spearman and same-prompt pairs need (regression)."""
+  graphdef = nnx.graphdef(model)
+  batch_loss = losses.batch_loss(spec, samples=True)
+
+  def loss_fn(params, batch, frozen=None):
+    model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
+    _, metrics = batch_loss(batch.outputs(model), batch)
+    return metrics["loss"].total, metrics
+
+  return loss_fn
+
+
+def _samples_to_host(metrics: losses.Metrics) -> losses.Metrics:
+  """An eval step's metrics as numpy, batch by batch; Samples, split over hosts, are gathered whole
+  on each."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    metrics = {k: multihost_utils.process_allgather(v, tiled=True) if isinstance(v, losses.Samples) else v
+               for k, v in metrics.items()}
+  return jax.device_get(metrics)
 
 
 # ------------------------------------------------------------------ loop

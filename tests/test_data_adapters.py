@@ -46,7 +46,7 @@ def test_helpsteer3_sign_picks_the_preferred_response(preference, chosen, reject
                                subset_field="domain")
   assert record == PreferenceRecord(
       context=HELPSTEER3["context"], completions=([assistant(chosen)], [assistant(rejected)]),
-      ranks=(0, 1), source=SRC, meta={"subset": "general"})
+      ranks=(0, 1), source=SRC, meta={"subset": "general"}, strength=float(abs(preference)))
 
 
 def test_helpsteer3_string_context_is_a_user_turn():
@@ -281,11 +281,14 @@ def test_math_shepherd_bad_rows(changes, message):
 def test_names_and_kinds():
   assert registry.DATASET_NAMES == (
       "PreferenceDataset", "HelpSteer3", "UltraFeedback", "PRM800K", "MathShepherd",
-      "StepwiseDataset", "demo_arithmetic", "demo_arithmetic_steps")
+      "StepwiseDataset", "RatedDataset", "HelpSteer2", "demo_arithmetic", "demo_arithmetic_steps",
+      "demo_attributes")
   assert [n for n in registry.DATASET_NAMES if registry.is_stepwise(n)] == [
       "PRM800K", "MathShepherd", "StepwiseDataset", "demo_arithmetic_steps"]
-  assert error_of(registry.is_stepwise, "HelpSteer2") == (
-      "data.dataset_name 'HelpSteer2' is not known; use one of "
+  assert [n for n in registry.DATASET_NAMES if registry.kind(n) == "rated"] == [
+      "RatedDataset", "HelpSteer2", "demo_attributes"]
+  assert error_of(registry.is_stepwise, "HelpSteer4") == (
+      "data.dataset_name 'HelpSteer4' is not known; use one of "
       + ", ".join(registry.DATASET_NAMES))
 
 

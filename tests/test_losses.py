@@ -300,13 +300,14 @@ def test_each_reward_type_trains_with_its_loss():
 
 
 def test_every_reward_spec_has_a_loss():
-  specs = [RewardSpec(t, r) for t in losses.REWARD_TYPES for r in losses.RANKING_LOSSES]
+  specs = [RewardSpec(t, r, attributes="a" if t == "regression" else "") for t in losses.REWARD_TYPES
+           for r in losses.RANKING_LOSSES]
   assert {spec.loss_key for spec in specs} == set(losses.LOSSES)
 
 
 def test_bad_reward_spec_names_the_choices():
   with pytest.raises(ValueError, match=r"reward.type must be one of bradley_terry, ranking, "
-                                       r"stepwise; got 'pairs'"):
+                                       r"stepwise, regression; got 'pairs'"):
     RewardSpec("pairs")
   with pytest.raises(ValueError, match=r"reward.ranking_loss must be one of plackett_luce, "
                                        r"all_pairs; got 'listnet'"):

@@ -14,7 +14,7 @@ from jaxrm.data import formats
 from jaxrm.data.drops import DropReport, row_error
 from jaxrm.errors import DataError
 from jaxrm.data.formats import required, row_meta
-from jaxrm.data.records import PreferenceRecord, StepwiseRecord
+from jaxrm.data.records import Message, PreferenceRecord, RatedRecord, StepwiseRecord
 
 DROP_HELPSTEER3_TIE = "HelpSteer3 tie (overall_preference == 0)"
 DROP_ULTRAFEEDBACK_TIE = "UltraFeedback tie (score_chosen == score_rejected)"
@@ -29,7 +29,8 @@ def helpsteer3(row: dict, source: str, drops: DropReport, *,
 
   ``context`` (messages, or a string taken as one user turn), ``response1``, ``response2``,
   ``overall_preference`` in -3..3: negative prefers ``response1``, positive ``response2``; 0 is a
-  tie, dropped and counted. The responses become assistant turns; ranks are chosen 0, rejected 1.
+  tie, dropped and counted. The responses become assistant turns; ranks are chosen 0, rejected 1;
+  ``|overall_preference|`` is the preference's strength (1 slightly better .. 3 much better).
   """
   preference = required(row, "overall_preference", source)
   if not formats.is_int(preference) or not -3 <= preference <= 3:
@@ -45,7 +46,65 @@ def helpsteer3(row: dict, source: str, drops: DropReport, *,
   return formats.preference_record(
       formats.as_chat(context, "user"),
       (formats.as_chat(chosen, "assistant"), formats.as_chat(rejected, "assistant")), (0, 1),
-      source, drops, meta=row_meta(row, subset_field))
+      source, drops, meta=row_meta(row, subset_field), strength=float(abs(preference)))
+
+
+HELPSTEER2_ATTRIBUTES = ("helpfulness", "correctness", "coherence", "complexity", "verbosity")
+HELPSTEER2_RANGE = (0, 4)
+# HelpSteer2 writes a multi-turn prompt as one string: "turn 1<extra_id_1>Assistant\nturn 2
+# <extra_id_1>User\nturn 3", the first turn the user's.
+HELPSTEER2_TURN = "<extra_id_1>"
+_HELPSTEER2_ROLE = re.compile(r"(Assistant|User)\s")
+
+
+def helpsteer2(row: dict, source: str, drops: DropReport, *,
+               attributes: tuple[str, ...] = HELPSTEER2_ATTRIBUTES,
+               subset_field: str | None = "subset") -> RatedRecord | None:
+  """A ``nvidia/HelpSteer2`` row: ``prompt``, ``response`` and the five attributes, integers 0..4.
+
+  ``attributes`` are the ones read, in this order (a subset of the five); a null or absent one is
+  not rated, and a row that rates none of them is dropped and counted. A multi-turn prompt's
+  ``<extra_id_1>Assistant`` / ``<extra_id_1>User`` markers become messages; the response is the
+  assistant's next turn.
+  """
+  unknown = [a for a in attributes if a not in HELPSTEER2_ATTRIBUTES]
+  if unknown:
+    raise DataError(f"HelpSteer2 rates {', '.join(HELPSTEER2_ATTRIBUTES)}; it has no {', '.join(unknown)} "
+                    "(reward.attributes)")
+  prompt = required(row, "prompt", source)
+  if not isinstance(prompt, str):
+    raise row_error(source, "prompt", f"expected a string, got {formats.kind(prompt)}")
+  response = formats.parse_completion(required(row, "response", source), source, "response")
+  ratings = tuple(_helpsteer2_rating(row.get(a), source, a) for a in attributes)
+  return formats.rated_record(_helpsteer2_turns(prompt, source), formats.as_chat(response, "assistant"),
+                              ratings, source, drops, meta=row_meta(row, subset_field))
+
+
+def _helpsteer2_rating(value: Any, source: str, field: str) -> float | None:
+  low, high = HELPSTEER2_RANGE
+  if value is None:
+    return None
+  if not formats.is_int(value) or not low <= value <= high:
+    raise row_error(source, field, f"expected an integer in {low}..{high}, got {value!r} "
+                    f"({formats.kind(value)})")
+  return float(value)
+
+
+def _helpsteer2_turns(prompt: str, source: str) -> list[Message]:
+  first, *rest = prompt.split(HELPSTEER2_TURN)
+  messages = [{"role": "user", "content": first.strip()}]
+  for i, turn in enumerate(rest):
+    role = _HELPSTEER2_ROLE.match(turn)
+    if role is None:
+      raise row_error(source, "prompt", f"turn {i + 2} (after marker {i + 1} '{HELPSTEER2_TURN}') does not "
+                      f"start with 'Assistant' or 'User' and a line break: {turn[:40]!r}")
+    messages.append({"role": role.group(1).lower(), "content": turn[role.end():].strip()})
+  if messages[-1]["role"] != "user":
+    raise row_error(source, "prompt", "ends with an assistant turn; the response answers a user turn")
+  for i, m in enumerate(messages):
+    if not m["content"]:
+      raise row_error(source, "prompt", f"turn {i + 1} is empty")
+  return messages
 
 
 def ultrafeedback(row: dict, source: str, drops: DropReport, *,

@@ -1,7 +1,7 @@
 """Procedural demo datasets: offline, deterministic, and small enough to train on in minutes.
 
-Both produce ordinary rows (NeMo RL preference rows, TRL stepwise rows) that go through the same
-parsing as user data. A question belongs to ``train`` or ``validation`` by a hash of its text,
+They produce ordinary rows (NeMo RL preference rows, TRL stepwise rows, rated rows) that go through
+the same parsing as user data. A question belongs to ``train`` or ``validation`` by a hash of its text,
 whatever the seed, so the two splits never share a question.
 """
 
@@ -18,6 +18,7 @@ from jaxrm.errors import DataError
 SPLITS = ("train", "validation")
 DEFAULT_ROWS = {"train": 4000, "validation": 500}
 DEFAULT_STEP_ROWS = {"train": 3000, "validation": 300}
+DEFAULT_RATED_ROWS = {"train": 2000, "validation": 400}
 # About one question in five is held out for validation.
 _VALIDATION_BUCKETS = 5
 
@@ -228,4 +229,54 @@ def demo_arithmetic_steps(split: str, num_rows: int | None = None, seed: int = 0
     rows.append({"prompt": question, "completions": steps,
                  "labels": [i < first_false for i in range(len(steps))],
                  "subset": "clean" if mistake is None else "mistake"})
+  return rows
+
+
+# --- Rated responses ------------------------------------------------------------------------------
+
+ATTRIBUTES = ("helpfulness", "correctness", "verbosity")
+RATING_RANGE = (0, 4)
+# Sentences that add nothing to an answer; a response's verbosity is how many it carries.
+_FILLERS = ("I hope this helps.", "Let me know if you need more.", "This is a common question.",
+            "Thanks for asking.", "Questions like this come up often.")
+# About one response in ten leaves verbosity unrated, as real raters skip attributes.
+_UNRATED_SHARE = 0.1
+
+
+def _rated_response(item: Item, right: bool, rng: np.random.Generator) -> tuple[str, dict[str, float]]:
+  _, _, answer, wrongs = item
+  text = answer if right else wrongs[rng.integers(len(wrongs))]
+  verbosity = int(rng.integers(len(_FILLERS)))
+  fillers = [_FILLERS[i] for i in rng.permutation(len(_FILLERS))[:verbosity]]
+  correctness = 4 if right else 0
+  ratings = {"helpfulness": max(correctness - max(verbosity - 2, 0), 0), "correctness": correctness,
+             "verbosity": verbosity}
+  return " ".join([text, *fillers]), ratings
+
+
+def demo_attributes(split: str, num_rows: int | None = None, seed: int = 0) -> list[dict]:
+  """Rated rows (``prompt``, ``response``, one column per attribute of :data:`ATTRIBUTES`, 0..4):
+  the questions of :func:`demo_arithmetic`, each answered twice.
+
+  The hidden rules: ``correctness`` is 4 for the right answer, 0 for a wrong one (each is drawn
+  with probability 1/2); ``verbosity`` counts the filler sentences after the answer (0 to 4);
+  ``helpfulness`` is correctness less one point per filler sentence beyond two, at least 0. The two
+  answers to a question follow each other and share its prompt, so validation has same-prompt
+  pairs; about one response in ten has verbosity unrated (null). ``row["subset"]`` is the family.
+  """
+  _check_split(split)
+  rng = _rng(split, seed)
+  pools = _pools(split)
+  shares = np.array([share for _, share in pools])
+  rows = []
+  total = DEFAULT_RATED_ROWS[split] if num_rows is None else num_rows
+  while len(rows) < total:
+    items = pools[rng.choice(len(pools), p=shares / shares.sum())][0]
+    item = items[rng.integers(len(items))]
+    for _ in range(min(2, total - len(rows))):
+      response, ratings = _rated_response(item, bool(rng.random() < 0.5), rng)
+      if rng.random() < _UNRATED_SHARE:
+        ratings["verbosity"] = None
+      rows.append({"prompt": [SYSTEM, {"role": "user", "content": item[1]}], "response": response,
+                   **ratings, "subset": item[0]})
   return rows

@@ -11,8 +11,15 @@ Preference rows come in two layouts, told apart by their keys:
   messages that ``chosen`` and ``rejected`` share; for strings it is empty, the whole text being
   scored. An optional number ``margin`` is kept.
 
+Both may carry ``strength``, a positive number: how strongly the preference was annotated
+(scaled Bradley-Terry weighs the pair by it).
+
 Stepwise rows (TRL stepwise supervision): ``{"prompt": ..., "completions": [step strings],
 "labels": [bool or 0/1]}``.
+
+Rated rows (regression): ``{"prompt" | "context": ..., "response" | "completion": ...,
+"<attribute>": number, ...}``, read for the attributes the run names; an attribute the row leaves
+out (or gives as null) is not rated, and a row that rates none of them is dropped and counted.
 
 Texts are a string or a list of ``{"role", "content"}`` messages. When a row mixes the two, the
 strings become messages (a prompt a ``user`` turn, a completion an ``assistant`` turn) so that the
@@ -28,10 +35,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxrm.data.drops import DropReport, row_error
-from jaxrm.data.records import Message, PreferenceRecord, StepwiseRecord, Text
+from jaxrm.data.records import Message, PreferenceRecord, RatedRecord, StepwiseRecord, Text
 
 ROLES = ("system", "user", "assistant", "tool")
 DROP_IDENTICAL = "identical completions (chosen == rejected)"
+DROP_UNRATED = "no rating for any of the attributes"
 
 _KINDS = {
     bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
@@ -133,6 +141,7 @@ def row_meta(row: dict, subset_field: str | None) -> dict[str, Any]:
 def preference_record(
     context: Text, completions: Sequence[Text], ranks: Sequence[int], source: str,
     drops: DropReport, *, margin: float | None = None, meta: dict | None = None,
+    strength: float | None = None,
 ) -> PreferenceRecord | None:
   """Builds the record, or drops a row whose completions are not all different."""
   if all(isinstance(t, str) for t in (context, *completions)):
@@ -144,7 +153,7 @@ def preference_record(
     drops.drop(DROP_IDENTICAL, source)
     return None
   return PreferenceRecord(context=context, completions=texts, ranks=tuple(ranks), source=source,
-                          margin=margin, meta=meta or {})
+                          margin=margin, meta=meta or {}, strength=strength)
 
 
 def _key(text: Text):
@@ -194,8 +203,8 @@ def _nemo_preference(row, source, drops, subset_field):
     ranks.append(_rank(required(entry, "rank", source, field), ranks, source, f"{field}.rank"))
     completion = required(entry, "completion", source, field)
     completions.append(parse_completion(completion, source, f"{field}.completion"))
-  return preference_record(context, completions, ranks, source, drops,
-                           margin=_margin(row, source), meta=row_meta(row, subset_field))
+  return preference_record(context, completions, ranks, source, drops, margin=_margin(row, source),
+                           meta=row_meta(row, subset_field), strength=_strength(row, source))
 
 
 def _rank(rank: Any, previous: list[int], source: str, field: str) -> int:
@@ -212,6 +221,16 @@ def _margin(row: dict, source: str) -> float | None:
   return None if row.get("margin") is None else number(row["margin"], source, "margin")
 
 
+def _strength(row: dict, source: str) -> float | None:
+  if row.get("strength") is None:
+    return None
+  strength = number(row["strength"], source, "strength")
+  if strength <= 0:
+    raise row_error(source, "strength", f"{strength:g} is not a preference strength; give a positive "
+                    "number (how strongly the first-ranked completion is preferred)")
+  return strength
+
+
 def _trl_preference(row, source, drops, subset_field):
   chosen = parse_completion(required(row, "chosen", source), source, "chosen")
   rejected = parse_completion(required(row, "rejected", source), source, "rejected")
@@ -224,8 +243,52 @@ def _trl_preference(row, source, drops, subset_field):
         raise row_error(source, field, f"has no message after the prompt it shares with "
                         f"'{other}'; give a 'prompt' or a final differing turn")
       check_completion(text, source, field)
-  return preference_record(context, (chosen, rejected), (0, 1), source, drops,
-                           margin=_margin(row, source), meta=row_meta(row, subset_field))
+  return preference_record(context, (chosen, rejected), (0, 1), source, drops, margin=_margin(row, source),
+                           meta=row_meta(row, subset_field), strength=_strength(row, source))
+
+
+def parse_rated(row: dict, source: str, drops: DropReport, *, attributes: Sequence[str],
+                value_range: tuple[float, float] | None = None,
+                subset_field: str | None = "subset") -> RatedRecord | None:
+  """A rated row (see the module docstring) as a record, or None when it rates no attribute.
+
+  ``value_range`` (low, high): a rating outside it is an error.
+  """
+  context = parse_text(_either(row, ("prompt", "context"), source), source, "prompt")
+  response = parse_completion(_either(row, ("response", "completion"), source), source, "response")
+  ratings = tuple(rating(row.get(a), source, a, value_range) for a in attributes)
+  return rated_record(context, response, ratings, source, drops, meta=row_meta(row, subset_field))
+
+
+def rating(value: Any, source: str, field: str, value_range: tuple[float, float] | None) -> float | None:
+  """A rating: a finite number within ``value_range``, or None for a missing (null) one."""
+  if value is None:
+    return None
+  value = number(value, source, field)
+  if value_range is not None and not value_range[0] <= value <= value_range[1]:
+    raise row_error(source, field, f"rating {value:g} is outside {value_range[0]:g}..{value_range[1]:g}"
+                    " (reward.attribute_range)")
+  return value
+
+
+def rated_record(context: Text, response: Text, ratings: Sequence[float | None], source: str,
+                 drops: DropReport, *, meta: dict | None = None) -> RatedRecord | None:
+  """Builds the record (a chat when either text is one), or drops a row with no rating."""
+  if all(r is None for r in ratings):
+    drops.drop(DROP_UNRATED, source)
+    return None
+  if isinstance(context, list) or isinstance(response, list):
+    context, response = as_chat(context, "user"), as_chat(response, "assistant")
+  return RatedRecord(context=context, completion=response, ratings=tuple(ratings), source=source,
+                     meta=meta or {})
+
+
+def _either(row: dict, keys: tuple[str, str], source: str) -> Any:
+  """The value of the first of ``keys`` the row has; an error naming both when it has neither."""
+  for key in keys:
+    if row.get(key) is not None:
+      return row[key]
+  raise row_error(source, keys[0], f"is missing (nor is there '{keys[1]}'); have {sorted(row)}")
 
 
 def parse_stepwise(row: dict, source: str, drops: DropReport, *,

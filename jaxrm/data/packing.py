@@ -23,7 +23,7 @@ import numpy as np
 from jaxrm.batches import IGNORE_INDEX, PackedPreferenceBatch, PackedStepwiseBatch
 # Re-exported: whoever packs rows reads the model's outputs back with these.
 from jaxrm.batches import group_logits as group_logits, group_rewards as group_rewards
-from jaxrm.data.tokenize import PreferenceExample, StepwiseExample
+from jaxrm.data.tokenize import PreferenceExample, RatedExample, StepwiseExample
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,11 +90,12 @@ def _length(unit: list[_Piece]) -> int:
   return sum(len(p.ids) for p in unit)
 
 
-def packed_length(example: PreferenceExample | StepwiseExample, shared_prompt: bool = False) -> int:
+def packed_length(example: PreferenceExample | StepwiseExample | RatedExample,
+                  shared_prompt: bool = False) -> int:
   """Tokens ``example`` takes in a packed row: every completion's, or with ``shared_prompt`` the
-  prompt's once and then each completion's own."""
-  if isinstance(example, StepwiseExample):
-    return _length(_stepwise_unit(example))
+  prompt's once and then each completion's own (one sequence of a stepwise or rated example)."""
+  if isinstance(example, (StepwiseExample, RatedExample)):
+    return len(example.input_ids)
   return _length(_preference_unit(example, shared_prompt))
 
 
@@ -236,6 +237,7 @@ def _fill_preference(groups: Sequence[PreferenceExample], units: list[list[_Piec
   reward_index = np.zeros((g, k), np.int32)
   ranks = np.full((g, k), -1, np.int32)
   margin = np.zeros((g,), np.float32)
+  strength = np.ones((g,), np.float32)
   used = np.zeros((b,), np.int32)
   for i, row, spans in _fill(units, plan, rows):
     n = len(groups[i].input_ids)
@@ -251,10 +253,11 @@ def _fill_preference(groups: Sequence[PreferenceExample], units: list[list[_Piec
     used[row] += n
     ranks[i, :n] = np.arange(n)
     margin[i] = groups[i].margin
+    strength[i] = 1.0 if groups[i].strength is None else groups[i].strength
   example_mask = (np.arange(g) < len(groups)).astype(np.float32)
   return PackedPreferenceBatch(**rows.arrays(), reward_positions=reward_positions,
                                reward_index=reward_index, ranks=ranks, margin=margin,
-                               example_mask=example_mask)
+                               example_mask=example_mask, strength=strength)
 
 
 def pack_stepwise(examples: Sequence[StepwiseExample], spec: PackSpec, *,

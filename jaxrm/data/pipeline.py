@@ -1,7 +1,8 @@
 """Grain input pipeline: tokenized examples -> fixed-shape, per-host numpy batches.
 
 Preference examples are collated into a :class:`~jaxrm.batches.PreferenceBatch`, stepwise ones
-into a :class:`~jaxrm.batches.StepwiseBatch` (both layouts are in :mod:`jaxrm.batches`). T is the
+into a :class:`~jaxrm.batches.StepwiseBatch`, rated ones into a
+:class:`~jaxrm.batches.RegressionBatch` (the layouts are in :mod:`jaxrm.batches`). T is the
 smallest length bucket that holds the longest sequence of the *global* batch, so every host builds
 the same shapes. Length is bucketed per batch; the data is never sorted by length, which would
 bias training.
@@ -23,12 +24,12 @@ import jax
 import numpy as np
 
 from jaxrm import sharding
-from jaxrm.batches import IGNORE_INDEX, Batch, PreferenceBatch, StepwiseBatch
+from jaxrm.batches import IGNORE_INDEX, Batch, PreferenceBatch, RegressionBatch, StepwiseBatch
 from jaxrm.errors import DataError
 from jaxrm.data.packing import PackedCollator, PackSpec
-from jaxrm.data.tokenize import PreferenceExample, StepwiseExample
+from jaxrm.data.tokenize import PreferenceExample, RatedExample, StepwiseExample
 
-Example = PreferenceExample | StepwiseExample
+Example = PreferenceExample | StepwiseExample | RatedExample
 
 
 def length_buckets(max_length: int, multiple: int = 64) -> tuple[int, ...]:
@@ -51,7 +52,7 @@ class Collator:
       ``batch_size * process_count`` groups.
     buckets: allowed sequence lengths T, ascending.
     pad_id: token id written into padding.
-    num_completions: K for preference batches; None for stepwise ones.
+    num_completions: K for preference batches; None for stepwise and rated ones.
   """
 
   batch_size: int
@@ -61,7 +62,7 @@ class Collator:
   process_index: int = 0
   process_count: int = 1
 
-  def __call__(self, groups: Sequence[Example]) -> PreferenceBatch | StepwiseBatch:
+  def __call__(self, groups: Sequence[Example]) -> PreferenceBatch | StepwiseBatch | RegressionBatch:
     """Collates ``groups`` (at most one global batch); missing groups become fillers."""
     length = self._bucket(groups)
     start = self.process_index * self.batch_size
@@ -71,6 +72,8 @@ class Collator:
     local += [groups[0]] * (self.batch_size - n_real)
     if isinstance(groups[0], StepwiseExample):
       return _collate_stepwise(local, n_real, length, self.pad_id)
+    if isinstance(groups[0], RatedExample):
+      return _collate_rated(local, n_real, length, self.pad_id)
     return _collate_preference(local, n_real, self.num_completions, length, self.pad_id)
 
   def _bucket(self, groups: Sequence[Example]) -> int:
@@ -188,6 +191,8 @@ def _collator(examples: Sequence[Example], batch_size: int, buckets: Sequence[in
     raise DataError("no examples left to batch (every row was dropped, or the data is empty)")
   if isinstance(examples[0], PreferenceExample) and num_completions is None:
     num_completions = max_completions(examples)
+  if pack is not None and isinstance(examples[0], RatedExample):
+    raise ValueError("rated examples are not packed: use data.packing='none' for reward.type='regression'")
   if pack is not None:
     return PackedCollator(batch_size=batch_size, spec=dataclasses.replace(pack, pad_id=pad_id),
                           num_completions=num_completions, process_index=process_index,
@@ -208,6 +213,7 @@ def _collate_preference(groups: Sequence[PreferenceExample], n_real: int, k: int
   attention_mask = np.zeros((b * k, length), np.int32)
   ranks = np.full((b, k), -1, np.int32)
   margin = np.zeros((b,), np.float32)
+  strength = np.ones((b,), np.float32)
   for i, group in enumerate(groups):
     n = len(group.input_ids)
     if n > k:
@@ -220,10 +226,12 @@ def _collate_preference(groups: Sequence[PreferenceExample], n_real: int, k: int
       attention_mask[i * k + j, :len(ids)] = 1
     ranks[i, :n] = np.arange(n)
     margin[i] = group.margin
+    strength[i] = 1.0 if group.strength is None else group.strength
   ranks[n_real:] = -1
   margin[n_real:] = 0.0
+  strength[n_real:] = 1.0
   return PreferenceBatch(input_ids=input_ids, attention_mask=attention_mask, ranks=ranks,
-                         margin=margin, example_mask=_example_mask(b, n_real))
+                         margin=margin, example_mask=_example_mask(b, n_real), strength=strength)
 
 
 def _collate_stepwise(examples: Sequence[StepwiseExample], n_real: int, length: int,
@@ -242,12 +250,29 @@ def _collate_stepwise(examples: Sequence[StepwiseExample], n_real: int, length: 
                        example_mask=_example_mask(b, n_real))
 
 
+def _collate_rated(examples: Sequence[RatedExample], n_real: int, length: int,
+                   pad_id: int) -> RegressionBatch:
+  """The first ``n_real`` of ``examples`` are real, the rest fillers (their ratings masked)."""
+  b = len(examples)
+  input_ids = np.full((b, length), pad_id, np.int32)
+  attention_mask = np.zeros((b, length), np.int32)
+  for i, e in enumerate(examples):
+    input_ids[i, :len(e.input_ids)] = e.input_ids
+    attention_mask[i, :len(e.input_ids)] = 1
+  label_mask = np.stack([e.label_mask for e in examples])
+  label_mask[n_real:] = 0.0
+  return RegressionBatch(input_ids=input_ids, attention_mask=attention_mask,
+                         labels=np.stack([e.labels for e in examples]), label_mask=label_mask,
+                         group=np.array([e.group for e in examples], np.int32),
+                         example_mask=_example_mask(b, n_real))
+
+
 def _example_mask(size: int, n_real: int) -> np.ndarray:
   """[size] float32: 1 for the first ``n_real`` entries, 0 for the fillers after them."""
   return (np.arange(size) < n_real).astype(np.float32)
 
 
 def _sequences(example: Example) -> Sequence[np.ndarray]:
-  if isinstance(example, StepwiseExample):
+  if isinstance(example, (StepwiseExample, RatedExample)):
     return (example.input_ids,)
   return example.input_ids

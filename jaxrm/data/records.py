@@ -19,7 +19,8 @@ class PreferenceRecord:
   """A prompt with two or more completions ranked by preference (lower rank preferred).
 
   ``completions[i]`` has rank ``ranks[i]``; ranks are distinct integers. A pair is the special
-  case of two completions. ``margin`` is an optional per-row Bradley-Terry margin.
+  case of two completions. ``margin`` is an optional per-row Bradley-Terry margin, ``strength``
+  the annotated strength of the preference (scaled Bradley-Terry weighs the pair by it).
   """
 
   context: Text
@@ -28,6 +29,22 @@ class PreferenceRecord:
   source: str
   margin: float | None = None
   meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # e.g. {"subset": "math"}
+  strength: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RatedRecord:
+  """A prompt and one response rated on named attributes (a regression target per attribute).
+
+  ``ratings[i]`` is the rating of the i-th attribute the row was read for, None where the row
+  does not rate it; at least one is rated.
+  """
+
+  context: Text
+  completion: Text
+  ratings: tuple[float | None, ...]
+  source: str
+  meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

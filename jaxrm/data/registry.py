@@ -1,6 +1,6 @@
 """The datasets ``data.dataset_name`` can name, and how each is read into records.
 
-``PreferenceDataset`` and ``StepwiseDataset`` read user files in the formats of
+``PreferenceDataset``, ``StepwiseDataset`` and ``RatedDataset`` read user files in the formats of
 :mod:`jaxrm.data.formats`; the public datasets go through :mod:`jaxrm.data.adapters` and, given no
 path, are read from their usual place; the demo sets are made on the spot.
 """
@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from jaxrm.data import adapters, demo, formats, sources
 from jaxrm.data.drops import DropReport
 from jaxrm.errors import DataError
-from jaxrm.data.records import PreferenceRecord, StepwiseRecord
+from jaxrm.data.records import PreferenceRecord, RatedRecord, StepwiseRecord
 
 _PRM800K_URL = ("https://github.com/openai/prm800k/raw/refs/heads/main/prm800k/data/"
                 "phase2_{split}.jsonl")
@@ -25,7 +25,7 @@ class _Spec:
   """How one dataset name is read."""
 
   parse: Callable  # (row, source, drops, *, subset_field, **options) -> record | None
-  stepwise: bool
+  kind: str  # one of KINDS: what its records are
   default: str | None = None  # read when no path is given: a hub name or a URL ({split})
   config: str | None = None  # the hub configuration
   splits: Mapping[str, str] = dataclasses.field(default_factory=dict)  # ours -> the hub's
@@ -34,22 +34,29 @@ class _Spec:
   make: Callable[..., list[dict]] | None = None  # a demo set's row maker
 
 
+# What a dataset's records are, and the reward types that train on them.
+KINDS = {"preference": ("bradley_terry", "ranking"), "stepwise": ("stepwise",), "rated": ("regression",)}
+_RATED_OPTIONS = ("attributes", "value_range")
+
 _SPECS = {
-    "PreferenceDataset": _Spec(formats.parse_preference, stepwise=False),
-    "HelpSteer3": _Spec(adapters.helpsteer3, stepwise=False, default="nvidia/HelpSteer3",
+    "PreferenceDataset": _Spec(formats.parse_preference, "preference"),
+    "HelpSteer3": _Spec(adapters.helpsteer3, "preference", default="nvidia/HelpSteer3",
                         config="preference", subset_field="domain"),
-    "UltraFeedback": _Spec(adapters.ultrafeedback, stepwise=False,
+    "UltraFeedback": _Spec(adapters.ultrafeedback, "preference",
                            default="HuggingFaceH4/ultrafeedback_binarized",
                            splits={"train": "train_prefs", "validation": "test_prefs",
                                    "test": "test_prefs"}),
-    "PRM800K": _Spec(adapters.prm800k, stepwise=True, default=_PRM800K_URL,
+    "PRM800K": _Spec(adapters.prm800k, "stepwise", default=_PRM800K_URL,
                      splits={"validation": "test"}, options=("neutral",)),
-    "MathShepherd": _Spec(adapters.math_shepherd, stepwise=True, default="peiyi9979/Math-Shepherd",
+    "MathShepherd": _Spec(adapters.math_shepherd, "stepwise", default="peiyi9979/Math-Shepherd",
                           subset_field="task"),
-    "StepwiseDataset": _Spec(formats.parse_stepwise, stepwise=True),
-    "demo_arithmetic": _Spec(formats.parse_preference, stepwise=False, make=demo.demo_arithmetic),
-    "demo_arithmetic_steps": _Spec(formats.parse_stepwise, stepwise=True,
-                                   make=demo.demo_arithmetic_steps),
+    "StepwiseDataset": _Spec(formats.parse_stepwise, "stepwise"),
+    "RatedDataset": _Spec(formats.parse_rated, "rated", options=_RATED_OPTIONS),
+    "HelpSteer2": _Spec(adapters.helpsteer2, "rated", default="nvidia/HelpSteer2", options=("attributes",)),
+    "demo_arithmetic": _Spec(formats.parse_preference, "preference", make=demo.demo_arithmetic),
+    "demo_arithmetic_steps": _Spec(formats.parse_stepwise, "stepwise", make=demo.demo_arithmetic_steps),
+    "demo_attributes": _Spec(formats.parse_rated, "rated", make=demo.demo_attributes,
+                             options=_RATED_OPTIONS),
 }
 DATASET_NAMES = tuple(_SPECS)
 
@@ -63,12 +70,22 @@ def _spec(dataset_name: str) -> _Spec:
 
 def is_stepwise(dataset_name: str) -> bool:
   """Whether the dataset holds stepwise (process) labels rather than preferences."""
-  return _spec(dataset_name).stepwise
+  return _spec(dataset_name).kind == "stepwise"
+
+
+def kind(dataset_name: str) -> str:
+  """What the dataset's records are: "preference", "stepwise" or "rated" (see :data:`KINDS`)."""
+  return _spec(dataset_name).kind
+
+
+def takes_option(dataset_name: str, option: str) -> bool:
+  """Whether :func:`load_records` passes ``option`` on to the dataset's parser."""
+  return option in _spec(dataset_name).options
 
 
 def load_records(
     dataset_name: str, path: str | None, *, split: str = "train", drops: DropReport, **options,
-) -> list[PreferenceRecord] | list[StepwiseRecord]:
+) -> list[PreferenceRecord] | list[StepwiseRecord] | list[RatedRecord]:
   """Reads one dataset into records, counting dropped rows in ``drops``.
 
   Args:
@@ -81,7 +98,9 @@ def load_records(
     drops: where dropped rows are counted.
     **options: ``subset_field`` (the column copied to ``record.meta["subset"]``; "subset" by
       default, HelpSteer3 "domain", MathShepherd "task"; None for none), ``config`` (hub
-      configuration), ``neutral`` (PRM800K), ``num_rows`` and ``seed`` (demo sets).
+      configuration), ``neutral`` (PRM800K), ``attributes`` (rated sets: the attributes read, in
+      order) and ``value_range`` (``RatedDataset``, ``demo_attributes``: (low, high) of a rating),
+      ``num_rows`` and ``seed`` (demo sets).
 
   Raises:
     DataError: an unknown name or option, a bad row, or no row left.

@@ -9,6 +9,7 @@ Layouts:
   Each sequence simply ends where the completion ends: the reward is read at the last position of
   the attention mask, so an end-of-turn token equal to the pad token (SmolLM2, Llama 3) is never
   mistaken for padding.
+* **Rated.** Prompt + response, laid out (and truncated) as one preference completion is.
 * **Stepwise.** ``prompt, step_1, sep, step_2, sep, ...`` where ``sep`` is the tokenized
   ``step_separator``. Step ``i``'s label (1 correct, 0 not) sits on the last token of the separator
   after it; every other position is -100. A conversation prompt is rendered by the chat template
@@ -39,6 +40,8 @@ in the :class:`~jaxrm.data.drops.DropReport` under the reasons below.
 from __future__ import annotations
 
 import dataclasses
+import json
+import zlib
 from typing import Any, Iterable, Sequence
 
 import jinja2
@@ -46,7 +49,7 @@ import numpy as np
 
 from jaxrm.batches import IGNORE_INDEX
 from jaxrm.data.drops import DropReport, row_error
-from jaxrm.data.records import Message, PreferenceRecord, StepwiseRecord, Text
+from jaxrm.data.records import Message, PreferenceRecord, RatedRecord, StepwiseRecord, Text
 
 # Drop reasons, as counted in the DropReport.
 PROMPT_TOO_LONG = "prompt alone is max_length tokens or longer"
@@ -91,6 +94,19 @@ class PreferenceExample:
   margin: float  # 0.0 when the row has none
   source: str
   meta: dict[str, Any]
+  strength: float | None = None  # the annotated preference strength, if the row has one
+
+
+@dataclasses.dataclass(frozen=True)
+class RatedExample:
+  """A tokenized rated row: prompt + response, and its ratings."""
+
+  input_ids: np.ndarray  # int32 [T]
+  labels: np.ndarray  # float32 [A]: the ratings, 0 where not rated
+  label_mask: np.ndarray  # float32 [A]: 1 where rated
+  group: int  # the same for every response to the same prompt
+  source: str
+  meta: dict[str, Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +143,33 @@ def tokenize_preference(record: PreferenceRecord, tokenizer, opts: TokenizeOptio
       margin=float(record.margin or 0.0),
       source=record.source,
       meta=dict(record.meta),
+      strength=record.strength,
   )
+
+
+def tokenize_rated(record: RatedRecord, tokenizer, opts: TokenizeOptions,
+                   drops: DropReport) -> RatedExample | None:
+  """Tokenizes one rated row as a one-completion preference row, or returns None after counting
+  it in ``drops``."""
+  single = PreferenceRecord(context=record.context, completions=(record.completion,), ranks=(0,),
+                            source=record.source)
+  example = tokenize_preference(single, tokenizer, opts, drops)
+  if example is None:
+    return None
+  rated = np.array([r is not None for r in record.ratings])
+  return RatedExample(
+      input_ids=example.input_ids[0],
+      labels=np.array([r or 0.0 for r in record.ratings], np.float32),
+      label_mask=rated.astype(np.float32),
+      group=prompt_group(record.context),
+      source=record.source,
+      meta=dict(record.meta),
+  )
+
+
+def prompt_group(context: Text) -> int:
+  """A non-negative int32 that responses to one prompt share (a hash of its text)."""
+  return zlib.crc32(json.dumps(context, sort_keys=True).encode("utf-8")) & 0x7FFFFFFF
 
 
 def tokenize_stepwise(record: StepwiseRecord, tokenizer, opts: TokenizeOptions,
@@ -177,14 +219,16 @@ def pad_id(tokenizer, model_pad_token_id: int | None = None) -> int:
   return 0
 
 
-def tokenize_all(records: Iterable[PreferenceRecord | StepwiseRecord], tokenizer,
+def tokenize_all(records: Iterable[PreferenceRecord | StepwiseRecord | RatedRecord], tokenizer,
                  opts: TokenizeOptions,
-                 drops: DropReport) -> list[PreferenceExample | StepwiseExample]:
+                 drops: DropReport) -> list[PreferenceExample | StepwiseExample | RatedExample]:
   """Tokenizes every record; dropped rows are counted in ``drops`` and left out."""
   out = []
   for record in records:
     if isinstance(record, PreferenceRecord):
       example = tokenize_preference(record, tokenizer, opts, drops)
+    elif isinstance(record, RatedRecord):
+      example = tokenize_rated(record, tokenizer, opts, drops)
     else:
       example = tokenize_stepwise(record, tokenizer, opts, drops)
     if example is not None:

@@ -1,7 +1,8 @@
 """Writes a model as a Hugging Face checkpoint directory that transformers loads.
 
 * ``config.json``: the ``*ForSequenceClassification`` / ``*ForTokenClassification`` architecture,
-  ``num_labels``, ``pad_token_id``, and under :data:`SCORING_KEY` what scoring needs besides
+  ``num_labels``, ``pad_token_id`` (a regression model: ``problem_type="regression"`` and its
+  attribute names as ``id2label``), and under :data:`SCORING_KEY` what scoring needs besides
   (validation reward statistics, the step separator), which transformers ignores and jaxrm reads back;
 * ``model.safetensors``: every tensor named by the family's weight map;
 * the tokenizer files, chat template included.
@@ -98,8 +99,24 @@ def peft_config(cfg: ModelConfig, base_model_name_or_path: str | None) -> dict:
   }
 
 
+REGRESSION = "regression"  # transformers' problem_type of a regression head
+
+
+def regression_attributes(hf: dict, cfg: ModelConfig) -> tuple[str, ...] | None:
+  """A sequence head's attribute names (``id2label``) when config.json ``hf`` says it regresses
+  (``problem_type="regression"``), else None."""
+  labels = {str(k): str(v) for k, v in (hf.get("id2label") or {}).items()}
+  if hf.get("problem_type") != REGRESSION or cfg.head != "sequence" or len(labels) != cfg.num_labels:
+    return None  # not a regression head, or a new head in place of the saved one
+  names = tuple(labels.get(str(i), f"LABEL_{i}") for i in range(cfg.num_labels))
+  # transformers marks any one-output head trained through its own loss "regression"; a
+  # Bradley-Terry model's LABEL_0 names no attribute.
+  return None if names == ("LABEL_0",) else names
+
+
 def hf_config(cfg: ModelConfig, dtype: str = "float32", *, tokenizer: Any = None,
-              reward_stats: dict | None = None, step_separator: str) -> dict:
+              reward_stats: dict | None = None, step_separator: str,
+              attributes: tuple[str, ...] | None = None) -> dict:
   """config.json of the export: the classification architecture plus jaxrm's scoring metadata.
 
   Args:
@@ -108,6 +125,7 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32", *, tokenizer: Any = None
     tokenizer: the model's tokenizer, or None.
     reward_stats: {"mean", "std", "from"} recorded at validation, or None.
     step_separator: the text ending every step in step scoring.
+    attributes: a regression model's attribute names, one per output, or None.
   """
   pad = cfg.pad_token_id
   if pad is None and tokenizer is not None:
@@ -117,6 +135,11 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32", *, tokenizer: Any = None
                 to_hf_config(cfg)["architectures"][0])
   hf = to_hf_config(cfg.replace(param_dtype=dtype, pad_token_id=pad, lora=lora.LoraConfig()))
   hf[SCORING_KEY] = {"reward_stats": reward_stats, "step_separator": step_separator}
+  if attributes is not None:
+    if len(attributes) != cfg.num_labels:
+      raise ValueError(f"{len(attributes)} attribute names for a head of {cfg.num_labels} outputs")
+    hf.update(problem_type=REGRESSION, id2label={str(i): a for i, a in enumerate(attributes)},
+              label2id={a: i for i, a in enumerate(attributes)})
   return hf
 
 
@@ -132,7 +155,8 @@ def _check_out_dir(out_dir: str) -> None:
 
 
 def save_pretrained(out_dir: str | os.PathLike, model: Decoder, tokenizer: Any = None, *,
-                    reward_stats: dict | None = None, step_separator: str, dtype: str | None = None) -> None:
+                    reward_stats: dict | None = None, step_separator: str, dtype: str | None = None,
+                    attributes: tuple[str, ...] | None = None) -> None:
   """Writes ``model`` (and ``tokenizer``) to ``out_dir`` as an HF checkpoint directory; LoRA
   adapters are merged into the weights, and the config written is that of a model without them.
 
@@ -140,7 +164,7 @@ def save_pretrained(out_dir: str | os.PathLike, model: Decoder, tokenizer: Any =
     out_dir: created if missing; existing export files in it are replaced.
     model: its parameters must be addressable from this process.
     tokenizer: saved beside the weights; None writes no tokenizer files.
-    reward_stats, step_separator: scoring metadata, see :func:`hf_config`.
+    reward_stats, step_separator, attributes: scoring metadata, see :func:`hf_config`.
     dtype: tensor dtype, "float32" or "bfloat16" (default: the model's parameter dtype).
   """
   out_dir = os.fspath(out_dir)
@@ -149,7 +173,7 @@ def save_pretrained(out_dir: str | os.PathLike, model: Decoder, tokenizer: Any =
   os.makedirs(out_dir, exist_ok=True)
   save_safetensors(os.path.join(out_dir, "model.safetensors"), hf_tensors(model, dtype))
   config = hf_config(model.config, dtype, tokenizer=tokenizer, reward_stats=reward_stats,
-                     step_separator=step_separator)
+                     step_separator=step_separator, attributes=attributes)
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(config, f, indent=2)
   if tokenizer is not None:

@@ -1,0 +1,164 @@
+"""A regression reward model end to end on the tiny random Llama: training on a hidden learnable
+attribute task, validation metrics, scoring, checkpoint -> from_pretrained -> HF export, and
+transformers' scores of the export."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import tiny_run
+from helpers import PARITY_ATOL, right_padded
+from jaxrm import RewardModel
+from jaxrm.errors import ConfigError
+
+ATTRIBUTES = ("quality", "polish")
+# The hidden rule: a response's last word sets its quality, its first word its polish.
+QUALITY = {"awful": 0, "poor": 1, "fine": 2, "good": 3, "great": 4}
+POLISH = {"rough": 0, "smooth": 4}
+STEPS = 30
+
+
+def rated_rows(n, seed):
+  """Two responses per prompt; polish is rated for every other prompt only (masked elsewhere)."""
+  rng = np.random.default_rng(seed)
+  rows = []
+  for i in range(n // 2):
+    for _ in range(2):
+      first, last = rng.choice(list(POLISH)), rng.choice(list(QUALITY))
+      row = {"prompt": f"Item {seed}-{i}:", "response": f" {first} {last}", "quality": QUALITY[last]}
+      if i % 2 == 0:
+        row["polish"] = POLISH[first]
+      rows.append(row)
+  return rows
+
+
+def write_jsonl(path, rows):
+  with open(path, "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+  return str(path)
+
+
+def regression_config(model_dir, out, data_dir, **overrides):
+  train = write_jsonl(data_dir / "train.jsonl", rated_rows(160, seed=1))
+  val = write_jsonl(data_dir / "val.jsonl", rated_rows(48, seed=2))
+  keys = dict(reward__type="regression", reward__attributes=",".join(ATTRIBUTES),
+              reward__attribute_range="0,4", reward__combine="quality", data__dataset_name="RatedDataset",
+              data__train_data_path=train, data__max_length=32, data__bucket_multiple=32,
+              data__max_train_rows=0, data__max_val_rows=0, train__max_steps=STEPS, eval__val_period=STEPS,
+              checkpointing__save_period=STEPS)
+  c = tiny_run.config(model_dir, out, **(keys | overrides))
+  c.data.val_data_paths = {"default": val}
+  return c
+
+
+@pytest.fixture(scope="module")
+def run(model_dir, tmp_path_factory):
+  """A regression run of 30 steps of 8 rated responses; its output dir and last validation."""
+  tmp = tmp_path_factory.mktemp("regression")
+  out = str(tmp / "run")
+  return out, tiny_run.train(regression_config(model_dir, out, tmp))
+
+
+def val_labels():
+  rows = rated_rows(48, seed=2)
+  return {a: np.array([r[a] for r in rows if a in r], np.float64) for a in ATTRIBUTES}
+
+
+def test_regression_learns_the_hidden_attribute(run):
+  _, val = run
+  print({k: round(v, 4) for k, v in val.items()})
+  labels = val_labels()
+  # A clear correlation, and well below the squared error of always predicting the mean rating.
+  assert val["validation-default_pearson_quality"] > 0.8
+  assert val["validation-default_spearman_quality"] > 0.8
+  assert val["validation-default_mse_quality"] < 0.5 * labels["quality"].var()
+  # Every attribute reports its metrics, the masked one over its rated rows only.
+  for a in ATTRIBUTES:
+    for m in ("mse", "mae", "pearson", "spearman"):
+      assert math.isfinite(val[f"validation-default_{m}_{a}"]), (m, a)
+  # Same-prompt pairs with different quality exist in the validation set, ordered by quality.
+  assert val["validation-default_pairwise_accuracy"] > 0.8
+
+
+def test_run_scores_attributes_and_combinations(run):
+  out, _ = run
+  rm = RewardModel.from_pretrained(out)
+  assert rm.attributes == ATTRIBUTES
+  prompts, responses = ["Item 9-0:"] * 2, [" smooth great", " rough awful"]
+  scores = rm.score(prompts=prompts, completions=responses)
+  assert scores.shape == (2, 2) and scores.dtype == np.float32
+  assert scores[0, 0] > scores[1, 0]  # great > awful
+  np.testing.assert_allclose(rm.score(prompts=prompts, completions=responses, combine="quality"), scores[:, 0])
+  combined = rm.score(prompts=prompts, completions=responses, combine={"quality": 0.5, "polish": 2.0})
+  np.testing.assert_allclose(combined, 0.5 * scores[:, 0] + 2.0 * scores[:, 1], rtol=1e-6)
+  with pytest.raises(ValueError, match="'length', not among the model's attributes quality, polish"):
+    rm.score(prompts=prompts, completions=responses, combine="length")
+  with pytest.raises(ValueError, match="combine this model's 2 outputs into one"):
+    rm.score(prompts=prompts, completions=responses, normalize=True)
+
+
+def test_export_names_attributes_and_transformers_scores_alike(run, tmp_path):
+  out, _ = run
+  rm = RewardModel.from_pretrained(out)
+  rm.save_pretrained(tmp_path / "hf")
+  config = json.loads((tmp_path / "hf" / "config.json").read_text())
+  assert config["num_labels"] == 2 and config["problem_type"] == "regression"
+  assert config["id2label"] == {"0": "quality", "1": "polish"}
+  assert config["label2id"] == {"quality": 0, "polish": 1}
+
+  hf = transformers.AutoModelForSequenceClassification.from_pretrained(
+      tmp_path / "hf", dtype=torch.float32, attn_implementation="eager").eval()
+  assert hf.config.problem_type == "regression" and hf.config.id2label == {0: "quality", 1: "polish"}
+  rows = [rm.encode("Item 3-1:", " rough good"), rm.encode("Item 5-0:", " smooth poor fine")]
+  ids, mask = right_padded(rows, rm.tokenizer.pad_token_id)
+  with torch.no_grad():
+    theirs = hf(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask)).logits.numpy()
+  np.testing.assert_allclose(rm.score_tokens(ids, mask), theirs, atol=PARITY_ATOL, rtol=0)
+
+  back = RewardModel.from_pretrained(tmp_path / "hf")
+  assert back.attributes == ATTRIBUTES
+  np.testing.assert_allclose(back.score_tokens(ids, mask), rm.score_tokens(ids, mask), rtol=0, atol=0)
+
+
+def test_regression_refuses_packing(model_dir, tmp_path):
+  c = regression_config(model_dir, str(tmp_path / "run"), tmp_path, data__packing="packed")
+  with pytest.raises(ConfigError, match="regression rows are not packed yet; use data.packing='none'"):
+    tiny_run.train(c)
+
+
+def test_regression_needs_rated_data(model_dir, tmp_path):
+  c = regression_config(model_dir, str(tmp_path / "run"), tmp_path, data__dataset_name="demo_arithmetic")
+  c.data.train_data_path = ""
+  c.data.val_data_paths = {"default": "validation"}
+  with pytest.raises(ConfigError, match="reward.type='regression' does not fit data.dataset_name='demo_arithmetic', "
+                     "which holds preference data"):
+    tiny_run.train(c)
+
+
+def test_hf_regression_checkpoint_loads_as_a_regression_model(tmp_path):
+  import hf_tiny
+  names = {0: "helpfulness", 1: "correctness", 2: "verbosity"}
+  cfg = hf_tiny.tiny_config("llama", num_labels=3, problem_type="regression", id2label=names,
+                            label2id={v: k for k, v in names.items()})
+  torch.manual_seed(0)
+  hf = transformers.AutoModelForSequenceClassification.from_config(cfg, attn_implementation="eager",
+                                                                   dtype=torch.float32).eval()
+  with torch.no_grad():
+    for p in hf.parameters():
+      p.add_(torch.randn_like(p) * 0.05)  # away from the default init, so a misplaced weight shows
+  hf.save_pretrained(tmp_path / "hf")
+  rm = RewardModel.from_pretrained(tmp_path / "hf")
+  assert rm.attributes == ("helpfulness", "correctness", "verbosity")
+  ids, mask = hf_tiny.batch(hf_tiny.LENGTHS, seed=1)
+  theirs = hf_tiny.torch_forward(hf, ids, mask)
+  np.testing.assert_allclose(rm.score_tokens(ids, mask), theirs, atol=PARITY_ATOL, rtol=0)
+  # A one-output head that transformers marked "regression" (any model trained through its own
+  # loss) is a plain reward model, not a one-attribute one.
+  hf_tiny.build("llama").save_pretrained(tmp_path / "bt")
+  config = json.loads((tmp_path / "bt" / "config.json").read_text())
+  (tmp_path / "bt" / "config.json").write_text(json.dumps({**config, "problem_type": "regression"}))
+  assert RewardModel.from_pretrained(tmp_path / "bt").attributes is None
