@@ -38,15 +38,23 @@ class Scorer(Protocol):
 
   def score(self, items: Sequence[Text] | None = None, *, prompts: Sequence[Text] | None = None,
             completions: Sequence[Text] | None = None, normalize: bool = False,
-            batch_size: int = 8) -> np.ndarray:
+            batch_size: int = 8, combine=None) -> np.ndarray:
     """Rewards float32 [N] of ``items``, or of ``prompts`` joined with ``completions``."""
     ...
 
 
-def _check_scalar_head(rm: Scorer) -> None:
-  if rm.config.head != "sequence" or rm.config.num_labels != 1:
-    raise ValueError("a reward function needs a sequence head with one label; this model has a "
-                     f"{rm.config.head} head with {rm.config.num_labels} label(s)")
+# What combines a regression model's outputs into one reward: an attribute's name, "name=w,...",
+# a dict of names to weights, or one weight per output (see RewardModel.score).
+Combine = str | dict[str, float] | Sequence[float] | None
+
+
+def _check_scalar_head(rm: Scorer, combine: Combine) -> None:
+  if rm.config.head != "sequence":
+    raise ValueError(f"a reward function needs a sequence head; this model has a {rm.config.head} head")
+  if rm.config.num_labels != 1 and combine is None:
+    raise ValueError(f"this model scores {rm.config.num_labels} outputs "
+                     f"({', '.join(getattr(rm, 'attributes', None) or ())}); a reward function needs one "
+                     "reward: pass combine= (an attribute's name, 'name=weight,...' or a dict)")
 
 
 def _named(f: Callable, name: str) -> Callable:
@@ -55,7 +63,7 @@ def _named(f: Callable, name: str) -> Callable:
 
 
 def as_reward_func(rm: Scorer, *, normalize: bool = False, batch_size: int = 8,
-                   name: str = "jaxrm_reward") -> Callable[..., list[float]]:
+                   name: str = "jaxrm_reward", combine: Combine = None) -> Callable[..., list[float]]:
   """``f(prompts, completions, **kwargs) -> list[float]`` for TRL's GRPOTrainer.
 
   Each reward scores prompt + completion laid out as in training: a conversation rendered by the
@@ -66,19 +74,22 @@ def as_reward_func(rm: Scorer, *, normalize: bool = False, batch_size: int = 8,
     normalize: (reward - mean) / std with the statistics recorded at validation.
     batch_size: rows per forward pass.
     name: ``f.__name__``, the name TRL logs the rewards under.
+    combine: a regression model's outputs combined into one reward (required for one).
   """
-  _check_scalar_head(rm)
+  _check_scalar_head(rm, combine)
+  extra = {} if combine is None else {"combine": combine}
 
   def reward_func(prompts: Sequence[Text], completions: Sequence[Text], **kwargs: Any) -> list[float]:
     del kwargs  # dataset columns and trainer state: the model needs only the text
     return rm.score(prompts=prompts, completions=completions, normalize=normalize,
-                    batch_size=batch_size).tolist()
+                    batch_size=batch_size, **extra).tolist()
 
   return _named(reward_func, name)
 
 
 def as_multi_agent_reward_func(rm: Scorer, formatter: Callable[..., Text], *, normalize: bool = False,
-                               batch_size: int = 8, name: str = "jaxrm_reward") -> Callable[..., list[float]]:
+                               batch_size: int = 8, name: str = "jaxrm_reward",
+                               combine: Combine = None) -> Callable[..., list[float]]:
   """``f(*agent_completions, batch_items) -> list[float]``: one reward per joint response.
 
   Args:
@@ -88,8 +99,10 @@ def as_multi_agent_reward_func(rm: Scorer, formatter: Callable[..., Text], *, no
     normalize: (reward - mean) / std with the statistics recorded at validation.
     batch_size: rows per forward pass.
     name: ``f.__name__``.
+    combine: a regression model's outputs combined into one reward (required for one).
   """
-  _check_scalar_head(rm)
+  _check_scalar_head(rm, combine)
+  extra = {} if combine is None else {"combine": combine}
 
   def reward_func(*agent_completions: Sequence[str], batch_items: Sequence[Any] | None = None) -> list[float]:
     if not agent_completions:
@@ -108,7 +121,7 @@ def as_multi_agent_reward_func(rm: Scorer, formatter: Callable[..., Text], *, no
       raise ValueError(f"{name}: {len(batch_items)} batch_items for {n} joint responses; "
                        f"give one item, or one per response")
     texts = [formatter(item, *joint) for item, joint in zip(items, zip(*agent_completions))]
-    return rm.score(texts, normalize=normalize, batch_size=batch_size).tolist()
+    return rm.score(texts, normalize=normalize, batch_size=batch_size, **extra).tolist()
 
   return _named(reward_func, name)
 

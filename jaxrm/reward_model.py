@@ -423,13 +423,15 @@ class RewardModel:
 
   # ---------------------------------------------------------------- reward functions
 
-  def as_reward_func(self, *, normalize: bool = False, batch_size: int = 8,
-                     name: str = "jaxrm_reward") -> Callable[..., list[float]]:
+  def as_reward_func(self, *, normalize: bool = False, batch_size: int = 8, name: str = "jaxrm_reward",
+                     combine=None) -> Callable[..., list[float]]:
     """A TRL GRPOTrainer reward function; see :func:`jaxrm.reward_funcs.as_reward_func`."""
-    return reward_funcs.as_reward_func(self, normalize=normalize, batch_size=batch_size, name=name)
+    return reward_funcs.as_reward_func(self, normalize=normalize, batch_size=batch_size, name=name,
+                                       combine=combine)
 
   def as_multi_agent_reward_func(self, formatter: Callable[..., Text], *, normalize: bool = False,
-                                 batch_size: int = 8, name: str = "jaxrm_reward") -> Callable[..., list[float]]:
+                                 batch_size: int = 8, name: str = "jaxrm_reward",
+                                 combine=None) -> Callable[..., list[float]]:
     """A CoMLRL-style multi-agent reward function; see :func:`jaxrm.reward_funcs.as_multi_agent_reward_func`."""
     return reward_funcs.as_multi_agent_reward_func(self, formatter, normalize=normalize, batch_size=batch_size,
-                                                   name=name)
+                                                   name=name, combine=combine)

@@ -65,6 +65,8 @@ def _define_flags() -> None:
                     "eos, as OpenRLHF's serve_rm does (for models trained with OpenRLHF).")
   flags.DEFINE_bool("normalize", False, "Return (reward - mean) / std with the statistics recorded at "
                     "validation (models saved by training).")
+  flags.DEFINE_string("combine", None, "A regression model's outputs combined into one reward: an attribute's "
+                      "name, or 'name=weight,...' (see RewardModel.score).")
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
   flags.DEFINE_string("attention", "auto", "Attention implementation: auto (a fused kernel on GPU, the "
                       "reference path elsewhere) | reference | pallas | cudnn.")
@@ -92,6 +94,7 @@ def server_config(f) -> ServerConfig:
       max_queued_tokens=f.max_queued_tokens, request_timeout=f.request_timeout,
       header_timeout=f.header_timeout, body_timeout=f.body_timeout, keep_alive=f.keep_alive,
       max_connections=f.max_connections, openrlhf_text=f.openrlhf_text, normalize=f.normalize,
+      combine=f.combine,
       api_key=f.api_key or os.environ.get(API_KEY_ENV) or None)
 
 

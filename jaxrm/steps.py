@@ -32,17 +32,18 @@ from jaxrm.models.decoder import Decoder
 log = logging.getLogger("jaxrm.steps")
 
 
-def make_loss_fn(model: Decoder, spec: RewardSpec) -> Callable:
+def make_loss_fn(model: Decoder, spec: RewardSpec, *, samples: bool = False) -> Callable:
   """``loss_fn(params, batch, frozen=None, rng=None) -> (loss_total, metrics)``; loss_total is a
   sum, metrics["loss"].count its count.
 
   ``batch`` is any class of :mod:`jaxrm.batches`; packed and unpacked layouts give the same losses
   and metrics, counted per group or sequence. ``frozen`` is the part of the model's state that
   ``params`` leaves out (``state["frozen"]``, see :func:`init_state`). ``rng`` (a PRNG key, in
-  training) drives the adapters' dropout; without it nothing is dropped.
+  training) drives the adapters' dropout; without it nothing is dropped. ``samples`` (validation)
+  adds the per-example :class:`~jaxrm.losses.Samples` that rank-based metrics need.
   """
   graphdef = nnx.graphdef(model)
-  batch_loss = losses.batch_loss(spec)
+  batch_loss = losses.batch_loss(spec, samples=samples)
 
   def loss_fn(params, batch: Batch, frozen=None, rng=None):
     model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)

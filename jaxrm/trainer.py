@@ -146,7 +146,7 @@ def _prepare(config: RunConfig) -> _Run:
   loss_fn = steps.make_loss_fn(rm.model, config.reward)
   train_step = steps.CompiledPerShape("train step", steps.make_train_step(
       loss_fn, tx, schedule, grad_accum_steps=inputs.grad_accum, state_shardings=state_shardings, mesh=mesh))
-  eval_loss_fn = _eval_loss_fn(rm.model, config.reward) if config.reward.loss_key in losses.SAMPLES else loss_fn
+  eval_loss_fn = steps.make_loss_fn(rm.model, config.reward, samples=True)
   eval_step = steps.CompiledPerShape("eval step", steps.make_eval_step(eval_loss_fn, mesh=mesh))
   start_step, last_val = 0, {}
   if resume_step is not None:
@@ -219,8 +219,11 @@ def _check_same_lora(out_dir: str, lora_cfg: lora.LoraConfig) -> None:
 
 
 def _describe_lora(cfg: lora.LoraConfig) -> str:
-  """``LoRA rank 8 (alpha 16) on q_proj, v_proj``, or ``no LoRA``."""
-  return f"LoRA rank {cfg.rank} (alpha {cfg.alpha:g}) on {', '.join(cfg.targets)}" if cfg.enabled else "no LoRA"
+  """``LoRA rank 8 (alpha 16) on q_proj, v_proj``, ``... (alpha 16, dropout 0.05) ...``, or ``no LoRA``."""
+  if not cfg.enabled:
+    return "no LoRA"
+  dropout = f", dropout {cfg.dropout:g}" if cfg.dropout else ""
+  return f"LoRA rank {cfg.rank} (alpha {cfg.alpha:g}{dropout}) on {', '.join(cfg.targets)}"
 
 
 def _base_reference(name_or_path: str) -> str:
@@ -420,20 +423,6 @@ def _evaluate(run: _Run, step: int) -> dict[str, float]:
                       f"metric; available: {', '.join(sorted(results))}")
   run.writer.write(step, results)
   return results
-
-
-def _eval_loss_fn(model, spec: RewardSpec):
-  """The loss function of ``steps.make_loss_fn``, whose metrics also keep the per-example
-  :class:`~jaxrm.losses.Samples` that Spearman and same-prompt pairs need (regression)."""
-  graphdef = nnx.graphdef(model)
-  batch_loss = losses.batch_loss(spec, samples=True)
-
-  def loss_fn(params, batch, frozen=None):
-    model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
-    _, metrics = batch_loss(batch.outputs(model), batch)
-    return metrics["loss"].total, metrics
-
-  return loss_fn
 
 
 def _samples_to_host(metrics: losses.Metrics) -> losses.Metrics:

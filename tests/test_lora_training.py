@@ -115,8 +115,9 @@ def test_resume_equals_uninterrupted_run(lora_run, model_dir, tmp_path):
       _rows(lora_run, "validation-default_loss")[4]["validation-default_loss"], abs=1e-6)
 
   # Resuming with other adapters is refused before anything trains.
-  with pytest.raises(ConfigError, match=r"holds a run trained with LoRA rank 4 \(alpha 16\) on q_proj, v_proj, "
-                                        r"but model.lora asks for LoRA rank 8 \(alpha 16\) on q_proj, v_proj: "
+  with pytest.raises(ConfigError, match=r"holds a run trained with LoRA rank 4 \(alpha 16, dropout 0.1\) on q_proj, "
+                                        r"v_proj, but model.lora asks for LoRA rank 8 \(alpha 16, dropout 0.1\) on "
+                                        r"q_proj, v_proj: "
                                         r"resume with the run's settings"):
     tiny_run.train(tiny_run.config(model_dir, stopped, **dict(LORA, model__lora__rank=8)))
 

@@ -101,6 +101,33 @@ def test_run_scores_attributes_and_combinations(run):
     rm.score(prompts=prompts, completions=responses, normalize=True)
 
 
+def test_reward_func_and_server_take_a_combination(run):
+  from jaxrm.errors import ConfigError
+  from jaxrm.server.app import check_model, score_fn
+  from jaxrm.server.config import ServerConfig
+  out, _ = run
+  rm = RewardModel.from_pretrained(out)
+  prompts, responses = ["Item 9-0:"] * 2, [" smooth great", " rough awful"]
+  weights = {"quality": 0.5, "polish": 2.0}
+  want = rm.score(prompts=prompts, completions=responses, combine=weights)
+  f = rm.as_reward_func(combine=weights)
+  assert f(prompts=prompts, completions=responses, completion_ids=[[1], [2]]) == want.tolist()
+  with pytest.raises(ValueError, match=r"this model scores 2 outputs \(quality, polish\); a reward function "
+                                       r"needs one reward: pass combine="):
+    rm.as_reward_func()
+  # The server's one scoring call combines as rm.score does.
+  rows = [rm.encode(p, c) for p, c in zip(prompts, responses)]
+  width = max(map(len, rows))
+  ids = np.array([r + [0] * (width - len(r)) for r in rows], np.int32)
+  mask = np.array([[1] * len(r) + [0] * (width - len(r)) for r in rows], np.int32)
+  np.testing.assert_allclose(score_fn(rm, False, "quality=0.5,polish=2")(ids, mask), want, rtol=1e-6)
+  with pytest.raises(ConfigError, match=r"this model scores 2 outputs \(quality, polish\); the server returns "
+                                        r"one reward per item: pass --combine"):
+    check_model(rm, ServerConfig())
+  with pytest.raises(ConfigError, match=r"--combine='length': score\(combine=...\): combine names 'length', not among"):
+    check_model(rm, ServerConfig(combine="length"))
+
+
 def test_export_names_attributes_and_transformers_scores_alike(run, tmp_path):
   out, _ = run
   rm = RewardModel.from_pretrained(out)

@@ -83,7 +83,7 @@ def peft_config(cfg: ModelConfig, base_model_name_or_path: str | None) -> dict:
       "revision": None,
       "r": cfg.lora.rank,
       "lora_alpha": int(alpha) if alpha.is_integer() else alpha,
-      "lora_dropout": 0.0,
+      "lora_dropout": cfg.lora.dropout,
       "target_modules": list(cfg.lora.targets),
       "bias": "none",
       "modules_to_save": [PEFT_HEAD],

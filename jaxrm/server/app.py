@@ -12,6 +12,7 @@ import time
 from typing import Callable
 
 import anyio
+import numpy as np
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -35,19 +36,32 @@ RETRY_AFTER = {"Retry-After": "1"}
 DEFAULT_CONFIG = ServerConfig()
 
 
-def score_fn(rm, normalize: bool) -> ScoreFn:
-  """``(ids [B, T], mask [B, T]) -> rewards [B]``: the model's one scoring call."""
+def score_fn(rm, normalize: bool, combine: str | None = None) -> ScoreFn:
+  """``(ids [B, T], mask [B, T]) -> rewards [B]``: the model's one scoring call; a regression
+  model's outputs [B, A] are combined by ``combine`` (see ``RewardModel.score``)."""
+  weights = None if combine is None else rm.combination(combine)
+
   def score(ids, mask):
     rewards = rm.score_tokens(ids, mask)
+    if weights is not None:
+      rewards = (np.asarray(rewards, np.float64).reshape(len(ids), -1) @ weights).astype(np.float32)
     return rm._normalize(rewards) if normalize else rewards  # pylint: disable=protected-access  # rm.score's own
   return score
 
 
 def check_model(rm, config: ServerConfig) -> None:
-  if rm.config.head != "sequence" or rm.config.num_labels != 1:
-    raise ConfigError("the server scores with one reward per sequence; this model has a "
-                      f"{rm.config.head} head with {rm.config.num_labels} labels (a process reward model "
-                      "scores steps: use rm.score_steps)")
+  if rm.config.head != "sequence":
+    raise ConfigError(f"the server scores with one reward per sequence; this model has a {rm.config.head} "
+                      "head (a process reward model scores steps: use rm.score_steps)")
+  if rm.config.num_labels != 1 and config.combine is None:
+    raise ConfigError(f"this model scores {rm.config.num_labels} outputs ({', '.join(rm.attributes or ())}); "
+                      "the server returns one reward per item: pass --combine (an attribute's name, or "
+                      "'name=weight,...')")
+  if config.combine is not None:
+    try:
+      rm.combination(config.combine)
+    except ValueError as e:
+      raise ConfigError(f"--combine={config.combine!r}: {e}") from None
   if rm.tokenizer is None:
     raise ConfigError("the model has no tokenizer, and the server scores text; load it with tokenizer=")
   if config.normalize and not rm.reward_stats:
@@ -261,7 +275,7 @@ class RewardServer:
     check_model(rm, config)
     self.config = config.resolved(rm.config.max_position_embeddings)
     self.metrics = Metrics()
-    self.batcher = Batcher(score_fn(rm, self.config.normalize), self.config,
+    self.batcher = Batcher(score_fn(rm, self.config.normalize, self.config.combine), self.config,
                            pad_id(rm.tokenizer, rm.config.pad_token_id), self.metrics)
     app = App(rm, self.config, self.batcher, self.metrics, model_name).starlette()
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

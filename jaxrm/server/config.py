@@ -37,6 +37,8 @@ class ServerConfig:
       tokenize without adding special tokens, as OpenRLHF's ``serve_rm`` does, so a model trained
       by OpenRLHF scores what it was trained on (a text over max_length is refused, not cut).
     normalize: return (reward - mean) / std with the statistics recorded at validation.
+    combine: a regression model's outputs combined into one reward (``RewardModel.score``'s
+      ``combine``: an attribute's name or ``"name=weight,..."``); required for such a model.
     api_key: if set, every endpoint but ``/health`` needs ``Authorization: Bearer <api_key>``.
   """
 
@@ -55,6 +57,7 @@ class ServerConfig:
   max_connections: int = 1024
   openrlhf_text: bool = False
   normalize: bool = False
+  combine: str | None = None  # a regression model's outputs combined into one reward
   api_key: str | None = dataclasses.field(default=None, repr=False)
 
   def __post_init__(self):
