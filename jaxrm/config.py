@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any
 
+from jaxrm import optim
+from jaxrm.data.cache import DEFAULT_CACHE_DIR
 from jaxrm.data.tokenize import TokenizeOptions
 from jaxrm.errors import ConfigError
 from jaxrm.losses import RewardSpec
@@ -104,6 +107,11 @@ class DataSpec:
   shuffle_seed: int = 0
   max_train_rows: int = 0  # 0: all
   max_val_rows: int = 0  # per validation set; 0: all
+  # Tokenized sets are kept in cache_dir ("": ~/.cache/jaxrm/tokenized), keyed by everything that
+  # changes them, and read back by later starts; False: tokenize at every start.
+  cache: bool = True
+  cache_dir: str = ""
+  num_proc: int = 1  # tokenizer processes when a set is tokenized (datasets' num_proc); 0: one per CPU
 
   def __post_init__(self):
     if self.packing not in PACKING_MODES:
@@ -111,6 +119,19 @@ class DataSpec:
     if self.packed_row_length < 0:
       raise ConfigError(f"data.packed_row_length={self.packed_row_length}: use a number of tokens per "
                         "row, or 0 to size rows from each batch's longest group")
+    if self.num_proc < 0:
+      raise ConfigError(f"data.num_proc={self.num_proc}: use a number of processes, or 0 for one per CPU")
+    if self.cache_dir and not self.cache:
+      log.warning("data.cache_dir=%r is not used: data.cache is False", self.cache_dir)
+
+  @property
+  def cache_directory(self) -> str | None:
+    """Where tokenized sets are cached; None when ``data.cache`` is off."""
+    return os.path.expanduser(self.cache_dir or DEFAULT_CACHE_DIR) if self.cache else None
+
+  @property
+  def tokenizer_processes(self) -> int:
+    return self.num_proc or os.cpu_count() or 1
 
   @property
   def tokenize_options(self) -> TokenizeOptions:
@@ -126,13 +147,59 @@ class TrainSpec:
   max_steps: int = 100
   max_epochs: int = 1
   learning_rate: float = 1e-5
-  lr_decay: str = "cosine"  # cosine | linear | constant
-  min_lr_ratio: float = 0.0
+  # transformers' get_scheduler names (TRL's lr_scheduler_type): cosine | cosine_with_min_lr | linear
+  # | constant (no warmup) | constant_with_warmup | inverse_sqrt ("inverse-square-root" too)
+  lr_scheduler: str = "cosine"
+  lr_decay: str = ""  # the former name of lr_scheduler: cosine | linear | constant (with warmup)
+  min_lr_ratio: float = 0.0  # where cosine and linear end, as a fraction of learning_rate
   warmup_steps: int = 10
   weight_decay: float = 0.0
   max_grad_norm: float = 1.0
+  # AdamW's betas and eps, under TRL's names (NeMo RL: optimizer.kwargs.betas / eps, or Megatron's
+  # adam_beta1 / adam_beta2 / adam_eps); NeMo RL's RM recipe uses 0.9, 0.98 and 1e-5.
+  adam_beta1: float = 0.9
+  adam_beta2: float = 0.999
+  adam_epsilon: float = 1e-8
   seed: int = 0
   log_period: int = 5
+
+  def __post_init__(self):
+    if self.lr_decay:
+      _set_scheduler_from_lr_decay(self)
+    try:
+      object.__setattr__(self, "lr_scheduler", optim.scheduler_name(self.lr_scheduler))
+    except ValueError as e:
+      raise ConfigError(f"train.{e}") from None
+    for key in ("adam_beta1", "adam_beta2"):
+      if not 0.0 <= getattr(self, key) < 1.0:
+        raise ConfigError(f"train.{key}={getattr(self, key)!r}: use a number in [0, 1), e.g. 0.9 for "
+                          "adam_beta1 and 0.999 (or NeMo RL's 0.98) for adam_beta2")
+    if not self.adam_epsilon > 0.0:
+      raise ConfigError(f"train.adam_epsilon={self.adam_epsilon!r}: use a small positive number, e.g. 1e-8 "
+                        "(NeMo RL's RM recipe: 1e-5)")
+    if not 0.0 <= self.min_lr_ratio <= 1.0:
+      raise ConfigError(f"train.min_lr_ratio={self.min_lr_ratio!r}: use a fraction of learning_rate in [0, 1]")
+    if self.lr_scheduler == "cosine_with_min_lr" and self.min_lr_ratio == 0.0:
+      raise ConfigError("train.lr_scheduler='cosine_with_min_lr' needs train.min_lr_ratio > 0 (e.g. 0.1); "
+                        "use 'cosine' to decay to 0")
+    if self.lr_scheduler == "constant" and self.warmup_steps:
+      log.warning("train.warmup_steps=%d is ignored: train.lr_scheduler='constant' has no warmup (as in "
+                  "transformers); use 'constant_with_warmup' to keep it", self.warmup_steps)
+
+
+def _set_scheduler_from_lr_decay(spec: TrainSpec) -> None:
+  """``train.lr_decay`` names the scheduler unless ``train.lr_scheduler`` names another."""
+  if spec.lr_decay not in optim.LEGACY_DECAYS:
+    raise ConfigError(f"train.lr_decay={spec.lr_decay!r} is not one of {', '.join(optim.LEGACY_DECAYS)}; "
+                      f"use train.lr_scheduler ({', '.join(optim.SCHEDULERS)}) instead")
+  meant = optim.LEGACY_DECAYS[spec.lr_decay]
+  if spec.lr_scheduler not in (meant, TrainSpec.lr_scheduler):
+    raise ConfigError(f"train.lr_decay={spec.lr_decay!r} and train.lr_scheduler={spec.lr_scheduler!r} disagree; "
+                      f"set only train.lr_scheduler")
+  if spec.lr_scheduler != meant:
+    log.warning("train.lr_decay=%r is the former name of train.lr_scheduler; use train.lr_scheduler=%r",
+                spec.lr_decay, meant)
+  object.__setattr__(spec, "lr_scheduler", meant)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The run config: ConfigDict (files, command line) and dataclasses (the library) hold the same keys."""
 
 import json
+import os
 
 import pytest
 
@@ -48,7 +49,7 @@ def test_a_notebook_sets_only_what_it_changes():
      "'validation-<set>_<metric>' with <set> one of default"),
     (lambda: RunConfig.from_dict({"trian": {}}), "the config has no key 'trian'; it has output_dir, model"),
     (lambda: RunConfig.from_dict({"train": {"max_stepz": 1}}),
-     "config.train has no key 'max_stepz'; it has global_batch_size"),
+     "config.train has no key 'max_stepz'; it has adam_beta1, adam_beta2, adam_epsilon, global_batch_size"),
     (lambda: RunConfig.from_dict({"model": {"lora": {"rnak": 8}}}),
      "config.model.lora has no key 'rnak'; it has alpha, base_dtype, dropout, rank, target_modules"),
     (lambda: RunConfig.from_dict({"model": {"lora": 8}}), "config.model.lora is a section (rank, alpha"),
@@ -57,9 +58,19 @@ def test_a_notebook_sets_only_what_it_changes():
     (lambda: LoraSpec(rank=8, target_modules="q_proj,qkv_proj"),
      "model.lora.target_modules='q_proj,qkv_proj': LoRA targets ['qkv_proj'] are not projections"),
     (lambda: LoraSpec(rank=8, target_modules=""), "model.lora.target_modules='': LoRA rank=8 adapts no projection"),
-    (lambda: LoraSpec(rank=8, dropout=0.1), "model.lora.dropout=0.1: LoRA dropout is not supported yet; use 0.0"),
+    (lambda: LoraSpec(rank=8, dropout=1.0), "model.lora.dropout=1.0: LoRA dropout=1.0; use a probability in [0, 1)"),
     (lambda: LoraSpec(rank=8, base_dtype="fp8"), "model.lora.base_dtype='fp8': LoRA base_dtype='fp8'; use one of"),
     (lambda: LoraSpec(base_dtype="nf4"), "model.lora.base_dtype='nf4': LoRA base_dtype='nf4' freezes"),
+    (lambda: TrainSpec(lr_scheduler="polynomial"), "train.lr_scheduler='polynomial' is not one of cosine, "),
+    (lambda: TrainSpec(lr_decay="exponential"), "train.lr_decay='exponential' is not one of cosine, linear, "
+     "constant; use train.lr_scheduler"),
+    (lambda: TrainSpec(lr_decay="linear", lr_scheduler="constant"),
+     "train.lr_decay='linear' and train.lr_scheduler='constant' disagree; set only train.lr_scheduler"),
+    (lambda: TrainSpec(lr_scheduler="cosine_with_min_lr"), "train.lr_scheduler='cosine_with_min_lr' needs "
+     "train.min_lr_ratio > 0"),
+    (lambda: TrainSpec(adam_beta2=1.0), "train.adam_beta2=1.0: use a number in [0, 1)"),
+    (lambda: TrainSpec(adam_epsilon=0.0), "train.adam_epsilon=0.0: use a small positive number"),
+    (lambda: TrainSpec(min_lr_ratio=2.0), "train.min_lr_ratio=2.0: use a fraction of learning_rate in [0, 1]"),
 ])
 def test_bad_values_name_their_key(make, message):
   with pytest.raises(ConfigError) as e:
@@ -95,3 +106,42 @@ def test_metric_name_prefixes():
   assert normalize_metric_name("val:validation-default_loss") == "validation-default_loss"
   assert normalize_metric_name("validation/validation-default_loss") == "validation-default_loss"
   assert normalize_metric_name("") is None
+
+
+def test_scheduler_and_adam_keys_under_trl_names(caplog):
+  c = base_config()
+  assert (c.train.lr_scheduler, c.train.adam_beta1, c.train.adam_beta2, c.train.adam_epsilon) == (
+      "cosine", 0.9, 0.999, 1e-8)  # transformers' and PyTorch's defaults
+  # NeMo RL's RM recipe, from the command line.
+  c.train.adam_beta2, c.train.adam_epsilon, c.train.lr_scheduler = 0.98, 1e-5, "inverse-square-root"
+  run = from_config_dict(c)
+  assert (run.train.adam_beta2, run.train.adam_epsilon, run.train.lr_scheduler) == (0.98, 1e-5, "inverse_sqrt")
+  assert RunConfig.from_dict(json.loads(json.dumps(run.to_dict()))) == run
+  with caplog.at_level("WARNING", logger="jaxrm.config"):
+    assert TrainSpec(lr_scheduler="constant", warmup_steps=5).lr_scheduler == "constant"
+  assert "train.warmup_steps=5 is ignored" in caplog.text
+
+
+def test_lr_decay_is_the_former_name_of_lr_scheduler(caplog):
+  with caplog.at_level("WARNING", logger="jaxrm.config"):
+    spec = TrainSpec(lr_decay="constant")
+  # Its "constant" kept the warmup: transformers calls that constant_with_warmup.
+  assert spec.lr_scheduler == "constant_with_warmup"
+  assert "train.lr_decay='constant' is the former name of train.lr_scheduler; use train.lr_scheduler=" \
+         "'constant_with_warmup'" in caplog.text
+  assert TrainSpec(lr_decay="linear", lr_scheduler="linear").lr_scheduler == "linear"
+  run = RunConfig(train=spec)
+  assert RunConfig.from_dict(json.loads(json.dumps(run.to_dict()))) == run
+
+
+def test_data_cache_keys():
+  c = base_config()
+  assert (c.data.cache, c.data.cache_dir, c.data.num_proc) == (True, "", 1)
+  spec = from_config_dict(c).data
+  assert spec.cache_directory.endswith(os.path.join(".cache", "jaxrm", "tokenized"))
+  assert spec.tokenizer_processes == 1
+  assert DataSpec(cache=False).cache_directory is None
+  assert DataSpec(cache_dir="~/tok").cache_directory == os.path.expanduser("~/tok")
+  assert DataSpec(num_proc=0).tokenizer_processes == (os.cpu_count() or 1)
+  with pytest.raises(ConfigError, match=r"^data.num_proc=-2: use a number of processes, or 0 for one per CPU"):
+    DataSpec(num_proc=-2)

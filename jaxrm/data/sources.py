@@ -6,6 +6,7 @@ number, from 1) for JSON Lines, ``"data.parquet[row 3]"`` (row index, from 0) fo
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -16,13 +17,17 @@ from jaxrm.errors import DataError
 from jaxrm.data.formats import kind
 
 _FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+_PARQUET_BATCH = 65_536  # pyarrow's default batch size
 # "name" or "org/name": anything else that does not exist on disk is a missing local path.
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
 
-def read_rows(path_or_name: str, *, split: str = "train",
-              config: str | None = None) -> Iterator[tuple[str, dict]]:
+def read_rows(path_or_name: str, *, split: str = "train", config: str | None = None,
+              max_rows: int = 0) -> Iterator[tuple[str, dict]]:
   """Yields ``(source, row)`` for each row of a file, directory, URL or hub dataset.
+
+  Rows are read as they are asked for: JSON Lines line by line, Parquet a batch at a time, a
+  ``save_to_disk`` directory memory-mapped; a ``.json`` file and a hub dataset are read whole.
 
   Args:
     path_or_name: a local ``.jsonl``, ``.json`` (a list of objects, or ``{"data": [...]}``) or
@@ -30,21 +35,67 @@ def read_rows(path_or_name: str, *, split: str = "train",
       file; or a hub dataset name, read with ``datasets.load_dataset``.
     split: the split of a saved ``DatasetDict`` or of a hub dataset.
     config: the hub dataset's configuration name, if it has several.
+    max_rows: stop after this many rows (blank JSON Lines lines are not rows); 0: all. Parquet
+      then decodes no more than that, and a hub or URL dataset is read as ``split[:max_rows]``.
 
   Raises:
     DataError: a missing or empty file, a line that is not valid UTF-8 or JSON, a row that is not
       an object, an unknown split.
   """
+  if max_rows < 0:
+    raise DataError(f"{path_or_name}: max_rows={max_rows}; use a number of rows, or 0 for all")
   path = os.path.expanduser(path_or_name)
   if os.path.isdir(path):
-    return _objects(path_or_name, _saved_rows(path_or_name, path, split))
+    rows = _saved_rows(path_or_name, path, split)
+  elif os.path.isfile(path):
+    rows = _file_rows(path_or_name, path, max_rows)
+  elif "://" in path_or_name:
+    rows = _url_rows(path_or_name, max_rows)
+  elif path_or_name.endswith(_FILE_SUFFIXES) or not _HUB_NAME.fullmatch(path_or_name):
+    raise DataError(f"{path_or_name}: no such file or directory")
+  else:
+    rows = _hub_rows(path_or_name, split, config, max_rows)
+  return _objects(path_or_name, itertools.islice(rows, max_rows or None))
+
+
+def fingerprint(path_or_name: str, *, split: str = "train", config: str | None = None) -> dict:
+  """What identifies the rows :func:`read_rows` would yield, for a cache key.
+
+  A local file is known by the name as given (the rows' sources quote it), its size and an
+  xxh3-128 hash of its content (a touched file with the same bytes is the same data); a
+  directory by the same for each of its files; a URL or hub dataset by the fingerprint ``datasets`` gives what it loaded (its files'
+  hashes or ETags; it is loaded, from its cache, to know it).
+
+  Raises:
+    DataError: as :func:`read_rows`, for a path that does not exist.
+  """
+  path = os.path.expanduser(path_or_name)
   if os.path.isfile(path):
-    return _objects(path_or_name, _file_rows(path_or_name, path))
+    return {"file": path_or_name, **_file_fingerprint(path)}
+  if os.path.isdir(path):
+    files = sorted(os.path.relpath(os.path.join(d, n), path) for d, _, names in os.walk(path) for n in names)
+    return {"directory": path_or_name, "split": split,
+            "files": {f: _file_fingerprint(os.path.join(path, f)) for f in files}}
   if "://" in path_or_name:
-    return _objects(path_or_name, _url_rows(path_or_name))
+    builder = "parquet" if path_or_name.endswith(".parquet") else "json"
+    loaded = _load(path_or_name, "a URL", builder, data_files=path_or_name, split="train")
+    return {"url": path_or_name, "datasets_fingerprint": loaded._fingerprint}  # pylint: disable=protected-access
   if path_or_name.endswith(_FILE_SUFFIXES) or not _HUB_NAME.fullmatch(path_or_name):
     raise DataError(f"{path_or_name}: no such file or directory")
-  return _objects(path_or_name, _hub_rows(path_or_name, split, config))
+  loaded = _load(path_or_name, f"a hub dataset (split {split!r}, config {config!r})", path_or_name, config,
+                 split=split)
+  return {"hub": path_or_name, "split": split, "config": config,
+          "datasets_fingerprint": loaded._fingerprint}  # pylint: disable=protected-access
+
+
+def _file_fingerprint(path: str) -> dict:
+  import xxhash  # pylint: disable=g-import-not-at-top  (a dependency of datasets)
+
+  h = xxhash.xxh3_128()
+  with open(path, "rb") as f:
+    while block := f.read(1 << 24):
+      h.update(block)
+  return {"size": os.path.getsize(path), "xxh3_128": h.hexdigest()}
 
 
 def _objects(name: str, rows: Iterable[tuple[str, object]]) -> Iterator[tuple[str, dict]]:
@@ -59,7 +110,7 @@ def _objects(name: str, rows: Iterable[tuple[str, object]]) -> Iterator[tuple[st
     raise DataError(f"{name}: has no rows")
 
 
-def _file_rows(name: str, path: str) -> Iterable[tuple[str, object]]:
+def _file_rows(name: str, path: str, max_rows: int) -> Iterable[tuple[str, object]]:
   if os.path.getsize(path) == 0:
     raise DataError(f"{name}: the file is empty")
   if path.endswith(".jsonl"):
@@ -67,7 +118,7 @@ def _file_rows(name: str, path: str) -> Iterable[tuple[str, object]]:
   if path.endswith(".json"):
     return _json_rows(name, path)
   if path.endswith(".parquet"):
-    return _parquet_rows(name, path)
+    return _parquet_rows(name, path, max_rows)
   raise DataError(f"{name}: unknown file type; use .jsonl, .json, .parquet or a directory written "
                   "by datasets' save_to_disk")
 
@@ -107,11 +158,12 @@ def _json_rows(name: str, path: str) -> Iterator[tuple[str, object]]:
   return ((f"{name}[row {i}]", row) for i, row in enumerate(rows))
 
 
-def _parquet_rows(name: str, path: str) -> Iterator[tuple[str, object]]:
+def _parquet_rows(name: str, path: str, max_rows: int) -> Iterator[tuple[str, object]]:
   import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
 
   index = 0
-  for batch in pq.ParquetFile(path).iter_batches():
+  # Batches of at most max_rows: a limit decodes no more than it keeps.
+  for batch in pq.ParquetFile(path).iter_batches(batch_size=min(max_rows or _PARQUET_BATCH, _PARQUET_BATCH)):
     for row in batch.to_pylist():
       yield f"{name}[row {index}]", row
       index += 1
@@ -135,14 +187,19 @@ def _saved_rows(name: str, path: str, split: str) -> Iterator[tuple[str, object]
                   "dataset_dict.json or state.json)")
 
 
-def _url_rows(url: str) -> Iterator[tuple[str, object]]:
+def _url_rows(url: str, max_rows: int) -> Iterator[tuple[str, object]]:
   builder = "parquet" if url.endswith(".parquet") else "json"
-  return _dataset_rows(url, _load(url, "a URL", builder, data_files=url, split="train"))
+  return _dataset_rows(url, _load(url, "a URL", builder, data_files=url, split=_sliced("train", max_rows)))
 
 
-def _hub_rows(name: str, split: str, config: str | None) -> Iterator[tuple[str, object]]:
+def _hub_rows(name: str, split: str, config: str | None, max_rows: int) -> Iterator[tuple[str, object]]:
   what = f"a hub dataset (split {split!r}, config {config!r})"
-  return _dataset_rows(f"{name}:{split}", _load(name, what, name, config, split=split))
+  return _dataset_rows(f"{name}:{split}", _load(name, what, name, config, split=_sliced(split, max_rows)))
+
+
+def _sliced(split: str, max_rows: int) -> str:
+  """``datasets``' split syntax for the first ``max_rows`` rows."""
+  return f"{split}[:{max_rows}]" if max_rows else split
 
 
 def _load(name: str, what: str, *args, **kwargs):

@@ -1,0 +1,151 @@
+"""What a training run prints: each validation round as a table, and a summary at its end.
+
+Pure functions of the metrics dicts the trainer logs (``validation-<set>_<metric>`` keys, as
+``metrics.jsonl`` holds them); they return text and print nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from collections.abc import Mapping, Sequence
+
+VALIDATION_PREFIX = "validation-"
+VALIDATION_TIME = "timing/validation/total_validation_time"
+# Shown first, in this order, when a set has them; every other metric follows by name.
+LEADING_METRICS = ("loss", "accuracy", "margin", "step_accuracy", "f1_error", "recall_error",
+                   "first_error_found", "positive_rate")
+# Sets that name a split of a dataset read by name rather than a path.
+SPLIT_NAMES = ("train", "validation", "test")
+DEFAULT_FORMAT = "PreferenceDataset"  # evaluate's --dataset_name when none is given
+
+
+def split_validation_metrics(metrics: Mapping[str, float], sets: Sequence[str]) -> dict[str, dict[str, float]]:
+  """``{set: {metric: value}}`` from ``validation-<set>_<metric>`` keys; other keys are ignored.
+
+  A set's name may hold ``_`` (``train_sample``), so keys are matched against the run's set names,
+  the longest first.
+  """
+  out: dict[str, dict[str, float]] = {name: {} for name in sets}
+  names = sorted(sets, key=len, reverse=True)
+  for key, value in metrics.items():
+    if not key.startswith(VALIDATION_PREFIX):
+      continue
+    rest = key[len(VALIDATION_PREFIX):]
+    name = next((n for n in names if rest.startswith(f"{n}_")), None)
+    if name is not None:
+      out[name][rest[len(name) + 1:]] = value
+  return {name: m for name, m in out.items() if m}
+
+
+def validation_table(metrics: Mapping[str, float], sets: Sequence[str], step: int) -> str:
+  """One validation round: a row per metric, a column per validation set.
+
+  Every metric any set has is shown (``-`` where a set lacks it): the leading ones of
+  :data:`LEADING_METRICS` first, then the rest by name.
+  """
+  per_set = split_validation_metrics(metrics, sets)
+  seconds = metrics.get(VALIDATION_TIME)
+  title = f"validation at step {step}" + (f" ({seconds:.1f} s)" if seconds is not None else "")
+  if not per_set:
+    return f"{title}: no metrics"
+  names = _metric_order({m for values in per_set.values() for m in values})
+  rows = [["", *per_set]] + [[m, *(_number(values.get(m)) for values in per_set.values())] for m in names]
+  return f"{title}\n{_table(rows)}"
+
+
+def run_summary(*, output_dir: str, steps: int, wall_seconds: float, train_tokens: int, train_seconds: float,
+                final_metrics: Mapping[str, float], sets: Sequence[str], final_step: int | None,
+                best: tuple[int, str, float] | None, higher_is_better: bool, dataset_name: str,
+                val_path: str, max_length: int, truncation: str = "drop", lora: bool = False) -> str:
+  """What a finished run did and how to use it.
+
+  Args:
+    output_dir: the run directory.
+    steps: the updates this run made (not counting those before a resume).
+    wall_seconds: the run's time from start to end.
+    train_tokens: real (unpadded) tokens trained on in those steps.
+    train_seconds: time spent in train steps.
+    final_metrics: the last validation round's metrics; ``final_step`` its step.
+    sets: the validation set names.
+    best: ``(step, metric name, value)`` of the best checkpoint; None when not ranked.
+    higher_is_better: how ``best`` was ranked.
+    dataset_name, val_path: ``data.dataset_name`` and the first validation set's path, for the
+      evaluation command.
+    max_length, truncation: the run's tokenization, for the evaluation command.
+    lora: the run trained LoRA adapters (the export command can write them alone).
+  """
+  rate = f", {_count(train_tokens / train_seconds)} tokens/s in train steps" if train_seconds > 0 else ""
+  lines = [f"run finished: {steps} steps in {_duration(wall_seconds)}{rate}"]
+  if best is not None:
+    step, name, value = best
+    lines.append(f"best checkpoint: step {step}, {name} = {_number(value)} "
+                 f"({'higher' if higher_is_better else 'lower'} is better)")
+  if final_step is not None and split_validation_metrics(final_metrics, sets):
+    lines.append("final " + validation_table(final_metrics, sets, final_step))
+  lines += ["use it:", *("  " + c for c in usage_commands(output_dir, dataset_name=dataset_name, val_path=val_path,
+                                                          max_length=max_length, truncation=truncation,
+                                                          lora=lora))]
+  return "\n".join(lines)
+
+
+def usage_commands(output_dir: str, *, dataset_name: str, val_path: str, max_length: int,
+                   truncation: str = "drop", lora: bool = False) -> list[str]:
+  """Python and shell lines that load, evaluate and export the run in ``output_dir``."""
+  run = shlex.quote(output_dir)
+  if not val_path or val_path in SPLIT_NAMES:
+    data = [f"--data={shlex.quote(dataset_name)}"] + ([f"--split={val_path}"] if val_path else [])
+  else:
+    data = [f"--data={shlex.quote(val_path)}"]
+    data += [f"--dataset_name={shlex.quote(dataset_name)}"] if dataset_name != DEFAULT_FORMAT else []
+  evaluate = ["python -m jaxrm.evaluate", f"--model={run}", *data, f"--max_length={max_length}"]
+  evaluate += [f"--truncation={truncation}"] if truncation != "drop" else []
+  exported = shlex.quote(output_dir.rstrip("/") + "-hf")
+  lines = [f"from jaxrm import RewardModel; rm = RewardModel.from_pretrained({output_dir!r})  # the best checkpoint",
+           " ".join(evaluate),
+           f"python -m jaxrm.export --checkpoint={run} --out={exported}"]
+  if lora:
+    lines.append(f"python -m jaxrm.export --checkpoint={run} --out={shlex.quote(output_dir.rstrip('/') + '-adapters')}"
+                 " --adapters_only")
+  return lines
+
+
+def _metric_order(names: set[str]) -> list[str]:
+  leading = [m for m in LEADING_METRICS if m in names]
+  return leading + sorted(names - set(leading))
+
+
+def _table(rows: list[list[str]]) -> str:
+  """Left-aligned first column, right-aligned others, two spaces apart."""
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  return "\n".join("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                   for r in rows)
+
+
+def _number(value) -> str:
+  if value is None:
+    return "-"
+  if isinstance(value, int) and not isinstance(value, bool):
+    return str(value)
+  value = float(value)
+  if not math.isfinite(value):
+    return str(value)  # nan: nothing was counted (e.g. no error step in the set)
+  if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
+    return f"{value:.3e}"
+  return f"{value:.4f}"
+
+
+def _count(n: float) -> str:
+  for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+    if n >= scale:
+      return f"{n / scale:.1f}{suffix}"
+  return f"{n:.0f}"
+
+
+def _duration(seconds: float) -> str:
+  seconds = int(round(seconds))
+  hours, rest = divmod(seconds, 3600)
+  minutes, secs = divmod(rest, 60)
+  if hours:
+    return f"{hours}h{minutes:02d}m{secs:02d}s"
+  return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
