@@ -78,6 +78,9 @@ class ModelSpec:
   dtype: str = "float32"  # compute dtype: float32 | bfloat16
   param_dtype: str = "float32"  # master weights (and optimizer state)
   remat: str = "none"  # none | full | dots
+  # True: the layers are one lax.scan (one layer compiled); False: written out one by one (longer
+  # compiles, no stacking of each layer's activations for the backward pass)
+  scan_layers: bool = True
   # auto (a fused flash kernel on GPU, the reference path elsewhere) | reference | pallas | cudnn
   attention: str = "auto"
   seed: int = 0  # seed of a new reward head
@@ -112,6 +115,9 @@ class DataSpec:
   cache: bool = True
   cache_dir: str = ""
   num_proc: int = 1  # tokenizer processes when a set is tokenized (datasets' num_proc); 0: one per CPU
+  # Train in Hugging Face's group_by_length order (shuffle, then sort by length within mega-batches
+  # of 50 batches): less padding in unpacked batches, at the cost of batches of similar lengths.
+  group_by_length: bool = False
 
   def __post_init__(self):
     if self.packing not in PACKING_MODES:
@@ -119,6 +125,10 @@ class DataSpec:
     if self.packed_row_length < 0:
       raise ConfigError(f"data.packed_row_length={self.packed_row_length}: use a number of tokens per "
                         "row, or 0 to size rows from each batch's longest group")
+    if self.group_by_length and self.packing != "none":
+      # Packed rows are filled from many groups and carry no per-batch padding to save.
+      raise ConfigError(f"data.group_by_length=True orders unpacked batches; data.packing={self.packing!r} "
+                        "already fills rows: set data.packing='none' or data.group_by_length=False")
     if self.num_proc < 0:
       raise ConfigError(f"data.num_proc={self.num_proc}: use a number of processes, or 0 for one per CPU")
     if self.cache_dir and not self.cache:
@@ -251,6 +261,9 @@ class RunConfig:
     if self.data.packing == "shared_prompt" and self.reward.type == "stepwise":
       raise ConfigError("data.packing='shared_prompt' writes a preference group's prompt once; stepwise "
                         "sequences have no group to share it: use data.packing='packed'")
+    if self.reward.type == "regression" and self.data.packing != "none":
+      raise ConfigError(f"data.packing={self.data.packing!r}: regression rows are not packed yet; use "
+                        "data.packing='none'")
     if self.data.packing == "none" and self.data.packed_row_length:
       log.warning("data.packed_row_length=%d is ignored: data.packing is 'none'", self.data.packed_row_length)
     if self.checkpointing.enabled:

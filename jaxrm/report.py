@@ -57,8 +57,9 @@ def validation_table(metrics: Mapping[str, float], sets: Sequence[str], step: in
 def run_summary(*, output_dir: str, steps: int, wall_seconds: float, train_tokens: int, train_seconds: float,
                 final_metrics: Mapping[str, float], sets: Sequence[str], final_step: int | None,
                 best: tuple[int, str, float] | None, higher_is_better: bool, dataset_name: str,
-                val_path: str, max_length: int, truncation: str = "drop", lora: bool = False) -> str:
-  """What a finished run did and how to use it.
+                val_path: str, max_length: int, truncation: str = "drop", lora: bool = False,
+                finished: bool = True) -> str:
+  """What a run did and how to use it.
 
   Args:
     output_dir: the run directory.
@@ -74,9 +75,12 @@ def run_summary(*, output_dir: str, steps: int, wall_seconds: float, train_token
       evaluation command.
     max_length, truncation: the run's tokenization, for the evaluation command.
     lora: the run trained LoRA adapters (the export command can write them alone).
+    finished: the run reached its last step; False: it stopped early and running it again
+      continues it.
   """
   rate = f", {_count(train_tokens / train_seconds)} tokens/s in train steps" if train_seconds > 0 else ""
-  lines = [f"run finished: {steps} steps in {_duration(wall_seconds)}{rate}"]
+  ended = "run finished" if finished else "run stopped early (run again to continue)"
+  lines = [f"{ended}: {steps} steps in {_duration(wall_seconds)}{rate}"]
   if best is not None:
     step, name, value = best
     lines.append(f"best checkpoint: step {step}, {name} = {_number(value)} "

@@ -16,17 +16,18 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 from flax import nnx
 
-from jaxrm import checkpointing, optim, sharding, steps
+from jaxrm import checkpointing, optim, report, sharding, steps
 from jaxrm.config import RunConfig
-from jaxrm.data import packing, pipeline, registry
+from jaxrm.data import cache, packing, pipeline, registry
 from jaxrm.data.drops import DropReport
 from jaxrm.data.packing import PackSpec
-from jaxrm.data.tokenize import pad_id, tokenize_all
+from jaxrm.data.tokenize import pad_id
 from jaxrm.errors import ConfigError, UserError
 from jaxrm import losses
 from jaxrm.losses import RewardSpec, accumulate, finalize_metrics
@@ -41,8 +42,8 @@ log = logging.getLogger("jaxrm.train")
 class _Data:
   """The tokenized examples of a run and the rows dropped from each set."""
 
-  train: list
-  validation: dict[str, list]
+  train: Sequence  # a list, or the cache's memory-mapped examples
+  validation: dict[str, Sequence]
   drops: dict[str, DropReport]  # "train", "validation-<name>"
   num_completions: int | None  # K of preference batches; None for stepwise and rated data
 
@@ -57,6 +58,11 @@ class _Input:
   pack: PackSpec | None
   grad_accum: int
 
+  @property
+  def micro_batched(self) -> bool:
+    """A training batch is a tuple of micro-batches, each padded to its own bucket."""
+    return self.pack is None and self.grad_accum > 1
+
 
 @dataclasses.dataclass
 class _Run:
@@ -69,12 +75,17 @@ class _Run:
   input: _Input
   total_steps: int
   state: dict[str, Any]
-  train_step: steps.CompiledPerShape
+  train_step: steps.CompiledPerShape | steps.MicroBatchedStep
   eval_step: steps.CompiledPerShape
   ckpt: checkpointing.Checkpointer | None
   writer: MetricsWriter
   start_step: int
   last_val: dict[str, float]  # the latest validation results
+  last_val_step: int | None = None
+  steps_done: int = 0  # by this process, since it started
+  train_seconds: float = 0.0  # in train steps
+  train_tokens: float = 0.0  # real tokens, all processes together
+  finished: bool = False  # the loop reached total_steps
 
 
 @contextlib.contextmanager
@@ -99,9 +110,13 @@ def train_and_evaluate(config: RunConfig, *, stop_after_steps: int | None = None
     UserError: a config value, the data or the model does not work (the message says why);
       also a non-finite loss or gradient norm, naming the step.
   """
+  started = time.time()
   run = _prepare(config)
   try:
-    return _loop(run, stop_after_steps)
+    last_val = _loop(run, stop_after_steps)
+    if run.writer.enabled:
+      print(_final_summary(run, time.time() - started), flush=True)
+    return last_val
   finally:
     run.writer.close()
     if run.ckpt is not None:
@@ -132,6 +147,7 @@ def _prepare(config: RunConfig) -> _Run:
   # ------------------------------------------------------------------ input
   data = _load_data(config, rm.tokenizer)
   inputs = _make_input(config, mesh, data, pad_id(rm.tokenizer, rm.config.pad_token_id))
+  _count_unused(config, data, inputs)
   total_steps = min(config.train.max_steps, config.train.max_epochs * inputs.stream.steps_per_epoch)
   if ckpt is None:
     ckpt = _checkpointer(config, out_dir)
@@ -139,13 +155,18 @@ def _prepare(config: RunConfig) -> _Run:
   t = config.train
   with _config_errors():
     schedule = optim.make_schedule(learning_rate=t.learning_rate, warmup_steps=t.warmup_steps,
-                                   total_steps=total_steps, decay=t.lr_decay, min_lr_ratio=t.min_lr_ratio)
-  tx = optim.make_optimizer(schedule, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm)
+                                   total_steps=total_steps, scheduler=t.lr_scheduler, min_lr_ratio=t.min_lr_ratio)
+  tx = optim.make_optimizer(schedule, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
+                            b1=t.adam_beta1, b2=t.adam_beta2, eps=t.adam_epsilon)
   state, state_shardings = steps.init_state(nnx.state(rm.model), tx, seed=config.train.seed, mesh=mesh,
                                             trainable=lora.trainable_filter(lora_cfg))
   loss_fn = steps.make_loss_fn(rm.model, config.reward)
-  train_step = steps.CompiledPerShape("train step", steps.make_train_step(
-      loss_fn, tx, schedule, grad_accum_steps=inputs.grad_accum, state_shardings=state_shardings, mesh=mesh))
+  if inputs.micro_batched:
+    # Each micro-batch keeps its own length bucket; one compiled gradient per bucket.
+    train_step = steps.MicroBatchedStep(loss_fn, tx, schedule, state_shardings=state_shardings, mesh=mesh)
+  else:
+    train_step = steps.CompiledPerShape("train step", steps.make_train_step(
+        loss_fn, tx, schedule, grad_accum_steps=inputs.grad_accum, state_shardings=state_shardings, mesh=mesh))
   eval_loss_fn = steps.make_loss_fn(rm.model, config.reward, samples=True)
   eval_step = steps.CompiledPerShape("eval step", steps.make_eval_step(eval_loss_fn, mesh=mesh))
   start_step, last_val = 0, {}
@@ -192,7 +213,8 @@ def _load_model(config: RunConfig, mesh, lora_cfg: lora.LoraConfig, *, weights: 
         config.model.name_or_path, dtype=config.model.dtype, param_dtype=config.model.param_dtype,
         head="token" if config.stepwise else "sequence", mesh=mesh, seed=config.model.seed,
         num_labels=len(config.reward.attribute_names) if regression else None,
-        remat=config.model.remat, attention_impl=config.model.attention, lora=lora_cfg, load_weights=weights)
+        remat=config.model.remat, scan_layers=config.model.scan_layers, attention_impl=config.model.attention,
+        lora=lora_cfg, load_weights=weights)
   if rm.tokenizer is None:
     raise ConfigError(f"model.name_or_path={config.model.name_or_path!r} has no tokenizer files")
   return rm
@@ -251,17 +273,25 @@ def _load_data(config: RunConfig, tokenizer) -> _Data:
                       f"which holds {kind} data (for reward.type {' or '.join(registry.KINDS[kind])})")
   options = _read_options(config.reward, spec.dataset_name)
 
-  def load(path: str, split: str, limit: int, drops: DropReport) -> list:
-    records = registry.load_records(spec.dataset_name, path or None, split=split, drops=drops, **options)
-    return tokenize_all(records[:limit] if limit else records, tokenizer, spec.tokenize_options, drops)
+  def load(path: str, split: str, limit: int, limit_name: str, drops: DropReport) -> Sequence:
+    path = path or None
+    source = None
+    if spec.cache_directory is not None:
+      source = registry.source_key(spec.dataset_name, path, split=split, **options)
+    if source is not None:
+      source["max_records"] = limit
+    read = lambda d: registry.iter_records(spec.dataset_name, path, split=split, drops=d, max_records=limit,
+                                             limit_name=limit_name, **options)
+    return cache.load_tokenized(read, tokenizer=tokenizer, options=spec.tokenize_options, drops=drops, source=source,
+                                cache_dir=spec.cache_directory, num_proc=spec.tokenizer_processes)
 
   drops = {"train": DropReport()}
-  train = load(spec.train_data_path, "train", spec.max_train_rows, drops["train"])
+  train = load(spec.train_data_path, "train", spec.max_train_rows, "data.max_train_rows", drops["train"])
   validation = {}
   for name, path in spec.val_data_paths.items():
     registry.check_val_set_name(name)
     drops[f"validation-{name}"] = report = DropReport()
-    validation[name] = load(path, "validation", spec.max_val_rows, report)
+    validation[name] = load(path, "validation", spec.max_val_rows, "data.max_val_rows", report)
     if not validation[name]:
       raise ConfigError(f"validation set {name!r} has no usable rows\n{report.summary(name)}")
   if config.reward.preference_strength_scaling and all(e.strength is None for e in train):
@@ -296,9 +326,6 @@ def _make_input(config: RunConfig, mesh, data: _Data, pad: int) -> _Input:
   if gbs % process_count:
     raise ConfigError(f"train.global_batch_size={gbs} must be divisible by the {process_count} processes")
   grad_accum = gbs // (mbs * data_parallel)
-  if config.reward.type == "regression" and config.data.packing != "none":
-    raise ConfigError(f"data.packing={config.data.packing!r}: regression rows are not packed yet; use "
-                      "data.packing='none'")
   # Packed row counts: equal rows on every data-parallel device, in steps of a quarter micro-batch
   # per device (few compiled shapes).
   pack = _pack_spec(config, data.num_completions, rows_multiple=(
@@ -311,11 +338,39 @@ def _make_input(config: RunConfig, mesh, data: _Data, pad: int) -> _Input:
   with _config_errors():
     train_iter, stream = pipeline.make_train_iterator(
         data.train, batch_size=gbs // process_count, seed=config.data.shuffle_seed, buckets=buckets,
-        num_workers=config.data.num_workers, micro_batches=grad_accum if pack is not None else 1, **hosts)
+        num_workers=config.data.num_workers, micro_batches=grad_accum, group_by_length=config.data.group_by_length,
+        **hosts)
   eval_bs = max(config.eval.batch_size // data_parallel, 1) * data_parallel
   validation = {name: pipeline.make_eval_batches(ex, batch_size=eval_bs // process_count, buckets=buckets, **hosts)
                 for name, ex in data.validation.items()}
   return _Input(train_iter, stream, validation, pack, grad_accum)
+
+
+def _count_unused(config: RunConfig, data: _Data, inputs: _Input) -> None:
+  """Counts the rows that are read but never batched, as drops: each epoch's remainder of the
+  last global batch, and the validation rows after ``eval.val_batches`` batches."""
+  stream = inputs.stream
+  left = stream.num_examples - stream.steps_per_epoch * stream.global_batch_size
+  if left:
+    _add_drops(data.drops["train"], left, f"not trained in each epoch: the {left} after the last full global "
+               f"batch of {stream.global_batch_size} (train.global_batch_size; other rows each epoch)",
+               f"{left} of each epoch's order")
+  if not config.eval.val_batches:
+    return
+  for name, batches in inputs.validation.items():
+    # Each batch holds the next example_mask.size groups of every host, in order.
+    kept = config.eval.val_batches * batches[0].example_mask.shape[0] * jax.process_count()
+    left = len(data.validation[name]) - kept
+    if left > 0:
+      _add_drops(data.drops[f"validation-{name}"], left,
+                 f"not validated: after eval.val_batches={config.eval.val_batches} batches",
+                 f"the last {left} of {name}")
+
+
+def _add_drops(report: DropReport, count: int, reason: str, example: str) -> None:
+  """Counts ``count`` rows left out together, named by one ``example`` rather than row by row."""
+  report.counts[reason] += count
+  report.examples[reason].append(example)
 
 
 def _pack_spec(config: RunConfig, num_completions: int | None, rows_multiple: int) -> PackSpec | None:
@@ -378,7 +433,8 @@ def _summary(run: _Run, out_dir: str) -> str:
       + ", ".join(f"{n}: {len(v)}" for n, v in data.validation.items()) + " validation\n"
       + drops
       + f"steps: {run.start_step} -> {run.total_steps}, batch {gbs} groups (x{run.input.grad_accum} accumulation), "
-      f"{tokens_per_step:.0f} tokens/step on average, {_describe_packing(run.input.pack, data.train, gbs)}\n"
+      f"{tokens_per_step:.0f} tokens/step on average, {_describe_packing(run.input, data.train, gbs)}"
+      + (", in length-grouped order (data.group_by_length)" if config.data.group_by_length else "") + "\n"
       f"output in {out_dir}")
 
 
@@ -386,9 +442,11 @@ def _count(n: int) -> str:
   return f"{n / 1e6:.1f}M" if n >= 100_000 else f"{n / 1e3:.1f}K"
 
 
-def _describe_packing(pack: PackSpec | None, train_examples: list, gbs: int) -> str:
+def _describe_packing(inputs: _Input, train_examples: Sequence, gbs: int) -> str:
+  pack = inputs.pack
   if pack is None:
-    return "one sequence per row (data.packing=none)"
+    return "one sequence per row (data.packing=none)" + (
+        ", each micro-batch padded to its own length" if inputs.micro_batched else "")
   rows = f"up to {pack.row_length}" if pack.length_multiple else f"{pack.row_length}"
   text = f"packed into rows of {rows} tokens"
   if pack.shared_prompt:
@@ -422,7 +480,15 @@ def _evaluate(run: _Run, step: int) -> dict[str, float]:
     raise ConfigError(f"checkpointing.metric_name={run.config.checkpointing.metric_name!r} is not a validation "
                       f"metric; available: {', '.join(sorted(results))}")
   run.writer.write(step, results)
+  if run.writer.enabled:
+    _say(report.validation_table(results, list(run.input.validation), step))
   return results
+
+
+def _say(text: str) -> None:
+  """Prints above the progress bar, if one is showing."""
+  from tqdm import tqdm
+  tqdm.write(text)
 
 
 def _samples_to_host(metrics: losses.Metrics) -> losses.Metrics:
@@ -450,6 +516,9 @@ def _loop(run: _Run, stop_after_steps: int | None) -> dict[str, float]:
     while step < run.total_steps:
       step += 1
       metrics = _train_step(run, step)
+      run.steps_done += 1
+      run.train_seconds += metrics["timing/train/step_time"]
+      run.train_tokens += metrics["train/tokens_per_second"] * metrics["timing/train/step_time"]
       if progress is not None:
         progress.update(1)
         accuracy = metrics.get("train/accuracy", metrics.get("train/step_accuracy", math.nan))
@@ -460,6 +529,7 @@ def _loop(run: _Run, stop_after_steps: int | None) -> dict[str, float]:
       _validate_and_save(run, step, stopping)
       if stopping:
         break
+    run.finished = step >= run.total_steps
   finally:
     if progress is not None:
       progress.close()
@@ -474,7 +544,7 @@ def _train_step(run: _Run, step: int) -> dict[str, float]:
   """
   t0 = time.time()
   local = next(run.input.train_iter)
-  real_tokens, efficiency = local.token_counts()
+  real_tokens, efficiency = pipeline.token_counts(local)
   stacked = run.input.pack is not None and run.input.grad_accum > 1  # [grad_accum, rows, ...]
   run.state, (metrics, extra) = run.train_step(run.state, pipeline.to_global_batch(local, run.mesh, stacked=stacked))
   m = finalize_metrics(jax.device_get(metrics))
@@ -500,11 +570,28 @@ def _validate_and_save(run: _Run, step: int, stopping: bool) -> None:
   fresh_val = None
   if (config.eval.val_period and step % config.eval.val_period == 0) or (is_last and config.eval.val_at_end):
     run.last_val = fresh_val = _evaluate(run, step)
+    run.last_val_step = step
   save_period = config.checkpointing.save_period
   if run.ckpt is not None and ((save_period and step % save_period == 0) or is_last or stopping):
     meta = {"step": step, "rng": jax.device_get(run.state["rng"]).tolist(),
             "reward_stats": _reward_stats(run.last_val), "metrics": fresh_val or {}, "config": config.to_dict()}
     run.ckpt.save(step, run.state, run.input.train_iter.get_state(), meta, metrics=fresh_val)
+
+
+def _final_summary(run: _Run, wall_seconds: float) -> str:
+  """What the run did and the commands that use it (:func:`jaxrm.report.run_summary`)."""
+  config, best = run.config, None
+  metric = config.checkpointing.metric
+  if run.ckpt is not None and metric and run.ckpt.manager.best_step() is not None:
+    step = run.ckpt.manager.best_step()
+    best = (step, metric, (run.ckpt.manager.metrics(step) or {}).get(metric, math.nan))
+  return report.run_summary(
+      output_dir=config.output_dir, steps=run.steps_done, wall_seconds=wall_seconds, train_tokens=run.train_tokens,
+      train_seconds=run.train_seconds, final_metrics=run.last_val, sets=list(config.data.val_data_paths),
+      final_step=run.last_val_step, best=best, higher_is_better=config.checkpointing.higher_is_better,
+      dataset_name=config.data.dataset_name, val_path=next(iter(config.data.val_data_paths.values()), ""),
+      max_length=config.data.max_length, truncation=config.data.truncation, lora=run.rm.config.lora.enabled,
+      finished=run.finished)
 
 
 def _reward_stats(val: dict[str, float]) -> dict[str, float]:

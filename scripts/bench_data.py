@@ -18,6 +18,14 @@ and together with its tokenizer processes:
 * ``cached+pass``: that, then every example built once (what a run's set-up does to count
   tokens and completions).
 
+``--padding`` measures something else: the share of fed token slots that hold real tokens in
+unpacked training batches (no tokenizer process; a single pass over one epoch of batches), for
+global-batch padding (every micro-batch as long as the global batch's longest sequence), each
+micro-batch padded to its own bucket, and that with ``data.group_by_length``, on the demo set and
+on a long-tailed generated mix, at NeMo RL-like settings::
+
+  python scripts/bench_data.py --padding --work_dir=/tmp/jaxrm_bench_data
+
 ``--skip`` leaves out runs (e.g. ``today@100000``). A size in ``--synthetic`` gets its cache entry
 from random token ids of the same length distribution, written under the real key without
 tokenizing, so that the cached start of a set too large to tokenize here is measured (its
@@ -201,6 +209,78 @@ def measure(mode: str, path: str, cache_dir: str, tokenizer: str, args) -> dict:
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# ------------------------------------------------------------------ padding efficiency
+
+# (global batch, micro-batch per device, data-parallel devices): NeMo RL's RM recipe on one node of
+# 8 GPUs, and on one device.
+PADDING_SETTINGS = ((128, 4, 8), (128, 8, 8), (128, 4, 1))
+PADDING_MODES = {"global batch": {}, "per micro-batch": {"micro": True},
+                 "per micro-batch + group_by_length": {"micro": True, "group_by_length": True}}
+
+
+def long_tailed_lengths(num_groups: int, max_length: int, seed: int = 0) -> list[tuple[int, int]]:
+  """Pairs' sequence lengths: a log-normal prompt (median 250 tokens) and completion (median 150)
+  each, clipped to ``max_length``: most pairs short, a long tail up to ``max_length``."""
+  import numpy as np
+  rng = np.random.default_rng(seed)
+  prompt = rng.lognormal(np.log(250), 1.0, num_groups)
+  done = rng.lognormal(np.log(150), 0.8, (num_groups, 2))
+  return [tuple(int(min(max(p + c, 8), max_length)) for c in cs) for p, cs in zip(prompt, done)]
+
+
+def demo_lengths(tokenizer: str, max_length: int) -> list[tuple[int, ...]]:
+  """The demo set's pairs as the SmolLM2 tokenizer makes them."""
+  import transformers
+  from jaxrm.data import registry
+  from jaxrm.data.drops import DropReport
+  from jaxrm.data.tokenize import TokenizeOptions, tokenize_all
+  tok = transformers.AutoTokenizer.from_pretrained(tokenizer)
+  records = registry.load_records("demo_arithmetic", None, split="train", drops=DropReport())
+  examples = tokenize_all(records, tok, TokenizeOptions(max_length=max_length), DropReport())
+  return [tuple(len(ids) for ids in e.input_ids) for e in examples]
+
+
+def padding_efficiency(lengths: list[tuple[int, ...]], *, global_batch: int, micro_batch: int, data_parallel: int,
+                       max_length: int, bucket_multiple: int, micro: bool = False, group_by_length: bool = False,
+                       seed: int = 0) -> float:
+  """Real tokens / fed token slots over one epoch of the pipeline's training batches of groups
+  with these sequence ``lengths``; ``micro``: each micro-batch padded to its own bucket."""
+  import numpy as np
+  from jaxrm.data import pipeline
+  from jaxrm.data.tokenize import PreferenceExample
+  examples = [PreferenceExample(tuple(np.ones(n, np.int32) for n in group), tuple(range(len(group))), 0.0,
+                                f"group {i}", {}) for i, group in enumerate(lengths)]
+  grad_accum = global_batch // (micro_batch * data_parallel)
+  it, stream = pipeline.make_train_iterator(
+      examples, batch_size=global_batch, seed=seed, buckets=pipeline.length_buckets(max_length, bucket_multiple),
+      micro_batches=grad_accum if micro else 1, group_by_length=group_by_length)
+  real = fed = 0
+  for _ in range(stream.steps_per_epoch):
+    n, share = pipeline.token_counts(next(it))
+    real, fed = real + n, fed + n / share
+  return real / fed
+
+
+def padding_table(args) -> str:
+  """The table of :func:`padding_efficiency` per data set, setting and mode (markdown)."""
+  demo = demo_lengths(args.tokenizer or tokenizer_dir(args.work_dir), 128)
+  mix = long_tailed_lengths(args.padding_groups, args.max_length)
+  # (name, lengths, max_length, bucket_multiple): the demo as configs/rm.py and at the default buckets.
+  sets = [("demo_arithmetic", demo, 128, 16), ("demo_arithmetic", demo, 128, 64),
+          (f"long-tailed mix (<= {args.max_length})", mix, args.max_length, args.bucket_multiple)]
+  lines = ["| data | buckets of | global batch | micro-batch x devices | accumulation | "
+           + " | ".join(PADDING_MODES) + " |", "|---|---:|---:|---:|---:|" + "---:|" * len(PADDING_MODES)]
+  for name, lengths, max_length, multiple in sets:
+    for gbs, mbs, dp in PADDING_SETTINGS:
+      cells = [padding_efficiency(lengths, global_batch=gbs, micro_batch=mbs, data_parallel=dp, max_length=max_length,
+                                  bucket_multiple=multiple, **options)
+               for options in PADDING_MODES.values()]
+      lines.append(f"| {name} | {multiple} | {gbs} | {mbs} x {dp} | {gbs // (mbs * dp)} | "
+                   + " | ".join(f"{c:.1%}" for c in cells) + " |")
+      print(lines[-1], flush=True)
+  return "\n".join(lines)
+
+
 # ------------------------------------------------------------------ the table
 
 
@@ -215,6 +295,10 @@ def main() -> None:
                  "random ids instead of tokenized (cached runs only)")
   p.add_argument("--tokenizer", default=None)
   p.add_argument("--json", default=None, help="also write the results here")
+  p.add_argument("--padding", action="store_true", help="report the real/fed token efficiency of unpacked "
+                 "batches instead (see above)")
+  p.add_argument("--padding_groups", type=int, default=8192, help="pairs of the long-tailed mix")
+  p.add_argument("--bucket_multiple", type=int, default=64, help="data.bucket_multiple of the long-tailed mix (--padding)")
   p.add_argument("--child", default=None, help=argparse.SUPPRESS)
   p.add_argument("--child_path", default=None, help=argparse.SUPPRESS)
   p.add_argument("--child_cache", default=None, help=argparse.SUPPRESS)
@@ -224,6 +308,9 @@ def main() -> None:
                            args.num_proc)))
     return
   os.makedirs(args.work_dir, exist_ok=True)
+  if args.padding:
+    print(padding_table(args))
+    return
   tokenizer = args.tokenizer or tokenizer_dir(args.work_dir)
   skip = set(filter(None, args.skip.split(",")))
   synthetic = set(map(int, filter(None, args.synthetic.split(","))))

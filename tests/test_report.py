@@ -78,3 +78,11 @@ def test_summary_without_ranking_or_validation():
                             dataset_name="HelpSteer3", val_path="", max_length=1024)
   assert text.splitlines()[:2] == ["run finished: 4 steps in 42s", "use it:"]
   assert "--data=HelpSteer3 --max_length=1024" in text
+
+
+def test_a_run_stopped_early_is_not_called_finished():
+  text = report.run_summary(output_dir="runs/x", steps=2, wall_seconds=42, train_tokens=0, train_seconds=0.0,
+                            final_metrics={}, sets=["default"], final_step=None, best=None, higher_is_better=False,
+                            dataset_name="HelpSteer3", val_path="", max_length=1024, finished=False)
+  assert text.splitlines()[0] == "run stopped early (run again to continue): 2 steps in 42s"
+  assert "finished" not in text

@@ -78,7 +78,12 @@ def test_run_directory_files(baseline):
   with open(os.path.join(baseline, "dropped_rows.json")) as f:
     drops = json.load(f)
   assert set(drops) == {"train", "validation-default", "validation-train_sample"}
-  assert all(d == {"total": 0, "reasons": {}} for d in drops.values())
+  # No row is bad; what the row limits leave out is counted (the demo sets hold 4000 and 500 rows).
+  limits = {"train": (4000, "data.max_train_rows=64", 64), "validation-default": (500, "data.max_val_rows=8", 8),
+            "validation-train_sample": (4000, "data.max_val_rows=8", 8)}
+  for name, (rows, key, kept) in limits.items():
+    reason = f"not used: after the first {kept} records ({key})"
+    assert drops[name]["total"] == rows - kept and list(drops[name]["reasons"]) == [reason], name
 
   with open(os.path.join(baseline, "config.json")) as f:
     assert json.load(f)["train"]["max_steps"] == 4

@@ -36,7 +36,7 @@ TINY = {
     "train.max_steps": 4,
     "train.max_epochs": 100,
     "train.learning_rate": 1e-3,
-    "train.lr_decay": "constant",
+    "train.lr_scheduler": "constant_with_warmup",
     "train.warmup_steps": 2,
     "train.weight_decay": 0.01,
     "train.log_period": 1,
@@ -45,6 +45,8 @@ TINY = {
     "checkpointing.save_period": 2,
     "checkpointing.keep_top_k": 1,
     "logger.progress_bar": False,
+    # Tests never write into the home directory's cache; a test of the cache sets its own.
+    "data.cache": False,
 }
 
 

@@ -4,8 +4,12 @@ Preference examples are collated into a :class:`~jaxrm.batches.PreferenceBatch`,
 into a :class:`~jaxrm.batches.StepwiseBatch`, rated ones into a
 :class:`~jaxrm.batches.RegressionBatch` (the layouts are in :mod:`jaxrm.batches`). T is the
 smallest length bucket that holds the longest sequence of the *global* batch, so every host builds
-the same shapes. Length is bucketed per batch; the data is never sorted by length, which would
-bias training.
+the same shapes. Length is bucketed per batch. The training order is a seeded shuffle, or with
+``group_by_length`` Hugging Face's length-grouped order (:class:`~jaxrm.data.grouping.GroupedEpochs`).
+
+With gradient accumulation, a global batch is split into micro-batches of similar lengths
+(:func:`~jaxrm.data.grouping.micro_batch_groups`), each padded to its own bucket: a training batch
+is then a tuple of micro-batches (:class:`MicroBatchCollator`).
 
 With a :class:`~jaxrm.data.packing.PackSpec`, batches are packed instead (several sequences per
 row: a :class:`~jaxrm.batches.PackedPreferenceBatch` or :class:`~jaxrm.batches.PackedStepwiseBatch`),
@@ -24,6 +28,7 @@ import jax
 import numpy as np
 
 from jaxrm import sharding
+from jaxrm.data import grouping
 from jaxrm.batches import IGNORE_INDEX, Batch, PreferenceBatch, RegressionBatch, StepwiseBatch
 from jaxrm.errors import DataError
 from jaxrm.data.packing import PackedCollator, PackSpec
@@ -86,6 +91,46 @@ class Collator:
                      f"{self.buckets[-1]} or add a larger bucket")
 
 
+def group_length(example: Example) -> int:
+  """The longest sequence of a group: what its rows are padded to."""
+  return max(len(ids) for ids in _sequences(example))
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatchCollator:
+  """Splits one global batch into ``micro_batches`` micro-batches of similar lengths, each padded
+  to its own bucket; returns this host's slice of each, as a tuple.
+
+  The split and each micro-batch's bucket depend on the global batch alone, so every host builds
+  the same shapes; host ``process_index`` takes its contiguous slice of every micro-batch.
+
+  Attributes:
+    collate: a :class:`Collator` whose ``batch_size`` is one micro-batch's groups per host.
+    micro_batches: how many micro-batches a global batch is split into.
+  """
+
+  collate: Collator
+  micro_batches: int
+
+  def __call__(self, groups: Sequence[Example]) -> tuple[Batch, ...]:
+    size = self.collate.batch_size * self.collate.process_count * self.micro_batches
+    if len(groups) != size:
+      raise ValueError(f"a global batch of {len(groups)} groups does not split into {self.micro_batches} "
+                       f"micro-batches of {self.collate.batch_size} groups per host")
+    split = grouping.micro_batch_groups([group_length(g) for g in groups], self.micro_batches)
+    return tuple(self.collate([groups[i] for i in indices]) for indices in split)
+
+
+def token_counts(batch: Batch | Sequence[Batch]) -> tuple[int, float]:
+  """(real tokens, their share of the token slots fed) of a batch or a tuple of micro-batches."""
+  if not isinstance(batch, tuple):
+    return batch.token_counts()
+  counts = [b.token_counts() for b in batch]
+  real = sum(n for n, _ in counts)
+  fed = sum(n / share for n, share in counts if share)
+  return real, real / fed if fed else 0.0
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainStream:
   """How a training iterator walks the data.
@@ -110,7 +155,8 @@ def make_train_iterator(examples: Sequence[Example], *, batch_size: int, seed: i
                         buckets: Sequence[int], pad_id: int = 0,
                         num_completions: int | None = None, process_index: int = 0,
                         process_count: int = 1, num_workers: int = 0, pack: PackSpec | None = None,
-                        micro_batches: int = 1) -> tuple[grain.DatasetIterator, TrainStream]:
+                        micro_batches: int = 1,
+                        group_by_length: bool = False) -> tuple[grain.DatasetIterator, TrainStream]:
   """An endless iterator of this host's training batches, and its epoch arithmetic.
 
   Each epoch is a fresh seeded shuffle of ``examples`` (identical for identical seeds), cut into
@@ -129,24 +175,38 @@ def make_train_iterator(examples: Sequence[Example], *, batch_size: int, seed: i
     num_workers: Grain worker processes (0: batches are built in this process).
     pack: pack each batch's sequences into rows this way (``buckets`` then do not apply; the
       spec's pad_id is replaced by ``pad_id``); None: one sequence per row.
-    micro_batches: with ``pack``, the micro-batches of gradient accumulation, packed apart and
-      stacked along a leading axis (see :class:`~jaxrm.data.packing.PackedCollator`).
+    micro_batches: the micro-batches of gradient accumulation. With ``pack``, packed apart and
+      stacked along a leading axis (see :class:`~jaxrm.data.packing.PackedCollator`); without,
+      a batch is a tuple of micro-batches each padded to its own bucket
+      (:class:`MicroBatchCollator`).
+    group_by_length: each epoch in Hugging Face's ``group_by_length`` order instead of a plain
+      shuffle (:class:`~jaxrm.data.grouping.GroupedEpochs`); unpacked batches only.
   """
   stream = TrainStream(len(examples), batch_size * process_count)
   if stream.steps_per_epoch == 0:
     raise DataError(f"the training set has {len(examples)} examples after dropped rows; one "
                     f"global batch needs {stream.global_batch_size} (batch_size {batch_size} x "
                     f"{process_count} hosts): lower the batch size or add data")
-  collate = _collator(examples, batch_size, buckets, pad_id, num_completions, process_index,
-                      process_count, pack, micro_batches)
-  # Grain shuffles epoch e with seed + e; mixing the seed first keeps runs with seeds s and s + 1
-  # from seeing the same orders one epoch apart.
-  shuffle_seed = int(np.random.SeedSequence(seed).generate_state(1)[0])
-  ds = grain.MapDataset.source(examples).shuffle(seed=shuffle_seed)
-  # MapDataset.batch keeps epochs apart and drops each epoch's remainder; repeat() then reads
-  # epoch e through the shuffle seeded for epoch e.
-  ds = ds.batch(stream.global_batch_size, drop_remainder=True, batch_fn=list)
-  ds = ds.map(collate).repeat()
+  if group_by_length and pack is not None:
+    raise ValueError("data.group_by_length applies to unpacked batches: packed rows have no padding to save; "
+                     "set data.packing='none' or data.group_by_length=False")
+  collate = _train_collator(examples, batch_size, buckets, pad_id, num_completions, process_index,
+                            process_count, pack, micro_batches)
+  if group_by_length:
+    # Epoch e's order is drawn from (seed, e) alone; batches never straddle two epochs, as each
+    # epoch holds a whole number of global batches.
+    lengths = [group_length(e) for e in examples]
+    ds = grain.MapDataset.source(grouping.GroupedEpochs(examples, lengths, stream.global_batch_size, seed))
+    ds = ds.batch(stream.global_batch_size, drop_remainder=True, batch_fn=list).map(collate)
+  else:
+    # Grain shuffles epoch e with seed + e; mixing the seed first keeps runs with seeds s and s + 1
+    # from seeing the same orders one epoch apart.
+    shuffle_seed = int(np.random.SeedSequence(seed).generate_state(1)[0])
+    ds = grain.MapDataset.source(examples).shuffle(seed=shuffle_seed)
+    # MapDataset.batch keeps epochs apart and drops each epoch's remainder; repeat() then reads
+    # epoch e through the shuffle seeded for epoch e.
+    ds = ds.batch(stream.global_batch_size, drop_remainder=True, batch_fn=list)
+    ds = ds.map(collate).repeat()
   # Examples are already in memory: one reader thread and a short buffer are enough.
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=4))
   if num_workers > 0:
@@ -178,10 +238,26 @@ def to_global_batch(local_batch: Batch, mesh: jax.sharding.Mesh, *, stacked: boo
     mesh: the device mesh; rows are split over its data-parallel axes
       (``sharding.batch_sharding``).
     stacked: the arrays are micro-batches stacked along a leading ``[n]`` axis, rows second.
+  A tuple of micro-batches becomes a tuple of global batches.
   """
+  if isinstance(local_batch, tuple):
+    return tuple(to_global_batch(b, mesh) for b in local_batch)
   shardings = jax.tree.map(lambda x: sharding.batch_sharding(mesh, x.ndim, stacked=stacked),
                            local_batch)
   return jax.make_array_from_process_local_data(shardings, local_batch)
+
+
+def _train_collator(examples: Sequence[Example], batch_size: int, buckets: Sequence[int], pad_id: int,
+                    num_completions: int | None, process_index: int, process_count: int,
+                    pack: PackSpec | None, micro_batches: int) -> Collator | PackedCollator | MicroBatchCollator:
+  if pack is not None or micro_batches == 1:
+    return _collator(examples, batch_size, buckets, pad_id, num_completions, process_index, process_count,
+                     pack, micro_batches)
+  if batch_size % micro_batches:
+    raise ValueError(f"{batch_size} groups per host do not split into {micro_batches} equal micro-batches")
+  collate = _collator(examples, batch_size // micro_batches, buckets, pad_id, num_completions, process_index,
+                      process_count)
+  return MicroBatchCollator(collate, micro_batches)
 
 
 def _collator(examples: Sequence[Example], batch_size: int, buckets: Sequence[int], pad_id: int,
@@ -197,9 +273,6 @@ def _collator(examples: Sequence[Example], batch_size: int, buckets: Sequence[in
     return PackedCollator(batch_size=batch_size, spec=dataclasses.replace(pack, pad_id=pad_id),
                           num_completions=num_completions, process_index=process_index,
                           process_count=process_count, micro_batches=micro_batches)
-  if micro_batches != 1:
-    raise ValueError("micro_batches applies to packed batches only; unpacked ones are split by "
-                     "the train step")
   return Collator(batch_size=batch_size, buckets=tuple(sorted(buckets)), pad_id=pad_id,
                   num_completions=num_completions, process_index=process_index,
                   process_count=process_count)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from jaxrm.data import adapters, demo, formats, sources
 from jaxrm.data.drops import DropReport
@@ -84,7 +84,8 @@ def takes_option(dataset_name: str, option: str) -> bool:
 
 
 def load_records(
-    dataset_name: str, path: str | None, *, split: str = "train", drops: DropReport, **options,
+    dataset_name: str, path: str | None, *, split: str = "train", drops: DropReport, max_records: int = 0,
+    **options,
 ) -> list[PreferenceRecord] | list[StepwiseRecord] | list[RatedRecord]:
   """Reads one dataset into records, counting dropped rows in ``drops``.
 
@@ -96,6 +97,8 @@ def load_records(
       the split.
     split: the split to read.
     drops: where dropped rows are counted.
+    max_records: keep the first this many records (0: all); the rows after them are read but
+      not parsed, and counted in ``drops`` (see :func:`iter_records`).
     **options: ``subset_field`` (the column copied to ``record.meta["subset"]``; "subset" by
       default, HelpSteer3 "domain", MathShepherd "task"; None for none), ``config`` (hub
       configuration), ``neutral`` (PRM800K), ``attributes`` (rated sets: the attributes read, in
@@ -105,20 +108,55 @@ def load_records(
   Raises:
     DataError: an unknown name or option, a bad row, or no row left.
   """
+  return list(iter_records(dataset_name, path, split=split, drops=drops, max_records=max_records, **options))
+
+
+def iter_records(dataset_name: str, path: str | None, *, split: str = "train", drops: DropReport,
+                 max_records: int = 0, limit_name: str = "max_records",
+                 **options) -> Iterator[PreferenceRecord | StepwiseRecord | RatedRecord]:
+  """:func:`load_records`, one record at a time as the rows are read; ``drops`` is complete once
+  the iterator is exhausted (or closed).
+
+  Rows after the first ``max_records`` records are read but not parsed, and counted in ``drops``
+  as left out by ``limit_name`` (the config key that set the limit).
+  """
   spec = _spec(dataset_name)
   subset_field = options.pop("subset_field", spec.subset_field)
   parse_options = {k: options.pop(k) for k in spec.options if k in options}
   _check_read_options(spec, dataset_name, options)
   read = _demo_rows if spec.make else _read_rows
   rows, where = read(spec, dataset_name, path, split, options)
-  local = DropReport()
-  records = [r for r in (spec.parse(row, source, local, subset_field=subset_field, **parse_options)
-                         for source, row in rows) if r is not None]
-  drops.merge(local)
-  if not records:
+  local, count = DropReport(), 0
+  try:
+    for source, row in rows:
+      record = spec.parse(row, source, local, subset_field=subset_field, **parse_options)
+      if record is not None:
+        yield record
+        count += 1
+        if count == max_records:
+          _count_rest(rows, local, f"not used: after the first {max_records} records ({limit_name}={max_records})")
+          return
+  finally:
+    drops.merge(local)
+  if not count:
     dropped = f"all {local.total} rows were dropped\n{local.summary(where)}"
     raise DataError(f"{where}: {dropped if local.total else 'has no rows'}")
-  return records
+
+
+def _count_rest(rows: Iterable[tuple[str, dict]], drops: DropReport, reason: str) -> None:
+  for source, _ in rows:
+    drops.drop(reason, source)
+
+
+def source_key(dataset_name: str, path: str | None, *, split: str = "train", **options) -> dict | None:
+  """What identifies the records :func:`load_records` makes with these arguments, for the
+  tokenized-example cache (:mod:`jaxrm.data.cache`); None for a demo set, made on the spot."""
+  spec = _spec(dataset_name)
+  if spec.make:
+    return None
+  path, read_split, read_options = _resolve(spec, dataset_name, path, split, {})
+  return {"dataset_name": dataset_name, "split": split, "options": options,
+          "source": sources.fingerprint(path, split=read_split, config=options.get("config", read_options.get("config")))}
 
 
 def _check_read_options(spec: _Spec, name: str, options: dict) -> None:
@@ -142,6 +180,12 @@ def _demo_rows(spec: _Spec, name: str, path: str | None, split: str, options: di
 
 
 def _read_rows(spec: _Spec, name: str, path: str | None, split: str, options: dict) -> _Rows:
+  path, split, options = _resolve(spec, name, path, split, options)
+  return sources.read_rows(path, split=split, **options), path
+
+
+def _resolve(spec: _Spec, name: str, path: str | None, split: str, options: dict) -> tuple[str, str, dict]:
+  """The path, split and read options a dataset is read with (its usual place when ``path`` is None)."""
   if path is None:
     if spec.default is None:
       raise DataError(f"{name} needs a path: set data.train_data_path (and data.val_data_paths) "
@@ -149,7 +193,7 @@ def _read_rows(spec: _Spec, name: str, path: str | None, split: str, options: di
     split = spec.splits.get(split, split)
     path = spec.default.format(split=split)
     options = {"config": spec.config, **options}
-  return sources.read_rows(path, split=split, **options), path
+  return path, split, options
 
 
 _VAL_NAME = re.compile(r"[A-Za-z0-9_.-]+")

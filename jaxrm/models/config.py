@@ -89,6 +89,9 @@ class ModelConfig:
   dtype: str = "float32"  # compute dtype
   param_dtype: str = "float32"
   remat: str = "none"  # none | full | dots
+  # True: the layers run as one lax.scan over stacked weights (one compiled layer, fast compiles);
+  # False: written out one after another (no per-step stacking of activations; compiles L layers).
+  scan_layers: bool = True
   attention_impl: str = "auto"  # auto | reference | pallas | cudnn
   lora: LoraConfig = LoraConfig()  # rank 0: no adapters, the whole model trains
 

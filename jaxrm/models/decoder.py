@@ -146,7 +146,12 @@ class Decoder(nnx.Module):
     keys = None  # one dropout key per layer, or none
     if dropout_rng is not None and cfg.lora.enabled and cfg.lora.dropout > 0:
       keys = jax.random.split(dropout_rng, cfg.num_layers)
-    x, _ = jax.lax.scan(block, x, (params, jnp.asarray(cfg.sliding_layers), keys))
+    sliding = jnp.asarray(cfg.sliding_layers)
+    if cfg.scan_layers:
+      x, _ = jax.lax.scan(block, x, (params, sliding, keys))
+    else:
+      for i, p in enumerate(_unstacked(params, cfg.num_layers)):
+        x, _ = block(x, (p, sliding[i], None if keys is None else keys[i]))
     return L.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, cfg.gemma_norms)
 
   def __call__(self, input_ids, attention_mask, positions=None, segment_ids=None, branch_ids=None,
@@ -169,6 +174,13 @@ class Decoder(nnx.Module):
     if cfg.head == "token":
       return heads.token_logits(h, self.score[...], bias)
     return heads.sequence_rewards(h, self.score[...], bias, attention_mask, reward_positions)
+
+
+def _unstacked(params: dict[str, jax.Array], n: int) -> list[dict[str, jax.Array]]:
+  """Stacked [L, ...] weights as L per-layer dicts. ``lax.split``, whose gradient is one
+  concatenation, rather than L slices, whose gradients would be L padded copies summed."""
+  pieces = {k: [x[0] for x in jax.lax.split(v, [1] * n, axis=0)] for k, v in params.items()}
+  return [{k: v[i] for k, v in pieces.items()} for i in range(n)]
 
 
 def attention_route(cfg: ModelConfig, backend: str | None = None) -> str:
