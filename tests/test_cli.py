@@ -50,7 +50,7 @@ def error_line(result, code):
 def test_unknown_key_is_named(runs):
   line = error_line(runs["unknown_key"], 2)
   assert line.startswith("error: --config.train.nonexistent: the config has no key 'train.nonexistent'; "
-                         "config.train has global_batch_size, ")
+                         "config.train has adam_beta1, adam_beta2, adam_epsilon, global_batch_size, ")
 
 
 @pytest.mark.parametrize("flag,message", [
