@@ -1,6 +1,8 @@
 """What several test files build by hand: chat messages, tokenized examples, records, loss inputs, a
 tiny random decoder, and the tolerances they share."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -221,3 +223,10 @@ def demo_batches(tokenizer, n: int):
   batches = pipeline.make_train_iterator(examples, batch_size=8, seed=0, buckets=(96,),
                                          pad_id=pad_id(tokenizer))[0]
   return [next(batches) for _ in range(n)]
+
+
+def write_jsonl(path, rows) -> str:
+  """``rows`` as a JSON Lines file at ``path``; returns the path as a string."""
+  with open(path, "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+  return str(path)

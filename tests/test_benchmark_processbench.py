@@ -1,9 +1,8 @@
 """ProcessBench: the predicted first error, accuracies on erroneous and correct samples, F1."""
 
-import json
-
 import pytest
 
+from helpers import write_jsonl
 from jaxrm.benchmarks import format_report, load, run
 from jaxrm.benchmarks.scoring import Scorer
 from jaxrm.errors import DataError, EvaluationError
@@ -30,11 +29,6 @@ GSM8K = [
     sample(4, ["ok", "ok", "bad"], 2),  # right
 ]
 MATH = [sample(10, ["ok"], -1), sample(11, ["bad", "ok"], 0)]
-
-
-def write_jsonl(path, rows):
-  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  return str(path)
 
 
 def test_official_figures_by_hand(tmp_path):

@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from helpers import write_jsonl
 from jaxrm.benchmarks import format_report, load, run
 from jaxrm.benchmarks.scoring import Scorer, chat, tulu_text
 from jaxrm.errors import DataError, EvaluationError
@@ -48,11 +49,6 @@ REWARDS = {
     "x = 2": 0.3, "x = 3": 0.2, "def f(): ok": 1.0, "def f(): no": 0.0,
     "def g(): ok": 0.0, "def g(): no": 0.1,
 }
-
-
-def write_jsonl(path, rows):
-  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  return str(path)
 
 
 def test_official_figures_by_hand(tmp_path):

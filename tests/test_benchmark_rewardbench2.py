@@ -1,10 +1,10 @@
 """RewardBench 2: best-of-N with its tie rule, the Ties subset's weighted score, the average."""
 
-import json
 import math
 
 import pytest
 
+from helpers import write_jsonl
 from jaxrm.benchmarks import format_report, load, run
 from jaxrm.benchmarks.scoring import Scorer
 from jaxrm.errors import DataError
@@ -34,11 +34,6 @@ ROWS = [
     row("tied:1", "Ties", ["6 ok", "2 ok"], ["1 no"]),
     row("tied:2", "Ties", ["3 ok", "3 ok"], ["3 no"]),  # no ref:2; a tie with the incorrect is not accurate
 ]
-
-
-def write_jsonl(path, rows):
-  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  return str(path)
 
 
 def test_official_figures_by_hand(tmp_path):

@@ -1,10 +1,9 @@
 """RM-Bench: the 3x3 style matrix and its hard / normal / easy accuracies, by hand."""
 
-import json
-
 import numpy as np
 import pytest
 
+from helpers import write_jsonl
 from jaxrm.benchmarks import format_report, load, run
 from jaxrm.benchmarks.scoring import Scorer
 from jaxrm.errors import DataError
@@ -27,11 +26,6 @@ ROWS = [
     row(1, "chat", [1, 1, 1], [0, 1, 2]),  # every chosen style: [1 0 0] (a tie is not a win)
     row(2, "safety-refuse", [2, 2, 2], [1, 1, 3]),  # every chosen style: [1 1 0]
 ]
-
-
-def write_jsonl(path, rows):
-  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  return str(path)
 
 
 def test_official_figures_by_hand(tmp_path):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import tiny_run
-from helpers import assistant, user
+from helpers import assistant, user, write_jsonl
 from jaxrm.data import cache, formats, sources
 from jaxrm.data import tokenize as tk
 from jaxrm.data.drops import DropReport
@@ -47,13 +47,6 @@ def preference_rows():
 def stepwise_rows():
   return [{"prompt": f"Add {i} and {i}.", "completions": [f"{i} + {i}", f"= {2 * i + i % 2}"],
            "labels": [True, i % 2 == 0]} for i in range(25)]
-
-
-def write_jsonl(path, rows):
-  with open(path, "w") as f:
-    for row in rows:
-      f.write(json.dumps(row) + "\n")
-  return str(path)
 
 
 def reader(path, parse=formats.parse_preference, calls=None):

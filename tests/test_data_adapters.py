@@ -1,11 +1,10 @@
 """Public-dataset adapters on rows in their published schema, and the dataset registry."""
 
 import copy
-import json
 
 import pytest
 
-from helpers import assistant, user
+from helpers import assistant, user, write_jsonl
 from jaxrm.data import adapters, registry
 from jaxrm.data.drops import DropReport
 from jaxrm.errors import DataError
@@ -290,11 +289,6 @@ def test_names_and_kinds():
   assert error_of(registry.is_stepwise, "HelpSteer4") == (
       "data.dataset_name 'HelpSteer4' is not known; use one of "
       + ", ".join(registry.DATASET_NAMES))
-
-
-def write_jsonl(path, rows):
-  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  return str(path)
 
 
 def test_preference_dataset_from_jsonl_counts_drops(tmp_path):

@@ -8,7 +8,7 @@ import os
 import pytest
 
 import tiny_run
-from helpers import assistant, user
+from helpers import assistant, user, write_jsonl
 from jaxrm.data import cache
 
 
@@ -18,12 +18,6 @@ def pair_row(i, bad=False):
   return {"context": [user(f"what is {i} + {i}?")],
           "completions": [{"rank": 0, "completion": [assistant(chosen)]},
                           {"rank": 1, "completion": [assistant(chosen if bad else rejected)]}]}
-
-
-def write_jsonl(path, rows):
-  with open(path, "w") as f:
-    f.writelines(json.dumps(r) + "\n" for r in rows)
-  return str(path)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 import tiny_run
-from helpers import PARITY_ATOL, right_padded
+from helpers import PARITY_ATOL, right_padded, write_jsonl
 from jaxrm import RewardModel
 from jaxrm.errors import ConfigError
 
@@ -34,12 +34,6 @@ def rated_rows(n, seed):
         row["polish"] = POLISH[first]
       rows.append(row)
   return rows
-
-
-def write_jsonl(path, rows):
-  with open(path, "w") as f:
-    f.writelines(json.dumps(r) + "\n" for r in rows)
-  return str(path)
 
 
 def regression_config(model_dir, out, data_dir, **overrides):

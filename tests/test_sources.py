@@ -6,15 +6,9 @@ import shutil
 
 import pytest
 
+from helpers import write_jsonl
 from jaxrm.data import sources
 from jaxrm.errors import DataError
-
-
-def write_jsonl(path, rows):
-  with open(path, "w") as f:
-    for row in rows:
-      f.write(json.dumps(row) + "\n")
-  return str(path)
 
 
 ROWS = [{"prompt": f"p{i}", "chosen": "a", "rejected": "b"} for i in range(10)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -245,3 +246,24 @@ if __name__ == "__main__":
     sys.exit("usage: python tests/tiny_run.py sharded MODEL_DIR OUTPUT_DIR")
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   _sharded_main(sys.argv[2], sys.argv[3])
+
+
+def train_two_processes(model_dir: str, out: str, *flags: str, timeout: float = 400) -> list[tuple[str, str]]:
+  """``python -m jaxrm.train`` as two local processes joined through a coordinator (one host's
+  data each); each one's (stdout, stderr), after checking that both exited cleanly."""
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  procs = [subprocess.Popen(
+      cli(model_dir, out, *flags, f"--coordinator_address=localhost:{port}", "--num_processes=2",
+          f"--process_id={i}"),
+      cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      for i in range(2)]
+  try:
+    outputs = [p.communicate(timeout=timeout) for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  for p, (stdout, stderr) in zip(procs, outputs):
+    assert p.returncode == 0, f"exit {p.returncode}\n{stdout[-2000:]}\n{stderr[-5000:]}"
+  return outputs
