@@ -22,7 +22,7 @@ train: $(STAMP)
 	$(PY) -m jaxrm.train --config=configs/rm.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 tests
 
 clean:
 	rm -rf $(VENV) runs

@@ -156,7 +156,8 @@ def enable_compile_cache(root: str) -> None:
 def baseline_run(model_dir: str, root: str) -> str:
   """The tiny run, uninterrupted on one device, trained once per session; its output directory."""
   if model_dir not in _baseline:
-    output_dir = os.path.join(root, "baseline")
+    # One per pytest-xdist worker: two workers training into one directory would resume each other.
+    output_dir = os.path.join(root, "baseline" + os.environ.get("PYTEST_XDIST_WORKER", ""))
     train(config(model_dir, output_dir))
     _baseline[model_dir] = output_dir
   return _baseline[model_dir]
