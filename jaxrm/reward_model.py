@@ -314,10 +314,10 @@ class RewardModel:
       raise ValueError("score() needs a sequence-head model; this one has a token head: use score_steps()")
     weights = None if combine is None else self.combination(combine)
     encoded = self._encode_items(items, prompts, completions, max_length)
-    rewards = self._score_encoded(encoded, batch_size, bucket, max_length)
+    rewards = self.score_ids(encoded, batch_size=batch_size, bucket=bucket, max_length=max_length)
     if weights is not None:
       rewards = (rewards.reshape(len(encoded), -1).astype(np.float64) @ weights).astype(np.float32)
-    return self._normalize(rewards) if normalize else rewards
+    return self.normalized(rewards) if normalize else rewards
 
   def combination(self, combine: str | dict[str, float] | Sequence[float]) -> np.ndarray:
     """float64 [num_labels]: the weight of each output in ``combine`` (see :meth:`score`)."""
@@ -339,18 +339,26 @@ class RewardModel:
     return [self.encode(p, c, max_length=max_length, where=f"prompts[{i}] + completions[{i}]")
             for i, (p, c) in enumerate(zip(prompts, completions))]
 
-  def _score_encoded(self, encoded: list[list[int]], batch_size: int, bucket: int,
-                     max_length: int | None) -> np.ndarray:
-    """Sequence-head rewards [N] (or [N, C]) of token-id rows, batched by length."""
-    out: list[np.ndarray | None] = [None] * len(encoded)
-    for rows, logits in self._batched(encoded, batch_size, bucket, max_length):
-      for i, r in zip(rows, logits):
-        out[i] = r
+  def score_ids(self, encoded: Sequence[Sequence[int]], *, batch_size: int = 8, bucket: int = 64,
+                max_length: int | None = None) -> np.ndarray:
+    """Sequence-head rewards float32 [N] ([N, C] for several outputs) of rows already encoded
+    (:meth:`encode`), batched by length as :meth:`score` batches them."""
+    out = self.outputs_of_ids(encoded, batch_size=batch_size, bucket=bucket, max_length=max_length)
     if not out:
       return np.zeros((0,) if self.config.num_labels == 1 else (0, self.config.num_labels), np.float32)
     return np.stack(out)
 
-  def _batched(self, encoded: list[list[int]], batch_size: int, bucket: int, max_length: int | None):
+  def outputs_of_ids(self, encoded: Sequence[Sequence[int]], *, batch_size: int = 8, bucket: int = 64,
+                     max_length: int | None = None) -> list[np.ndarray]:
+    """The model's output for each encoded row, in order: its reward(s) (sequence head) or its
+    logits [T_i, C] (token head), from batches of similar lengths (see :meth:`score`)."""
+    out: list[np.ndarray | None] = [None] * len(encoded)
+    for rows, outputs in self._batched(encoded, batch_size, bucket, max_length):
+      for i, r in zip(rows, outputs):
+        out[i] = r if self.config.head == "sequence" else r[:len(encoded[i])]
+    return out
+
+  def _batched(self, encoded, batch_size: int, bucket: int, max_length: int | None):
     """Yields (row indices, model outputs) over batches of similar lengths, right-padded.
 
     A batch holds ``batch_size`` rows, or the next power of two when fewer remain; filler rows
@@ -372,7 +380,9 @@ class RewardModel:
       mask[len(rows):, 0] = 1
       yield rows, self.score_tokens(ids, mask)[:len(rows)]
 
-  def _normalize(self, rewards: np.ndarray) -> np.ndarray:
+  def normalized(self, rewards: np.ndarray) -> np.ndarray:
+    """(rewards - mean) / std with the statistics recorded at validation, as
+    ``score(normalize=True)`` returns them."""
     stats = self.reward_stats
     if rewards.ndim > 1:
       raise ValueError("normalize=True applies to one reward per row; combine this model's "
@@ -415,10 +425,10 @@ class RewardModel:
     todo = [i for i, s in enumerate(steps_lists) if len(s)]
     encoded = [self.encode_steps(prompts[i], steps_lists[i], max_length=max_length, where=f"prompts[{i}]")
                for i in todo]
-    for rows, logits in self._batched([ids for ids, _ in encoded], batch_size, bucket, max_length):
-      for j, logits_tc in zip(rows, logits):
-        at = logits_tc[encoded[j][1]]  # [steps, C]
-        out[todo[j]] = correct_probability(at).tolist()
+    logits = self.outputs_of_ids([ids for ids, _ in encoded], batch_size=batch_size, bucket=bucket,
+                                 max_length=max_length)
+    for j, logits_tc in enumerate(logits):
+      out[todo[j]] = correct_probability(logits_tc[encoded[j][1]]).tolist()  # [steps, C] -> [steps]
     return out
 
   # ---------------------------------------------------------------- reward functions

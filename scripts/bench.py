@@ -55,8 +55,9 @@ FLOP/s are quoted against, and records its thread settings.
 Reported per run: pairs/s and pairs per CPU-second (process CPU time, all threads); tokens/s of
 the sequences as a trainer without packing sees them (prompt counted once per completion), of
 the real tokens fed to the model, and of all positions fed (padding included); packing
-efficiency = real / fed positions; peak memory (host RSS on CPU, device peak bytes on GPU);
-compile seconds; model TFLOP/s; and MFU on GPU, against ``--peak_tflops``.
+efficiency = real / fed positions; peak memory (host RSS on CPU, device peak bytes on GPU); the
+process's minor page faults per step (median); compile seconds; model TFLOP/s; and MFU on GPU,
+against ``--peak_tflops``.
 
 Model FLOPs of a step = 6 N x real tokens + 12 L d x attended keys, where N = non-embedding
 parameters (the embedding is a lookup; the reward head is counted), L = layers, d = query heads x
@@ -334,7 +335,7 @@ def _jaxrm_step(cfg: ModelConfig, seed: int):
   model = nnx.jit(lambda: Decoder(cfg, rngs=nnx.Rngs(seed)))()
   params = nnx.state(model)
   num_params = sum(x.size for x in jax.tree.leaves(params))
-  schedule = optim.make_schedule(learning_rate=1e-5, warmup_steps=0, total_steps=1, decay="constant")
+  schedule = optim.make_schedule(learning_rate=1e-5, warmup_steps=0, total_steps=1, scheduler="constant")
   tx = optim.make_optimizer(schedule, max_grad_norm=1.0)
   mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), devices=jax.devices()[:1])
   state, shardings = steps.init_state(params, tx, seed=seed, mesh=mesh, trainable=lora.trainable_filter(cfg.lora))
@@ -529,20 +530,26 @@ def _threads() -> dict:
 
 
 class _Clock:
-  """Wall and process CPU seconds (every thread of the process) from creation to ``stop()``."""
+  """Wall and process CPU seconds (every thread of the process) and the process's minor page
+  faults from creation to ``stop()``."""
 
   def __init__(self):
-    self.start = (time.perf_counter(), time.process_time())
-    self.seconds = self.cpu_seconds = None
+    self.start = (time.perf_counter(), time.process_time(), _minor_faults())
+    self.seconds = self.cpu_seconds = self.faults = None
 
   def stop(self) -> None:
     self.seconds = time.perf_counter() - self.start[0]
     self.cpu_seconds = time.process_time() - self.start[1]
+    self.faults = _minor_faults() - self.start[2]
+
+
+def _minor_faults() -> int:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _new_totals() -> dict:
   return dict(pairs=0, real=0, fed=0, seq=0, flops=0.0, seconds=0.0, cpu_seconds=0.0,
-              step_seconds=[])
+              step_seconds=[], step_faults=[])
 
 
 def _count(totals, clock: _Clock, groups, *, real: int, fed: int, flops: float) -> None:
@@ -550,6 +557,7 @@ def _count(totals, clock: _Clock, groups, *, real: int, fed: int, flops: float) 
   totals["seconds"] += clock.seconds
   totals["step_seconds"].append(round(clock.seconds, 3))
   totals["cpu_seconds"] += clock.cpu_seconds
+  totals["step_faults"].append(clock.faults)
   totals["pairs"] += len(groups)
   totals["real"] += real
   totals["fed"] += fed
@@ -564,6 +572,7 @@ def _rates(totals: dict, peak_tflops: float, on_gpu: bool) -> dict:
       "seq_tokens_per_s": totals["seq"] / sec, "real_tokens_per_s": totals["real"] / sec,
       "fed_tokens_per_s": totals["fed"] / sec, "packing_efficiency": totals["real"] / totals["fed"],
       "model_tflops": totals["flops"] / sec / 1e12,
+      "faults_per_step": float(np.median(totals["step_faults"])),
   }
   if on_gpu:
     out["mfu"] = out["model_tflops"] / peak_tflops
@@ -585,6 +594,7 @@ COLUMNS = (  # key, header, format
     ("real_tokens_per_s", "real tok/s", "{:.0f}"), ("fed_tokens_per_s", "fed tok/s", "{:.0f}"),
     ("packing_efficiency", "efficiency", "{:.1%}"), ("peak_memory_gib", "peak GiB", "{:.2f}"),
     ("model_tflops", "TFLOP/s", "{:.3f}"), ("mfu", "MFU", "{:.1%}"), ("compile_s", "compile s", "{:.1f}"),
+    ("faults_per_step", "faults/step", "{:.0f}"),
 )
 
 
@@ -672,7 +682,7 @@ def plan_note(backend: str) -> str:
 def plan_optimizer():
   """The optimizer of the plan and of ``--fit``: AdamW after clipping, as the trainer builds it."""
   from jaxrm import optim
-  schedule = optim.make_schedule(learning_rate=1e-5, warmup_steps=0, total_steps=1, decay="constant")
+  schedule = optim.make_schedule(learning_rate=1e-5, warmup_steps=0, total_steps=1, scheduler="constant")
   return optim.make_optimizer(schedule, weight_decay=0.1, max_grad_norm=1.0), schedule
 
 

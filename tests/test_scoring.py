@@ -216,6 +216,21 @@ def test_normalize_uses_validation_stats(rm, model_dir):
     untrained.score(CHATS, normalize=True)
 
 
+def test_scoring_encoded_rows(rm, prm):
+  """score_ids / outputs_of_ids / normalized: what score() and score_steps() compute, on rows the
+  caller encoded (the benchmarks and the server call these)."""
+  encoded = [rm.encode(c) for c in CHATS]
+  np.testing.assert_array_equal(rm.score_ids(encoded, batch_size=2), rm.score(CHATS, batch_size=2))
+  np.testing.assert_array_equal(rm.normalized(rm.score(CHATS)), rm.score(CHATS, normalize=True))
+  assert rm.score_ids([]).shape == (0,)
+  ids, positions = prm.encode_steps("Add 1 and 1.", ["1 + 1 = 2", "The answer is 2."])
+  short = prm.tokenizer("Hi")["input_ids"]
+  logits = prm.outputs_of_ids([ids, short], batch_size=2, bucket=16)
+  assert [x.shape for x in logits] == [(len(ids), 2), (len(short), 2)]  # each row's own length
+  np.testing.assert_allclose(logits[0], prm.score_tokens([ids], [[1] * len(ids)])[0],
+                             atol=REBATCHED_ATOL, rtol=0)
+
+
 def test_score_argument_errors(rm):
   with pytest.raises(ValueError, match="pass either items, or prompts and completions"):
     rm.score(CHATS, prompts=["a"], completions=["b"])

@@ -111,8 +111,7 @@ def _model_rewards(rm, conversations, batch_size, bucket, max_length, scorer: Sc
     ids = rm.encode(item, max_length=_NO_LIMIT, where=f"conversation {i}")
     scorer.truncated += len(ids) > max_length
     encoded.append(ids[-max_length:])
-  # pylint: disable-next=protected-access -- the length-bucketed batching score() itself uses
-  return rm._score_encoded(encoded, batch_size, bucket, max_length).astype(np.float64)
+  return rm.score_ids(encoded, batch_size=batch_size, bucket=bucket, max_length=max_length).astype(np.float64)
 
 
 def _model_steps(rm, problems, steps_lists, batch_size, bucket, max_length):
@@ -124,8 +123,8 @@ def _model_steps(rm, problems, steps_lists, batch_size, bucket, max_length):
       rows.append(i)
     except DataError:  # longer than max_length: reported as dropped by the benchmark
       continue
-  # pylint: disable-next=protected-access -- the length-bucketed batching score_steps_batch uses
-  for batch_rows, logits in rm._batched([ids for ids, _ in encoded], batch_size, bucket, max_length):
-    for j, logits_tc in zip(batch_rows, logits):
-      out[rows[j]] = correct_probability(logits_tc[encoded[j][1]]).tolist()
+  logits = rm.outputs_of_ids([ids for ids, _ in encoded], batch_size=batch_size, bucket=bucket,
+                             max_length=max_length)
+  for j, logits_tc in enumerate(logits):
+    out[rows[j]] = correct_probability(logits_tc[encoded[j][1]]).tolist()
   return out

@@ -45,7 +45,7 @@ def score_fn(rm, normalize: bool, combine: str | None = None) -> ScoreFn:
     rewards = rm.score_tokens(ids, mask)
     if weights is not None:
       rewards = (np.asarray(rewards, np.float64).reshape(len(ids), -1) @ weights).astype(np.float32)
-    return rm._normalize(rewards) if normalize else rewards  # pylint: disable=protected-access  # rm.score's own
+    return rm.normalized(rewards) if normalize else rewards
   return score
 
 
