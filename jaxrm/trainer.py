@@ -352,9 +352,9 @@ def _count_unused(config: RunConfig, data: _Data, inputs: _Input) -> None:
   stream = inputs.stream
   left = stream.num_examples - stream.steps_per_epoch * stream.global_batch_size
   if left:
-    _add_drops(data.drops["train"], left, f"not trained in each epoch: the {left} after the last full global "
-               f"batch of {stream.global_batch_size} (train.global_batch_size; other rows each epoch)",
-               f"{left} of each epoch's order")
+    data.drops["train"].drop(f"not trained in each epoch: the {left} after the last full global "
+                             f"batch of {stream.global_batch_size} (train.global_batch_size; other "
+                             f"rows each epoch)", f"{left} of each epoch's order", count=left)
   if not config.eval.val_batches:
     return
   for name, batches in inputs.validation.items():
@@ -362,15 +362,9 @@ def _count_unused(config: RunConfig, data: _Data, inputs: _Input) -> None:
     kept = config.eval.val_batches * batches[0].example_mask.shape[0] * jax.process_count()
     left = len(data.validation[name]) - kept
     if left > 0:
-      _add_drops(data.drops[f"validation-{name}"], left,
-                 f"not validated: after eval.val_batches={config.eval.val_batches} batches",
-                 f"the last {left} of {name}")
-
-
-def _add_drops(report: DropReport, count: int, reason: str, example: str) -> None:
-  """Counts ``count`` rows left out together, named by one ``example`` rather than row by row."""
-  report.counts[reason] += count
-  report.examples[reason].append(example)
+      data.drops[f"validation-{name}"].drop(
+          f"not validated: after eval.val_batches={config.eval.val_batches} batches",
+          f"the last {left} of {name}", count=left)
 
 
 def _pack_spec(config: RunConfig, num_completions: int | None, rows_multiple: int) -> PackSpec | None:

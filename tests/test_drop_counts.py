@@ -10,6 +10,7 @@ import pytest
 import tiny_run
 from helpers import assistant, user, write_jsonl
 from jaxrm.data import cache
+from jaxrm.data.drops import DropReport
 
 
 def pair_row(i, bad=False):
@@ -113,3 +114,14 @@ def test_console_shows_validation_tables_and_the_end_summary(model_dir, tmp_path
   assert lines[use + 2] == (f"  python -m jaxrm.evaluate --model={out} --data=demo_arithmetic --split=validation "
                             "--max_length=96")
   assert lines[use + 3] == f"  python -m jaxrm.export --checkpoint={out} --out={out}-hf"
+
+
+def test_rows_dropped_together_count_each_and_name_one_example():
+  report = DropReport()
+  report.drop("too long", "row 3")
+  report.drop("left over", "the last 7 of train", count=7)
+  for i in range(DropReport.max_examples + 2):
+    report.drop("too long", f"row {10 + i}")
+  assert report.total == 1 + 7 + DropReport.max_examples + 2
+  assert report.as_dict()["reasons"]["left over"] == {"count": 7, "examples": ["the last 7 of train"]}
+  assert report.examples["too long"] == ["row 3"] + [f"row {10 + i}" for i in range(DropReport.max_examples - 1)]

@@ -27,8 +27,10 @@ class DropReport:
     self.counts: collections.Counter[str] = collections.Counter()
     self.examples: dict[str, list[str]] = collections.defaultdict(list)
 
-  def drop(self, reason: str, source: str) -> None:
-    self.counts[reason] += 1
+  def drop(self, reason: str, source: str, count: int = 1) -> None:
+    """Counts ``count`` rows dropped for ``reason``; ``source`` names the row, or all of them when
+    they went together (``"the last 3 of train"``)."""
+    self.counts[reason] += count
     if len(self.examples[reason]) < self.max_examples:
       self.examples[reason].append(source)
 
