@@ -133,11 +133,15 @@ class RewardModel:
       saved by training (used by ``score(normalize=True)``), else None.
     step_separator: the text that ends every step in ``score_steps`` (as in training).
     attributes: a regression model's attribute names, one per output of ``score``, else None.
+    training_max_length: the training run's ``data.max_length`` (from the run, or recorded in an
+      export of one), else None; the reward server's default limit per item.
   """
 
   def __init__(self, model: Decoder, tokenizer=None, *, reward_stats: dict | None = None,
-               step_separator: str = DEFAULT_STEP_SEPARATOR, attributes: Sequence[str] | None = None):
+               step_separator: str = DEFAULT_STEP_SEPARATOR, attributes: Sequence[str] | None = None,
+               training_max_length: int | None = None):
     self.model = model
+    self.training_max_length = training_max_length
     self.tokenizer = tokenizer
     self.reward_stats = reward_stats or None
     self.step_separator = step_separator
@@ -207,7 +211,8 @@ class RewardModel:
     scoring = source.config.get(hf_export.SCORING_KEY) or {}
     return cls(model, tok, reward_stats=scoring.get("reward_stats"),
                step_separator=scoring.get("step_separator", DEFAULT_STEP_SEPARATOR),
-               attributes=hf_export.regression_attributes(source.config, model.config))
+               attributes=hf_export.regression_attributes(source.config, model.config),
+               training_max_length=scoring.get("training_max_length"))
 
   @classmethod
   def _from_run(cls, run: checkpointing.RunCheckpoint, step, overrides, head, num_labels, mesh, tokenizer,
@@ -232,12 +237,14 @@ class RewardModel:
       tokenizer = _tokenizer_from_dir(run.tokenizer_dir)
     separator = run.settings.get("data", {}).get("step_separator", DEFAULT_STEP_SEPARATOR)
     return cls(model, tokenizer, reward_stats=meta.get("reward_stats"), step_separator=separator,
-               attributes=_run_attributes(run.settings))
+               attributes=_run_attributes(run.settings),
+               training_max_length=run.settings.get("data", {}).get("max_length"))
 
   def save_pretrained(self, out_dir: str | os.PathLike, *, dtype: str | None = None) -> None:
     """Writes an HF checkpoint directory (see :func:`jaxrm.hf.export.save_pretrained`)."""
     hf_export.save_pretrained(out_dir, self.model, self.tokenizer, reward_stats=self.reward_stats,
-                              step_separator=self.step_separator, dtype=dtype, attributes=self.attributes)
+                              step_separator=self.step_separator, dtype=dtype, attributes=self.attributes,
+                              training_max_length=self.training_max_length)
 
   # ---------------------------------------------------------------- scoring
 

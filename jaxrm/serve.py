@@ -22,6 +22,7 @@ but /health ask for ``Authorization: Bearer <key>``.
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import os
 
@@ -46,7 +47,7 @@ def _define_flags() -> None:
   flags.DEFINE_integer("max_batch", d.max_batch, "Most texts, conversations or pairs per request.")
   flags.DEFINE_integer("max_request_bytes", d.max_request_bytes, "Largest request body, in bytes.")
   flags.DEFINE_integer("max_length", None, "Most tokens per item (default: the training run's data.max_length, "
-                       "else 2048, or the model's context if shorter); conversations lose their oldest turns "
+                       "read from the run or from an export of one; else 2048, or the model's context if shorter); conversations lose their oldest turns "
                        "to fit.")
   flags.DEFINE_integer("batch_size", d.batch_size, "Rows per forward pass.")
   flags.DEFINE_integer("batch_tokens", None, "Padded tokens per forward pass (default: batch_size x max_length).")
@@ -73,11 +74,23 @@ def _define_flags() -> None:
 
 
 def training_max_length(path: str) -> int | None:
-  """``data.max_length`` of the training run that ``path`` (a run dir or checkpoint) comes from."""
+  """``data.max_length`` of the training run that ``path`` (a run dir, a checkpoint, or an HF
+  export of one, which records it) comes from; None when it was not trained by jaxrm."""
   from jaxrm import checkpointing
+  from jaxrm.hf.export import SCORING_KEY
   from jaxrm.reward_model import resolve_path
-  run = checkpointing.find_run(resolve_path(path))
-  return run.settings.get("data", {}).get("max_length") if run is not None else None
+  path = resolve_path(path)
+  run = checkpointing.find_run(path)
+  if run is not None:
+    return run.settings.get("data", {}).get("max_length")
+  config = os.path.join(path, "config.json")
+  if not os.path.isfile(config):
+    return None
+  try:
+    with open(config) as f:
+      return (json.load(f).get(SCORING_KEY) or {}).get("training_max_length")
+  except (OSError, ValueError, AttributeError):
+    return None  # loading the model reports what is wrong with its config
 
 
 def server_config(f) -> ServerConfig:

@@ -15,7 +15,7 @@ from flax import nnx
 import hf_tiny
 import tiny_run
 from helpers import NL, PARITY_ATOL, assert_same_params, params, right_padded
-from jaxrm import RewardModel, checkpointing
+from jaxrm import RewardModel, checkpointing, serve
 from jaxrm.errors import CheckpointError
 from jaxrm.data import registry
 from jaxrm.data.drops import DropReport
@@ -335,4 +335,9 @@ def test_run_export_scores_like_jaxrm_in_transformers(rm, run_dir, tmp_path):
   back = RewardModel.from_pretrained(tmp_path)
   assert_same_params(rm, back)
   assert back.reward_stats == rm.reward_stats and back.step_separator == rm.step_separator
+  # The run's data.max_length travels with the export: the server's default limit per item.
+  trained = checkpointing.find_run(str(run_dir)).settings["data"]["max_length"]
+  assert rm.training_max_length == back.training_max_length == trained
+  assert json.loads((tmp_path / "config.json").read_text())["jaxrm"]["training_max_length"] == trained
+  assert serve.training_max_length(str(run_dir)) == serve.training_max_length(str(tmp_path)) == trained
   np.testing.assert_array_equal(back.score(CHATS, normalize=True), rm.score(CHATS, normalize=True))

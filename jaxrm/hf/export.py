@@ -3,7 +3,8 @@
 * ``config.json``: the ``*ForSequenceClassification`` / ``*ForTokenClassification`` architecture,
   ``num_labels``, ``pad_token_id`` (a regression model: ``problem_type="regression"`` and its
   attribute names as ``id2label``), and under :data:`SCORING_KEY` what scoring needs besides
-  (validation reward statistics, the step separator), which transformers ignores and jaxrm reads back;
+  (validation reward statistics, the step separator, the training run's ``data.max_length``), which
+  transformers ignores and jaxrm reads back;
 * ``model.safetensors``: every tensor named by the family's weight map;
 * the tokenizer files, chat template included.
 
@@ -116,7 +117,7 @@ def regression_attributes(hf: dict, cfg: ModelConfig) -> tuple[str, ...] | None:
 
 def hf_config(cfg: ModelConfig, dtype: str = "float32", *, tokenizer: Any = None,
               reward_stats: dict | None = None, step_separator: str,
-              attributes: tuple[str, ...] | None = None) -> dict:
+              attributes: tuple[str, ...] | None = None, training_max_length: int | None = None) -> dict:
   """config.json of the export: the classification architecture plus jaxrm's scoring metadata.
 
   Args:
@@ -126,6 +127,7 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32", *, tokenizer: Any = None
     reward_stats: {"mean", "std", "from"} recorded at validation, or None.
     step_separator: the text ending every step in step scoring.
     attributes: a regression model's attribute names, one per output, or None.
+    training_max_length: the training run's ``data.max_length``, or None (not trained here).
   """
   pad = cfg.pad_token_id
   if pad is None and tokenizer is not None:
@@ -135,6 +137,8 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32", *, tokenizer: Any = None
                 to_hf_config(cfg)["architectures"][0])
   hf = to_hf_config(cfg.replace(param_dtype=dtype, pad_token_id=pad, lora=lora.LoraConfig()))
   hf[SCORING_KEY] = {"reward_stats": reward_stats, "step_separator": step_separator}
+  if training_max_length is not None:
+    hf[SCORING_KEY]["training_max_length"] = int(training_max_length)
   if attributes is not None:
     if len(attributes) != cfg.num_labels:
       raise ValueError(f"{len(attributes)} attribute names for a head of {cfg.num_labels} outputs")
@@ -156,7 +160,8 @@ def _check_out_dir(out_dir: str) -> None:
 
 def save_pretrained(out_dir: str | os.PathLike, model: Decoder, tokenizer: Any = None, *,
                     reward_stats: dict | None = None, step_separator: str, dtype: str | None = None,
-                    attributes: tuple[str, ...] | None = None) -> None:
+                    attributes: tuple[str, ...] | None = None,
+                    training_max_length: int | None = None) -> None:
   """Writes ``model`` (and ``tokenizer``) to ``out_dir`` as an HF checkpoint directory; LoRA
   adapters are merged into the weights, and the config written is that of a model without them.
 
@@ -164,7 +169,8 @@ def save_pretrained(out_dir: str | os.PathLike, model: Decoder, tokenizer: Any =
     out_dir: created if missing; existing export files in it are replaced.
     model: its parameters must be addressable from this process.
     tokenizer: saved beside the weights; None writes no tokenizer files.
-    reward_stats, step_separator, attributes: scoring metadata, see :func:`hf_config`.
+    reward_stats, step_separator, attributes, training_max_length: scoring metadata, see
+      :func:`hf_config`.
     dtype: tensor dtype, "float32" or "bfloat16" (default: the model's parameter dtype).
   """
   out_dir = os.fspath(out_dir)
@@ -173,7 +179,8 @@ def save_pretrained(out_dir: str | os.PathLike, model: Decoder, tokenizer: Any =
   os.makedirs(out_dir, exist_ok=True)
   save_safetensors(os.path.join(out_dir, "model.safetensors"), hf_tensors(model, dtype))
   config = hf_config(model.config, dtype, tokenizer=tokenizer, reward_stats=reward_stats,
-                     step_separator=step_separator, attributes=attributes)
+                     step_separator=step_separator, attributes=attributes,
+                     training_max_length=training_max_length)
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(config, f, indent=2)
   if tokenizer is not None:
