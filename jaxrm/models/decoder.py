@@ -329,7 +329,7 @@ def _block(cfg: ModelConfig, attend: Callable, x_btd, p, cos, sin, dropout_key=N
   x = x + a
   h = norm(x, p["mlp_norm"])
   act = L.activation(cfg.hidden_act)
-  m = linear(act(linear(h, "gate")) * linear(h, "up"), "down")
+  m = linear(L.gated(act, linear(h, "gate"), linear(h, "up")), "down")
   if cfg.gemma_norms:
     m = norm(m, p["post_mlp_norm"])
   return (x + m).reshape(b, t, d)
