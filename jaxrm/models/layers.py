@@ -174,8 +174,7 @@ def gated(act, gate_nf, up_nf):
 
   Differentiated as written, XLA keeps the activation's intermediates too (for SiLU: the sigmoid,
   the activation and the product), each a [N, F] array per layer; here the backward recomputes
-  them from ``gate``. On CPU that is 1.1 GB less to store per step of a 135M model on 2048 tokens
-  and a faster step (BENCHMARKS.md).
+  them from ``gate``: 1.1 GB less per training step of a 135M model on 2048 tokens (BENCHMARKS.md).
   """
   return _gated(act, gate_nf, up_nf)
 
