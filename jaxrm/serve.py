@@ -22,7 +22,6 @@ but /health ask for ``Authorization: Bearer <key>``.
 from __future__ import annotations
 
 import ipaddress
-import json
 import logging
 import os
 
@@ -47,8 +46,8 @@ def _define_flags() -> None:
   flags.DEFINE_integer("max_batch", d.max_batch, "Most texts, conversations or pairs per request.")
   flags.DEFINE_integer("max_request_bytes", d.max_request_bytes, "Largest request body, in bytes.")
   flags.DEFINE_integer("max_length", None, "Most tokens per item (default: the training run's data.max_length, "
-                       "read from the run or from an export of one; else 2048, or the model's context if shorter); conversations lose their oldest turns "
-                       "to fit.")
+                       "which a run and an export of it record; else 2048, or the model's context if "
+                       "shorter); conversations lose their oldest turns to fit.")
   flags.DEFINE_integer("batch_size", d.batch_size, "Rows per forward pass.")
   flags.DEFINE_integer("batch_tokens", None, "Padded tokens per forward pass (default: batch_size x max_length).")
   flags.DEFINE_list("buckets", None, "Padded lengths, each compiled at start (default: 64, 128, ... up to "
@@ -73,26 +72,6 @@ def _define_flags() -> None:
                       "reference path elsewhere) | reference | pallas | cudnn.")
 
 
-def training_max_length(path: str) -> int | None:
-  """``data.max_length`` of the training run that ``path`` (a run dir, a checkpoint, or an HF
-  export of one, which records it) comes from; None when it was not trained by jaxrm."""
-  from jaxrm import checkpointing
-  from jaxrm.hf.export import SCORING_KEY
-  from jaxrm.reward_model import resolve_path
-  path = resolve_path(path)
-  run = checkpointing.find_run(path)
-  if run is not None:
-    return run.settings.get("data", {}).get("max_length")
-  config = os.path.join(path, "config.json")
-  if not os.path.isfile(config):
-    return None
-  try:
-    with open(config) as f:
-      return (json.load(f).get(SCORING_KEY) or {}).get("training_max_length")
-  except (OSError, ValueError, AttributeError):
-    return None  # loading the model reports what is wrong with its config
-
-
 def server_config(f) -> ServerConfig:
   """The ServerConfig of the parsed flags."""
   from jaxrm.errors import ConfigError
@@ -102,7 +81,7 @@ def server_config(f) -> ServerConfig:
     raise ConfigError(f"--buckets={','.join(f.buckets)}: give token lengths, e.g. --buckets=128,512,2048") from None
   return ServerConfig(
       max_batch=f.max_batch, max_request_bytes=f.max_request_bytes,
-      max_length=f.max_length or training_max_length(f.model), batch_size=f.batch_size,
+      max_length=f.max_length, batch_size=f.batch_size,
       batch_tokens=f.batch_tokens, buckets=buckets, batch_wait_ms=f.batch_wait_ms,
       max_queued_tokens=f.max_queued_tokens, request_timeout=f.request_timeout,
       header_timeout=f.header_timeout, body_timeout=f.body_timeout, keep_alive=f.keep_alive,

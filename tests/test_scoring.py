@@ -15,7 +15,8 @@ from flax import nnx
 import hf_tiny
 import tiny_run
 from helpers import NL, PARITY_ATOL, assert_same_params, params, right_padded
-from jaxrm import RewardModel, checkpointing, serve
+from jaxrm import RewardModel, checkpointing
+from jaxrm.server import make_server
 from jaxrm.errors import CheckpointError
 from jaxrm.data import registry
 from jaxrm.data.drops import DropReport
@@ -339,5 +340,8 @@ def test_run_export_scores_like_jaxrm_in_transformers(rm, run_dir, tmp_path):
   trained = checkpointing.find_run(str(run_dir)).settings["data"]["max_length"]
   assert rm.training_max_length == back.training_max_length == trained
   assert json.loads((tmp_path / "config.json").read_text())["jaxrm"]["training_max_length"] == trained
-  assert serve.training_max_length(str(run_dir)) == serve.training_max_length(str(tmp_path)) == trained
+  for model in (rm, back):  # the server's default limit per item
+    server = make_server(model, port=0)
+    assert server.config.max_length == trained
+    server._socket.close()  # pylint: disable=protected-access  # never started
   np.testing.assert_array_equal(back.score(CHATS, normalize=True), rm.score(CHATS, normalize=True))

@@ -273,7 +273,7 @@ class RewardServer:
   def __init__(self, rm, config: ServerConfig = DEFAULT_CONFIG, host: str = "127.0.0.1", port: int = 8000, *,
                model_name: str = ""):
     check_model(rm, config)
-    self.config = config.resolved(rm.config.max_position_embeddings)
+    self.config = config.resolved(rm.config.max_position_embeddings, rm.training_max_length)
     self.metrics = Metrics()
     self.batcher = Batcher(score_fn(rm, self.config.normalize, self.config.combine), self.config,
                            pad_id(rm.tokenizer, rm.config.pad_token_id), self.metrics)

@@ -21,7 +21,7 @@ class ServerConfig:
     max_request_bytes: size of a request body.
     max_length: tokens per item. A longer conversation loses its oldest turns (as in training),
       a longer text or last message is refused. None: ``DEFAULT_MAX_LENGTH`` (or the model's
-      context, if shorter); the CLI passes the training run's ``data.max_length`` when it has one.
+      context, if shorter) unless the model records its training run's ``data.max_length``.
     batch_size: rows per forward pass.
     batch_tokens: padded tokens per forward pass (rows x bucket length); None: batch_size x max_length.
     buckets: padded lengths a batch may have, each compiled at start; None: powers of two from 64
@@ -72,9 +72,10 @@ class ServerConfig:
     if self.buckets is not None and (not self.buckets or min(self.buckets) < 1):
       raise ConfigError(f"buckets={self.buckets}: give positive lengths, e.g. --buckets=128,512,2048")
 
-  def resolved(self, context_length: int) -> ServerConfig:
-    """This config with max_length, batch_tokens and buckets filled in for a model's context."""
-    max_length = self.max_length or min(DEFAULT_MAX_LENGTH, context_length)
+  def resolved(self, context_length: int, training_max_length: int | None = None) -> ServerConfig:
+    """This config with max_length, batch_tokens and buckets filled in for a model's context and,
+    when it was trained by jaxrm, the training run's ``data.max_length``."""
+    max_length = self.max_length or training_max_length or min(DEFAULT_MAX_LENGTH, context_length)
     if max_length > context_length:
       raise ConfigError(f"max_length={max_length} is longer than the model's context ({context_length} "
                         "tokens): lower --max_length")
