@@ -93,6 +93,24 @@ def test_attention_gradients_equal_autodiff(softcap):
     np.testing.assert_allclose(g, e, atol=1e-5, rtol=0)
 
 
+def test_backward_keeps_no_weights_and_ignores_queries_that_see_no_key():
+  q, k, v, mask = long_rows(3)
+  sees_nothing = ~np.asarray(mask).any(-1)  # the padding queries
+  assert sees_nothing.any()
+  out, vjp = jax.vjp(lambda q, k, v: L.dot_product_attention(q, k, v, mask, 0.3, None), q, k, v)
+  # What is kept for the backward pass: q, k, v, the output and a log-sum-exp per query (and the
+  # mask, an input), never the [B, H, T, S] weights.
+  floats = [x for x in jax.tree.leaves(vjp) if jnp.issubdtype(x.dtype, jnp.floating)]
+  assert max(x.size for x in floats) == q.size and sum(x.size for x in floats) < 4 * q.size
+  assert np.isfinite(out).all()
+  # A query that sees no key has no weights to differentiate: whatever reaches its output moves
+  # nothing, exactly (plain autodiff would spread it over the hidden keys).
+  d_out = np.random.default_rng(4).standard_normal(q.shape).astype(np.float32)
+  d_out *= sees_nothing[..., None, None]
+  for g in vjp(jnp.asarray(d_out)):
+    np.testing.assert_array_equal(g, 0.0)
+
+
 @pytest.mark.parametrize("backend, fused", [("gpu", "cudnn"), ("cpu", "xla"), ("tpu", "xla")])
 def test_attention_route_per_config(backend, fused):
   for dtype in ("bfloat16", "float16"):

@@ -73,85 +73,106 @@ def attention_mask(attention_mask_bt, positions_bt, segment_ids_bt=None, sliding
   return mask
 
 
-CHUNK = 128  # query block of the attention; keys after a block's last query are skipped
+CHUNK = 128  # block of queries (forward) and of keys (backward) of the reference attention
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def dot_product_attention(q_bthd, k_bskd, v_bskd, mask_bts, scale: float, softcap: float | None):
   """Causal grouped-query attention; logits and softmax in float32. Returns [B, T, H, Dh].
 
-  ``mask_bts`` must hide every key after its query, as :func:`attention_mask` does: queries are
-  taken in blocks of ``CHUNK``, and each block is multiplied only with the keys up to its last
-  query. The backward pass recomputes the attention weights instead of keeping them from the
-  forward pass, so a layer holds O(T) activations rather than O(T^2) weights per head.
+  ``mask_bts`` must hide every key after its query, as :func:`attention_mask` does: the forward
+  pass takes queries in blocks of ``CHUNK`` and multiplies each block only with the keys up to
+  its last query; the backward pass takes keys in blocks and each only with the queries from its
+  first key on. The backward recomputes the attention weights from the logits and each query's
+  log-sum-exp kept by the forward pass (as flash attention does), so a layer holds O(T)
+  activations rather than O(T^2) weights per head.
   """
-  q, k, v = _grouped(q_bthd, k_bskd, v_bskd)
-  out = []
-  for start, end in _chunks(q.shape[3]):
-    probs = _attention_weights(q[:, :, :, start:end], k[:, :, :end], mask_bts[:, start:end, :end],
-                               scale, softcap)[0]
-    out.append(jnp.einsum("bkgts,bksd->bkgtd", probs.astype(v.dtype), v[:, :, :end]))
-  return _ungrouped(jnp.concatenate(out, axis=3))
+  return _attention(q_bthd, k_bskd, v_bskd, mask_bts, scale, softcap)[0]
 
 
 def _chunks(length: int) -> list[tuple[int, int]]:
   return [(s, min(s + CHUNK, length)) for s in range(0, length, CHUNK)]
 
 
-def _grouped(q_bthd, k_bskd, v_bskd):
-  """q [B, K, G, T, Dh] (the G query heads that share key head K), k and v [B, K, S, Dh].
+def _rows(x_bthd, kv: int):
+  """[B, K, T * G, Dh]: for each key head, the rows of its G query heads, token by token, so
+  that a block of tokens is a block of rows and each product is one batched matrix product."""
+  b, t, h, d = x_bthd.shape
+  return x_bthd.reshape(b, t, kv, h // kv, d).transpose(0, 2, 1, 3, 4).reshape(b, kv, t * (h // kv), d)
 
-  Batched matrix products in this layout run markedly faster on CPU than with heads inside.
-  """
-  b, t, h, d = q_bthd.shape
+
+def _unrows(x_bkrd, t: int):
+  b, kv, r, d = x_bkrd.shape
+  return x_bkrd.reshape(b, kv, t, r // t, d).transpose(0, 2, 1, 3, 4).reshape(b, t, r // t * kv, d)
+
+
+def _heads(x_bskd):
+  return x_bskd.transpose(0, 2, 1, 3)
+
+
+def _capped(logits, softcap):
+  return logits if softcap is None else jnp.tanh(logits / softcap) * softcap
+
+
+def _attention(q_bthd, k_bskd, v_bskd, mask_bts, scale, softcap):
+  """The output [B, T, H, Dh] and each query's log-sum-exp of its visible logits, float32
+  [B, K, T * G] (rows as :func:`_rows`): +inf where a query sees no key, so that the weights the
+  backward pass recomputes from it are 0 there (that query's output is unused)."""
+  b, t, h, _ = q_bthd.shape
   kv = k_bskd.shape[2]
-  q = q_bthd.reshape(b, t, kv, h // kv, d).transpose(0, 2, 3, 1, 4)
-  return q, k_bskd.transpose(0, 2, 1, 3), v_bskd.transpose(0, 2, 1, 3)
-
-
-def _ungrouped(x_bkgtd):
-  b, kv, g, t, d = x_bkgtd.shape
-  return x_bkgtd.transpose(0, 3, 1, 2, 4).reshape(b, t, kv * g, d)
-
-
-def _attention_weights(q_bkgtd, k_bksd, mask_bts, scale, softcap):
-  """Softmax weights float32 [B, K, G, T, S], and the logits before soft-capping."""
-  b, kv, g, t, d = q_bkgtd.shape
-  q = q_bkgtd.reshape(b, kv, g * t, d)  # one matrix product per key head
-  logits = jnp.einsum("bkqd,bksd->bkqs", q, k_bksd, preferred_element_type=jnp.float32) * scale
-  logits = logits.reshape(b, kv, g, t, -1)
-  capped = logits if softcap is None else jnp.tanh(logits / softcap) * softcap
-  capped = jnp.where(mask_bts[:, None, None], capped, NEG_INF)
-  return jax.nn.softmax(capped, axis=-1), logits
+  g = h // kv
+  q, k, v = _rows(q_bthd, kv), _heads(k_bskd), _heads(v_bskd)
+  out, lse = [], []
+  for start, end in _chunks(t):
+    logits = jnp.einsum("bkrd,bksd->bkrs", q[:, :, start * g:end * g], k[:, :, :end],
+                        preferred_element_type=jnp.float32) * scale
+    logits = _capped(logits, softcap).reshape(b, kv, end - start, g, end)
+    logits = jnp.where(mask_bts[:, None, start:end, None, :end], logits, NEG_INF).reshape(b, kv, -1, end)
+    peak = jnp.max(logits, axis=-1, keepdims=True)
+    unnormalized = jnp.exp(logits - peak)
+    total = jnp.sum(unnormalized, axis=-1, keepdims=True)
+    out.append(jnp.einsum("bkrs,bksd->bkrd", (unnormalized / total).astype(v.dtype), v[:, :, :end]))
+    lse.append(jnp.where(peak > NEG_INF, peak + jnp.log(total), jnp.inf)[..., 0])
+  return _unrows(jnp.concatenate(out, axis=2), t), jnp.concatenate(lse, axis=2)
 
 
 def _attention_fwd(q_bthd, k_bskd, v_bskd, mask_bts, scale, softcap):
-  out = dot_product_attention(q_bthd, k_bskd, v_bskd, mask_bts, scale, softcap)
-  return out, (q_bthd, k_bskd, v_bskd, mask_bts)
+  out, lse = _attention(q_bthd, k_bskd, v_bskd, mask_bts, scale, softcap)
+  return out, (q_bthd, k_bskd, v_bskd, mask_bts, out, lse)
 
 
 def _attention_bwd(scale, softcap, residuals, d_out_bthd):
-  q_bthd, k_bskd, v_bskd, mask_bts = residuals
-  q, k, v = _grouped(q_bthd, k_bskd, v_bskd)
-  d_out = _grouped(d_out_bthd, k_bskd, v_bskd)[0]
-  d_q, d_k, d_v = [], jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
-  for start, end in _chunks(q.shape[3]):
-    q_c, d_out_c, mask_c = q[:, :, :, start:end], d_out[:, :, :, start:end], mask_bts[:, start:end, :end]
-    probs, logits = _attention_weights(q_c, k[:, :, :end], mask_c, scale, softcap)
-    d_v = d_v.at[:, :, :end].add(jnp.einsum("bkgts,bkgtd->bksd", probs.astype(v.dtype), d_out_c,
-                                            preferred_element_type=jnp.float32))
-    d_probs = jnp.einsum("bkgtd,bksd->bkgts", d_out_c, v[:, :, :end], preferred_element_type=jnp.float32)
-    d_logits = probs * (d_probs - jnp.sum(probs * d_probs, axis=-1, keepdims=True))
-    d_logits = jnp.where(mask_c[:, None, None], d_logits, 0.0)
+  """Flash attention's backward pass, block by block of keys, in the transposed layout (keys by
+  queries) that makes four of its five products plain matrix products on CPU: the weights are
+  recomputed as ``exp(logits - lse)`` (exactly 0 where hidden), and the softmax's Jacobian takes
+  each query's ``sum(d_out * out)`` instead of a sum over its keys."""
+  q_bthd, k_bskd, v_bskd, mask_bts, out_bthd, lse = residuals
+  b, t, h, _ = q_bthd.shape
+  kv = k_bskd.shape[2]
+  g = h // kv
+  q, d_out, k, v = _rows(q_bthd, kv), _rows(d_out_bthd, kv), _heads(k_bskd), _heads(v_bskd)
+  d_lse = jnp.sum(d_out.astype(jnp.float32) * _rows(out_bthd, kv).astype(jnp.float32), axis=-1)
+  mask_bst = mask_bts.transpose(0, 2, 1)
+  d_q, d_k, d_v = jnp.zeros(q.shape, jnp.float32), [], []
+  for start, end in _chunks(t):
+    rows = slice(start * g, None)  # the queries from this block's first key on
+    q_c, d_out_c, k_c, v_c = q[:, :, rows], d_out[:, :, rows], k[:, :, start:end], v[:, :, start:end]
+    logits = jnp.einsum("bksd,bkrd->bksr", k_c, q_c, preferred_element_type=jnp.float32) * scale
+    masked = _capped(logits, softcap).reshape(b, kv, end - start, t - start, g)
+    masked = jnp.where(mask_bst[:, None, start:end, start:, None], masked, NEG_INF).reshape(logits.shape)
+    # exp(NEG_INF - lse) underflows to exactly 0 where a key is hidden, exp(-inf) where a query
+    # sees no key.
+    probs = jnp.exp(masked - lse[:, :, None, rows])
+    d_v.append(jnp.einsum("bksr,bkrd->bksd", probs.astype(v.dtype), d_out_c, preferred_element_type=jnp.float32))
+    d_probs = jnp.einsum("bksd,bkrd->bksr", v_c, d_out_c, preferred_element_type=jnp.float32)
+    d_logits = probs * (d_probs - d_lse[:, :, None, rows])
     if softcap is not None:
       d_logits = d_logits * (1.0 - jnp.tanh(logits / softcap) ** 2)
     d_logits = d_logits * scale
-    d_q.append(jnp.einsum("bkgts,bksd->bkgtd", d_logits, k[:, :, :end], preferred_element_type=jnp.float32))
-    d_k = d_k.at[:, :, :end].add(jnp.einsum("bkgts,bkgtd->bksd", d_logits, q_c,
-                                            preferred_element_type=jnp.float32))
-  return (_ungrouped(jnp.concatenate(d_q, axis=3)).astype(q_bthd.dtype),
-          d_k.transpose(0, 2, 1, 3).astype(k_bskd.dtype),
-          d_v.transpose(0, 2, 1, 3).astype(v_bskd.dtype), None)
+    d_k.append(jnp.einsum("bksr,bkrd->bksd", d_logits, q_c, preferred_element_type=jnp.float32))
+    d_q = d_q.at[:, :, rows].add(jnp.einsum("bksr,bksd->bkrd", d_logits, k_c, preferred_element_type=jnp.float32))
+  return (_unrows(d_q, t).astype(q_bthd.dtype), _heads(jnp.concatenate(d_k, axis=2)).astype(k_bskd.dtype),
+          _heads(jnp.concatenate(d_v, axis=2)).astype(v_bskd.dtype), None)
 
 
 dot_product_attention.defvjp(_attention_fwd, _attention_bwd)
