@@ -4,6 +4,7 @@ r"""Evaluates a reward model on preference or stepwise data, or on a public benc
   python -m jaxrm.evaluate --model=model.gguf --data=rewardbench.jsonl --subset_field=subset \
       --output=eval/
   python -m jaxrm.evaluate --model=runs/prm --data=steps.jsonl --dataset_name=StepwiseDataset
+  python -m jaxrm.evaluate --model=runs/helpsteer2 --data=rated.jsonl --dataset_name=RatedDataset
   python -m jaxrm.evaluate --model=runs/rm --benchmark=rewardbench --max_length=2048 --output=eval/
   python -m jaxrm.evaluate --model=runs/prm --benchmark=processbench --data=ProcessBench/ --output=eval/
 
@@ -22,31 +23,39 @@ overall and per subset (a RewardBench-style column, ``--subset_field``), the los
 statistics and the length bias (reward against completion length in tokens, and
 ``length_bias.png``). Stepwise data (token-head models): step accuracy, recall of each class, F1
 of the error class, the share of solutions whose first error is found exactly, and the baseline
-that calls every step correct. With ``--output`` it writes ``eval.json`` and ``rewards.png``, a histogram of
-chosen vs rejected rewards (of the probability that a step is correct, for stepwise models).
+that calls every step correct. Rated data (regression models, one output per attribute, read for
+the model's attributes): the mean squared error, and per attribute the MSE, the mean absolute error
+and Pearson's and Spearman's correlation of prediction and rating, with the pairwise accuracy over
+same-prompt responses ranked by ``--combine`` (default: the first attribute), as validation reports
+them. With ``--output`` it writes ``eval.json`` and ``rewards.png``, a histogram of chosen vs
+rejected rewards (of the probability that a step is correct, for stepwise models; for regression
+models, predictions plotted against ratings).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
 import os
+import types
 from typing import Any, Sequence
 
 import jax
 import numpy as np
 
 from jaxrm import benchmarks, cli, losses
-from jaxrm.batches import IGNORE_INDEX, PreferenceBatch, StepwiseBatch
+from jaxrm.batches import IGNORE_INDEX, PreferenceBatch, RegressionBatch, StepwiseBatch
 from jaxrm.benchmarks import length_bias
 from jaxrm.benchmarks.scoring import Scorer, model_scorer
 from jaxrm.data import pipeline
 from jaxrm.data.drops import DropReport
 from jaxrm.errors import EvaluationError
 from jaxrm.models.heads import correct_probability
-from jaxrm.data.records import PreferenceRecord, StepwiseRecord
-from jaxrm.data.tokenize import PreferenceExample, StepwiseExample, TokenizeOptions, pad_id, tokenize_all
+from jaxrm.data.records import PreferenceRecord, RatedRecord, StepwiseRecord
+from jaxrm.data.tokenize import (PreferenceExample, RatedExample, StepwiseExample, TokenizeOptions, pad_id,
+                                 tokenize_all)
 
 NO_SUBSET = "(none)"  # the subset of rows that have no subset column
 REPORT_FILE = "eval.json"
@@ -54,48 +63,67 @@ HISTOGRAM_FILE = "rewards.png"
 
 
 def evaluate(rm, data: Sequence[Any], *, options: TokenizeOptions | None = None, batch_size: int = 8,
-             bucket_multiple: int = 64, drops: DropReport | None = None) -> dict[str, Any]:
+             bucket_multiple: int = 64, drops: DropReport | None = None,
+             combine: str | None = None) -> dict[str, Any]:
   """Scores every example of ``data`` and returns its metrics.
 
   Args:
-    rm: a :class:`jaxrm.RewardModel` (sequence head for preferences, token head for steps).
-    data: preference or stepwise records (tokenized here with ``options``), or tokenized examples.
+    rm: a :class:`jaxrm.RewardModel` (sequence head for preferences, token head for steps, a
+      regression model's head, one output per name of ``rm.attributes``, for rated rows).
+    data: preference, stepwise or rated records (tokenized here with ``options``), or tokenized
+      examples. Rated rows hold their ratings in the order of ``rm.attributes``.
     options: how records are tokenized (default ``TokenizeOptions()``).
     batch_size: examples (groups of completions) per forward pass.
     bucket_multiple: sequence lengths are padded to a multiple of this, so that few shapes compile.
     drops: where rows dropped by tokenization are counted (and already-dropped rows, if given).
+    combine: rated rows: what ``pairwise_accuracy`` ranks same-prompt responses by, as
+      ``reward.combine`` takes it (an attribute, or ``"name=weight,..."``; default: the first).
 
   Returns:
-    ``{"kind": "preference" | "stepwise", "num_examples", "metrics", "subsets", "dropped",
-    "scores"}``. ``metrics`` uses the names of the training loss's validation metrics;
+    ``{"kind": "preference" | "stepwise" | "regression", "num_examples", "metrics", "subsets",
+    "dropped", "scores"}``. ``metrics`` uses the names of the training loss's validation metrics;
     ``subsets`` maps each subset to ``{"num_examples", **metrics}`` (empty when no row has one);
     ``scores`` holds float32 arrays: ``chosen``/``rejected`` rewards [N] of each example's best and
-    worst completion, or for stepwise models ``correct``/``error``, the probability that a step is
-    correct, for the steps labelled each way. Preference results also have ``length_bias`` (see
-    :mod:`jaxrm.benchmarks.length_bias`; lengths in tokens after the prompt), whose comparisons
-    are ``scores["length"]``.
+    worst completion, for stepwise models ``correct``/``error``, the probability that a step is
+    correct, for the steps labelled each way, and for regression models ``predictions`` and
+    ``ratings`` [N, A] with ``rated`` (bool [N, A]: where a row rates an attribute). Preference
+    results also have ``length_bias`` (see :mod:`jaxrm.benchmarks.length_bias`; lengths in tokens
+    after the prompt), whose comparisons are ``scores["length"]``; regression results have
+    ``attributes`` and ``combine``.
   """
   drops = drops if drops is not None else DropReport()
   examples = _examples(rm, data, options or TokenizeOptions(), drops)
-  stepwise = isinstance(examples[0], StepwiseExample)
-  _check_head(rm.config, stepwise)
+  kind = _kind(examples[0])
+  _check_head(rm, kind)
+  if kind == "regression" and examples[0].labels.shape[0] != len(rm.attributes):
+    raise EvaluationError(f"the rated rows hold {examples[0].labels.shape[0]} ratings each and the model has "
+                          f"{len(rm.attributes)} outputs ({', '.join(rm.attributes)}); read the rows for the "
+                          "model's attributes")
+  if combine is not None and kind != "regression":
+    raise EvaluationError(f"combine={combine!r} ranks the attributes of rated rows; this data is {kind} data")
   pad = pad_id(rm.tokenizer, rm.config.pad_token_id)
   max_len = max(len(ids) for e in examples for ids in _sequences(e))
   buckets = pipeline.length_buckets(-(-max_len // bucket_multiple) * bucket_multiple, bucket_multiple)
   batches = pipeline.make_eval_batches(examples, batch_size=batch_size, buckets=buckets, pad_id=pad)
-  if stepwise:
+  extra = {}
+  if kind == "stepwise":
     metrics_fn, scores, arrays = _stepwise_arrays(rm, batches, len(examples))
+  elif kind == "regression":
+    spec = _regression_spec(rm.attributes, combine)
+    extra = {"attributes": list(spec.attribute_names), "combine": spec.combine or spec.attribute_names[0]}
+    metrics_fn, scores, arrays = _regression_arrays(rm, batches, len(examples), spec)
   else:
     metrics_fn, scores, arrays = _preference_arrays(rm, batches, len(examples))
   result = {
-      "kind": "stepwise" if stepwise else "preference",
+      "kind": kind,
+      **extra,
       "num_examples": len(examples),
       "metrics": metrics_fn(*arrays, np.ones(len(examples), np.float32)),
       "subsets": _per_subset(examples, lambda mask: metrics_fn(*arrays, mask)),
       "dropped": drops.as_dict(),
       "scores": scores,
   }
-  if not stepwise:
+  if kind == "preference":
     scores["length"] = _length_comparisons(examples, arrays[0])
     result["length_bias"] = length_bias.report(scores["length"], unit="tokens")
   return result
@@ -114,24 +142,39 @@ def _per_subset(examples, metrics_of) -> dict[str, dict[str, float]]:
 def _examples(rm, data: Sequence[Any], options: TokenizeOptions, drops: DropReport) -> list:
   if not data:
     raise EvaluationError("there is nothing to evaluate: the data has no rows")
-  if all(isinstance(x, (PreferenceExample, StepwiseExample)) for x in data):
+  if all(isinstance(x, (PreferenceExample, StepwiseExample, RatedExample)) for x in data):
     examples = list(data)
-  elif all(isinstance(x, (PreferenceRecord, StepwiseRecord)) for x in data):
+  elif all(isinstance(x, (PreferenceRecord, StepwiseRecord, RatedRecord)) for x in data):
     if rm.tokenizer is None:
       raise EvaluationError("the model has no tokenizer to tokenize records with; pass tokenizer= to "
                             "RewardModel.from_pretrained, or pass tokenized examples")
     examples = tokenize_all(data, rm.tokenizer, options, drops)
   else:
-    raise EvaluationError("data must be all records (PreferenceRecord / StepwiseRecord) or all tokenized "
-                          f"examples; got {sorted({type(x).__name__ for x in data})}")
+    raise EvaluationError("data must be all records (PreferenceRecord / StepwiseRecord / RatedRecord) or all "
+                          f"tokenized examples; got {sorted({type(x).__name__ for x in data})}")
   if not examples:
     raise EvaluationError(f"every row was dropped\n{drops.summary('data')}")
-  if len({type(e) for e in examples}) > 1:
-    raise EvaluationError("data mixes preference and stepwise rows; evaluate them separately")
+  if len({_kind(e) for e in examples}) > 1:
+    kinds = " and ".join(sorted({_kind(e) for e in examples}))
+    raise EvaluationError(f"data mixes {kinds} rows; evaluate them separately")
   return examples
 
 
-def _check_head(config, stepwise: bool) -> None:
+def _kind(example) -> str:
+  if isinstance(example, StepwiseExample):
+    return "stepwise"
+  return "regression" if isinstance(example, RatedExample) else "preference"
+
+
+def _check_head(rm, kind: str) -> None:
+  config, stepwise = rm.config, kind == "stepwise"
+  if kind == "regression":
+    if config.head != "sequence" or getattr(rm, "attributes", None) is None:
+      raise EvaluationError(
+          "rated data needs a regression model (a sequence head with one output per attribute, trained "
+          "with reward.type=regression); this model has a " + config.head + " head and records no "
+          "attribute names")
+    return
   if stepwise and config.head != "token":
     raise EvaluationError(
         "stepwise data needs a token-head (process reward) model, and this model has a sequence head; "
@@ -144,11 +187,14 @@ def _check_head(config, stepwise: bool) -> None:
         "preference data needs a sequence-head model, and this is a token-head (process reward) model; "
         "give stepwise data (--dataset_name=StepwiseDataset or demo_arithmetic_steps)")
   if not stepwise and config.num_labels != 1:
-    raise EvaluationError(f"a reward model has one output; this sequence head has {config.num_labels}")
+    raise EvaluationError(f"a reward model has one output; this sequence head has {config.num_labels}"
+                          + ("" if getattr(rm, "attributes", None) is None else
+                             f" ({', '.join(rm.attributes)}): evaluate it on rated data "
+                             "(--dataset_name=RatedDataset, HelpSteer2 or demo_attributes)"))
 
 
 def _sequences(example) -> Sequence[np.ndarray]:
-  return (example.input_ids,) if isinstance(example, StepwiseExample) else example.input_ids
+  return example.input_ids if isinstance(example, PreferenceExample) else (example.input_ids,)
 
 
 # --------------------------------------------------------------------------------------- preferences
@@ -228,6 +274,39 @@ def _stepwise_metrics(logits, labels, mask) -> dict[str, float]:
   return losses.finalize_metrics(_stepwise_sums(logits, labels, mask))
 
 
+# ---------------------------------------------------------------------------------------- regression
+
+
+def _regression_spec(attributes: Sequence[str], combine: str | None) -> losses.RewardSpec:
+  try:
+    spec = losses.RewardSpec(type="regression", attributes=",".join(attributes), combine=combine or "")
+  except ValueError as e:
+    raise EvaluationError(str(e).replace("reward.combine", "combine")) from None
+  return spec
+
+
+def _regression_arrays(rm, batches: list[RegressionBatch], n: int, spec: losses.RewardSpec):
+  """Predictions, ratings and rating masks [N, A], and prompt groups [N]."""
+  a = len(spec.attribute_names)
+  predictions = np.concatenate([rm.score_tokens(b.input_ids, b.attention_mask).reshape(-1, a)
+                                for b in batches])[:n]
+  labels, label_mask, group = (np.concatenate([getattr(b, f) for b in batches])[:n]
+                               for f in ("labels", "label_mask", "group"))
+  scores = {"predictions": predictions, "ratings": labels, "rated": label_mask > 0}
+  return functools.partial(_regression_metrics, spec), scores, (predictions, labels, label_mask, group)
+
+
+def _regression_metrics(spec: losses.RewardSpec, predictions, labels, label_mask, group, mask) -> dict[str, float]:
+  """Validation's regression metrics: the loss's MSE, MAE and Pearson sums, Spearman and pairwise
+  accuracy from the whole set."""
+  batch = types.SimpleNamespace(labels=labels, label_mask=label_mask, example_mask=mask, group=group)
+  return losses.finalize_metrics(_regression_sums(spec, predictions, batch))
+
+
+def _regression_sums(spec: losses.RewardSpec, predictions, batch) -> losses.Metrics:
+  return losses.batch_loss(spec, samples=True)(predictions, batch)[1]
+
+
 # ------------------------------------------------------------------------------------------- output
 
 
@@ -246,6 +325,20 @@ def format_report(result: dict[str, Any]) -> str:
         f"all rewards        {m['reward_mean']:.4f} ± {m['reward_std']:.4f}",
     ]
     columns = ("accuracy", "margin", "chosen_reward", "rejected_reward")
+  elif result["kind"] == "regression":
+    attributes = result["attributes"]
+    width = max(len("attribute"), *(len(a) for a in attributes))
+    lines = [
+        f"mse                {m['mse']:.4f}  (every rating)",
+        f"pairwise accuracy  {m['pairwise_accuracy']:.4f}  (same-prompt responses whose ratings differ, "
+        f"ranked by {result['combine']})",
+        f"loss               {m['loss']:.4f}",
+        "",
+        f"{'attribute':<{width}}  {'mse':>8}  {'mae':>8}  {'pearson':>8}  {'spearman':>8}",
+    ]
+    lines += [f"{a:<{width}}" + "".join(f"  {m[f'{k}_{a}']:>8.4f}" for k in ("mse", "mae", "pearson", "spearman"))
+              for a in attributes]
+    columns = ("mse", "pairwise_accuracy", f"pearson_{attributes[0]}", f"spearman_{attributes[0]}")
   else:
     lines = [
         f"step accuracy      {m['step_accuracy']:.4f}  (baseline calling every step correct: "
@@ -269,7 +362,19 @@ def format_report(result: dict[str, Any]) -> str:
 
 
 def plot_scores(result: dict[str, Any], ax) -> None:
-  """Draws the histogram of chosen vs rejected rewards (step probabilities for PRMs) on ``ax``."""
+  """Draws the histogram of chosen vs rejected rewards (step probabilities for PRMs; for
+  regression models, each attribute's predictions against its ratings) on ``ax``."""
+  if result["kind"] == "regression":
+    scores = result["scores"]
+    for a, name in enumerate(result["attributes"]):
+      rated = scores["rated"][:, a]
+      ax.scatter(scores["ratings"][rated, a], scores["predictions"][rated, a], s=8, alpha=0.5,
+                 label=f"{name} (n={int(rated.sum())})")
+    ax.set_xlabel("rating")
+    ax.set_ylabel("prediction")
+    ax.set_title("Predictions against ratings, per attribute")
+    ax.legend()
+    return
   if result["kind"] == "preference":
     series = (("chosen", result["scores"]["chosen"]), ("rejected", result["scores"]["rejected"]))
     ax.set_xlabel("reward")
@@ -333,7 +438,9 @@ def _define_flags() -> None:
                     "rules instead of plain accuracy.")
   flags.DEFINE_float("threshold", 0.5, "processbench: a step is wrong when P(correct) is below this.")
   flags.DEFINE_string("dataset_name", None, "Format of --data: PreferenceDataset (default), StepwiseDataset, "
-                      "or a public/demo dataset name.")
+                      "RatedDataset, or a public/demo dataset name.")
+  flags.DEFINE_string("combine", None, "Rated data: what pairwise_accuracy ranks same-prompt responses by, "
+                      "an attribute or name=weight,... (default: the model's first attribute).")
   flags.DEFINE_string("split", "validation", "Split of a dataset read by name, or of a saved DatasetDict "
                       "(with --benchmark, default: the benchmark's; processbench: comma-separated).")
   flags.DEFINE_string("subset_field", None, "Column holding each row's subset (default: the dataset's, "
@@ -351,19 +458,35 @@ def _define_flags() -> None:
                       "--benchmark; default: print only).")
 
 
-def _load_records(data: str, dataset_name: str | None, split: str, subset_field: str | None,
-                  max_rows: int, drops: DropReport):
+def _dataset(data: str, dataset_name: str | None) -> tuple[str, str | None]:
+  """(dataset name, path or None) of ``--data`` and ``--dataset_name``."""
   from jaxrm.data import registry
   if data in registry.DATASET_NAMES:
     if dataset_name not in (None, data):
       raise EvaluationError(f"--data={data} names a dataset, which --dataset_name={dataset_name} contradicts; "
                             "give one of them")
-    dataset_name, path = data, None
-  else:
-    dataset_name, path = dataset_name or "PreferenceDataset", data
+    return data, None
+  return dataset_name or "PreferenceDataset", data
+
+
+def _load_records(dataset_name: str, path: str | None, split: str, subset_field: str | None,
+                  max_rows: int, drops: DropReport, attributes: Sequence[str] | None = None):
+  from jaxrm.data import registry
   options = {} if subset_field is None else {"subset_field": subset_field}
+  if attributes is not None:
+    options["attributes"] = tuple(attributes)
   records = registry.load_records(dataset_name, path, split=split, drops=drops, **options)
   return records[:max_rows] if max_rows else records
+
+
+def _attributes_to_read(rm, dataset_name: str) -> tuple[str, ...]:
+  """A rated dataset is read for the model's attributes, in the order of its outputs."""
+  if getattr(rm, "attributes", None) is None:
+    raise EvaluationError(
+        f"{dataset_name} holds rated rows, which need a regression model (one output per attribute, "
+        f"trained with reward.type=regression); this model has a {rm.config.head} head with "
+        f"{rm.config.num_labels} output(s) and records no attribute names")
+  return rm.attributes
 
 
 def main() -> None:
@@ -380,11 +503,23 @@ def main() -> None:
   if not f.data:
     raise EvaluationError("--data is required (a data file or directory, or a dataset name), unless "
                           "--benchmark names a benchmark")
+  from jaxrm.data import registry
+
   drops = DropReport()
-  records = _load_records(f.data, f.dataset_name, f.split, f.subset_field, f.max_rows, drops)
-  rm = RewardModel.from_pretrained(f.model, dtype=f.dtype, attention_impl=f.attention)
+  dataset_name, path = _dataset(f.data, f.dataset_name)
+  rated = registry.kind(dataset_name) == "rated"
+  if f.combine is not None and not rated:
+    raise EvaluationError(f"--combine ranks the attributes of rated rows; {dataset_name} holds "
+                          f"{registry.kind(dataset_name)} rows")
+  if rated:  # read for the model's attributes: the model comes first
+    rm = RewardModel.from_pretrained(f.model, dtype=f.dtype, attention_impl=f.attention)
+    records = _load_records(dataset_name, path, f.split, f.subset_field, f.max_rows, drops,
+                            _attributes_to_read(rm, dataset_name))
+  else:  # bad rows fail before the model loads
+    records = _load_records(dataset_name, path, f.split, f.subset_field, f.max_rows, drops)
+    rm = RewardModel.from_pretrained(f.model, dtype=f.dtype, attention_impl=f.attention)
   options = TokenizeOptions(max_length=f.max_length, truncation=f.truncation, step_separator=f.step_separator)
-  result = evaluate(rm, records, options=options, batch_size=f.batch_size, drops=drops)
+  result = evaluate(rm, records, options=options, batch_size=f.batch_size, drops=drops, combine=f.combine)
   print(f"jaxrm evaluate: model {f.model}, data {f.data}")
   print(format_report(result))
   print(f"\n{drops.summary('dropped rows')}")

@@ -1,7 +1,9 @@
 """jaxrm.evaluate: metrics on hand-built scores, agreement with rm.score, and the CLI."""
 
+import dataclasses
 import json
 import math
+import re
 import sys
 import types
 
@@ -12,7 +14,7 @@ import tiny_run
 from helpers import REBATCHED, assistant, pref, right_padded, softplus, user
 from jaxrm.data import registry
 from jaxrm.data.drops import DropReport
-from jaxrm.data.tokenize import PAIR_TOO_LONG, StepwiseExample, TokenizeOptions
+from jaxrm.data.tokenize import PAIR_TOO_LONG, RatedExample, StepwiseExample, TokenizeOptions
 from jaxrm.batches import IGNORE_INDEX
 from jaxrm.evaluate import NO_SUBSET, evaluate, format_report
 from jaxrm.errors import EvaluationError
@@ -149,6 +151,88 @@ def test_stepwise_metrics_by_hand():
   report = format_report(result)
   assert "step accuracy      0.6250  (baseline calling every step correct: 0.5000)" in report
   assert "first error found  0.5000" in report
+
+
+class TwoAttributeRM:
+  """Stands in for a regression RewardModel: quality = last real token id / 10, polish = length."""
+
+  config = types.SimpleNamespace(head="sequence", num_labels=2, pad_token_id=0)
+  tokenizer = None
+  attributes = ("quality", "polish")
+
+  def score_tokens(self, input_ids, attention_mask):
+    length = attention_mask.sum(axis=1)
+    last = input_ids[np.arange(len(input_ids)), length - 1]
+    return np.stack([last / 10, length], axis=-1).astype(np.float32)  # [B, 2]
+
+
+def rated(ids, quality, polish, group, subset):
+  """A rated example; polish None: unrated."""
+  return RatedExample(input_ids=np.asarray(ids, np.int32),
+                      labels=np.asarray([quality, polish or 0], np.float32),
+                      label_mask=np.asarray([1, polish is not None], np.float32), group=group,
+                      source=f"hand[{ids}]", meta={"subset": subset})
+
+
+# Predictions (quality, polish) in the comments; two responses per prompt (group).
+RATED = [
+    rated([1, 20], 2, 1, 0, "a"),  # (2.0, 2)
+    rated([1, 5, 30], 3, None, 0, "a"),  # (3.0, 3)
+    rated([2, 10], 2, 2, 1, "b"),  # (1.0, 2)
+    rated([2, 9, 9, 40], 1, 4, 1, "b"),  # (4.0, 4)
+    rated([3, 15], 1, 3, 2, "a"),  # (1.5, 2)
+    rated([3, 7, 25], 4, 3, 2, "a"),  # (2.5, 3)
+]
+
+
+def test_regression_metrics_by_hand():
+  from scipy import stats
+
+  result = evaluate(TwoAttributeRM(), RATED, batch_size=4)  # two batches, the second with filler
+  m = result["metrics"]
+  assert result["kind"] == "regression" and result["attributes"] == ["quality", "polish"]
+  assert result["combine"] == "quality" and result["num_examples"] == 6
+  pred = {"quality": np.array([2.0, 3.0, 1.0, 4.0, 1.5, 2.5]), "polish": np.array([2.0, 2, 4, 2, 3])}
+  rating = {"quality": np.array([2.0, 3, 2, 1, 1, 4]), "polish": np.array([1.0, 2, 4, 3, 3])}
+  err = {a: pred[a] - rating[a] for a in pred}
+  assert m["mse"] == pytest.approx(np.mean(np.concatenate(list(err.values())) ** 2), rel=F32_RTOL)
+  assert m["loss"] == pytest.approx(m["mse"], rel=F32_RTOL)  # every attribute weighs 1
+  for a in pred:
+    assert m[f"mse_{a}"] == pytest.approx(np.mean(err[a] ** 2), rel=F32_RTOL)
+    assert m[f"mae_{a}"] == pytest.approx(np.mean(np.abs(err[a])), rel=F32_RTOL)
+    assert m[f"pearson_{a}"] == pytest.approx(np.corrcoef(pred[a], rating[a])[0, 1], rel=1e-5)
+    assert m[f"spearman_{a}"] == pytest.approx(stats.spearmanr(pred[a], rating[a]).statistic, rel=1e-12)
+  # Same-prompt pairs whose quality differs: 3.0 > 2.0 right, 1.0 vs 4.0 wrong, 2.5 > 1.5 right.
+  assert m["pairwise_accuracy"] == pytest.approx(2 / 3)
+  assert result["subsets"]["b"]["mse_quality"] == pytest.approx((1 + 9) / 2, rel=F32_RTOL)
+  assert result["subsets"]["b"]["pairwise_accuracy"] == 0.0
+  np.testing.assert_array_equal(result["scores"]["rated"][:, 1], [1, 0, 1, 1, 1, 1])
+  np.testing.assert_allclose(result["scores"]["predictions"][:, 0], pred["quality"], rtol=F32_RTOL)
+  report = format_report(result)
+  assert "pairwise accuracy  0.6667  (same-prompt responses whose ratings differ, ranked by quality)" in report
+  assert f"quality      {m['mse_quality']:.4f}    {m['mae_quality']:.4f}    {m['pearson_quality']:.4f}" in report
+
+  # quality + 2 polish, over the rows that rate both: targets 4 | 6, 9 | 7, 10 against predictions
+  # 6 | 5, 12 | 5.5, 8.5: both pairs ordered right (the first prompt has one such row, no pair).
+  both = evaluate(TwoAttributeRM(), RATED, combine="quality=1,polish=2")
+  assert both["combine"] == "quality=1,polish=2" and both["metrics"]["pairwise_accuracy"] == 1.0
+  assert both["metrics"]["mse"] == m["mse"]
+
+
+@pytest.mark.parametrize("rm, examples, combine, message", [
+    (LastTokenRM(), RATED, None, "rated data needs a regression model"),
+    (TwoAttributeRM(), [pref([1, 2], [1, 3])], None,
+     "this sequence head has 2 (quality, polish): evaluate it on rated data"),
+    (TwoAttributeRM(), [pref([1, 2], [1, 3]), RATED[0]], None, "mixes preference and regression rows"),
+    (TwoAttributeRM(), [dataclasses.replace(RATED[0], labels=np.zeros(3, np.float32),
+                                            label_mask=np.ones(3, np.float32))], None,
+     "the rated rows hold 3 ratings each and the model has 2 outputs"),
+    (TwoAttributeRM(), RATED, "length", "combine names 'length', not among the model's attributes quality, polish"),
+    (LastTokenRM(), [pref([1, 2], [1, 3])], "quality", "combine='quality' ranks the attributes of rated rows"),
+])
+def test_regression_model_and_data_must_fit(rm, examples, combine, message):
+  with pytest.raises(EvaluationError, match=re.escape(message)):
+    evaluate(rm, examples, combine=combine)
 
 
 @pytest.mark.parametrize("rm, examples, message", [

@@ -4,6 +4,8 @@ transformers' scores of the export."""
 
 import json
 import math
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -143,6 +145,35 @@ def test_export_names_attributes_and_transformers_scores_alike(run, tmp_path):
   back = RewardModel.from_pretrained(tmp_path / "hf")
   assert back.attributes == ATTRIBUTES
   np.testing.assert_allclose(back.score_tokens(ids, mask), rm.score_tokens(ids, mask), rtol=0, atol=0)
+
+
+def test_evaluate_reports_what_validation_reported(run, model_dir, tmp_path):
+  out, val = run
+  data = os.path.join(os.path.dirname(out), "val.jsonl")  # the run's validation file
+  proc = tiny_run.run([sys.executable, "-m", "jaxrm.evaluate", f"--model={out}", f"--data={data}",
+                       "--dataset_name=RatedDataset", "--max_length=32", "--batch_size=5",
+                       "--combine=quality", f"--output={tmp_path / 'eval'}"])
+  assert proc.returncode == 0, proc.stderr
+  report = json.loads((tmp_path / "eval" / "eval.json").read_text())
+  assert report["kind"] == "regression" and report["attributes"] == list(ATTRIBUTES)
+  assert report["num_examples"] == 48 and report["dropped"]["total"] == 0
+  # Another process scores the rows in batches of 5 padded to 64 tokens, validation in its own of
+  # 32: each prediction moves by float32 roundings (REBATCHED, ~1e-6 relative). MSE, MAE and
+  # Pearson's r are smooth in the predictions: at these errors (~0.5) they move by ~1e-5 relative
+  # at most, far below what one misread row (1/48 of the set) would change. Ranks and same-prompt
+  # orderings move only if two predictions lie within that rounding of each other.
+  for a in ATTRIBUTES:
+    for m in ("mse", "mae", "pearson"):
+      assert report["metrics"][f"{m}_{a}"] == pytest.approx(val[f"validation-default_{m}_{a}"], rel=1e-4)
+    assert report["metrics"][f"spearman_{a}"] == pytest.approx(val[f"validation-default_spearman_{a}"], rel=1e-12)
+  assert report["metrics"]["pairwise_accuracy"] == val["validation-default_pairwise_accuracy"]
+  assert "ranked by quality" in proc.stdout
+  assert (tmp_path / "eval" / "rewards.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  # A rated dataset is read for the model's attributes: a Bradley-Terry model has none.
+  proc = tiny_run.run([sys.executable, "-m", "jaxrm.evaluate", f"--model={model_dir}", f"--data={data}",
+                       "--dataset_name=RatedDataset"])
+  assert proc.returncode == 1 and "Traceback" not in proc.stderr
+  assert proc.stderr.startswith("error: RatedDataset holds rated rows, which need a regression model")
 
 
 def test_regression_refuses_packing(model_dir, tmp_path):
