@@ -1,4 +1,4 @@
-r"""Evaluates a reward model on preference or stepwise data, or on a public benchmark.
+r"""Evaluates a reward model on preference, stepwise or rated data, or on a public benchmark.
 
   python -m jaxrm.evaluate --model=runs/rm --data=demo_arithmetic
   python -m jaxrm.evaluate --model=model.gguf --data=rewardbench.jsonl --subset_field=subset \
