@@ -169,11 +169,7 @@ def _kind(example) -> str:
 def _check_head(rm, kind: str) -> None:
   config, stepwise = rm.config, kind == "stepwise"
   if kind == "regression":
-    if config.head != "sequence" or getattr(rm, "attributes", None) is None:
-      raise EvaluationError(
-          "rated data needs a regression model (a sequence head with one output per attribute, trained "
-          "with reward.type=regression); this model has a " + config.head + " head and records no "
-          "attribute names")
+    _regression_attributes(rm, "rated data")
     return
   if stepwise and config.head != "token":
     raise EvaluationError(
@@ -188,7 +184,7 @@ def _check_head(rm, kind: str) -> None:
         "give stepwise data (--dataset_name=StepwiseDataset or demo_arithmetic_steps)")
   if not stepwise and config.num_labels != 1:
     raise EvaluationError(f"a reward model has one output; this sequence head has {config.num_labels}"
-                          + ("" if getattr(rm, "attributes", None) is None else
+                          + ("" if rm.attributes is None else
                              f" ({', '.join(rm.attributes)}): evaluate it on rated data "
                              "(--dataset_name=RatedDataset, HelpSteer2 or demo_attributes)"))
 
@@ -277,12 +273,22 @@ def _stepwise_metrics(logits, labels, mask) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------- regression
 
 
+def _regression_attributes(rm, data: str) -> tuple[str, ...]:
+  """The attributes of a regression model, which rated rows (``data``) are read and scored for."""
+  if rm.attributes is None:
+    raise EvaluationError(
+        f"{data} needs a regression model (one output per attribute, trained with reward.type=regression); "
+        f"this model has a {rm.config.head} head with {rm.config.num_labels} output(s) and records no "
+        "attribute names")
+  return rm.attributes
+
+
 def _regression_spec(attributes: Sequence[str], combine: str | None) -> losses.RewardSpec:
   try:
-    spec = losses.RewardSpec(type="regression", attributes=",".join(attributes), combine=combine or "")
+    losses.combination_weights(combine or attributes[0], attributes)
   except ValueError as e:
-    raise EvaluationError(str(e).replace("reward.combine", "combine")) from None
-  return spec
+    raise EvaluationError(str(e)) from None
+  return losses.RewardSpec(type="regression", attributes=",".join(attributes), combine=combine or "")
 
 
 def _regression_arrays(rm, batches: list[RegressionBatch], n: int, spec: losses.RewardSpec):
@@ -479,16 +485,6 @@ def _load_records(dataset_name: str, path: str | None, split: str, subset_field:
   return records[:max_rows] if max_rows else records
 
 
-def _attributes_to_read(rm, dataset_name: str) -> tuple[str, ...]:
-  """A rated dataset is read for the model's attributes, in the order of its outputs."""
-  if getattr(rm, "attributes", None) is None:
-    raise EvaluationError(
-        f"{dataset_name} holds rated rows, which need a regression model (one output per attribute, "
-        f"trained with reward.type=regression); this model has a {rm.config.head} head with "
-        f"{rm.config.num_labels} output(s) and records no attribute names")
-  return rm.attributes
-
-
 def main() -> None:
   """Evaluates ``--model`` on ``--data`` and prints (and with ``--output`` writes) the report."""
   from absl import flags
@@ -508,13 +504,10 @@ def main() -> None:
   drops = DropReport()
   dataset_name, path = _dataset(f.data, f.dataset_name)
   rated = registry.kind(dataset_name) == "rated"
-  if f.combine is not None and not rated:
-    raise EvaluationError(f"--combine ranks the attributes of rated rows; {dataset_name} holds "
-                          f"{registry.kind(dataset_name)} rows")
   if rated:  # read for the model's attributes: the model comes first
     rm = RewardModel.from_pretrained(f.model, dtype=f.dtype, attention_impl=f.attention)
     records = _load_records(dataset_name, path, f.split, f.subset_field, f.max_rows, drops,
-                            _attributes_to_read(rm, dataset_name))
+                            _regression_attributes(rm, f"{dataset_name} (rated rows)"))
   else:  # bad rows fail before the model loads
     records = _load_records(dataset_name, path, f.split, f.subset_field, f.max_rows, drops)
     rm = RewardModel.from_pretrained(f.model, dtype=f.dtype, attention_impl=f.attention)

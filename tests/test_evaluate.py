@@ -34,6 +34,7 @@ class LastTokenRM:
 
   config = types.SimpleNamespace(head="sequence", num_labels=1, pad_token_id=0)
   tokenizer = None
+  attributes = None
 
   def score_tokens(self, input_ids, attention_mask):
     last = attention_mask.sum(axis=1) - 1
@@ -45,6 +46,7 @@ class ParityPRM:
 
   config = types.SimpleNamespace(head="token", num_labels=2, pad_token_id=0)
   tokenizer = None
+  attributes = None
 
   def score_tokens(self, input_ids, attention_mask):
     del attention_mask

@@ -174,7 +174,7 @@ def test_evaluate_reports_what_validation_reported(run, model_dir, tmp_path):
   proc = tiny_run.run([sys.executable, "-m", "jaxrm.evaluate", f"--model={model_dir}", f"--data={data}",
                        "--dataset_name=RatedDataset"])
   assert proc.returncode == 1 and "Traceback" not in proc.stderr
-  assert proc.stderr.startswith("error: RatedDataset holds rated rows, which need a regression model")
+  assert proc.stderr.startswith("error: RatedDataset (rated rows) needs a regression model")
 
 
 def test_regression_refuses_packing(model_dir, tmp_path):
