@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 from typing import Any
 
@@ -78,6 +79,13 @@ class Checkpointer:
       if best is not None:
         return best
     return self.latest_step()
+
+  def best_by_metric(self) -> tuple[int, float] | None:
+    """(step, value of the metric) of the best ranked checkpoint; None when none is ranked yet."""
+    step = self.manager.best_step() if self.metric_name else None
+    if step is None:
+      return None
+    return step, (self.manager.metrics(step) or {}).get(self.metric_name, math.nan)
 
   def all_steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
