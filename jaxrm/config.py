@@ -13,15 +13,20 @@ key, its default and its type are written once, here. Keys follow NeMo RL's name
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import math
 import os
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxrm import optim
+from jaxrm.data.adapters import HELPSTEER2_ATTRIBUTES
 from jaxrm.data.cache import DEFAULT_CACHE_DIR
 from jaxrm.data.tokenize import TokenizeOptions
 from jaxrm.errors import ConfigError
-from jaxrm.losses import RewardSpec
+from jaxrm.metrics import normalize_metric_name
 from jaxrm.models.config import ATTENTION_IMPLS
 from jaxrm.models.lora import ALL_LINEAR, LoraConfig
 from jaxrm.sharding import MeshConfig
@@ -30,8 +35,13 @@ log = logging.getLogger(__name__)
 
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
 PACKING_MODES = ("none", "packed", "shared_prompt")
-# NeMo RL writes a checkpoint metric as "val:<name>"; these prefixes are accepted and dropped.
-METRIC_PREFIXES = ("val:", "val/", "validation/")
+REWARD_TYPES = ("bradley_terry", "ranking", "stepwise", "regression")
+RANKING_LOSSES = ("plackett_luce", "all_pairs")
+# Attribute names stand in metric names such as ``validation-default_mse_helpfulness``.
+_ATTRIBUTE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+# What a regression run on these datasets trains on when reward.attributes is not given: all
+# that the dataset rates, in the order its adapter reads them.
+DEFAULT_ATTRIBUTES = {"HelpSteer2": HELPSTEER2_ATTRIBUTES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +99,137 @@ class ModelSpec:
   def __post_init__(self):
     if self.attention not in ATTENTION_IMPLS:
       raise ConfigError(f"model.attention must be one of {', '.join(ATTENTION_IMPLS)}; got {self.attention!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSpec:
+  """``reward``: which loss trains the model.
+
+  The comma-separated keys are parsed once; the parsed values are cached beside the fields, not
+  in them, so they stay out of ``to_dict()``, equality and the repr.
+  """
+
+  type: str = "bradley_terry"  # bradley_terry | ranking | stepwise | regression
+  ranking_loss: str = "plackett_luce"  # for type=ranking: plackett_luce | all_pairs
+  center_rewards_coefficient: float = 0.0
+  # bradley_terry: weight each pair's loss by its annotated preference strength (scaled BT)
+  preference_strength_scaling: bool = False
+  # regression: the rated attributes, comma-separated, in the order of the head's outputs
+  attributes: str = ""
+  # regression: each attribute's weight in the loss, comma-separated ("": all 1)
+  attribute_weights: str = ""
+  # regression: "low,high"; a rating outside is refused ("": any finite number)
+  attribute_range: str = ""
+  # regression: what validation's pairwise_accuracy ranks by: an attribute, or
+  # "name=weight,..." ("": the first attribute)
+  combine: str = ""
+
+  def __post_init__(self):
+    if self.type not in REWARD_TYPES:
+      raise ValueError(f"reward.type must be one of {', '.join(REWARD_TYPES)}; got {self.type!r}")
+    if self.ranking_loss not in RANKING_LOSSES:
+      raise ValueError(f"reward.ranking_loss must be one of {', '.join(RANKING_LOSSES)}; got {self.ranking_loss!r}")
+    if self.preference_strength_scaling and self.type != "bradley_terry":
+      raise ValueError(f"reward.preference_strength_scaling applies to reward.type='bradley_terry', not "
+                       f"{self.type!r}")
+    if self.type == "regression":
+      # Parsed here, once: each property refuses a bad value of its key (attributes through all
+      # three), and keeps what it parsed for later reads.
+      _ = self.weights, self.value_range, self.combination
+
+  @functools.cached_property
+  def attribute_names(self) -> tuple[str, ...]:
+    """``attributes`` as a tuple; refused when empty, repeated or unfit for metric names."""
+    names = tuple(a.strip() for a in self.attributes.split(",") if a.strip())
+    if not names:
+      raise ValueError("reward.attributes is empty: reward.type='regression' needs the rated attributes, "
+                       "e.g. reward.attributes='helpfulness,correctness,coherence,complexity,verbosity'")
+    for name in names:
+      if not _ATTRIBUTE_NAME.fullmatch(name):
+        raise ValueError(f"reward.attributes: {name!r} cannot stand in metric names; use letters, digits, "
+                         "'_', '-' and '.'")
+    if len(set(names)) < len(names):
+      raise ValueError(f"reward.attributes={self.attributes!r} names an attribute twice")
+    return names
+
+  @functools.cached_property
+  def weights(self) -> tuple[float, ...]:
+    """One loss weight per attribute."""
+    names = self.attribute_names
+    if not self.attribute_weights.strip():
+      return (1.0,) * len(names)
+    try:
+      weights = tuple(float(w) for w in self.attribute_weights.split(","))
+    except ValueError:
+      raise ValueError(f"reward.attribute_weights={self.attribute_weights!r}: give comma-separated numbers, "
+                       f"one per attribute ({', '.join(names)})") from None
+    if len(weights) != len(names):
+      raise ValueError(f"reward.attribute_weights has {len(weights)} weights for the {len(names)} attributes "
+                       f"({', '.join(names)}); give one per attribute")
+    if not all(math.isfinite(w) and w >= 0 for w in weights) or not any(weights):
+      raise ValueError(f"reward.attribute_weights={self.attribute_weights!r}: weights must be >= 0, not all 0")
+    return weights
+
+  @functools.cached_property
+  def value_range(self) -> tuple[float, float] | None:
+    """``attribute_range`` as (low, high), or None."""
+    if not self.attribute_range.strip():
+      return None
+    try:
+      low, high = (float(x) for x in self.attribute_range.split(","))
+    except ValueError:
+      raise ValueError(f"reward.attribute_range={self.attribute_range!r}: give 'low,high', e.g. '0,4'") from None
+    if not low < high:
+      raise ValueError(f"reward.attribute_range={self.attribute_range!r}: low must be below high")
+    return low, high
+
+  @functools.cached_property
+  def combination(self) -> tuple[float, ...]:
+    """One weight per attribute: how validation's pairwise accuracy combines them."""
+    names = self.attribute_names
+    return combination_weights(self.combine or names[0], names, where="reward.combine")
+
+  @property
+  def loss_key(self) -> tuple[str, str | None]:
+    """This spec's key in :data:`jaxrm.losses.LOSSES`: ``ranking_loss`` matters to ``ranking`` only."""
+    return self.type, self.ranking_loss if self.type == "ranking" else None
+
+
+def combination_weights(combine: str | Mapping[str, float] | Sequence[float],
+                        attributes: Sequence[str], where: str = "combine") -> tuple[float, ...]:
+  """One weight per attribute of a combination of them.
+
+  ``combine`` is an attribute's name (``"helpfulness"``), ``"name=weight,..."`` (attributes left
+  out weigh 0), a mapping of names to weights, or one weight per attribute.
+  """
+  if isinstance(combine, str):
+    entries = [e.strip() for e in combine.split(",") if e.strip()]
+    if not entries:
+      raise ValueError(f"{where} is empty; name an attribute (one of {', '.join(attributes)}) or give "
+                       "name=weight pairs")
+    combine = dict(_weight_entry(e, where) for e in entries)
+  if isinstance(combine, Mapping):
+    unknown = sorted(set(combine) - set(attributes))
+    if unknown:
+      raise ValueError(f"{where} names {', '.join(map(repr, unknown))}, not among the model's attributes "
+                       f"{', '.join(attributes)}")
+    weights = tuple(float(combine.get(a, 0.0)) for a in attributes)
+  else:
+    weights = tuple(float(w) for w in combine)
+    if len(weights) != len(attributes):
+      raise ValueError(f"{where} has {len(weights)} weights for {len(attributes)} attributes "
+                       f"({', '.join(attributes)}); give one per attribute")
+  if not all(math.isfinite(w) for w in weights) or not any(weights):
+    raise ValueError(f"{where}={combine!r}: weights must be finite and not all 0")
+  return weights
+
+
+def _weight_entry(entry: str, where: str) -> tuple[str, float]:
+  name, _, weight = entry.partition("=")
+  try:
+    return name.strip(), float(weight) if weight else 1.0
+  except ValueError:
+    raise ValueError(f"{where}: {entry!r} is not 'name' or 'name=weight' (weight a number)") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,9 +420,13 @@ class RunConfig:
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> "RunConfig":
-    """Inverse of :meth:`to_dict`; sections or keys left out keep their defaults."""
+    """Inverse of :meth:`to_dict`; sections or keys left out keep their defaults.
+
+    A regression run on a dataset of :data:`DEFAULT_ATTRIBUTES` without ``reward.attributes``
+    trains on all that the dataset rates.
+    """
     kwargs = {}
-    for name, value in d.items():
+    for name, value in _with_default_attributes(d).items():
       section = _SECTIONS.get(name)
       if section is None and name != "output_dir":
         raise ConfigError(f"the config has no key {name!r}; it has output_dir, {', '.join(_SECTIONS)}")
@@ -291,6 +436,17 @@ class RunConfig:
 
 _SECTIONS = {"model": ModelSpec, "reward": RewardSpec, "data": DataSpec, "train": TrainSpec, "eval": EvalSpec,
              "checkpointing": CheckpointSpec, "mesh": MeshConfig, "logger": LoggerSpec}
+
+
+def _with_default_attributes(d: dict[str, Any]) -> dict[str, Any]:
+  """``d`` with ``reward.attributes`` filled in from its dataset's, where it has none and may."""
+  reward, data = d.get("reward"), d.get("data")
+  if not isinstance(reward, dict) or reward.get("type") != "regression" or str(reward.get("attributes", "")).strip():
+    return d
+  dataset = data.get("dataset_name", DataSpec.dataset_name) if isinstance(data, dict) else DataSpec.dataset_name
+  if dataset not in DEFAULT_ATTRIBUTES:
+    return d  # RewardSpec refuses the empty attributes, saying what to give
+  return {**d, "reward": {**reward, "attributes": ",".join(DEFAULT_ATTRIBUTES[dataset])}}
 
 
 def from_config_dict(config) -> RunConfig:
@@ -313,16 +469,6 @@ def base_config():
   """
   import ml_collections
   return ml_collections.ConfigDict(RunConfig().to_dict())
-
-
-def normalize_metric_name(name: str | None) -> str | None:
-  """Accepts NeMo RL's ``val:validation-default_loss`` form as well as ``validation-default_loss``."""
-  if not name:
-    return None
-  for prefix in METRIC_PREFIXES:
-    if name.startswith(prefix):
-      name = name[len(prefix):]
-  return name
 
 
 def _section(section_type, name: str, values: dict[str, Any]):

@@ -5,13 +5,9 @@ Each loss is a pure function of one batch's arrays that returns ``(loss, metrics
 :data:`LOSSES` says which one each reward type trains with, and :func:`batch_loss` gives it as a
 function of the model's outputs and the batch.
 
-The metrics hold sums and counts, not means, so that batches combine exactly: :func:`accumulate`
-adds two of them (micro-batches of one step, or every batch of a validation set) and
-:func:`finalize_metrics` divides once at the end. A validation loss is therefore the mean over the
-whole set, not a mean of batch means, and filler groups that pad the last batch change nothing.
-Rank correlations and same-prompt pairs need every example of a set at once: :class:`Samples`
-keeps them whole (validation only; ``batch_loss(spec, samples=True)``), and :func:`accumulate`
-concatenates them.
+The metrics hold sums and counts, not means (:mod:`jaxrm.metrics` adds and finalizes them), so
+batches combine exactly. Rank correlations and same-prompt pairs need every example of a set at
+once: validation asks for them with ``batch_loss(spec, samples=True)``.
 
 ``metrics["loss"].total`` is differentiable. To average over a global batch split into
 micro-batches with different numbers of real pairs, differentiate ``metrics["loss"].total`` divided
@@ -20,169 +16,19 @@ by the global count instead of averaging the per-micro-batch ``loss``.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
-import operator
-import re
-from collections.abc import Mapping, Sequence
-from typing import Callable, NamedTuple, Union
+from collections.abc import Sequence
+from typing import Callable, Protocol
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import struct
 
 from jaxrm.batches import IGNORE_INDEX, Batch
-
-REWARD_TYPES = ("bradley_terry", "ranking", "stepwise", "regression")
-RANKING_LOSSES = ("plackett_luce", "all_pairs")
-# Attribute names stand in metric names such as ``validation-default_mse_helpfulness``.
-_ATTRIBUTE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+from jaxrm.metrics import Correlation, Metrics, Moments, Ratio, Samples
 
 # Stands in for -inf in masked logsumexp terms: exp() of it is exactly 0, yet, unlike -inf, it
 # never makes a NaN in gradients of rows where every entry is masked.
 _MASKED_LOGIT = -1e9
-
-
-class Ratio(NamedTuple):
-  """A metric kept as ``total / count`` until :func:`finalize_metrics`."""
-
-  total: jax.Array  # [] float32
-  count: jax.Array  # [] float32
-
-
-class Moments(NamedTuple):
-  """A quantity's sum, sum of squares and count; finalizes to ``<name>_mean`` and ``<name>_std``."""
-
-  total: jax.Array  # [] float32
-  total_sq: jax.Array  # [] float32
-  count: jax.Array  # [] float32
-
-
-class Correlation(NamedTuple):
-  """Sums of two paired quantities x and y over ``count`` pairs; finalizes to Pearson's r."""
-
-  count: jax.Array  # [] float32
-  sum_x: jax.Array
-  sum_y: jax.Array
-  sum_xx: jax.Array
-  sum_yy: jax.Array
-  sum_xy: jax.Array
-
-
-@struct.dataclass
-class Samples:
-  """Every example's predictions and ratings, kept whole: :func:`accumulate` concatenates them.
-
-  Finalizes to ``spearman_<attribute>`` (ranks over the whole set, ties sharing their mean rank)
-  and ``pairwise_accuracy``: over every two responses to one prompt (same ``group``) whose
-  ``combination`` of ratings differs, the share whose combined predictions order them alike (a
-  tie in prediction counts as wrong; NaN when the set has no such pair).
-  """
-
-  predictions: jax.Array  # [N, A] float32
-  labels: jax.Array  # [N, A] float32
-  rated: jax.Array  # [N, A] bool: a real example's rated attribute
-  group: jax.Array  # [N] int32: examples with one prompt share it
-  attributes: tuple[str, ...] = struct.field(pytree_node=False, default=())
-  combination: tuple[float, ...] = struct.field(pytree_node=False, default=())
-
-
-Metrics = dict[str, Union[Ratio, Moments, Correlation, Samples]]
-
-
-def accumulate(a: Metrics, b: Metrics) -> Metrics:
-  """Combines the metrics of two batches (device arrays or host numpy alike)."""
-  return {name: _concatenate(a[name], b[name]) if isinstance(a[name], Samples)
-          else jax.tree.map(operator.add, a[name], b[name]) for name in a}
-
-
-def _concatenate(a: Samples, b: Samples) -> Samples:
-  xp = np if isinstance(a.group, np.ndarray) else jnp
-  return jax.tree.map(lambda x, y: xp.concatenate([x, y]), a, b)
-
-
-def finalize_metrics(metrics: Metrics) -> dict[str, float]:
-  """Turns accumulated sums into values; a metric with nothing counted is NaN.
-
-  ``reward_std`` is the population standard deviation over every real completion seen.
-  """
-  out = {}
-  for name, acc in jax.device_get(metrics).items():
-    if isinstance(acc, Samples):
-      out.update(_ranked_metrics(acc))
-    elif isinstance(acc, Correlation):
-      out[name] = _pearson(*(np.asarray(x, np.float64) for x in acc))
-    elif isinstance(acc, Moments):
-      mean = _divide(acc.total, acc.count)
-      variance = _divide(acc.total_sq, acc.count) - mean * mean
-      out[f"{name}_mean"] = mean
-      # The float32 sums can make a zero variance come out slightly negative; NaN stays NaN.
-      out[f"{name}_std"] = math.sqrt(max(variance, 0.0))
-    else:
-      out[name] = _divide(acc.total, acc.count)
-  return out
-
-
-def _divide(total, count) -> float:
-  count = float(np.asarray(count, np.float64))
-  return float(np.asarray(total, np.float64)) / count if count > 0 else math.nan
-
-
-def _pearson(n, sx, sy, sxx, syy, sxy) -> float:
-  """Pearson's r from sums; NaN for fewer than two pairs or a constant quantity."""
-  if n < 2:
-    return math.nan
-  cov, var_x, var_y = sxy - sx * sy / n, sxx - sx * sx / n, syy - sy * sy / n
-  # A constant quantity's variance comes out of float32 sums as rounding error, a few 1e-7 of
-  # the sum of squares per thousand terms; below 1e-5 of it r would be noise.
-  if var_x <= 1e-5 * sxx or var_y <= 1e-5 * syy or var_x <= 0 or var_y <= 0:
-    return math.nan
-  return float(np.clip(cov / math.sqrt(var_x * var_y), -1.0, 1.0))
-
-
-def _ranks(x: np.ndarray) -> np.ndarray:
-  """Ranks 0..n-1 of ``x``; tied values share their mean rank."""
-  order = np.argsort(x, kind="stable")
-  ranks = np.empty(len(x), np.float64)
-  ranks[order] = np.arange(len(x))
-  _, tie, counts = np.unique(x, return_inverse=True, return_counts=True)
-  return (np.bincount(tie, ranks) / counts)[tie]
-
-
-def _correlation_of(x: np.ndarray, y: np.ndarray) -> float:
-  x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-  return _pearson(len(x), x.sum(), y.sum(), (x * x).sum(), (y * y).sum(), (x * y).sum())
-
-
-def _ranked_metrics(s: Samples) -> dict[str, float]:
-  predictions, labels, rated = (np.asarray(x) for x in (s.predictions, s.labels, s.rated))
-  out = {}
-  for a, name in enumerate(s.attributes):
-    keep = rated[:, a]
-    out[f"spearman_{name}"] = _correlation_of(_ranks(predictions[keep, a]), _ranks(labels[keep, a]))
-  out["pairwise_accuracy"] = _pair_accuracy(predictions, labels, rated, np.asarray(s.group),
-                                            np.asarray(s.combination, np.float64))
-  return out
-
-
-def _pair_accuracy(predictions, labels, rated, group, combination) -> float:
-  """Accuracy of combined predictions over same-group pairs whose combined ratings differ."""
-  used = combination != 0
-  keep = rated[:, used].all(axis=1)
-  score = predictions[keep].astype(np.float64) @ combination
-  target = labels[keep].astype(np.float64) @ combination
-  group = group[keep]
-  right = total = 0
-  for g in np.unique(group):
-    members = group == g
-    ds = score[members][:, None] - score[members][None, :]  # [n, n]
-    dt = target[members][:, None] - target[members][None, :]
-    pairs = dt > 0  # each differing pair once, better response first
-    right += int(np.sum(pairs & (ds > 0)))
-    total += int(np.sum(pairs))
-  return right / total if total else math.nan
 
 
 def _masked_sum(values: jax.Array, mask: jax.Array) -> jax.Array:
@@ -445,141 +291,29 @@ def regression_samples(predictions, labels, label_mask, example_mask, group, *,
                  combination=tuple(float(c) for c in combination))
 
 
-def combination_weights(combine: str | Mapping[str, float] | Sequence[float],
-                        attributes: Sequence[str], where: str = "combine") -> tuple[float, ...]:
-  """One weight per attribute of a combination of them.
-
-  ``combine`` is an attribute's name (``"helpfulness"``), ``"name=weight,..."`` (attributes left
-  out weigh 0), a mapping of names to weights, or one weight per attribute.
-  """
-  if isinstance(combine, str):
-    entries = [e.strip() for e in combine.split(",") if e.strip()]
-    if not entries:
-      raise ValueError(f"{where} is empty; name an attribute (one of {', '.join(attributes)}) or give "
-                       "name=weight pairs")
-    combine = dict(_weight_entry(e, where) for e in entries)
-  if isinstance(combine, Mapping):
-    unknown = sorted(set(combine) - set(attributes))
-    if unknown:
-      raise ValueError(f"{where} names {', '.join(map(repr, unknown))}, not among the model's attributes "
-                       f"{', '.join(attributes)}")
-    weights = tuple(float(combine.get(a, 0.0)) for a in attributes)
-  else:
-    weights = tuple(float(w) for w in combine)
-    if len(weights) != len(attributes):
-      raise ValueError(f"{where} has {len(weights)} weights for {len(attributes)} attributes "
-                       f"({', '.join(attributes)}); give one per attribute")
-  if not all(math.isfinite(w) for w in weights) or not any(weights):
-    raise ValueError(f"{where}={combine!r}: weights must be finite and not all 0")
-  return weights
-
-
-def _weight_entry(entry: str, where: str) -> tuple[str, float]:
-  name, _, weight = entry.partition("=")
-  try:
-    return name.strip(), float(weight) if weight else 1.0
-  except ValueError:
-    raise ValueError(f"{where}: {entry!r} is not 'name' or 'name=weight' (weight a number)") from None
-
-
 # ---------------------------------------------------------------------------------------------
 # Which loss a reward type trains with
 
 
-@dataclasses.dataclass(frozen=True)
-class RewardSpec:
-  """Which loss trains the model."""
+class LossSpec(Protocol):
+  """What :func:`batch_loss` reads of a reward spec; :class:`jaxrm.config.RewardSpec` has it all.
 
-  type: str = "bradley_terry"  # bradley_terry | ranking | stepwise | regression
-  ranking_loss: str = "plackett_luce"  # for type=ranking: plackett_luce | all_pairs
-  center_rewards_coefficient: float = 0.0
-  # bradley_terry: weight each pair's loss by its annotated preference strength (scaled BT)
-  preference_strength_scaling: bool = False
-  # regression: the rated attributes, comma-separated, in the order of the head's outputs
-  attributes: str = ""
-  # regression: each attribute's weight in the loss, comma-separated ("": all 1)
-  attribute_weights: str = ""
-  # regression: "low,high"; a rating outside is refused ("": any finite number)
-  attribute_range: str = ""
-  # regression: what validation's pairwise_accuracy ranks by: an attribute, or
-  # "name=weight,..." ("": the first attribute)
-  combine: str = ""
+  A shape, not an import: the config sits above the losses, and layers point one way.
+  """
 
-  def __post_init__(self):
-    if self.type not in REWARD_TYPES:
-      raise ValueError(f"reward.type must be one of {', '.join(REWARD_TYPES)}; got {self.type!r}")
-    if self.ranking_loss not in RANKING_LOSSES:
-      raise ValueError(f"reward.ranking_loss must be one of {', '.join(RANKING_LOSSES)}; got {self.ranking_loss!r}")
-    if self.preference_strength_scaling and self.type != "bradley_terry":
-      raise ValueError(f"reward.preference_strength_scaling applies to reward.type='bradley_terry', not "
-                       f"{self.type!r}")
-    if self.type == "regression":
-      # Each property refuses a bad value of its key (attributes through all three).
-      _ = self.weights, self.value_range, self.combination
-
-  @property
-  def attribute_names(self) -> tuple[str, ...]:
-    """``attributes`` as a tuple; refused when empty, repeated or unfit for metric names."""
-    names = tuple(a.strip() for a in self.attributes.split(",") if a.strip())
-    if not names:
-      raise ValueError("reward.attributes is empty: reward.type='regression' needs the rated attributes, "
-                       "e.g. reward.attributes='helpfulness,correctness,coherence,complexity,verbosity'")
-    for name in names:
-      if not _ATTRIBUTE_NAME.fullmatch(name):
-        raise ValueError(f"reward.attributes: {name!r} cannot stand in metric names; use letters, digits, "
-                         "'_', '-' and '.'")
-    if len(set(names)) < len(names):
-      raise ValueError(f"reward.attributes={self.attributes!r} names an attribute twice")
-    return names
-
-  @property
-  def weights(self) -> tuple[float, ...]:
-    """One loss weight per attribute."""
-    names = self.attribute_names
-    if not self.attribute_weights.strip():
-      return (1.0,) * len(names)
-    try:
-      weights = tuple(float(w) for w in self.attribute_weights.split(","))
-    except ValueError:
-      raise ValueError(f"reward.attribute_weights={self.attribute_weights!r}: give comma-separated numbers, "
-                       f"one per attribute ({', '.join(names)})") from None
-    if len(weights) != len(names):
-      raise ValueError(f"reward.attribute_weights has {len(weights)} weights for the {len(names)} attributes "
-                       f"({', '.join(names)}); give one per attribute")
-    if not all(math.isfinite(w) and w >= 0 for w in weights) or not any(weights):
-      raise ValueError(f"reward.attribute_weights={self.attribute_weights!r}: weights must be >= 0, not all 0")
-    return weights
-
-  @property
-  def value_range(self) -> tuple[float, float] | None:
-    """``attribute_range`` as (low, high), or None."""
-    if not self.attribute_range.strip():
-      return None
-    try:
-      low, high = (float(x) for x in self.attribute_range.split(","))
-    except ValueError:
-      raise ValueError(f"reward.attribute_range={self.attribute_range!r}: give 'low,high', e.g. '0,4'") from None
-    if not low < high:
-      raise ValueError(f"reward.attribute_range={self.attribute_range!r}: low must be below high")
-    return low, high
-
-  @property
-  def combination(self) -> tuple[float, ...]:
-    """One weight per attribute: how validation's pairwise accuracy combines them."""
-    names = self.attribute_names
-    return combination_weights(self.combine or names[0], names, where="reward.combine")
-
-  @property
-  def loss_key(self) -> tuple[str, str | None]:
-    """This spec's key in :data:`LOSSES`: ``ranking_loss`` matters to type ``ranking`` only."""
-    return self.type, self.ranking_loss if self.type == "ranking" else None
+  loss_key: tuple[str, str | None]  # the spec's key in LOSSES
+  center_rewards_coefficient: float  # bradley_terry and ranking/all_pairs
+  preference_strength_scaling: bool  # bradley_terry
+  attribute_names: tuple[str, ...]  # regression, as are weights and combination
+  weights: tuple[float, ...]
+  combination: tuple[float, ...]
 
 
 # outputs (rewards [G, K] or logits [G, T, C]) and their batch -> (loss, metrics)
 BatchLoss = Callable[[jax.Array, Batch], tuple[jax.Array, Metrics]]
 
 
-def _bradley_terry(spec: RewardSpec, rewards, batch) -> tuple[jax.Array, Metrics]:
+def _bradley_terry(spec: LossSpec, rewards, batch) -> tuple[jax.Array, Metrics]:
   weight = None
   if spec.preference_strength_scaling:
     if batch.strength is None:
@@ -590,27 +324,27 @@ def _bradley_terry(spec: RewardSpec, rewards, batch) -> tuple[jax.Array, Metrics
                             center_rewards_coefficient=spec.center_rewards_coefficient)
 
 
-def _all_pairs(spec: RewardSpec, rewards, batch) -> tuple[jax.Array, Metrics]:
+def _all_pairs(spec: LossSpec, rewards, batch) -> tuple[jax.Array, Metrics]:
   return all_pairs_bradley_terry_loss(rewards, batch.ranks, batch.example_mask, batch.margin,
                                       center_rewards_coefficient=spec.center_rewards_coefficient)
 
 
-def _plackett_luce(spec: RewardSpec, rewards, batch) -> tuple[jax.Array, Metrics]:
+def _plackett_luce(spec: LossSpec, rewards, batch) -> tuple[jax.Array, Metrics]:
   del spec  # Plackett-Luce has no margin and no centering
   return plackett_luce_loss(rewards, batch.ranks, batch.example_mask)
 
 
-def _stepwise(spec: RewardSpec, logits, batch) -> tuple[jax.Array, Metrics]:
+def _stepwise(spec: LossSpec, logits, batch) -> tuple[jax.Array, Metrics]:
   del spec
   return stepwise_loss(logits, batch.labels, batch.example_mask)
 
 
-def _regression(spec: RewardSpec, predictions, batch) -> tuple[jax.Array, Metrics]:
+def _regression(spec: LossSpec, predictions, batch) -> tuple[jax.Array, Metrics]:
   return regression_loss(predictions, batch.labels, batch.label_mask, batch.example_mask,
                          attributes=spec.attribute_names, weights=spec.weights)
 
 
-# RewardSpec.loss_key -> fn(spec, outputs, batch) -> (loss, metrics)
+# LossSpec.loss_key -> fn(spec, outputs, batch) -> (loss, metrics)
 LOSSES: dict[tuple[str, str | None], Callable[..., tuple[jax.Array, Metrics]]] = {
     ("bradley_terry", None): _bradley_terry,
     ("ranking", "plackett_luce"): _plackett_luce,
@@ -620,24 +354,26 @@ LOSSES: dict[tuple[str, str | None], Callable[..., tuple[jax.Array, Metrics]]] =
 }
 
 
-def _regression_samples(spec: RewardSpec, predictions, batch) -> Metrics:
+def _regression_samples(spec: LossSpec, predictions, batch) -> Metrics:
   return {"samples": regression_samples(predictions, batch.labels, batch.label_mask, batch.example_mask,
                                         batch.group, attributes=spec.attribute_names,
                                         combination=spec.combination)}
 
 
-# RewardSpec.loss_key -> fn(spec, outputs, batch) -> metrics that need the whole set (Samples)
+# LossSpec.loss_key -> fn(spec, outputs, batch) -> metrics that need the whole set (Samples)
 SAMPLES: dict[tuple[str, str | None], Callable[..., Metrics]] = {
     ("regression", None): _regression_samples,
 }
 
 
-def batch_loss(spec: RewardSpec, *, samples: bool = False) -> BatchLoss:
+def batch_loss(spec: LossSpec, *, samples: bool = False) -> BatchLoss:
   """``loss(outputs, batch) -> (loss, metrics)`` of the loss ``spec`` trains with.
 
-  ``outputs`` is what ``batch.outputs(model)`` returns; packed and unpacked batches alike. With
-  ``samples`` (validation), metrics also hold the :class:`Samples` the reward type ranks by, if
-  any; they are concatenated, not summed, so they stay out of the train step.
+  ``spec`` is read by its attributes (:class:`LossSpec`), so the run's ``reward`` section serves
+  without this module importing the config. ``outputs`` is what ``batch.outputs(model)`` returns;
+  packed and unpacked batches alike. With ``samples`` (validation), metrics also hold the
+  :class:`Samples` the reward type ranks by, if any; they are concatenated, not summed, so they
+  stay out of the train step.
   """
   loss = functools.partial(LOSSES[spec.loss_key], spec)
   extra = SAMPLES.get(spec.loss_key) if samples else None

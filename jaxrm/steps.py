@@ -26,7 +26,8 @@ from jax.sharding import Mesh
 
 from jaxrm import losses, sharding
 from jaxrm.batches import Batch
-from jaxrm.losses import RewardSpec
+from jaxrm.config import RewardSpec
+from jaxrm.metrics import accumulate
 from jaxrm.models.decoder import Decoder
 
 log = logging.getLogger("jaxrm.steps")
@@ -40,7 +41,7 @@ def make_loss_fn(model: Decoder, spec: RewardSpec, *, samples: bool = False) -> 
   and metrics, counted per group or sequence. ``frozen`` is the part of the model's state that
   ``params`` leaves out (``state["frozen"]``, see :func:`init_state`). ``rng`` (a PRNG key, in
   training) drives the adapters' dropout; without it nothing is dropped. ``samples`` (validation)
-  adds the per-example :class:`~jaxrm.losses.Samples` that rank-based metrics need.
+  adds the per-example :class:`~jaxrm.metrics.Samples` that rank-based metrics need.
   """
   graphdef = nnx.graphdef(model)
   batch_loss = losses.batch_loss(spec, samples=samples)
@@ -147,7 +148,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedul
   ``grad_accum_steps`` micro-batches and divided by the total count, so the update follows the
   mean loss over the whole global batch. An unpacked batch is split here; a packed one comes
   split, each array with a leading ``[grad_accum_steps]`` axis (see ``packing.PackedCollator``).
-  ``metrics`` are the loss's sums and counts (see ``losses.finalize_metrics``); ``extra`` holds
+  ``metrics`` are the loss's sums and counts (see ``metrics.finalize_metrics``); ``extra`` holds
   ``grad_norm`` (before clipping) and ``learning_rate``. With ``mesh``, activations are pinned to
   it at block boundaries.
   """
@@ -171,7 +172,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedul
       def body(carry, mb_and_index):
         (g_acc, m_acc), (mb, i) = carry, mb_and_index
         (_, m), g = grad_fn(params, mb, frozen, jax.random.fold_in(rng, i))
-        return (jax.tree.map(jnp.add, g_acc, g), losses.accumulate(m_acc, m)), None
+        return (jax.tree.map(jnp.add, g_acc, g), accumulate(m_acc, m)), None
 
       (grads, metrics), _ = jax.lax.scan(body, (zero_grads, zero_metrics),
                                          (micro, jnp.arange(grad_accum_steps)))
@@ -225,7 +226,7 @@ class MicroBatchedStep:
       return grads, metrics
 
     def add(total, new):
-      return jax.tree.map(jnp.add, total[0], new[0]), losses.accumulate(total[1], new[1])
+      return jax.tree.map(jnp.add, total[0], new[0]), accumulate(total[1], new[1])
 
     update = functools.partial(_update, tx, schedule)
     if state_shardings is None:
@@ -246,6 +247,15 @@ class MicroBatchedStep:
       new = self.grads(state, np.int32(i), batch)
       total = new if total is None else self._add(total, new)
     return self._update(state, *total)
+
+  def compile_programs(self, state, micro_batch: Batch) -> dict[str, Any]:
+    """The gradient program for ``micro_batch``'s shape and the update program, compiled ahead of
+    time (``state`` and ``micro_batch`` may be abstract): ``{"gradient": ..., "update": ...}``,
+    whose memory analyses size the step (the memory plan)."""
+    index = np.int32(0)
+    sums = jax.eval_shape(self._grads, state, index, micro_batch)  # the gradient and metric sums
+    return {"gradient": self.grads.compile(state, index, micro_batch),
+            "update": self._update.lower(state, *sums).compile()}
 
 
 def make_eval_step(loss_fn: Callable, *, mesh: Mesh | None = None) -> Callable:

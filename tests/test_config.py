@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from jaxrm.config import (CheckpointSpec, DataSpec, LoraSpec, ModelSpec, RunConfig, TrainSpec, base_config,
-                          from_config_dict, normalize_metric_name)
+from jaxrm.config import (CheckpointSpec, DataSpec, LoraSpec, ModelSpec, RewardSpec, RunConfig, TrainSpec,
+                          base_config, from_config_dict, normalize_metric_name)
 from jaxrm.models.lora import LoraConfig
 from jaxrm.errors import ConfigError
 
@@ -100,6 +100,46 @@ def test_section_checks_become_config_errors():
   c.reward.type = "pairwise"
   with pytest.raises(ConfigError, match=r"^reward.type must be one of bradley_terry, ranking, stepwise"):
     from_config_dict(c)
+
+
+def regression_on(dataset_name, **reward):
+  c = base_config()
+  c.data.dataset_name, c.reward.type = dataset_name, "regression"
+  for key, value in reward.items():
+    c.reward[key] = value
+  return c
+
+
+def test_helpsteer2_regression_defaults_to_its_five_attributes():
+  run = from_config_dict(regression_on("HelpSteer2"))
+  names = ("helpfulness", "correctness", "coherence", "complexity", "verbosity")
+  assert run.reward.attribute_names == names
+  # config.json holds the attributes the run trained on, so reading it back needs no default.
+  assert run.to_dict()["reward"]["attributes"] == ",".join(names)
+  assert RunConfig.from_dict(json.loads(json.dumps(run.to_dict()))) == run
+  chosen = from_config_dict(regression_on("HelpSteer2", attributes="verbosity, helpfulness"))
+  assert chosen.reward.attribute_names == ("verbosity", "helpfulness")
+
+
+def test_generic_rated_data_still_needs_its_attributes():
+  with pytest.raises(ConfigError) as e:
+    from_config_dict(regression_on("RatedDataset"))
+  assert str(e.value) == ("reward.attributes is empty: reward.type='regression' needs the rated attributes, "
+                          "e.g. reward.attributes='helpfulness,correctness,coherence,complexity,verbosity'")
+
+
+def test_reward_keys_are_parsed_once_and_stay_out_of_the_dict():
+  spec = RewardSpec("regression", attributes="a, b", attribute_weights="1,3", attribute_range="0,4",
+                    combine="b")
+  fields = {"type": "regression", "ranking_loss": "plackett_luce", "center_rewards_coefficient": 0.0,
+            "preference_strength_scaling": False, "attributes": "a, b", "attribute_weights": "1,3",
+            "attribute_range": "0,4", "combine": "b"}
+  assert (spec.attribute_names, spec.weights, spec.value_range, spec.combination) == (
+      ("a", "b"), (1.0, 3.0), (0.0, 4.0), (0.0, 1.0))
+  assert spec.attribute_names is spec.attribute_names  # kept, not parsed again
+  assert RunConfig(reward=spec).to_dict()["reward"] == fields
+  assert spec == RewardSpec(**fields) and hash(spec) == hash(RewardSpec(**fields))
+  assert repr(spec) == repr(RewardSpec(**fields))
 
 
 def test_metric_name_prefixes():

@@ -14,7 +14,7 @@ from helpers import demo_batches, flat_params, padded_tokens
 from jaxrm import sharding, steps
 from jaxrm.data import pipeline
 from jaxrm.errors import ConfigError
-from jaxrm.losses import RewardSpec
+from jaxrm.config import RewardSpec
 from jaxrm.models import lora
 from jaxrm.models.lora import LoraConfig, LoraParam
 from jaxrm.reward_model import RewardModel

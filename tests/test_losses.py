@@ -10,7 +10,8 @@ import pytest
 from helpers import preference_loss_args, softplus
 from jaxrm import losses
 from jaxrm.batches import IGNORE_INDEX as X, PreferenceBatch, StepwiseBatch
-from jaxrm.losses import RewardSpec
+from jaxrm.config import RANKING_LOSSES, REWARD_TYPES, RewardSpec
+from jaxrm.metrics import accumulate, finalize_metrics
 
 # Jitted once here, as training uses them; it also keeps the tests fast (one compile per shape
 # instead of one per operation and shape).
@@ -45,7 +46,7 @@ def assert_metrics_close(actual, expected, rtol=RTOL, atol=1e-6):
 def test_bradley_terry_pairs_by_hand():
   loss, metrics = bradley_terry_loss(**preference_loss_args([[2, 1], [0, 3]], [[0, 1], [0, 1]]))
   np.testing.assert_allclose(loss, (neg_log_sigmoid(1) + neg_log_sigmoid(-3)) / 2, rtol=RTOL)
-  assert_metrics_close(losses.finalize_metrics(metrics), {
+  assert_metrics_close(finalize_metrics(metrics), {
       "loss": float(loss),
       "accuracy": 0.5,
       "tie_rate": 0.0,
@@ -65,9 +66,9 @@ def test_bradley_terry_margin_and_centering():
   expected = (neg_log_sigmoid(2 - 1 - 0.5) + neg_log_sigmoid(3 - 0 - 1.0)) / 2
   expected += 0.1 * ((2 + 1) ** 2 + (3 + 0) ** 2) / 2
   np.testing.assert_allclose(loss, expected, rtol=RTOL)
-  np.testing.assert_allclose(losses.finalize_metrics(metrics)["loss"], expected, rtol=RTOL)
+  np.testing.assert_allclose(finalize_metrics(metrics)["loss"], expected, rtol=RTOL)
   # The margin shifts the loss only; the reported margin is the raw reward difference.
-  assert losses.finalize_metrics(metrics)["margin"] == pytest.approx(2.0)
+  assert finalize_metrics(metrics)["margin"] == pytest.approx(2.0)
 
 
 def test_filler_groups_and_absent_slots_change_nothing():
@@ -78,14 +79,14 @@ def test_filler_groups_and_absent_slots_change_nothing():
                       [[0, -1, 1], [0, 1, -1], [0, 1, 2]], example_mask=[1, 1, 0])
   padded_loss, padded_metrics = bradley_terry_loss(**padded)
   np.testing.assert_allclose(padded_loss, loss, rtol=RTOL)
-  assert_metrics_close(losses.finalize_metrics(padded_metrics), losses.finalize_metrics(metrics))
+  assert_metrics_close(finalize_metrics(padded_metrics), finalize_metrics(metrics))
 
 
 def test_ranks_in_any_order_pick_best_and_worst():
   # Ranks 2, 0, 1: the best is slot 1 (reward 5), the worst slot 0 (reward 1).
   loss, metrics = bradley_terry_loss(**preference_loss_args([[1, 5, 4]], [[2, 0, 1]]))
   np.testing.assert_allclose(loss, neg_log_sigmoid(5 - 1), rtol=RTOL)
-  finalized = losses.finalize_metrics(metrics)
+  finalized = finalize_metrics(metrics)
   assert (finalized["chosen_reward"], finalized["rejected_reward"]) == (5.0, 1.0)
   assert finalized["pairwise_accuracy"] == 1.0
 
@@ -96,7 +97,7 @@ def test_all_pairs_averages_over_pairs_not_groups():
   loss, metrics = all_pairs_loss(**batch)
   differences = [1.0 - 0.5, 1.0 - 2.0, 0.5 - 2.0, 3.0 - 1.0]
   np.testing.assert_allclose(loss, np.mean(neg_log_sigmoid(differences)), rtol=RTOL)
-  finalized = losses.finalize_metrics(metrics)
+  finalized = finalize_metrics(metrics)
   assert finalized["pairwise_accuracy"] == pytest.approx(2 / 4)
   # Accuracy stays best vs worst: group 1 has 1 < 2 (wrong), group 2 has 3 > 1 (right).
   assert finalized["accuracy"] == 0.5
@@ -109,7 +110,7 @@ def test_all_pairs_averages_over_pairs_not_groups():
 
 def test_ties_count_as_wrong_and_are_reported():
   _, metrics = bradley_terry_loss(**preference_loss_args([[1, 1], [2, 0], [0, 0]], [[0, 1]] * 3))
-  finalized = losses.finalize_metrics(metrics)
+  finalized = finalize_metrics(metrics)
   assert finalized["accuracy"] == pytest.approx(1 / 3)
   assert finalized["tie_rate"] == pytest.approx(2 / 3)
 
@@ -117,7 +118,7 @@ def test_ties_count_as_wrong_and_are_reported():
 def test_all_filler_batch_has_zero_loss_and_nan_metrics():
   loss, metrics = bradley_terry_loss(**preference_loss_args([[1, 2]], [[0, 1]], example_mask=[0]))
   assert float(loss) == 0.0
-  finalized = losses.finalize_metrics(metrics)
+  finalized = finalize_metrics(metrics)
   assert math.isnan(finalized["accuracy"]) and math.isnan(finalized["reward_std"])
 
 
@@ -139,7 +140,7 @@ def test_plackett_luce_with_two_completions_equals_bradley_terry():
   pl_loss, pl_metrics = plackett_luce_loss(**batch)
   bt_loss, bt_metrics = bradley_terry_loss(**batch)
   np.testing.assert_allclose(pl_loss, bt_loss, rtol=RTOL)
-  assert_metrics_close(losses.finalize_metrics(pl_metrics), losses.finalize_metrics(bt_metrics))
+  assert_metrics_close(finalize_metrics(pl_metrics), finalize_metrics(bt_metrics))
 
 
 def test_plackett_luce_by_hand():
@@ -153,7 +154,7 @@ def test_plackett_luce_by_hand():
   second = np.log(np.exp(a) + np.exp(b)) - a
   third = np.log(np.exp(x) + np.exp(y)) - y
   np.testing.assert_allclose(loss, (first + second + third) / 3, rtol=RTOL)
-  finalized = losses.finalize_metrics(metrics)
+  finalized = finalize_metrics(metrics)
   assert finalized["loss"] == pytest.approx((first + second + third) / 3, rel=RTOL)
   assert finalized["accuracy"] == 1.0  # best vs worst: c > b and y > x
   assert finalized["pairwise_accuracy"] == pytest.approx(3 / 4)  # only a > b is wrong
@@ -186,7 +187,7 @@ def test_stepwise_cross_entropy_by_hand():
   steps = [(0, 1), (0, 3), (0, 4), (1, 2)]
   expected = -np.mean([log_probs[b, t, labels[b, t]] for b, t in steps])
   np.testing.assert_allclose(loss, expected, rtol=RTOL)
-  np.testing.assert_allclose(losses.finalize_metrics(metrics)["loss"], expected, rtol=RTOL)
+  np.testing.assert_allclose(finalize_metrics(metrics)["loss"], expected, rtol=RTOL)
 
 
 def step_logits(predictions):
@@ -199,7 +200,7 @@ def test_always_true_model_shows_zero_error_recall_and_f1():
   labels = np.array([[1, 0, 1, X], [1, 1, 1, 1]], np.int32)
   _, metrics = stepwise_loss(step_logits(np.ones((2, 4))), jnp.asarray(labels),
                                     jnp.ones(2))
-  finalized = losses.finalize_metrics(metrics)
+  finalized = finalize_metrics(metrics)
   assert finalized["recall_error"] == 0.0
   assert finalized["f1_error"] == 0.0
   assert finalized["recall_correct"] == 1.0
@@ -225,7 +226,7 @@ def test_stepwise_metrics_by_hand():
   # Labelled steps (label, prediction): (1,1) (0,0) (0,1) | (1,0) (1,1) (0,0) | (1,0) (1,1)
   # | (0,1) (1,1) (0,1). Errors: 5, found 2; correct: 6, found 4; predicted errors: 4.
   assert_metrics_close(
-      {k: v for k, v in losses.finalize_metrics(metrics).items() if k != "loss"}, {
+      {k: v for k, v in finalize_metrics(metrics).items() if k != "loss"}, {
           "step_accuracy": 6 / 11,
           "recall_correct": 4 / 6,
           "recall_error": 2 / 5,
@@ -251,16 +252,16 @@ def test_two_batches_accumulate_to_the_concatenated_batch():
       rewards[3:], ranks[3:], mask[3:])
   for loss_fn in (bradley_terry_loss, plackett_luce_loss):
     _, expected = loss_fn(**whole)
-    accumulated = losses.accumulate(loss_fn(**first)[1], loss_fn(**second)[1])
-    assert_metrics_close(losses.finalize_metrics(accumulated), losses.finalize_metrics(expected))
+    accumulated = accumulate(loss_fn(**first)[1], loss_fn(**second)[1])
+    assert_metrics_close(finalize_metrics(accumulated), finalize_metrics(expected))
 
   logits = rng.normal(size=(4, 6, 2)).astype(np.float32)
   labels = np.where(rng.random((4, 6)) < 0.4, X, rng.integers(0, 2, (4, 6))).astype(np.int32)
   step_mask = np.array([1, 1, 1, 0], np.float32)
   _, expected = stepwise_loss(logits, labels, step_mask)
-  accumulated = losses.accumulate(stepwise_loss(logits[:2], labels[:2], step_mask[:2])[1],
-                                  stepwise_loss(logits[2:], labels[2:], step_mask[2:])[1])
-  assert_metrics_close(losses.finalize_metrics(accumulated), losses.finalize_metrics(expected))
+  accumulated = accumulate(stepwise_loss(logits[:2], labels[:2], step_mask[:2])[1],
+                           stepwise_loss(logits[2:], labels[2:], step_mask[2:])[1])
+  assert_metrics_close(finalize_metrics(accumulated), finalize_metrics(expected))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,8 +288,8 @@ def test_each_reward_type_trains_with_its_loss():
   assert len(set(values.values())) == 3
   for spec, (loss, metrics) in expected.items():
     assert values[spec] == pytest.approx(float(loss), rel=RTOL), spec
-    assert_metrics_close(losses.finalize_metrics(losses.batch_loss(spec)(rewards, batch)[1]),
-                         losses.finalize_metrics(metrics))
+    assert_metrics_close(finalize_metrics(losses.batch_loss(spec)(rewards, batch)[1]),
+                         finalize_metrics(metrics))
   # A spec without type=ranking ignores ranking_loss.
   assert RewardSpec("bradley_terry", "all_pairs").loss_key == ("bradley_terry", None)
 
@@ -300,8 +301,8 @@ def test_each_reward_type_trains_with_its_loss():
 
 
 def test_every_reward_spec_has_a_loss():
-  specs = [RewardSpec(t, r, attributes="a" if t == "regression" else "") for t in losses.REWARD_TYPES
-           for r in losses.RANKING_LOSSES]
+  specs = [RewardSpec(t, r, attributes="a" if t == "regression" else "") for t in REWARD_TYPES
+           for r in RANKING_LOSSES]
   assert {spec.loss_key for spec in specs} == set(losses.LOSSES)
 
 

@@ -10,7 +10,7 @@ from jaxrm import sharding, steps
 from jaxrm.data import pipeline, registry
 from jaxrm.data.drops import DropReport
 from jaxrm.data.tokenize import TokenizeOptions, pad_id, tokenize_all
-from jaxrm.losses import RewardSpec
+from jaxrm.config import RewardSpec
 from jaxrm.models.lora import LoraConfig, LoraParam
 from jaxrm.reward_model import RewardModel
 

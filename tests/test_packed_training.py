@@ -148,7 +148,7 @@ def first_update(cache_root, head, pack, micro_batches):
   from jaxrm.data import pipeline, registry
   from jaxrm.data.drops import DropReport
   from jaxrm.data.tokenize import TokenizeOptions, pad_id, tokenize_all
-  from jaxrm.losses import RewardSpec
+  from jaxrm.config import RewardSpec
   from jaxrm.reward_model import RewardModel
 
   rm = RewardModel.from_pretrained(tiny_run.tiny_model_dir(cache_root, head=head))

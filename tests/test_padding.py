@@ -14,7 +14,7 @@ from jaxrm import sharding, steps
 from jaxrm.data import grouping, pipeline, registry
 from jaxrm.data.drops import DropReport
 from jaxrm.data.tokenize import PreferenceExample, TokenizeOptions, pad_id, tokenize_all
-from jaxrm.losses import RewardSpec
+from jaxrm.config import RewardSpec
 
 BUCKETS = (8, 16, 24, 32, 40)
 # The longest completion of group i (the other is one token shorter); sorted, groups 0, 3, 6, 2

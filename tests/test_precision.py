@@ -23,7 +23,7 @@ from jaxrm import optim, sharding, steps
 from jaxrm.data import pipeline, registry
 from jaxrm.data.drops import DropReport
 from jaxrm.data.tokenize import TokenizeOptions, pad_id, tokenize_all
-from jaxrm.losses import RewardSpec
+from jaxrm.config import RewardSpec
 from jaxrm.reward_model import RewardModel
 
 # ------------------------------------------------------------------ tolerances

@@ -15,7 +15,7 @@ from jaxrm import optim, sharding, steps
 from jaxrm.data import pipeline
 from jaxrm.errors import ConfigError
 from jaxrm.hf.loader import abstract_model
-from jaxrm.losses import RewardSpec
+from jaxrm.config import RewardSpec
 from jaxrm.models import lora, quantize
 from jaxrm.models.config import ModelConfig
 from jaxrm.models.lora import LoraConfig, LoraParam

@@ -18,7 +18,8 @@ from jaxrm.data.drops import DropReport
 from jaxrm.data.records import RatedRecord
 from jaxrm.data.tokenize import RatedExample, TokenizeOptions, prompt_group, tokenize_all
 from jaxrm.errors import DataError
-from jaxrm.losses import RewardSpec
+from jaxrm.config import RewardSpec
+from jaxrm.metrics import accumulate, finalize_metrics
 
 # Float32 losses against float64 hand computations: a few float32 roundings (~6e-8 relative each)
 # on O(1) values, while a wrong mask or weight moves them by far more than 1e-6.
@@ -51,7 +52,7 @@ def test_regression_loss_masks_missing_ratings_by_hand():
   # Rated: (0, a) error 1, (1, a) error 0, (1, b) error -1, weighing 1, 1, 2. Taking the missing
   # rating as 0 would add (2 - 0)^2 to the sums.
   np.testing.assert_allclose(loss, (1 * 1 + 1 * 0 + 2 * 1) / (1 + 1 + 2), rtol=RTOL)
-  out = losses.finalize_metrics(metrics)
+  out = finalize_metrics(metrics)
   assert out.pop("pearson_a") == pytest.approx(1.0)  # (1, 3) against (0, 3)
   assert math.isnan(out.pop("pearson_b"))  # one rated value: no correlation
   assert out == pytest.approx({"loss": 0.75, "mse": 2 / 3, "mse_a": 0.5, "mse_b": 1.0, "mae_a": 0.5,
@@ -68,8 +69,8 @@ def test_regression_metrics_aggregate_exactly_over_batches():
   acc = None
   for s in (slice(0, 40), slice(40, 72), slice(72, 96)):  # unequal batches
     m = jax.device_get(regression_loss(*args(s), **kw)[1])
-    acc = m if acc is None else losses.accumulate(acc, m)
-  out = losses.finalize_metrics(acc)
+    acc = m if acc is None else accumulate(acc, m)
+  out = finalize_metrics(acc)
   for a, name in enumerate("ab"):
     r = rated[:, a]
     err = p[r, a].astype(np.float64) - y[r, a]
@@ -96,8 +97,8 @@ def test_spearman_ranks_over_the_whole_set_across_batches():
            for s in (slice(0, 7), slice(7, 31), slice(31, 50))]
   acc = parts[0]
   for part in parts[1:]:
-    acc = losses.accumulate({"samples": acc}, {"samples": part})["samples"]
-  out = losses.finalize_metrics({"samples": acc})
+    acc = accumulate({"samples": acc}, {"samples": part})["samples"]
+  out = finalize_metrics({"samples": acc})
   for a, name in enumerate("ab"):
     r = rated[:, a]
     expected = scipy_stats.spearmanr(p[r, a], y[r, a]).statistic
@@ -114,14 +115,14 @@ def test_pairwise_accuracy_of_a_combination_by_hand():
   p = [[1, 0], [0.5, 0], [0.6, 0], [9, 9], [0, 0], [5, 5]]
   rated = [[1, 1]] * 5 + [[1, 0]]
   group = [0, 0, 0, 1, 1, 2]
-  out = losses.finalize_metrics({"samples": samples_of(p, y, rated, group, (1.0, 1.0))})
+  out = finalize_metrics({"samples": samples_of(p, y, rated, group, (1.0, 1.0))})
   # Combined ratings 4, 4, 0 (prompt 0): pairs (0 > 2) and (1 > 2); combined predictions 1, 0.5,
   # 0.6: 1 > 0.6 right, 0.5 > 0.6 wrong.
   assert out["pairwise_accuracy"] == 0.5
-  out = losses.finalize_metrics({"samples": samples_of(p, y, rated, group, (1.0, 0.0))})
+  out = finalize_metrics({"samples": samples_of(p, y, rated, group, (1.0, 0.0))})
   # On a alone: 4 > 2 > 0 and 3 > 1: pairs (0,1) right, (0,2) right, (1,2) wrong, (3,4) right.
   assert out["pairwise_accuracy"] == 0.75
-  no_pairs = losses.finalize_metrics({"samples": samples_of(p[:1], y[:1], rated[:1], group[:1], (1.0, 0.0))})
+  no_pairs = finalize_metrics({"samples": samples_of(p[:1], y[:1], rated[:1], group[:1], (1.0, 0.0))})
   assert math.isnan(no_pairs["pairwise_accuracy"])
 
 
@@ -137,7 +138,7 @@ def test_regression_spec_trains_with_the_loss_and_validates_with_samples():
   assert "samples" not in metrics  # the train step sums metrics; Samples are validation's
   _, metrics = losses.batch_loss(spec, samples=True)(predictions, batch)
   # Combined ratings 1 - 1 = 0 and 0 - 2 = -2; predictions tie at -1: a tie counts as wrong.
-  assert losses.finalize_metrics(metrics)["pairwise_accuracy"] == 0.0
+  assert finalize_metrics(metrics)["pairwise_accuracy"] == 0.0
 
 
 @pytest.mark.parametrize("changes, message", [
