@@ -1,22 +1,18 @@
-"""A training run's directory: its Orbax checkpoints, and the files that say how to load them.
-
-A run's output directory holds ``config.json`` (the training config), ``model_config.json``
-(the :class:`~jaxrm.models.config.ModelConfig` and its HF form), ``tokenizer/`` and the checkpoint
-directory (``checkpoints/`` unless ``checkpointing.checkpoint_dir``). :func:`write_run_files` writes
-the first three; :func:`find_run` and :func:`restore_for_scoring` read them back.
+"""A training run's Orbax checkpoints: saving, ranking and restoring them.
 
 Each checkpoint holds four items: ``params`` (the trained parameters), ``opt_state``, ``data``
 (the training iterator's state) and ``meta`` (step, RNG, reward statistics, metrics, config).
-A LoRA run trains, and so saves, only its adapters and reward head: its frozen base stays in the
-HF checkpoint or GGUF file that ``model_config.json`` names (``base_model``), and is read from
-there on resume and for scoring.
+A LoRA run trains, and so saves, only its adapters and reward head (:mod:`jaxrm.loading` reads
+its base from where it trained).
 Orbax writes into a temporary directory and renames it when complete, so a crash mid-save leaves
-the previous checkpoints intact. ``best_checkpoint.json`` names the best step.
+the previous checkpoints intact; a checkpoint damaged afterwards (a truncated file, as a full disk
+or a bad copy leaves it) raises :class:`DamagedCheckpointError` naming its step.
+``best_checkpoint.json`` names the best step. What the run's other files say is
+:mod:`jaxrm.loading`'s to read.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -27,17 +23,58 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint._src.checkpoint_managers import preservation_policy as pp
 
-from jaxrm.config import normalize_metric_name
 from jaxrm.errors import CheckpointError
-from jaxrm.models.config import ModelConfig, config_from_dict, to_hf_config
+from jaxrm.metrics import normalize_metric_name
 
 log = logging.getLogger(__name__)
 
-RUN_CONFIG = "config.json"
-RUN_MODEL_CONFIG = "model_config.json"
-RUN_TOKENIZER_DIR = "tokenizer"
 BEST_FILE = "best_checkpoint.json"
 ITEMS = ("params", "opt_state", "data", "meta")
+
+
+# What Orbax says when the restore target, not the files, is wrong (another model's shapes or tree).
+_MISMATCH = ("not compatible with the stored shape", "tree structures do not match")
+
+
+class DamagedCheckpointError(CheckpointError):
+  """A checkpoint that Orbax lists but cannot read back; ``step`` names it."""
+
+  def __init__(self, directory: str, step: int, cause: BaseException):
+    super().__init__(f"{os.path.join(directory, str(step))}: the checkpoint of step {step} cannot be read "
+                     f"({_first_sentence(cause)}); it looks damaged (a truncated file, as a full disk or an "
+                     "interrupted copy leaves it)")
+    self.step = step
+
+
+def _quiet_stragglers() -> None:
+  """After a failed restore, the reads of the other arrays still in flight finish on tensorstore's
+  threads once Orbax's event loop is closed; each would print a traceback ("Event loop is closed",
+  a coroutine never awaited) after the error the user is to read. Those, and only those, are
+  dropped."""
+  import sys
+  import warnings
+  warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
+  if getattr(sys.unraisablehook, "_jaxrm_quiet", False):
+    return
+  closed = lambda e: isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+  previous_unraisable, previous_except = sys.unraisablehook, sys.excepthook
+
+  def unraisable_hook(unraisable):
+    code = getattr(unraisable.object, "cr_code", None)  # an Orbax read dropped with its error
+    if closed(unraisable.exc_value) or (code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename):
+      return
+    previous_unraisable(unraisable)
+
+  def except_hook(kind, value, tb):  # what tensorstore's threads print a callback's error with
+    if not closed(value):
+      previous_except(kind, value, tb)
+  unraisable_hook._jaxrm_quiet = True
+  sys.unraisablehook, sys.excepthook = unraisable_hook, except_hook
+
+
+def _first_sentence(e: BaseException) -> str:
+  text = (str(e).strip().splitlines() or [""])[0].split(" See full")[0]
+  return f"{type(e).__name__}: {text[:160]}" if text else type(e).__name__
 
 
 class Checkpointer:
@@ -45,7 +82,9 @@ class Checkpointer:
 
   Keeps the latest checkpoint and the ``keep_top_k`` best by ``metric_name`` (lower is better
   unless ``higher_is_better``); without a metric, the ``keep_top_k`` latest. A checkpoint saved
-  without metrics is kept only while it is the latest.
+  without metrics is kept only while it is the latest. ``metric_name`` is the metric's key in the
+  validation results (``validation-default_loss``; NeMo RL's ``val:`` form too), which the
+  trainer checks before each save.
   """
 
   def __init__(self, directory: str, *, metric_name: str | None = None, higher_is_better: bool = False,
@@ -97,10 +136,6 @@ class Checkpointer:
     ``metrics`` (validation results of this very step, or None) rank the checkpoint.
     """
     from flax import nnx
-    if self.metric_name and metrics is not None and self.metric_name not in metrics:
-      raise ValueError(
-          f"checkpointing.metric_name {self.metric_name!r} is not a validation metric; "
-          f"available: {', '.join(sorted(metrics))}")
     args = ocp.args.Composite(
         params=ocp.args.StandardSave(nnx.to_pure_dict(state["params"])),
         opt_state=ocp.args.StandardSave(state["opt_state"]),
@@ -131,21 +166,46 @@ class Checkpointer:
     Returns ``(state, data_state, meta)``; ``state["params"]`` is updated in place.
     """
     from flax import nnx
-    restored = self.manager.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(_abstract(nnx.to_pure_dict(state["params"]))),
-        opt_state=ocp.args.StandardRestore(_abstract(state["opt_state"])),
-        data=ocp.args.JsonRestore(),
-        meta=ocp.args.JsonRestore(),
-    ))
+    restored = self._restore(step, params=ocp.args.StandardRestore(_abstract(nnx.to_pure_dict(state["params"]))),
+                             opt_state=ocp.args.StandardRestore(_abstract(state["opt_state"])),
+                             data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
     params = state["params"]
     nnx.replace_by_pure_dict(params, restored["params"])
     return dict(state, params=params, opt_state=restored["opt_state"]), restored["data"], restored["meta"]
 
   def restore_params(self, step: int, abstract_params: dict) -> tuple[dict, dict]:
     """Only the parameters (a pure dict shaped like ``abstract_params``) and ``meta``, for scoring."""
-    restored = self.manager.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(abstract_params), meta=ocp.args.JsonRestore()))
+    restored = self._restore(step, params=ocp.args.StandardRestore(abstract_params), meta=ocp.args.JsonRestore())
     return restored["params"], restored["meta"]
+
+  def _restore(self, step: int, **items):
+    try:
+      return self.manager.restore(step, args=ocp.args.Composite(**items))
+    except Exception as e:  # tensorstore/Orbax errors of a file cut short or missing
+      if any(m in str(e) for m in _MISMATCH):
+        raise CheckpointError(f"{os.path.join(self.directory, str(step))} does not fit the model restored "
+                              f"into it ({_first_sentence(e)})") from None
+      _quiet_stragglers()
+      raise DamagedCheckpointError(self.directory, step, e) from None
+
+  def set_aside(self, step: int) -> str:
+    """Moves a damaged checkpoint out of Orbax's sight, to ``<step>.damaged``; returns its new path.
+
+    Its step is then free for a new save; nothing is deleted.
+    """
+    path = os.path.join(self.directory, str(step))
+    aside = f"{path}.damaged"
+    if jax.process_index() == 0:
+      n = 1
+      while os.path.exists(aside):
+        n += 1
+        aside = f"{path}.damaged{n}"
+      os.rename(path, aside)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices(f"jaxrm: set aside checkpoint {step}")
+    self.manager.reload()
+    return aside
 
   def close(self) -> None:
     self.manager.close()
@@ -162,146 +222,3 @@ def read_best(directory: str) -> dict | None:
 
 def _abstract(tree):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
-
-# ------------------------------------------------------------------ run directories
-
-
-def write_run_files(out_dir: str, *, config_json: str, model_config: ModelConfig, tokenizer: Any,
-                    base_model: str | None = None) -> None:
-  """Writes what loading a run needs besides its checkpoints.
-
-  Args:
-    out_dir: the run's output directory.
-    config_json: the training config as JSON (``config.json``).
-    model_config: the model trained (``model_config.json``: ``{"jaxrm": asdict, "hf": to_hf_config}``).
-    tokenizer: saved under ``tokenizer/`` unless a resumed run already saved it there.
-    base_model: a LoRA run's frozen base (an HF directory, .gguf file or hub name), whose weights
-      its checkpoints leave out (``model_config.json``'s ``base_model``).
-  """
-  with open(os.path.join(out_dir, RUN_CONFIG), "w") as f:
-    f.write(config_json)
-  saved = {"jaxrm": dataclasses.asdict(model_config), "hf": to_hf_config(model_config)}
-  if base_model is not None:
-    saved["base_model"] = base_model
-  with open(os.path.join(out_dir, RUN_MODEL_CONFIG), "w") as f:
-    json.dump(saved, f, indent=2)
-  tok_dir = os.path.join(out_dir, RUN_TOKENIZER_DIR)
-  if not os.path.isdir(tok_dir):
-    tokenizer.save_pretrained(tok_dir)
-
-
-def is_run_dir(path: str) -> bool:
-  """Whether ``path`` is a training output directory (it holds ``model_config.json``)."""
-  return os.path.isfile(os.path.join(path, RUN_MODEL_CONFIG))
-
-
-@dataclasses.dataclass(frozen=True)
-class RunCheckpoint:
-  """Where a training run keeps its files, and the step a checkpoint path names (if any).
-
-  Attributes:
-    run_dir: has ``model_config.json`` and ``tokenizer/``.
-    checkpoint_dir: the Orbax directory: ``<step>/{params,opt_state,data,meta}``.
-    step: the step of a path naming one checkpoint, else None.
-    settings: the run's training config (``config.json``), or {} when it is missing.
-  """
-
-  run_dir: str
-  checkpoint_dir: str
-  step: int | None = None
-  settings: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
-
-  @property
-  def tokenizer_dir(self) -> str:
-    return os.path.join(self.run_dir, RUN_TOKENIZER_DIR)
-
-  def model_config(self) -> ModelConfig:
-    """The :class:`ModelConfig` the run trained (from ``model_config.json``)."""
-    path = os.path.join(self.run_dir, RUN_MODEL_CONFIG)
-    return config_from_dict(self._saved_model()["jaxrm"], path)
-
-  def base_model(self) -> str:
-    """Where a LoRA run's frozen base is (its checkpoints hold only the adapters and the head)."""
-    base = self._saved_model().get("base_model") or self.settings.get("model", {}).get("name_or_path")
-    if not base:
-      raise CheckpointError(f"{self.run_dir}: {RUN_MODEL_CONFIG} names no base model for the LoRA adapters "
-                            "(and config.json has no model.name_or_path)")
-    return base
-
-  def _saved_model(self) -> dict[str, Any]:
-    with open(os.path.join(self.run_dir, RUN_MODEL_CONFIG)) as f:
-      return json.load(f)
-
-
-def find_run(path: str) -> RunCheckpoint | None:
-  """The run behind ``path`` when it is a training output directory or one of its checkpoints."""
-  if is_run_dir(path):
-    return _run(path)
-  norm = os.path.normpath(os.path.abspath(path))
-  if os.path.basename(norm).isdigit() and os.path.isdir(os.path.join(norm, "params")):
-    checkpoint_dir = os.path.dirname(norm)
-    run_dir = os.path.dirname(checkpoint_dir)
-    if not is_run_dir(run_dir):
-      raise CheckpointError(
-          f"{path} is a training checkpoint, but {run_dir} has no {RUN_MODEL_CONFIG}; load the run's "
-          f"output directory (the one holding {RUN_MODEL_CONFIG}) with step={os.path.basename(norm)}")
-    return dataclasses.replace(_run(run_dir), checkpoint_dir=checkpoint_dir, step=int(os.path.basename(norm)))
-  return None
-
-
-def _run(run_dir: str) -> RunCheckpoint:
-  settings = _run_settings(run_dir)
-  custom = settings.get("checkpointing", {}).get("checkpoint_dir")
-  return RunCheckpoint(run_dir, custom or os.path.join(run_dir, "checkpoints"), settings=settings)
-
-
-def _run_settings(run_dir: str) -> dict[str, Any]:
-  path = os.path.join(run_dir, RUN_CONFIG)
-  if not os.path.isfile(path):
-    return {}
-  with open(path) as f:
-    return json.load(f)
-
-
-def restore_for_scoring(run: RunCheckpoint, step: int | None, target: dict) -> tuple[dict, dict]:
-  """The saved parameters and ``meta`` of one checkpoint of ``run``.
-
-  Args:
-    run: from :func:`find_run`.
-    step: the step to load; default: the step ``run`` names, else the best (``best_checkpoint.json``,
-      else Orbax's best by the run's metric, else the latest).
-    target: pure dict of ``jax.ShapeDtypeStruct``s (with shardings) shaped like the saved
-      parameters: the whole model's, or for a LoRA run only the trained ones (adapters and head,
-      ``lora.trainable_filter``).
-  """
-  if not os.path.isdir(run.checkpoint_dir):
-    raise CheckpointError(f"{run.run_dir}: no checkpoint directory {run.checkpoint_dir} "
-                          "(training writes checkpoints there when checkpointing.enabled is true)")
-  ckpt_settings = run.settings.get("checkpointing", {})
-  ckpt = Checkpointer(run.checkpoint_dir, metric_name=ckpt_settings.get("metric_name"),
-                      higher_is_better=bool(ckpt_settings.get("higher_is_better", False)))
-  try:
-    return ckpt.restore_params(_pick_step(ckpt, run, step), target)
-  finally:
-    ckpt.close()
-
-
-def _pick_step(ckpt: Checkpointer, run: RunCheckpoint, step: int | None) -> int:
-  if run.step is not None and step is not None and step != run.step:
-    raise CheckpointError(f"{run.checkpoint_dir}/{run.step} is the checkpoint of step {run.step}, "
-                          f"but step={step} was asked for; pass one or the other")
-  steps = ckpt.all_steps()
-  if not steps:
-    raise CheckpointError(f"{run.checkpoint_dir}: no complete checkpoint yet (training saves one every "
-                          "checkpointing.save_period steps and at the end)")
-  step = run.step if run.step is not None else step
-  if step is None:
-    best = read_best(ckpt.directory)
-    # Without the file: Orbax's best by the run's metric, or the latest when none has it.
-    step = int(best["step"]) if best is not None else ckpt.best_step()
-    log.info("loading the best checkpoint of %s: step %s", run.run_dir, step)
-  if step not in steps:
-    raise CheckpointError(f"{run.checkpoint_dir}: no checkpoint for step {step}; available steps: "
-                          f"{', '.join(map(str, steps))}")
-  return step

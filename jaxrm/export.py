@@ -9,7 +9,7 @@ loads with transformers' ``AutoModelForSequenceClassification`` (sequence heads)
 ``AutoModelForTokenClassification`` (token heads, process reward models); what it holds is
 described in :mod:`jaxrm.hf.export`. A model trained with LoRA is exported with its adapters merged
 into the weights, or with ``--adapters_only`` as a peft adapter directory over its base checkpoint
-(``--base_model``; default: the run's ``model.name_or_path``).
+(``--base_model``; default: the base the run trained over, as its ``model_config.json`` names it).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import logging
 
 from absl import app, flags
 
-from jaxrm import checkpointing, cli
+from jaxrm import cli, loading
 from jaxrm.hf.export import DTYPES, save_peft_adapters
 from jaxrm.models.config import to_hf_config
 from jaxrm.reward_model import RewardModel
@@ -31,25 +31,22 @@ def export(checkpoint: str, out_dir: str, *, dtype: str = "float32", step: int |
   """Loads ``checkpoint`` (any path ``RewardModel.from_pretrained`` takes) and exports it.
 
   ``adapters_only`` writes its LoRA adapters and head as a peft adapter directory instead, naming
-  ``base_model`` (default: the training run's ``model.name_or_path``) as their base.
+  ``base_model`` (default: the base the training run trained over, a local path made absolute)
+  as their base.
   """
-  rm = RewardModel.from_pretrained(checkpoint, dtype=dtype, step=step)
+  loading.check_export_dir(out_dir)
+  source = loading.locate(checkpoint, step)
+  rm = RewardModel.from_pretrained(source, dtype=dtype)
   if not adapters_only:
     rm.save_pretrained(out_dir, dtype=dtype)
     return rm
-  base = base_model or _trained_from(checkpoint)
+  base = base_model or (source.files.base_model if isinstance(source, loading.RunSource) else None)
   save_peft_adapters(out_dir, rm.model, rm.tokenizer, base_model_name_or_path=base, dtype=dtype)
-  if base is None or base.endswith(".gguf") or base.startswith("embedded:"):
+  if base is None or loading.names_gguf(base):
     log.warning("peft loads adapters over an HF checkpoint, and their base is %s: export the base with "
                 "`python -m jaxrm.export --checkpoint=<base> --out=<dir>`, load the adapters over <dir>, "
                 "and pass --base_model=<dir> to record it in adapter_config.json", base or "not known")
   return rm
-
-
-def _trained_from(checkpoint: str) -> str | None:
-  """The ``model.name_or_path`` a training run started from, or None for other checkpoints."""
-  run = checkpointing.find_run(checkpoint)
-  return run.settings.get("model", {}).get("name_or_path") if run is not None else None
 
 
 FLAGS = flags.FLAGS
@@ -64,7 +61,7 @@ def define_flags() -> None:
   flags.DEFINE_bool("adapters_only", False, "Write the LoRA adapters and head as a peft adapter directory "
                     "instead of a merged checkpoint.")
   flags.DEFINE_string("base_model", None, "With --adapters_only: the base checkpoint recorded in "
-                      "adapter_config.json (default: the run's model.name_or_path).")
+                      "adapter_config.json (default: the base the run trained over).")
 
 
 def main() -> None:

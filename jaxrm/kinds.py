@@ -57,22 +57,21 @@ def describe(config: Any, attributes: Sequence[str] | None = None) -> str:
   return f"a {config.head} head with {n} {noun}{names}"
 
 
-def check_kind(rm: Any, *kinds: str, use: str, combine: Any = None, combine_hint: str = "combine=",
-               error: type[UserError] = ModelKindError) -> str:
+def check_kind(rm: Any, *kinds: str, use: str, one_reward: bool = False, combine: Any = None,
+               combine_hint: str = "combine=", error: type[UserError] = ModelKindError) -> str:
   """Returns ``rm``'s kind when it is one of ``kinds``, else raises ``error`` saying what to do.
 
   Args:
     rm: anything with ``config`` (``head``, ``num_labels``) and ``attributes`` (a RewardModel).
-    kinds: the kinds ``use`` takes. A use that takes ``preference`` and ``regression`` scores one
-      reward per row: a regression model is accepted only with ``combine``.
+    kinds: the kinds ``use`` takes.
     use: what needs the model, as the message starts: ``"score()"``, ``"stepwise data"``...
-    combine: how a regression model's outputs become one reward, when the use takes one.
+    one_reward: ``use`` takes one reward per row: a regression model only with ``combine``.
+    combine: how a regression model's outputs become one reward (with ``one_reward``).
     combine_hint: how the caller passes ``combine`` (``"--combine"`` on a command line).
     error: the exception type raised (a subclass of UserError).
   """
   attributes = getattr(rm, "attributes", None)
   kind = model_kind(rm.config, attributes)
-  one_reward = PREFERENCE in kinds and REGRESSION in kinds
   if kind in kinds and not (one_reward and kind == REGRESSION and combine is None):
     return kind
   wanted = " or ".join(_NEEDS[k] for k in kinds if not (one_reward and k == REGRESSION))

@@ -26,6 +26,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
+from jaxrm import kinds
 from jaxrm.data.records import Text
 from jaxrm.models.config import ModelConfig
 
@@ -49,12 +50,8 @@ Combine = str | dict[str, float] | Sequence[float] | None
 
 
 def _check_scalar_head(rm: Scorer, combine: Combine) -> None:
-  if rm.config.head != "sequence":
-    raise ValueError(f"a reward function needs a sequence head; this model has a {rm.config.head} head")
-  if rm.config.num_labels != 1 and combine is None:
-    raise ValueError(f"this model scores {rm.config.num_labels} outputs "
-                     f"({', '.join(getattr(rm, 'attributes', None) or ())}); a reward function needs one "
-                     "reward: pass combine= (an attribute's name, 'name=weight,...' or a dict)")
+  kinds.check_kind(rm, kinds.PREFERENCE, kinds.REGRESSION, use="a reward function", one_reward=True,
+                   combine=combine)
 
 
 def _named(f: Callable, name: str) -> Callable:

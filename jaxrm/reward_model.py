@@ -1,8 +1,9 @@
 """``RewardModel``: a loaded reward model with its tokenizer, ready to score.
 
-It loads Hugging Face checkpoint directories, ``.gguf`` files, jaxrm training output directories
-and single training checkpoints. Text is tokenized by the functions training uses
-(:mod:`jaxrm.data.tokenize`), so a conversation scores exactly as it was laid out in training.
+It loads whatever :func:`jaxrm.loading.locate` finds: Hugging Face checkpoint directories,
+``.gguf`` files, jaxrm training output directories and single training checkpoints. Text is
+tokenized by the functions training uses (:mod:`jaxrm.data.tokenize`), so a conversation scores
+exactly as it was laid out in training.
 """
 
 from __future__ import annotations
@@ -18,104 +19,20 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrm import checkpointing, reward_funcs
+from jaxrm import kinds, loading, reward_funcs
 from jaxrm.batches import IGNORE_INDEX
 from jaxrm.data.drops import DropReport
-from jaxrm.data.pipeline import length_buckets
+from jaxrm.data.pipeline import bucket_length, length_buckets, right_padded, scoring_rows
 from jaxrm.data.records import PreferenceRecord, StepwiseRecord, Text
 from jaxrm.data.tokenize import TokenizeOptions, pad_id, tokenize_preference, tokenize_stepwise
-from jaxrm.errors import CheckpointError, DataError
-from jaxrm.hf import export as hf_export
-from jaxrm.losses import combination_weights
-from jaxrm.hf.loader import load_model, placed_abstract_model
-from jaxrm.hf.safetensors_io import HFCheckpoint
-from jaxrm.models.config import ModelConfig, from_hf_config
+from jaxrm.config import combination_weights
+from jaxrm.errors import DataError
+from jaxrm.loading import ScoringInfo
+from jaxrm.models.config import ModelConfig
 from jaxrm.models.decoder import Decoder
-from jaxrm.models import lora
 from jaxrm.models.heads import correct_probability
 
 log = logging.getLogger(__name__)
-
-EMBEDDED_PREFIX = "embedded:"
-DEFAULT_STEP_SEPARATOR = TokenizeOptions.step_separator
-
-
-def resolve_path(path: str) -> str:
-  """``embedded:SmolLM2-135M-Instruct`` -> the packaged GGUF; a hub name -> its downloaded snapshot."""
-  if path.startswith(EMBEDDED_PREFIX):
-    from jaxrm.hf.gguf import embedded_model_path
-    return embedded_model_path()
-  if not os.path.exists(path) and path.count("/") == 1 and not path.startswith((".", "/")):
-    from huggingface_hub import snapshot_download
-    try:
-      return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja"])
-    except Exception as e:  # offline, unknown repo, gated...
-      raise CheckpointError(f"{path}: not a local path, and downloading it from the hub failed: {e}") from None
-  return path
-
-
-def open_checkpoint(path: str):
-  """A tensor source for an HF checkpoint directory or a ``.gguf`` file."""
-  path = resolve_path(path)
-  if path.endswith(".gguf"):
-    from jaxrm.hf.gguf import GGUFCheckpoint
-    return GGUFCheckpoint(path)
-  if os.path.isdir(path):
-    return HFCheckpoint(path)
-  if not os.path.exists(path):
-    raise CheckpointError(
-        f"{path}: no such file or directory (jaxrm loads HF checkpoint directories, .gguf files, "
-        "training output directories and their checkpoints)")
-  raise CheckpointError(f"{path}: not a checkpoint directory or a .gguf file")
-
-
-def _load_tokenizer(source, path: str):
-  if hasattr(source, "tokenizer"):
-    return source.tokenizer()
-  return _tokenizer_from_dir(path)
-
-
-def _tokenizer_from_dir(path: str):
-  from transformers import AutoTokenizer
-  if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-    log.warning("%s has no tokenizer files; rm.tokenizer is None", path)
-    return None
-  return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-
-
-def _head_overrides(head: str | None, num_labels: int | None) -> dict[str, Any]:
-  """Config changes that give an HF checkpoint a (new) ``head`` with ``num_labels`` labels."""
-  if head is not None:
-    return dict(head=head, head_bias=head == "token", num_labels=num_labels or (2 if head == "token" else 1))
-  return {} if num_labels is None else dict(num_labels=num_labels)
-
-
-def _restore_lora_run(run: checkpointing.RunCheckpoint, step: int | None, cfg: ModelConfig,
-                      mesh: Mesh | None) -> tuple[Decoder, dict]:
-  """A LoRA run's model: the base from the HF checkpoint or GGUF file it trained over, the
-  adapters and head from its checkpoint; and the checkpoint's ``meta``."""
-  base = run.base_model()
-  try:
-    source = open_checkpoint(base)
-  except CheckpointError as e:
-    raise CheckpointError(f"{run.run_dir} holds LoRA adapters over {base}, which cannot be read: {e}") from None
-  saved = from_hf_config(source.config)
-  model = load_model(cfg, source, mesh=mesh, new_head=(saved.head, saved.num_labels) != (cfg.head, cfg.num_labels))
-  graphdef, state = nnx.split(model)
-  trained, frozen = nnx.split_state(state, lora.trainable_filter(cfg.lora), ...)
-  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                        nnx.to_pure_dict(trained))
-  params, meta = checkpointing.restore_for_scoring(run, step, target)
-  nnx.replace_by_pure_dict(trained, params)
-  return nnx.merge(graphdef, trained, frozen), meta
-
-
-def _run_attributes(settings: dict) -> tuple[str, ...] | None:
-  """A training run's attribute names, when it trained a regression model."""
-  reward = settings.get("reward") or {}
-  if reward.get("type") != "regression":
-    return None
-  return tuple(a.strip() for a in reward.get("attributes", "").split(",") if a.strip())
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -126,9 +43,10 @@ def _forward(graphdef, state, input_ids, attention_mask):
 
 
 class RewardModel:
-  """A reward model (``model``: flax.nnx.Module), its ``config`` and ``tokenizer``.
+  """A reward model (``model``: flax.nnx.Module), its ``config``, ``tokenizer`` and ``info``
+  (:class:`jaxrm.loading.ScoringInfo`: what training recorded for scoring).
 
-  Attributes:
+  Attributes (from ``info``):
     reward_stats: {"mean", "std", "from"} of the rewards on the validation set when the model was
       saved by training (used by ``score(normalize=True)``), else None.
     step_separator: the text that ends every step in ``score_steps`` (as in training).
@@ -137,26 +55,49 @@ class RewardModel:
       export of one), else None; the reward server's default limit per item.
   """
 
-  def __init__(self, model: Decoder, tokenizer=None, *, reward_stats: dict | None = None,
-               step_separator: str = DEFAULT_STEP_SEPARATOR, attributes: Sequence[str] | None = None,
-               training_max_length: int | None = None):
+  def __init__(self, model: Decoder, tokenizer=None, info: ScoringInfo = ScoringInfo()):
+    if not isinstance(info, ScoringInfo):
+      raise TypeError(f"info must be a jaxrm.loading.ScoringInfo, got {type(info).__name__}")
+    if info.attributes is not None and len(info.attributes) != model.config.num_labels:
+      raise ValueError(f"{len(info.attributes)} attribute names for a head of {model.config.num_labels} outputs")
     self.model = model
-    self.training_max_length = training_max_length
     self.tokenizer = tokenizer
-    self.reward_stats = reward_stats or None
-    self.step_separator = step_separator
-    if attributes is not None and len(attributes) != model.config.num_labels:
-      raise ValueError(f"{len(attributes)} attribute names for a head of {model.config.num_labels} outputs")
-    self.attributes = tuple(attributes) if attributes is not None else None
+    self.info = info
 
   @property
   def config(self) -> ModelConfig:
     return self.model.config
 
+  @property
+  def reward_stats(self) -> dict | None:
+    return self.info.reward_stats
+
+  @property
+  def step_separator(self) -> str:
+    return self.info.step_separator
+
+  @property
+  def attributes(self) -> tuple[str, ...] | None:
+    return self.info.attributes
+
+  @property
+  def training_max_length(self) -> int | None:
+    return self.info.training_max_length
+
+  @property
+  def kind(self) -> str:
+    """``preference``, ``regression``, ``process`` or ``other`` (see :mod:`jaxrm.kinds`)."""
+    return kinds.model_kind(self.config, self.attributes)
+
+  def check_kind(self, *wanted: str, use: str, **kwargs) -> str:
+    """This model's kind if it is one of ``wanted``, else a :class:`jaxrm.kinds.ModelKindError`
+    saying what ``use`` needs (:func:`jaxrm.kinds.check_kind`)."""
+    return kinds.check_kind(self, *wanted, use=use, **kwargs)
+
   @classmethod
   def from_pretrained(
       cls,
-      path: str | os.PathLike,
+      path: str | os.PathLike | loading.Source,
       *,
       dtype: str = "float32",
       param_dtype: str | None = None,
@@ -169,13 +110,14 @@ class RewardModel:
       load_weights: bool = True,
       **config_overrides,
   ) -> "RewardModel":
-    """Loads a checkpoint.
+    """Loads a checkpoint (through :func:`jaxrm.loading.locate` and :func:`jaxrm.loading.load`).
 
     Args:
       path: an HF checkpoint directory (config.json + safetensors), a .gguf file, a training
         output directory (its best checkpoint, or ``step``), or one training checkpoint
-        (``<output_dir>/checkpoints/<step>``). A LoRA run's base is read from where it trained
-        (``model_config.json`` names it), its adapters and head from the checkpoint.
+        (``<output_dir>/checkpoints/<step>``), or a source :func:`jaxrm.loading.locate` gave. A LoRA
+        run's base is read from where it trained (``model_config.json`` names it), its adapters and
+        head from the checkpoint.
       dtype: compute dtype ("float32" | "bfloat16"); parameters default to the same.
       head: "sequence" (one reward per row) or "token" (per-token logits, for process reward
         models); default: whatever the checkpoint was saved as (a sequence head for base models).
@@ -187,64 +129,17 @@ class RewardModel:
       load_weights: False reads no tensors: ``model`` is then abstract, its parameters
         ``jax.ShapeDtypeStruct``s with the shardings they would have on ``mesh`` (e.g. a restore
         target for a training checkpoint), and a training run's checkpoints are not opened
-        (``step`` is not checked, ``reward_stats`` is None). Config and tokenizer load as usual.
+        (``reward_stats`` is None). Config and tokenizer load as usual.
     """
-    path = resolve_path(os.fspath(path))
     overrides = dict(dtype=dtype, param_dtype=param_dtype or dtype, **config_overrides)
-    run = checkpointing.find_run(path)
-    if run is not None:
-      return cls._from_run(run, step, overrides, head, num_labels, mesh, tokenizer, load_weights)
-    source = open_checkpoint(path)
-    if step is not None:
-      raise CheckpointError(f"step={step} selects a checkpoint of a training output directory, but "
-                            f"{path} is not one (no {checkpointing.RUN_MODEL_CONFIG})")
-    cfg = from_hf_config(source.config, **(overrides | _head_overrides(head, num_labels)))
-    if load_weights:
-      saved = from_hf_config(source.config)
-      new_head = (saved.head, saved.num_labels) != (cfg.head, cfg.num_labels)
-      model = load_model(cfg, source, mesh=mesh, seed=seed, new_head=new_head)
-    else:
-      model = placed_abstract_model(cfg, mesh)
-    tok = tokenizer if tokenizer is not None else _load_tokenizer(source, path)
-    if tok is not None and cfg.pad_token_id is None and tok.pad_token_id is not None:
-      model.config = cfg.replace(pad_token_id=tok.pad_token_id)
-    scoring = source.config.get(hf_export.SCORING_KEY) or {}
-    return cls(model, tok, reward_stats=scoring.get("reward_stats"),
-               step_separator=scoring.get("step_separator", DEFAULT_STEP_SEPARATOR),
-               attributes=hf_export.regression_attributes(source.config, model.config),
-               training_max_length=scoring.get("training_max_length"))
-
-  @classmethod
-  def _from_run(cls, run: checkpointing.RunCheckpoint, step, overrides, head, num_labels, mesh, tokenizer,
-                load_weights: bool) -> "RewardModel":
-    cfg = run.model_config()
-    for name, wanted in (("head", head), ("num_labels", num_labels), ("lora", overrides.get("lora"))):
-      if wanted is not None and wanted != getattr(cfg, name):
-        raise CheckpointError(f"{run.run_dir} was trained with {name}={getattr(cfg, name)!r}; "
-                              f"it cannot be loaded with {name}={wanted!r}")
-    cfg = cfg.replace(**overrides)
-    meta = {}
-    if not load_weights:
-      model = placed_abstract_model(cfg, mesh)
-    elif cfg.lora.enabled:
-      model, meta = _restore_lora_run(run, step, cfg, mesh)
-    else:
-      graphdef, state = nnx.split(placed_abstract_model(cfg, mesh))
-      params, meta = checkpointing.restore_for_scoring(run, step, nnx.to_pure_dict(state))
-      nnx.replace_by_pure_dict(state, params)
-      model = nnx.merge(graphdef, state)
-    if tokenizer is None:
-      tokenizer = _tokenizer_from_dir(run.tokenizer_dir)
-    separator = run.settings.get("data", {}).get("step_separator", DEFAULT_STEP_SEPARATOR)
-    return cls(model, tokenizer, reward_stats=meta.get("reward_stats"), step_separator=separator,
-               attributes=_run_attributes(run.settings),
-               training_max_length=run.settings.get("data", {}).get("max_length"))
+    loaded = loading.load(loading.as_source(path, step), overrides, head=head, num_labels=num_labels, mesh=mesh,
+                          seed=seed, tokenizer=tokenizer, weights=load_weights)
+    return cls(loaded.model, loaded.tokenizer, loaded.info)
 
   def save_pretrained(self, out_dir: str | os.PathLike, *, dtype: str | None = None) -> None:
-    """Writes an HF checkpoint directory (see :func:`jaxrm.hf.export.save_pretrained`)."""
-    hf_export.save_pretrained(out_dir, self.model, self.tokenizer, reward_stats=self.reward_stats,
-                              step_separator=self.step_separator, dtype=dtype, attributes=self.attributes,
-                              training_max_length=self.training_max_length)
+    """Writes an HF checkpoint directory that records this model's :class:`ScoringInfo`
+    (see :func:`jaxrm.hf.export.save_pretrained`)."""
+    loading.save_export(out_dir, self.model, self.tokenizer, self.info, dtype=dtype)
 
   # ---------------------------------------------------------------- scoring
 
@@ -317,17 +212,26 @@ class RewardModel:
         multiple of ``bucket`` tokens, so few programs compile and little padding is computed.
       max_length: longest row in tokens (default: the model's context); see :meth:`encode`.
     """
-    if self.config.head != "sequence":
-      raise ValueError("score() needs a sequence-head model; this one has a token head: use score_steps()")
+    if self.config.head != "sequence":  # any sequence head scores; a token head scores steps
+      self.check_kind(kinds.PREFERENCE, kinds.REGRESSION, use="score()")
     weights = None if combine is None else self.combination(combine)
     encoded = self._encode_items(items, prompts, completions, max_length)
     rewards = self.score_ids(encoded, batch_size=batch_size, bucket=bucket, max_length=max_length)
-    if weights is not None:
-      rewards = (rewards.reshape(len(encoded), -1).astype(np.float64) @ weights).astype(np.float32)
+    return self.reduce(rewards, combine=weights, normalize=normalize)
+
+  def reduce(self, rewards: np.ndarray, *, combine: str | dict[str, float] | Sequence[float] | None = None,
+             normalize: bool = False) -> np.ndarray:
+    """Outputs [N] or [N, C] as :meth:`score` returns them: combined into [N] by ``combine`` (see
+    :meth:`score`; weights from :meth:`combination` too), then normalized if asked."""
+    if combine is not None:
+      weights = self.combination(combine)
+      rewards = (np.asarray(rewards, np.float64).reshape(len(rewards), -1) @ weights).astype(np.float32)
     return self.normalized(rewards) if normalize else rewards
 
   def combination(self, combine: str | dict[str, float] | Sequence[float]) -> np.ndarray:
     """float64 [num_labels]: the weight of each output in ``combine`` (see :meth:`score`)."""
+    if isinstance(combine, np.ndarray) and combine.shape == (self.config.num_labels,):
+      return combine.astype(np.float64)  # already weights
     names = self.attributes or tuple(f"LABEL_{i}" for i in range(self.config.num_labels))
     try:
       return np.asarray(combination_weights(combine, names), np.float64)
@@ -376,15 +280,8 @@ class RewardModel:
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     for start in range(0, len(order), batch_size):
       rows = order[start:start + batch_size]
-      longest = max(len(encoded[i]) for i in rows)
-      t = next((b for b in buckets if b >= longest), longest)
-      b = min(batch_size, 1 << (len(rows) - 1).bit_length())
-      ids = np.full((b, t), pad, np.int32)
-      mask = np.zeros((b, t), np.int32)
-      for j, i in enumerate(rows):
-        ids[j, :len(encoded[i])] = encoded[i]
-        mask[j, :len(encoded[i])] = 1
-      mask[len(rows):, 0] = 1
+      ids, mask = right_padded([encoded[i] for i in rows], pad_id=pad, num_rows=scoring_rows(len(rows), batch_size),
+                               length=bucket_length(max(len(encoded[i]) for i in rows), buckets))
       yield rows, self.score_tokens(ids, mask)[:len(rows)]
 
   def normalized(self, rewards: np.ndarray) -> np.ndarray:
@@ -423,20 +320,26 @@ class RewardModel:
                         batch_size: int = 8, bucket: int = 64,
                         max_length: int | None = None) -> list[list[float]]:
     """:meth:`score_steps` for many solutions, batched by length like :meth:`score`."""
-    if self.config.head != "token" or self.config.num_labels < 2:
-      raise ValueError("score_steps needs a token-head model with at least 2 labels (a process reward "
-                       f"model); this one has a {self.config.head} head with {self.config.num_labels} label(s)")
+    self.check_kind(kinds.PROCESS, use="score_steps")
     if len(prompts) != len(steps_lists):
       raise ValueError(f"{len(prompts)} prompts but {len(steps_lists)} step lists")
     out: list[list[float]] = [[] for _ in prompts]
     todo = [i for i, s in enumerate(steps_lists) if len(s)]
     encoded = [self.encode_steps(prompts[i], steps_lists[i], max_length=max_length, where=f"prompts[{i}]")
                for i in todo]
+    for i, p in zip(todo, self.step_probabilities(encoded, batch_size=batch_size, bucket=bucket,
+                                                  max_length=max_length)):
+      out[i] = p
+    return out
+
+  def step_probabilities(self, encoded: Sequence[tuple[Sequence[int], Sequence[int]]], *, batch_size: int = 8,
+                         bucket: int = 64, max_length: int | None = None) -> list[list[float]]:
+    """P(step correct) of solutions already encoded (:meth:`encode_steps`: token ids and the
+    positions of each step's label), batched by length as :meth:`score` batches them."""
     logits = self.outputs_of_ids([ids for ids, _ in encoded], batch_size=batch_size, bucket=bucket,
                                  max_length=max_length)
-    for j, logits_tc in enumerate(logits):
-      out[todo[j]] = correct_probability(logits_tc[encoded[j][1]]).tolist()  # [steps, C] -> [steps]
-    return out
+    return [correct_probability(logits_tc[positions]).tolist()  # [steps, C] -> [steps]
+            for logits_tc, (_, positions) in zip(logits, encoded)]
 
   # ---------------------------------------------------------------- reward functions
 

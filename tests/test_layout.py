@@ -117,3 +117,84 @@ def test_no_test_module_imports_another():
                  else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
       offenders += [f"{name} imports {m}" for m in modules if m.split(".")[0].startswith("test_")]
   assert not offenders, offenders
+
+
+# ------------------------------------------------------------------ layers
+
+# Each module (or package, by prefix) and the package modules it may import: layers point one way,
+# so a low layer never drags the library in with it.
+LAYERS = {
+    "jaxrm.errors": set(),
+    "jaxrm.sharding": set(),
+    "jaxrm.metrics": set(),
+    "jaxrm.kinds": {"jaxrm.errors"},
+    "jaxrm.models": {"jaxrm.errors", "jaxrm.sharding", "jaxrm.models"},
+    "jaxrm.hf": {"jaxrm.errors", "jaxrm.sharding", "jaxrm.models", "jaxrm.hf"},
+    "jaxrm.checkpointing": {"jaxrm.errors", "jaxrm.metrics"},
+    "jaxrm.batches": set(),
+    "jaxrm.losses": {"jaxrm.batches", "jaxrm.metrics"},
+}
+
+
+def _layer(module: str) -> str | None:
+  return max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len, default=None)
+
+
+def _allowed(module: str, imported: str) -> bool:
+  return any(imported == p or imported.startswith(p + ".") for p in LAYERS[_layer(module)])
+
+
+def _graph() -> dict[str, set[str]]:
+  modules = _modules()
+  return {m: _imports(m, path, set(modules)) for m, path in modules.items()}
+
+
+def test_layers_import_nothing_above_them():
+  graph = _graph()
+  assert "jaxrm.models.config" in graph["jaxrm.hf.loader"]  # the graph sees the imports
+  wrong = sorted(f"{m} imports {i}" for m in graph if _layer(m) for i in graph[m] if not _allowed(m, i))
+  assert not wrong, "imports from a higher layer:\n" + "\n".join(wrong)
+
+
+def test_the_hf_writer_imports_only_model_and_tensor_code():
+  graph = _graph()
+  closure, todo = set(), ["jaxrm.hf.export"]
+  while todo:
+    for m in graph[todo.pop()] - closure:
+      closure.add(m)
+      todo.append(m)
+  assert {m.split(".")[1] for m in closure} <= {"errors", "sharding", "models", "hf"}, sorted(closure)
+
+
+# What interprets a model path: only jaxrm.loading says what a path names.
+PATH_CALLS = {"snapshot_download", "is_run_dir", "embedded_model_path", "HFCheckpoint", "GGUFCheckpoint"}
+PATH_STRINGS = ("model_config.json", "embedded:", ".gguf")
+PATH_OWNERS = {"jaxrm.loading", "jaxrm.hf.gguf", "jaxrm.hf.safetensors_io"}
+
+
+def _path_interpretations(path: str) -> list[str]:
+  with open(path) as f:
+    tree = ast.parse(f.read(), path)
+  docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+                and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+  found = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Call):
+      f = node.func
+      name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+      if name in PATH_CALLS:
+        found.append(f"line {node.lineno}: calls {name}")
+      if name in ("startswith", "endswith") and any(
+          isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value in PATH_STRINGS for a in node.args):
+        found.append(f"line {node.lineno}: {name}({node.args[0].value!r})")
+    elif (isinstance(node, ast.Constant) and node.value == "model_config.json" and id(node) not in docstrings):
+      found.append(f"line {node.lineno}: 'model_config.json'")
+  return found
+
+
+def test_only_the_loading_module_interprets_model_paths():
+  found = {m: _path_interpretations(p) for m, p in _modules().items() if m not in PATH_OWNERS}
+  found = {m: f for m, f in found.items() if f}
+  assert "jaxrm.loading" in _modules() and _path_interpretations(_modules()["jaxrm.loading"])  # it sees them
+  assert not found, found

@@ -12,12 +12,12 @@ from flax import nnx
 
 import tiny_run
 from helpers import flat_params
-from jaxrm import checkpointing
+from jaxrm import checkpointing, loading
 from jaxrm.data import registry
 from jaxrm.data.drops import DropReport
 from jaxrm.data.tokenize import TokenizeOptions
 from jaxrm.errors import ConfigError
-from jaxrm.evaluate import evaluate
+from jaxrm.evaluation import evaluate
 from jaxrm.models import lora
 from jaxrm.reward_model import RewardModel
 
@@ -78,7 +78,7 @@ def _paths(tree, prefix=()):
 
 def test_restored_base_is_the_hf_checkpoint_and_scores_like_the_live_model(lora_run, tiny_rm, model_dir):
   rm = RewardModel.from_pretrained(lora_run, step=4)
-  assert checkpointing.find_run(lora_run).base_model() == os.path.abspath(model_dir)
+  assert loading.RunFiles.read(lora_run).base_model == os.path.abspath(model_dir)
   assert rm.config.lora == lora.LoraConfig(rank=4, dropout=0.1, targets=("q_proj", "v_proj"))
   state = nnx.state(rm.model)
   trained, base = nnx.split_state(state, lora.trainable_filter(rm.config.lora), ...)

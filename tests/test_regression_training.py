@@ -108,8 +108,9 @@ def test_reward_func_and_server_take_a_combination(run):
   want = rm.score(prompts=prompts, completions=responses, combine=weights)
   f = rm.as_reward_func(combine=weights)
   assert f(prompts=prompts, completions=responses, completion_ids=[[1], [2]]) == want.tolist()
-  with pytest.raises(ValueError, match=r"this model scores 2 outputs \(quality, polish\); a reward function "
-                                       r"needs one reward: pass combine="):
+  with pytest.raises(ValueError, match=r"this model has a sequence head with 2 outputs \(quality, polish\): it "
+                                       r"scores one output per attribute, and a reward function takes one reward "
+                                       r"per row: pass combine="):
     rm.as_reward_func()
   # The server's one scoring call combines as rm.score does.
   rows = [rm.encode(p, c) for p, c in zip(prompts, responses)]
@@ -117,8 +118,9 @@ def test_reward_func_and_server_take_a_combination(run):
   ids = np.array([r + [0] * (width - len(r)) for r in rows], np.int32)
   mask = np.array([[1] * len(r) + [0] * (width - len(r)) for r in rows], np.int32)
   np.testing.assert_allclose(score_fn(rm, False, "quality=0.5,polish=2")(ids, mask), want, rtol=1e-6)
-  with pytest.raises(ConfigError, match=r"this model scores 2 outputs \(quality, polish\); the server returns "
-                                        r"one reward per item: pass --combine"):
+  with pytest.raises(ConfigError, match=r"this model has a sequence head with 2 outputs \(quality, polish\): it "
+                                        r"scores one output per attribute, and the server takes one reward per "
+                                        r"row: pass --combine"):
     check_model(rm, ServerConfig())
   with pytest.raises(ConfigError, match=r"--combine='length': score\(combine=...\): combine names 'length', not among"):
     check_model(rm, ServerConfig(combine="length"))

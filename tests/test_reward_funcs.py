@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from jaxrm import RewardModel, reward_funcs
+from jaxrm.loading import ScoringInfo
 
 STATS = {"mean": 0.25, "std": 2.0, "from": "validation-default"}
 # Normalizing is one float32 subtraction and division, against numpy's: a rounding or two apart.
@@ -17,7 +18,7 @@ NORMALIZED_RTOL = 1e-6
 @pytest.fixture(scope="module")
 def validated_rm(tiny_rm):
   """The tiny model with the reward mean/std (STATS) that a validation would have recorded."""
-  return RewardModel(tiny_rm.model, tiny_rm.tokenizer, reward_stats=STATS)
+  return RewardModel(tiny_rm.model, tiny_rm.tokenizer, ScoringInfo(reward_stats=STATS))
 
 
 def trl_call(reward_func, prompts, completions, **columns):
@@ -105,7 +106,7 @@ def test_errors(validated_rm, tmp_path):
   with pytest.raises(ValueError, match="pair_rm: 2 batch_items for 3 joint responses"):
     f(["a", "b", "c"], ["d", "e", "f"], batch_items=[{"prompt": "p"}] * 2)
   prm = types.SimpleNamespace(config=validated_rm.config.replace(head="token", num_labels=2))
-  with pytest.raises(ValueError, match="a reward function needs a sequence head; this model has a token head"):
+  with pytest.raises(ValueError, match=r"a reward function needs a sequence-head reward model .*; this model has a token head"):
     reward_funcs.as_reward_func(prm)
 
 

@@ -15,7 +15,8 @@ from flax import nnx
 import hf_tiny
 import tiny_run
 from helpers import NL, PARITY_ATOL, assert_same_params, params, right_padded
-from jaxrm import RewardModel, checkpointing
+from jaxrm import RewardModel, checkpointing, loading
+from jaxrm.loading import ScoringInfo
 from jaxrm.server import make_server
 from jaxrm.errors import CheckpointError
 from jaxrm.data import registry
@@ -304,7 +305,7 @@ def test_score_steps_batch_and_chat_prompts(prm):
 
 
 def test_step_separator_is_the_models(prm):
-  prm2 = RewardModel(prm.model, prm.tokenizer, step_separator="\n\n")
+  prm2 = RewardModel(prm.model, prm.tokenizer, ScoringInfo(step_separator="\n\n"))
   ids, positions = prm2.encode_steps("Q", ["a", "b"])
   sep = prm.tokenizer("\n\n", add_special_tokens=False)["input_ids"]
   assert len(sep) == 1 and sep != [NL]
@@ -312,9 +313,12 @@ def test_step_separator_is_the_models(prm):
 
 
 def test_head_mismatch_errors(rm, prm):
-  with pytest.raises(ValueError, match="score_steps needs a token-head model with at least 2 labels"):
+  with pytest.raises(ValueError, match=re.escape("score_steps needs a token-head (process reward) model with 2 "
+                                                 "labels (step in error, step correct); this model has a "
+                                                 "sequence head with 1 output")):
     rm.score_steps("Q", ["a"])
-  with pytest.raises(ValueError, match=re.escape("score() needs a sequence-head model; this one has a token head")):
+  with pytest.raises(ValueError, match=re.escape("score() needs a sequence-head reward model") + ".*" + re.escape(
+      "this model has a token head with 2 labels; a process reward model scores steps: rm.score_steps")):
     prm.score(["a"])
   with pytest.raises(DataError, match=re.escape("prompts[0]: the prompt and its 2 steps are longer than max_length=5")):
     prm.score_steps("A long question about many things", ["a", "b"], max_length=5)
@@ -337,7 +341,7 @@ def test_run_export_scores_like_jaxrm_in_transformers(rm, run_dir, tmp_path):
   assert_same_params(rm, back)
   assert back.reward_stats == rm.reward_stats and back.step_separator == rm.step_separator
   # The run's data.max_length travels with the export: the server's default limit per item.
-  trained = checkpointing.find_run(str(run_dir)).settings["data"]["max_length"]
+  trained = loading.RunFiles.read(str(run_dir)).run_config.data.max_length
   assert rm.training_max_length == back.training_max_length == trained
   assert json.loads((tmp_path / "config.json").read_text())["jaxrm"]["training_max_length"] == trained
   for model in (rm, back):  # the server's default limit per item

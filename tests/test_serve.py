@@ -20,6 +20,7 @@ import pytest
 import tiny_run
 from helpers import REBATCHED, assistant, user
 from jaxrm.errors import ConfigError
+from jaxrm.loading import ScoringInfo
 from jaxrm.server import ServerConfig, make_server
 
 # Two buckets, so batches are length-bucketed; short timeouts, so stalled clients are dropped fast.
@@ -149,7 +150,7 @@ def test_normalized_rewards(tiny_rm):
   with pytest.raises(ConfigError, match="normalizing needs the reward mean/std recorded at validation"):
     make_server(tiny_rm, "127.0.0.1", 0, config=ServerConfig(normalize=True))
   stats = {"mean": 0.5, "std": 2.0, "from": "validation-default"}
-  validated = RewardModel(tiny_rm.model, tiny_rm.tokenizer, reward_stats=stats)
+  validated = RewardModel(tiny_rm.model, tiny_rm.tokenizer, ScoringInfo(reward_stats=stats))
   with serving(validated, dataclasses.replace(CONFIG, normalize=True)) as s:
     got = rewards_of(s.url, TEXTS)
   raw = tiny_rm.score(TEXTS)
@@ -166,7 +167,8 @@ def test_empty_batches_health_and_metrics(url):
 
 def test_process_reward_models_are_refused():
   prm = types.SimpleNamespace(config=types.SimpleNamespace(head="token", num_labels=2), tokenizer=object())
-  with pytest.raises(ConfigError, match=r"this model has a token head \(a process reward model scores steps"):
+  with pytest.raises(ConfigError, match=r"the server needs a sequence-head reward model .*; this model has a token head with 2 labels; "
+                                        r"a process reward model scores steps"):
     make_server(prm, "127.0.0.1", 0)
 
 

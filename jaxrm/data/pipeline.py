@@ -42,6 +42,30 @@ def length_buckets(max_length: int, multiple: int = 64) -> tuple[int, ...]:
   return tuple(range(multiple, max_length, multiple)) + (max_length,)
 
 
+def bucket_length(length: int, buckets: Sequence[int]) -> int:
+  """The first of ``buckets`` that holds ``length`` tokens (``length`` itself past the last)."""
+  return next((b for b in buckets if b >= length), length)
+
+
+def scoring_rows(n: int, batch_size: int) -> int:
+  """Rows of a scoring batch holding ``n`` rows: ``batch_size``, or the next power of two when
+  fewer remain (few compiled shapes)."""
+  return min(batch_size, 1 << (n - 1).bit_length())
+
+
+def right_padded(rows: Sequence[Sequence[int]], *, length: int, num_rows: int,
+                 pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+  """``rows`` as input_ids and attention_mask, int32 [num_rows, length], right-padded; filler rows
+  past ``len(rows)`` attend to one token (their outputs are to be dropped)."""
+  ids = np.full((num_rows, length), pad_id, np.int32)
+  mask = np.zeros((num_rows, length), np.int32)
+  for j, r in enumerate(rows):
+    ids[j, :len(r)] = r
+    mask[j, :len(r)] = 1
+  mask[len(rows):, 0] = 1
+  return ids, mask
+
+
 def max_completions(examples: Sequence[Example]) -> int:
   """K for preference batches: the most completions in any example (2 for pairs; 0 if none)."""
   return max((len(e.input_ids) for e in examples), default=0)

@@ -2,9 +2,8 @@
 
 * ``config.json``: the ``*ForSequenceClassification`` / ``*ForTokenClassification`` architecture,
   ``num_labels``, ``pad_token_id`` (a regression model: ``problem_type="regression"`` and its
-  attribute names as ``id2label``), and under :data:`SCORING_KEY` what scoring needs besides
-  (validation reward statistics, the step separator, the training run's ``data.max_length``), which
-  transformers ignores and jaxrm reads back;
+  attribute names as ``id2label``), and any ``extra_config`` entries the caller records (transformers
+  ignores unknown keys; :mod:`jaxrm.loading` records what scoring needs there);
 * ``model.safetensors``: every tensor named by the family's weight map;
 * the tokenizer files, chat template included.
 
@@ -24,8 +23,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from jaxrm.checkpointing import is_run_dir
-from jaxrm.errors import CheckpointError, ConfigError
+from jaxrm.errors import ConfigError
 from jaxrm.hf.safetensors_io import save_safetensors
 from jaxrm.hf.weight_map import PEFT_HEAD, peft_names, to_hf_names
 from jaxrm.models import lora
@@ -35,8 +33,6 @@ from jaxrm.models.decoder import Decoder
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
-# Key of config.json holding what scoring needs beyond the architecture.
-SCORING_KEY = "jaxrm"
 
 
 def _host_params(model: Decoder, *, merge: bool) -> dict[str, np.ndarray]:
@@ -116,18 +112,15 @@ def regression_attributes(hf: dict, cfg: ModelConfig) -> tuple[str, ...] | None:
 
 
 def hf_config(cfg: ModelConfig, dtype: str = "float32", *, tokenizer: Any = None,
-              reward_stats: dict | None = None, step_separator: str,
-              attributes: tuple[str, ...] | None = None, training_max_length: int | None = None) -> dict:
-  """config.json of the export: the classification architecture plus jaxrm's scoring metadata.
+              attributes: tuple[str, ...] | None = None, extra_config: dict[str, Any] | None = None) -> dict:
+  """config.json of the export: the classification architecture, and ``extra_config``'s entries.
 
   Args:
     cfg: the model's config; its ``pad_token_id``, else the tokenizer's, becomes the export's.
     dtype: the tensors' dtype (``torch_dtype``).
     tokenizer: the model's tokenizer, or None.
-    reward_stats: {"mean", "std", "from"} recorded at validation, or None.
-    step_separator: the text ending every step in step scoring.
     attributes: a regression model's attribute names, one per output, or None.
-    training_max_length: the training run's ``data.max_length``, or None (not trained here).
+    extra_config: more top-level entries of config.json, or None.
   """
   pad = cfg.pad_token_id
   if pad is None and tokenizer is not None:
@@ -136,9 +129,7 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32", *, tokenizer: Any = None
     log.warning("no pad token id: transformers' %s scores such a model one row at a time",
                 to_hf_config(cfg)["architectures"][0])
   hf = to_hf_config(cfg.replace(param_dtype=dtype, pad_token_id=pad, lora=lora.LoraConfig()))
-  hf[SCORING_KEY] = {"reward_stats": reward_stats, "step_separator": step_separator}
-  if training_max_length is not None:
-    hf[SCORING_KEY]["training_max_length"] = int(training_max_length)
+  hf.update(extra_config or {})
   if attributes is not None:
     if len(attributes) != cfg.num_labels:
       raise ValueError(f"{len(attributes)} attribute names for a head of {cfg.num_labels} outputs")
@@ -153,15 +144,9 @@ def _check_dtype(dtype: str) -> str:
   return dtype
 
 
-def _check_out_dir(out_dir: str) -> None:
-  if is_run_dir(out_dir):
-    raise CheckpointError(f"{out_dir} is a training output directory; export into another directory")
-
-
 def save_pretrained(out_dir: str | os.PathLike, model: Decoder, tokenizer: Any = None, *,
-                    reward_stats: dict | None = None, step_separator: str, dtype: str | None = None,
-                    attributes: tuple[str, ...] | None = None,
-                    training_max_length: int | None = None) -> None:
+                    dtype: str | None = None, attributes: tuple[str, ...] | None = None,
+                    extra_config: dict[str, Any] | None = None) -> None:
   """Writes ``model`` (and ``tokenizer``) to ``out_dir`` as an HF checkpoint directory; LoRA
   adapters are merged into the weights, and the config written is that of a model without them.
 
@@ -169,18 +154,14 @@ def save_pretrained(out_dir: str | os.PathLike, model: Decoder, tokenizer: Any =
     out_dir: created if missing; existing export files in it are replaced.
     model: its parameters must be addressable from this process.
     tokenizer: saved beside the weights; None writes no tokenizer files.
-    reward_stats, step_separator, attributes, training_max_length: scoring metadata, see
-      :func:`hf_config`.
+    attributes, extra_config: see :func:`hf_config`.
     dtype: tensor dtype, "float32" or "bfloat16" (default: the model's parameter dtype).
   """
   out_dir = os.fspath(out_dir)
   dtype = _check_dtype(dtype or model.config.param_dtype)
-  _check_out_dir(out_dir)
   os.makedirs(out_dir, exist_ok=True)
   save_safetensors(os.path.join(out_dir, "model.safetensors"), hf_tensors(model, dtype))
-  config = hf_config(model.config, dtype, tokenizer=tokenizer, reward_stats=reward_stats,
-                     step_separator=step_separator, attributes=attributes,
-                     training_max_length=training_max_length)
+  config = hf_config(model.config, dtype, tokenizer=tokenizer, attributes=attributes, extra_config=extra_config)
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(config, f, indent=2)
   if tokenizer is not None:
@@ -207,7 +188,6 @@ def save_peft_adapters(out_dir: str | os.PathLike, model: Decoder, tokenizer: An
   """
   out_dir = os.fspath(out_dir)
   dtype = _check_dtype(dtype or model.config.param_dtype)
-  _check_out_dir(out_dir)
   tensors = peft_tensors(model, dtype)
   os.makedirs(out_dir, exist_ok=True)
   save_safetensors(os.path.join(out_dir, "adapter_model.safetensors"), tensors)

@@ -12,7 +12,6 @@ import time
 from typing import Callable
 
 import anyio
-import numpy as np
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -21,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from jaxrm import kinds
 from jaxrm.data.tokenize import pad_id
 from jaxrm.errors import ConfigError
 from jaxrm.server.batcher import Batcher, QueueFull, ScoreFn
@@ -40,23 +40,12 @@ def score_fn(rm, normalize: bool, combine: str | None = None) -> ScoreFn:
   """``(ids [B, T], mask [B, T]) -> rewards [B]``: the model's one scoring call; a regression
   model's outputs [B, A] are combined by ``combine`` (see ``RewardModel.score``)."""
   weights = None if combine is None else rm.combination(combine)
-
-  def score(ids, mask):
-    rewards = rm.score_tokens(ids, mask)
-    if weights is not None:
-      rewards = (np.asarray(rewards, np.float64).reshape(len(ids), -1) @ weights).astype(np.float32)
-    return rm.normalized(rewards) if normalize else rewards
-  return score
+  return lambda ids, mask: rm.reduce(rm.score_tokens(ids, mask), combine=weights, normalize=normalize)
 
 
 def check_model(rm, config: ServerConfig) -> None:
-  if rm.config.head != "sequence":
-    raise ConfigError(f"the server scores with one reward per sequence; this model has a {rm.config.head} "
-                      "head (a process reward model scores steps: use rm.score_steps)")
-  if rm.config.num_labels != 1 and config.combine is None:
-    raise ConfigError(f"this model scores {rm.config.num_labels} outputs ({', '.join(rm.attributes or ())}); "
-                      "the server returns one reward per item: pass --combine (an attribute's name, or "
-                      "'name=weight,...')")
+  kinds.check_kind(rm, kinds.PREFERENCE, kinds.REGRESSION, use="the server", one_reward=True,
+                   combine=config.combine, combine_hint="--combine", error=ConfigError)
   if config.combine is not None:
     try:
       rm.combination(config.combine)

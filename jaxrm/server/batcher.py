@@ -19,6 +19,7 @@ from typing import Callable
 
 import numpy as np
 
+from jaxrm.data.pipeline import bucket_length, right_padded, scoring_rows
 from jaxrm.server.config import ServerConfig
 from jaxrm.server.metrics import Metrics
 
@@ -185,26 +186,20 @@ class Batcher:
     for row in rows:
       t = self._bucket(len(row[0].rows[row[1]]))  # the batch's length: rows come shortest first
       if current and (len(current) == cfg.batch_size
-                      or _padded_rows(len(current) + 1, cfg.batch_size) * t > cfg.batch_tokens):
+                      or scoring_rows(len(current) + 1, cfg.batch_size) * t > cfg.batch_tokens):
         batches.append(current)
         current = []
       current.append(row)
     return batches + ([current] if current else [])
 
   def _bucket(self, length: int) -> int:
-    return next(b for b in self.config.buckets if b >= length)
+    return bucket_length(length, self.config.buckets)
 
   def _forward(self, rows: list[list[int]]) -> np.ndarray:
     """Rewards of rows (at most one batch), right-padded to a compiled shape."""
-    t = self._bucket(max(map(len, rows)))
-    b = _padded_rows(len(rows), self.config.batch_size)
-    ids = np.full((b, t), self.pad_id, np.int32)
-    mask = np.zeros((b, t), np.int32)
-    for j, r in enumerate(rows):
-      ids[j, :len(r)] = r
-      mask[j, :len(r)] = 1
-    mask[len(rows):, 0] = 1  # filler rows attend to one token; their outputs are dropped
-    self.metrics.tokens(real=sum(map(len, rows)), padded=b * t)
+    ids, mask = right_padded(rows, length=self._bucket(max(map(len, rows))), pad_id=self.pad_id,
+                             num_rows=scoring_rows(len(rows), self.config.batch_size))
+    self.metrics.tokens(real=sum(map(len, rows)), padded=ids.size)
     return np.asarray(self.score_fn(ids, mask))[:len(rows)]
 
   # ------------------------------------------------------------------ results
@@ -229,10 +224,6 @@ class Batcher:
 
   def _update_gauges(self) -> None:
     self.metrics.queue(items=self._queued_items, tokens=self._queued_tokens)
-
-
-def _padded_rows(n: int, batch_size: int) -> int:
-  return next(b for b in row_sizes(batch_size) if b >= n)
 
 
 def _set_result(future: asyncio.Future, value) -> None:

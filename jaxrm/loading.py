@@ -1,0 +1,493 @@
+"""Where a model comes from, and loading it: the one owner of "what is this path?".
+
+:func:`locate` tells what a path names — an HF checkpoint directory, a ``.gguf`` file, the embedded
+model (``embedded:SmolLM2-135M-Instruct``), a hub name (downloaded), or a jaxrm training run (its
+output directory or one of its checkpoints) — as a typed source. :func:`load` builds the model, its
+tokenizer and the :class:`ScoringInfo` saved with it; a LoRA run loads its base by
+``load(locate(base))`` and restores the adapters over it.
+
+A run's output directory holds ``config.json`` (its :class:`~jaxrm.config.RunConfig`),
+``model_config.json`` (the :class:`~jaxrm.models.config.ModelConfig`, its HF form, and a LoRA run's
+frozen base), ``tokenizer/`` and the Orbax checkpoint directory (``checkpoints/`` unless
+``checkpointing.checkpoint_dir``); it is read and written through :class:`RunFiles` alone. A LoRA
+run's checkpoints hold only its adapters and head: its base stays where it trained from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+from typing import Any, NamedTuple, Union
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxrm import checkpointing
+from jaxrm.config import RunConfig
+from jaxrm.data.tokenize import TokenizeOptions
+from jaxrm.errors import CheckpointError, UserError
+from jaxrm.hf import export as hf_export
+from jaxrm.hf.loader import load_model, placed_abstract_model
+from jaxrm.models import lora
+from jaxrm.models.config import ModelConfig, config_from_dict, from_hf_config, to_hf_config
+from jaxrm.models.decoder import Decoder
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_PREFIX = "embedded:"
+RUN_CONFIG = "config.json"
+RUN_MODEL_CONFIG = "model_config.json"
+RUN_TOKENIZER_DIR = "tokenizer"
+# Key of an export's config.json holding its ScoringInfo (transformers ignores it).
+SCORING_KEY = "jaxrm"
+_HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
+
+
+# ------------------------------------------------------------------ what scoring needs besides weights
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoringInfo:
+  """What scoring needs besides the weights, as training recorded it.
+
+  Attributes:
+    reward_stats: {"mean", "std", "from"} of the rewards on the first validation set when training
+      saved the model (``score(normalize=True)``), else None.
+    step_separator: the text that ends every step in step scoring (the run's data.step_separator).
+    attributes: a regression model's attribute names, one per output, else None.
+    training_max_length: the training run's data.max_length, else None (the reward server's
+      default limit per item).
+  """
+
+  reward_stats: dict[str, Any] | None = None
+  step_separator: str = TokenizeOptions.step_separator
+  attributes: tuple[str, ...] | None = None
+  training_max_length: int | None = None
+
+  @classmethod
+  def of_run(cls, config: RunConfig | None, meta: dict[str, Any]) -> "ScoringInfo":
+    """Of a training run: its config (None when config.json is missing) and a checkpoint's meta."""
+    stats = meta.get("reward_stats") or None
+    if config is None:
+      return cls(reward_stats=stats)
+    regression = config.reward.type == "regression"
+    return cls(reward_stats=stats, step_separator=config.data.step_separator,
+               attributes=config.reward.attribute_names if regression else None,
+               training_max_length=config.data.max_length)
+
+  @classmethod
+  def of_export(cls, hf_config: dict[str, Any], cfg: ModelConfig) -> "ScoringInfo":
+    """Of an HF config.json: what an export recorded under :data:`SCORING_KEY`, and the attribute
+    names of a regression head (``problem_type``, ``id2label``)."""
+    saved = hf_config.get(SCORING_KEY) or {}
+    return cls(reward_stats=saved.get("reward_stats") or None,
+               step_separator=saved.get("step_separator", TokenizeOptions.step_separator),
+               attributes=hf_export.regression_attributes(hf_config, cfg),
+               training_max_length=saved.get("training_max_length"))
+
+  def export_entry(self) -> dict[str, Any]:
+    """What an export's config.json holds under :data:`SCORING_KEY`."""
+    entry = {"reward_stats": self.reward_stats, "step_separator": self.step_separator}
+    if self.training_max_length is not None:
+      entry["training_max_length"] = int(self.training_max_length)
+    return entry
+
+
+# ------------------------------------------------------------------ a run's files
+
+
+def is_run_dir(path: str) -> bool:
+  """Whether ``path`` is a training output directory (it holds ``model_config.json``)."""
+  return os.path.isfile(os.path.join(path, RUN_MODEL_CONFIG))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFiles:
+  """A training run's output directory and what its files say.
+
+  Attributes:
+    run_dir: the output directory.
+    model_config: the model trained (``model_config.json``).
+    run_config: the training config (``config.json``); None when that file is missing.
+    base_model: a LoRA run's frozen base (an absolute local path, or a hub or embedded name),
+      whose weights its checkpoints leave out; None for other runs.
+  """
+
+  run_dir: str
+  model_config: ModelConfig
+  run_config: RunConfig | None = None
+  base_model: str | None = None
+
+  @property
+  def checkpoint_dir(self) -> str:
+    custom = self.run_config.checkpointing.checkpoint_dir if self.run_config is not None else ""
+    return custom or os.path.join(self.run_dir, "checkpoints")
+
+  @property
+  def tokenizer_dir(self) -> str:
+    return os.path.join(self.run_dir, RUN_TOKENIZER_DIR)
+
+  @classmethod
+  def find(cls, run_dir: str) -> "RunFiles | None":
+    """The files of the run in ``run_dir``; None when no run is there (yet)."""
+    return cls.read(run_dir) if is_run_dir(run_dir) else None
+
+  @classmethod
+  def read(cls, run_dir: str) -> "RunFiles":
+    path = os.path.join(run_dir, RUN_MODEL_CONFIG)
+    with open(path) as f:
+      saved = json.load(f)
+    base = saved.get("base_model")
+    run_config = _read_run_config(run_dir)
+    model_config = config_from_dict(saved["jaxrm"], path)
+    if model_config.lora.enabled and not base:
+      base = run_config.model.name_or_path if run_config is not None else None
+    return cls(run_dir, model_config, run_config, base)
+
+  def write(self, tokenizer: Any) -> None:
+    """Writes ``config.json``, ``model_config.json`` and (unless a resumed run already saved it)
+    ``tokenizer/``."""
+    if self.run_config is not None:
+      with open(os.path.join(self.run_dir, RUN_CONFIG), "w") as f:
+        json.dump(self.run_config.to_dict(), f, indent=2)
+    saved = {"jaxrm": dataclasses.asdict(self.model_config), "hf": to_hf_config(self.model_config)}
+    if self.base_model is not None:
+      saved["base_model"] = self.base_model
+    with open(os.path.join(self.run_dir, RUN_MODEL_CONFIG), "w") as f:
+      json.dump(saved, f, indent=2)
+    if not os.path.isdir(self.tokenizer_dir):
+      tokenizer.save_pretrained(self.tokenizer_dir)
+
+
+def _read_run_config(run_dir: str) -> RunConfig | None:
+  path = os.path.join(run_dir, RUN_CONFIG)
+  if not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    settings = json.load(f)
+  try:
+    with _quiet("jaxrm.config"):  # its warnings were said when the run started
+      return RunConfig.from_dict(settings)
+  except (UserError, TypeError) as e:
+    raise CheckpointError(f"{path}: not a training config this version of jaxrm reads: {e}") from None
+
+
+@contextlib.contextmanager
+def _quiet(logger: str):
+  target = logging.getLogger(logger)
+  level = target.level
+  target.setLevel(logging.ERROR)
+  try:
+    yield
+  finally:
+    target.setLevel(level)
+
+
+def names_gguf(name_or_path: str) -> bool:
+  """Whether a model name or path is a GGUF file (or the embedded model, which is one)."""
+  return name_or_path.startswith(EMBEDDED_PREFIX) or name_or_path.endswith(".gguf")
+
+
+def base_reference(name_or_path: str) -> str:
+  """How a LoRA run names its base: a local path made absolute, a hub or embedded name as given."""
+  return os.path.abspath(name_or_path) if os.path.exists(name_or_path) else name_or_path
+
+
+# ------------------------------------------------------------------ sources
+
+
+@dataclasses.dataclass(frozen=True)
+class HFSource:
+  """An HF checkpoint directory (config.json + safetensors); ``name`` as the user gave it."""
+
+  path: str
+  name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFSource:
+  """A ``.gguf`` file (the embedded model is one)."""
+
+  path: str
+  name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSource:
+  """A training run, and the step to load (named by the path or asked for; None: the best)."""
+
+  files: RunFiles
+  step: int | None = None
+  checkpoint_dir: str = ""  # where the step's checkpoint lies (default: the run's)
+
+  @property
+  def name(self) -> str:
+    return self.files.run_dir
+
+  @property
+  def checkpoints(self) -> str:
+    return self.checkpoint_dir or self.files.checkpoint_dir
+
+
+Source = Union[HFSource, GGUFSource, RunSource]
+SOURCES = (HFSource, GGUFSource, RunSource)
+
+
+def locate(path: str | os.PathLike, step: int | None = None) -> Source:
+  """What ``path`` names, as a typed source.
+
+  Args:
+    path: an HF checkpoint directory, a ``.gguf`` file, ``embedded:<name>``, a hub name
+      (``org/name``, downloaded unless it is a local path), a training output directory, or one of
+      its checkpoints (``<output_dir>/checkpoints/<step>``).
+    step: which checkpoint of a training run (default: the one the path names, else the best).
+
+  Raises:
+    CheckpointError: nothing loadable there (the message says what is).
+  """
+  name = os.fspath(path)
+  local = _resolve(name)
+  run = _locate_run(local, step)
+  if run is not None:
+    return run
+  if not os.path.exists(local):
+    raise CheckpointError(
+        f"{local}: no such file or directory (jaxrm loads HF checkpoint directories, .gguf files, "
+        "training output directories and their checkpoints)")
+  if step is not None:
+    raise CheckpointError(f"step={step} selects a checkpoint of a training output directory, but "
+                          f"{local} is not one (no {RUN_MODEL_CONFIG})")
+  if local.endswith(".gguf") and os.path.isfile(local):
+    return GGUFSource(local, name)
+  if os.path.isdir(local):
+    return HFSource(local, name)
+  raise CheckpointError(f"{local}: not a checkpoint directory or a .gguf file")
+
+
+def as_source(path: str | os.PathLike | Source, step: int | None = None) -> Source:
+  """``path`` located (:func:`locate`), or a source already located, given as it is."""
+  if not isinstance(path, SOURCES):
+    return locate(path, step)
+  if step is not None:
+    raise ValueError(f"step={step} with a located source: pass it to locate(path, step) instead")
+  return path
+
+
+def _resolve(name: str) -> str:
+  """``embedded:...`` -> the packaged GGUF; a hub name that is no local path -> its snapshot."""
+  if name.startswith(EMBEDDED_PREFIX):
+    from jaxrm.hf.gguf import embedded_model_path
+    return embedded_model_path()
+  if not os.path.exists(name) and name.count("/") == 1 and not name.startswith((".", "/")):
+    from huggingface_hub import snapshot_download
+    try:
+      return snapshot_download(name, allow_patterns=_HUB_FILES)
+    except Exception as e:  # offline, unknown repo, gated...
+      raise CheckpointError(f"{name}: not a local path, and downloading it from the hub failed: {e}") from None
+  return name
+
+
+def _locate_run(path: str, step: int | None) -> RunSource | None:
+  if is_run_dir(path):
+    return RunSource(RunFiles.read(path), step)
+  norm = os.path.normpath(os.path.abspath(path))
+  named = os.path.basename(norm)
+  if not (named.isdigit() and os.path.isdir(os.path.join(norm, "params"))):
+    return None
+  checkpoint_dir = os.path.dirname(norm)
+  run_dir = os.path.dirname(checkpoint_dir)
+  if not is_run_dir(run_dir):
+    raise CheckpointError(
+        f"{path} is a training checkpoint, but {run_dir} has no {RUN_MODEL_CONFIG}; load the run's "
+        f"output directory (the one holding {RUN_MODEL_CONFIG}) with step={named}")
+  if step is not None and step != int(named):
+    raise CheckpointError(f"{checkpoint_dir}/{named} is the checkpoint of step {named}, but step={step} "
+                          "was asked for; pass one or the other")
+  return RunSource(RunFiles.read(run_dir), int(named), checkpoint_dir)
+
+
+def tensors_of(source: Source):
+  """The tensor reader of an HF directory or GGUF file (``config``, ``keys()``, ``get_tensor()``)."""
+  if isinstance(source, GGUFSource):
+    from jaxrm.hf.gguf import GGUFCheckpoint
+    return GGUFCheckpoint(source.path)
+  if isinstance(source, HFSource):
+    from jaxrm.hf.safetensors_io import HFCheckpoint
+    return HFCheckpoint(source.path)
+  raise CheckpointError(f"{source.name} is a jaxrm training run, not an HF checkpoint or .gguf file")
+
+
+# ------------------------------------------------------------------ loading
+
+
+class Loaded(NamedTuple):
+  """A loaded model (``flax.nnx.Module``), its tokenizer (or None) and its scoring info."""
+
+  model: Decoder
+  tokenizer: Any
+  info: ScoringInfo
+
+  @property
+  def config(self) -> ModelConfig:
+    return self.model.config
+
+
+def load(source: Source, overrides: dict[str, Any] | None = None, *, head: str | None = None,
+         num_labels: int | None = None, mesh: Mesh | None = None, seed: int = 0, tokenizer: Any = None,
+         weights: bool = True) -> Loaded:
+  """The model ``source`` holds, with its tokenizer and scoring info.
+
+  Args:
+    source: from :func:`locate`.
+    overrides: ModelConfig fields to set (``dtype``, ``param_dtype``, ``remat``, ``lora``...).
+    head: "sequence" or "token": an HF checkpoint gets a new head of this kind unless it has one;
+      a training run must have been trained with it.
+    num_labels: labels of a new head (default 1 for sequence, 2 for token heads).
+    mesh: place parameters sharded over this mesh (default: the first device).
+    seed: seed of a new head and of new LoRA adapters.
+    tokenizer: use this tokenizer instead of the source's.
+    weights: False reads no tensors and opens no checkpoint: the model's parameters are
+      ``jax.ShapeDtypeStruct``s with the shardings they would have on ``mesh``.
+  """
+  overrides = dict(overrides or {})
+  if isinstance(source, RunSource):
+    return _load_run(source, overrides, head, num_labels, mesh, tokenizer, weights)
+  tensors = tensors_of(source)
+  saved = from_hf_config(tensors.config)
+  cfg = from_hf_config(tensors.config, **(overrides | _head_overrides(head, num_labels)))
+  model = _model(cfg, tensors, saved, mesh, seed) if weights else placed_abstract_model(cfg, mesh)
+  if tokenizer is None:
+    tokenizer = tensors.tokenizer() if hasattr(tensors, "tokenizer") else _tokenizer_from_dir(source.path)
+  if tokenizer is not None and cfg.pad_token_id is None and tokenizer.pad_token_id is not None:
+    model.config = cfg.replace(pad_token_id=tokenizer.pad_token_id)
+  return Loaded(model, tokenizer, ScoringInfo.of_export(tensors.config, model.config))
+
+
+def _head_overrides(head: str | None, num_labels: int | None) -> dict[str, Any]:
+  """Config changes that give an HF checkpoint a (new) ``head`` with ``num_labels`` labels."""
+  if head is not None:
+    return dict(head=head, head_bias=head == "token", num_labels=num_labels or (2 if head == "token" else 1))
+  return {} if num_labels is None else dict(num_labels=num_labels)
+
+
+def _model(cfg: ModelConfig, tensors, saved: ModelConfig, mesh: Mesh | None, seed: int) -> Decoder:
+  """``tensors``' weights in a model of ``cfg``; a new head where ``cfg``'s differs from the saved one."""
+  new_head = (saved.head, saved.num_labels) != (cfg.head, cfg.num_labels)
+  return load_model(cfg, tensors, mesh=mesh, seed=seed, new_head=new_head)
+
+
+def _load_run(source: RunSource, overrides, head, num_labels, mesh, tokenizer, weights: bool) -> Loaded:
+  files = source.files
+  cfg = files.model_config
+  for name, wanted in (("head", head), ("num_labels", num_labels), ("lora", overrides.get("lora"))):
+    if wanted is not None and wanted != getattr(cfg, name):
+      raise CheckpointError(f"{files.run_dir} was trained with {name}={getattr(cfg, name)!r}; "
+                            f"it cannot be loaded with {name}={wanted!r}")
+  cfg = cfg.replace(**overrides)
+  meta: dict[str, Any] = {}
+  if not weights:
+    model = placed_abstract_model(cfg, mesh)
+  else:
+    model, meta = _restore(source, _lora_base(files, cfg, mesh) if cfg.lora.enabled
+                           else placed_abstract_model(cfg, mesh))
+  if tokenizer is None:
+    tokenizer = _tokenizer_from_dir(files.tokenizer_dir)
+  return Loaded(model, tokenizer, ScoringInfo.of_run(files.run_config, meta))
+
+
+def _lora_base(files: RunFiles, cfg: ModelConfig, mesh: Mesh | None) -> Decoder:
+  """A LoRA run's model before its checkpoint: the base it trained over, with new adapters."""
+  if not files.base_model:
+    raise CheckpointError(f"{files.run_dir}: {RUN_MODEL_CONFIG} names no base model for the LoRA adapters "
+                          "(and config.json has no model.name_or_path)")
+  try:
+    base = locate(files.base_model)
+    tensors = tensors_of(base)
+  except CheckpointError as e:
+    raise CheckpointError(f"{files.run_dir} holds LoRA adapters over {files.base_model}, which cannot be "
+                          f"read: {e}") from None
+  return _model(cfg, tensors, from_hf_config(tensors.config), mesh, seed=0)
+
+
+def _restore(source: RunSource, model: Decoder) -> tuple[Decoder, dict]:
+  """``model`` with the trained parameters of ``source``'s checkpoint (a LoRA run's: its adapters
+  and head, over the base already in ``model``), and the checkpoint's meta."""
+  cfg = model.config
+  graphdef, state = nnx.split(model)
+  if cfg.lora.enabled:
+    trained, frozen = nnx.split_state(state, lora.trainable_filter(cfg.lora), ...)
+    parts = (trained, frozen)
+  else:
+    trained, parts = state, (state,)
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        nnx.to_pure_dict(trained))
+  params, meta = _restore_params(source, target)
+  nnx.replace_by_pure_dict(trained, params)
+  return nnx.merge(graphdef, *parts), meta
+
+
+def _restore_params(source: RunSource, target: dict) -> tuple[dict, dict]:
+  directory = source.checkpoints
+  if not os.path.isdir(directory):
+    raise CheckpointError(f"{source.files.run_dir}: no checkpoint directory {directory} "
+                          "(training writes checkpoints there when checkpointing.enabled is true)")
+  spec = source.files.run_config.checkpointing if source.files.run_config is not None else None
+  ckpt = checkpointing.Checkpointer(directory, metric_name=spec.metric if spec else None,
+                                    higher_is_better=spec.higher_is_better if spec else False)
+  try:
+    step = _pick_step(ckpt, source)
+    try:
+      return ckpt.restore_params(step, target)
+    except checkpointing.DamagedCheckpointError as e:
+      others = [s for s in ckpt.all_steps() if s != step]
+      raise CheckpointError(
+          f"{e}. Load another checkpoint with step=N ({'available: ' + ', '.join(map(str, others)) if others else 'there is no other'}), "
+          f"or remove {os.path.join(directory, str(step))}") from None
+  finally:
+    ckpt.close()
+
+
+def _pick_step(ckpt: checkpointing.Checkpointer, source: RunSource) -> int:
+  steps = ckpt.all_steps()
+  if not steps:
+    raise CheckpointError(f"{ckpt.directory}: no complete checkpoint yet (training saves one every "
+                          "checkpointing.save_period steps and at the end)")
+  step = source.step
+  if step is None:
+    best = checkpointing.read_best(ckpt.directory)
+    # Without the file: Orbax's best by the run's metric, or the latest when none has it.
+    step = int(best["step"]) if best is not None else ckpt.best_step()
+    log.info("loading the best checkpoint of %s: step %s", source.files.run_dir, step)
+  if step not in steps:
+    raise CheckpointError(f"{ckpt.directory}: no checkpoint for step {step}; available steps: "
+                          f"{', '.join(map(str, steps))}")
+  return step
+
+
+def _tokenizer_from_dir(path: str):
+  from transformers import AutoTokenizer
+  if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    log.warning("%s has no tokenizer files; rm.tokenizer is None", path)
+    return None
+  return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+
+
+# ------------------------------------------------------------------ saving
+
+
+def save_export(out_dir: str | os.PathLike, model: Decoder, tokenizer: Any, info: ScoringInfo, *,
+                dtype: str | None = None) -> None:
+  """Writes an HF checkpoint directory (:func:`jaxrm.hf.export.save_pretrained`) that records
+  ``info`` for scoring; never into a training output directory."""
+  check_export_dir(out_dir)
+  hf_export.save_pretrained(out_dir, model, tokenizer, dtype=dtype, attributes=info.attributes,
+                            extra_config={SCORING_KEY: info.export_entry()})
+
+
+def check_export_dir(out_dir: str | os.PathLike) -> None:
+  if is_run_dir(os.fspath(out_dir)):
+    raise CheckpointError(f"{os.fspath(out_dir)} is a training output directory; export into another directory")
