@@ -1,7 +1,9 @@
-"""What a training run prints: each validation round as a table, and a summary at its end.
+"""What a training run prints: what it is about to do, each validation round as a table, and a
+summary at its end.
 
-Pure functions of the metrics dicts the trainer logs (``validation-<set>_<metric>`` keys, as
-``metrics.jsonl`` holds them); they return text and print nothing.
+Pure functions of plain values, the model's and packing's small config dataclasses and the
+metrics dicts the trainer logs (``validation-<set>_<metric>`` keys, as ``metrics.jsonl`` holds
+them); they return text and print nothing.
 """
 
 from __future__ import annotations
@@ -9,6 +11,13 @@ from __future__ import annotations
 import math
 import shlex
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+  from jaxrm.data.drops import DropReport
+  from jaxrm.data.packing import PackSpec
+  from jaxrm.models.config import ModelConfig
+  from jaxrm.models.lora import LoraConfig
 
 VALIDATION_PREFIX = "validation-"
 VALIDATION_TIME = "timing/validation/total_validation_time"
@@ -18,6 +27,72 @@ LEADING_METRICS = ("loss", "accuracy", "margin", "step_accuracy", "f1_error", "r
 # Sets that name a split of a dataset read by name rather than a path.
 SPLIT_NAMES = ("train", "validation", "test")
 DEFAULT_FORMAT = "PreferenceDataset"  # evaluate's --dataset_name when none is given
+
+
+def run_start(*, model_name: str, model: ModelConfig, reward_type: str, num_params: int, trained_params: int,
+              attention: str, mesh_shape: Mapping[str, int], devices: int, backend: str, processes: int,
+              train_examples: int, steps_per_epoch: int, validation_sizes: Mapping[str, int],
+              drops: Mapping[str, DropReport], start_step: int, total_steps: int, global_batch_size: int,
+              grad_accum: int, tokens_per_step: float, pack: PackSpec | None, micro_batched: bool,
+              shared_tokens_per_step: float | None, group_by_length: bool, output_dir: str) -> str:
+  """What a run is about to do, as it prints at its start.
+
+  Args:
+    model_name: ``model.name_or_path``; ``model`` its config (family, dtypes, LoRA).
+    num_params, trained_params: the model's parameters, and those the optimizer updates.
+    attention: the attention route (``models.decoder.attention_summary``).
+    mesh_shape, devices, backend, processes: where it trains.
+    train_examples, steps_per_epoch, validation_sizes: the examples of each set.
+    drops: each set's dropped rows (``"train"``, ``"validation-<set>"``).
+    start_step, total_steps: where the loop starts and ends.
+    global_batch_size, grad_accum: groups per update, and the micro-batches they come in.
+    tokens_per_step: real tokens per update on average, each group's prompt counted per sequence;
+      ``shared_tokens_per_step`` the same with prompts written once (given with
+      ``pack.shared_prompt``).
+    pack: the packing of rows; None: one sequence per row, each micro-batch padded to its own
+      length if ``micro_batched``.
+    group_by_length: the training order is length-grouped.
+    output_dir: the run directory.
+  """
+  trains = ""
+  if model.lora.enabled:
+    trains = (f"{describe_lora(model.lora)}: {_params(trained_params)} trainable of {_params(num_params)} parameters"
+              + (f", the base stored as {model.lora.base_dtype}" if model.lora.base_dtype else "") + "\n")
+  packing = describe_packing(pack, micro_batched, shared_tokens_per_step)
+  return (
+      f"jaxrm: {model.family} model {model_name}, {num_params / 1e6:.1f}M parameters, "
+      f"{model.dtype} compute / {model.param_dtype} weights, {reward_type} loss\n"
+      f"{trains}"
+      f"{attention}\n"
+      f"mesh: {dict(mesh_shape)} on {devices} {backend} devices, {processes} process(es)\n"
+      f"data: {train_examples} train examples ({steps_per_epoch} steps/epoch), "
+      + ", ".join(f"{n}: {k}" for n, k in validation_sizes.items()) + " validation\n"
+      + "".join(f"{d.summary(name)}\n" for name, d in drops.items())
+      + f"steps: {start_step} -> {total_steps}, batch {global_batch_size} groups (x{grad_accum} accumulation), "
+      f"{tokens_per_step:.0f} tokens/step on average, {packing}"
+      + (", in length-grouped order (data.group_by_length)" if group_by_length else "") + "\n"
+      f"output in {output_dir}")
+
+
+def describe_lora(cfg: LoraConfig) -> str:
+  """``LoRA rank 8 (alpha 16) on q_proj, v_proj``, ``... (alpha 16, dropout 0.05) ...``, or ``no LoRA``."""
+  if not cfg.enabled:
+    return "no LoRA"
+  dropout = f", dropout {cfg.dropout:g}" if cfg.dropout else ""
+  return f"LoRA rank {cfg.rank} (alpha {cfg.alpha:g}{dropout}) on {', '.join(cfg.targets)}"
+
+
+def describe_packing(pack: PackSpec | None, micro_batched: bool, shared_tokens_per_step: float | None) -> str:
+  """How groups become rows: ``one sequence per row (data.packing=none)``, ``packed into rows of
+  up to 512 tokens``..."""
+  if pack is None:
+    return "one sequence per row (data.packing=none)" + (
+        ", each micro-batch padded to its own length" if micro_batched else "")
+  rows = f"up to {pack.row_length}" if pack.length_multiple else f"{pack.row_length}"
+  text = f"packed into rows of {rows} tokens"
+  if pack.shared_prompt:
+    text += f", {shared_tokens_per_step:.0f} tokens/step once prompts are shared"
+  return text
 
 
 def split_validation_metrics(metrics: Mapping[str, float], sets: Sequence[str]) -> dict[str, dict[str, float]]:
@@ -137,6 +212,10 @@ def _number(value) -> str:
   if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
     return f"{value:.3e}"
   return f"{value:.4f}"
+
+
+def _params(n: int) -> str:
+  return f"{n / 1e6:.1f}M" if n >= 100_000 else f"{n / 1e3:.1f}K"
 
 
 def _count(n: float) -> str:

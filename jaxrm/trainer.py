@@ -2,7 +2,9 @@
 
 A run is set up in the order of its banner comments (mesh, checkpoint, model, input, update,
 summary), then :func:`_loop` runs one jitted train step per global batch, validating, logging and
-checkpointing on the way. Everything is told by a :class:`jaxrm.config.RunConfig`, so a notebook
+checkpointing on the way. Its examples come from :func:`jaxrm.data.run_data.load_run_data`, its
+optimizer, state and steps from :func:`jaxrm.update.build_update`, and what it prints from
+:mod:`jaxrm.report`. Everything is told by a :class:`jaxrm.config.RunConfig`, so a notebook
 needs no config file. The CLI is ``python -m jaxrm.train``.
 """
 
@@ -16,36 +18,24 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import jax
 from flax import nnx
 
-from jaxrm import checkpointing, optim, report, sharding, steps
+from jaxrm import checkpointing, loading, report, sharding, steps, update
 from jaxrm.config import RunConfig
-from jaxrm.data import cache, packing, pipeline, registry
-from jaxrm.data.drops import DropReport
+from jaxrm.data import packing, pipeline
 from jaxrm.data.packing import PackSpec
+from jaxrm.data.run_data import RunData, load_run_data
 from jaxrm.data.tokenize import pad_id
-from jaxrm.errors import ConfigError, UserError
-from jaxrm import losses
-from jaxrm.losses import RewardSpec, accumulate, finalize_metrics
+from jaxrm.errors import CheckpointError, ConfigError, UserError
+from jaxrm.metrics import Metrics, Samples, accumulate, finalize_metrics
 from jaxrm.metrics_writer import MetricsWriter
 from jaxrm.models import lora
 from jaxrm.models.decoder import attention_summary
 
 log = logging.getLogger("jaxrm.train")
-
-
-@dataclasses.dataclass
-class _Data:
-  """The tokenized examples of a run and the rows dropped from each set."""
-
-  train: Sequence  # a list, or the cache's memory-mapped examples
-  validation: dict[str, Sequence]
-  drops: dict[str, DropReport]  # "train", "validation-<name>"
-  num_completions: int | None  # K of preference batches; None for stepwise and rated data
 
 
 @dataclasses.dataclass
@@ -71,7 +61,7 @@ class _Run:
   config: RunConfig
   mesh: Any
   rm: Any
-  data: _Data
+  data: RunData
   input: _Input
   total_steps: int
   state: dict[str, Any]
@@ -136,53 +126,36 @@ def _prepare(config: RunConfig) -> _Run:
   # (unless LoRA trains over them: a LoRA checkpoint holds only the adapters and the head).
   # A new run's checkpoint directory is made only once its input has been read without error.
   lora_cfg = config.model.lora.lora_config()
-  _check_lora_base(config, lora_cfg)
+  source = _locate_model(config, lora_cfg)
   existing = os.path.isdir(_checkpoint_dir(config, out_dir))
   ckpt = _checkpointer(config, out_dir) if existing else None
   resume_step = ckpt.latest_step() if ckpt is not None else None
   if resume_step is not None:
     _check_same_lora(out_dir, lora_cfg)
   # ------------------------------------------------------------------ model
-  rm = _load_model(config, mesh, lora_cfg, weights=resume_step is None or lora_cfg.enabled)
+  rm = _load_model(config, source, mesh, lora_cfg, weights=resume_step is None or lora_cfg.enabled)
   # ------------------------------------------------------------------ input
-  data = _load_data(config, rm.tokenizer)
+  data = load_run_data(config, rm.tokenizer)
   inputs = _make_input(config, mesh, data, pad_id(rm.tokenizer, rm.config.pad_token_id))
   _count_unused(config, data, inputs)
   total_steps = min(config.train.max_steps, config.train.max_epochs * inputs.stream.steps_per_epoch)
   if ckpt is None:
     ckpt = _checkpointer(config, out_dir)
   # ------------------------------------------------------------------ update
-  t = config.train
-  with _config_errors():
-    schedule = optim.make_schedule(learning_rate=t.learning_rate, warmup_steps=t.warmup_steps,
-                                   total_steps=total_steps, scheduler=t.lr_scheduler, min_lr_ratio=t.min_lr_ratio)
-  tx = optim.make_optimizer(schedule, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
-                            b1=t.adam_beta1, b2=t.adam_beta2, eps=t.adam_epsilon)
-  state, state_shardings = steps.init_state(nnx.state(rm.model), tx, seed=config.train.seed, mesh=mesh,
-                                            trainable=lora.trainable_filter(lora_cfg))
-  loss_fn = steps.make_loss_fn(rm.model, config.reward)
-  if inputs.micro_batched:
-    # Each micro-batch keeps its own length bucket; one compiled gradient per bucket.
-    train_step = steps.MicroBatchedStep(loss_fn, tx, schedule, state_shardings=state_shardings, mesh=mesh)
-  else:
-    train_step = steps.CompiledPerShape("train step", steps.make_train_step(
-        loss_fn, tx, schedule, grad_accum_steps=inputs.grad_accum, state_shardings=state_shardings, mesh=mesh))
-  eval_loss_fn = steps.make_loss_fn(rm.model, config.reward, samples=True)
-  eval_step = steps.CompiledPerShape("eval step", steps.make_eval_step(eval_loss_fn, mesh=mesh))
-  start_step, last_val = 0, {}
+  built = update.build_update(rm.model, config.reward, config.train, total_steps=total_steps, mesh=mesh,
+                              grad_accum=inputs.grad_accum, micro_batched=inputs.micro_batched)
+  state, start_step, last_val = built.state, 0, {}
   if resume_step is not None:
-    state, last_val = _resume(ckpt, resume_step, state, inputs.train_iter)
-    start_step = resume_step
+    state, last_val, start_step = _resume(ckpt, resume_step, state, inputs.train_iter)
   if ckpt is not None and is_main:
-    checkpointing.write_run_files(out_dir, config_json=json.dumps(config.to_dict(), indent=2),
-                                  model_config=rm.config, tokenizer=rm.tokenizer,
-                                  base_model=_base_reference(config.model.name_or_path) if lora_cfg.enabled else None)
+    base = loading.base_reference(config.model.name_or_path) if lora_cfg.enabled else None
+    loading.RunFiles(out_dir, rm.config, config, base).write(rm.tokenizer)
   # ------------------------------------------------------------------ summary
   writer = MetricsWriter(out_dir, tensorboard=config.logger.tensorboard,
                          log_dir=config.logger.log_dir or os.path.join(out_dir, "tensorboard"), enabled=is_main,
                          resume_step=start_step)
-  run = _Run(config, mesh, rm, data, inputs, total_steps, state, train_step, eval_step, ckpt, writer,
-             start_step, last_val)
+  run = _Run(config, mesh, rm, data, inputs, total_steps, state, built.train_step, built.eval_step, ckpt,
+             writer, start_step, last_val)
   if is_main:
     _write_drops(out_dir, data)
     print(_summary(run, out_dir), flush=True)
@@ -202,121 +175,74 @@ def _checkpointer(config: RunConfig, out_dir: str) -> checkpointing.Checkpointer
                                       higher_is_better=spec.higher_is_better, keep_top_k=spec.keep_top_k)
 
 
-def _load_model(config: RunConfig, mesh, lora_cfg: lora.LoraConfig, *, weights: bool):
+def _load_model(config: RunConfig, source: loading.Source, mesh, lora_cfg: lora.LoraConfig, *,
+                weights: bool) -> loading.Loaded:
   """The reward model on ``mesh``, with adapters as ``lora_cfg`` says; without ``weights`` (a
   resumed full run) its parameters stay abstract until the checkpoint fills them, and the
   checkpoint's weights are never read."""
-  from jaxrm.reward_model import RewardModel
   regression = config.reward.type == "regression"
+  overrides = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, remat=config.model.remat,
+                   scan_layers=config.model.scan_layers, attention_impl=config.model.attention, lora=lora_cfg)
   with _config_errors():
-    rm = RewardModel.from_pretrained(
-        config.model.name_or_path, dtype=config.model.dtype, param_dtype=config.model.param_dtype,
-        head="token" if config.stepwise else "sequence", mesh=mesh, seed=config.model.seed,
-        num_labels=len(config.reward.attribute_names) if regression else None,
-        remat=config.model.remat, scan_layers=config.model.scan_layers, attention_impl=config.model.attention,
-        lora=lora_cfg, load_weights=weights)
-  if rm.tokenizer is None:
+    loaded = loading.load(source, overrides, head="token" if config.stepwise else "sequence", mesh=mesh,
+                          seed=config.model.seed, num_labels=len(config.reward.attribute_names) if regression else None,
+                          weights=weights)
+  if loaded.tokenizer is None:
     raise ConfigError(f"model.name_or_path={config.model.name_or_path!r} has no tokenizer files")
-  return rm
+  return loaded
 
 
-def _check_lora_base(config: RunConfig, lora_cfg: lora.LoraConfig) -> None:
-  """LoRA trains over HF or GGUF weights; a jaxrm run's own checkpoint has no adapters to resume."""
+def _locate_model(config: RunConfig, lora_cfg: lora.LoraConfig) -> loading.Source:
+  """Where ``model.name_or_path`` is. LoRA trains over HF or GGUF weights; a jaxrm run's own
+  checkpoint has no adapters to resume."""
   path = config.model.name_or_path
-  if lora_cfg.enabled and checkpointing.find_run(path) is not None:
+  with _config_errors():
+    source = loading.locate(path)
+  if lora_cfg.enabled and isinstance(source, loading.RunSource):
     raise ConfigError(f"model.lora.rank={lora_cfg.rank} needs an HF checkpoint or .gguf file as model.name_or_path, "
                       f"but {path!r} is a jaxrm training run: export it first (python -m jaxrm.export) and "
                       "train the adapters over the export")
+  return source
 
 
 def _check_same_lora(out_dir: str, lora_cfg: lora.LoraConfig) -> None:
   """A run resumes with the adapters it was saved with (its checkpoint holds exactly those)."""
-  if not checkpointing.is_run_dir(out_dir):
+  files = loading.RunFiles.find(out_dir)
+  if files is None:
     return
-  saved = checkpointing.find_run(out_dir).model_config().lora
+  saved = files.model_config.lora
   if (saved.enabled or lora_cfg.enabled) and saved != lora_cfg:
-    describe = lambda c: _describe_lora(c) + (f", base {c.base_dtype}" if c.base_dtype else "")
+    describe = lambda c: report.describe_lora(c) + (f", base {c.base_dtype}" if c.base_dtype else "")
     raise ConfigError(f"{out_dir} holds a run trained with {describe(saved)}, but model.lora asks for "
                       f"{describe(lora_cfg)}: resume with the run's settings, or use another output_dir")
 
 
-def _describe_lora(cfg: lora.LoraConfig) -> str:
-  """``LoRA rank 8 (alpha 16) on q_proj, v_proj``, ``... (alpha 16, dropout 0.05) ...``, or ``no LoRA``."""
-  if not cfg.enabled:
-    return "no LoRA"
-  dropout = f", dropout {cfg.dropout:g}" if cfg.dropout else ""
-  return f"LoRA rank {cfg.rank} (alpha {cfg.alpha:g}{dropout}) on {', '.join(cfg.targets)}"
-
-
-def _base_reference(name_or_path: str) -> str:
-  """How a LoRA run names its base: a local path made absolute, a hub or embedded name as given."""
-  return os.path.abspath(name_or_path) if os.path.exists(name_or_path) else name_or_path
-
-
 def _resume(ckpt: checkpointing.Checkpointer, step: int, state, train_iter):
-  """The state saved at ``step`` (the data iterator moved to where it was) and its validation."""
-  state, data_state, meta = ckpt.restore(step, state)
-  state = steps.set_step_and_rng(state, meta["step"], meta["rng"])
-  train_iter.set_state(data_state)
-  log.info("resumed from step %d (%s)", step, ckpt.directory)
-  return state, meta.get("metrics") or {}
+  """The state of the newest intact checkpoint up to ``step`` (the data iterator moved to where it
+  was), its validation and its step. A damaged checkpoint is set aside (``<step>.damaged``) and
+  said so; with none intact, the run stops naming the damaged steps."""
+  damaged = []
+  for candidate in sorted((s for s in ckpt.all_steps() if s <= step), reverse=True):
+    try:
+      restored, data_state, meta = ckpt.restore(candidate, state)
+    except checkpointing.DamagedCheckpointError as e:
+      damaged.append(candidate)
+      log.warning("%s: skipped, and moved to %s", e, ckpt.set_aside(candidate))
+      continue
+    restored = steps.set_step_and_rng(restored, meta["step"], meta["rng"])
+    train_iter.set_state(data_state)
+    log.info("resumed from step %d (%s)%s", candidate, ckpt.directory,
+             f", skipping the damaged step(s) {', '.join(map(str, damaged))}" if damaged else "")
+    return restored, meta.get("metrics") or {}, candidate
+  raise CheckpointError(f"{ckpt.directory}: no intact checkpoint to resume from; step(s) "
+                        f"{', '.join(map(str, damaged))} are damaged (moved to <step>.damaged). Remove the "
+                        "checkpoint directory to start over, or use another output_dir")
 
 
 # ------------------------------------------------------------------ input
 
 
-def _load_data(config: RunConfig, tokenizer) -> _Data:
-  spec = config.data
-  kind = registry.kind(spec.dataset_name)
-  if config.reward.type not in registry.KINDS[kind]:
-    raise ConfigError(f"reward.type={config.reward.type!r} does not fit data.dataset_name={spec.dataset_name!r}, "
-                      f"which holds {kind} data (for reward.type {' or '.join(registry.KINDS[kind])})")
-  options = _read_options(config.reward, spec.dataset_name)
-
-  def load(path: str, split: str, limit: int, limit_name: str, drops: DropReport) -> Sequence:
-    path = path or None
-    source = None
-    if spec.cache_directory is not None:
-      source = registry.source_key(spec.dataset_name, path, split=split, **options)
-    if source is not None:
-      source["max_records"] = limit
-    read = lambda d: registry.iter_records(spec.dataset_name, path, split=split, drops=d, max_records=limit,
-                                             limit_name=limit_name, **options)
-    return cache.load_tokenized(read, tokenizer=tokenizer, options=spec.tokenize_options, drops=drops, source=source,
-                                cache_dir=spec.cache_directory, num_proc=spec.tokenizer_processes)
-
-  drops = {"train": DropReport()}
-  train = load(spec.train_data_path, "train", spec.max_train_rows, "data.max_train_rows", drops["train"])
-  validation = {}
-  for name, path in spec.val_data_paths.items():
-    registry.check_val_set_name(name)
-    drops[f"validation-{name}"] = report = DropReport()
-    validation[name] = load(path, "validation", spec.max_val_rows, "data.max_val_rows", report)
-    if not validation[name]:
-      raise ConfigError(f"validation set {name!r} has no usable rows\n{report.summary(name)}")
-  if config.reward.preference_strength_scaling and all(e.strength is None for e in train):
-    raise ConfigError(f"reward.preference_strength_scaling weighs each pair by its preference strength, but no "
-                      f"training row of {spec.dataset_name} has one: give rows a 'strength' (HelpSteer3 has "
-                      "overall_preference), or set reward.preference_strength_scaling=False")
-  num_completions = None if kind != "preference" else max(
-      pipeline.max_completions(train), *(pipeline.max_completions(v) for v in validation.values()))
-  return _Data(train, validation, drops, num_completions)
-
-
-def _read_options(reward: RewardSpec, dataset_name: str) -> dict:
-  """What a rated dataset is read for: the attributes, in the head's order, and their range."""
-  if reward.type != "regression":
-    return {}
-  options = {"attributes": reward.attribute_names}
-  if registry.takes_option(dataset_name, "value_range"):
-    options["value_range"] = reward.value_range
-  elif reward.value_range is not None:
-    log.warning("reward.attribute_range=%r is not used: %s checks its own range", reward.attribute_range,
-                dataset_name)
-  return options
-
-
-def _make_input(config: RunConfig, mesh, data: _Data, pad: int) -> _Input:
+def _make_input(config: RunConfig, mesh, data: RunData, pad: int) -> _Input:
   process_index, process_count = jax.process_index(), jax.process_count()
   data_parallel = sharding.data_parallel_size(mesh)
   gbs, mbs = config.train.global_batch_size, config.train.micro_batch_size
@@ -346,7 +272,7 @@ def _make_input(config: RunConfig, mesh, data: _Data, pad: int) -> _Input:
   return _Input(train_iter, stream, validation, pack, grad_accum)
 
 
-def _count_unused(config: RunConfig, data: _Data, inputs: _Input) -> None:
+def _count_unused(config: RunConfig, data: RunData, inputs: _Input) -> None:
   """Counts the rows that are read but never batched, as drops: each epoch's remainder of the
   last global batch, and the validation rows after ``eval.val_batches`` batches."""
   stream = inputs.stream
@@ -399,54 +325,28 @@ def _check_row_length(pack: PackSpec, example_sets: dict[str, list]) -> None:
 # ------------------------------------------------------------------ summary
 
 
-def _write_drops(out_dir: str, data: _Data) -> None:
+def _write_drops(out_dir: str, data: RunData) -> None:
   with open(os.path.join(out_dir, "dropped_rows.json"), "w") as f:
     json.dump({name: d.as_dict() for name, d in data.drops.items()}, f, indent=2)
 
 
 def _summary(run: _Run, out_dir: str) -> str:
-  """What the run is about to do, as printed at its start."""
-  config, rm, data = run.config, run.rm, run.data
+  """What the run is about to do (:func:`jaxrm.report.run_start`)."""
+  config, rm, data, pack = run.config, run.rm, run.data, run.input.pack
   gbs = config.train.global_batch_size
-  num_params = sum(x.size for x in jax.tree.leaves(nnx.state(rm.model)))
-  lora_cfg, trains = rm.config.lora, ""
-  if lora_cfg.enabled:
-    trained = sum(x.size for x in jax.tree.leaves(run.state["params"]))
-    trains = (f"{_describe_lora(lora_cfg)}: {_count(trained)} trainable of {_count(num_params)} parameters"
-              + (f", the base stored as {lora_cfg.base_dtype}" if lora_cfg.base_dtype else "") + "\n")
-  tokens_per_step = gbs * sum(map(packing.packed_length, data.train)) / len(data.train)
-  drops = "".join(f"{d.summary(name)}\n" for name, d in data.drops.items())
-  return (
-      f"jaxrm: {rm.config.family} model {config.model.name_or_path}, {num_params / 1e6:.1f}M parameters, "
-      f"{rm.config.dtype} compute / {rm.config.param_dtype} weights, {config.reward.type} loss\n"
-      f"{trains}"
-      f"{attention_summary(rm.config)}\n"
-      f"mesh: {dict(run.mesh.shape)} on {jax.device_count()} {jax.default_backend()} devices, "
-      f"{jax.process_count()} process(es)\n"
-      f"data: {len(data.train)} train examples ({run.input.stream.steps_per_epoch} steps/epoch), "
-      + ", ".join(f"{n}: {len(v)}" for n, v in data.validation.items()) + " validation\n"
-      + drops
-      + f"steps: {run.start_step} -> {run.total_steps}, batch {gbs} groups (x{run.input.grad_accum} accumulation), "
-      f"{tokens_per_step:.0f} tokens/step on average, {_describe_packing(run.input, data.train, gbs)}"
-      + (", in length-grouped order (data.group_by_length)" if config.data.group_by_length else "") + "\n"
-      f"output in {out_dir}")
-
-
-def _count(n: int) -> str:
-  return f"{n / 1e6:.1f}M" if n >= 100_000 else f"{n / 1e3:.1f}K"
-
-
-def _describe_packing(inputs: _Input, train_examples: Sequence, gbs: int) -> str:
-  pack = inputs.pack
-  if pack is None:
-    return "one sequence per row (data.packing=none)" + (
-        ", each micro-batch padded to its own length" if inputs.micro_batched else "")
-  rows = f"up to {pack.row_length}" if pack.length_multiple else f"{pack.row_length}"
-  text = f"packed into rows of {rows} tokens"
-  if pack.shared_prompt:
-    shared = gbs * sum(packing.packed_length(e, True) for e in train_examples) / len(train_examples)
-    text += f", {shared:.0f} tokens/step once prompts are shared"
-  return text
+  shared = gbs * data.mean_train_tokens(shared_prompt=True) if pack is not None and pack.shared_prompt else None
+  return report.run_start(
+      model_name=config.model.name_or_path, model=rm.config, reward_type=config.reward.type,
+      num_params=sum(x.size for x in jax.tree.leaves(nnx.state(rm.model))),
+      trained_params=sum(x.size for x in jax.tree.leaves(run.state["params"])),
+      attention=attention_summary(rm.config), mesh_shape=run.mesh.shape, devices=jax.device_count(),
+      backend=jax.default_backend(), processes=jax.process_count(), train_examples=len(data.train),
+      steps_per_epoch=run.input.stream.steps_per_epoch,
+      validation_sizes={n: len(v) for n, v in data.validation.items()}, drops=data.drops,
+      start_step=run.start_step, total_steps=run.total_steps, global_batch_size=gbs,
+      grad_accum=run.input.grad_accum, tokens_per_step=gbs * data.mean_train_tokens(), pack=pack,
+      micro_batched=run.input.micro_batched, shared_tokens_per_step=shared,
+      group_by_length=config.data.group_by_length, output_dir=out_dir)
 
 
 # ------------------------------------------------------------------ evals
@@ -463,7 +363,7 @@ def _evaluate(run: _Run, step: int) -> dict[str, float]:
     acc = None
     for b in batches:
       m = run.eval_step(params, pipeline.to_global_batch(b, run.mesh))
-      if any(isinstance(v, losses.Samples) for v in m.values()):
+      if any(isinstance(v, Samples) for v in m.values()):
         m = _samples_to_host(m)
       acc = m if acc is None else accumulate(acc, m)
     for k, v in finalize_metrics(jax.device_get(acc)).items():
@@ -485,12 +385,12 @@ def _say(text: str) -> None:
   tqdm.write(text)
 
 
-def _samples_to_host(metrics: losses.Metrics) -> losses.Metrics:
+def _samples_to_host(metrics: Metrics) -> Metrics:
   """An eval step's metrics as numpy, batch by batch; Samples, split over hosts, are gathered whole
   on each."""
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
-    metrics = {k: multihost_utils.process_allgather(v, tiled=True) if isinstance(v, losses.Samples) else v
+    metrics = {k: multihost_utils.process_allgather(v, tiled=True) if isinstance(v, Samples) else v
                for k, v in metrics.items()}
   return jax.device_get(metrics)
 
@@ -574,11 +474,9 @@ def _validate_and_save(run: _Run, step: int, stopping: bool) -> None:
 
 def _final_summary(run: _Run, wall_seconds: float) -> str:
   """What the run did and the commands that use it (:func:`jaxrm.report.run_summary`)."""
-  config, best = run.config, None
-  metric = config.checkpointing.metric
-  if run.ckpt is not None and metric and run.ckpt.manager.best_step() is not None:
-    step = run.ckpt.manager.best_step()
-    best = (step, metric, (run.ckpt.manager.metrics(step) or {}).get(metric, math.nan))
+  config = run.config
+  ranked = run.ckpt.best_by_metric() if run.ckpt is not None else None
+  best = (ranked[0], config.checkpointing.metric, ranked[1]) if ranked is not None else None
   return report.run_summary(
       output_dir=config.output_dir, steps=run.steps_done, wall_seconds=wall_seconds, train_tokens=run.train_tokens,
       train_seconds=run.train_seconds, final_metrics=run.last_val, sets=list(config.data.val_data_paths),

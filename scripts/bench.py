@@ -10,34 +10,22 @@ One H200: Qwen2.5-1.5B shape, sequences up to 2048 tokens, bf16 compute, ``--att
   python scripts/bench.py --gpu
   python scripts/bench.py --gpu --dry_run  # settings, data and batch shapes only; runs anywhere
 
-Memory plan, on any machine and without weights: the trainer's step compiled ahead of time on
-abstract parameters over 8 fake CPU devices, per named shape (their config.json values below),
-sequence length, remat policy and mesh, with each device's parameter, optimizer-state and
-temporary bytes against an 80 GB and a 141 GB GPU (results and caveats: BENCHMARKS.md)::
-
-  python scripts/bench.py --plan --json=scripts/memory_plan.json
-  python scripts/bench.py --plan --plan_models=llama3.1-8b --plan_lengths=8192 --plan_meshes=1x8x1
-
-One training step of a planned setting on this machine's first device, with random weights
-(``scripts/gpu_check.py`` runs it on a GPU)::
-
-  python scripts/bench.py --fit --model=qwen2.5-1.5b --max_length=2048 --remat=dots
-
 LoRA against full training, each mode in lockstep with the same mode training rank-16 adapters on
 every linear layer over a frozen base (step time and peak memory of both, in the same run)::
 
   python scripts/bench.py --model=smollm2-135m --vs-lora --modes=unpacked,shared_prompt
 
 TRL is needed only for ``--vs-trl``, not by jaxrm: ``pip install --no-deps trl==1.16.0`` into the
-environment.
+environment. Memory per device, and one step of a planned setting on a GPU, are
+``scripts/memory_plan.py``'s; the model shapes and generated rows are ``scripts/bench_common.py``'s.
 
 Every run has its own process (so peak memory is its own) and the same procedurally generated
 rows: multi-turn chats with long-tailed turn and completion lengths, two completions each, cut to
 ``--max_length`` from the left as the tokenizer does. Batch i holds rows [i*B, (i+1)*B) for every
-mode and for TRL. jaxrm trains with the trainer's own loss (``steps.make_loss_fn``) and step
-(``steps.make_train_step``), on batches from the trainer's collators: ``unpacked`` (length
-buckets of 64), ``packed`` and ``shared_prompt`` (rows as long as the batch's longest group, in
-multiples of 64, as ``data.packing`` builds them).
+mode and for TRL. jaxrm trains with the trainer's own optimizer, loss and step
+(``update.build_update``, with the settings of ``TRAIN``, which TRL gets too), on batches from the
+trainer's collators: ``unpacked`` (length buckets of 64), ``packed`` and ``shared_prompt`` (rows
+as long as the batch's longest group, in multiples of 64, as ``data.packing`` builds them).
 
 With ``--vs-trl`` each jaxrm mode runs in lockstep with a TRL run: the two processes take turns,
 one training step each (ABBA order), so both meet the same machine load; on a shared machine,
@@ -81,49 +69,17 @@ import time
 
 import numpy as np
 
+from bench_common import IM_END, IM_START, NEWLINE, PAD, SHAPES, make_pairs, one_device_mesh
 from jaxrm.data.tokenize import PreferenceExample
-from jaxrm.models.config import ModelConfig, from_hf_config
+from jaxrm.models.config import ModelConfig
 
-# Public shapes: the values of each model's config.json on the Hugging Face hub (the repository
-# named), as ``models.config.from_hf_config`` reads them. Only the architecture matters here.
-HF_CONFIGS = {
-    "smollm2-135m": {  # HuggingFaceTB/SmolLM2-135M-Instruct
-        "model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
-        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-        "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192,
-        "tie_word_embeddings": True},
-    "qwen2.5-1.5b": {  # Qwen/Qwen2.5-1.5B: head_dim 1536 / 12 = 128, q/k/v biases (qwen2)
-        "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960,
-        "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 131072,
-        "tie_word_embeddings": True, "use_sliding_window": False},
-    "llama3.1-8b": {  # meta-llama/Llama-3.1-8B: head_dim 4096 / 32 = 128
-        "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False},
-    "qwen3-8b": {  # Qwen/Qwen3-8B: explicit head_dim 128, q/k RMSNorm (qwen3)
-        "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
-        "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-        "max_position_embeddings": 40960, "tie_word_embeddings": False, "attention_bias": False,
-        "use_sliding_window": False},
-}
-SHAPES = {
-    "tiny": ModelConfig(family="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
-                        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16),
-    **{name: from_hf_config(hf) for name, hf in HF_CONFIGS.items()},
-}
 JAXRM_MODES = ("unpacked", "packed", "shared_prompt")
 BUCKET = 64  # sequence and row lengths are multiples of this
 GPU_PRESET = dict(model="qwen2.5-1.5b", max_length=2048, batch_size=8, dtype="bfloat16",
                   attention="auto", remat="dots", modes="shared_prompt,packed,unpacked")
-
-# Token ids of the generated chats: ChatML-like markers, then text.
-PAD, IM_START, IM_END, NEWLINE, SYSTEM, USER, ASSISTANT = range(7)
-FIRST_TEXT = 16
+# What both sides train with (train.* keys; TRL's RewardConfig gets the same values): a constant
+# 1e-5 after clipping at 1, no weight decay, AdamW's default betas and eps.
+TRAIN = dict(learning_rate=1e-5, lr_scheduler="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -154,26 +110,6 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--remat", default="none", choices=("none", "dots", "full"),
                  help="jaxrm rematerialization; TRL checkpoints gradients only with 'full' (it has "
                       "nothing like 'dots', which keeps the matmul outputs)")
-  p.add_argument("--plan", action="store_true",
-                 help="memory plan: compile the train step on abstract parameters over fake CPU "
-                      "devices for the --plan_* grid and print each device's bytes")
-  p.add_argument("--plan_models", default=",".join(PLAN_MODELS), help="shapes, comma-separated")
-  p.add_argument("--plan_lengths", default=",".join(map(str, PLAN_LENGTHS)),
-                 help="tokens per sequence, comma-separated")
-  p.add_argument("--plan_remat", default=",".join(PLAN_REMATS), help="remat policies, comma-separated")
-  p.add_argument("--plan_meshes", default=",".join(PLAN_MESHES),
-                 help="meshes as data x fsdp x tensor (1x8x1: fsdp=8), comma-separated")
-  p.add_argument("--plan_lora", type=int, default=0,
-                 help="memory plan of LoRA training: adapters of this rank on every linear layer "
-                      "(0: full-parameter training)")
-  p.add_argument("--plan_base_dtype", default="",
-                 help="with --plan_lora: the frozen base's dtype (bfloat16, int8, nf4; '': float32)")
-  p.add_argument("--plan_backend", default="cpu",
-                 help="cpu: fake CPU devices, as many as the largest mesh needs; gpu (or any other "
-                      "backend): compile for that machine's own devices instead")
-  p.add_argument("--fit", action="store_true",
-                 help="train one step of --model at --max_length with --remat on the first device "
-                      "(random weights, bf16 compute, one pair as the plan's); report its memory")
   p.add_argument("--peak_tflops", type=float, default=989.0, help="accelerator peak (H200 bf16 dense)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--json", default=None, help="write every result here")
@@ -185,13 +121,6 @@ def parse_args(argv=None) -> argparse.Namespace:
       if p.get_default(k) == getattr(args, k):
         setattr(args, k, v)
   args.modes = [m for m in args.modes.split(",") if m]
-  args.plan_models = _names(p, "--plan_models", args.plan_models, SHAPES)
-  args.plan_remat = _names(p, "--plan_remat", args.plan_remat, PLAN_REMATS)
-  try:
-    args.plan_lengths = [int(n) for n in args.plan_lengths.split(",") if n]
-    args.plan_meshes = [mesh_sizes(m) for m in args.plan_meshes.split(",") if m]
-  except ValueError as e:
-    p.error(f"--plan_lengths or --plan_meshes: {e}")
   if args.vs_trl and args.vs_lora:
     p.error("--vs-trl and --vs-lora: choose one partner per run")
   unknown = sorted(set(args.modes) - set(JAXRM_MODES))
@@ -200,52 +129,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   return args
 
 
-def _names(p, flag: str, value: str, known) -> list[str]:
-  names = [n for n in value.split(",") if n]
-  unknown = sorted(set(names) - set(known))
-  if unknown:
-    p.error(f"{flag}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
-  return names
-
-
-def mesh_sizes(spec: str) -> tuple[int, int, int]:
-  """'1x4x2' -> (data, fsdp, tensor) = (1, 4, 2)."""
-  sizes = tuple(int(n) for n in spec.split("x"))
-  if len(sizes) != 3 or min(sizes) < 1:
-    raise ValueError(f"mesh {spec!r} is not data x fsdp x tensor, e.g. 1x8x1")
-  return sizes
-
-
 def model_config(args) -> ModelConfig:
   return SHAPES[args.model].replace(dtype=args.dtype, param_dtype="float32", remat=args.remat,
                                     attention_impl=args.attention, pad_token_id=PAD)
 
 
 # ------------------------------------------------------------------------------------- data
-
-
-def _lognormal(rng, median: float, sigma: float, cap: int) -> int:
-  return int(min(max(rng.lognormal(np.log(median), sigma), 1), cap))
-
-
-def make_pairs(n: int, max_length: int, vocab: int, seed: int) -> list[PreferenceExample]:
-  """``n`` two-completion chats: 1-8 turns, optional system prompt, long-tailed lengths."""
-  rng = np.random.default_rng(seed)
-  text = lambda k: list(rng.integers(FIRST_TEXT, vocab, k))
-  message = lambda role, k: [IM_START, role, NEWLINE] + text(k) + [IM_END, NEWLINE]
-  out = []
-  for i in range(n):
-    context = message(SYSTEM, _lognormal(rng, 30, 0.5, 400)) if rng.random() < 0.5 else []
-    for _ in range(min(int(rng.geometric(0.45)), 8) - 1):
-      context += message(USER, _lognormal(rng, 50, 1.0, 2000))
-      context += message(ASSISTANT, _lognormal(rng, 150, 0.9, 2000))
-    context += message(USER, _lognormal(rng, 60, 1.0, 2000)) + [IM_START, ASSISTANT, NEWLINE]
-    completions = [text(_lognormal(rng, 180, 0.9, max_length // 2 - 1)) + [IM_END] for _ in range(2)]
-    # As truncation="left": the oldest context tokens go until the longest sequence fits.
-    context = context[max(0, len(context) + max(map(len, completions)) - max_length):]
-    ids = tuple(np.asarray(context + c, np.int32) for c in completions)
-    out.append(PreferenceExample(ids, (0, 1), 0.0, f"pair {i}", {}))
-  return out
 
 
 def bench_pairs(args) -> list[PreferenceExample]:
@@ -321,27 +210,21 @@ def _peak_memory_gib() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def _jaxrm_step(cfg: ModelConfig, seed: int):
-  """The trainer's step for a Bradley-Terry model of ``cfg`` (compiled once per batch shape), its
-  initial state, and the model's parameter count. With ``cfg.lora`` on, only the adapters and the
-  head train, as in the trainer."""
+def _jaxrm_update(cfg: ModelConfig, seed: int, num_steps: int):
+  """The trainer's update of a Bradley-Terry model of ``cfg`` (``update.build_update``: its step
+  compiles once per batch shape) and the model's parameter count. With ``cfg.lora`` on, only the
+  adapters and the head train, as in the trainer."""
   import jax
   from flax import nnx
-  from jaxrm import optim, sharding, steps
-  from jaxrm.losses import RewardSpec
-  from jaxrm.models import lora
+  from jaxrm import update
+  from jaxrm.config import RewardSpec, TrainSpec
   from jaxrm.models.decoder import Decoder
 
   model = nnx.jit(lambda: Decoder(cfg, rngs=nnx.Rngs(seed)))()
-  params = nnx.state(model)
-  num_params = sum(x.size for x in jax.tree.leaves(params))
-  schedule = optim.make_schedule(learning_rate=1e-5, warmup_steps=0, total_steps=1, scheduler="constant")
-  tx = optim.make_optimizer(schedule, max_grad_norm=1.0)
-  mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), devices=jax.devices()[:1])
-  state, shardings = steps.init_state(params, tx, seed=seed, mesh=mesh, trainable=lora.trainable_filter(cfg.lora))
-  train_step = steps.make_train_step(steps.make_loss_fn(model, RewardSpec()), tx, schedule,
-                                     state_shardings=shardings, mesh=mesh)
-  return steps.CompiledPerShape("train step", train_step), state, num_params
+  num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
+  built = update.build_update(model, RewardSpec(), TrainSpec(**TRAIN, seed=seed), total_steps=num_steps,
+                              mesh=one_device_mesh())
+  return built, num_params
 
 
 LORA_SUFFIX = "+lora"  # a worker "<mode>+lora" trains adapters (--vs-lora)
@@ -363,7 +246,8 @@ def run_jaxrm(mode: str, args, channel: "_Channel") -> dict:
   mode, lora_on = mode.removesuffix(LORA_SUFFIX), mode.endswith(LORA_SUFFIX)
   if lora_on:
     cfg = dataclasses.replace(cfg, lora=lora_config(args))
-  train_step, state, num_params = _jaxrm_step(cfg, args.seed)
+  built, num_params = _jaxrm_update(cfg, args.seed, args.warmup + args.steps)
+  train_step, state = built.train_step, built.state
   collate = collator(mode, args)
   groups = batches_of(bench_pairs(args), args)
   batches = [collate(g) for g in groups]
@@ -430,8 +314,9 @@ def run_trl(args, channel: "_Channel") -> dict:
   with tempfile.TemporaryDirectory() as out:
     config = trl.RewardConfig(
         output_dir=out, per_device_train_batch_size=args.batch_size,
-        max_steps=args.warmup + args.steps, learning_rate=1e-5, lr_scheduler_type="constant",
-        warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, max_length=args.max_length,
+        max_steps=args.warmup + args.steps, learning_rate=TRAIN["learning_rate"],
+        lr_scheduler_type=TRAIN["lr_scheduler"], warmup_steps=TRAIN["warmup_steps"],
+        weight_decay=TRAIN["weight_decay"], max_grad_norm=TRAIN["max_grad_norm"], max_length=args.max_length,
         train_sampling_strategy="sequential", logging_strategy="no", save_strategy="no",
         report_to="none", disable_tqdm=True, dataloader_num_workers=0, use_cpu=not on_gpu,
         bf16=on_gpu and args.dtype == "bfloat16", gradient_checkpointing=args.remat == "full",
@@ -655,282 +540,9 @@ def dry_run(args) -> None:
     print(f"{mode}: {len(shapes)} distinct batch shapes, so {len(shapes)} compiles")
 
 
-# ------------------------------------------------------------------------------ memory plan
-
-PLAN_MODELS = ("qwen2.5-1.5b", "llama3.1-8b", "qwen3-8b")
-PLAN_LENGTHS = (2048, 8192)
-PLAN_REMATS = ("none", "dots", "full")
-PLAN_MESHES = ("1x1x1", "1x8x1", "1x4x2")  # data x fsdp x tensor
-# Memory of one GPU as nvidia-smi reports it (MiB): an 80 GB H100 and a 141 GB H200.
-CARDS_GIB = {"80 GB": 81559 / 1024, "141 GB": 143771 / 1024}
-
-
-def plan_note(backend: str) -> str:
-  """What the plan's figures are, compiled on ``backend``."""
-  lead = (" a lead only: a GPU's compiler fuses, schedules and keeps bf16 copies differently, so "
-          "its figure is unknown until a GPU measures one." if backend == "cpu" else "")
-  return ("Per device. params and opt state are the float32 master weights and AdamW moments of "
-          "the device's shards, counted from the abstract state (exact). temp is "
-          f"XLA:{backend.upper()}'s temporary allocation for the step (compiled.memory_analysis())"
-          f"{',' + lead if lead else '.'} The compile uses --attention as given; 'auto' is the "
-          "reference path off a GPU, which materialises a dense bool [B, T, T] mask per step and "
-          "float32 scores [B, H, 128, S] per block of 128 queries (its backward pass recomputes "
-          "them), where a fused GPU kernel keeps neither. total = arguments + temp + outputs not "
-          "aliased to the donated state.")
-
-
-def plan_optimizer():
-  """The optimizer of the plan and of ``--fit``: AdamW after clipping, as the trainer builds it."""
-  from jaxrm import optim
-  schedule = optim.make_schedule(learning_rate=1e-5, warmup_steps=0, total_steps=1, scheduler="constant")
-  return optim.make_optimizer(schedule, weight_decay=0.1, max_grad_norm=1.0), schedule
-
-
-def full_pairs(pairs: int, length: int, vocab: int, seed: int = 0):
-  """``pairs`` preference pairs whose two completions both fill ``length`` tokens: the unpacked
-  batch (``data.packing=none``) at its longest. input_ids [2 * pairs, length]."""
-  from jaxrm.batches import PreferenceBatch
-  rng = np.random.default_rng(seed)
-  return PreferenceBatch(
-      input_ids=rng.integers(FIRST_TEXT, vocab, (2 * pairs, length)).astype(np.int32),
-      attention_mask=np.ones((2 * pairs, length), np.int32),
-      ranks=np.tile(np.arange(2, dtype=np.int32), (pairs, 1)),
-      margin=np.zeros(pairs, np.float32), example_mask=np.ones(pairs, np.float32))
-
-
-def bytes_per_device(tree) -> int:
-  """Bytes of one device's shards of ``tree`` (arrays or ShapeDtypeStructs with shardings)."""
-  import jax
-  return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
-             for x in jax.tree.leaves(tree))
-
-
-def plan_config(name: str, remat: str, attention: str, lora_rank: int = 0,
-                base_dtype: str = "") -> ModelConfig:
-  """SHAPES[name] as the plan and ``--fit`` train it: bf16 compute, float32 master weights (with
-  ``lora_rank``: float32 adapters on all seven linear layers over a frozen base in ``base_dtype``)."""
-  from jaxrm.models.lora import LoraConfig
-  lora = LoraConfig(rank=lora_rank, base_dtype=base_dtype or None) if lora_rank else LoraConfig()
-  return SHAPES[name].replace(dtype="bfloat16", param_dtype="float32", remat=remat,
-                              attention_impl=attention, pad_token_id=PAD, lora=lora)
-
-
-def planned_step(cfg: ModelConfig, length: int, mesh):
-  """The trainer's jitted step for ``cfg`` on ``mesh`` with its abstract inputs: the state as
-  ``steps.init_state`` would build it and the plan's batch, one pair per data-parallel shard.
-  Returns (step, state, batch); nothing is allocated."""
-  import jax
-  from flax import nnx
-  from jaxrm import sharding, steps
-  from jaxrm.hf.loader import placed_abstract_model
-  from jaxrm.losses import RewardSpec
-  model = placed_abstract_model(cfg, mesh)
-  tx, schedule = plan_optimizer()
-  from jaxrm.models import lora
-  state, shardings = steps.abstract_state(nnx.state(model), tx, mesh=mesh,
-                                          trainable=lora.trainable_filter(cfg.lora))
-  pairs = sharding.data_parallel_size(mesh)
-  batch = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.batch_sharding(mesh, x.ndim)),
-      full_pairs(pairs, length, cfg.vocab_size))
-  step = steps.make_train_step(steps.make_loss_fn(model, RewardSpec()), tx, schedule,
-                               state_shardings=shardings, mesh=mesh)
-  return step, state, batch
-
-
-def plan_one(name: str, length: int, remat: str, mesh_dims: tuple[int, int, int],
-             attention: str, lora_rank: int = 0, base_dtype: str = "") -> dict:
-  """Compiles the trainer's step for shape ``name`` at ``length`` tokens on a mesh of (fake)
-  devices and returns one device's bytes: parameters, optimizer state, XLA's temporaries and
-  their total."""
-  import jax
-  from jaxrm import sharding
-  cfg = plan_config(name, remat, attention, lora_rank, base_dtype)
-  devices = int(np.prod(mesh_dims))
-  mesh = sharding.make_mesh(sharding.MeshConfig(*mesh_dims), devices=jax.devices()[:devices])
-  step, state, batch = planned_step(cfg, length, mesh)
-  start = time.perf_counter()
-  compiled = step.lower(state, batch).compile()
-  compile_s = time.perf_counter() - start
-  m = compiled.memory_analysis()
-  total = (m.argument_size_in_bytes + m.temp_size_in_bytes
-           + max(m.output_size_in_bytes - m.alias_size_in_bytes, 0))
-  return {
-      "model": name + (f"+lora{lora_rank}" + (f"-{base_dtype}" if base_dtype else "") if lora_rank else ""),
-      "params": sum(x.size for x in jax.tree.leaves((state["params"], state.get("frozen", {})))),
-      "trainable": sum(x.size for x in jax.tree.leaves(state["params"])),
-      "length": length, "remat": cfg.remat, "attention": cfg.attention_impl,
-      "mesh": "x".join(map(str, mesh_dims)), "devices": devices, "pairs": batch.margin.shape[0],
-      "input_ids_per_device": list(batch.input_ids.sharding.shard_shape(batch.input_ids.shape)),
-      "param_bytes": bytes_per_device((state["params"], state.get("frozen", {}))),
-      "opt_state_bytes": bytes_per_device(state["opt_state"]),
-      "batch_bytes": bytes_per_device(batch),
-      "argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
-      "alias_bytes": m.alias_size_in_bytes, "temp_bytes": m.temp_size_in_bytes,
-      "total_bytes": total, "fits": {card: total <= gib * 2**30 for card, gib in CARDS_GIB.items()},
-      "compile_s": round(compile_s, 1),
-  }
-
-
-PLAN_COLUMNS = ("model", "T", "remat", "mesh", "params GiB", "opt GiB", "temp GiB", "total GiB",
-                *CARDS_GIB, "compile s")
-
-
-def plan_row(r: dict) -> str:
-  """One row of the plan's Markdown table."""
-  gib = lambda key: f"{r[key] / 2**30:.2f}"
-  return _markdown([r["model"], str(r["length"]), r["remat"], r["mesh"], gib("param_bytes"),
-                    gib("opt_state_bytes"), gib("temp_bytes"), gib("total_bytes"),
-                    *("yes" if r["fits"][card] else "no" for card in CARDS_GIB),
-                    f"{r['compile_s']:.0f}"])
-
-
-def _markdown(cells) -> str:
-  return "| " + " | ".join(cells) + " |"
-
-
-def plan_table(rows: list[dict]) -> str:
-  """The plan's rows as a Markdown table, by model, length, mesh and remat."""
-  shape = lambda r: r["model"].split("+")[0]
-  order = lambda r: (list(SHAPES).index(shape(r)) if shape(r) in SHAPES else len(SHAPES), r["model"],
-                     r["length"], r["devices"], r["mesh"], PLAN_REMATS.index(r["remat"]))
-  return "\n".join([_markdown(PLAN_COLUMNS), _markdown(["---"] * len(PLAN_COLUMNS)),
-                    *map(plan_row, sorted(rows, key=order))])
-
-
-def _setting(row: dict) -> tuple:
-  return row["model"], row["length"], row["remat"], row["mesh"], row["attention"]
-
-
-def run_plan(args) -> dict:
-  """Every setting of the --plan_* grid, one compile at a time; prints each row as it is done and
-  rewrites ``--json`` after each, so an interrupted grid keeps what it measured. Rows already in
-  ``--json`` for other settings are kept: a grid can be measured a part at a time."""
-  import jax
-  settings = [(m, t, r, mesh) for m in args.plan_models for t in args.plan_lengths
-              for r in args.plan_remat for mesh in args.plan_meshes]
-  suffix = (f"+lora{args.plan_lora}" + (f"-{args.plan_base_dtype}" if args.plan_base_dtype else "")
-            if args.plan_lora else "")
-  wanted = {(m + suffix, t, r, "x".join(map(str, mesh)), args.attention) for m, t, r, mesh in settings}
-  kept = []
-  if args.json and os.path.exists(args.json):
-    with open(args.json) as f:
-      kept = [r for r in json.load(f).get("rows", []) if _setting(r) not in wanted]
-  out = {"note": plan_note(jax.default_backend()), "dtype": "bfloat16 compute, float32 parameters and AdamW moments",
-         "batch": "one pair per data-parallel shard: unpacked rows, both completions T tokens "
-                  "long, input_ids [2, T] per device (tensor-parallel devices share their pair); "
-                  "no gradient accumulation",
-         "attention": args.attention, "backend": jax.default_backend(),
-         "versions": f"jax {jax.__version__}", "cards_gib": CARDS_GIB, "rows": kept, "failed": []}
-  print(out["note"])
-  print(out["batch"])
-  print(_markdown(PLAN_COLUMNS), flush=True)
-  for name, length, remat, mesh in settings:
-    try:
-      row = plan_one(name, length, remat, mesh, args.attention, args.plan_lora, args.plan_base_dtype)
-    except Exception as e:  # e.g. a mesh that does not divide the batch: say so, keep going
-      where = f"{name} T={length} remat={remat} mesh={'x'.join(map(str, mesh))}"
-      out["failed"].append({"setting": where, "error": str(e).splitlines()[0][:300]})
-      print(f"{where}: failed: {out['failed'][-1]['error']}", flush=True)
-      continue
-    out["rows"].append(row)
-    print(plan_row(row), flush=True)
-    if args.json:
-      with open(args.json, "w") as f:
-        json.dump(out, f, indent=1)
-  if kept:
-    print(f"\nevery row of {args.json}:\n{plan_table(out['rows'])}")
-  return out
-
-
-# -------------------------------------------------------------------------- one step on a GPU
-
-
-def fit(args) -> dict:
-  """One training step of ``--model`` on the first device, with random weights: the plan's
-  batch (one pair of two ``--max_length``-token completions), bf16 compute, float32 state.
-  Returns XLA's memory analysis on this backend, the device's peak bytes and the step time.
-
-  The step is compiled first, on the abstract state, so that compiling (autotuning, on a GPU)
-  has the memory to itself; the weights are then initialised straight into their shardings.
-  """
-  import jax
-  from flax import nnx
-  from jaxrm import sharding, steps
-  from jaxrm.data import pipeline
-  from jaxrm.models.decoder import Decoder
-
-  cfg = plan_config(args.model, args.remat, args.attention)
-  out = {"model": args.model, "length": args.max_length, "remat": args.remat,
-         "attention": args.attention, "backend": jax.default_backend(),
-         "device": str(jax.devices()[0].device_kind), "versions": f"jax {jax.__version__}"}
-  mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), devices=jax.devices()[:1])
-  step, abstract, abstract_batch = planned_step(cfg, args.max_length, mesh)
-  out["params"] = sum(x.size for x in jax.tree.leaves(abstract["params"]))
-  out["param_bytes"] = bytes_per_device(abstract["params"])
-  out["opt_state_bytes"] = bytes_per_device(abstract["opt_state"])
-  start = time.perf_counter()
-  compiled = step.lower(abstract, abstract_batch).compile()
-  out["compile_s"] = round(time.perf_counter() - start, 1)
-  m = compiled.memory_analysis()
-  if m is not None:
-    out.update(argument_bytes=m.argument_size_in_bytes, output_bytes=m.output_size_in_bytes,
-               alias_bytes=m.alias_size_in_bytes, temp_bytes=m.temp_size_in_bytes)
-  start = time.perf_counter()
-  params = jax.jit(lambda: nnx.state(Decoder(cfg, rngs=nnx.Rngs(args.seed))),
-                   out_shardings=jax.tree.map(lambda x: x.sharding, abstract["params"]))()
-  state, _ = steps.init_state(params, plan_optimizer()[0], seed=args.seed, mesh=mesh)
-  del params  # the state holds them; the step donates the state
-  batch = pipeline.to_global_batch(full_pairs(1, args.max_length, cfg.vocab_size, args.seed), mesh)
-  jax.block_until_ready((state, batch))
-  out["init_s"] = round(time.perf_counter() - start, 1)
-  start = time.perf_counter()
-  state, (metrics, extra) = compiled(state, batch)
-  jax.block_until_ready(state)
-  out["step_s"] = round(time.perf_counter() - start, 3)
-  out["loss"] = float(metrics["loss"].total) / max(float(metrics["loss"].count), 1.0)
-  out["grad_norm"] = float(extra["grad_norm"])
-  stats = jax.devices()[0].memory_stats() or {}
-  out["peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
-  out["bytes_limit"] = stats.get("bytes_limit")
-  return out
-
-
-def fit_dry_run(args) -> dict:
-  """What ``--fit`` would train, sized on abstract parameters: nothing is compiled or allocated."""
-  import jax
-  from jaxrm import sharding
-  cfg = plan_config(args.model, args.remat, args.attention)
-  mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), devices=jax.devices()[:1])
-  _, state, batch = planned_step(cfg, args.max_length, mesh)
-  return {"dry_run": True, "model": args.model, "length": args.max_length, "remat": args.remat,
-          "attention": args.attention, "params": sum(x.size for x in jax.tree.leaves(state["params"])),
-          "param_bytes": bytes_per_device((state["params"], state.get("frozen", {}))),
-          "opt_state_bytes": bytes_per_device(state["opt_state"]),
-          "input_ids": list(batch.input_ids.shape)}
-
-
 def main(argv=None) -> None:
   argv = sys.argv[1:] if argv is None else argv
   args = parse_args(argv)
-  if args.plan:
-    import jax
-    if args.plan_backend == "cpu":  # fake CPU devices, before anything starts the backend
-      jax.config.update("jax_platforms", "cpu")
-      jax.config.update("jax_num_cpu_devices", max(int(np.prod(m)) for m in args.plan_meshes))
-    elif jax.default_backend() != args.plan_backend:
-      sys.exit(f"--plan_backend={args.plan_backend}, but JAX's default backend is {jax.default_backend()}")
-    result = run_plan(args)
-    if not result["rows"]:
-      sys.exit("memory plan: no setting compiled (the errors are above)")
-    return
-  if args.fit:
-    result = fit(args) if not args.dry_run else fit_dry_run(args)
-    print(json.dumps(result, indent=1))
-    if args.json:
-      with open(args.json, "w") as f:
-        json.dump(result, f, indent=1)
-    return
   if args.worker:
     channel = _Channel.from_spec(args.channel)
     result = run_trl(args, channel) if args.worker == "trl" else run_jaxrm(args.worker, args, channel)

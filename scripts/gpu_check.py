@@ -12,12 +12,12 @@ Steps, each in its own process with its own time limit, within one overall ``--b
    real tokens/s and MFU of a Qwen2.5-1.5B-shaped reward model (random weights, bf16,
    shared-prompt packed rows of 4096 tokens holding generated pairs of up to 2048 tokens); once
    more with ``--attention=cudnn`` if that fails.
-4. ``fit``: ``scripts/bench.py --fit``: one training step on the GPU of the largest one-device
-   shape of ``--plan`` (most parameters, then longest sequences; of one shape, the remat policy
-   with the smallest planned total) whose planned total fits the GPU, within ``PLAN_SLACK``;
-   out of memory, the next shape, while time is left.
+4. ``fit``: ``scripts/memory_plan.py --fit``: one training step on the GPU of the largest
+   one-device shape of ``--plan`` without gradient accumulation (most parameters, then longest
+   sequences; of one shape, the remat policy with the smallest planned total) whose planned
+   total fits the GPU, within ``PLAN_SLACK``; out of memory, the next shape, while time is left.
 5. ``calibration``: the same setting's step compiled on the GPU with the reference attention
-   (``bench.py --plan --plan_backend=gpu``), so XLA:GPU's temporaries stand beside XLA:CPU's
+   (``memory_plan.py --plan_backend=gpu``), so XLA:GPU's temporaries stand beside XLA:CPU's
    from the plan for the same program; only if time is left.
 
 The parent process never imports JAX, so each step has the whole GPU to itself.
@@ -38,6 +38,7 @@ import xml.etree.ElementTree as ET
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "scripts", "bench.py")
+MEMORY_PLAN = os.path.join(ROOT, "scripts", "memory_plan.py")
 PLAN = os.path.join(ROOT, "scripts", "memory_plan.json")
 H200_GIB = 143771 / 1024  # what nvidia-smi reports for an H200, when the GPU cannot be asked
 # Each step's limit in seconds (less when the overall budget has less left).
@@ -64,7 +65,7 @@ JSON_KEYS = {
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--out", default="gpu_check.json", help="the JSON file with every result")
-  p.add_argument("--plan", default=PLAN, help="the memory plan (bench.py --plan --json=...)")
+  p.add_argument("--plan", default=PLAN, help="the memory plan (memory_plan.py --json=...)")
   p.add_argument("--budget_s", type=float, default=450, help="time for all steps together")
   p.add_argument("--dry_run", action="store_true",
                  help="size every step (shapes, batch, FLOP formula, plan candidates, JSON keys) "
@@ -205,14 +206,16 @@ def _setting(row: dict) -> str:
 
 
 def fit_candidates(plan: dict | None, capacity_gib: float) -> list[dict]:
-  """Of each shape (model and length) the plan's one-device row with the smallest total (on a
-  tie, the most recompute), if that is within ``PLAN_SLACK`` of ``capacity_gib``; largest shape
-  first: most parameters, then longest sequences."""
+  """Of each shape (model and length) the plan's one-device row without gradient accumulation
+  (the step ``--fit`` trains) with the smallest total (on a tie, the most recompute), if that is
+  within ``PLAN_SLACK`` of ``capacity_gib``; largest shape first: most parameters, then longest
+  sequences."""
   best = {}
   for r in (plan or {}).get("rows", []):
     key = (r["model"], r["length"])
     rank = (r["total_bytes"], RECOMPUTE.index(r["remat"]))
-    if r["devices"] == 1 and (key not in best or rank < best[key][0]):
+    one_step = r["devices"] == 1 and r.get("grad_accum", 1) == 1
+    if one_step and (key not in best or rank < best[key][0]):
       best[key] = (rank, r)
   rows = [r for _, r in best.values() if r["total_bytes"] <= PLAN_SLACK * capacity_gib * 2**30]
   return sorted(rows, key=lambda r: (-r["params"], -r["length"]))
@@ -223,12 +226,12 @@ def fit(deadline: Deadline, tmp: str, dry_run: bool, plan: dict | None, capacity
   result = {"capacity_gib": round(capacity_gib, 2), "candidates": [_setting(r) for r in candidates[:4]],
             "attempts": []}
   if not candidates:
-    result["error"] = "no one-device setting of the plan fits; run bench.py --plan first"
+    result["error"] = "no one-device setting of the plan fits; run memory_plan.py first"
     return result
   if dry_run:
     top = candidates[0]
     path = os.path.join(tmp, "fit.json")
-    out = run([sys.executable, BENCH, "--fit", "--dry_run", f"--model={top['model']}",
+    out = run([sys.executable, MEMORY_PLAN, "--fit", "--dry_run", f"--model={top['model']}",
                f"--max_length={top['length']}", f"--remat={top['remat']}", "--attention=auto",
                f"--json={path}"], 120, os.path.join(tmp, "fit.log"))
     result.update(rc=out["rc"], would_train=_setting(top), planned=top, sized=_read_json(path))
@@ -240,7 +243,7 @@ def fit(deadline: Deadline, tmp: str, dry_run: bool, plan: dict | None, capacity
       if deadline.left() < MIN_START_S + 30:
         return result
       path = os.path.join(tmp, f"fit_{len(result['attempts'])}.json")
-      out = run([sys.executable, BENCH, "--fit", f"--model={row['model']}",
+      out = run([sys.executable, MEMORY_PLAN, "--fit", f"--model={row['model']}",
                  f"--max_length={row['length']}", f"--remat={row['remat']}",
                  f"--attention={attention}", f"--json={path}"],
                 deadline.limit("fit"), os.path.join(tmp, "fit.log"))
@@ -257,7 +260,7 @@ def fit(deadline: Deadline, tmp: str, dry_run: bool, plan: dict | None, capacity
 def calibration_command(row: dict, path: str) -> list[str]:
   """``row``'s step compiled (not run) on the GPU with the reference attention, as the plan
   compiled it on CPU."""
-  return [sys.executable, BENCH, "--plan", "--plan_backend=gpu", f"--plan_models={row['model']}",
+  return [sys.executable, MEMORY_PLAN, "--plan_backend=gpu", f"--plan_models={row['model']}",
           f"--plan_lengths={row['length']}", f"--plan_remat={row['remat']}", "--plan_meshes=1x1x1",
           "--attention=reference", f"--json={path}"]
 

@@ -1,4 +1,5 @@
-"""scripts/bench.py's memory plan and scripts/gpu_check.py's dry run, on a tiny shape on CPU."""
+"""scripts/memory_plan.py's plan, scripts/bench.py's lockstep runs and scripts/gpu_check.py's dry
+run, on a tiny shape on CPU."""
 
 import json
 import os
@@ -14,7 +15,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import bench  # noqa: E402
-from jaxrm.hf.loader import abstract_model  # noqa: E402
+import bench_common  # noqa: E402
+import memory_plan  # noqa: E402
+from jaxrm.hf.loader import abstract_model, placed_abstract_model  # noqa: E402
 from jaxrm.models.decoder import Decoder  # noqa: E402
 
 TINY_LENGTH = 32
@@ -31,7 +34,7 @@ def run_script(*args, timeout=600):
 def tiny_plan(tmp_path_factory):
   """The plan of the tiny shape on one device and on fsdp=8 (8 fake CPU devices)."""
   path = str(tmp_path_factory.mktemp("plan") / "plan.json")
-  stdout = run_script("scripts/bench.py", "--plan", "--plan_models=tiny",
+  stdout = run_script("scripts/memory_plan.py", "--plan_models=tiny",
                       f"--plan_lengths={TINY_LENGTH}", "--plan_remat=none",
                       "--plan_meshes=1x1x1,1x8x1", f"--json={path}")
   with open(path) as f:
@@ -44,7 +47,7 @@ def test_plan_counts_each_devices_bytes(tiny_plan):
   assert set(plan["cards_gib"]) == {"80 GB", "141 GB"}
   one, eight = sorted(plan["rows"], key=lambda r: r["devices"])
   params = one["params"]
-  assert params == sum(x.size for x in jax.tree.leaves(nnx.state(abstract_model(bench.SHAPES["tiny"]))))
+  assert params == sum(x.size for x in jax.tree.leaves(nnx.state(abstract_model(bench_common.SHAPES["tiny"]))))
   # float32 master weights; every tiny parameter has a hidden (embed) axis of 64, which fsdp
   # splits 8 ways.
   assert one["param_bytes"] == params * 4
@@ -62,12 +65,33 @@ def test_plan_counts_each_devices_bytes(tiny_plan):
   assert "tiny | 32 | none | 1x8x1" in stdout
 
 
+def test_plan_with_accumulation_sizes_the_trainers_micro_batched_step():
+  row = memory_plan.plan_one("tiny", TINY_LENGTH, "none", (1, 1, 1), "auto", grad_accum=2)
+  gradient, update = row["programs"]["gradient"], row["programs"]["update"]
+  # The sums of the micro-batches before are held beside each gradient: as large as its outputs,
+  # a float32 gradient of every parameter and the metric sums.
+  assert gradient["held_bytes"] == gradient["output_bytes"] >= row["param_bytes"]
+  assert update["held_bytes"] == 0 and update["alias_bytes"] > 0  # the update donates the state
+  assert row["total_bytes"] == max(gradient["total_bytes"], update["total_bytes"])
+  assert row["grad_accum"] == 2 and row["input_ids_per_device"] == [2, TINY_LENGTH]  # per micro-batch
+  assert memory_plan.plan_row(row).startswith(f"| tiny | {TINY_LENGTH} | none | 1x1x1 | 2 |")
+
+
+def test_stored_plans_still_read():
+  """The committed plans' rows (some from before accumulation was planned) make their tables."""
+  for name in ("memory_plan.json", "memory_plan_lora.json"):
+    with open(os.path.join(ROOT, "scripts", name)) as f:
+      rows = json.load(f)["rows"]
+    table = memory_plan.plan_table(rows).splitlines()
+    assert len(table) == len(rows) + 2 and all(line.split(" | ")[4] == "1" for line in table[2:])  # accum
+
+
 def test_abstract_state_is_what_init_state_builds():
   from jaxrm import sharding, steps
-  cfg = bench.plan_config("tiny", "none", "auto")
+  cfg = memory_plan.plan_config("tiny", "none", "auto")
   mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), devices=jax.devices()[:1])
   params = nnx.state(nnx.jit(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))())
-  tx, _ = bench.plan_optimizer()
+  tx = memory_plan.planned_update(placed_abstract_model(cfg, mesh), mesh).tx
   real, real_shardings = steps.init_state(params, tx, seed=0, mesh=mesh)
   abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
   abstract, shardings = steps.abstract_state(abstract_params, tx, mesh=mesh)
@@ -75,11 +99,11 @@ def test_abstract_state_is_what_init_state_builds():
   assert jax.tree.structure(shardings) == jax.tree.structure(real_shardings)
   for a, r in zip(jax.tree.leaves(abstract), jax.tree.leaves(real)):
     assert (a.shape, a.dtype, a.sharding) == (r.shape, r.dtype, r.sharding)
-  assert bench.bytes_per_device(abstract) == bench.bytes_per_device(real)
+  assert memory_plan.bytes_per_device(abstract) == memory_plan.bytes_per_device(real)
 
 
 def test_full_pairs_is_the_plan_batch():
-  batch = bench.full_pairs(3, 16, vocab=100)
+  batch = bench_common.full_pairs(3, 16, vocab=100)
   assert batch.input_ids.shape == batch.attention_mask.shape == (6, 16)
   assert batch.attention_mask.all() and batch.input_ids.max() < 100
   np.testing.assert_array_equal(batch.ranks, [[0, 1]] * 3)

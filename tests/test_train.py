@@ -17,8 +17,8 @@ import pytest
 from flax import nnx
 
 import tiny_run
-from jaxrm import checkpointing
-from jaxrm.config import normalize_metric_name
+from jaxrm import checkpointing, loading, steps, update
+from jaxrm.config import TrainSpec, normalize_metric_name
 from jaxrm.errors import UserError
 from jaxrm.hf.safetensors_io import HFCheckpoint
 
@@ -88,7 +88,7 @@ def test_run_directory_files(baseline):
   with open(os.path.join(baseline, "config.json")) as f:
     assert json.load(f)["train"]["max_steps"] == 4
   assert os.path.exists(os.path.join(baseline, "tokenizer", "tokenizer.json"))
-  assert os.path.exists(os.path.join(baseline, checkpointing.RUN_MODEL_CONFIG))
+  assert os.path.exists(os.path.join(baseline, loading.RUN_MODEL_CONFIG))
 
 
 # ------------------------------------------------------------------ checkpoints
@@ -211,6 +211,35 @@ def test_gradient_accumulation_equals_one_big_batch(baseline, model_dir, tmp_pat
                                [whole[s][key] for s in (1, 2, 3, 4)], rtol=0, atol=1e-5, err_msg=key)
 
 
+def test_trainer_and_bench_tools_build_the_update_in_one_place(model_dir, tmp_path, monkeypatch):
+  """The trainer, the benchmark and the memory plan build their update with update.build_update,
+  so the scripts time and size what a run trains: with accumulation over unpacked micro-batches,
+  the trainer's micro-batched step, planned with the default TrainSpec's optimizer."""
+  built = []
+  build_update = update.build_update
+
+  def spy(model, reward, train, **kwargs):
+    built.append((train, kwargs, build_update(model, reward, train, **kwargs)))
+    return built[-1][2]
+
+  monkeypatch.setattr(update, "build_update", spy)
+  monkeypatch.syspath_prepend(os.path.join(tiny_run.ROOT, "scripts"))
+  import bench
+  import bench_common
+  import memory_plan
+  # 8 pairs per step as 2 micro-batches of 4, each padded to its own length.
+  tiny_run.train(tiny_run.config(model_dir, str(tmp_path / "run"), train__max_steps=1, train__micro_batch_size=4,
+                                 eval__val_period=0, eval__val_at_end=False, checkpointing__enabled=False))
+  bench._jaxrm_update(bench_common.SHAPES["tiny"], seed=0, num_steps=2)
+  memory_plan.plan_one("tiny", 32, "none", (1, 1, 1), "auto", grad_accum=2)
+  trainer, timed, planned = built
+  assert [type(b.train_step) for _, _, b in built] == [steps.MicroBatchedStep, steps.CompiledPerShape,
+                                                       steps.MicroBatchedStep]
+  accumulation = lambda kwargs: (kwargs["grad_accum"], kwargs["micro_batched"])
+  assert accumulation(trainer[1]) == accumulation(planned[1]) == (2, True)
+  assert planned[0] == TrainSpec() and timed[0] == TrainSpec(**bench.TRAIN, seed=0)
+
+
 def test_stepwise_run_reports_step_metrics(cache_root, tmp_path):
   out = str(tmp_path / "prm")
   tiny_run.train(tiny_run.config(
@@ -225,7 +254,7 @@ def test_stepwise_run_reports_step_metrics(cache_root, tmp_path):
               "validation-default_first_error_found"):
     assert key in val
   assert checkpointing.read_best(os.path.join(out, "checkpoints"))["step"] == 2
-  with open(os.path.join(out, checkpointing.RUN_MODEL_CONFIG)) as f:
+  with open(os.path.join(out, loading.RUN_MODEL_CONFIG)) as f:
     assert json.load(f)["jaxrm"]["head"] == "token"
 
 

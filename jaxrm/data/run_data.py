@@ -1,0 +1,93 @@
+"""A training run's examples: its train and validation sets read, tokenized (or taken from the
+cache) and checked against the run's reward type, with the rows each set dropped.
+
+``load_run_data(config, tokenizer)`` is what the trainer reads before it batches anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from jaxrm.data import cache, packing, pipeline, registry
+from jaxrm.data.drops import DropReport
+from jaxrm.errors import ConfigError
+
+if TYPE_CHECKING:
+  from jaxrm.config import RewardSpec, RunConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RunData:
+  """The tokenized examples of a run and the rows dropped from each set."""
+
+  train: Sequence  # a list, or the cache's memory-mapped examples
+  validation: dict[str, Sequence]
+  drops: dict[str, DropReport]  # "train", "validation-<name>"
+  num_completions: int | None  # K of preference batches; None for stepwise and rated data
+
+  def mean_train_tokens(self, shared_prompt: bool = False) -> float:
+    """Real tokens of a training group on average: its sequences' lengths, or with
+    ``shared_prompt`` its packed row's, the prompt written once."""
+    return sum(packing.packed_length(e, shared_prompt) for e in self.train) / len(self.train)
+
+
+def load_run_data(config: RunConfig, tokenizer) -> RunData:
+  """The train and validation sets ``config.data`` names, tokenized by ``tokenizer``.
+
+  Raises:
+    ConfigError: the data does not fit ``config.reward`` (its kind, or strengths to scale by), or
+      a validation set has no usable rows.
+  """
+  spec = config.data
+  kind = registry.kind(spec.dataset_name)
+  if config.reward.type not in registry.KINDS[kind]:
+    raise ConfigError(f"reward.type={config.reward.type!r} does not fit data.dataset_name={spec.dataset_name!r}, "
+                      f"which holds {kind} data (for reward.type {' or '.join(registry.KINDS[kind])})")
+  options = _read_options(config.reward, spec.dataset_name)
+
+  def load(path: str, split: str, limit: int, limit_name: str, drops: DropReport) -> Sequence:
+    path = path or None
+    source = None
+    if spec.cache_directory is not None:
+      source = registry.source_key(spec.dataset_name, path, split=split, **options)
+    if source is not None:
+      source["max_records"] = limit
+    read = lambda d: registry.iter_records(spec.dataset_name, path, split=split, drops=d, max_records=limit,
+                                             limit_name=limit_name, **options)
+    return cache.load_tokenized(read, tokenizer=tokenizer, options=spec.tokenize_options, drops=drops, source=source,
+                                cache_dir=spec.cache_directory, num_proc=spec.tokenizer_processes)
+
+  drops = {"train": DropReport()}
+  train = load(spec.train_data_path, "train", spec.max_train_rows, "data.max_train_rows", drops["train"])
+  validation = {}
+  for name, path in spec.val_data_paths.items():
+    registry.check_val_set_name(name)
+    drops[f"validation-{name}"] = report = DropReport()
+    validation[name] = load(path, "validation", spec.max_val_rows, "data.max_val_rows", report)
+    if not validation[name]:
+      raise ConfigError(f"validation set {name!r} has no usable rows\n{report.summary(name)}")
+  if config.reward.preference_strength_scaling and all(e.strength is None for e in train):
+    raise ConfigError(f"reward.preference_strength_scaling weighs each pair by its preference strength, but no "
+                      f"training row of {spec.dataset_name} has one: give rows a 'strength' (HelpSteer3 has "
+                      "overall_preference), or set reward.preference_strength_scaling=False")
+  num_completions = None if kind != "preference" else max(
+      pipeline.max_completions(train), *(pipeline.max_completions(v) for v in validation.values()))
+  return RunData(train, validation, drops, num_completions)
+
+
+def _read_options(reward: RewardSpec, dataset_name: str) -> dict:
+  """What a rated dataset is read for: the attributes, in the head's order, and their range."""
+  if reward.type != "regression":
+    return {}
+  options = {"attributes": reward.attribute_names}
+  if registry.takes_option(dataset_name, "value_range"):
+    options["value_range"] = reward.value_range
+  elif reward.value_range is not None:
+    log.warning("reward.attribute_range=%r is not used: %s checks its own range", reward.attribute_range,
+                dataset_name)
+  return options
