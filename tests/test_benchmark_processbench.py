@@ -1,11 +1,15 @@
 """ProcessBench: the predicted first error, accuracies on erroneous and correct samples, F1."""
 
+import re
+import types
+
 import pytest
 
 from helpers import write_jsonl
 from jaxrm.benchmarks import format_report, load, run
 from jaxrm.benchmarks.scoring import Scorer
 from jaxrm.errors import DataError, EvaluationError
+from jaxrm.evaluation import run_benchmark
 
 # The stub PRM's P(step correct) for each step text.
 P_CORRECT = {"ok": 0.9, "bad": 0.2, "meh": 0.5}
@@ -92,3 +96,36 @@ def test_rows_outside_the_schema_name_row_and_field(tmp_path, bad, message):
 def test_a_sequence_head_model_is_refused(tmp_path):
   with pytest.raises(EvaluationError, match="needs a token-head"):
     run("processbench", Scorer(rewards_fn=lambda c: [0.0] * len(c)), write_jsonl(tmp_path / "g.jsonl", GSM8K))
+
+
+class RecordingPRM:
+  """Stands in for a process RewardModel that calls every step correct; it records the
+  ``max_length`` the benchmark's scorer asks for."""
+
+  def __init__(self, head="token", num_labels=2):
+    self.config = types.SimpleNamespace(head=head, num_labels=num_labels, max_position_embeddings=4096)
+    self.attributes, self.max_lengths = None, []
+
+  def encode_steps(self, problem, steps, *, max_length, where):
+    del problem, where
+    self.max_lengths.append(max_length)
+    return list(range(len(steps))), list(range(len(steps)))
+
+  def step_probabilities(self, encoded, *, batch_size, bucket, max_length):
+    del batch_size, bucket, max_length
+    return [[0.99] * len(positions) for _, positions in encoded]
+
+
+def test_by_default_no_solution_is_cut_below_the_models_context(tmp_path):
+  prm = RecordingPRM()
+  report = run_benchmark("processbench", prm, write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K))
+  assert prm.max_lengths == [4096] * len(GSM8K)  # the official harness cuts and drops nothing
+  assert report["results"]["gsm8k"]["correct_acc"] == 100.0 and report["dropped"]["total"] == 0
+
+
+def test_a_sequence_head_model_is_refused_by_its_kind(tmp_path):
+  with pytest.raises(EvaluationError, match=re.escape(
+      "processbench needs a token-head (process reward) model with 2 labels (step in error, step correct); "
+      "this model has a sequence head with 1 output")):
+    run_benchmark("processbench", RecordingPRM(head="sequence", num_labels=1),
+                  write_jsonl(tmp_path / "g.jsonl", GSM8K))

@@ -2,14 +2,18 @@
 
 import json
 import math
+import re
+import types
 
+import numpy as np
 import pytest
 
 from helpers import write_jsonl
-from jaxrm.benchmarks import format_report, load, run
+from jaxrm import benchmarks
+from jaxrm.benchmarks import format_report, length_bias, load, run
 from jaxrm.benchmarks.scoring import Scorer, chat, tulu_text
 from jaxrm.errors import DataError, EvaluationError
-from jaxrm.evaluate import run_benchmark
+from jaxrm.evaluation import core, run_benchmark
 
 
 class TableRewards:
@@ -141,3 +145,71 @@ def test_spearman_is_undefined_for_constant_rewards(tmp_path):
   report = run("rewardbench", Scorer(lambda convs: [0.0] * len(convs)), write_jsonl(tmp_path / "rb.jsonl", ROWS))
   assert math.isnan(report["length_bias"]["spearman"]["rho"])  # undefined, not an error
   assert report["results"]["alpacaeval-easy"] == 0.0  # every pair tied: none right
+
+
+class RecordingRM:
+  """Stands in for a RewardModel of ``head``: a reward is the row's length; it records the
+  ``max_length`` the benchmark's scorer asks for."""
+
+  def __init__(self, head="sequence", num_labels=1):
+    self.config = types.SimpleNamespace(head=head, num_labels=num_labels, max_position_embeddings=4096)
+    self.attributes, self.tokenizer, self.max_lengths = None, types.SimpleNamespace(chat_template="t"), []
+
+  def encode(self, item, *, max_length, where):
+    del max_length, where
+    return list(range(len(item[-1]["content"])))
+
+  def score_ids(self, encoded, *, batch_size, bucket, max_length):
+    del batch_size, bucket
+    self.max_lengths.append(max_length)
+    return np.array([len(ids) for ids in encoded], np.float32)
+
+
+@pytest.mark.parametrize("max_length, expected", [(None, 2048), (64, 64)])
+def test_rewardbench_scores_at_its_official_length_by_default(tmp_path, max_length, expected):
+  rm = RecordingRM()
+  run_benchmark("rewardbench", rm, write_jsonl(tmp_path / "rb.jsonl", ROWS), max_length=max_length)
+  assert rm.max_lengths == [expected]  # scripts/run_rm.py --max_length, unless given
+
+
+@pytest.mark.parametrize("name, official", [("rewardbench", 2048), ("rewardbench2", 2048), ("rmbench", 2048),
+                                            ("processbench", None)])
+def test_each_benchmark_defaults_to_its_official_length(monkeypatch, name, official):
+  asked = []
+
+  def scorer(rm, **kwargs):
+    asked.append(kwargs)
+    raise StopIteration  # the data is never read
+
+  monkeypatch.setattr(core, "model_scorer", scorer)
+  for given in (None, 300):
+    with pytest.raises(StopIteration):
+      run_benchmark(name, RecordingRM(), max_length=given)
+  assert [a["max_length"] for a in asked] == [official, 300]  # None: the model's context
+  assert asked[0]["needs"] == (benchmarks.module(name).MODEL_KIND,) and asked[0]["use"] == name
+
+
+def test_a_process_reward_model_is_refused_by_its_kind(tmp_path):
+  with pytest.raises(EvaluationError, match=re.escape(
+      "rewardbench needs a sequence-head reward model with one output (a preference reward model); this "
+      "model has a token head with 2 labels; a process reward model scores steps")):
+    run_benchmark("rewardbench", RecordingRM(head="token", num_labels=2), write_jsonl(tmp_path / "rb.jsonl", ROWS))
+
+
+def test_length_bias_plot_labels_short_responses():
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+
+  # Responses of 2 to 9 characters: symlog's own ticks (powers of ten) would label none of them.
+  c = length_bias.comparisons([(1.0, 9, 0.5, 2), (0.2, 3, 0.4, 6)],
+                              [(1.0, 9, True), (0.5, 2, False), (0.2, 3, True), (0.4, 6, False)])
+  fig = Figure()
+  FigureCanvasAgg(fig)
+  ax = fig.add_subplot()
+  length_bias.draw(c, ax, "short responses")
+  fig.canvas.draw()
+  labelled = {t.get_position()[0]: t.get_text() for t in ax.get_xticklabels() if t.get_text()}
+  assert ax.get_xscale() == "symlog"
+  assert {x: s for x, s in labelled.items() if 2 <= x <= 9} == {2.0: "2", 5.0: "5"}
+  low, high = ax.get_xlim()
+  assert low <= 2 and high >= 9  # every response is in view

@@ -1,4 +1,4 @@
-"""jaxrm.evaluate: metrics on hand-built scores, agreement with rm.score, and the CLI."""
+"""jaxrm.evaluation and its CLI: metrics on hand-built scores, agreement with rm.score, and the CLI."""
 
 import dataclasses
 import json
@@ -16,7 +16,7 @@ from jaxrm.data import registry
 from jaxrm.data.drops import DropReport
 from jaxrm.data.tokenize import PAIR_TOO_LONG, RatedExample, StepwiseExample, TokenizeOptions
 from jaxrm.batches import IGNORE_INDEX
-from jaxrm.evaluate import NO_SUBSET, evaluate, format_report
+from jaxrm.evaluation import NO_SUBSET, evaluate, format_report
 from jaxrm.errors import EvaluationError
 
 # The stand-in models' rewards and the metrics are float32 (a reward of 0.3 is not exact in binary);
@@ -224,7 +224,8 @@ def test_regression_metrics_by_hand():
 @pytest.mark.parametrize("rm, examples, combine, message", [
     (LastTokenRM(), RATED, None, "rated data needs a regression model"),
     (TwoAttributeRM(), [pref([1, 2], [1, 3])], None,
-     "this sequence head has 2 (quality, polish): evaluate it on rated data"),
+     "preference data needs a sequence-head reward model with one output (a preference reward model); this "
+     "model has a sequence head with 2 outputs (quality, polish); a regression model is evaluated on rated data"),
     (TwoAttributeRM(), [pref([1, 2], [1, 3]), RATED[0]], None, "mixes preference and regression rows"),
     (TwoAttributeRM(), [dataclasses.replace(RATED[0], labels=np.zeros(3, np.float32),
                                             label_mask=np.ones(3, np.float32))], None,
@@ -238,7 +239,7 @@ def test_regression_model_and_data_must_fit(rm, examples, combine, message):
 
 
 @pytest.mark.parametrize("rm, examples, message", [
-    (ParityPRM(), [pref([1, 2], [1, 3])], "preference data needs a sequence-head model"),
+    (ParityPRM(), [pref([1, 2], [1, 3])], "preference data needs a sequence-head reward model"),
     (LastTokenRM(), [steps([1], [1], "x")], "stepwise data needs a token-head"),
     (LastTokenRM(), [pref([1, 2], [1, 3]), steps([1], [1], "x")], "mixes preference and stepwise"),
     (LastTokenRM(), [], "nothing to evaluate"),

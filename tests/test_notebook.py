@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import shutil
 import sys
 
@@ -41,6 +42,13 @@ def test_stored_notebook_has_no_outputs():
   for cell in nb.cells:
     if cell.cell_type == "code":
       assert cell.outputs == [] and cell.execution_count is None, cell.source[:60]
+
+
+def test_notebook_imports_only_from_jaxrm_itself():
+  nb = nbformat.read(NOTEBOOK, as_version=4)
+  lines = [line.strip() for cell in nb.cells if cell.cell_type == "code" for line in cell.source.splitlines()]
+  imports = [line for line in lines if re.match(r"(from|import) jaxrm\b", line)]
+  assert imports and all(line.startswith("from jaxrm import ") for line in imports), imports
 
 
 @pytest.mark.slow

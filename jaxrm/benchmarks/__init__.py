@@ -2,7 +2,9 @@
 
 One module per benchmark (``rewardbench``, ``rewardbench2``, ``rmbench``, ``processbench``) reads
 rows of its public schema (``parse``), scores them through a :class:`~jaxrm.benchmarks.scoring.Scorer`
-(``evaluate``) and lays the figures out as its leaderboard does (``format_table``).
+(``evaluate``) and lays the figures out as its leaderboard does (``format_table``). It also names
+the kind of model it scores (``MODEL_KIND``, see :mod:`jaxrm.kinds`) and the longest row in tokens
+its official harness scores by default (``MAX_LENGTH``; None: the model's context).
 :func:`load` reads and checks a benchmark's rows; :func:`score` scores them and adds the
 length-bias report; :func:`run` does both.
 """

@@ -82,20 +82,54 @@ def _pct(x: float) -> str:
 
 
 def plot(c: Comparisons, path: str, title: str, unit: str = "characters") -> None:
-  """Writes a PNG of reward against response length, chosen and rejected responses apart."""
+  """Writes a PNG of reward against response length (:func:`draw`)."""
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
 
   fig = Figure(figsize=(7, 4.5))
   FigureCanvasAgg(fig)
-  ax = fig.add_subplot()
+  draw(c, fig.add_subplot(), title, unit)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+
+
+def draw(c: Comparisons, ax, title: str, unit: str = "characters") -> None:
+  """Draws reward against response length on ``ax``, chosen and rejected responses apart."""
   for chosen, label, color in ((True, "chosen", "tab:green"), (False, "rejected", "tab:red")):
     pts = c.responses[c.chosen_responses == chosen]
     ax.scatter(pts[:, 1], pts[:, 0], s=8, alpha=0.5, color=color, label=f"{label} (n={len(pts)})")
-  ax.set_xscale("symlog")
+  _length_axis(ax)
   ax.set_xlabel(f"response length ({unit})")
   ax.set_ylabel("reward")
   ax.set_title(title)
   ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
+
+
+def _length_axis(ax) -> None:
+  """Makes the x axis (response lengths, already plotted) symlog with labelled ticks at any range.
+
+  Lengths run from a few characters to thousands of tokens, hence a log scale; symlog keeps an
+  empty response (length 0) on it. Its default ticks are the powers of ten alone, so short
+  responses (2 to 9 characters, say) got no label at all. The ticks are 1, 2 and 5 times each power
+  of ten instead, and the axis reaches out to a tick on either side of the data.
+  """
+  from matplotlib import ticker
+
+  ax.set_xscale("symlog", linthresh=1.0)  # lengths are whole numbers: linear between 0 and 1 only
+  lo, hi = ax.get_xlim()  # the data's span, with matplotlib's margins
+  ticks = length_ticks(hi)
+  below = [t for t in ticks if t <= lo]
+  ax.set_xlim(below[-1] if below else lo, ticks[-1])
+  ax.xaxis.set_major_locator(ticker.FixedLocator(ticks))
+  ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+
+
+def length_ticks(longest: float) -> list[float]:
+  """0, then 1, 2 and 5 times each power of ten, up to the first at or above ``longest``."""
+  ticks, power = [0.0], 1.0
+  while ticks[-1] < longest:
+    for m in (1.0, 2.0, 5.0):
+      if ticks[-1] < longest:
+        ticks.append(m * power)
+    power *= 10
+  return ticks

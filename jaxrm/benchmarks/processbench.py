@@ -1,22 +1,34 @@
 """ProcessBench: ``Qwen/ProcessBench``, splits gsm8k, math, olympiadbench, omnimath.
 
 Rows: ``problem`` (string), ``steps`` (list of strings), ``label`` (the index of the first wrong
-step, -1 when every step is right), ``id``. The rules follow QwenLM/ProcessBench,
-``code/run_eval_prm_trl.py`` (the evaluation of a token-classification PRM):
+step, -1 when every step is right), ``id``.
 
-* the solution is ``problem + separator``, then each step followed by the separator, and each
-  step is judged at its last token. (The model side lays it out with
-  :meth:`jaxrm.RewardModel.encode_steps`, as stepwise training does: the official script also
-  adds the tokenizer's special tokens before every step, which for tokenizers with a BOS token
-  puts a BOS inside the solution; and it tokenizes step and separator together.)
+The scores are those of the evaluation that QwenLM/ProcessBench's main branch ships for process
+reward models, ``code/run_eval_prm_rlhflow.py``:
+
 * the prediction is the first step judged wrong, -1 if none; a sample is right when the
   prediction equals its label;
 * per split: the accuracy on erroneous samples (label != -1) and on correct ones (label == -1),
-  in percent, and their harmonic mean (F1); the average F1 over the splits.
+  in percent, and their harmonic mean (F1); then the average F1 over the splits, which the paper
+  reports.
 
-A step is judged wrong when its P(correct) is below ``threshold`` (default 0.5). The official
-script takes the argmax of the two logits instead, which at P = 0.5 exactly calls the step wrong
-(argmax picks the first class); with a threshold that step is right.
+That script asks a generative PRM, over chat turns, whether its next token after each step is
+"+"; a token-classification head has no such token. The layout here is instead the one of the
+token-classification (TRL-trained PRM) evaluation ``code/run_eval_prm_trl.py``, which is not on
+main: it lives on a branch of QwenLM/ProcessBench, and huggingface/ProcessBench ships another
+version of it.
+
+* the solution is ``problem + separator``, then each step followed by the separator, and each
+  step is judged at its last token. (The model side lays it out with
+  :meth:`jaxrm.RewardModel.encode_steps`, as stepwise training does: that script also adds the
+  tokenizer's special tokens before every step, which for tokenizers with a BOS token puts a BOS
+  inside the solution; and it tokenizes step and separator together.)
+* neither script cuts or drops a solution for its length, so :data:`MAX_LENGTH` is None: the
+  model's context. Only a solution the model cannot hold is dropped (and counted).
+
+A step is judged wrong when its P(correct) is below ``threshold`` (default 0.5). The TRL script
+takes the argmax of the two logits instead, which at P = 0.5 exactly calls the step wrong (argmax
+picks the first class); with a threshold that step is right.
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from jaxrm import kinds
 from jaxrm.benchmarks import rows
 from jaxrm.benchmarks.scoring import Scorer
 from jaxrm.data.drops import DropReport, row_error
@@ -36,6 +49,8 @@ NAME = "processbench"
 HUB_NAME = "Qwen/ProcessBench"
 SPLITS = ("gsm8k", "math", "olympiadbench", "omnimath")
 DEFAULT_SPLIT = ",".join(SPLITS)
+MODEL_KIND = kinds.PROCESS
+MAX_LENGTH = None  # the model's context: the official code cuts and drops nothing for its length
 DROP_TOO_LONG = "problem + steps longer than max_length (ProcessBench solutions are never cut)"
 
 
@@ -92,7 +107,7 @@ def evaluate(splits: dict[str, list[Sample]], scorer: Scorer, *, threshold: floa
 
 
 def split_scores(labels: Sequence[int], predictions: Sequence[int]) -> dict[str, float]:
-  """run_eval_prm_trl.py: error acc, correct acc (percent) and their harmonic mean."""
+  """Error acc, correct acc (percent) and their harmonic mean, as the official scripts compute them."""
   match = np.asarray(predictions) == np.asarray(labels)
   erroneous = np.asarray(labels) != -1
   error_acc = float(match[erroneous].mean() * 100) if erroneous.any() else math.nan

@@ -23,12 +23,15 @@ from typing import Any
 
 import numpy as np
 
+from jaxrm import kinds
 from jaxrm.benchmarks import length_bias, rows
 from jaxrm.benchmarks.scoring import Scorer, chat
 
 NAME = "rewardbench"
 HUB_NAME = "allenai/reward-bench"
 DEFAULT_SPLIT = "filtered"
+MODEL_KIND = kinds.PREFERENCE
+MAX_LENGTH = 2048  # the default of scripts/run_rm.py --max_length
 
 # rewardbench/constants.py, EXAMPLE_COUNTS, as the official scripts use it. Two quirks kept on
 # purpose, because the published scores were computed with them: math-prm is counted 984 times

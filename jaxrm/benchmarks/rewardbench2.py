@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxrm import kinds
 from jaxrm.benchmarks import length_bias, rows
 from jaxrm.benchmarks.scoring import Scorer, chat
 from jaxrm.data.drops import row_error
@@ -32,6 +33,8 @@ from jaxrm.data.drops import row_error
 NAME = "rewardbench2"
 HUB_NAME = "allenai/reward-bench-2"
 DEFAULT_SPLIT = "test"
+MODEL_KIND = kinds.PREFERENCE
+MAX_LENGTH = 2048  # the default of scripts/run_v2.py --max_length
 SUBSETS = ("Factuality", "Precise IF", "Math", "Safety", "Focus", "Ties")
 TIES = "Ties"
 _TIES_ID = re.compile(r"(ref|tied):(\d+)")

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxrm import kinds
 from jaxrm.benchmarks import length_bias, rows
 from jaxrm.benchmarks.scoring import Scorer, chat
 from jaxrm.data.drops import row_error
@@ -30,6 +31,8 @@ from jaxrm.data.drops import row_error
 NAME = "rmbench"
 HUB_NAME = "THU-KEG/RM-Bench"
 DEFAULT_SPLIT = "train"
+MODEL_KIND = kinds.PREFERENCE
+MAX_LENGTH = 2048  # the default of scripts/run_rm.py --max_length
 STYLES = ("concise", "detailed_plain", "detailed_markdown")
 DOMAINS = ("chat", "math", "code", "safety")
 

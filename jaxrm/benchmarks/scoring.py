@@ -14,9 +14,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from jaxrm import kinds
 from jaxrm.data.records import Message, Text
 from jaxrm.errors import DataError, EvaluationError
-from jaxrm.models.heads import correct_probability
 
 Conversation = list[Message]
 # Conversations (user turn, assistant reply) -> rewards float [N].
@@ -25,8 +25,10 @@ RewardFn = Callable[[Sequence[Conversation]], Sequence[float]]
 # could not be scored (too long); it is then dropped and counted.
 StepFn = Callable[[Sequence[str], Sequence[Sequence[str]]], Sequence[Sequence[float] | None]]
 
-# No limit when encoding: rows are cut to max_length afterwards, from the left, as the official
-# harnesses' tokenizers do (truncation_side="left").
+# No limit when encoding: rows are cut to max_length afterwards, from the left, as the scripts/run_rm.py
+# of RewardBench and RM-Bench set their tokenizers (truncation_side="left"). RewardBench 2's run_v2.py
+# leaves the tokenizer's own side, usually the right; jaxrm cuts its rows on the left too, since a
+# row cut on the right loses the end of the reply that is being scored.
 _NO_LIMIT = 1 << 30
 
 
@@ -86,18 +88,24 @@ class Scorer:
     return {"items": self.items, "seconds": self.seconds, "items_per_second": rate, "truncated": self.truncated}
 
 
-def model_scorer(rm, *, batch_size: int = 32, bucket: int = 64, max_length: int = 2048) -> Scorer:
-  """A :class:`Scorer` over a :class:`jaxrm.RewardModel`: rewards for a sequence head, step
-  probabilities for a token head. Rows longer than ``max_length`` tokens lose their oldest tokens
-  (rewards) or are dropped (solutions, whose cut steps would have no score)."""
-  if rm.config.head == "sequence":
-    if rm.config.num_labels != 1:
-      raise EvaluationError(f"a reward model has one output; this sequence head has {rm.config.num_labels}")
-    scorer = Scorer()
-    scorer.rewards_fn = lambda convs: _model_rewards(rm, convs, batch_size, bucket, max_length, scorer)
-    return scorer
-  return Scorer(steps_fn=lambda problems, steps: _model_steps(rm, problems, steps, batch_size, bucket,
-                                                              max_length))
+def model_scorer(rm, *, needs: Sequence[str] = (kinds.PREFERENCE, kinds.PROCESS), use: str = "a benchmark",
+                 batch_size: int = 32, bucket: int = 64, max_length: int | None = 2048) -> Scorer:
+  """A :class:`Scorer` over a :class:`jaxrm.RewardModel`: rewards for a preference reward model,
+  step probabilities for a process reward model.
+
+  The model must be of a kind in ``needs`` (:func:`jaxrm.kinds.check_kind`; ``use`` names what
+  needs it, e.g. the benchmark). Rows longer than ``max_length`` tokens (None: the model's
+  context) lose their oldest tokens (rewards) or are dropped (solutions, whose cut steps would have
+  no score).
+  """
+  kind = kinds.check_kind(rm, *needs, use=use, error=EvaluationError)
+  max_length = max_length or rm.config.max_position_embeddings
+  if kind == kinds.PROCESS:
+    return Scorer(steps_fn=lambda problems, steps: _model_steps(rm, problems, steps, batch_size, bucket,
+                                                                max_length))
+  scorer = Scorer()
+  scorer.rewards_fn = lambda convs: _model_rewards(rm, convs, batch_size, bucket, max_length, scorer)
+  return scorer
 
 
 def _model_rewards(rm, conversations, batch_size, bucket, max_length, scorer: Scorer) -> np.ndarray:
@@ -123,8 +131,7 @@ def _model_steps(rm, problems, steps_lists, batch_size, bucket, max_length):
       rows.append(i)
     except DataError:  # longer than max_length: reported as dropped by the benchmark
       continue
-  logits = rm.outputs_of_ids([ids for ids, _ in encoded], batch_size=batch_size, bucket=bucket,
-                             max_length=max_length)
-  for j, logits_tc in enumerate(logits):
-    out[rows[j]] = correct_probability(logits_tc[encoded[j][1]]).tolist()
+  for i, p in zip(rows, rm.step_probabilities(encoded, batch_size=batch_size, bucket=bucket,
+                                              max_length=max_length)):
+    out[i] = p
   return out

@@ -1,0 +1,191 @@
+"""The kinds of evaluation data (preference, stepwise, rated) and :data:`KINDS`, the one table of
+what each is: its records and examples, the model it needs, how it is scored
+(:mod:`jaxrm.evaluation.scores`) and what its report shows (headline lines, the columns of the
+subset table, the plot). Evaluation, report and plot look a kind up here instead of testing it.
+
+A kind is named by the data (``"regression"`` for rated rows); the model kind it needs is
+:mod:`jaxrm.kinds`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from jaxrm import kinds
+from jaxrm.data.records import PreferenceRecord, RatedRecord, StepwiseRecord
+from jaxrm.data.tokenize import PreferenceExample, RatedExample, StepwiseExample
+from jaxrm.errors import EvaluationError
+from jaxrm.evaluation import scores
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+  """One kind of evaluation data. ``result`` below is what :func:`jaxrm.evaluation.evaluate` returns."""
+
+  record: type  # its records
+  example: type  # its tokenized examples
+  model: str  # the model kind it needs (jaxrm.kinds)
+  use: str  # what needs the model, as the wrong-model message names it
+  sequences: Callable[[Any], Sequence[np.ndarray]]  # example -> its token sequences
+  # (rm, examples, combine) -> the result's extra keys; raises when the data does not fit the model
+  prepare: Callable[[Any, list, str | None], dict[str, Any]]
+  # (rm, batches, examples, extra keys) -> (arrays for `metrics`, scores for the result)
+  score: Callable[[Any, list, list, dict[str, Any]], tuple[Any, scores.Scores]]
+  metrics: Callable[[Any, np.ndarray], dict[str, float]]  # (arrays, example mask [N]) -> metrics
+  lines: Callable[[dict[str, Any]], list[str]]  # result -> the report's headline lines
+  columns: Callable[[dict[str, Any]], tuple[str, ...]]  # result -> the subset table's metrics
+  plot: Callable[[dict[str, Any], Any], None]  # (result, matplotlib axes): the scores' plot
+
+
+def kind_of(example: Any) -> str:
+  """The name in :data:`KINDS` of a tokenized example's kind."""
+  return next(name for name, k in KINDS.items() if isinstance(example, k.example))
+
+
+def _takes_no_combine(name: str) -> Callable[[Any, list, str | None], dict[str, Any]]:
+  def prepare(rm, examples, combine):
+    del rm, examples
+    if combine is not None:
+      raise EvaluationError(f"combine={combine!r} ranks the attributes of rated rows; this data is {name} data")
+    return {}
+  return prepare
+
+
+def _histograms(ax, series, xlabel: str, title: str) -> None:
+  values = np.concatenate([v for _, v in series])
+  bins = np.histogram_bin_edges(values, bins=min(40, max(10, len(values) // 10)))
+  for label, v in series:
+    ax.hist(v, bins=bins, alpha=0.6, label=f"{label} (n={len(v)})")
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel("count")
+  ax.set_title(title)
+  ax.legend()
+
+
+# --------------------------------------------------------------------------------------- preferences
+
+
+def _preference_score(rm, batches, examples, extra):
+  del extra
+  arrays, out = scores.preference_arrays(rm, batches, len(examples))
+  out["length"] = scores.length_comparisons(examples, arrays.rewards)
+  return arrays, out
+
+
+def _preference_lines(result: dict[str, Any]) -> list[str]:
+  m = result["metrics"]
+  return [
+      f"accuracy           {m['accuracy']:.4f}  (best completion scored above the worst; "
+      f"ties {m['tie_rate']:.4f})",
+      f"pairwise accuracy  {m['pairwise_accuracy']:.4f}  (every ordered pair of completions)",
+      f"loss               {m['loss']:.4f}",
+      f"chosen reward      {m['chosen_reward']:.4f} ± {m['chosen_reward_std']:.4f}",
+      f"rejected reward    {m['rejected_reward']:.4f} ± {m['rejected_reward_std']:.4f}",
+      f"margin             {m['margin']:.4f} ± {m['margin_std']:.4f}",
+      f"all rewards        {m['reward_mean']:.4f} ± {m['reward_std']:.4f}",
+  ]
+
+
+def _preference_plot(result: dict[str, Any], ax) -> None:
+  s = result["scores"]
+  _histograms(ax, (("chosen", s["chosen"]), ("rejected", s["rejected"])), "reward",
+              "Rewards of the best (chosen) and worst (rejected) completions")
+
+
+# ------------------------------------------------------------------------------------------ stepwise
+
+
+def _stepwise_score(rm, batches, examples, extra):
+  del extra
+  return scores.stepwise_arrays(rm, batches, len(examples))
+
+
+def _stepwise_lines(result: dict[str, Any]) -> list[str]:
+  m = result["metrics"]
+  return [
+      f"step accuracy      {m['step_accuracy']:.4f}  (baseline calling every step correct: "
+      f"{m['positive_rate']:.4f})",
+      f"recall             correct {m['recall_correct']:.4f}, error {m['recall_error']:.4f}",
+      f"F1 (error class)   {m['f1_error']:.4f}  (baseline: 0)",
+      f"first error found  {m['first_error_found']:.4f}  (of solutions with an error)",
+      f"loss               {m['loss']:.4f}",
+  ]
+
+
+def _stepwise_plot(result: dict[str, Any], ax) -> None:
+  s = result["scores"]
+  _histograms(ax, (("steps labelled correct", s["correct"]), ("steps labelled in error", s["error"])),
+              "P(step correct)", "Predicted probability that a step is correct")
+
+
+# ---------------------------------------------------------------------------------------- regression
+
+
+def _regression_prepare(rm, examples, combine):
+  """Rated rows hold their ratings in the order of ``rm.attributes``, one per attribute."""
+  ratings = examples[0].labels.shape[0]
+  if ratings != len(rm.attributes):
+    raise EvaluationError(f"the rated rows hold {ratings} ratings each and the model has {len(rm.attributes)} "
+                          f"outputs ({', '.join(rm.attributes)}); read the rows for the model's attributes")
+  scores.combination(rm.attributes, combine)  # a bad combine fails before the model runs
+  return {"attributes": list(rm.attributes), "combine": combine or rm.attributes[0]}
+
+
+def _regression_score(rm, batches, examples, extra):
+  return scores.regression_arrays(rm, batches, len(examples), extra["attributes"], extra["combine"])
+
+
+def _regression_lines(result: dict[str, Any]) -> list[str]:
+  m, attributes = result["metrics"], result["attributes"]
+  width = max(len("attribute"), *(len(a) for a in attributes))
+  lines = [
+      f"mse                {m['mse']:.4f}  (every rating)",
+      f"pairwise accuracy  {m['pairwise_accuracy']:.4f}  (same-prompt responses whose ratings differ, "
+      f"ranked by {result['combine']})",
+      f"loss               {m['loss']:.4f}",
+      "",
+      f"{'attribute':<{width}}  {'mse':>8}  {'mae':>8}  {'pearson':>8}  {'spearman':>8}",
+  ]
+  columns = ("mse", "mae", "pearson", "spearman")
+  return lines + [f"{a:<{width}}" + "".join(f"  {m[f'{k}_{a}']:>8.4f}" for k in columns) for a in attributes]
+
+
+def _regression_columns(result: dict[str, Any]) -> tuple[str, ...]:
+  first = result["attributes"][0]
+  return "mse", "pairwise_accuracy", f"pearson_{first}", f"spearman_{first}"
+
+
+def _regression_plot(result: dict[str, Any], ax) -> None:
+  s = result["scores"]
+  for a, name in enumerate(result["attributes"]):
+    rated = s["rated"][:, a]
+    ax.scatter(s["ratings"][rated, a], s["predictions"][rated, a], s=8, alpha=0.5,
+               label=f"{name} (n={int(rated.sum())})")
+  ax.set_xlabel("rating")
+  ax.set_ylabel("prediction")
+  ax.set_title("Predictions against ratings, per attribute")
+  ax.legend()
+
+
+KINDS: dict[str, Kind] = {
+    "preference": Kind(
+        record=PreferenceRecord, example=PreferenceExample, model=kinds.PREFERENCE, use="preference data",
+        sequences=lambda e: e.input_ids, prepare=_takes_no_combine("preference"), score=_preference_score,
+        metrics=scores.preference_metrics, lines=_preference_lines,
+        columns=lambda result: ("accuracy", "margin", "chosen_reward", "rejected_reward"),
+        plot=_preference_plot),
+    "stepwise": Kind(
+        record=StepwiseRecord, example=StepwiseExample, model=kinds.PROCESS, use="stepwise data",
+        sequences=lambda e: (e.input_ids,), prepare=_takes_no_combine("stepwise"), score=_stepwise_score,
+        metrics=scores.stepwise_metrics, lines=_stepwise_lines,
+        columns=lambda result: ("step_accuracy", "f1_error", "first_error_found", "positive_rate"),
+        plot=_stepwise_plot),
+    "regression": Kind(
+        record=RatedRecord, example=RatedExample, model=kinds.REGRESSION, use="rated data",
+        sequences=lambda e: (e.input_ids,), prepare=_regression_prepare, score=_regression_score,
+        metrics=scores.regression_metrics, lines=_regression_lines, columns=_regression_columns,
+        plot=_regression_plot),
+}

@@ -1,0 +1,171 @@
+"""What each kind of evaluation data is scored into, and its metrics over any subset of the rows.
+
+Per kind, ``<kind>_arrays(rm, batches, n, ...)`` runs the model over the eval batches and returns
+the per-example arrays the metrics take (with the ``scores`` an evaluation result keeps), and
+``<kind>_metrics(arrays, mask)`` computes the metrics of the examples where ``mask`` [N] is 1 from
+the training loss's own metric sums, so that evaluation and validation report the same figures.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+from jaxrm import losses
+from jaxrm.batches import IGNORE_INDEX, PreferenceBatch, RegressionBatch, StepwiseBatch
+from jaxrm.benchmarks import length_bias
+from jaxrm.config import combination_weights
+from jaxrm.data.tokenize import PreferenceExample
+from jaxrm.errors import EvaluationError
+from jaxrm.metrics import finalize_metrics
+from jaxrm.models.heads import correct_probability
+
+NO_SUBSET = "(none)"  # the subset of rows that have no subset column
+
+Scores = dict[str, Any]  # float32 arrays kept in the result, by name
+
+
+def per_subset(subsets: Sequence[Any], metrics_of: Callable[[np.ndarray], dict[str, float]]
+               ) -> dict[str, dict[str, float]]:
+  """``metrics_of(example_mask [N])`` for each subset (None: no subset); {} when no example has one."""
+  if all(s is None for s in subsets):
+    return {}
+  names = np.array([NO_SUBSET if s is None else str(s) for s in subsets])
+  return {name: {"num_examples": int(np.sum(names == name)),
+                 **metrics_of((names == name).astype(np.float32))}
+          for name in sorted(set(names))}
+
+
+# --------------------------------------------------------------------------------------- preferences
+
+
+class PreferenceArrays(NamedTuple):
+  rewards: np.ndarray  # [N, K] float32, best completion first
+  ranks: np.ndarray  # [N, K] int32: position in preference order, -1 = no completion
+  margin: np.ndarray  # [N] float32
+
+
+def preference_arrays(rm, batches: list[PreferenceBatch], n: int) -> tuple[PreferenceArrays, Scores]:
+  """The rewards of every completion; scores ``chosen``/``rejected`` [N]: the best and the worst."""
+  k = batches[0].ranks.shape[1]
+  rewards = np.concatenate(
+      [rm.score_tokens(b.input_ids, b.attention_mask).reshape(-1, k) for b in batches])[:n]
+  ranks = np.concatenate([b.ranks for b in batches])[:n]
+  margin = np.concatenate([b.margin for b in batches])[:n]
+  worst = np.max(ranks, axis=1)  # completions are in preference order: the worst is the last real one
+  scores = {"chosen": rewards[:, 0], "rejected": rewards[np.arange(n), worst]}
+  return PreferenceArrays(rewards, ranks, margin), scores
+
+
+def length_comparisons(examples: list[PreferenceExample], rewards: np.ndarray) -> length_bias.Comparisons:
+  """The best vs the worst completion of each example; lengths in tokens after the shared prompt."""
+  pairs, responses = [], []
+  for e, r in zip(examples, rewards):
+    shared = _shared_prefix(e.input_ids)
+    lengths = [len(ids) - shared for ids in e.input_ids]  # best first, the worst last
+    pairs.append((r[0], lengths[0], r[len(lengths) - 1], lengths[-1]))
+    responses += [(r[j], n, j == 0) for j, n in enumerate(lengths)]
+  return length_bias.comparisons(pairs, responses)
+
+
+def _shared_prefix(sequences: Sequence[np.ndarray]) -> int:
+  n = min(len(x) for x in sequences)
+  same = np.all([x[:n] == sequences[0][:n] for x in sequences], axis=0)
+  return int(np.argmin(same)) if not same.all() else n
+
+
+# Jitted: one compile per evaluation instead of one per operation, whatever the number of subsets.
+_bradley_terry_sums = jax.jit(lambda *args: losses.bradley_terry_loss(*args)[1])
+_stepwise_sums = jax.jit(lambda *args: losses.stepwise_loss(*args)[1])
+
+
+def preference_metrics(a: PreferenceArrays, mask: np.ndarray) -> dict[str, float]:
+  """The Bradley-Terry validation metrics, with the std of chosen/rejected rewards and margins."""
+  metrics = finalize_metrics(_bradley_terry_sums(a.rewards, a.ranks, mask, a.margin))
+  rows = mask > 0
+  chosen = a.rewards[rows, 0]
+  rejected = a.rewards[rows, np.max(a.ranks[rows], axis=1)]
+  for name, values in (("chosen_reward", chosen), ("rejected_reward", rejected),
+                       ("margin", chosen - rejected)):
+    metrics[f"{name}_std"] = float(np.std(values)) if len(values) else math.nan
+  return metrics
+
+
+# ------------------------------------------------------------------------------------------ stepwise
+
+
+class StepwiseArrays(NamedTuple):
+  logits: np.ndarray  # [N, S, 2] float32 of each example's labelled steps, in order
+  labels: np.ndarray  # [N, S] int32: 1 = step correct, 0 = in error, IGNORE_INDEX past the last step
+
+
+def stepwise_arrays(rm, batches: list[StepwiseBatch], n: int) -> tuple[StepwiseArrays, Scores]:
+  """The logits of every labelled step; scores ``correct``/``error``: P(step correct) of the steps
+  labelled each way."""
+  step_logits, step_labels = [], []
+  for b in batches:
+    logits = rm.score_tokens(b.input_ids, b.attention_mask)  # [B, T, 2]
+    for row_logits, row_labels in zip(logits, b.labels):
+      where = row_labels != IGNORE_INDEX
+      step_logits.append(row_logits[where])
+      step_labels.append(row_labels[where])
+  step_logits, step_labels = step_logits[:n], step_labels[:n]
+  num_steps = max(len(x) for x in step_labels)
+  logits = np.zeros((n, num_steps, 2), np.float32)
+  labels = np.full((n, num_steps), IGNORE_INDEX, np.int32)
+  for i, (x, y) in enumerate(zip(step_logits, step_labels)):
+    logits[i, :len(y)], labels[i, :len(y)] = x, y
+  all_logits, all_labels = np.concatenate(step_logits), np.concatenate(step_labels)
+  p_correct = correct_probability(all_logits)
+  scores = {"correct": p_correct[all_labels == 1], "error": p_correct[all_labels == 0]}
+  return StepwiseArrays(logits, labels), scores
+
+
+def stepwise_metrics(a: StepwiseArrays, mask: np.ndarray) -> dict[str, float]:
+  """The stepwise loss's validation metrics."""
+  return finalize_metrics(_stepwise_sums(a.logits, a.labels, mask))
+
+
+# ---------------------------------------------------------------------------------------- regression
+
+
+class RegressionArrays(NamedTuple):
+  predictions: np.ndarray  # [N, A] float32
+  labels: np.ndarray  # [N, A] float32: the ratings, 0 where missing
+  label_mask: np.ndarray  # [N, A] float32: 1 where rated
+  group: np.ndarray  # [N] int32: the responses to one prompt share it
+  attributes: tuple[str, ...]  # [A], the model's
+  combination: tuple[float, ...]  # [A]: what pairwise_accuracy ranks same-prompt responses by
+
+
+def combination(attributes: Sequence[str], combine: str | None) -> tuple[float, ...]:
+  """The weights of ``combine`` (an attribute, or ``"name=weight,..."``; default the first attribute)."""
+  try:
+    return combination_weights(combine or attributes[0], attributes)
+  except ValueError as e:
+    raise EvaluationError(str(e)) from None
+
+
+def regression_arrays(rm, batches: list[RegressionBatch], n: int, attributes: Sequence[str],
+                      combine: str | None) -> tuple[RegressionArrays, Scores]:
+  """Predictions against ratings; scores ``predictions``, ``ratings`` [N, A] and ``rated`` (bool)."""
+  a = len(attributes)
+  predictions = np.concatenate([rm.score_tokens(b.input_ids, b.attention_mask).reshape(-1, a)
+                                for b in batches])[:n]
+  labels, label_mask, group = (np.concatenate([getattr(b, f) for b in batches])[:n]
+                               for f in ("labels", "label_mask", "group"))
+  arrays = RegressionArrays(predictions, labels, label_mask, group, tuple(attributes),
+                            combination(attributes, combine))
+  return arrays, {"predictions": predictions, "ratings": labels, "rated": label_mask > 0}
+
+
+def regression_metrics(a: RegressionArrays, mask: np.ndarray) -> dict[str, float]:
+  """Validation's regression metrics: the loss's MSE, MAE and Pearson sums (every attribute weighing
+  1), Spearman and pairwise accuracy from the whole set."""
+  _, sums = losses.regression_loss(a.predictions, a.labels, a.label_mask, mask, attributes=a.attributes)
+  sums["samples"] = losses.regression_samples(a.predictions, a.labels, a.label_mask, mask, a.group,
+                                              attributes=a.attributes, combination=a.combination)
+  return finalize_metrics(sums)
