@@ -177,6 +177,46 @@ def test_a_changed_file_or_version_rebuilds(tok, tmp_path, monkeypatch):
   assert len(calls) == 3
 
 
+def with_version(name, version):
+  """``installed_versions`` as it would read with ``name`` at ``version``."""
+  versions = {**cache.installed_versions(), name: version}
+  return lambda: dict(versions)
+
+
+@pytest.mark.parametrize("name", cache.VERSIONED_PACKAGES)
+def test_every_installed_version_is_in_the_key(tok, tmp_path, monkeypatch, name):
+  path = write_jsonl(tmp_path / "train.jsonl", preference_rows())
+  source = {"dataset_name": "PreferenceDataset", "split": "train", "source": sources.fingerprint(path)}
+  installed = cache.installed_versions()
+  assert installed[name]  # the test environment has every one installed
+  base = cache.key_hash(cache.cache_key(source, tok, OPTS))
+  monkeypatch.setattr(cache, "installed_versions", with_version(name, installed[name]))
+  assert cache.key_hash(cache.cache_key(source, tok, OPTS)) == base  # equal versions: the same key
+  changed = set()
+  for version in (installed[name] + ".post1", "0.0.1", None):
+    monkeypatch.setattr(cache, "installed_versions", with_version(name, version))
+    changed.add(cache.key_hash(cache.cache_key(source, tok, OPTS)))
+  assert len(changed) == 3 and base not in changed
+
+
+@pytest.mark.parametrize("name", cache.VERSIONED_PACKAGES)
+def test_an_upgrade_rebuilds_and_equal_versions_hit(tok, tmp_path, monkeypatch, name):
+  path = write_jsonl(tmp_path / "train.jsonl", preference_rows())
+  calls = []
+  before, _ = load(path, tok, tmp_path / "cache", calls=calls)
+  installed = cache.installed_versions()
+  monkeypatch.setattr(cache, "installed_versions", with_version(name, installed[name]))
+  load(path, tok, tmp_path / "cache", calls=calls)
+  assert len(calls) == 1  # the same versions read the entry
+  monkeypatch.setattr(cache, "installed_versions", with_version(name, installed[name] + ".post1"))
+  upgraded, _ = load(path, tok, tmp_path / "cache", calls=calls)
+  assert len(calls) == 2 and upgraded.entry != before.entry
+  assert upgraded.key["versions"][name] == installed[name] + ".post1"
+  assert_same_examples(upgraded, before)
+  load(path, tok, tmp_path / "cache", calls=calls)
+  assert len(calls) == 2  # the upgraded install reads its own entry from then on
+
+
 def test_partial_entries_are_never_read(tok, tmp_path):
   path = write_jsonl(tmp_path / "train.jsonl", preference_rows())
   first, _ = load(path, tok, tmp_path / "cache")

@@ -3,8 +3,9 @@
 :func:`load_tokenized` reads records, tokenizes them in ``num_proc`` processes and writes the
 examples, with the rows dropped on the way, into a cache directory named by a hash of everything
 that changes them (:func:`cache_key`): the source's content, the dataset name and options, the
-tokenizer files and chat template, every :class:`~jaxrm.data.tokenize.TokenizeOptions` field and
-:data:`TOKENIZE_VERSION`. A later start with the same inputs opens that directory instead: the
+tokenizer files and chat template, every :class:`~jaxrm.data.tokenize.TokenizeOptions` field,
+:data:`TOKENIZE_VERSION` and the installed versions of jaxrm, transformers and tokenizers
+(:func:`installed_versions`). A later start with the same inputs opens that directory instead: the
 examples are memory-mapped and built on access, so neither the records nor the examples are all
 held in memory.
 
@@ -26,6 +27,7 @@ import dataclasses
 import fcntl
 import hashlib
 import importlib
+import importlib.metadata
 import itertools
 import json
 import logging
@@ -47,8 +49,10 @@ from jaxrm.data.tokenize import TokenizeOptions, tokenize_all
 log = logging.getLogger(__name__)
 
 # Bump when tokenize.py, or a parser feeding it (formats.py, adapters.py), changes what a row
-# becomes: entries written under another version (or another jaxrm release) are never read.
+# becomes: entries written under another version are never read. A release changes the key by
+# itself (installed_versions); this number covers changes between releases.
 TOKENIZE_VERSION = 1
+VERSIONED_PACKAGES = ("jaxrm", "transformers", "tokenizers")
 CACHE_FORMAT = 1
 DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "jaxrm", "tokenized")
 CHUNK_SIZE = 1000  # records per task sent to a worker process
@@ -70,8 +74,20 @@ def cache_key(source: dict[str, Any], tokenizer, options: TokenizeOptions) -> di
     options: how records are tokenized.
   """
   return {"tokenize_version": TOKENIZE_VERSION, "cache_format": CACHE_FORMAT,
-          "source": source,
+          "versions": installed_versions(), "source": source,
           "tokenizer": tokenizer_fingerprint(tokenizer), "options": dataclasses.asdict(options)}
+
+
+def installed_versions() -> dict[str, str | None]:
+  """The installed version of each of :data:`VERSIONED_PACKAGES` (None: not installed), so that
+  an upgrade of jaxrm or of the tokenizing packages never reads an entry the old one wrote."""
+  versions = {}
+  for name in VERSIONED_PACKAGES:
+    try:
+      versions[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      versions[name] = None
+  return versions
 
 
 def key_hash(key: dict[str, Any]) -> str:
