@@ -2,7 +2,9 @@ r"""Serves a reward model over HTTP, batching concurrent requests together.
 
   python -m jaxrm.serve --model=runs/rm [--host=127.0.0.1] [--port=8000] [--api_key=...]
 
-Endpoints (JSON in and out; errors are ``{"error": message}`` with a 4xx/5xx status):
+Endpoints (JSON in and out; errors are ``{"error": message}`` with a 4xx/5xx status; every answer
+carries an ``X-Request-ID`` header, which a 500's message names and the server's log records with
+the cause):
 
 * ``POST /get_reward`` -- OpenRLHF's remote reward model: ``{"query": [text, ...]}`` ->
   ``{"rewards": [float, ...]}``. Each text is a whole prompt + response, scored as sent (no chat
@@ -10,9 +12,18 @@ Endpoints (JSON in and out; errors are ``{"error": message}`` with a 4xx/5xx sta
   as OpenRLHF's own ``serve_rm`` does. ``prompts`` and ``labels`` are ignored.
 * ``POST /score`` -- ``{"conversations": [[{"role", "content"}, ...], ...]}`` (each rendered with
   the chat template), or ``{"prompts": [...], "completions": [...]}`` (pairs joined as training
-  joins them) -> ``{"rewards": [...]}``.
-* ``GET /health`` -- ``{"status": "ok", "model": ...}``; 503 ``"starting"`` while the batch shapes compile.
-* ``GET /metrics`` -- Prometheus text: requests, items, tokens, batch sizes, queue depth, latency.
+  joins them) -> ``{"rewards": [...]}``. A body with vLLM's score fields instead (``text_1`` and
+  ``text_2``, or ``queries`` and ``documents``) is vLLM's score request, answered as vLLM does.
+* ``POST /classify`` -- vLLM's ``{"input": ...}`` / ``{"messages": ...}`` -> its classification
+  response; SGLang's ``{"text": ...}`` / ``{"input_ids": ...}`` -> ``{"embedding": [reward], ...}``.
+* ``POST /pooling``, ``/v1/classify``, ``/v1/score`` -- vLLM's pooling, classification and score
+  requests. vLLM's answers are sigmoid(reward) for a preference model, as vLLM's are, unless the
+  request sends ``"use_activation": false``. See :mod:`jaxrm.server.formats`.
+* ``GET /health`` -- ``{"status": "ok"}``; 503 ``"starting"`` while the batch shapes compile, 500
+  ``"failed"`` if they could not (the log says why). With ``--api_key``, a request bearing it also
+  gets the model's name (``--served_model_name``).
+* ``GET /metrics`` -- Prometheus text: requests, items, tokens, batch sizes, queue depth, bytes held,
+  latency.
 
 Limits and timeouts are flags (``--help``); see :class:`jaxrm.server.ServerConfig`. The server
 binds 127.0.0.1 unless told otherwise; ``--api_key`` (or ``$JAXRM_API_KEY``) makes every endpoint
@@ -27,6 +38,7 @@ import os
 
 from jaxrm import cli
 from jaxrm.server import ServerConfig, make_server
+from jaxrm.server.app import ENDPOINTS
 
 log = logging.getLogger("jaxrm.serve")
 
@@ -43,8 +55,13 @@ def _define_flags() -> None:
                       "the network: set --api_key.")
   flags.DEFINE_integer("port", 8000, "Port (0: any free port).")
   flags.DEFINE_string("api_key", None, f"Bearer token every endpoint but /health asks for (default: ${API_KEY_ENV}).")
+  flags.DEFINE_string("served_model_name", None, "The model's name in answers that name one (vLLM's \"model\", "
+                      "/health to a key holder; default: the last part of --model). The --model path itself "
+                      "is never sent.")
   flags.DEFINE_integer("max_batch", d.max_batch, "Most texts, conversations or pairs per request.")
   flags.DEFINE_integer("max_request_bytes", d.max_request_bytes, "Largest request body, in bytes.")
+  flags.DEFINE_integer("max_pending_bytes", d.max_pending_bytes, "Bytes of request bodies being read or waiting "
+                       "to be tokenized, all requests together, before new requests get 503 + Retry-After.")
   flags.DEFINE_integer("max_length", None, "Most tokens per item (default: the training run's data.max_length, "
                        "which a run and an export of it record; else 2048, or the model's context if "
                        "shorter); conversations lose their oldest turns to fit.")
@@ -55,12 +72,14 @@ def _define_flags() -> None:
   flags.DEFINE_float("batch_wait_ms", d.batch_wait_ms, "How long to wait for more requests to join a batch.")
   flags.DEFINE_integer("max_queued_tokens", d.max_queued_tokens, "Tokens queued, all requests together, "
                        "before new requests get 503 + Retry-After.")
-  flags.DEFINE_float("request_timeout", d.request_timeout, "Seconds a request may wait for its rewards (504).")
+  flags.DEFINE_float("request_timeout", d.request_timeout, "Seconds from a request's headers to its answer: "
+                     "reading its body, tokenizing and scoring it (504 past them).")
   flags.DEFINE_float("header_timeout", d.header_timeout, "Seconds a connection may take to send request "
                      "headers before it is dropped.")
   flags.DEFINE_float("body_timeout", d.body_timeout, "Seconds a request may take to send its body (408).")
   flags.DEFINE_float("keep_alive", d.keep_alive, "Seconds an idle keep-alive connection is kept.")
-  flags.DEFINE_integer("max_connections", d.max_connections, "Open connections before new requests get 503.")
+  flags.DEFINE_integer("max_connections", d.max_connections, "Open connections before new requests get 503; "
+                       "also the most requests waiting to be scored.")
   flags.DEFINE_bool("openrlhf_text", False, "/get_reward: strip pad/eos tokens from each text and append one "
                     "eos, as OpenRLHF's serve_rm does (for models trained with OpenRLHF).")
   flags.DEFINE_bool("normalize", False, "Return (reward - mean) / std with the statistics recorded at "
@@ -80,7 +99,7 @@ def server_config(f) -> ServerConfig:
   except ValueError:
     raise ConfigError(f"--buckets={','.join(f.buckets)}: give token lengths, e.g. --buckets=128,512,2048") from None
   return ServerConfig(
-      max_batch=f.max_batch, max_request_bytes=f.max_request_bytes,
+      max_batch=f.max_batch, max_request_bytes=f.max_request_bytes, max_pending_bytes=f.max_pending_bytes,
       max_length=f.max_length, batch_size=f.batch_size,
       batch_tokens=f.batch_tokens, buckets=buckets, batch_wait_ms=f.batch_wait_ms,
       max_queued_tokens=f.max_queued_tokens, request_timeout=f.request_timeout,
@@ -88,6 +107,11 @@ def server_config(f) -> ServerConfig:
       max_connections=f.max_connections, openrlhf_text=f.openrlhf_text, normalize=f.normalize,
       combine=f.combine,
       api_key=f.api_key or os.environ.get(API_KEY_ENV) or None)
+
+
+def served_model_name(f) -> str:
+  """--served_model_name, else the last part of --model: its name, not where it lies."""
+  return f.served_model_name or os.path.basename(os.path.normpath(f.model))
 
 
 def main() -> None:
@@ -99,14 +123,13 @@ def main() -> None:
   f = flags.FLAGS
   config = server_config(f)
   rm = RewardModel.from_pretrained(f.model, dtype=f.dtype, attention_impl=f.attention)
-  server = make_server(rm, f.host, f.port, config=config, model_name=f.model)
+  server = make_server(rm, f.host, f.port, config=config, model_name=served_model_name(f))
   host = server.address[0]
   if not ipaddress.ip_address(host).is_loopback and config.api_key is None:
     log.warning("listening on %s without --api_key: anyone who can reach this address can use the model", host)
   log.info("max_length=%d tokens per item, buckets %s, %d rows per batch", server.config.max_length,
            ",".join(map(str, server.config.buckets)), server.config.batch_size)
-  print(f"jaxrm: serving {f.model} on {server.url} (POST /get_reward, POST /score, GET /health, "
-        "GET /metrics)", flush=True)
+  print(f"jaxrm: serving {f.model} on {server.url} ({ENDPOINTS})", flush=True)
   server.serve_forever()
 
 

@@ -1,11 +1,17 @@
 """What several test files build by hand: chat messages, tokenized examples, records, loss inputs, a
 tiny random decoder, and the tolerances they share."""
 
+import contextlib
 import json
+import re
+import socket
+import urllib.error
+import urllib.request
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from jaxrm.batches import IGNORE_INDEX
@@ -13,6 +19,7 @@ from jaxrm.data.records import PreferenceRecord
 from jaxrm.data.tokenize import PreferenceExample, StepwiseExample
 from jaxrm.models.config import ModelConfig
 from jaxrm.models.decoder import Decoder
+from jaxrm.server import ServerConfig, make_server
 
 VOCAB = 128  # of the tiny decoder below
 # SmolLM2's <|im_start|>, <|im_end|> (also its eos and pad token) and "\n".
@@ -230,3 +237,78 @@ def write_jsonl(path, rows) -> str:
   with open(path, "w") as f:
     f.writelines(json.dumps(r) + "\n" for r in rows)
   return str(path)
+
+
+# ------------------------------------------------------------------ the reward server on loopback
+
+# Two buckets, so batches are length-bucketed; short timeouts, so stalled clients are dropped fast.
+SERVER_CONFIG = ServerConfig(max_batch=4, max_request_bytes=2048, max_length=64, buckets=(32, 64), batch_size=4,
+                      batch_wait_ms=20, header_timeout=1, body_timeout=1)
+
+# Proxies from the environment must not see loopback requests.
+OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+# Bounds every socket read, so that a server that fails to answer fails the test instead of hanging it.
+SOCKET_TIMEOUT = 30
+
+SERVER_TEXTS = [
+    "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n",
+    "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n5<|im_end|>\n",
+    "Plain text, no template.",
+]
+
+
+def approx(rewards):
+  # The server pads rows to its own buckets and batches them with other requests' rows: each
+  # reward is rm.score's up to the float32 roundings of other shapes.
+  return pytest.approx(list(rewards), rel=REBATCHED["rtol"], abs=REBATCHED["atol"])
+
+
+@contextlib.contextmanager
+def serving(rm, config=SERVER_CONFIG):
+  """A ready server on a free loopback port, run in a thread."""
+  server = make_server(rm, "127.0.0.1", 0, config=config, model_name="tiny").start()
+  try:
+    server.wait_ready(timeout=300)
+    yield server
+  finally:
+    server.shutdown()
+
+
+def call(url, path, body=None, *, raw=None, method=None, headers=None):
+  """(status, decoded JSON reply, reply headers) of one request; ``raw`` bytes are sent as they are."""
+  data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+  req = urllib.request.Request(url + path, data=data, method=method or ("GET" if data is None else "POST"),
+                               headers={"Content-Type": "application/json", **(headers or {})})
+  try:
+    with OPENER.open(req, timeout=SOCKET_TIMEOUT) as reply:
+      return reply.status, json.loads(reply.read()), reply.headers
+  except urllib.error.HTTPError as e:
+    with e:
+      return e.code, json.loads(e.read()), e.headers
+
+
+def metric(url, name):
+  """The value of one sample of the server's /metrics (``name`` with its labels, if any)."""
+  with OPENER.open(url + "/metrics", timeout=SOCKET_TIMEOUT) as reply:
+    text = reply.read().decode()
+  found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+  assert found, f"{name} is not in /metrics:\n{text}"
+  return float(found.group(1))
+
+
+def raw_connection(url):
+  host, port = url.removeprefix("http://").split(":")
+  return socket.create_connection((host, int(port)), timeout=SOCKET_TIMEOUT)
+
+
+def read_all(sock) -> bytes:
+  """What the server sends until it closes the connection (or resets it, having left unread data)."""
+  chunks = []
+  try:
+    while chunk := sock.recv(65536):
+      chunks.append(chunk)
+  except ConnectionResetError:
+    pass
+  return b"".join(chunks)
+

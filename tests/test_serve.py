@@ -2,51 +2,22 @@
 malformed, stalled and overflowing ones; every reward is checked against ``rm.score`` of the same items."""
 
 import concurrent.futures
-import contextlib
 import dataclasses
-import json
 import queue
 import re
-import socket
 import subprocess
 import sys
 import threading
 import types
-import urllib.error
-import urllib.request
 
 import pytest
 
 import tiny_run
-from helpers import REBATCHED, assistant, user
+from helpers import (REBATCHED, SERVER_CONFIG, SERVER_TEXTS, SOCKET_TIMEOUT, approx, assistant, call,
+                     metric, raw_connection, read_all, serving, user)
 from jaxrm.errors import ConfigError
 from jaxrm.loading import ScoringInfo
 from jaxrm.server import ServerConfig, make_server
-
-# Two buckets, so batches are length-bucketed; short timeouts, so stalled clients are dropped fast.
-CONFIG = ServerConfig(max_batch=4, max_request_bytes=2048, max_length=64, buckets=(32, 64), batch_size=4,
-                      batch_wait_ms=20, header_timeout=1, body_timeout=1)
-# Proxies from the environment must not see loopback requests.
-OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-# Bounds every socket read, so that a server that fails to answer fails the test instead of hanging it.
-SOCKET_TIMEOUT = 30
-
-
-def approx(rewards):
-  # The server pads rows to its own buckets and batches them with other requests' rows: each
-  # reward is rm.score's up to the float32 roundings of other shapes.
-  return pytest.approx(list(rewards), rel=REBATCHED["rtol"], abs=REBATCHED["atol"])
-
-
-@contextlib.contextmanager
-def serving(rm, config=CONFIG):
-  """A ready server on a free loopback port, run in a thread."""
-  server = make_server(rm, "127.0.0.1", 0, config=config, model_name="tiny").start()
-  try:
-    server.wait_ready(timeout=300)
-    yield server
-  finally:
-    server.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -60,39 +31,12 @@ def url(server):
   return server.url
 
 
-def call(url, path, body=None, *, raw=None, method=None, headers=None):
-  """(status, decoded JSON reply, reply headers) of one request; ``raw`` bytes are sent as they are."""
-  data = raw if raw is not None else None if body is None else json.dumps(body).encode()
-  req = urllib.request.Request(url + path, data=data, method=method or ("GET" if data is None else "POST"),
-                               headers={"Content-Type": "application/json", **(headers or {})})
-  try:
-    with OPENER.open(req, timeout=SOCKET_TIMEOUT) as reply:
-      return reply.status, json.loads(reply.read()), reply.headers
-  except urllib.error.HTTPError as e:
-    with e:
-      return e.code, json.loads(e.read()), e.headers
-
-
 def rewards_of(url, texts):
   status, reply, _ = call(url, "/get_reward", {"query": texts})
   assert status == 200, reply
   return reply["rewards"]
 
 
-def metric(url, name):
-  """The value of one sample of the server's /metrics (``name`` with its labels, if any)."""
-  with OPENER.open(url + "/metrics", timeout=SOCKET_TIMEOUT) as reply:
-    text = reply.read().decode()
-  found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
-  assert found, f"{name} is not in /metrics:\n{text}"
-  return float(found.group(1))
-
-
-TEXTS = [
-    "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n",
-    "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n5<|im_end|>\n",
-    "Plain text, no template.",
-]
 CONVERSATIONS = [
     [user("Capital of France?"), assistant("Paris")],
     [{"role": "system", "content": "Be brief."}, user("Capital of France?"), assistant("Lyon")],
@@ -103,9 +47,9 @@ CONVERSATIONS = [
 
 def test_get_reward_is_openrlhf_compatible(url, tiny_rm):
   # OpenRLHF's remote_rm_fn posts the rendered texts with their prompts and labels.
-  status, reply, _ = call(url, "/get_reward", {"query": TEXTS, "prompts": ["p"] * 3, "labels": [""] * 3})
+  status, reply, _ = call(url, "/get_reward", {"query": SERVER_TEXTS, "prompts": ["p"] * 3, "labels": [""] * 3})
   assert status == 200
-  assert reply["rewards"] == approx(tiny_rm.score(TEXTS))
+  assert reply["rewards"] == approx(tiny_rm.score(SERVER_TEXTS))
 
 
 def test_score_conversations_and_pairs(url, tiny_rm):
@@ -127,13 +71,13 @@ def test_long_conversations_lose_their_oldest_turns(url, tiny_rm):
   long = [user("one two " * 30), assistant("Noted."), user("Capital of France?"), assistant("Paris")]
   status, reply, _ = call(url, "/score", {"conversations": [long]})
   assert status == 200
-  assert reply["rewards"] == approx(tiny_rm.score([long], max_length=CONFIG.max_length))
+  assert reply["rewards"] == approx(tiny_rm.score([long], max_length=SERVER_CONFIG.max_length))
   assert reply["rewards"] == approx(tiny_rm.score([long[2:]]))
 
 
 def test_openrlhf_text_strips_pad_and_eos_then_appends_one(tiny_rm):
   eos = tiny_rm.tokenizer.eos_token
-  with serving(tiny_rm, dataclasses.replace(CONFIG, openrlhf_text=True)) as s:
+  with serving(tiny_rm, dataclasses.replace(SERVER_CONFIG, openrlhf_text=True)) as s:
     got = rewards_of(s.url, [f"{eos}{eos}Hello world{eos}{eos}{eos}", "Hello world"])
     status, reply, _ = call(s.url, "/get_reward", {"query": ["one two " * 40]})
     assert status == 400
@@ -151,9 +95,9 @@ def test_normalized_rewards(tiny_rm):
     make_server(tiny_rm, "127.0.0.1", 0, config=ServerConfig(normalize=True))
   stats = {"mean": 0.5, "std": 2.0, "from": "validation-default"}
   validated = RewardModel(tiny_rm.model, tiny_rm.tokenizer, ScoringInfo(reward_stats=stats))
-  with serving(validated, dataclasses.replace(CONFIG, normalize=True)) as s:
-    got = rewards_of(s.url, TEXTS)
-  raw = tiny_rm.score(TEXTS)
+  with serving(validated, dataclasses.replace(SERVER_CONFIG, normalize=True)) as s:
+    got = rewards_of(s.url, SERVER_TEXTS)
+  raw = tiny_rm.score(SERVER_TEXTS)
   # Other padding (REBATCHED), then one float32 subtraction and division against numpy's.
   assert got == pytest.approx((raw - 0.5) / 2.0, rel=REBATCHED["rtol"], abs=REBATCHED["atol"])
 
@@ -161,7 +105,7 @@ def test_normalized_rewards(tiny_rm):
 def test_empty_batches_health_and_metrics(url):
   assert call(url, "/get_reward", {"query": []})[:2] == (200, {"rewards": []})
   assert call(url, "/score", {"conversations": []})[:2] == (200, {"rewards": []})
-  assert call(url, "/health")[:2] == (200, {"status": "ok", "model": "tiny"})
+  assert call(url, "/health")[:2] == (200, {"status": "ok"})  # the model's name only to key holders
   assert metric(url, 'jaxrm_requests_total{endpoint="/get_reward",status="200"}') >= 1
 
 
@@ -184,13 +128,13 @@ def test_config_errors_say_which_flag():
 
 
 def test_api_key(tiny_rm):
-  with serving(tiny_rm, dataclasses.replace(CONFIG, api_key="s3cret")) as s:
+  with serving(tiny_rm, dataclasses.replace(SERVER_CONFIG, api_key="s3cret")) as s:
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
-      status, reply, reply_headers = call(s.url, "/get_reward", {"query": TEXTS}, headers=headers)
+      status, reply, reply_headers = call(s.url, "/get_reward", {"query": SERVER_TEXTS}, headers=headers)
       assert status == 401 and "Authorization: Bearer" in reply["error"]
       assert reply_headers["WWW-Authenticate"] == "Bearer"
-    status, reply, _ = call(s.url, "/get_reward", {"query": TEXTS}, headers={"Authorization": "Bearer s3cret"})
-    assert status == 200 and reply["rewards"] == approx(tiny_rm.score(TEXTS))
+    status, reply, _ = call(s.url, "/get_reward", {"query": SERVER_TEXTS}, headers={"Authorization": "Bearer s3cret"})
+    assert status == 200 and reply["rewards"] == approx(tiny_rm.score(SERVER_TEXTS))
     assert call(s.url, "/health")[0] == 200  # probes need no key
     assert call(s.url, "/metrics")[0] == 401
 
@@ -274,22 +218,6 @@ def test_unicode_and_control_characters_are_scored_as_sent(url, tiny_rm):
   assert rewards_of(url, texts) == approx(tiny_rm.score(texts))
 
 
-def raw_connection(url):
-  host, port = url.removeprefix("http://").split(":")
-  return socket.create_connection((host, int(port)), timeout=SOCKET_TIMEOUT)
-
-
-def read_all(sock) -> bytes:
-  """What the server sends until it closes the connection (or resets it, having left unread data)."""
-  chunks = []
-  try:
-    while chunk := sock.recv(65536):
-      chunks.append(chunk)
-  except ConnectionResetError:
-    pass
-  return b"".join(chunks)
-
-
 def test_hostile_clients_do_not_stop_a_well_formed_request(url, tiny_rm):
   # A body that never ends, headers that never end, a Content-Length that is no number, garbage
   # instead of HTTP: each gets its error or is dropped, while a good request is answered.
@@ -303,7 +231,7 @@ def test_hostile_clients_do_not_stop_a_well_formed_request(url, tiny_rm):
   bad_length = raw_connection(url)
   bad_length.sendall(b"POST /get_reward HTTP/1.1\r\nHost: t\r\nContent-Length: lots\r\n\r\n{}")
   try:
-    assert rewards_of(url, TEXTS) == approx(tiny_rm.score(TEXTS))
+    assert rewards_of(url, SERVER_TEXTS) == approx(tiny_rm.score(SERVER_TEXTS))
     reply = read_all(stalled_body)
     assert reply.startswith(b"HTTP/1.1 408 ")
     assert b'"the body took more than 1 s to arrive (--body_timeout)"' in reply
@@ -313,14 +241,14 @@ def test_hostile_clients_do_not_stop_a_well_formed_request(url, tiny_rm):
   finally:
     for sock in (stalled_body, stalled_headers, garbage, bad_length):
       sock.close()
-  assert rewards_of(url, TEXTS[:1]) == approx(tiny_rm.score(TEXTS[:1]))
+  assert rewards_of(url, SERVER_TEXTS[:1]) == approx(tiny_rm.score(SERVER_TEXTS[:1]))
 
 
 def test_queue_overflow_503_then_timeout_504_then_recovery(tiny_rm):
-  first, second = TEXTS[:2], TEXTS[2:]
+  first, second = SERVER_TEXTS[:2], SERVER_TEXTS[2:]
   tokens = [sum(len(tiny_rm.encode(t)) for t in texts) for texts in (first, second)]
   # Room for the first request alone; the scoring worker is held while it is in, so it stays queued.
-  config = dataclasses.replace(CONFIG, max_queued_tokens=tokens[0] + tokens[1] - 1, request_timeout=4)
+  config = dataclasses.replace(SERVER_CONFIG, max_queued_tokens=tokens[0] + tokens[1] - 1, request_timeout=4)
   with serving(tiny_rm, config) as s:
     gate, score = threading.Event(), s.batcher.score_fn
     s.batcher.score_fn = lambda ids, mask: (gate.wait(SOCKET_TIMEOUT), score(ids, mask))[1]
@@ -333,7 +261,7 @@ def test_queue_overflow_503_then_timeout_504_then_recovery(tiny_rm):
       status, reply, headers = call(s.url, "/get_reward", {"query": second})
       assert (status, headers["Retry-After"]) == (503, "1")
       assert "the server is busy" in reply["error"] and "--max_queued_tokens" in reply["error"]
-      assert call(s.url, "/health")[:2] == (200, {"status": "ok", "model": "tiny"})
+      assert call(s.url, "/health")[:2] == (200, {"status": "ok"})
       status, reply, _ = held.result(timeout=SOCKET_TIMEOUT)
       assert status == 504 and "(--request_timeout)" in reply["error"]
     gate.set()
@@ -343,29 +271,29 @@ def test_queue_overflow_503_then_timeout_504_then_recovery(tiny_rm):
 
 
 def test_request_larger_than_the_queue_is_refused(tiny_rm):
-  config = dataclasses.replace(CONFIG, max_queued_tokens=10)
+  config = dataclasses.replace(SERVER_CONFIG, max_queued_tokens=10)
   with serving(tiny_rm, config) as s:
-    status, reply, _ = call(s.url, "/get_reward", {"query": TEXTS})
+    status, reply, _ = call(s.url, "/get_reward", {"query": SERVER_TEXTS})
     assert status == 413 and "this server queues at most 10 (--max_queued_tokens): split" in reply["error"]
 
 def test_connections_past_the_limit_get_503(tiny_rm):
   # Headers may take long here: the idle connections below hold their places for the whole test.
-  config = dataclasses.replace(CONFIG, max_connections=2, header_timeout=SOCKET_TIMEOUT)
+  config = dataclasses.replace(SERVER_CONFIG, max_connections=2, header_timeout=SOCKET_TIMEOUT)
   with serving(tiny_rm, config) as s:
     idle = [raw_connection(s.url) for _ in range(2)]
     try:
-      status, reply, headers = call(s.url, "/get_reward", {"query": TEXTS})
+      status, reply, headers = call(s.url, "/get_reward", {"query": SERVER_TEXTS})
       assert (status, headers["Retry-After"]) == (503, "1")
       assert "2 open connections, its most (--max_connections)" in reply["error"]
     finally:
       for sock in idle:
         sock.close()
     for _ in range(1000):  # until the server has seen the idle connections close
-      status, reply, _ = call(s.url, "/get_reward", {"query": TEXTS})
+      status, reply, _ = call(s.url, "/get_reward", {"query": SERVER_TEXTS})
       if status == 200:
         break
       threading.Event().wait(0.01)
-    assert reply["rewards"] == approx(tiny_rm.score(TEXTS))
+    assert reply["rewards"] == approx(tiny_rm.score(SERVER_TEXTS))
 
 
 # ------------------------------------------------------------------ command line
@@ -388,7 +316,7 @@ def test_cli_serves_until_stopped(model_dir):
         break
       assert (status, reply["status"]) == (503, "starting")
       threading.Event().wait(0.1)
-    assert (status, reply) == (200, {"status": "ok", "model": model_dir})
+    assert (status, reply) == (200, {"status": "ok"})  # no model path to clients
   finally:
     proc.terminate()
     proc.wait(timeout=60)

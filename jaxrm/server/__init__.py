@@ -1,5 +1,7 @@
 """The reward server: ``config`` (limits, batching, timeouts), ``bodies`` (request checks and
-tokenizing), ``batcher`` (the scoring worker), ``metrics`` (Prometheus), ``app`` (Starlette on uvicorn).
+tokenizing), ``formats`` (each endpoint's JSON: jaxrm's, OpenRLHF's, vLLM's, SGLang's), ``limits``
+(bytes held before tokenizing), ``batcher`` (the scoring worker), ``metrics`` (Prometheus), ``app``
+(Starlette on uvicorn).
 
 ``python -m jaxrm.serve`` is its command line.
 """

@@ -9,6 +9,7 @@ import logging
 import socket
 import threading
 import time
+import uuid
 from typing import Callable
 
 import anyio
@@ -26,13 +27,17 @@ from jaxrm.errors import ConfigError
 from jaxrm.server.batcher import Batcher, QueueFull, ScoreFn
 from jaxrm.server.bodies import Encoder, RequestError, parse_json
 from jaxrm.server.config import ServerConfig
+from jaxrm.server.formats import ROUTES, Meta, Scoring
+from jaxrm.server.limits import HeldBody, PendingBytes
 from jaxrm.server.metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger("jaxrm.server")
 
-SCORING = {"/get_reward": Encoder.get_reward, "/score": Encoder.score}
-ENDPOINTS = "GET /health, GET /metrics, POST /get_reward, POST /score"
+ENDPOINTS = "GET /health, GET /metrics, " + ", ".join(f"POST {path}" for path in ROUTES)
 RETRY_AFTER = {"Retry-After": "1"}
+CLOSE = {"Connection": "close"}
+REQUEST_ID = "X-Request-ID"
+CLIENT_GONE = 499  # nginx's status for a client that closed its connection before the answer
 DEFAULT_CONFIG = ServerConfig()
 
 
@@ -62,32 +67,96 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
   return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
-async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
-  """The body, within ``limit`` bytes and ``timeout`` seconds; past either, the connection closes
-  (its unread rest must not be taken for the next request)."""
-  close = {"Connection": "close"}
+class ClientGone(Exception):
+  """The client closed its connection while its request was tokenized or scored."""
+
+
+def _timed_out(timeout: float, headers: dict[str, str] | None = None) -> RequestError:
+  return RequestError(504, f"no rewards within {timeout:g} s (--request_timeout): the server is overloaded; "
+                      "retry later, or send fewer items", {**RETRY_AFTER, **(headers or {})})
+
+
+def _too_large(limit: int) -> RequestError:
+  return RequestError(413, f"the body is over {limit} bytes, the most this server takes (--max_request_bytes): "
+                      "send fewer items per request", CLOSE)
+
+
+def _too_many(limit: int) -> RequestError:
+  return RequestError(503, f"the server holds {limit} bytes of request bodies waiting to be tokenized, its most "
+                      "(--max_pending_bytes): retry after the Retry-After seconds", {**RETRY_AFTER, **CLOSE})
+
+
+def _declared_size(request: Request, held: HeldBody, config: ServerConfig) -> int | None:
+  """The body's Content-Length, within max_request_bytes and held in max_pending_bytes before a byte
+  arrives; None for a chunked body, held chunk by chunk instead."""
   size = request.headers.get("content-length")
-  if size is not None and not size.isdigit():
-    raise RequestError(400, f"Content-Length {size!r} is not a number of bytes", close)
-  too_large = RequestError(413, f"the body is over {limit} bytes, the most this server takes "
-                           "(--max_request_bytes): send fewer items per request", close)
-  if size is not None and int(size) > limit:
-    raise too_large
+  if size is None:
+    return None
+  if not size.isdigit():
+    raise RequestError(400, f"Content-Length {size!r} is not a number of bytes", CLOSE)
+  if int(size) > config.max_request_bytes:
+    raise _too_large(config.max_request_bytes)
+  if not held.take(int(size)):
+    raise _too_many(config.max_pending_bytes)
+  return int(size)
+
+
+async def _read_body(request: Request, held: HeldBody, config: ServerConfig, deadline: float) -> bytes:
+  """The body, within max_request_bytes, max_pending_bytes (``held`` counts it) and body_timeout
+  seconds, before ``deadline`` (the request's); past any, the connection closes (its unread rest
+  must not be taken for the next request)."""
+  size = _declared_size(request, held, config)
+  body_deadline = min(asyncio.get_running_loop().time() + config.body_timeout, deadline)
   chunks, n = [], 0
   try:
-    async with asyncio.timeout(timeout):
+    async with asyncio.timeout_at(body_deadline):
       async for chunk in request.stream():
         n += len(chunk)
-        if n > limit:
-          raise too_large
+        if n > config.max_request_bytes:
+          raise _too_large(config.max_request_bytes)
+        if size is None and not held.take(len(chunk)):
+          raise _too_many(config.max_pending_bytes)
         chunks.append(chunk)
   except TimeoutError:
-    raise RequestError(408, f"the body took more than {timeout:g} s to arrive (--body_timeout)", close) from None
+    if body_deadline == deadline:
+      raise _timed_out(config.request_timeout, CLOSE) from None
+    raise RequestError(408, f"the body took more than {config.body_timeout:g} s to arrive (--body_timeout)",
+                       CLOSE) from None
   return b"".join(chunks)
 
 
+async def _disconnected(request: Request) -> None:
+  """Returns when the client closes its connection. Called once the body is read: uvicorn's
+  receive() then waits until the connection closes (or the answer is sent)."""
+  while (await request.receive())["type"] != "http.disconnect":
+    pass
+
+
+def _retrieved(task: asyncio.Future) -> None:
+  if not task.cancelled():
+    task.exception()  # marks it seen: asyncio logs an exception never retrieved
+
+
+def _with_request_id(app: Callable) -> Callable:
+  """ASGI middleware: every request gets an id (``request.state.request_id``) that its answer
+  carries in an X-Request-ID header, and the log names when something fails."""
+  async def asgi(scope, receive, send):
+    if scope["type"] != "http":
+      return await app(scope, receive, send)
+    request_id = uuid.uuid4().hex
+    scope.setdefault("state", {})["request_id"] = request_id
+
+    async def send_with_id(message):
+      if message["type"] == "http.response.start":
+        message["headers"] = [*message.get("headers", []), (REQUEST_ID.lower().encode(), request_id.encode())]
+      await send(message)
+    return await app(scope, receive, send_with_id)
+  return asgi
+
+
 class App:
-  """The endpoints; scoring requests are checked and tokenized here, scored by the batcher."""
+  """The endpoints. A scoring request is read, then tokenized (one request at a time, in a worker
+  thread), then scored by the batcher, all within its request_timeout."""
 
   def __init__(self, rm, config: ServerConfig, batcher: Batcher, metrics: Metrics, model_name: str):
     self.config = config
@@ -95,21 +164,29 @@ class App:
     self.metrics = metrics
     self.model_name = model_name
     self.encoder = Encoder(rm, config)
+    self.pending = PendingBytes(config.max_pending_bytes, metrics.pending)
     # The tokenizer runs in worker threads, one at a time: a fast tokenizer is not safe to share
     # across threads that may change its truncation settings.
     self._tokenizing = anyio.CapacityLimiter(1)
 
-  def starlette(self) -> Starlette:
+  def asgi(self) -> Callable:
     routes = [Route("/health", self.health, methods=["GET"]), Route("/metrics", self.metrics_text, methods=["GET"])]
-    routes += [Route(path, self._scoring(path, parse), methods=["POST"]) for path, parse in SCORING.items()]
-    return Starlette(routes=routes, exception_handlers={HTTPException: self._http_error})
+    routes += [Route(path, self._scoring(path, parse), methods=["POST"]) for path, parse in ROUTES.items()]
+    return _with_request_id(Starlette(routes=routes, exception_handlers={HTTPException: self._http_error}))
 
   async def health(self, request: Request) -> Response:
+    """The status; a request bearing the API key also learns the model's name (without a key
+    configured, no request does: /health is for probes, and needs no key)."""
     if self.batcher.failed:
-      return JSONResponse({"status": "failed", "error": self.batcher.failed}, status_code=500)
-    if not self.batcher.ready.is_set():
-      return JSONResponse({"status": "starting", "model": self.model_name}, status_code=503, headers=RETRY_AFTER)
-    return JSONResponse({"status": "ok", "model": self.model_name})
+      status, code, headers = "failed", 500, None  # the log says why
+    elif not self.batcher.ready.is_set():
+      status, code, headers = "starting", 503, RETRY_AFTER
+    else:
+      status, code, headers = "ok", 200, None
+    body = {"status": status}
+    if self.config.api_key is not None and self._authorized(request):
+      body["model"] = self.model_name
+    return JSONResponse(body, status_code=code, headers=headers)
 
   async def metrics_text(self, request: Request) -> Response:
     try:
@@ -122,55 +199,96 @@ class App:
     async def endpoint(request: Request) -> Response:
       start = time.perf_counter()
       try:
-        response = JSONResponse({"rewards": await self._rewards(request, parse)})
+        response = JSONResponse(await self._answer(request, parse))
       except RequestError as e:
         response = _error(e.status, str(e), e.headers)
       except ClientDisconnect:
         response = _error(400, "the client closed the connection before sending the whole body")
-      except Exception as e:  # pylint: disable=broad-except  # a server answers, whatever happened
-        log.exception("error while answering %s", path)
-        response = _error(500, f"internal error: {type(e).__name__}: {e}")
+      except ClientGone:
+        response = _error(CLIENT_GONE, "the client closed the connection before its answer")
+      except Exception:  # pylint: disable=broad-except  # a server answers, whatever happened
+        request_id = request.state.request_id
+        log.exception("request %s to %s failed", request_id, path)
+        response = _error(500, f"internal error; the server's log has its cause under request id {request_id}")
       self.metrics.request(path, response.status_code, time.perf_counter() - start)
       return response
     return endpoint
 
-  async def _rewards(self, request: Request, parse: Callable) -> list[float]:
+  async def _answer(self, request: Request, parse: Callable):
+    """The answer's JSON; reading, tokenizing and scoring all end by the request's deadline."""
+    deadline = asyncio.get_running_loop().time() + self.config.request_timeout
+    self._check_scoring(request)
+    held = HeldBody(self.pending)
+    try:
+      raw = await _read_body(request, held, self.config, deadline)
+      work = asyncio.ensure_future(self._tokenized_and_scored(raw, parse, held, request.state.request_id))
+      return await self._until_answered(request, work, deadline)
+    finally:
+      held.abandon()  # a no-op once the tokenizer has the body: it gives the bytes back itself
+
+  def _check_scoring(self, request: Request) -> None:
     self._authorize(request)
     if self.batcher.failed:
-      raise RequestError(500, f"the server could not compile its batch shapes, and scores nothing: "
-                         f"{self.batcher.failed}")
+      raise RequestError(500, "the server could not compile its batch shapes, and scores nothing; its log says "
+                         f"why (request id {request.state.request_id})")
     if not self.batcher.ready.is_set():
       raise RequestError(503, "the server is still compiling its batch shapes; retry shortly (GET /health "
                          "says \"ok\" once it is ready)", RETRY_AFTER)
-    raw = await _read_body(request, self.config.max_request_bytes, self.config.body_timeout)
-    rows = await anyio.to_thread.run_sync(lambda: parse(self.encoder, parse_json(raw)),
-                                          limiter=self._tokenizing)
-    return await self._scored(rows) if rows else []
 
-  async def _scored(self, rows: list[list[int]]) -> list[float]:
+  async def _until_answered(self, request: Request, work: asyncio.Future, deadline: float):
+    """``work``'s result, unless the deadline passes (504) or the client leaves first; either way
+    the work is cancelled, which gives up its place in the tokenizer or the scoring queue."""
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+      timeout = max(0.0, deadline - asyncio.get_running_loop().time())
+      done, _ = await asyncio.wait({work, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+      if work in done:
+        return work.result()
+      if gone in done:
+        raise ClientGone()
+      raise _timed_out(self.config.request_timeout)
+    finally:
+      for task in (work, gone):
+        task.cancel()
+        # Either may have failed just as the other ended: its error is not an answer any more.
+        task.add_done_callback(_retrieved)
+
+  async def _tokenized_and_scored(self, raw: bytes, parse: Callable, held: HeldBody, request_id: str):
+    scoring = await anyio.to_thread.run_sync(lambda: self._tokenized(raw, parse, held), limiter=self._tokenizing)
+    rewards = await self._scored(scoring.rows, request_id) if scoring.rows else []
+    return scoring.write(rewards, Meta(request_id, self.model_name, int(time.time())))
+
+  def _tokenized(self, raw: bytes, parse: Callable, held: HeldBody) -> Scoring | None:
+    """In the tokenizing thread; None if the request gave up before its turn came (its work is
+    cancelled then, so None is never read)."""
+    if not held.claim():
+      return None
+    try:
+      return parse(self.encoder, parse_json(raw))
+    finally:
+      held.release()
+
+  async def _scored(self, rows: list[list[int]], request_id: str) -> list[float]:
     tokens, limit = sum(map(len, rows)), self.config.max_queued_tokens
     if tokens > limit:
       raise RequestError(413, f"the request has {tokens} tokens; this server queues at most {limit} "
                          "(--max_queued_tokens): split the request")
     try:
-      job = self.batcher.submit(rows)
-    except QueueFull:
-      raise RequestError(503, f"the server is busy: {limit} tokens are queued (--max_queued_tokens); "
-                         "retry after the Retry-After seconds", RETRY_AFTER) from None
+      job = self.batcher.submit(rows, request_id)
+    except QueueFull as e:
+      raise RequestError(503, str(e), RETRY_AFTER) from None
     try:
-      return await asyncio.wait_for(job.future, self.config.request_timeout)
-    except TimeoutError:
-      raise RequestError(504, f"no rewards within {self.config.request_timeout:g} s (--request_timeout): "
-                         "the server is overloaded; retry later, or send fewer items", RETRY_AFTER) from None
+      return await job.future
     finally:
-      self.batcher.give_up(job)  # a no-op once answered; else its unscored rows are skipped
+      self.batcher.give_up(job)  # a no-op once answered; else its rows are not scored
+
+  def _authorized(self, request: Request) -> bool:
+    key = self.config.api_key
+    sent = request.headers.get("authorization", "")
+    return key is None or hmac.compare_digest(sent.encode(), f"Bearer {key}".encode())
 
   def _authorize(self, request: Request) -> None:
-    key = self.config.api_key
-    if key is None:
-      return
-    sent = request.headers.get("authorization", "")
-    if not hmac.compare_digest(sent.encode(), f"Bearer {key}".encode()):
+    if not self._authorized(request):
       raise RequestError(401, "this server needs an 'Authorization: Bearer <api key>' header with its key",
                          {"WWW-Authenticate": "Bearer"})
 
@@ -266,7 +384,7 @@ class RewardServer:
     self.metrics = Metrics()
     self.batcher = Batcher(score_fn(rm, self.config.normalize, self.config.combine), self.config,
                            pad_id(rm.tokenizer, rm.config.pad_token_id), self.metrics)
-    app = App(rm, self.config, self.batcher, self.metrics, model_name).starlette()
+    app = App(rm, self.config, self.batcher, self.metrics, model_name).asgi()
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     self._socket = socket.create_server((host, port), family=family, backlog=2048)
     self._uvicorn = uvicorn.Server(uvicorn.Config(

@@ -5,6 +5,11 @@ The worker takes what is queued (waiting up to ``batch_wait_ms`` for a batch to 
 rows of all those requests by length, cuts them into batches of at most ``batch_size`` rows and
 ``batch_tokens`` padded tokens, pads each to a compiled bucket length, scores it, and hands every
 request back its own rewards, in its own order.
+
+The queue holds at most ``max_connections`` requests. A request given up (timed out, its client
+gone) keeps its place, without its rows, until the worker takes it and drops it unscored; its tokens
+leave ``max_queued_tokens`` at once. Rows already taken into a batch are scored and their rewards
+discarded.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ DRAIN_BATCHES = 8
 
 
 class QueueFull(Exception):
-  """The queued tokens would pass ``max_queued_tokens``."""
+  """The queue is full (``max_queued_tokens`` or ``max_connections``); the message says which."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -46,7 +51,9 @@ class Job:
   rewards: np.ndarray
   left: int
   tokens: int
+  request_id: str = ""  # names the request in the log
   done: bool = False  # answered, failed or given up: its tokens are no longer queued
+  collected: bool = False  # taken from the queue by the worker, which now holds its rows
 
 
 def row_sizes(batch_size: int) -> list[int]:
@@ -67,8 +74,8 @@ class Batcher:
     self.pad_id = pad_id
     self.metrics = metrics
     self.ready = threading.Event()
-    self.failed: str | None = None  # why warm-up failed, if it did
-    self._queue: queue.Queue[Job] = queue.Queue()
+    self.failed: str | None = None  # why warm-up failed, if it did: for wait_ready, never for clients
+    self._queue: queue.Queue[Job] = queue.Queue(maxsize=config.max_connections)
     self._lock = threading.Lock()
     self._queued_tokens = 0
     self._queued_items = 0
@@ -77,23 +84,32 @@ class Batcher:
 
   # ------------------------------------------------------------------ handler side
 
-  def submit(self, rows: list[list[int]]) -> Job:
+  def submit(self, rows: list[list[int]], request_id: str = "") -> Job:
     """Queues one request's token rows; await ``job.future`` for rewards [N] (QueueFull: 503)."""
     loop = asyncio.get_running_loop()
     tokens = sum(map(len, rows))
+    cfg = self.config
     with self._lock:
-      if self._queued_tokens + tokens > self.config.max_queued_tokens:
-        raise QueueFull()
+      if self._queued_tokens + tokens > cfg.max_queued_tokens:
+        raise QueueFull(f"the server is busy: {cfg.max_queued_tokens} tokens are queued (--max_queued_tokens); "
+                        "retry after the Retry-After seconds")
+      job = Job(rows, loop, loop.create_future(), np.zeros(len(rows), np.float32), len(rows), tokens, request_id)
+      try:
+        self._queue.put_nowait(job)
+      except queue.Full:
+        raise QueueFull(f"the server is busy: {cfg.max_connections} requests wait to be scored, as many as it "
+                        "keeps connections (--max_connections); retry after the Retry-After seconds") from None
       self._queued_tokens += tokens
       self._queued_items += len(rows)
       self._update_gauges()
-    job = Job(rows, loop, loop.create_future(), np.zeros(len(rows), np.float32), len(rows), tokens)
-    self._queue.put(job)
     return job
 
   def give_up(self, job: Job) -> None:
-    """The handler no longer waits (timeout, disconnect): its unscored rows are skipped."""
-    self._release(job)
+    """The handler no longer waits (timeout, disconnect): its rows are not scored. Still queued, it
+    lets go of them now; the worker drops it when it comes to it."""
+    with self._lock:
+      if self._release(job) and not job.collected:
+        job.rows = []
 
   # ------------------------------------------------------------------ worker side
 
@@ -107,7 +123,7 @@ class Batcher:
   def _run(self) -> None:
     try:
       self._warm_up()
-    except Exception as e:  # pylint: disable=broad-except  # /health says why instead of hanging
+    except Exception as e:  # pylint: disable=broad-except  # /health says "failed" instead of hanging
       log.exception("warm-up failed")
       self.failed = f"{type(e).__name__}: {e}"
       return
@@ -117,7 +133,7 @@ class Batcher:
       try:
         self._score_jobs(jobs)
       except Exception as e:  # pylint: disable=broad-except  # fail these requests, keep serving
-        log.exception("scoring failed")
+        log.exception("scoring failed (requests %s)", _ids(jobs))
         for job in jobs:
           self._fail(job, e)
 
@@ -139,22 +155,34 @@ class Batcher:
   def _collect(self) -> list[Job]:
     """The jobs to score next: the first to arrive, those arriving within batch_wait_ms, and any
     already queued, up to DRAIN_BATCHES batches' worth of rows."""
-    try:
-      jobs = [self._queue.get(timeout=0.1)]
-    except queue.Empty:
+    first = self._take(0.1)
+    if first is None:
       return []
-    rows = len(jobs[0].rows)
+    jobs, rows = [first], len(first.rows)
     deadline = time.monotonic() + self.config.batch_wait_ms / 1000
     while rows < self.config.batch_size * DRAIN_BATCHES:
-      wait = deadline - time.monotonic()
-      try:
-        job = self._queue.get(timeout=wait) if wait > 0 and rows < self.config.batch_size else \
-            self._queue.get_nowait()
-      except queue.Empty:
+      job = self._take(deadline - time.monotonic() if rows < self.config.batch_size else 0)
+      if job is None:
         break
       jobs.append(job)
       rows += len(job.rows)
     return jobs
+
+  def _take(self, wait: float) -> Job | None:
+    """The next job still waited for, within ``wait`` seconds (0: only one already queued), or None;
+    those given up on the way are dropped."""
+    deadline = time.monotonic() + wait
+    while True:
+      left = deadline - time.monotonic()
+      try:
+        job = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
+      except queue.Empty:
+        return None
+      with self._lock:
+        job.collected = True
+        self._update_gauges()
+        if not job.done:
+          return job
 
   def _score_jobs(self, jobs: list[Job]) -> None:
     rows = [(job, i) for job in jobs if not job.done for i in range(len(job.rows))]
@@ -166,7 +194,7 @@ class Batcher:
       try:
         rewards = self._forward([job.rows[i] for job, i in batch])
       except Exception as e:  # pylint: disable=broad-except  # fail these requests, keep serving
-        log.exception("scoring a batch failed")
+        log.exception("scoring a batch failed (requests %s)", _ids(job for job, _ in batch))
         for job in {job for job, _ in batch}:
           self._fail(job, e)
         continue
@@ -205,25 +233,33 @@ class Batcher:
   # ------------------------------------------------------------------ results
 
   def _release(self, job: Job) -> bool:
-    with self._lock:
-      if job.done:
-        return False
-      job.done = True
-      self._queued_tokens -= job.tokens
-      self._queued_items -= len(job.rows)
-      self._update_gauges()
+    """Marks ``job`` done and its tokens no longer queued (False if it already was); holds the lock."""
+    if job.done:
+      return False
+    job.done = True
+    self._queued_tokens -= job.tokens
+    self._queued_items -= len(job.rows)
+    self._update_gauges()
     return True
 
   def _answer(self, job: Job) -> None:
-    if self._release(job):
+    with self._lock:
+      released = self._release(job)
+    if released:
       job.loop.call_soon_threadsafe(_set_result, job.future, job.rewards.tolist())
 
   def _fail(self, job: Job, error: Exception) -> None:
-    if self._release(job):
+    with self._lock:
+      released = self._release(job)
+    if released:
       job.loop.call_soon_threadsafe(_set_exception, job.future, error)
 
   def _update_gauges(self) -> None:
-    self.metrics.queue(items=self._queued_items, tokens=self._queued_tokens)
+    self.metrics.queue(items=self._queued_items, tokens=self._queued_tokens, requests=self._queue.qsize())
+
+
+def _ids(jobs) -> str:
+  return ", ".join(sorted({job.request_id for job in jobs})) or "unnamed"
 
 
 def _set_result(future: asyncio.Future, value) -> None:

@@ -40,7 +40,9 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 
 
 class Encoder:
-  """Turns ``/get_reward`` and ``/score`` bodies into token-id rows, as ``rm.score`` would."""
+  """Turns request bodies into token-id rows: jaxrm's and OpenRLHF's here, as ``rm.score`` would;
+  the other formats (:mod:`jaxrm.server.formats`) through :meth:`text_ids`, :meth:`given_ids` and
+  :meth:`fitted`."""
 
   def __init__(self, rm, config: ServerConfig):
     self.rm = rm
@@ -49,45 +51,51 @@ class Encoder:
 
   def get_reward(self, body: dict[str, Any]) -> list[list[int]]:
     """OpenRLHF's ``{"query": [text, ...]}``; its ``prompts`` and ``labels`` are ignored."""
-    texts = self._items(body, "query", QUERY)
+    texts = self.items(body, "query", QUERY)
     for i, text in enumerate(texts):
       if not isinstance(text, str):
         raise RequestError(400, f"query[{i}] is {kind(text)}; expected a string")
     if self._openrlhf is not None:
       return [self._openrlhf_ids(f"query[{i}]", self._openrlhf(t)) for i, t in enumerate(texts)]
-    return [self._encode(f"query[{i}]", t) for i, t in enumerate(texts)]
+    return [self.encode(f"query[{i}]", t) for i, t in enumerate(texts)]
 
   def score(self, body: dict[str, Any]) -> list[list[int]]:
     """``{"conversations": [...]}``, or ``{"prompts": [...], "completions": [...]}`` pairs."""
     if "conversations" in body:
-      conversations = [self._messages(c, f"conversations[{i}]")
-                       for i, c in enumerate(self._items(body, "conversations", CONVERSATIONS))]
-      return [self._encode(f"conversations[{i}]", c) for i, c in enumerate(conversations)]
+      conversations = [self.messages(c, f"conversations[{i}]")
+                       for i, c in enumerate(self.items(body, "conversations", CONVERSATIONS))]
+      return [self.encode(f"conversations[{i}]", c) for i, c in enumerate(conversations)]
     if "prompts" not in body and "completions" not in body:
       raise RequestError(400, "the body has neither 'conversations' nor 'prompts' and 'completions'; send "
                          f"{{\"conversations\": {CONVERSATIONS}}} or {{\"prompts\": [...], \"completions\": "
-                         "[...]}} (strings, or message lists)")
-    prompts = self._items(body, "prompts", "a list of prompts (strings or message lists)")
-    completions = self._items(body, "completions", "a list of completions (strings or message lists)")
+                         "[...]}} (strings, or message lists), or vLLM's {\"text_1\": ..., \"text_2\": ...} "
+                         "(or \"queries\" and \"documents\")")
+    prompts = self.items(body, "prompts", "a list of prompts (strings or message lists)")
+    completions = self.items(body, "completions", "a list of completions (strings or message lists)")
     if len(prompts) != len(completions):
       raise RequestError(400, f"{len(prompts)} prompts but {len(completions)} completions; send one "
                          "completion per prompt (repeat a prompt for each of its completions)")
     pairs = [(self._text(p, f"prompts[{i}]"), self._text(c, f"completions[{i}]"))
              for i, (p, c) in enumerate(zip(prompts, completions))]
-    return [self._encode(f"prompts[{i}] + completions[{i}]", p, c) for i, (p, c) in enumerate(pairs)]
+    return [self.encode(f"prompts[{i}] + completions[{i}]", p, c) for i, (p, c) in enumerate(pairs)]
 
-  def _items(self, body: dict[str, Any], key: str, expected: str) -> list:
+  def items(self, body: dict[str, Any], key: str, expected: str) -> list:
+    """``body[key]``, a list of at most max_batch items."""
     if key not in body:
       raise RequestError(400, f"the body has no '{key}'; send {{\"{key}\": {expected}}}")
     items = body[key]
     if not isinstance(items, list):
       raise RequestError(400, f"'{key}' is {kind(items)}; expected {expected}")
-    if len(items) > self.config.max_batch:
-      raise RequestError(413, f"'{key}' has {len(items)} items; this server scores at most "
-                         f"{self.config.max_batch} per request (--max_batch): split the request")
+    self.check_count(key, len(items))
     return items
 
-  def _messages(self, value: Any, field: str) -> list[dict]:
+  def check_count(self, key: str, n: int) -> None:
+    if n > self.config.max_batch:
+      raise RequestError(413, f"'{key}' has {n} items; this server scores at most "
+                         f"{self.config.max_batch} per request (--max_batch): split the request")
+
+  def messages(self, value: Any, field: str) -> list[dict]:
+    """``value`` checked as a conversation: a non-empty list of messages."""
     try:
       messages = validate_messages(value, "request", field)
     except DataError as e:
@@ -97,9 +105,10 @@ class Encoder:
     return messages
 
   def _text(self, value: Any, field: str):
-    return value if isinstance(value, str) else self._messages(value, field)
+    return value if isinstance(value, str) else self.messages(value, field)
 
-  def _encode(self, where: str, item, completion=None) -> list[int]:
+  def encode(self, where: str, item, completion=None) -> list[int]:
+    """A conversation or text (with its completion, if given) laid out as training lays it out."""
     try:
       return self.rm.encode(item, completion, max_length=self.config.max_length, where=where)
     except (ValueError, jinja2.TemplateError) as e:  # over-long or empty, or a template refusing it
@@ -107,11 +116,38 @@ class Encoder:
       hint = " (--max_length)" if "longer than max_length" in message else ""
       raise RequestError(400, f"cannot score {message}{hint}") from None
 
-
   def _openrlhf_ids(self, where: str, text: str) -> list[int]:
     """As OpenRLHF tokenizes: no special tokens added (the text has its own); too long is refused
     where OpenRLHF would cut the end, eos included."""
-    ids = list(self.rm.tokenizer(text, add_special_tokens=False)["input_ids"])
+    return self.fitted(where, self.text_ids(where, text, special=False))
+
+  def text_ids(self, where: str, text: Any, *, special: bool) -> list[int]:
+    """A plain text's token ids as the tokenizer gives them, special tokens (BOS) added if
+    ``special`` -- as vLLM and SGLang tokenize a prompt -- not yet checked against max_length."""
+    if not isinstance(text, str):
+      raise RequestError(400, f"{where} is {kind(text)}; expected a string")
+    ids = list(self.rm.tokenizer(text, add_special_tokens=special)["input_ids"])
+    if not ids:
+      raise RequestError(400, f"cannot score {where}: no tokens to score")
+    return ids
+
+  def given_ids(self, where: str, ids: Any) -> list[int]:
+    """Token ids sent as such: a non-empty list of ids of the model's vocabulary."""
+    if not isinstance(ids, list) or not ids:
+      raise RequestError(400, f"{where} is {kind(ids)}; expected a non-empty list of token ids")
+    vocab = self.rm.config.vocab_size
+    for j, t in enumerate(ids):
+      if isinstance(t, bool) or not isinstance(t, int):
+        raise RequestError(400, f"{where}[{j}] is {kind(t)}; expected a token id (an integer)")
+      if not 0 <= t < vocab:
+        raise RequestError(400, f"{where}[{j}] is {t}, not a token id of this model (0 to {vocab - 1})")
+    return ids
+
+  def fitted(self, where: str, ids: list[int], truncate: int | None = None, side: str = "left") -> list[int]:
+    """``ids`` cut to their last (side "left") or first ``truncate`` tokens if asked, then checked
+    against max_length."""
+    if truncate is not None and len(ids) > truncate:
+      ids = ids[len(ids) - truncate:] if side == "left" else ids[:truncate]
     if len(ids) > self.config.max_length:
       raise RequestError(400, f"cannot score {where}: {len(ids)} tokens, longer than max_length="
                          f"{self.config.max_length} (--max_length)")

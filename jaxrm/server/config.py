@@ -19,6 +19,8 @@ class ServerConfig:
   Attributes:
     max_batch: items (texts, conversations or pairs) per request.
     max_request_bytes: size of a request body.
+    max_pending_bytes: bytes of request bodies being read or waiting to be tokenized, all requests
+      together (the tokenizer takes one at a time); past it, 503. At least max_request_bytes.
     max_length: tokens per item. A longer conversation loses its oldest turns (as in training),
       a longer text or last message is refused. None: ``DEFAULT_MAX_LENGTH`` (or the model's
       context, if shorter) unless the model records its training run's ``data.max_length``.
@@ -28,11 +30,14 @@ class ServerConfig:
       up to max_length, and max_length.
     batch_wait_ms: how long the scoring worker waits for more requests to join a batch.
     max_queued_tokens: tokens waiting or being scored, all requests together; past it, 503.
-    request_timeout: seconds a request may wait for its rewards (queue and scoring) before 504.
+    request_timeout: seconds from a request's headers to its answer -- reading its body, waiting
+      for the tokenizer, tokenizing, queueing and scoring -- before 504.
     header_timeout: seconds a connection may take to send a request's headers before it is dropped.
     body_timeout: seconds a request may take to send its body before 408.
     keep_alive: seconds an idle keep-alive connection is kept.
-    max_connections: open connections; past it, new requests get 503.
+    max_connections: open connections; past it, new requests get 503. It also bounds the scoring
+      queue: at most as many requests wait to be scored, those given up (timed out, disconnected)
+      keeping their places, without their rows, until the scoring worker drops them unscored.
     openrlhf_text: strip pad/eos tokens from each ``/get_reward`` text, append one eos and
       tokenize without adding special tokens, as OpenRLHF's ``serve_rm`` does, so a model trained
       by OpenRLHF scores what it was trained on (a text over max_length is refused, not cut).
@@ -44,6 +49,9 @@ class ServerConfig:
 
   max_batch: int = 256
   max_request_bytes: int = 16 * 2**20
+  # Four bodies of the largest size: the tokenizer takes one body at a time, so more waiting would
+  # only wait longer, while max_connections such bodies would be 16 GiB.
+  max_pending_bytes: int = 64 * 2**20
   max_length: int | None = None
   batch_size: int = 8
   batch_tokens: int | None = None
@@ -61,14 +69,18 @@ class ServerConfig:
   api_key: str | None = dataclasses.field(default=None, repr=False)
 
   def __post_init__(self):
-    for name in ("max_batch", "max_request_bytes", "max_length", "batch_size", "batch_tokens",
-                 "max_queued_tokens", "max_connections"):
+    for name in ("max_batch", "max_request_bytes", "max_pending_bytes", "max_length", "batch_size",
+                 "batch_tokens", "max_queued_tokens", "max_connections"):
       value = getattr(self, name)
       if value is not None and value < 1:
         raise ConfigError(f"{name}={value}: must be at least 1 (--{name})")
     for name in ("batch_wait_ms", "request_timeout", "header_timeout", "body_timeout", "keep_alive"):
       if not getattr(self, name) >= 0:
         raise ConfigError(f"{name}={getattr(self, name)}: must be 0 or more (--{name})")
+    if self.max_pending_bytes < self.max_request_bytes:
+      raise ConfigError(f"max_pending_bytes={self.max_pending_bytes} < max_request_bytes={self.max_request_bytes}: "
+                        "a body of max_request_bytes could never be read; raise --max_pending_bytes or lower "
+                        "--max_request_bytes")
     if self.buckets is not None and (not self.buckets or min(self.buckets) < 1):
       raise ConfigError(f"buckets={self.buckets}: give positive lengths, e.g. --buckets=128,512,2048")
 

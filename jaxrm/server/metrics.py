@@ -10,7 +10,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 
 class Metrics:
-  """Requests, items, tokens, batch sizes, queue depth and latency; ``text()`` is /metrics."""
+  """Requests, items, tokens, batch sizes, queue depth, bytes held and latency; ``text()`` is /metrics."""
 
   def __init__(self):
     self.registry = prom.CollectorRegistry()
@@ -29,6 +29,10 @@ class Metrics:
                                           buckets=COUNT_BUCKETS, registry=r)
     self._queue_items = prom.Gauge("jaxrm_queue_items", "Items waiting or being scored.", registry=r)
     self._queue_tokens = prom.Gauge("jaxrm_queue_tokens", "Tokens waiting or being scored.", registry=r)
+    self._queue_requests = prom.Gauge("jaxrm_queue_requests", "Requests in the scoring queue, those given up "
+                                      "and not yet dropped included.", registry=r)
+    self._pending_bytes = prom.Gauge("jaxrm_pending_bytes", "Bytes of request bodies being read or waiting to "
+                                     "be tokenized.", registry=r)
 
   def request(self, endpoint: str, status: int, seconds: float) -> None:
     self._requests.labels(endpoint, str(status)).inc()
@@ -43,9 +47,13 @@ class Metrics:
     self._tokens.inc(real)
     self._padded.inc(padded)
 
-  def queue(self, items: int, tokens: int) -> None:
+  def queue(self, items: int, tokens: int, requests: int) -> None:
     self._queue_items.set(items)
     self._queue_tokens.set(tokens)
+    self._queue_requests.set(requests)
+
+  def pending(self, size: int) -> None:
+    self._pending_bytes.set(size)
 
   def text(self) -> bytes:
     return prom.generate_latest(self.registry)

@@ -1,0 +1,339 @@
+"""The JSON each scoring endpoint reads and writes: jaxrm's, OpenRLHF's, vLLM's and SGLang's.
+
+A parser turns a request body into a :class:`Scoring`: the token rows to score and how to write the
+answer from their rewards (one float per row, as the server serves them: normalized or combined if
+so configured). :data:`ROUTES` gives each POST path its parser.
+
+* ``/get_reward``: OpenRLHF's ``{"query": [text, ...]}`` -> ``{"rewards": [...]}``.
+* ``/score``: jaxrm's ``{"conversations"}`` or ``{"prompts", "completions"}`` -> ``{"rewards"}``;
+  a body with vLLM's pair fields instead (``text_1``/``text_2``, or ``queries`` with ``documents``
+  or ``items``, or ``data_1``/``data_2``; jaxrm's fields share no name with them) is vLLM's score
+  request, answered as vLLM answers it. ``/v1/score`` takes vLLM's only.
+* ``/classify``: vLLM's ``{"input"}`` or ``{"messages"}`` -> its ClassificationResponse; SGLang's
+  ``{"text"}`` or ``{"input_ids"}`` (its native reward endpoint) -> ``{"embedding": [reward],
+  "meta_info"}`` per item. ``/v1/classify`` takes vLLM's only.
+* ``/pooling``: vLLM's ``{"input"}`` or ``{"messages"}`` -> its PoolingResponse.
+
+vLLM's shapes are its protocol classes (vllm/entrypoints/openai/protocol.py up to v0.10,
+vllm/entrypoints/pooling/{classify,pooling,score}/protocol.py after); SGLang's, its
+``EmbeddingReqInput`` and the ``{"embedding", "meta_info"}`` items its tokenizer manager returns
+(python/sglang/srt/managers/io_struct.py, tokenizer_manager.py). As vLLM does for a one-output
+head, classify, pooling and score answer sigmoid(reward) unless the request sends
+``"use_activation": false`` (``"activation"`` before vLLM 0.11.2), and a regression model's output
+as it is (vLLM reads ``problem_type="regression"`` from the export); SGLang's embedding is the
+reward as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+from jaxrm import kinds
+from jaxrm.data.formats import kind
+from jaxrm.server.bodies import Encoder, RequestError
+
+Body = dict[str, Any]
+
+# vLLM's score request: (first, second) field names, in the order vLLM's ScoreRequest tries them.
+SCORE_PAIRS = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
+JAXRM_SCORE_FIELDS = ("conversations", "prompts", "completions")
+VLLM_INPUTS, SGLANG_INPUTS = ("input", "messages"), ("text", "input_ids")
+VLLM_INPUT = "a text, a list of texts, or token ids"
+
+
+@dataclasses.dataclass(frozen=True)
+class Meta:
+  """What an answer names besides its rewards."""
+
+  request_id: str
+  model: str  # the served model's name, when the request names none
+  created: int  # unix seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class Scoring:
+  """One request's token rows, and how its answer is written from their rewards."""
+
+  rows: list[list[int]]
+  write: Callable[[list[float], Meta], Any]
+
+
+# ------------------------------------------------------------------ jaxrm and OpenRLHF
+
+
+def parse_get_reward(enc: Encoder, body: Body) -> Scoring:
+  return Scoring(enc.get_reward(body), _rewards)
+
+
+def parse_jaxrm_score(enc: Encoder, body: Body) -> Scoring:
+  return Scoring(enc.score(body), _rewards)
+
+
+def _rewards(rewards: list[float], meta: Meta) -> Body:
+  return {"rewards": rewards}
+
+
+# ------------------------------------------------------------------ vLLM
+
+
+def parse_vllm_classify(enc: Encoder, body: Body) -> Scoring:
+  """ClassificationRequest -> ClassificationResponse: one ``probs`` entry per item, the served
+  output's (``num_classes`` 1)."""
+  rows, act, label, model = _vllm_rows(enc, body), _activation(enc, body), _label(enc), _model(body)
+
+  def write(rewards: list[float], meta: Meta) -> Body:
+    data = [{"index": i, "label": label, "probs": [act(r)], "num_classes": 1} for i, r in enumerate(rewards)]
+    return {**_vllm_head("classify", model, meta), "data": data, "usage": _usage(rows)}
+  return Scoring(rows, write)
+
+
+def parse_vllm_pooling(enc: Encoder, body: Body) -> Scoring:
+  """PoolingRequest -> PoolingResponse: ``data`` [reward] per item, in floats."""
+  if body.get("encoding_format") not in (None, "float"):
+    raise RequestError(400, f"encoding_format={body['encoding_format']!r}: this server answers floats; "
+                       "send \"float\" (or leave it out)")
+  rows, act, model = _vllm_rows(enc, body), _activation(enc, body), _model(body)
+
+  def write(rewards: list[float], meta: Meta) -> Body:
+    data = [{"index": i, "object": "pooling", "data": [act(r)]} for i, r in enumerate(rewards)]
+    return {**_vllm_head("pool", model, meta), "data": data, "usage": _usage(rows)}
+  return Scoring(rows, write)
+
+
+def parse_vllm_score(enc: Encoder, body: Body) -> Scoring:
+  """ScoreRequest -> ScoreResponse. Pairs are 1:1, 1:N or N:N, as vLLM pairs them; each pair is
+  scored as the one text ``first + second`` with special tokens, as vLLM scores a pair with a
+  decoder (no separator token)."""
+  first, second = _score_fields(body)
+  for name in ("max_tokens_per_query", "max_tokens_per_doc"):
+    if body.get(name):
+      raise RequestError(400, f"{name}={body[name]!r}: this server does not cut queries or documents; "
+                         "send them within max_length tokens")
+  lefts, rights = _score_texts(body, first), _score_texts(body, second)
+  if not lefts or not rights or (len(lefts) > 1 and len(lefts) != len(rights)):
+    raise RequestError(400, f"'{first}' has {len(lefts)} texts and '{second}' {len(rights)}: pair 1 with N, "
+                       "or N with N (N at least 1)")
+  enc.check_count(second, len(rights))
+  truncate, side = _truncation(enc, body)
+  rows = []
+  for i, b in enumerate(rights):
+    j = 0 if len(lefts) == 1 else i
+    where = f"{first}[{j}] + {second}[{i}]"
+    rows.append(enc.fitted(where, enc.text_ids(where, lefts[j] + b, special=True), truncate, side))
+  act, model = _activation(enc, body), _model(body)
+
+  def write(rewards: list[float], meta: Meta) -> Body:
+    data = [{"index": i, "object": "score", "score": act(r)} for i, r in enumerate(rewards)]
+    return {**_vllm_head("score", model, meta), "data": data, "usage": _usage(rows)}
+  return Scoring(rows, write)
+
+
+def _vllm_rows(enc: Encoder, body: Body) -> list[list[int]]:
+  """The rows of vLLM's completion ``input`` (texts or token ids) or chat ``messages`` (one
+  conversation, rendered by the chat template as training renders it)."""
+  given = [k for k in VLLM_INPUTS if k in body]
+  if len(given) != 1:
+    raise RequestError(400, ("the body has both 'input' and 'messages'; send one" if given else
+                             "the body has neither 'input' nor 'messages'; send vLLM's {\"input\": "
+                             f"{VLLM_INPUT}}} or {{\"messages\": a conversation}}"))
+  truncate, side = _truncation(enc, body)
+  if given == ["messages"]:
+    ids = enc.encode("messages", enc.messages(_text_parts_joined(body["messages"]), "messages"))
+    return [enc.fitted("messages", ids, truncate, side)]
+  special = _flag(body, "add_special_tokens", True)
+  value = body["input"]
+  if isinstance(value, str):
+    items = [("input", enc.text_ids("input", value, special=special))]
+  elif isinstance(value, list) and value and all(map(_is_int, value)):  # one row of token ids
+    items = [("input", enc.given_ids("input", value))]
+  elif isinstance(value, list) and value:
+    enc.check_count("input", len(value))
+    items = [(f"input[{i}]", enc.given_ids(f"input[{i}]", x) if isinstance(x, list)
+              else enc.text_ids(f"input[{i}]", x, special=special)) for i, x in enumerate(value)]
+  else:
+    raise RequestError(400, f"'input' is {kind(value)}; expected {VLLM_INPUT} (not empty)")
+  return [enc.fitted(where, ids, truncate, side) for where, ids in items]
+
+
+def _text_parts_joined(messages: Any) -> Any:
+  """vLLM's chat messages, a content given as text parts (``[{"type": "text", "text": ...}]``)
+  joined by newlines as vLLM joins them (vllm/entrypoints/chat_utils.py); other parts are refused."""
+  if not isinstance(messages, list):
+    return messages  # enc.messages says what is wrong
+  out = []
+  for i, message in enumerate(messages):
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, list):
+      for j, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+          raise RequestError(400, f"messages[{i}].content[{j}] is not a text part ({{\"type\": \"text\", "
+                             "\"text\": ...}); this server scores text")
+      message = {**message, "content": "\n".join(part["text"] for part in content)}
+    out.append(message)
+  return out
+
+
+def _score_fields(body: Body) -> tuple[str, str]:
+  pairs = [p for p in SCORE_PAIRS if p[0] in body and p[1] in body]
+  if len(pairs) == 1:
+    return pairs[0]
+  if pairs:
+    raise RequestError(400, f"the body has {' and '.join(map(repr, sorted({k for p in pairs for k in p})))}: "
+                       "send one pair of texts to score")
+  raise RequestError(400, "vLLM's score request pairs 'text_1' with 'text_2' (or 'queries' with 'documents' "
+                     "or 'items', or 'data_1' with 'data_2'); the body lacks one of a pair")
+
+
+def _score_texts(body: Body, field: str) -> list[str]:
+  value = body[field]
+  texts = value if isinstance(value, list) else [value]
+  for i, text in enumerate(texts):
+    if not isinstance(text, str):
+      raise RequestError(400, f"{field}[{i}] is {kind(text)}; this server scores texts: expected a string")
+  return texts
+
+
+def _truncation(enc: Encoder, body: Body) -> tuple[int | None, str]:
+  """vLLM's ``truncate_prompt_tokens`` (-1: max_length) and ``truncation_side``; jaxrm cuts the
+  start ("left") unless told otherwise, keeping the response whose last token is scored."""
+  side = body.get("truncation_side") or "left"
+  if side not in ("left", "right"):
+    raise RequestError(400, f"truncation_side={side!r}; expected \"left\" or \"right\"")
+  n = body.get("truncate_prompt_tokens")
+  if n is None:
+    return None, side
+  if not _is_int(n) or n == 0 or n < -1:
+    raise RequestError(400, f"truncate_prompt_tokens={n!r}; expected a number of tokens (at least 1), or -1 for "
+                       "this server's max_length")
+  return (enc.config.max_length if n == -1 else n), side
+
+
+def _activation(enc: Encoder, body: Body) -> Callable[[float], float]:
+  """Sigmoid, or the reward as it is: as the request's ``use_activation`` (``activation`` before
+  vLLM 0.11.2) says, else as vLLM would for this model's export (get_classification_act_fn in
+  vllm/model_executor/layers/pooler: identity for problem_type "regression", sigmoid for one label)."""
+  given = {k: body[k] for k in ("use_activation", "activation") if body.get(k) is not None}
+  for name, value in given.items():
+    if not isinstance(value, bool):
+      raise RequestError(400, f"'{name}' is {kind(value)}; expected true, false or null")
+  if len(set(given.values())) > 1:
+    raise RequestError(400, "'use_activation' and 'activation' disagree; send one")
+  on = next(iter(given.values()), enc.rm.kind != kinds.REGRESSION)
+  return _sigmoid if on else float
+
+
+def _sigmoid(x: float) -> float:
+  return 0.5 * (1.0 + math.tanh(0.5 * x))  # tanh, unlike exp, cannot overflow
+
+
+def _label(enc: Encoder) -> str:
+  """The name of the output served: the combination, the one attribute, or transformers' default."""
+  return enc.config.combine or (enc.rm.attributes or ("LABEL_0",))[0]
+
+
+def _model(body: Body) -> str | None:
+  """The model the request names, echoed in the answer. vLLM refuses a name it does not serve;
+  this server serves one model under whatever name its clients were given."""
+  model = body.get("model")
+  return model if isinstance(model, str) and model else None
+
+
+def _vllm_head(prefix: str, model: str | None, meta: Meta) -> Body:
+  return {"id": f"{prefix}-{meta.request_id}", "object": "list", "created": meta.created,
+          "model": model or meta.model}
+
+
+def _usage(rows: list[list[int]]) -> Body:
+  tokens = sum(map(len, rows))
+  return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0, "prompt_tokens_details": None}
+
+
+# ------------------------------------------------------------------ SGLang
+
+
+def parse_sglang_classify(enc: Encoder, body: Body) -> Scoring:
+  """SGLang's ``/classify`` (an ``EmbeddingReqInput``): ``text`` or ``input_ids``, one item or a
+  list -> ``{"embedding": [reward], "meta_info": {"id", "prompt_tokens"}}``, or a list of them.
+  Texts are tokenized with special tokens, as SGLang's tokenizer manager does."""
+  if ("text" in body) == ("input_ids" in body):
+    raise RequestError(400, "send SGLang's 'text' (a text or a list of texts) or 'input_ids' (token ids, or "
+                       "a list of them), one of the two")
+  if "text" in body:
+    single = isinstance(body["text"], str)
+    texts = [body["text"]] if single else enc.items(body, "text", "a text or a list of texts")
+    wheres = ["text"] if single else [f"text[{i}]" for i in range(len(texts))]
+    rows = [enc.fitted(w, enc.text_ids(w, t, special=True)) for w, t in zip(wheres, texts)]
+  else:
+    value = body["input_ids"]
+    single = isinstance(value, list) and bool(value) and all(map(_is_int, value))
+    items = [value] if single else enc.items(body, "input_ids", "token ids, or a list of them")
+    wheres = ["input_ids"] if single else [f"input_ids[{i}]" for i in range(len(items))]
+    rows = [enc.fitted(w, enc.given_ids(w, ids)) for w, ids in zip(wheres, items)]
+  rids = body.get("rid")
+
+  def write(rewards: list[float], meta: Meta) -> Any:
+    out = [{"embedding": [r], "meta_info": {"id": _rid(rids, i, single, meta), "prompt_tokens": len(row)}}
+           for i, (r, row) in enumerate(zip(rewards, rows))]
+    return out[0] if single else out
+  return Scoring(rows, write)
+
+
+def _rid(rids: Any, i: int, single: bool, meta: Meta) -> str:
+  """The request's own ``rid`` for item ``i`` if it sent one, else one made of the request id."""
+  if single and isinstance(rids, str):
+    return rids
+  if not single and isinstance(rids, list) and i < len(rids) and isinstance(rids[i], str):
+    return rids[i]
+  return meta.request_id if single else f"{meta.request_id}-{i}"
+
+
+# ------------------------------------------------------------------ paths shared by formats
+
+
+def parse_score(enc: Encoder, body: Body) -> Scoring:
+  """jaxrm's score request, or vLLM's: told apart by their fields, which no name shares."""
+  vllm = sorted({k for pair in SCORE_PAIRS for k in pair if k in body})
+  own = [k for k in JAXRM_SCORE_FIELDS if k in body]
+  if vllm and own:
+    raise RequestError(400, f"the body has jaxrm's {own[0]!r} and vLLM's {vllm[0]!r}: send jaxrm's score request "
+                       "or vLLM's (see /v1/score), not both")
+  return parse_vllm_score(enc, body) if vllm else parse_jaxrm_score(enc, body)
+
+
+def parse_classify(enc: Encoder, body: Body) -> Scoring:
+  """vLLM's classification request, or SGLang's: told apart by their input fields."""
+  vllm = [k for k in VLLM_INPUTS if k in body]
+  sglang = [k for k in SGLANG_INPUTS if k in body]
+  if vllm and sglang:
+    raise RequestError(400, f"the body has vLLM's {vllm[0]!r} and SGLang's {sglang[0]!r}: send one format")
+  if sglang:
+    return parse_sglang_classify(enc, body)
+  if vllm:
+    return parse_vllm_classify(enc, body)
+  raise RequestError(400, f"send vLLM's {{\"input\": {VLLM_INPUT}}} (or \"messages\") or SGLang's {{\"text\": "
+                     "a text or a list of texts}} (or \"input_ids\")")
+
+
+def _flag(body: Body, name: str, default: bool) -> bool:
+  value = body.get(name)
+  if value is None:
+    return default
+  if not isinstance(value, bool):
+    raise RequestError(400, f"'{name}' is {kind(value)}; expected true or false")
+  return value
+
+
+def _is_int(x: Any) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+ROUTES: dict[str, Callable[[Encoder, Body], Scoring]] = {
+    "/get_reward": parse_get_reward,
+    "/score": parse_score,
+    "/classify": parse_classify,
+    "/pooling": parse_vllm_pooling,
+    "/v1/score": parse_vllm_score,
+    "/v1/classify": parse_vllm_classify,
+}

@@ -1,0 +1,264 @@
+"""jaxrm.serve keeps its limits: internal errors stay in the log, ``request_timeout`` bounds a whole
+request, bodies waiting to be tokenized are bounded in bytes, and the scoring queue is bounded, its
+given-up requests dropped unscored. Real requests on 127.0.0.1, every wait bounded."""
+
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import threading
+import time
+
+import pytest
+
+from helpers import (SERVER_CONFIG, SERVER_TEXTS, SOCKET_TIMEOUT, approx, call, metric, raw_connection,
+                     read_all, serving)
+from jaxrm import RewardModel
+from jaxrm.server import ServerConfig, make_server
+
+
+MARK = "HOLD"  # texts holding it make GatedTokenizer wait
+
+
+class GatedTokenizer:
+  """The model's tokenizer, except that a text holding MARK waits for ``gate`` (or ``delay`` s) first:
+  a tokenizer slow or stuck on one request, while the others behave."""
+
+  def __init__(self, tokenizer, *, gate: threading.Event | None = None, delay: float = 0.0):
+    self._tokenizer = tokenizer
+    self._gate = gate
+    self._delay = delay
+
+  def __getattr__(self, name):
+    return getattr(self._tokenizer, name)
+
+  def __len__(self):
+    return len(self._tokenizer)
+
+  def __call__(self, text, *args, **kwargs):
+    if MARK in str(text):
+      if self._gate is not None:
+        self._gate.wait(SOCKET_TIMEOUT)
+      else:
+        time.sleep(self._delay)
+    return self._tokenizer(text, *args, **kwargs)
+
+
+def gated(rm, **kwargs) -> RewardModel:
+  return RewardModel(rm.model, GatedTokenizer(rm.tokenizer, **kwargs), rm.info)
+
+
+def wait_until(condition, what: str, tries: int = 1000) -> None:
+  for _ in range(tries):
+    if condition():
+      return
+    time.sleep(0.01)
+  raise AssertionError(f"timed out waiting until {what}")
+
+
+def timed(fn, *args, **kwargs):
+  start = time.monotonic()
+  result = fn(*args, **kwargs)
+  return result, time.monotonic() - start
+
+
+# ------------------------------------------------------------------ what reaches clients
+
+
+def test_internal_errors_reach_the_log_not_the_client(tiny_rm, caplog):
+  with serving(tiny_rm) as s:
+    def broken(ids, mask):
+      raise RuntimeError("disk full writing /srv/secret/model.safetensors")
+
+    healthy, s.batcher.score_fn = s.batcher.score_fn, broken
+    with caplog.at_level(logging.ERROR, logger="jaxrm.server"):
+      status, reply, headers = call(s.url, "/get_reward", {"query": SERVER_TEXTS[:1]})
+    s.batcher.score_fn = healthy
+    request_id = headers["X-Request-ID"]
+    assert status == 500 and request_id and request_id in reply["error"]
+    for secret in ("RuntimeError", "disk full", "/srv/secret"):
+      assert secret not in json.dumps(reply)
+    assert any(request_id in r.getMessage() and r.exc_info and "disk full" in str(r.exc_info[1])
+               for r in caplog.records), caplog.text  # the log has the detail, under the same id
+    assert call(s.url, "/health")[:2] == (200, {"status": "ok"})  # no model path to anyone
+    status, _, headers = call(s.url, "/get_reward", {"query": SERVER_TEXTS[:1]})
+    assert status == 200 and headers["X-Request-ID"] != request_id
+
+
+def test_health_names_the_model_only_to_key_holders(tiny_rm):
+  with serving(tiny_rm, dataclasses.replace(SERVER_CONFIG, api_key="s3cret")) as s:
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+      assert call(s.url, "/health", headers=headers)[:2] == (200, {"status": "ok"})
+    assert call(s.url, "/health", headers={"Authorization": "Bearer s3cret"})[:2] == (
+        200, {"status": "ok", "model": "tiny"})
+
+
+def test_a_failed_warm_up_says_failed_and_logs_why(tiny_rm):
+  server = make_server(tiny_rm, "127.0.0.1", 0, config=SERVER_CONFIG, model_name="/srv/secret/model")
+
+  def broken(ids, mask):
+    raise RuntimeError("out of memory in /srv/secret/cache")
+
+  server.batcher.score_fn = broken
+  server.start()
+  try:
+    wait_until(lambda: call(server.url, "/health")[0] != 503, "warm-up ends")
+    assert call(server.url, "/health")[:2] == (500, {"status": "failed"})
+    status, reply, headers = call(server.url, "/get_reward", {"query": SERVER_TEXTS[:1]})
+    assert status == 500 and headers["X-Request-ID"] in reply["error"]
+    for secret in ("out of memory", "/srv/secret", "RuntimeError"):
+      assert secret not in reply["error"]
+  finally:
+    server.shutdown()
+
+
+# ------------------------------------------------------------------ request_timeout
+
+
+def test_request_timeout_covers_body_tokenizing_and_scoring(tiny_rm):
+  # The tokenizer takes 3 s on each request; request_timeout is 1 s: both requests are answered
+  # 504 at 1 s, the second without waiting for the first's tokenizing to end.
+  config = dataclasses.replace(SERVER_CONFIG, request_timeout=1, body_timeout=5)
+  with serving(gated(tiny_rm, delay=3), config) as s:
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+      replies = list(pool.map(lambda i: timed(call, s.url, "/get_reward", {"query": [f"{MARK} {i}"]}), range(2)))
+    for (status, reply, _), seconds in replies:
+      assert status == 504 and "(--request_timeout)" in reply["error"], reply
+      assert seconds < 2.5
+    # A body that stops half way: 504 at request_timeout, not 408 at body_timeout, and the
+    # connection closes (its unread rest must not be taken for the next request).
+    sock = raw_connection(s.url)
+    try:
+      sock.sendall(b"POST /get_reward HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: 100\r\n\r\n{\"query\": [")
+      reply, seconds = timed(read_all, sock)
+    finally:
+      sock.close()
+    assert reply.startswith(b"HTTP/1.1 504 ") and b"connection: close" in reply.lower(), reply
+    assert seconds < 2.5
+
+
+# ------------------------------------------------------------------ bytes held before tokenizing
+
+
+def padded_body(texts, size: int) -> bytes:
+  """A /get_reward body of ``size`` bytes: JSON whitespace after the object makes it long in bytes
+  but not in tokens."""
+  body = json.dumps({"query": texts}).encode()
+  return body + b" " * (size - len(body))
+
+
+def test_bodies_waiting_to_be_tokenized_are_bounded_in_bytes(tiny_rm):
+  gate = threading.Event()
+  config = dataclasses.replace(SERVER_CONFIG, max_pending_bytes=3000)  # max_request_bytes is 2048
+  with serving(gated(tiny_rm, gate=gate), config) as s:
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+      # One body stuck in the tokenizer, one waiting for it: 2600 of the 3000 bytes held.
+      stuck = pool.submit(call, s.url, "/get_reward", raw=padded_body([f"{MARK} one"], 1400))
+      wait_until(lambda: metric(s.url, "jaxrm_pending_bytes") == 1400, "the first body is held")
+      waiting = pool.submit(call, s.url, "/get_reward", raw=padded_body(["two"], 1200))
+      wait_until(lambda: metric(s.url, "jaxrm_pending_bytes") == 2600, "the second body is held")
+      try:
+        status, reply, headers = call(s.url, "/get_reward", raw=padded_body(["three"], 500))
+        assert (status, headers["Retry-After"]) == (503, "1"), reply
+        assert "(--max_pending_bytes)" in reply["error"]
+        # A chunked body has no Content-Length: it is refused once its chunks pass the limit.
+        sock = raw_connection(s.url)
+        try:
+          chunk = padded_body(["four"], 600)
+          sock.sendall(b"POST /get_reward HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                       b"Transfer-Encoding: chunked\r\n\r\n" + f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+          refused = read_all(sock)
+        finally:
+          sock.close()
+        assert refused.startswith(b"HTTP/1.1 503 ") and b"--max_pending_bytes" in refused, refused
+      finally:
+        gate.set()
+      assert stuck.result(timeout=SOCKET_TIMEOUT)[0] == 200
+      assert waiting.result(timeout=SOCKET_TIMEOUT)[0] == 200
+    assert metric(s.url, "jaxrm_pending_bytes") == 0
+    assert call(s.url, "/get_reward", raw=padded_body(["three"], 500))[0] == 200
+
+
+def test_max_pending_bytes_must_hold_one_request():
+  from jaxrm.errors import ConfigError
+  with pytest.raises(ConfigError, match=r"max_pending_bytes=1000 < max_request_bytes=2048: .*--max_pending_bytes"):
+    ServerConfig(max_request_bytes=2048, max_pending_bytes=1000)
+
+
+# ------------------------------------------------------------------ the scoring queue
+
+
+def _hung(score, entered: threading.Event, gate: threading.Event):
+  """``score`` that first says it ``entered`` and waits for ``gate``: a forward pass that hangs."""
+  def hung(ids, mask):
+    entered.set()
+    gate.wait(SOCKET_TIMEOUT)
+    return score(ids, mask)
+  return hung
+
+
+def test_scoring_queue_is_bounded_and_given_up_requests_are_not_scored(tiny_rm):
+  # The scoring worker hangs in a forward pass; requests queued behind it time out one after
+  # another. Their places stay taken until the worker drops them, up to max_connections places:
+  # then new requests get 503 at once, and the dropped requests' rows are never scored.
+  config = dataclasses.replace(SERVER_CONFIG, max_connections=3, request_timeout=0.5)
+  with serving(tiny_rm, config) as s:
+    entered, gate, score = threading.Event(), threading.Event(), s.batcher.score_fn
+    hung = _hung(score, entered, gate)
+    items_before = metric(s.url, "jaxrm_items_total")
+    s.batcher.score_fn = hung
+    try:
+      with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        in_forward = pool.submit(call, s.url, "/get_reward", {"query": SERVER_TEXTS[:2]})
+        assert entered.wait(SOCKET_TIMEOUT)
+        assert in_forward.result(timeout=SOCKET_TIMEOUT)[0] == 504
+      for text in ("queued one", "queued two", "queued three"):  # one at a time: one connection each
+        assert call(s.url, "/get_reward", {"query": [text]})[0] == 504
+      (status, reply, headers), seconds = timed(call, s.url, "/get_reward", {"query": ["one more"]})
+      assert (status, headers["Retry-After"]) == (503, "1"), reply
+      assert "wait to be scored" in reply["error"] and "(--max_connections)" in reply["error"]
+      assert seconds < config.request_timeout  # refused at once, not after its timeout
+    finally:
+      gate.set()
+    wait_until(lambda: metric(s.url, "jaxrm_queue_requests") == 0, "the worker drops the given-up requests")
+    s.batcher.score_fn = score
+    assert metric(s.url, "jaxrm_items_total") - items_before == 2  # the forward under way only
+    assert metric(s.url, "jaxrm_queue_tokens") == 0
+    status, reply, _ = call(s.url, "/get_reward", {"query": SERVER_TEXTS})
+    assert status == 200 and reply["rewards"] == approx(tiny_rm.score(SERVER_TEXTS))
+
+
+def test_a_client_that_leaves_gives_up_its_place_and_is_not_scored(tiny_rm):
+  # A request queued behind a hung forward pass; its client closes the connection: its tokens leave
+  # the queue at once (not at its request_timeout), and its rows are never scored.
+  config = dataclasses.replace(SERVER_CONFIG, request_timeout=SOCKET_TIMEOUT)
+  with serving(tiny_rm, config) as s:
+    entered, gate, score = threading.Event(), threading.Event(), s.batcher.score_fn
+    hung = _hung(score, entered, gate)
+    first = SERVER_TEXTS[:2]
+    first_tokens = sum(len(tiny_rm.encode(t)) for t in first)
+    leaving = json.dumps({"query": ["a client that leaves"]}).encode()
+    leaving_tokens = len(tiny_rm.encode("a client that leaves"))
+    items_before = metric(s.url, "jaxrm_items_total")
+    s.batcher.score_fn = hung
+    try:
+      with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        in_forward = pool.submit(call, s.url, "/get_reward", {"query": first})
+        assert entered.wait(SOCKET_TIMEOUT)
+        sock = raw_connection(s.url)
+        try:
+          sock.sendall(b"POST /get_reward HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                       + f"Content-Length: {len(leaving)}\r\n\r\n".encode() + leaving)
+          wait_until(lambda: metric(s.url, "jaxrm_queue_tokens") == first_tokens + leaving_tokens, "it is queued")
+        finally:
+          sock.close()
+        wait_until(lambda: metric(s.url, "jaxrm_queue_tokens") == first_tokens, "its place is given up")
+        assert metric(s.url, 'jaxrm_requests_total{endpoint="/get_reward",status="499"}') == 1
+        gate.set()
+        assert in_forward.result(timeout=SOCKET_TIMEOUT)[0] == 200
+    finally:
+      gate.set()
+    s.batcher.score_fn = score
+    wait_until(lambda: metric(s.url, "jaxrm_queue_requests") == 0, "the worker drops it")
+    assert metric(s.url, "jaxrm_items_total") - items_before == len(first)
