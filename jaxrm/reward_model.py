@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrm import kinds, loading, reward_funcs
+from jaxrm import kinds, loading, reward_funcs, shared_prefix
 from jaxrm.batches import IGNORE_INDEX
 from jaxrm.data.drops import DropReport
 from jaxrm.data.pipeline import bucket_length, length_buckets, right_padded, scoring_rows
@@ -31,6 +31,7 @@ from jaxrm.loading import ScoringInfo
 from jaxrm.models.config import ModelConfig
 from jaxrm.models.decoder import Decoder
 from jaxrm.models.heads import correct_probability
+from jaxrm.shared_prefix import Sharing
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,12 @@ def _forward(graphdef, state, input_ids, attention_mask):
   # Module-level, keyed on the graphdef: models of one architecture (two checkpoints of a run)
   # share compiled programs.
   return nnx.merge(graphdef, state)(input_ids, attention_mask)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward_packed(graphdef, state, rows, reward_positions):
+  # rows: input_ids, attention_mask, positions, segment_ids, branch_ids of packed rows.
+  return nnx.merge(graphdef, state)(*rows, reward_positions=reward_positions)
 
 
 class RewardModel:
@@ -196,7 +203,8 @@ class RewardModel:
   def score(self, items: Sequence[Text] | None = None, *, prompts: Sequence[Text] | None = None,
             completions: Sequence[Text] | None = None, normalize: bool = False, batch_size: int = 8,
             bucket: int = 64, max_length: int | None = None,
-            combine: str | dict[str, float] | Sequence[float] | None = None) -> np.ndarray:
+            combine: str | dict[str, float] | Sequence[float] | None = None,
+            share_prefix: bool | Sharing = True) -> np.ndarray:
     """Rewards float32 [N] of chats (message lists) or plain strings; [N, num_labels] for a head
     with several outputs (a regression model: one per name of ``attributes``).
 
@@ -211,12 +219,17 @@ class RewardModel:
       batch_size: rows per forward pass. Rows are sorted by length, and each batch padded to a
         multiple of ``bucket`` tokens, so few programs compile and little padding is computed.
       max_length: longest row in tokens (default: the model's context); see :meth:`encode`.
+      share_prefix: score rows that share a token prefix (completions of one prompt) together,
+        the prefix once (:mod:`jaxrm.shared_prefix`): True (by ``Sharing()``'s rule), a
+        :class:`jaxrm.shared_prefix.Sharing`, or False (every row alone). The rewards are the
+        same either way, up to float rounding.
     """
     if self.config.head != "sequence":  # any sequence head scores; a token head scores steps
       self.check_kind(kinds.PREFERENCE, kinds.REGRESSION, use="score()")
     weights = None if combine is None else self.combination(combine)
     encoded = self._encode_items(items, prompts, completions, max_length)
-    rewards = self.score_ids(encoded, batch_size=batch_size, bucket=bucket, max_length=max_length)
+    rewards = self.score_ids(encoded, batch_size=batch_size, bucket=bucket, max_length=max_length,
+                             share_prefix=share_prefix)
     return self.reduce(rewards, combine=weights, normalize=normalize)
 
   def reduce(self, rewards: np.ndarray, *, combine: str | dict[str, float] | Sequence[float] | None = None,
@@ -251,31 +264,61 @@ class RewardModel:
             for i, (p, c) in enumerate(zip(prompts, completions))]
 
   def score_ids(self, encoded: Sequence[Sequence[int]], *, batch_size: int = 8, bucket: int = 64,
-                max_length: int | None = None) -> np.ndarray:
+                max_length: int | None = None, share_prefix: bool | Sharing = True) -> np.ndarray:
     """Sequence-head rewards float32 [N] ([N, C] for several outputs) of rows already encoded
-    (:meth:`encode`), batched by length as :meth:`score` batches them."""
-    out = self.outputs_of_ids(encoded, batch_size=batch_size, bucket=bucket, max_length=max_length)
+    (:meth:`encode`), batched and shared as :meth:`score` does."""
+    out = self.outputs_of_ids(encoded, batch_size=batch_size, bucket=bucket, max_length=max_length,
+                              share_prefix=share_prefix)
     if not out:
       return np.zeros((0,) if self.config.num_labels == 1 else (0, self.config.num_labels), np.float32)
     return np.stack(out)
 
   def outputs_of_ids(self, encoded: Sequence[Sequence[int]], *, batch_size: int = 8, bucket: int = 64,
-                     max_length: int | None = None) -> list[np.ndarray]:
+                     max_length: int | None = None, share_prefix: bool | Sharing = True) -> list[np.ndarray]:
     """The model's output for each encoded row, in order: its reward(s) (sequence head) or its
-    logits [T_i, C] (token head), from batches of similar lengths (see :meth:`score`)."""
+    logits [T_i, C] (token head).
+
+    Rows that share a token prefix are scored as shared-prompt packed rows, the prefix once
+    (:mod:`jaxrm.shared_prefix`; ``share_prefix`` as in :meth:`score`); the others in
+    right-padded batches of similar lengths (see :meth:`score`). A pass of packed rows holds
+    no more tokens than the longest right-padded batch of these rows could.
+    """
     out: list[np.ndarray | None] = [None] * len(encoded)
-    for rows, outputs in self._batched(encoded, batch_size, bucket, max_length):
+    buckets = self._buckets(bucket, max_length)
+    groups = self.prefix_groups(encoded, batch_size=batch_size, bucket=bucket, max_length=max_length,
+                                share_prefix=share_prefix)
+    alone = [g[0] for g in groups if len(g) == 1]
+    for rows, outputs in self._batched([encoded[i] for i in alone], batch_size, buckets):
+      for j, r in zip(rows, outputs):
+        out[alone[j]] = r if self.config.head == "sequence" else r[:len(encoded[alone[j]])]
+    shared, max_tokens = [g for g in groups if len(g) > 1], self._max_tokens(encoded, batch_size, buckets)
+    for rows, outputs in self._shared(encoded, shared, batch_size, bucket, max_tokens):
       for i, r in zip(rows, outputs):
-        out[i] = r if self.config.head == "sequence" else r[:len(encoded[i])]
+        out[i] = r
     return out
 
-  def _batched(self, encoded, batch_size: int, bucket: int, max_length: int | None):
+  def prefix_groups(self, encoded: Sequence[Sequence[int]], *, batch_size: int = 8, bucket: int = 64,
+                    max_length: int | None = None, share_prefix: bool | Sharing = True) -> list[list[int]]:
+    """The indices of ``encoded`` in the groups :meth:`outputs_of_ids` scores together, each as
+    one packed row (:func:`jaxrm.shared_prefix.scoring_groups`); a group of one scores alone."""
+    max_tokens = self._max_tokens(encoded, batch_size, self._buckets(bucket, max_length))
+    return shared_prefix.scoring_groups(encoded, shared_prefix.as_sharing(share_prefix), self.config, max_tokens)
+
+  def _buckets(self, bucket: int, max_length: int | None) -> tuple[int, ...]:
+    return length_buckets(max(self._max_length(max_length), bucket), bucket)
+
+  @staticmethod
+  def _max_tokens(encoded, batch_size: int, buckets: Sequence[int]) -> int:
+    """Tokens in one forward pass, at most: as many as the widest right-padded batch of
+    ``encoded`` holds."""
+    return batch_size * bucket_length(max(map(len, encoded), default=1), buckets)
+
+  def _batched(self, encoded, batch_size: int, buckets: Sequence[int]):
     """Yields (row indices, model outputs) over batches of similar lengths, right-padded.
 
     A batch holds ``batch_size`` rows, or the next power of two when fewer remain; filler rows
     attend to one token and their outputs are dropped.
     """
-    buckets = length_buckets(max(self._max_length(max_length), bucket), bucket)
     pad = pad_id(self.tokenizer, self.config.pad_token_id)
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     for start in range(0, len(order), batch_size):
@@ -283,6 +326,21 @@ class RewardModel:
       ids, mask = right_padded([encoded[i] for i in rows], pad_id=pad, num_rows=scoring_rows(len(rows), batch_size),
                                length=bucket_length(max(len(encoded[i]) for i in rows), buckets))
       yield rows, self.score_tokens(ids, mask)[:len(rows)]
+
+  def _shared(self, encoded, groups: list[list[int]], batch_size: int, bucket: int, max_tokens: int):
+    """Yields (row indices, model outputs) of the rows of ``groups``, each group one packed row
+    (see :func:`jaxrm.shared_prefix.shared_batches`)."""
+    pad = pad_id(self.tokenizer, self.config.pad_token_id)
+    sequence = self.config.head == "sequence"
+    graphdef, state = nnx.split(self.model)
+    for shared in shared_prefix.shared_batches(encoded, groups, batch_size=batch_size, length_multiple=bucket,
+                                               max_tokens=max_tokens, pad_id=pad):
+      b = shared.batch
+      rows = tuple(jnp.asarray(x) for x in (b.input_ids, b.attention_mask, b.positions, b.segment_ids,
+                                            b.branch_ids))
+      reward_positions = jnp.asarray(b.reward_positions) if sequence else None
+      out = np.asarray(_forward_packed(graphdef, state, rows, reward_positions), np.float32)
+      yield shared.rows, shared.rewards(out) if sequence else shared.logits(out)
 
   def normalized(self, rewards: np.ndarray) -> np.ndarray:
     """(rewards - mean) / std with the statistics recorded at validation, as
@@ -317,9 +375,10 @@ class RewardModel:
     return self.score_steps_batch([prompt], [steps], max_length=max_length)[0]
 
   def score_steps_batch(self, prompts: Sequence[Text], steps_lists: Sequence[Sequence[str]], *,
-                        batch_size: int = 8, bucket: int = 64,
-                        max_length: int | None = None) -> list[list[float]]:
-    """:meth:`score_steps` for many solutions, batched by length like :meth:`score`."""
+                        batch_size: int = 8, bucket: int = 64, max_length: int | None = None,
+                        share_prefix: bool | Sharing = True) -> list[list[float]]:
+    """:meth:`score_steps` for many solutions, batched by length and shared (solutions of one
+    problem share its tokens) like :meth:`score`."""
     self.check_kind(kinds.PROCESS, use="score_steps")
     if len(prompts) != len(steps_lists):
       raise ValueError(f"{len(prompts)} prompts but {len(steps_lists)} step lists")
@@ -328,16 +387,17 @@ class RewardModel:
     encoded = [self.encode_steps(prompts[i], steps_lists[i], max_length=max_length, where=f"prompts[{i}]")
                for i in todo]
     for i, p in zip(todo, self.step_probabilities(encoded, batch_size=batch_size, bucket=bucket,
-                                                  max_length=max_length)):
+                                                  max_length=max_length, share_prefix=share_prefix)):
       out[i] = p
     return out
 
   def step_probabilities(self, encoded: Sequence[tuple[Sequence[int], Sequence[int]]], *, batch_size: int = 8,
-                         bucket: int = 64, max_length: int | None = None) -> list[list[float]]:
+                         bucket: int = 64, max_length: int | None = None,
+                         share_prefix: bool | Sharing = True) -> list[list[float]]:
     """P(step correct) of solutions already encoded (:meth:`encode_steps`: token ids and the
-    positions of each step's label), batched by length as :meth:`score` batches them."""
+    positions of each step's label), batched and shared as :meth:`score_steps_batch` does."""
     logits = self.outputs_of_ids([ids for ids, _ in encoded], batch_size=batch_size, bucket=bucket,
-                                 max_length=max_length)
+                                 max_length=max_length, share_prefix=share_prefix)
     return [correct_probability(logits_tc[positions]).tolist()  # [steps, C] -> [steps]
             for logits_tc, (_, positions) in zip(logits, encoded)]
 

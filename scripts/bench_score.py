@@ -8,22 +8,41 @@ One GPU, bfloat16 (transformers in bfloat16 on CUDA too)::
 
   python scripts/bench_score.py --dtype=bfloat16 --items=1024 --batch_size=32 --max_length=1024
 
-The three score the same texts (rendered chats of long-tailed lengths, each ending in a newline so
-that no reward is read at a pad token) with the same weights: the jaxrm model is exported to an HF
-directory and loaded by ``AutoModelForSequenceClassification``; their rewards on one batch are
+GRPO-shaped scoring: P prompts with G completions each, for each G of ``--group_sizes``::
+
+  python scripts/bench_score.py --workload=grpo --prompts=2 --group_sizes=8,16 --max_length=1024
+
+Padding buckets: ``rm.score`` on the chats with rows padded to multiples of each of ``--buckets``,
+cold (JAX's caches cleared: every shape compiles) and warm, in turns::
+
+  python scripts/bench_score.py --workload=buckets --items=64 --max_length=256 --buckets=16,32,64,128
+
+``--workload=chats`` (the default): one completion per prompt. rm.score, the server and
+transformers score the same texts (rendered chats of long-tailed lengths, each ending in a newline
+so that no reward is read at a pad token) with the same weights: the jaxrm model is exported to an
+HF directory and loaded by ``AutoModelForSequenceClassification``; their rewards on one batch are
 printed as a check that both run the same model. Each scores in batches of ``--batch_size`` rows:
 
 * ``rm.score``: all texts in one call (tokenizing included); rows sorted by length, padded to
-  multiples of 64 tokens.
+  multiples of 64 tokens (these chats share no prefix worth sharing; the count is printed).
 * ``transformers``: the same length-sorted batches, each tokenized and padded to its longest row
   (dynamic padding, transformers' cheapest layout), one ``model(**batch)`` under ``torch.no_grad()``.
 * ``server``: ``python -m jaxrm.serve``'s server in this process, with the same buckets and batch
   size, and ``--clients`` threads each sending requests of ``--items_per_request`` texts to
   ``/get_reward`` over loopback HTTP, one after another.
 
-Compiling (jaxrm) and a first pass (transformers) happen before timing. The three then run in
+``--workload=grpo``: rendered prompts (a system turn and a question) of lognormal lengths, median
+``--prompt_median`` tokens, each with G completions of lognormal lengths, median
+``--completion_median`` (both sigma 0.6; a prompt takes at most half of ``--max_length``, its
+completions the rest). Scored by ``rm.score`` sharing each prompt's tokens between its completions
+(the default), ``rm.score`` with ``share_prefix=False`` (every row alone, right-padded, as before
+sharing) and transformers as above. The server would join as one more entry of
+:func:`grpo_scorers`.
+
+Compiling (jaxrm) and a first pass (transformers) happen before timing. The scorers then run in
 turns, ``--repeats`` times (ABC ABC...), so that they meet the same machine load; each figure is
-the median over repeats. Latency: per ``rm.score``/transformers batch, per server request.
+the median over repeats (grpo: with the spread). Latency (chats): per ``rm.score``/transformers
+batch, per server request.
 """
 
 from __future__ import annotations
@@ -49,13 +68,21 @@ WORDS = ("the model reads each answer and gives it a score so that training can 
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--model", default=EMBEDDED, help="What RewardModel.from_pretrained loads.")
+  p.add_argument("--workload", choices=["chats", "grpo", "buckets"], default="chats",
+                 help="One completion per prompt (chats), P prompts x G completions (grpo), or rm.score's "
+                      "padding buckets (buckets).")
+  p.add_argument("--buckets", default="16,32,64,128", help="buckets: the length multiples to compare.")
   p.add_argument("--items", type=int, default=128, help="Texts scored per repeat.")
   p.add_argument("--batch_size", type=int, default=8, help="Rows per forward pass, for all three.")
   p.add_argument("--max_length", type=int, default=384, help="Longest text, in tokens.")
   p.add_argument("--median_length", type=int, default=96, help="Median text length, in tokens.")
   p.add_argument("--clients", type=int, default=16, help="Concurrent server clients.")
   p.add_argument("--items_per_request", type=int, default=4, help="Texts per server request.")
-  p.add_argument("--repeats", type=int, default=3, help="Timed turns of each of the three.")
+  p.add_argument("--prompts", type=int, default=4, help="grpo: prompts P.")
+  p.add_argument("--group_sizes", default="8,16", help="grpo: completions G per prompt, one run each.")
+  p.add_argument("--prompt_median", type=int, default=256, help="grpo: median prompt length, in tokens.")
+  p.add_argument("--completion_median", type=int, default=128, help="grpo: median completion length.")
+  p.add_argument("--repeats", type=int, default=3, help="Timed turns of each scorer.")
   p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--json", default=None, help="Also write the results here.")
@@ -82,18 +109,45 @@ def make_texts(n: int, median: int, cap: int, tokenizer, seed: int) -> list[str]
   return texts
 
 
+def make_groups(num_prompts: int, group_size: int, args, tokenizer, seed: int) -> list[list[str]]:
+  """``num_prompts`` groups of ``group_size`` texts: a rendered prompt (a system turn and a
+  question, about ``args.prompt_median`` tokens, lognormal) and one completion of its own (about
+  ``args.completion_median``), ending in "\n". Words are drawn at random, so the prompts share
+  only their template's opening and the completions nothing."""
+  rng = np.random.default_rng(seed)
+  count = lambda text: len(tokenizer(text)["input_ids"])
+
+  def words(target: int) -> str:  # random words of at most ``target`` tokens (each is 1-2)
+    out = list(rng.choice(WORDS, max(1, target)))
+    while len(out) > 1 and count(" ".join(out)) > target:
+      out = out[:-max(1, (count(" ".join(out)) - target) // 2)]
+    return " ".join(out)
+
+  lognormal = lambda median, cap: int(min(cap, max(8, rng.lognormal(np.log(median), 0.6))))
+  groups = []
+  for _ in range(num_prompts):
+    n = lognormal(args.prompt_median, args.max_length // 2)
+    prompt = (f"<|im_start|>system\n{words(n // 4)}.<|im_end|>\n<|im_start|>user\n{words(n - n // 4 - 12)}?"
+              f"<|im_end|>\n<|im_start|>assistant\n")
+    room = args.max_length - count(prompt) - 4  # for ".<|im_end|>\n"
+    groups.append([prompt + words(lognormal(args.completion_median, room)) + ".<|im_end|>\n"
+                   for _ in range(group_size)])
+  return groups
+
+
 def length_sorted_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
   order = sorted(range(len(lengths)), key=lambda i: lengths[i])
   return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
 
 
 def summary(name: str, seconds: list[float], latencies: list[list[float]], items: int, tokens: int) -> dict:
-  """Median items/s and tokens/s over repeats; latency percentiles over all timed calls."""
+  """Median items/s and tokens/s over repeats; latency percentiles over all timed calls (None
+  where none were timed)."""
   t = statistics.median(seconds)
   lat = np.asarray([x for run in latencies for x in run]) * 1000
+  percentile = lambda q: float(np.percentile(lat, q)) if lat.size else None
   return dict(name=name, items_per_s=items / t, tokens_per_s=tokens / t, seconds=t,
-              p50_ms=float(np.percentile(lat, 50)), p99_ms=float(np.percentile(lat, 99)),
-              repeats=[items / s for s in seconds])
+              p50_ms=percentile(50), p99_ms=percentile(99), repeats=[items / s for s in seconds])
 
 
 # ---------------------------------------------------------------------------------- the three runs
@@ -168,6 +222,7 @@ def load_transformers(rm, dtype: str):
     model = transformers.AutoModelForSequenceClassification.from_pretrained(out, dtype=torch_dtype)
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
   tokenizer.padding_side = "right"
+  print(f"transformers on {device}, attention {model.config._attn_implementation}", flush=True)
   return model.to(device).eval(), tokenizer, device
 
 
@@ -178,11 +233,26 @@ def main(argv=None) -> None:
   import transformers
 
   from jaxrm import RewardModel
+
+  rm = RewardModel.from_pretrained(args.model, dtype=args.dtype)
+  workload = {"chats": chats_workload, "grpo": grpo_workload, "buckets": buckets_workload}[args.workload]
+  results = workload(rm, args)
+  print(f"jax {jax.__version__} ({jax.default_backend()}), transformers {transformers.__version__}, "
+        f"torch {torch.__version__}, {os.cpu_count()} CPUs", flush=True)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(dict(args=vars(args), results=results), f, indent=1)
+
+
+def chats_workload(rm, args) -> list[dict]:
+  """One completion per prompt: rm.score, the server and transformers, in turns."""
+  import torch
+
   from jaxrm.data.pipeline import length_buckets
   from jaxrm.server import ServerConfig, make_server
 
-  rm = RewardModel.from_pretrained(args.model, dtype=args.dtype)
   hf_model, hf_tok, device = load_transformers(rm, args.dtype)
+
   texts = make_texts(args.items, args.median_length, args.max_length, rm.tokenizer, args.seed)
   encoded = [rm.encode(t, max_length=args.max_length) for t in texts]
   same_tokens = sum(e == hf_tok(t)["input_ids"] for e, t in zip(encoded, texts))
@@ -190,6 +260,7 @@ def main(argv=None) -> None:
   tokens = sum(lengths)
   batches = length_sorted_batches(lengths, args.batch_size)
   print(f"{args.items} texts, {tokens} tokens (median {int(np.median(lengths))}, max {max(lengths)}); "
+        f"rm.score computes {shared_tokens(rm, encoded, args)} of them once prefixes are shared; "
         f"jaxrm and transformers tokenize {same_tokens}/{args.items} identically", flush=True)
 
   # Untimed: jaxrm compiles each batch shape; transformers' first pass; a check that both score alike.
@@ -221,15 +292,115 @@ def main(argv=None) -> None:
 
   results = [summary(name, s, lat, args.items, tokens) for name, (s, lat) in runs.items()]
   print_table(results, args)
-  print(f"jax {jax.__version__} ({jax.default_backend()}), transformers {transformers.__version__}, "
-        f"torch {torch.__version__} ({device}, attention {hf_model.config._attn_implementation}), "
-        f"{os.cpu_count()} CPUs", flush=True)
   by = {r["name"]: r for r in results}
   print(f"rm.score / transformers: {by['rm.score']['items_per_s'] / by['transformers']['items_per_s']:.2f}x; "
         f"server / rm.score: {by['server']['items_per_s'] / by['rm.score']['items_per_s']:.0%}")
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(dict(args=vars(args), results=results), f, indent=1)
+  return results
+
+
+# ---------------------------------------------------------------------------------- grpo
+
+
+def grpo_scorers(rm, hf_model, hf_tok, device, texts, batches, args) -> dict:
+  """Name -> a function that scores ``texts`` once and returns (seconds, rewards [N])."""
+
+  def rm_score(share_prefix):
+    start = time.perf_counter()
+    rewards = rm.score(texts, batch_size=args.batch_size, max_length=args.max_length, share_prefix=share_prefix)
+    return time.perf_counter() - start, rewards
+
+  def hf():
+    import torch
+    rewards = np.zeros(len(texts), np.float32)
+    start = time.perf_counter()
+    with torch.no_grad():
+      for rows in batches:
+        batch = hf_tok([texts[i] for i in rows], padding=True, return_tensors="pt").to(device)
+        rewards[rows] = hf_model(**batch).logits[:, 0].float().cpu().numpy()
+    return time.perf_counter() - start, rewards
+
+  return {"rm.score shared": lambda: rm_score(True), "rm.score unshared": lambda: rm_score(False),
+          "transformers": hf}
+
+
+def grpo_workload(rm, args) -> list[dict]:
+  """For each G: P prompts x G completions, scored by each of :func:`grpo_scorers` in turns."""
+  hf_model, hf_tok, device = load_transformers(rm, args.dtype)
+  results = []
+  for g in (int(x) for x in args.group_sizes.split(",")):
+    groups = make_groups(args.prompts, g, args, rm.tokenizer, args.seed)
+    texts = [t for group in groups for t in group]
+    encoded = [rm.encode(t, max_length=args.max_length) for t in texts]
+    lengths = [len(e) for e in encoded]
+    tokens = sum(lengths)
+    same = sum(e == hf_tok(t)["input_ids"] for e, t in zip(encoded, texts))
+    print(f"\nP={args.prompts} prompts x G={g}: {len(texts)} texts, {tokens} tokens "
+          f"(median {int(np.median(lengths))}, max {max(lengths)}); the groups' rows share "
+          f"{prompt_lengths(encoded, g)} tokens; shared scoring computes {shared_tokens(rm, encoded, args)} "
+          f"tokens; jaxrm and transformers tokenize {same}/{len(texts)} identically", flush=True)
+    scorers = grpo_scorers(rm, hf_model, hf_tok, device, texts, length_sorted_batches(lengths, args.batch_size),
+                           args)
+    rewards = {name: fn()[1] for name, fn in scorers.items()}  # untimed: compiling, first passes
+    want = rewards.pop("rm.score unshared")
+    print("max |reward - rm.score unshared|: " + ", ".join(
+        f"{name} {np.abs(r - want).max():.1e}" for name, r in rewards.items()), flush=True)
+    seconds = {name: [] for name in scorers}
+    for _ in range(args.repeats):
+      for name, fn in scorers.items():
+        seconds[name].append(fn()[0])
+        print(f"  {name}: {len(texts) / seconds[name][-1]:.2f} items/s", flush=True)
+    rows = [dict(summary(name, s, [], len(texts), tokens), group_size=g) for name, s in seconds.items()]
+    print_grpo_table(rows, g, args)
+    results += rows
+  return results
+
+
+# ---------------------------------------------------------------------------------- buckets
+
+
+def buckets_workload(rm, args) -> list[dict]:
+  """rm.score's padding multiple: compiled shapes and padded tokens against time, cold and warm."""
+  import jax
+
+  from jaxrm.data.pipeline import bucket_length, length_buckets, scoring_rows
+
+  texts = make_texts(args.items, args.median_length, args.max_length, rm.tokenizer, args.seed)
+  lengths = sorted(len(rm.encode(t, max_length=args.max_length)) for t in texts)
+  print(f"{args.items} texts, {sum(lengths)} tokens (median {lengths[len(lengths) // 2]}, max {lengths[-1]})")
+  multiples = [int(b) for b in args.buckets.split(",")]
+  runs = {b: ([], []) for b in multiples}
+  for _ in range(args.repeats):
+    for b in multiples:
+      jax.clear_caches()
+      for times in runs[b]:  # cold, then warm
+        start = time.perf_counter()
+        rm.score(texts, batch_size=args.batch_size, bucket=b, max_length=args.max_length, share_prefix=False)
+        times.append(time.perf_counter() - start)
+      print(f"  bucket {b}: cold {runs[b][0][-1]:.1f} s, warm {runs[b][1][-1]:.1f} s", flush=True)
+  print("\n| multiple | shapes | padded tokens | cold s (median) | warm s (median) |\n|---:|---:|---:|---:|---:|")
+  results = []
+  for b, (cold, warm) in runs.items():
+    buckets = length_buckets(max(args.max_length, b), b)
+    shapes = [(scoring_rows(len(rows), args.batch_size), bucket_length(max(rows), buckets))
+              for rows in (lengths[i:i + args.batch_size] for i in range(0, len(lengths), args.batch_size))]
+    slots = sum(n * t for n, t in shapes)
+    results.append(dict(multiple=b, shapes=len(set(shapes)), slots=slots, cold=cold, warm=warm))
+    print(f"| {b} | {len(set(shapes))} | {slots} (+{slots / sum(lengths) - 1:.0%}) | {statistics.median(cold):.1f} "
+          f"({min(cold):.1f}-{max(cold):.1f}) | {statistics.median(warm):.1f} ({min(warm):.1f}-{max(warm):.1f}) |")
+  return results
+
+
+def prompt_lengths(encoded: list[list[int]], g: int) -> str:
+  """The tokens each group's rows share, comma-separated."""
+  return ", ".join(str(len(os.path.commonprefix(encoded[i:i + g]))) for i in range(0, len(encoded), g))
+
+
+def shared_tokens(rm, encoded: list[list[int]], args) -> int:
+  """Tokens the shared layout holds, as rm.score groups the rows: each group's packed row, and
+  the rows that score alone."""
+  from jaxrm import shared_prefix
+  groups = rm.prefix_groups(encoded, batch_size=args.batch_size, max_length=args.max_length)
+  return sum(shared_prefix.packed_length(encoded, g) for g in groups)
 
 
 def print_table(results: list[dict], args) -> None:
@@ -239,6 +410,15 @@ def print_table(results: list[dict], args) -> None:
   for r in results:
     print(f"| {r['name']} ({unit[r['name']]}) | {r['items_per_s']:.1f} | {r['tokens_per_s']:.0f} | "
           f"{r['p50_ms']:.0f} ms | {r['p99_ms']:.0f} ms |")
+
+
+def print_grpo_table(rows: list[dict], g: int, args) -> None:
+  transformers = next(r for r in rows if r["name"] == "transformers")["items_per_s"]
+  print(f"\n| scorer (P={args.prompts}, G={g}) | items/s (median) | spread over {args.repeats} repeats | tokens/s "
+        "| vs transformers |\n|---|---:|---:|---:|---:|")
+  for r in rows:
+    print(f"| {r['name']} | {r['items_per_s']:.2f} | {min(r['repeats']):.2f}-{max(r['repeats']):.2f} | "
+          f"{r['tokens_per_s']:.0f} | {r['items_per_s'] / transformers:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":
