@@ -285,13 +285,13 @@ class RewardModel:
     """
     out: list[np.ndarray | None] = [None] * len(encoded)
     buckets = self._buckets(bucket, max_length)
-    groups = self.prefix_groups(encoded, batch_size=batch_size, bucket=bucket, max_length=max_length,
-                                share_prefix=share_prefix)
+    max_tokens = self._max_tokens(encoded, batch_size, buckets)
+    groups = shared_prefix.scoring_groups(encoded, shared_prefix.as_sharing(share_prefix), self.config, max_tokens)
     alone = [g[0] for g in groups if len(g) == 1]
     for rows, outputs in self._batched([encoded[i] for i in alone], batch_size, buckets):
       for j, r in zip(rows, outputs):
         out[alone[j]] = r if self.config.head == "sequence" else r[:len(encoded[alone[j]])]
-    shared, max_tokens = [g for g in groups if len(g) > 1], self._max_tokens(encoded, batch_size, buckets)
+    shared = [g for g in groups if len(g) > 1]
     for rows, outputs in self._shared(encoded, shared, batch_size, bucket, max_tokens):
       for i, r in zip(rows, outputs):
         out[i] = r
