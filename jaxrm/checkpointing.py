@@ -17,7 +17,8 @@ import json
 import logging
 import math
 import os
-from typing import Any
+import warnings
+from typing import Any, Callable
 
 import jax
 import orbax.checkpoint as ocp
@@ -46,16 +47,15 @@ class DamagedCheckpointError(CheckpointError):
     self.step = step
 
 
-def _quiet_stragglers() -> None:
-  """After a failed restore, the reads of the other arrays still in flight finish on tensorstore's
-  threads once Orbax's event loop is closed; each would print a traceback ("Event loop is closed",
-  a coroutine never awaited) after the error the user is to read. Those, and only those, are
-  dropped."""
+def _quiet_stragglers() -> Callable[[], None]:
+  """Drops what a failed restore prints after its error: the reads of the other arrays still in
+  flight finish on tensorstore's threads once Orbax's event loop is closed ("Event loop is
+  closed"), and the coroutines of other damaged arrays are dropped with their errors. They can
+  fire before Orbax's error reaches us, so the hooks go in before each restore; the returned
+  function takes them out again (after a restore that succeeded, when none can come)."""
   import sys
-  import warnings
-  warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
   if getattr(sys.unraisablehook, "_jaxrm_quiet", False):
-    return
+    return lambda: None
   closed = lambda e: isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
   previous_unraisable, previous_except = sys.unraisablehook, sys.excepthook
 
@@ -68,8 +68,13 @@ def _quiet_stragglers() -> None:
   def except_hook(kind, value, tb):  # what tensorstore's threads print a callback's error with
     if not closed(value):
       previous_except(kind, value, tb)
+
+  def undo():
+    if sys.unraisablehook is unraisable_hook:
+      sys.unraisablehook, sys.excepthook = previous_unraisable, previous_except
   unraisable_hook._jaxrm_quiet = True
   sys.unraisablehook, sys.excepthook = unraisable_hook, except_hook
+  return undo
 
 
 def _first_sentence(e: BaseException) -> str:
@@ -179,14 +184,18 @@ class Checkpointer:
     return restored["params"], restored["meta"]
 
   def _restore(self, step: int, **items):
+    undo = _quiet_stragglers()
     try:
-      return self.manager.restore(step, args=ocp.args.Composite(**items))
+      restored = self.manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:  # tensorstore/Orbax errors of a file cut short or missing
+      # The hooks stay, and so does a filter for the dropped reads' "never awaited" warnings.
+      warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
       if any(m in str(e) for m in _MISMATCH):
         raise CheckpointError(f"{os.path.join(self.directory, str(step))} does not fit the model restored "
                               f"into it ({_first_sentence(e)})") from None
-      _quiet_stragglers()
       raise DamagedCheckpointError(self.directory, step, e) from None
+    undo()
+    return restored
 
   def set_aside(self, step: int) -> str:
     """Moves a damaged checkpoint out of Orbax's sight, to ``<step>.damaged``; returns its new path.
