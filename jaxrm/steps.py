@@ -139,18 +139,19 @@ def set_step_and_rng(state: dict[str, Any], step: int, rng: Sequence[int]) -> di
 
 
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedule: Callable,
-                    *, grad_accum_steps: int = 1, state_shardings: Any = None,
+                    *, grad_accum_steps: int = 1, max_grad_norm: float = 0.0, state_shardings: Any = None,
                     mesh: Mesh | None = None) -> Callable:
   """One jitted ``(state, batch) -> (state, (metrics, extra))`` with the state donated.
 
   Only ``state["params"]`` is differentiated and updated; ``state["frozen"]`` (LoRA's base, see
   :func:`init_state`) passes through. Gradients of summed losses are accumulated over
   ``grad_accum_steps`` micro-batches and divided by the total count, so the update follows the
-  mean loss over the whole global batch. An unpacked batch is split here; a packed one comes
-  split, each array with a leading ``[grad_accum_steps]`` axis (see ``packing.PackedCollator``).
-  ``metrics`` are the loss's sums and counts (see ``metrics.finalize_metrics``); ``extra`` holds
-  ``grad_norm`` (before clipping) and ``learning_rate``. With ``mesh``, activations are pinned to
-  it at block boundaries.
+  mean loss over the whole global batch; their global norm is then clipped to ``max_grad_norm``
+  (``<= 0``: not clipped), here rather than in ``tx`` (see :func:`_update`). An unpacked batch is
+  split here; a packed one comes split, each array with a leading ``[grad_accum_steps]`` axis
+  (see ``packing.PackedCollator``). ``metrics`` are the loss's sums and counts (see
+  ``metrics.finalize_metrics``); ``extra`` holds ``grad_norm`` (before clipping) and
+  ``learning_rate``. With ``mesh``, activations are pinned to it at block boundaries.
   """
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -176,7 +177,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedul
 
       (grads, metrics), _ = jax.lax.scan(body, (zero_grads, zero_metrics),
                                          (micro, jnp.arange(grad_accum_steps)))
-    return _update(tx, schedule, state, grads, metrics)
+    return _update(tx, schedule, max_grad_norm, state, grads, metrics)
 
   if state_shardings is None:
     return jax.jit(step, donate_argnums=0)
@@ -190,13 +191,25 @@ def _step_key(state) -> jax.Array:
   return jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
 
 
-def _update(tx: optax.GradientTransformation, schedule: Callable, state, grads, metrics):
-  """The optimizer's update of ``state`` by summed ``grads`` over the count of the summed loss."""
+def _update(tx: optax.GradientTransformation, schedule: Callable, max_grad_norm: float, state, grads,
+            metrics):
+  """The optimizer's update of ``state`` by summed ``grads`` over the count of the summed loss,
+  clipped to a global norm of ``max_grad_norm`` (``<= 0``: not clipped).
+
+  The mean and the clipping are one scalar factor on the sums, and the only norm is the sums':
+  XLA then fuses the scaling into the optimizer's reads of each gradient. Dividing the sums
+  first, or clipping inside ``tx`` (which takes the norm of what it is given), made XLA keep the
+  scaled gradients as a second parameter-sized buffer beside the sums.
+  """
   params = state["params"]
   count = jnp.maximum(metrics["loss"].count, 1.0)
-  grads = jax.tree.map(lambda g: g / count, grads)
-  grad_norm = optax.tree.norm(grads)
-  updates, opt_state = tx.update(grads, state["opt_state"], params)
+  summed_norm = optax.tree.norm(grads)
+  grad_norm = summed_norm / count  # the mean gradient's
+  scale = 1.0 / count
+  if max_grad_norm > 0:
+    # Clipped, (g / count) * max_grad_norm / grad_norm is g * max_grad_norm / summed_norm.
+    scale = jnp.where(grad_norm < max_grad_norm, scale, max_grad_norm / summed_norm)
+  updates, opt_state = tx.update(jax.tree.map(lambda g: g * scale, grads), state["opt_state"], params)
   new_state = dict(state, params=optax.apply_updates(params, updates), opt_state=opt_state,
                    step=state["step"] + 1)
   extra = {"grad_norm": grad_norm, "learning_rate": schedule(state["step"])}
@@ -210,13 +223,14 @@ class MicroBatchedStep:
 
   The gradient of each micro-batch is one jitted call, compiled once per micro-batch shape (so
   the compiled programs stay as few as the buckets); the sums are added on device and the
-  update is a last jitted call that donates the state. The update equals
+  update is a last jitted call that donates the state (clipped to ``max_grad_norm``, as
+  :func:`make_train_step` clips). The update equals
   :func:`make_train_step`'s on the same groups up to float32 summation order, and the dropout
   draws are the same (micro-batch i folds in i).
   """
 
   def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation, schedule: Callable, *,
-               state_shardings: Any = None, mesh: Mesh | None = None):
+               max_grad_norm: float = 0.0, state_shardings: Any = None, mesh: Mesh | None = None):
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def grads_of(state, index, batch):
@@ -228,7 +242,7 @@ class MicroBatchedStep:
     def add(total, new):
       return jax.tree.map(jnp.add, total[0], new[0]), accumulate(total[1], new[1])
 
-    update = functools.partial(_update, tx, schedule)
+    update = functools.partial(_update, tx, schedule, max_grad_norm)
     if state_shardings is None:
       self._grads = jax.jit(grads_of)
       self._update = jax.jit(update, donate_argnums=0)

@@ -27,7 +27,7 @@ class Update:
   state each step returns instead."""
 
   schedule: optax.Schedule
-  tx: optax.GradientTransformation
+  tx: optax.GradientTransformation  # AdamW, unclipped: the train step clips (see _optimizer)
   state: dict[str, Any]  # the initial train state (see steps.init_state); abstract for an abstract model
   state_shardings: dict[str, Any]
   train_step: steps.CompiledPerShape | steps.MicroBatchedStep  # (state, batch) -> (state, (metrics, extra))
@@ -57,16 +57,18 @@ def build_update(model: Decoder, reward: RewardSpec, train: TrainSpec, *, total_
     ConfigError: the schedule cannot follow ``train`` over ``total_steps``.
   """
   schedule = _schedule(train, total_steps)
-  tx = optim.make_optimizer(schedule, weight_decay=train.weight_decay, max_grad_norm=train.max_grad_norm,
-                            b1=train.adam_beta1, b2=train.adam_beta2, eps=train.adam_epsilon)
+  tx = _optimizer(schedule, train)
   state, shardings = _initial_state(model, tx, seed=train.seed, mesh=mesh)
   loss_fn = steps.make_loss_fn(model, reward)
+  clip = train.max_grad_norm
   if micro_batched:
     # Each micro-batch keeps its own length bucket; one compiled gradient per bucket.
-    train_step = steps.MicroBatchedStep(loss_fn, tx, schedule, state_shardings=shardings, mesh=mesh)
+    train_step = steps.MicroBatchedStep(loss_fn, tx, schedule, max_grad_norm=clip, state_shardings=shardings,
+                                        mesh=mesh)
   else:
     train_step = steps.CompiledPerShape("train step", steps.make_train_step(
-        loss_fn, tx, schedule, grad_accum_steps=grad_accum, state_shardings=shardings, mesh=mesh))
+        loss_fn, tx, schedule, grad_accum_steps=grad_accum, max_grad_norm=clip, state_shardings=shardings,
+        mesh=mesh))
   eval_loss_fn = steps.make_loss_fn(model, reward, samples=True)
   eval_step = steps.CompiledPerShape("eval step", steps.make_eval_step(eval_loss_fn, mesh=mesh))
   return Update(schedule, tx, state, shardings, train_step, eval_step)
@@ -79,6 +81,21 @@ def _schedule(train: TrainSpec, total_steps: int) -> optax.Schedule:
                                min_lr_ratio=train.min_lr_ratio)
   except ValueError as e:  # e.g. warmup longer than the run: the settings are the user's to fix
     raise ConfigError(str(e)) from None
+
+
+def _optimizer(schedule: optax.Schedule, train: TrainSpec) -> optax.GradientTransformation:
+  """``optim.make_optimizer``'s AdamW for ``train``, without its clipping, which the train step
+  does (``steps.make_train_step``: clipping inside the optimizer made XLA keep the clipped
+  gradients as a second parameter-sized buffer).
+
+  Where ``train`` clips, a stateless identity holds the clip's place in the chain, so that the
+  optimizer state keeps ``make_optimizer``'s layout and checkpoints restore either way.
+  """
+  adamw = optim.make_optimizer(schedule, weight_decay=train.weight_decay, max_grad_norm=0.0,
+                               b1=train.adam_beta1, b2=train.adam_beta2, eps=train.adam_epsilon)
+  if train.max_grad_norm <= 0:
+    return adamw
+  return optax.chain(optax.identity(), adamw)
 
 
 def _initial_state(model: Decoder, tx: optax.GradientTransformation, *, seed: int, mesh: Mesh):

@@ -15,8 +15,14 @@ every linear layer over a frozen base (step time and peak memory of both, in the
 
   python scripts/bench.py --model=smollm2-135m --vs-lora --modes=unpacked,shared_prompt
 
-TRL is needed only for ``--vs-trl``, not by jaxrm: ``pip install --no-deps trl==1.16.0`` into the
-environment. Memory per device, and one step of a planned setting on a GPU, are
+Ranked groups against TRL's expanded pairs: K completions per prompt (``--ranked=4,7``), jaxrm
+``reward.type=ranking`` with shared-prompt packing, ``ranking_loss=all_pairs`` (and
+``plackett_luce`` beside it, its own loss), in lockstep with TRL on each group's K(K-1)/2 pairs::
+
+  python scripts/bench.py --model=smollm2-135m --ranked=4,7 --batch_size=1 --steps=10
+
+TRL is needed only for ``--vs-trl`` and ``--ranked``, not by jaxrm: ``pip install --no-deps
+trl==1.16.0`` into the environment. Memory per device, and one step of a planned setting on a GPU, are
 ``scripts/memory_plan.py``'s; the model shapes and generated rows are ``scripts/bench_common.py``'s.
 
 Every run has its own process (so peak memory is its own) and the same procedurally generated
@@ -40,9 +46,19 @@ steps show the spread that one total ratio hides. Each worker also times a plain
 matmul under ``jax.jit`` in its own process (TRL's also under torch), the yardstick its model
 FLOP/s are quoted against, and records its thread settings.
 
-Reported per run: pairs/s and pairs per CPU-second (process CPU time, all threads); tokens/s of
-the sequences as a trainer without packing sees them (prompt counted once per completion), of
-the real tokens fed to the model, and of all positions fed (padding included); packing
+With ``--ranked``, ``--batch_size`` counts prompts: one step is ``--batch_size`` groups of K
+completions for jaxrm (one packed row each, the prompt once) and their K(K-1)/2 pairs each for TRL
+(one TRL step, prompt + better and prompt + worse per pair). The all-pairs Bradley-Terry loss is the
+mean over those same pairs, as TRL's is over its batch, so the two take the same step from the
+same weights: both sides start from one set of weights (written once as safetensors by a short
+process, read by both), and after the first (untimed) step the benchmark stops unless the two
+first-step losses agree (``LOSS_RTOL``). A pair counts as one of the loss's pairs on either side;
+Plackett-Luce, a listwise loss, is credited with the same K(K-1)/2 per group.
+
+Reported per run: pairs/s (pairs of the loss: a group of K counts K(K-1)/2) and pairs per
+CPU-second (process CPU time, all threads); tokens/s of the sequences as a trainer without packing
+sees them (prompt counted once per completion; a group of K as its K(K-1)/2 pairs, 2 sequences
+each), of the real tokens fed to the model, and of all positions fed (padding included); packing
 efficiency = real / fed positions; peak memory (host RSS on CPU, device peak bytes on GPU); the
 process's minor page faults per step (median); compile seconds; model TFLOP/s; and MFU on GPU,
 against ``--peak_tflops``.
@@ -69,7 +85,7 @@ import time
 
 import numpy as np
 
-from bench_common import IM_END, IM_START, NEWLINE, PAD, SHAPES, make_pairs, one_device_mesh
+from bench_common import IM_END, IM_START, NEWLINE, PAD, SHAPES, make_groups, make_pairs, one_device_mesh
 from jaxrm.data.tokenize import PreferenceExample
 from jaxrm.models.config import ModelConfig
 
@@ -80,6 +96,13 @@ GPU_PRESET = dict(model="qwen2.5-1.5b", max_length=2048, batch_size=8, dtype="bf
 # What both sides train with (train.* keys; TRL's RewardConfig gets the same values): a constant
 # 1e-5 after clipping at 1, no weight decay, AdamW's default betas and eps.
 TRAIN = dict(learning_rate=1e-5, lr_scheduler="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0)
+RANKING_LOSSES = ("all_pairs", "plackett_luce")  # jaxrm's runs of each --ranked K, beside TRL's
+# First-step losses of jaxrm all_pairs and TRL from the same weights on the same pairs: the same
+# float32 model computed in another order (a packed row under a tree mask against one padded row
+# per sequence, XLA's einsum attention against torch's sdpa); 1e-5 leaves room for that rounding
+# through 30 layers (measured on the SmolLM2-135M shape: 3.4e-7 at K=4, 2.6e-8 at K=7), while a
+# pair left out or counted twice, or the weights not the same, moves it by far more.
+LOSS_RTOL = 1e-5
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -92,6 +115,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="run each mode in lockstep with the same mode training LoRA adapters "
                       "(--lora_rank on every linear layer, over a frozen base)")
   p.add_argument("--lora_rank", type=int, default=16, help="rank of the adapters of --vs-lora")
+  p.add_argument("--ranked", default="",
+                 help="comma-separated completions per prompt, e.g. 4,7: instead of --modes, for each K "
+                      "jaxrm reward.type=ranking with shared-prompt packing (ranking_loss=all_pairs, and "
+                      "plackett_luce beside it) in lockstep with TRL on the K(K-1)/2 expanded pairs of the "
+                      "same groups, from the same weights; --batch_size then counts prompts")
   p.add_argument("--gpu", action="store_true", help=f"H200 preset: {GPU_PRESET}")
   p.add_argument("--dry_run", action="store_true",
                  help="print the settings, the data and each mode's batch shapes, then stop")
@@ -115,6 +143,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--json", default=None, help="write every result here")
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one run, in this process
   p.add_argument("--channel", default=None, help=argparse.SUPPRESS)
+  p.add_argument("--weights_dir", default=None, help=argparse.SUPPRESS)  # --ranked: both sides' start
   args = p.parse_args(argv)
   if args.gpu:
     for k, v in GPU_PRESET.items():
@@ -123,6 +152,16 @@ def parse_args(argv=None) -> argparse.Namespace:
   args.modes = [m for m in args.modes.split(",") if m]
   if args.vs_trl and args.vs_lora:
     p.error("--vs-trl and --vs-lora: choose one partner per run")
+  try:
+    args.ranked = [int(k) for k in args.ranked.split(",") if k]
+  except ValueError:
+    p.error(f"--ranked={args.ranked}: give completions per prompt as integers, e.g. --ranked=4,7")
+  if any(k < 2 for k in args.ranked):
+    p.error(f"--ranked={','.join(map(str, args.ranked))}: a ranked group needs at least 2 completions")
+  if args.ranked and (args.vs_trl or args.vs_lora):
+    p.error("--ranked runs in lockstep with TRL already; leave out --vs-trl and --vs-lora")
+  if args.ranked and args.warmup < 1:
+    p.error("--ranked checks the losses on the first step, which is not timed: give --warmup of 1 or more")
   unknown = sorted(set(args.modes) - set(JAXRM_MODES))
   if unknown:
     p.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(JAXRM_MODES)}")
@@ -141,6 +180,29 @@ def bench_pairs(args) -> list[PreferenceExample]:
   """Every row the benchmark trains on, warm-up batches first."""
   return make_pairs(args.batch_size * (args.warmup + args.steps), args.max_length,
                     SHAPES[args.model].vocab_size, args.seed)
+
+
+def bench_groups(args, k: int) -> list[PreferenceExample]:
+  """``--ranked``'s groups of ``k`` completions, best first, warm-up batches first."""
+  return make_groups(args.batch_size * (args.warmup + args.steps), k, args.max_length,
+                     SHAPES[args.model].vocab_size, args.seed)
+
+
+def expanded_pairs(groups) -> list[PreferenceExample]:
+  """Every group's K(K-1)/2 pairs (better, worse), each with the prompt: what a pairwise trainer
+  is fed for a ranking."""
+  out = []
+  for g in groups:
+    order = sorted(range(len(g.ranks)), key=lambda i: g.ranks[i])
+    for a, i in enumerate(order):
+      for j in order[a + 1:]:
+        out.append(PreferenceExample((g.input_ids[i], g.input_ids[j]), (0, 1), 0.0, g.source, {}))
+  return out
+
+
+def num_pairs(groups) -> int:
+  """Pairs of an all-pairs loss: K(K-1)/2 for a group of K."""
+  return sum(len(g.input_ids) * (len(g.input_ids) - 1) // 2 for g in groups)
 
 
 def data_summary(examples) -> dict:
@@ -189,17 +251,19 @@ def attended_keys(batch) -> int:
 # ------------------------------------------------------------------------------------ jaxrm
 
 
-def collator(mode: str, args):
-  """The trainer's ``groups -> batch`` for ``mode`` (``data.packing`` none, packed, shared_prompt)."""
+def collator(mode: str, args, k: int = 2):
+  """The trainer's ``groups -> batch`` for ``mode`` (``data.packing`` none, packed, shared_prompt)
+  and groups of ``k`` completions."""
   from jaxrm.data import packing, pipeline
   if mode == "unpacked":
-    return pipeline.Collator(batch_size=args.batch_size, pad_id=PAD, num_completions=2,
+    return pipeline.Collator(batch_size=args.batch_size, pad_id=PAD, num_completions=k,
                              buckets=pipeline.length_buckets(args.max_length, BUCKET))
-  # As data.packed_row_length: 0 = rows as long as the batch's longest group, in multiples of 64.
-  spec = packing.PackSpec(args.row_length or 2 * args.max_length,
+  # As data.packed_row_length: 0 = rows as long as the batch's longest group, in multiples of 64
+  # (a group of k sequences of at most max_length tokens holds fewer than k * max_length).
+  spec = packing.PackSpec(args.row_length or k * args.max_length,
                           length_multiple=0 if args.row_length else BUCKET,
                           shared_prompt=mode == "shared_prompt", pad_id=PAD)
-  return packing.PackedCollator(args.batch_size, spec, num_completions=2)
+  return packing.PackedCollator(args.batch_size, spec, num_completions=k)
 
 
 def _peak_memory_gib() -> float:
@@ -210,20 +274,25 @@ def _peak_memory_gib() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def _jaxrm_update(cfg: ModelConfig, seed: int, num_steps: int):
-  """The trainer's update of a Bradley-Terry model of ``cfg`` (``update.build_update``: its step
-  compiles once per batch shape) and the model's parameter count. With ``cfg.lora`` on, only the
+def _jaxrm_update(cfg: ModelConfig, seed: int, num_steps: int, reward=None, weights_dir: str | None = None):
+  """The trainer's update of a model of ``cfg`` trained with ``reward`` (default Bradley-Terry;
+  ``update.build_update``: its step compiles once per batch shape) and the model's parameter count.
+  The weights are random, or ``weights_dir``'s (an HF checkpoint). With ``cfg.lora`` on, only the
   adapters and the head train, as in the trainer."""
   import jax
   from flax import nnx
-  from jaxrm import update
+  from jaxrm import loading, update
   from jaxrm.config import RewardSpec, TrainSpec
   from jaxrm.models.decoder import Decoder
 
-  model = nnx.jit(lambda: Decoder(cfg, rngs=nnx.Rngs(seed)))()
+  if weights_dir:
+    overrides = {k: getattr(cfg, k) for k in ("dtype", "param_dtype", "remat", "attention_impl", "pad_token_id")}
+    model = loading.load(loading.locate(weights_dir), overrides, head="sequence", mesh=one_device_mesh()).model
+  else:
+    model = nnx.jit(lambda: Decoder(cfg, rngs=nnx.Rngs(seed)))()
   num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
-  built = update.build_update(model, RewardSpec(), TrainSpec(**TRAIN, seed=seed), total_steps=num_steps,
-                              mesh=one_device_mesh())
+  built = update.build_update(model, reward or RewardSpec(), TrainSpec(**TRAIN, seed=seed),
+                              total_steps=num_steps, mesh=one_device_mesh())
   return built, num_params
 
 
@@ -236,20 +305,43 @@ def lora_config(args):
   return LoraConfig(rank=args.lora_rank, alpha=16.0, targets="all-linear")
 
 
-def run_jaxrm(mode: str, args, channel: "_Channel") -> dict:
-  """Compiles every batch shape, says "ready", then runs one step per "step" from the parent."""
+def ranked_worker(worker: str) -> tuple[str, int] | None:
+  """``"<loss>@<K>"`` (a jaxrm run of ``--ranked``) or ``"trl@<K>"`` -> (loss or "trl", K)."""
+  name, at, k = worker.partition("@")
+  return (name, int(k)) if at else None
+
+
+def run_jaxrm(worker: str, args, channel: "_Channel") -> dict:
+  """Compiles every batch shape, says "ready", then runs one step per "step" from the parent.
+
+  ``worker`` is a mode (``+lora`` for adapters), or ``<ranking loss>@<K>`` for ``--ranked``, whose
+  steps also report their loss (after the clock stops) for the first-step check.
+  """
   import dataclasses
 
   import jax
+  from jaxrm.config import RewardSpec
+  from jaxrm.metrics import finalize_metrics
 
   cfg = model_config(args)
-  mode, lora_on = mode.removesuffix(LORA_SUFFIX), mode.endswith(LORA_SUFFIX)
-  if lora_on:
-    cfg = dataclasses.replace(cfg, lora=lora_config(args))
-  built, num_params = _jaxrm_update(cfg, args.seed, args.warmup + args.steps)
+  ranked = ranked_worker(worker)
+  if ranked:
+    loss, k = ranked
+    mode, lora_on, name = "shared_prompt", False, f"jaxrm K={k} {loss}"
+    built, num_params = _jaxrm_update(cfg, args.seed, args.warmup + args.steps,
+                                      RewardSpec(type="ranking", ranking_loss=loss), args.weights_dir)
+    examples = bench_groups(args, k)
+  else:
+    k = 2
+    mode, lora_on = worker.removesuffix(LORA_SUFFIX), worker.endswith(LORA_SUFFIX)
+    name = f"jaxrm {mode}" + (f" LoRA r{args.lora_rank}" if lora_on else "")
+    if lora_on:
+      cfg = dataclasses.replace(cfg, lora=lora_config(args))
+    built, num_params = _jaxrm_update(cfg, args.seed, args.warmup + args.steps)
+    examples = bench_pairs(args)
   train_step, state = built.train_step, built.state
-  collate = collator(mode, args)
-  groups = batches_of(bench_pairs(args), args)
+  collate = collator(mode, args, k)
+  groups = batches_of(examples, args)
   batches = [collate(g) for g in groups]
   start = time.perf_counter()
   for batch in batches:
@@ -260,21 +352,24 @@ def run_jaxrm(mode: str, args, channel: "_Channel") -> dict:
   channel.send("ready")
   totals = _new_totals()
   n_dense = dense_params(cfg, num_params)
+  losses = []
   for i, batch in enumerate(batches):
     channel.wait_for("step")
     clock = _Clock()
-    state, _ = train_step(state, batch)
+    state, (metrics, _) = train_step(state, batch)
     jax.block_until_ready(state)
     clock.stop()
     if i >= args.warmup:
       real = int(batch.attention_mask.sum())
       _count(totals, clock, groups[i], real=real, fed=batch.attention_mask.size,
              flops=step_flops(cfg, n_dense, real, attended_keys(batch)))
-    channel.send("done")
+    if ranked:
+      losses.append(finalize_metrics(metrics)["loss"])
+    channel.send(f"done {losses[-1]!r}" if ranked else "done")
   channel.wait_for("finish")
   trained = sum(x.size for x in jax.tree.leaves(state["params"]))
-  name = f"jaxrm {mode}" + (f" LoRA r{args.lora_rank}" if lora_on else "")
-  return _result(name, args, totals, num_params, compile_s=compile_s, trained_params_m=trained / 1e6,
+  extra = {"losses": losses, "completions": k} if ranked else {}
+  return _result(name, args, totals, num_params, compile_s=compile_s, trained_params_m=trained / 1e6, **extra,
                  matmul_tflops=matmul_s, threads=_threads(),
                  compiled_shapes=len({tuple(x.shape for x in jax.tree.leaves(b)) for b in batches}),
                  flop_formula=flop_formula(cfg, n_dense),
@@ -285,21 +380,45 @@ def run_jaxrm(mode: str, args, channel: "_Channel") -> dict:
 # -------------------------------------------------------------------------------------- TRL
 
 
-def run_trl(args, channel: "_Channel") -> dict:
-  """TRL's RewardTrainer on the same model shape, rows and batches, one step per "step"."""
+def random_hf_model(args):
+  """A random float32 transformers sequence-classification model of the benchmark's shape."""
+  import torch
+  import transformers
+  from jaxrm.models.config import to_hf_config
+
+  hf = to_hf_config(model_config(args))
+  config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
+  torch.manual_seed(args.seed)
+  return transformers.AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+
+
+def write_start_weights(args, out_dir: str) -> None:
+  """:func:`random_hf_model`, saved (safetensors) for both sides of a ``--ranked`` comparison to
+  start from."""
+  random_hf_model(args).save_pretrained(out_dir, safe_serialization=True)
+
+
+def run_trl(args, channel: "_Channel", k: int | None = None) -> dict:
+  """TRL's RewardTrainer on the same model shape, rows and batches, one step per "step".
+
+  With ``k`` (``--ranked``): the groups' expanded pairs, every group's K(K-1)/2 in the step of its
+  group, from ``--weights_dir``; each step then reports its loss.
+  """
   import datasets
   import tokenizers
   import torch
   import transformers
   import trl
-  from jaxrm.models.config import to_hf_config
 
   cfg = model_config(args)
-  examples = bench_pairs(args)
-  hf = to_hf_config(cfg)
-  config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
-  torch.manual_seed(args.seed)
-  model = transformers.AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+  if k:
+    steps_groups = [expanded_pairs(g) for g in batches_of(bench_groups(args, k), args)]
+    examples = [e for g in steps_groups for e in g]
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(args.weights_dir, dtype=torch.float32)
+  else:
+    examples = bench_pairs(args)
+    steps_groups = batches_of(examples, args)
+    model = random_hf_model(args)
   num_params = sum(p.numel() for p in model.parameters())
   # The rows are token ids already; the tokenizer only names the pad and end tokens.
   vocab = {"<pad>": PAD, "<|im_start|>": IM_START, "<|im_end|>": IM_END, "<unk>": NEWLINE}
@@ -310,10 +429,10 @@ def run_trl(args, channel: "_Channel") -> dict:
                                      "rejected_ids": [e.input_ids[1].tolist() for e in examples]})
   on_gpu = torch.cuda.is_available()
   matmul_tflops = jax_matmul_tflops()  # the same yardstick as jaxrm's, measured in this process
-  lockstep = _TrlLockstep(channel, args.warmup + args.steps)
+  lockstep = _TrlLockstep(channel, args.warmup + args.steps, report_loss=bool(k))
   with tempfile.TemporaryDirectory() as out:
     config = trl.RewardConfig(
-        output_dir=out, per_device_train_batch_size=args.batch_size,
+        output_dir=out, per_device_train_batch_size=len(steps_groups[0]),
         max_steps=args.warmup + args.steps, learning_rate=TRAIN["learning_rate"],
         lr_scheduler_type=TRAIN["lr_scheduler"], warmup_steps=TRAIN["warmup_steps"],
         weight_decay=TRAIN["weight_decay"], max_grad_norm=TRAIN["max_grad_norm"], max_length=args.max_length,
@@ -321,12 +440,12 @@ def run_trl(args, channel: "_Channel") -> dict:
         report_to="none", disable_tqdm=True, dataloader_num_workers=0, use_cpu=not on_gpu,
         bf16=on_gpu and args.dtype == "bfloat16", gradient_checkpointing=args.remat == "full",
         seed=args.seed)
-    trainer = trl.RewardTrainer(model=model, args=config, train_dataset=data,
-                                processing_class=tok, callbacks=[lockstep.callback()])
+    trainer = lockstep.trainer(trl.RewardTrainer)(model=model, args=config, train_dataset=data,
+                                                  processing_class=tok, callbacks=[lockstep.callback()])
     trainer.train()
   totals = _new_totals()
   n_dense = dense_params(cfg, num_params)
-  timed = zip(batches_of(examples, args)[args.warmup:], lockstep.clocks[args.warmup:])
+  timed = zip(steps_groups[args.warmup:], lockstep.clocks[args.warmup:])
   for groups, clock in timed:
     lengths = [len(s) for e in groups for s in e.input_ids]
     # DataCollatorForPreference pads every sequence to the batch's longest.
@@ -335,7 +454,9 @@ def run_trl(args, channel: "_Channel") -> dict:
   memory = (torch.cuda.max_memory_allocated() / 2**30 if on_gpu
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
   threads = dict(_threads(), torch_threads=torch.get_num_threads(), torch_interop_threads=torch.get_num_interop_threads())
-  return _result("TRL RewardTrainer", args, totals, num_params, memory_gib=memory, threads=threads,
+  extra = {"losses": lockstep.losses(), "completions": k} if k else {}
+  name = f"TRL RewardTrainer K={k} as pairs" if k else "TRL RewardTrainer"
+  return _result(name, args, totals, num_params, memory_gib=memory, threads=threads, **extra,
                  matmul_tflops=matmul_tflops, torch_matmul_tflops=torch_matmul_tflops(torch, on_gpu),
                  attention=model.config._attn_implementation, backend="cuda" if on_gpu else "cpu",
                  versions=f"trl {trl.__version__}, transformers {transformers.__version__}, "
@@ -347,10 +468,28 @@ class _TrlLockstep:
   times it to its optimizer update, and after the last one holds the trainer's wrap-up until the
   parent says "finish" (so it cannot overlap the other run's last step)."""
 
-  def __init__(self, channel: "_Channel", num_steps: int):
+  def __init__(self, channel: "_Channel", num_steps: int, report_loss: bool = False):
     self.channel = channel
     self.num_steps = num_steps
+    self.report_loss = report_loss
     self.clocks: list[_Clock] = []
+    self.step_losses = []  # each step's loss tensor, read after its clock stops
+
+  def losses(self) -> list[float]:
+    return [float(x) for x in self.step_losses]
+
+  def trainer(self, base):
+    """``base`` (TRL's RewardTrainer) keeping each step's loss, as the step computed it."""
+    outer = self
+
+    class Recording(base):
+
+      def compute_loss(self, *args, **kwargs):
+        out = super().compute_loss(*args, **kwargs)
+        outer.step_losses.append((out[0] if isinstance(out, tuple) else out).detach())
+        return out
+
+    return Recording
 
   def callback(self):
     import transformers
@@ -367,7 +506,7 @@ class _TrlLockstep:
 
       def on_step_end(self, *args, **kwargs):
         outer.clocks[-1].stop()
-        outer.channel.send("done")
+        outer.channel.send(f"done {float(outer.step_losses[-1])!r}" if outer.report_loss else "done")
         if len(outer.clocks) == outer.num_steps:
           outer.channel.wait_for("finish")
 
@@ -438,15 +577,19 @@ def _new_totals() -> dict:
 
 
 def _count(totals, clock: _Clock, groups, *, real: int, fed: int, flops: float) -> None:
-  """Adds one timed step: its time, pairs, real and fed tokens, sequence tokens and FLOPs."""
+  """Adds one timed step: its time, pairs, real and fed tokens, sequence tokens and FLOPs.
+
+  A group of K completions counts K(K-1)/2 pairs and the sequences of those pairs (each completion
+  with its prompt in K-1 of them): what a pairwise trainer would be fed for it.
+  """
   totals["seconds"] += clock.seconds
   totals["step_seconds"].append(round(clock.seconds, 3))
   totals["cpu_seconds"] += clock.cpu_seconds
   totals["step_faults"].append(clock.faults)
-  totals["pairs"] += len(groups)
+  totals["pairs"] += num_pairs(groups)
   totals["real"] += real
   totals["fed"] += fed
-  totals["seq"] += sum(len(s) for e in groups for s in e.input_ids)
+  totals["seq"] += sum((len(e.input_ids) - 1) * sum(len(s) for s in e.input_ids) for e in groups)
   totals["flops"] += flops
 
 
@@ -543,10 +686,20 @@ def dry_run(args) -> None:
 def main(argv=None) -> None:
   argv = sys.argv[1:] if argv is None else argv
   args = parse_args(argv)
+  if args.worker == "init":
+    write_start_weights(args, args.weights_dir)
+    return
   if args.worker:
     channel = _Channel.from_spec(args.channel)
-    result = run_trl(args, channel) if args.worker == "trl" else run_jaxrm(args.worker, args, channel)
+    ranked = ranked_worker(args.worker)
+    if args.worker == "trl" or (ranked and ranked[0] == "trl"):
+      result = run_trl(args, channel, ranked and ranked[1])
+    else:
+      result = run_jaxrm(args.worker, args, channel)
     channel.send(json.dumps(result))
+    return
+  if args.ranked:
+    run_ranked(args, argv)
     return
   examples = bench_pairs(args)
   print(f"model {args.model}, {args.batch_size} pairs/step, {args.steps} timed steps after "
@@ -575,6 +728,73 @@ def main(argv=None) -> None:
       json.dump({"args": vars(args), "data": data_summary(examples), "results": results}, f, indent=1)
   if failed:
     sys.exit(f"failed: {', '.join(failed)} (their output is above)")
+
+
+def run_ranked(args, argv: list[str]) -> None:
+  """``--ranked``: for each K, jaxrm all_pairs, TRL on the expanded pairs and jaxrm plackett_luce
+  in one lockstep session from the same start weights; stops unless the first-step losses agree."""
+  print(f"model {args.model}, {args.batch_size} prompts/step, K = {', '.join(map(str, args.ranked))}, "
+        f"{args.steps} timed steps after {args.warmup}, max_length {args.max_length}, {args.dtype}, "
+        f"attention {args.attention}, remat {args.remat}", flush=True)
+  results, failed = [], []
+  for k in args.ranked:
+    groups = bench_groups(args, k)
+    print(f"K={k} data:", json.dumps(data_summary(groups)), flush=True)
+    if args.dry_run:
+      continue
+    with tempfile.TemporaryDirectory() as weights:
+      run_argv = [*argv, f"--weights_dir={weights}"]
+      init = subprocess.run([sys.executable, os.path.abspath(__file__), *run_argv, "--worker", "init"],
+                            capture_output=True, text=True, check=False)
+      if init.returncode:
+        sys.exit(f"writing the start weights failed:\n{init.stderr[-3000:]}")
+      first, listwise = RANKING_LOSSES
+      runs = [f"{first}@{k}", f"trl@{k}", f"{listwise}@{k}"]
+      session = run_lockstep(runs, run_argv, args.warmup + args.steps, first_step=check_first_losses)
+    if not session:
+      failed.append(f"K={k}")
+      continue
+    jaxrm_all, trl_run, jaxrm_pl = session
+    for run in (jaxrm_all, jaxrm_pl):
+      run["vs"], run["vs_ratio"] = trl_run, paired_ratios(run, trl_run)
+    jaxrm_all["first_loss_vs_trl"] = loss_agreement(jaxrm_all["losses"][0], trl_run["losses"][0])
+    results += session
+    for r in session:
+      print(f"{r['name']}: {r['pairs_per_s']:.4f} pairs/s", flush=True)
+  if results:
+    print_table(results)
+    for r in results:
+      if "first_loss_vs_trl" in r:
+        a = r["first_loss_vs_trl"]
+        print(f"{r['name']} first-step loss {a['jaxrm']:.9f}, TRL's on the expanded pairs {a['trl']:.9f}: "
+              f"relative difference {a['relative']:.2e} (limit {LOSS_RTOL:g}); the same step from the same "
+              f"weights on the same pairs")
+      elif "losses" in r and r["name"].startswith("jaxrm"):
+        print(f"{r['name']}: its own loss (listwise), first step {r['losses'][0]:.9f}; not comparable to TRL's")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"args": vars(args), "results": results}, f, indent=1)
+  if failed:
+    sys.exit(f"failed: {', '.join(failed)} (their output is above)")
+
+
+def loss_agreement(jaxrm_loss: float, trl_loss: float) -> dict:
+  """The two first-step losses and their relative difference."""
+  return {"jaxrm": jaxrm_loss, "trl": trl_loss, "relative": abs(jaxrm_loss - trl_loss) / abs(trl_loss)}
+
+
+def check_first_losses(said: dict[str, str]) -> None:
+  """After the first step: jaxrm all_pairs and TRL's expanded pairs must have the same loss.
+
+  Raises:
+    RuntimeError: they differ by more than ``LOSS_RTOL``; nothing is timed.
+  """
+  losses = {ranked_worker(run)[0]: float(payload) for run, payload in said.items()}
+  agreement = loss_agreement(losses["all_pairs"], losses["trl"])
+  if not agreement["relative"] <= LOSS_RTOL:
+    raise RuntimeError(f"first-step losses disagree: jaxrm all_pairs {agreement['jaxrm']!r}, TRL "
+                       f"{agreement['trl']!r} (relative {agreement['relative']:.2e} > {LOSS_RTOL:g}); "
+                       "not timing a comparison of two different computations")
 
 
 # --------------------------------------------------------------------------------- lockstep
@@ -606,21 +826,26 @@ class _Channel:
     self.out.close()
 
 
-def run_lockstep(runs: list[str], argv: list[str], num_steps: int) -> list[dict]:
+def run_lockstep(runs: list[str], argv: list[str], num_steps: int, first_step=None) -> list[dict]:
   """Runs each of ``runs`` in its own process, one step each in turn (ABBA), so that both sides
   of a comparison meet the same machine load; returns their results (none if one failed).
 
-  A worker says "ready" once set up (and compiled), "done" after each step it is told to take
-  ("step"), and sends its result as one JSON line once told to "finish".
+  A worker says "ready" once set up (and compiled), "done" (optionally followed by a word about
+  the step) after each step it is told to take ("step"), and sends its result as one JSON line
+  once told to "finish". ``first_step``, given each run's word about its first step, may stop the
+  session there by raising RuntimeError.
   """
   workers = [_start_worker(run, argv) for run in runs]
   try:
     for run, _, channel, _ in workers:
       _expect(channel, "ready", run)
     for i in range(num_steps):
+      said = {}
       for run, _, channel, _ in workers if i % 2 == 0 else workers[::-1]:
         channel.send("step")
-        _expect(channel, "done", run)
+        said[run] = _expect(channel, "done", run)
+      if i == 0 and first_step:
+        first_step(said)
     for _, _, channel, _ in workers:
       channel.send("finish")
     return [_result_of(channel, run) for run, _, channel, _ in workers]
@@ -652,10 +877,13 @@ def _start_worker(run: str, argv: list[str]):
   return run, proc, _Channel(parent_reads, parent_writes), log
 
 
-def _expect(channel: _Channel, message: str, run: str) -> None:
+def _expect(channel: _Channel, message: str, run: str) -> str:
+  """Reads ``message`` from ``run``; returns what followed it on the line ("" if nothing)."""
   got = channel.receive()
-  if got != message:
+  word, _, rest = got.partition(" ")
+  if word != message:
     raise RuntimeError(f"{run} failed (said {got!r} instead of {message!r})")
+  return rest
 
 
 def _result_of(channel: _Channel, run: str) -> dict:

@@ -58,6 +58,12 @@ def _lognormal(rng, median: float, sigma: float, cap: int) -> int:
 
 def make_pairs(n: int, max_length: int, vocab: int, seed: int) -> list[PreferenceExample]:
   """``n`` two-completion chats: 1-8 turns, optional system prompt, long-tailed lengths."""
+  return make_groups(n, 2, max_length, vocab, seed)
+
+
+def make_groups(n: int, k: int, max_length: int, vocab: int, seed: int) -> list[PreferenceExample]:
+  """``n`` chats of ``k`` ranked completions each (best first), as :func:`make_pairs` makes its
+  pairs (``k=2`` gives the same rows)."""
   rng = np.random.default_rng(seed)
   text = lambda k: list(rng.integers(FIRST_TEXT, vocab, k))
   message = lambda role, k: [IM_START, role, NEWLINE] + text(k) + [IM_END, NEWLINE]
@@ -68,11 +74,11 @@ def make_pairs(n: int, max_length: int, vocab: int, seed: int) -> list[Preferenc
       context += message(USER, _lognormal(rng, 50, 1.0, 2000))
       context += message(ASSISTANT, _lognormal(rng, 150, 0.9, 2000))
     context += message(USER, _lognormal(rng, 60, 1.0, 2000)) + [IM_START, ASSISTANT, NEWLINE]
-    completions = [text(_lognormal(rng, 180, 0.9, max_length // 2 - 1)) + [IM_END] for _ in range(2)]
+    completions = [text(_lognormal(rng, 180, 0.9, max_length // 2 - 1)) + [IM_END] for _ in range(k)]
     # As truncation="left": the oldest context tokens go until the longest sequence fits.
     context = context[max(0, len(context) + max(map(len, completions)) - max_length):]
     ids = tuple(np.asarray(context + c, np.int32) for c in completions)
-    out.append(PreferenceExample(ids, (0, 1), 0.0, f"pair {i}", {}))
+    out.append(PreferenceExample(ids, tuple(range(k)), 0.0, f"group {i}" if k > 2 else f"pair {i}", {}))
   return out
 
 

@@ -83,7 +83,9 @@ def test_stored_plans_still_read():
     with open(os.path.join(ROOT, "scripts", name)) as f:
       rows = json.load(f)["rows"]
     table = memory_plan.plan_table(rows).splitlines()
-    assert len(table) == len(rows) + 2 and all(line.split(" | ")[4] == "1" for line in table[2:])  # accum
+    assert len(table) == len(rows) + 2
+    # The accum column: a row from before accumulation was planned has none, and reads as 1.
+    assert sorted(line.split(" | ")[4] for line in table[2:]) == sorted(str(r.get("grad_accum", 1)) for r in rows)
 
 
 def test_abstract_state_is_what_init_state_builds():
@@ -155,3 +157,59 @@ def test_vs_lora_runs_full_and_lora_training_in_lockstep(tmp_path):
   assert adapted["trained_params_m"] * 1e6 == pytest.approx(2 * per_layer + 64)
   assert len(adapted["vs_ratio"]["per_step"]) == 2 and adapted["vs"]["name"] == "jaxrm unpacked"
   assert "jaxrm unpacked LoRA r4 vs jaxrm unpacked:" in stdout
+
+
+def test_ranked_groups_against_trls_expanded_pairs(tmp_path):
+  pytest.importorskip("trl")
+  out = str(tmp_path / "ranked.json")
+  # One row length (a group of 3 sequences of at most 64 tokens fits in 192): one compile a side.
+  stdout = run_script("scripts/bench.py", "--model=tiny", "--ranked=3", "--batch_size=2", "--steps=1",
+                      "--warmup=1", "--max_length=64", "--row_length=192", f"--json={out}")
+  with open(out) as f:
+    all_pairs, trl, listwise = json.load(f)["results"]
+  assert [r["name"] for r in (all_pairs, trl, listwise)] == [
+      "jaxrm K=3 all_pairs", "TRL RewardTrainer K=3 as pairs", "jaxrm K=3 plackett_luce"]
+  # One timed step of 2 prompts: 2 x 3 pairs of the loss on every side, TRL fed 6 pairs' 12
+  # sequences (each completion with its prompt twice), jaxrm each completion once.
+  assert all_pairs["totals"]["pairs"] == trl["totals"]["pairs"] == listwise["totals"]["pairs"] == 6
+  assert all_pairs["totals"]["seq"] == trl["totals"]["seq"] == trl["totals"]["real"]
+  assert all_pairs["totals"]["real"] < trl["totals"]["real"]
+  # The same weights and pairs: the same first loss, checked by the benchmark before timing.
+  agreement = all_pairs["first_loss_vs_trl"]
+  assert agreement["relative"] <= bench.LOSS_RTOL
+  assert all_pairs["losses"][0] == agreement["jaxrm"] and trl["losses"][0] == agreement["trl"]
+  assert listwise["losses"][0] != agreement["jaxrm"]  # Plackett-Luce is its own loss
+  assert all_pairs["vs"]["name"] == listwise["vs"]["name"] == trl["name"]
+  assert "first-step loss" in stdout and "its own loss (listwise)" in stdout
+
+
+def test_expanded_pairs_are_every_ordered_pair_with_its_prompt():
+  [group] = bench_common.make_groups(1, 4, 64, vocab=100, seed=0)
+  pairs = bench.expanded_pairs([group])
+  ids = [tuple(s.tolist()) for s in group.input_ids]
+  assert [tuple(tuple(s.tolist()) for s in p.input_ids) for p in pairs] == [
+      (ids[i], ids[j]) for i in range(4) for j in range(i + 1, 4)]
+  assert bench.num_pairs([group]) == len(pairs) == 6 and bench.num_pairs(pairs) == 6
+
+
+def test_make_groups_of_two_are_the_benchmark_pairs():
+  pairs = bench_common.make_pairs(5, 128, vocab=1000, seed=3)
+  groups = bench_common.make_groups(5, 2, 128, vocab=1000, seed=3)
+  assert [[s.tolist() for s in e.input_ids] for e in pairs] == [[s.tolist() for s in e.input_ids] for e in groups]
+
+
+def test_the_first_step_check_stops_on_different_losses():
+  bench.check_first_losses({"all_pairs@4": "0.6931", "trl@4": "0.6931", "plackett_luce@4": "1.7"})
+  with pytest.raises(RuntimeError, match="first-step losses disagree: jaxrm all_pairs 0.6931, TRL 0.7"):
+    bench.check_first_losses({"all_pairs@4": "0.6931", "trl@4": "0.7", "plackett_luce@4": "1.7"})
+
+
+def test_ranked_flag_errors_name_the_flag(capsys):
+  for argv, message in ((["--ranked=4,x"], "--ranked=4,x: give completions per prompt as integers"),
+                        (["--ranked=1"], "--ranked=1: a ranked group needs at least 2 completions"),
+                        (["--ranked=4", "--vs-trl"], "--ranked runs in lockstep with TRL already"),
+                        (["--ranked=4", "--warmup=0"], "--ranked checks the losses on the first step")):
+    with pytest.raises(SystemExit):
+      bench.parse_args(argv)
+    assert message in capsys.readouterr().err
+  assert bench.parse_args(["--ranked=4,7"]).ranked == [4, 7]

@@ -95,3 +95,23 @@ def _padded(batch, like, pad: int):
   widen = lambda x, value: np.pad(x, ((0, 0), (0, t)), constant_values=value)
   return batch.replace(input_ids=widen(batch.input_ids, pad), attention_mask=widen(batch.attention_mask, 0))
 
+
+
+def test_micro_batches_clip_as_the_whole_batch(tiny_rm, model_dir):
+  """Clipped to a tenth of the mean gradient's norm, both steps' SGD update is the unclipped one
+  scaled by that tenth: the clipping happens in the step, on the whole batch's mean gradient."""
+  groups = _examples(tiny_rm)
+  short, long, whole = _collate(tiny_rm, groups[:4]), _collate(tiny_rm, groups[4:]), _collate(tiny_rm, groups)
+  loss_fn = steps.make_loss_fn(tiny_rm.model, RewardSpec())
+  load = lambda: RewardModel.from_pretrained(model_dir)
+  one_step = lambda clip: lambda tx, sh, mesh: steps.make_train_step(
+      loss_fn, tx, lambda _: 1.0, max_grad_norm=clip, state_shardings=sh, mesh=mesh)
+  micro = lambda clip: lambda tx, sh, mesh: steps.MicroBatchedStep(
+      loss_fn, tx, lambda _: 1.0, max_grad_norm=clip, state_shardings=sh, mesh=mesh)
+  unclipped, _ = _update(load, one_step(0.0), whole)
+  clip = float(np.linalg.norm(unclipped)) / 10
+  want = unclipped / 10
+  for step_of, batch in ((one_step(clip), whole), (micro(clip), (short, long))):
+    got, _ = _update(load, step_of, batch)
+    # UPDATE_RTOL of the largest element, as above, of an update now a tenth the size.
+    np.testing.assert_allclose(got, want, rtol=0, atol=UPDATE_RTOL * np.abs(want).max())

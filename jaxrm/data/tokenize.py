@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import weakref
 import zlib
 from typing import Any, Iterable, Sequence
 
@@ -244,7 +246,8 @@ def _encode_group(tokenizer, context: Text, completions: Sequence[Text],
                   source: str) -> list[_Encoded]:
   """Encodes prompt + completion for every completion; the prompt is tokenized once."""
   if isinstance(context, list):
-    prompt = _chat_ids(tokenizer, context, False, source, "context") if context else []
+    prompt_text = _chat_text(tokenizer, context, False, source, "context") if context else ""
+    prompt = _text_ids(tokenizer, prompt_text, special=False) if context else []
   else:
     prompt = _text_ids(tokenizer, context, special=True) if context else []
   encoded = []
@@ -256,12 +259,83 @@ def _encode_group(tokenizer, context: Text, completions: Sequence[Text],
                       f"{kinds[isinstance(context, str)]}; give both as message lists or both as "
                       "strings")
     if isinstance(completion, list):
-      full = _chat_ids(tokenizer, list(context or []) + completion, False, source, field)
+      text = _chat_text(tokenizer, list(context or []) + completion, False, source, field)
+      full = _continued_ids(tokenizer, prompt_text if context else "", prompt, text)
     else:
       full = _text_ids(tokenizer, (context or "") + completion, special=True)
     # A template or BPE merge may change tokens at the boundary; what is shared is the prompt.
     encoded.append((full, _common_prefix(full, prompt)))
   return encoded
+
+
+def _continued_ids(tokenizer, prefix_text: str, prefix_ids: list[int], text: str) -> list[int]:
+  """``text``'s ids (no special tokens added), reusing ``prefix_ids`` (``prefix_text``'s) where
+  ``text`` continues ``prefix_text`` at a boundary the tokenizer provably splits at.
+
+  The rest is then encoded alone: the ids equal the whole text's, and the prompt's BPE is not
+  paid again for every completion.
+  """
+  if prefix_text and text.startswith(prefix_text):
+    rest = text[len(prefix_text):]
+    if _splits_at(tokenizer, prefix_text, rest):
+      return prefix_ids + _text_ids(tokenizer, rest, special=False)
+  return _text_ids(tokenizer, text, special=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class _AddedTokens:
+  """A fast tokenizer's added tokens, as far as splitting a text in two depends on them."""
+
+  size: int  # len(tokenizer) when read: a token added since makes these stale
+  openers: tuple[str, ...]  # tokens a second half may start with (see _splits_at)
+  any_token: re.Pattern | None  # every added token, longest first, as a lookahead
+  longest: int
+
+
+_ADDED_TOKENS: weakref.WeakKeyDictionary[Any, _AddedTokens] = weakref.WeakKeyDictionary()
+
+
+def _splits_at(tokenizer, prefix: str, rest: str) -> bool:
+  """Whether encoding ``prefix + rest`` gives ``prefix``'s ids followed by ``rest``'s.
+
+  A fast (``tokenizers``) tokenizer first cuts a text at its added tokens, then normalizes,
+  pre-tokenizes and encodes every piece on its own (a piece sees only its own text, and whether it
+  starts the whole text, which Metaspace's "first" prepend scheme asks). So when ``rest`` starts
+  with an added token that the full text also cuts at exactly there, both halves are made of the
+  same pieces as the whole. That holds when the token is matched on raw text
+  (``normalized=False``), does not take the whitespace before it (``lstrip``) nor depend on its
+  left neighbour (``single_word``), does not start with whitespace (an ``rstrip`` token ending
+  ``prefix`` would take it), and no added token straddles the boundary (the matcher, taking the
+  leftmost match, would prefer it). Anything else, or a slow tokenizer, is encoded whole.
+  """
+  if not getattr(tokenizer, "is_fast", False) or getattr(tokenizer, "split_special_tokens", False):
+    return False
+  added = _added_tokens(tokenizer)
+  if not rest.startswith(added.openers):
+    return False
+  reach = added.longest - 1  # a straddling token starts within this many characters before
+  head, tail = prefix[max(0, len(prefix) - reach):], rest[:reach]
+  window, cut = head + tail, len(head)
+  for pos in range(cut):
+    match = added.any_token.match(window, pos)
+    if match and pos + len(match.group(1)) > cut:
+      return False
+  return True
+
+
+def _added_tokens(tokenizer) -> _AddedTokens:
+  known = _ADDED_TOKENS.get(tokenizer)
+  if known is not None and known.size == len(tokenizer):
+    return known
+  tokens = list(tokenizer.added_tokens_decoder.values())
+  openers = tuple(t.content for t in tokens if t.content and not t.content[0].isspace()
+                  and not (t.normalized or t.lstrip or t.single_word))
+  contents = sorted({t.content for t in tokens if t.content}, key=len, reverse=True)
+  pattern = re.compile("(?=(" + "|".join(map(re.escape, contents)) + "))") if contents else None
+  known = _AddedTokens(size=len(tokenizer), openers=openers, any_token=pattern,
+                       longest=max(map(len, contents), default=0))
+  _ADDED_TOKENS[tokenizer] = known
+  return known
 
 
 def _truncate_group_left(tokenizer, record: PreferenceRecord, completions: Sequence[Text],
@@ -320,13 +394,18 @@ def _steps_kept(prefix_len: int, steps: list[list[int]],
 
 def _chat_ids(tokenizer, messages: list[Message], add_generation_prompt: bool, source: str,
               field: str) -> list[int]:
+  text = _chat_text(tokenizer, messages, add_generation_prompt, source, field)
+  # The template writes its own special tokens (BOS included); adding them again would double BOS.
+  return _text_ids(tokenizer, text, special=False)
+
+
+def _chat_text(tokenizer, messages: list[Message], add_generation_prompt: bool, source: str,
+               field: str) -> str:
   try:
-    text = tokenizer.apply_chat_template(
+    return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt)
   except jinja2.TemplateError as e:
     raise row_error(source, field, f"the tokenizer's chat template rejected it: {e}") from e
-  # The template writes its own special tokens (BOS included); adding them again would double BOS.
-  return _text_ids(tokenizer, text, special=False)
 
 
 def _text_ids(tokenizer, text: str, *, special: bool) -> list[int]:
