@@ -21,11 +21,13 @@ NOISY_LOGGERS = ("absl", "orbax", "jax._src", "tensorstore")
 def setup_logging(level: int = logging.INFO, *, timestamps: bool = False) -> None:
   """jaxrm's own messages at ``level``; the libraries' at WARNING."""
   prefix = "%(asctime)s " if timestamps else ""
-  logging.basicConfig(level=level, format=prefix + "%(levelname)s %(name)s: %(message)s")
+  # force: absl's app.run has put its own handler on the root logger, which would keep this format out.
+  logging.basicConfig(level=logging.WARNING, format=prefix + "%(levelname)s %(name)s: %(message)s", force=True)
   for name in NOISY_LOGGERS:
     logging.getLogger(name).setLevel(logging.WARNING)
   from absl import logging as absl_logging
   absl_logging.set_verbosity(absl_logging.WARNING)
+  logging.getLogger("jaxrm").setLevel(level)
 
 
 def exit_usage(message: str) -> None:
@@ -68,17 +70,53 @@ def config_flags_parser(flag_values):
   from absl import flags
 
   def parse(argv: list[str]) -> list[str]:
-    check_config_keys(argv)
+    config = _config_of(argv)
+    _check_keys(config, argv)
+    argv, added = _added_entries(config, argv)
+    # config_flags reads its overrides from sys.argv, not from the argv it is given.
+    sys.argv = [a for a in sys.argv if a not in {f"--config.{k}={v}" for k, v in added}]
     try:
-      return flag_values(argv)
+      rest = flag_values(argv)
     except flags.Error as e:  # a value of the wrong type, a config file that fails to load...
       message = str(e)
       if "Traceback" in message:  # the config file raised: keep the flag and the exception
         lines = [line.strip() for line in message.splitlines() if line.strip()]
         message = f"{lines[0]} {lines[-1]}"
       exit_usage(message)
+    _add_entries(flag_values["config"].value, added)
+    return rest
 
   return parse
+
+
+# Config keys that are dicts of the user's own names: an override may add a name.
+OPEN_DICTS = ("data.val_data_paths",)
+
+
+def _added_entries(config, argv: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
+  """``argv`` without the overrides that add a name to an :data:`OPEN_DICTS` dict of ``config``
+  (config_flags refuses a key the config lacks), and those ``(key, value)`` pairs."""
+  if config is None:
+    return argv, []
+  kept, added = [], []
+  for arg in argv:
+    key, eq, value = arg.partition("=")
+    key = key[len("--config."):] if key.startswith("--config.") else ""
+    if eq and key.rpartition(".")[0] in OPEN_DICTS and _missing_key(config, key):
+      added.append((key, value))
+    else:
+      kept.append(arg)
+  return kept, added
+
+
+def _add_entries(config, added: list[tuple[str, str]]) -> None:
+  for key, value in added:
+    *parents, name = key.split(".")
+    node = config
+    for part in parents:
+      node = node[part]
+    with node.unlocked():  # config_flags locks the config; these dicts take new names
+      node[name] = value
 
 
 def run_config(config_dict):
@@ -88,25 +126,40 @@ def run_config(config_dict):
 
 
 def check_config_keys(argv: list[str]) -> None:
-  """Stops at an override of a key the config lacks."""
-  import os
-  spec = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("--config=")), None)
-  if spec is None:
-    return
-  path, _, variant = spec.partition(":")
-  if not os.path.isfile(path):
-    exit_usage(f"--config={spec}: no such config file {path!r}")
-  try:
-    config = _load_config(path, variant or None)
-  except Exception:  # noqa: BLE001 -- reported by config_flags, with the file's own message
+  """Stops at an override of a key the config lacks (a new name in an :data:`OPEN_DICTS` dict,
+  such as ``--config.data.val_data_paths.second=val2.jsonl``, is a key it gains)."""
+  _check_keys(_config_of(argv), argv)
+
+
+def _check_keys(config, argv: list[str]) -> None:
+  if config is None:
     return
   for arg in argv[1:]:
     name = arg.split("=", 1)[0]
     for prefix in ("--config.", "--noconfig."):
       if name.startswith(prefix):
-        problem = _missing_key(config, name[len(prefix):])
+        key = name[len(prefix):]
+        if prefix == "--config." and "=" in arg and key.rpartition(".")[0] in OPEN_DICTS:
+          continue
+        problem = _missing_key(config, key)
         if problem:
           exit_usage(f"{name}: {problem}")
+
+
+def _config_of(argv: list[str]):
+  """The ConfigDict of ``--config`` in ``argv``; None without the flag, or when the file fails to
+  load (config_flags then reports it, with the file's own message)."""
+  import os
+  spec = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("--config=")), None)
+  if spec is None:
+    return None
+  path, _, variant = spec.partition(":")
+  if not os.path.isfile(path):
+    exit_usage(f"--config={spec}: no such config file {path!r}")
+  try:
+    return _load_config(path, variant or None)
+  except Exception:  # noqa: BLE001 -- reported by config_flags, with the file's own message
+    return None
 
 
 def _load_config(path: str, variant: str | None):

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxrm import optim
+from jaxrm.data import demo, registry
 from jaxrm.data.adapters import HELPSTEER2_ATTRIBUTES
 from jaxrm.data.cache import DEFAULT_CACHE_DIR
 from jaxrm.data.tokenize import TokenizeOptions
@@ -42,6 +43,11 @@ _ATTRIBUTE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 # What a regression run on these datasets trains on when reward.attributes is not given: all
 # that the dataset rates, in the order its adapter reads them.
 DEFAULT_ATTRIBUTES = {"HelpSteer2": HELPSTEER2_ATTRIBUTES}
+# The demo's validation split; a run on own files without validation leaves it out.
+DEFAULT_VAL_DATA_PATHS = {"default": "validation"}
+DEFAULT_METRIC_NAME = "validation-default_loss"
+# Schedules that decay after warmup, and so need steps after it.
+_DECAYING = ("cosine", "cosine_with_min_lr", "linear")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +101,9 @@ class ModelSpec:
   attention: str = "auto"
   seed: int = 0  # seed of a new reward head
   lora: LoraSpec = LoraSpec()
+  # A Jinja chat template replacing the tokenizer's own (empty: the tokenizer's); saved with the
+  # run's tokenizer, so scoring and exports lay chats out as training did.
+  chat_template: str = ""
 
   def __post_init__(self):
     if self.attention not in ATTENTION_IMPLS:
@@ -234,9 +243,18 @@ def _weight_entry(entry: str, where: str) -> tuple[str, float]:
 
 @dataclasses.dataclass(frozen=True)
 class DataSpec:
+  """``data``: what is trained and validated on, and how it is tokenized and batched.
+
+  Own data needs only ``train_data_path``: a demo ``dataset_name`` then reads it in the file format
+  of its kind (``PreferenceDataset`` for ``demo_arithmetic``), and the demo's validation split
+  (``val_data_paths={"default": "validation"}``) is left out, as is any set whose path is empty or
+  a split name, which a file format has none of. ``val_data_paths`` maps set names to paths; on the
+  command line ``--config.data.val_data_paths.<name>=<path>`` sets or adds one.
+  """
+
   dataset_name: str = "demo_arithmetic"
   train_data_path: str = ""  # empty: the dataset's default (demo sets: made on the spot)
-  val_data_paths: dict[str, str] = dataclasses.field(default_factory=lambda: {"default": "validation"})
+  val_data_paths: dict[str, str] = dataclasses.field(default_factory=lambda: dict(DEFAULT_VAL_DATA_PATHS))
   max_length: int = 256
   truncation: str = "drop"  # drop | left
   step_separator: str = "\n"
@@ -261,6 +279,7 @@ class DataSpec:
   group_by_length: bool = False
 
   def __post_init__(self):
+    _own_data(self)
     if self.packing not in PACKING_MODES:
       raise ConfigError(f"data.packing must be one of {', '.join(PACKING_MODES)}; got {self.packing!r}")
     if self.packed_row_length < 0:
@@ -289,6 +308,33 @@ class DataSpec:
     return TokenizeOptions(max_length=self.max_length, truncation=self.truncation,
                            step_separator=self.step_separator,
                            train_on_last_step_only=self.train_on_last_step_only)
+
+
+def _own_data(spec: DataSpec) -> None:
+  """Reads ``train_data_path`` in its kind's file format where ``dataset_name`` is a demo set (which
+  makes its own rows), and keeps only the validation sets a file format can read."""
+  if not isinstance(spec.dataset_name, str):
+    raise ConfigError(f"data.dataset_name={spec.dataset_name!r}: use one of {', '.join(registry.DATASET_NAMES)}")
+  known = spec.dataset_name in registry.DATASET_NAMES  # an unknown name is refused with the data's checks
+  path = spec.train_data_path
+  if known and path and path not in demo.SPLITS and registry.is_demo(spec.dataset_name):
+    own = registry.FILE_FORMATS[registry.kind(spec.dataset_name)]
+    log.info("data.train_data_path=%r is read as %s rows (data.dataset_name=%r makes its own rows)", path, own,
+             spec.dataset_name)
+    object.__setattr__(spec, "dataset_name", own)
+  if not known or not registry.reads_paths_only(spec.dataset_name):
+    return
+  kept = {}
+  for name, val_path in dict(spec.val_data_paths).items():
+    if val_path and val_path not in registry.SPLIT_NAMES:
+      kept[name] = val_path
+    elif (name, val_path) not in DEFAULT_VAL_DATA_PATHS.items():
+      log.warning("data.val_data_paths.%s=%r is left out: %s reads only the files it is given; set it to "
+                  "a file to validate on", name, val_path, spec.dataset_name)
+  if not kept and spec.val_data_paths:
+    log.info("no validation set: %s has none unless data.val_data_paths names its files "
+             "(--config.data.val_data_paths.default=val.jsonl)", spec.dataset_name)
+  object.__setattr__(spec, "val_data_paths", kept)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,9 +379,23 @@ class TrainSpec:
     if self.lr_scheduler == "cosine_with_min_lr" and self.min_lr_ratio == 0.0:
       raise ConfigError("train.lr_scheduler='cosine_with_min_lr' needs train.min_lr_ratio > 0 (e.g. 0.1); "
                         "use 'cosine' to decay to 0")
+    if self.warmup_steps < 0:
+      raise ConfigError(f"train.warmup_steps={self.warmup_steps}: use a number of steps, or 0 for no warmup")
+    self.check_steps(self.max_steps, f"train.max_steps={self.max_steps}")
     if self.lr_scheduler == "constant" and self.warmup_steps:
       log.warning("train.warmup_steps=%d is ignored: train.lr_scheduler='constant' has no warmup (as in "
                   "transformers); use 'constant_with_warmup' to keep it", self.warmup_steps)
+
+
+  def check_steps(self, total_steps: int, why: str) -> None:
+    """Raises ConfigError if a run of ``total_steps`` (set as ``why`` says) leaves this schedule no
+    steps to decay after warmup."""
+    if self.lr_scheduler in _DECAYING and total_steps <= self.warmup_steps:
+      raise ConfigError(
+          f"{why} ends the run within train.warmup_steps={self.warmup_steps}, leaving "
+          f"train.lr_scheduler={self.lr_scheduler!r} no steps to decay: lower train.warmup_steps (e.g. "
+          f"--config.train.warmup_steps={max(total_steps // 4, 1) if total_steps > 1 else 0}), or use "
+          "--config.train.lr_scheduler=constant_with_warmup")
 
 
 def _set_scheduler_from_lr_decay(spec: TrainSpec) -> None:
@@ -366,7 +426,9 @@ class EvalSpec:
 class CheckpointSpec:
   enabled: bool = True
   checkpoint_dir: str = ""  # empty: <output_dir>/checkpoints
-  metric_name: str = "validation-default_loss"  # NeMo RL's "val:" prefix is accepted
+  # NeMo RL's "val:" prefix is accepted; "": checkpoints kept by recency (the default when no
+  # validation set is left, as on own files without data.val_data_paths)
+  metric_name: str = DEFAULT_METRIC_NAME
   higher_is_better: bool = False
   keep_top_k: int = 2
   save_period: int = 50
@@ -378,10 +440,36 @@ class CheckpointSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class WandbSpec:
+  """Weights & Biases run settings, as NeMo RL's ``logger.wandb`` names them."""
+
+  project: str = "jaxrm"
+  name: str = ""  # empty: the output directory's name
+
+
+@dataclasses.dataclass(frozen=True)
+class MlflowSpec:
+  """MLflow run settings, as NeMo RL's ``logger.mlflow`` names them."""
+
+  experiment_name: str = "jaxrm"
+  run_name: str = ""  # empty: the output directory's name
+  tracking_uri: str = ""  # empty: MLflow's own default (MLFLOW_TRACKING_URI, else ./mlruns)
+
+
+@dataclasses.dataclass(frozen=True)
 class LoggerSpec:
+  """Where metrics go besides ``metrics.jsonl``. ``wandb_enabled``, ``mlflow_enabled`` and
+  ``monitor_gpus`` are NeMo RL's names for the same settings."""
+
   tensorboard: bool = True
   log_dir: str = ""  # empty: <output_dir>/tensorboard
+  # A progress bar on a terminal; elsewhere (a log file) a plain line every train.log_period steps
   progress_bar: bool = True
+  wandb_enabled: bool = False
+  wandb: WandbSpec = WandbSpec()
+  mlflow_enabled: bool = False
+  mlflow: MlflowSpec = MlflowSpec()
+  monitor_gpus: bool = False  # device memory per step (GPUs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -407,6 +495,8 @@ class RunConfig:
                         "data.packing='none'")
     if self.data.packing == "none" and self.data.packed_row_length:
       log.warning("data.packed_row_length=%d is ignored: data.packing is 'none'", self.data.packed_row_length)
+    if self.checkpointing.metric == DEFAULT_METRIC_NAME and "default" not in self.data.val_data_paths:
+      _rank_by_first_set(self)
     if self.checkpointing.enabled:
       _check_checkpoint_metric(self)
 
@@ -487,6 +577,19 @@ def _section(section_type, name: str, values: dict[str, Any]):
       value = _section(nested, f"{name}.{key}", value)
     kwargs[key] = value
   return section_type(**kwargs)
+
+
+def _rank_by_first_set(config: RunConfig) -> None:
+  """The default ``checkpointing.metric_name`` (also in NeMo RL's spelling, ``val:`` first) where no
+  set is named "default": the first set's loss, or none (checkpoints kept by recency) without a
+  validation set."""
+  sets = list(config.data.val_data_paths)
+  metric = f"validation-{sets[0]}_loss" if sets else ""
+  if sets:
+    log.info("checkpoints are ranked by %s (checkpointing.metric_name)", metric)
+  else:
+    log.info("checkpoints are kept by recency: there is no validation set to rank them by")
+  object.__setattr__(config, "checkpointing", dataclasses.replace(config.checkpointing, metric_name=metric))
 
 
 def _check_checkpoint_metric(config: RunConfig) -> None:

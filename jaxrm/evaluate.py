@@ -32,9 +32,12 @@ that calls every step correct. Rated data (regression models, one output per att
 the model's attributes): the mean squared error, and per attribute the MSE, the mean absolute error
 and Pearson's and Spearman's correlation of prediction and rating, with the pairwise accuracy over
 same-prompt responses ranked by ``--combine`` (default: the first attribute), as validation reports
-them. With ``--output`` it writes ``eval.json`` and ``rewards.png``, a histogram of chosen vs
+them. With ``--output`` it writes ``eval.json``, ``rewards.png``, a histogram of chosen vs
 rejected rewards (of the probability that a step is correct, for stepwise models; for regression
-models, predictions plotted against ratings).
+models, predictions plotted against ratings), and for preference data ``length_bias.png``.
+``--max_length`` defaults to the model's training length (the run's ``data.max_length``, which a
+run and an export of it record), as ``serve`` does. It says how many examples it scores, and how
+fast.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import logging
 
 from jaxrm import benchmarks, cli
 from jaxrm.data.tokenize import TokenizeOptions
+from jaxrm.server.config import DEFAULT_MAX_LENGTH
 
 
 def _define_flags() -> None:
@@ -64,8 +68,9 @@ def _define_flags() -> None:
                       "'subset' for user files).")
   flags.DEFINE_integer("max_rows", 0, "Evaluate only the first N rows (0: all).")
   flags.DEFINE_integer("max_length", None, "Longest sequence in tokens; longer rows are dropped or cut "
-                       f"(default {TokenizeOptions.max_length}; with --benchmark, its official harness's: 2048, "
-                       "the model's context for processbench).")
+                       "(default: the training run's data.max_length, which a run and an export of it record; "
+                       f"else {DEFAULT_MAX_LENGTH}, or the model's context if shorter; with --benchmark, its "
+                       "official harness's: 2048, the model's context for processbench).")
   flags.DEFINE_enum("truncation", "drop", ["drop", "left"], "Over-length rows: drop them, or cut the "
                     "oldest context.")
   flags.DEFINE_string("step_separator", "\n", "Text after each step of a stepwise row.")
@@ -73,8 +78,8 @@ def _define_flags() -> None:
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
   flags.DEFINE_string("attention", "auto", "Attention implementation: auto (a fused kernel on GPU, the "
                       "reference path elsewhere) | reference | pallas | cudnn.")
-  flags.DEFINE_string("output", None, "Directory for eval.json and rewards.png (length_bias.png with "
-                      "--benchmark; default: print only).")
+  flags.DEFINE_string("output", None, "Directory for eval.json, rewards.png (not with --benchmark) and, for "
+                      "preference data, length_bias.png (default: print only).")
 
 
 def main() -> None:
@@ -85,7 +90,8 @@ def main() -> None:
   from jaxrm.data.drops import DropReport
   from jaxrm.errors import EvaluationError
 
-  cli.setup_logging(logging.WARNING)  # the report is the output: only warnings go with it
+  cli.setup_logging(logging.WARNING)  # the report is the output: only warnings go with it...
+  logging.getLogger("jaxrm.evaluation").setLevel(logging.INFO)  # ...and how far scoring has got
   f = flags.FLAGS
   if f.benchmark:
     _benchmark_main(f)
@@ -96,15 +102,24 @@ def main() -> None:
   drops = DropReport()
   rm, records = evaluation.read_data(f.data, lambda: _model(f), dataset_name=f.dataset_name, split=f.split,
                                      subset_field=f.subset_field, max_rows=f.max_rows, drops=drops)
-  options = TokenizeOptions(max_length=f.max_length or TokenizeOptions.max_length, truncation=f.truncation,
+  options = TokenizeOptions(max_length=f.max_length or default_max_length(rm), truncation=f.truncation,
                             step_separator=f.step_separator)
   result = evaluation.evaluate(rm, records, options=options, batch_size=f.batch_size, drops=drops,
                                combine=f.combine)
-  print(f"jaxrm evaluate: model {f.model}, data {f.data}")
+  print(f"jaxrm evaluate: model {f.model}, data {f.data}, max_length {options.max_length}")
   print(evaluation.format_report(result))
-  print(f"\n{drops.summary('dropped rows')}")
+  timing = result["timing"]
+  print(f"\nscored {result['num_examples']} examples in {timing['seconds']:.1f} s "
+        f"({timing['examples_per_second']:.1f} examples/s, compiles included)")
+  print(drops.summary("dropped rows"))
   if f.output:
     print(f"wrote {', '.join(evaluation.write_outputs(result, f.output, {'model': f.model, 'data': f.data}))}")
+
+
+def default_max_length(rm) -> int:
+  """What ``--max_length`` is when not given: the model's training length, as the reward server's
+  default is (:meth:`jaxrm.server.ServerConfig.resolved`)."""
+  return rm.training_max_length or min(DEFAULT_MAX_LENGTH, rm.config.max_position_embeddings)
 
 
 def _model(f):

@@ -1,10 +1,11 @@
 r"""Exports a reward model as a Hugging Face checkpoint directory.
 
-  python -m jaxrm.export --checkpoint=runs/rm --out=exported/rm [--dtype=bfloat16] [--step=200]
-  python -m jaxrm.export --checkpoint=runs/rm-lora --out=exported/adapters --adapters_only
+  python -m jaxrm.export --model=runs/rm --out=exported/rm [--dtype=bfloat16] [--step=200]
+  python -m jaxrm.export --model=runs/rm-lora --out=exported/adapters --adapters_only
 
-``--checkpoint`` is a training output directory (its best checkpoint unless ``--step``), one
-training checkpoint (``runs/rm/checkpoints/200``), an HF directory or a ``.gguf`` file. The output
+``--model`` (as ``evaluate`` and ``serve`` name it; ``--checkpoint`` is its former name) is a
+training output directory (its best checkpoint unless ``--step``), one training checkpoint
+(``runs/rm/checkpoints/200``), an HF directory or a ``.gguf`` file. The output
 loads with transformers' ``AutoModelForSequenceClassification`` (sequence heads) or
 ``AutoModelForTokenClassification`` (token heads, process reward models); what it holds is
 described in :mod:`jaxrm.hf.export`. A model trained with LoRA is exported with its adapters merged
@@ -44,7 +45,7 @@ def export(checkpoint: str, out_dir: str, *, dtype: str = "float32", step: int |
   save_peft_adapters(out_dir, rm.model, rm.tokenizer, base_model_name_or_path=base, dtype=dtype)
   if base is None or loading.names_gguf(base):
     log.warning("peft loads adapters over an HF checkpoint, and their base is %s: export the base with "
-                "`python -m jaxrm.export --checkpoint=<base> --out=<dir>`, load the adapters over <dir>, "
+                "`python -m jaxrm.export --model=<base> --out=<dir>`, load the adapters over <dir>, "
                 "and pass --base_model=<dir> to record it in adapter_config.json", base or "not known")
   return rm
 
@@ -54,7 +55,8 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
   """The CLI's flags; defined only when run as a program, so importing this module defines none."""
-  flags.DEFINE_string("checkpoint", None, "Training output dir, training checkpoint, HF dir or .gguf file.")
+  flags.DEFINE_string("model", None, "Training output dir, training checkpoint, HF dir or .gguf file.")
+  flags.DEFINE_alias("checkpoint", "model")  # the flag's former name
   flags.DEFINE_string("out", None, "Directory to write the HF checkpoint into.")
   flags.DEFINE_enum("dtype", "float32", list(DTYPES), "Dtype of the exported tensors.")
   flags.DEFINE_integer("step", None, "Checkpoint step of a training output dir (default: the best).")
@@ -65,14 +67,14 @@ def define_flags() -> None:
 
 
 def main() -> None:
-  if not FLAGS.checkpoint or not FLAGS.out:
-    raise app.UsageError("--checkpoint and --out are required")
+  if not FLAGS.model or not FLAGS.out:
+    raise app.UsageError("--model and --out are required")
   cli.setup_logging(logging.WARNING)
-  rm = export(FLAGS.checkpoint, FLAGS.out, dtype=FLAGS.dtype, step=FLAGS.step,
+  rm = export(FLAGS.model, FLAGS.out, dtype=FLAGS.dtype, step=FLAGS.step,
               adapters_only=FLAGS.adapters_only, base_model=FLAGS.base_model)
   what = (f"peft LoRA adapters (rank {rm.config.lora.rank})" if FLAGS.adapters_only
           else to_hf_config(rm.config)["architectures"][0])
-  print(f"exported {FLAGS.checkpoint} ({rm.config.family}, {rm.config.head} head) to {FLAGS.out} "
+  print(f"exported {FLAGS.model} ({rm.config.family}, {rm.config.head} head) to {FLAGS.out} "
         f"as {what} in {FLAGS.dtype}")
 
 

@@ -66,12 +66,26 @@ def run_start(*, model_name: str, model: ModelConfig, reward_type: str, num_para
       f"{attention}\n"
       f"mesh: {dict(mesh_shape)} on {devices} {backend} devices, {processes} process(es)\n"
       f"data: {train_examples} train examples ({steps_per_epoch} steps/epoch), "
-      + ", ".join(f"{n}: {k}" for n, k in validation_sizes.items()) + " validation\n"
+      + (", ".join(f"{n}: {k}" for n, k in validation_sizes.items()) or "no") + " validation\n"
       + "".join(f"{d.summary(name)}\n" for name, d in drops.items())
-      + f"steps: {start_step} -> {total_steps}, batch {global_batch_size} groups (x{grad_accum} accumulation), "
+      + f"steps: {_steps(start_step, total_steps)}, batch {global_batch_size} groups (x{grad_accum} accumulation), "
       f"{tokens_per_step:.0f} tokens/step on average, {packing}"
       + (", in length-grouped order (data.group_by_length)" if group_by_length else "") + "\n"
       f"output in {output_dir}")
+
+
+def _steps(start_step: int, total_steps: int) -> str:
+  """``0 -> 120``, ``resumed from step 60 -> 120``, or ``already finished at step 120``."""
+  if start_step >= total_steps:
+    return f"already finished at step {start_step} (raise train.max_steps to train on)"
+  return f"resumed from step {start_step} -> {total_steps}" if start_step else f"0 -> {total_steps}"
+
+
+def progress_line(step: int, total_steps: int, loss: float, accuracy: float, step_seconds: float) -> str:
+  """A training step as a plain line, for a log that is not a terminal:
+  ``step 10/120: loss 0.6931, accuracy 0.500, 0.42 s/step``."""
+  return (f"step {step}/{total_steps}: loss {_number(loss)}, accuracy {accuracy:.3f}, "
+          f"{step_seconds:.2f} s/step")
 
 
 def describe_lora(cfg: LoraConfig) -> str:
@@ -132,8 +146,8 @@ def validation_table(metrics: Mapping[str, float], sets: Sequence[str], step: in
 def run_summary(*, output_dir: str, steps: int, wall_seconds: float, train_tokens: int, train_seconds: float,
                 final_metrics: Mapping[str, float], sets: Sequence[str], final_step: int | None,
                 best: tuple[int, str, float] | None, higher_is_better: bool, dataset_name: str,
-                val_path: str, max_length: int, truncation: str = "drop", lora: bool = False,
-                finished: bool = True) -> str:
+                val_path: str, files_only: bool = False, truncation: str = "drop", lora: bool = False,
+                finished: bool = True, start_step: int = 0) -> str:
   """What a run did and how to use it.
 
   Args:
@@ -147,15 +161,19 @@ def run_summary(*, output_dir: str, steps: int, wall_seconds: float, train_token
     best: ``(step, metric name, value)`` of the best checkpoint; None when not ranked.
     higher_is_better: how ``best`` was ranked.
     dataset_name, val_path: ``data.dataset_name`` and the first validation set's path, for the
-      evaluation command.
-    max_length, truncation: the run's tokenization, for the evaluation command.
+      evaluation command; ``files_only``: the dataset reads only the paths it is given.
+    truncation: the run's, for the evaluation command (whose max_length is the run's own).
     lora: the run trained LoRA adapters (the export command can write them alone).
     finished: the run reached its last step; False: it stopped early and running it again
       continues it.
+    start_step: the step the run resumed from (0: a new run).
   """
   rate = f", {_count(train_tokens / train_seconds)} tokens/s in train steps" if train_seconds > 0 else ""
   ended = "run finished" if finished else "run stopped early (run again to continue)"
-  lines = [f"{ended}: {steps} steps in {_duration(wall_seconds)}{rate}"]
+  resumed = f", resumed from step {start_step}" if start_step else ""
+  lines = [f"{ended}: {steps} steps in {_duration(wall_seconds)}{resumed}{rate}"]
+  if finished and not steps:
+    lines = [f"run already finished at step {start_step}: nothing left to train (raise train.max_steps to train on)"]
   if best is not None:
     step, name, value = best
     lines.append(f"best checkpoint: step {step}, {name} = {_number(value)} "
@@ -163,28 +181,35 @@ def run_summary(*, output_dir: str, steps: int, wall_seconds: float, train_token
   if final_step is not None and split_validation_metrics(final_metrics, sets):
     lines.append("final " + validation_table(final_metrics, sets, final_step))
   lines += ["use it:", *("  " + c for c in usage_commands(output_dir, dataset_name=dataset_name, val_path=val_path,
-                                                          max_length=max_length, truncation=truncation,
+                                                          files_only=files_only, truncation=truncation,
                                                           lora=lora))]
   return "\n".join(lines)
 
 
-def usage_commands(output_dir: str, *, dataset_name: str, val_path: str, max_length: int,
+def usage_commands(output_dir: str, *, dataset_name: str, val_path: str, files_only: bool = False,
                    truncation: str = "drop", lora: bool = False) -> list[str]:
-  """Python and shell lines that load, evaluate and export the run in ``output_dir``."""
+  """Python and shell lines that load, evaluate and export the run in ``output_dir``.
+
+  The evaluation takes the run's own ``data.max_length`` (its default for a model jaxrm trained).
+  Without ``val_path``, a dataset that reads only given paths (``files_only``) is evaluated on
+  ``HELD_OUT.jsonl``, a file for the user to name.
+  """
   run = shlex.quote(output_dir)
+  if files_only and (not val_path or val_path in SPLIT_NAMES):
+    val_path = "HELD_OUT.jsonl"
   if not val_path or val_path in SPLIT_NAMES:
     data = [f"--data={shlex.quote(dataset_name)}"] + ([f"--split={val_path}"] if val_path else [])
   else:
     data = [f"--data={shlex.quote(val_path)}"]
     data += [f"--dataset_name={shlex.quote(dataset_name)}"] if dataset_name != DEFAULT_FORMAT else []
-  evaluate = ["python -m jaxrm.evaluate", f"--model={run}", *data, f"--max_length={max_length}"]
+  evaluate = ["python -m jaxrm.evaluate", f"--model={run}", *data]
   evaluate += [f"--truncation={truncation}"] if truncation != "drop" else []
   exported = shlex.quote(output_dir.rstrip("/") + "-hf")
   lines = [f"from jaxrm import RewardModel; rm = RewardModel.from_pretrained({output_dir!r})  # the best checkpoint",
            " ".join(evaluate),
-           f"python -m jaxrm.export --checkpoint={run} --out={exported}"]
+           f"python -m jaxrm.export --model={run} --out={exported}"]
   if lora:
-    lines.append(f"python -m jaxrm.export --checkpoint={run} --out={shlex.quote(output_dir.rstrip('/') + '-adapters')}"
+    lines.append(f"python -m jaxrm.export --model={run} --out={shlex.quote(output_dir.rstrip('/') + '-adapters')}"
                  " --adapters_only")
   return lines
 

@@ -12,8 +12,16 @@ Two calling conventions:
   the task item(s). ``formatter(item, *completions)`` builds what the model scores -- a string or
   a message list -- from the task item and one joint response.
 
+A process reward model (a token head, ``reward.type=stepwise``) rewards a completion from its
+steps: the completion is cut at the model's step separator, as its training rows were
+(:func:`jaxrm.step_rewards.split_steps`), each step gets the probability that it is correct, and
+``step_aggregation`` (:data:`jaxrm.step_rewards.AGGREGATIONS`; ``"min"`` by default) makes them one
+reward. A completion with no steps (empty, or only separators) gets ``None``: TRL's "no reward from
+this function", which GRPOTrainer leaves out of its group statistics instead of reading it as 0.
+
 :func:`remote_reward_func` is the TRL function of a model served by ``python -m jaxrm.serve`` on
-another host: the same call, scored by the server's ``/score``.
+another host: the same call, scored by the server's ``/score`` (``/score_steps`` for a process
+reward model).
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-from jaxrm import kinds
+from jaxrm import kinds, step_rewards
 from jaxrm.data.records import Text
 from jaxrm.models.config import ModelConfig
 
@@ -43,15 +51,57 @@ class Scorer(Protocol):
     """Rewards float32 [N] of ``items``, or of ``prompts`` joined with ``completions``."""
     ...
 
+  @property
+  def step_separator(self) -> str: ...
+
+  def score_steps_batch(self, prompts: Sequence[Text], steps_lists: Sequence[Sequence[str]], *,
+                        batch_size: int = 8) -> list[list[float]]:
+    """P(step correct) of each step of each solution (a process reward model)."""
+    ...
+
 
 # What combines a regression model's outputs into one reward: an attribute's name, "name=w,...",
 # a dict of names to weights, or one weight per output (see RewardModel.score).
 Combine = str | dict[str, float] | Sequence[float] | None
 
 
-def _check_scalar_head(rm: Scorer, combine: Combine) -> None:
-  kinds.check_kind(rm, kinds.PREFERENCE, kinds.REGRESSION, use="a reward function", one_reward=True,
-                   combine=combine)
+def _check_scorer(rm: Scorer, combine: Combine, normalize: bool, step_aggregation: str | None) -> str | None:
+  """The aggregation of a process reward model's step probabilities (None for a sequence head), or
+  an error saying why ``rm`` and these options do not make a reward function."""
+  kind = kinds.check_kind(rm, kinds.PREFERENCE, kinds.REGRESSION, kinds.PROCESS, use="a reward function",
+                          one_reward=True, combine=combine)
+  if kind != kinds.PROCESS:
+    if step_aggregation is not None:
+      head = kinds.describe(rm.config, getattr(rm, "attributes", None))
+      raise ValueError(f"step_aggregation={step_aggregation!r} is for a process reward model (a token head, "
+                       f"scored by its steps); this model has {head}: leave step_aggregation out")
+    return None
+  if combine is not None or normalize:
+    given = "combine" if combine is not None else "normalize"
+    raise ValueError(f"{given}= is for a sequence-head model's rewards; a process reward model's reward is an "
+                     f"aggregate of its step probabilities (step_aggregation=, one of "
+                     f"{', '.join(step_rewards.AGGREGATIONS)}): leave {given} out")
+  return step_rewards.check_aggregation(step_aggregation or step_rewards.DEFAULT_AGGREGATION)
+
+
+def _solution_text(completion: Text, where: str) -> str:
+  """The text of a completion whose steps a process reward model scores: the string itself, or
+  the content of a conversational completion's one assistant message."""
+  if isinstance(completion, str):
+    return completion
+  if (isinstance(completion, list) and len(completion) == 1 and isinstance(completion[0], dict)
+      and completion[0].get("role") == "assistant" and isinstance(completion[0].get("content"), str)):
+    return completion[0]["content"]
+  raise ValueError(f"{where}: a process reward model scores the steps of one solution: a string, or one "
+                   f"assistant message [{{'role': 'assistant', 'content': ...}}]; got {str(completion)[:200]}")
+
+
+def _step_scores(rm: Scorer, prompts: Sequence[Text], solutions: Sequence[str], how: str,
+                 batch_size: int) -> list[float | None]:
+  """One reward per solution (None for one with no steps), its steps cut at ``rm``'s separator."""
+  steps = [step_rewards.split_steps(s, rm.step_separator) for s in solutions]
+  probabilities = rm.score_steps_batch(list(prompts), steps, batch_size=batch_size)
+  return [step_rewards.aggregate(p, how) if p else None for p in probabilities]
 
 
 def _named(f: Callable, name: str) -> Callable:
@@ -60,24 +110,32 @@ def _named(f: Callable, name: str) -> Callable:
 
 
 def as_reward_func(rm: Scorer, *, normalize: bool = False, batch_size: int = 8,
-                   name: str = "jaxrm_reward", combine: Combine = None) -> Callable[..., list[float]]:
+                   name: str = "jaxrm_reward", combine: Combine = None,
+                   step_aggregation: str | None = None) -> Callable[..., list[float | None]]:
   """``f(prompts, completions, **kwargs) -> list[float]`` for TRL's GRPOTrainer.
 
   Each reward scores prompt + completion laid out as in training: a conversation rendered by the
-  chat template, or the two strings joined.
+  chat template, or the two strings joined. A process reward model scores the completion's steps
+  (see the module docstring): the reward is ``step_rewards.aggregate(rm.score_steps(prompt,
+  split_steps(completion, rm.step_separator)), step_aggregation)``, None for no steps.
 
   Args:
-    rm: a sequence-head reward model with a tokenizer.
-    normalize: (reward - mean) / std with the statistics recorded at validation.
+    rm: a reward model with a tokenizer: a sequence head, or a process reward model's token head.
+    normalize: (reward - mean) / std with the statistics recorded at validation (sequence heads).
     batch_size: rows per forward pass.
     name: ``f.__name__``, the name TRL logs the rewards under.
     combine: a regression model's outputs combined into one reward (required for one).
+    step_aggregation: how a process reward model's step probabilities become one reward: ``"min"``
+      (the default), ``"last"``, ``"product"`` or ``"mean"``; only for a process reward model.
   """
-  _check_scalar_head(rm, combine)
+  how = _check_scorer(rm, combine, normalize, step_aggregation)
   extra = {} if combine is None else {"combine": combine}
 
-  def reward_func(prompts: Sequence[Text], completions: Sequence[Text], **kwargs: Any) -> list[float]:
+  def reward_func(prompts: Sequence[Text], completions: Sequence[Text], **kwargs: Any) -> list[float | None]:
     del kwargs  # dataset columns and trainer state: the model needs only the text
+    if how is not None:
+      solutions = [_solution_text(c, f"completions[{i}]") for i, c in enumerate(completions)]
+      return _step_scores(rm, prompts, solutions, how, batch_size)
     return rm.score(prompts=prompts, completions=completions, normalize=normalize,
                     batch_size=batch_size, **extra).tolist()
 
@@ -85,20 +143,25 @@ def as_reward_func(rm: Scorer, *, normalize: bool = False, batch_size: int = 8,
 
 
 def as_multi_agent_reward_func(rm: Scorer, formatter: Callable[..., Text], *, normalize: bool = False,
-                               batch_size: int = 8, name: str = "jaxrm_reward",
-                               combine: Combine = None) -> Callable[..., list[float]]:
+                               batch_size: int = 8, name: str = "jaxrm_reward", combine: Combine = None,
+                               step_aggregation: str | None = None) -> Callable[..., list[float]]:
   """``f(*agent_completions, batch_items) -> list[float]``: one reward per joint response.
 
   Args:
-    rm: a sequence-head reward model with a tokenizer.
+    rm: a reward model with a tokenizer: a sequence head, or a process reward model's token head.
     formatter: ``formatter(item, *completions) -> str | list[message]``: the text to score for one
-      task item and one completion of each agent, in agent order.
-    normalize: (reward - mean) / std with the statistics recorded at validation.
+      task item and one completion of each agent, in agent order. For a process reward model, a
+      ``(prompt, solution)`` pair or a conversation ending in the assistant's solution: the
+      solution's steps are scored (cut at the model's step separator), after the prompt.
+    normalize: (reward - mean) / std with the statistics recorded at validation (sequence heads).
     batch_size: rows per forward pass.
     name: ``f.__name__``.
     combine: a regression model's outputs combined into one reward (required for one).
+    step_aggregation: a process reward model's aggregation of step probabilities (see
+      :func:`as_reward_func`). A joint response with no steps is an error here: a multi-agent
+      trainer has no "no reward" value.
   """
-  _check_scalar_head(rm, combine)
+  how = _check_scorer(rm, combine, normalize, step_aggregation)
   extra = {} if combine is None else {"combine": combine}
 
   def reward_func(*agent_completions: Sequence[str], batch_items: Sequence[Any] | None = None) -> list[float]:
@@ -118,9 +181,28 @@ def as_multi_agent_reward_func(rm: Scorer, formatter: Callable[..., Text], *, no
       raise ValueError(f"{name}: {len(batch_items)} batch_items for {n} joint responses; "
                        f"give one item, or one per response")
     texts = [formatter(item, *joint) for item, joint in zip(items, zip(*agent_completions))]
-    return rm.score(texts, normalize=normalize, batch_size=batch_size, **extra).tolist()
+    if how is None:
+      return rm.score(texts, normalize=normalize, batch_size=batch_size, **extra).tolist()
+    pairs = [_prompt_and_solution(t, f"{name}: formatter's text for joint response {i}") for i, t in enumerate(texts)]
+    rewards = _step_scores(rm, [p for p, _ in pairs], [s for _, s in pairs], how, batch_size)
+    for i, r in enumerate(rewards):
+      if r is None:
+        raise ValueError(f"{name}: joint response {i} has no steps to score (its solution is empty or only "
+                         f"step separators {rm.step_separator!r})")
+    return rewards
 
   return _named(reward_func, name)
+
+
+def _prompt_and_solution(text: Text | tuple, where: str) -> tuple[Text, str]:
+  """(prompt, solution) of what a multi-agent formatter gave for a process reward model."""
+  if isinstance(text, tuple) and len(text) == 2 and isinstance(text[1], str):
+    return text
+  if isinstance(text, list) and text and isinstance(text[-1], dict) and text[-1].get("role") == "assistant":
+    return text[:-1], _solution_text(text[-1:], where)
+  raise ValueError(f"{where}: a process reward model scores a solution's steps after its prompt: return a "
+                   f"(prompt, solution) pair or a conversation ending in the assistant's solution; "
+                   f"got {str(text)[:200]}")
 
 
 # Statuses a busy server answers (queue full, request timed out): worth retrying after Retry-After.
@@ -128,13 +210,18 @@ RETRIED_STATUSES = (503, 504)
 
 
 def remote_reward_func(url: str, *, api_key: str | None = None, timeout: float = 300.0, retries: int = 8,
-                       name: str = "jaxrm_reward") -> Callable[..., list[float]]:
+                       name: str = "jaxrm_reward", steps: bool = False,
+                       step_aggregation: str | None = None) -> Callable[..., list[float | None]]:
   """``f(prompts, completions, **kwargs) -> list[float]`` for TRL's GRPOTrainer, scored by a server.
 
   Sends the pairs to the ``/score`` endpoint of ``python -m jaxrm.serve``, which joins them as
-  :func:`as_reward_func` does. A busy server's 503/504 is retried after its Retry-After, up to
-  ``retries`` times; any other error raises with the server's message. Connections go straight to
-  ``url``, whatever HTTP proxy the environment names.
+  :func:`as_reward_func` does. A process reward model's server is asked for ``/score_steps``
+  instead (``steps=True``, or any ``step_aggregation``): it cuts each completion into steps at the
+  model's step separator and aggregates their probabilities as :func:`as_reward_func` does (an
+  empty or whitespace-only completion: None; the server refuses one that is only separators). A
+  busy server's 503/504 is retried after its Retry-After, up to ``retries`` times; any other error
+  raises with the server's message, and a server that cannot be reached a ConnectionError naming
+  it. Connections go straight to ``url``, whatever HTTP proxy the environment names.
 
   Args:
     url: the server, ``http://HOST:PORT``.
@@ -142,31 +229,65 @@ def remote_reward_func(url: str, *, api_key: str | None = None, timeout: float =
     timeout: seconds to wait for one answer.
     retries: tries after a busy answer before giving up.
     name: ``f.__name__``, the name TRL logs the rewards under.
+    steps: score a process reward model's steps (``/score_steps``), aggregated by the server's
+      ``--step_aggregation``.
+    step_aggregation: ``"min"``, ``"last"``, ``"product"`` or ``"mean"``: the aggregation asked of
+      ``/score_steps`` (implies ``steps``).
   """
-  endpoint = url.rstrip("/") + "/score"
+  if step_aggregation is not None:
+    step_aggregation = step_rewards.check_aggregation(step_aggregation)
+  steps = steps or step_aggregation is not None
+  endpoint = url.rstrip("/") + ("/score_steps" if steps else "/score")
   headers = {"Content-Type": "application/json"}
   if api_key:
     headers["Authorization"] = f"Bearer {api_key}"
   opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
-  def reward_func(prompts: Sequence[Text], completions: Sequence[Text], **kwargs: Any) -> list[float]:
-    del kwargs  # dataset columns and trainer state: the model needs only the text
-    body = json.dumps({"prompts": list(prompts), "completions": list(completions)}).encode()
+  def post(body: dict) -> list[float | None]:
+    data = json.dumps(body).encode()
     attempt = 0
     while True:
-      request = urllib.request.Request(endpoint, data=body, headers=headers, method="POST")
+      request = urllib.request.Request(endpoint, data=data, headers=headers, method="POST")
       try:
         with opener.open(request, timeout=timeout) as reply:
-          return [float(r) for r in json.loads(reply.read())["rewards"]]
+          return [None if r is None else float(r) for r in json.loads(reply.read())["rewards"]]
       except urllib.error.HTTPError as e:
         with e:
           message = _error_message(e)
           if e.code not in RETRIED_STATUSES or attempt == retries:
             raise ValueError(f"{name}: {endpoint} answered {e.code}: {message}") from None
           time.sleep(float(e.headers.get("Retry-After") or 1))
+      except urllib.error.URLError as e:
+        raise ConnectionError(
+            f"{name}: cannot reach the reward server at {endpoint} ({e.reason}). Is `python -m jaxrm.serve` "
+            f"running there? A server that was just started may still be loading its model, and takes "
+            f"connections once GET {url.rstrip('/')}/health answers: wait for it and try again") from None
       attempt += 1
 
+  def reward_func(prompts: Sequence[Text], completions: Sequence[Text], **kwargs: Any) -> list[float | None]:
+    del kwargs  # dataset columns and trainer state: the model needs only the text
+    if not steps:
+      return post({"prompts": list(prompts), "completions": list(completions)})
+    return _remote_step_rewards(post, prompts, completions, step_aggregation, name)
+
   return _named(reward_func, name)
+
+
+def _remote_step_rewards(post: Callable[[dict], list], prompts: Sequence[Text], completions: Sequence[Text],
+                         how: str | None, name: str) -> list[float | None]:
+  """A process reward model's rewards from ``/score_steps`` (``post``), None where there is no step."""
+  if len(prompts) != len(completions):
+    raise ValueError(f"{name}: {len(prompts)} prompts but {len(completions)} completions")
+  solutions = [_solution_text(c, f"completions[{i}]") for i, c in enumerate(completions)]
+  # Text that is only whitespace has no step whatever the separator: no reward, as as_reward_func
+  # gives it, without asking the server (which refuses a solution of no steps).
+  scored = [i for i, s in enumerate(solutions) if s.strip()]
+  rewards: list[float | None] = [None] * len(solutions)
+  if scored:
+    body = {"prompts": [prompts[i] for i in scored], "completions": [solutions[i] for i in scored]}
+    for i, r in zip(scored, post(body if how is None else {**body, "aggregation": how})):
+      rewards[i] = r
+  return rewards
 
 
 def _error_message(e: urllib.error.HTTPError) -> str:

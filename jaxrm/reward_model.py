@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 from jaxrm import kinds, loading, reward_funcs, shared_prefix
 from jaxrm.batches import IGNORE_INDEX
 from jaxrm.data.drops import DropReport
+from jaxrm.data.formats import kind, parse_text
 from jaxrm.data.pipeline import bucket_length, length_buckets, right_padded, scoring_rows
 from jaxrm.data.records import PreferenceRecord, StepwiseRecord, Text
 from jaxrm.data.tokenize import TokenizeOptions, pad_id, tokenize_preference, tokenize_stepwise
@@ -47,6 +48,34 @@ def _forward(graphdef, state, input_ids, attention_mask):
 def _forward_packed(graphdef, state, rows, reward_positions):
   # rows: input_ids, attention_mask, positions, segment_ids, branch_ids of packed rows.
   return nnx.merge(graphdef, state)(*rows, reward_positions=reward_positions)
+
+
+def _texts(values: Any, name: str, call: str) -> list[Text]:
+  """``values`` checked as a list of texts or conversations (each a list of messages)."""
+  one = ("one string" if isinstance(values, str) else "one message" if isinstance(values, dict)
+         else "one conversation (a list of messages)" if isinstance(values, list) and values
+         and all(isinstance(v, dict) for v in values) else None)
+  if one:
+    raise DataError(f"{call}: {name} is {one}, where a list of texts or conversations belongs: for one, "
+                    f"wrap it in a list (rm.{call}([...])); a conversation is a list of {{'role', 'content'}} "
+                    "messages")
+  if not isinstance(values, (list, tuple)):
+    raise DataError(f"{call}: {name} is {kind(values)}; expected a list of texts or conversations")
+  return [parse_text(v, call, f"{name}[{i}]") for i, v in enumerate(values)]
+
+
+def _steps(steps: Any, field: str, separator: str) -> tuple[str, ...]:
+  """``steps`` checked as a list of step texts."""
+  if isinstance(steps, str):
+    raise DataError(f"score_steps: {field} is one string; pass a list of steps (e.g. "
+                    f"jaxrm.step_rewards.split_steps(text, rm.step_separator) cuts a solution at the step "
+                    f"separator {separator!r})")
+  if not isinstance(steps, (list, tuple)) or not all(isinstance(x, str) for x in steps):
+    raise DataError(f"score_steps: {field} is {kind(steps)}; expected a list of step texts (strings)"
+                    if not isinstance(steps, (list, tuple)) else
+                    f"score_steps: {field} holds {kind(next(x for x in steps if not isinstance(x, str)))}; "
+                    "expected a list of step texts (strings)")
+  return tuple(steps)
 
 
 class RewardModel:
@@ -181,9 +210,11 @@ class RewardModel:
     row longer than ``max_length`` (default: the model's context) loses its oldest context turns
     or tokens, as training's ``truncation="left"`` does.
     """
+    item = parse_text(item, "encode", where)
     if completion is None:
       context, completion = (item[:-1], item[-1:]) if isinstance(item, list) else ("", item)
     else:
+      completion = parse_text(completion, "encode", f"{where} (completion)")
       context = item
     if context and isinstance(context, list) != isinstance(completion, list):
       kinds = ("plain text", "a conversation")
@@ -255,7 +286,10 @@ class RewardModel:
     if (items is None) == (prompts is None and completions is None):
       raise ValueError("pass either items, or prompts and completions")
     if items is not None:
+      items = _texts(items, "items", "score")
       return [self.encode(x, max_length=max_length, where=f"items[{i}]") for i, x in enumerate(items)]
+    prompts = None if prompts is None else _texts(prompts, "prompts", "score")
+    completions = None if completions is None else _texts(completions, "completions", "score")
     if prompts is None or completions is None or len(prompts) != len(completions):
       raise ValueError(f"prompts and completions must be given together, with as many entries each "
                        f"(got {None if prompts is None else len(prompts)} and "
@@ -331,16 +365,23 @@ class RewardModel:
     """Yields (row indices, model outputs) of the rows of ``groups``, each group one packed row
     (see :func:`jaxrm.shared_prefix.shared_batches`)."""
     pad = pad_id(self.tokenizer, self.config.pad_token_id)
+    for shared in shared_prefix.shared_batches(encoded, groups, batch_size=batch_size, pad_id=pad,
+                                               buckets=length_buckets(max(max_tokens, bucket), bucket),
+                                               max_tokens=max_tokens):
+      yield shared.rows, self.score_shared(shared)
+
+  def score_shared(self, shared: shared_prefix.SharedRows) -> np.ndarray | list[np.ndarray]:
+    """The outputs of the rows packed in ``shared`` (:func:`jaxrm.shared_prefix.shared_batches`),
+    in ``shared.rows`` order: rewards [N] ([N, C]) for a sequence head, each row's logits [T_i, C]
+    for a token head."""
+    b = shared.batch
+    rows = tuple(jnp.asarray(x) for x in (b.input_ids, b.attention_mask, b.positions, b.segment_ids,
+                                          b.branch_ids))
     sequence = self.config.head == "sequence"
+    reward_positions = jnp.asarray(b.reward_positions) if sequence else None
     graphdef, state = nnx.split(self.model)
-    for shared in shared_prefix.shared_batches(encoded, groups, batch_size=batch_size, length_multiple=bucket,
-                                               max_tokens=max_tokens, pad_id=pad):
-      b = shared.batch
-      rows = tuple(jnp.asarray(x) for x in (b.input_ids, b.attention_mask, b.positions, b.segment_ids,
-                                            b.branch_ids))
-      reward_positions = jnp.asarray(b.reward_positions) if sequence else None
-      out = np.asarray(_forward_packed(graphdef, state, rows, reward_positions), np.float32)
-      yield shared.rows, shared.rewards(out) if sequence else shared.logits(out)
+    out = np.asarray(_forward_packed(graphdef, state, rows, reward_positions), np.float32)
+    return shared.rewards(out) if sequence else shared.logits(out)
 
   def normalized(self, rewards: np.ndarray) -> np.ndarray:
     """(rewards - mean) / std with the statistics recorded at validation, as
@@ -363,7 +404,9 @@ class RewardModel:
                    where: str = "prompt") -> tuple[list[int], list[int]]:
     """(token ids, positions of each step's label) laid out as in stepwise training."""
     opts = TokenizeOptions(self._max_length(max_length), "drop", self.step_separator)
-    record = StepwiseRecord(prompt=prompt, steps=tuple(steps), labels=(True,) * len(steps), source=where)
+    prompt = parse_text(prompt, "score_steps", where)
+    steps = _steps(steps, f"the steps of {where}", self.step_separator)
+    record = StepwiseRecord(prompt=prompt, steps=steps, labels=(True,) * len(steps), source=where)
     example = tokenize_stepwise(record, self._tokenizer(), opts, DropReport())
     if example is None:
       raise DataError(f"{where}: the prompt and its {len(steps)} steps are longer than "
@@ -371,7 +414,13 @@ class RewardModel:
     return example.input_ids.tolist(), np.flatnonzero(example.labels != IGNORE_INDEX).tolist()
 
   def score_steps(self, prompt: Text, steps: Sequence[str], *, max_length: int | None = None) -> list[float]:
-    """Probability that each step is correct (token-head models): class 1 at the step's label token."""
+    """Probability that each step is correct (token-head models): class 1 at the step's label token.
+
+    ``steps`` is a list of step texts, each followed by the run's step separator as in training;
+    a solution written as one text is cut into them by
+    ``jaxrm.step_rewards.split_steps(text, rm.step_separator)`` (one string is refused).
+    """
+    _steps(steps, "steps", self.step_separator)
     return self.score_steps_batch([prompt], [steps], max_length=max_length)[0]
 
   def score_steps_batch(self, prompts: Sequence[Text], steps_lists: Sequence[Sequence[str]], *,
@@ -380,6 +429,11 @@ class RewardModel:
     """:meth:`score_steps` for many solutions, batched by length and shared (solutions of one
     problem share its tokens) like :meth:`score`."""
     self.check_kind(kinds.PROCESS, use="score_steps")
+    if isinstance(prompts, str) or isinstance(steps_lists, str) or not (
+        isinstance(prompts, (list, tuple)) and isinstance(steps_lists, (list, tuple))):
+      raise DataError("score_steps_batch takes a list of prompts and a list of step lists (one per prompt); "
+                      f"got {kind(prompts)} and {kind(steps_lists)}: for one solution use score_steps(prompt, steps)")
+    steps_lists = [_steps(s, f"steps_lists[{i}]", self.step_separator) for i, s in enumerate(steps_lists)]
     if len(prompts) != len(steps_lists):
       raise ValueError(f"{len(prompts)} prompts but {len(steps_lists)} step lists")
     out: list[list[float]] = [[] for _ in prompts]
@@ -404,14 +458,15 @@ class RewardModel:
   # ---------------------------------------------------------------- reward functions
 
   def as_reward_func(self, *, normalize: bool = False, batch_size: int = 8, name: str = "jaxrm_reward",
-                     combine=None) -> Callable[..., list[float]]:
-    """A TRL GRPOTrainer reward function; see :func:`jaxrm.reward_funcs.as_reward_func`."""
+                     combine=None, step_aggregation: str | None = None) -> Callable[..., list[float | None]]:
+    """A TRL GRPOTrainer reward function; see :func:`jaxrm.reward_funcs.as_reward_func` (a process
+    model's steps made one reward by ``step_aggregation``, default min)."""
     return reward_funcs.as_reward_func(self, normalize=normalize, batch_size=batch_size, name=name,
-                                       combine=combine)
+                                       combine=combine, step_aggregation=step_aggregation)
 
   def as_multi_agent_reward_func(self, formatter: Callable[..., Text], *, normalize: bool = False,
-                                 batch_size: int = 8, name: str = "jaxrm_reward",
-                                 combine=None) -> Callable[..., list[float]]:
+                                 batch_size: int = 8, name: str = "jaxrm_reward", combine=None,
+                                 step_aggregation: str | None = None) -> Callable[..., list[float]]:
     """A CoMLRL-style multi-agent reward function; see :func:`jaxrm.reward_funcs.as_multi_agent_reward_func`."""
     return reward_funcs.as_multi_agent_reward_func(self, formatter, normalize=normalize, batch_size=batch_size,
-                                                   name=name, combine=combine)
+                                                   name=name, combine=combine, step_aggregation=step_aggregation)

@@ -19,6 +19,12 @@ the cause):
 * ``POST /pooling``, ``/v1/classify``, ``/v1/score`` -- vLLM's pooling, classification and score
   requests. vLLM's answers are sigmoid(reward) for a preference model, as vLLM's are, unless the
   request sends ``"use_activation": false``. See :mod:`jaxrm.server.formats`.
+* ``POST /score_steps`` -- a process reward model's ``{"prompts": [...], "completions": [...]}``
+  (each completion cut into steps at the model's step separator) or ``{"prompts", "steps": [[step,
+  ...], ...]}`` -> ``{"step_rewards": [[P(step correct), ...], ...], "rewards": [...]}``, each
+  reward the solution's step probabilities aggregated by ``--step_aggregation`` (min, last,
+  product, mean; a request's ``"aggregation"`` overrides it). Such a model's ``/score`` answers
+  those rewards; its other endpoints refuse it.
 * ``GET /health`` -- ``{"status": "ok"}``; 503 ``"starting"`` while the batch shapes compile, 500
   ``"failed"`` if they could not (the log says why). With ``--api_key``, a request bearing it also
   gets the model's name (``--served_model_name``).
@@ -36,7 +42,7 @@ import ipaddress
 import logging
 import os
 
-from jaxrm import cli
+from jaxrm import cli, step_rewards
 from jaxrm.server import ServerConfig, make_server
 from jaxrm.server.app import ENDPOINTS
 
@@ -70,6 +76,9 @@ def _define_flags() -> None:
   flags.DEFINE_list("buckets", None, "Padded lengths, each compiled at start (default: 64, 128, ... up to "
                     "max_length).")
   flags.DEFINE_float("batch_wait_ms", d.batch_wait_ms, "How long to wait for more requests to join a batch.")
+  flags.DEFINE_bool("share_prefix", d.share_prefix, "Score rows that share a prefix of at least 64 tokens (a "
+                    "prompt's completions, in one request or several) together, the prefix once; the rewards "
+                    "are those of rows scored alone, up to float rounding.")
   flags.DEFINE_integer("max_queued_tokens", d.max_queued_tokens, "Tokens queued, all requests together, "
                        "before new requests get 503 + Retry-After.")
   flags.DEFINE_float("request_timeout", d.request_timeout, "Seconds from a request's headers to its answer: "
@@ -86,6 +95,11 @@ def _define_flags() -> None:
                     "validation (models saved by training).")
   flags.DEFINE_string("combine", None, "A regression model's outputs combined into one reward: an attribute's "
                       "name, or 'name=weight,...' (see RewardModel.score).")
+  flags.DEFINE_bool("access_log", False, "Log one line per scoring request: client, endpoint, status, seconds "
+                    "and request id.")
+  flags.DEFINE_enum("step_aggregation", d.step_aggregation, list(step_rewards.AGGREGATIONS), "A process reward "
+                    "model's step probabilities made one reward per solution (/score, and /score_steps' "
+                    "\"rewards\"), unless a request sends its own \"aggregation\".")
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
   flags.DEFINE_string("attention", "auto", "Attention implementation: auto (a fused kernel on GPU, the "
                       "reference path elsewhere) | reference | pallas | cudnn.")
@@ -101,11 +115,11 @@ def server_config(f) -> ServerConfig:
   return ServerConfig(
       max_batch=f.max_batch, max_request_bytes=f.max_request_bytes, max_pending_bytes=f.max_pending_bytes,
       max_length=f.max_length, batch_size=f.batch_size,
-      batch_tokens=f.batch_tokens, buckets=buckets, batch_wait_ms=f.batch_wait_ms,
+      batch_tokens=f.batch_tokens, buckets=buckets, batch_wait_ms=f.batch_wait_ms, share_prefix=f.share_prefix,
       max_queued_tokens=f.max_queued_tokens, request_timeout=f.request_timeout,
       header_timeout=f.header_timeout, body_timeout=f.body_timeout, keep_alive=f.keep_alive,
       max_connections=f.max_connections, openrlhf_text=f.openrlhf_text, normalize=f.normalize,
-      combine=f.combine,
+      combine=f.combine, step_aggregation=f.step_aggregation, access_log=f.access_log,
       api_key=f.api_key or os.environ.get(API_KEY_ENV) or None)
 
 
@@ -127,8 +141,11 @@ def main() -> None:
   host = server.address[0]
   if not ipaddress.ip_address(host).is_loopback and config.api_key is None:
     log.warning("listening on %s without --api_key: anyone who can reach this address can use the model", host)
-  log.info("max_length=%d tokens per item, buckets %s, %d rows per batch", server.config.max_length,
-           ",".join(map(str, server.config.buckets)), server.config.batch_size)
+  packed = server.batcher.packed_buckets
+  log.info("max_length=%d tokens per item, buckets %s, %d rows per batch; %s", server.config.max_length,
+           ",".join(map(str, server.config.buckets)), server.config.batch_size,
+           f"rows sharing a prefix packed in rows of {','.join(map(str, packed))} tokens" if packed
+           else "every row scored alone")
   print(f"jaxrm: serving {f.model} on {server.url} ({ENDPOINTS})", flush=True)
   server.serve_forever()
 

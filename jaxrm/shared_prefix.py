@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxrm.batches import PackedPreferenceBatch
 from jaxrm.data import packing
-from jaxrm.data.pipeline import scoring_rows
+from jaxrm.data.pipeline import bucket_length, scoring_rows
 from jaxrm.data.tokenize import PreferenceExample
 from jaxrm.models.config import ModelConfig
 
@@ -184,33 +184,29 @@ class SharedRows:
 
 
 def shared_batches(rows: Sequence[Sequence[int]], groups: Sequence[Sequence[int]], *, batch_size: int,
-                   length_multiple: int, max_tokens: int, pad_id: int) -> Iterator[SharedRows]:
+                   buckets: Sequence[int], max_tokens: int, pad_id: int,
+                   slot_per_token: bool = False) -> Iterator[SharedRows]:
   """``groups`` of ``rows`` as forward passes of packed rows, shortest first.
 
-  A pass holds at most ``batch_size`` rows of T tokens, T the smallest multiple of
-  ``length_multiple`` that holds its longest group, and at most ``max_tokens`` tokens. Its row
-  count is ``batch_size`` or, when fewer groups remain, the next power of two (as unpacked
-  scoring batches; few programs compile); shorter groups may share a row.
+  A pass holds at most ``batch_size`` rows of T tokens, T the first of ``buckets`` that holds its
+  longest group (:func:`jaxrm.data.pipeline.bucket_length`), and at most ``max_tokens`` tokens.
+  Its row count is ``batch_size`` or, when fewer groups remain, the next power of two (as unpacked
+  scoring batches; few programs compile); shorter groups may share a row. Reward slots per row:
+  the power of two (at least 8) that holds them, or with ``slot_per_token`` one per token (T: a
+  pass's shape is then its rows and T alone, so every shape can be compiled ahead).
   """
   examples = [_example(rows, g) for g in groups]
   lengths = [packed_length(rows, g) for g in groups]
   order = sorted(range(len(groups)), key=lengths.__getitem__)
   while order:
     n = 1
-    while n < min(batch_size, len(order)) and _fits(n + 1, lengths[order[n]], batch_size, length_multiple,
-                                                     max_tokens):
+    while n < min(batch_size, len(order)) and (
+        scoring_rows(n + 1, batch_size) * bucket_length(lengths[order[n]], buckets) <= max_tokens):
       n += 1
     members, order = order[:n], order[n:]
-    yield _pack([examples[i] for i in members], tuple(tuple(groups[i]) for i in members),
-                _round_up(lengths[members[-1]], length_multiple), batch_size, pad_id)
-
-
-def _fits(n: int, longest: int, batch_size: int, length_multiple: int, max_tokens: int) -> bool:
-  return scoring_rows(n, batch_size) * _round_up(longest, length_multiple) <= max_tokens
-
-
-def _round_up(n: int, multiple: int) -> int:
-  return -(-n // multiple) * multiple
+    length = bucket_length(lengths[members[-1]], buckets)
+    yield _pack([examples[i] for i in members], tuple(tuple(groups[i]) for i in members), length, batch_size,
+                pad_id, length if slot_per_token else None)
 
 
 def _example(rows: Sequence[Sequence[int]], group: Sequence[int]) -> PreferenceExample:
@@ -220,13 +216,14 @@ def _example(rows: Sequence[Sequence[int]], group: Sequence[int]) -> PreferenceE
 
 
 def _pack(examples: list[PreferenceExample], groups: tuple[tuple[int, ...], ...], length: int,
-          batch_size: int, pad_id: int) -> SharedRows:
-  """``examples`` in rows of ``length`` tokens; reward slots per row rounded to a power of two
-  (at least 8), so that few shapes compile."""
+          batch_size: int, pad_id: int, slots: int | None) -> SharedRows:
+  """``examples`` in rows of ``length`` tokens with ``slots`` reward slots per row (None: the
+  power of two, at least 8, that holds them, so that few shapes compile)."""
   spec = packing.PackSpec(row_length=length, shared_prompt=True, pad_id=pad_id)
   plan = packing.plan_rows([packing.packed_length(e, shared_prompt=True) for e in examples], length,
                            [e.source for e in examples])
-  slots = max(8, 1 << (packing.rewards_per_row(examples, plan) - 1).bit_length())
+  if slots is None:
+    slots = max(8, 1 << (packing.rewards_per_row(examples, plan) - 1).bit_length())
   batch = packing.pack_preference(examples, spec, num_rows=scoring_rows(len(plan), batch_size),
                                   num_rewards=slots)
   return SharedRows(batch, groups)

@@ -1,6 +1,14 @@
 r"""Trains a reward model.
 
   python -m jaxrm.train --config=configs/rm.py [--config.train.max_steps=200 ...]
+  python -m jaxrm.train --nemo_config=rm.yaml [policy.model_name=... section.key=value ...]
+  python -m jaxrm.train --trl_args --model_name_or_path ... --dataset_name ... [TRL's reward-script flags]
+
+``--nemo_config`` reads NeMo RL's reward-model YAML (:mod:`jaxrm.compat.nemo`) and ``--trl_args``
+the flags of TRL's reward script (:mod:`jaxrm.compat.trl_args`): the rest of the command line is
+theirs, and the run starts by printing what each of their settings became. They live here rather
+than in commands of their own so that every way in shares the multi-host flags below and the
+one trainer.
 
 Rerunning the same command continues from the latest checkpoint in the output directory.
 Multi-host: under Slurm ``jax.distributed`` is initialised from the environment (see
@@ -20,6 +28,9 @@ from jaxrm import cli
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Training config file (configs/rm.py, configs/prm.py...).",
                                 lock_config=True)
+flags.DEFINE_string("nemo_config", None, "NeMo RL reward-model YAML (its examples/configs/rm.yaml); "
+                    "section.key=value overrides follow.")
+flags.DEFINE_boolean("trl_args", False, "The rest of the command line is TRL's reward-script flags.")
 flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0.")
 flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
 flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
@@ -41,15 +52,60 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     jax.distributed.initialize()  # Slurm cluster auto-detection
 
 
+# What follows --trl_args, and the section.key=value words after --nemo_config (set by _parse).
+_FOREIGN: dict[str, list[str]] = {"trl": [], "nemo": []}
+
+
 def main() -> None:
   cli.setup_logging()
-  if FLAGS.config is None:
-    cli.exit_usage("--config is required, e.g. --config=configs/rm.py")
-  config = cli.run_config(FLAGS.config)  # read once, here; the library takes the dataclasses
-  initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  given = [name for name, on in (("--config", FLAGS.config is not None), ("--nemo_config", FLAGS.nemo_config),
+                                 ("--trl_args", FLAGS.trl_args)) if on]
+  if len(given) != 1:
+    cli.exit_usage(f"give one of --config=configs/rm.py, --nemo_config=rm.yaml or --trl_args ...; got "
+                   f"{' and '.join(given) or 'none'}")
+  if FLAGS.config is not None:
+    config = cli.run_config(FLAGS.config)  # read once, here; the library takes the dataclasses
+    initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  else:
+    config = _foreign_config()
   from jaxrm import trainer
   trainer.train_and_evaluate(config)
 
 
+def _foreign_config():
+  """The RunConfig of a NeMo RL YAML or TRL flags, read here; their mapping printed by process 0.
+
+  The device count enters the mapping (TRL's per-device batch, NeMo RL's cluster), so the
+  processes join first.
+  """
+  from jaxrm.compat import nemo, trl_args
+  if FLAGS.nemo_config:  # read (and its errors shown) before the processes wait on each other
+    recipe, translate = nemo.load(FLAGS.nemo_config, _FOREIGN["nemo"]), nemo.translate
+  else:
+    recipe, translate = trl_args.parse(_FOREIGN["trl"]), trl_args.translate
+  initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  import jax
+  translation = translate(recipe, device_count=jax.device_count())
+  if jax.process_index() == 0:
+    print(translation.table(), flush=True)
+  return translation.run_config()
+
+
+def _parse(argv: list[str]) -> list[str]:
+  """absl's parsing of jaxrm's own flags; TRL's flags and NeMo RL's overrides are set aside."""
+  if "--trl_args" in argv:
+    at = argv.index("--trl_args")
+    argv, _FOREIGN["trl"] = argv[:at + 1], argv[at + 1:]
+  elif any(a.startswith("--nemo_config") for a in argv):
+    ours = [argv[0]]
+    for i, arg in enumerate(argv[1:], 1):
+      if arg.startswith("-") or argv[i - 1] == "--nemo_config":  # a flag, or --nemo_config's own value
+        ours.append(arg)
+      else:
+        _FOREIGN["nemo"].append(arg)
+    argv = ours
+  return cli.config_flags_parser(FLAGS)(argv)
+
+
 if __name__ == "__main__":
-  cli.run(main, flags_parser=cli.config_flags_parser(FLAGS))
+  cli.run(main, flags_parser=_parse)

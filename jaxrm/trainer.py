@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 import time
 from typing import Any
@@ -25,9 +26,9 @@ from flax import nnx
 
 from jaxrm import checkpointing, loading, report, sharding, steps, update
 from jaxrm.config import RunConfig
-from jaxrm.data import packing, pipeline
+from jaxrm.data import packing, pipeline, registry
 from jaxrm.data.packing import PackSpec
-from jaxrm.data.run_data import RunData, load_run_data
+from jaxrm.data.run_data import RunData, check_data, load_run_data
 from jaxrm.data.tokenize import pad_id
 from jaxrm.errors import CheckpointError, ConfigError, UserError
 from jaxrm.metrics import Metrics, Samples, accumulate, finalize_metrics
@@ -114,17 +115,28 @@ def train_and_evaluate(config: RunConfig, *, stop_after_steps: int | None = None
 
 
 def _prepare(config: RunConfig) -> _Run:
+  """The run set up; a new run that stops with a UserError leaves no directory behind."""
+  out_dirs = [os.path.abspath(config.output_dir), _checkpoint_dir(config, os.path.abspath(config.output_dir))]
+  new = [d for d in out_dirs if not os.path.exists(d)]
+  try:
+    return _set_up(config)
+  except UserError:
+    if jax.process_index() == 0:
+      for d in new:
+        shutil.rmtree(d, ignore_errors=True)
+    raise
+
+
+def _set_up(config: RunConfig) -> _Run:
   out_dir = os.path.abspath(config.output_dir)
   is_main = jax.process_index() == 0
-  if is_main:
-    os.makedirs(out_dir, exist_ok=True)
   # ------------------------------------------------------------------ mesh
   with _config_errors():
     mesh = sharding.make_mesh(config.mesh)
   # ------------------------------------------------------------------ checkpoint
   # An existing run resumes: known before the model loads, whose weights it then does not read
   # (unless LoRA trains over them: a LoRA checkpoint holds only the adapters and the head).
-  # A new run's checkpoint directory is made only once its input has been read without error.
+  # A new run's directories are made only once its input has been read without error.
   lora_cfg = config.model.lora.lora_config()
   source = _locate_model(config, lora_cfg)
   existing = os.path.isdir(_checkpoint_dir(config, out_dir))
@@ -132,18 +144,21 @@ def _prepare(config: RunConfig) -> _Run:
   resume_step = ckpt.latest_step() if ckpt is not None else None
   if resume_step is not None:
     _check_same_lora(out_dir, lora_cfg)
+  check_data(config)  # what needs no model fails before one loads
   # ------------------------------------------------------------------ model
   rm = _load_model(config, source, mesh, lora_cfg, weights=resume_step is None or lora_cfg.enabled)
   # ------------------------------------------------------------------ input
   data = load_run_data(config, rm.tokenizer)
   inputs = _make_input(config, mesh, data, pad_id(rm.tokenizer, rm.config.pad_token_id))
   _count_unused(config, data, inputs)
-  total_steps = min(config.train.max_steps, config.train.max_epochs * inputs.stream.steps_per_epoch)
-  if ckpt is None:
-    ckpt = _checkpointer(config, out_dir)
+  total_steps = _total_steps(config, inputs.stream)
   # ------------------------------------------------------------------ update
   built = update.build_update(rm.model, config.reward, config.train, total_steps=total_steps, mesh=mesh,
                               grad_accum=inputs.grad_accum, micro_batched=inputs.micro_batched)
+  if is_main:
+    os.makedirs(out_dir, exist_ok=True)
+  if ckpt is None:
+    ckpt = _checkpointer(config, out_dir)
   state, start_step, last_val = built.state, 0, {}
   if resume_step is not None:
     state, last_val, start_step = _resume(ckpt, resume_step, state, inputs.train_iter)
@@ -151,8 +166,7 @@ def _prepare(config: RunConfig) -> _Run:
     base = loading.base_reference(config.model.name_or_path) if lora_cfg.enabled else None
     loading.RunFiles(out_dir, rm.config, config, base).write(rm.tokenizer)
   # ------------------------------------------------------------------ summary
-  writer = MetricsWriter(out_dir, tensorboard=config.logger.tensorboard,
-                         log_dir=config.logger.log_dir or os.path.join(out_dir, "tensorboard"), enabled=is_main,
+  writer = MetricsWriter(out_dir, logger=config.logger, run_config=config.to_dict(), enabled=is_main,
                          resume_step=start_step)
   run = _Run(config, mesh, rm, data, inputs, total_steps, state, built.train_step, built.eval_step, ckpt,
              writer, start_step, last_val)
@@ -160,6 +174,16 @@ def _prepare(config: RunConfig) -> _Run:
     _write_drops(out_dir, data)
     print(_summary(run, out_dir), flush=True)
   return run
+
+
+def _total_steps(config: RunConfig, stream: pipeline.TrainStream) -> int:
+  """``train.max_steps``, or fewer where ``train.max_epochs`` ends the run first."""
+  spec = config.train
+  epochs = spec.max_epochs * stream.steps_per_epoch
+  if epochs < spec.max_steps:
+    spec.check_steps(epochs, f"train.max_epochs={spec.max_epochs} of {stream.steps_per_epoch} steps each "
+                     f"({stream.num_examples} train examples, train.global_batch_size={stream.global_batch_size})")
+  return min(spec.max_steps, epochs)
 
 
 def _checkpoint_dir(config: RunConfig, out_dir: str) -> str:
@@ -189,6 +213,8 @@ def _load_model(config: RunConfig, source: loading.Source, mesh, lora_cfg: lora.
                           weights=weights)
   if loaded.tokenizer is None:
     raise ConfigError(f"model.name_or_path={config.model.name_or_path!r} has no tokenizer files")
+  if config.model.chat_template:
+    loaded.tokenizer.chat_template = config.model.chat_template
   return loaded
 
 
@@ -273,14 +299,14 @@ def _make_input(config: RunConfig, mesh, data: RunData, pad: int) -> _Input:
 
 
 def _count_unused(config: RunConfig, data: RunData, inputs: _Input) -> None:
-  """Counts the rows that are read but never batched, as drops: each epoch's remainder of the
+  """Counts the rows that are read but never batched, as not used: each epoch's remainder of the
   last global batch, and the validation rows after ``eval.val_batches`` batches."""
   stream = inputs.stream
   left = stream.num_examples - stream.steps_per_epoch * stream.global_batch_size
   if left:
-    data.drops["train"].drop(f"not trained in each epoch: the {left} after the last full global "
-                             f"batch of {stream.global_batch_size} (train.global_batch_size; other "
-                             f"rows each epoch)", f"{left} of each epoch's order", count=left)
+    data.drops["train"].leave_out(f"the {left} after each epoch's last full global batch of "
+                                  f"{stream.global_batch_size} (train.global_batch_size; other rows each epoch)",
+                                  f"{left} of each epoch's order", count=left)
   if not config.eval.val_batches:
     return
   for name, batches in inputs.validation.items():
@@ -288,8 +314,8 @@ def _count_unused(config: RunConfig, data: RunData, inputs: _Input) -> None:
     kept = config.eval.val_batches * batches[0].example_mask.shape[0] * jax.process_count()
     left = len(data.validation[name]) - kept
     if left > 0:
-      data.drops[f"validation-{name}"].drop(
-          f"not validated: after eval.val_batches={config.eval.val_batches} batches",
+      data.drops[f"validation-{name}"].leave_out(
+          f"after eval.val_batches={config.eval.val_batches} batches (not validated)",
           f"the last {left} of {name}", count=left)
 
 
@@ -403,21 +429,17 @@ def _loop(run: _Run, stop_after_steps: int | None) -> dict[str, float]:
   progress = _progress(config, run.start_step, run.total_steps, run.writer.enabled)
   step = run.start_step
   try:
-    if config.eval.val_at_start and step == 0:
+    if config.eval.val_at_start and step == 0 and run.input.validation:
       run.last_val = _evaluate(run, 0)
-    if step >= run.total_steps:
-      log.info("the run in %s has already reached step %d", config.output_dir, run.total_steps)
     while step < run.total_steps:
       step += 1
       metrics = _train_step(run, step)
       run.steps_done += 1
       run.train_seconds += metrics["timing/train/step_time"]
       run.train_tokens += metrics["train/tokens_per_second"] * metrics["timing/train/step_time"]
-      if progress is not None:
-        progress.update(1)
-        accuracy = metrics.get("train/accuracy", metrics.get("train/step_accuracy", math.nan))
-        progress.set_postfix(loss=f"{metrics['train/loss']:.4f}", acc=f"{accuracy:.3f}")
-      if step % config.train.log_period == 0 or step == run.total_steps or step == run.start_step + 1:
+      logged = step % config.train.log_period == 0 or step == run.total_steps or step == run.start_step + 1
+      _show_progress(run, progress, step, metrics, logged)
+      if logged:
         run.writer.write(step, metrics)
       stopping = stop_after_steps is not None and step >= run.start_step + stop_after_steps
       _validate_and_save(run, step, stopping)
@@ -428,6 +450,17 @@ def _loop(run: _Run, stop_after_steps: int | None) -> dict[str, float]:
     if progress is not None:
       progress.close()
   return run.last_val
+
+
+def _show_progress(run: _Run, progress, step: int, metrics: dict[str, float], logged: bool) -> None:
+  """Moves the progress bar; without one (off a terminal), prints a plain line at each logged step."""
+  accuracy = metrics.get("train/accuracy", metrics.get("train/step_accuracy", math.nan))
+  if progress is not None:
+    progress.update(1)
+    progress.set_postfix(loss=f"{metrics['train/loss']:.4f}", acc=f"{accuracy:.3f}")
+  elif logged and run.writer.enabled and run.config.logger.progress_bar:
+    print(report.progress_line(step, run.total_steps, metrics["train/loss"], accuracy,
+                               metrics["timing/train/step_time"]), flush=True)
 
 
 def _train_step(run: _Run, step: int) -> dict[str, float]:
@@ -462,7 +495,8 @@ def _validate_and_save(run: _Run, step: int, stopping: bool) -> None:
   """Validates and checkpoints at ``step`` when their periods (or the run's end) say so."""
   config, is_last = run.config, step == run.total_steps
   fresh_val = None
-  if (config.eval.val_period and step % config.eval.val_period == 0) or (is_last and config.eval.val_at_end):
+  due = (config.eval.val_period and step % config.eval.val_period == 0) or (is_last and config.eval.val_at_end)
+  if due and run.input.validation:
     run.last_val = fresh_val = _evaluate(run, step)
     run.last_val_step = step
   save_period = config.checkpointing.save_period
@@ -482,8 +516,8 @@ def _final_summary(run: _Run, wall_seconds: float) -> str:
       train_seconds=run.train_seconds, final_metrics=run.last_val, sets=list(config.data.val_data_paths),
       final_step=run.last_val_step, best=best, higher_is_better=config.checkpointing.higher_is_better,
       dataset_name=config.data.dataset_name, val_path=next(iter(config.data.val_data_paths.values()), ""),
-      max_length=config.data.max_length, truncation=config.data.truncation, lora=run.rm.config.lora.enabled,
-      finished=run.finished)
+      files_only=registry.reads_paths_only(config.data.dataset_name), truncation=config.data.truncation,
+      lora=run.rm.config.lora.enabled, finished=run.finished, start_step=run.start_step)
 
 
 def _reward_stats(val: dict[str, float]) -> dict[str, float]:
@@ -495,7 +529,8 @@ def _reward_stats(val: dict[str, float]) -> dict[str, float]:
 
 
 def _progress(config: RunConfig, start: int, total: int, enabled: bool):
-  if not (enabled and config.logger.progress_bar):
+  """A progress bar where stderr is a terminal; elsewhere its ``\r`` redraws would garble a log."""
+  if not (enabled and config.logger.progress_bar and sys.stderr.isatty()):
     return None
   from tqdm import tqdm
   return tqdm(total=total, initial=start, desc="train", dynamic_ncols=True, file=sys.stderr)

@@ -36,8 +36,9 @@ printed as a check that both run the same model. Each scores in batches of ``--b
 ``--completion_median`` (both sigma 0.6; a prompt takes at most half of ``--max_length``, its
 completions the rest). Scored by ``rm.score`` sharing each prompt's tokens between its completions
 (the default), ``rm.score`` with ``share_prefix=False`` (every row alone, right-padded, as before
-sharing) and transformers as above. The server would join as one more entry of
-:func:`grpo_scorers`.
+sharing), transformers as above, and the server (its default buckets, sharing prefixes across the
+requests it batches) under ``--clients`` concurrent clients, each request one group's texts to
+``/get_reward`` (OpenRLHF's flat strings: the server finds the shared prompt in the token ids).
 
 Compiling (jaxrm) and a first pass (transformers) happen before timing. The scorers then run in
 turns, ``--repeats`` times (ABC ABC...), so that they meet the same machine load; each figure is
@@ -301,8 +302,9 @@ def chats_workload(rm, args) -> list[dict]:
 # ---------------------------------------------------------------------------------- grpo
 
 
-def grpo_scorers(rm, hf_model, hf_tok, device, texts, batches, args) -> dict:
-  """Name -> a function that scores ``texts`` once and returns (seconds, rewards [N])."""
+def grpo_scorers(rm, hf_model, hf_tok, device, texts, batches, args, server_url=None, group_size=None) -> dict:
+  """Name -> a function that scores ``texts`` once and returns (seconds, rewards [N]); with
+  ``server_url``, also the server, each request one group of ``group_size`` texts."""
 
   def rm_score(share_prefix):
     start = time.perf_counter()
@@ -319,13 +321,47 @@ def grpo_scorers(rm, hf_model, hf_tok, device, texts, batches, args) -> dict:
         rewards[rows] = hf_model(**batch).logits[:, 0].float().cpu().numpy()
     return time.perf_counter() - start, rewards
 
-  return {"rm.score shared": lambda: rm_score(True), "rm.score unshared": lambda: rm_score(False),
-          "transformers": hf}
+  def server():
+    groups = [texts[i:i + group_size] for i in range(0, len(texts), group_size)]
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(min(args.clients, len(groups))) as pool:
+      rewards = [r for group in pool.map(lambda g: post_texts(server_url, g), groups) for r in group]
+    return time.perf_counter() - start, np.asarray(rewards, np.float32)
+
+  scorers = {"rm.score shared": lambda: rm_score(True), "rm.score unshared": lambda: rm_score(False),
+             "transformers": hf}
+  return {**scorers, "server": server} if server_url else scorers
+
+
+def post_texts(url: str, texts: list[str]) -> list[float]:
+  """OpenRLHF's /get_reward request of ``texts``: their rewards."""
+  opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+  req = urllib.request.Request(url + "/get_reward", data=json.dumps({"query": texts}).encode(),
+                               headers={"Content-Type": "application/json"})
+  with opener.open(req, timeout=600) as reply:
+    return json.loads(reply.read())["rewards"]
 
 
 def grpo_workload(rm, args) -> list[dict]:
   """For each G: P prompts x G completions, scored by each of :func:`grpo_scorers` in turns."""
+  from jaxrm.server import ServerConfig, make_server
+
   hf_model, hf_tok, device = load_transformers(rm, args.dtype)
+  # The server as `python -m jaxrm.serve --max_length=... --batch_size=...` runs it: its own
+  # buckets (powers of two), sharing prefixes across the rows of all requests it batches.
+  config = ServerConfig(max_length=args.max_length, batch_size=args.batch_size, max_batch=256, request_timeout=600)
+  server = make_server(rm, "127.0.0.1", 0, config=config).start()
+  start = time.perf_counter()
+  server.wait_ready()
+  print(f"server: {len(server.batcher.shapes())} padded and {len(server.batcher.packed_shapes())} packed batch "
+        f"shapes compiled in {time.perf_counter() - start:.0f} s", flush=True)
+  try:
+    return _grpo_runs(rm, hf_model, hf_tok, device, server.url, args)
+  finally:
+    server.shutdown()
+
+
+def _grpo_runs(rm, hf_model, hf_tok, device, server_url, args) -> list[dict]:
   results = []
   for g in (int(x) for x in args.group_sizes.split(",")):
     groups = make_groups(args.prompts, g, args, rm.tokenizer, args.seed)
@@ -339,7 +375,7 @@ def grpo_workload(rm, args) -> list[dict]:
           f"{prompt_lengths(encoded, g)} tokens; shared scoring computes {shared_tokens(rm, encoded, args)} "
           f"tokens; jaxrm and transformers tokenize {same}/{len(texts)} identically", flush=True)
     scorers = grpo_scorers(rm, hf_model, hf_tok, device, texts, length_sorted_batches(lengths, args.batch_size),
-                           args)
+                           args, server_url, g)
     rewards = {name: fn()[1] for name, fn in scorers.items()}  # untimed: compiling, first passes
     want = rewards.pop("rm.score unshared")
     print("max |reward - rm.score unshared|: " + ", ".join(
@@ -351,6 +387,8 @@ def grpo_workload(rm, args) -> list[dict]:
         print(f"  {name}: {len(texts) / seconds[name][-1]:.2f} items/s", flush=True)
     rows = [dict(summary(name, s, [], len(texts), tokens), group_size=g) for name, s in seconds.items()]
     print_grpo_table(rows, g, args)
+    by = {r["name"]: r["items_per_s"] for r in rows}
+    print(f"server / rm.score shared: {by['server'] / by['rm.score shared']:.0%}", flush=True)
     results += rows
   return results
 

@@ -129,3 +129,31 @@ def test_a_sequence_head_model_is_refused_by_its_kind(tmp_path):
       "this model has a sequence head with 1 output")):
     run_benchmark("processbench", RecordingPRM(head="sequence", num_labels=1),
                   write_jsonl(tmp_path / "g.jsonl", GSM8K))
+
+
+def test_a_split_without_errors_prints_what_its_figures_mean(tmp_path):
+  correct_only = [sample(20, ["ok"], -1), sample(21, ["ok", "bad"], -1)]
+  report = run("processbench", Scorer(steps_fn=step_probabilities), write_jsonl(tmp_path / "math.jsonl", correct_only))
+  table = format_report(report).splitlines()
+  start = next(i for i, line in enumerate(table) if line.split() == ["math", "Avg.", "F1"])
+  assert table[start + 1:start + 5] == [
+      "       error      no errors",
+      "     correct           50.0",
+      "          F1      no errors undefined",
+      "     samples          0 / 2"]
+  assert "nan" not in "\n".join(table)
+
+
+def test_the_prm_subset_table_says_what_an_undefined_metric_means():
+  from jaxrm.evaluation import format_report as evaluation_report
+
+  metrics = {"step_accuracy": 0.5, "positive_rate": 0.5, "recall_correct": 1.0, "recall_error": 0.0,
+             "f1_error": 0.0, "first_error_found": 0.0, "loss": 0.7}
+  subsets = {"algebra": {"num_examples": 3, **metrics},
+             # No step in error and none called one: F1 (error class) and first error found count nothing.
+             "easy": {"num_examples": 2, **metrics, "f1_error": float("nan"), "first_error_found": float("nan")}}
+  lines = evaluation_report({"kind": "stepwise", "num_examples": 5, "metrics": metrics,
+                             "subsets": subsets}).splitlines()
+  assert lines[-2:] == [
+      "algebra       3             0.5000             0.0000             0.0000             0.5000",
+      "easy          2             0.5000          no errors          no errors             0.5000"]

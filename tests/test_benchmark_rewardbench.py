@@ -10,7 +10,7 @@ import pytest
 
 from helpers import write_jsonl
 from jaxrm import benchmarks
-from jaxrm.benchmarks import format_report, length_bias, load, run
+from jaxrm.benchmarks import format_report, load, run
 from jaxrm.benchmarks.scoring import Scorer, chat, tulu_text
 from jaxrm.errors import DataError, EvaluationError
 from jaxrm.evaluation import core, run_benchmark
@@ -194,22 +194,3 @@ def test_a_process_reward_model_is_refused_by_its_kind(tmp_path):
       "rewardbench needs a sequence-head reward model with one output (a preference reward model); this "
       "model has a token head with 2 labels; a process reward model scores steps")):
     run_benchmark("rewardbench", RecordingRM(head="token", num_labels=2), write_jsonl(tmp_path / "rb.jsonl", ROWS))
-
-
-def test_length_bias_plot_labels_short_responses():
-  from matplotlib.backends.backend_agg import FigureCanvasAgg
-  from matplotlib.figure import Figure
-
-  # Responses of 2 to 9 characters: symlog's own ticks (powers of ten) would label none of them.
-  c = length_bias.comparisons([(1.0, 9, 0.5, 2), (0.2, 3, 0.4, 6)],
-                              [(1.0, 9, True), (0.5, 2, False), (0.2, 3, True), (0.4, 6, False)])
-  fig = Figure()
-  FigureCanvasAgg(fig)
-  ax = fig.add_subplot()
-  length_bias.draw(c, ax, "short responses")
-  fig.canvas.draw()
-  labelled = {t.get_position()[0]: t.get_text() for t in ax.get_xticklabels() if t.get_text()}
-  assert ax.get_xscale() == "symlog"
-  assert {x: s for x, s in labelled.items() if 2 <= x <= 9} == {2.0: "2", 5.0: "5"}
-  low, high = ax.get_xlim()
-  assert low <= 2 and high >= 9  # every response is in view

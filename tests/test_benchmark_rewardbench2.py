@@ -65,9 +65,11 @@ def test_official_figures_by_hand(tmp_path):
   bias = report["length_bias"]
   assert sum(bias[k]["num_pairs"] for k in ("chosen_longer", "chosen_shorter", "same_length")) == 12 + 14
   assert bias["spearman"]["num_responses"] == 33
+  assert report["partial"] and report["unknown_subsets"] == []
   table = format_report(report)
-  assert "Score | Factuality |       Math |       Ties" in table
-  assert f"{100 * r['Score']:>10.1f} | {100 * r['Factuality']:>10.1f}" in table
+  assert "Score (partial) | Factuality |       Math |       Ties" in table
+  assert f"{100 * r['Score']:>15.2f} | {100 * r['Factuality']:>10.2f} |     100.00 | {100 * ties:>10.2f}" in table
+  assert "partial: the Score averages 3 of the 6 subsets; not in the data: Precise IF, Safety, Focus" in table
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -91,3 +93,43 @@ def test_saved_dataset_dict_split(tmp_path):
   report = run("rewardbench2", Scorer(rewards_from_text), str(tmp_path / "rb2"))
   assert report["split"] == "test" and report["num_examples"] == 4
   assert report["results"]["Score"] == pytest.approx((4 / 9 + 1) / 2)
+
+
+def test_a_ties_score_near_zero_prints_what_it_is(tmp_path):
+  # Neither prompt accurate; the margin term alone: 0.01 * tanh(min gap / spread - 1) = 0.01 * tanh(-1.5).
+  rows = [row("ref:0", "Ties", ["1 ok"], ["2 no"]), row("tied:0", "Ties", ["3 ok", "1 ok"], ["2 no"])]
+  report = run("rewardbench2", Scorer(rewards_from_text), write_jsonl(tmp_path / "rb2.jsonl", rows))
+  ties = 0.01 * math.tanh(-1 / 2 - 1)
+  assert report["results"]["Ties"] == pytest.approx(ties)
+  lines = format_report(report).splitlines()
+  header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("Score"))
+  assert lines[header:header + 3] == ["Score (partial) |       Ties", "          -0.91 |      -0.91",
+                                      "                |        n=2"]  # one decimal printed -0.9
+
+
+def test_subset_names_in_another_case_are_the_official_ones(tmp_path):
+  rows = [{**r, "subset": r["subset"].lower()} for r in ROWS[:4]]
+  report = run("rewardbench2", Scorer(rewards_from_text), write_jsonl(tmp_path / "rb2.jsonl", rows))
+  assert report["results"] == {"Score": pytest.approx((4 / 9 + 1) / 2), "Factuality": pytest.approx(4 / 9),
+                               "Math": 1.0}
+  assert report["unknown_subsets"] == [] and report["partial"]
+  table = format_report(report)
+  assert "Score (partial) | Factuality |       Math" in table and "      72.22 |      44.44 |     100.00" in table
+  assert "the Score averages 2 of the 6 subsets; not in the data: Precise IF, Safety, Focus, Ties" in table
+
+
+def test_unknown_subsets_are_named_and_a_set_of_none_has_no_score(tmp_path):
+  rows = [ROWS[0], {**ROWS[3], "subset": "Chat"}]
+  report = run("rewardbench2", Scorer(rewards_from_text), write_jsonl(tmp_path / "rb2.jsonl", rows))
+  assert report["results"]["Score"] == 1.0 and report["results"]["Chat"] == 1.0
+  table = format_report(report)
+  assert "not RewardBench 2 subsets (scored, left out of the Score): Chat" in table
+  assert "partial: the Score averages 1 of the 6 subsets" in table
+  report = run("rewardbench2", Scorer(rewards_from_text), write_jsonl(tmp_path / "rb2.jsonl", rows[1:]))
+  assert math.isnan(report["results"]["Score"]) and report["partial"]
+  table = format_report(report)
+  assert table.splitlines()[2:5] == ["     Score |       Chat", "         - |     100.00", "           |        n=1"]
+  assert ("no Score: the data holds none of RewardBench 2's subsets (Factuality, Precise IF, Math, Safety, "
+          "Focus, Ties)") in table
+  assert "partial" not in table and "averages" not in table
+  assert "not RewardBench 2 subsets (scored, left out of the Score): Chat" in table

@@ -89,3 +89,17 @@ def test_data_error_names_file_and_line(runs):
   line = error_line(runs["data_error"], 1)
   assert line.startswith(f"error: {runs['bad_path']}:2: not valid JSON: ")
   assert not os.path.exists(os.path.join(os.path.dirname(runs["bad_path"]), "run", "checkpoints"))
+
+
+def test_a_new_validation_set_is_a_key_the_config_gains(capsys):
+  from jaxrm import cli
+  argv = ["train", f"--config={tiny_run.__file__}", "--config.data.val_data_paths.second=v.jsonl",
+          "--config.data.val_data_paths.default=x"]
+  cli.check_config_keys(argv)  # no exit
+  assert cli._added_entries(cli._config_of(argv), argv) == (  # pylint: disable=protected-access
+      ["train", f"--config={tiny_run.__file__}", "--config.data.val_data_paths.default=x"],
+      [("data.val_data_paths.second", "v.jsonl")])
+  # Only names of the dict's own entries: nothing deeper.
+  with pytest.raises(SystemExit):
+    cli.check_config_keys(["train", f"--config={tiny_run.__file__}", "--config.data.val_data_paths.second.x=1"])
+  assert "the config has no key 'data.val_data_paths.second'" in capsys.readouterr().err

@@ -26,6 +26,7 @@ def test_base_config_is_the_dataclass_defaults():
 def test_overrides_reach_the_dataclasses_and_round_trip_through_json():
   c = base_config()
   c.train.max_steps = 7
+  c.train.warmup_steps = 2
   c.data.val_data_paths = {"a": "x.jsonl", "b": "y.jsonl"}
   c.checkpointing.metric_name = "val:validation-b_accuracy"
   run = from_config_dict(c)
@@ -35,7 +36,7 @@ def test_overrides_reach_the_dataclasses_and_round_trip_through_json():
 
 
 def test_a_notebook_sets_only_what_it_changes():
-  run = RunConfig(output_dir="/tmp/x", train=TrainSpec(max_steps=3))
+  run = RunConfig(output_dir="/tmp/x", train=TrainSpec(max_steps=3, warmup_steps=1))
   assert run.train.max_steps == 3 and run.train.learning_rate == TrainSpec().learning_rate
   assert run.data.tokenize_options.max_length == DataSpec().max_length
 
@@ -185,3 +186,38 @@ def test_data_cache_keys():
   assert DataSpec(num_proc=0).tokenizer_processes == (os.cpu_count() or 1)
   with pytest.raises(ConfigError, match=r"^data.num_proc=-2: use a number of processes, or 0 for one per CPU"):
     DataSpec(num_proc=-2)
+
+
+def test_own_files_need_only_their_path():
+  run = RunConfig(data=DataSpec(train_data_path="train.jsonl"))
+  # The demo's dataset and validation split are the demo's: the file is read as its kind's format,
+  # with no validation set, and checkpoints are kept by recency.
+  assert (run.data.dataset_name, run.data.val_data_paths) == ("PreferenceDataset", {})
+  assert run.checkpointing.metric is None
+  steps = DataSpec(dataset_name="demo_arithmetic_steps", train_data_path="steps.jsonl")
+  assert steps.dataset_name == "StepwiseDataset"
+  assert DataSpec(train_data_path="validation").dataset_name == "demo_arithmetic"  # the demo's split
+  # A set added beside the demo's default: ranked by its own loss (also from NeMo RL's "val:" spelling).
+  two = RunConfig(data=DataSpec(train_data_path="t.jsonl", val_data_paths={"default": "validation", "b": "v.jsonl"}),
+                  checkpointing=CheckpointSpec(metric_name="val:validation-default_loss"))
+  assert two.data.val_data_paths == {"b": "v.jsonl"} and two.checkpointing.metric == "validation-b_loss"
+  # A public dataset keeps its sets: "validation" is its validation split.
+  assert DataSpec(dataset_name="HelpSteer3").val_data_paths == {"default": "validation"}
+
+
+def test_a_file_format_leaves_out_sets_it_cannot_read(caplog):
+  spec = DataSpec(dataset_name="PreferenceDataset", train_data_path="t.jsonl",
+                  val_data_paths={"held_out": "test", "off": "", "v": "v.jsonl"})
+  assert spec.val_data_paths == {"v": "v.jsonl"}
+  assert ("data.val_data_paths.held_out='test' is left out: PreferenceDataset reads only the files it is given; "
+          "set it to a file to validate on") in caplog.text
+
+
+def test_a_run_shorter_than_its_warmup_names_the_keys():
+  with pytest.raises(ConfigError) as e:
+    TrainSpec(max_steps=3, warmup_steps=5)
+  assert str(e.value) == (
+      "train.max_steps=3 ends the run within train.warmup_steps=5, leaving train.lr_scheduler='cosine' no steps "
+      "to decay: lower train.warmup_steps (e.g. --config.train.warmup_steps=1), or use "
+      "--config.train.lr_scheduler=constant_with_warmup")
+  assert TrainSpec(max_steps=3, warmup_steps=5, lr_scheduler="constant_with_warmup").max_steps == 3

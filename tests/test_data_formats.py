@@ -140,7 +140,8 @@ def test_missing_file(tmp_path):
     ("e.jsonl", b"\n  \n", "has no rows"),
     ("e.json", b"[]", "has no rows"),
     ("e.json", b'{"rows": []}', "expected a JSON list of rows, or an object with a 'data' list"),
-    ("e.csv", b"a,b\n", "unknown file type; use .jsonl, .json, .parquet or a directory written by "
+    ("e.csv", b"a,b\n", "has no rows"),
+    ("e.tsv", b"a\tb\n", "unknown file type; use .jsonl, .json, .parquet, .csv or a directory written by "
      "datasets' save_to_disk"),
 ])
 def test_empty_or_unusable_file(tmp_path, name, content, message):

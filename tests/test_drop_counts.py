@@ -42,11 +42,11 @@ def run_config(model_dir, out, files, **overrides):
                          **overrides)
 
 
-EPOCH_REASON = ("not trained in each epoch: the 3 after the last full global batch of 4 "
+EPOCH_REASON = ("not used: the 3 after each epoch's last full global batch of 4 "
                 "(train.global_batch_size; other rows each epoch)")
 TRAIN_LIMIT = "not used: after the first 11 records (data.max_train_rows=11)"
 VAL_LIMIT = "not used: after the first 7 records (data.max_val_rows=7)"
-VAL_BATCHES = "not validated: after eval.val_batches=3 batches"
+VAL_BATCHES = "not used: after eval.val_batches=3 batches (not validated)"
 
 
 def test_every_row_left_out_is_counted(model_dir, files, tmp_path, capsys):
@@ -58,11 +58,15 @@ def test_every_row_left_out_is_counted(model_dir, files, tmp_path, capsys):
   counts = {name: {r: v["count"] for r, v in d["reasons"].items()} for name, d in drops.items()}
   assert counts["train"] == {TRAIN_LIMIT: 4, EPOCH_REASON: 3, "identical completions (chosen == rejected)": 1}
   assert counts["validation-held_out"] == {VAL_LIMIT: 2, VAL_BATCHES: 1}
-  assert drops["train"]["total"] == 8 and drops["validation-held_out"]["total"] == 3
+  # Only the bad row is dropped; the rows the limits leave out are good rows, not used.
+  assert (drops["train"]["total"], drops["train"]["unused"]) == (1, 7)
+  assert (drops["validation-held_out"]["total"], drops["validation-held_out"]["unused"]) == (0, 3)
   assert drops["train"]["reasons"][TRAIN_LIMIT]["examples"] == [f"{train}:{n}" for n in (13, 14, 15, 16)]
   assert drops["validation-held_out"]["reasons"][VAL_BATCHES]["examples"] == ["the last 1 of held_out"]
   printed = capsys.readouterr().out
-  assert "data: 11 train examples (2 steps/epoch), held_out: 7 validation\ntrain: 8 rows dropped\n" in printed
+  assert ("data: 11 train examples (2 steps/epoch), held_out: 7 validation\n"
+          "train: 1 rows dropped, 7 not used (limits)\n" in printed)
+  assert "validation-held_out: no rows dropped, 3 not used (limits)\n" in printed
   assert f"        4  {TRAIN_LIMIT}  (e.g. {train}:13, {train}:14, {train}:15)" in printed.splitlines()
   assert f"        1  {VAL_BATCHES}  (e.g. the last 1 of held_out)" in printed.splitlines()
 
@@ -111,9 +115,9 @@ def test_console_shows_validation_tables_and_the_end_summary(model_dir, tmp_path
   assert lines[end + 2].startswith("final validation at step 4")
   use = lines.index("use it:")
   assert lines[use + 1] == f"  from jaxrm import RewardModel; rm = RewardModel.from_pretrained({out!r})  # the best checkpoint"
-  assert lines[use + 2] == (f"  python -m jaxrm.evaluate --model={out} --data=demo_arithmetic --split=validation "
-                            "--max_length=96")
-  assert lines[use + 3] == f"  python -m jaxrm.export --checkpoint={out} --out={out}-hf"
+  # evaluate's --max_length is the run's data.max_length unless given
+  assert lines[use + 2] == f"  python -m jaxrm.evaluate --model={out} --data=demo_arithmetic --split=validation"
+  assert lines[use + 3] == f"  python -m jaxrm.export --model={out} --out={out}-hf"
 
 
 def test_rows_dropped_together_count_each_and_name_one_example():
@@ -122,6 +126,6 @@ def test_rows_dropped_together_count_each_and_name_one_example():
   report.drop("left over", "the last 7 of train", count=7)
   for i in range(DropReport.max_examples + 2):
     report.drop("too long", f"row {10 + i}")
-  assert report.total == 1 + 7 + DropReport.max_examples + 2
+  assert report.total == 1 + 7 + DropReport.max_examples + 2 and report.unused == 0
   assert report.as_dict()["reasons"]["left over"] == {"count": 7, "examples": ["the last 7 of train"]}
   assert report.examples["too long"] == ["row 3"] + [f"row {10 + i}" for i in range(DropReport.max_examples - 1)]

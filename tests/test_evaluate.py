@@ -29,7 +29,15 @@ F32_RTOL = 1e-6
 # ------------------------------------------------------------------------ metrics on known scores
 
 
-class LastTokenRM:
+class RowsOfTokens:
+  """``outputs_of_ids`` of a stand-in model: its ``score_tokens`` of each row alone."""
+
+  def outputs_of_ids(self, rows, **kwargs):
+    del kwargs
+    return [self.score_tokens(np.asarray([r], np.int32), np.ones((1, len(r)), np.int32))[0] for r in rows]
+
+
+class LastTokenRM(RowsOfTokens):
   """Stands in for a RewardModel: a row's reward is its last real token id / 10."""
 
   config = types.SimpleNamespace(head="sequence", num_labels=1, pad_token_id=0)
@@ -41,7 +49,7 @@ class LastTokenRM:
     return (input_ids[np.arange(len(input_ids)), last] / 10).astype(np.float32)
 
 
-class ParityPRM:
+class ParityPRM(RowsOfTokens):
   """Stands in for a token-head RewardModel: even tokens say "step correct", odd ones "error"."""
 
   config = types.SimpleNamespace(head="token", num_labels=2, pad_token_id=0)
@@ -155,7 +163,7 @@ def test_stepwise_metrics_by_hand():
   assert "first error found  0.5000" in report
 
 
-class TwoAttributeRM:
+class TwoAttributeRM(RowsOfTokens):
   """Stands in for a regression RewardModel: quality = last real token id / 10, polish = length."""
 
   config = types.SimpleNamespace(head="sequence", num_labels=2, pad_token_id=0)

@@ -62,6 +62,28 @@ def test_transformers_loads_export_and_scores_like_jaxrm(family, head, tmp_path)
   assert_same_params(rm, back)
 
 
+def test_prm_export_names_its_classes(tiny_prm, tiny_rm, tmp_path):
+  """A process reward model's two classes are named by what they mean: class 1, the probability
+  score_steps gives, is "correct"."""
+  tiny_prm.save_pretrained(tmp_path / "prm")
+  config = json.loads((tmp_path / "prm" / "config.json").read_text())
+  assert config["id2label"] == {"0": "incorrect", "1": "correct"}
+  assert config["label2id"] == {"incorrect": 0, "correct": 1}
+  hf = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path / "prm", dtype=torch.float32,
+                                                                    attn_implementation="eager").eval()
+  assert hf.config.id2label == {0: "incorrect", 1: "correct"}
+  ids, positions = tiny_prm.encode_steps("Q: 2 + 3?", [" 2 + 3 = 5.", " So 5."])
+  with torch.no_grad():
+    logits = hf(torch.tensor([ids])).logits[0, positions]
+  theirs = torch.softmax(logits, -1)[:, hf.config.label2id["correct"]].numpy()
+  # transformers' float32 forward against jaxrm's: the parity tolerance of the tests above.
+  np.testing.assert_allclose(theirs, tiny_prm.score_steps("Q: 2 + 3?", [" 2 + 3 = 5.", " So 5."]),
+                             atol=PARITY_ATOL, rtol=0)
+  assert RewardModel.from_pretrained(tmp_path / "prm").kind == "process"
+  tiny_rm.save_pretrained(tmp_path / "rm")  # a preference model's one output keeps transformers' name
+  assert json.loads((tmp_path / "rm" / "config.json").read_text())["id2label"] == {"0": "LABEL_0"}
+
+
 def test_bfloat16_export(tmp_path):
   hf_tiny.build("qwen3", seed=4).save_pretrained(tmp_path / "src")
   rm = RewardModel.from_pretrained(tmp_path / "src")

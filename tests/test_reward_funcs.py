@@ -1,14 +1,17 @@
 """Reward functions called exactly as TRL's GRPOTrainer and CoMLRL's multi-agent trainers call them."""
 
 import inspect
+import socket
 import types
 
 import numpy as np
 import pytest
 import torch
 
-from jaxrm import RewardModel, reward_funcs
+from helpers import REBATCHED, serving
+from jaxrm import RewardModel, reward_funcs, step_rewards
 from jaxrm.loading import ScoringInfo
+from jaxrm.server import ServerConfig
 
 STATS = {"mean": 0.25, "std": 2.0, "from": "validation-default"}
 # Normalizing is one float32 subtraction and division, against numpy's: a rounding or two apart.
@@ -105,9 +108,11 @@ def test_errors(validated_rm, tmp_path):
     f(["a"], ["b"])
   with pytest.raises(ValueError, match="pair_rm: 2 batch_items for 3 joint responses"):
     f(["a", "b", "c"], ["d", "e", "f"], batch_items=[{"prompt": "p"}] * 2)
-  prm = types.SimpleNamespace(config=validated_rm.config.replace(head="token", num_labels=2))
-  with pytest.raises(ValueError, match=r"a reward function needs a sequence-head reward model .*; this model has a token head"):
-    reward_funcs.as_reward_func(prm)
+  other = types.SimpleNamespace(config=validated_rm.config.replace(head="token", num_labels=3))
+  with pytest.raises(ValueError, match=r"a reward function needs a sequence-head reward model .* or a "
+                                       r"token-head \(process reward\) model with 2 labels .*; this model has a "
+                                       r"token head with 3"):
+    reward_funcs.as_reward_func(other)
 
 
 # ------------------------------------------------------------------ remote: a jaxrm server on loopback
@@ -115,13 +120,8 @@ def test_errors(validated_rm, tmp_path):
 
 @pytest.fixture(scope="module")
 def server_url(validated_rm):
-  from jaxrm.server import ServerConfig, make_server
-  server = make_server(validated_rm, "127.0.0.1", 0, config=ServerConfig(max_length=64, batch_size=4)).start()
-  try:
-    server.wait_ready(timeout=300)
+  with serving(validated_rm, ServerConfig(max_length=64, batch_size=4)) as server:
     yield server.url
-  finally:
-    server.shutdown()
 
 
 def test_remote_reward_func_returns_the_local_rewards(validated_rm, server_url):
@@ -145,6 +145,19 @@ def test_remote_reward_func_raises_the_servers_message(server_url):
   remote = reward_funcs.remote_reward_func(server_url, name="remote_rm")
   with pytest.raises(ValueError, match=r"remote_rm: .*/score answered 400: 1 prompts but 2 completions"):
     remote(prompts=["a"], completions=["b", "c"])
+
+
+def test_remote_reward_func_names_a_server_that_is_not_up():
+  with socket.socket() as s:  # a port nothing listens on: bound, then closed
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  remote = reward_funcs.remote_reward_func(f"http://127.0.0.1:{port}/", name="remote_rm")
+  with pytest.raises(ConnectionError, match=rf"^remote_rm: cannot reach the reward server at "
+                                            rf"http://127.0.0.1:{port}/score \(\[Errno \d+\] Connection refused\)\. "
+                                            rf"Is `python -m jaxrm.serve` running there\? A server that was just "
+                                            rf"started may still be loading its model, and takes connections once "
+                                            rf"GET http://127.0.0.1:{port}/health answers: wait for it and try again$"):
+    remote(prompts=["p"], completions=["a"])
 
 
 def test_remote_reward_func_retries_a_busy_server_with_its_key():
@@ -183,3 +196,45 @@ def test_remote_reward_func_retries_a_busy_server_with_its_key():
   finally:
     stand_in.shutdown()
     stand_in.server_close()
+
+
+# ------------------------------------------------------------------ remote: a process reward model's server
+
+# The client's half of /score_steps is written against the real server; it runs once the server
+# has the endpoint.
+@pytest.fixture(scope="module")
+def prm_server_url(tiny_prm):
+  with serving(tiny_prm, ServerConfig(max_length=64, batch_size=4)) as server:
+    yield server.url
+
+
+def test_remote_reward_func_of_a_prm_returns_the_local_rewards(tiny_prm, prm_server_url):
+  prompts = ["Q: 12 * 3 + 4?", "Q: 12 * 3 + 4?", "Q: 7 - 9?", "Q: 7 - 9?"]
+  completions = [" 12 * 3 = 36.\n 36 + 4 = 40.\n", " 12 * 3 = 35.\n 35 + 4 = 39.", " -2", "\n"]
+  chat = ([[{"role": "user", "content": "What is 2 + 2?"}]] * 2,
+          [[{"role": "assistant", "content": "2 + 2 = 4.\nSo 4."}], [{"role": "assistant", "content": "5"}]])
+  for how in (None,) + step_rewards.AGGREGATIONS:
+    remote = reward_funcs.remote_reward_func(prm_server_url, steps=True, step_aggregation=how, name="remote_prm")
+    local = reward_funcs.as_reward_func(tiny_prm, step_aggregation=how)
+    for p, c in ((prompts, completions), chat):
+      got = remote(prompts=p, completions=c, trainer_state=None)
+      want = local(prompts=p, completions=c)
+      assert [r is None for r in got] == [r is None for r in want]
+      # The server batches and pads rows its own way: equal up to the roundings of other shapes.
+      assert [r for r in got if r is not None] == pytest.approx([r for r in want if r is not None],
+                                                                rel=REBATCHED["rtol"], abs=REBATCHED["atol"])
+  assert got[0] is not None and got[1] is not None
+
+
+def test_remote_prm_reward_func_raises_the_servers_message(prm_server_url):
+  remote = reward_funcs.remote_reward_func(prm_server_url, steps=True, name="remote_prm")
+  with pytest.raises(ValueError, match=r"remote_prm: .*/score_steps answered 400: cannot score prompts\[1\] "
+                                       r"\+ completions\[1\]: .* longer than max_length=64 tokens \(--max_length\)"):
+    remote(prompts=["a", "a"], completions=["b", "word " * 100])
+  with pytest.raises(ValueError, match=r"^remote_prm: 1 prompts but 2 completions$"):
+    remote(prompts=["a"], completions=["b", "c"])
+
+
+def test_remote_reward_func_checks_its_aggregation():
+  with pytest.raises(ValueError, match=r"^step_aggregation='max' is not an aggregation of step probabilities"):
+    reward_funcs.remote_reward_func("http://127.0.0.1:1", step_aggregation="max")

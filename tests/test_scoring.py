@@ -247,6 +247,35 @@ def test_score_argument_errors(rm):
     rm.score(["a", ""])
 
 
+def test_misuse_is_refused_at_the_door(rm, prm):
+  """What a newcomer passes by mistake is named, with what belongs there, before any tokenizing."""
+  conversation = CHATS[0]
+  one = re.escape("score: items is one conversation (a list of messages), where a list of texts or "
+                  "conversations belongs: for one, wrap it in a list (rm.score([...]))")
+  with pytest.raises(DataError, match=one):
+    rm.score(conversation)
+  with pytest.raises(DataError, match="score: items is one string, where a list of texts"):
+    rm.score("a text")
+  with pytest.raises(DataError, match="score: completions is one message, where a list"):
+    rm.score(prompts=["a"], completions={"role": "assistant", "content": "b"})
+  with pytest.raises(DataError, match=re.escape("score: field 'items[1]': expected a string or a list of messages, "
+                                                "got an integer")):
+    rm.score(["a", 3])
+  with pytest.raises(DataError, match=re.escape("encode: field 'item': expected a string or a list of messages, "
+                                                "got an object")):
+    rm.encode(conversation[0])
+  with pytest.raises(DataError, match=re.escape("encode: field 'item[0].role': unknown role 'robot'")):
+    rm.encode([{"role": "robot", "content": "hi"}])
+  # Steps as one string would be scored one character per step.
+  with pytest.raises(DataError, match=re.escape("score_steps: steps is one string; pass a list of steps (e.g. "
+                                                "jaxrm.step_rewards.split_steps(text, rm.step_separator)")):
+    prm.score_steps("What is 3 * 4 + 2?", "3 * 4 = 12\n12 + 2 = 14")
+  with pytest.raises(DataError, match=re.escape("score_steps: steps_lists[1] holds an integer; expected a list")):
+    prm.score_steps_batch(["p", "q"], [["a"], ["b", 2]])
+  with pytest.raises(DataError, match="score_steps_batch takes a list of prompts and a list of step lists"):
+    prm.score_steps_batch("p", [["a"]])
+
+
 def test_long_context_loses_oldest_turns_as_in_training(rm):
   turns = [{"role": "user", "content": "word " * 20}, {"role": "assistant", "content": "ok"}] * 3
   chat = turns + [{"role": "user", "content": "Last?"}, {"role": "assistant", "content": "Yes."}]

@@ -3,6 +3,7 @@ malformed, stalled and overflowing ones; every reward is checked against ``rm.sc
 
 import concurrent.futures
 import dataclasses
+import os
 import queue
 import re
 import subprocess
@@ -109,11 +110,29 @@ def test_empty_batches_health_and_metrics(url):
   assert metric(url, 'jaxrm_requests_total{endpoint="/get_reward",status="200"}') >= 1
 
 
-def test_process_reward_models_are_refused():
-  prm = types.SimpleNamespace(config=types.SimpleNamespace(head="token", num_labels=2), tokenizer=object())
-  with pytest.raises(ConfigError, match=r"the server needs a sequence-head reward model .*; this model has a token head with 2 labels; "
-                                        r"a process reward model scores steps"):
-    make_server(prm, "127.0.0.1", 0)
+def test_access_log_is_one_line_per_request_when_asked(sharing_server, caplog):
+  with caplog.at_level("INFO", logger="jaxrm.server"):
+    status, _, headers = call(sharing_server.url, "/get_reward", {"query": ["a"]})
+    call(sharing_server.url, "/score", {"nothing": 1})
+  lines = [r.getMessage() for r in caplog.records if " POST /" in r.getMessage()]
+  assert len(lines) == 2, lines
+  request_id = headers["X-Request-ID"]
+  assert re.fullmatch(rf"127\.0\.0\.1 POST /get_reward 200 \d+\.\d{{3}} s request {request_id}", lines[0])
+  assert " POST /score 400 " in lines[1]
+
+
+def test_no_access_log_by_default(url, caplog):
+  with caplog.at_level("INFO", logger="jaxrm.server"):
+    assert call(url, "/get_reward", {"query": ["a"]})[0] == 200
+  assert not [r for r in caplog.records if " POST /" in r.getMessage()]
+
+
+def test_models_of_other_kinds_are_refused():
+  other = types.SimpleNamespace(config=types.SimpleNamespace(head="token", num_labels=3), tokenizer=object())
+  with pytest.raises(ConfigError, match=r"the server needs a sequence-head reward model .* or a token-head "
+                                        r"\(process reward\) model with 2 labels .*; this model has a token head "
+                                        r"with 3 labels"):
+    make_server(other, "127.0.0.1", 0)
 
 
 def test_config_errors_say_which_flag():
@@ -164,6 +183,159 @@ def test_concurrent_clients_get_their_own_rewards_in_shared_batches(url, tiny_rm
   shared = batches - (metric(url, 'jaxrm_batch_requests_bucket{le="1.0"}') - alone_before)
   assert shared > 0, "no forward pass held rows of more than one request"
   assert metric(url, "jaxrm_queue_tokens") == 0
+
+
+# ------------------------------------------------------------------ shared prefixes
+
+SHARING_CONFIG = dataclasses.replace(SERVER_CONFIG, max_batch=8, max_request_bytes=8192, max_length=128,
+                                     buckets=(64, 128), batch_wait_ms=200, access_log=True)
+GRPO_PROMPT = [user("Name three colours that go well with a deep shade of green, for the walls of a small "
+                    "north-facing room with old oak floors, white window frames and a brass lamp; say why "
+                    "each works, and which one you would choose yourself.")]
+GRPO_COMPLETIONS = [[assistant(text)] for text in ("Cream, terracotta and ochre.", "Grey.", "White, because it is "
+                                                   "bright.", "Pink and gold, to warm the room.", "Blue.",
+                                                   "Mustard yellow, for contrast with the oak.")]
+
+
+@pytest.fixture(scope="module")
+def sharing_server(tiny_rm):
+  with serving(tiny_rm, SHARING_CONFIG) as s:
+    yield s
+
+
+def computed_tokens(url, send):
+  """(real tokens, positions fed to the model) while ``send()`` runs."""
+  before = metric(url, "jaxrm_tokens_total"), metric(url, "jaxrm_padded_tokens_total")
+  send()
+  return metric(url, "jaxrm_tokens_total") - before[0], metric(url, "jaxrm_padded_tokens_total") - before[1]
+
+
+def test_a_prompts_completions_are_scored_with_the_prompt_once(sharing_server, tiny_rm):
+  from jaxrm import reward_model
+  url = sharing_server.url
+  want = tiny_rm.score(prompts=[GRPO_PROMPT] * 6, completions=GRPO_COMPLETIONS, share_prefix=False)
+  assert len(tiny_rm.encode(GRPO_PROMPT, GRPO_COMPLETIONS[0])) > 64  # long enough to share
+  compiled = reward_model._forward_packed._cache_size()
+  replies = []
+  real, fed = computed_tokens(url, lambda: replies.append(
+      call(url, "/score", {"prompts": [GRPO_PROMPT] * 6, "completions": GRPO_COMPLETIONS})))
+  [(status, reply, _)] = replies
+  assert status == 200, reply
+  assert reply["rewards"] == approx(want)
+  # One packed row holds the prompt once and the six replies: fewer positions than the six rows'
+  # own tokens.
+  assert fed in sharing_server.batcher.packed_buckets and fed < real
+  assert reward_model._forward_packed._cache_size() == compiled  # its shape was compiled at start
+
+
+def test_completions_of_one_prompt_share_it_across_requests(sharing_server, tiny_rm):
+  url = sharing_server.url
+  want = tiny_rm.score(prompts=[GRPO_PROMPT] * 6, completions=GRPO_COMPLETIONS, share_prefix=False)
+  start = threading.Barrier(6, timeout=SOCKET_TIMEOUT)
+
+  def client(completion):
+    start.wait()  # all six at once, within batch_wait_ms
+    return call(url, "/score", {"prompts": [GRPO_PROMPT], "completions": [completion]})
+
+  replies = []
+  with concurrent.futures.ThreadPoolExecutor(max_workers=6) as pool:
+    real, fed = computed_tokens(url, lambda: replies.extend(pool.map(client, GRPO_COMPLETIONS)))
+  for w, (status, reply, _) in zip(want, replies):
+    assert status == 200, reply
+    assert reply["rewards"] == approx([w])
+  assert fed < real
+
+
+
+def test_share_prefix_off_scores_every_row_alone(tiny_rm):
+  config = dataclasses.replace(SHARING_CONFIG, share_prefix=False)
+  assert config.resolved(128).packed_buckets() == ()
+  assert SHARING_CONFIG.resolved(128).packed_buckets() == (128, 256, 512)  # up to batch_tokens, 4 x 128
+  assert SERVER_CONFIG.resolved(128).packed_buckets() == ()  # no row of 64 tokens shares 64 tokens
+  with serving(tiny_rm, config) as s:
+    assert s.batcher.packed_shapes() == []
+    real, fed = computed_tokens(s.url, lambda: call(s.url, "/score", {"prompts": [GRPO_PROMPT] * 6,
+                                                                      "completions": GRPO_COMPLETIONS}))
+  assert fed == 6 * 128 > real  # six rows padded to 128 tokens: a batch of 4 rows and one of 2
+
+
+# ------------------------------------------------------------------ process reward models
+
+PROBLEMS = ["What is 3 * 4 + 2?", [user("What is 10 - 3 * 2?")]]
+SOLUTIONS = [["3 * 4 = 12", "12 + 2 = 14", "The answer is 14."], ["3 * 2 = 6", "10 - 6 = 4"]]
+
+
+@pytest.fixture(scope="module")
+def prm_url(tiny_prm):
+  with serving(tiny_prm, dataclasses.replace(SERVER_CONFIG, max_length=128, buckets=(64, 128))) as s:
+    yield s.url
+
+
+def test_score_steps_answers_each_steps_probability(prm_url, tiny_prm):
+  from jaxrm import step_rewards
+  want = [tiny_prm.score_steps(p, steps) for p, steps in zip(PROBLEMS, SOLUTIONS)]
+  sep = tiny_prm.step_separator
+  texts = [sep.join(steps) for steps in SOLUTIONS]  # as a policy writes them: the steps, separated
+  for body in ({"prompts": PROBLEMS, "steps": SOLUTIONS}, {"prompts": PROBLEMS, "completions": texts}):
+    status, reply, _ = call(prm_url, "/score_steps", body)
+    assert status == 200, reply
+    assert [len(s) for s in reply["step_rewards"]] == [3, 2]
+    for got, w in zip(reply["step_rewards"], want):
+      assert got == approx(w)
+    assert reply["rewards"] == approx([min(w) for w in want])  # the server's default: the weakest step
+  for how in step_rewards.AGGREGATIONS:
+    status, reply, _ = call(prm_url, "/score_steps", {"prompts": PROBLEMS, "steps": SOLUTIONS, "aggregation": how})
+    assert reply["rewards"] == approx([step_rewards.aggregate(w, how) for w in want]), how
+  status, reply, _ = call(prm_url, "/score", {"prompts": PROBLEMS, "completions": texts})
+  assert status == 200 and reply == {"rewards": approx([min(w) for w in want])}
+
+
+def test_solutions_of_one_problem_share_it(prm_url, tiny_prm):
+  problem = ("A shop sells pencils at 3 for 40 cents and erasers at 25 cents each, and on Mondays it takes "
+             "a tenth off every ruler. Sam buys 12 pencils, 4 erasers and a ruler for 1 dollar 20 cents on a "
+             "Tuesday, and pays with a 10 dollar note. How much change does Sam get back?")
+  solutions = [["12 pencils cost 160 cents.", "4 erasers cost 100 cents.", "Change: 10 - 3.80 = 6.20."],
+               ["12 pencils cost 4 x 40 = 160 cents.", "Total 3.80, change 6.20."], ["The answer is 5."]]
+  rows = [tiny_prm.encode_steps(problem, steps)[0] for steps in solutions]
+  assert len(os.path.commonprefix(rows)) >= 64  # long enough to share
+  want = tiny_prm.score_steps_batch([problem] * 3, solutions, share_prefix=False)
+  replies = []
+  real, fed = computed_tokens(prm_url, lambda: replies.append(
+      call(prm_url, "/score_steps", {"prompts": [problem] * 3, "steps": solutions})))
+  [(status, reply, _)] = replies
+  assert status == 200, reply
+  for got, w in zip(reply["step_rewards"], want):
+    assert got == approx(w)
+  assert fed < real  # the problem's tokens once
+
+
+@pytest.mark.parametrize("path, body, message", [
+    ("/score_steps", {"prompts": ["p"], "steps": [["a"]], "aggregation": "max"},
+     "aggregation='max'; send one of 'min', 'last', 'product', 'mean'"),
+    ("/score_steps", {"prompts": ["p"], "completions": ["\n\n"]}, "completions[0] has no steps to score"),
+    ("/score_steps", {"prompts": ["p", "q"], "steps": [["a"]]}, "2 prompts but 1 steps; send one per prompt"),
+    ("/score_steps", {"prompts": ["p"]}, "send 'prompts' with 'completions'"),
+    ("/score_steps", {"prompts": ["p"], "steps": [[1, 2]]}, "steps[0] is a list; expected a list of step texts"),
+    ("/get_reward", {"query": ["a"]}, "/get_reward scores whole sequences, and this server's model is a process "
+     "reward model: POST /score_steps"),
+    ("/score", {"conversations": [[user("a"), assistant("b")]]}, "send 'prompts' with 'completions'"),
+    ("/score", {"text_1": "a", "text_2": "b"}, "vLLM's score request scores whole sequences"),
+])
+def test_score_steps_refuses_what_it_cannot_score(prm_url, path, body, message):
+  status, reply, _ = call(prm_url, path, body)
+  assert status == 400 and message in reply["error"], reply
+
+
+def test_a_sequence_models_server_has_no_steps_to_score(url):
+  status, reply, _ = call(url, "/score_steps", {"prompts": ["p"], "steps": [["a"]]})
+  assert status == 400 and "/score_steps scores the steps of solutions with a process reward model" in reply["error"]
+
+
+def test_a_process_model_is_served_without_sequence_options(tiny_prm):
+  with pytest.raises(ConfigError, match="--normalize applies to sequence rewards"):
+    make_server(tiny_prm, "127.0.0.1", 0, config=dataclasses.replace(SERVER_CONFIG, normalize=True))
+  with pytest.raises(ConfigError, match=r"step_aggregation='max' is not an aggregation .*\(--step_aggregation\)"):
+    ServerConfig(step_aggregation="max")
 
 
 # ------------------------------------------------------------------ hostile and malformed requests

@@ -278,16 +278,16 @@ def test_shared_batches_fill_rows_and_passes():
   rows, groups = grpo_rows(seed=12, prompts=(8, 9, 10, 60, 12), completions=2, alone=())
   lengths = sorted(shared_prefix.packed_length(rows, g) for g in groups)
   assert lengths == [15, 24, 28, 32, 71]
-  passes = list(shared_prefix.shared_batches(rows, groups, batch_size=8, length_multiple=16, max_tokens=640,
-                                             pad_id=0))
+  passes = list(shared_prefix.shared_batches(rows, groups, batch_size=8, buckets=range(16, 641, 16),
+                                             max_tokens=640, pad_id=0))
   assert sorted(i for p in passes for i in p.rows) == list(range(len(rows)))
   # One pass of rows of 80 tokens; the short groups share rows, each its own segment: 3 rows used
   # (71; 32 + 28 + 15; 24), 4 computed (a power of two).
   [p] = passes
   assert p.batch.input_ids.shape == (4, 80)
   assert [len(set(row[row > 0].tolist())) for row in p.batch.segment_ids] == [1, 3, 1, 0]
-  smaller = list(shared_prefix.shared_batches(rows, groups, batch_size=8, length_multiple=16, max_tokens=256,
-                                              pad_id=0))
+  smaller = list(shared_prefix.shared_batches(rows, groups, batch_size=8, buckets=range(16, 257, 16),
+                                              max_tokens=256, pad_id=0))
   assert [p.batch.input_ids.shape for p in smaller] == [(4, 32), (1, 80)]  # at most 256 tokens a pass
   # Every row's tokens come back in order.
   for p in passes + smaller:

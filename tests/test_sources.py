@@ -63,3 +63,21 @@ def test_fingerprint_follows_content_not_mtime(tmp_path):
   assert sources.fingerprint(str(directory)) != before
   with pytest.raises(DataError, match="missing.jsonl: no such file or directory"):
     sources.fingerprint(str(tmp_path / "missing.jsonl"))
+
+
+def test_csv_rows_stream_with_their_row_index(tmp_path):
+  path = tmp_path / "pairs.csv"
+  path.write_text('prompt,chosen,rejected\n"a, quoted","b\nwith a newline",c\nd,e,f\n')
+  assert list(sources.read_rows(str(path))) == [
+      (f"{path}[row 0]", {"prompt": "a, quoted", "chosen": "b\nwith a newline", "rejected": "c"}),
+      (f"{path}[row 1]", {"prompt": "d", "chosen": "e", "rejected": "f"})]
+  assert [s for s, _ in sources.read_rows(str(path), max_rows=1)] == [f"{path}[row 0]"]
+
+
+def test_a_split_name_reads_that_split_of_a_public_dataset():
+  from jaxrm.data import registry
+  # The demo configs' data.val_data_paths={"default": "validation"} on UltraFeedback: its test_prefs,
+  # not a hub dataset named "validation".
+  spec = registry._SPECS["UltraFeedback"]  # pylint: disable=protected-access
+  key = registry._resolve(spec, "UltraFeedback", "validation", "validation", {})  # pylint: disable=protected-access
+  assert key == ("HuggingFaceH4/ultrafeedback_binarized", "test_prefs", {"config": None})

@@ -83,7 +83,8 @@ def test_run_directory_files(baseline):
             "validation-train_sample": (4000, "data.max_val_rows=8", 8)}
   for name, (rows, key, kept) in limits.items():
     reason = f"not used: after the first {kept} records ({key})"
-    assert drops[name]["total"] == rows - kept and list(drops[name]["reasons"]) == [reason], name
+    assert drops[name]["total"] == 0 and drops[name]["unused"] == rows - kept, name
+    assert list(drops[name]["reasons"]) == [reason], name
 
   with open(os.path.join(baseline, "config.json")) as f:
     assert json.load(f)["train"]["max_steps"] == 4

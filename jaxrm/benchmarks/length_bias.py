@@ -93,28 +93,60 @@ def plot(c: Comparisons, path: str, title: str, unit: str = "characters") -> Non
   fig.savefig(path, dpi=100)
 
 
+# Lengths spanning more than this factor get a log axis; closer ones (short responses, say 2 to 5
+# tokens) a linear one, where every length can carry its own label.
+LOG_SPAN = 20.0
+# How far chosen and rejected responses of one length sit either side of it: a fraction of the
+# gap between neighbouring lengths (linear axis), or a factor (log axis).
+DODGE_FRACTION, LOG_DODGE = 0.2, 10 ** 0.012
+
+
 def draw(c: Comparisons, ax, title: str, unit: str = "characters") -> None:
-  """Draws reward against response length on ``ax``, chosen and rejected responses apart."""
-  for chosen, label, color in ((True, "chosen", "tab:green"), (False, "rejected", "tab:red")):
+  """Draws reward against response length on ``ax``, chosen and rejected responses apart.
+
+  At one length the chosen responses sit a little left of it and the rejected ones a little
+  right, so neither column hides the other.
+  """
+  lengths = c.responses[:, 1]
+  log = _is_log_axis(lengths)
+  for chosen, label, color, side in ((True, "chosen", "tab:green", -1), (False, "rejected", "tab:red", 1)):
     pts = c.responses[c.chosen_responses == chosen]
-    ax.scatter(pts[:, 1], pts[:, 0], s=8, alpha=0.5, color=color, label=f"{label} (n={len(pts)})")
-  _length_axis(ax)
+    ax.scatter(_dodged(pts[:, 1], side, lengths, log), pts[:, 0], s=8, alpha=0.5, color=color,
+               label=f"{label} (n={len(pts)})")
+  _length_axis(ax, log)
   ax.set_xlabel(f"response length ({unit})")
   ax.set_ylabel("reward")
   ax.set_title(title)
   ax.legend()
 
 
-def _length_axis(ax) -> None:
-  """Makes the x axis (response lengths, already plotted) symlog with labelled ticks at any range.
+def _is_log_axis(lengths: np.ndarray) -> bool:
+  """Whether lengths float [R] span enough (more than :data:`LOG_SPAN` times) for a log axis."""
+  return len(lengths) > 0 and lengths.max() > LOG_SPAN * max(lengths.min(), 1.0)
 
-  Lengths run from a few characters to thousands of tokens, hence a log scale; symlog keeps an
-  empty response (length 0) on it. Its default ticks are the powers of ten alone, so short
-  responses (2 to 9 characters, say) got no label at all. The ticks are 1, 2 and 5 times each power
-  of ten instead, and the axis reaches out to a tick on either side of the data.
+
+def _dodged(x: np.ndarray, side: int, lengths: np.ndarray, log: bool) -> np.ndarray:
+  """Positions float [n] of lengths ``x`` moved a little to ``side`` (-1 left, 1 right)."""
+  if log:  # a factor; the linear part of symlog (length 0) a fixed step
+    return np.where(x >= 1, x * LOG_DODGE ** side, x + side * 0.05)
+  gaps = np.diff(np.unique(lengths))
+  return x + side * DODGE_FRACTION * (gaps.min() if len(gaps) else 1.0)
+
+
+def _length_axis(ax, log: bool) -> None:
+  """Labels the x axis (response lengths, already plotted) at any range.
+
+  Close lengths get a linear axis with whole-number ticks. Lengths that run from a few characters
+  to thousands of tokens get a log scale; symlog keeps an empty response (length 0) on it. Its
+  default ticks are the powers of ten alone, so the ticks are 1, 2 and 5 times each power of ten
+  instead, and the axis reaches out to a tick on either side of the data.
   """
   from matplotlib import ticker
 
+  if not log:
+    ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+    ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+    return
   ax.set_xscale("symlog", linthresh=1.0)  # lengths are whole numbers: linear between 0 and 1 only
   lo, hi = ax.get_xlim()  # the data's span, with matplotlib's margins
   ticks = length_ticks(hi)

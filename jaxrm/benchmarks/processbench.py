@@ -123,13 +123,23 @@ def format_table(result: dict[str, Any]) -> str:
   names = [n for n in r if n != "average_f1"]
   lines = [f"{'':>12}" + "".join(f"{n:>15}" for n in names) + f"{'Avg. F1':>10}"]
   for key, label in (("error_acc", "error"), ("correct_acc", "correct"), ("f1", "F1")):
-    tail = f"{_num(r['average_f1']):>10}" if key == "f1" else ""
-    lines.append(f"{label:>12}" + "".join(f"{_num(r[n][key]):>15}" for n in names) + tail)
+    tail = f"{_num(r['average_f1'], 'undefined'):>10}" if key == "f1" else ""
+    lines.append(f"{label:>12}" + "".join(f"{_num(r[n][key], _undefined(r[n], key)):>15}" for n in names) + tail)
   lines.append(f"{'samples':>12}" + "".join(
       f"{str(result['counts'][n]['error']) + ' / ' + str(result['counts'][n]['correct']):>15}" for n in names))
   lines.append(f"a step is wrong when P(correct) < {result['threshold']}")
   return "\n".join(lines)
 
 
-def _num(x: float) -> str:
-  return "-" if not math.isfinite(x) else f"{x:.1f}"
+def _num(x: float, undefined: str) -> str:
+  return undefined if not math.isfinite(x) else f"{x:.1f}"
+
+
+def _undefined(split: dict[str, float], key: str) -> str:
+  """What a split's NaN figure means: it has no erroneous or no correct samples (F1 needs both
+  accuracies), or both accuracies are 0 (F1 is 0 / 0)."""
+  if key != "correct_acc" and not math.isfinite(split["error_acc"]):
+    return "no errors"
+  if key != "error_acc" and not math.isfinite(split["correct_acc"]):
+    return "none correct"
+  return "0 / 0"

@@ -13,7 +13,10 @@ Rows: ``prompt`` (string), ``chosen`` and ``rejected`` (lists of strings), ``num
   its best incorrect one. Score = 0.3 tied accuracy + 0.3 ref accuracy + 0.2 "correctness
   preferred" + 0.2 "correctness preferred (hard)" + 0.01 margin term, over the prompts that have
   both a ref and a tied row.
-* The leaderboard's score is the unweighted mean of the six subsets.
+* The leaderboard's score is the unweighted mean of the six subsets. Over data that lacks some of
+  them the mean of the others is reported, marked partial (``"partial": true``); subsets of other
+  names are scored and shown but left out of it. A subset named in another case
+  (``factuality``) is the official one.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def parse(source: str, row: dict) -> Prompt:
   """One row of the public schema."""
   p = Prompt(prompt=rows.text(row, "prompt", source), chosen=rows.texts(row, "chosen", source),
              rejected=rows.texts(row, "rejected", source), num_correct=rows.integer(row, "num_correct", source),
-             subset=rows.text(row, "subset", source), id=rows.row_id(row, source), source=source)
+             subset=official_name(rows.text(row, "subset", source)), id=rows.row_id(row, source), source=source)
   if p.subset.lower() == TIES.lower():
     # The Ties rule reads correctness off the position and the kind of prompt off the id.
     if not isinstance(p.id, str) or not _TIES_ID.fullmatch(p.id):
@@ -68,6 +71,11 @@ def parse(source: str, row: dict) -> Prompt:
       raise row_error(source, "num_correct", f"is {p.num_correct} but 'chosen' has {len(p.chosen)} "
                       "entries; a Ties row lists its correct answers in 'chosen'")
   return p
+
+
+def official_name(subset: str) -> str:
+  """The official spelling of ``subset`` when it names one of :data:`SUBSETS` in any case, else itself."""
+  return next((s for s in SUBSETS if s.lower() == subset.lower()), subset)
 
 
 def evaluate(prompts: list[Prompt], scorer: Scorer) -> dict[str, Any]:
@@ -94,6 +102,7 @@ def evaluate(prompts: list[Prompt], scorer: Scorer) -> dict[str, Any]:
       "details": details,
       "missing_subsets": [s for s in SUBSETS if s not in results],
       "unknown_subsets": [s for s in subsets if s not in SUBSETS],
+      "partial": len(present) < len(SUBSETS),  # Score averages fewer subsets than the leaderboard's
       "num_examples": len(prompts),
       "comparisons": _comparisons(prompts, scores),
   }
@@ -158,17 +167,25 @@ def _comparisons(prompts: list[Prompt], scores: list[np.ndarray]) -> length_bias
 
 
 def format_table(result: dict[str, Any]) -> str:
-  """The leaderboard's columns (percent)."""
+  """The leaderboard's columns (percent, to 0.01: the Ties score can sit within a percent of 0),
+  then what the Score leaves out."""
   r = result["results"]
-  columns = ["Score"] + [s for s in SUBSETS if s in r] + result["unknown_subsets"]
-  counts = {c: f"n={result['counts'][c]}" for c in columns[1:]}
-  lines = [" | ".join(f"{c:>10}" for c in columns),
-           " | ".join(f"{_pct(r[c]):>10}" for c in columns),
-           " | ".join(f"{counts.get(c, ''):>10}" for c in columns)]
-  if result["missing_subsets"]:
-    lines.append(f"not in the data (the score averages the rest): {', '.join(result['missing_subsets'])}")
+  partial = result["missing_subsets"] and len(result["missing_subsets"]) < len(SUBSETS)
+  headers = ["Score (partial)" if partial else "Score"] + [s for s in SUBSETS if s in r] + result["unknown_subsets"]
+  keys = ["Score"] + headers[1:]
+  cells = [headers, [_pct(r[k]) for k in keys], [""] + [f"n={result['counts'][k]}" for k in keys[1:]]]
+  widths = [max(10, *(len(row[i]) for row in cells)) for i in range(len(keys))]
+  lines = [" | ".join(f"{c:>{w}}" for c, w in zip(row, widths)) for row in cells]
+  missing, unknown = result["missing_subsets"], result["unknown_subsets"]
+  if len(missing) == len(SUBSETS):
+    lines.append(f"no Score: the data holds none of RewardBench 2's subsets ({', '.join(SUBSETS)})")
+  elif missing:
+    lines.append(f"partial: the Score averages {len(SUBSETS) - len(missing)} of the {len(SUBSETS)} subsets; "
+                 f"not in the data: {', '.join(missing)}")
+  if unknown:
+    lines.append(f"not RewardBench 2 subsets (scored, left out of the Score): {', '.join(unknown)}")
   return "\n".join(lines)
 
 
 def _pct(x: float) -> str:
-  return "-" if not math.isfinite(x) else f"{100 * x:.1f}"
+  return "-" if not math.isfinite(x) else f"{100 * x:.2f}"

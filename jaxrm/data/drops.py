@@ -2,7 +2,8 @@
 
 Bad input either raises :class:`~jaxrm.errors.DataError` (naming file, line/row and field) or is
 dropped and counted in a :class:`DropReport` that training prints at start and writes into the
-run directory.
+run directory. Rows left out by a limit (``data.max_val_rows``, a last partial batch...) are
+counted there too, as not used rather than dropped.
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ from __future__ import annotations
 import collections
 
 from jaxrm.errors import DataError
+
+# The start of a reason for rows left out by a limit: good rows, not dropped for what they hold.
+UNUSED = "not used: "
 
 
 def row_error(source: str, field: str | None, message: str) -> DataError:
@@ -34,6 +38,10 @@ class DropReport:
     if len(self.examples[reason]) < self.max_examples:
       self.examples[reason].append(source)
 
+  def leave_out(self, reason: str, source: str, count: int = 1) -> None:
+    """Counts ``count`` good rows a limit left out (``reason`` names it), apart from the dropped ones."""
+    self.drop(UNUSED + reason, source, count)
+
   def merge(self, other: "DropReport") -> None:
     for reason, n in other.counts.items():
       self.counts[reason] += n
@@ -42,20 +50,29 @@ class DropReport:
 
   @property
   def total(self) -> int:
-    return sum(self.counts.values())
+    """Rows dropped (not counting those :meth:`leave_out` counted)."""
+    return sum(n for r, n in self.counts.items() if not r.startswith(UNUSED))
+
+  @property
+  def unused(self) -> int:
+    """Good rows left out by a limit."""
+    return sum(n for r, n in self.counts.items() if r.startswith(UNUSED))
 
   def as_dict(self) -> dict:
     return {
         "total": self.total,
+        "unused": self.unused,
         "reasons": {
             r: {"count": n, "examples": self.examples[r]} for r, n in self.counts.most_common()
         },
     }
 
   def summary(self, name: str = "data") -> str:
-    if not self.total:
-      return f"{name}: no rows dropped"
-    lines = [f"{name}: {self.total} rows dropped"]
+    """``train: 3 rows dropped, 40 not used (limits)`` and a line per reason."""
+    head = f"{name}: {self.total} rows dropped" if self.total else f"{name}: no rows dropped"
+    if self.unused:
+      head += f", {self.unused} not used (limits)"
+    lines = [head]
     for r, n in self.counts.most_common():
       lines.append(f"  {n:>7}  {r}  (e.g. {', '.join(self.examples[r][:3])})")
     return "\n".join(lines)

@@ -8,6 +8,7 @@ path, are read from their usual place; the demo sets are made on the spot.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
@@ -59,13 +60,36 @@ _SPECS = {
                              options=_RATED_OPTIONS),
 }
 DATASET_NAMES = tuple(_SPECS)
+# The dataset that reads a user's own files of each kind.
+FILE_FORMATS = {"preference": "PreferenceDataset", "stepwise": "StepwiseDataset", "rated": "RatedDataset"}
+# Values of a validation path that name a split of a dataset read by name, not a file.
+SPLIT_NAMES = ("train", "validation", "test")
 
 
 def _spec(dataset_name: str) -> _Spec:
   if dataset_name not in _SPECS:
     raise DataError(f"data.dataset_name {dataset_name!r} is not known; use one of "
-                    f"{', '.join(DATASET_NAMES)}")
+                    f"{', '.join(DATASET_NAMES)}{_path_hint(dataset_name)}")
   return _SPECS[dataset_name]
+
+
+def _path_hint(name: str) -> str:
+  """Where a hub dataset or file given as ``data.dataset_name`` belongs (TRL's habit)."""
+  if not isinstance(name, str) or not ("/" in name or name.endswith(sources.FILE_SUFFIXES)):
+    return ""
+  return (f". {name!r} looks like a hub dataset or a file: give it as data.train_data_path={name!r}, with "
+          "data.dataset_name the format of its rows (PreferenceDataset, StepwiseDataset or RatedDataset)")
+
+
+def is_demo(dataset_name: str) -> bool:
+  """Whether the dataset makes its own rows (a demo set) instead of reading them."""
+  return _spec(dataset_name).make is not None
+
+
+def reads_paths_only(dataset_name: str) -> bool:
+  """Whether the dataset reads only the paths it is given (a file format, no usual place)."""
+  spec = _spec(dataset_name)
+  return spec.make is None and spec.default is None
 
 
 def is_stepwise(dataset_name: str) -> bool:
@@ -93,7 +117,8 @@ def load_records(
     dataset_name: one of :data:`DATASET_NAMES`.
     path: a file, directory, URL or hub name (see :func:`jaxrm.data.sources.read_rows`). Public
       datasets given None are read from their usual place (``split`` mapped to theirs, e.g.
-      UltraFeedback's ``train_prefs``). Demo sets take None, or ``"train"`` / ``"validation"`` as
+      UltraFeedback's ``train_prefs``), and so is a split name given as the path (``"validation"``:
+      that split of their usual place). Demo sets take None, or ``"train"`` / ``"validation"`` as
       the split.
     split: the split to read.
     drops: where dropped rows are counted.
@@ -134,7 +159,7 @@ def iter_records(dataset_name: str, path: str | None, *, split: str = "train", d
         yield record
         count += 1
         if count == max_records:
-          _count_rest(rows, local, f"not used: after the first {max_records} records ({limit_name}={max_records})")
+          _count_rest(rows, local, f"after the first {max_records} records ({limit_name}={max_records})")
           return
   finally:
     drops.merge(local)
@@ -145,7 +170,7 @@ def iter_records(dataset_name: str, path: str | None, *, split: str = "train", d
 
 def _count_rest(rows: Iterable[tuple[str, dict]], drops: DropReport, reason: str) -> None:
   for source, _ in rows:
-    drops.drop(reason, source)
+    drops.leave_out(reason, source)
 
 
 def source_key(dataset_name: str, path: str | None, *, split: str = "train", **options) -> dict | None:
@@ -185,7 +210,10 @@ def _read_rows(spec: _Spec, name: str, path: str | None, split: str, options: di
 
 
 def _resolve(spec: _Spec, name: str, path: str | None, split: str, options: dict) -> tuple[str, str, dict]:
-  """The path, split and read options a dataset is read with (its usual place when ``path`` is None)."""
+  """The path, split and read options a dataset is read with: its usual place when ``path`` is None
+  or a split name (``"validation"``: that split, as a demo set takes it)."""
+  if path in SPLIT_NAMES and spec.default is not None and not os.path.exists(path):
+    path, split = None, path
   if path is None:
     if spec.default is None:
       raise DataError(f"{name} needs a path: set data.train_data_path (and data.val_data_paths) "

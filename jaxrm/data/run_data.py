@@ -1,12 +1,14 @@
 """A training run's examples: its train and validation sets read, tokenized (or taken from the
 cache) and checked against the run's reward type, with the rows each set dropped.
 
-``load_run_data(config, tokenizer)`` is what the trainer reads before it batches anything.
+``check_data(config)`` is what the trainer checks before a model loads, ``load_run_data(config,
+tokenizer)`` what it reads before it batches anything.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -19,6 +21,8 @@ if TYPE_CHECKING:
   from jaxrm.config import RewardSpec, RunConfig
 
 log = logging.getLogger(__name__)
+
+FIRST_ROWS = 64  # records of each set that check_data parses before a model loads
 
 
 @dataclasses.dataclass
@@ -44,10 +48,7 @@ def load_run_data(config: RunConfig, tokenizer) -> RunData:
       a validation set has no usable rows.
   """
   spec = config.data
-  kind = registry.kind(spec.dataset_name)
-  if config.reward.type not in registry.KINDS[kind]:
-    raise ConfigError(f"reward.type={config.reward.type!r} does not fit data.dataset_name={spec.dataset_name!r}, "
-                      f"which holds {kind} data (for reward.type {' or '.join(registry.KINDS[kind])})")
+  kind = _checked_kind(config)
   options = _read_options(config.reward, spec.dataset_name)
 
   def load(path: str, split: str, limit: int, limit_name: str, drops: DropReport) -> Sequence:
@@ -76,8 +77,42 @@ def load_run_data(config: RunConfig, tokenizer) -> RunData:
                       f"training row of {spec.dataset_name} has one: give rows a 'strength' (HelpSteer3 has "
                       "overall_preference), or set reward.preference_strength_scaling=False")
   num_completions = None if kind != "preference" else max(
-      pipeline.max_completions(train), *(pipeline.max_completions(v) for v in validation.values()))
+      pipeline.max_completions(examples) for examples in (train, *validation.values()))
   return RunData(train, validation, drops, num_completions)
+
+
+def check_data(config: RunConfig, first_rows: int = FIRST_ROWS) -> None:
+  """Checks what needs no model, so that a run that cannot work stops before one loads: the
+  dataset's name and kind against ``reward.type``, the validation set names, and each set's path
+  and first ``first_rows`` records.
+
+  Raises:
+    ConfigError: the data does not fit ``config.reward``.
+    DataError: an unknown dataset, a missing path, an unknown file type, a bad row among the first.
+  """
+  spec = config.data
+  _checked_kind(config)
+  options = _read_options(config.reward, spec.dataset_name)
+  for name in spec.val_data_paths:
+    registry.check_val_set_name(name)
+  sets = [(spec.train_data_path, "train"), *((path, "validation") for path in spec.val_data_paths.values())]
+  for path, split in sets:
+    records = registry.iter_records(spec.dataset_name, path or None, split=split, drops=DropReport(), **options)
+    try:
+      for _ in itertools.islice(records, first_rows):
+        pass
+    finally:
+      records.close()
+
+
+def _checked_kind(config: RunConfig) -> str:
+  """The kind of ``data.dataset_name``'s records, if ``reward.type`` trains on it."""
+  name = config.data.dataset_name
+  kind = registry.kind(name)
+  if config.reward.type not in registry.KINDS[kind]:
+    raise ConfigError(f"reward.type={config.reward.type!r} does not fit data.dataset_name={name!r}, "
+                      f"which holds {kind} data (for reward.type {' or '.join(registry.KINDS[kind])})")
+  return kind
 
 
 def _read_options(reward: RewardSpec, dataset_name: str) -> dict:

@@ -1,7 +1,8 @@
 """Where rows come from: local files, a ``save_to_disk`` directory, a URL or a hub dataset.
 
 Every row is yielded with a ``source`` string that later errors quote: ``"train.jsonl:17"`` (line
-number, from 1) for JSON Lines, ``"data.parquet[row 3]"`` (row index, from 0) for everything else.
+number, from 1) for JSON Lines, ``"data.parquet[row 3]"`` (row index, from 0) for everything else
+(a CSV file's row 0 is the line after its header).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from jaxrm.data.drops import row_error
 from jaxrm.errors import DataError
 from jaxrm.data.formats import kind
 
-_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 _PARQUET_BATCH = 65_536  # pyarrow's default batch size
 # "name" or "org/name": anything else that does not exist on disk is a missing local path.
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
@@ -26,13 +27,14 @@ def read_rows(path_or_name: str, *, split: str = "train", config: str | None = N
               max_rows: int = 0) -> Iterator[tuple[str, dict]]:
   """Yields ``(source, row)`` for each row of a file, directory, URL or hub dataset.
 
-  Rows are read as they are asked for: JSON Lines line by line, Parquet a batch at a time, a
-  ``save_to_disk`` directory memory-mapped; a ``.json`` file and a hub dataset are read whole.
+  Rows are read as they are asked for: JSON Lines line by line, Parquet and CSV a batch at a time,
+  a ``save_to_disk`` directory memory-mapped; a ``.json`` file and a hub dataset are read whole.
 
   Args:
-    path_or_name: a local ``.jsonl``, ``.json`` (a list of objects, or ``{"data": [...]}``) or
-      ``.parquet`` file; a ``datasets`` ``save_to_disk`` directory; an http(s) URL of such a
-      file; or a hub dataset name, read with ``datasets.load_dataset``.
+    path_or_name: a local ``.jsonl``, ``.json`` (a list of objects, or ``{"data": [...]}``),
+      ``.parquet`` or ``.csv`` file (a header line naming the columns; types as pyarrow infers
+      them); a ``datasets`` ``save_to_disk`` directory; an http(s) URL of such a file; or a hub
+      dataset name, read with ``datasets.load_dataset``.
     split: the split of a saved ``DatasetDict`` or of a hub dataset.
     config: the hub dataset's configuration name, if it has several.
     max_rows: stop after this many rows (blank JSON Lines lines are not rows); 0: all. Parquet
@@ -51,7 +53,7 @@ def read_rows(path_or_name: str, *, split: str = "train", config: str | None = N
     rows = _file_rows(path_or_name, path, max_rows)
   elif "://" in path_or_name:
     rows = _url_rows(path_or_name, max_rows)
-  elif path_or_name.endswith(_FILE_SUFFIXES) or not _HUB_NAME.fullmatch(path_or_name):
+  elif path_or_name.endswith(FILE_SUFFIXES) or not _HUB_NAME.fullmatch(path_or_name):
     raise DataError(f"{path_or_name}: no such file or directory")
   else:
     rows = _hub_rows(path_or_name, split, config, max_rows)
@@ -77,10 +79,9 @@ def fingerprint(path_or_name: str, *, split: str = "train", config: str | None =
     return {"directory": path_or_name, "split": split,
             "files": {f: _file_fingerprint(os.path.join(path, f)) for f in files}}
   if "://" in path_or_name:
-    builder = "parquet" if path_or_name.endswith(".parquet") else "json"
-    loaded = _load(path_or_name, "a URL", builder, data_files=path_or_name, split="train")
+    loaded = _load(path_or_name, "a URL", _url_builder(path_or_name), data_files=path_or_name, split="train")
     return {"url": path_or_name, "datasets_fingerprint": loaded._fingerprint}  # pylint: disable=protected-access
-  if path_or_name.endswith(_FILE_SUFFIXES) or not _HUB_NAME.fullmatch(path_or_name):
+  if path_or_name.endswith(FILE_SUFFIXES) or not _HUB_NAME.fullmatch(path_or_name):
     raise DataError(f"{path_or_name}: no such file or directory")
   loaded = _load(path_or_name, f"a hub dataset (split {split!r}, config {config!r})", path_or_name, config,
                  split=split)
@@ -119,7 +120,9 @@ def _file_rows(name: str, path: str, max_rows: int) -> Iterable[tuple[str, objec
     return _json_rows(name, path)
   if path.endswith(".parquet"):
     return _parquet_rows(name, path, max_rows)
-  raise DataError(f"{name}: unknown file type; use .jsonl, .json, .parquet or a directory written "
+  if path.endswith(".csv"):
+    return _csv_rows(name, path)
+  raise DataError(f"{name}: unknown file type; use .jsonl, .json, .parquet, .csv or a directory written "
                   "by datasets' save_to_disk")
 
 
@@ -169,6 +172,26 @@ def _parquet_rows(name: str, path: str, max_rows: int) -> Iterator[tuple[str, ob
       index += 1
 
 
+def _csv_rows(name: str, path: str) -> Iterator[tuple[str, object]]:
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  import pyarrow.csv as pa_csv  # pylint: disable=g-import-not-at-top
+
+  index = 0
+  try:
+    # Streamed a block at a time; column types are inferred from the first block.
+    for batch in pa_csv.open_csv(path):
+      for row in batch.to_pylist():
+        yield f"{name}[row {index}]", row
+        index += 1
+  except pa.ArrowInvalid as e:
+    raise DataError(f"{name}: not a CSV file pyarrow can read after row {index}: {e}") from None
+
+
+def _url_builder(url: str) -> str:
+  """The ``datasets`` builder that reads a file at ``url``."""
+  return next((b for b in ("parquet", "csv") if url.endswith(f".{b}")), "json")
+
+
 def _dataset_rows(where: str, dataset) -> Iterator[tuple[str, object]]:
   return ((f"{where}[row {i}]", row) for i, row in enumerate(dataset))
 
@@ -188,8 +211,7 @@ def _saved_rows(name: str, path: str, split: str) -> Iterator[tuple[str, object]
 
 
 def _url_rows(url: str, max_rows: int) -> Iterator[tuple[str, object]]:
-  builder = "parquet" if url.endswith(".parquet") else "json"
-  return _dataset_rows(url, _load(url, "a URL", builder, data_files=url, split=_sliced("train", max_rows)))
+  return _dataset_rows(url, _load(url, "a URL", _url_builder(url), data_files=url, split=_sliced("train", max_rows)))
 
 
 def _hub_rows(name: str, split: str, config: str | None, max_rows: int) -> Iterator[tuple[str, object]]:

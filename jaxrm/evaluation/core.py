@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
+import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -22,6 +24,7 @@ from jaxrm.evaluation.data_kinds import KINDS, Kind, kind_of
 from jaxrm.evaluation.scores import per_subset
 from jaxrm.report import DEFAULT_FORMAT  # what a data path holds when no dataset_name says otherwise
 
+log = logging.getLogger(__name__)
 
 
 def evaluate(rm, data: str | os.PathLike | Sequence[Any], *, dataset_name: str | None = None,
@@ -55,8 +58,9 @@ def evaluate(rm, data: str | os.PathLike | Sequence[Any], *, dataset_name: str |
       ``reward.combine`` takes it (an attribute, or ``"name=weight,..."``; default: the first).
 
   Returns:
-    ``{"kind": "preference" | "stepwise" | "regression", "num_examples", "metrics", "subsets",
-    "dropped", "scores"}``. ``metrics`` uses the names of the training loss's validation metrics;
+    ``{"kind": "preference" | "stepwise" | "regression", "num_examples", "timing", "metrics",
+    "subsets", "dropped", "scores"}``; ``timing`` is ``{"seconds", "examples_per_second"}`` of the
+    scoring (compiles included). ``metrics`` uses the names of the training loss's validation metrics;
     ``subsets`` maps each subset to ``{"num_examples", **metrics}`` (empty when no row has one);
     ``scores`` holds float32 arrays: ``chosen``/``rejected`` rewards [N] of each example's best and
     worst completion, for stepwise models ``correct``/``error``, the probability that a step is
@@ -80,11 +84,18 @@ def evaluate(rm, data: str | os.PathLike | Sequence[Any], *, dataset_name: str |
   kind = KINDS[name]
   kinds.check_kind(rm, kind.model, use=kind.use, error=EvaluationError)
   extra = kind.prepare(rm, examples, combine)
-  arrays, scores = kind.score(rm, _batches(rm, examples, kind, batch_size, bucket_multiple), examples, extra)
+  batches = _batches(rm, examples, kind, batch_size, bucket_multiple)
+  log.info("scoring %d %s examples in %d batches of %d", len(examples), name, len(batches), batch_size)
+  t0 = time.perf_counter()
+  arrays, scores = kind.score(rm, _Progress(batches, t0), examples, extra)
+  seconds = max(time.perf_counter() - t0, 1e-9)
+  log.info("scored %d examples in %.1f s (%.1f examples/s)", len(examples), seconds, len(examples) / seconds)
   result = {
       "kind": name,
       **extra,
       "num_examples": len(examples),
+      # compiling each batch shape is counted in: the time a user waits
+      "timing": {"seconds": seconds, "examples_per_second": len(examples) / seconds},
       "metrics": kind.metrics(arrays, np.ones(len(examples), np.float32)),
       "subsets": per_subset([e.meta.get("subset") for e in examples], functools.partial(kind.metrics, arrays)),
       "dropped": drops.as_dict(),
@@ -123,6 +134,27 @@ def _batches(rm, examples: list, kind: Kind, batch_size: int, bucket_multiple: i
   buckets = pipeline.length_buckets(-(-longest // bucket_multiple) * bucket_multiple, bucket_multiple)
   return pipeline.make_eval_batches(examples, batch_size=batch_size, buckets=buckets,
                                     pad_id=pad_id(rm.tokenizer, rm.config.pad_token_id))
+
+
+class _Progress(list):
+  """Eval batches whose first walk -- the scoring, in every kind's ``score`` -- logs how far it has
+  got, at each tenth of the batches; later walks (reading labels) log nothing."""
+
+  def __init__(self, batches: list, t0: float):
+    super().__init__(batches)
+    self._t0, self._walked = t0, False
+
+  def __iter__(self):
+    if self._walked:
+      yield from super().__iter__()
+      return
+    self._walked = True
+    every = max(len(self) // 10, 1)
+    for i, batch in enumerate(super().__iter__()):
+      yield batch
+      if (i + 1) % every == 0 and i + 1 < len(self):
+        seconds = time.perf_counter() - self._t0
+        log.info("scored %d of %d batches (%.1f s, %.2f batches/s)", i + 1, len(self), seconds, (i + 1) / seconds)
 
 
 # ------------------------------------------------------------------------------------------ data

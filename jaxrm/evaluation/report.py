@@ -28,18 +28,69 @@ def format_report(result: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
+# What a metric with nothing counted (NaN) means, in the subset table's cell.
+UNDEFINED = {
+    "f1_error": "no errors",  # no step in error, and none called one
+    "first_error_found": "no errors",  # no solution with a step in error
+    "recall_error": "no errors",
+    "recall_correct": "none correct",
+    "accuracy": "no pairs",
+}
+
+
 def _subset_table(subsets: dict[str, dict[str, float]], columns: tuple[str, ...]) -> list[str]:
   width = max(len("subset"), *(len(s) for s in subsets))
   lines = [f"{'subset':<{width}}  {'n':>6}" + "".join(f"  {c:>17}" for c in columns)]
   for name, m in subsets.items():
-    lines.append(f"{name:<{width}}  {m['num_examples']:>6}" + "".join(f"  {m[c]:>17.4f}" for c in columns))
+    lines.append(f"{name:<{width}}  {m['num_examples']:>6}" + "".join(f"  {_cell(m[c], c):>17}" for c in columns))
   return lines
 
 
+def _cell(value: float, metric: str) -> str:
+  """``value`` to 4 decimals, or what its NaN means (:data:`UNDEFINED`; else "undefined")."""
+  return f"{value:.4f}" if math.isfinite(value) else UNDEFINED.get(metric, "undefined")
+
+
 def plot_scores(result: dict[str, Any], ax) -> None:
-  """Draws the histogram of chosen vs rejected rewards (step probabilities for PRMs; for
-  regression models, each attribute's predictions against its ratings) on ``ax``."""
-  KINDS[result["kind"]].plot(result, ax)
+  """Draws the histogram of chosen vs rejected rewards (step probabilities for PRMs) on ``ax``;
+  for a regression model, one panel per attribute of its predictions against its ratings, in
+  the place of ``ax`` (an axes of a grid: ``fig.add_subplot()``, ``plt.subplots()``)."""
+  if result["kind"] == "regression":
+    _regression_panels(result, ax)
+  else:
+    KINDS[result["kind"]].plot(result, ax)
+
+
+def _regression_panels(result: dict[str, Any], ax) -> None:
+  """One scatter of predictions against ratings per attribute, each with its y = x line; the
+  panels share ``ax``'s place in its figure. Attributes rate on their own scales, so each panel
+  has its own axes."""
+  spec = ax.get_subplotspec()
+  if spec is None:
+    raise ValueError("plot_scores of a regression result draws one panel per attribute in the place of ax: "
+                     "give an axes of a grid (fig.add_subplot() or plt.subplots())")
+  fig, names, s = ax.figure, result["attributes"], result["scores"]
+  grid = spec.subgridspec(1, len(names))
+  ax.remove()
+  for a, name in enumerate(names):
+    panel = fig.add_subplot(grid[0, a])
+    rated = s["rated"][:, a]
+    ratings, predictions = s["ratings"][rated, a], s["predictions"][rated, a]
+    panel.scatter(ratings, predictions, s=8, alpha=0.5)
+    if rated.any():
+      lo = float(min(ratings.min(), predictions.min()))
+      hi = float(max(ratings.max(), predictions.max()))
+      panel.plot([lo, hi], [lo, hi], color="gray", linestyle="--", linewidth=1)
+    panel.set_title(f"{name} (n={int(rated.sum())})")
+    panel.set_xlabel("rating")
+    panel.set_ylabel("prediction" if a == 0 else "")
+  fig.suptitle("Predictions against ratings (dashed: prediction = rating)")
+
+
+def _figure_size(result: dict[str, Any]) -> tuple[float, float]:
+  """Inches (width, height) of ``rewards.png``: wider for a regression model's panels."""
+  panels = len(result["attributes"]) if result["kind"] == "regression" else 1
+  return max(7.0, 3.2 * panels), 4.0
 
 
 def write_outputs(result: dict[str, Any], output_dir: str, info: dict[str, Any]) -> list[str]:
@@ -50,7 +101,7 @@ def write_outputs(result: dict[str, Any], output_dir: str, info: dict[str, Any])
 
   os.makedirs(output_dir, exist_ok=True)
   files = [_write_json({**info, **{k: v for k, v in result.items() if k != "scores"}}, output_dir)]
-  fig = Figure(figsize=(7, 4))
+  fig = Figure(figsize=_figure_size(result))
   FigureCanvasAgg(fig)
   plot_scores(result, fig.add_subplot())
   fig.tight_layout()

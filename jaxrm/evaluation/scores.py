@@ -48,11 +48,31 @@ class PreferenceArrays(NamedTuple):
   margin: np.ndarray  # [N] float32
 
 
+def batch_outputs(rm, batch) -> list[np.ndarray | None]:
+  """The model's output for each row of an eval ``batch`` (its reward(s), or a token head's logits
+  [T_i, C] over its real tokens), None for a row with none. The rows' real tokens are scored by
+  ``rm.outputs_of_ids``, so rows sharing a prefix (a prompt's completions) share it
+  (:mod:`jaxrm.shared_prefix`), in passes of as many rows as the batch has."""
+  ids, mask = np.asarray(batch.input_ids), np.asarray(batch.attention_mask) > 0
+  real = [j for j in range(len(ids)) if mask[j].any()]
+  outputs = rm.outputs_of_ids([ids[j][mask[j]].tolist() for j in real], batch_size=len(ids))
+  out: list[np.ndarray | None] = [None] * len(ids)
+  for j, o in zip(real, outputs):
+    out[j] = o
+  return out
+
+
+def _rewards(rm, batches, width: int) -> np.ndarray:
+  """float32 [rows of all batches / width, width]: each row's reward(s), 0 for rows without tokens."""
+  rows = [np.zeros(width, np.float32) if o is None else np.asarray(o, np.float32).reshape(width)
+          for b in batches for o in batch_outputs(rm, b)]
+  return np.stack(rows)
+
+
 def preference_arrays(rm, batches: list[PreferenceBatch], n: int) -> tuple[PreferenceArrays, Scores]:
   """The rewards of every completion; scores ``chosen``/``rejected`` [N]: the best and the worst."""
   k = batches[0].ranks.shape[1]
-  rewards = np.concatenate(
-      [rm.score_tokens(b.input_ids, b.attention_mask).reshape(-1, k) for b in batches])[:n]
+  rewards = _rewards(rm, batches, 1).reshape(-1, k)[:n]
   ranks = np.concatenate([b.ranks for b in batches])[:n]
   margin = np.concatenate([b.margin for b in batches])[:n]
   worst = np.max(ranks, axis=1)  # completions are in preference order: the worst is the last real one
@@ -107,10 +127,11 @@ def stepwise_arrays(rm, batches: list[StepwiseBatch], n: int) -> tuple[StepwiseA
   labelled each way."""
   step_logits, step_labels = [], []
   for b in batches:
-    logits = rm.score_tokens(b.input_ids, b.attention_mask)  # [B, T, 2]
-    for row_logits, row_labels in zip(logits, b.labels):
+    mask = np.asarray(b.attention_mask) > 0
+    for row_logits, row_labels, row_mask in zip(batch_outputs(rm, b), np.asarray(b.labels), mask):
+      row_labels = row_labels[row_mask]  # over the row's real tokens, as its logits [T_i, 2]
       where = row_labels != IGNORE_INDEX
-      step_logits.append(row_logits[where])
+      step_logits.append(np.zeros((0, 2), np.float32) if row_logits is None else row_logits[where])
       step_labels.append(row_labels[where])
   step_logits, step_labels = step_logits[:n], step_labels[:n]
   num_steps = max(len(x) for x in step_labels)
@@ -153,8 +174,7 @@ def regression_arrays(rm, batches: list[RegressionBatch], n: int, attributes: Se
                       combine: str | None) -> tuple[RegressionArrays, Scores]:
   """Predictions against ratings; scores ``predictions``, ``ratings`` [N, A] and ``rated`` (bool)."""
   a = len(attributes)
-  predictions = np.concatenate([rm.score_tokens(b.input_ids, b.attention_mask).reshape(-1, a)
-                                for b in batches])[:n]
+  predictions = _rewards(rm, batches, a)[:n]
   labels, label_mask, group = (np.concatenate([getattr(b, f) for b in batches])[:n]
                                for f in ("labels", "label_mask", "group"))
   arrays = RegressionArrays(predictions, labels, label_mask, group, tuple(attributes),

@@ -2,7 +2,8 @@
 
 * ``config.json``: the ``*ForSequenceClassification`` / ``*ForTokenClassification`` architecture,
   ``num_labels``, ``pad_token_id`` (a regression model: ``problem_type="regression"`` and its
-  attribute names as ``id2label``), and any ``extra_config`` entries the caller records (transformers
+  attribute names as ``id2label``; a process reward model's two classes named by
+  :data:`STEP_LABELS`), and any ``extra_config`` entries the caller records (transformers
   ignores unknown keys; :mod:`jaxrm.loading` records what scoring needs there);
 * ``model.safetensors``: every tensor named by the family's weight map;
 * the tokenizer files, chat template included.
@@ -33,6 +34,9 @@ from jaxrm.models.decoder import Decoder
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+# id2label of a process reward model (a token head of 2 classes): class 1 is the probability that
+# the step is correct (jaxrm.models.heads.correct_probability), class 0 that it is in error.
+STEP_LABELS = ("incorrect", "correct")
 
 
 def _host_params(model: Decoder, *, merge: bool) -> dict[str, np.ndarray]:
@@ -135,6 +139,9 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32", *, tokenizer: Any = None
       raise ValueError(f"{len(attributes)} attribute names for a head of {cfg.num_labels} outputs")
     hf.update(problem_type=REGRESSION, id2label={str(i): a for i, a in enumerate(attributes)},
               label2id={a: i for i, a in enumerate(attributes)})
+  elif cfg.head == "token" and cfg.num_labels == len(STEP_LABELS):
+    hf.update(id2label={str(i): a for i, a in enumerate(STEP_LABELS)},
+              label2id={a: i for i, a in enumerate(STEP_LABELS)})
   return hf
 
 

@@ -13,6 +13,7 @@ import uuid
 from typing import Callable
 
 import anyio
+import numpy as np
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -21,10 +22,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from jaxrm import kinds
+from jaxrm import kinds, shared_prefix
 from jaxrm.data.tokenize import pad_id
 from jaxrm.errors import ConfigError
-from jaxrm.server.batcher import Batcher, QueueFull, ScoreFn
+from jaxrm.models.heads import correct_probability
+from jaxrm.server.batcher import Batcher, PackedFn, QueueFull, ScoreFn
 from jaxrm.server.bodies import Encoder, RequestError, parse_json
 from jaxrm.server.config import ServerConfig
 from jaxrm.server.formats import ROUTES, Meta, Scoring
@@ -43,14 +45,44 @@ DEFAULT_CONFIG = ServerConfig()
 
 def score_fn(rm, normalize: bool, combine: str | None = None) -> ScoreFn:
   """``(ids [B, T], mask [B, T]) -> rewards [B]``: the model's one scoring call; a regression
-  model's outputs [B, A] are combined by ``combine`` (see ``RewardModel.score``)."""
+  model's outputs [B, A] are combined by ``combine`` (see ``RewardModel.score``). A process
+  model's: P(step correct) [B, T] at every token, read at the step labels by the endpoint."""
+  if rm.kind == kinds.PROCESS:
+    return lambda ids, mask: _correct_probabilities(rm.score_tokens(ids, mask))
   weights = None if combine is None else rm.combination(combine)
   return lambda ids, mask: rm.reduce(rm.score_tokens(ids, mask), combine=weights, normalize=normalize)
 
 
+def packed_fn(rm, normalize: bool, combine: str | None = None) -> PackedFn:
+  """``SharedRows -> rewards [N]``: :func:`score_fn` for rows packed with a shared prefix (a
+  process model's: each row's P(step correct) [T_i] at every token)."""
+  if rm.kind == kinds.PROCESS:
+    return lambda shared: [correct_probability(logits) for logits in rm.score_shared(shared)]
+  weights = None if combine is None else rm.combination(combine)
+  return lambda shared: rm.reduce(rm.score_shared(shared), combine=weights, normalize=normalize)
+
+
+def _correct_probabilities(logits_btc: np.ndarray) -> np.ndarray:
+  b, t, c = logits_btc.shape
+  return correct_probability(logits_btc.reshape(b * t, c)).reshape(b, t)
+
+
+def batcher(rm, config: ServerConfig, metrics: Metrics) -> Batcher:
+  """The scoring worker of ``rm`` for a resolved ``config``."""
+  sharing = shared_prefix.Sharing()
+  return Batcher(score_fn(rm, config.normalize, config.combine), config, pad_id(rm.tokenizer, rm.config.pad_token_id),
+                 metrics, packed_fn=packed_fn(rm, config.normalize, config.combine),
+                 group_fn=lambda rows: shared_prefix.scoring_groups(rows, sharing, rm.config, config.batch_tokens),
+                 packed_buckets=config.packed_buckets(sharing))
+
+
 def check_model(rm, config: ServerConfig) -> None:
-  kinds.check_kind(rm, kinds.PREFERENCE, kinds.REGRESSION, use="the server", one_reward=True,
-                   combine=config.combine, combine_hint="--combine", error=ConfigError)
+  kind = kinds.check_kind(rm, kinds.PREFERENCE, kinds.REGRESSION, kinds.PROCESS, use="the server", one_reward=True,
+                          combine=config.combine, combine_hint="--combine", error=ConfigError)
+  if kind == kinds.PROCESS and (config.combine is not None or config.normalize):
+    raise ConfigError(f"--{'combine' if config.combine is not None else 'normalize'} applies to sequence rewards; "
+                      "a process reward model's rewards are step probabilities, made one per solution by "
+                      "--step_aggregation")
   if config.combine is not None:
     try:
       rm.combination(config.combine)
@@ -210,7 +242,12 @@ class App:
         request_id = request.state.request_id
         log.exception("request %s to %s failed", request_id, path)
         response = _error(500, f"internal error; the server's log has its cause under request id {request_id}")
-      self.metrics.request(path, response.status_code, time.perf_counter() - start)
+      seconds = time.perf_counter() - start
+      self.metrics.request(path, response.status_code, seconds)
+      if self.config.access_log:
+        client = request.client.host if request.client else "-"
+        log.info("%s POST %s %d %.3f s request %s", client, path, response.status_code, seconds,
+                 request.state.request_id)
       return response
     return endpoint
 
@@ -382,8 +419,7 @@ class RewardServer:
     check_model(rm, config)
     self.config = config.resolved(rm.config.max_position_embeddings, rm.training_max_length)
     self.metrics = Metrics()
-    self.batcher = Batcher(score_fn(rm, self.config.normalize, self.config.combine), self.config,
-                           pad_id(rm.tokenizer, rm.config.pad_token_id), self.metrics)
+    self.batcher = batcher(rm, self.config, self.metrics)
     app = App(rm, self.config, self.batcher, self.metrics, model_name).asgi()
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     self._socket = socket.create_server((host, port), family=family, backlog=2048)

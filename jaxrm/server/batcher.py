@@ -1,10 +1,13 @@
 """Dynamic batching: one worker thread owns the model and scores the rows of many requests together.
 
 Request handlers tokenize, then :meth:`Batcher.submit` their rows and await the future it returns.
-The worker takes what is queued (waiting up to ``batch_wait_ms`` for a batch to fill), sorts the
-rows of all those requests by length, cuts them into batches of at most ``batch_size`` rows and
-``batch_tokens`` padded tokens, pads each to a compiled bucket length, scores it, and hands every
-request back its own rewards, in its own order.
+The worker takes what is queued (waiting up to ``batch_wait_ms`` for a batch to fill). Rows of all
+those requests that share a token prefix (a prompt's completions, in one request or many) are
+scored as shared-prompt packed rows, the prefix once (:mod:`jaxrm.shared_prefix`, unless
+``share_prefix`` is off); the others are sorted by length and cut into batches of at most
+``batch_size`` rows and ``batch_tokens`` padded tokens, each padded to a compiled bucket length.
+Every request gets back its own rewards, in its own order. All batch shapes, packed ones included,
+are compiled before the first request is taken.
 
 The queue holds at most ``max_connections`` requests. A request given up (timed out, its client
 gone) keeps its place, without its rows, until the worker takes it and drops it unscored; its tokens
@@ -20,18 +23,26 @@ import logging
 import queue
 import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
+from jaxrm import shared_prefix
 from jaxrm.data.pipeline import bucket_length, right_padded, scoring_rows
 from jaxrm.server.config import ServerConfig
 from jaxrm.server.metrics import Metrics
 
 log = logging.getLogger("jaxrm.server")
 
-# ids [B, T] int32, mask [B, T] int32 -> rewards [B] float32. The one place scoring happens.
+# ids [B, T] int32, mask [B, T] int32 -> rewards [B] float32 (a sequence head), or per-token
+# values [B, T] (a process model's step probabilities, read at each row's step labels by the
+# endpoint). The one place scoring happens.
 ScoreFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
+# Packed rows -> the outputs of the rows they hold, in SharedRows.rows order: rewards [N], or
+# each row's per-token values [T_i].
+PackedFn = Callable[[shared_prefix.SharedRows], Sequence]
+# Token rows -> the groups of row indices scored together (shared_prefix.scoring_groups).
+GroupFn = Callable[[list[list[int]]], list[list[int]]]
 # How many full batches of rows the worker takes from the queue at once: enough to sort
 # requests of many lengths into buckets, few enough that new arrivals are not kept waiting long.
 DRAIN_BATCHES = 8
@@ -48,7 +59,7 @@ class Job:
   rows: list[list[int]]
   loop: asyncio.AbstractEventLoop
   future: asyncio.Future
-  rewards: np.ndarray
+  rewards: list  # each row's reward (float), or its per-token values [T_i] (a process model)
   left: int
   tokens: int
   request_id: str = ""  # names the request in the log
@@ -68,8 +79,15 @@ def row_sizes(batch_size: int) -> list[int]:
 class Batcher:
   """The scoring worker and its queue."""
 
-  def __init__(self, score_fn: ScoreFn, config: ServerConfig, pad_id: int, metrics: Metrics):
+  def __init__(self, score_fn: ScoreFn, config: ServerConfig, pad_id: int, metrics: Metrics, *,
+               packed_fn: PackedFn | None = None, group_fn: GroupFn | None = None,
+               packed_buckets: tuple[int, ...] = ()):
+    """``packed_fn``, ``group_fn`` and ``packed_buckets`` (the lengths a packed row may have)
+    score rows that share a prefix together; without them every row is scored alone."""
     self.score_fn = score_fn
+    self.packed_fn = packed_fn if group_fn is not None and packed_buckets else None
+    self.group_fn = group_fn
+    self.packed_buckets = packed_buckets
     self.config = config
     self.pad_id = pad_id
     self.metrics = metrics
@@ -85,7 +103,8 @@ class Batcher:
   # ------------------------------------------------------------------ handler side
 
   def submit(self, rows: list[list[int]], request_id: str = "") -> Job:
-    """Queues one request's token rows; await ``job.future`` for rewards [N] (QueueFull: 503)."""
+    """Queues one request's token rows; await ``job.future`` for their outputs, in order: a float
+    each, or a process model's per-token values (QueueFull: 503)."""
     loop = asyncio.get_running_loop()
     tokens = sum(map(len, rows))
     cfg = self.config
@@ -93,7 +112,7 @@ class Batcher:
       if self._queued_tokens + tokens > cfg.max_queued_tokens:
         raise QueueFull(f"the server is busy: {cfg.max_queued_tokens} tokens are queued (--max_queued_tokens); "
                         "retry after the Retry-After seconds")
-      job = Job(rows, loop, loop.create_future(), np.zeros(len(rows), np.float32), len(rows), tokens, request_id)
+      job = Job(rows, loop, loop.create_future(), [None] * len(rows), len(rows), tokens, request_id)
       try:
         self._queue.put_nowait(job)
       except queue.Full:
@@ -138,19 +157,39 @@ class Batcher:
           self._fail(job, e)
 
   def shapes(self) -> list[tuple[int, int]]:
-    """(rows, length) of every batch the worker may form."""
+    """(rows, length) of every right-padded batch the worker may form."""
+    return self._shapes(self.config.buckets)
+
+  def packed_shapes(self) -> list[tuple[int, int]]:
+    """(rows, length) of every batch of packed rows the worker may form."""
+    return self._shapes(self.packed_buckets) if self.packed_fn is not None else []
+
+  def _shapes(self, lengths) -> list[tuple[int, int]]:
     cfg = self.config
-    return [(b, t) for t in cfg.buckets for b in row_sizes(cfg.batch_size) if b == 1 or b * t <= cfg.batch_tokens]
+    return [(b, t) for t in lengths for b in row_sizes(cfg.batch_size) if b == 1 or b * t <= cfg.batch_tokens]
 
   def _warm_up(self) -> None:
     start = time.perf_counter()
-    shapes = self.shapes()
+    shapes, packed = self.shapes(), self.packed_shapes()
     for b, t in shapes:
       ids = np.full((b, t), self.pad_id, np.int32)
       mask = np.zeros((b, t), np.int32)
       mask[:, 0] = 1
       self.score_fn(ids, mask)
-    log.info("compiled %d batch shapes in %.1f s", len(shapes), time.perf_counter() - start)
+    for b, t in packed:
+      # b groups of two rows whose packed length is t: t - 2 shared tokens and one of each's own.
+      rows = [[self.pad_id] * (t - 1) for _ in range(2 * b)]
+      groups = [[2 * g, 2 * g + 1] for g in range(b)]
+      for shared in self._packed(rows, groups, max_tokens=b * t):
+        assert shared.batch.input_ids.shape == (b, t), (shared.batch.input_ids.shape, b, t)
+        self.packed_fn(shared)
+    log.info("compiled %d batch shapes (%d of them of packed rows) in %.1f s", len(shapes) + len(packed),
+             len(packed), time.perf_counter() - start)
+
+  def _packed(self, rows: list[list[int]], groups: list[list[int]], max_tokens: int | None = None):
+    return shared_prefix.shared_batches(rows, groups, batch_size=self.config.batch_size, buckets=self.packed_buckets,
+                                        max_tokens=max_tokens or self.config.batch_tokens, pad_id=self.pad_id,
+                                        slot_per_token=True)
 
   def _collect(self) -> list[Job]:
     """The jobs to score next: the first to arrive, those arriving within batch_wait_ms, and any
@@ -186,26 +225,44 @@ class Batcher:
 
   def _score_jobs(self, jobs: list[Job]) -> None:
     rows = [(job, i) for job in jobs if not job.done for i in range(len(job.rows))]
-    rows.sort(key=lambda r: len(r[0].rows[r[1]]))
-    for batch in self._plan(rows):
+    groups = self._groups(rows)
+    alone = sorted((rows[g[0]] for g in groups if len(g) == 1), key=lambda r: len(r[0].rows[r[1]]))
+    for batch in self._plan(alone):
       batch = [(job, i) for job, i in batch if not job.done]  # a handler may have given up since
-      if not batch:
+      if batch:
+        self._score_batch(batch, lambda b: self._forward([job.rows[i] for job, i in b]))
+    shared = [g for g in groups if len(g) > 1]
+    if shared:
+      tokens = [job.rows[i] for job, i in rows]
+      for packed in self._packed(tokens, shared):
+        self._score_batch([rows[k] for k in packed.rows], lambda b, packed=packed: self._forward_packed(packed, b))
+
+  def _groups(self, rows: list[tuple[Job, int]]) -> list[list[int]]:
+    """Indices of ``rows`` in groups scored together (each alone without sharing)."""
+    if self.packed_fn is None or len(rows) < 2:
+      return [[k] for k in range(len(rows))]
+    return self.group_fn([job.rows[i] for job, i in rows])
+
+  def _score_batch(self, batch: list[tuple[Job, int]], forward: Callable) -> None:
+    """Scores one forward pass's rows (``forward(batch)``: their rewards, in order) and hands each
+    request its own; a failure fails the requests with rows in it."""
+    if all(job.done for job, _ in batch):  # every handler has given up since (packed rows stay packed)
+      return
+    try:
+      rewards = forward(batch)
+    except Exception as e:  # pylint: disable=broad-except  # fail these requests, keep serving
+      log.exception("scoring a batch failed (requests %s)", _ids(job for job, _ in batch))
+      for job in {job for job, _ in batch}:
+        self._fail(job, e)
+      return
+    self.metrics.batch(rows=len(batch), requests=len({id(job) for job, _ in batch}))
+    for (job, i), r in zip(batch, rewards):
+      if job.done:
         continue
-      try:
-        rewards = self._forward([job.rows[i] for job, i in batch])
-      except Exception as e:  # pylint: disable=broad-except  # fail these requests, keep serving
-        log.exception("scoring a batch failed (requests %s)", _ids(job for job, _ in batch))
-        for job in {job for job, _ in batch}:
-          self._fail(job, e)
-        continue
-      self.metrics.batch(rows=len(batch), requests=len({id(job) for job, _ in batch}))
-      for (job, i), r in zip(batch, rewards):
-        if job.done:
-          continue
-        job.rewards[i] = r
-        job.left -= 1
-        if job.left == 0:
-          self._answer(job)
+      job.rewards[i] = r
+      job.left -= 1
+      if job.left == 0:
+        self._answer(job)
 
   def _plan(self, rows: list[tuple[Job, int]]) -> list[list[tuple[Job, int]]]:
     """Rows sorted by length, cut into batches within batch_size rows and batch_tokens tokens."""
@@ -228,7 +285,13 @@ class Batcher:
     ids, mask = right_padded(rows, length=self._bucket(max(map(len, rows))), pad_id=self.pad_id,
                              num_rows=scoring_rows(len(rows), self.config.batch_size))
     self.metrics.tokens(real=sum(map(len, rows)), padded=ids.size)
-    return np.asarray(self.score_fn(ids, mask))[:len(rows)]
+    out = np.asarray(self.score_fn(ids, mask))
+    return out[:len(rows)] if out.ndim == 1 else [out[j, :len(r)] for j, r in enumerate(rows)]
+
+  def _forward_packed(self, packed: shared_prefix.SharedRows, batch: list[tuple[Job, int]]) -> np.ndarray:
+    """Rewards of the rows packed in ``packed`` (``batch``, in its order)."""
+    self.metrics.tokens(real=sum(len(job.rows[i]) for job, i in batch), padded=packed.batch.input_ids.size)
+    return self.packed_fn(packed)
 
   # ------------------------------------------------------------------ results
 
@@ -246,7 +309,8 @@ class Batcher:
     with self._lock:
       released = self._release(job)
     if released:
-      job.loop.call_soon_threadsafe(_set_result, job.future, job.rewards.tolist())
+      job.loop.call_soon_threadsafe(_set_result, job.future, [r if isinstance(r, np.ndarray) else float(r)
+                                                              for r in job.rewards])
 
   def _fail(self, job: Job, error: Exception) -> None:
     with self._lock:

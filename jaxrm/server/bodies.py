@@ -8,6 +8,7 @@ from typing import Any
 
 import jinja2
 
+from jaxrm import step_rewards
 from jaxrm.data.formats import kind, validate_messages
 from jaxrm.errors import ConfigError, DataError
 from jaxrm.server.config import ServerConfig
@@ -78,6 +79,47 @@ class Encoder:
     pairs = [(self._text(p, f"prompts[{i}]"), self._text(c, f"completions[{i}]"))
              for i, (p, c) in enumerate(zip(prompts, completions))]
     return [self.encode(f"prompts[{i}] + completions[{i}]", p, c) for i, (p, c) in enumerate(pairs)]
+
+  def solutions(self, body: dict[str, Any]) -> list[tuple[list[int], list[int]]]:
+    """A process model's ``{"prompts", "completions"}`` (each completion cut into steps at the
+    model's step separator) or ``{"prompts", "steps"}`` (a list of steps per prompt): each
+    solution's token ids and the positions of its step labels, laid out as stepwise training
+    lays them out."""
+    separator = self.rm.step_separator
+    if ("completions" in body) == ("steps" in body):
+      raise RequestError(400, "send 'prompts' with 'completions' (texts, cut into steps at the model's step "
+                         f"separator {separator!r}) or with 'steps' (a list of step texts per prompt), one of the two")
+    prompts = self.items(body, "prompts", "a list of prompts (strings or message lists)")
+    key = "steps" if "steps" in body else "completions"
+    given = self.items(body, key, "a list of step lists (lists of strings)" if key == "steps"
+                       else "a list of completions (strings)")
+    if len(prompts) != len(given):
+      raise RequestError(400, f"{len(prompts)} prompts but {len(given)} {key}; send one per prompt")
+    out = []
+    for i, (prompt, value) in enumerate(zip(prompts, given)):
+      steps = self._steps(value, f"{key}[{i}]", separator)
+      where = f"prompts[{i}] + {key}[{i}]"
+      try:
+        out.append(self.rm.encode_steps(self._text(prompt, f"prompts[{i}]"), steps,
+                                        max_length=self.config.max_length, where=where))
+      except (ValueError, jinja2.TemplateError) as e:
+        message = str(e) if str(e).startswith(where) else f"{where}: {e}"
+        raise RequestError(400, f"cannot score {message} (--max_length)" if "longer than max_length" in message
+                           else f"cannot score {message}") from None
+    return out
+
+  @staticmethod
+  def _steps(value: Any, where: str, separator: str) -> list[str]:
+    if isinstance(value, str):
+      steps = step_rewards.split_steps(value, separator)
+    elif isinstance(value, list) and all(isinstance(s, str) for s in value):
+      steps = value
+    else:
+      raise RequestError(400, f"{where} is {kind(value)}; expected "
+                         + ("a list of step texts" if where.startswith("steps") else "a string"))
+    if not steps:
+      raise RequestError(400, f"{where} has no steps to score (the step separator is {separator!r})")
+    return steps
 
   def items(self, body: dict[str, Any], key: str, expected: str) -> list:
     """``body[key]``, a list of at most max_batch items."""

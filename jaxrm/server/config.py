@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxrm import step_rewards
 from jaxrm.errors import ConfigError
+from jaxrm.shared_prefix import Sharing
 
 # Tokens per item when neither the caller nor the model's training run says: long enough for
 # most RL rollouts, short enough that a batch of them is not a model's whole context per row.
@@ -29,6 +31,10 @@ class ServerConfig:
     buckets: padded lengths a batch may have, each compiled at start; None: powers of two from 64
       up to max_length, and max_length.
     batch_wait_ms: how long the scoring worker waits for more requests to join a batch.
+    share_prefix: rows that share a token prefix of at least 64 tokens (a prompt's completions,
+      sent in one request or in many at once) are scored as shared-prompt packed rows, the prefix
+      once (:mod:`jaxrm.shared_prefix`); their rewards are those of rows scored alone, up to float
+      rounding. Packed rows have lengths of their own (``packed_buckets``), compiled at start too.
     max_queued_tokens: tokens waiting or being scored, all requests together; past it, 503.
     request_timeout: seconds from a request's headers to its answer -- reading its body, waiting
       for the tokenizer, tokenizing, queueing and scoring -- before 504.
@@ -44,7 +50,10 @@ class ServerConfig:
     normalize: return (reward - mean) / std with the statistics recorded at validation.
     combine: a regression model's outputs combined into one reward (``RewardModel.score``'s
       ``combine``: an attribute's name or ``"name=weight,..."``); required for such a model.
+    step_aggregation: a process reward model's step probabilities made one reward per solution
+      (:mod:`jaxrm.step_rewards`: min, last, product or mean), unless a request says otherwise.
     api_key: if set, every endpoint but ``/health`` needs ``Authorization: Bearer <api_key>``.
+    access_log: log one line per scoring request (endpoint, status, items, seconds, request id).
   """
 
   max_batch: int = 256
@@ -57,6 +66,7 @@ class ServerConfig:
   batch_tokens: int | None = None
   buckets: tuple[int, ...] | None = None
   batch_wait_ms: float = 5.0
+  share_prefix: bool = True
   max_queued_tokens: int = 2**20
   request_timeout: float = 60.0
   header_timeout: float = 10.0
@@ -66,7 +76,9 @@ class ServerConfig:
   openrlhf_text: bool = False
   normalize: bool = False
   combine: str | None = None  # a regression model's outputs combined into one reward
+  step_aggregation: str = step_rewards.DEFAULT_AGGREGATION
   api_key: str | None = dataclasses.field(default=None, repr=False)
+  access_log: bool = False
 
   def __post_init__(self):
     for name in ("max_batch", "max_request_bytes", "max_pending_bytes", "max_length", "batch_size",
@@ -81,6 +93,10 @@ class ServerConfig:
       raise ConfigError(f"max_pending_bytes={self.max_pending_bytes} < max_request_bytes={self.max_request_bytes}: "
                         "a body of max_request_bytes could never be read; raise --max_pending_bytes or lower "
                         "--max_request_bytes")
+    try:
+      step_rewards.check_aggregation(self.step_aggregation)
+    except ValueError as e:
+      raise ConfigError(f"{e} (--step_aggregation)") from None
     if self.buckets is not None and (not self.buckets or min(self.buckets) < 1):
       raise ConfigError(f"buckets={self.buckets}: give positive lengths, e.g. --buckets=128,512,2048")
 
@@ -98,6 +114,18 @@ class ServerConfig:
     buckets = tuple(sorted({b for b in self.buckets or _powers_of_two(max_length) if b < max_length}
                            | {max_length}))
     return dataclasses.replace(self, max_length=max_length, batch_tokens=batch_tokens, buckets=buckets)
+
+
+  def packed_buckets(self, sharing: Sharing = Sharing()) -> tuple[int, ...]:
+    """Lengths a packed row may have (of a :meth:`resolved` config): the buckets long enough for two
+    rows sharing a prefix, then powers of two up to the longest packed row (``sharing.row_length``
+    or ``batch_tokens``, the shorter), and that; none without ``share_prefix``, or when no row is
+    long enough to share ``sharing.min_prefix`` tokens."""
+    if not self.share_prefix or self.max_length <= sharing.min_prefix:
+      return ()
+    limit = min(sharing.row_length, self.batch_tokens)
+    longer = {b for b in _powers_of_two(limit) if b > self.max_length}
+    return tuple(sorted({b for b in self.buckets if sharing.min_prefix + 1 < b <= limit} | longer | {limit}))
 
 
 def _powers_of_two(limit: int) -> list[int]:

@@ -13,6 +13,12 @@ so configured). :data:`ROUTES` gives each POST path its parser.
   ``{"text"}`` or ``{"input_ids"}`` (its native reward endpoint) -> ``{"embedding": [reward],
   "meta_info"}`` per item. ``/v1/classify`` takes vLLM's only.
 * ``/pooling``: vLLM's ``{"input"}`` or ``{"messages"}`` -> its PoolingResponse.
+* ``/score_steps`` (a process reward model): ``{"prompts", "completions"}`` (each completion cut
+  into steps at the model's step separator) or ``{"prompts", "steps"}`` -> ``{"step_rewards":
+  [[P(step correct), ...], ...], "rewards": [...]}``, each reward its solution's step
+  probabilities aggregated (the request's ``"aggregation"``, else ``--step_aggregation``). Such a
+  model's ``/score`` takes the same prompts and completions and answers ``{"rewards"}``; the other
+  endpoints score sequences and refuse it.
 
 vLLM's shapes are its protocol classes (vllm/entrypoints/openai/protocol.py up to v0.10,
 vllm/entrypoints/pooling/{classify,pooling,score}/protocol.py after); SGLang's, its
@@ -30,7 +36,7 @@ import dataclasses
 import math
 from typing import Any, Callable
 
-from jaxrm import kinds
+from jaxrm import kinds, step_rewards
 from jaxrm.data.formats import kind
 from jaxrm.server.bodies import Encoder, RequestError
 
@@ -68,6 +74,12 @@ def parse_get_reward(enc: Encoder, body: Body) -> Scoring:
 
 
 def parse_jaxrm_score(enc: Encoder, body: Body) -> Scoring:
+  if enc.rm.kind == kinds.PROCESS:
+    if "conversations" in body:
+      raise RequestError(400, "this server's model is a process reward model, which scores the steps of a "
+                         "solution: send 'prompts' with 'completions' (or 'steps'), not 'conversations'")
+    steps = parse_score_steps(enc, body)
+    return Scoring(steps.rows, lambda outputs, meta: {"rewards": steps.write(outputs, meta)["rewards"]})
   return Scoring(enc.score(body), _rewards)
 
 
@@ -289,6 +301,39 @@ def _rid(rids: Any, i: int, single: bool, meta: Meta) -> str:
   return meta.request_id if single else f"{meta.request_id}-{i}"
 
 
+# ------------------------------------------------------------------ process reward models
+
+
+def parse_score_steps(enc: Encoder, body: Body) -> Scoring:
+  """Each solution's step probabilities (class 1 at its step labels, as ``RewardModel.score_steps``)
+  and their aggregate."""
+  if enc.rm.kind != kinds.PROCESS:
+    raise RequestError(400, "/score_steps scores the steps of solutions with a process reward model (a token "
+                       f"head); this server's model has {kinds.describe(enc.rm.config, enc.rm.attributes)}: "
+                       "POST /score or /get_reward")
+  how = body.get("aggregation", enc.config.step_aggregation)
+  if how not in step_rewards.AGGREGATIONS:
+    raise RequestError(400, f"aggregation={how!r}; send one of {', '.join(map(repr, step_rewards.AGGREGATIONS))} "
+                       f"(or leave it out: {enc.config.step_aggregation!r})")
+  solutions = enc.solutions(body)
+
+  def write(outputs: list, meta: Meta) -> Body:
+    steps = [[float(p) for p in out[positions]] for out, (_, positions) in zip(outputs, solutions)]
+    return {"step_rewards": steps, "rewards": [step_rewards.aggregate(p, how) for p in steps]}
+  return Scoring([ids for ids, _ in solutions], write)
+
+
+def _sequences_only(path: str, parse: Callable[[Encoder, Body], Scoring]) -> Callable[[Encoder, Body], Scoring]:
+  """``parse``, refusing a process reward model (its rewards are per step)."""
+  def checked(enc: Encoder, body: Body) -> Scoring:
+    if enc.rm.kind == kinds.PROCESS:
+      raise RequestError(400, f"{path} scores whole sequences, and this server's model is a process reward "
+                         "model: POST /score_steps (each step's probability) or /score (one reward per "
+                         "solution), with 'prompts' and 'completions'")
+    return parse(enc, body)
+  return checked
+
+
 # ------------------------------------------------------------------ paths shared by formats
 
 
@@ -299,7 +344,9 @@ def parse_score(enc: Encoder, body: Body) -> Scoring:
   if vllm and own:
     raise RequestError(400, f"the body has jaxrm's {own[0]!r} and vLLM's {vllm[0]!r}: send jaxrm's score request "
                        "or vLLM's (see /v1/score), not both")
-  return parse_vllm_score(enc, body) if vllm else parse_jaxrm_score(enc, body)
+  if vllm:
+    return _sequences_only("vLLM's score request", parse_vllm_score)(enc, body)
+  return parse_jaxrm_score(enc, body)
 
 
 def parse_classify(enc: Encoder, body: Body) -> Scoring:
@@ -330,10 +377,11 @@ def _is_int(x: Any) -> bool:
 
 
 ROUTES: dict[str, Callable[[Encoder, Body], Scoring]] = {
-    "/get_reward": parse_get_reward,
+    "/get_reward": _sequences_only("/get_reward", parse_get_reward),
     "/score": parse_score,
-    "/classify": parse_classify,
-    "/pooling": parse_vllm_pooling,
-    "/v1/score": parse_vllm_score,
-    "/v1/classify": parse_vllm_classify,
+    "/classify": _sequences_only("/classify", parse_classify),
+    "/pooling": _sequences_only("/pooling", parse_vllm_pooling),
+    "/v1/score": _sequences_only("/v1/score", parse_vllm_score),
+    "/v1/classify": _sequences_only("/v1/classify", parse_vllm_classify),
+    "/score_steps": parse_score_steps,
 }
