@@ -159,15 +159,29 @@ def _regression_columns(result: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _regression_plot(result: dict[str, Any], ax) -> None:
-  s = result["scores"]
-  for a, name in enumerate(result["attributes"]):
+  """One scatter of predictions against ratings per attribute, each with its y = x line; the
+  panels share ``ax``'s place in its figure. Attributes rate on their own scales, so each panel
+  has its own axes."""
+  spec = ax.get_subplotspec()
+  if spec is None:
+    raise ValueError("plot_scores of a regression result draws one panel per attribute in the place of ax: "
+                     "give an axes of a grid (fig.add_subplot() or plt.subplots())")
+  fig, names, s = ax.figure, result["attributes"], result["scores"]
+  grid = spec.subgridspec(1, len(names))
+  ax.remove()
+  for a, name in enumerate(names):
+    panel = fig.add_subplot(grid[0, a])
     rated = s["rated"][:, a]
-    ax.scatter(s["ratings"][rated, a], s["predictions"][rated, a], s=8, alpha=0.5,
-               label=f"{name} (n={int(rated.sum())})")
-  ax.set_xlabel("rating")
-  ax.set_ylabel("prediction")
-  ax.set_title("Predictions against ratings, per attribute")
-  ax.legend()
+    ratings, predictions = s["ratings"][rated, a], s["predictions"][rated, a]
+    panel.scatter(ratings, predictions, s=8, alpha=0.5)
+    if rated.any():
+      lo = float(min(ratings.min(), predictions.min()))
+      hi = float(max(ratings.max(), predictions.max()))
+      panel.plot([lo, hi], [lo, hi], color="gray", linestyle="--", linewidth=1)
+    panel.set_title(f"{name} (n={int(rated.sum())})")
+    panel.set_xlabel("rating")
+    panel.set_ylabel("prediction" if a == 0 else "")
+  fig.suptitle("Predictions against ratings (dashed: prediction = rating)")
 
 
 KINDS: dict[str, Kind] = {

@@ -55,36 +55,7 @@ def plot_scores(result: dict[str, Any], ax) -> None:
   """Draws the histogram of chosen vs rejected rewards (step probabilities for PRMs) on ``ax``;
   for a regression model, one panel per attribute of its predictions against its ratings, in
   the place of ``ax`` (an axes of a grid: ``fig.add_subplot()``, ``plt.subplots()``)."""
-  if result["kind"] == "regression":
-    _regression_panels(result, ax)
-  else:
-    KINDS[result["kind"]].plot(result, ax)
-
-
-def _regression_panels(result: dict[str, Any], ax) -> None:
-  """One scatter of predictions against ratings per attribute, each with its y = x line; the
-  panels share ``ax``'s place in its figure. Attributes rate on their own scales, so each panel
-  has its own axes."""
-  spec = ax.get_subplotspec()
-  if spec is None:
-    raise ValueError("plot_scores of a regression result draws one panel per attribute in the place of ax: "
-                     "give an axes of a grid (fig.add_subplot() or plt.subplots())")
-  fig, names, s = ax.figure, result["attributes"], result["scores"]
-  grid = spec.subgridspec(1, len(names))
-  ax.remove()
-  for a, name in enumerate(names):
-    panel = fig.add_subplot(grid[0, a])
-    rated = s["rated"][:, a]
-    ratings, predictions = s["ratings"][rated, a], s["predictions"][rated, a]
-    panel.scatter(ratings, predictions, s=8, alpha=0.5)
-    if rated.any():
-      lo = float(min(ratings.min(), predictions.min()))
-      hi = float(max(ratings.max(), predictions.max()))
-      panel.plot([lo, hi], [lo, hi], color="gray", linestyle="--", linewidth=1)
-    panel.set_title(f"{name} (n={int(rated.sum())})")
-    panel.set_xlabel("rating")
-    panel.set_ylabel("prediction" if a == 0 else "")
-  fig.suptitle("Predictions against ratings (dashed: prediction = rating)")
+  KINDS[result["kind"]].plot(result, ax)
 
 
 def _figure_size(result: dict[str, Any]) -> tuple[float, float]:
