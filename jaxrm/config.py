@@ -46,8 +46,6 @@ DEFAULT_ATTRIBUTES = {"HelpSteer2": HELPSTEER2_ATTRIBUTES}
 # The demo's validation split; a run on own files without validation leaves it out.
 DEFAULT_VAL_DATA_PATHS = {"default": "validation"}
 DEFAULT_METRIC_NAME = "validation-default_loss"
-# Schedules that decay after warmup, and so need steps after it.
-_DECAYING = ("cosine", "cosine_with_min_lr", "linear")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -390,7 +388,7 @@ class TrainSpec:
   def check_steps(self, total_steps: int, why: str) -> None:
     """Raises ConfigError if a run of ``total_steps`` (set as ``why`` says) leaves this schedule no
     steps to decay after warmup."""
-    if self.lr_scheduler in _DECAYING and total_steps <= self.warmup_steps:
+    if self.lr_scheduler in optim.DECAYING and total_steps <= self.warmup_steps:
       raise ConfigError(
           f"{why} ends the run within train.warmup_steps={self.warmup_steps}, leaving "
           f"train.lr_scheduler={self.lr_scheduler!r} no steps to decay: lower train.warmup_steps (e.g. "

@@ -46,7 +46,7 @@ import logging
 
 from jaxrm import benchmarks, cli
 from jaxrm.data.tokenize import TokenizeOptions
-from jaxrm.server.config import DEFAULT_MAX_LENGTH
+from jaxrm.server.config import DEFAULT_MAX_LENGTH, default_max_length
 
 
 def _define_flags() -> None:
@@ -102,7 +102,8 @@ def main() -> None:
   drops = DropReport()
   rm, records = evaluation.read_data(f.data, lambda: _model(f), dataset_name=f.dataset_name, split=f.split,
                                      subset_field=f.subset_field, max_rows=f.max_rows, drops=drops)
-  options = TokenizeOptions(max_length=f.max_length or default_max_length(rm), truncation=f.truncation,
+  max_length = f.max_length or default_max_length(rm.config.max_position_embeddings, rm.training_max_length)
+  options = TokenizeOptions(max_length=max_length, truncation=f.truncation,
                             step_separator=f.step_separator)
   result = evaluation.evaluate(rm, records, options=options, batch_size=f.batch_size, drops=drops,
                                combine=f.combine)
@@ -114,12 +115,6 @@ def main() -> None:
   print(drops.summary("dropped rows"))
   if f.output:
     print(f"wrote {', '.join(evaluation.write_outputs(result, f.output, {'model': f.model, 'data': f.data}))}")
-
-
-def default_max_length(rm) -> int:
-  """What ``--max_length`` is when not given: the model's training length, as the reward server's
-  default is (:meth:`jaxrm.server.ServerConfig.resolved`)."""
-  return rm.training_max_length or min(DEFAULT_MAX_LENGTH, rm.config.max_position_embeddings)
 
 
 def _model(f):

@@ -10,6 +10,8 @@ import optax
 
 # Schedule names as transformers' ``get_scheduler`` (TRL's ``lr_scheduler_type``) spells them.
 SCHEDULERS = ("cosine", "cosine_with_min_lr", "linear", "constant", "constant_with_warmup", "inverse_sqrt")
+# The schedules that decay after their warmup, and so need steps past it.
+DECAYING = ("cosine", "cosine_with_min_lr", "linear")
 # Other spellings users bring: NeMo RL's Megatron ``lr_decay_style`` values.
 SCHEDULER_ALIASES = {"inverse-square-root": "inverse_sqrt"}
 # The former ``decay`` / ``train.lr_decay`` values: their "constant" kept the warmup.
@@ -59,7 +61,7 @@ def make_schedule(
                      "learning_rate); use 'cosine' to decay to 0")
   if scheduler == "constant":
     return optax.constant_schedule(learning_rate)
-  if scheduler in ("cosine", "cosine_with_min_lr", "linear") and total_steps <= warmup_steps:
+  if scheduler in DECAYING and total_steps <= warmup_steps:
     raise ValueError(
         f"total_steps={total_steps} leaves no steps to decay after warmup_steps={warmup_steps};"
         f" raise total_steps, lower warmup_steps or use scheduler='constant_with_warmup'")

@@ -13,6 +13,8 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from jaxrm.data.registry import SPLIT_NAMES
+
 if TYPE_CHECKING:
   from jaxrm.data.drops import DropReport
   from jaxrm.data.packing import PackSpec
@@ -25,7 +27,6 @@ VALIDATION_TIME = "timing/validation/total_validation_time"
 LEADING_METRICS = ("loss", "accuracy", "margin", "step_accuracy", "f1_error", "recall_error",
                    "first_error_found", "positive_rate")
 # Sets that name a split of a dataset read by name rather than a path.
-SPLIT_NAMES = ("train", "validation", "test")
 DEFAULT_FORMAT = "PreferenceDataset"  # evaluate's --dataset_name when none is given
 
 

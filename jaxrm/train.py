@@ -93,6 +93,7 @@ def _foreign_config():
 
 def _parse(argv: list[str]) -> list[str]:
   """absl's parsing of jaxrm's own flags; TRL's flags and NeMo RL's overrides are set aside."""
+  _FOREIGN.update(trl=[], nemo=[])  # this command line's only
   if "--trl_args" in argv:
     at = argv.index("--trl_args")
     argv, _FOREIGN["trl"] = argv[:at + 1], argv[at + 1:]

@@ -311,7 +311,7 @@ def test_solutions_of_one_problem_share_it(prm_url, tiny_prm):
 
 @pytest.mark.parametrize("path, body, message", [
     ("/score_steps", {"prompts": ["p"], "steps": [["a"]], "aggregation": "max"},
-     "aggregation='max'; send one of 'min', 'last', 'product', 'mean'"),
+     "aggregation='max' is not an aggregation of step probabilities; choose one of min, last, product, mean"),
     ("/score_steps", {"prompts": ["p"], "completions": ["\n\n"]}, "completions[0] has no steps to score"),
     ("/score_steps", {"prompts": ["p", "q"], "steps": [["a"]]}, "2 prompts but 1 steps; send one per prompt"),
     ("/score_steps", {"prompts": ["p"]}, "send 'prompts' with 'completions'"),

@@ -53,7 +53,8 @@ def token_logits(h_btd, w_dc, bias_c):
 
 
 def correct_probability(logits_sc: np.ndarray) -> np.ndarray:
-  """P(step correct) [S] of a process reward model's logits [S, C] at step tokens: class 1."""
+  """P(step correct) [S] of a process reward model's logits [S, C] at step tokens: class 1 (any
+  leading shape: [..., C] -> [...])."""
   logits_sc = np.asarray(logits_sc, np.float32)
   e = np.exp(logits_sc - logits_sc.max(-1, keepdims=True))
-  return e[:, 1] / e.sum(-1)
+  return e[..., 1] / e.sum(-1)

@@ -13,7 +13,6 @@ import uuid
 from typing import Callable
 
 import anyio
-import numpy as np
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -48,7 +47,7 @@ def score_fn(rm, normalize: bool, combine: str | None = None) -> ScoreFn:
   model's outputs [B, A] are combined by ``combine`` (see ``RewardModel.score``). A process
   model's: P(step correct) [B, T] at every token, read at the step labels by the endpoint."""
   if rm.kind == kinds.PROCESS:
-    return lambda ids, mask: _correct_probabilities(rm.score_tokens(ids, mask))
+    return lambda ids, mask: correct_probability(rm.score_tokens(ids, mask))
   weights = None if combine is None else rm.combination(combine)
   return lambda ids, mask: rm.reduce(rm.score_tokens(ids, mask), combine=weights, normalize=normalize)
 
@@ -60,11 +59,6 @@ def packed_fn(rm, normalize: bool, combine: str | None = None) -> PackedFn:
     return lambda shared: [correct_probability(logits) for logits in rm.score_shared(shared)]
   weights = None if combine is None else rm.combination(combine)
   return lambda shared: rm.reduce(rm.score_shared(shared), combine=weights, normalize=normalize)
-
-
-def _correct_probabilities(logits_btc: np.ndarray) -> np.ndarray:
-  b, t, c = logits_btc.shape
-  return correct_probability(logits_btc.reshape(b * t, c)).reshape(b, t)
 
 
 def batcher(rm, config: ServerConfig, metrics: Metrics) -> Batcher:

@@ -99,13 +99,9 @@ class Encoder:
     for i, (prompt, value) in enumerate(zip(prompts, given)):
       steps = self._steps(value, f"{key}[{i}]", separator)
       where = f"prompts[{i}] + {key}[{i}]"
-      try:
-        out.append(self.rm.encode_steps(self._text(prompt, f"prompts[{i}]"), steps,
-                                        max_length=self.config.max_length, where=where))
-      except (ValueError, jinja2.TemplateError) as e:
-        message = str(e) if str(e).startswith(where) else f"{where}: {e}"
-        raise RequestError(400, f"cannot score {message} (--max_length)" if "longer than max_length" in message
-                           else f"cannot score {message}") from None
+      prompt = self._text(prompt, f"prompts[{i}]")
+      out.append(self._encoded(where, lambda: self.rm.encode_steps(prompt, steps, max_length=self.config.max_length,
+                                                                    where=where)))
     return out
 
   @staticmethod
@@ -151,9 +147,15 @@ class Encoder:
 
   def encode(self, where: str, item, completion=None) -> list[int]:
     """A conversation or text (with its completion, if given) laid out as training lays it out."""
+    return self._encoded(where, lambda: self.rm.encode(item, completion, max_length=self.config.max_length,
+                                                       where=where))
+
+  @staticmethod
+  def _encoded(where: str, encode):
+    """``encode()``, its refusal (over-long or empty, or a template refusing it) a 400 naming ``where``."""
     try:
-      return self.rm.encode(item, completion, max_length=self.config.max_length, where=where)
-    except (ValueError, jinja2.TemplateError) as e:  # over-long or empty, or a template refusing it
+      return encode()
+    except (ValueError, jinja2.TemplateError) as e:
       message = str(e) if str(e).startswith(where) else f"{where}: {e}"
       hint = " (--max_length)" if "longer than max_length" in message else ""
       raise RequestError(400, f"cannot score {message}{hint}") from None

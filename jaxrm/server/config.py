@@ -103,7 +103,7 @@ class ServerConfig:
   def resolved(self, context_length: int, training_max_length: int | None = None) -> ServerConfig:
     """This config with max_length, batch_tokens and buckets filled in for a model's context and,
     when it was trained by jaxrm, the training run's ``data.max_length``."""
-    max_length = self.max_length or training_max_length or min(DEFAULT_MAX_LENGTH, context_length)
+    max_length = self.max_length or default_max_length(context_length, training_max_length)
     if max_length > context_length:
       raise ConfigError(f"max_length={max_length} is longer than the model's context ({context_length} "
                         "tokens): lower --max_length")
@@ -126,6 +126,12 @@ class ServerConfig:
     limit = min(sharing.row_length, self.batch_tokens)
     longer = {b for b in _powers_of_two(limit) if b > self.max_length}
     return tuple(sorted({b for b in self.buckets if sharing.min_prefix + 1 < b <= limit} | longer | {limit}))
+
+
+def default_max_length(context_length: int, training_max_length: int | None) -> int:
+  """Tokens per item a scorer takes unless told: the training run's ``data.max_length``, else
+  ``DEFAULT_MAX_LENGTH`` or the model's context if shorter."""
+  return training_max_length or min(DEFAULT_MAX_LENGTH, context_length)
 
 
 def _powers_of_two(limit: int) -> list[int]:

@@ -312,9 +312,10 @@ def parse_score_steps(enc: Encoder, body: Body) -> Scoring:
                        f"head); this server's model has {kinds.describe(enc.rm.config, enc.rm.attributes)}: "
                        "POST /score or /get_reward")
   how = body.get("aggregation", enc.config.step_aggregation)
-  if how not in step_rewards.AGGREGATIONS:
-    raise RequestError(400, f"aggregation={how!r}; send one of {', '.join(map(repr, step_rewards.AGGREGATIONS))} "
-                       f"(or leave it out: {enc.config.step_aggregation!r})")
+  try:
+    step_rewards.check_aggregation(how, flag="aggregation")
+  except ValueError as e:
+    raise RequestError(400, str(e)) from None
   solutions = enc.solutions(body)
 
   def write(outputs: list, meta: Meta) -> Body:
