@@ -493,6 +493,7 @@ class RunConfig:
                         "data.packing='none'")
     if self.data.packing == "none" and self.data.packed_row_length:
       log.warning("data.packed_row_length=%d is ignored: data.packing is 'none'", self.data.packed_row_length)
+    _check_context_lengths(self)
     if self.checkpointing.metric == DEFAULT_METRIC_NAME and "default" not in self.data.val_data_paths:
       _rank_by_first_set(self)
     if self.checkpointing.enabled:
@@ -588,6 +589,27 @@ def _rank_by_first_set(config: RunConfig) -> None:
   else:
     log.info("checkpoints are kept by recency: there is no validation set to rank them by")
   object.__setattr__(config, "checkpointing", dataclasses.replace(config.checkpointing, metric_name=metric))
+
+
+def _check_context_lengths(config: RunConfig) -> None:
+  """Rows must split into mesh.context's equal chunks (2 per shard with zigzag balance)."""
+  mesh, data = config.mesh, config.data
+  if mesh.context == 1:
+    return
+  if mesh.context == -1:
+    raise ConfigError("mesh.context=-1: give the number of devices that split each row (rows must "
+                      "be sized to it); -1 suits data or fsdp")
+  chunks = mesh.context * (2 if mesh.context_balance == "zigzag" else 1)
+  why = (f"mesh.context={mesh.context} with mesh.context_balance={mesh.context_balance!r} splits each "
+         f"row into {chunks} chunks")
+  lengths = {"data.bucket_multiple": data.bucket_multiple}
+  if data.packing == "none":
+    lengths["data.max_length"] = data.max_length  # the longest bucket
+  elif data.packed_row_length:
+    lengths["data.packed_row_length"] = data.packed_row_length
+  for key, value in lengths.items():
+    if value % chunks:
+      raise ConfigError(f"{key}={value}: {why}; set {key} to a multiple of {chunks}")
 
 
 def _check_checkpoint_metric(config: RunConfig) -> None:

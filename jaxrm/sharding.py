@@ -1,9 +1,10 @@
 """The one place where logical axis names meet mesh axes.
 
 Parameters and activations carry logical names (``embed``, ``heads``, ``mlp``, ``batch``...). The
-mesh has three axes: ``data`` (pure data parallelism), ``fsdp`` (data parallelism that also shards
-parameters and optimizer state) and ``tensor`` (splits heads and the MLP). :data:`DEFAULT_RULES`
-maps the former to the latter.
+mesh has four axes: ``data`` (pure data parallelism), ``fsdp`` (data parallelism that also shards
+parameters and optimizer state), ``context`` (splits each row's tokens: context parallelism, see
+:mod:`jaxrm.models.context_parallel`) and ``tensor`` (splits heads and the MLP; innermost, so that
+its shards are the closest devices). :data:`DEFAULT_RULES` maps the former to the latter.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "tensor")
+CONTEXT_AXIS = "context"  # the axis that splits a row's tokens (``length``)
+CONTEXT_BALANCES = ("zigzag", "none")
 
 # logical name -> mesh axis (or tuple of axes, or None for replicated)
 DEFAULT_RULES: dict[str, Any] = {
     "batch": ("data", "fsdp"),
-    "length": None,
+    "length": CONTEXT_AXIS,  # batches arrive whole over it; the decoder's first constraint splits them
     "embed": "fsdp",
     "vocab": "tensor",
     "heads": "tensor",
@@ -38,19 +41,41 @@ DEFAULT_RULES: dict[str, Any] = {
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """Sizes of the mesh axes (``mesh.data``, ``mesh.fsdp``, ``mesh.tensor``); -1 takes the rest."""
+  """Sizes of the mesh axes (``mesh.data``, ``mesh.fsdp``, ``mesh.tensor``, ``mesh.context``); -1
+  takes the rest. ``mesh.context_balance``: how a row's tokens are dealt to the context shards
+  ("zigzag": shard i of c holds chunks i and 2c-1-i of 2c, so that causal attention costs each
+  shard alike; "none": contiguous quarters, halves...)."""
 
   data: int = 1
   fsdp: int = -1
   tensor: int = 1
+  context: int = 1
+  context_balance: str = "zigzag"
+
+  def __post_init__(self):
+    for name in ("data", "fsdp", "tensor", "context"):
+      size = getattr(self, name)
+      if not isinstance(size, int) or (size < 1 and size != -1):
+        raise ValueError(f"mesh.{name}={size!r}: use a number of devices (1 or more), or -1 for the rest")
+    if self.context_balance not in CONTEXT_BALANCES:
+      raise ValueError(f"mesh.context_balance={self.context_balance!r}: use one of "
+                       f"{', '.join(CONTEXT_BALANCES)} (how mesh.context splits a row's tokens)")
+
+
+# mesh -> its MeshConfig.context_balance, for the decoder to read at trace time (a jax Mesh
+# carries axis names and sizes only).
+_BALANCE: dict[Mesh, str] = {}
 
 
 def make_mesh(cfg: MeshConfig = MeshConfig(), devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A ``(data, fsdp, tensor)`` mesh; one size may be -1 for the remaining devices."""
+  """A ``(data, fsdp, context, tensor)`` mesh; one size may be -1 for the remaining devices."""
   devices = list(devices if devices is not None else jax.devices())
-  sizes = [cfg.data, cfg.fsdp, cfg.tensor]
+  names = ("data", "fsdp", "context", "tensor")
+  sizes = [cfg.data, cfg.fsdp, cfg.context, cfg.tensor]
+  shown = [i for i, n in enumerate(names) if n != "context" or cfg.context != 1]  # context only when used
+  said = lambda values, sep: sep.join(f"{names[i]}={values[i]}" for i in shown)
   if sizes.count(-1) > 1:
-    raise ValueError(f"mesh: at most one axis may be -1, got data={cfg.data} fsdp={cfg.fsdp} tensor={cfg.tensor}")
+    raise ValueError(f"mesh: at most one axis may be -1, got {said(sizes, ' ')}")
   known = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
     if len(devices) % known:
@@ -58,9 +83,27 @@ def make_mesh(cfg: MeshConfig = MeshConfig(), devices: Sequence[jax.Device] | No
     sizes[sizes.index(-1)] = len(devices) // known
   if math.prod(sizes) != len(devices):
     raise ValueError(
-        f"mesh: data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} = {math.prod(sizes)} devices, "
+        f"mesh: {said(sizes, ' x ')} = {math.prod(sizes)} devices, "
         f"but {len(devices)} are available; set the sizes so their product matches (or use -1 for one axis)")
-  return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+  mesh = Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+  _BALANCE[mesh] = cfg.context_balance
+  return mesh
+
+
+def context_size(mesh: Mesh | None) -> int:
+  """How many devices split each row's tokens (``mesh.context``); 1 without a mesh."""
+  return 1 if mesh is None else dict(mesh.shape).get(CONTEXT_AXIS, 1)
+
+
+def context_balance(mesh: Mesh) -> str:
+  """The ``mesh.context_balance`` that :func:`make_mesh` built ``mesh`` with ("zigzag" for a
+  mesh built otherwise)."""
+  return _BALANCE.get(mesh, "zigzag")
+
+
+def logged_shape(mesh: Mesh) -> dict[str, int]:
+  """The mesh's axis sizes as the run's log shows them: ``context`` only where it splits rows."""
+  return {a: n for a, n in mesh.shape.items() if a != CONTEXT_AXIS or n != 1}
 
 
 def data_parallel_size(mesh: Mesh) -> int:
@@ -93,14 +136,37 @@ def _fits(shape, spec: P, mesh: Mesh) -> P:
 
 
 def param_shardings(abstract_state, mesh: Mesh, rules: dict[str, Any] = DEFAULT_RULES):
-  """NamedShardings for an nnx state whose Variables carry ``logical_axes`` metadata."""
+  """NamedShardings for an nnx state whose Variables carry ``logical_axes`` metadata.
+
+  With ``mesh.context`` > 1 the ``fsdp`` dimension of each parameter (and so of its optimizer
+  state) is split over ``fsdp`` x ``context``: the devices that share a row's tokens share its
+  weights' shards too, gathered layer by layer as fsdp's are, instead of each holding a whole
+  fsdp shard (on 8 devices at context 8, an eighth of the weights per device instead of all).
+  A dimension that the product does not divide keeps the fsdp split alone.
+  """
+  spread = _over_context(rules) if context_size(mesh) > 1 else None
 
   def one(var):
     value = var.get_value() if hasattr(var, "get_value") else var.value
     axes = var.get_metadata().get("logical_axes") or (None,) * len(value.shape)
-    return NamedSharding(mesh, _fits(value.shape, logical_to_spec(axes, rules), mesh))
+    spec = _fits(value.shape, logical_to_spec(axes, rules), mesh)
+    if spread is not None:
+      wide = _fits(value.shape, logical_to_spec(axes, spread), mesh)
+      spec = wide if _shards(wide, mesh) > _shards(spec, mesh) else spec
+    return NamedSharding(mesh, spec)
 
   return jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _over_context(rules: dict[str, Any]) -> dict[str, Any]:
+  """``rules`` with every parameter axis that maps to fsdp mapped to (fsdp, context)."""
+  return {k: ("fsdp", CONTEXT_AXIS) if v == "fsdp" else v for k, v in rules.items()}
+
+
+def _shards(spec: P, mesh: Mesh) -> int:
+  """Into how many pieces ``spec`` cuts a tensor on ``mesh``."""
+  names = [a for axes in spec for a in ((axes,) if isinstance(axes, str) else tuple(axes or ()))]
+  return math.prod(mesh.shape[a] for a in names)
 
 
 def batch_sharding(mesh: Mesh, ndim: int, rules: dict[str, Any] = DEFAULT_RULES, *,
@@ -142,6 +208,18 @@ def activation_spec(shape: Sequence[int], logical_axes: Sequence[str | None]) ->
   :func:`activation_sharding`), e.g. for a ``shard_map`` around a kernel XLA cannot split."""
   mesh, rules = _ACTIVE[-1]
   return _fits(shape, logical_to_spec(logical_axes, rules), mesh)
+
+
+def attention_specs(q_shape: Sequence[int], k_shape: Sequence[int]) -> tuple[P, P]:
+  """The PartitionSpecs of queries [B, T, H, Dh] and keys/values [B, S, K, Dh] for a ``shard_map``
+  around attention (inside :func:`activation_sharding`): rows, tokens and heads as
+  :func:`constrain` splits them. Heads are split only where the key heads split alike, so that
+  each device holds every query head of its key heads."""
+  q_spec = activation_spec(q_shape, ("batch", "length", "heads", "head_dim"))
+  k_spec = activation_spec(k_shape, ("batch", "length", "kv_heads", "head_dim"))
+  if q_spec[2] != k_spec[2]:
+    q_spec, k_spec = (P(x[0], x[1], None, x[3]) for x in (q_spec, k_spec))
+  return q_spec, k_spec
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:

@@ -21,6 +21,13 @@ Ranked groups against TRL's expanded pairs: K completions per prompt (``--ranked
 
   python scripts/bench.py --model=smollm2-135m --ranked=4,7 --batch_size=1 --steps=10
 
+CPU step experiments: each mode in lockstep against itself changed by a variant, in its own
+process (``serial_dots=on``: each projection's two backward products in turn; ``xla=<preset>``:
+XLA:CPU thread and scheduling flags; ``layers``, ``scan``, ``remat``: the model's; joined by ``+``)::
+
+  python scripts/bench.py --modes=unpacked --batch_size=2 --steps=10 \
+      --vs-variant=serial_dots=on,xla=eigen_single,scan=off+remat=full
+
 TRL is needed only for ``--vs-trl`` and ``--ranked``, not by jaxrm: ``pip install --no-deps
 trl==1.16.0`` into the environment. Memory per device, and one step of a planned setting on a GPU, are
 ``scripts/memory_plan.py``'s; the model shapes and generated rows are ``scripts/bench_common.py``'s.
@@ -144,6 +151,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one run, in this process
   p.add_argument("--channel", default=None, help=argparse.SUPPRESS)
   p.add_argument("--weights_dir", default=None, help=argparse.SUPPRESS)  # --ranked: both sides' start
+  p.add_argument("--layers", type=int, default=0, help="decoder layers (0: the shape's own)")
+  p.add_argument("--vs-variant", dest="vs_variant", default="",
+                 help="CPU step experiments: each mode in lockstep against itself changed by each of "
+                      "these variants (comma-separated; each key=value, joined by '+'): "
+                      + "; ".join(f"{k}: {v}" for k, v in VARIANT_KEYS.items()))
   args = p.parse_args(argv)
   if args.gpu:
     for k, v in GPU_PRESET.items():
@@ -158,6 +170,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.error(f"--ranked={args.ranked}: give completions per prompt as integers, e.g. --ranked=4,7")
   if any(k < 2 for k in args.ranked):
     p.error(f"--ranked={','.join(map(str, args.ranked))}: a ranked group needs at least 2 completions")
+  args.vs_variant = [v for v in args.vs_variant.split(",") if v]
+  for v in args.vs_variant:
+    try:
+      parse_variant(v)
+    except ValueError as e:
+      p.error(f"--vs-variant: {e}")
+  if args.vs_variant and (args.vs_trl or args.vs_lora or args.ranked):
+    p.error("--vs-variant compares jaxrm with itself: leave out --vs-trl, --vs-lora and --ranked")
   if args.ranked and (args.vs_trl or args.vs_lora):
     p.error("--ranked runs in lockstep with TRL already; leave out --vs-trl and --vs-lora")
   if args.ranked and args.warmup < 1:
@@ -169,8 +189,89 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def model_config(args) -> ModelConfig:
-  return SHAPES[args.model].replace(dtype=args.dtype, param_dtype="float32", remat=args.remat,
-                                    attention_impl=args.attention, pad_token_id=PAD)
+  cfg = SHAPES[args.model].replace(dtype=args.dtype, param_dtype="float32", remat=args.remat,
+                                   attention_impl=args.attention, pad_token_id=PAD)
+  return cfg.replace(num_layers=args.layers) if args.layers else cfg
+
+
+# ------------------------------------------------------------------------------- variants
+
+# --vs-variant's keys: what each changes in the run it is compared with.
+XLA_PRESETS = {  # XLA:CPU's thread and scheduling options, set in the variant's own process
+    "eigen_single": "--xla_cpu_multi_thread_eigen=false",  # each matrix product on one thread
+    "sched_concurrency": "--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_CONCURRENCY_OPTIMIZED",
+    "sched_memory": "--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
+}
+VARIANT_KEYS = {
+    "layers": "decoder layers", "scan": "on/off (model.scan_layers)",
+    "remat": "none/dots/full (model.remat)",
+    "serial_dots": "on: each projection's weight gradient waits for its data gradient "
+                   "(an optimization barrier), and what follows waits for both",
+    "xla": "XLA_FLAGS preset: " + ", ".join(f"{k} ({v})" for k, v in XLA_PRESETS.items()),
+}
+
+
+def parse_variant(spec: str) -> dict[str, str]:
+  """``"layers=8+scan=off"`` -> ``{"layers": "8", "scan": "off"}``, each key and value checked."""
+  out = {}
+  for item in spec.split("+"):
+    key, sep, value = item.partition("=")
+    if not sep or key not in VARIANT_KEYS:
+      raise ValueError(f"{item!r} is not key=value with key one of {', '.join(VARIANT_KEYS)}")
+    allowed = {"scan": ("on", "off"), "serial_dots": ("on", "off"), "remat": ("none", "dots", "full"),
+               "xla": tuple(XLA_PRESETS)}.get(key)
+    if (allowed and value not in allowed) or (key == "layers" and not value.isdigit()):
+      raise ValueError(f"{item!r}: {key} takes {'/'.join(allowed) if allowed else 'a number of layers'}")
+    out[key] = value
+  return out
+
+
+def variant_env(worker: str) -> dict[str, str]:
+  """The environment of ``worker``'s process: its variant's XLA flags, if any."""
+  variant = parse_variant(worker.split(VARIANT_SEP)[1]) if VARIANT_SEP in worker else {}
+  env = dict(os.environ)
+  if "xla" in variant:
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + XLA_PRESETS[variant["xla"]]).strip()
+  return env
+
+
+def apply_variant(cfg: ModelConfig, variant: dict[str, str]) -> ModelConfig:
+  """``cfg`` changed as ``variant`` says (its model keys; ``serial_dots`` patches the projections)."""
+  if "layers" in variant:
+    cfg = cfg.replace(num_layers=int(variant["layers"]))
+  if "scan" in variant:
+    cfg = cfg.replace(scan_layers=variant["scan"] == "on")
+  if "remat" in variant:
+    cfg = cfg.replace(remat=variant["remat"])
+  if variant.get("serial_dots") == "on":
+    from jaxrm.models import layers
+    layers.linear = serial_linear  # read when the step is traced
+  return cfg
+
+
+def serial_linear(x_nd, w_df, b_f=None):
+  """``layers.linear`` whose backward pass computes the data gradient, then the weight gradient,
+  then lets what follows run: the two products of one projection never share the cores."""
+  import jax
+
+  @jax.custom_vjp
+  def matmul(x, w):
+    return x @ w
+
+  def fwd(x, w):
+    return x @ w, (x, w)
+
+  def bwd(res, dy):
+    x, w = res
+    dx = dy @ w.T
+    dx, dy = jax.lax.optimization_barrier((dx, dy))
+    dw = x.T @ dy
+    dx, dw = jax.lax.optimization_barrier((dx, dw))
+    return dx, dw
+
+  matmul.defvjp(fwd, bwd)
+  y = matmul(x_nd, w_df.astype(x_nd.dtype))
+  return y if b_f is None else y + b_f.astype(y.dtype)
 
 
 # ------------------------------------------------------------------------------------- data
@@ -297,6 +398,7 @@ def _jaxrm_update(cfg: ModelConfig, seed: int, num_steps: int, reward=None, weig
 
 
 LORA_SUFFIX = "+lora"  # a worker "<mode>+lora" trains adapters (--vs-lora)
+VARIANT_SEP = "~"  # a worker "<mode>~<variant>" runs --vs-variant's variant
 
 
 def lora_config(args):
@@ -333,8 +435,10 @@ def run_jaxrm(worker: str, args, channel: "_Channel") -> dict:
     examples = bench_groups(args, k)
   else:
     k = 2
+    worker, _, variant = worker.partition(VARIANT_SEP)
     mode, lora_on = worker.removesuffix(LORA_SUFFIX), worker.endswith(LORA_SUFFIX)
-    name = f"jaxrm {mode}" + (f" LoRA r{args.lora_rank}" if lora_on else "")
+    name = f"jaxrm {mode}" + (f" LoRA r{args.lora_rank}" if lora_on else "") + (f" {variant}" if variant else "")
+    cfg = apply_variant(cfg, parse_variant(variant)) if variant else cfg
     if lora_on:
       cfg = dataclasses.replace(cfg, lora=lora_config(args))
     built, num_params = _jaxrm_update(cfg, args.seed, args.warmup + args.steps)
@@ -711,6 +815,14 @@ def main(argv=None) -> None:
     return
   results, failed = [], []
   for mode in args.modes:
+    if args.vs_variant:
+      session = run_lockstep([mode] + [mode + VARIANT_SEP + v for v in args.vs_variant], argv,
+                             args.warmup + args.steps)
+      for run in session[1:]:
+        run["vs"], run["vs_ratio"] = session[0], paired_ratios(run, session[0])
+      results += session
+      failed += [] if session else [mode]
+      continue
     partner = "trl" if args.vs_trl else mode + LORA_SUFFIX if args.vs_lora else None
     session = run_lockstep([mode] + ([partner] if partner else []), argv, args.warmup + args.steps)
     if not session:
@@ -871,7 +983,8 @@ def _start_worker(run: str, argv: list[str]):
   log = tempfile.TemporaryFile("w+")
   cmd = [sys.executable, os.path.abspath(__file__), *argv, "--worker", run,
          "--channel", f"{child_reads},{child_writes}"]
-  proc = subprocess.Popen(cmd, pass_fds=(child_reads, child_writes), stdout=log, stderr=log)
+  proc = subprocess.Popen(cmd, pass_fds=(child_reads, child_writes), stdout=log, stderr=log,
+                          env=variant_env(run))
   os.close(child_reads)
   os.close(child_writes)
   return run, proc, _Channel(parent_reads, parent_writes), log

@@ -40,7 +40,7 @@ from jaxrm.models.config import ModelConfig
 PLAN_MODELS = ("qwen2.5-1.5b", "llama3.1-8b", "qwen3-8b")
 PLAN_LENGTHS = (2048, 8192)
 PLAN_REMATS = ("none", "dots", "full")
-PLAN_MESHES = ("1x1x1", "1x8x1", "1x4x2")  # data x fsdp x tensor
+PLAN_MESHES = ("1x1x1", "1x8x1", "1x4x2")  # data x fsdp x tensor [x context]
 # Memory of one GPU as nvidia-smi reports it (MiB): an 80 GB H100 and a 141 GB H200.
 CARDS_GIB = {"80 GB": 81559 / 1024, "141 GB": 143771 / 1024}
 
@@ -52,7 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="tokens per sequence, comma-separated")
   p.add_argument("--plan_remat", default=",".join(PLAN_REMATS), help="remat policies, comma-separated")
   p.add_argument("--plan_meshes", default=",".join(PLAN_MESHES),
-                 help="meshes as data x fsdp x tensor (1x8x1: fsdp=8), comma-separated")
+                 help="meshes as data x fsdp x tensor, or data x fsdp x tensor x context (1x8x1: "
+                      "fsdp=8; 1x2x1x4: fsdp=2, context=4), comma-separated")
   p.add_argument("--plan_grad_accum", default="1",
                  help="micro-batches per update, comma-separated (above 1: the trainer's "
                       "micro-batched step over unpacked micro-batches)")
@@ -103,11 +104,11 @@ def _names(p, flag: str, value: str, known) -> list[str]:
   return names
 
 
-def mesh_sizes(spec: str) -> tuple[int, int, int]:
-  """'1x4x2' -> (data, fsdp, tensor) = (1, 4, 2)."""
+def mesh_sizes(spec: str) -> tuple[int, ...]:
+  """'1x4x2' -> (data, fsdp, tensor) = (1, 4, 2); '1x2x1x4' -> (data, fsdp, tensor, context)."""
   sizes = tuple(int(n) for n in spec.split("x"))
-  if len(sizes) != 3 or min(sizes) < 1:
-    raise ValueError(f"mesh {spec!r} is not data x fsdp x tensor, e.g. 1x8x1")
+  if len(sizes) not in (3, 4) or min(sizes) < 1:
+    raise ValueError(f"mesh {spec!r} is not data x fsdp x tensor [x context], e.g. 1x8x1 or 1x2x1x4")
   return sizes
 
 
@@ -197,11 +198,13 @@ def plan_note(backend: str) -> str:
           f"{',' + lead if lead else '.'} The compile uses --attention as given; 'auto' is the "
           "reference path off a GPU, which materialises a dense bool [B, T, T] mask per step and "
           "float32 scores [B, H, 128, S] per block of 128 queries (its backward pass recomputes "
-          "them), where a fused GPU kernel keeps neither. total = arguments + temp + outputs not "
-          "aliased to the donated state.")
+          "them), where a fused GPU kernel keeps neither. A mesh with context > 1 runs the "
+          "per-shard all-gather attention instead on every backend: masks built per block from "
+          "the tokens' ids, no [T, T] array. total = arguments + temp + outputs not aliased to the "
+          "donated state.")
 
 
-def plan_one(name: str, length: int, remat: str, mesh_dims: tuple[int, int, int],
+def plan_one(name: str, length: int, remat: str, mesh_dims: tuple[int, ...],
              attention: str, lora_rank: int = 0, base_dtype: str = "", grad_accum: int = 1) -> dict:
   """Compiles the trainer's step for shape ``name`` at ``length`` tokens on a mesh of (fake)
   devices and returns one device's bytes: parameters, optimizer state, XLA's temporaries and

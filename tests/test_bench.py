@@ -32,11 +32,12 @@ def run_script(*args, timeout=600):
 
 @pytest.fixture(scope="module")
 def tiny_plan(tmp_path_factory):
-  """The plan of the tiny shape on one device and on fsdp=8 (8 fake CPU devices)."""
+  """The plan of the tiny shape on one device, on fsdp=8 and on fsdp=4 x context=2 (8 fake CPU
+  devices)."""
   path = str(tmp_path_factory.mktemp("plan") / "plan.json")
   stdout = run_script("scripts/memory_plan.py", "--plan_models=tiny",
                       f"--plan_lengths={TINY_LENGTH}", "--plan_remat=none",
-                      "--plan_meshes=1x1x1,1x8x1", f"--json={path}")
+                      "--plan_meshes=1x1x1,1x8x1,1x4x1x2", f"--json={path}")
   with open(path) as f:
     return json.load(f), stdout, path
 
@@ -45,7 +46,8 @@ def test_plan_counts_each_devices_bytes(tiny_plan):
   plan, stdout, _ = tiny_plan
   assert plan["backend"] == "cpu" and plan["attention"] == "auto" and plan["failed"] == []
   assert set(plan["cards_gib"]) == {"80 GB", "141 GB"}
-  one, eight = sorted(plan["rows"], key=lambda r: r["devices"])
+  context = next(r for r in plan["rows"] if r["mesh"] == "1x4x1x2")
+  one, eight = sorted((r for r in plan["rows"] if r is not context), key=lambda r: r["devices"])
   params = one["params"]
   assert params == sum(x.size for x in jax.tree.leaves(nnx.state(abstract_model(bench_common.SHAPES["tiny"]))))
   # float32 master weights; every tiny parameter has a hidden (embed) axis of 64, which fsdp
@@ -62,6 +64,15 @@ def test_plan_counts_each_devices_bytes(tiny_plan):
     assert row["total_bytes"] >= row["argument_bytes"] + row["temp_bytes"]
     assert row["fits"] == {"80 GB": True, "141 GB": True}
   assert (one["mesh"], eight["mesh"]) == ("1x1x1", "1x8x1")
+  # Context 2: the devices that share a row's tokens share its weights' shards (fsdp x context =
+  # 8 ways); one pair per fsdp shard, whose rows reach both context devices whole (the model's
+  # first layer splits their tokens).
+  assert context["param_bytes"] == eight["param_bytes"]
+  assert 0 < context["opt_state_bytes"] - 2 * context["param_bytes"] <= 16
+  assert context["pairs"] == 4 and context["input_ids_per_device"] == [2, TINY_LENGTH]
+  assert memory_plan.mesh_sizes("1x4x1x2") == (1, 4, 1, 2)
+  with pytest.raises(ValueError, match=r"is not data x fsdp x tensor \[x context\]"):
+    memory_plan.mesh_sizes("1x4x1x2x1")
   assert "tiny | 32 | none | 1x8x1" in stdout
 
 
@@ -79,7 +90,7 @@ def test_plan_with_accumulation_sizes_the_trainers_micro_batched_step():
 
 def test_stored_plans_still_read():
   """The committed plans' rows (some from before accumulation was planned) make their tables."""
-  for name in ("memory_plan.json", "memory_plan_lora.json"):
+  for name in ("memory_plan.json", "memory_plan_lora.json", "memory_plan_context.json"):
     with open(os.path.join(ROOT, "scripts", name)) as f:
       rows = json.load(f)["rows"]
     table = memory_plan.plan_table(rows).splitlines()

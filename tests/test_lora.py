@@ -204,7 +204,7 @@ def test_merged_weights_give_the_adapted_models_rewards(tiny_rm, model_dir):
 
 def test_adapters_shard_like_their_weights(model_dir):
   cfg = model_config_of(model_dir).replace(lora=ALL)
-  mesh = AbstractMesh((2, 2, 2), sharding.MESH_AXES)
+  mesh = AbstractMesh((2, 2, 1, 2), sharding.MESH_AXES)  # data, fsdp, context, tensor
   shardings = sharding.param_shardings(nnx.state(abstract_model(cfg)), mesh)
   specs = {".".join(map(str, path)): s.spec for path, s in nnx.to_flat_state(shardings)}
   # A [L, in, r] splits like its weight's input, B [L, r, out] like its output; r stays whole.

@@ -86,8 +86,8 @@ def test_defaults_file_underneath(tmp_path):
                                          "to false"),
     ("policy.reward_model_cfg.reward_model_type=gaussian", "policy.reward_model_cfg.reward_model_type='gaussian': "
                                                            "jaxrm has reward model types bradley_terry, ranking, "),
-    ("policy.dtensor_cfg.context_parallel_size=2", "policy.dtensor_cfg.context_parallel_size=2: jaxrm's mesh has no "
-                                                   "context-parallel axis"),
+    ("policy.dtensor_cfg.context_parallel_size=0", "policy.dtensor_cfg.context_parallel_size=0: use a positive "
+                                                   "integer"),
     ("policy.precision=float16", "policy.precision='float16': jaxrm trains in bfloat16 or float32"),
     ("data.shuffle=false", "data.shuffle=False: jaxrm always shuffles"),
     ("+policy.optimizer.kwargs.nesterov=true", "policy.optimizer.kwargs.nesterov: not a key of NeMo RL's RM config "
@@ -186,3 +186,11 @@ def test_shipped_recipe_runs_on_the_tiny_model(model_dir, tmp_path):
   template = nemo.load(YAML)["policy"]["tokenizer"]["chat_template"]
   from jaxrm import RewardModel
   assert RewardModel.from_pretrained(str(out), load_weights=False).tokenizer.chat_template == template
+
+
+def test_context_parallelism_with_packing_runs_where_nemo_rl_refuses_it():
+  # NeMo RL raises for reward models on context_parallel_size > 1 and on sequence packing;
+  # jaxrm splits each (packed) row's tokens over mesh.context.
+  run = translate("policy.dtensor_cfg.context_parallel_size=2", "policy.sequence_packing.enabled=true",
+                  "cluster.gpus_per_node=2", device_count=2).run_config()
+  assert (run.mesh.context, run.mesh.fsdp, run.data.packing) == (2, -1, "packed")  # fsdp: the rest

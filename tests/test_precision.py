@@ -19,6 +19,7 @@ import pytest
 from flax import nnx
 
 import tiny_run
+from tiny_run import LEARN, LEARNED_ACCURACY, LEARNED_LOSS
 from jaxrm import optim, sharding, steps
 from jaxrm.data import pipeline, registry
 from jaxrm.data.drops import DropReport
@@ -41,12 +42,6 @@ BF16_LOSS_RTOL = 2**-8
 # computed in bfloat16.
 BF16_MIN_GAP = 1e-5
 
-# The 64 pairs the tiny run trains on, ranked after 6 epochs (48 steps of 8): float32 gets 92% of
-# them right, bfloat16 88%, from 50% (chance) at the start; their loss falls from ln 2 = 0.69 to
-# 0.24 and 0.29. Chance ranks 48 of 64 right with probability 4e-5. (Held-out questions stay near
-# chance, 62-67% of 64 pairs: a random 2-layer model does not learn arithmetic in 48 steps.)
-LEARNED_ACCURACY = 0.75
-LEARNED_LOSS = 0.45
 
 # A remat policy recomputes the forward pass with the same ops on the same values, so the loss is
 # bit-equal here; 1e-6 leaves room for a few float32 roundings (the loss is ~0.7) where XLA fuses
@@ -177,10 +172,6 @@ def test_bf16_train_step_keeps_float32_weights_and_moments(model_dir, tiny_rm):
 # ------------------------------------------------------------------ bfloat16: a run
 
 
-# Six epochs of the tiny run's 64 pairs (tests/tiny_run.py), validated at the end on 64 held-out
-# pairs and on the 64 it trained on ("train_sample"), and saved at the end.
-LEARN = {"train.max_steps": 48, "eval.val_period": 0, "eval.batch_size": 32, "data.max_val_rows": 64,
-         "checkpointing.save_period": 0, "logger.tensorboard": False}
 EPOCH = 8  # steps
 
 

@@ -151,7 +151,7 @@ def test_nf4_base_is_about_an_eighth_of_float32(tiny_rm, qlora):
 
 
 def test_codes_shard_like_their_weight(model_dir):
-  mesh = AbstractMesh((2, 2, 2), sharding.MESH_AXES)
+  mesh = AbstractMesh((2, 2, 1, 2), sharding.MESH_AXES)
   for fmt in quantize.CODED:
     cfg = model_config_of(model_dir).replace(lora=LoraConfig(rank=4, base_dtype=fmt))
     shardings = sharding.param_shardings(nnx.state(abstract_model(cfg)), mesh)

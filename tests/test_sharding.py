@@ -15,7 +15,7 @@ from jaxrm import sharding
 from jaxrm.hf.loader import abstract_model
 from jaxrm.models.config import from_hf_config
 
-MESH_222 = AbstractMesh((2, 2, 2), sharding.MESH_AXES)
+MESH_222 = AbstractMesh((2, 2, 1, 2), sharding.MESH_AXES)  # data, fsdp, context, tensor
 
 # The sharded and two-process runs compute the one-device run's float32 sums in other orders:
 # gradients summed over 4 micro-batches and across devices or processes, losses over shards. Adam
@@ -30,7 +30,8 @@ SAME_TRAINING_ATOL = 1e-4
 
 
 def test_logical_to_spec_uses_each_mesh_axis_once():
-  assert sharding.logical_to_spec(("batch", "length", "act_embed")) == P(("data", "fsdp"), None, None)
+  # Tokens split over the context axis (context parallelism; of size 1 unless mesh.context is set).
+  assert sharding.logical_to_spec(("batch", "length", "act_embed")) == P(("data", "fsdp"), "context", None)
   assert sharding.logical_to_spec(("layers", "embed", "heads")) == P(None, "fsdp", "tensor")
   assert sharding.logical_to_spec(("vocab", "embed")) == P("tensor", "fsdp")
   # fsdp is already taken by the batch: the second dimension stays whole.
@@ -59,8 +60,20 @@ def test_param_shardings_of_the_tiny_llama(model_dir):
   assert specs["score"] == P("fsdp", None)  # [D, 1]
 
 
+def test_context_devices_share_the_weights_shards():
+  # fsdp 2 x context 2: a row's token shards split each weight's fsdp dimension four ways.
+  mesh = AbstractMesh((1, 2, 2, 2), sharding.MESH_AXES)
+  var = lambda *shape: nnx.Param(jax.ShapeDtypeStruct(shape, np.float32), logical_axes=("layers", "embed", "heads"))
+  specs = sharding.param_shardings(nnx.State({"q": var(2, 64, 48), "odd": var(2, 6, 48)}), mesh)
+  assert specs["q"].spec == P(None, ("fsdp", "context"), "tensor")
+  assert specs["odd"].spec == P(None, "fsdp", "tensor")  # 6 splits 2 ways, not 4: fsdp alone
+  # Without context parallelism the layout is fsdp's alone, as before.
+  plain = AbstractMesh((1, 4, 1, 2), sharding.MESH_AXES)
+  assert sharding.param_shardings(nnx.State({"q": var(2, 64, 48)}), plain)["q"].spec == P(None, "fsdp", "tensor")
+
+
 def test_param_shardings_drop_axes_that_do_not_divide():
-  mesh = AbstractMesh((1, 1, 4), sharding.MESH_AXES)
+  mesh = AbstractMesh((1, 1, 1, 4), sharding.MESH_AXES)
   var = nnx.Param(jax.ShapeDtypeStruct((2, 64, 48), np.float32), logical_axes=("layers", "embed", "kv_heads"))
   assert sharding.param_shardings(nnx.State({"k": var}), mesh)["k"].spec == P(None, "fsdp", "tensor")
   var = nnx.Param(jax.ShapeDtypeStruct((2, 64, 6), np.float32), logical_axes=("layers", "embed", "kv_heads"))
@@ -69,7 +82,7 @@ def test_param_shardings_drop_axes_that_do_not_divide():
 
 def test_make_mesh_sizes_and_errors():
   mesh = sharding.make_mesh(sharding.MeshConfig(1, -1, 1))
-  assert dict(mesh.shape) == {"data": 1, "fsdp": jax.device_count(), "tensor": 1}
+  assert dict(mesh.shape) == {"data": 1, "fsdp": jax.device_count(), "context": 1, "tensor": 1}
   with pytest.raises(ValueError, match="at most one axis may be -1"):
     sharding.make_mesh(sharding.MeshConfig(-1, -1, 1))
   with pytest.raises(ValueError, match=r"data=2 x fsdp=1 x tensor=2 = 4 devices, but 1 are available"):

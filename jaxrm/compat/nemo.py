@@ -268,16 +268,14 @@ def _reward_model(section: str, values: dict, tr: Translation) -> None:
 
 def _dtensor(section: str, values: dict, tr: Translation, remat: Callable) -> None:
   def enabled(key, v):
-    tr.ignore(key, f"{bool(v)}: jaxrm shards with its own mesh (mesh.data, mesh.fsdp, mesh.tensor)")
+    tr.ignore(key, f"{bool(v)}: jaxrm shards with its own mesh (mesh.data, mesh.fsdp, mesh.context, "
+              "mesh.tensor)")
 
   def tensor(key, v):
     tr.set(key, mesh__tensor=_positive(key, v))
 
-  def context(key, v):
-    if v != 1:
-      raise refuse(key, v, "jaxrm's mesh has no context-parallel axis (mesh.data, mesh.fsdp, mesh.tensor); "
-                   "set it to 1 (and shard with policy.dtensor_cfg.tensor_parallel_size)")
-    tr.ignore(key, "1: sequences are not split")
+  def context(key, v):  # NeMo RL refuses it for reward models; jaxrm splits rows, packed or not
+    tr.set(key, mesh__context=_positive(key, v))
 
   def parallel_plan(key, v):
     if v is not None:

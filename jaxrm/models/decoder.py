@@ -8,7 +8,9 @@ token head (``num_labels`` logits per token, for process reward models).
 Attention takes one of three routes (:func:`attention_route`): the Pallas flash kernel
 (``flash_attention.py``, the default on a GPU), which masks from per-token ids; the reference
 einsum (``layers.dot_product_attention``, the default elsewhere) and ``jax.nn.dot_product_attention``
-(cuDNN), which take a dense mask built once for all layers.
+(cuDNN), which take a dense mask built once for all layers. Under context parallelism (a mesh whose
+``context`` axis splits each row's tokens) every route takes the reference einsum per shard,
+masked from gathered per-token ids (:mod:`jaxrm.models.context_parallel`).
 
 With ``config.lora`` on, the targeted projections carry low-rank adapters (:mod:`jaxrm.models.lora`),
 stacked like the weights they adapt; ``config.lora.base_dtype`` stores the frozen projection
@@ -22,11 +24,12 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxrm import sharding
-from jaxrm.models import heads, lora, quantize
+from jaxrm.models import context_parallel, heads, lora, quantize
 from jaxrm.models import layers as L
 from jaxrm.models.config import ModelConfig
 from jaxrm.models.flash_attention import NO_WINDOW, flash_attention, layout
@@ -123,16 +126,29 @@ class Decoder(nnx.Module):
     The states of padding tokens depend on the attention route (the Pallas kernel gives padding
     queries no keys, the reference the real keys before them); losses and scores read real
     tokens only.
+
+    Inside ``sharding.activation_sharding`` with a ``context`` axis of c > 1 devices, each row's
+    tokens are split over them (:mod:`jaxrm.models.context_parallel`): stored in the order of
+    ``mesh.context_balance`` through the layers, and returned in row order. T must then be a
+    multiple of 2c (zigzag) or c (none).
     """
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     if positions is None:
       positions = jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0)
+    mesh = sharding.active_mesh()
+    order = None  # context parallel: the row index of each stored token
+    if sharding.context_size(mesh) > 1:
+      order = context_parallel.storage_order(input_ids.shape[1], sharding.context_size(mesh),
+                                             sharding.context_balance(mesh))
+      input_ids, attention_mask, positions, segment_ids, branch_ids = (
+          None if x is None else jnp.take(x, order, axis=1)
+          for x in (input_ids, attention_mask, positions, segment_ids, branch_ids))
     x = jnp.take(self.embed[...], input_ids, axis=0).astype(dtype)
     if cfg.gemma_norms:
       x = x * jnp.asarray(cfg.hidden_size**0.5, dtype)
     cos, sin = L.rope_tables(positions, cfg.rope.inv_freq(cfg.head_dim))
-    attend = _layer_attention(cfg, attention_mask, positions, segment_ids, branch_ids)
+    attend = _layer_attention(cfg, attention_mask, positions, segment_ids, branch_ids, order)
 
     def block(x_btd, per_layer):
       p, is_sliding, key = per_layer
@@ -152,7 +168,8 @@ class Decoder(nnx.Module):
     else:
       for i, p in enumerate(_unstacked(params, cfg.num_layers)):
         x, _ = block(x, (p, sliding[i], None if keys is None else keys[i]))
-    return L.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, cfg.gemma_norms)
+    x = L.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, cfg.gemma_norms)
+    return x if order is None else jnp.take(x, np.argsort(order), axis=1)  # back in row order
 
   def __call__(self, input_ids, attention_mask, positions=None, segment_ids=None, branch_ids=None,
                reward_positions=None, dropout_rng=None):
@@ -224,11 +241,18 @@ def _cudnn_runs(cfg: ModelConfig, backend: str) -> bool:
   return backend == "gpu" and jnp.dtype(cfg.dtype) in (jnp.bfloat16, jnp.float16)
 
 
-def attention_summary(cfg: ModelConfig, backend: str | None = None) -> str:
-  """One line saying what computes the attention of ``cfg`` on ``backend``, for the run's log."""
+def attention_summary(cfg: ModelConfig, backend: str | None = None, mesh=None) -> str:
+  """One line saying what computes the attention of ``cfg`` on ``backend`` over ``mesh`` (default:
+  ``sharding.active_mesh()``), for the run's log."""
   backend = backend or jax.default_backend()
   route = attention_route(cfg, backend)
-  if route == "pallas":
+  context = context_parallel.describe(mesh if mesh is not None else sharding.active_mesh())
+  if context is not None:
+    what = "reference einsum per shard"
+    if route != "reference":
+      kernel = "the Pallas kernel" if route == "pallas" else "cuDNN's kernel"
+      what += f" ({kernel} does not take gathered keys yet)"
+  elif route == "pallas":
     what = "pallas flash kernel" + ("" if backend == "gpu" else " in interpret mode (no GPU; slow)")
   elif route == "cudnn":
     what = ("cuDNN (jax.nn.dot_product_attention)" if _cudnn_runs(cfg, backend) else
@@ -239,7 +263,7 @@ def attention_summary(cfg: ModelConfig, backend: str | None = None) -> str:
       what += f" (auto: the pallas kernel needs a GPU; this backend is {backend})"
     elif cfg.attention_impl == "cudnn":
       what += " (cudnn has no logit soft-capping)"
-  features = []
+  features = [] if context is None else [context]
   if (sliding := int(cfg.sliding_layers.sum())):
     features.append(f"sliding window of {cfg.sliding_window} positions on {sliding} of them")
   if cfg.attn_logit_softcapping is not None:
@@ -247,11 +271,28 @@ def attention_summary(cfg: ModelConfig, backend: str | None = None) -> str:
   return f"attention: {what} on all {cfg.num_layers} layers" + "".join(f"; {f}" for f in features)
 
 
-def _layer_attention(cfg: ModelConfig, attention_mask, positions, segment_ids, branch_ids) -> Callable:
+def _layer_attention(cfg: ModelConfig, attention_mask, positions, segment_ids, branch_ids,
+                     order=None) -> Callable:
   """``(q, k, v, *, is_sliding) -> [B, T, H, Dh]`` for one layer of the scan; what masks the
-  attention (a dense mask, or the Pallas kernel's per-token layout) is built once for all layers."""
-  attend = attention_fn(cfg)
+  attention (a dense mask, the Pallas kernel's per-token layout, or the per-token ids that context
+  parallelism gathers) is built once for all layers.
+
+  ``order`` (context parallel): int [T], the row index of each stored token; the inputs are
+  already in that order. The reference attention then runs per shard, on every route: the Pallas
+  kernel does not take gathered keys yet, and cuDNN's takes a dense mask.
+  """
   windowed = bool(cfg.sliding_layers.any())
+  if order is not None:
+    ids = L.token_ids(attention_mask, positions, segment_ids, branch_ids,
+                      jnp.broadcast_to(jnp.asarray(order), attention_mask.shape))
+
+    def gathered(q, k, v, *, is_sliding):
+      window = jnp.where(is_sliding, cfg.sliding_window, NO_WINDOW) if windowed else None
+      return context_parallel.attention(q, k, v, ids, order, window, scale=cfg.attn_scale,
+                                        softcap=cfg.attn_logit_softcapping)
+
+    return gathered
+  attend = attention_fn(cfg)
   if attention_route(cfg) == "pallas":
     real = attention_mask > 0
     ids = layout(real.astype(jnp.int32) if segment_ids is None else jnp.where(real, segment_ids, 0),
@@ -278,18 +319,15 @@ def _per_shard(attend: Callable, q_bthd, k_bskd, v_bskd, ids, window):
   ``sharding.activation_sharding``.
 
   XLA cannot split a Pallas kernel: left to itself, it would gather the whole batch onto every
-  device and compute all of it there. Heads are split only where the key heads split alike, so
-  that each device holds every query head of its key heads.
+  device and compute all of it there (heads split as ``sharding.attention_specs`` says). Rows
+  are whole here: context parallelism takes the reference attention
+  (:mod:`jaxrm.models.context_parallel`).
   """
   args = (q_bthd, k_bskd, v_bskd, ids) + (() if window is None else (window,))
   mesh = sharding.active_mesh()
   if mesh is None:
     return attend(*args)
-  spec = lambda x, axes: sharding.activation_spec(x.shape, axes)
-  q_spec = spec(q_bthd, ("batch", "length", "heads", "head_dim"))
-  k_spec = spec(k_bskd, ("batch", "length", "kv_heads", "head_dim"))
-  if q_spec[2] != k_spec[2]:
-    q_spec, k_spec = (P(x[0], x[1], None, x[3]) for x in (q_spec, k_spec))
+  q_spec, k_spec = sharding.attention_specs(q_bthd.shape, k_bskd.shape)
   specs = (q_spec, k_spec, k_spec, P(q_spec[0], None)) + (() if window is None else (P(),))
   return jax.shard_map(attend, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(*args)
 

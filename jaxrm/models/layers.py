@@ -7,10 +7,12 @@ faster than 3-D einsums. Attention alone works on ``[B, T, heads, head_dim]``.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 NEG_INF = -1e30  # finite: fully-masked (padding) query rows stay NaN-free
 
@@ -45,6 +47,45 @@ def apply_rope(x_bthd, cos_btd, sin_btd):
   return x_bthd * cos + rotated * sin
 
 
+class TokenIds(NamedTuple):
+  """What decides which keys a token sees, token by token: each [B, T] int32.
+
+  ``index`` is the token's place in its row as written (causal order), which differs from where it
+  is stored when context parallelism deals a row's tokens out of order.
+  """
+
+  index: jax.Array
+  real: jax.Array  # 1 for a real token, 0 for padding
+  segment: jax.Array
+  branch: jax.Array
+  position: jax.Array
+
+
+def token_ids(attention_mask_bt, positions_bt, segment_ids_bt=None, branch_ids_bt=None,
+              index_bt=None) -> TokenIds:
+  """The :class:`TokenIds` of a batch; no segments or branches are all 0; ``index`` defaults to
+  the storage order."""
+  zeros = jnp.zeros(attention_mask_bt.shape, jnp.int32)
+  if index_bt is None:
+    index_bt = jnp.broadcast_to(jnp.arange(attention_mask_bt.shape[1], dtype=jnp.int32), zeros.shape)
+  pick = lambda x: zeros if x is None else jnp.asarray(x, jnp.int32)
+  return TokenIds(pick(index_bt), (jnp.asarray(attention_mask_bt) > 0).astype(jnp.int32),
+                  pick(segment_ids_bt), pick(branch_ids_bt), pick(positions_bt))
+
+
+def mask_from_ids(q: TokenIds, k: TokenIds, sliding_window=None):
+  """bool [B, T, S] (query, key): the key is not after the query (by ``index``), not padding, of
+  the query's segment, of branch 0 or the query's own, and fewer than ``sliding_window``
+  positions back (when given; it may be traced)."""
+  mask = (q.index[:, :, None] >= k.index[:, None, :]) & (k.real[:, None, :] > 0)
+  mask &= q.segment[:, :, None] == k.segment[:, None, :]
+  key_branch = k.branch[:, None, :]
+  mask &= (key_branch == 0) | (key_branch == q.branch[:, :, None])
+  if sliding_window is not None:
+    mask &= (q.position[:, :, None] - k.position[:, None, :]) < sliding_window
+  return mask
+
+
 def attention_mask(attention_mask_bt, positions_bt, segment_ids_bt=None, sliding_window=None,
                    branch_ids_bt=None):
   """bool [B, T, S] (query, key): causal, key not padding, same segment, same branch, in the window.
@@ -60,38 +101,68 @@ def attention_mask(attention_mask_bt, positions_bt, segment_ids_bt=None, sliding
     branch_ids_bt: [B, T] int32 (shared-prompt rows): 0 marks the prefix that every branch of a
       segment shares, b > 0 one branch; a token sees the prefix and its own branch only.
   """
-  t = attention_mask_bt.shape[1]
-  idx = jnp.arange(t)
-  mask = (idx[:, None] >= idx[None, :])[None] & (attention_mask_bt[:, None, :] > 0)
-  if segment_ids_bt is not None:
-    mask &= segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
-  if branch_ids_bt is not None:
-    key_branch = branch_ids_bt[:, None, :]
-    mask &= (key_branch == 0) | (key_branch == branch_ids_bt[:, :, None])
-  if sliding_window is not None:
-    mask &= (positions_bt[:, :, None] - positions_bt[:, None, :]) < sliding_window
-  return mask
+  ids = token_ids(attention_mask_bt, positions_bt, segment_ids_bt, branch_ids_bt)
+  return mask_from_ids(ids, ids, sliding_window)
 
 
-CHUNK = 128  # block of queries (forward) and of keys (backward) of the reference attention
+@struct.dataclass
+class IdMask:
+  """A mask kept as its queries' and keys' ids (O(T)), built block by block where it is used:
+  queries [B, T], keys [B, S] (e.g. all of a row's keys, gathered), and a window or None.
+
+  ``offset`` (static): the keys are a row's first S tokens in row order and query j is token
+  ``offset + j``, so that the key blocks past a block of queries, which causality hides, are
+  skipped; None: the keys are in any order, and every block is computed.
+
+  ``blocks`` (static): the (queries, keys) per block of the attention's ``lax`` loops; None:
+  ``LOOP_BLOCKS``.
+  """
+
+  queries: TokenIds
+  keys: TokenIds
+  window: jax.Array | None = None
+  offset: int | None = struct.field(pytree_node=False, default=None)
+  blocks: tuple[int, int] | None = struct.field(pytree_node=False, default=None)
+
+
+CHUNK = 128  # block of queries (forward) and of keys (backward) of a dense mask's attention
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def dot_product_attention(q_bthd, k_bskd, v_bskd, mask_bts, scale: float, softcap: float | None):
   """Causal grouped-query attention; logits and softmax in float32. Returns [B, T, H, Dh].
 
-  ``mask_bts`` must hide every key after its query, as :func:`attention_mask` does: the forward
-  pass takes queries in blocks of ``CHUNK`` and multiplies each block only with the keys up to
-  its last query; the backward pass takes keys in blocks and each only with the queries from its
-  first key on. The backward recomputes the attention weights from the logits and each query's
-  log-sum-exp kept by the forward pass (as flash attention does), so a layer holds O(T)
-  activations rather than O(T^2) weights per head.
+  ``mask_bts`` is a bool [B, T, S] that must hide every key after its query, as
+  :func:`attention_mask` does: the forward pass takes queries in blocks of ``CHUNK`` and
+  multiplies each block only with the keys up to its last query; the backward pass takes keys in
+  blocks and each only with the queries from its first key on. Or it is an :class:`IdMask`, whose
+  blocks are built from the ids as they are needed (no [T, S] array is ever held) inside
+  ``lax`` loops over fixed-size blocks, so that the compiled program and its temporaries do not
+  grow with T or S (a dense mask's blocks are unrolled); its keys may be stored in any order
+  (every block is computed) or, with an ``offset``, in row order (blocks skipped as for a dense
+  mask). The backward recomputes the attention weights from the logits
+  and each query's log-sum-exp kept by the forward pass (as flash attention does), so a layer
+  holds O(T) activations rather than O(T^2) weights per head.
   """
   return _attention(q_bthd, k_bskd, v_bskd, mask_bts, scale, softcap)[0]
 
 
 def _chunks(length: int) -> list[tuple[int, int]]:
   return [(s, min(s + CHUNK, length)) for s in range(0, length, CHUNK)]
+
+
+def _offset(mask) -> int | None:
+  """The row index of the first query where keys are stored in row order from the row's first
+  token (a dense mask: 0), so that blocks past a query block can be skipped; None otherwise."""
+  return mask.offset if isinstance(mask, IdMask) else 0
+
+
+def _block(mask, queries: slice, keys: slice):
+  """bool [B, q, k]: the mask's block of ``queries`` by ``keys``."""
+  if not isinstance(mask, IdMask):
+    return mask[:, queries, keys]
+  cut = lambda ids, part: TokenIds(*(x[:, part] for x in ids))
+  return mask_from_ids(cut(mask.queries, queries), cut(mask.keys, keys), mask.window)
 
 
 def _rows(x_bthd, kv: int):
@@ -114,31 +185,36 @@ def _capped(logits, softcap):
   return logits if softcap is None else jnp.tanh(logits / softcap) * softcap
 
 
-def _attention(q_bthd, k_bskd, v_bskd, mask_bts, scale, softcap):
+def _attention(q_bthd, k_bskd, v_bskd, mask, scale, softcap):
   """The output [B, T, H, Dh] and each query's log-sum-exp of its visible logits, float32
   [B, K, T * G] (rows as :func:`_rows`): +inf where a query sees no key, so that the weights the
   backward pass recomputes from it are 0 there (that query's output is unused)."""
+  if isinstance(mask, IdMask):
+    return _loop_attention(q_bthd, k_bskd, v_bskd, mask, scale, softcap)
   b, t, h, _ = q_bthd.shape
-  kv = k_bskd.shape[2]
+  s, kv = k_bskd.shape[1], k_bskd.shape[2]
   g = h // kv
   q, k, v = _rows(q_bthd, kv), _heads(k_bskd), _heads(v_bskd)
   out, lse = [], []
   for start, end in _chunks(t):
-    logits = jnp.einsum("bkrd,bksd->bkrs", q[:, :, start * g:end * g], k[:, :, :end],
+    offset = _offset(mask)
+    stop = s if offset is None else min(s, offset + end)  # the keys this block may see
+    logits = jnp.einsum("bkrd,bksd->bkrs", q[:, :, start * g:end * g], k[:, :, :stop],
                         preferred_element_type=jnp.float32) * scale
-    logits = _capped(logits, softcap).reshape(b, kv, end - start, g, end)
-    logits = jnp.where(mask_bts[:, None, start:end, None, :end], logits, NEG_INF).reshape(b, kv, -1, end)
+    logits = _capped(logits, softcap).reshape(b, kv, end - start, g, stop)
+    visible = _block(mask, slice(start, end), slice(0, stop))
+    logits = jnp.where(visible[:, None, :, None, :], logits, NEG_INF).reshape(b, kv, -1, stop)
     peak = jnp.max(logits, axis=-1, keepdims=True)
     unnormalized = jnp.exp(logits - peak)
     total = jnp.sum(unnormalized, axis=-1, keepdims=True)
-    out.append(jnp.einsum("bkrs,bksd->bkrd", (unnormalized / total).astype(v.dtype), v[:, :, :end]))
+    out.append(jnp.einsum("bkrs,bksd->bkrd", (unnormalized / total).astype(v.dtype), v[:, :, :stop]))
     lse.append(jnp.where(peak > NEG_INF, peak + jnp.log(total), jnp.inf)[..., 0])
   return _unrows(jnp.concatenate(out, axis=2), t), jnp.concatenate(lse, axis=2)
 
 
-def _attention_fwd(q_bthd, k_bskd, v_bskd, mask_bts, scale, softcap):
-  out, lse = _attention(q_bthd, k_bskd, v_bskd, mask_bts, scale, softcap)
-  return out, (q_bthd, k_bskd, v_bskd, mask_bts, out, lse)
+def _attention_fwd(q_bthd, k_bskd, v_bskd, mask, scale, softcap):
+  out, lse = _attention(q_bthd, k_bskd, v_bskd, mask, scale, softcap)
+  return out, (q_bthd, k_bskd, v_bskd, mask, out, lse)
 
 
 def _attention_bwd(scale, softcap, residuals, d_out_bthd):
@@ -146,20 +222,24 @@ def _attention_bwd(scale, softcap, residuals, d_out_bthd):
   queries) that makes four of its five products plain matrix products on CPU: the weights are
   recomputed as ``exp(logits - lse)`` (exactly 0 where hidden), and the softmax's Jacobian takes
   each query's ``sum(d_out * out)`` instead of a sum over its keys."""
-  q_bthd, k_bskd, v_bskd, mask_bts, out_bthd, lse = residuals
+  q_bthd, k_bskd, v_bskd, mask, out_bthd, lse = residuals
+  if isinstance(mask, IdMask):
+    return _loop_attention_bwd(scale, softcap, residuals, d_out_bthd)
   b, t, h, _ = q_bthd.shape
-  kv = k_bskd.shape[2]
+  s, kv = k_bskd.shape[1], k_bskd.shape[2]
   g = h // kv
   q, d_out, k, v = _rows(q_bthd, kv), _rows(d_out_bthd, kv), _heads(k_bskd), _heads(v_bskd)
   d_lse = jnp.sum(d_out.astype(jnp.float32) * _rows(out_bthd, kv).astype(jnp.float32), axis=-1)
-  mask_bst = mask_bts.transpose(0, 2, 1)
   d_q, d_k, d_v = jnp.zeros(q.shape, jnp.float32), [], []
-  for start, end in _chunks(t):
-    rows = slice(start * g, None)  # the queries from this block's first key on
+  for start, end in _chunks(s):
+    offset = _offset(mask)
+    first = 0 if offset is None else max(0, start - offset)  # the first query that may see these keys
+    rows = slice(first * g, None)
     q_c, d_out_c, k_c, v_c = q[:, :, rows], d_out[:, :, rows], k[:, :, start:end], v[:, :, start:end]
     logits = jnp.einsum("bksd,bkrd->bksr", k_c, q_c, preferred_element_type=jnp.float32) * scale
-    masked = _capped(logits, softcap).reshape(b, kv, end - start, t - start, g)
-    masked = jnp.where(mask_bst[:, None, start:end, start:, None], masked, NEG_INF).reshape(logits.shape)
+    masked = _capped(logits, softcap).reshape(b, kv, end - start, t - first, g)
+    visible = _block(mask, slice(first, None), slice(start, end)).transpose(0, 2, 1)  # [B, keys, queries]
+    masked = jnp.where(visible[:, None, :, :, None], masked, NEG_INF).reshape(logits.shape)
     # exp(NEG_INF - lse) underflows to exactly 0 where a key is hidden, exp(-inf) where a query
     # sees no key.
     probs = jnp.exp(masked - lse[:, :, None, rows])
@@ -175,7 +255,177 @@ def _attention_bwd(scale, softcap, residuals, d_out_bthd):
           _heads(jnp.concatenate(d_v, axis=2)).astype(v_bskd.dtype), None)
 
 
+# Blocks of the loop-form attention (an IdMask's path): (queries, keys) per block. Each loop
+# step multiplies [K, 512 * G] rows by 1024 keys (Llama-3.1-8B: 64 MiB of float32 logits), large
+# enough for an accelerator's matrix units, and the compiled program holds one body per loop
+# whatever the row length.
+LOOP_BLOCKS = (512, 1024)
+
+
+def _loop_blocks(t: int, s: int, blocks) -> tuple[int, int]:
+  """The (query, key) block sizes for t queries and s keys: a length shorter than its block is
+  one block; a longer one that the block does not divide is padded to a multiple of it (padded
+  keys are hidden, padded queries' results are dropped), so that every block has one shape."""
+  bq, bk = blocks or LOOP_BLOCKS
+  return min(bq, t), min(bk, s)
+
+
+def _padded(x, length: int):
+  """``x`` padded with zeros along axis 1 (tokens) to ``length``: padded keys' ids are padding."""
+  extra = length - x.shape[1]
+  return x if not extra else jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2))
+
+
+def _ids_block(ids: TokenIds, start, size: int) -> TokenIds:
+  """Tokens ``start`` to ``start + size`` of each id, ``start`` traced."""
+  return TokenIds(*(jax.lax.dynamic_slice_in_dim(x, start, size, axis=1) for x in ids))
+
+
+def _rows_block(x_bkrd, start, size: int):
+  """[B, K, size, ...]: rows (or keys) ``start`` on, ``start`` traced."""
+  return jax.lax.dynamic_slice_in_dim(x_bkrd, start, size, axis=2)
+
+
+def _ceil_div(a, b):
+  return -(-a // b)
+
+
+def _fori(lower, upper, body, carry):
+  """``lax.fori_loop``, or the body itself where the bounds are static and one step apart: a row
+  of one block then compiles to straight-line code (its index static too), as short rows do."""
+  if _static(lower, upper) and upper - lower == 1:
+    return body(lower, carry)
+  return jax.lax.fori_loop(lower, upper, body, carry)
+
+
+def _static(a, b) -> bool:
+  return isinstance(a, int) and isinstance(b, int)
+
+
+def _min(a, b):
+  return min(a, b) if _static(a, b) else jnp.minimum(a, b)
+
+
+def _max(a, b):
+  return max(a, b) if _static(a, b) else jnp.maximum(a, b)
+
+
+def _loop_attention(q_bthd, k_bskd, v_bskd, mask: IdMask, scale, softcap):
+  """:func:`_attention` of an :class:`IdMask` as ``lax`` loops over fixed-size blocks: for each
+  block of queries, the key blocks up to its last query (all, without an ``offset``) with an
+  online softmax (running peak, sum and weighted values, as flash attention). The output and lse
+  are :func:`_attention`'s (+inf lse for a query that sees no key); the compiled program holds
+  one block body, so its size and temporaries do not grow with T or S."""
+  b, t, h, dh = q_bthd.shape
+  s, kv = k_bskd.shape[1], k_bskd.shape[2]
+  g = h // kv
+  bq, bk = _loop_blocks(t, s, mask.blocks)
+  tp, sp = _ceil_div(t, bq) * bq, _ceil_div(s, bk) * bk
+  q, k, v = _rows(_padded(q_bthd, tp), kv), _heads(_padded(k_bskd, sp)), _heads(_padded(v_bskd, sp))
+  q_ids, k_ids = TokenIds(*(_padded(x, tp) for x in mask.queries)), TokenIds(*(_padded(x, sp) for x in mask.keys))
+
+  def query_block(i, carry):
+    out, lse = carry
+    q_c, q_ids_c = _rows_block(q, i * bq * g, bq * g), _ids_block(q_ids, i * bq, bq)
+
+    def key_block(j, state):
+      peak, total, acc = state
+      k_c, v_c = _rows_block(k, j * bk, bk), _rows_block(v, j * bk, bk)
+      logits = jnp.einsum("bkrd,bksd->bkrs", q_c, k_c, preferred_element_type=jnp.float32) * scale
+      logits = _capped(logits, softcap).reshape(b, kv, bq, g, bk)
+      visible = mask_from_ids(q_ids_c, _ids_block(k_ids, j * bk, bk), mask.window)
+      logits = jnp.where(visible[:, None, :, None, :], logits, NEG_INF).reshape(b, kv, bq * g, bk)
+      new_peak = jnp.maximum(peak, jnp.max(logits, axis=-1))
+      # While every key so far is hidden the peak is NEG_INF and the hidden keys add weights of
+      # exp(0): the first visible key's peak then rescales them by exp(NEG_INF - peak) = 0.
+      rescale = jnp.exp(peak - new_peak)
+      unnormalized = jnp.exp(logits - new_peak[..., None])
+      total = total * rescale + jnp.sum(unnormalized, axis=-1)
+      acc = acc * rescale[..., None] + jnp.einsum("bkrs,bksd->bkrd", unnormalized.astype(v.dtype), v_c,
+                                                  preferred_element_type=jnp.float32)
+      return new_peak, total, acc
+
+    # The key blocks this block's queries may see: up to its last query's row index.
+    stop = sp // bk if mask.offset is None else _min(_ceil_div(mask.offset + (i + 1) * bq, bk), sp // bk)
+    zeros = jnp.zeros((b, kv, bq * g), jnp.float32)
+    init = (jnp.full(zeros.shape, NEG_INF, jnp.float32), zeros, jnp.zeros((b, kv, bq * g, dh), jnp.float32))
+    peak, total, acc = _fori(0, stop, key_block, init)
+    out = jax.lax.dynamic_update_slice_in_dim(out, (acc / total[..., None]).astype(out.dtype), i * bq * g, axis=2)
+    lse_c = jnp.where(peak > NEG_INF, peak + jnp.log(total), jnp.inf)
+    return out, jax.lax.dynamic_update_slice_in_dim(lse, lse_c, i * bq * g, axis=2)
+
+  out = jnp.zeros((b, kv, tp * g, dh), v.dtype)
+  out, lse = _fori(0, tp // bq, query_block, (out, jnp.zeros((b, kv, tp * g), jnp.float32)))
+  return _unrows(out, tp)[:, :t], lse[:, :, :t * g]
+
+
+def _loop_attention_bwd(scale, softcap, residuals, d_out_bthd):
+  """:func:`_attention_bwd` of an :class:`IdMask` as ``lax`` loops over fixed-size blocks (the
+  same arithmetic): for each block of keys, the query blocks from the first that may see it (all,
+  without an ``offset``); dK and dV of a key block are complete after its loop, dQ accumulates
+  in a float32 buffer over the key blocks."""
+  q_bthd, k_bskd, v_bskd, mask, out_bthd, lse = residuals
+  b, t, h, dh = q_bthd.shape
+  s, kv = k_bskd.shape[1], k_bskd.shape[2]
+  g = h // kv
+  bq, bk = _loop_blocks(t, s, mask.blocks)
+  tp, sp = _ceil_div(t, bq) * bq, _ceil_div(s, bk) * bk
+  q, d_out = _rows(_padded(q_bthd, tp), kv), _rows(_padded(d_out_bthd, tp), kv)
+  k, v = _heads(_padded(k_bskd, sp)), _heads(_padded(v_bskd, sp))
+  q_ids, k_ids = TokenIds(*(_padded(x, tp) for x in mask.queries)), TokenIds(*(_padded(x, sp) for x in mask.keys))
+  # Padded queries: +inf lse and zero d_out, so their weights and gradients are 0.
+  lse = jnp.pad(lse, [(0, 0), (0, 0), (0, (tp - t) * g)], constant_values=jnp.inf)
+  d_lse = jnp.sum(d_out.astype(jnp.float32) * _rows(_padded(out_bthd, tp), kv).astype(jnp.float32), axis=-1)
+
+  def key_block(j, carry):
+    d_q, d_k, d_v = carry
+    k_c, v_c, k_ids_c = _rows_block(k, j * bk, bk), _rows_block(v, j * bk, bk), _ids_block(k_ids, j * bk, bk)
+
+    def query_block(i, state):
+      d_q, d_k_c, d_v_c = state
+      rows = i * bq * g
+      q_c, d_out_c = _rows_block(q, rows, bq * g), _rows_block(d_out, rows, bq * g)
+      logits = jnp.einsum("bksd,bkrd->bksr", k_c, q_c, preferred_element_type=jnp.float32) * scale
+      masked = _capped(logits, softcap).reshape(b, kv, bk, bq, g)
+      visible = mask_from_ids(_ids_block(q_ids, i * bq, bq), k_ids_c, mask.window).transpose(0, 2, 1)
+      masked = jnp.where(visible[:, None, :, :, None], masked, NEG_INF).reshape(logits.shape)
+      probs = jnp.exp(masked - _rows_block(lse, rows, bq * g)[:, :, None])
+      d_v_c += jnp.einsum("bksr,bkrd->bksd", probs.astype(v.dtype), d_out_c, preferred_element_type=jnp.float32)
+      d_probs = jnp.einsum("bksd,bkrd->bksr", v_c, d_out_c, preferred_element_type=jnp.float32)
+      d_logits = probs * (d_probs - _rows_block(d_lse, rows, bq * g)[:, :, None])
+      if softcap is not None:
+        d_logits = d_logits * (1.0 - jnp.tanh(logits / softcap) ** 2)
+      d_logits = d_logits * scale
+      d_k_c += jnp.einsum("bksr,bkrd->bksd", d_logits, q_c, preferred_element_type=jnp.float32)
+      d_q_c = _rows_block(d_q, rows, bq * g) + jnp.einsum("bksr,bksd->bkrd", d_logits, k_c,
+                                                          preferred_element_type=jnp.float32)
+      return jax.lax.dynamic_update_slice_in_dim(d_q, d_q_c, rows, axis=2), d_k_c, d_v_c
+
+    # The first query block that may see these keys: from the first query at or after them.
+    first = 0 if mask.offset is None else _max(0, j * bk - mask.offset) // bq
+    zeros = jnp.zeros((b, kv, bk, dh), jnp.float32)
+    d_q, d_k_c, d_v_c = _fori(first, tp // bq, query_block, (d_q, zeros, zeros))
+    update = lambda x, x_c: jax.lax.dynamic_update_slice_in_dim(x, x_c.astype(x.dtype), j * bk, axis=2)
+    return d_q, update(d_k, d_k_c), update(d_v, d_v_c)
+
+  init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype))
+  d_q, d_k, d_v = _fori(0, sp // bk, key_block, init)
+  return (_unrows(d_q, tp)[:, :t].astype(q_bthd.dtype), _heads(d_k)[:, :s], _heads(d_v)[:, :s], None)
+
+
 dot_product_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def attention_forward(q_bthd, k_bskd, v_bskd, mask, scale: float, softcap: float | None):
+  """:func:`dot_product_attention`'s output [B, T, H, Dh] and the log-sum-exp its backward pass
+  takes, for a caller that keeps its own residuals (:mod:`jaxrm.models.context_parallel`)."""
+  return _attention(q_bthd, k_bskd, v_bskd, mask, scale, softcap)
+
+
+def attention_backward(q_bthd, k_bskd, v_bskd, mask, out_bthd, lse, d_out_bthd, scale: float,
+                       softcap: float | None):
+  """(dq, dk, dv) of :func:`dot_product_attention` from :func:`attention_forward`'s output and lse."""
+  return _attention_bwd(scale, softcap, (q_bthd, k_bskd, v_bskd, mask, out_bthd, lse), d_out_bthd)[:3]
 
 
 def fused_attention(q_bthd, k_bskd, v_bskd, mask_bts, *, scale: float, implementation: str):
