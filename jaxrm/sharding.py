@@ -79,7 +79,9 @@ def make_mesh(cfg: MeshConfig = MeshConfig(), devices: Sequence[jax.Device] | No
   known = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
     if len(devices) % known:
-      raise ValueError(f"mesh: {len(devices)} devices are not divisible by the fixed axes' product {known}")
+      fixed = " x ".join(f"{names[i]}={sizes[i]}" for i in shown if sizes[i] != -1)
+      raise ValueError(f"mesh: {len(devices)} devices are not divisible by the fixed axes' product {known} "
+                       f"({fixed}); set mesh.* to sizes whose product divides the devices")
     sizes[sizes.index(-1)] = len(devices) // known
   if math.prod(sizes) != len(devices):
     raise ValueError(

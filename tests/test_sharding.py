@@ -87,8 +87,11 @@ def test_make_mesh_sizes_and_errors():
     sharding.make_mesh(sharding.MeshConfig(-1, -1, 1))
   with pytest.raises(ValueError, match=r"data=2 x fsdp=1 x tensor=2 = 4 devices, but 1 are available"):
     sharding.make_mesh(sharding.MeshConfig(2, 1, 2), devices=jax.devices()[:1])
-  with pytest.raises(ValueError, match=r"1 devices are not divisible by the fixed axes' product 2"):
+  with pytest.raises(ValueError, match=r"1 devices are not divisible by the fixed axes' product 2 "
+                                       r"\(data=2 x tensor=1\); set mesh\.\* to sizes"):
     sharding.make_mesh(sharding.MeshConfig(2, -1, 1), devices=jax.devices()[:1])
+  with pytest.raises(ValueError, match=r"product 2 \(data=1 x context=2 x tensor=1\)"):
+    sharding.make_mesh(sharding.MeshConfig(context=2), devices=jax.devices()[:1])
 
 
 # ------------------------------------------------------------------ runs
