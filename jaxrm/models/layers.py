@@ -151,20 +151,6 @@ def _chunks(length: int) -> list[tuple[int, int]]:
   return [(s, min(s + CHUNK, length)) for s in range(0, length, CHUNK)]
 
 
-def _offset(mask) -> int | None:
-  """The row index of the first query where keys are stored in row order from the row's first
-  token (a dense mask: 0), so that blocks past a query block can be skipped; None otherwise."""
-  return mask.offset if isinstance(mask, IdMask) else 0
-
-
-def _block(mask, queries: slice, keys: slice):
-  """bool [B, q, k]: the mask's block of ``queries`` by ``keys``."""
-  if not isinstance(mask, IdMask):
-    return mask[:, queries, keys]
-  cut = lambda ids, part: TokenIds(*(x[:, part] for x in ids))
-  return mask_from_ids(cut(mask.queries, queries), cut(mask.keys, keys), mask.window)
-
-
 def _rows(x_bthd, kv: int):
   """[B, K, T * G, Dh]: for each key head, the rows of its G query heads, token by token, so
   that a block of tokens is a block of rows and each product is one batched matrix product."""
@@ -192,22 +178,19 @@ def _attention(q_bthd, k_bskd, v_bskd, mask, scale, softcap):
   if isinstance(mask, IdMask):
     return _loop_attention(q_bthd, k_bskd, v_bskd, mask, scale, softcap)
   b, t, h, _ = q_bthd.shape
-  s, kv = k_bskd.shape[1], k_bskd.shape[2]
+  kv = k_bskd.shape[2]
   g = h // kv
   q, k, v = _rows(q_bthd, kv), _heads(k_bskd), _heads(v_bskd)
   out, lse = [], []
   for start, end in _chunks(t):
-    offset = _offset(mask)
-    stop = s if offset is None else min(s, offset + end)  # the keys this block may see
-    logits = jnp.einsum("bkrd,bksd->bkrs", q[:, :, start * g:end * g], k[:, :, :stop],
+    logits = jnp.einsum("bkrd,bksd->bkrs", q[:, :, start * g:end * g], k[:, :, :end],
                         preferred_element_type=jnp.float32) * scale
-    logits = _capped(logits, softcap).reshape(b, kv, end - start, g, stop)
-    visible = _block(mask, slice(start, end), slice(0, stop))
-    logits = jnp.where(visible[:, None, :, None, :], logits, NEG_INF).reshape(b, kv, -1, stop)
+    logits = _capped(logits, softcap).reshape(b, kv, end - start, g, end)
+    logits = jnp.where(mask[:, None, start:end, None, :end], logits, NEG_INF).reshape(b, kv, -1, end)
     peak = jnp.max(logits, axis=-1, keepdims=True)
     unnormalized = jnp.exp(logits - peak)
     total = jnp.sum(unnormalized, axis=-1, keepdims=True)
-    out.append(jnp.einsum("bkrs,bksd->bkrd", (unnormalized / total).astype(v.dtype), v[:, :, :stop]))
+    out.append(jnp.einsum("bkrs,bksd->bkrd", (unnormalized / total).astype(v.dtype), v[:, :, :end]))
     lse.append(jnp.where(peak > NEG_INF, peak + jnp.log(total), jnp.inf)[..., 0])
   return _unrows(jnp.concatenate(out, axis=2), t), jnp.concatenate(lse, axis=2)
 
@@ -226,20 +209,18 @@ def _attention_bwd(scale, softcap, residuals, d_out_bthd):
   if isinstance(mask, IdMask):
     return _loop_attention_bwd(scale, softcap, residuals, d_out_bthd)
   b, t, h, _ = q_bthd.shape
-  s, kv = k_bskd.shape[1], k_bskd.shape[2]
+  kv = k_bskd.shape[2]
   g = h // kv
   q, d_out, k, v = _rows(q_bthd, kv), _rows(d_out_bthd, kv), _heads(k_bskd), _heads(v_bskd)
   d_lse = jnp.sum(d_out.astype(jnp.float32) * _rows(out_bthd, kv).astype(jnp.float32), axis=-1)
+  mask_bst = mask.transpose(0, 2, 1)
   d_q, d_k, d_v = jnp.zeros(q.shape, jnp.float32), [], []
-  for start, end in _chunks(s):
-    offset = _offset(mask)
-    first = 0 if offset is None else max(0, start - offset)  # the first query that may see these keys
-    rows = slice(first * g, None)
+  for start, end in _chunks(t):
+    rows = slice(start * g, None)  # the queries from this block's first key on
     q_c, d_out_c, k_c, v_c = q[:, :, rows], d_out[:, :, rows], k[:, :, start:end], v[:, :, start:end]
     logits = jnp.einsum("bksd,bkrd->bksr", k_c, q_c, preferred_element_type=jnp.float32) * scale
-    masked = _capped(logits, softcap).reshape(b, kv, end - start, t - first, g)
-    visible = _block(mask, slice(first, None), slice(start, end)).transpose(0, 2, 1)  # [B, keys, queries]
-    masked = jnp.where(visible[:, None, :, :, None], masked, NEG_INF).reshape(logits.shape)
+    masked = _capped(logits, softcap).reshape(b, kv, end - start, t - start, g)
+    masked = jnp.where(mask_bst[:, None, start:end, start:, None], masked, NEG_INF).reshape(logits.shape)
     # exp(NEG_INF - lse) underflows to exactly 0 where a key is hidden, exp(-inf) where a query
     # sees no key.
     probs = jnp.exp(masked - lse[:, :, None, rows])
