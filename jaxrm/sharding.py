@@ -92,6 +92,17 @@ def make_mesh(cfg: MeshConfig = MeshConfig(), devices: Sequence[jax.Device] | No
   return mesh
 
 
+def platform(mesh: Mesh | None = None) -> str:
+  """Where a computation over ``mesh`` runs: ``"gpu"`` (CUDA or ROCm), ``"cpu"``, ``"tpu"``. It
+  follows the mesh's devices, which may be compile-only GPUs in a CPU process
+  (:mod:`jaxrm.gpu_targets`); without a mesh, the default device's (where jit places it)."""
+  devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+  kinds = {"gpu" if d.platform in ("cuda", "rocm", "gpu") else d.platform for d in devices}
+  if len(kinds) != 1:
+    raise ValueError(f"a mesh over devices of several platforms: {sorted(kinds)}")
+  return kinds.pop()
+
+
 def context_size(mesh: Mesh | None) -> int:
   """How many devices split each row's tokens (``mesh.context``); 1 without a mesh."""
   return 1 if mesh is None else dict(mesh.shape).get(CONTEXT_AXIS, 1)

@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 from jaxrm import losses, sharding
 from jaxrm.batches import Batch
 from jaxrm.config import RewardSpec
+from jaxrm.memory import ProgramMemory
 from jaxrm.metrics import accumulate
 from jaxrm.models.decoder import Decoder
 
@@ -316,9 +317,5 @@ class CompiledPerShape:
 
 
 def _memory(compiled) -> str:
-  stats = compiled.memory_analysis()
-  if stats is None:
-    return "no memory analysis on this backend"
-  mib = lambda n: f"{n / 2**20:.1f} MiB"
-  return (f"per device: arguments {mib(stats.argument_size_in_bytes)}, outputs {mib(stats.output_size_in_bytes)}, "
-          f"temporaries {mib(stats.temp_size_in_bytes)}, aliased {mib(stats.alias_size_in_bytes)}")
+  program = ProgramMemory.of(compiled)
+  return "no memory analysis on this backend" if program is None else "memory: " + program.line()

@@ -28,7 +28,7 @@ from jaxrm import checkpointing, loading, report, sharding, steps, update
 from jaxrm.config import RunConfig
 from jaxrm.data import packing, pipeline, registry
 from jaxrm.data.packing import PackSpec
-from jaxrm.data.run_data import RunData, check_data, load_run_data
+from jaxrm.data.run_data import RunData, batching, check_data, load_run_data
 from jaxrm.data.tokenize import pad_id
 from jaxrm.errors import CheckpointError, ConfigError, UserError
 from jaxrm.metrics import Metrics, Samples, accumulate, finalize_metrics
@@ -204,18 +204,24 @@ def _load_model(config: RunConfig, source: loading.Source, mesh, lora_cfg: lora.
   """The reward model on ``mesh``, with adapters as ``lora_cfg`` says; without ``weights`` (a
   resumed full run) its parameters stay abstract until the checkpoint fills them, and the
   checkpoint's weights are never read."""
-  regression = config.reward.type == "regression"
-  overrides = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, remat=config.model.remat,
-                   scan_layers=config.model.scan_layers, attention_impl=config.model.attention, lora=lora_cfg)
   with _config_errors():
-    loaded = loading.load(source, overrides, head="token" if config.stepwise else "sequence", mesh=mesh,
-                          seed=config.model.seed, num_labels=len(config.reward.attribute_names) if regression else None,
-                          weights=weights)
+    loaded = loading.load(source, mesh=mesh, seed=config.model.seed, weights=weights,
+                          **model_request(config, lora_cfg))
   if loaded.tokenizer is None:
     raise ConfigError(f"model.name_or_path={config.model.name_or_path!r} has no tokenizer files")
   if config.model.chat_template:
     loaded.tokenizer.chat_template = config.model.chat_template
   return loaded
+
+
+def model_request(config: RunConfig, lora_cfg: lora.LoraConfig) -> dict[str, Any]:
+  """What ``loading.load`` is asked for the run's model: the config's overrides of the
+  checkpoint's settings, and the head the reward type needs."""
+  regression = config.reward.type == "regression"
+  overrides = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, remat=config.model.remat,
+                   scan_layers=config.model.scan_layers, attention_impl=config.model.attention, lora=lora_cfg)
+  return dict(overrides=overrides, head="token" if config.stepwise else "sequence",
+              num_labels=len(config.reward.attribute_names) if regression else None)
 
 
 def _locate_model(config: RunConfig, lora_cfg: lora.LoraConfig) -> loading.Source:
@@ -269,33 +275,20 @@ def _resume(ckpt: checkpointing.Checkpointer, step: int, state, train_iter):
 
 
 def _make_input(config: RunConfig, mesh, data: RunData, pad: int) -> _Input:
-  process_index, process_count = jax.process_index(), jax.process_count()
-  data_parallel = sharding.data_parallel_size(mesh)
-  gbs, mbs = config.train.global_batch_size, config.train.micro_batch_size
-  if gbs % (mbs * data_parallel):
-    raise ConfigError(f"train.global_batch_size={gbs} must be a multiple of micro_batch_size x data-parallel "
-                      f"devices = {mbs} x {data_parallel}")
-  if gbs % process_count:
-    raise ConfigError(f"train.global_batch_size={gbs} must be divisible by the {process_count} processes")
-  grad_accum = gbs // (mbs * data_parallel)
-  # Packed row counts: equal rows on every data-parallel device, in steps of a quarter micro-batch
-  # per device (few compiled shapes).
-  pack = _pack_spec(config, data.num_completions, rows_multiple=(
-      data_parallel // math.gcd(data_parallel, process_count) * max(mbs // 4, 1)))
-  if pack is not None:
-    _check_row_length(pack, {"train": data.train, **{f"validation set {n!r}": v for n, v in data.validation.items()}})
-  buckets = pipeline.length_buckets(config.data.max_length, config.data.bucket_multiple)
-  hosts = dict(pad_id=pad, num_completions=data.num_completions, process_index=process_index,
-               process_count=process_count, pack=pack)
+  plan = batching(config, mesh, data.num_completions, jax.process_count())
+  if plan.pack is not None:
+    _check_row_length(plan.pack, {"train": data.train,
+                                  **{f"validation set {n!r}": v for n, v in data.validation.items()}})
+  hosts = dict(pad_id=pad, num_completions=data.num_completions, process_index=jax.process_index(),
+               process_count=plan.process_count, pack=plan.pack)
   with _config_errors():
     train_iter, stream = pipeline.make_train_iterator(
-        data.train, batch_size=gbs // process_count, seed=config.data.shuffle_seed, buckets=buckets,
-        num_workers=config.data.num_workers, micro_batches=grad_accum, group_by_length=config.data.group_by_length,
-        **hosts)
-  eval_bs = max(config.eval.batch_size // data_parallel, 1) * data_parallel
-  validation = {name: pipeline.make_eval_batches(ex, batch_size=eval_bs // process_count, buckets=buckets, **hosts)
+        data.train, batch_size=plan.per_host, seed=config.data.shuffle_seed, buckets=plan.buckets,
+        num_workers=config.data.num_workers, micro_batches=plan.grad_accum,
+        group_by_length=config.data.group_by_length, **hosts)
+  validation = {name: pipeline.make_eval_batches(ex, batch_size=plan.eval_per_host, buckets=plan.buckets, **hosts)
                 for name, ex in data.validation.items()}
-  return _Input(train_iter, stream, validation, pack, grad_accum)
+  return _Input(train_iter, stream, validation, plan.pack, plan.grad_accum)
 
 
 def _count_unused(config: RunConfig, data: RunData, inputs: _Input) -> None:
@@ -317,24 +310,6 @@ def _count_unused(config: RunConfig, data: RunData, inputs: _Input) -> None:
       data.drops[f"validation-{name}"].leave_out(
           f"after eval.val_batches={config.eval.val_batches} batches (not validated)",
           f"the last {left} of {name}", count=left)
-
-
-def _pack_spec(config: RunConfig, num_completions: int | None, rows_multiple: int) -> PackSpec | None:
-  """The ``PackSpec`` that ``data.packing`` and ``data.packed_row_length`` ask for; None: unpacked.
-
-  Args:
-    config: the run's config.
-    num_completions: K of preference data; None for stepwise data.
-    rows_multiple: each host's row count is rounded up to a multiple of this.
-  """
-  spec = config.data
-  if spec.packing == "none":
-    return None
-  # Automatic rows fit a group of K completions of max_length tokens, and are as long as each
-  # batch's longest group, in steps of bucket_multiple (few compiled shapes).
-  return PackSpec(row_length=spec.packed_row_length or spec.max_length * (num_completions or 1),
-                  length_multiple=0 if spec.packed_row_length else spec.bucket_multiple,
-                  shared_prompt=spec.packing == "shared_prompt", rows_multiple=rows_multiple)
 
 
 def _check_row_length(pack: PackSpec, example_sets: dict[str, list]) -> None:
@@ -367,7 +342,7 @@ def _summary(run: _Run, out_dir: str) -> str:
       trained_params=sum(x.size for x in jax.tree.leaves(run.state["params"])),
       attention=attention_summary(rm.config, mesh=run.mesh), mesh_shape=sharding.logged_shape(run.mesh),
       devices=jax.device_count(),
-      backend=jax.default_backend(), processes=jax.process_count(), train_examples=len(data.train),
+      backend=sharding.platform(run.mesh), processes=jax.process_count(), train_examples=len(data.train),
       steps_per_epoch=run.input.stream.steps_per_epoch,
       validation_sizes={n: len(v) for n, v in data.validation.items()}, drops=data.drops,
       start_step=run.start_step, total_steps=run.total_steps, global_batch_size=gbs,

@@ -168,7 +168,7 @@ def test_attention_summary_names_the_route_and_its_features():
       "attention: reference einsum (cudnn has no logit soft-capping) on all 2 layers")
   plain = tiny_config(sliding_window=None, layer_types=())
   assert attention_summary(plain, "cpu") == (
-      "attention: reference einsum (auto: the pallas kernel needs a GPU; this backend is cpu) "
+      "attention: reference einsum (auto: the pallas kernel needs a GPU; these devices are cpu) "
       "on all 2 layers")
   assert attention_summary(plain.replace(attention_impl="cudnn", dtype="bfloat16"), "gpu") == (
       "attention: cuDNN (jax.nn.dot_product_attention) on all 2 layers")

@@ -5,8 +5,9 @@ and parameter gradients on padded, packed and shared-prompt rows, a token head, 
 heads, a sliding window that crosses shard boundaries and soft-capping, with zigzag balance on and
 off, alone and with fsdp and tensor (2x2x2 on 8 devices); three training steps; that no token
 sees a key it must not (other segment, sibling branch, outside the window, later, padding); the
-errors; and a run of ``python -m jaxrm.train`` with ``mesh.context=2`` that learns what one device
-learns.
+attention's Pallas route (interpret mode) against its reference route and the one-device kernel;
+the errors; and a run of ``python -m jaxrm.train`` with ``mesh.context=2`` that learns what one
+device learns.
 
 JAX fixes the CPU device count when its backend starts, and this process starts it with one device
 (see tests/test_sharding.py): the sharded computations run in one subprocess, which reports its
@@ -30,6 +31,7 @@ from jaxrm.data import packing
 from jaxrm.data.pipeline import Collator
 from jaxrm.errors import ConfigError
 from jaxrm.models import context_parallel as CP
+from jaxrm.models import flash_attention as F
 from jaxrm.models import layers as L
 
 DEVICES = 8
@@ -44,6 +46,11 @@ GRAD_RTOL = 1e-5
 # weights by float32 roundings of ~1e-7; measured within 1e-6. A wrong gradient would move the
 # second step's loss by far more than this.
 STEP_LOSS_ATOL = 1e-5
+# The Pallas route's attention outputs and dq, dk, dv (below ~10, float32 spacing ~1e-6) against
+# the reference route's and the one-device kernel's: the same float32 softmax sums in other blocks,
+# dK/dV summed per run, then over shards by the reduce-scatter, in other orders (measured: <= 1.1e-6).
+# A mask or offset bug moves them by O(0.1) or more.
+KERNEL_ATOL = 1e-5
 # The leak test's outputs are float32 sums of values up to ~3 where no loud key is seen; float64
 # reference. A leaked key of 1e4 moves an output by 1e4 times its weight (~1e-2 or more).
 LEAK_ATOL = 1e-4
@@ -58,6 +65,8 @@ CASES = {
                              dict(attn_logit_softcapping=3.0)),
     "token_head_c2_fsdp2_none_remat": ("stepwise", dict(fsdp=2, context=2, context_balance="none"),
                                        dict(head="token", num_labels=2, remat="full")),
+    # The decoder's Pallas route (interpret mode here) against the same route on one device.
+    "tree_c2_pallas": ("tree", dict(context=2), dict(attention_impl="pallas")),
 }
 
 
@@ -115,7 +124,7 @@ def mesh_of(**sizes):
 
 def case_report(kind, mesh_sizes, overrides):
   batch = batch_of(kind)
-  cfg = tiny_config(attention_impl="reference", **overrides)
+  cfg = tiny_config(**{"attention_impl": "reference", **overrides})
   mesh = mesh_of(**mesh_sizes)
   want, want_grads, _ = outputs_and_grads(cfg, batch)
   got, got_grads, gathered = outputs_and_grads(cfg, batch, mesh)
@@ -242,6 +251,79 @@ def leak_report():
   return report
 
 
+# ------------------------------------------------------------------ the Pallas route
+
+
+# name -> (rows, mesh, window, softcap): the padded case's window of 6 crosses its shards
+# (test_the_window_crosses_shard_boundaries); tree rows restart positions in each branch, so that
+# the window (by position) and causality (by index) disagree.
+KERNEL_CASES = {
+    "padded_c2_zigzag_window": ("padded", dict(context=2), 6, None),
+    "packed_c4_none_softcap": ("packed", dict(context=4, context_balance="none"), None, 3.0),
+    "tree_c4_zigzag_window_softcap": ("tree", dict(context=4), 5, 2.0),
+}
+
+
+def rows_of(kind):
+  """(attention mask, positions, segment ids, branch ids) [B, T] of 4 rows of ``batch_of(kind)``."""
+  batch = batch_of(kind)
+  mask = np.asarray(batch.attention_mask)[:4]
+  if kind == "padded":
+    zeros = np.zeros_like(mask)
+    return mask, np.maximum(np.cumsum(mask, 1) - 1, 0), zeros, zeros
+  return mask, *(np.asarray(x)[:4] for x in (batch.positions, batch.segment_ids, batch.branch_ids))
+
+
+def kernel_report(kind, mesh_sizes, window, softcap):
+  """The context-parallel attention's Pallas route (interpret mode) against its reference route
+  and the one-device kernel: the largest differences of the outputs and of (dq, dk, dv) for a
+  cotangent that is 0 on the queries that see no key (padding, which the reference gives the real
+  keys before it; the kernel, none)."""
+  mask, positions, segments, branches = rows_of(kind)
+  b, t = mask.shape
+  rng = np.random.default_rng(2)
+  q = jnp.asarray(rng.standard_normal((b, t, 4, 8)), jnp.float32)
+  k, v = jnp.asarray(rng.standard_normal((2, b, t, 2, 8)), jnp.float32)
+  visible = numpy_mask(mask, positions, segments, branches, F.NO_WINDOW if window is None else window)
+  seen = visible.any(-1) & (mask > 0)
+  d_out = jnp.asarray(rng.standard_normal(q.shape) * seen[..., None, None], jnp.float32)
+  mesh = mesh_of(**mesh_sizes)
+  context = mesh_sizes["context"]
+  order = CP.storage_order(t, context, mesh_sizes.get("context_balance", "zigzag"))
+  stored = lambda x: jnp.take(jnp.asarray(x), order, axis=1)
+  ids = L.token_ids(*(stored(x) for x in (mask, positions, segments, branches)),
+                    index_bt=jnp.broadcast_to(jnp.asarray(order), (b, t)))
+  traced_window = None if window is None else jnp.int32(window)
+
+  def split(kernel):
+    def attend(q, k, v):
+      with sharding.activation_sharding(mesh):
+        out = CP.attention(stored(q), stored(k), stored(v), ids, order, traced_window, scale=SCALE,
+                           softcap=softcap, kernel=kernel, interpret=True)
+      return jnp.take(out, np.argsort(order), axis=1)
+    return attend
+
+  layout = F.layout(np.where(mask > 0, segments + 1, 0), branches, positions)
+  one_device = lambda q, k, v: F.flash_attention(q, k, v, layout, traced_window, scale=SCALE, softcap=softcap,
+                                                 interpret=True)
+
+  def out_and_grads(attend):
+    def run(q, k, v, d_out):
+      out, vjp = jax.vjp(attend, q, k, v)
+      return out, *vjp(d_out)
+    return dict(zip(("out", "dq", "dk", "dv"), map(np.asarray, jax.jit(run)(q, k, v, d_out))))
+
+  got, want, one = (out_and_grads(f) for f in (split("pallas"), split("reference"), one_device))
+  real = lambda x: {**x, "out": x["out"] * seen[..., None, None]}  # padding's outputs differ by design
+  diff = lambda x, y: {n: float(np.abs(x[n] - y[n]).max()) for n in x}
+  shard = np.empty(t, int)
+  shard[order] = np.arange(t) // (t // context)
+  return {"largest": {n: float(np.abs(x).max()) for n, x in real(want).items()},
+          "vs_reference": diff(real(got), real(want)), "vs_one_device": diff(got, one),
+          "window_crossings": int((visible & (shard[:, None] != shard[None, :])).sum()),
+          "window_hides": int((numpy_mask(mask, positions, segments, branches, F.NO_WINDOW) & ~visible).sum())}
+
+
 # ------------------------------------------------------------------ the subprocess
 
 
@@ -271,6 +353,7 @@ def report():
   out = {name: case_report(*case) for name, case in CASES.items()}
   out["training"] = {"one": training_losses(), "split": training_losses(dict(fsdp=2, context=2))}
   out["leaks"] = leak_report()
+  out["kernel"] = {name: kernel_report(*case) for name, case in KERNEL_CASES.items()}
   out["error"] = error_report()
   out["window_crossings"] = window_crosses_shards()
   out["devices"] = jax.device_count()
@@ -321,10 +404,29 @@ def test_no_token_sees_a_key_it_must_not(sharded):
 
 def test_the_summary_names_context_parallelism(sharded):
   assert sharded["tree_c2_fsdp2_tensor2"]["summary"] == (
-      "attention: reference einsum per shard (the Pallas kernel does not take gathered keys yet) on all "
+      "attention: pallas flash kernel per shard on all "
       "2 layers; context parallel over 2 devices: all-gather K/V, zigzag; sliding window of 6 positions "
       "on 1 of them")
   assert "context parallel over 4 devices: all-gather K/V, none" in sharded["tree_c4_none_softcap"]["summary"]
+
+
+@pytest.mark.parametrize("name", list(KERNEL_CASES))
+def test_the_pallas_route_equals_the_reference_route_and_one_device(sharded, name):
+  """Outputs and dq, dk, dv of the Pallas kernel over gathered keys, from each run's traced offset,
+  equal the reference route's (real queries) and the one-device kernel's (every query)."""
+  r = sharded["kernel"][name]
+  for what, largest in r["largest"].items():
+    assert largest > 0.1, (what, r)  # the comparison has teeth
+    assert r["vs_reference"][what] <= KERNEL_ATOL, (what, r)
+    assert r["vs_one_device"][what] <= KERNEL_ATOL, (what, r)
+  if "window" in name:  # the window hides keys, some of them across a shard boundary
+    assert r["window_hides"] > 10 and r["window_crossings"] > 10, r
+
+
+def test_an_unknown_kernel_names_the_kernels():
+  with pytest.raises(ValueError, match=r"kernel='cudnn'; use one of reference, pallas$"):
+    CP.attention(*[jnp.zeros((1, 8, 2, 8))] * 3, None, np.arange(8), scale=1.0, softcap=None,
+                 kernel="cudnn")
 
 
 # ------------------------------------------------------------------ errors

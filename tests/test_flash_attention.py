@@ -220,6 +220,15 @@ def test_no_token_sees_another_segment_or_branch(kind):
     assert off > 1e3, f"dropping the {rule} rule moves the reference by only {off}"
 
 
+def test_queries_past_the_keys_name_what_to_give():
+  """Queries at an offset are a slice of the keys' row (context parallelism's runs; checked against
+  the reference in tests/test_context_parallel.py), so they must end within the keys."""
+  q, k = jnp.zeros((1, 16, HEADS, HEAD_DIM)), jnp.zeros((1, 16, KV_HEADS, HEAD_DIM))
+  ids = F.layout(jnp.ones((1, 16), jnp.int32))
+  with pytest.raises(ValueError, match=r"at offset 8, .*keys up to the last query"):
+    F.flash_attention(q, k, k, ids, scale=SCALE, q_offset=8, interpret=True)
+
+
 # ------------------------------------------------------------------ the whole decoder
 
 

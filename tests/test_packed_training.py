@@ -129,7 +129,7 @@ def test_packed_rows_split_over_two_devices(runs, cache_root, tmp_path):
   assert result.returncode == 0, tiny_run.describe(result)
   assert "mesh: {'data': 1, 'fsdp': 2, 'tensor': 1} on 2 cpu devices" in result.stdout
   # model.attention=auto on CPU: the reference path, and the summary says why.
-  assert ("attention: reference einsum (auto: the pallas kernel needs a GPU; this backend is cpu) on all "
+  assert ("attention: reference einsum (auto: the pallas kernel needs a GPU; these devices are cpu) on all "
           "2 layers\n") in result.stdout
   assert "(x2 accumulation)" in result.stdout
   rows, want = train_rows(out), train_rows(runs("sequence", "none"))

@@ -214,7 +214,7 @@ def make_train_iterator(examples: Sequence[Example], *, batch_size: int, seed: i
   if group_by_length and pack is not None:
     raise ValueError("data.group_by_length applies to unpacked batches: packed rows have no padding to save; "
                      "set data.packing='none' or data.group_by_length=False")
-  collate = _train_collator(examples, batch_size, buckets, pad_id, num_completions, process_index,
+  collate = train_collator(examples, batch_size, buckets, pad_id, num_completions, process_index,
                             process_count, pack, micro_batches)
   if group_by_length:
     # Epoch e's order is drawn from (seed, e) alone; batches never straddle two epochs, as each
@@ -271,9 +271,11 @@ def to_global_batch(local_batch: Batch, mesh: jax.sharding.Mesh, *, stacked: boo
   return jax.make_array_from_process_local_data(shardings, local_batch)
 
 
-def _train_collator(examples: Sequence[Example], batch_size: int, buckets: Sequence[int], pad_id: int,
-                    num_completions: int | None, process_index: int, process_count: int,
-                    pack: PackSpec | None, micro_batches: int) -> Collator | PackedCollator | MicroBatchCollator:
+def train_collator(examples: Sequence[Example], batch_size: int, buckets: Sequence[int], pad_id: int,
+                   num_completions: int | None, process_index: int, process_count: int,
+                   pack: PackSpec | None, micro_batches: int) -> Collator | PackedCollator | MicroBatchCollator:
+  """What turns one global batch of groups into this host's training batch (arguments as
+  :func:`make_train_iterator`'s)."""
   if pack is not None or micro_batches == 1:
     return _collator(examples, batch_size, buckets, pad_id, num_completions, process_index, process_count,
                      pack, micro_batches)

@@ -10,11 +10,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from jaxrm import sharding
 from jaxrm.data import cache, packing, pipeline, registry
 from jaxrm.data.drops import DropReport
+from jaxrm.data.packing import PackSpec
 from jaxrm.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -38,6 +41,67 @@ class RunData:
     """Real tokens of a training group on average: its sequences' lengths, or with
     ``shared_prompt`` its packed row's, the prompt written once."""
     return sum(packing.packed_length(e, shared_prompt) for e in self.train) / len(self.train)
+
+
+@dataclasses.dataclass(frozen=True)
+class Batching:
+  """How a run's groups become each host's batches: the sizes the trainer builds its input with,
+  and the fit check (:mod:`jaxrm.fit_check`) its worst-case batch."""
+
+  per_host: int  # training groups per host per step
+  eval_per_host: int  # validation groups per host per batch
+  grad_accum: int  # micro-batches per update
+  pack: PackSpec | None  # None: one sequence per row
+  buckets: tuple[int, ...]  # the unpacked rows' lengths
+  process_count: int
+
+  @property
+  def micro_batched(self) -> bool:
+    """A training batch is a tuple of micro-batches, each padded to its own bucket."""
+    return self.pack is None and self.grad_accum > 1
+
+
+def batching(config: RunConfig, mesh, num_completions: int | None, process_count: int) -> Batching:
+  """The :class:`Batching` of ``config`` on ``mesh`` over ``process_count`` hosts, for groups of
+  ``num_completions`` (K of preference data; None for stepwise and rated data).
+
+  Raises:
+    ConfigError: the batch sizes do not divide over the devices and hosts.
+  """
+  data_parallel = sharding.data_parallel_size(mesh)
+  gbs, mbs = config.train.global_batch_size, config.train.micro_batch_size
+  if gbs % (mbs * data_parallel):
+    raise ConfigError(f"train.global_batch_size={gbs} must be a multiple of micro_batch_size x data-parallel "
+                      f"devices = {mbs} x {data_parallel}")
+  if gbs % process_count:
+    raise ConfigError(f"train.global_batch_size={gbs} must be divisible by the {process_count} processes")
+  # Packed row counts: equal rows on every data-parallel device, in steps of a quarter micro-batch
+  # per device (few compiled shapes).
+  rows_multiple = data_parallel // math.gcd(data_parallel, process_count) * max(mbs // 4, 1)
+  eval_groups = max(config.eval.batch_size // data_parallel, 1) * data_parallel
+  return Batching(per_host=gbs // process_count, eval_per_host=eval_groups // process_count,
+                  grad_accum=gbs // (mbs * data_parallel),
+                  pack=_pack_spec(config, num_completions, rows_multiple),
+                  buckets=tuple(pipeline.length_buckets(config.data.max_length, config.data.bucket_multiple)),
+                  process_count=process_count)
+
+
+def _pack_spec(config: RunConfig, num_completions: int | None, rows_multiple: int) -> PackSpec | None:
+  """The ``PackSpec`` that ``data.packing`` and ``data.packed_row_length`` ask for; None: unpacked.
+
+  Args:
+    config: the run's config.
+    num_completions: K of preference data; None for stepwise data.
+    rows_multiple: each host's row count is rounded up to a multiple of this.
+  """
+  spec = config.data
+  if spec.packing == "none":
+    return None
+  # Automatic rows fit a group of K completions of max_length tokens, and are as long as each
+  # batch's longest group, in steps of bucket_multiple (few compiled shapes).
+  return PackSpec(row_length=spec.packed_row_length or spec.max_length * (num_completions or 1),
+                  length_multiple=0 if spec.packed_row_length else spec.bucket_multiple,
+                  shared_prompt=spec.packing == "shared_prompt", rows_multiple=rows_multiple)
 
 
 def load_run_data(config: RunConfig, tokenizer) -> RunData:

@@ -21,6 +21,11 @@ token, and within that skips the key blocks past each query block, as the one-de
 does: under zigzag that is (2c+1)/(4c) of the work of all keys (measured on 4 CPU devices, 4096
 tokens, forward and backward: 2.0x faster, half the temporary memory). The slices are static per
 shard and picked by ``lax.switch`` on the shard's index.
+
+``kernel="pallas"`` runs each run through the Pallas flash kernel (:mod:`jaxrm.models.flash_attention`)
+instead, against all the row's keys from a traced offset, the run's first row index: the kernel
+skips the key blocks past each block of queries itself, so every shard runs the same program, with
+no switch, and no [T/c, T] logits are ever held.
 """
 
 from __future__ import annotations
@@ -33,7 +38,10 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxrm import sharding
+from jaxrm.models import flash_attention as F
 from jaxrm.models import layers as L
+
+KERNELS = ("reference", "pallas")
 
 
 def storage_order(length: int, context: int, balance: str) -> np.ndarray:
@@ -64,10 +72,9 @@ def describe(mesh) -> str | None:
 
 
 def attention(q_bthd, k_bskd, v_bskd, ids: L.TokenIds, order: np.ndarray, window=None, *,
-              scale: float, softcap: float | None):
-  """Reference attention (``layers.dot_product_attention``'s arithmetic) on each device's rows,
-  tokens and heads, with the keys, values and ids of the whole row gathered over the context
-  axis. Returns [B, T, H, Dh], sharded as q.
+              scale: float, softcap: float | None, kernel: str = "reference", interpret: bool = False):
+  """Attention on each device's rows, tokens and heads, with the keys, values and ids of the whole
+  row gathered over the context axis. Returns [B, T, H, Dh], sharded as q.
 
   Args:
     q_bthd, k_bskd, v_bskd: the layer's queries and keys/values, tokens in storage order.
@@ -75,7 +82,12 @@ def attention(q_bthd, k_bskd, v_bskd, ids: L.TokenIds, order: np.ndarray, window
     order: int [T], the row index of each stored token (:func:`storage_order`).
     window: the layer's sliding window (traced), or None.
     scale, softcap: the attention's logit scale and soft cap.
+    kernel: ``"reference"`` (``layers.dot_product_attention``'s arithmetic) or ``"pallas"`` (the
+      flash kernel; padding queries then see no key and get zeros, as without context parallelism).
+    interpret: run the Pallas kernel as XLA ops (off a GPU) instead of through Triton.
   """
+  if kernel not in KERNELS:
+    raise ValueError(f"context_parallel.attention: kernel={kernel!r}; use one of {', '.join(KERNELS)}")
   mesh = sharding.active_mesh()
   q_spec, k_spec = sharding.attention_specs(q_bthd.shape, k_bskd.shape)
   ids_spec = P(q_spec[0], q_spec[1])
@@ -85,9 +97,12 @@ def attention(q_bthd, k_bskd, v_bskd, ids: L.TokenIds, order: np.ndarray, window
 
   def local(q, k, v, ids, *window):
     gathered = lambda x: jnp.take(jax.lax.all_gather(x, axis_name=axis, axis=1, tiled=True), row_order, axis=1)
-    keys = L.TokenIds(*(gathered(x) for x in ids))
-    return _causal_runs(runs, scale, softcap, jax.lax.axis_index(axis), q, gathered(k), gathered(v), ids, keys,
-                        window[0] if window else None)
+    keys, shard = L.TokenIds(*(gathered(x) for x in ids)), jax.lax.axis_index(axis)
+    window = window[0] if window else None
+    if kernel == "pallas":
+      return _flash_runs(runs, shard, q, gathered(k), gathered(v), keys, window, scale=scale, softcap=softcap,
+                         interpret=interpret)
+    return _causal_runs(runs, scale, softcap, shard, q, gathered(k), gathered(v), ids, keys, window)
 
   args = (q_bthd, k_bskd, v_bskd, ids) + (() if window is None else (window,))
   specs = (q_spec, k_spec, k_spec, L.TokenIds(*[ids_spec] * len(ids))) + (() if window is None else (P(),))
@@ -99,12 +114,26 @@ Runs = tuple[tuple[tuple[int, int, int], ...], ...]
 
 def _runs(order: np.ndarray, context: int) -> Runs:
   """For each shard, its tokens as runs of consecutive row indices: (first place on the shard,
-  length, row index of the first). Zigzag gives each shard two runs, ``none`` one."""
-  out = []
-  for shard in order.reshape(context, -1):
-    breaks = [0] + [j for j in range(1, len(shard)) if shard[j] != shard[j - 1] + 1] + [len(shard)]
-    out.append(tuple((a, b - a, int(shard[a])) for a, b in zip(breaks, breaks[1:])))
-  return tuple(out)
+  length, row index of the first). The runs sit at the same places on every shard, so that one
+  program with a traced offset serves them all: zigzag gives every shard two (the last shard's
+  chunks, c-1 and c, meet but are cut as the others'), ``none`` one."""
+  shards = order.reshape(context, -1)
+  starts = [0, *(np.flatnonzero((np.diff(shards, axis=1) != 1).any(axis=0)) + 1)]
+  lengths = np.diff([*starts, shards.shape[1]])
+  return tuple(tuple((int(a), int(n), int(shard[a])) for a, n in zip(starts, lengths)) for shard in shards)
+
+
+def _flash_runs(runs: Runs, shard, q_bthd, k_bskd, v_bskd, keys: L.TokenIds, window, **kernel_args):
+  """One shard's attention through the Pallas kernel: each run of its queries against the row's
+  keys (in row order), from the run's first row index, which depends on the shard and so is
+  traced: one program serves every shard."""
+  # A Layout marks padding by segment 0, which an unpacked row's real tokens carry here.
+  ids = F.layout(jnp.where(keys.real > 0, keys.segment + 1, 0), keys.branch, keys.position)
+  firsts = jnp.asarray([[first for _, _, first in shard_runs] for shard_runs in runs], jnp.int32)[shard]
+  outs = [F.flash_attention(q_bthd[:, start:start + n], k_bskd, v_bskd, ids, window, q_offset=firsts[i],
+                            **kernel_args)
+          for i, (start, n, _) in enumerate(runs[0])]
+  return jnp.concatenate(outs, axis=1)
 
 
 def _cut(ids: L.TokenIds, start: int, stop: int) -> L.TokenIds:

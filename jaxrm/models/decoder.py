@@ -9,8 +9,9 @@ Attention takes one of three routes (:func:`attention_route`): the Pallas flash 
 (``flash_attention.py``, the default on a GPU), which masks from per-token ids; the reference
 einsum (``layers.dot_product_attention``, the default elsewhere) and ``jax.nn.dot_product_attention``
 (cuDNN), which take a dense mask built once for all layers. Under context parallelism (a mesh whose
-``context`` axis splits each row's tokens) every route takes the reference einsum per shard,
-masked from gathered per-token ids (:mod:`jaxrm.models.context_parallel`).
+``context`` axis splits each row's tokens) each shard's queries meet the row's gathered keys,
+masked from gathered per-token ids (:mod:`jaxrm.models.context_parallel`): through the Pallas
+kernel on its route, through the reference einsum on the others.
 
 With ``config.lora`` on, the targeted projections carry low-rank adapters (:mod:`jaxrm.models.lora`),
 stacked like the weights they adapt; ``config.lora.base_dtype`` stores the frozen projection
@@ -200,67 +201,68 @@ def _unstacked(params: dict[str, jax.Array], n: int) -> list[dict[str, jax.Array
   return [{k: v[i] for k, v in pieces.items()} for i in range(n)]
 
 
-def attention_route(cfg: ModelConfig, backend: str | None = None) -> str:
-  """What computes the attention of ``cfg`` where JAX's default backend is ``backend`` (default:
-  this one's): ``"pallas"`` (:mod:`jaxrm.models.flash_attention`), ``"cudnn"``
+def attention_route(cfg: ModelConfig, platform: str | None = None) -> str:
+  """What computes the attention of ``cfg`` on devices of ``platform`` (``sharding.platform``:
+  default, the active mesh's): ``"pallas"`` (:mod:`jaxrm.models.flash_attention`), ``"cudnn"``
   (``jax.nn.dot_product_attention``) or ``"reference"`` (``layers.dot_product_attention``).
 
   ``auto`` takes the Pallas kernel on a GPU and the reference elsewhere. ``cudnn`` has no logit
   soft-capping, so soft-capped models (Gemma 2) take the reference instead.
   """
-  backend = backend or jax.default_backend()
+  platform = platform or sharding.platform(sharding.active_mesh())
   if cfg.attention_impl == "auto":
-    return "pallas" if backend == "gpu" else "reference"
+    return "pallas" if platform == "gpu" else "reference"
   if cfg.attention_impl == "cudnn" and cfg.attn_logit_softcapping is not None:
     return "reference"
   return cfg.attention_impl
 
 
-def attention_fn(cfg: ModelConfig, backend: str | None = None) -> Callable:
-  """The attention of ``cfg`` on ``backend`` (default: JAX's default backend).
+def attention_fn(cfg: ModelConfig, platform: str | None = None) -> Callable:
+  """The attention of ``cfg`` on devices of ``platform`` (default: the active mesh's).
 
   Every route takes q [B, T, H, Dh], k/v [B, S, K, Dh] and returns [B, T, H, Dh]; the Pallas
   kernel then takes a ``flash_attention.Layout`` and a window, the others a bool mask [B, T, S].
   The Pallas kernel runs through Triton on a GPU and in interpret mode elsewhere (slow: for
   tests); the cudnn setting reaches cuDNN's kernel on a GPU in bfloat16/float16 and the same
-  call's XLA lowering otherwise.
+  call's XLA lowering otherwise. A GPU here is the devices the step is compiled for, which may be
+  compile-only ones (:mod:`jaxrm.gpu_targets`) in a CPU process.
   """
-  backend = backend or jax.default_backend()
-  route = attention_route(cfg, backend)
+  platform = platform or sharding.platform(sharding.active_mesh())
+  route = attention_route(cfg, platform)
   if route == "pallas":
     return functools.partial(flash_attention, scale=cfg.attn_scale, softcap=cfg.attn_logit_softcapping,
-                             interpret=backend != "gpu")
+                             interpret=platform != "gpu")
   if route == "cudnn":
     return functools.partial(L.fused_attention, scale=cfg.attn_scale,
-                             implementation="cudnn" if _cudnn_runs(cfg, backend) else "xla")
+                             implementation="cudnn" if _cudnn_runs(cfg, platform) else "xla")
   return functools.partial(L.dot_product_attention, scale=cfg.attn_scale,
                            softcap=cfg.attn_logit_softcapping)
 
 
-def _cudnn_runs(cfg: ModelConfig, backend: str) -> bool:
-  return backend == "gpu" and jnp.dtype(cfg.dtype) in (jnp.bfloat16, jnp.float16)
+def _cudnn_runs(cfg: ModelConfig, platform: str) -> bool:
+  return platform == "gpu" and jnp.dtype(cfg.dtype) in (jnp.bfloat16, jnp.float16)
 
 
-def attention_summary(cfg: ModelConfig, backend: str | None = None, mesh=None) -> str:
-  """One line saying what computes the attention of ``cfg`` on ``backend`` over ``mesh`` (default:
-  ``sharding.active_mesh()``), for the run's log."""
-  backend = backend or jax.default_backend()
-  route = attention_route(cfg, backend)
-  context = context_parallel.describe(mesh if mesh is not None else sharding.active_mesh())
-  if context is not None:
-    what = "reference einsum per shard"
-    if route != "reference":
-      kernel = "the Pallas kernel" if route == "pallas" else "cuDNN's kernel"
-      what += f" ({kernel} does not take gathered keys yet)"
+def attention_summary(cfg: ModelConfig, platform: str | None = None, mesh=None) -> str:
+  """One line saying what computes the attention of ``cfg`` over ``mesh`` (default:
+  ``sharding.active_mesh()``) on devices of ``platform`` (default: the mesh's), for the run's log."""
+  mesh = mesh if mesh is not None else sharding.active_mesh()
+  platform = platform or sharding.platform(mesh)
+  route = attention_route(cfg, platform)
+  context = context_parallel.describe(mesh)
+  if context is not None and route == "pallas":
+    what = "pallas flash kernel per shard" + ("" if platform == "gpu" else " in interpret mode (no GPU; slow)")
+  elif context is not None:
+    what = "reference einsum per shard" + (" (cuDNN's kernel takes no gathered keys)" if route == "cudnn" else "")
   elif route == "pallas":
-    what = "pallas flash kernel" + ("" if backend == "gpu" else " in interpret mode (no GPU; slow)")
+    what = "pallas flash kernel" + ("" if platform == "gpu" else " in interpret mode (no GPU; slow)")
   elif route == "cudnn":
-    what = ("cuDNN (jax.nn.dot_product_attention)" if _cudnn_runs(cfg, backend) else
+    what = ("cuDNN (jax.nn.dot_product_attention)" if _cudnn_runs(cfg, platform) else
             "jax.nn.dot_product_attention's XLA lowering (cuDNN needs a GPU and bfloat16/float16)")
   else:
     what = "reference einsum"
     if cfg.attention_impl == "auto":
-      what += f" (auto: the pallas kernel needs a GPU; this backend is {backend})"
+      what += f" (auto: the pallas kernel needs a GPU; these devices are {platform})"
     elif cfg.attention_impl == "cudnn":
       what += " (cudnn has no logit soft-capping)"
   features = [] if context is None else [context]
@@ -278,21 +280,25 @@ def _layer_attention(cfg: ModelConfig, attention_mask, positions, segment_ids, b
   parallelism gathers) is built once for all layers.
 
   ``order`` (context parallel): int [T], the row index of each stored token; the inputs are
-  already in that order. The reference attention then runs per shard, on every route: the Pallas
-  kernel does not take gathered keys yet, and cuDNN's takes a dense mask.
+  already in that order. Each shard's queries then meet the gathered keys through the Pallas
+  kernel on its route, through the reference einsum on the others (cuDNN's takes a dense mask).
   """
   windowed = bool(cfg.sliding_layers.any())
   if order is not None:
     ids = L.token_ids(attention_mask, positions, segment_ids, branch_ids,
                       jnp.broadcast_to(jnp.asarray(order), attention_mask.shape))
 
+    platform = sharding.platform(sharding.active_mesh())
+    kernel = "pallas" if attention_route(cfg, platform) == "pallas" else "reference"
+
     def gathered(q, k, v, *, is_sliding):
       window = jnp.where(is_sliding, cfg.sliding_window, NO_WINDOW) if windowed else None
       return context_parallel.attention(q, k, v, ids, order, window, scale=cfg.attn_scale,
-                                        softcap=cfg.attn_logit_softcapping)
+                                        softcap=cfg.attn_logit_softcapping, kernel=kernel,
+                                        interpret=platform != "gpu")
 
     return gathered
-  attend = attention_fn(cfg)
+  attend = attention_fn(cfg)  # on the active mesh's platform
   if attention_route(cfg) == "pallas":
     real = attention_mask > 0
     ids = layout(real.astype(jnp.int32) if segment_ids is None else jnp.where(real, segment_ids, 0),
@@ -320,7 +326,7 @@ def _per_shard(attend: Callable, q_bthd, k_bskd, v_bskd, ids, window):
 
   XLA cannot split a Pallas kernel: left to itself, it would gather the whole batch onto every
   device and compute all of it there (heads split as ``sharding.attention_specs`` says). Rows
-  are whole here: context parallelism takes the reference attention
+  are whole here: context parallelism has its own per-shard attention
   (:mod:`jaxrm.models.context_parallel`).
   """
   args = (q_bthd, k_bskd, v_bskd, ids) + (() if window is None else (window,))

@@ -6,6 +6,10 @@ whom is read from a :class:`Layout` of per-token int32 arrays, so no [B, T, S] m
 read; blocks of keys after a block of queries (causal) or before its earliest segment (packed
 rows) are skipped, not computed and then masked.
 
+The queries may be a slice of their row that starts at ``q_offset`` (which may be traced), against
+the row's first keys: context parallelism (:mod:`jaxrm.models.context_parallel`) gives each
+device slices of a row's queries and gathers the row's keys, and the shards share one program.
+
 The design follows ``jax.experimental.pallas.ops.gpu.attention`` (forward with a log-sum-exp
 residual, backward recomputing the weights block by block), with separate dq and dk/dv kernels so
 that grouped-query heads can sum their dk/dv inside the kernel. On a GPU the kernels lower through
@@ -90,33 +94,52 @@ def _segment_spans(segment_bt):
 
 def flash_attention(q_bthd, k_bskd, v_bskd, ids: Layout, window=None, *, scale: float,
                     softcap: float | None = None, interpret: bool = False,
-                    blocks: BlockSizes = BlockSizes()):
-  """Causal grouped-query self-attention; logits and softmax in float32. Returns [B, T, H, Dh].
+                    blocks: BlockSizes = BlockSizes(), q_offset=0):
+  """Causal grouped-query attention; logits and softmax in float32. Returns [B, T, H, Dh].
 
   Args:
-    q_bthd: [B, T, H, Dh] queries; H a multiple of the K key heads.
-    k_bskd, v_bskd: [B, T, K, Dh].
-    ids: the rows' :class:`Layout` (see :func:`layout`).
+    q_bthd: [B, T, H, Dh] queries, tokens ``q_offset`` .. ``q_offset + T - 1`` of their rows; H a
+      multiple of the K key heads.
+    k_bskd, v_bskd: [B, S, K, Dh], the rows' first S tokens; S >= q_offset + T (S = T for
+      self-attention).
+    ids: the rows' :class:`Layout` (see :func:`layout`), of at least S tokens.
     window: None, or an int32 scalar (it may be traced, so that one kernel serves the sliding and
       the full layers of a scan): keys at least this many positions back are hidden.
     scale: multiplies the logits.
     softcap: Gemma 2's soft-capping, ``softcap * tanh(logits / softcap)``.
     interpret: run the kernels as XLA ops (any backend) instead of through Triton (GPU).
+    blocks: the kernels' tile sizes.
+    q_offset: the row index of the first query: an int, or an int32 scalar (it may be traced, so
+      that one program serves every context-parallel shard's slices of a row).
 
   Queries that see no key (padding) get zeros, and pass no gradient.
   """
   b, t, h, d = q_bthd.shape
-  if k_bskd.shape[1] != t or h % k_bskd.shape[2]:
-    raise ValueError(f"flash_attention: q {q_bthd.shape} and k {k_bskd.shape} need the same length "
-                     "and heads that are a multiple of the key heads")
-  # Triton loads power-of-two tiles and multiplies matrices of >= 16: zero-padded head dims add
-  # nothing to the logits, and their outputs are cut off.
-  t_pad, d_pad = ids.segment_ids.shape[1], max(16, pl.next_power_of_2(d))
-  pad = lambda x: jnp.pad(x, ((0, 0), (0, t_pad - t), (0, 0), (0, d_pad - d)))
-  window_1 = jnp.full((1,), NO_WINDOW if window is None else window, jnp.int32)
+  s = k_bskd.shape[1]
+  if h % k_bskd.shape[2] or ids.segment_ids.shape[1] < s or (isinstance(q_offset, int) and q_offset + t > s):
+    raise ValueError(f"flash_attention: q {q_bthd.shape} at offset {q_offset}, k {k_bskd.shape} and ids "
+                     f"{ids.segment_ids.shape}: give ids of at least as many tokens as the keys, keys up to "
+                     "the last query, and query heads that are a multiple of the key heads")
+  # Triton loads power-of-two tiles and multiplies matrices of >= 16: zero-padded queries, keys and
+  # head dims add nothing to the logits (padding ids hide them), and their outputs are cut off.
+  t_pad, s_pad = _round_up(t, LENGTH_MULTIPLE), _round_up(s, LENGTH_MULTIPLE)
+  d_pad = max(16, pl.next_power_of_2(d))
+  pad = lambda x, n: jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, d_pad - d)))
+  q_ids, k_ids = _tokens(ids, q_offset, t, t_pad, s_pad), _tokens(ids, 0, s, s_pad, s_pad)
+  scalars = jnp.stack([jnp.asarray(NO_WINDOW if window is None else window, jnp.int32),
+                       jnp.asarray(q_offset, jnp.int32)])
   static = _Static(scale, softcap, window is not None, interpret, blocks)
-  out = _attention(pad(q_bthd), pad(k_bskd), pad(v_bskd), (*ids, window_1), static)
+  out = _attention(pad(q_bthd, t_pad), pad(k_bskd, s_pad), pad(v_bskd, s_pad), (*q_ids, *k_ids, scalars),
+                   static)
   return out[:, :t, :, :d]
+
+
+def _tokens(ids: Layout, start, n: int, length: int, keys: int) -> Layout:
+  """Tokens [start, start + n) of ``ids`` (``start`` may be traced), then padding up to ``length``
+  tokens, whose ``first_key`` is ``keys``: past every key, as :func:`layout` gives padding."""
+  fill = Layout(0, 0, 0, keys, -1)
+  cut = lambda x: jax.lax.dynamic_slice_in_dim(x, start, n, axis=1)
+  return Layout(*(jnp.pad(cut(x), ((0, 0), (0, length - n)), constant_values=f) for x, f in zip(ids, fill)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,17 +177,17 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _forward(q, k, v, ids, static):
-  b, t, h, d = q.shape
+  (b, t, h, d), s = q.shape, k.shape[1]
   groups = h // k.shape[2]
-  block_q, block_k = _block(t, static.blocks.q), _block(t, static.blocks.k)
+  block_q, block_k = _block(t, static.blocks.q), _block(s, static.blocks.k)
   q_spec = pl.BlockSpec((None, block_q, None, d), lambda i, b, h: (b, i, h, 0))
-  kv_spec = pl.BlockSpec((None, t, None, d), lambda i, b, h: (b, 0, lax.div(h, groups), 0))
+  kv_spec = pl.BlockSpec((None, s, None, d), lambda i, b, h: (b, 0, lax.div(h, groups), 0))
   kernel = functools.partial(_forward_kernel, scale=static.scale, softcap=static.softcap,
                              windowed=static.windowed, block_k=block_k)
   return pl.pallas_call(
       kernel,
       grid=(t // block_q, b, h),
-      in_specs=[q_spec, kv_spec, kv_spec, *_id_specs(t, lambda i, b, h: b)],
+      in_specs=[q_spec, kv_spec, kv_spec, *_id_specs(t, s, lambda i, b, h: b)],
       out_specs=[q_spec, pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))],
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((b, h, t), jnp.float32)],  # log-sum-exp of each query's logits
@@ -175,11 +198,11 @@ def _forward(q, k, v, ids, static):
 
 
 def _backward_dq(q, k, v, d_out, lse, delta, ids, static):
-  b, t, h, d = q.shape
+  (b, t, h, d), s = q.shape, k.shape[1]
   groups = h // k.shape[2]
-  block_q, block_k = _block(t, static.blocks.q), _block(t, static.blocks.k)
+  block_q, block_k = _block(t, static.blocks.q), _block(s, static.blocks.k)
   q_spec = pl.BlockSpec((None, block_q, None, d), lambda i, b, h: (b, i, h, 0))
-  kv_spec = pl.BlockSpec((None, t, None, d), lambda i, b, h: (b, 0, lax.div(h, groups), 0))
+  kv_spec = pl.BlockSpec((None, s, None, d), lambda i, b, h: (b, 0, lax.div(h, groups), 0))
   row_spec = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
   kernel = functools.partial(_dq_kernel, scale=static.scale, softcap=static.softcap,
                              windowed=static.windowed, block_k=block_k)
@@ -187,7 +210,7 @@ def _backward_dq(q, k, v, d_out, lse, delta, ids, static):
       kernel,
       grid=(t // block_q, b, h),
       in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec,
-                *_id_specs(t, lambda i, b, h: b)],
+                *_id_specs(t, s, lambda i, b, h: b)],
       out_specs=q_spec,
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       compiler_params=_compiler_params(d),
@@ -198,9 +221,9 @@ def _backward_dq(q, k, v, d_out, lse, delta, ids, static):
 
 def _backward_dkv(q, k, v, d_out, lse, delta, ids, static):
   """dk and dv, each program summing over the query heads that share its key head."""
-  b, t, kv, d = k.shape
+  (b, s, kv, d), t = k.shape, q.shape[1]
   groups = q.shape[2] // kv
-  block_q, block_k = _block(t, static.blocks.q_dkv), _block(t, static.blocks.k_dkv)
+  block_q, block_k = _block(t, static.blocks.q_dkv), _block(s, static.blocks.k_dkv)
   group_spec = pl.BlockSpec((None, t, groups, d), lambda j, b, g: (b, 0, g, 0))
   group_rows_spec = pl.BlockSpec((None, groups, t), lambda j, b, g: (b, g, 0))
   kv_spec = pl.BlockSpec((None, block_k, None, d), lambda j, b, g: (b, j, g, 0))
@@ -208,9 +231,9 @@ def _backward_dkv(q, k, v, d_out, lse, delta, ids, static):
                              windowed=static.windowed, block_q=block_q, groups=groups)
   return pl.pallas_call(
       kernel,
-      grid=(t // block_k, b, kv),
+      grid=(s // block_k, b, kv),
       in_specs=[group_spec, kv_spec, kv_spec, group_spec, group_rows_spec, group_rows_spec,
-                *_id_specs(t, lambda j, b, g: b)],
+                *_id_specs(t, s, lambda j, b, g: b)],
       out_specs=[kv_spec, kv_spec],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       compiler_params=_compiler_params(d),
@@ -219,10 +242,19 @@ def _backward_dkv(q, k, v, d_out, lse, delta, ids, static):
   )(q, k, v, d_out, lse, delta, *ids)
 
 
-def _id_specs(t, row_of):
-  """Whole rows of the five :class:`Layout` arrays, and the window scalar."""
-  row = pl.BlockSpec((None, t), lambda *grid: (row_of(*grid), 0))
-  return [row] * len(Layout._fields) + [pl.BlockSpec((1,), lambda *grid: (0,))]
+def _id_specs(t, s, row_of):
+  """Whole rows of the queries' and the keys' :class:`Layout` arrays, and the scalars (window,
+  q_offset)."""
+  rows = lambda n: [pl.BlockSpec((None, n), lambda *grid: (row_of(*grid), 0))] * len(Layout._fields)
+  return rows(t) + rows(s) + [pl.BlockSpec((2,), lambda *grid: (0,))]
+
+
+def _refs(refs):
+  """A kernel's id refs as the queries' and the keys' :class:`Layout`, the window (or None) and
+  q_offset, then its remaining refs."""
+  n = len(Layout._fields)
+  q_ids, k_ids, scalars_ref = Layout(*refs[:n]), Layout(*refs[n:2 * n]), refs[2 * n]
+  return q_ids, k_ids, scalars_ref[0], scalars_ref[1], refs[2 * n + 1:]
 
 
 def _block(length: int, preferred: int) -> int:
@@ -244,15 +276,15 @@ def _compiler_params(head_dim: int):
 # ------------------------------------------------------------------ kernels
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, segment_ref, branch_ref, position_ref, first_ref, last_ref,
-                    window_ref, out_ref, lse_ref, *, scale, softcap, windowed, block_k):
+def _forward_kernel(q_ref, k_ref, v_ref, *refs, scale, softcap, windowed, block_k):
   """One block of queries of one head: an online softmax over the blocks of keys it can see."""
-  del last_ref
+  q_ids, k_ids, window, q_offset, (out_ref, lse_ref) = _refs(refs)
+  window = window if windowed else None
   block_q = q_ref.shape[0]
   q_start = pl.program_id(0) * block_q
   q_rows = pl.ds(q_start, block_q)
-  q_ids = _ids(segment_ref, branch_ref, position_ref, q_rows)
-  window = window_ref[0] if windowed else None
+  q_index = q_offset + q_start
+  q_tokens = _ids(q_ids, q_rows)
   q = q_ref[...]
 
   def step(kb, carry):
@@ -260,7 +292,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, segment_ref, branch_ref, position_ref, 
     k_start = pl.multiple_of(kb * block_k, block_k)
     k_rows = pl.ds(k_start, block_k)
     logits, _ = _logits(q, k_ref[k_rows, :], scale, softcap)
-    mask = _mask(q_start, q_ids, k_start, _ids(segment_ref, branch_ref, position_ref, k_rows), window)
+    mask = _mask(q_index, q_tokens, k_start, _ids(k_ids, k_rows), window)
     new_max = jnp.maximum(row_max, jnp.max(jnp.where(mask, logits, NEG_INF), axis=1))
     # Masked entries are zeroed, not just pushed to NEG_INF: while a row has seen no key its
     # running max is NEG_INF too, and exp(0) would count them.
@@ -269,7 +301,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, segment_ref, branch_ref, position_ref, 
     acc = acc * rescale[:, None] + _matmul(probs.astype(v_ref.dtype), v_ref[k_rows, :])
     return acc, new_max, row_sum * rescale + jnp.sum(probs, axis=1)
 
-  start, stop = _key_blocks(first_ref[q_rows], q_start + block_q, block_k)
+  start, stop = _key_blocks(q_ids.first_key[q_rows], q_index + block_q, block_k, k_ref.shape[0])
   init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_q,), NEG_INF, jnp.float32),
           jnp.zeros((block_q,), jnp.float32))
   acc, row_max, row_sum = lax.fori_loop(start, stop, step, init)
@@ -281,46 +313,47 @@ def _forward_kernel(q_ref, k_ref, v_ref, segment_ref, branch_ref, position_ref, 
   lse_ref[...] = jnp.where(seen, row_max + jnp.log(safe_sum), -NEG_INF)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, segment_ref, branch_ref,
-               position_ref, first_ref, last_ref, window_ref, d_q_ref, *, scale, softcap, windowed,
+def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, *refs, scale, softcap, windowed,
                block_k):
   """dq of one block of queries of one head, over the blocks of keys it can see."""
-  del last_ref
+  q_ids, k_ids, window, q_offset, (d_q_ref,) = _refs(refs)
+  window = window if windowed else None
   block_q = q_ref.shape[0]
   q_start = pl.program_id(0) * block_q
   q_rows = pl.ds(q_start, block_q)
-  q_ids = _ids(segment_ref, branch_ref, position_ref, q_rows)
-  window = window_ref[0] if windowed else None
+  q_index = q_offset + q_start
+  q_tokens = _ids(q_ids, q_rows)
   q, d_out, lse, delta = q_ref[...], d_out_ref[...], lse_ref[...], delta_ref[...]
 
   def step(kb, d_q):
     k_start = pl.multiple_of(kb * block_k, block_k)
     k_rows = pl.ds(k_start, block_k)
     k, v = k_ref[k_rows, :], v_ref[k_rows, :]
-    mask = _mask(q_start, q_ids, k_start, _ids(segment_ref, branch_ref, position_ref, k_rows), window)
+    mask = _mask(q_index, q_tokens, k_start, _ids(k_ids, k_rows), window)
     d_logits = _d_logits(q, k, v, d_out, lse, delta, mask, scale, softcap)[1]
     return d_q + _matmul(d_logits.astype(k.dtype), k)
 
-  start, stop = _key_blocks(first_ref[q_rows], q_start + block_q, block_k)
+  start, stop = _key_blocks(q_ids.first_key[q_rows], q_index + block_q, block_k, k_ref.shape[0])
   d_q = lax.fori_loop(start, stop, step, jnp.zeros(q.shape, jnp.float32))
   d_q_ref[...] = (d_q * scale).astype(d_q_ref.dtype)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, segment_ref, branch_ref,
-                position_ref, first_ref, last_ref, window_ref, d_k_ref, d_v_ref, *, scale, softcap,
-                windowed, block_q, groups):
+def _dkv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, *refs, scale, softcap, windowed,
+                block_q, groups):
   """dk and dv of one block of keys of one key head, over its query heads and the queries that
   can see it."""
-  del first_ref
+  q_ids, k_ids, window, q_offset, (d_k_ref, d_v_ref) = _refs(refs)
+  window = window if windowed else None
   block_k = k_ref.shape[0]
   k_start = pl.program_id(0) * block_k
   k_rows = pl.ds(k_start, block_k)
-  k_ids = _ids(segment_ref, branch_ref, position_ref, k_rows)
-  window = window_ref[0] if windowed else None
+  k_tokens = _ids(k_ids, k_rows)
   k, v = k_ref[...], v_ref[...]
-  # Queries before the block see none of it (causal), nor do those after its last segment.
-  start = lax.div(k_start, block_q)
-  stop = lax.div(jnp.max(last_ref[k_rows]) + block_q, block_q)
+  # Queries before the block see none of it (causal), nor do those after its last segment; query
+  # block qb holds the row's tokens from q_offset + qb * block_q on.
+  start = lax.div(jnp.maximum(k_start - q_offset, 0), block_q)
+  stop = jnp.minimum(lax.div(jnp.max(k_ids.last_query[k_rows]) - q_offset + block_q, block_q),
+                     q_ref.shape[0] // block_q)
 
   def step_head(g, carry):
     def step(qb, carry):
@@ -328,8 +361,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, segment_ref,
       q_start = pl.multiple_of(qb * block_q, block_q)
       q_rows = pl.ds(q_start, block_q)
       q, d_out = q_ref[q_rows, g, :], d_out_ref[q_rows, g, :]
-      mask = _mask(q_start, _ids(segment_ref, branch_ref, position_ref, q_rows), k_start, k_ids,
-                   window)
+      mask = _mask(q_offset + q_start, _ids(q_ids, q_rows), k_start, k_tokens, window)
       probs, d_logits = _d_logits(q, k, v, d_out, lse_ref[g, q_rows], delta_ref[g, q_rows], mask,
                                   scale, softcap)
       d_v = d_v + _matmul_t(probs.astype(d_out.dtype), d_out)
@@ -346,12 +378,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, segment_ref,
 # ------------------------------------------------------------------ kernel pieces
 
 
-def _ids(segment_ref, branch_ref, position_ref, rows):
-  return segment_ref[rows], branch_ref[rows], position_ref[rows]
+def _ids(refs: Layout, rows):
+  return refs.segment_ids[rows], refs.branch_ids[rows], refs.positions[rows]
 
 
 def _mask(q_start, q_ids, k_start, k_ids, window):
-  """bool [block_q, block_k]: the rule of :class:`Layout`."""
+  """bool [block_q, block_k]: the rule of :class:`Layout`; ``q_start`` and ``k_start`` are the
+  blocks' first row indices."""
   (q_segment, q_branch, q_position), (k_segment, k_branch, k_position) = q_ids, k_ids
   q_index = q_start + jnp.arange(q_segment.shape[0], dtype=jnp.int32)
   k_index = k_start + jnp.arange(k_segment.shape[0], dtype=jnp.int32)
@@ -363,10 +396,11 @@ def _mask(q_start, q_ids, k_start, k_ids, window):
   return mask
 
 
-def _key_blocks(first_key_q, q_end, block_k):
-  """[start, stop) of the key blocks that a block of queries (their ``first_key``, the block's
-  end) can see."""
-  return lax.div(jnp.min(first_key_q), block_k), lax.div(q_end + block_k - 1, block_k)
+def _key_blocks(first_key_q, q_end, block_k, keys):
+  """[start, stop) of the blocks of ``keys`` keys that a block of queries (their ``first_key``,
+  the row index past the block's last) can see."""
+  stop = jnp.minimum(lax.div(q_end + block_k - 1, block_k), keys // block_k)
+  return lax.div(jnp.min(first_key_q), block_k), stop
 
 
 def _logits(q, k, scale, softcap):

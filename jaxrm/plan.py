@@ -1,0 +1,54 @@
+r"""Will this run fit on that hardware? Asked before any GPU is allocated, on any machine.
+
+  python -m jaxrm.plan --config=configs/rm.py --gpu=h100-80gb --topology=1x8 [--config.key=value ...]
+  python -m jaxrm.plan --config=configs/skywork_v2_llama31_8b.py --gpu=h200 --topology=1x8
+
+The run's config and overrides are read exactly as ``python -m jaxrm.train`` reads them; the model
+needs only its ``config.json`` (or a GGUF file's header), no weights. The run's train and
+validation steps are compiled by XLA's GPU compiler for compile-only devices of ``--gpu``
+(:mod:`jaxrm.gpu_targets`), over ``--topology`` hosts x GPUs per host, and their memory per device
+is printed against the card with a stated margin (:mod:`jaxrm.fit_check`). Exit status: 0 when
+the run fits, 1 when it does not (the output names what to change), 2 for a usage error.
+
+What a compile cannot tell: speed, numerics on the device, and what an on-device compile would
+autotune. The trainer on a GPU logs the same memory lines from its own compile, to compare.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import flags
+from ml_collections import config_flags
+
+from jaxrm import cli
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file("config", None, "Training config file (configs/rm.py, configs/prm.py...).",
+                                lock_config=True)
+flags.DEFINE_string("gpu", "h100-80gb", "The GPU: h100-80gb, h200, a100-80gb, b200.")
+flags.DEFINE_string("topology", "1x1", "Hosts x GPUs per host, e.g. 1x8 or 2x8.")
+flags.DEFINE_integer("completions", 2, "Completions per preference group (ranked data: its largest group).")
+
+
+def main() -> None:
+  cli.setup_logging()
+  if FLAGS.config is None:
+    cli.exit_usage("give --config=configs/rm.py (the run to plan), --gpu and --topology")
+  from jaxrm import fit_check, gpu_targets
+  from jaxrm.errors import UserError
+  try:
+    config = cli.run_config(FLAGS.config)
+    gpu_targets.get(FLAGS.gpu)
+    gpu_targets.parse_topology(FLAGS.topology)
+    if FLAGS.completions < 2:
+      raise UserError(f"--completions={FLAGS.completions}: a preference group has 2 or more")
+    report = fit_check.check(config, FLAGS.gpu, FLAGS.topology, completions=FLAGS.completions)
+  except UserError as e:
+    cli.exit_usage(str(e))
+  print("\n".join(report.lines()), flush=True)
+  sys.exit(0 if report.fits else 1)
+
+
+if __name__ == "__main__":
+  cli.run(main, flags_parser=cli.config_flags_parser(FLAGS))
