@@ -202,7 +202,8 @@ def _use_ptxas(where: str) -> None:
   """Points XLA at the ptxas kept beside the plugin (jax looks for it once, at import)."""
   from jax._src import lib
   nvcc = os.path.join(where, "nvidia", "cuda_nvcc")
-  if lib.cuda_path is None and os.path.exists(os.path.join(nvcc, "bin", "ptxas")):
+  found = lib.cuda_path is not None and os.path.exists(os.path.join(str(lib.cuda_path), "bin", "ptxas"))
+  if not found and os.path.exists(os.path.join(nvcc, "bin", "ptxas")):
     lib.cuda_path = nvcc
 
 

@@ -1,24 +1,32 @@
 r"""One NVIDIA GPU, under 8 minutes: the GPU tests, the Qwen2.5-1.5B throughput benchmark, and the
-largest shape of the memory plan that trains one step, all into one JSON file.
+largest shape of the memory plan that trains one step, all into one JSON file; and first, on any
+machine, everything the check will run compiled for that GPU, so that the GPU's minutes go to
+running.
 
+  bash scripts/gpu_check.sh --compile_only --out=gpu_check.json  # anywhere, before the GPU
   bash scripts/gpu_check.sh --out=gpu_check.json   # on the GPU machine (installs carried wheels)
   python scripts/gpu_check.py --dry_run            # anywhere: what would run, sized, no compiling
 
 Steps, each in its own process with its own time limit, within one overall ``--budget_s``:
 
-1. ``machine``: the GPU as JAX and nvidia-smi see it (its usable bytes size step 4).
-2. ``gpu_tests``: ``pytest -m gpu`` over the test files that hold a gpu mark.
-3. ``bench``: ``scripts/bench.py --gpu`` with ``BENCH_ARGS`` and ``--attention=auto``: pairs/s,
+1. ``machine``: the GPU as JAX and nvidia-smi see it (its usable bytes size step 5).
+2. ``compile``: what steps 4 and 5 run, compiled by XLA's GPU compiler for compile-only devices
+   of ``--gpu`` (``jaxrm.gpu_targets``; default the H200 that is lent): the benchmark's step for
+   each of its batch shapes, and the memory plan's step for each of the first ``FIT_TRIES``
+   settings step 5 would try. Each program's memory per device is the compile-time plan that the
+   GPU's measured peak is put beside; the Triton kernels compiled and the compile times are
+   recorded. ``--compile_only`` runs this step alone, on any machine, and writes ``--out``; a run
+   on the GPU whose ``--out`` (or ``--planned``) holds that step for the same ``--gpu`` takes it
+   from there; otherwise it runs last, if time is left.
+3. ``gpu_tests``: ``pytest -m gpu`` over the test files that hold a gpu mark.
+4. ``bench``: ``scripts/bench.py --gpu`` with ``BENCH_ARGS`` and ``--attention=auto``: pairs/s,
    real tokens/s and MFU of a Qwen2.5-1.5B-shaped reward model (random weights, bf16,
    shared-prompt packed rows of 4096 tokens holding generated pairs of up to 2048 tokens); once
    more with ``--attention=cudnn`` if that fails.
-4. ``fit``: ``scripts/memory_plan.py --fit``: one training step on the GPU of the largest
+5. ``fit``: ``scripts/memory_plan.py --fit``: one training step on the GPU of the largest
    one-device shape of ``--plan`` without gradient accumulation (most parameters, then longest
    sequences; of one shape, the remat policy with the smallest planned total) whose planned
-   total fits the GPU, within ``PLAN_SLACK``; out of memory, the next shape, while time is left.
-5. ``calibration``: the same setting's step compiled on the GPU with the reference attention
-   (``memory_plan.py --plan_backend=gpu``), so XLA:GPU's temporaries stand beside XLA:CPU's
-   from the plan for the same program; only if time is left.
+   total fits the GPU's usable memory; out of memory, the next shape, while time is left.
 
 The parent process never imports JAX, so each step has the whole GPU to itself.
 """
@@ -36,29 +44,41 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 
+from jaxrm import gpu_targets
+from jaxrm.memory import gib  # no JAX at import: the parent never imports it
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "scripts", "bench.py")
 MEMORY_PLAN = os.path.join(ROOT, "scripts", "memory_plan.py")
 PLAN = os.path.join(ROOT, "scripts", "memory_plan.json")
-H200_GIB = 143771 / 1024  # what nvidia-smi reports for an H200, when the GPU cannot be asked
-# Each step's limit in seconds (less when the overall budget has less left).
-LIMITS = {"machine": 60, "gpu_tests": 150, "bench": 210, "fit": 200, "calibration": 150}
+# The share of the GPU that gpu_check.sh lets JAX take (XLA_PYTHON_CLIENT_MEM_FRACTION): what step
+# 5's settings must fit in when the GPU cannot be asked (a compile-only run).
+MEM_FRACTION = 0.99
+# Each step's limit in seconds (less when the overall budget has less left); --compile_only gives
+# the compile step COMPILE_ONLY_S.
+LIMITS = {"machine": 60, "compile": 150, "gpu_tests": 150, "bench": 210, "fit": 200}
+COMPILE_ONLY_S = 900
 MIN_START_S = 45  # a step is not started with less than this left
-# The plan's temporaries are XLA:CPU's, a lead for a GPU's: a setting planned up to this much over
-# the GPU's memory is still tried (a failure for want of memory moves on to the next one).
-PLAN_SLACK = 1.05
+FIT_TRIES = 3  # settings the fit step tries, largest first, while they run out of memory
 RECOMPUTE = ("full", "dots", "none")  # most recompute (least memory) first
+MEMORY = "argument_bytes, output_bytes, alias_bytes, temp_bytes, held_bytes, total_bytes"
 JSON_KEYS = {
     "machine": "backend, devices, device_kind, bytes_limit, nvidia_smi, jax, python",
+    "compile": f"target, device_kind, commit, versions, rc, wall_s, reused_from (an earlier "
+               f"--compile_only run's file), bench {{command, attention_route, triton_kernels, "
+               f"compile_s, total_bytes (its largest program), shapes [{{input_ids, {MEMORY}, "
+               f"compile_s}}]}}, fit {{capacity_gib, candidates [memory_plan.py rows compiled "
+               f"for the target: param_bytes, opt_state_bytes, {MEMORY}, triton_kernels, "
+               f"attention_route, compile_s, ...]}}",
     "gpu_tests": "files, tests, passed, failed, errors, skipped, cases [{name, outcome, seconds}]",
     "bench": "attempts [{attention, rc, wall_s}], result {pairs_per_s, real_tokens_per_s, "
              "model_tflops, mfu, peak_tflops, flop_formula, peak_memory_gib, compile_s, "
-             "compiled_shapes, attention, params_m, totals}",
-    "fit": "candidates, attempts [{setting, rc, wall_s}], result {model, length, remat, params, "
-           "param_bytes, opt_state_bytes, argument_bytes, temp_bytes, peak_bytes_in_use, "
-           "bytes_limit, compile_s, step_s, loss, grad_norm}, planned (the plan's row)",
-    "calibration": "result (a plan row: XLA:GPU's bytes for the reference attention), planned "
-                   "(XLA:CPU's row)",
+             "compiled_shapes, attention, params_m, totals}, planned_total_gib (the compile step's "
+             "largest program, beside peak_memory_gib)",
+    "fit": f"capacity_gib, candidates, attempts [{{setting, attention, rc, wall_s}}], result {{model, "
+           f"length, remat, params, param_bytes, opt_state_bytes, {MEMORY} (the compile on the GPU), "
+           f"peak_bytes_in_use, bytes_limit, compile_s, step_s, loss, grad_norm}}, planned (the "
+           f"compile step's row for the setting, else the plan's), planned_by",
 }
 
 
@@ -66,23 +86,38 @@ def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--out", default="gpu_check.json", help="the JSON file with every result")
   p.add_argument("--plan", default=PLAN, help="the memory plan (memory_plan.py --json=...)")
+  p.add_argument("--gpu", default="h200",
+                 help=f"the GPU the compile step compiles for ({', '.join(gpu_targets.TARGETS)}): the one lent")
+  p.add_argument("--compile_only", action="store_true",
+                 help="run only the compile step, on any machine (no GPU): the compile-time plan of "
+                      "everything the check runs, in --out, which the run on the GPU then reuses")
+  p.add_argument("--planned", default="",
+                 help="on the GPU: the file of an earlier --compile_only run (default: --out itself)")
   p.add_argument("--budget_s", type=float, default=450, help="time for all steps together")
   p.add_argument("--dry_run", action="store_true",
                  help="size every step (shapes, batch, FLOP formula, plan candidates, JSON keys) "
                       "without compiling or a GPU")
-  return p.parse_args(argv)
+  p.add_argument("--worker", default="", help=argparse.SUPPRESS)  # "compile": the compile step's process
+  p.add_argument("--capacity_gib", type=float, default=0.0, help=argparse.SUPPRESS)  # --worker's fit candidates
+  args = p.parse_args(argv)
+  if args.gpu not in gpu_targets.TARGETS:
+    p.error(f"--gpu={args.gpu!r}: unknown GPU; choose one of {', '.join(gpu_targets.TARGETS)}")
+  if args.compile_only and args.dry_run:
+    p.error("--compile_only and --dry_run: choose one (a dry run compiles nothing)")
+  return args
 
 
 class Deadline:
 
-  def __init__(self, seconds: float):
+  def __init__(self, seconds: float, limits: dict[str, float] = LIMITS):
     self.end = time.monotonic() + seconds
+    self.limits = limits
 
   def left(self) -> float:
     return self.end - time.monotonic()
 
   def limit(self, step: str) -> float:
-    return min(LIMITS[step], self.left())
+    return min(self.limits[step], self.left())
 
 
 def run(cmd: list[str], timeout: float, log: str) -> dict:
@@ -205,24 +240,34 @@ def _setting(row: dict) -> str:
   return f"{row['model']} T={row['length']} remat={row['remat']}"
 
 
-def fit_candidates(plan: dict | None, capacity_gib: float) -> list[dict]:
+def usable_gib(target: str) -> float:
+  """What JAX may take of ``target``'s memory under gpu_check.sh's XLA_PYTHON_CLIENT_MEM_FRACTION:
+  step 5's room when the GPU cannot be asked."""
+  fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION))
+  return gpu_targets.get(target).memory_bytes * fraction / 2**30
+
+
+def fit_candidates(plan: dict | None, capacity_gib: float, target: str) -> list[dict]:
   """Of each shape (model and length) the plan's one-device row without gradient accumulation
   (the step ``--fit`` trains) with the smallest total (on a tie, the most recompute), if that is
-  within ``PLAN_SLACK`` of ``capacity_gib``; largest shape first: most parameters, then longest
-  sequences."""
+  within ``capacity_gib``; largest shape first: most parameters, then longest sequences. Rows
+  compiled for ``target`` when the plan has them, else its others."""
+  rows = (plan or {}).get("rows", [])
+  rows = [r for r in rows if r.get("target") == target] or rows
   best = {}
-  for r in (plan or {}).get("rows", []):
+  for r in rows:
     key = (r["model"], r["length"])
     rank = (r["total_bytes"], RECOMPUTE.index(r["remat"]))
     one_step = r["devices"] == 1 and r.get("grad_accum", 1) == 1
     if one_step and (key not in best or rank < best[key][0]):
       best[key] = (rank, r)
-  rows = [r for _, r in best.values() if r["total_bytes"] <= PLAN_SLACK * capacity_gib * 2**30]
-  return sorted(rows, key=lambda r: (-r["params"], -r["length"]))
+  fitting = [r for _, r in best.values() if r["total_bytes"] <= capacity_gib * 2**30]
+  return sorted(fitting, key=lambda r: (-r["params"], -r["length"]))
 
 
-def fit(deadline: Deadline, tmp: str, dry_run: bool, plan: dict | None, capacity_gib: float) -> dict:
-  candidates = fit_candidates(plan, capacity_gib)
+def fit(deadline: Deadline, tmp: str, dry_run: bool, plan: dict | None, capacity_gib: float,
+        target: str, compiled: dict | None) -> dict:
+  candidates = fit_candidates(plan, capacity_gib, target)
   result = {"capacity_gib": round(capacity_gib, 2), "candidates": [_setting(r) for r in candidates[:4]],
             "attempts": []}
   if not candidates:
@@ -236,7 +281,7 @@ def fit(deadline: Deadline, tmp: str, dry_run: bool, plan: dict | None, capacity
                f"--json={path}"], 120, os.path.join(tmp, "fit.log"))
     result.update(rc=out["rc"], would_train=_setting(top), planned=top, sized=_read_json(path))
     return result
-  for row in candidates[:3]:
+  for row in candidates[:FIT_TRIES]:
     # Out of memory: try the next, smaller setting. Another failure: the same one with cuDNN's
     # attention instead of the Pallas kernel.
     for attention in ("auto", "cudnn"):
@@ -250,31 +295,111 @@ def fit(deadline: Deadline, tmp: str, dry_run: bool, plan: dict | None, capacity
       result["attempts"].append({"setting": _setting(row), "attention": attention, **out})
       found = _read_json(path)
       if out["rc"] == 0 and found:
-        result.update(result=found, planned=row)
+        result.update(result=found, **planned_fit(row, compiled))
         return result
       if re.search(r"RESOURCE_EXHAUSTED|out of memory", out["tail"], re.I):
         break
   return result
 
 
-def calibration_command(row: dict, path: str) -> list[str]:
-  """``row``'s step compiled (not run) on the GPU with the reference attention, as the plan
-  compiled it on CPU."""
-  return [sys.executable, MEMORY_PLAN, "--plan_backend=gpu", f"--plan_models={row['model']}",
-          f"--plan_lengths={row['length']}", f"--plan_remat={row['remat']}", "--plan_meshes=1x1x1",
-          "--attention=reference", f"--json={path}"]
+def planned_fit(row: dict, compiled: dict | None) -> dict:
+  """The compile-time plan of the setting of plan row ``row`` that the fit step trained: the
+  compile step's (for the GPU's target) where it compiled that setting, else ``row`` itself."""
+  for c in ((compiled or {}).get("fit") or {}).get("candidates", []):
+    if _setting(c) == _setting(row):
+      return {"planned": c, "planned_by": f"the compile step, for {c['target']}"}
+  by = f"for {row['target']}" if row.get("target") else "by XLA:CPU"
+  return {"planned": row, "planned_by": f"the memory plan, {by}"}
 
 
-def calibration(deadline: Deadline, tmp: str, planned: dict | None) -> dict:
-  if not planned:
-    return {"skipped": "no setting trained in the fit step"}
-  if deadline.left() < MIN_START_S + 30:
-    return {"skipped": f"{deadline.left():.0f}s left"}
-  path = os.path.join(tmp, "calibration.json")
-  out = run(calibration_command(planned, path), deadline.limit("calibration"),
-            os.path.join(tmp, "calibration.log"))
-  rows = (_read_json(path) or {}).get("rows") or [None]
-  return {**out, "result": rows[0], "planned": planned}
+# ---------------------------------------------------------------------- the compile step
+
+
+def compile_step(deadline: Deadline, tmp: str, args, capacity_gib: float) -> dict:
+  """Runs the compile worker (its own process: the parent never imports JAX)."""
+  path = os.path.join(tmp, "compile.json")
+  out = run([sys.executable, os.path.abspath(__file__), "--worker=compile", f"--gpu={args.gpu}",
+             f"--plan={os.path.abspath(args.plan)}", f"--capacity_gib={capacity_gib}", f"--out={path}"],
+            deadline.limit("compile"), os.path.join(tmp, "compile.log"))
+  found = _read_json(path)
+  if out["rc"] != 0 or not found:
+    return {"target": args.gpu, **out, "error": "the compile failed (its output is in tail)"}
+  return {**found, "rc": out["rc"], "wall_s": out["wall_s"]}
+
+
+def earlier_compile(args) -> dict | None:
+  """The compile step of an earlier --compile_only run for ``--gpu`` (in ``--planned``, or else
+  ``--out``), to reuse rather than compile again on the GPU."""
+  path = args.planned or args.out
+  step = ((_read_json(path) or {}).get("steps") or {}).get("compile")
+  if not step or "error" in step or step.get("target") != args.gpu:
+    return None
+  return {**step, "reused_from": os.path.relpath(path, ROOT)}
+
+
+def compile_worker(args) -> None:
+  """``--worker=compile``: what the bench and fit steps run, compiled for ``--gpu``; writes the
+  compile step's JSON to ``--out``."""
+  import jax
+  import memory_plan
+  start = time.perf_counter()
+  target = gpu_targets.get(args.gpu)
+  result = {"target": target.name, "device_kind": target.description, "commit": memory_plan.commit(),
+            "versions": f"jax {jax.__version__}", "bench": compile_bench(target.name)}
+  rows = []
+  for row in fit_candidates(_read_json(args.plan), args.capacity_gib, target.name)[:FIT_TRIES]:
+    rows.append(memory_plan.plan_one(row["model"], row["length"], row["remat"], (1, 1, 1), "auto",
+                                     backend="gpu", target=target.name))
+    print(_setting(rows[-1]), gib(rows[-1]["total_bytes"]), flush=True)
+  result["fit"] = {"capacity_gib": round(args.capacity_gib, 2), "candidates": rows}
+  result["compile_wall_s"] = round(time.perf_counter() - start, 1)
+  with open(args.out, "w") as f:
+    json.dump(result, f, indent=1)
+
+
+def compile_bench(target: str) -> dict:
+  """The benchmark's step (``BENCH_ARGS``, ``--attention=auto``), as ``bench.py`` builds it on one
+  device but over abstract weights, compiled for each of its batch shapes for ``target``."""
+  import bench
+  import jax
+  from jaxrm import fit_check, sharding, update
+  from jaxrm.config import RewardSpec, TrainSpec
+  from jaxrm.hf.loader import placed_abstract_model
+  from jaxrm.memory import ProgramMemory
+  from jaxrm.models.decoder import attention_summary
+  args = bench.parse_args(BENCH_ARGS + ["--attention=auto"])
+  cfg = bench.model_config(args)
+  mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), devices=gpu_targets.devices(target, "1x1"))
+  built = update.build_update(placed_abstract_model(cfg, mesh), RewardSpec(), TrainSpec(**bench.TRAIN, seed=args.seed),
+                              total_steps=args.warmup + args.steps, mesh=mesh)
+  collate = bench.collator(args.modes[0], args)
+  batches = {}
+  for group in bench.batches_of(bench.bench_pairs(args), args):
+    batch = collate(group)
+    batches.setdefault(tuple(x.shape for x in jax.tree.leaves(batch)), batch)
+  shapes, text = [], []
+  for batch in batches.values():
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.batch_sharding(mesh, x.ndim)), batch)
+    start = time.perf_counter()
+    with gpu_targets.uncached():
+      compiled = built.train_step.compile(built.state, abstract)
+    shapes.append({"input_ids": list(batch.input_ids.shape), **ProgramMemory.of(compiled).as_dict(),
+                   "compile_s": round(time.perf_counter() - start, 1)})
+    text.append(compiled.as_text())
+    print(f"bench input_ids {shapes[-1]['input_ids']}: {gib(shapes[-1]['total_bytes'])}", flush=True)
+  return {"command": f"bench.py {' '.join(BENCH_ARGS)} --attention=auto",
+          "attention_route": attention_summary(cfg, mesh=mesh),
+          "triton_kernels": fit_check.triton_kernels("\n".join(text)),
+          "compile_s": round(sum(s["compile_s"] for s in shapes), 1),
+          "total_bytes": max(s["total_bytes"] for s in shapes), "shapes": shapes}
+
+
+def would_compile(args, plan: dict | None, capacity_gib: float) -> dict:
+  """The dry run's compile step: what it would compile, nothing compiled."""
+  return {"target": args.gpu, "would_compile": {
+      "bench": f"bench.py {' '.join(BENCH_ARGS)} --attention=auto, each batch shape",
+      "fit": [_setting(r) for r in fit_candidates(plan, capacity_gib, args.gpu)[:FIT_TRIES]]}}
 
 
 # ------------------------------------------------------------------------------------ main
@@ -282,12 +407,19 @@ def calibration(deadline: Deadline, tmp: str, planned: dict | None) -> dict:
 
 def main(argv=None) -> None:
   args = parse_args(argv)
-  deadline = Deadline(args.budget_s)
+  if args.worker == "compile":
+    compile_worker(args)
+    return
+  if args.compile_only:
+    deadline = Deadline(COMPILE_ONLY_S, {**LIMITS, "compile": COMPILE_ONLY_S})
+  else:
+    deadline = Deadline(args.budget_s)
   started = time.time()
   plan = _read_json(args.plan)
-  report = {"dry_run": args.dry_run, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "budget_s": args.budget_s, "plan": os.path.relpath(args.plan, ROOT) if plan else None,
-            "steps": {}}
+  earlier = None if args.compile_only or args.dry_run else earlier_compile(args)
+  report = {"dry_run": args.dry_run, "compile_only": args.compile_only,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "budget_s": args.budget_s,
+            "plan": os.path.relpath(args.plan, ROOT) if plan else None, "gpu": args.gpu, "steps": {}}
   if args.dry_run:
     report["json_keys"] = JSON_KEYS
     print(f"steps, each with its limit, within {args.budget_s:.0f}s: "
@@ -301,26 +433,38 @@ def main(argv=None) -> None:
 
   with tempfile.TemporaryDirectory() as tmp:
     steps = report["steps"]
-    if args.dry_run:
-      steps["machine"] = {"skipped": "dry run; step 4 assumes an H200's memory"}
-      capacity = H200_GIB
+    if args.dry_run or args.compile_only:
+      steps["machine"] = {"skipped": f"{'dry run' if args.dry_run else 'compile only'}; the fit step "
+                                     f"assumes {MEM_FRACTION:.0%} of an {args.gpu}'s memory"}
+      capacity = usable_gib(args.gpu)
     else:
       steps["machine"] = machine(deadline, tmp)
       limit = steps["machine"].get("bytes_limit")
-      capacity = limit / 2**30 if limit else H200_GIB
-    save()
-    steps["gpu_tests"] = gpu_tests(deadline, tmp, args.dry_run)
-    save()
-    steps["bench"] = bench(deadline, tmp, args.dry_run)
-    save()
-    steps["fit"] = fit(deadline, tmp, args.dry_run, plan, capacity)
-    save()
+      capacity = limit / 2**30 if limit else usable_gib(args.gpu)
+      if earlier and steps["machine"].get("device_kind") not in (None, earlier["device_kind"]):
+        earlier["machine_differs"] = f"compiled for {earlier['device_kind']}, run on {steps['machine']['device_kind']}"
     if args.dry_run:
-      top = (fit_candidates(plan, capacity) or [None])[0]
-      steps["calibration"] = {"would_run": " ".join(calibration_command(top, "calibration.json")[1:])
-                              if top else None}
+      steps["compile"] = would_compile(args, plan, capacity)
+    elif args.compile_only:
+      steps["compile"] = compile_step(deadline, tmp, args, capacity)
     else:
-      steps["calibration"] = calibration(deadline, tmp, steps["fit"].get("planned"))
+      steps["compile"] = earlier or {"pending": "no --compile_only run for this GPU: compiled last, if time is left"}
+    save()
+    if not args.compile_only:
+      steps["gpu_tests"] = gpu_tests(deadline, tmp, args.dry_run)
+      save()
+      steps["bench"] = bench(deadline, tmp, args.dry_run)
+      save()
+      steps["fit"] = fit(deadline, tmp, args.dry_run, plan, capacity, args.gpu, earlier)
+      save()
+    if not (args.dry_run or args.compile_only or earlier):
+      steps["compile"] = (compile_step(deadline, tmp, args, capacity) if deadline.left() >= MIN_START_S
+                          else {"skipped": f"{deadline.left():.0f}s left"})
+      if "result" in steps["fit"] and "error" not in steps["compile"]:
+        steps["fit"].update(planned_fit(steps["fit"]["planned"], steps["compile"]))
+    planned = steps["compile"].get("bench", {}).get("total_bytes")
+    if planned and "bench" in steps and not args.dry_run:
+      steps["bench"]["planned_total_gib"] = round(planned / 2**30, 2)
     save()
   print(f"wrote {args.out} after {report['wall_s']}s")
   failed = [name for name, s in report["steps"].items()

@@ -1,29 +1,33 @@
 #!/usr/bin/env bash
 # The GPU check (scripts/gpu_check.py) on a machine with one NVIDIA GPU and no package index, in
 # under 8 minutes: GPU tests, the Qwen2.5-1.5B benchmark, the largest planned shape that trains
-# one step; one JSON file with everything.
+# one step; one JSON file with everything, each measured peak beside its compile-time plan.
 #
 #   bash scripts/gpu_wheels.sh                        # first, where PyPI is reachable: .wheels/
-#   bash scripts/gpu_check.sh --out=gpu_check.json    # on the GPU machine, .wheels/ beside it
+#   bash scripts/gpu_check.sh --compile_only --out=gpu_check.json  # then anywhere: compiled for
+#                                                     # the H200 (--gpu=...), no GPU needed
+#   bash scripts/gpu_check.sh --out=gpu_check.json    # on the GPU machine, .wheels/ and that file
+#                                                     # beside it (its compile step is reused)
 #   bash scripts/gpu_check.sh --dry_run               # anywhere: sizes every step, compiles nothing
 #
-# Before the check it installs the carried wheels (.wheels/: what jaxrm needs that the machine
-# lacks) and jaxrm itself (--no-deps, editable). A dry run installs nothing and uses .venv's
-# Python where there is one. Other arguments go to scripts/gpu_check.py.
+# On the GPU machine it first installs the carried wheels (.wheels/: what jaxrm needs that the
+# machine lacks) and jaxrm itself (--no-deps, editable). A dry run or a compile-only run installs
+# nothing and uses .venv's Python where there is one (its GPU compiler: make gpu-compiler). Other
+# arguments go to scripts/gpu_check.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-dry_run=0
-for arg in "$@"; do [[ $arg == --dry_run ]] && dry_run=1; done
+here_only=0  # runs here, without a GPU: nothing to install
+for arg in "$@"; do [[ $arg == --dry_run || $arg == --compile_only ]] && here_only=1; done
 if [[ -n ${PYTHON:-} ]]; then
   python=$PYTHON
-elif (( dry_run )) && [[ -x .venv/bin/python ]]; then
+elif (( here_only )) && [[ -x .venv/bin/python ]]; then
   python=.venv/bin/python
 else
   python=python3
 fi
 
-if (( ! dry_run )); then
+if (( ! here_only )); then
   pip=("$python" -m pip install -q --no-index --no-deps --no-cache-dir)
   if compgen -G ".wheels/*.whl" >/dev/null; then
     "${pip[@]}" --find-links .wheels .wheels/*.whl || { echo "installing .wheels/ failed" >&2; exit 1; }

@@ -1,16 +1,27 @@
 r"""What the trainer's step needs per device, planned without weights; and one such step on a GPU.
 
 Memory plan, on any machine and without weights: the trainer's update (``update.build_update``,
-with the optimizer of the default ``TrainSpec``) compiled ahead of time on abstract parameters
-over 8 fake CPU devices, per named shape (``scripts/bench_common.py``: their config.json values),
+with the optimizer of the default ``TrainSpec``) compiled ahead of time on abstract parameters by
+XLA's GPU compiler, per named shape (``scripts/bench_common.py``: their config.json values),
 sequence length, remat policy, mesh and gradient accumulation, with each device's parameter,
-optimizer-state and temporary bytes against an 80 GB and a 141 GB GPU (results and caveats:
-BENCHMARKS.md)::
+optimizer-state and temporary bytes against an 80 GB and a 141 GB GPU, each card's verdict from a
+compile for its own GPU (``--gpu``: compile-only H100 and H200 devices of ``jaxrm.gpu_targets``,
+one host of as many as the mesh needs; results and caveats: BENCHMARKS.md)::
 
   python scripts/memory_plan.py --json=scripts/memory_plan.json
   python scripts/memory_plan.py --plan_models=llama3.1-8b --plan_lengths=8192 --plan_meshes=1x8x1
   python scripts/memory_plan.py --plan_models=llama3.1-8b --plan_lengths=4096 --plan_meshes=1x1x1 \
       --plan_lora=16 --plan_base_dtype=nf4 --json=scripts/memory_plan_lora.json
+
+A GPU compile cannot tell speed, numerics on the device, or what a compile on the GPU would
+autotune (it may pick cuBLAS or cuDNN where this one keeps a Triton fusion); cuBLAS, cuDNN and
+NCCL workspaces and the CUDA context lie outside its figures. ``--plan_backend=cpu`` compiles for
+fake CPU devices instead (XLA:CPU's figures, for comparison), and ``--compare`` puts two plans'
+rows of the same settings side by side::
+
+  python scripts/memory_plan.py --plan_backend=cpu --plan_models=qwen2.5-1.5b --plan_lengths=2048 \
+      --plan_meshes=1x1x1 --json=scripts/memory_plan_cpu.json
+  python scripts/memory_plan.py --compare=scripts/memory_plan_cpu.json,scripts/memory_plan.json
 
 With ``--plan_grad_accum`` above 1, a batch comes as that many unpacked micro-batches, each padded
 to its own length, and the step is the trainer's ``steps.MicroBatchedStep``: one gradient program
@@ -29,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -41,8 +53,13 @@ PLAN_MODELS = ("qwen2.5-1.5b", "llama3.1-8b", "qwen3-8b")
 PLAN_LENGTHS = (2048, 8192)
 PLAN_REMATS = ("none", "dots", "full")
 PLAN_MESHES = ("1x1x1", "1x8x1", "1x4x2")  # data x fsdp x tensor [x context]
+PLAN_BACKENDS = ("gpu", "cpu")
 # Memory of one GPU as nvidia-smi reports it (MiB): an 80 GB H100 and a 141 GB H200.
 CARDS_GIB = {"80 GB": 81559 / 1024, "141 GB": 143771 / 1024}
+# The GPU target each card's column is compiled for (jaxrm.gpu_targets): XLA's GPU compiler reads
+# the card's memory and bandwidth, and its programs for the two differ a little (BENCHMARKS.md).
+CARD_OF_TARGET = {"h100-80gb": "80 GB", "h200": "141 GB"}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -62,9 +79,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "(0: full-parameter training)")
   p.add_argument("--plan_base_dtype", default="",
                  help="with --plan_lora: the frozen base's dtype (bfloat16, int8, nf4; '': float32)")
-  p.add_argument("--plan_backend", default="cpu",
-                 help="cpu: fake CPU devices, as many as the largest mesh needs; gpu (or any other "
-                      "backend): compile for that machine's own devices instead")
+  p.add_argument("--plan_backend", default="gpu", choices=PLAN_BACKENDS,
+                 help="gpu: XLA's GPU compiler, for compile-only devices of --gpu (on any machine); "
+                      "cpu: XLA:CPU on fake CPU devices, as many as the largest mesh needs (a "
+                      "comparison only: its temporaries are not a GPU's)")
+  p.add_argument("--gpu", default=",".join(CARD_OF_TARGET),
+                 help="the GPU targets the plan compiles each setting for, comma-separated (of "
+                      f"{', '.join(CARD_OF_TARGET)}; jaxrm.gpu_targets): each card's column is its "
+                      "own target's compile")
+  p.add_argument("--compare", default="",
+                 help="instead of planning: two plans' JSON files, comma-separated (e.g. XLA:CPU's, "
+                      "then the GPU's); prints their rows of the same settings side by side")
   p.add_argument("--fit", action="store_true",
                  help="instead of the plan: train one step of --model at --max_length with --remat on "
                       "the first device (random weights, bf16 compute, one pair as the plan's); "
@@ -75,8 +100,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--max_length", type=int, default=512, help="--fit's tokens per sequence")
   p.add_argument("--remat", default="none", choices=PLAN_REMATS, help="--fit's remat policy")
   p.add_argument("--attention", default="auto",
-                 help="ModelConfig.attention_impl, passed as given (auto: a fused kernel on GPU, the "
-                      "reference path elsewhere)")
+                 help="ModelConfig.attention_impl, passed as given (auto: the Pallas flash kernel on "
+                      "GPU devices, the reference path elsewhere)")
   p.add_argument("--seed", type=int, default=0, help="--fit's random weights")
   p.add_argument("--json", default=None,
                  help="write the results here (the plan keeps the rows of other settings already there)")
@@ -93,6 +118,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.error(f"--plan_grad_accum: micro-batches per update are 1 or more; got {args.plan_grad_accum}")
   if args.dry_run and not args.fit:
     p.error("--dry_run sizes --fit's step: add --fit (the plan allocates nothing anyway)")
+  args.gpu = _names(p, "--gpu", args.gpu, CARD_OF_TARGET)
+  args.compare = [c for c in args.compare.split(",") if c]
+  if args.compare and len(args.compare) != 2:
+    p.error(f"--compare: give two plans' JSON files, comma-separated; got {len(args.compare)}")
   return args
 
 
@@ -110,6 +139,17 @@ def mesh_sizes(spec: str) -> tuple[int, ...]:
   if len(sizes) not in (3, 4) or min(sizes) < 1:
     raise ValueError(f"mesh {spec!r} is not data x fsdp x tensor [x context], e.g. 1x8x1 or 1x2x1x4")
   return sizes
+
+
+def commit() -> str:
+  """The checkout the figures come from: ``git describe --always --dirty`` (``-dirty``: with
+  uncommitted changes), or ``unknown`` outside a git checkout."""
+  try:
+    out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=20)
+  except (OSError, subprocess.TimeoutExpired):
+    return "unknown"
+  return out.stdout.strip() or "unknown"
 
 
 # --------------------------------------------------------------------------- the planned step
@@ -149,168 +189,267 @@ def planned_batch(cfg: ModelConfig, length: int, mesh):
 def compile_programs(built, batch) -> dict:
   """``built``'s train step compiled for ``batch``: ``{"step": ...}``, or a micro-batched step's
   ``{"gradient": ..., "update": ...}``."""
-  from jaxrm import steps
-  if isinstance(built.train_step, steps.MicroBatchedStep):
-    return built.train_step.compile_programs(built.state, batch)
-  return {"step": built.train_step.compile(built.state, batch)}
+  from jaxrm import gpu_targets, steps
+  with gpu_targets.uncached():  # a compile-only GPU's executable cannot be loaded back
+    if isinstance(built.train_step, steps.MicroBatchedStep):
+      return built.train_step.compile_programs(built.state, batch)
+    return {"step": built.train_step.compile(built.state, batch)}
 
 
-def program_bytes(compiled, held: int = 0) -> dict:
-  """One program's bytes per device (``compiled.memory_analysis()``); total = arguments + temp +
-  outputs not aliased to the donated state + ``held``, buffers alive beside the program."""
-  m = compiled.memory_analysis()
-  total = (m.argument_size_in_bytes + m.temp_size_in_bytes
-           + max(m.output_size_in_bytes - m.alias_size_in_bytes, 0) + held)
-  return {"argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
-          "alias_bytes": m.alias_size_in_bytes, "temp_bytes": m.temp_size_in_bytes,
-          "held_bytes": held, "total_bytes": total}
+_DEVICES: dict = {}
 
 
-def step_bytes(programs: dict) -> dict:
-  """The step's bytes per device: its one program's, or of a micro-batched step's gradient (the
-  sums of the micro-batches before it held beside it: as large as its outputs) and update
-  programs, the larger total's, with both under ``programs``."""
-  if "step" in programs:
-    return program_bytes(programs["step"])
-  gradient = programs["gradient"].memory_analysis()
-  each = {"gradient": program_bytes(programs["gradient"], held=gradient.output_size_in_bytes),
-          "update": program_bytes(programs["update"])}
-  return {**max(each.values(), key=lambda b: b["total_bytes"]), "programs": each}
-
-
-def bytes_per_device(tree) -> int:
-  """Bytes of one device's shards of ``tree`` (arrays or ShapeDtypeStructs with shardings)."""
+def plan_devices(backend: str, target: str, count: int) -> list:
+  """``count`` devices to compile for: compile-only GPUs of ``target`` on one host (backend
+  "gpu"), or this process's fake CPU devices (backend "cpu", set up by :func:`main`)."""
   import jax
-  return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
-             for x in jax.tree.leaves(tree))
+  from jaxrm import gpu_targets
+  if backend == "cpu":
+    return jax.devices("cpu")[:count]
+  if (target, count) not in _DEVICES:
+    _DEVICES[target, count] = gpu_targets.devices(target, f"1x{count}")
+  return _DEVICES[target, count]
 
 
 # --------------------------------------------------------------------------------- the plan
 
 
-def plan_note(backend: str) -> str:
-  """What the plan's figures are, compiled on ``backend``."""
-  lead = (" a lead only: a GPU's compiler fuses, schedules and keeps bf16 copies differently, so "
-          "its figure is unknown until a GPU measures one." if backend == "cpu" else "")
-  return ("Per device. params and opt state are the float32 master weights and AdamW moments of "
-          "the device's shards, counted from the abstract state (exact). temp is "
-          f"XLA:{backend.upper()}'s temporary allocation for the step (compiled.memory_analysis())"
-          f"{',' + lead if lead else '.'} The compile uses --attention as given; 'auto' is the "
-          "reference path off a GPU, which materialises a dense bool [B, T, T] mask per step and "
-          "float32 scores [B, H, 128, S] per block of 128 queries (its backward pass recomputes "
-          "them), where a fused GPU kernel keeps neither. A mesh with context > 1 runs the "
-          "per-shard all-gather attention instead on every backend: masks built per block from "
-          "the tokens' ids, no [T, T] array. total = arguments + temp + outputs not aliased to the "
-          "donated state.")
+def plan_note(backend: str, targets: str) -> str:
+  """What the plan's figures are, compiled by ``backend``'s compiler (for ``targets``, GPUs)."""
+  common = ("Per device. params and opt state are the float32 master weights and AdamW moments of "
+            "the device's shards, counted from the abstract state (exact). temp is the compiler's "
+            "temporary allocation for the step (compiled.memory_analysis()); total = arguments + "
+            "temp + outputs not aliased to the donated state (+ what a micro-batched gradient "
+            "program holds beside it). ")
+  if backend == "cpu":
+    return common + ("Compiled by XLA:CPU for fake CPU devices: a comparison only. XLA:CPU computes "
+                     "bf16 dots in float32, fuses and schedules otherwise than XLA:GPU, and "
+                     "'auto' attention is the reference path there (a dense bool [B, T, T] mask "
+                     "and float32 scores per block of 128 queries), not the GPU's Pallas kernel.")
+  return common + (f"Compiled by XLA's GPU compiler (with Triton) for compile-only devices of each of "
+                   f"{targets} (jaxrm.gpu_targets), on a machine that need not have a GPU; each card "
+                   "is judged by its own target's compile. 'auto' attention is "
+                   "the Pallas flash kernel, except under context > 1, where every route takes the "
+                   "per-shard reference attention (masks built per block from the tokens' ids). "
+                   "What such a compile cannot tell: speed, numerics on the device, and what a "
+                   "compile on the GPU would autotune (it may pick cuBLAS or cuDNN where this one "
+                   "keeps a Triton fusion, moving memory a little); cuBLAS/cuDNN/NCCL workspaces and "
+                   "the CUDA context lie outside these figures, and JAX takes 75% of a GPU unless "
+                   "XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise.")
 
 
-def plan_one(name: str, length: int, remat: str, mesh_dims: tuple[int, ...],
-             attention: str, lora_rank: int = 0, base_dtype: str = "", grad_accum: int = 1) -> dict:
-  """Compiles the trainer's step for shape ``name`` at ``length`` tokens on a mesh of (fake)
-  devices and returns one device's bytes: parameters, optimizer state, XLA's temporaries and
-  their total."""
+def plan_one(name: str, length: int, remat: str, mesh_dims: tuple[int, ...], attention: str,
+             lora_rank: int = 0, base_dtype: str = "", grad_accum: int = 1, *, backend: str = "gpu",
+             target: str = "h100-80gb") -> dict:
+  """Compiles the trainer's step for shape ``name`` at ``length`` tokens on a mesh of
+  ``backend``'s devices (:func:`plan_devices`) and returns one device's bytes: parameters,
+  optimizer state, the compiler's temporaries and their total, and what was compiled."""
   import jax
-  from jaxrm import sharding
+  from jaxrm import fit_check, sharding
   from jaxrm.hf.loader import placed_abstract_model
+  from jaxrm.memory import bytes_per_device, step_memory
+  from jaxrm.models.decoder import attention_summary
   cfg = plan_config(name, remat, attention, lora_rank, base_dtype)
   devices = int(np.prod(mesh_dims))
-  mesh = sharding.make_mesh(sharding.MeshConfig(*mesh_dims), devices=jax.devices()[:devices])
+  mesh = sharding.make_mesh(sharding.MeshConfig(*mesh_dims), devices=plan_devices(backend, target, devices))
   built = planned_update(placed_abstract_model(cfg, mesh), mesh, grad_accum=grad_accum)
   state, batch = built.state, planned_batch(cfg, length, mesh)
   start = time.perf_counter()
   programs = compile_programs(built, batch)
   compile_s = time.perf_counter() - start
-  figures = step_bytes(programs)
+  opt_state_bytes = bytes_per_device(state["opt_state"])
+  # A gradient program does not read the optimizer state, which stays alive beside it.
+  step, each = step_memory(programs, resident_bytes=opt_state_bytes)
+  text = "\n".join(p.as_text() for p in programs.values())
   return {
       "model": name + (f"+lora{lora_rank}" + (f"-{base_dtype}" if base_dtype else "") if lora_rank else ""),
       "params": sum(x.size for x in jax.tree.leaves((state["params"], state.get("frozen", {})))),
       "trainable": sum(x.size for x in jax.tree.leaves(state["params"])),
       "length": length, "remat": cfg.remat, "attention": cfg.attention_impl,
       "mesh": "x".join(map(str, mesh_dims)), "devices": devices, "grad_accum": grad_accum,
+      "backend": backend, "target": target if backend == "gpu" else None,
       "pairs": batch.margin.shape[0],
       "input_ids_per_device": list(batch.input_ids.sharding.shard_shape(batch.input_ids.shape)),
       "param_bytes": bytes_per_device((state["params"], state.get("frozen", {}))),
-      "opt_state_bytes": bytes_per_device(state["opt_state"]),
-      "batch_bytes": bytes_per_device(batch), **figures,
-      "fits": {card: figures["total_bytes"] <= gib * 2**30 for card, gib in CARDS_GIB.items()},
-      "compile_s": round(compile_s, 1),
+      "opt_state_bytes": opt_state_bytes, "batch_bytes": bytes_per_device(batch), **step.as_dict(),
+      **({"programs": {k: m.as_dict() for k, m in each.items()}} if len(each) > 1 else {}),
+      "fits": {card: step.total_bytes <= CARDS_GIB[card] * 2**30 for card in _cards(backend, target)},
+      "attention_route": attention_summary(cfg, mesh=mesh),
+      "triton_kernels": fit_check.triton_kernels(text),
+      "triton_fusions": text.count('"kind":"__triton'),
+      "compile_s": round(compile_s, 1), "commit": commit(),
   }
 
 
-PLAN_COLUMNS = ("model", "T", "remat", "mesh", "accum", "params GiB", "opt GiB", "temp GiB", "total GiB",
-                *CARDS_GIB, "compile s")
+def _cards(backend: str, target: str) -> list[str]:
+  """The cards a row's total is judged against: its GPU target's, or every card for XLA:CPU's."""
+  return list(CARDS_GIB) if backend == "cpu" else [CARD_OF_TARGET[target]]
 
 
-def plan_row(r: dict) -> str:
-  """One row of the plan's Markdown table."""
-  gib = lambda key: f"{r[key] / 2**30:.2f}"
-  return _markdown([r["model"], str(r["length"]), r["remat"], r["mesh"], str(_grad_accum(r)),
-                    gib("param_bytes"), gib("opt_state_bytes"), gib("temp_bytes"), gib("total_bytes"),
-                    *("yes" if r["fits"][card] else "no" for card in CARDS_GIB),
-                    f"{r['compile_s']:.0f}"])
+# One line per setting: the 80 GB card's compile (or XLA:CPU's), then the 141 GB card's total.
+PLAN_COLUMNS = ("model", "T", "remat", "mesh", "accum", "params GiB", "opt GiB", "temp GiB", "total GiB", "80 GB",
+                "H200 total GiB", "141 GB", "compile s")
+
+
+def plan_row(*rows: dict) -> str:
+  """One line of the plan's Markdown table: the rows of one setting, one per compiler (an H100's
+  and an H200's, or XLA:CPU's alone); a card nobody compiled for reads '-'."""
+  first, h200 = rows[0], next((r for r in rows if _compiler(r) == ("gpu", "h200")), None)
+  fits = {card: ok for r in rows for card, ok in r["fits"].items()}
+  return _markdown([*_setting_cells(first), _gib(first["param_bytes"]), _gib(first["opt_state_bytes"]),
+                    _gib(first["temp_bytes"]), _gib(first["total_bytes"]), _yes(fits.get("80 GB")),
+                    _gib(h200["total_bytes"]) if h200 else "-", _yes(fits.get("141 GB")),
+                    f"{first['compile_s']:.0f}"])
+
+
+def _setting_cells(r: dict) -> list[str]:
+  return [r["model"], str(r["length"]), r["remat"], r["mesh"], str(_grad_accum(r))]
+
+
+def _yes(fits: bool | None) -> str:
+  return "-" if fits is None else "yes" if fits else "no"
+
+
+def _gib(n: int) -> str:
+  return f"{n / 2**30:.2f}"
 
 
 def _markdown(cells) -> str:
   return "| " + " | ".join(cells) + " |"
 
 
+def _order(r: dict) -> tuple:
+  """By model, length, mesh, accumulation and remat."""
+  shape = r["model"].split("+")[0]
+  return (list(SHAPES).index(shape) if shape in SHAPES else len(SHAPES), r["model"], r["length"], r["devices"],
+          r["mesh"], _grad_accum(r), PLAN_REMATS.index(r["remat"]))
+
+
+def _by_setting(rows: list[dict]) -> list[list[dict]]:
+  """``rows`` grouped by setting, in :func:`_order`; in a group the H100's row first."""
+  groups: dict[tuple, list[dict]] = {}
+  for r in rows:
+    groups.setdefault(_setting(r), []).append(r)
+  rank = lambda r: list(CARD_OF_TARGET).index(r["target"]) if r.get("target") in CARD_OF_TARGET else -1
+  return [sorted(g, key=rank) for g in sorted(groups.values(), key=lambda g: _order(g[0]))]
+
+
 def plan_table(rows: list[dict]) -> str:
-  """The plan's rows as a Markdown table, by model, length, mesh, accumulation and remat."""
-  shape = lambda r: r["model"].split("+")[0]
-  order = lambda r: (list(SHAPES).index(shape(r)) if shape(r) in SHAPES else len(SHAPES), r["model"],
-                     r["length"], r["devices"], r["mesh"], _grad_accum(r), PLAN_REMATS.index(r["remat"]))
+  """The plan's rows as a Markdown table, a line per setting (:func:`plan_row`)."""
   return "\n".join([_markdown(PLAN_COLUMNS), _markdown(["---"] * len(PLAN_COLUMNS)),
-                    *map(plan_row, sorted(rows, key=order))])
+                    *(plan_row(*group) for group in _by_setting(rows))])
 
 
 def _grad_accum(row: dict) -> int:
   return row.get("grad_accum", 1)  # rows planned before accumulation was planned had none
 
 
+def _compiler(row: dict) -> tuple:
+  """Which compiler planned ``row``: ("cpu", None) or ("gpu", target); rows planned before GPU
+  targets were all XLA:CPU's."""
+  return row.get("backend", "cpu"), row.get("target")
+
+
 def _setting(row: dict) -> tuple:
   return row["model"], row["length"], row["remat"], row["mesh"], row["attention"], _grad_accum(row)
 
 
+COMPARE_COLUMNS = ("model", "T", "remat", "mesh", "accum", "params GiB", "XLA:CPU temp", "H100 temp", "XLA:CPU total",
+                   "H100 total", "H200 total", "80 GB: CPU / H100", "141 GB: CPU / H200")
+
+
+def compare_table(cpu: list[dict], gpu: list[dict]) -> str:
+  """The settings planned by XLA:CPU (``cpu``) and for the GPU targets (``gpu``), side by side."""
+  gpu_groups = {_setting(g[0]): g for g in _by_setting(gpu)}
+  lines = [_markdown(COMPARE_COLUMNS), _markdown(["---"] * len(COMPARE_COLUMNS))]
+  for c in sorted((r for r in cpu if _setting(r) in gpu_groups), key=_order):
+    by_target = {r["target"]: r for r in gpu_groups[_setting(c)]}
+    total = lambda target: _gib(by_target[target]["total_bytes"]) if target in by_target else "-"
+    fits = {card: ok for r in by_target.values() for card, ok in r["fits"].items()}
+    h100 = by_target.get("h100-80gb")
+    lines.append(_markdown([*_setting_cells(c), _gib(c["param_bytes"]), _gib(c["temp_bytes"]),
+                            _gib(h100["temp_bytes"]) if h100 else "-", _gib(c["total_bytes"]), total("h100-80gb"),
+                            total("h200"),
+                            *(f"{_yes(c['fits'][card])} / {_yes(fits.get(card))}" for card in CARDS_GIB)]))
+  return "\n".join(lines)
+
+
+def compare(paths: list[str]) -> str:
+  """``--compare``: the rows of the same settings in XLA:CPU's plan and a GPU plan (JSON files)."""
+  plans = {}
+  for path in paths:
+    with open(path) as f:
+      rows = json.load(f)["rows"]
+    backends = {_compiler(r)[0] for r in rows}
+    if len(backends) != 1:
+      raise SystemExit(f"--compare: {path} holds {'no rows' if not rows else 'rows of several backends'}; "
+                       "give one plan by XLA:CPU and one for GPU targets")
+    plans[backends.pop()] = rows
+  if set(plans) != {"cpu", "gpu"}:
+    raise SystemExit(f"--compare: both files are {next(iter(plans))} plans; give one plan by XLA:CPU "
+                     "(--plan_backend=cpu) and one for GPU targets")
+  return compare_table(plans["cpu"], plans["gpu"])
+
+
+def _kept_rows(path: str | None, wanted: set, backend: str) -> list[dict]:
+  """The rows of ``path`` other than the ``wanted`` (setting, compiler) pairs; a file holds one
+  backend's rows."""
+  if not path or not os.path.exists(path):
+    return []
+  with open(path) as f:
+    rows = json.load(f).get("rows", [])
+  other = {_compiler(r)[0] for r in rows} - {backend}
+  if other:
+    raise SystemExit(f"{path} holds rows compiled by {other.pop()}, this plan by {backend}: give another --json "
+                     "(one backend's rows per file), or remove the file to plan it anew")
+  return [r for r in rows if (_setting(r), _compiler(r)) not in wanted]
+
+
 def run_plan(args) -> dict:
-  """Every setting of the --plan_* grid, one compile at a time; prints each row as it is done and
-  rewrites ``--json`` after each, so an interrupted grid keeps what it measured. Rows already in
-  ``--json`` for other settings are kept: a grid can be measured a part at a time."""
+  """Every setting of the --plan_* grid, for each --gpu target (or once, by XLA:CPU), one compile
+  at a time; prints each row as it is done and rewrites ``--json`` after each, so an interrupted
+  grid keeps what it measured. Rows already in ``--json`` for other settings are kept: a grid can
+  be measured a part at a time."""
   import jax
-  settings = [(m, t, r, mesh, k) for m in args.plan_models for t in args.plan_lengths
-              for r in args.plan_remat for mesh in args.plan_meshes for k in args.plan_grad_accum]
+  targets = args.gpu if args.plan_backend == "gpu" else [None]
+  settings = [(m, t, r, mesh, k, target) for m in args.plan_models for t in args.plan_lengths
+              for r in args.plan_remat for mesh in args.plan_meshes for k in args.plan_grad_accum
+              for target in targets]
   suffix = (f"+lora{args.plan_lora}" + (f"-{args.plan_base_dtype}" if args.plan_base_dtype else "")
             if args.plan_lora else "")
-  wanted = {(m + suffix, t, r, "x".join(map(str, mesh)), args.attention, k) for m, t, r, mesh, k in settings}
-  kept = []
-  if args.json and os.path.exists(args.json):
-    with open(args.json) as f:
-      kept = [r for r in json.load(f).get("rows", []) if _setting(r) not in wanted]
-  out = {"note": plan_note(jax.default_backend()), "dtype": "bfloat16 compute, float32 parameters and AdamW moments",
+  wanted = {((m + suffix, t, r, "x".join(map(str, mesh)), args.attention, k), (args.plan_backend, target))
+            for m, t, r, mesh, k, target in settings}
+  kept = _kept_rows(args.json, wanted, args.plan_backend)
+  out = {"note": plan_note(args.plan_backend, ", ".join(args.gpu)),
+         "dtype": "bfloat16 compute, float32 parameters and AdamW moments",
          "optimizer": "the default TrainSpec's AdamW after clipping, as update.build_update builds it",
          "batch": "one pair per data-parallel shard and micro-batch: unpacked rows, both completions "
                   "T tokens long, input_ids [2, T] per device (tensor-parallel devices share their "
                   "pair); accum > 1: the trainer's micro-batched step, the figures of its gradient "
-                  "(with the sums it adds to) or update program, whichever totals more",
-         "attention": args.attention, "backend": jax.default_backend(),
-         "versions": f"jax {jax.__version__}", "cards_gib": CARDS_GIB, "rows": kept, "failed": []}
+                  "(with the sums it adds to and the optimizer state beside it) or update program, "
+                  "whichever totals more",
+         "attention": args.attention, "backend": args.plan_backend,
+         "targets": [t for t in targets if t], "versions": f"jax {jax.__version__}", "commit": commit(),
+         "cards_gib": CARDS_GIB, "rows": list(kept), "failed": []}
   print(out["note"])
   print(out["batch"])
   print(_markdown(PLAN_COLUMNS), flush=True)
-  for name, length, remat, mesh, grad_accum in settings:
+  for name, length, remat, mesh, grad_accum, target in settings:
     try:
-      row = plan_one(name, length, remat, mesh, args.attention, args.plan_lora, args.plan_base_dtype, grad_accum)
+      row = plan_one(name, length, remat, mesh, args.attention, args.plan_lora, args.plan_base_dtype, grad_accum,
+                     backend=args.plan_backend, target=target)
     except Exception as e:  # e.g. a mesh that does not divide the batch: say so, keep going
-      where = f"{name} T={length} remat={remat} mesh={'x'.join(map(str, mesh))} accum={grad_accum}"
+      where = (f"{name} T={length} remat={remat} mesh={'x'.join(map(str, mesh))} accum={grad_accum}"
+               + (f" gpu={target}" if target else ""))
       out["failed"].append({"setting": where, "error": str(e).splitlines()[0][:300]})
       print(f"{where}: failed: {out['failed'][-1]['error']}", flush=True)
       continue
     out["rows"].append(row)
-    print(plan_row(row), flush=True)
+    print(plan_row(row) + (f" ({target})" if target else ""), flush=True)
     if args.json:
       with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
-  if kept:
-    print(f"\nevery row of {args.json}:\n{plan_table(out['rows'])}")
+  print(f"\n{'every row of ' + args.json if kept else 'the plan'}:\n{plan_table(out['rows'])}")
   return out
 
 
@@ -329,6 +468,7 @@ def fit(args) -> dict:
   from flax import nnx
   from jaxrm.data import pipeline
   from jaxrm.hf.loader import placed_abstract_model
+  from jaxrm.memory import ProgramMemory, bytes_per_device
   from jaxrm.models.decoder import Decoder
 
   cfg = plan_config(args.model, args.remat, args.attention)
@@ -344,10 +484,8 @@ def fit(args) -> dict:
   start = time.perf_counter()
   compiled = abstract.train_step.compile(abstract.state, planned_batch(cfg, args.max_length, mesh))
   out["compile_s"] = round(time.perf_counter() - start, 1)
-  m = compiled.memory_analysis()
-  if m is not None:
-    out.update(argument_bytes=m.argument_size_in_bytes, output_bytes=m.output_size_in_bytes,
-               alias_bytes=m.alias_size_in_bytes, temp_bytes=m.temp_size_in_bytes)
+  memory = ProgramMemory.of(compiled)
+  out.update(memory.as_dict() if memory is not None else {})
   start = time.perf_counter()
   params = jax.jit(lambda: nnx.state(Decoder(cfg, rngs=nnx.Rngs(args.seed))),
                    out_shardings=jax.tree.map(lambda x: x.sharding, nnx.state(abstract_model)))()
@@ -373,6 +511,7 @@ def fit_dry_run(args) -> dict:
   """What ``--fit`` would train, sized on abstract parameters: nothing is compiled or allocated."""
   import jax
   from jaxrm.hf.loader import placed_abstract_model
+  from jaxrm.memory import bytes_per_device
   cfg = plan_config(args.model, args.remat, args.attention)
   mesh = one_device_mesh()
   state = planned_update(placed_abstract_model(cfg, mesh), mesh, seed=args.seed).state
@@ -386,6 +525,9 @@ def fit_dry_run(args) -> dict:
 
 def main(argv=None) -> None:
   args = parse_args(sys.argv[1:] if argv is None else argv)
+  if args.compare:
+    print(compare(args.compare))
+    return
   if args.fit:
     result = fit(args) if not args.dry_run else fit_dry_run(args)
     print(json.dumps(result, indent=1))
@@ -393,12 +535,10 @@ def main(argv=None) -> None:
       with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
     return
-  import jax
   if args.plan_backend == "cpu":  # fake CPU devices, before anything starts the backend
+    import jax
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", max(int(np.prod(m)) for m in args.plan_meshes))
-  elif jax.default_backend() != args.plan_backend:
-    sys.exit(f"--plan_backend={args.plan_backend}, but JAX's default backend is {jax.default_backend()}")
   result = run_plan(args)
   if not result["rows"]:
     sys.exit("memory plan: no setting compiled (the errors are above)")

@@ -1,5 +1,5 @@
-"""scripts/memory_plan.py's plan, scripts/bench.py's lockstep runs and scripts/gpu_check.py's dry
-run, on a tiny shape on CPU."""
+"""scripts/memory_plan.py's plan (compiled for GPU targets, and by XLA:CPU), scripts/bench.py's
+lockstep runs and scripts/gpu_check.py's dry run, on a tiny shape, on a machine without a GPU."""
 
 import json
 import os
@@ -18,6 +18,7 @@ import bench  # noqa: E402
 import bench_common  # noqa: E402
 import memory_plan  # noqa: E402
 from jaxrm.hf.loader import abstract_model, placed_abstract_model  # noqa: E402
+from jaxrm.memory import bytes_per_device  # noqa: E402
 from jaxrm.models.decoder import Decoder  # noqa: E402
 
 TINY_LENGTH = 32
@@ -30,10 +31,13 @@ def run_script(*args, timeout=600):
   return out.stdout
 
 
+FLASH_KERNELS = {"jaxrm_flash_forward", "jaxrm_flash_dq", "jaxrm_flash_dkv"}
+
+
 @pytest.fixture(scope="module")
 def tiny_plan(tmp_path_factory):
-  """The plan of the tiny shape on one device, on fsdp=8 and on fsdp=4 x context=2 (8 fake CPU
-  devices)."""
+  """The plan of the tiny shape on one device, on fsdp=8 and on fsdp=4 x context=2, compiled for
+  compile-only H100s and H200s (the default)."""
   path = str(tmp_path_factory.mktemp("plan") / "plan.json")
   stdout = run_script("scripts/memory_plan.py", "--plan_models=tiny",
                       f"--plan_lengths={TINY_LENGTH}", "--plan_remat=none",
@@ -42,12 +46,34 @@ def tiny_plan(tmp_path_factory):
     return json.load(f), stdout, path
 
 
+def test_plan_compiles_for_each_cards_gpu_target(tiny_plan):
+  plan, stdout, _ = tiny_plan
+  assert plan["backend"] == "gpu" and plan["targets"] == ["h100-80gb", "h200"] and plan["failed"] == []
+  assert sorted((r["mesh"], r["target"]) for r in plan["rows"]) == sorted(
+      (m, t) for m in ("1x1x1", "1x8x1", "1x4x1x2") for t in ("h100-80gb", "h200"))
+  for r in plan["rows"]:
+    assert r["backend"] == "gpu" and r["commit"]
+    # Each card is judged by its own target's compile.
+    assert r["fits"] == {"80 GB" if r["target"] == "h100-80gb" else "141 GB": True}
+    # 'auto' on GPU devices: the Pallas kernel, through Triton, forward and backward; under
+    # context > 1, per shard against the gathered keys.
+    per_shard = " per shard" if r["mesh"] == "1x4x1x2" else ""
+    assert r["attention_route"].startswith(f"attention: pallas flash kernel{per_shard} on all 2 layers")
+    assert FLASH_KERNELS <= set(r["triton_kernels"])
+  # One table line per setting: the H100's figures, the H200's total, both cards.
+  table = memory_plan.plan_table(plan["rows"]).splitlines()
+  assert len(table) == 2 + 3
+  for line in table[2:]:
+    cells = line.split(" | ")
+    assert cells[9] == cells[11] == "yes" and cells[10] != "-"
+
+
 def test_plan_counts_each_devices_bytes(tiny_plan):
   plan, stdout, _ = tiny_plan
-  assert plan["backend"] == "cpu" and plan["attention"] == "auto" and plan["failed"] == []
-  assert set(plan["cards_gib"]) == {"80 GB", "141 GB"}
-  context = next(r for r in plan["rows"] if r["mesh"] == "1x4x1x2")
-  one, eight = sorted((r for r in plan["rows"] if r is not context), key=lambda r: r["devices"])
+  assert plan["attention"] == "auto" and set(plan["cards_gib"]) == {"80 GB", "141 GB"}
+  rows = [r for r in plan["rows"] if r["target"] == "h100-80gb"]
+  context = next(r for r in rows if r["mesh"] == "1x4x1x2")
+  one, eight = sorted((r for r in rows if r is not context), key=lambda r: r["devices"])
   params = one["params"]
   assert params == sum(x.size for x in jax.tree.leaves(nnx.state(abstract_model(bench_common.SHAPES["tiny"]))))
   # float32 master weights; every tiny parameter has a hidden (embed) axis of 64, which fsdp
@@ -62,7 +88,6 @@ def test_plan_counts_each_devices_bytes(tiny_plan):
     assert row["temp_bytes"] > 0
     assert row["argument_bytes"] >= row["param_bytes"] + row["opt_state_bytes"]
     assert row["total_bytes"] >= row["argument_bytes"] + row["temp_bytes"]
-    assert row["fits"] == {"80 GB": True, "141 GB": True}
   assert (one["mesh"], eight["mesh"]) == ("1x1x1", "1x8x1")
   # Context 2: the devices that share a row's tokens share its weights' shards (fsdp x context =
   # 8 ways); one pair per fsdp shard, whose rows reach both context devices whole (the model's
@@ -79,24 +104,40 @@ def test_plan_counts_each_devices_bytes(tiny_plan):
 def test_plan_with_accumulation_sizes_the_trainers_micro_batched_step():
   row = memory_plan.plan_one("tiny", TINY_LENGTH, "none", (1, 1, 1), "auto", grad_accum=2)
   gradient, update = row["programs"]["gradient"], row["programs"]["update"]
-  # The sums of the micro-batches before are held beside each gradient: as large as its outputs,
-  # a float32 gradient of every parameter and the metric sums.
-  assert gradient["held_bytes"] == gradient["output_bytes"] >= row["param_bytes"]
+  # Held beside each gradient program: the sums of the micro-batches before (as large as its
+  # outputs, a float32 gradient of every parameter and the metric sums) and the optimizer state,
+  # which it does not read.
+  assert gradient["held_bytes"] == gradient["output_bytes"] + row["opt_state_bytes"]
+  assert gradient["output_bytes"] >= row["param_bytes"]
   assert update["held_bytes"] == 0 and update["alias_bytes"] > 0  # the update donates the state
   assert row["total_bytes"] == max(gradient["total_bytes"], update["total_bytes"])
   assert row["grad_accum"] == 2 and row["input_ids_per_device"] == [2, TINY_LENGTH]  # per micro-batch
   assert memory_plan.plan_row(row).startswith(f"| tiny | {TINY_LENGTH} | none | 1x1x1 | 2 |")
 
 
+def test_plan_by_xla_cpu_beside_the_gpus():
+  """--plan_backend=cpu: XLA:CPU's figures for the same step, judged against both cards, and
+  --compare's table of the settings both plans hold."""
+  cpu = memory_plan.plan_one("tiny", TINY_LENGTH, "none", (1, 1, 1), "auto", backend="cpu")
+  assert (cpu["backend"], cpu["target"]) == ("cpu", None) and cpu["fits"] == {"80 GB": True, "141 GB": True}
+  assert cpu["triton_kernels"] == {} and cpu["attention_route"].startswith("attention: reference einsum")
+  gpu = [memory_plan.plan_one("tiny", TINY_LENGTH, "none", (1, 1, 1), "auto", target=t) for t in ("h100-80gb", "h200")]
+  assert cpu["param_bytes"] == gpu[0]["param_bytes"] and cpu["opt_state_bytes"] == gpu[0]["opt_state_bytes"]
+  header, _, line = memory_plan.compare_table([cpu], gpu).splitlines()
+  assert header.startswith("| model | T | remat | mesh | accum | params GiB | XLA:CPU temp | H100 temp |")
+  assert line.startswith(f"| tiny | {TINY_LENGTH} | none | 1x1x1 | 1 |") and line.endswith("| yes / yes | yes / yes |")
+
+
 def test_stored_plans_still_read():
-  """The committed plans' rows (some from before accumulation was planned) make their tables."""
+  """The committed plans' rows make their tables: a line per setting."""
   for name in ("memory_plan.json", "memory_plan_lora.json", "memory_plan_context.json"):
     with open(os.path.join(ROOT, "scripts", name)) as f:
       rows = json.load(f)["rows"]
     table = memory_plan.plan_table(rows).splitlines()
-    assert len(table) == len(rows) + 2
-    # The accum column: a row from before accumulation was planned has none, and reads as 1.
-    assert sorted(line.split(" | ")[4] for line in table[2:]) == sorted(str(r.get("grad_accum", 1)) for r in rows)
+    settings = {(r["model"], r["length"], r["remat"], r["mesh"], r.get("grad_accum", 1)) for r in rows}
+    assert len(table) == len(settings) + 2
+    assert sorted(tuple(line.split(" | ")[1:5]) for line in table[2:]) == sorted(
+        (str(t), remat, mesh, str(k)) for _, t, remat, mesh, k in settings)
 
 
 def test_abstract_state_is_what_init_state_builds():
@@ -112,7 +153,7 @@ def test_abstract_state_is_what_init_state_builds():
   assert jax.tree.structure(shardings) == jax.tree.structure(real_shardings)
   for a, r in zip(jax.tree.leaves(abstract), jax.tree.leaves(real)):
     assert (a.shape, a.dtype, a.sharding) == (r.shape, r.dtype, r.sharding)
-  assert memory_plan.bytes_per_device(abstract) == memory_plan.bytes_per_device(real)
+  assert bytes_per_device(abstract) == bytes_per_device(real)
 
 
 def test_full_pairs_is_the_plan_batch():
@@ -130,7 +171,7 @@ def test_gpu_check_dry_run(tiny_plan, tmp_path):
     report = json.load(f)
   assert report["dry_run"] is True
   steps = report["steps"]
-  assert list(steps) == ["machine", "gpu_tests", "bench", "fit", "calibration"]
+  assert list(steps) == ["machine", "compile", "gpu_tests", "bench", "fit"]
   assert set(report["json_keys"]) == set(steps) and "planned JSON keys" in stdout
   assert "tests/test_attention.py" in steps["gpu_tests"]["files"]
   assert steps["gpu_tests"]["would_run"] and steps["gpu_tests"]["rc"] == 0
@@ -143,7 +184,27 @@ def test_gpu_check_dry_run(tiny_plan, tmp_path):
   sized = fit["sized"]
   assert sized["param_bytes"] == fit["planned"]["param_bytes"]
   assert sized["input_ids"] == [2, TINY_LENGTH]
-  assert "--attention=reference" in steps["calibration"]["would_run"]
+  # The fit step trains a setting of the plan compiled for the GPU it runs on (an H200), and the
+  # compile step would compile it (and the benchmark's step) for that GPU first.
+  assert fit["planned"]["target"] == "h200"
+  assert steps["compile"]["target"] == "h200"
+  assert steps["compile"]["would_compile"]["fit"] == [f"tiny T={TINY_LENGTH} remat=none"]
+
+
+def test_gpu_check_on_the_gpu_reuses_a_compile_only_run_for_the_same_gpu(tmp_path):
+  import gpu_check
+  out = tmp_path / "gpu_check.json"
+  row = {"model": "tiny", "length": TINY_LENGTH, "remat": "none", "target": "h200", "total_bytes": 1}
+  out.write_text(json.dumps({"steps": {"compile": {"target": "h200", "fit": {"candidates": [row]}}}}))
+  earlier = gpu_check.earlier_compile(gpu_check.parse_args([f"--out={out}"]))
+  assert earlier["target"] == "h200" and earlier["reused_from"]
+  # The fit step's setting sits beside the compile step's figures for it; another beside the plan's.
+  assert gpu_check.planned_fit(dict(row, target="h100-80gb"), earlier) == {
+      "planned": row, "planned_by": "the compile step, for h200"}
+  other = dict(row, length=2 * TINY_LENGTH)
+  assert gpu_check.planned_fit(other, earlier) == {"planned": other, "planned_by": "the memory plan, for h200"}
+  # Compiled for another GPU: not reused (the check compiles it again, last).
+  assert gpu_check.earlier_compile(gpu_check.parse_args([f"--out={out}", "--gpu=h100-80gb"])) is None
 
 
 def test_paired_ratios_are_per_step():
