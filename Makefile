@@ -32,6 +32,8 @@ train: $(STAMP)
 	$(PY) -m jaxrm.train --config=configs/rm.py
 
 test: $(STAMP) $(GPU_COMPILER)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q -n 2 tests
 
 clean:

@@ -1,7 +1,7 @@
 r"""Process (stepwise) reward model: the embedded SmolLM2-135M-Instruct on demo_arithmetic_steps.
 
-  python -m jaxrm.train --config=configs/prm.py
-  python -m jaxrm.train --config=configs/prm.py:smoke
+python -m jaxrm.train --config=configs/prm.py
+python -m jaxrm.train --config=configs/prm.py:smoke
 """
 
 from jaxrm.config import base_config

@@ -20,22 +20,22 @@ __version__ = "0.1.0"
 
 # Each public name -> the module that defines it.
 _EXPORTS = {
-    "RewardModel": "jaxrm.reward_model",
-    "RunConfig": "jaxrm.config",
-    "ModelSpec": "jaxrm.config",
-    "LoraSpec": "jaxrm.config",
-    "DataSpec": "jaxrm.config",
-    "RewardSpec": "jaxrm.config",
-    "TrainSpec": "jaxrm.config",
-    "EvalSpec": "jaxrm.config",
-    "CheckpointSpec": "jaxrm.config",
-    "LoggerSpec": "jaxrm.config",
-    "MeshConfig": "jaxrm.sharding",
-    "train_and_evaluate": "jaxrm.trainer",
-    "evaluate": "jaxrm.evaluation",
-    "load_dataset": "jaxrm.evaluation",
-    "plot_scores": "jaxrm.evaluation",
-    "remote_reward_func": "jaxrm.reward_funcs",
+  "RewardModel": "jaxrm.reward_model",
+  "RunConfig": "jaxrm.config",
+  "ModelSpec": "jaxrm.config",
+  "LoraSpec": "jaxrm.config",
+  "DataSpec": "jaxrm.config",
+  "RewardSpec": "jaxrm.config",
+  "TrainSpec": "jaxrm.config",
+  "EvalSpec": "jaxrm.config",
+  "CheckpointSpec": "jaxrm.config",
+  "LoggerSpec": "jaxrm.config",
+  "MeshConfig": "jaxrm.sharding",
+  "train_and_evaluate": "jaxrm.trainer",
+  "evaluate": "jaxrm.evaluation",
+  "load_dataset": "jaxrm.evaluation",
+  "plot_scores": "jaxrm.evaluation",
+  "remote_reward_func": "jaxrm.reward_funcs",
 }
 __all__ = list(_EXPORTS)
 

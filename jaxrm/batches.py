@@ -19,7 +19,7 @@ real tokens on the host (:meth:`token_counts`).
 
 from __future__ import annotations
 
-from typing import ClassVar, Union
+from typing import ClassVar
 
 import jax
 import numpy as np
@@ -27,7 +27,7 @@ from flax import struct
 
 IGNORE_INDEX = -100  # label of a position that carries no step label
 
-Array = Union[np.ndarray, jax.Array]
+Array = np.ndarray | jax.Array
 
 
 @struct.dataclass
@@ -169,7 +169,7 @@ class PackedStepwiseBatch:
     return int(mask.sum()), float(mask.sum()) / mask.size
 
 
-Batch = Union[PreferenceBatch, StepwiseBatch, RegressionBatch, PackedPreferenceBatch, PackedStepwiseBatch]
+Batch = PreferenceBatch | StepwiseBatch | RegressionBatch | PackedPreferenceBatch | PackedStepwiseBatch
 
 
 def group_rewards(rewards_br, reward_index_gk):
@@ -184,8 +184,7 @@ def group_logits(logits_btc, token_index_gt):
 
 def _rows(batch: PackedPreferenceBatch | PackedStepwiseBatch) -> tuple[Array, ...]:
   """The model's row inputs, in the order it takes them."""
-  return (batch.input_ids, batch.attention_mask, batch.positions, batch.segment_ids,
-          batch.branch_ids)
+  return (batch.input_ids, batch.attention_mask, batch.positions, batch.segment_ids, batch.branch_ids)
 
 
 def _unpacked_counts(mask: np.ndarray, real_rows: np.ndarray) -> tuple[int, float]:

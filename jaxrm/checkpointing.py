@@ -18,7 +18,8 @@ import logging
 import math
 import os
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -41,9 +42,11 @@ class DamagedCheckpointError(CheckpointError):
   """A checkpoint that Orbax lists but cannot read back; ``step`` names it."""
 
   def __init__(self, directory: str, step: int, cause: BaseException):
-    super().__init__(f"{os.path.join(directory, str(step))}: the checkpoint of step {step} cannot be read "
-                     f"({_first_sentence(cause)}); it looks damaged (a truncated file, as a full disk or an "
-                     "interrupted copy leaves it)")
+    super().__init__(
+      f"{os.path.join(directory, str(step))}: the checkpoint of step {step} cannot be read "
+      f"({_first_sentence(cause)}); it looks damaged (a truncated file, as a full disk or an "
+      "interrupted copy leaves it)"
+    )
     self.step = step
 
 
@@ -54,6 +57,7 @@ def _quiet_stragglers() -> Callable[[], None]:
   fire before Orbax's error reaches us, so the hooks go in before each restore; the returned
   function takes them out again (after a restore that succeeded, when none can come)."""
   import sys
+
   if getattr(sys.unraisablehook, "_jaxrm_quiet", False):
     return lambda: None
   closed = lambda e: isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
@@ -72,6 +76,7 @@ def _quiet_stragglers() -> Callable[[], None]:
   def undo():
     if sys.unraisablehook is unraisable_hook:
       sys.unraisablehook, sys.excepthook = previous_unraisable, previous_except
+
   unraisable_hook._jaxrm_quiet = True
   sys.unraisablehook, sys.excepthook = unraisable_hook, except_hook
   return undo
@@ -92,8 +97,14 @@ class Checkpointer:
   trainer checks before each save.
   """
 
-  def __init__(self, directory: str, *, metric_name: str | None = None, higher_is_better: bool = False,
-               keep_top_k: int = 3):
+  def __init__(
+    self,
+    directory: str,
+    *,
+    metric_name: str | None = None,
+    higher_is_better: bool = False,
+    keep_top_k: int = 3,
+  ):
     if keep_top_k < 1:
       raise ValueError(f"checkpointing.keep_top_k={keep_top_k} must be at least 1")
     self.directory = os.path.abspath(directory)
@@ -103,14 +114,24 @@ class Checkpointer:
     policies: list[Any] = [pp.LatestN(n=1)]
     if self.metric_name:
       best_fn = lambda m: m[self.metric_name]
-      policies.append(pp.BestN(get_metric_fn=best_fn, reverse=not higher_is_better, n=keep_top_k,
-                               keep_checkpoints_without_metrics=False))
+      policies.append(
+        pp.BestN(
+          get_metric_fn=best_fn,
+          reverse=not higher_is_better,
+          n=keep_top_k,
+          keep_checkpoints_without_metrics=False,
+        )
+      )
     else:
       policies.append(pp.LatestN(n=keep_top_k))
     # best_fn also makes Orbax store each step's metrics, so the ranking survives a restart.
     options = ocp.CheckpointManagerOptions(
-        preservation_policy=pp.AnyPreservationPolicy(policies), best_fn=best_fn,
-        best_mode="max" if higher_is_better else "min", enable_async_checkpointing=False, create=True)
+      preservation_policy=pp.AnyPreservationPolicy(policies),
+      best_fn=best_fn,
+      best_mode="max" if higher_is_better else "min",
+      enable_async_checkpointing=False,
+      create=True,
+    )
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
 
   def latest_step(self) -> int | None:
@@ -134,18 +155,20 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
 
-  def save(self, step: int, state: dict, data_state: dict, meta: dict,
-           metrics: dict[str, float] | None = None) -> None:
+  def save(
+    self, step: int, state: dict, data_state: dict, meta: dict, metrics: dict[str, float] | None = None
+  ) -> None:
     """Saves ``state`` (``params``: nnx.State, ``opt_state``), the data iterator's state and ``meta``.
 
     ``metrics`` (validation results of this very step, or None) rank the checkpoint.
     """
     from flax import nnx
+
     args = ocp.args.Composite(
-        params=ocp.args.StandardSave(nnx.to_pure_dict(state["params"])),
-        opt_state=ocp.args.StandardSave(state["opt_state"]),
-        data=ocp.args.JsonSave(data_state),
-        meta=ocp.args.JsonSave(meta),
+      params=ocp.args.StandardSave(nnx.to_pure_dict(state["params"])),
+      opt_state=ocp.args.StandardSave(state["opt_state"]),
+      data=ocp.args.JsonSave(data_state),
+      meta=ocp.args.JsonSave(meta),
     )
     self.manager.save(step, args=args, metrics=metrics, force=True)
     self.manager.wait_until_finished()
@@ -157,9 +180,13 @@ class Checkpointer:
     if best is None:
       return
     metrics = self.manager.metrics(best) if self.metric_name else None
-    info = {"step": best, "path": os.path.join(self.directory, str(best)), "metric_name": self.metric_name,
-            "value": metrics.get(self.metric_name) if metrics else None,
-            "higher_is_better": self.higher_is_better}
+    info = {
+      "step": best,
+      "path": os.path.join(self.directory, str(best)),
+      "metric_name": self.metric_name,
+      "value": metrics.get(self.metric_name) if metrics else None,
+      "higher_is_better": self.higher_is_better,
+    }
     tmp = os.path.join(self.directory, BEST_FILE + ".tmp")
     with open(tmp, "w") as f:
       json.dump(info, f, indent=2)
@@ -171,16 +198,23 @@ class Checkpointer:
     Returns ``(state, data_state, meta)``; ``state["params"]`` is updated in place.
     """
     from flax import nnx
-    restored = self._restore(step, params=ocp.args.StandardRestore(_abstract(nnx.to_pure_dict(state["params"]))),
-                             opt_state=ocp.args.StandardRestore(_abstract(state["opt_state"])),
-                             data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
+
+    restored = self._restore(
+      step,
+      params=ocp.args.StandardRestore(_abstract(nnx.to_pure_dict(state["params"]))),
+      opt_state=ocp.args.StandardRestore(_abstract(state["opt_state"])),
+      data=ocp.args.JsonRestore(),
+      meta=ocp.args.JsonRestore(),
+    )
     params = state["params"]
     nnx.replace_by_pure_dict(params, restored["params"])
     return dict(state, params=params, opt_state=restored["opt_state"]), restored["data"], restored["meta"]
 
   def restore_params(self, step: int, abstract_params: dict) -> tuple[dict, dict]:
     """Only the parameters (a pure dict shaped like ``abstract_params``) and ``meta``, for scoring."""
-    restored = self._restore(step, params=ocp.args.StandardRestore(abstract_params), meta=ocp.args.JsonRestore())
+    restored = self._restore(
+      step, params=ocp.args.StandardRestore(abstract_params), meta=ocp.args.JsonRestore()
+    )
     return restored["params"], restored["meta"]
 
   def _restore(self, step: int, **items):
@@ -191,8 +225,10 @@ class Checkpointer:
       # The hooks stay, and so does a filter for the dropped reads' "never awaited" warnings.
       warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
       if any(m in str(e) for m in _MISMATCH):
-        raise CheckpointError(f"{os.path.join(self.directory, str(step))} does not fit the model restored "
-                              f"into it ({_first_sentence(e)})") from None
+        raise CheckpointError(
+          f"{os.path.join(self.directory, str(step))} does not fit the model restored "
+          f"into it ({_first_sentence(e)})"
+        ) from None
       raise DamagedCheckpointError(self.directory, step, e) from None
     undo()
     return restored
@@ -212,6 +248,7 @@ class Checkpointer:
       os.rename(path, aside)
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils
+
       multihost_utils.sync_global_devices(f"jaxrm: set aside checkpoint {step}")
     self.manager.reload()
     return aside

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from jaxrm.errors import UserError
 
@@ -22,10 +22,13 @@ def setup_logging(level: int = logging.INFO, *, timestamps: bool = False) -> Non
   """jaxrm's own messages at ``level``; the libraries' at WARNING."""
   prefix = "%(asctime)s " if timestamps else ""
   # force: absl's app.run has put its own handler on the root logger, which would keep this format out.
-  logging.basicConfig(level=logging.WARNING, format=prefix + "%(levelname)s %(name)s: %(message)s", force=True)
+  logging.basicConfig(
+    level=logging.WARNING, format=prefix + "%(levelname)s %(name)s: %(message)s", force=True
+  )
   for name in NOISY_LOGGERS:
     logging.getLogger(name).setLevel(logging.WARNING)
   from absl import logging as absl_logging
+
   absl_logging.set_verbosity(absl_logging.WARNING)
   logging.getLogger("jaxrm").setLevel(level)
 
@@ -36,8 +39,12 @@ def exit_usage(message: str) -> None:
   sys.exit(2)
 
 
-def run(main: Callable[[], None], *, define_flags: Callable[[], None] | None = None,
-        flags_parser: Callable[[list[str]], list[str]] | None = None) -> None:
+def run(
+  main: Callable[[], None],
+  *,
+  define_flags: Callable[[], None] | None = None,
+  flags_parser: Callable[[list[str]], list[str]] | None = None,
+) -> None:
   """Parses absl flags (``define_flags`` defines them first) and calls ``main()``.
 
   Positional arguments are refused; user errors end the program with their message.
@@ -101,7 +108,7 @@ def _added_entries(config, argv: list[str]) -> tuple[list[str], list[tuple[str, 
   kept, added = [], []
   for arg in argv:
     key, eq, value = arg.partition("=")
-    key = key[len("--config."):] if key.startswith("--config.") else ""
+    key = key[len("--config.") :] if key.startswith("--config.") else ""
     if eq and key.rpartition(".")[0] in OPEN_DICTS and _missing_key(config, key):
       added.append((key, value))
     else:
@@ -122,6 +129,7 @@ def _add_entries(config, added: list[tuple[str, str]]) -> None:
 def run_config(config_dict):
   """The :class:`jaxrm.config.RunConfig` of a parsed ``--config`` (a ``ConfigDict``)."""
   from jaxrm.config import from_config_dict
+
   return from_config_dict(config_dict)
 
 
@@ -138,7 +146,7 @@ def _check_keys(config, argv: list[str]) -> None:
     name = arg.split("=", 1)[0]
     for prefix in ("--config.", "--noconfig."):
       if name.startswith(prefix):
-        key = name[len(prefix):]
+        key = name[len(prefix) :]
         if prefix == "--config." and "=" in arg and key.rpartition(".")[0] in OPEN_DICTS:
           continue
         problem = _missing_key(config, key)
@@ -150,6 +158,7 @@ def _config_of(argv: list[str]):
   """The ConfigDict of ``--config`` in ``argv``; None without the flag, or when the file fails to
   load (config_flags then reports it, with the file's own message)."""
   import os
+
   spec = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("--config=")), None)
   if spec is None:
     return None
@@ -164,6 +173,7 @@ def _config_of(argv: list[str]):
 
 def _load_config(path: str, variant: str | None):
   import importlib.util
+
   spec = importlib.util.spec_from_file_location("jaxrm_train_config", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -177,6 +187,6 @@ def _missing_key(config, key: str) -> str | None:
     if not hasattr(node, "keys") or part not in node:
       where = "config." + ".".join(parts[:depth]) if depth else "the config"
       has = ", ".join(sorted(node.keys())) if hasattr(node, "keys") else "no keys (it is a value)"
-      return f"the config has no key {'.'.join(parts[:depth + 1])!r}; {where} has {has}"
+      return f"the config has no key {'.'.join(parts[: depth + 1])!r}; {where} has {has}"
     node = node[part]
   return None

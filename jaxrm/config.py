@@ -63,11 +63,14 @@ class LoraSpec:
     if not isinstance(self.target_modules, str):  # a notebook may pass a list of names
       object.__setattr__(self, "target_modules", ",".join(self.target_modules))
     # LoraConfig checks the values; each message is put under the key it is about.
-    for key, kwargs in (("rank", dict(rank=self.rank)), ("alpha", dict(alpha=self.alpha)),
-                        ("dropout", dict(dropout=self.dropout)),
-                        ("target_modules", dict(targets=self.targets)),
-                        ("target_modules", dict(rank=self.rank, targets=self.targets)),
-                        ("base_dtype", self._lora_kwargs())):
+    for key, kwargs in (
+      ("rank", dict(rank=self.rank)),
+      ("alpha", dict(alpha=self.alpha)),
+      ("dropout", dict(dropout=self.dropout)),
+      ("target_modules", dict(targets=self.targets)),
+      ("target_modules", dict(rank=self.rank, targets=self.targets)),
+      ("base_dtype", self._lora_kwargs()),
+    ):
       try:
         LoraConfig(**kwargs)
       except ConfigError as e:
@@ -82,8 +85,13 @@ class LoraSpec:
     return LoraConfig(**self._lora_kwargs())
 
   def _lora_kwargs(self) -> dict[str, Any]:
-    return dict(rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=self.targets,
-                base_dtype=self.base_dtype or None)
+    return dict(
+      rank=self.rank,
+      alpha=self.alpha,
+      dropout=self.dropout,
+      targets=self.targets,
+      base_dtype=self.base_dtype or None,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +113,9 @@ class ModelSpec:
 
   def __post_init__(self):
     if self.attention not in ATTENTION_IMPLS:
-      raise ConfigError(f"model.attention must be one of {', '.join(ATTENTION_IMPLS)}; got {self.attention!r}")
+      raise ConfigError(
+        f"model.attention must be one of {', '.join(ATTENTION_IMPLS)}; got {self.attention!r}"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,10 +145,13 @@ class RewardSpec:
     if self.type not in REWARD_TYPES:
       raise ValueError(f"reward.type must be one of {', '.join(REWARD_TYPES)}; got {self.type!r}")
     if self.ranking_loss not in RANKING_LOSSES:
-      raise ValueError(f"reward.ranking_loss must be one of {', '.join(RANKING_LOSSES)}; got {self.ranking_loss!r}")
+      raise ValueError(
+        f"reward.ranking_loss must be one of {', '.join(RANKING_LOSSES)}; got {self.ranking_loss!r}"
+      )
     if self.preference_strength_scaling and self.type != "bradley_terry":
-      raise ValueError(f"reward.preference_strength_scaling applies to reward.type='bradley_terry', not "
-                       f"{self.type!r}")
+      raise ValueError(
+        f"reward.preference_strength_scaling applies to reward.type='bradley_terry', not {self.type!r}"
+      )
     if self.type == "regression":
       # Parsed here, once: each property refuses a bad value of its key (attributes through all
       # three), and keeps what it parsed for later reads.
@@ -149,12 +162,15 @@ class RewardSpec:
     """``attributes`` as a tuple; refused when empty, repeated or unfit for metric names."""
     names = tuple(a.strip() for a in self.attributes.split(",") if a.strip())
     if not names:
-      raise ValueError("reward.attributes is empty: reward.type='regression' needs the rated attributes, "
-                       "e.g. reward.attributes='helpfulness,correctness,coherence,complexity,verbosity'")
+      raise ValueError(
+        "reward.attributes is empty: reward.type='regression' needs the rated attributes, "
+        "e.g. reward.attributes='helpfulness,correctness,coherence,complexity,verbosity'"
+      )
     for name in names:
       if not _ATTRIBUTE_NAME.fullmatch(name):
-        raise ValueError(f"reward.attributes: {name!r} cannot stand in metric names; use letters, digits, "
-                         "'_', '-' and '.'")
+        raise ValueError(
+          f"reward.attributes: {name!r} cannot stand in metric names; use letters, digits, '_', '-' and '.'"
+        )
     if len(set(names)) < len(names):
       raise ValueError(f"reward.attributes={self.attributes!r} names an attribute twice")
     return names
@@ -168,13 +184,19 @@ class RewardSpec:
     try:
       weights = tuple(float(w) for w in self.attribute_weights.split(","))
     except ValueError:
-      raise ValueError(f"reward.attribute_weights={self.attribute_weights!r}: give comma-separated numbers, "
-                       f"one per attribute ({', '.join(names)})") from None
+      raise ValueError(
+        f"reward.attribute_weights={self.attribute_weights!r}: give comma-separated numbers, "
+        f"one per attribute ({', '.join(names)})"
+      ) from None
     if len(weights) != len(names):
-      raise ValueError(f"reward.attribute_weights has {len(weights)} weights for the {len(names)} attributes "
-                       f"({', '.join(names)}); give one per attribute")
+      raise ValueError(
+        f"reward.attribute_weights has {len(weights)} weights for the {len(names)} attributes "
+        f"({', '.join(names)}); give one per attribute"
+      )
     if not all(math.isfinite(w) and w >= 0 for w in weights) or not any(weights):
-      raise ValueError(f"reward.attribute_weights={self.attribute_weights!r}: weights must be >= 0, not all 0")
+      raise ValueError(
+        f"reward.attribute_weights={self.attribute_weights!r}: weights must be >= 0, not all 0"
+      )
     return weights
 
   @functools.cached_property
@@ -185,7 +207,9 @@ class RewardSpec:
     try:
       low, high = (float(x) for x in self.attribute_range.split(","))
     except ValueError:
-      raise ValueError(f"reward.attribute_range={self.attribute_range!r}: give 'low,high', e.g. '0,4'") from None
+      raise ValueError(
+        f"reward.attribute_range={self.attribute_range!r}: give 'low,high', e.g. '0,4'"
+      ) from None
     if not low < high:
       raise ValueError(f"reward.attribute_range={self.attribute_range!r}: low must be below high")
     return low, high
@@ -202,8 +226,9 @@ class RewardSpec:
     return self.type, self.ranking_loss if self.type == "ranking" else None
 
 
-def combination_weights(combine: str | Mapping[str, float] | Sequence[float],
-                        attributes: Sequence[str], where: str = "combine") -> tuple[float, ...]:
+def combination_weights(
+  combine: str | Mapping[str, float] | Sequence[float], attributes: Sequence[str], where: str = "combine"
+) -> tuple[float, ...]:
   """One weight per attribute of a combination of them.
 
   ``combine`` is an attribute's name (``"helpfulness"``), ``"name=weight,..."`` (attributes left
@@ -212,20 +237,25 @@ def combination_weights(combine: str | Mapping[str, float] | Sequence[float],
   if isinstance(combine, str):
     entries = [e.strip() for e in combine.split(",") if e.strip()]
     if not entries:
-      raise ValueError(f"{where} is empty; name an attribute (one of {', '.join(attributes)}) or give "
-                       "name=weight pairs")
+      raise ValueError(
+        f"{where} is empty; name an attribute (one of {', '.join(attributes)}) or give name=weight pairs"
+      )
     combine = dict(_weight_entry(e, where) for e in entries)
   if isinstance(combine, Mapping):
     unknown = sorted(set(combine) - set(attributes))
     if unknown:
-      raise ValueError(f"{where} names {', '.join(map(repr, unknown))}, not among the model's attributes "
-                       f"{', '.join(attributes)}")
+      raise ValueError(
+        f"{where} names {', '.join(map(repr, unknown))}, not among the model's attributes "
+        f"{', '.join(attributes)}"
+      )
     weights = tuple(float(combine.get(a, 0.0)) for a in attributes)
   else:
     weights = tuple(float(w) for w in combine)
     if len(weights) != len(attributes):
-      raise ValueError(f"{where} has {len(weights)} weights for {len(attributes)} attributes "
-                       f"({', '.join(attributes)}); give one per attribute")
+      raise ValueError(
+        f"{where} has {len(weights)} weights for {len(attributes)} attributes "
+        f"({', '.join(attributes)}); give one per attribute"
+      )
   if not all(math.isfinite(w) for w in weights) or not any(weights):
     raise ValueError(f"{where}={combine!r}: weights must be finite and not all 0")
   return weights
@@ -281,12 +311,16 @@ class DataSpec:
     if self.packing not in PACKING_MODES:
       raise ConfigError(f"data.packing must be one of {', '.join(PACKING_MODES)}; got {self.packing!r}")
     if self.packed_row_length < 0:
-      raise ConfigError(f"data.packed_row_length={self.packed_row_length}: use a number of tokens per "
-                        "row, or 0 to size rows from each batch's longest group")
+      raise ConfigError(
+        f"data.packed_row_length={self.packed_row_length}: use a number of tokens per "
+        "row, or 0 to size rows from each batch's longest group"
+      )
     if self.group_by_length and self.packing != "none":
       # Packed rows are filled from many groups and carry no per-batch padding to save.
-      raise ConfigError(f"data.group_by_length=True orders unpacked batches; data.packing={self.packing!r} "
-                        "already fills rows: set data.packing='none' or data.group_by_length=False")
+      raise ConfigError(
+        f"data.group_by_length=True orders unpacked batches; data.packing={self.packing!r} "
+        "already fills rows: set data.packing='none' or data.group_by_length=False"
+      )
     if self.num_proc < 0:
       raise ConfigError(f"data.num_proc={self.num_proc}: use a number of processes, or 0 for one per CPU")
     if self.cache_dir and not self.cache:
@@ -303,22 +337,31 @@ class DataSpec:
 
   @property
   def tokenize_options(self) -> TokenizeOptions:
-    return TokenizeOptions(max_length=self.max_length, truncation=self.truncation,
-                           step_separator=self.step_separator,
-                           train_on_last_step_only=self.train_on_last_step_only)
+    return TokenizeOptions(
+      max_length=self.max_length,
+      truncation=self.truncation,
+      step_separator=self.step_separator,
+      train_on_last_step_only=self.train_on_last_step_only,
+    )
 
 
 def _own_data(spec: DataSpec) -> None:
   """Reads ``train_data_path`` in its kind's file format where ``dataset_name`` is a demo set (which
   makes its own rows), and keeps only the validation sets a file format can read."""
   if not isinstance(spec.dataset_name, str):
-    raise ConfigError(f"data.dataset_name={spec.dataset_name!r}: use one of {', '.join(registry.DATASET_NAMES)}")
+    raise ConfigError(
+      f"data.dataset_name={spec.dataset_name!r}: use one of {', '.join(registry.DATASET_NAMES)}"
+    )
   known = spec.dataset_name in registry.DATASET_NAMES  # an unknown name is refused with the data's checks
   path = spec.train_data_path
   if known and path and path not in demo.SPLITS and registry.is_demo(spec.dataset_name):
     own = registry.FILE_FORMATS[registry.kind(spec.dataset_name)]
-    log.info("data.train_data_path=%r is read as %s rows (data.dataset_name=%r makes its own rows)", path, own,
-             spec.dataset_name)
+    log.info(
+      "data.train_data_path=%r is read as %s rows (data.dataset_name=%r makes its own rows)",
+      path,
+      own,
+      spec.dataset_name,
+    )
     object.__setattr__(spec, "dataset_name", own)
   if not known or not registry.reads_paths_only(spec.dataset_name):
     return
@@ -327,11 +370,19 @@ def _own_data(spec: DataSpec) -> None:
     if val_path and val_path not in registry.SPLIT_NAMES:
       kept[name] = val_path
     elif (name, val_path) not in DEFAULT_VAL_DATA_PATHS.items():
-      log.warning("data.val_data_paths.%s=%r is left out: %s reads only the files it is given; set it to "
-                  "a file to validate on", name, val_path, spec.dataset_name)
+      log.warning(
+        "data.val_data_paths.%s=%r is left out: %s reads only the files it is given; set it to "
+        "a file to validate on",
+        name,
+        val_path,
+        spec.dataset_name,
+      )
   if not kept and spec.val_data_paths:
-    log.info("no validation set: %s has none unless data.val_data_paths names its files "
-             "(--config.data.val_data_paths.default=val.jsonl)", spec.dataset_name)
+    log.info(
+      "no validation set: %s has none unless data.val_data_paths names its files "
+      "(--config.data.val_data_paths.default=val.jsonl)",
+      spec.dataset_name,
+    )
   object.__setattr__(spec, "val_data_paths", kept)
 
 
@@ -367,47 +418,65 @@ class TrainSpec:
       raise ConfigError(f"train.{e}") from None
     for key in ("adam_beta1", "adam_beta2"):
       if not 0.0 <= getattr(self, key) < 1.0:
-        raise ConfigError(f"train.{key}={getattr(self, key)!r}: use a number in [0, 1), e.g. 0.9 for "
-                          "adam_beta1 and 0.999 (or NeMo RL's 0.98) for adam_beta2")
+        raise ConfigError(
+          f"train.{key}={getattr(self, key)!r}: use a number in [0, 1), e.g. 0.9 for "
+          "adam_beta1 and 0.999 (or NeMo RL's 0.98) for adam_beta2"
+        )
     if not self.adam_epsilon > 0.0:
-      raise ConfigError(f"train.adam_epsilon={self.adam_epsilon!r}: use a small positive number, e.g. 1e-8 "
-                        "(NeMo RL's RM recipe: 1e-5)")
+      raise ConfigError(
+        f"train.adam_epsilon={self.adam_epsilon!r}: use a small positive number, e.g. 1e-8 "
+        "(NeMo RL's RM recipe: 1e-5)"
+      )
     if not 0.0 <= self.min_lr_ratio <= 1.0:
-      raise ConfigError(f"train.min_lr_ratio={self.min_lr_ratio!r}: use a fraction of learning_rate in [0, 1]")
+      raise ConfigError(
+        f"train.min_lr_ratio={self.min_lr_ratio!r}: use a fraction of learning_rate in [0, 1]"
+      )
     if self.lr_scheduler == "cosine_with_min_lr" and self.min_lr_ratio == 0.0:
-      raise ConfigError("train.lr_scheduler='cosine_with_min_lr' needs train.min_lr_ratio > 0 (e.g. 0.1); "
-                        "use 'cosine' to decay to 0")
+      raise ConfigError(
+        "train.lr_scheduler='cosine_with_min_lr' needs train.min_lr_ratio > 0 (e.g. 0.1); "
+        "use 'cosine' to decay to 0"
+      )
     if self.warmup_steps < 0:
       raise ConfigError(f"train.warmup_steps={self.warmup_steps}: use a number of steps, or 0 for no warmup")
     self.check_steps(self.max_steps, f"train.max_steps={self.max_steps}")
     if self.lr_scheduler == "constant" and self.warmup_steps:
-      log.warning("train.warmup_steps=%d is ignored: train.lr_scheduler='constant' has no warmup (as in "
-                  "transformers); use 'constant_with_warmup' to keep it", self.warmup_steps)
-
+      log.warning(
+        "train.warmup_steps=%d is ignored: train.lr_scheduler='constant' has no warmup (as in "
+        "transformers); use 'constant_with_warmup' to keep it",
+        self.warmup_steps,
+      )
 
   def check_steps(self, total_steps: int, why: str) -> None:
     """Raises ConfigError if a run of ``total_steps`` (set as ``why`` says) leaves this schedule no
     steps to decay after warmup."""
     if self.lr_scheduler in optim.DECAYING and total_steps <= self.warmup_steps:
       raise ConfigError(
-          f"{why} ends the run within train.warmup_steps={self.warmup_steps}, leaving "
-          f"train.lr_scheduler={self.lr_scheduler!r} no steps to decay: lower train.warmup_steps (e.g. "
-          f"--config.train.warmup_steps={max(total_steps // 4, 1) if total_steps > 1 else 0}), or use "
-          "--config.train.lr_scheduler=constant_with_warmup")
+        f"{why} ends the run within train.warmup_steps={self.warmup_steps}, leaving "
+        f"train.lr_scheduler={self.lr_scheduler!r} no steps to decay: lower train.warmup_steps (e.g. "
+        f"--config.train.warmup_steps={max(total_steps // 4, 1) if total_steps > 1 else 0}), or use "
+        "--config.train.lr_scheduler=constant_with_warmup"
+      )
 
 
 def _set_scheduler_from_lr_decay(spec: TrainSpec) -> None:
   """``train.lr_decay`` names the scheduler unless ``train.lr_scheduler`` names another."""
   if spec.lr_decay not in optim.LEGACY_DECAYS:
-    raise ConfigError(f"train.lr_decay={spec.lr_decay!r} is not one of {', '.join(optim.LEGACY_DECAYS)}; "
-                      f"use train.lr_scheduler ({', '.join(optim.SCHEDULERS)}) instead")
+    raise ConfigError(
+      f"train.lr_decay={spec.lr_decay!r} is not one of {', '.join(optim.LEGACY_DECAYS)}; "
+      f"use train.lr_scheduler ({', '.join(optim.SCHEDULERS)}) instead"
+    )
   meant = optim.LEGACY_DECAYS[spec.lr_decay]
   if spec.lr_scheduler not in (meant, TrainSpec.lr_scheduler):
-    raise ConfigError(f"train.lr_decay={spec.lr_decay!r} and train.lr_scheduler={spec.lr_scheduler!r} disagree; "
-                      f"set only train.lr_scheduler")
+    raise ConfigError(
+      f"train.lr_decay={spec.lr_decay!r} and train.lr_scheduler={spec.lr_scheduler!r} disagree; "
+      f"set only train.lr_scheduler"
+    )
   if spec.lr_scheduler != meant:
-    log.warning("train.lr_decay=%r is the former name of train.lr_scheduler; use train.lr_scheduler=%r",
-                spec.lr_decay, meant)
+    log.warning(
+      "train.lr_decay=%r is the former name of train.lr_scheduler; use train.lr_scheduler=%r",
+      spec.lr_decay,
+      meant,
+    )
   object.__setattr__(spec, "lr_scheduler", meant)
 
 
@@ -486,11 +555,14 @@ class RunConfig:
 
   def __post_init__(self):
     if self.data.packing == "shared_prompt" and self.reward.type == "stepwise":
-      raise ConfigError("data.packing='shared_prompt' writes a preference group's prompt once; stepwise "
-                        "sequences have no group to share it: use data.packing='packed'")
+      raise ConfigError(
+        "data.packing='shared_prompt' writes a preference group's prompt once; stepwise "
+        "sequences have no group to share it: use data.packing='packed'"
+      )
     if self.reward.type == "regression" and self.data.packing != "none":
-      raise ConfigError(f"data.packing={self.data.packing!r}: regression rows are not packed yet; use "
-                        "data.packing='none'")
+      raise ConfigError(
+        f"data.packing={self.data.packing!r}: regression rows are not packed yet; use data.packing='none'"
+      )
     if self.data.packing == "none" and self.data.packed_row_length:
       log.warning("data.packed_row_length=%d is ignored: data.packing is 'none'", self.data.packed_row_length)
     _check_context_lengths(self)
@@ -508,7 +580,7 @@ class RunConfig:
     return dataclasses.asdict(self)
 
   @classmethod
-  def from_dict(cls, d: dict[str, Any]) -> "RunConfig":
+  def from_dict(cls, d: dict[str, Any]) -> RunConfig:
     """Inverse of :meth:`to_dict`; sections or keys left out keep their defaults.
 
     A regression run on a dataset of :data:`DEFAULT_ATTRIBUTES` without ``reward.attributes``
@@ -523,16 +595,30 @@ class RunConfig:
     return cls(**kwargs)
 
 
-_SECTIONS = {"model": ModelSpec, "reward": RewardSpec, "data": DataSpec, "train": TrainSpec, "eval": EvalSpec,
-             "checkpointing": CheckpointSpec, "mesh": MeshConfig, "logger": LoggerSpec}
+_SECTIONS = {
+  "model": ModelSpec,
+  "reward": RewardSpec,
+  "data": DataSpec,
+  "train": TrainSpec,
+  "eval": EvalSpec,
+  "checkpointing": CheckpointSpec,
+  "mesh": MeshConfig,
+  "logger": LoggerSpec,
+}
 
 
 def _with_default_attributes(d: dict[str, Any]) -> dict[str, Any]:
   """``d`` with ``reward.attributes`` filled in from its dataset's, where it has none and may."""
   reward, data = d.get("reward"), d.get("data")
-  if not isinstance(reward, dict) or reward.get("type") != "regression" or str(reward.get("attributes", "")).strip():
+  if (
+    not isinstance(reward, dict)
+    or reward.get("type") != "regression"
+    or str(reward.get("attributes", "")).strip()
+  ):
     return d
-  dataset = data.get("dataset_name", DataSpec.dataset_name) if isinstance(data, dict) else DataSpec.dataset_name
+  dataset = (
+    data.get("dataset_name", DataSpec.dataset_name) if isinstance(data, dict) else DataSpec.dataset_name
+  )
   if dataset not in DEFAULT_ATTRIBUTES:
     return d  # RewardSpec refuses the empty attributes, saying what to give
   return {**d, "reward": {**reward, "attributes": ",".join(DEFAULT_ATTRIBUTES[dataset])}}
@@ -557,6 +643,7 @@ def base_config():
   command line is parsed.
   """
   import ml_collections
+
   return ml_collections.ConfigDict(RunConfig().to_dict())
 
 
@@ -571,8 +658,10 @@ def _section(section_type, name: str, values: dict[str, Any]):
     nested = type(fields[key].default)
     if dataclasses.is_dataclass(nested) and not isinstance(value, nested):
       if not isinstance(value, dict):
-        raise ConfigError(f"config.{name}.{key} is a section ({', '.join(f.name for f in dataclasses.fields(nested))}); "
-                          f"got {value!r}")
+        raise ConfigError(
+          f"config.{name}.{key} is a section ({', '.join(f.name for f in dataclasses.fields(nested))}); "
+          f"got {value!r}"
+        )
       value = _section(nested, f"{name}.{key}", value)
     kwargs[key] = value
   return section_type(**kwargs)
@@ -597,11 +686,15 @@ def _check_context_lengths(config: RunConfig) -> None:
   if mesh.context == 1:
     return
   if mesh.context == -1:
-    raise ConfigError("mesh.context=-1: give the number of devices that split each row (rows must "
-                      "be sized to it); -1 suits data or fsdp")
+    raise ConfigError(
+      "mesh.context=-1: give the number of devices that split each row (rows must "
+      "be sized to it); -1 suits data or fsdp"
+    )
   chunks = mesh.context * (2 if mesh.context_balance == "zigzag" else 1)
-  why = (f"mesh.context={mesh.context} with mesh.context_balance={mesh.context_balance!r} splits each "
-         f"row into {chunks} chunks")
+  why = (
+    f"mesh.context={mesh.context} with mesh.context_balance={mesh.context_balance!r} splits each "
+    f"row into {chunks} chunks"
+  )
   lengths = {"data.bucket_multiple": data.bucket_multiple}
   if data.packing == "none":
     lengths["data.max_length"] = data.max_length  # the longest bucket
@@ -619,10 +712,15 @@ def _check_checkpoint_metric(config: RunConfig) -> None:
   sets = list(config.data.val_data_paths)
   if not any(metric.startswith(f"validation-{n}_") for n in sets):
     raise ConfigError(
-        f"checkpointing.metric_name={config.checkpointing.metric_name!r} names no validation set; use "
-        f"'validation-<set>_<metric>' with <set> one of {', '.join(sets) or '(none: data.val_data_paths is empty)'}, "
-        "e.g. 'validation-default_loss' (or set it to '' to keep the latest checkpoints)")
+      f"checkpointing.metric_name={config.checkpointing.metric_name!r} names no validation set; use "
+      f"'validation-<set>_<metric>' with <set> one of {', '.join(sets) or '(none: data.val_data_paths is empty)'}, "
+      "e.g. 'validation-default_loss' (or set it to '' to keep the latest checkpoints)"
+    )
   val_period, save_period = config.eval.val_period, config.checkpointing.save_period
   if save_period and (not val_period or save_period % val_period):
-    log.warning("checkpointing.save_period=%d is not a multiple of eval.val_period=%d: checkpoints saved "
-                "without a validation are kept only while they are the latest", save_period, val_period)
+    log.warning(
+      "checkpointing.save_period=%d is not a multiple of eval.val_period=%d: checkpoints saved "
+      "without a validation are kept only while they are the latest",
+      save_period,
+      val_period,
+    )

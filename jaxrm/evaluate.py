@@ -51,35 +51,73 @@ from jaxrm.server.config import DEFAULT_MAX_LENGTH, default_max_length
 
 def _define_flags() -> None:
   from absl import flags
-  flags.DEFINE_string("model", None, "HF checkpoint dir, .gguf file, embedded:NAME, or a jaxrm run dir.",
-                      required=True)
-  flags.DEFINE_string("data", None, "A data file/directory, or a dataset name (demo_arithmetic...); with "
-                      "--benchmark, a file/directory in its schema or a hub name (default: its hub dataset).")
-  flags.DEFINE_enum("benchmark", None, list(benchmarks.BENCHMARKS), "Score by this benchmark's official "
-                    "rules instead of plain accuracy.")
+
+  flags.DEFINE_string(
+    "model", None, "HF checkpoint dir, .gguf file, embedded:NAME, or a jaxrm run dir.", required=True
+  )
+  flags.DEFINE_string(
+    "data",
+    None,
+    "A data file/directory, or a dataset name (demo_arithmetic...); with "
+    "--benchmark, a file/directory in its schema or a hub name (default: its hub dataset).",
+  )
+  flags.DEFINE_enum(
+    "benchmark",
+    None,
+    list(benchmarks.BENCHMARKS),
+    "Score by this benchmark's official rules instead of plain accuracy.",
+  )
   flags.DEFINE_float("threshold", 0.5, "processbench: a step is wrong when P(correct) is below this.")
-  flags.DEFINE_string("dataset_name", None, "Format of --data: PreferenceDataset (default), StepwiseDataset, "
-                      "RatedDataset, or a public/demo dataset name.")
-  flags.DEFINE_string("combine", None, "Rated data: what pairwise_accuracy ranks same-prompt responses by, "
-                      "an attribute or name=weight,... (default: the model's first attribute).")
-  flags.DEFINE_string("split", "validation", "Split of a dataset read by name, or of a saved DatasetDict "
-                      "(with --benchmark, default: the benchmark's; processbench: comma-separated).")
-  flags.DEFINE_string("subset_field", None, "Column holding each row's subset (default: the dataset's, "
-                      "'subset' for user files).")
+  flags.DEFINE_string(
+    "dataset_name",
+    None,
+    "Format of --data: PreferenceDataset (default), StepwiseDataset, "
+    "RatedDataset, or a public/demo dataset name.",
+  )
+  flags.DEFINE_string(
+    "combine",
+    None,
+    "Rated data: what pairwise_accuracy ranks same-prompt responses by, "
+    "an attribute or name=weight,... (default: the model's first attribute).",
+  )
+  flags.DEFINE_string(
+    "split",
+    "validation",
+    "Split of a dataset read by name, or of a saved DatasetDict "
+    "(with --benchmark, default: the benchmark's; processbench: comma-separated).",
+  )
+  flags.DEFINE_string(
+    "subset_field",
+    None,
+    "Column holding each row's subset (default: the dataset's, 'subset' for user files).",
+  )
   flags.DEFINE_integer("max_rows", 0, "Evaluate only the first N rows (0: all).")
-  flags.DEFINE_integer("max_length", None, "Longest sequence in tokens; longer rows are dropped or cut "
-                       "(default: the training run's data.max_length, which a run and an export of it record; "
-                       f"else {DEFAULT_MAX_LENGTH}, or the model's context if shorter; with --benchmark, its "
-                       "official harness's: 2048, the model's context for processbench).")
-  flags.DEFINE_enum("truncation", "drop", ["drop", "left"], "Over-length rows: drop them, or cut the "
-                    "oldest context.")
+  flags.DEFINE_integer(
+    "max_length",
+    None,
+    "Longest sequence in tokens; longer rows are dropped or cut "
+    "(default: the training run's data.max_length, which a run and an export of it record; "
+    f"else {DEFAULT_MAX_LENGTH}, or the model's context if shorter; with --benchmark, its "
+    "official harness's: 2048, the model's context for processbench).",
+  )
+  flags.DEFINE_enum(
+    "truncation", "drop", ["drop", "left"], "Over-length rows: drop them, or cut the oldest context."
+  )
   flags.DEFINE_string("step_separator", "\n", "Text after each step of a stepwise row.")
   flags.DEFINE_integer("batch_size", 8, "Examples per forward pass.")
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
-  flags.DEFINE_string("attention", "auto", "Attention implementation: auto (a fused kernel on GPU, the "
-                      "reference path elsewhere) | reference | pallas | cudnn.")
-  flags.DEFINE_string("output", None, "Directory for eval.json, rewards.png (not with --benchmark) and, for "
-                      "preference data, length_bias.png (default: print only).")
+  flags.DEFINE_string(
+    "attention",
+    "auto",
+    "Attention implementation: auto (a fused kernel on GPU, the "
+    "reference path elsewhere) | reference | pallas | cudnn.",
+  )
+  flags.DEFINE_string(
+    "output",
+    None,
+    "Directory for eval.json, rewards.png (not with --benchmark) and, for "
+    "preference data, length_bias.png (default: print only).",
+  )
 
 
 def main() -> None:
@@ -97,28 +135,41 @@ def main() -> None:
     _benchmark_main(f)
     return
   if not f.data:
-    raise EvaluationError("--data is required (a data file or directory, or a dataset name), unless "
-                          "--benchmark names a benchmark")
+    raise EvaluationError(
+      "--data is required (a data file or directory, or a dataset name), unless --benchmark names a benchmark"
+    )
   drops = DropReport()
-  rm, records = evaluation.read_data(f.data, lambda: _model(f), dataset_name=f.dataset_name, split=f.split,
-                                     subset_field=f.subset_field, max_rows=f.max_rows, drops=drops)
+  rm, records = evaluation.read_data(
+    f.data,
+    lambda: _model(f),
+    dataset_name=f.dataset_name,
+    split=f.split,
+    subset_field=f.subset_field,
+    max_rows=f.max_rows,
+    drops=drops,
+  )
   max_length = f.max_length or default_max_length(rm.config.max_position_embeddings, rm.training_max_length)
-  options = TokenizeOptions(max_length=max_length, truncation=f.truncation,
-                            step_separator=f.step_separator)
-  result = evaluation.evaluate(rm, records, options=options, batch_size=f.batch_size, drops=drops,
-                               combine=f.combine)
+  options = TokenizeOptions(max_length=max_length, truncation=f.truncation, step_separator=f.step_separator)
+  result = evaluation.evaluate(
+    rm, records, options=options, batch_size=f.batch_size, drops=drops, combine=f.combine
+  )
   print(f"jaxrm evaluate: model {f.model}, data {f.data}, max_length {options.max_length}")
   print(evaluation.format_report(result))
   timing = result["timing"]
-  print(f"\nscored {result['num_examples']} examples in {timing['seconds']:.1f} s "
-        f"({timing['examples_per_second']:.1f} examples/s, compiles included)")
+  print(
+    f"\nscored {result['num_examples']} examples in {timing['seconds']:.1f} s "
+    f"({timing['examples_per_second']:.1f} examples/s, compiles included)"
+  )
   print(drops.summary("dropped rows"))
   if f.output:
-    print(f"wrote {', '.join(evaluation.write_outputs(result, f.output, {'model': f.model, 'data': f.data}))}")
+    print(
+      f"wrote {', '.join(evaluation.write_outputs(result, f.output, {'model': f.model, 'data': f.data}))}"
+    )
 
 
 def _model(f):
   from jaxrm.reward_model import RewardModel
+
   return RewardModel.from_pretrained(f.model, dtype=f.dtype, attention_impl=f.attention)
 
 
@@ -127,9 +178,16 @@ def _benchmark_main(f) -> None:
 
   split = f.split if f["split"].present else None
   loaded = benchmarks.load(f.benchmark, f.data, split=split, max_rows=f.max_rows)  # bad rows fail fast
-  report = evaluation.run_benchmark(f.benchmark, _model(f), loaded, threshold=f.threshold,
-                                    batch_size=f.batch_size, max_length=f.max_length, output_dir=f.output,
-                                    info={"model": f.model})
+  report = evaluation.run_benchmark(
+    f.benchmark,
+    _model(f),
+    loaded,
+    threshold=f.threshold,
+    batch_size=f.batch_size,
+    max_length=f.max_length,
+    output_dir=f.output,
+    info={"model": f.model},
+  )
   print(f"jaxrm evaluate: model {f.model}")
   print(benchmarks.format_report(report))
   print(f"\n{report['drop_report'].summary('dropped rows')}")

@@ -27,8 +27,15 @@ from jaxrm.reward_model import RewardModel
 log = logging.getLogger(__name__)
 
 
-def export(checkpoint: str, out_dir: str, *, dtype: str = "float32", step: int | None = None,
-           adapters_only: bool = False, base_model: str | None = None) -> RewardModel:
+def export(
+  checkpoint: str,
+  out_dir: str,
+  *,
+  dtype: str = "float32",
+  step: int | None = None,
+  adapters_only: bool = False,
+  base_model: str | None = None,
+) -> RewardModel:
   """Loads ``checkpoint`` (any path ``RewardModel.from_pretrained`` takes) and exports it.
 
   ``adapters_only`` writes its LoRA adapters and head as a peft adapter directory instead, naming
@@ -44,9 +51,12 @@ def export(checkpoint: str, out_dir: str, *, dtype: str = "float32", step: int |
   base = base_model or (source.files.base_model if isinstance(source, loading.RunSource) else None)
   save_peft_adapters(out_dir, rm.model, rm.tokenizer, base_model_name_or_path=base, dtype=dtype)
   if base is None or loading.names_gguf(base):
-    log.warning("peft loads adapters over an HF checkpoint, and their base is %s: export the base with "
-                "`python -m jaxrm.export --model=<base> --out=<dir>`, load the adapters over <dir>, "
-                "and pass --base_model=<dir> to record it in adapter_config.json", base or "not known")
+    log.warning(
+      "peft loads adapters over an HF checkpoint, and their base is %s: export the base with "
+      "`python -m jaxrm.export --model=<base> --out=<dir>`, load the adapters over <dir>, "
+      "and pass --base_model=<dir> to record it in adapter_config.json",
+      base or "not known",
+    )
   return rm
 
 
@@ -60,22 +70,40 @@ def define_flags() -> None:
   flags.DEFINE_string("out", None, "Directory to write the HF checkpoint into.")
   flags.DEFINE_enum("dtype", "float32", list(DTYPES), "Dtype of the exported tensors.")
   flags.DEFINE_integer("step", None, "Checkpoint step of a training output dir (default: the best).")
-  flags.DEFINE_bool("adapters_only", False, "Write the LoRA adapters and head as a peft adapter directory "
-                    "instead of a merged checkpoint.")
-  flags.DEFINE_string("base_model", None, "With --adapters_only: the base checkpoint recorded in "
-                      "adapter_config.json (default: the base the run trained over).")
+  flags.DEFINE_bool(
+    "adapters_only",
+    False,
+    "Write the LoRA adapters and head as a peft adapter directory instead of a merged checkpoint.",
+  )
+  flags.DEFINE_string(
+    "base_model",
+    None,
+    "With --adapters_only: the base checkpoint recorded in "
+    "adapter_config.json (default: the base the run trained over).",
+  )
 
 
 def main() -> None:
   if not FLAGS.model or not FLAGS.out:
     raise app.UsageError("--model and --out are required")
   cli.setup_logging(logging.WARNING)
-  rm = export(FLAGS.model, FLAGS.out, dtype=FLAGS.dtype, step=FLAGS.step,
-              adapters_only=FLAGS.adapters_only, base_model=FLAGS.base_model)
-  what = (f"peft LoRA adapters (rank {rm.config.lora.rank})" if FLAGS.adapters_only
-          else to_hf_config(rm.config)["architectures"][0])
-  print(f"exported {FLAGS.model} ({rm.config.family}, {rm.config.head} head) to {FLAGS.out} "
-        f"as {what} in {FLAGS.dtype}")
+  rm = export(
+    FLAGS.model,
+    FLAGS.out,
+    dtype=FLAGS.dtype,
+    step=FLAGS.step,
+    adapters_only=FLAGS.adapters_only,
+    base_model=FLAGS.base_model,
+  )
+  what = (
+    f"peft LoRA adapters (rank {rm.config.lora.rank})"
+    if FLAGS.adapters_only
+    else to_hf_config(rm.config)["architectures"][0]
+  )
+  print(
+    f"exported {FLAGS.model} ({rm.config.family}, {rm.config.head} head) to {FLAGS.out} "
+    f"as {what} in {FLAGS.dtype}"
+  )
 
 
 if __name__ == "__main__":

@@ -60,22 +60,43 @@ class GpuTarget:
     feature = "ACCELERATED_FEATURES" if self.accelerated_features else "NONE"
     dnn = dict(zip(("major", "minor", "patch"), self.dnn_version))
     info = {
-        "threads_per_block_limit": 1024, "threads_per_warp": 32, "shared_memory_per_block": 49152,
-        "shared_memory_per_core": self.shared_memory_per_core, "threads_per_core_limit": 2048,
-        "core_count": self.core_count, "fpus_per_core": self.fpus_per_core,
-        "block_dim_limit_x": 2147483647, "block_dim_limit_y": 65535, "block_dim_limit_z": 65535,
-        "memory_bandwidth": self.memory_bandwidth, "l2_cache_size": self.l2_cache_size,
-        "clock_rate_ghz": self.clock_rate_ghz, "device_memory_size": self.memory_bytes,
-        "shared_memory_per_block_optin": self.shared_memory_per_block_optin,
+      "threads_per_block_limit": 1024,
+      "threads_per_warp": 32,
+      "shared_memory_per_block": 49152,
+      "shared_memory_per_core": self.shared_memory_per_core,
+      "threads_per_core_limit": 2048,
+      "core_count": self.core_count,
+      "fpus_per_core": self.fpus_per_core,
+      "block_dim_limit_x": 2147483647,
+      "block_dim_limit_y": 65535,
+      "block_dim_limit_z": 65535,
+      "memory_bandwidth": self.memory_bandwidth,
+      "l2_cache_size": self.l2_cache_size,
+      "clock_rate_ghz": self.clock_rate_ghz,
+      "device_memory_size": self.memory_bytes,
+      "shared_memory_per_block_optin": self.shared_memory_per_block_optin,
     }
-    lines = ["gpu_device_info {", *(f"  {k}: {v}" for k, v in info.items()),
-             "  cuda_compute_capability {", f"    major: {major}", f"    minor: {minor}",
-             f"    feature_extension: {feature}", "  }",
-             "  registers_per_core_limit: 65536", "  registers_per_block_limit: 65536",
-             "  thread_dim_limit_x: 1024", "  thread_dim_limit_y: 1024", "  thread_dim_limit_z: 64",
-             f'  name: "{self.description}"', "}", 'platform_name: "CUDA"', "dnn_version_info {",
-             *(f"  {k}: {v}" for k, v in dnn.items()), "}",
-             f'device_description_str: "{self.description}"']
+    lines = [
+      "gpu_device_info {",
+      *(f"  {k}: {v}" for k, v in info.items()),
+      "  cuda_compute_capability {",
+      f"    major: {major}",
+      f"    minor: {minor}",
+      f"    feature_extension: {feature}",
+      "  }",
+      "  registers_per_core_limit: 65536",
+      "  registers_per_block_limit: 65536",
+      "  thread_dim_limit_x: 1024",
+      "  thread_dim_limit_y: 1024",
+      "  thread_dim_limit_z: 64",
+      f'  name: "{self.description}"',
+      "}",
+      'platform_name: "CUDA"',
+      "dnn_version_info {",
+      *(f"  {k}: {v}" for k, v in dnn.items()),
+      "}",
+      f'device_description_str: "{self.description}"',
+    ]
     return "\n".join(lines) + "\n"
 
   @property
@@ -84,25 +105,72 @@ class GpuTarget:
 
 
 _SPECS = "xla/backends/gpu/target_config/specs/"
-_HOPPER = dict(core_count=132, fpus_per_core=128, shared_memory_per_core=233472,
-               shared_memory_per_block_optin=232448, l2_cache_size=52428800, clock_rate_ghz=1.98,
-               compute_capability=(9, 0), accelerated_features=True)
+_HOPPER = dict(
+  core_count=132,
+  fpus_per_core=128,
+  shared_memory_per_core=233472,
+  shared_memory_per_block_optin=232448,
+  l2_cache_size=52428800,
+  clock_rate_ghz=1.98,
+  compute_capability=(9, 0),
+  accelerated_features=True,
+)
 
-TARGETS: dict[str, GpuTarget] = {t.name: t for t in (
-    GpuTarget("h100-80gb", "NVIDIA H100 80GB HBM3", _SPECS + "h100_sxm.txtpb", memory_bytes=84942979072,
-              memory_bandwidth=3352320000000, dnn_version=(8, 9, 4), **_HOPPER),
-    GpuTarget("h200", "NVIDIA H200 141GB HBM3e", _SPECS + "h200.txtpb", memory_bytes=151397597184,
-              memory_bandwidth=4800000000000, dnn_version=(9, 10, 0), **_HOPPER),
-    GpuTarget("a100-80gb", "NVIDIA A100-SXM4-80GB", _SPECS + "a100_sxm_80.txtpb", memory_bytes=85100068864,
-              core_count=108, fpus_per_core=64, shared_memory_per_core=167936,
-              shared_memory_per_block_optin=166912, memory_bandwidth=2039040000000, l2_cache_size=41943040,
-              clock_rate_ghz=1.41, compute_capability=(8, 0), accelerated_features=False,
-              dnn_version=(8, 9, 4)),
-    GpuTarget("b200", "NVIDIA B200", _SPECS + "b200.txtpb", memory_bytes=191514411008, core_count=148,
-              fpus_per_core=128, shared_memory_per_core=233472, shared_memory_per_block_optin=232448,
-              memory_bandwidth=7672320000000, l2_cache_size=132644864, clock_rate_ghz=1.965,
-              compute_capability=(10, 0), accelerated_features=True, dnn_version=(9, 7, 0)),
-)}
+TARGETS: dict[str, GpuTarget] = {
+  t.name: t
+  for t in (
+    GpuTarget(
+      "h100-80gb",
+      "NVIDIA H100 80GB HBM3",
+      _SPECS + "h100_sxm.txtpb",
+      memory_bytes=84942979072,
+      memory_bandwidth=3352320000000,
+      dnn_version=(8, 9, 4),
+      **_HOPPER,
+    ),
+    GpuTarget(
+      "h200",
+      "NVIDIA H200 141GB HBM3e",
+      _SPECS + "h200.txtpb",
+      memory_bytes=151397597184,
+      memory_bandwidth=4800000000000,
+      dnn_version=(9, 10, 0),
+      **_HOPPER,
+    ),
+    GpuTarget(
+      "a100-80gb",
+      "NVIDIA A100-SXM4-80GB",
+      _SPECS + "a100_sxm_80.txtpb",
+      memory_bytes=85100068864,
+      core_count=108,
+      fpus_per_core=64,
+      shared_memory_per_core=167936,
+      shared_memory_per_block_optin=166912,
+      memory_bandwidth=2039040000000,
+      l2_cache_size=41943040,
+      clock_rate_ghz=1.41,
+      compute_capability=(8, 0),
+      accelerated_features=False,
+      dnn_version=(8, 9, 4),
+    ),
+    GpuTarget(
+      "b200",
+      "NVIDIA B200",
+      _SPECS + "b200.txtpb",
+      memory_bytes=191514411008,
+      core_count=148,
+      fpus_per_core=128,
+      shared_memory_per_core=233472,
+      shared_memory_per_block_optin=232448,
+      memory_bandwidth=7672320000000,
+      l2_cache_size=132644864,
+      clock_rate_ghz=1.965,
+      compute_capability=(10, 0),
+      accelerated_features=True,
+      dnn_version=(9, 7, 0),
+    ),
+  )
+}
 
 
 def get(name: str) -> GpuTarget:
@@ -134,9 +202,11 @@ def devices(target: str | GpuTarget, topology: str = "1x1") -> list:
   hosts, per_host = parse_topology(topology)
   enable_compiler()
   from jax.experimental import topologies
+
   with _quiet_stderr():
-    desc = topologies.get_topology_desc(platform="cuda", topology_name="", target_config=target.spec(),
-                                        topology=f"1x{hosts}x{per_host}")
+    desc = topologies.get_topology_desc(
+      platform="cuda", topology_name="", target_config=target.spec(), topology=f"1x{hosts}x{per_host}"
+    )
   return list(desc.devices)
 
 
@@ -146,6 +216,7 @@ def uncached():
   executables cannot be loaded back (there is no GPU to load them on), so an entry would only be
   read, refused with a warning, and compiled again."""
   import jax
+
   before = jax.config.jax_persistent_cache_min_compile_time_secs
   jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
   try:
@@ -165,9 +236,12 @@ def compiler_dir() -> str:
 def install_command() -> str:
   """The pip command that puts the GPU compiler matching this jaxlib in :func:`compiler_dir`."""
   import jaxlib
+
   v = jaxlib.__version__
-  return (f"{sys.executable} -m pip install --no-deps --target {compiler_dir()} "
-          f"jax-cuda12-plugin=={v} jax-cuda12-pjrt=={v} {PTXAS}")
+  return (
+    f"{sys.executable} -m pip install --no-deps --target {compiler_dir()} "
+    f"jax-cuda12-plugin=={v} jax-cuda12-pjrt=={v} {PTXAS}"
+  )
 
 
 _ENABLED: list[bool] = []
@@ -186,8 +260,10 @@ def enable_compiler() -> None:
   if "cuda" not in xla_bridge._topology_factories:
     where = compiler_dir()
     if not os.path.isdir(os.path.join(where, "jax_plugins", "xla_cuda12")):
-      raise UserError(f"compiling for a GPU needs the CUDA compiler, not found in {where} ({COMPILER_ENV}); "
-                      f"install it with: {install_command()}")
+      raise UserError(
+        f"compiling for a GPU needs the CUDA compiler, not found in {where} ({COMPILER_ENV}); "
+        f"install it with: {install_command()}"
+      )
     if where not in sys.path:
       sys.path.append(where)
     # The version check wants a driver; a compile-only use has none.
@@ -201,6 +277,7 @@ def enable_compiler() -> None:
 def _use_ptxas(where: str) -> None:
   """Points XLA at the ptxas kept beside the plugin (jax looks for it once, at import)."""
   from jax._src import lib
+
   nvcc = os.path.join(where, "nvidia", "cuda_nvcc")
   found = lib.cuda_path is not None and os.path.exists(os.path.join(str(lib.cuda_path), "bin", "ptxas"))
   if not found and os.path.exists(os.path.join(nvcc, "bin", "ptxas")):

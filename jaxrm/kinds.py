@@ -12,27 +12,28 @@ the same message everywhere: what the use needs, what the model is, and what to 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from jaxrm.errors import UserError
 
 PREFERENCE, REGRESSION, PROCESS, OTHER = "preference", "regression", "process", "other"
 
 _NEEDS = {
-    PREFERENCE: "a sequence-head reward model with one output (a preference reward model)",
-    REGRESSION: "a regression model (one output per attribute, trained with reward.type=regression)",
-    PROCESS: "a token-head (process reward) model with 2 labels (step in error, step correct)",
+  PREFERENCE: "a sequence-head reward model with one output (a preference reward model)",
+  REGRESSION: "a regression model (one output per attribute, trained with reward.type=regression)",
+  PROCESS: "a token-head (process reward) model with 2 labels (step in error, step correct)",
 }
 _TRAIN = {  # how to get a model of the key's kind
-    PREFERENCE: "train one with reward.type=bradley_terry or ranking",
-    REGRESSION: "train one with reward.type=regression",
-    PROCESS: "train one with reward.type=stepwise",
+  PREFERENCE: "train one with reward.type=bradley_terry or ranking",
+  REGRESSION: "train one with reward.type=regression",
+  PROCESS: "train one with reward.type=stepwise",
 }
 _USE_INSTEAD = {  # what a model of the key's kind is scored on instead
-    PROCESS: "a process reward model scores steps: rm.score_steps, or stepwise data "
-             "(--dataset_name=StepwiseDataset or demo_arithmetic_steps)",
-    REGRESSION: "a regression model is evaluated on rated data (--dataset_name=RatedDataset, HelpSteer2 "
-                "or demo_attributes)",
+  PROCESS: "a process reward model scores steps: rm.score_steps, or stepwise data "
+  "(--dataset_name=StepwiseDataset or demo_arithmetic_steps)",
+  REGRESSION: "a regression model is evaluated on rated data (--dataset_name=RatedDataset, HelpSteer2 "
+  "or demo_attributes)",
 }
 
 
@@ -57,8 +58,15 @@ def describe(config: Any, attributes: Sequence[str] | None = None) -> str:
   return f"a {config.head} head with {n} {noun}{names}"
 
 
-def check_kind(rm: Any, *kinds: str, use: str, one_reward: bool = False, combine: Any = None,
-               combine_hint: str = "combine=", error: type[UserError] = ModelKindError) -> str:
+def check_kind(
+  rm: Any,
+  *kinds: str,
+  use: str,
+  one_reward: bool = False,
+  combine: Any = None,
+  combine_hint: str = "combine=",
+  error: type[UserError] = ModelKindError,
+) -> str:
   """Returns ``rm``'s kind when it is one of ``kinds``, else raises ``error`` saying what to do.
 
   Args:
@@ -77,8 +85,10 @@ def check_kind(rm: Any, *kinds: str, use: str, one_reward: bool = False, combine
   wanted = " or ".join(_NEEDS[k] for k in kinds if not (one_reward and k == REGRESSION))
   message = f"{use} needs {wanted}; this model has {describe(rm.config, attributes)}"
   if one_reward and kind == REGRESSION:
-    message += (f": it scores one output per attribute, and {use} takes one reward per row: pass "
-                f"{combine_hint} (an attribute's name, or 'name=weight,...')")
+    message += (
+      f": it scores one output per attribute, and {use} takes one reward per row: pass "
+      f"{combine_hint} (an attribute's name, or 'name=weight,...')"
+    )
   elif kind in _USE_INSTEAD:
     message += f"; {_USE_INSTEAD[kind]}"
   else:

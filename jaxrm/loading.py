@@ -20,7 +20,7 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple
 
 import jax
 from flax import nnx
@@ -69,25 +69,30 @@ class ScoringInfo:
   training_max_length: int | None = None
 
   @classmethod
-  def of_run(cls, config: RunConfig | None, meta: dict[str, Any]) -> "ScoringInfo":
+  def of_run(cls, config: RunConfig | None, meta: dict[str, Any]) -> ScoringInfo:
     """Of a training run: its config (None when config.json is missing) and a checkpoint's meta."""
     stats = meta.get("reward_stats") or None
     if config is None:
       return cls(reward_stats=stats)
     regression = config.reward.type == "regression"
-    return cls(reward_stats=stats, step_separator=config.data.step_separator,
-               attributes=config.reward.attribute_names if regression else None,
-               training_max_length=config.data.max_length)
+    return cls(
+      reward_stats=stats,
+      step_separator=config.data.step_separator,
+      attributes=config.reward.attribute_names if regression else None,
+      training_max_length=config.data.max_length,
+    )
 
   @classmethod
-  def of_export(cls, hf_config: dict[str, Any], cfg: ModelConfig) -> "ScoringInfo":
+  def of_export(cls, hf_config: dict[str, Any], cfg: ModelConfig) -> ScoringInfo:
     """Of an HF config.json: what an export recorded under :data:`SCORING_KEY`, and the attribute
     names of a regression head (``problem_type``, ``id2label``)."""
     saved = hf_config.get(SCORING_KEY) or {}
-    return cls(reward_stats=saved.get("reward_stats") or None,
-               step_separator=saved.get("step_separator", TokenizeOptions.step_separator),
-               attributes=hf_export.regression_attributes(hf_config, cfg),
-               training_max_length=saved.get("training_max_length"))
+    return cls(
+      reward_stats=saved.get("reward_stats") or None,
+      step_separator=saved.get("step_separator", TokenizeOptions.step_separator),
+      attributes=hf_export.regression_attributes(hf_config, cfg),
+      training_max_length=saved.get("training_max_length"),
+    )
 
   def export_entry(self) -> dict[str, Any]:
     """What an export's config.json holds under :data:`SCORING_KEY`."""
@@ -132,12 +137,12 @@ class RunFiles:
     return os.path.join(self.run_dir, RUN_TOKENIZER_DIR)
 
   @classmethod
-  def find(cls, run_dir: str) -> "RunFiles | None":
+  def find(cls, run_dir: str) -> RunFiles | None:
     """The files of the run in ``run_dir``; None when no run is there (yet)."""
     return cls.read(run_dir) if is_run_dir(run_dir) else None
 
   @classmethod
-  def read(cls, run_dir: str) -> "RunFiles":
+  def read(cls, run_dir: str) -> RunFiles:
     path = os.path.join(run_dir, RUN_MODEL_CONFIG)
     with open(path) as f:
       saved = json.load(f)
@@ -233,7 +238,7 @@ class RunSource:
     return self.checkpoint_dir or self.files.checkpoint_dir
 
 
-Source = Union[HFSource, GGUFSource, RunSource]
+Source = HFSource | GGUFSource | RunSource
 SOURCES = (HFSource, GGUFSource, RunSource)
 
 
@@ -256,11 +261,14 @@ def locate(path: str | os.PathLike, step: int | None = None) -> Source:
     return run
   if not os.path.exists(local):
     raise CheckpointError(
-        f"{local}: no such file or directory (jaxrm loads HF checkpoint directories, .gguf files, "
-        "training output directories and their checkpoints)")
+      f"{local}: no such file or directory (jaxrm loads HF checkpoint directories, .gguf files, "
+      "training output directories and their checkpoints)"
+    )
   if step is not None:
-    raise CheckpointError(f"step={step} selects a checkpoint of a training output directory, but "
-                          f"{local} is not one (no {RUN_MODEL_CONFIG})")
+    raise CheckpointError(
+      f"step={step} selects a checkpoint of a training output directory, but "
+      f"{local} is not one (no {RUN_MODEL_CONFIG})"
+    )
   if local.endswith(".gguf") and os.path.isfile(local):
     return GGUFSource(local, name)
   if os.path.isdir(local):
@@ -281,13 +289,17 @@ def _resolve(name: str) -> str:
   """``embedded:...`` -> the packaged GGUF; a hub name that is no local path -> its snapshot."""
   if name.startswith(EMBEDDED_PREFIX):
     from jaxrm.hf.gguf import embedded_model_path
+
     return embedded_model_path()
   if not os.path.exists(name) and name.count("/") == 1 and not name.startswith((".", "/")):
     from huggingface_hub import snapshot_download
+
     try:
       return snapshot_download(name, allow_patterns=_HUB_FILES)
     except Exception as e:  # offline, unknown repo, gated...
-      raise CheckpointError(f"{name}: not a local path, and downloading it from the hub failed: {e}") from None
+      raise CheckpointError(
+        f"{name}: not a local path, and downloading it from the hub failed: {e}"
+      ) from None
   return name
 
 
@@ -302,11 +314,14 @@ def _locate_run(path: str, step: int | None) -> RunSource | None:
   run_dir = os.path.dirname(checkpoint_dir)
   if not is_run_dir(run_dir):
     raise CheckpointError(
-        f"{path} is a training checkpoint, but {run_dir} has no {RUN_MODEL_CONFIG}; load the run's "
-        f"output directory (the one holding {RUN_MODEL_CONFIG}) with step={named}")
+      f"{path} is a training checkpoint, but {run_dir} has no {RUN_MODEL_CONFIG}; load the run's "
+      f"output directory (the one holding {RUN_MODEL_CONFIG}) with step={named}"
+    )
   if step is not None and step != int(named):
-    raise CheckpointError(f"{checkpoint_dir}/{named} is the checkpoint of step {named}, but step={step} "
-                          "was asked for; pass one or the other")
+    raise CheckpointError(
+      f"{checkpoint_dir}/{named} is the checkpoint of step {named}, but step={step} "
+      "was asked for; pass one or the other"
+    )
   return RunSource(RunFiles.read(run_dir), int(named), checkpoint_dir)
 
 
@@ -314,9 +329,11 @@ def tensors_of(source: Source):
   """The tensor reader of an HF directory or GGUF file (``config``, ``keys()``, ``get_tensor()``)."""
   if isinstance(source, GGUFSource):
     from jaxrm.hf.gguf import GGUFCheckpoint
+
     return GGUFCheckpoint(source.path)
   if isinstance(source, HFSource):
     from jaxrm.hf.safetensors_io import HFCheckpoint
+
     return HFCheckpoint(source.path)
   raise CheckpointError(f"{source.name} is a jaxrm training run, not an HF checkpoint or .gguf file")
 
@@ -336,9 +353,17 @@ class Loaded(NamedTuple):
     return self.model.config
 
 
-def load(source: Source, overrides: dict[str, Any] | None = None, *, head: str | None = None,
-         num_labels: int | None = None, mesh: Mesh | None = None, seed: int = 0, tokenizer: Any = None,
-         weights: bool = True) -> Loaded:
+def load(
+  source: Source,
+  overrides: dict[str, Any] | None = None,
+  *,
+  head: str | None = None,
+  num_labels: int | None = None,
+  mesh: Mesh | None = None,
+  seed: int = 0,
+  tokenizer: Any = None,
+  weights: bool = True,
+) -> Loaded:
   """The model ``source`` holds, with its tokenizer and scoring info.
 
   Args:
@@ -385,15 +410,18 @@ def _load_run(source: RunSource, overrides, head, num_labels, mesh, tokenizer, w
   cfg = files.model_config
   for name, wanted in (("head", head), ("num_labels", num_labels), ("lora", overrides.get("lora"))):
     if wanted is not None and wanted != getattr(cfg, name):
-      raise CheckpointError(f"{files.run_dir} was trained with {name}={getattr(cfg, name)!r}; "
-                            f"it cannot be loaded with {name}={wanted!r}")
+      raise CheckpointError(
+        f"{files.run_dir} was trained with {name}={getattr(cfg, name)!r}; "
+        f"it cannot be loaded with {name}={wanted!r}"
+      )
   cfg = cfg.replace(**overrides)
   meta: dict[str, Any] = {}
   if not weights:
     model = placed_abstract_model(cfg, mesh)
   else:
-    model, meta = _restore(source, _lora_base(files, cfg, mesh) if cfg.lora.enabled
-                           else placed_abstract_model(cfg, mesh))
+    model, meta = _restore(
+      source, _lora_base(files, cfg, mesh) if cfg.lora.enabled else placed_abstract_model(cfg, mesh)
+    )
   if tokenizer is None:
     tokenizer = _tokenizer_from_dir(files.tokenizer_dir)
   return Loaded(model, tokenizer, ScoringInfo.of_run(files.run_config, meta))
@@ -402,14 +430,17 @@ def _load_run(source: RunSource, overrides, head, num_labels, mesh, tokenizer, w
 def _lora_base(files: RunFiles, cfg: ModelConfig, mesh: Mesh | None) -> Decoder:
   """A LoRA run's model before its checkpoint: the base it trained over, with new adapters."""
   if not files.base_model:
-    raise CheckpointError(f"{files.run_dir}: {RUN_MODEL_CONFIG} names no base model for the LoRA adapters "
-                          "(and config.json has no model.name_or_path)")
+    raise CheckpointError(
+      f"{files.run_dir}: {RUN_MODEL_CONFIG} names no base model for the LoRA adapters "
+      "(and config.json has no model.name_or_path)"
+    )
   try:
     base = locate(files.base_model)
     tensors = tensors_of(base)
   except CheckpointError as e:
-    raise CheckpointError(f"{files.run_dir} holds LoRA adapters over {files.base_model}, which cannot be "
-                          f"read: {e}") from None
+    raise CheckpointError(
+      f"{files.run_dir} holds LoRA adapters over {files.base_model}, which cannot be read: {e}"
+    ) from None
   return _model(cfg, tensors, from_hf_config(tensors.config), mesh, seed=0)
 
 
@@ -423,8 +454,9 @@ def _restore(source: RunSource, model: Decoder) -> tuple[Decoder, dict]:
     parts = (trained, frozen)
   else:
     trained, parts = state, (state,)
-  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                        nnx.to_pure_dict(trained))
+  target = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), nnx.to_pure_dict(trained)
+  )
   params, meta = _restore_params(source, target)
   nnx.replace_by_pure_dict(trained, params)
   return nnx.merge(graphdef, *parts), meta
@@ -433,11 +465,16 @@ def _restore(source: RunSource, model: Decoder) -> tuple[Decoder, dict]:
 def _restore_params(source: RunSource, target: dict) -> tuple[dict, dict]:
   directory = source.checkpoints
   if not os.path.isdir(directory):
-    raise CheckpointError(f"{source.files.run_dir}: no checkpoint directory {directory} "
-                          "(training writes checkpoints there when checkpointing.enabled is true)")
+    raise CheckpointError(
+      f"{source.files.run_dir}: no checkpoint directory {directory} "
+      "(training writes checkpoints there when checkpointing.enabled is true)"
+    )
   spec = source.files.run_config.checkpointing if source.files.run_config is not None else None
-  ckpt = checkpointing.Checkpointer(directory, metric_name=spec.metric if spec else None,
-                                    higher_is_better=spec.higher_is_better if spec else False)
+  ckpt = checkpointing.Checkpointer(
+    directory,
+    metric_name=spec.metric if spec else None,
+    higher_is_better=spec.higher_is_better if spec else False,
+  )
   try:
     step = _pick_step(ckpt, source)
     try:
@@ -445,8 +482,9 @@ def _restore_params(source: RunSource, target: dict) -> tuple[dict, dict]:
     except checkpointing.DamagedCheckpointError as e:
       others = [s for s in ckpt.all_steps() if s != step]
       raise CheckpointError(
-          f"{e}. Load another checkpoint with step=N ({'available: ' + ', '.join(map(str, others)) if others else 'there is no other'}), "
-          f"or remove {os.path.join(directory, str(step))}") from None
+        f"{e}. Load another checkpoint with step=N ({'available: ' + ', '.join(map(str, others)) if others else 'there is no other'}), "
+        f"or remove {os.path.join(directory, str(step))}"
+      ) from None
   finally:
     ckpt.close()
 
@@ -454,8 +492,10 @@ def _restore_params(source: RunSource, target: dict) -> tuple[dict, dict]:
 def _pick_step(ckpt: checkpointing.Checkpointer, source: RunSource) -> int:
   steps = ckpt.all_steps()
   if not steps:
-    raise CheckpointError(f"{ckpt.directory}: no complete checkpoint yet (training saves one every "
-                          "checkpointing.save_period steps and at the end)")
+    raise CheckpointError(
+      f"{ckpt.directory}: no complete checkpoint yet (training saves one every "
+      "checkpointing.save_period steps and at the end)"
+    )
   step = source.step
   if step is None:
     best = checkpointing.read_best(ckpt.directory)
@@ -463,14 +503,19 @@ def _pick_step(ckpt: checkpointing.Checkpointer, source: RunSource) -> int:
     step = int(best["step"]) if best is not None else ckpt.best_step()
     log.info("loading the best checkpoint of %s: step %s", source.files.run_dir, step)
   if step not in steps:
-    raise CheckpointError(f"{ckpt.directory}: no checkpoint for step {step}; available steps: "
-                          f"{', '.join(map(str, steps))}")
+    raise CheckpointError(
+      f"{ckpt.directory}: no checkpoint for step {step}; available steps: {', '.join(map(str, steps))}"
+    )
   return step
 
 
 def _tokenizer_from_dir(path: str):
   from transformers import AutoTokenizer
-  if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+
+  if not any(
+    os.path.exists(os.path.join(path, f))
+    for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+  ):
     log.warning("%s has no tokenizer files; rm.tokenizer is None", path)
     return None
   return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
@@ -479,15 +524,24 @@ def _tokenizer_from_dir(path: str):
 # ------------------------------------------------------------------ saving
 
 
-def save_export(out_dir: str | os.PathLike, model: Decoder, tokenizer: Any, info: ScoringInfo, *,
-                dtype: str | None = None) -> None:
+def save_export(
+  out_dir: str | os.PathLike, model: Decoder, tokenizer: Any, info: ScoringInfo, *, dtype: str | None = None
+) -> None:
   """Writes an HF checkpoint directory (:func:`jaxrm.hf.export.save_pretrained`) that records
   ``info`` for scoring; never into a training output directory."""
   check_export_dir(out_dir)
-  hf_export.save_pretrained(out_dir, model, tokenizer, dtype=dtype, attributes=info.attributes,
-                            extra_config={SCORING_KEY: info.export_entry()})
+  hf_export.save_pretrained(
+    out_dir,
+    model,
+    tokenizer,
+    dtype=dtype,
+    attributes=info.attributes,
+    extra_config={SCORING_KEY: info.export_entry()},
+  )
 
 
 def check_export_dir(out_dir: str | os.PathLike) -> None:
   if is_run_dir(os.fspath(out_dir)):
-    raise CheckpointError(f"{os.fspath(out_dir)} is a training output directory; export into another directory")
+    raise CheckpointError(
+      f"{os.fspath(out_dir)} is a training output directory; export into another directory"
+    )

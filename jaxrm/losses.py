@@ -17,8 +17,8 @@ by the global count instead of averaging the per-micro-batch ``loss``.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from typing import Callable, Protocol
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -56,8 +56,9 @@ def _real_completions(rewards, ranks, example_mask):
   """Float32 rewards with absent slots zeroed, and the mask of real completions ``[B, K]``."""
   if rewards.shape != ranks.shape or example_mask.shape != rewards.shape[:1]:
     raise ValueError(
-        f"preference batch shapes disagree: rewards {rewards.shape} and ranks {ranks.shape} must"
-        f" both be [B, K], example_mask {example_mask.shape} must be [B]")
+      f"preference batch shapes disagree: rewards {rewards.shape} and ranks {ranks.shape} must"
+      f" both be [B, K], example_mask {example_mask.shape} must be [B]"
+    )
   real = (ranks >= 0) & (example_mask[:, None] > 0)
   # Zeroing keeps a NaN or inf computed for a filler slot out of every sum below.
   return jnp.where(real, rewards.astype(jnp.float32), 0.0), real
@@ -75,9 +76,11 @@ def _best_worst_pairs(ranks, real):
   worst = jnp.argmax(jnp.where(real, ranks, -1), axis=1)  # [B]
   has_pair = jnp.sum(real, axis=1) >= 2  # [B]
   slots = jnp.arange(num_slots)
-  return (has_pair[:, None, None]
-          & (slots[None, :, None] == best[:, None, None])
-          & (slots[None, None, :] == worst[:, None, None]))
+  return (
+    has_pair[:, None, None]
+    & (slots[None, :, None] == best[:, None, None])
+    & (slots[None, None, :] == worst[:, None, None])
+  )
 
 
 def _preference_metrics(rewards, real, best_worst, ordered) -> Metrics:
@@ -87,25 +90,24 @@ def _preference_metrics(rewards, real, best_worst, ordered) -> Metrics:
   diff = chosen - rejected  # [B, K, K]
   num_best_worst = _count(best_worst)
   return {
-      "accuracy": Ratio(_count(best_worst & (diff > 0)), num_best_worst),
-      "tie_rate": Ratio(_count(best_worst & (diff == 0)), num_best_worst),
-      "pairwise_accuracy": Ratio(_count(ordered & (diff > 0)), _count(ordered)),
-      "chosen_reward": _mean(jnp.broadcast_to(chosen, diff.shape), best_worst),
-      "rejected_reward": _mean(jnp.broadcast_to(rejected, diff.shape), best_worst),
-      "margin": _mean(diff, best_worst),
-      "reward": Moments(_masked_sum(rewards, real), _masked_sum(rewards * rewards, real),
-                        _count(real)),
+    "accuracy": Ratio(_count(best_worst & (diff > 0)), num_best_worst),
+    "tie_rate": Ratio(_count(best_worst & (diff == 0)), num_best_worst),
+    "pairwise_accuracy": Ratio(_count(ordered & (diff > 0)), _count(ordered)),
+    "chosen_reward": _mean(jnp.broadcast_to(chosen, diff.shape), best_worst),
+    "rejected_reward": _mean(jnp.broadcast_to(rejected, diff.shape), best_worst),
+    "margin": _mean(diff, best_worst),
+    "reward": Moments(_masked_sum(rewards, real), _masked_sum(rewards * rewards, real), _count(real)),
   }
 
 
 def bradley_terry_loss(
-    rewards: jax.Array,  # [B, K] float
-    ranks: jax.Array,  # [B, K] int32, distinct per group, lower preferred, -1 absent
-    example_mask: jax.Array,  # [B] float32, 0 for filler groups
-    margin: jax.Array | None = None,  # [B] float32
-    *,
-    center_rewards_coefficient: float = 0.0,
-    weight: jax.Array | None = None,  # [B] float32
+  rewards: jax.Array,  # [B, K] float
+  ranks: jax.Array,  # [B, K] int32, distinct per group, lower preferred, -1 absent
+  example_mask: jax.Array,  # [B] float32, 0 for filler groups
+  margin: jax.Array | None = None,  # [B] float32
+  *,
+  center_rewards_coefficient: float = 0.0,
+  weight: jax.Array | None = None,  # [B] float32
 ) -> tuple[jax.Array, Metrics]:
   """Mean over groups of ``-log sigmoid(r_best - r_worst - margin)``: one pair per group with two
   or more real completions, its best against its worst.
@@ -115,17 +117,18 @@ def bradley_terry_loss(
   scaled Bradley-Terry: the annotated preference strength); the mean stays over groups.
   ``pairwise_accuracy`` is over every ordered pair of real completions.
   """
-  return _pairwise_loss(rewards, ranks, example_mask, margin, center_rewards_coefficient, all_pairs=False,
-                        weight=weight)
+  return _pairwise_loss(
+    rewards, ranks, example_mask, margin, center_rewards_coefficient, all_pairs=False, weight=weight
+  )
 
 
 def all_pairs_bradley_terry_loss(
-    rewards: jax.Array,  # [B, K] float
-    ranks: jax.Array,  # [B, K] int32, distinct per group, lower preferred, -1 absent
-    example_mask: jax.Array,  # [B] float32, 0 for filler groups
-    margin: jax.Array | None = None,  # [B] float32
-    *,
-    center_rewards_coefficient: float = 0.0,
+  rewards: jax.Array,  # [B, K] float
+  ranks: jax.Array,  # [B, K] int32, distinct per group, lower preferred, -1 absent
+  example_mask: jax.Array,  # [B] float32, 0 for filler groups
+  margin: jax.Array | None = None,  # [B] float32
+  *,
+  center_rewards_coefficient: float = 0.0,
 ) -> tuple[jax.Array, Metrics]:
   """:func:`bradley_terry_loss` over every ordered pair of real completions, averaged over pairs
   (not over groups).
@@ -136,12 +139,12 @@ def all_pairs_bradley_terry_loss(
   return _pairwise_loss(rewards, ranks, example_mask, margin, center_rewards_coefficient, all_pairs=True)
 
 
-def _pairwise_loss(rewards, ranks, example_mask, margin, center_rewards_coefficient: float, *,
-                   all_pairs: bool, weight=None) -> tuple[jax.Array, Metrics]:
+def _pairwise_loss(
+  rewards, ranks, example_mask, margin, center_rewards_coefficient: float, *, all_pairs: bool, weight=None
+) -> tuple[jax.Array, Metrics]:
   rewards, real = _real_completions(rewards, ranks, example_mask)
   best_worst, ordered = _best_worst_pairs(ranks, real), _ordered_pairs(ranks, real)
-  loss = _pair_loss(rewards, margin, ordered if all_pairs else best_worst, center_rewards_coefficient,
-                    weight)
+  loss = _pair_loss(rewards, margin, ordered if all_pairs else best_worst, center_rewards_coefficient, weight)
   return _value(loss), {"loss": loss, **_preference_metrics(rewards, real, best_worst, ordered)}
 
 
@@ -152,15 +155,17 @@ def _pair_loss(rewards, margin, pairs, center_rewards_coefficient: float, weight
   weight = jnp.ones(rewards.shape[:1]) if weight is None else weight.astype(jnp.float32)
   chosen = rewards[:, :, None]  # [B, K, 1]
   rejected = rewards[:, None, :]  # [B, 1, K]
-  per_pair = (-weight[:, None, None] * jax.nn.log_sigmoid(chosen - rejected - margin[:, None, None])
-              + center_rewards_coefficient * (chosen + rejected) ** 2)  # [B, K, K]
+  per_pair = (
+    -weight[:, None, None] * jax.nn.log_sigmoid(chosen - rejected - margin[:, None, None])
+    + center_rewards_coefficient * (chosen + rejected) ** 2
+  )  # [B, K, K]
   return _mean(per_pair, pairs)
 
 
 def plackett_luce_loss(
-    rewards: jax.Array,  # [B, K] float
-    ranks: jax.Array,  # [B, K] int32, distinct per group, lower preferred, -1 absent
-    example_mask: jax.Array,  # [B] float32, 0 for filler groups
+  rewards: jax.Array,  # [B, K] float
+  ranks: jax.Array,  # [B, K] int32, distinct per group, lower preferred, -1 absent
+  example_mask: jax.Array,  # [B] float32, 0 for filler groups
 ) -> tuple[jax.Array, Metrics]:
   """Listwise ranking loss: minus the log-probability of the ranking under Plackett-Luce.
 
@@ -173,14 +178,14 @@ def plackett_luce_loss(
   # remaining[b, i, j]: completion j is still unchosen when completion i is chosen.
   remaining = real[:, None, :] & (ranks[:, None, :] >= ranks[:, :, None])  # [B, K, K]
   log_normalizer = jax.nn.logsumexp(
-      jnp.where(remaining, rewards[:, None, :], _MASKED_LOGIT), axis=-1)  # [B, K]
+    jnp.where(remaining, rewards[:, None, :], _MASKED_LOGIT), axis=-1
+  )  # [B, K]
   # The last completion is chosen with probability 1; it is not a choice.
   is_choice = real & (jnp.sum(remaining, axis=-1) >= 2)  # [B, K]
   loss = _mean(log_normalizer - rewards, is_choice)
   metrics = {
-      "loss": loss,
-      **_preference_metrics(rewards, real, _best_worst_pairs(ranks, real),
-                            _ordered_pairs(ranks, real)),
+    "loss": loss,
+    **_preference_metrics(rewards, real, _best_worst_pairs(ranks, real), _ordered_pairs(ranks, real)),
   }
   return _value(loss), metrics
 
@@ -190,9 +195,9 @@ def plackett_luce_loss(
 
 
 def stepwise_loss(
-    logits: jax.Array,  # [B, T, C] float; class 1 = step correct, class 0 = step in error
-    labels: jax.Array,  # [B, T] int32, IGNORE_INDEX where the token is not a step
-    example_mask: jax.Array,  # [B] float32, 0 for filler sequences
+  logits: jax.Array,  # [B, T, C] float; class 1 = step correct, class 0 = step in error
+  labels: jax.Array,  # [B, T] int32, IGNORE_INDEX where the token is not a step
+  example_mask: jax.Array,  # [B] float32, 0 for filler sequences
 ) -> tuple[jax.Array, Metrics]:
   """Token cross-entropy over labelled steps, averaged over steps (not over sequences).
 
@@ -203,8 +208,9 @@ def stepwise_loss(
   """
   if logits.shape[:2] != labels.shape or example_mask.shape != labels.shape[:1]:
     raise ValueError(
-        f"stepwise batch shapes disagree: logits {logits.shape} must be [B, T, C] with labels"
-        f" {labels.shape} [B, T] and example_mask {example_mask.shape} [B]")
+      f"stepwise batch shapes disagree: logits {logits.shape} must be [B, T, C] with labels"
+      f" {labels.shape} [B, T] and example_mask {example_mask.shape} [B]"
+    )
   labelled = (labels != IGNORE_INDEX) & (example_mask[:, None] > 0)  # [B, T]
   logits = jnp.where(labelled[..., None], logits.astype(jnp.float32), 0.0)
   targets = jnp.where(labelled, labels, 0)
@@ -217,14 +223,14 @@ def stepwise_loss(
   said_error, said_correct = labelled & (predicted == 0), labelled & (predicted == 1)
   errors_found = _count(is_error & said_error)
   metrics = {
-      "loss": loss,
-      "step_accuracy": Ratio(_count(labelled & (predicted == labels)), _count(labelled)),
-      "recall_correct": Ratio(_count(is_correct & said_correct), _count(is_correct)),
-      "recall_error": Ratio(errors_found, _count(is_error)),
-      # F1 = 2TP / (2TP + FP + FN) is a ratio of sums, so it aggregates exactly.
-      "f1_error": Ratio(2 * errors_found, _count(is_error) + _count(said_error)),
-      "first_error_found": _first_error_found(is_error, said_error),
-      "positive_rate": Ratio(_count(is_correct), _count(labelled)),
+    "loss": loss,
+    "step_accuracy": Ratio(_count(labelled & (predicted == labels)), _count(labelled)),
+    "recall_correct": Ratio(_count(is_correct & said_correct), _count(is_correct)),
+    "recall_error": Ratio(errors_found, _count(is_error)),
+    # F1 = 2TP / (2TP + FP + FN) is a ratio of sums, so it aggregates exactly.
+    "f1_error": Ratio(2 * errors_found, _count(is_error) + _count(said_error)),
+    "first_error_found": _first_error_found(is_error, said_error),
+    "positive_rate": Ratio(_count(is_correct), _count(labelled)),
   }
   return _value(loss), metrics
 
@@ -243,13 +249,13 @@ def _first_error_found(is_error, said_error) -> Ratio:
 
 
 def regression_loss(
-    predictions: jax.Array,  # [B, A] float: one output per attribute
-    labels: jax.Array,  # [B, A] float32 ratings
-    label_mask: jax.Array,  # [B, A] float32: 1 where the attribute is rated, 0 where it is missing
-    example_mask: jax.Array,  # [B] float32, 0 for filler rows
-    *,
-    attributes: Sequence[str],
-    weights: Sequence[float] | None = None,
+  predictions: jax.Array,  # [B, A] float: one output per attribute
+  labels: jax.Array,  # [B, A] float32 ratings
+  label_mask: jax.Array,  # [B, A] float32: 1 where the attribute is rated, 0 where it is missing
+  example_mask: jax.Array,  # [B] float32, 0 for filler rows
+  *,
+  attributes: Sequence[str],
+  weights: Sequence[float] | None = None,
 ) -> tuple[jax.Array, Metrics]:
   """Weighted mean squared error over the rated attributes: ``sum(w_a * (p - y) ** 2) / sum(w_a)``
   over every rated (row, attribute); a missing rating adds nothing to either sum.
@@ -257,38 +263,57 @@ def regression_loss(
   Metrics: ``mse`` (unweighted, over every rating), and per attribute ``mse_<a>``, ``mae_<a>``,
   ``pearson_<a>``.
   """
-  if predictions.shape != labels.shape or label_mask.shape != labels.shape or (
-      example_mask.shape != labels.shape[:1] or labels.shape[1] != len(attributes)):
+  if (
+    predictions.shape != labels.shape
+    or label_mask.shape != labels.shape
+    or (example_mask.shape != labels.shape[:1] or labels.shape[1] != len(attributes))
+  ):
     raise ValueError(
-        f"regression batch shapes disagree: predictions {predictions.shape}, labels {labels.shape} and"
-        f" label_mask {label_mask.shape} must all be [B, A] with A = {len(attributes)} attributes,"
-        f" example_mask {example_mask.shape} [B]")
+      f"regression batch shapes disagree: predictions {predictions.shape}, labels {labels.shape} and"
+      f" label_mask {label_mask.shape} must all be [B, A] with A = {len(attributes)} attributes,"
+      f" example_mask {example_mask.shape} [B]"
+    )
   rated = (label_mask > 0) & (example_mask[:, None] > 0)  # [B, A]
   # Zeroing keeps a NaN computed for a filler row out of every sum below.
   p = jnp.where(rated, predictions.astype(jnp.float32), 0.0)
   y = jnp.where(rated, labels.astype(jnp.float32), 0.0)
   sq = (p - y) ** 2
-  w = jnp.broadcast_to(jnp.asarray(weights if weights is not None else [1.0] * len(attributes),
-                                   jnp.float32), rated.shape)
+  w = jnp.broadcast_to(
+    jnp.asarray(weights if weights is not None else [1.0] * len(attributes), jnp.float32), rated.shape
+  )
   loss = Ratio(_masked_sum(w * sq, rated), _masked_sum(w, rated))
   metrics: Metrics = {"loss": loss, "mse": _mean(sq, rated)}
   for a, name in enumerate(attributes):
     r = rated[:, a]
     metrics[f"mse_{name}"] = _mean(sq[:, a], r)
     metrics[f"mae_{name}"] = _mean(jnp.abs(p[:, a] - y[:, a]), r)
-    metrics[f"pearson_{name}"] = Correlation(_count(r), *(_masked_sum(v, r) for v in (
-        p[:, a], y[:, a], p[:, a] ** 2, y[:, a] ** 2, p[:, a] * y[:, a])))
+    metrics[f"pearson_{name}"] = Correlation(
+      _count(r),
+      *(_masked_sum(v, r) for v in (p[:, a], y[:, a], p[:, a] ** 2, y[:, a] ** 2, p[:, a] * y[:, a])),
+    )
   return _value(loss), metrics
 
 
-def regression_samples(predictions, labels, label_mask, example_mask, group, *,
-                       attributes: Sequence[str], combination: Sequence[float]) -> Samples:
+def regression_samples(
+  predictions,
+  labels,
+  label_mask,
+  example_mask,
+  group,
+  *,
+  attributes: Sequence[str],
+  combination: Sequence[float],
+) -> Samples:
   """The :class:`Samples` of one regression batch (arrays as :func:`regression_loss` takes)."""
   rated = (label_mask > 0) & (example_mask[:, None] > 0)
-  return Samples(predictions=jnp.where(rated, predictions.astype(jnp.float32), 0.0),
-                 labels=jnp.where(rated, labels.astype(jnp.float32), 0.0), rated=rated,
-                 group=group.astype(jnp.int32), attributes=tuple(attributes),
-                 combination=tuple(float(c) for c in combination))
+  return Samples(
+    predictions=jnp.where(rated, predictions.astype(jnp.float32), 0.0),
+    labels=jnp.where(rated, labels.astype(jnp.float32), 0.0),
+    rated=rated,
+    group=group.astype(jnp.int32),
+    attributes=tuple(attributes),
+    combination=tuple(float(c) for c in combination),
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,16 +342,28 @@ def _bradley_terry(spec: LossSpec, rewards, batch) -> tuple[jax.Array, Metrics]:
   weight = None
   if spec.preference_strength_scaling:
     if batch.strength is None:
-      raise ValueError("reward.preference_strength_scaling needs the batch's per-group strength; this "
-                       "batch has none")
+      raise ValueError(
+        "reward.preference_strength_scaling needs the batch's per-group strength; this batch has none"
+      )
     weight = batch.strength
-  return bradley_terry_loss(rewards, batch.ranks, batch.example_mask, batch.margin, weight=weight,
-                            center_rewards_coefficient=spec.center_rewards_coefficient)
+  return bradley_terry_loss(
+    rewards,
+    batch.ranks,
+    batch.example_mask,
+    batch.margin,
+    weight=weight,
+    center_rewards_coefficient=spec.center_rewards_coefficient,
+  )
 
 
 def _all_pairs(spec: LossSpec, rewards, batch) -> tuple[jax.Array, Metrics]:
-  return all_pairs_bradley_terry_loss(rewards, batch.ranks, batch.example_mask, batch.margin,
-                                      center_rewards_coefficient=spec.center_rewards_coefficient)
+  return all_pairs_bradley_terry_loss(
+    rewards,
+    batch.ranks,
+    batch.example_mask,
+    batch.margin,
+    center_rewards_coefficient=spec.center_rewards_coefficient,
+  )
 
 
 def _plackett_luce(spec: LossSpec, rewards, batch) -> tuple[jax.Array, Metrics]:
@@ -340,29 +377,43 @@ def _stepwise(spec: LossSpec, logits, batch) -> tuple[jax.Array, Metrics]:
 
 
 def _regression(spec: LossSpec, predictions, batch) -> tuple[jax.Array, Metrics]:
-  return regression_loss(predictions, batch.labels, batch.label_mask, batch.example_mask,
-                         attributes=spec.attribute_names, weights=spec.weights)
+  return regression_loss(
+    predictions,
+    batch.labels,
+    batch.label_mask,
+    batch.example_mask,
+    attributes=spec.attribute_names,
+    weights=spec.weights,
+  )
 
 
 # LossSpec.loss_key -> fn(spec, outputs, batch) -> (loss, metrics)
 LOSSES: dict[tuple[str, str | None], Callable[..., tuple[jax.Array, Metrics]]] = {
-    ("bradley_terry", None): _bradley_terry,
-    ("ranking", "plackett_luce"): _plackett_luce,
-    ("ranking", "all_pairs"): _all_pairs,
-    ("stepwise", None): _stepwise,
-    ("regression", None): _regression,
+  ("bradley_terry", None): _bradley_terry,
+  ("ranking", "plackett_luce"): _plackett_luce,
+  ("ranking", "all_pairs"): _all_pairs,
+  ("stepwise", None): _stepwise,
+  ("regression", None): _regression,
 }
 
 
 def _regression_samples(spec: LossSpec, predictions, batch) -> Metrics:
-  return {"samples": regression_samples(predictions, batch.labels, batch.label_mask, batch.example_mask,
-                                        batch.group, attributes=spec.attribute_names,
-                                        combination=spec.combination)}
+  return {
+    "samples": regression_samples(
+      predictions,
+      batch.labels,
+      batch.label_mask,
+      batch.example_mask,
+      batch.group,
+      attributes=spec.attribute_names,
+      combination=spec.combination,
+    )
+  }
 
 
 # LossSpec.loss_key -> fn(spec, outputs, batch) -> metrics that need the whole set (Samples)
 SAMPLES: dict[tuple[str, str | None], Callable[..., Metrics]] = {
-    ("regression", None): _regression_samples,
+  ("regression", None): _regression_samples,
 }
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -66,13 +66,17 @@ class Samples:
   combination: tuple[float, ...] = struct.field(pytree_node=False, default=())
 
 
-Metrics = dict[str, Union[Ratio, Moments, Correlation, Samples]]
+Metrics = dict[str, Ratio | Moments | Correlation | Samples]
 
 
 def accumulate(a: Metrics, b: Metrics) -> Metrics:
   """Combines the metrics of two batches (device arrays or host numpy alike)."""
-  return {name: _concatenate(a[name], b[name]) if isinstance(a[name], Samples)
-          else jax.tree.map(operator.add, a[name], b[name]) for name in a}
+  return {
+    name: _concatenate(a[name], b[name])
+    if isinstance(a[name], Samples)
+    else jax.tree.map(operator.add, a[name], b[name])
+    for name in a
+  }
 
 
 def _concatenate(a: Samples, b: Samples) -> Samples:
@@ -139,8 +143,9 @@ def _ranked_metrics(s: Samples) -> dict[str, float]:
   for a, name in enumerate(s.attributes):
     keep = rated[:, a]
     out[f"spearman_{name}"] = _correlation_of(_ranks(predictions[keep, a]), _ranks(labels[keep, a]))
-  out["pairwise_accuracy"] = _pair_accuracy(predictions, labels, rated, np.asarray(s.group),
-                                            np.asarray(s.combination, np.float64))
+  out["pairwise_accuracy"] = _pair_accuracy(
+    predictions, labels, rated, np.asarray(s.group), np.asarray(s.combination, np.float64)
+  )
   return out
 
 
@@ -172,5 +177,5 @@ def normalize_metric_name(name: str | None) -> str | None:
     return None
   for prefix in METRIC_PREFIXES:
     if name.startswith(prefix):
-      name = name[len(prefix):]
+      name = name[len(prefix) :]
   return name

@@ -27,8 +27,17 @@ class MetricsWriter:
   starts at step 0 starts the file afresh. Non-finite values are written as ``null``.
   """
 
-  def __init__(self, output_dir: str, *, tensorboard: bool = True, log_dir: str | None = None,
-               enabled: bool = True, resume_step: int = 0, logger=None, run_config: dict | None = None):
+  def __init__(
+    self,
+    output_dir: str,
+    *,
+    tensorboard: bool = True,
+    log_dir: str | None = None,
+    enabled: bool = True,
+    resume_step: int = 0,
+    logger=None,
+    run_config: dict | None = None,
+  ):
     # logger: a jaxrm.config.LoggerSpec, which then decides tensorboard and log_dir;
     # run_config: the run's whole config (RunConfig.to_dict()), for loggers that record it.
     if logger is not None:
@@ -51,8 +60,10 @@ class MetricsWriter:
     self._jsonl = open(path, "a")
     if tensorboard:
       from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(log_dir or os.path.join(output_dir, "tensorboard"),
-                               purge_step=resume_step + 1 if resume_step else 0)
+
+      self._tb = SummaryWriter(
+        log_dir or os.path.join(output_dir, "tensorboard"), purge_step=resume_step + 1 if resume_step else 0
+      )
 
   def write(self, step: int, metrics: dict[str, float]) -> None:
     """Records ``metrics`` at ``step`` everywhere the run logs to (process 0 only)."""
@@ -84,6 +95,7 @@ def device_memory() -> dict[str, float]:
   """Each local accelerator's memory in use and its peak, in GiB (``device_memory/<i>_in_use_gib``,
   ``device_memory/<i>_peak_gib``); empty where devices do not report it (CPUs)."""
   import jax
+
   out = {}
   for i, device in enumerate(jax.local_devices()):
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
@@ -97,11 +109,13 @@ def device_memory() -> dict[str, float]:
 
 def _import(module: str, extra: str, key: str):
   import importlib
+
   try:
     return importlib.import_module(module)
   except ImportError:
-    raise ConfigError(f"{key}=True needs the {module} package: pip install 'jaxrm[{extra}]' (or set "
-                      f"{key}=False)") from None
+    raise ConfigError(
+      f"{key}=True needs the {module} package: pip install 'jaxrm[{extra}]' (or set {key}=False)"
+    ) from None
 
 
 class _WandbRun:
@@ -114,11 +128,18 @@ class _WandbRun:
   def __init__(self, spec, default_name: str, output_dir: str, run_config: dict | None):
     wandb = _import("wandb", "wandb", "logger.wandb_enabled")
     try:
-      self._run = wandb.init(project=spec.project, name=spec.name or default_name, config=run_config,
-                             dir=os.environ.get("WANDB_DIR") or output_dir, reinit="create_new")
+      self._run = wandb.init(
+        project=spec.project,
+        name=spec.name or default_name,
+        config=run_config,
+        dir=os.environ.get("WANDB_DIR") or output_dir,
+        reinit="create_new",
+      )
     except wandb.errors.Error as e:  # not logged in, no network...
-      raise ConfigError(f"logger.wandb_enabled=True: W&B could not start a run ({e}); run `wandb login`, or "
-                        "set WANDB_MODE=offline to keep the run on disk") from None
+      raise ConfigError(
+        f"logger.wandb_enabled=True: W&B could not start a run ({e}); run `wandb login`, or "
+        "set WANDB_MODE=offline to keep the run on disk"
+      ) from None
 
   def log(self, step: int, metrics: dict[str, float]) -> None:
     self._run.log(metrics, step=step)
@@ -134,20 +155,27 @@ class _MlflowRun:
   def __init__(self, spec, default_name: str, run_config: dict | None):
     _import("mlflow", "mlflow", "logger.mlflow_enabled")
     from mlflow.tracking import MlflowClient
+
     self._client = MlflowClient(tracking_uri=spec.tracking_uri or None)
     experiment = self._client.get_experiment_by_name(spec.experiment_name)
-    experiment_id = (experiment.experiment_id if experiment is not None
-                     else self._client.create_experiment(spec.experiment_name))
+    experiment_id = (
+      experiment.experiment_id
+      if experiment is not None
+      else self._client.create_experiment(spec.experiment_name)
+    )
     self._run_id = self._client.create_run(experiment_id, run_name=spec.run_name or default_name).info.run_id
     params = _flat(run_config or {})
     from mlflow.entities import Param
+
     items = [Param(k, str(v)[:6000]) for k, v in params.items()]
     for i in range(0, len(items), 100):  # MLflow takes at most 100 parameters per batch
-      self._client.log_batch(self._run_id, params=items[i:i + 100])
+      self._client.log_batch(self._run_id, params=items[i : i + 100])
 
   def log(self, step: int, metrics: dict[str, float]) -> None:
     import time
+
     from mlflow.entities import Metric
+
     now = int(time.time() * 1000)
     self._client.log_batch(self._run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()])
 

@@ -25,19 +25,20 @@ def scheduler_name(name: str) -> str:
   """The :data:`SCHEDULERS` entry ``name`` means (an alias is resolved); ValueError if none."""
   name = SCHEDULER_ALIASES.get(name, name)
   if name not in SCHEDULERS:
-    raise ValueError(f"lr_scheduler={name!r} is not one of {', '.join(SCHEDULERS)} "
-                     f"(or {', '.join(SCHEDULER_ALIASES)})")
+    raise ValueError(
+      f"lr_scheduler={name!r} is not one of {', '.join(SCHEDULERS)} (or {', '.join(SCHEDULER_ALIASES)})"
+    )
   return name
 
 
 def make_schedule(
-    *,
-    learning_rate: float,
-    warmup_steps: int,
-    total_steps: int,
-    scheduler: str = "cosine",
-    min_lr_ratio: float = 0.0,
-    decay: str | None = None,
+  *,
+  learning_rate: float,
+  warmup_steps: int,
+  total_steps: int,
+  scheduler: str = "cosine",
+  min_lr_ratio: float = 0.0,
+  decay: str | None = None,
 ) -> optax.Schedule:
   """Learning rate per optimizer step, as transformers' ``get_scheduler(scheduler)`` gives it.
 
@@ -50,31 +51,37 @@ def make_schedule(
   """
   if decay:
     if decay not in LEGACY_DECAYS:
-      raise ValueError(f"decay={decay!r} is not one of {tuple(LEGACY_DECAYS)}; use scheduler= "
-                       f"({', '.join(SCHEDULERS)})")
+      raise ValueError(
+        f"decay={decay!r} is not one of {tuple(LEGACY_DECAYS)}; use scheduler= ({', '.join(SCHEDULERS)})"
+      )
     scheduler = LEGACY_DECAYS[decay]
   scheduler = scheduler_name(scheduler)
   if warmup_steps < 0:
     raise ValueError(f"warmup_steps={warmup_steps} must be 0 or more")
   if scheduler == "cosine_with_min_lr" and min_lr_ratio <= 0:
-    raise ValueError("scheduler='cosine_with_min_lr' needs min_lr_ratio > 0 (the floor as a fraction of "
-                     "learning_rate); use 'cosine' to decay to 0")
+    raise ValueError(
+      "scheduler='cosine_with_min_lr' needs min_lr_ratio > 0 (the floor as a fraction of "
+      "learning_rate); use 'cosine' to decay to 0"
+    )
   if scheduler == "constant":
     return optax.constant_schedule(learning_rate)
   if scheduler in DECAYING and total_steps <= warmup_steps:
     raise ValueError(
-        f"total_steps={total_steps} leaves no steps to decay after warmup_steps={warmup_steps};"
-        f" raise total_steps, lower warmup_steps or use scheduler='constant_with_warmup'")
-  after_warmup = _after_warmup(scheduler, learning_rate, warmup_steps, total_steps - warmup_steps,
-                               min_lr_ratio)
+      f"total_steps={total_steps} leaves no steps to decay after warmup_steps={warmup_steps};"
+      f" raise total_steps, lower warmup_steps or use scheduler='constant_with_warmup'"
+    )
+  after_warmup = _after_warmup(
+    scheduler, learning_rate, warmup_steps, total_steps - warmup_steps, min_lr_ratio
+  )
   if warmup_steps == 0:
     return after_warmup
   warmup = optax.linear_schedule(0.0, learning_rate, warmup_steps)
   return optax.join_schedules([warmup, after_warmup], [warmup_steps])
 
 
-def _after_warmup(scheduler: str, learning_rate: float, warmup_steps: int, decay_steps: int,
-                  min_lr_ratio: float) -> optax.Schedule:
+def _after_warmup(
+  scheduler: str, learning_rate: float, warmup_steps: int, decay_steps: int, min_lr_ratio: float
+) -> optax.Schedule:
   """The schedule from the end of warmup on; its step 0 is step ``warmup_steps`` of the run."""
   if scheduler in ("cosine", "cosine_with_min_lr"):
     return optax.cosine_decay_schedule(learning_rate, decay_steps, alpha=min_lr_ratio)
@@ -110,13 +117,13 @@ def _key_name(entry) -> str:
 
 
 def make_optimizer(
-    schedule: optax.Schedule,
-    *,
-    weight_decay: float = 0.0,
-    max_grad_norm: float = 1.0,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
+  schedule: optax.Schedule,
+  *,
+  weight_decay: float = 0.0,
+  max_grad_norm: float = 1.0,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
 ) -> optax.GradientTransformation:
   """AdamW following ``schedule`` (see :func:`make_schedule`), after clipping the global gradient norm.
 
@@ -124,8 +131,7 @@ def make_optimizer(
   ``adam_beta2``, ``adam_epsilon``); eps is added to ``sqrt(v_hat)``, as there. Weight decay is decoupled (scaled by the learning rate, as in PyTorch's AdamW) and skips norm
   and bias parameters (:func:`weight_decay_mask`). ``max_grad_norm <= 0`` disables clipping.
   """
-  adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
-                      mask=weight_decay_mask)
+  adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=weight_decay_mask)
   if max_grad_norm <= 0:
     return adamw
   return optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw)

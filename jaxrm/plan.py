@@ -24,8 +24,9 @@ from ml_collections import config_flags
 from jaxrm import cli
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", None, "Training config file (configs/rm.py, configs/prm.py...).",
-                                lock_config=True)
+config_flags.DEFINE_config_file(
+  "config", None, "Training config file (configs/rm.py, configs/prm.py...).", lock_config=True
+)
 flags.DEFINE_string("gpu", "h100-80gb", "The GPU: h100-80gb, h200, a100-80gb, b200.")
 flags.DEFINE_string("topology", "1x1", "Hosts x GPUs per host, e.g. 1x8 or 2x8.")
 flags.DEFINE_integer("completions", 2, "Completions per preference group (ranked data: its largest group).")
@@ -37,6 +38,7 @@ def main() -> None:
     cli.exit_usage("give --config=configs/rm.py (the run to plan), --gpu and --topology")
   from jaxrm import fit_check, gpu_targets
   from jaxrm.errors import UserError
+
   try:
     config = cli.run_config(FLAGS.config)
     gpu_targets.get(FLAGS.gpu)

@@ -24,18 +24,47 @@ if TYPE_CHECKING:
 VALIDATION_PREFIX = "validation-"
 VALIDATION_TIME = "timing/validation/total_validation_time"
 # Shown first, in this order, when a set has them; every other metric follows by name.
-LEADING_METRICS = ("loss", "accuracy", "margin", "step_accuracy", "f1_error", "recall_error",
-                   "first_error_found", "positive_rate")
+LEADING_METRICS = (
+  "loss",
+  "accuracy",
+  "margin",
+  "step_accuracy",
+  "f1_error",
+  "recall_error",
+  "first_error_found",
+  "positive_rate",
+)
 # Sets that name a split of a dataset read by name rather than a path.
 DEFAULT_FORMAT = "PreferenceDataset"  # evaluate's --dataset_name when none is given
 
 
-def run_start(*, model_name: str, model: ModelConfig, reward_type: str, num_params: int, trained_params: int,
-              attention: str, mesh_shape: Mapping[str, int], devices: int, backend: str, processes: int,
-              train_examples: int, steps_per_epoch: int, validation_sizes: Mapping[str, int],
-              drops: Mapping[str, DropReport], start_step: int, total_steps: int, global_batch_size: int,
-              grad_accum: int, tokens_per_step: float, pack: PackSpec | None, micro_batched: bool,
-              shared_tokens_per_step: float | None, group_by_length: bool, output_dir: str) -> str:
+def run_start(
+  *,
+  model_name: str,
+  model: ModelConfig,
+  reward_type: str,
+  num_params: int,
+  trained_params: int,
+  attention: str,
+  mesh_shape: Mapping[str, int],
+  devices: int,
+  backend: str,
+  processes: int,
+  train_examples: int,
+  steps_per_epoch: int,
+  validation_sizes: Mapping[str, int],
+  drops: Mapping[str, DropReport],
+  start_step: int,
+  total_steps: int,
+  global_batch_size: int,
+  grad_accum: int,
+  tokens_per_step: float,
+  pack: PackSpec | None,
+  micro_batched: bool,
+  shared_tokens_per_step: float | None,
+  group_by_length: bool,
+  output_dir: str,
+) -> str:
   """What a run is about to do, as it prints at its start.
 
   Args:
@@ -57,22 +86,28 @@ def run_start(*, model_name: str, model: ModelConfig, reward_type: str, num_para
   """
   trains = ""
   if model.lora.enabled:
-    trains = (f"{describe_lora(model.lora)}: {_params(trained_params)} trainable of {_params(num_params)} parameters"
-              + (f", the base stored as {model.lora.base_dtype}" if model.lora.base_dtype else "") + "\n")
+    trains = (
+      f"{describe_lora(model.lora)}: {_params(trained_params)} trainable of {_params(num_params)} parameters"
+      + (f", the base stored as {model.lora.base_dtype}" if model.lora.base_dtype else "")
+      + "\n"
+    )
   packing = describe_packing(pack, micro_batched, shared_tokens_per_step)
   return (
-      f"jaxrm: {model.family} model {model_name}, {num_params / 1e6:.1f}M parameters, "
-      f"{model.dtype} compute / {model.param_dtype} weights, {reward_type} loss\n"
-      f"{trains}"
-      f"{attention}\n"
-      f"mesh: {dict(mesh_shape)} on {devices} {backend} devices, {processes} process(es)\n"
-      f"data: {train_examples} train examples ({steps_per_epoch} steps/epoch), "
-      + (", ".join(f"{n}: {k}" for n, k in validation_sizes.items()) or "no") + " validation\n"
-      + "".join(f"{d.summary(name)}\n" for name, d in drops.items())
-      + f"steps: {_steps(start_step, total_steps)}, batch {global_batch_size} groups (x{grad_accum} accumulation), "
-      f"{tokens_per_step:.0f} tokens/step on average, {packing}"
-      + (", in length-grouped order (data.group_by_length)" if group_by_length else "") + "\n"
-      f"output in {output_dir}")
+    f"jaxrm: {model.family} model {model_name}, {num_params / 1e6:.1f}M parameters, "
+    f"{model.dtype} compute / {model.param_dtype} weights, {reward_type} loss\n"
+    f"{trains}"
+    f"{attention}\n"
+    f"mesh: {dict(mesh_shape)} on {devices} {backend} devices, {processes} process(es)\n"
+    f"data: {train_examples} train examples ({steps_per_epoch} steps/epoch), "
+    + (", ".join(f"{n}: {k}" for n, k in validation_sizes.items()) or "no")
+    + " validation\n"
+    + "".join(f"{d.summary(name)}\n" for name, d in drops.items())
+    + f"steps: {_steps(start_step, total_steps)}, batch {global_batch_size} groups (x{grad_accum} accumulation), "
+    f"{tokens_per_step:.0f} tokens/step on average, {packing}"
+    + (", in length-grouped order (data.group_by_length)" if group_by_length else "")
+    + "\n"
+    f"output in {output_dir}"
+  )
 
 
 def _steps(start_step: int, total_steps: int) -> str:
@@ -85,8 +120,9 @@ def _steps(start_step: int, total_steps: int) -> str:
 def progress_line(step: int, total_steps: int, loss: float, accuracy: float, step_seconds: float) -> str:
   """A training step as a plain line, for a log that is not a terminal:
   ``step 10/120: loss 0.6931, accuracy 0.500, 0.42 s/step``."""
-  return (f"step {step}/{total_steps}: loss {_number(loss)}, accuracy {accuracy:.3f}, "
-          f"{step_seconds:.2f} s/step")
+  return (
+    f"step {step}/{total_steps}: loss {_number(loss)}, accuracy {accuracy:.3f}, {step_seconds:.2f} s/step"
+  )
 
 
 def describe_lora(cfg: LoraConfig) -> str:
@@ -102,7 +138,8 @@ def describe_packing(pack: PackSpec | None, micro_batched: bool, shared_tokens_p
   up to 512 tokens``..."""
   if pack is None:
     return "one sequence per row (data.packing=none)" + (
-        ", each micro-batch padded to its own length" if micro_batched else "")
+      ", each micro-batch padded to its own length" if micro_batched else ""
+    )
   rows = f"up to {pack.row_length}" if pack.length_multiple else f"{pack.row_length}"
   text = f"packed into rows of {rows} tokens"
   if pack.shared_prompt:
@@ -110,7 +147,9 @@ def describe_packing(pack: PackSpec | None, micro_batched: bool, shared_tokens_p
   return text
 
 
-def split_validation_metrics(metrics: Mapping[str, float], sets: Sequence[str]) -> dict[str, dict[str, float]]:
+def split_validation_metrics(
+  metrics: Mapping[str, float], sets: Sequence[str]
+) -> dict[str, dict[str, float]]:
   """``{set: {metric: value}}`` from ``validation-<set>_<metric>`` keys; other keys are ignored.
 
   A set's name may hold ``_`` (``train_sample``), so keys are matched against the run's set names,
@@ -121,10 +160,10 @@ def split_validation_metrics(metrics: Mapping[str, float], sets: Sequence[str]) 
   for key, value in metrics.items():
     if not key.startswith(VALIDATION_PREFIX):
       continue
-    rest = key[len(VALIDATION_PREFIX):]
+    rest = key[len(VALIDATION_PREFIX) :]
     name = next((n for n in names if rest.startswith(f"{n}_")), None)
     if name is not None:
-      out[name][rest[len(name) + 1:]] = value
+      out[name][rest[len(name) + 1 :]] = value
   return {name: m for name, m in out.items() if m}
 
 
@@ -144,11 +183,26 @@ def validation_table(metrics: Mapping[str, float], sets: Sequence[str], step: in
   return f"{title}\n{_table(rows)}"
 
 
-def run_summary(*, output_dir: str, steps: int, wall_seconds: float, train_tokens: int, train_seconds: float,
-                final_metrics: Mapping[str, float], sets: Sequence[str], final_step: int | None,
-                best: tuple[int, str, float] | None, higher_is_better: bool, dataset_name: str,
-                val_path: str, files_only: bool = False, truncation: str = "drop", lora: bool = False,
-                finished: bool = True, start_step: int = 0) -> str:
+def run_summary(
+  *,
+  output_dir: str,
+  steps: int,
+  wall_seconds: float,
+  train_tokens: int,
+  train_seconds: float,
+  final_metrics: Mapping[str, float],
+  sets: Sequence[str],
+  final_step: int | None,
+  best: tuple[int, str, float] | None,
+  higher_is_better: bool,
+  dataset_name: str,
+  val_path: str,
+  files_only: bool = False,
+  truncation: str = "drop",
+  lora: bool = False,
+  finished: bool = True,
+  start_step: int = 0,
+) -> str:
   """What a run did and how to use it.
 
   Args:
@@ -174,21 +228,43 @@ def run_summary(*, output_dir: str, steps: int, wall_seconds: float, train_token
   resumed = f", resumed from step {start_step}" if start_step else ""
   lines = [f"{ended}: {steps} steps in {_duration(wall_seconds)}{resumed}{rate}"]
   if finished and not steps:
-    lines = [f"run already finished at step {start_step}: nothing left to train (raise train.max_steps to train on)"]
+    lines = [
+      f"run already finished at step {start_step}: nothing left to train (raise train.max_steps to train on)"
+    ]
   if best is not None:
     step, name, value = best
-    lines.append(f"best checkpoint: step {step}, {name} = {_number(value)} "
-                 f"({'higher' if higher_is_better else 'lower'} is better)")
+    lines.append(
+      f"best checkpoint: step {step}, {name} = {_number(value)} "
+      f"({'higher' if higher_is_better else 'lower'} is better)"
+    )
   if final_step is not None and split_validation_metrics(final_metrics, sets):
     lines.append("final " + validation_table(final_metrics, sets, final_step))
-  lines += ["use it:", *("  " + c for c in usage_commands(output_dir, dataset_name=dataset_name, val_path=val_path,
-                                                          files_only=files_only, truncation=truncation,
-                                                          lora=lora))]
+  lines += [
+    "use it:",
+    *(
+      "  " + c
+      for c in usage_commands(
+        output_dir,
+        dataset_name=dataset_name,
+        val_path=val_path,
+        files_only=files_only,
+        truncation=truncation,
+        lora=lora,
+      )
+    ),
+  ]
   return "\n".join(lines)
 
 
-def usage_commands(output_dir: str, *, dataset_name: str, val_path: str, files_only: bool = False,
-                   truncation: str = "drop", lora: bool = False) -> list[str]:
+def usage_commands(
+  output_dir: str,
+  *,
+  dataset_name: str,
+  val_path: str,
+  files_only: bool = False,
+  truncation: str = "drop",
+  lora: bool = False,
+) -> list[str]:
   """Python and shell lines that load, evaluate and export the run in ``output_dir``.
 
   The evaluation takes the run's own ``data.max_length`` (its default for a model jaxrm trained).
@@ -206,12 +282,16 @@ def usage_commands(output_dir: str, *, dataset_name: str, val_path: str, files_o
   evaluate = ["python -m jaxrm.evaluate", f"--model={run}", *data]
   evaluate += [f"--truncation={truncation}"] if truncation != "drop" else []
   exported = shlex.quote(output_dir.rstrip("/") + "-hf")
-  lines = [f"from jaxrm import RewardModel; rm = RewardModel.from_pretrained({output_dir!r})  # the best checkpoint",
-           " ".join(evaluate),
-           f"python -m jaxrm.export --model={run} --out={exported}"]
+  lines = [
+    f"from jaxrm import RewardModel; rm = RewardModel.from_pretrained({output_dir!r})  # the best checkpoint",
+    " ".join(evaluate),
+    f"python -m jaxrm.export --model={run} --out={exported}",
+  ]
   if lora:
-    lines.append(f"python -m jaxrm.export --model={run} --out={shlex.quote(output_dir.rstrip('/') + '-adapters')}"
-                 " --adapters_only")
+    lines.append(
+      f"python -m jaxrm.export --model={run} --out={shlex.quote(output_dir.rstrip('/') + '-adapters')}"
+      " --adapters_only"
+    )
   return lines
 
 
@@ -223,8 +303,10 @@ def _metric_order(names: set[str]) -> list[str]:
 def _table(rows: list[list[str]]) -> str:
   """Left-aligned first column, right-aligned others, two spaces apart."""
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-  return "\n".join("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-                   for r in rows)
+  return "\n".join(
+    "  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    for r in rows
+  )
 
 
 def _number(value) -> str:

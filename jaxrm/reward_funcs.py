@@ -30,7 +30,8 @@ import json
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -45,17 +46,25 @@ class Scorer(Protocol):
   @property
   def config(self) -> ModelConfig: ...
 
-  def score(self, items: Sequence[Text] | None = None, *, prompts: Sequence[Text] | None = None,
-            completions: Sequence[Text] | None = None, normalize: bool = False,
-            batch_size: int = 8, combine=None) -> np.ndarray:
+  def score(
+    self,
+    items: Sequence[Text] | None = None,
+    *,
+    prompts: Sequence[Text] | None = None,
+    completions: Sequence[Text] | None = None,
+    normalize: bool = False,
+    batch_size: int = 8,
+    combine=None,
+  ) -> np.ndarray:
     """Rewards float32 [N] of ``items``, or of ``prompts`` joined with ``completions``."""
     ...
 
   @property
   def step_separator(self) -> str: ...
 
-  def score_steps_batch(self, prompts: Sequence[Text], steps_lists: Sequence[Sequence[str]], *,
-                        batch_size: int = 8) -> list[list[float]]:
+  def score_steps_batch(
+    self, prompts: Sequence[Text], steps_lists: Sequence[Sequence[str]], *, batch_size: int = 8
+  ) -> list[list[float]]:
     """P(step correct) of each step of each solution (a process reward model)."""
     ...
 
@@ -68,19 +77,30 @@ Combine = str | dict[str, float] | Sequence[float] | None
 def _check_scorer(rm: Scorer, combine: Combine, normalize: bool, step_aggregation: str | None) -> str | None:
   """The aggregation of a process reward model's step probabilities (None for a sequence head), or
   an error saying why ``rm`` and these options do not make a reward function."""
-  kind = kinds.check_kind(rm, kinds.PREFERENCE, kinds.REGRESSION, kinds.PROCESS, use="a reward function",
-                          one_reward=True, combine=combine)
+  kind = kinds.check_kind(
+    rm,
+    kinds.PREFERENCE,
+    kinds.REGRESSION,
+    kinds.PROCESS,
+    use="a reward function",
+    one_reward=True,
+    combine=combine,
+  )
   if kind != kinds.PROCESS:
     if step_aggregation is not None:
       head = kinds.describe(rm.config, getattr(rm, "attributes", None))
-      raise ValueError(f"step_aggregation={step_aggregation!r} is for a process reward model (a token head, "
-                       f"scored by its steps); this model has {head}: leave step_aggregation out")
+      raise ValueError(
+        f"step_aggregation={step_aggregation!r} is for a process reward model (a token head, "
+        f"scored by its steps); this model has {head}: leave step_aggregation out"
+      )
     return None
   if combine is not None or normalize:
     given = "combine" if combine is not None else "normalize"
-    raise ValueError(f"{given}= is for a sequence-head model's rewards; a process reward model's reward is an "
-                     f"aggregate of its step probabilities (step_aggregation=, one of "
-                     f"{', '.join(step_rewards.AGGREGATIONS)}): leave {given} out")
+    raise ValueError(
+      f"{given}= is for a sequence-head model's rewards; a process reward model's reward is an "
+      f"aggregate of its step probabilities (step_aggregation=, one of "
+      f"{', '.join(step_rewards.AGGREGATIONS)}): leave {given} out"
+    )
   return step_rewards.check_aggregation(step_aggregation or step_rewards.DEFAULT_AGGREGATION)
 
 
@@ -89,15 +109,23 @@ def _solution_text(completion: Text, where: str) -> str:
   the content of a conversational completion's one assistant message."""
   if isinstance(completion, str):
     return completion
-  if (isinstance(completion, list) and len(completion) == 1 and isinstance(completion[0], dict)
-      and completion[0].get("role") == "assistant" and isinstance(completion[0].get("content"), str)):
+  if (
+    isinstance(completion, list)
+    and len(completion) == 1
+    and isinstance(completion[0], dict)
+    and completion[0].get("role") == "assistant"
+    and isinstance(completion[0].get("content"), str)
+  ):
     return completion[0]["content"]
-  raise ValueError(f"{where}: a process reward model scores the steps of one solution: a string, or one "
-                   f"assistant message [{{'role': 'assistant', 'content': ...}}]; got {str(completion)[:200]}")
+  raise ValueError(
+    f"{where}: a process reward model scores the steps of one solution: a string, or one "
+    f"assistant message [{{'role': 'assistant', 'content': ...}}]; got {str(completion)[:200]}"
+  )
 
 
-def _step_scores(rm: Scorer, prompts: Sequence[Text], solutions: Sequence[str], how: str,
-                 batch_size: int) -> list[float | None]:
+def _step_scores(
+  rm: Scorer, prompts: Sequence[Text], solutions: Sequence[str], how: str, batch_size: int
+) -> list[float | None]:
   """One reward per solution (None for one with no steps), its steps cut at ``rm``'s separator."""
   steps = [step_rewards.split_steps(s, rm.step_separator) for s in solutions]
   probabilities = rm.score_steps_batch(list(prompts), steps, batch_size=batch_size)
@@ -109,9 +137,15 @@ def _named(f: Callable, name: str) -> Callable:
   return f
 
 
-def as_reward_func(rm: Scorer, *, normalize: bool = False, batch_size: int = 8,
-                   name: str = "jaxrm_reward", combine: Combine = None,
-                   step_aggregation: str | None = None) -> Callable[..., list[float | None]]:
+def as_reward_func(
+  rm: Scorer,
+  *,
+  normalize: bool = False,
+  batch_size: int = 8,
+  name: str = "jaxrm_reward",
+  combine: Combine = None,
+  step_aggregation: str | None = None,
+) -> Callable[..., list[float | None]]:
   """``f(prompts, completions, **kwargs) -> list[float]`` for TRL's GRPOTrainer.
 
   Each reward scores prompt + completion laid out as in training: a conversation rendered by the
@@ -136,15 +170,23 @@ def as_reward_func(rm: Scorer, *, normalize: bool = False, batch_size: int = 8,
     if how is not None:
       solutions = [_solution_text(c, f"completions[{i}]") for i, c in enumerate(completions)]
       return _step_scores(rm, prompts, solutions, how, batch_size)
-    return rm.score(prompts=prompts, completions=completions, normalize=normalize,
-                    batch_size=batch_size, **extra).tolist()
+    return rm.score(
+      prompts=prompts, completions=completions, normalize=normalize, batch_size=batch_size, **extra
+    ).tolist()
 
   return _named(reward_func, name)
 
 
-def as_multi_agent_reward_func(rm: Scorer, formatter: Callable[..., Text], *, normalize: bool = False,
-                               batch_size: int = 8, name: str = "jaxrm_reward", combine: Combine = None,
-                               step_aggregation: str | None = None) -> Callable[..., list[float]]:
+def as_multi_agent_reward_func(
+  rm: Scorer,
+  formatter: Callable[..., Text],
+  *,
+  normalize: bool = False,
+  batch_size: int = 8,
+  name: str = "jaxrm_reward",
+  combine: Combine = None,
+  step_aggregation: str | None = None,
+) -> Callable[..., list[float]]:
   """``f(*agent_completions, batch_items) -> list[float]``: one reward per joint response.
 
   Args:
@@ -178,17 +220,22 @@ def as_multi_agent_reward_func(rm: Scorer, formatter: Callable[..., Text], *, no
     elif len(batch_items) == n:
       items = list(batch_items)
     else:
-      raise ValueError(f"{name}: {len(batch_items)} batch_items for {n} joint responses; "
-                       f"give one item, or one per response")
+      raise ValueError(
+        f"{name}: {len(batch_items)} batch_items for {n} joint responses; give one item, or one per response"
+      )
     texts = [formatter(item, *joint) for item, joint in zip(items, zip(*agent_completions))]
     if how is None:
       return rm.score(texts, normalize=normalize, batch_size=batch_size, **extra).tolist()
-    pairs = [_prompt_and_solution(t, f"{name}: formatter's text for joint response {i}") for i, t in enumerate(texts)]
+    pairs = [
+      _prompt_and_solution(t, f"{name}: formatter's text for joint response {i}") for i, t in enumerate(texts)
+    ]
     rewards = _step_scores(rm, [p for p, _ in pairs], [s for _, s in pairs], how, batch_size)
     for i, r in enumerate(rewards):
       if r is None:
-        raise ValueError(f"{name}: joint response {i} has no steps to score (its solution is empty or only "
-                         f"step separators {rm.step_separator!r})")
+        raise ValueError(
+          f"{name}: joint response {i} has no steps to score (its solution is empty or only "
+          f"step separators {rm.step_separator!r})"
+        )
     return rewards
 
   return _named(reward_func, name)
@@ -200,18 +247,27 @@ def _prompt_and_solution(text: Text | tuple, where: str) -> tuple[Text, str]:
     return text
   if isinstance(text, list) and text and isinstance(text[-1], dict) and text[-1].get("role") == "assistant":
     return text[:-1], _solution_text(text[-1:], where)
-  raise ValueError(f"{where}: a process reward model scores a solution's steps after its prompt: return a "
-                   f"(prompt, solution) pair or a conversation ending in the assistant's solution; "
-                   f"got {str(text)[:200]}")
+  raise ValueError(
+    f"{where}: a process reward model scores a solution's steps after its prompt: return a "
+    f"(prompt, solution) pair or a conversation ending in the assistant's solution; "
+    f"got {str(text)[:200]}"
+  )
 
 
 # Statuses a busy server answers (queue full, request timed out): worth retrying after Retry-After.
 RETRIED_STATUSES = (503, 504)
 
 
-def remote_reward_func(url: str, *, api_key: str | None = None, timeout: float = 300.0, retries: int = 8,
-                       name: str = "jaxrm_reward", steps: bool = False,
-                       step_aggregation: str | None = None) -> Callable[..., list[float | None]]:
+def remote_reward_func(
+  url: str,
+  *,
+  api_key: str | None = None,
+  timeout: float = 300.0,
+  retries: int = 8,
+  name: str = "jaxrm_reward",
+  steps: bool = False,
+  step_aggregation: str | None = None,
+) -> Callable[..., list[float | None]]:
   """``f(prompts, completions, **kwargs) -> list[float]`` for TRL's GRPOTrainer, scored by a server.
 
   Sends the pairs to the ``/score`` endpoint of ``python -m jaxrm.serve``, which joins them as
@@ -259,9 +315,10 @@ def remote_reward_func(url: str, *, api_key: str | None = None, timeout: float =
           time.sleep(float(e.headers.get("Retry-After") or 1))
       except urllib.error.URLError as e:
         raise ConnectionError(
-            f"{name}: cannot reach the reward server at {endpoint} ({e.reason}). Is `python -m jaxrm.serve` "
-            f"running there? A server that was just started may still be loading its model, and takes "
-            f"connections once GET {url.rstrip('/')}/health answers: wait for it and try again") from None
+          f"{name}: cannot reach the reward server at {endpoint} ({e.reason}). Is `python -m jaxrm.serve` "
+          f"running there? A server that was just started may still be loading its model, and takes "
+          f"connections once GET {url.rstrip('/')}/health answers: wait for it and try again"
+        ) from None
       attempt += 1
 
   def reward_func(prompts: Sequence[Text], completions: Sequence[Text], **kwargs: Any) -> list[float | None]:
@@ -273,8 +330,13 @@ def remote_reward_func(url: str, *, api_key: str | None = None, timeout: float =
   return _named(reward_func, name)
 
 
-def _remote_step_rewards(post: Callable[[dict], list], prompts: Sequence[Text], completions: Sequence[Text],
-                         how: str | None, name: str) -> list[float | None]:
+def _remote_step_rewards(
+  post: Callable[[dict], list],
+  prompts: Sequence[Text],
+  completions: Sequence[Text],
+  how: str | None,
+  name: str,
+) -> list[float | None]:
   """A process reward model's rewards from ``/score_steps`` (``post``), None where there is no step."""
   if len(prompts) != len(completions):
     raise ValueError(f"{name}: {len(prompts)} prompts but {len(completions)} completions")

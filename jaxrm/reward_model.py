@@ -11,7 +11,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,12 +22,12 @@ from jax.sharding import Mesh
 
 from jaxrm import kinds, loading, reward_funcs, shared_prefix
 from jaxrm.batches import IGNORE_INDEX
+from jaxrm.config import combination_weights
 from jaxrm.data.drops import DropReport
 from jaxrm.data.formats import kind, parse_text
 from jaxrm.data.pipeline import bucket_length, length_buckets, right_padded, scoring_rows
 from jaxrm.data.records import PreferenceRecord, StepwiseRecord, Text
 from jaxrm.data.tokenize import TokenizeOptions, pad_id, tokenize_preference, tokenize_stepwise
-from jaxrm.config import combination_weights
 from jaxrm.errors import DataError
 from jaxrm.loading import ScoringInfo
 from jaxrm.models.config import ModelConfig
@@ -52,13 +53,21 @@ def _forward_packed(graphdef, state, rows, reward_positions):
 
 def _texts(values: Any, name: str, call: str) -> list[Text]:
   """``values`` checked as a list of texts or conversations (each a list of messages)."""
-  one = ("one string" if isinstance(values, str) else "one message" if isinstance(values, dict)
-         else "one conversation (a list of messages)" if isinstance(values, list) and values
-         and all(isinstance(v, dict) for v in values) else None)
+  one = (
+    "one string"
+    if isinstance(values, str)
+    else "one message"
+    if isinstance(values, dict)
+    else "one conversation (a list of messages)"
+    if isinstance(values, list) and values and all(isinstance(v, dict) for v in values)
+    else None
+  )
   if one:
-    raise DataError(f"{call}: {name} is {one}, where a list of texts or conversations belongs: for one, "
-                    f"wrap it in a list (rm.{call}([...])); a conversation is a list of {{'role', 'content'}} "
-                    "messages")
+    raise DataError(
+      f"{call}: {name} is {one}, where a list of texts or conversations belongs: for one, "
+      f"wrap it in a list (rm.{call}([...])); a conversation is a list of {{'role', 'content'}} "
+      "messages"
+    )
   if not isinstance(values, (list, tuple)):
     raise DataError(f"{call}: {name} is {kind(values)}; expected a list of texts or conversations")
   return [parse_text(v, call, f"{name}[{i}]") for i, v in enumerate(values)]
@@ -67,14 +76,18 @@ def _texts(values: Any, name: str, call: str) -> list[Text]:
 def _steps(steps: Any, field: str, separator: str) -> tuple[str, ...]:
   """``steps`` checked as a list of step texts."""
   if isinstance(steps, str):
-    raise DataError(f"score_steps: {field} is one string; pass a list of steps (e.g. "
-                    f"jaxrm.step_rewards.split_steps(text, rm.step_separator) cuts a solution at the step "
-                    f"separator {separator!r})")
+    raise DataError(
+      f"score_steps: {field} is one string; pass a list of steps (e.g. "
+      f"jaxrm.step_rewards.split_steps(text, rm.step_separator) cuts a solution at the step "
+      f"separator {separator!r})"
+    )
   if not isinstance(steps, (list, tuple)) or not all(isinstance(x, str) for x in steps):
-    raise DataError(f"score_steps: {field} is {kind(steps)}; expected a list of step texts (strings)"
-                    if not isinstance(steps, (list, tuple)) else
-                    f"score_steps: {field} holds {kind(next(x for x in steps if not isinstance(x, str)))}; "
-                    "expected a list of step texts (strings)")
+    raise DataError(
+      f"score_steps: {field} is {kind(steps)}; expected a list of step texts (strings)"
+      if not isinstance(steps, (list, tuple))
+      else f"score_steps: {field} holds {kind(next(x for x in steps if not isinstance(x, str)))}; "
+      "expected a list of step texts (strings)"
+    )
   return tuple(steps)
 
 
@@ -95,7 +108,9 @@ class RewardModel:
     if not isinstance(info, ScoringInfo):
       raise TypeError(f"info must be a jaxrm.loading.ScoringInfo, got {type(info).__name__}")
     if info.attributes is not None and len(info.attributes) != model.config.num_labels:
-      raise ValueError(f"{len(info.attributes)} attribute names for a head of {model.config.num_labels} outputs")
+      raise ValueError(
+        f"{len(info.attributes)} attribute names for a head of {model.config.num_labels} outputs"
+      )
     self.model = model
     self.tokenizer = tokenizer
     self.info = info
@@ -132,20 +147,20 @@ class RewardModel:
 
   @classmethod
   def from_pretrained(
-      cls,
-      path: str | os.PathLike | loading.Source,
-      *,
-      dtype: str = "float32",
-      param_dtype: str | None = None,
-      head: str | None = None,
-      num_labels: int | None = None,
-      mesh: Mesh | None = None,
-      seed: int = 0,
-      tokenizer: Any = None,
-      step: int | None = None,
-      load_weights: bool = True,
-      **config_overrides,
-  ) -> "RewardModel":
+    cls,
+    path: str | os.PathLike | loading.Source,
+    *,
+    dtype: str = "float32",
+    param_dtype: str | None = None,
+    head: str | None = None,
+    num_labels: int | None = None,
+    mesh: Mesh | None = None,
+    seed: int = 0,
+    tokenizer: Any = None,
+    step: int | None = None,
+    load_weights: bool = True,
+    **config_overrides,
+  ) -> RewardModel:
     """Loads a checkpoint (through :func:`jaxrm.loading.locate` and :func:`jaxrm.loading.load`).
 
     Args:
@@ -168,8 +183,16 @@ class RewardModel:
         (``reward_stats`` is None). Config and tokenizer load as usual.
     """
     overrides = dict(dtype=dtype, param_dtype=param_dtype or dtype, **config_overrides)
-    loaded = loading.load(loading.as_source(path, step), overrides, head=head, num_labels=num_labels, mesh=mesh,
-                          seed=seed, tokenizer=tokenizer, weights=load_weights)
+    loaded = loading.load(
+      loading.as_source(path, step),
+      overrides,
+      head=head,
+      num_labels=num_labels,
+      mesh=mesh,
+      seed=seed,
+      tokenizer=tokenizer,
+      weights=load_weights,
+    )
     return cls(loaded.model, loaded.tokenizer, loaded.info)
 
   def save_pretrained(self, out_dir: str | os.PathLike, *, dtype: str | None = None) -> None:
@@ -202,8 +225,9 @@ class RewardModel:
   def _max_length(self, max_length: int | None) -> int:
     return max_length or self.config.max_position_embeddings
 
-  def encode(self, item: Text, completion: Text | None = None, *, max_length: int | None = None,
-             where: str = "item") -> list[int]:
+  def encode(
+    self, item: Text, completion: Text | None = None, *, max_length: int | None = None, where: str = "item"
+  ) -> list[int]:
     """Token ids of a chat (message list) or plain text, laid out as in preference training.
 
     With ``completion``, ``item`` is its prompt: prompt + completion, as training joins them. A
@@ -218,8 +242,10 @@ class RewardModel:
       context = item
     if context and isinstance(context, list) != isinstance(completion, list):
       kinds = ("plain text", "a conversation")
-      raise DataError(f"{where}: the prompt is {kinds[isinstance(context, list)]} but the completion is "
-                      f"{kinds[isinstance(completion, list)]}; give both as message lists or both as strings")
+      raise DataError(
+        f"{where}: the prompt is {kinds[isinstance(context, list)]} but the completion is "
+        f"{kinds[isinstance(completion, list)]}; give both as message lists or both as strings"
+      )
     if isinstance(completion, list) and not self._tokenizer().chat_template:
       raise ValueError("the tokenizer has no chat template; score plain strings instead of message lists")
     record = PreferenceRecord(context=context, completions=(completion,), ranks=(0,), source=where)
@@ -231,11 +257,19 @@ class RewardModel:
       raise DataError(f"{where}: no tokens to score (empty text)")
     return example.input_ids[0].tolist()
 
-  def score(self, items: Sequence[Text] | None = None, *, prompts: Sequence[Text] | None = None,
-            completions: Sequence[Text] | None = None, normalize: bool = False, batch_size: int = 8,
-            bucket: int = 64, max_length: int | None = None,
-            combine: str | dict[str, float] | Sequence[float] | None = None,
-            share_prefix: bool | Sharing = True) -> np.ndarray:
+  def score(
+    self,
+    items: Sequence[Text] | None = None,
+    *,
+    prompts: Sequence[Text] | None = None,
+    completions: Sequence[Text] | None = None,
+    normalize: bool = False,
+    batch_size: int = 8,
+    bucket: int = 64,
+    max_length: int | None = None,
+    combine: str | dict[str, float] | Sequence[float] | None = None,
+    share_prefix: bool | Sharing = True,
+  ) -> np.ndarray:
     """Rewards float32 [N] of chats (message lists) or plain strings; [N, num_labels] for a head
     with several outputs (a regression model: one per name of ``attributes``).
 
@@ -259,12 +293,18 @@ class RewardModel:
       self.check_kind(kinds.PREFERENCE, kinds.REGRESSION, use="score()")
     weights = None if combine is None else self.combination(combine)
     encoded = self._encode_items(items, prompts, completions, max_length)
-    rewards = self.score_ids(encoded, batch_size=batch_size, bucket=bucket, max_length=max_length,
-                             share_prefix=share_prefix)
+    rewards = self.score_ids(
+      encoded, batch_size=batch_size, bucket=bucket, max_length=max_length, share_prefix=share_prefix
+    )
     return self.reduce(rewards, combine=weights, normalize=normalize)
 
-  def reduce(self, rewards: np.ndarray, *, combine: str | dict[str, float] | Sequence[float] | None = None,
-             normalize: bool = False) -> np.ndarray:
+  def reduce(
+    self,
+    rewards: np.ndarray,
+    *,
+    combine: str | dict[str, float] | Sequence[float] | None = None,
+    normalize: bool = False,
+  ) -> np.ndarray:
     """Outputs [N] or [N, C] as :meth:`score` returns them: combined into [N] by ``combine`` (see
     :meth:`score`; weights from :meth:`combination` too), then normalized if asked."""
     if combine is not None:
@@ -291,24 +331,43 @@ class RewardModel:
     prompts = None if prompts is None else _texts(prompts, "prompts", "score")
     completions = None if completions is None else _texts(completions, "completions", "score")
     if prompts is None or completions is None or len(prompts) != len(completions):
-      raise ValueError(f"prompts and completions must be given together, with as many entries each "
-                       f"(got {None if prompts is None else len(prompts)} and "
-                       f"{None if completions is None else len(completions)})")
-    return [self.encode(p, c, max_length=max_length, where=f"prompts[{i}] + completions[{i}]")
-            for i, (p, c) in enumerate(zip(prompts, completions))]
+      raise ValueError(
+        f"prompts and completions must be given together, with as many entries each "
+        f"(got {None if prompts is None else len(prompts)} and "
+        f"{None if completions is None else len(completions)})"
+      )
+    return [
+      self.encode(p, c, max_length=max_length, where=f"prompts[{i}] + completions[{i}]")
+      for i, (p, c) in enumerate(zip(prompts, completions))
+    ]
 
-  def score_ids(self, encoded: Sequence[Sequence[int]], *, batch_size: int = 8, bucket: int = 64,
-                max_length: int | None = None, share_prefix: bool | Sharing = True) -> np.ndarray:
+  def score_ids(
+    self,
+    encoded: Sequence[Sequence[int]],
+    *,
+    batch_size: int = 8,
+    bucket: int = 64,
+    max_length: int | None = None,
+    share_prefix: bool | Sharing = True,
+  ) -> np.ndarray:
     """Sequence-head rewards float32 [N] ([N, C] for several outputs) of rows already encoded
     (:meth:`encode`), batched and shared as :meth:`score` does."""
-    out = self.outputs_of_ids(encoded, batch_size=batch_size, bucket=bucket, max_length=max_length,
-                              share_prefix=share_prefix)
+    out = self.outputs_of_ids(
+      encoded, batch_size=batch_size, bucket=bucket, max_length=max_length, share_prefix=share_prefix
+    )
     if not out:
       return np.zeros((0,) if self.config.num_labels == 1 else (0, self.config.num_labels), np.float32)
     return np.stack(out)
 
-  def outputs_of_ids(self, encoded: Sequence[Sequence[int]], *, batch_size: int = 8, bucket: int = 64,
-                     max_length: int | None = None, share_prefix: bool | Sharing = True) -> list[np.ndarray]:
+  def outputs_of_ids(
+    self,
+    encoded: Sequence[Sequence[int]],
+    *,
+    batch_size: int = 8,
+    bucket: int = 64,
+    max_length: int | None = None,
+    share_prefix: bool | Sharing = True,
+  ) -> list[np.ndarray]:
     """The model's output for each encoded row, in order: its reward(s) (sequence head) or its
     logits [T_i, C] (token head).
 
@@ -320,23 +379,34 @@ class RewardModel:
     out: list[np.ndarray | None] = [None] * len(encoded)
     buckets = self._buckets(bucket, max_length)
     max_tokens = self._max_tokens(encoded, batch_size, buckets)
-    groups = shared_prefix.scoring_groups(encoded, shared_prefix.as_sharing(share_prefix), self.config, max_tokens)
+    groups = shared_prefix.scoring_groups(
+      encoded, shared_prefix.as_sharing(share_prefix), self.config, max_tokens
+    )
     alone = [g[0] for g in groups if len(g) == 1]
     for rows, outputs in self._batched([encoded[i] for i in alone], batch_size, buckets):
       for j, r in zip(rows, outputs):
-        out[alone[j]] = r if self.config.head == "sequence" else r[:len(encoded[alone[j]])]
+        out[alone[j]] = r if self.config.head == "sequence" else r[: len(encoded[alone[j]])]
     shared = [g for g in groups if len(g) > 1]
     for rows, outputs in self._shared(encoded, shared, batch_size, bucket, max_tokens):
       for i, r in zip(rows, outputs):
         out[i] = r
     return out
 
-  def prefix_groups(self, encoded: Sequence[Sequence[int]], *, batch_size: int = 8, bucket: int = 64,
-                    max_length: int | None = None, share_prefix: bool | Sharing = True) -> list[list[int]]:
+  def prefix_groups(
+    self,
+    encoded: Sequence[Sequence[int]],
+    *,
+    batch_size: int = 8,
+    bucket: int = 64,
+    max_length: int | None = None,
+    share_prefix: bool | Sharing = True,
+  ) -> list[list[int]]:
     """The indices of ``encoded`` in the groups :meth:`outputs_of_ids` scores together, each as
     one packed row (:func:`jaxrm.shared_prefix.scoring_groups`); a group of one scores alone."""
     max_tokens = self._max_tokens(encoded, batch_size, self._buckets(bucket, max_length))
-    return shared_prefix.scoring_groups(encoded, shared_prefix.as_sharing(share_prefix), self.config, max_tokens)
+    return shared_prefix.scoring_groups(
+      encoded, shared_prefix.as_sharing(share_prefix), self.config, max_tokens
+    )
 
   def _buckets(self, bucket: int, max_length: int | None) -> tuple[int, ...]:
     return length_buckets(max(self._max_length(max_length), bucket), bucket)
@@ -356,18 +426,27 @@ class RewardModel:
     pad = pad_id(self.tokenizer, self.config.pad_token_id)
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     for start in range(0, len(order), batch_size):
-      rows = order[start:start + batch_size]
-      ids, mask = right_padded([encoded[i] for i in rows], pad_id=pad, num_rows=scoring_rows(len(rows), batch_size),
-                               length=bucket_length(max(len(encoded[i]) for i in rows), buckets))
-      yield rows, self.score_tokens(ids, mask)[:len(rows)]
+      rows = order[start : start + batch_size]
+      ids, mask = right_padded(
+        [encoded[i] for i in rows],
+        pad_id=pad,
+        num_rows=scoring_rows(len(rows), batch_size),
+        length=bucket_length(max(len(encoded[i]) for i in rows), buckets),
+      )
+      yield rows, self.score_tokens(ids, mask)[: len(rows)]
 
   def _shared(self, encoded, groups: list[list[int]], batch_size: int, bucket: int, max_tokens: int):
     """Yields (row indices, model outputs) of the rows of ``groups``, each group one packed row
     (see :func:`jaxrm.shared_prefix.shared_batches`)."""
     pad = pad_id(self.tokenizer, self.config.pad_token_id)
-    for shared in shared_prefix.shared_batches(encoded, groups, batch_size=batch_size, pad_id=pad,
-                                               buckets=length_buckets(max(max_tokens, bucket), bucket),
-                                               max_tokens=max_tokens):
+    for shared in shared_prefix.shared_batches(
+      encoded,
+      groups,
+      batch_size=batch_size,
+      pad_id=pad,
+      buckets=length_buckets(max(max_tokens, bucket), bucket),
+      max_tokens=max_tokens,
+    ):
       yield shared.rows, self.score_shared(shared)
 
   def score_shared(self, shared: shared_prefix.SharedRows) -> np.ndarray | list[np.ndarray]:
@@ -375,8 +454,9 @@ class RewardModel:
     in ``shared.rows`` order: rewards [N] ([N, C]) for a sequence head, each row's logits [T_i, C]
     for a token head."""
     b = shared.batch
-    rows = tuple(jnp.asarray(x) for x in (b.input_ids, b.attention_mask, b.positions, b.segment_ids,
-                                          b.branch_ids))
+    rows = tuple(
+      jnp.asarray(x) for x in (b.input_ids, b.attention_mask, b.positions, b.segment_ids, b.branch_ids)
+    )
     sequence = self.config.head == "sequence"
     reward_positions = jnp.asarray(b.reward_positions) if sequence else None
     graphdef, state = nnx.split(self.model)
@@ -388,20 +468,25 @@ class RewardModel:
     ``score(normalize=True)`` returns them."""
     stats = self.reward_stats
     if rewards.ndim > 1:
-      raise ValueError("normalize=True applies to one reward per row; combine this model's "
-                       f"{rewards.shape[-1]} outputs into one (score(..., combine=...)) or score without it")
+      raise ValueError(
+        "normalize=True applies to one reward per row; combine this model's "
+        f"{rewards.shape[-1]} outputs into one (score(..., combine=...)) or score without it"
+      )
     if not stats:
-      raise ValueError("normalize=True needs the reward mean/std recorded at validation, and this model has "
-                       "none: load a training output directory or checkpoint whose run validated "
-                       "(eval.val_period or eval.val_at_end), or an HF export of one")
+      raise ValueError(
+        "normalize=True needs the reward mean/std recorded at validation, and this model has "
+        "none: load a training output directory or checkpoint whose run validated "
+        "(eval.val_period or eval.val_at_end), or an HF export of one"
+      )
     if not stats["std"] > 0:
       raise ValueError(f"cannot normalize: the recorded reward std is {stats['std']} ({stats.get('from')})")
     return ((rewards - stats["mean"]) / stats["std"]).astype(np.float32)
 
   # ---------------------------------------------------------------- step scoring
 
-  def encode_steps(self, prompt: Text, steps: Sequence[str], *, max_length: int | None = None,
-                   where: str = "prompt") -> tuple[list[int], list[int]]:
+  def encode_steps(
+    self, prompt: Text, steps: Sequence[str], *, max_length: int | None = None, where: str = "prompt"
+  ) -> tuple[list[int], list[int]]:
     """(token ids, positions of each step's label) laid out as in stepwise training."""
     opts = TokenizeOptions(self._max_length(max_length), "drop", self.step_separator)
     prompt = parse_text(prompt, "score_steps", where)
@@ -409,8 +494,9 @@ class RewardModel:
     record = StepwiseRecord(prompt=prompt, steps=steps, labels=(True,) * len(steps), source=where)
     example = tokenize_stepwise(record, self._tokenizer(), opts, DropReport())
     if example is None:
-      raise DataError(f"{where}: the prompt and its {len(steps)} steps are longer than "
-                      f"max_length={opts.max_length} tokens")
+      raise DataError(
+        f"{where}: the prompt and its {len(steps)} steps are longer than max_length={opts.max_length} tokens"
+      )
     return example.input_ids.tolist(), np.flatnonzero(example.labels != IGNORE_INDEX).tolist()
 
   def score_steps(self, prompt: Text, steps: Sequence[str], *, max_length: int | None = None) -> list[float]:
@@ -423,50 +509,108 @@ class RewardModel:
     _steps(steps, "steps", self.step_separator)
     return self.score_steps_batch([prompt], [steps], max_length=max_length)[0]
 
-  def score_steps_batch(self, prompts: Sequence[Text], steps_lists: Sequence[Sequence[str]], *,
-                        batch_size: int = 8, bucket: int = 64, max_length: int | None = None,
-                        share_prefix: bool | Sharing = True) -> list[list[float]]:
+  def score_steps_batch(
+    self,
+    prompts: Sequence[Text],
+    steps_lists: Sequence[Sequence[str]],
+    *,
+    batch_size: int = 8,
+    bucket: int = 64,
+    max_length: int | None = None,
+    share_prefix: bool | Sharing = True,
+  ) -> list[list[float]]:
     """:meth:`score_steps` for many solutions, batched by length and shared (solutions of one
     problem share its tokens) like :meth:`score`."""
     self.check_kind(kinds.PROCESS, use="score_steps")
-    if isinstance(prompts, str) or isinstance(steps_lists, str) or not (
-        isinstance(prompts, (list, tuple)) and isinstance(steps_lists, (list, tuple))):
-      raise DataError("score_steps_batch takes a list of prompts and a list of step lists (one per prompt); "
-                      f"got {kind(prompts)} and {kind(steps_lists)}: for one solution use score_steps(prompt, steps)")
+    if (
+      isinstance(prompts, str)
+      or isinstance(steps_lists, str)
+      or not (isinstance(prompts, (list, tuple)) and isinstance(steps_lists, (list, tuple)))
+    ):
+      raise DataError(
+        "score_steps_batch takes a list of prompts and a list of step lists (one per prompt); "
+        f"got {kind(prompts)} and {kind(steps_lists)}: for one solution use score_steps(prompt, steps)"
+      )
     steps_lists = [_steps(s, f"steps_lists[{i}]", self.step_separator) for i, s in enumerate(steps_lists)]
     if len(prompts) != len(steps_lists):
       raise ValueError(f"{len(prompts)} prompts but {len(steps_lists)} step lists")
     out: list[list[float]] = [[] for _ in prompts]
     todo = [i for i, s in enumerate(steps_lists) if len(s)]
-    encoded = [self.encode_steps(prompts[i], steps_lists[i], max_length=max_length, where=f"prompts[{i}]")
-               for i in todo]
-    for i, p in zip(todo, self.step_probabilities(encoded, batch_size=batch_size, bucket=bucket,
-                                                  max_length=max_length, share_prefix=share_prefix)):
+    encoded = [
+      self.encode_steps(prompts[i], steps_lists[i], max_length=max_length, where=f"prompts[{i}]")
+      for i in todo
+    ]
+    for i, p in zip(
+      todo,
+      self.step_probabilities(
+        encoded, batch_size=batch_size, bucket=bucket, max_length=max_length, share_prefix=share_prefix
+      ),
+    ):
       out[i] = p
     return out
 
-  def step_probabilities(self, encoded: Sequence[tuple[Sequence[int], Sequence[int]]], *, batch_size: int = 8,
-                         bucket: int = 64, max_length: int | None = None,
-                         share_prefix: bool | Sharing = True) -> list[list[float]]:
+  def step_probabilities(
+    self,
+    encoded: Sequence[tuple[Sequence[int], Sequence[int]]],
+    *,
+    batch_size: int = 8,
+    bucket: int = 64,
+    max_length: int | None = None,
+    share_prefix: bool | Sharing = True,
+  ) -> list[list[float]]:
     """P(step correct) of solutions already encoded (:meth:`encode_steps`: token ids and the
     positions of each step's label), batched and shared as :meth:`score_steps_batch` does."""
-    logits = self.outputs_of_ids([ids for ids, _ in encoded], batch_size=batch_size, bucket=bucket,
-                                 max_length=max_length, share_prefix=share_prefix)
-    return [correct_probability(logits_tc[positions]).tolist()  # [steps, C] -> [steps]
-            for logits_tc, (_, positions) in zip(logits, encoded)]
+    logits = self.outputs_of_ids(
+      [ids for ids, _ in encoded],
+      batch_size=batch_size,
+      bucket=bucket,
+      max_length=max_length,
+      share_prefix=share_prefix,
+    )
+    return [
+      correct_probability(logits_tc[positions]).tolist()  # [steps, C] -> [steps]
+      for logits_tc, (_, positions) in zip(logits, encoded)
+    ]
 
   # ---------------------------------------------------------------- reward functions
 
-  def as_reward_func(self, *, normalize: bool = False, batch_size: int = 8, name: str = "jaxrm_reward",
-                     combine=None, step_aggregation: str | None = None) -> Callable[..., list[float | None]]:
+  def as_reward_func(
+    self,
+    *,
+    normalize: bool = False,
+    batch_size: int = 8,
+    name: str = "jaxrm_reward",
+    combine=None,
+    step_aggregation: str | None = None,
+  ) -> Callable[..., list[float | None]]:
     """A TRL GRPOTrainer reward function; see :func:`jaxrm.reward_funcs.as_reward_func` (a process
     model's steps made one reward by ``step_aggregation``, default min)."""
-    return reward_funcs.as_reward_func(self, normalize=normalize, batch_size=batch_size, name=name,
-                                       combine=combine, step_aggregation=step_aggregation)
+    return reward_funcs.as_reward_func(
+      self,
+      normalize=normalize,
+      batch_size=batch_size,
+      name=name,
+      combine=combine,
+      step_aggregation=step_aggregation,
+    )
 
-  def as_multi_agent_reward_func(self, formatter: Callable[..., Text], *, normalize: bool = False,
-                                 batch_size: int = 8, name: str = "jaxrm_reward", combine=None,
-                                 step_aggregation: str | None = None) -> Callable[..., list[float]]:
+  def as_multi_agent_reward_func(
+    self,
+    formatter: Callable[..., Text],
+    *,
+    normalize: bool = False,
+    batch_size: int = 8,
+    name: str = "jaxrm_reward",
+    combine=None,
+    step_aggregation: str | None = None,
+  ) -> Callable[..., list[float]]:
     """A CoMLRL-style multi-agent reward function; see :func:`jaxrm.reward_funcs.as_multi_agent_reward_func`."""
-    return reward_funcs.as_multi_agent_reward_func(self, formatter, normalize=normalize, batch_size=batch_size,
-                                                   name=name, combine=combine, step_aggregation=step_aggregation)
+    return reward_funcs.as_multi_agent_reward_func(
+      self,
+      formatter,
+      normalize=normalize,
+      batch_size=batch_size,
+      name=name,
+      combine=combine,
+      step_aggregation=step_aggregation,
+    )

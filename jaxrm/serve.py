@@ -54,73 +54,150 @@ DEFAULTS = ServerConfig()
 
 def _define_flags() -> None:
   from absl import flags
+
   d = DEFAULTS
-  flags.DEFINE_string("model", None, "HF checkpoint dir, .gguf file, embedded:NAME, or a jaxrm run dir.",
-                      required=True)
-  flags.DEFINE_string("host", "127.0.0.1", "Address to bind; anything but loopback exposes the model to "
-                      "the network: set --api_key.")
+  flags.DEFINE_string(
+    "model", None, "HF checkpoint dir, .gguf file, embedded:NAME, or a jaxrm run dir.", required=True
+  )
+  flags.DEFINE_string(
+    "host",
+    "127.0.0.1",
+    "Address to bind; anything but loopback exposes the model to the network: set --api_key.",
+  )
   flags.DEFINE_integer("port", 8000, "Port (0: any free port).")
-  flags.DEFINE_string("api_key", None, f"Bearer token every endpoint but /health asks for (default: ${API_KEY_ENV}).")
-  flags.DEFINE_string("served_model_name", None, "The model's name in answers that name one (vLLM's \"model\", "
-                      "/health to a key holder; default: the last part of --model). The --model path itself "
-                      "is never sent.")
+  flags.DEFINE_string(
+    "api_key", None, f"Bearer token every endpoint but /health asks for (default: ${API_KEY_ENV})."
+  )
+  flags.DEFINE_string(
+    "served_model_name",
+    None,
+    "The model's name in answers that name one (vLLM's \"model\", "
+    "/health to a key holder; default: the last part of --model). The --model path itself "
+    "is never sent.",
+  )
   flags.DEFINE_integer("max_batch", d.max_batch, "Most texts, conversations or pairs per request.")
   flags.DEFINE_integer("max_request_bytes", d.max_request_bytes, "Largest request body, in bytes.")
-  flags.DEFINE_integer("max_pending_bytes", d.max_pending_bytes, "Bytes of request bodies being read or waiting "
-                       "to be tokenized, all requests together, before new requests get 503 + Retry-After.")
-  flags.DEFINE_integer("max_length", None, "Most tokens per item (default: the training run's data.max_length, "
-                       "which a run and an export of it record; else 2048, or the model's context if "
-                       "shorter); conversations lose their oldest turns to fit.")
+  flags.DEFINE_integer(
+    "max_pending_bytes",
+    d.max_pending_bytes,
+    "Bytes of request bodies being read or waiting "
+    "to be tokenized, all requests together, before new requests get 503 + Retry-After.",
+  )
+  flags.DEFINE_integer(
+    "max_length",
+    None,
+    "Most tokens per item (default: the training run's data.max_length, "
+    "which a run and an export of it record; else 2048, or the model's context if "
+    "shorter); conversations lose their oldest turns to fit.",
+  )
   flags.DEFINE_integer("batch_size", d.batch_size, "Rows per forward pass.")
-  flags.DEFINE_integer("batch_tokens", None, "Padded tokens per forward pass (default: batch_size x max_length).")
-  flags.DEFINE_list("buckets", None, "Padded lengths, each compiled at start (default: 64, 128, ... up to "
-                    "max_length).")
+  flags.DEFINE_integer(
+    "batch_tokens", None, "Padded tokens per forward pass (default: batch_size x max_length)."
+  )
+  flags.DEFINE_list(
+    "buckets", None, "Padded lengths, each compiled at start (default: 64, 128, ... up to max_length)."
+  )
   flags.DEFINE_float("batch_wait_ms", d.batch_wait_ms, "How long to wait for more requests to join a batch.")
-  flags.DEFINE_bool("share_prefix", d.share_prefix, "Score rows that share a prefix of at least 64 tokens (a "
-                    "prompt's completions, in one request or several) together, the prefix once; the rewards "
-                    "are those of rows scored alone, up to float rounding.")
-  flags.DEFINE_integer("max_queued_tokens", d.max_queued_tokens, "Tokens queued, all requests together, "
-                       "before new requests get 503 + Retry-After.")
-  flags.DEFINE_float("request_timeout", d.request_timeout, "Seconds from a request's headers to its answer: "
-                     "reading its body, tokenizing and scoring it (504 past them).")
-  flags.DEFINE_float("header_timeout", d.header_timeout, "Seconds a connection may take to send request "
-                     "headers before it is dropped.")
+  flags.DEFINE_bool(
+    "share_prefix",
+    d.share_prefix,
+    "Score rows that share a prefix of at least 64 tokens (a "
+    "prompt's completions, in one request or several) together, the prefix once; the rewards "
+    "are those of rows scored alone, up to float rounding.",
+  )
+  flags.DEFINE_integer(
+    "max_queued_tokens",
+    d.max_queued_tokens,
+    "Tokens queued, all requests together, before new requests get 503 + Retry-After.",
+  )
+  flags.DEFINE_float(
+    "request_timeout",
+    d.request_timeout,
+    "Seconds from a request's headers to its answer: "
+    "reading its body, tokenizing and scoring it (504 past them).",
+  )
+  flags.DEFINE_float(
+    "header_timeout",
+    d.header_timeout,
+    "Seconds a connection may take to send request headers before it is dropped.",
+  )
   flags.DEFINE_float("body_timeout", d.body_timeout, "Seconds a request may take to send its body (408).")
   flags.DEFINE_float("keep_alive", d.keep_alive, "Seconds an idle keep-alive connection is kept.")
-  flags.DEFINE_integer("max_connections", d.max_connections, "Open connections before new requests get 503; "
-                       "also the most requests waiting to be scored.")
-  flags.DEFINE_bool("openrlhf_text", False, "/get_reward: strip pad/eos tokens from each text and append one "
-                    "eos, as OpenRLHF's serve_rm does (for models trained with OpenRLHF).")
-  flags.DEFINE_bool("normalize", False, "Return (reward - mean) / std with the statistics recorded at "
-                    "validation (models saved by training).")
-  flags.DEFINE_string("combine", None, "A regression model's outputs combined into one reward: an attribute's "
-                      "name, or 'name=weight,...' (see RewardModel.score).")
-  flags.DEFINE_bool("access_log", False, "Log one line per scoring request: client, endpoint, status, seconds "
-                    "and request id.")
-  flags.DEFINE_enum("step_aggregation", d.step_aggregation, list(step_rewards.AGGREGATIONS), "A process reward "
-                    "model's step probabilities made one reward per solution (/score, and /score_steps' "
-                    "\"rewards\"), unless a request sends its own \"aggregation\".")
+  flags.DEFINE_integer(
+    "max_connections",
+    d.max_connections,
+    "Open connections before new requests get 503; also the most requests waiting to be scored.",
+  )
+  flags.DEFINE_bool(
+    "openrlhf_text",
+    False,
+    "/get_reward: strip pad/eos tokens from each text and append one "
+    "eos, as OpenRLHF's serve_rm does (for models trained with OpenRLHF).",
+  )
+  flags.DEFINE_bool(
+    "normalize",
+    False,
+    "Return (reward - mean) / std with the statistics recorded at validation (models saved by training).",
+  )
+  flags.DEFINE_string(
+    "combine",
+    None,
+    "A regression model's outputs combined into one reward: an attribute's "
+    "name, or 'name=weight,...' (see RewardModel.score).",
+  )
+  flags.DEFINE_bool(
+    "access_log", False, "Log one line per scoring request: client, endpoint, status, seconds and request id."
+  )
+  flags.DEFINE_enum(
+    "step_aggregation",
+    d.step_aggregation,
+    list(step_rewards.AGGREGATIONS),
+    "A process reward "
+    "model's step probabilities made one reward per solution (/score, and /score_steps' "
+    '"rewards"), unless a request sends its own "aggregation".',
+  )
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
-  flags.DEFINE_string("attention", "auto", "Attention implementation: auto (a fused kernel on GPU, the "
-                      "reference path elsewhere) | reference | pallas | cudnn.")
+  flags.DEFINE_string(
+    "attention",
+    "auto",
+    "Attention implementation: auto (a fused kernel on GPU, the "
+    "reference path elsewhere) | reference | pallas | cudnn.",
+  )
 
 
 def server_config(f) -> ServerConfig:
   """The ServerConfig of the parsed flags."""
   from jaxrm.errors import ConfigError
+
   try:
     buckets = tuple(int(b) for b in f.buckets) if f.buckets else None
   except ValueError:
-    raise ConfigError(f"--buckets={','.join(f.buckets)}: give token lengths, e.g. --buckets=128,512,2048") from None
+    raise ConfigError(
+      f"--buckets={','.join(f.buckets)}: give token lengths, e.g. --buckets=128,512,2048"
+    ) from None
   return ServerConfig(
-      max_batch=f.max_batch, max_request_bytes=f.max_request_bytes, max_pending_bytes=f.max_pending_bytes,
-      max_length=f.max_length, batch_size=f.batch_size,
-      batch_tokens=f.batch_tokens, buckets=buckets, batch_wait_ms=f.batch_wait_ms, share_prefix=f.share_prefix,
-      max_queued_tokens=f.max_queued_tokens, request_timeout=f.request_timeout,
-      header_timeout=f.header_timeout, body_timeout=f.body_timeout, keep_alive=f.keep_alive,
-      max_connections=f.max_connections, openrlhf_text=f.openrlhf_text, normalize=f.normalize,
-      combine=f.combine, step_aggregation=f.step_aggregation, access_log=f.access_log,
-      api_key=f.api_key or os.environ.get(API_KEY_ENV) or None)
+    max_batch=f.max_batch,
+    max_request_bytes=f.max_request_bytes,
+    max_pending_bytes=f.max_pending_bytes,
+    max_length=f.max_length,
+    batch_size=f.batch_size,
+    batch_tokens=f.batch_tokens,
+    buckets=buckets,
+    batch_wait_ms=f.batch_wait_ms,
+    share_prefix=f.share_prefix,
+    max_queued_tokens=f.max_queued_tokens,
+    request_timeout=f.request_timeout,
+    header_timeout=f.header_timeout,
+    body_timeout=f.body_timeout,
+    keep_alive=f.keep_alive,
+    max_connections=f.max_connections,
+    openrlhf_text=f.openrlhf_text,
+    normalize=f.normalize,
+    combine=f.combine,
+    step_aggregation=f.step_aggregation,
+    access_log=f.access_log,
+    api_key=f.api_key or os.environ.get(API_KEY_ENV) or None,
+  )
 
 
 def served_model_name(f) -> str:
@@ -140,12 +217,19 @@ def main() -> None:
   server = make_server(rm, f.host, f.port, config=config, model_name=served_model_name(f))
   host = server.address[0]
   if not ipaddress.ip_address(host).is_loopback and config.api_key is None:
-    log.warning("listening on %s without --api_key: anyone who can reach this address can use the model", host)
+    log.warning(
+      "listening on %s without --api_key: anyone who can reach this address can use the model", host
+    )
   packed = server.batcher.packed_buckets
-  log.info("max_length=%d tokens per item, buckets %s, %d rows per batch; %s", server.config.max_length,
-           ",".join(map(str, server.config.buckets)), server.config.batch_size,
-           f"rows sharing a prefix packed in rows of {','.join(map(str, packed))} tokens" if packed
-           else "every row scored alone")
+  log.info(
+    "max_length=%d tokens per item, buckets %s, %d rows per batch; %s",
+    server.config.max_length,
+    ",".join(map(str, server.config.buckets)),
+    server.config.batch_size,
+    f"rows sharing a prefix packed in rows of {','.join(map(str, packed))} tokens"
+    if packed
+    else "every row scored alone",
+  )
   print(f"jaxrm: serving {f.model} on {server.url} ({ENDPOINTS})", flush=True)
   server.serve_forever()
 

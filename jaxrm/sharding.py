@@ -12,12 +12,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "context", "tensor")
 CONTEXT_AXIS = "context"  # the axis that splits a row's tokens (``length``)
@@ -25,17 +27,17 @@ CONTEXT_BALANCES = ("zigzag", "none")
 
 # logical name -> mesh axis (or tuple of axes, or None for replicated)
 DEFAULT_RULES: dict[str, Any] = {
-    "batch": ("data", "fsdp"),
-    "length": CONTEXT_AXIS,  # batches arrive whole over it; the decoder's first constraint splits them
-    "embed": "fsdp",
-    "vocab": "tensor",
-    "heads": "tensor",
-    "kv_heads": "tensor",
-    "head_dim": None,
-    "mlp": "tensor",
-    "layers": None,
-    "labels": None,
-    "act_embed": None,  # activations' feature dim stays whole between blocks
+  "batch": ("data", "fsdp"),
+  "length": CONTEXT_AXIS,  # batches arrive whole over it; the decoder's first constraint splits them
+  "embed": "fsdp",
+  "vocab": "tensor",
+  "heads": "tensor",
+  "kv_heads": "tensor",
+  "head_dim": None,
+  "mlp": "tensor",
+  "layers": None,
+  "labels": None,
+  "act_embed": None,  # activations' feature dim stays whole between blocks
 }
 
 
@@ -58,8 +60,10 @@ class MeshConfig:
       if not isinstance(size, int) or (size < 1 and size != -1):
         raise ValueError(f"mesh.{name}={size!r}: use a number of devices (1 or more), or -1 for the rest")
     if self.context_balance not in CONTEXT_BALANCES:
-      raise ValueError(f"mesh.context_balance={self.context_balance!r}: use one of "
-                       f"{', '.join(CONTEXT_BALANCES)} (how mesh.context splits a row's tokens)")
+      raise ValueError(
+        f"mesh.context_balance={self.context_balance!r}: use one of "
+        f"{', '.join(CONTEXT_BALANCES)} (how mesh.context splits a row's tokens)"
+      )
 
 
 # mesh -> its MeshConfig.context_balance, for the decoder to read at trace time (a jax Mesh
@@ -80,13 +84,16 @@ def make_mesh(cfg: MeshConfig = MeshConfig(), devices: Sequence[jax.Device] | No
   if -1 in sizes:
     if len(devices) % known:
       fixed = " x ".join(f"{names[i]}={sizes[i]}" for i in shown if sizes[i] != -1)
-      raise ValueError(f"mesh: {len(devices)} devices are not divisible by the fixed axes' product {known} "
-                       f"({fixed}); set mesh.* to sizes whose product divides the devices")
+      raise ValueError(
+        f"mesh: {len(devices)} devices are not divisible by the fixed axes' product {known} "
+        f"({fixed}); set mesh.* to sizes whose product divides the devices"
+      )
     sizes[sizes.index(-1)] = len(devices) // known
   if math.prod(sizes) != len(devices):
     raise ValueError(
-        f"mesh: {said(sizes, ' x ')} = {math.prod(sizes)} devices, "
-        f"but {len(devices)} are available; set the sizes so their product matches (or use -1 for one axis)")
+      f"mesh: {said(sizes, ' x ')} = {math.prod(sizes)} devices, "
+      f"but {len(devices)} are available; set the sizes so their product matches (or use -1 for one axis)"
+    )
   mesh = Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
   _BALANCE[mesh] = cfg.context_balance
   return mesh
@@ -182,8 +189,9 @@ def _shards(spec: P, mesh: Mesh) -> int:
   return math.prod(mesh.shape[a] for a in names)
 
 
-def batch_sharding(mesh: Mesh, ndim: int, rules: dict[str, Any] = DEFAULT_RULES, *,
-                   stacked: bool = False) -> NamedSharding:
+def batch_sharding(
+  mesh: Mesh, ndim: int, rules: dict[str, Any] = DEFAULT_RULES, *, stacked: bool = False
+) -> NamedSharding:
   """Sharding of a batch array: rows over the data-parallel axes.
 
   Rows are the leading dimension, or with ``stacked`` (micro-batches stacked for gradient

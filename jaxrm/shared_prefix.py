@@ -21,7 +21,7 @@ into several runs, each with its own copy of the prefix. Rows in no run score al
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -51,8 +51,10 @@ class Sharing:
 
   def __post_init__(self):
     if self.min_prefix < 1 or self.max_rows < 2 or self.row_length < 2:
-      raise ValueError(f"Sharing needs min_prefix >= 1, max_rows >= 2 and row_length >= 2, got "
-                       f"min_prefix={self.min_prefix}, max_rows={self.max_rows}, row_length={self.row_length}")
+      raise ValueError(
+        f"Sharing needs min_prefix >= 1, max_rows >= 2 and row_length >= 2, got "
+        f"min_prefix={self.min_prefix}, max_rows={self.max_rows}, row_length={self.row_length}"
+      )
 
 
 def as_sharing(share_prefix: bool | Sharing) -> Sharing | None:
@@ -82,8 +84,9 @@ def row_cost(length: int, break_even: float) -> float:
   return length * (1.0 + length / (2.0 * break_even))
 
 
-def scoring_groups(rows: Sequence[Sequence[int]], sharing: Sharing | None, cfg: ModelConfig,
-                   max_tokens: int) -> list[list[int]]:
+def scoring_groups(
+  rows: Sequence[Sequence[int]], sharing: Sharing | None, cfg: ModelConfig, max_tokens: int
+) -> list[list[int]]:
   """The groups of ``rows`` that :class:`jaxrm.RewardModel` scores together for a model of ``cfg``:
   :func:`prefix_groups` with packed rows of at most ``max_tokens`` tokens (the token budget of one
   forward pass); every row alone without ``sharing``."""
@@ -109,7 +112,7 @@ def prefix_groups(rows: Sequence[Sequence[int]], sharing: Sharing, break_even: f
   start = _best_runs(lengths, adjacent, sharing, break_even)
   groups, end = [], len(order)
   while end:
-    groups.append(order[start[end]:end])
+    groups.append(order[start[end] : end])
     end = start[end]
   return groups[::-1]
 
@@ -164,7 +167,7 @@ class SharedRows:
     """Each row's reward(s), [N] or [N, C], from the model's rewards [B, R] or [B, R, C] at the
     batch's ``reward_positions``."""
     flat = rewards_br.reshape(rewards_br.shape[0] * rewards_br.shape[1], -1)
-    index = np.concatenate([self.batch.reward_index[g, :len(group)] for g, group in enumerate(self.groups)])
+    index = np.concatenate([self.batch.reward_index[g, : len(group)] for g, group in enumerate(self.groups)])
     out = flat[index]
     return out[:, 0] if rewards_br.ndim == 2 else out
 
@@ -177,15 +180,22 @@ class SharedRows:
     b = self.batch
     r = b.reward_positions.shape[1]
     for g, group in enumerate(self.groups):
-      for slot in b.reward_index[g, :len(group)]:
+      for slot in b.reward_index[g, : len(group)]:
         row, end = slot // r, b.reward_positions[slot // r, slot % r]
         segment, branch = b.segment_ids[row], b.branch_ids[row]
         yield row, np.flatnonzero((segment == segment[end]) & ((branch == 0) | (branch == branch[end])))
 
 
-def shared_batches(rows: Sequence[Sequence[int]], groups: Sequence[Sequence[int]], *, batch_size: int,
-                   buckets: Sequence[int], max_tokens: int, pad_id: int,
-                   slot_per_token: bool = False) -> Iterator[SharedRows]:
+def shared_batches(
+  rows: Sequence[Sequence[int]],
+  groups: Sequence[Sequence[int]],
+  *,
+  batch_size: int,
+  buckets: Sequence[int],
+  max_tokens: int,
+  pad_id: int,
+  slot_per_token: bool = False,
+) -> Iterator[SharedRows]:
   """``groups`` of ``rows`` as forward passes of packed rows, shortest first.
 
   A pass holds at most ``batch_size`` rows of T tokens, T the first of ``buckets`` that holds its
@@ -201,12 +211,19 @@ def shared_batches(rows: Sequence[Sequence[int]], groups: Sequence[Sequence[int]
   while order:
     n = 1
     while n < min(batch_size, len(order)) and (
-        scoring_rows(n + 1, batch_size) * bucket_length(lengths[order[n]], buckets) <= max_tokens):
+      scoring_rows(n + 1, batch_size) * bucket_length(lengths[order[n]], buckets) <= max_tokens
+    ):
       n += 1
     members, order = order[:n], order[n:]
     length = bucket_length(lengths[members[-1]], buckets)
-    yield _pack([examples[i] for i in members], tuple(tuple(groups[i]) for i in members), length, batch_size,
-                pad_id, length if slot_per_token else None)
+    yield _pack(
+      [examples[i] for i in members],
+      tuple(tuple(groups[i]) for i in members),
+      length,
+      batch_size,
+      pad_id,
+      length if slot_per_token else None,
+    )
 
 
 def _example(rows: Sequence[Sequence[int]], group: Sequence[int]) -> PreferenceExample:
@@ -215,15 +232,23 @@ def _example(rows: Sequence[Sequence[int]], group: Sequence[int]) -> PreferenceE
   return PreferenceExample(ids, tuple(range(len(ids))), 0.0, f"rows {', '.join(map(str, group))}", {})
 
 
-def _pack(examples: list[PreferenceExample], groups: tuple[tuple[int, ...], ...], length: int,
-          batch_size: int, pad_id: int, slots: int | None) -> SharedRows:
+def _pack(
+  examples: list[PreferenceExample],
+  groups: tuple[tuple[int, ...], ...],
+  length: int,
+  batch_size: int,
+  pad_id: int,
+  slots: int | None,
+) -> SharedRows:
   """``examples`` in rows of ``length`` tokens with ``slots`` reward slots per row (None: the
   power of two, at least 8, that holds them, so that few shapes compile)."""
   spec = packing.PackSpec(row_length=length, shared_prompt=True, pad_id=pad_id)
-  plan = packing.plan_rows([packing.packed_length(e, shared_prompt=True) for e in examples], length,
-                           [e.source for e in examples])
+  plan = packing.plan_rows(
+    [packing.packed_length(e, shared_prompt=True) for e in examples], length, [e.source for e in examples]
+  )
   if slots is None:
     slots = max(8, 1 << (packing.rewards_per_row(examples, plan) - 1).bit_length())
-  batch = packing.pack_preference(examples, spec, num_rows=scoring_rows(len(plan), batch_size),
-                                  num_rewards=slots)
+  batch = packing.pack_preference(
+    examples, spec, num_rows=scoring_rows(len(plan), batch_size), num_rewards=slots
+  )
   return SharedRows(batch, groups)

@@ -17,7 +17,7 @@ separator, so the text between two separators is one step.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 AGGREGATIONS = ("min", "last", "product", "mean")
 DEFAULT_AGGREGATION = "min"
@@ -26,8 +26,10 @@ DEFAULT_AGGREGATION = "min"
 def check_aggregation(how: str, flag: str = "step_aggregation") -> str:
   """``how`` if it names one of :data:`AGGREGATIONS`, else a ValueError naming ``flag``."""
   if how not in AGGREGATIONS:
-    raise ValueError(f"{flag}={how!r} is not an aggregation of step probabilities; "
-                     f"choose one of {', '.join(AGGREGATIONS)} (default {DEFAULT_AGGREGATION})")
+    raise ValueError(
+      f"{flag}={how!r} is not an aggregation of step probabilities; "
+      f"choose one of {', '.join(AGGREGATIONS)} (default {DEFAULT_AGGREGATION})"
+    )
   return how
 
 

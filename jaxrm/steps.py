@@ -15,7 +15,8 @@ import contextlib
 import functools
 import logging
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -73,8 +74,9 @@ def _microbatches(batch: Batch, n: int) -> Batch:
   return jax.tree.map(split, batch)
 
 
-def abstract_state(params: nnx.State, tx: optax.GradientTransformation, *, mesh: Mesh,
-                   trainable: nnx.filterlib.Filter = ...) -> tuple[dict[str, Any], dict[str, Any]]:
+def abstract_state(
+  params: nnx.State, tx: optax.GradientTransformation, *, mesh: Mesh, trainable: nnx.filterlib.Filter = ...
+) -> tuple[dict[str, Any], dict[str, Any]]:
   """The train state :func:`init_state` builds, as ``jax.ShapeDtypeStruct``s with their shardings,
   and the shardings. ``params`` may be abstract: nothing is allocated (the memory plan compiles
   the step on it).
@@ -87,18 +89,35 @@ def abstract_state(params: nnx.State, tx: optax.GradientTransformation, *, mesh:
     params, frozen["frozen"] = nnx.split_state(params, trainable, ...)
   param_shardings = jax.tree.map(lambda x: x.sharding, params)
   opt_state = jax.eval_shape(tx.init, params)
-  opt_shardings = optax.tree_map_params(tx, lambda _, s: s, opt_state, param_shardings,
-                                        transform_non_params=lambda _: replicated)
-  shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated, "rng": replicated,
-               **jax.tree.map(lambda x: x.sharding, frozen)}
-  shapes = {"params": params, "opt_state": opt_state, "step": jax.ShapeDtypeStruct((), jnp.int32),
-            "rng": jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))), **frozen}
+  opt_shardings = optax.tree_map_params(
+    tx, lambda _, s: s, opt_state, param_shardings, transform_non_params=lambda _: replicated
+  )
+  shardings = {
+    "params": param_shardings,
+    "opt_state": opt_shardings,
+    "step": replicated,
+    "rng": replicated,
+    **jax.tree.map(lambda x: x.sharding, frozen),
+  }
+  shapes = {
+    "params": params,
+    "opt_state": opt_state,
+    "step": jax.ShapeDtypeStruct((), jnp.int32),
+    "rng": jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))),
+    **frozen,
+  }
   state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
   return state, shardings
 
 
-def init_state(params: nnx.State, tx: optax.GradientTransformation, *, seed: int, mesh: Mesh,
-               trainable: nnx.filterlib.Filter = ...) -> tuple[dict[str, Any], dict[str, Any]]:
+def init_state(
+  params: nnx.State,
+  tx: optax.GradientTransformation,
+  *,
+  seed: int,
+  mesh: Mesh,
+  trainable: nnx.filterlib.Filter = ...,
+) -> tuple[dict[str, Any], dict[str, Any]]:
   """The initial train state, every leaf placed on ``mesh``, and its shardings.
 
   Args:
@@ -115,10 +134,15 @@ def init_state(params: nnx.State, tx: optax.GradientTransformation, *, seed: int
     params, frozen["frozen"] = nnx.split_state(params, trainable, ...)
   replicated = shardings["step"]
   step_and_rng = jax.jit(
-      lambda: {"step": jnp.zeros((), jnp.int32), "rng": jax.random.key_data(jax.random.key(seed))},
-      out_shardings={"step": replicated, "rng": replicated})()
-  state = {"params": params, "opt_state": jax.jit(tx.init, out_shardings=shardings["opt_state"])(params),
-           **step_and_rng, **frozen}
+    lambda: {"step": jnp.zeros((), jnp.int32), "rng": jax.random.key_data(jax.random.key(seed))},
+    out_shardings={"step": replicated, "rng": replicated},
+  )()
+  state = {
+    "params": params,
+    "opt_state": jax.jit(tx.init, out_shardings=shardings["opt_state"])(params),
+    **step_and_rng,
+    **frozen,
+  }
   return state, shardings
 
 
@@ -139,9 +163,16 @@ def set_step_and_rng(state: dict[str, Any], step: int, rng: Sequence[int]) -> di
   return dict(state, step=put(step, state["step"]), rng=put(rng, state["rng"]))
 
 
-def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedule: Callable,
-                    *, grad_accum_steps: int = 1, max_grad_norm: float = 0.0, state_shardings: Any = None,
-                    mesh: Mesh | None = None) -> Callable:
+def make_train_step(
+  loss_fn: Callable,
+  tx: optax.GradientTransformation,
+  schedule: Callable,
+  *,
+  grad_accum_steps: int = 1,
+  max_grad_norm: float = 0.0,
+  state_shardings: Any = None,
+  mesh: Mesh | None = None,
+) -> Callable:
   """One jitted ``(state, batch) -> (state, (metrics, extra))`` with the state donated.
 
   Only ``state["params"]`` is differentiated and updated; ``state["frozen"]`` (LoRA's base, see
@@ -176,14 +207,16 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedul
         (_, m), g = grad_fn(params, mb, frozen, jax.random.fold_in(rng, i))
         return (jax.tree.map(jnp.add, g_acc, g), accumulate(m_acc, m)), None
 
-      (grads, metrics), _ = jax.lax.scan(body, (zero_grads, zero_metrics),
-                                         (micro, jnp.arange(grad_accum_steps)))
+      (grads, metrics), _ = jax.lax.scan(
+        body, (zero_grads, zero_metrics), (micro, jnp.arange(grad_accum_steps))
+      )
     return _update(tx, schedule, max_grad_norm, state, grads, metrics)
 
   if state_shardings is None:
     return jax.jit(step, donate_argnums=0)
-  return jax.jit(step, donate_argnums=0, in_shardings=(state_shardings, None),
-                 out_shardings=(state_shardings, None))
+  return jax.jit(
+    step, donate_argnums=0, in_shardings=(state_shardings, None), out_shardings=(state_shardings, None)
+  )
 
 
 def _step_key(state) -> jax.Array:
@@ -192,8 +225,9 @@ def _step_key(state) -> jax.Array:
   return jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
 
 
-def _update(tx: optax.GradientTransformation, schedule: Callable, max_grad_norm: float, state, grads,
-            metrics):
+def _update(
+  tx: optax.GradientTransformation, schedule: Callable, max_grad_norm: float, state, grads, metrics
+):
   """The optimizer's update of ``state`` by summed ``grads`` over the count of the summed loss,
   clipped to a global norm of ``max_grad_norm`` (``<= 0``: not clipped).
 
@@ -211,8 +245,9 @@ def _update(tx: optax.GradientTransformation, schedule: Callable, max_grad_norm:
     # Clipped, (g / count) * max_grad_norm / grad_norm is g * max_grad_norm / summed_norm.
     scale = jnp.where(grad_norm < max_grad_norm, scale, max_grad_norm / summed_norm)
   updates, opt_state = tx.update(jax.tree.map(lambda g: g * scale, grads), state["opt_state"], params)
-  new_state = dict(state, params=optax.apply_updates(params, updates), opt_state=opt_state,
-                   step=state["step"] + 1)
+  new_state = dict(
+    state, params=optax.apply_updates(params, updates), opt_state=opt_state, step=state["step"] + 1
+  )
   extra = {"grad_norm": grad_norm, "learning_rate": schedule(state["step"])}
   return new_state, (metrics, extra)
 
@@ -230,8 +265,16 @@ class MicroBatchedStep:
   draws are the same (micro-batch i folds in i).
   """
 
-  def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation, schedule: Callable, *,
-               max_grad_norm: float = 0.0, state_shardings: Any = None, mesh: Mesh | None = None):
+  def __init__(
+    self,
+    loss_fn: Callable,
+    tx: optax.GradientTransformation,
+    schedule: Callable,
+    *,
+    max_grad_norm: float = 0.0,
+    state_shardings: Any = None,
+    mesh: Mesh | None = None,
+  ):
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def grads_of(state, index, batch):
@@ -248,11 +291,15 @@ class MicroBatchedStep:
       self._grads = jax.jit(grads_of)
       self._update = jax.jit(update, donate_argnums=0)
     else:
-      self._grads = jax.jit(grads_of, in_shardings=(state_shardings, None, None),
-                            out_shardings=(state_shardings["params"], None))
-      self._update = jax.jit(update, donate_argnums=0,
-                             in_shardings=(state_shardings, state_shardings["params"], None),
-                             out_shardings=(state_shardings, None))
+      self._grads = jax.jit(
+        grads_of, in_shardings=(state_shardings, None, None), out_shardings=(state_shardings["params"], None)
+      )
+      self._update = jax.jit(
+        update,
+        donate_argnums=0,
+        in_shardings=(state_shardings, state_shardings["params"], None),
+        out_shardings=(state_shardings, None),
+      )
     self._add = jax.jit(add, donate_argnums=0)
     self.grads = CompiledPerShape("micro-batch gradient", self._grads)
 
@@ -269,8 +316,10 @@ class MicroBatchedStep:
     whose memory analyses size the step (the memory plan)."""
     index = np.int32(0)
     sums = jax.eval_shape(self._grads, state, index, micro_batch)  # the gradient and metric sums
-    return {"gradient": self.grads.compile(state, index, micro_batch),
-            "update": self._update.lower(state, *sums).compile()}
+    return {
+      "gradient": self.grads.compile(state, index, micro_batch),
+      "update": self._update.lower(state, *sums).compile(),
+    }
 
 
 def make_eval_step(loss_fn: Callable, *, mesh: Mesh | None = None) -> Callable:
@@ -308,8 +357,13 @@ class CompiledPerShape:
     if compiled is None:
       t0 = time.time()
       compiled = self._compiled[key] = self._jitted.lower(*args).compile()
-      log.info("%s compiled for input_ids %s in %.1fs; %s", self.name, batch.input_ids.shape,
-               time.time() - t0, _memory(compiled))
+      log.info(
+        "%s compiled for input_ids %s in %.1fs; %s",
+        self.name,
+        batch.input_ids.shape,
+        time.time() - t0,
+        _memory(compiled),
+      )
     return compiled
 
   def __call__(self, *args):

@@ -26,28 +26,35 @@ from ml_collections import config_flags
 from jaxrm import cli
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", None, "Training config file (configs/rm.py, configs/prm.py...).",
-                                lock_config=True)
-flags.DEFINE_string("nemo_config", None, "NeMo RL reward-model YAML (its examples/configs/rm.yaml); "
-                    "section.key=value overrides follow.")
+config_flags.DEFINE_config_file(
+  "config", None, "Training config file (configs/rm.py, configs/prm.py...).", lock_config=True
+)
+flags.DEFINE_string(
+  "nemo_config",
+  None,
+  "NeMo RL reward-model YAML (its examples/configs/rm.yaml); section.key=value overrides follow.",
+)
 flags.DEFINE_boolean("trl_args", False, "The rest of the command line is TRL's reward-script flags.")
 flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0.")
 flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
 flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
 
 
-def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
-                           process_id: int | None = None) -> None:
+def initialize_distributed(
+  coordinator_address: str | None = None, num_processes: int | None = None, process_id: int | None = None
+) -> None:
   """Joins a multi-process run: with an explicit coordinator, or under Slurm from its environment.
 
   Must run before anything else touches JAX's devices. CPU processes exchange collectives
   through gloo.
   """
   import jax
+
   if coordinator_address:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                               process_id=process_id)
+    jax.distributed.initialize(
+      coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+    )
   elif int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in os.environ:
     jax.distributed.initialize()  # Slurm cluster auto-detection
 
@@ -58,17 +65,27 @@ _FOREIGN: dict[str, list[str]] = {"trl": [], "nemo": []}
 
 def main() -> None:
   cli.setup_logging()
-  given = [name for name, on in (("--config", FLAGS.config is not None), ("--nemo_config", FLAGS.nemo_config),
-                                 ("--trl_args", FLAGS.trl_args)) if on]
+  given = [
+    name
+    for name, on in (
+      ("--config", FLAGS.config is not None),
+      ("--nemo_config", FLAGS.nemo_config),
+      ("--trl_args", FLAGS.trl_args),
+    )
+    if on
+  ]
   if len(given) != 1:
-    cli.exit_usage(f"give one of --config=configs/rm.py, --nemo_config=rm.yaml or --trl_args ...; got "
-                   f"{' and '.join(given) or 'none'}")
+    cli.exit_usage(
+      f"give one of --config=configs/rm.py, --nemo_config=rm.yaml or --trl_args ...; got "
+      f"{' and '.join(given) or 'none'}"
+    )
   if FLAGS.config is not None:
     config = cli.run_config(FLAGS.config)  # read once, here; the library takes the dataclasses
     initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   else:
     config = _foreign_config()
   from jaxrm import trainer
+
   trainer.train_and_evaluate(config)
 
 
@@ -79,12 +96,14 @@ def _foreign_config():
   processes join first.
   """
   from jaxrm.compat import nemo, trl_args
+
   if FLAGS.nemo_config:  # read (and its errors shown) before the processes wait on each other
     recipe, translate = nemo.load(FLAGS.nemo_config, _FOREIGN["nemo"]), nemo.translate
   else:
     recipe, translate = trl_args.parse(_FOREIGN["trl"]), trl_args.translate
   initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   import jax
+
   translation = translate(recipe, device_count=jax.device_count())
   if jax.process_index() == 0:
     print(translation.table(), flush=True)
@@ -96,7 +115,7 @@ def _parse(argv: list[str]) -> list[str]:
   _FOREIGN.update(trl=[], nemo=[])  # this command line's only
   if "--trl_args" in argv:
     at = argv.index("--trl_args")
-    argv, _FOREIGN["trl"] = argv[:at + 1], argv[at + 1:]
+    argv, _FOREIGN["trl"] = argv[: at + 1], argv[at + 1 :]
   elif any(a.startswith("--nemo_config") for a in argv):
     ours = [argv[0]]
     for i, arg in enumerate(argv[1:], 1):

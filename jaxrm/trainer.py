@@ -153,8 +153,15 @@ def _set_up(config: RunConfig) -> _Run:
   _count_unused(config, data, inputs)
   total_steps = _total_steps(config, inputs.stream)
   # ------------------------------------------------------------------ update
-  built = update.build_update(rm.model, config.reward, config.train, total_steps=total_steps, mesh=mesh,
-                              grad_accum=inputs.grad_accum, micro_batched=inputs.micro_batched)
+  built = update.build_update(
+    rm.model,
+    config.reward,
+    config.train,
+    total_steps=total_steps,
+    mesh=mesh,
+    grad_accum=inputs.grad_accum,
+    micro_batched=inputs.micro_batched,
+  )
   if is_main:
     os.makedirs(out_dir, exist_ok=True)
   if ckpt is None:
@@ -166,10 +173,24 @@ def _set_up(config: RunConfig) -> _Run:
     base = loading.base_reference(config.model.name_or_path) if lora_cfg.enabled else None
     loading.RunFiles(out_dir, rm.config, config, base).write(rm.tokenizer)
   # ------------------------------------------------------------------ summary
-  writer = MetricsWriter(out_dir, logger=config.logger, run_config=config.to_dict(), enabled=is_main,
-                         resume_step=start_step)
-  run = _Run(config, mesh, rm, data, inputs, total_steps, state, built.train_step, built.eval_step, ckpt,
-             writer, start_step, last_val)
+  writer = MetricsWriter(
+    out_dir, logger=config.logger, run_config=config.to_dict(), enabled=is_main, resume_step=start_step
+  )
+  run = _Run(
+    config,
+    mesh,
+    rm,
+    data,
+    inputs,
+    total_steps,
+    state,
+    built.train_step,
+    built.eval_step,
+    ckpt,
+    writer,
+    start_step,
+    last_val,
+  )
   if is_main:
     _write_drops(out_dir, data)
     print(_summary(run, out_dir), flush=True)
@@ -181,8 +202,11 @@ def _total_steps(config: RunConfig, stream: pipeline.TrainStream) -> int:
   spec = config.train
   epochs = spec.max_epochs * stream.steps_per_epoch
   if epochs < spec.max_steps:
-    spec.check_steps(epochs, f"train.max_epochs={spec.max_epochs} of {stream.steps_per_epoch} steps each "
-                     f"({stream.num_examples} train examples, train.global_batch_size={stream.global_batch_size})")
+    spec.check_steps(
+      epochs,
+      f"train.max_epochs={spec.max_epochs} of {stream.steps_per_epoch} steps each "
+      f"({stream.num_examples} train examples, train.global_batch_size={stream.global_batch_size})",
+    )
   return min(spec.max_steps, epochs)
 
 
@@ -195,18 +219,24 @@ def _checkpointer(config: RunConfig, out_dir: str) -> checkpointing.Checkpointer
   if not spec.enabled:
     return None
   with _config_errors():
-    return checkpointing.Checkpointer(_checkpoint_dir(config, out_dir), metric_name=spec.metric,
-                                      higher_is_better=spec.higher_is_better, keep_top_k=spec.keep_top_k)
+    return checkpointing.Checkpointer(
+      _checkpoint_dir(config, out_dir),
+      metric_name=spec.metric,
+      higher_is_better=spec.higher_is_better,
+      keep_top_k=spec.keep_top_k,
+    )
 
 
-def _load_model(config: RunConfig, source: loading.Source, mesh, lora_cfg: lora.LoraConfig, *,
-                weights: bool) -> loading.Loaded:
+def _load_model(
+  config: RunConfig, source: loading.Source, mesh, lora_cfg: lora.LoraConfig, *, weights: bool
+) -> loading.Loaded:
   """The reward model on ``mesh``, with adapters as ``lora_cfg`` says; without ``weights`` (a
   resumed full run) its parameters stay abstract until the checkpoint fills them, and the
   checkpoint's weights are never read."""
   with _config_errors():
-    loaded = loading.load(source, mesh=mesh, seed=config.model.seed, weights=weights,
-                          **model_request(config, lora_cfg))
+    loaded = loading.load(
+      source, mesh=mesh, seed=config.model.seed, weights=weights, **model_request(config, lora_cfg)
+    )
   if loaded.tokenizer is None:
     raise ConfigError(f"model.name_or_path={config.model.name_or_path!r} has no tokenizer files")
   if config.model.chat_template:
@@ -218,10 +248,19 @@ def model_request(config: RunConfig, lora_cfg: lora.LoraConfig) -> dict[str, Any
   """What ``loading.load`` is asked for the run's model: the config's overrides of the
   checkpoint's settings, and the head the reward type needs."""
   regression = config.reward.type == "regression"
-  overrides = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, remat=config.model.remat,
-                   scan_layers=config.model.scan_layers, attention_impl=config.model.attention, lora=lora_cfg)
-  return dict(overrides=overrides, head="token" if config.stepwise else "sequence",
-              num_labels=len(config.reward.attribute_names) if regression else None)
+  overrides = dict(
+    dtype=config.model.dtype,
+    param_dtype=config.model.param_dtype,
+    remat=config.model.remat,
+    scan_layers=config.model.scan_layers,
+    attention_impl=config.model.attention,
+    lora=lora_cfg,
+  )
+  return dict(
+    overrides=overrides,
+    head="token" if config.stepwise else "sequence",
+    num_labels=len(config.reward.attribute_names) if regression else None,
+  )
 
 
 def _locate_model(config: RunConfig, lora_cfg: lora.LoraConfig) -> loading.Source:
@@ -231,9 +270,11 @@ def _locate_model(config: RunConfig, lora_cfg: lora.LoraConfig) -> loading.Sourc
   with _config_errors():
     source = loading.locate(path)
   if lora_cfg.enabled and isinstance(source, loading.RunSource):
-    raise ConfigError(f"model.lora.rank={lora_cfg.rank} needs an HF checkpoint or .gguf file as model.name_or_path, "
-                      f"but {path!r} is a jaxrm training run: export it first (python -m jaxrm.export) and "
-                      "train the adapters over the export")
+    raise ConfigError(
+      f"model.lora.rank={lora_cfg.rank} needs an HF checkpoint or .gguf file as model.name_or_path, "
+      f"but {path!r} is a jaxrm training run: export it first (python -m jaxrm.export) and "
+      "train the adapters over the export"
+    )
   return source
 
 
@@ -245,8 +286,10 @@ def _check_same_lora(out_dir: str, lora_cfg: lora.LoraConfig) -> None:
   saved = files.model_config.lora
   if (saved.enabled or lora_cfg.enabled) and saved != lora_cfg:
     describe = lambda c: report.describe_lora(c) + (f", base {c.base_dtype}" if c.base_dtype else "")
-    raise ConfigError(f"{out_dir} holds a run trained with {describe(saved)}, but model.lora asks for "
-                      f"{describe(lora_cfg)}: resume with the run's settings, or use another output_dir")
+    raise ConfigError(
+      f"{out_dir} holds a run trained with {describe(saved)}, but model.lora asks for "
+      f"{describe(lora_cfg)}: resume with the run's settings, or use another output_dir"
+    )
 
 
 def _resume(ckpt: checkpointing.Checkpointer, step: int, state, train_iter):
@@ -263,12 +306,18 @@ def _resume(ckpt: checkpointing.Checkpointer, step: int, state, train_iter):
       continue
     restored = steps.set_step_and_rng(restored, meta["step"], meta["rng"])
     train_iter.set_state(data_state)
-    log.info("resumed from step %d (%s)%s", candidate, ckpt.directory,
-             f", skipping the damaged step(s) {', '.join(map(str, damaged))}" if damaged else "")
+    log.info(
+      "resumed from step %d (%s)%s",
+      candidate,
+      ckpt.directory,
+      f", skipping the damaged step(s) {', '.join(map(str, damaged))}" if damaged else "",
+    )
     return restored, meta.get("metrics") or {}, candidate
-  raise CheckpointError(f"{ckpt.directory}: no intact checkpoint to resume from; step(s) "
-                        f"{', '.join(map(str, damaged))} are damaged (moved to <step>.damaged). Remove the "
-                        "checkpoint directory to start over, or use another output_dir")
+  raise CheckpointError(
+    f"{ckpt.directory}: no intact checkpoint to resume from; step(s) "
+    f"{', '.join(map(str, damaged))} are damaged (moved to <step>.damaged). Remove the "
+    "checkpoint directory to start over, or use another output_dir"
+  )
 
 
 # ------------------------------------------------------------------ input
@@ -277,17 +326,31 @@ def _resume(ckpt: checkpointing.Checkpointer, step: int, state, train_iter):
 def _make_input(config: RunConfig, mesh, data: RunData, pad: int) -> _Input:
   plan = batching(config, mesh, data.num_completions, jax.process_count())
   if plan.pack is not None:
-    _check_row_length(plan.pack, {"train": data.train,
-                                  **{f"validation set {n!r}": v for n, v in data.validation.items()}})
-  hosts = dict(pad_id=pad, num_completions=data.num_completions, process_index=jax.process_index(),
-               process_count=plan.process_count, pack=plan.pack)
+    _check_row_length(
+      plan.pack, {"train": data.train, **{f"validation set {n!r}": v for n, v in data.validation.items()}}
+    )
+  hosts = dict(
+    pad_id=pad,
+    num_completions=data.num_completions,
+    process_index=jax.process_index(),
+    process_count=plan.process_count,
+    pack=plan.pack,
+  )
   with _config_errors():
     train_iter, stream = pipeline.make_train_iterator(
-        data.train, batch_size=plan.per_host, seed=config.data.shuffle_seed, buckets=plan.buckets,
-        num_workers=config.data.num_workers, micro_batches=plan.grad_accum,
-        group_by_length=config.data.group_by_length, **hosts)
-  validation = {name: pipeline.make_eval_batches(ex, batch_size=plan.eval_per_host, buckets=plan.buckets, **hosts)
-                for name, ex in data.validation.items()}
+      data.train,
+      batch_size=plan.per_host,
+      seed=config.data.shuffle_seed,
+      buckets=plan.buckets,
+      num_workers=config.data.num_workers,
+      micro_batches=plan.grad_accum,
+      group_by_length=config.data.group_by_length,
+      **hosts,
+    )
+  validation = {
+    name: pipeline.make_eval_batches(ex, batch_size=plan.eval_per_host, buckets=plan.buckets, **hosts)
+    for name, ex in data.validation.items()
+  }
   return _Input(train_iter, stream, validation, plan.pack, plan.grad_accum)
 
 
@@ -297,9 +360,12 @@ def _count_unused(config: RunConfig, data: RunData, inputs: _Input) -> None:
   stream = inputs.stream
   left = stream.num_examples - stream.steps_per_epoch * stream.global_batch_size
   if left:
-    data.drops["train"].leave_out(f"the {left} after each epoch's last full global batch of "
-                                  f"{stream.global_batch_size} (train.global_batch_size; other rows each epoch)",
-                                  f"{left} of each epoch's order", count=left)
+    data.drops["train"].leave_out(
+      f"the {left} after each epoch's last full global batch of "
+      f"{stream.global_batch_size} (train.global_batch_size; other rows each epoch)",
+      f"{left} of each epoch's order",
+      count=left,
+    )
   if not config.eval.val_batches:
     return
   for name, batches in inputs.validation.items():
@@ -308,19 +374,24 @@ def _count_unused(config: RunConfig, data: RunData, inputs: _Input) -> None:
     left = len(data.validation[name]) - kept
     if left > 0:
       data.drops[f"validation-{name}"].leave_out(
-          f"after eval.val_batches={config.eval.val_batches} batches (not validated)",
-          f"the last {left} of {name}", count=left)
+        f"after eval.val_batches={config.eval.val_batches} batches (not validated)",
+        f"the last {left} of {name}",
+        count=left,
+      )
 
 
 def _check_row_length(pack: PackSpec, example_sets: dict[str, list]) -> None:
   """Stops before training if a group cannot fit in one packed row."""
   for name, examples in example_sets.items():
-    need, source = max(((packing.packed_length(e, pack.shared_prompt), e.source) for e in examples),
-                       default=(0, ""))
+    need, source = max(
+      ((packing.packed_length(e, pack.shared_prompt), e.source) for e in examples), default=(0, "")
+    )
     if need > pack.row_length:
-      raise ConfigError(f"data.packed_row_length={pack.row_length} is too short for {source} ({name}), "
-                        f"which takes {need} tokens in one row: set data.packed_row_length >= {need}, "
-                        "or 0 to size rows automatically")
+      raise ConfigError(
+        f"data.packed_row_length={pack.row_length} is too short for {source} ({name}), "
+        f"which takes {need} tokens in one row: set data.packed_row_length >= {need}, "
+        "or 0 to size rows automatically"
+      )
 
 
 # ------------------------------------------------------------------ summary
@@ -335,20 +406,35 @@ def _summary(run: _Run, out_dir: str) -> str:
   """What the run is about to do (:func:`jaxrm.report.run_start`)."""
   config, rm, data, pack = run.config, run.rm, run.data, run.input.pack
   gbs = config.train.global_batch_size
-  shared = gbs * data.mean_train_tokens(shared_prompt=True) if pack is not None and pack.shared_prompt else None
+  shared = (
+    gbs * data.mean_train_tokens(shared_prompt=True) if pack is not None and pack.shared_prompt else None
+  )
   return report.run_start(
-      model_name=config.model.name_or_path, model=rm.config, reward_type=config.reward.type,
-      num_params=sum(x.size for x in jax.tree.leaves(nnx.state(rm.model))),
-      trained_params=sum(x.size for x in jax.tree.leaves(run.state["params"])),
-      attention=attention_summary(rm.config, mesh=run.mesh), mesh_shape=sharding.logged_shape(run.mesh),
-      devices=jax.device_count(),
-      backend=sharding.platform(run.mesh), processes=jax.process_count(), train_examples=len(data.train),
-      steps_per_epoch=run.input.stream.steps_per_epoch,
-      validation_sizes={n: len(v) for n, v in data.validation.items()}, drops=data.drops,
-      start_step=run.start_step, total_steps=run.total_steps, global_batch_size=gbs,
-      grad_accum=run.input.grad_accum, tokens_per_step=gbs * data.mean_train_tokens(), pack=pack,
-      micro_batched=run.input.micro_batched, shared_tokens_per_step=shared,
-      group_by_length=config.data.group_by_length, output_dir=out_dir)
+    model_name=config.model.name_or_path,
+    model=rm.config,
+    reward_type=config.reward.type,
+    num_params=sum(x.size for x in jax.tree.leaves(nnx.state(rm.model))),
+    trained_params=sum(x.size for x in jax.tree.leaves(run.state["params"])),
+    attention=attention_summary(rm.config, mesh=run.mesh),
+    mesh_shape=sharding.logged_shape(run.mesh),
+    devices=jax.device_count(),
+    backend=sharding.platform(run.mesh),
+    processes=jax.process_count(),
+    train_examples=len(data.train),
+    steps_per_epoch=run.input.stream.steps_per_epoch,
+    validation_sizes={n: len(v) for n, v in data.validation.items()},
+    drops=data.drops,
+    start_step=run.start_step,
+    total_steps=run.total_steps,
+    global_batch_size=gbs,
+    grad_accum=run.input.grad_accum,
+    tokens_per_step=gbs * data.mean_train_tokens(),
+    pack=pack,
+    micro_batched=run.input.micro_batched,
+    shared_tokens_per_step=shared,
+    group_by_length=config.data.group_by_length,
+    output_dir=out_dir,
+  )
 
 
 # ------------------------------------------------------------------ evals
@@ -361,7 +447,7 @@ def _evaluate(run: _Run, step: int) -> dict[str, float]:
   params = steps.model_params(run.state)
   for name, batches in run.input.validation.items():
     if run.config.eval.val_batches:
-      batches = batches[:run.config.eval.val_batches]
+      batches = batches[: run.config.eval.val_batches]
     acc = None
     for b in batches:
       m = run.eval_step(params, pipeline.to_global_batch(b, run.mesh))
@@ -373,8 +459,10 @@ def _evaluate(run: _Run, step: int) -> dict[str, float]:
   results["timing/validation/total_validation_time"] = time.time() - t0
   metric = run.config.checkpointing.metric
   if run.ckpt is not None and metric and metric not in results:
-    raise ConfigError(f"checkpointing.metric_name={run.config.checkpointing.metric_name!r} is not a validation "
-                      f"metric; available: {', '.join(sorted(results))}")
+    raise ConfigError(
+      f"checkpointing.metric_name={run.config.checkpointing.metric_name!r} is not a validation "
+      f"metric; available: {', '.join(sorted(results))}"
+    )
   run.writer.write(step, results)
   if run.writer.enabled:
     _say(report.validation_table(results, list(run.input.validation), step))
@@ -384,6 +472,7 @@ def _evaluate(run: _Run, step: int) -> dict[str, float]:
 def _say(text: str) -> None:
   """Prints above the progress bar, if one is showing."""
   from tqdm import tqdm
+
   tqdm.write(text)
 
 
@@ -392,8 +481,11 @@ def _samples_to_host(metrics: Metrics) -> Metrics:
   on each."""
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
-    metrics = {k: multihost_utils.process_allgather(v, tiled=True) if isinstance(v, Samples) else v
-               for k, v in metrics.items()}
+
+    metrics = {
+      k: multihost_utils.process_allgather(v, tiled=True) if isinstance(v, Samples) else v
+      for k, v in metrics.items()
+    }
   return jax.device_get(metrics)
 
 
@@ -435,8 +527,12 @@ def _show_progress(run: _Run, progress, step: int, metrics: dict[str, float], lo
     progress.update(1)
     progress.set_postfix(loss=f"{metrics['train/loss']:.4f}", acc=f"{accuracy:.3f}")
   elif logged and run.writer.enabled and run.config.logger.progress_bar:
-    print(report.progress_line(step, run.total_steps, metrics["train/loss"], accuracy,
-                               metrics["timing/train/step_time"]), flush=True)
+    print(
+      report.progress_line(
+        step, run.total_steps, metrics["train/loss"], accuracy, metrics["timing/train/step_time"]
+      ),
+      flush=True,
+    )
 
 
 def _train_step(run: _Run, step: int) -> dict[str, float]:
@@ -449,7 +545,9 @@ def _train_step(run: _Run, step: int) -> dict[str, float]:
   local = next(run.input.train_iter)
   real_tokens, efficiency = pipeline.token_counts(local)
   stacked = run.input.pack is not None and run.input.grad_accum > 1  # [grad_accum, rows, ...]
-  run.state, (metrics, extra) = run.train_step(run.state, pipeline.to_global_batch(local, run.mesh, stacked=stacked))
+  run.state, (metrics, extra) = run.train_step(
+    run.state, pipeline.to_global_batch(local, run.mesh, stacked=stacked)
+  )
   m = finalize_metrics(jax.device_get(metrics))
   grad_norm, lr = (float(x) for x in jax.device_get((extra["grad_norm"], extra["learning_rate"])))
   step_time = time.time() - t0
@@ -457,13 +555,20 @@ def _train_step(run: _Run, step: int) -> dict[str, float]:
     good = run.ckpt.latest_step() if run.ckpt is not None else None
     kept = f"step {good} in {run.ckpt.directory}" if good is not None else "none"
     raise UserError(
-        f"non-finite loss ({m['loss']}) or gradient norm ({grad_norm}) at step {step}; stopping. "
-        f"Last good checkpoint: {kept}. Try a lower train.learning_rate or train.max_grad_norm")
+      f"non-finite loss ({m['loss']}) or gradient norm ({grad_norm}) at step {step}; stopping. "
+      f"Last good checkpoint: {kept}. Try a lower train.learning_rate or train.max_grad_norm"
+    )
   row = {f"train/{k}": v for k, v in m.items()}
-  row.update({"train/grad_norm": grad_norm, "train/learning_rate": lr, "timing/train/step_time": step_time,
-              "train/tokens_per_second": real_tokens * jax.process_count() / max(step_time, 1e-9),
-              "train/packing_efficiency": efficiency,
-              "train/epoch": step / run.input.stream.steps_per_epoch})
+  row.update(
+    {
+      "train/grad_norm": grad_norm,
+      "train/learning_rate": lr,
+      "timing/train/step_time": step_time,
+      "train/tokens_per_second": real_tokens * jax.process_count() / max(step_time, 1e-9),
+      "train/packing_efficiency": efficiency,
+      "train/epoch": step / run.input.stream.steps_per_epoch,
+    }
+  )
   return row
 
 
@@ -471,14 +576,21 @@ def _validate_and_save(run: _Run, step: int, stopping: bool) -> None:
   """Validates and checkpoints at ``step`` when their periods (or the run's end) say so."""
   config, is_last = run.config, step == run.total_steps
   fresh_val = None
-  due = (config.eval.val_period and step % config.eval.val_period == 0) or (is_last and config.eval.val_at_end)
+  due = (config.eval.val_period and step % config.eval.val_period == 0) or (
+    is_last and config.eval.val_at_end
+  )
   if due and run.input.validation:
     run.last_val = fresh_val = _evaluate(run, step)
     run.last_val_step = step
   save_period = config.checkpointing.save_period
   if run.ckpt is not None and ((save_period and step % save_period == 0) or is_last or stopping):
-    meta = {"step": step, "rng": jax.device_get(run.state["rng"]).tolist(),
-            "reward_stats": _reward_stats(run.last_val), "metrics": fresh_val or {}, "config": config.to_dict()}
+    meta = {
+      "step": step,
+      "rng": jax.device_get(run.state["rng"]).tolist(),
+      "reward_stats": _reward_stats(run.last_val),
+      "metrics": fresh_val or {},
+      "config": config.to_dict(),
+    }
     run.ckpt.save(step, run.state, run.input.train_iter.get_state(), meta, metrics=fresh_val)
 
 
@@ -488,19 +600,31 @@ def _final_summary(run: _Run, wall_seconds: float) -> str:
   ranked = run.ckpt.best_by_metric() if run.ckpt is not None else None
   best = (ranked[0], config.checkpointing.metric, ranked[1]) if ranked is not None else None
   return report.run_summary(
-      output_dir=config.output_dir, steps=run.steps_done, wall_seconds=wall_seconds, train_tokens=run.train_tokens,
-      train_seconds=run.train_seconds, final_metrics=run.last_val, sets=list(config.data.val_data_paths),
-      final_step=run.last_val_step, best=best, higher_is_better=config.checkpointing.higher_is_better,
-      dataset_name=config.data.dataset_name, val_path=next(iter(config.data.val_data_paths.values()), ""),
-      files_only=registry.reads_paths_only(config.data.dataset_name), truncation=config.data.truncation,
-      lora=run.rm.config.lora.enabled, finished=run.finished, start_step=run.start_step)
+    output_dir=config.output_dir,
+    steps=run.steps_done,
+    wall_seconds=wall_seconds,
+    train_tokens=run.train_tokens,
+    train_seconds=run.train_seconds,
+    final_metrics=run.last_val,
+    sets=list(config.data.val_data_paths),
+    final_step=run.last_val_step,
+    best=best,
+    higher_is_better=config.checkpointing.higher_is_better,
+    dataset_name=config.data.dataset_name,
+    val_path=next(iter(config.data.val_data_paths.values()), ""),
+    files_only=registry.reads_paths_only(config.data.dataset_name),
+    truncation=config.data.truncation,
+    lora=run.rm.config.lora.enabled,
+    finished=run.finished,
+    start_step=run.start_step,
+  )
 
 
 def _reward_stats(val: dict[str, float]) -> dict[str, float]:
   """Reward mean/std of the first validation set: scoring can normalise with them."""
   for key, value in val.items():
     if key.endswith("_reward_mean"):
-      return {"mean": value, "std": val[key[:-len("mean")] + "std"], "from": key[:-len("_reward_mean")]}
+      return {"mean": value, "std": val[key[: -len("mean")] + "std"], "from": key[: -len("_reward_mean")]}
   return {}
 
 
@@ -509,4 +633,5 @@ def _progress(config: RunConfig, start: int, total: int, enabled: bool):
   if not (enabled and config.logger.progress_bar and sys.stderr.isatty()):
     return None
   from tqdm import tqdm
+
   return tqdm(total=total, initial=start, desc="train", dynamic_ncols=True, file=sys.stderr)

@@ -34,8 +34,16 @@ class Update:
   eval_step: steps.CompiledPerShape  # (params, batch) -> metrics, with Samples for rank-based metrics
 
 
-def build_update(model: Decoder, reward: RewardSpec, train: TrainSpec, *, total_steps: int, mesh: Mesh,
-                 grad_accum: int = 1, micro_batched: bool = False) -> Update:
+def build_update(
+  model: Decoder,
+  reward: RewardSpec,
+  train: TrainSpec,
+  *,
+  total_steps: int,
+  mesh: Mesh,
+  grad_accum: int = 1,
+  micro_batched: bool = False,
+) -> Update:
   """The schedule, optimizer, initial state and jitted steps that train ``model`` as ``train`` says.
 
   Args:
@@ -63,12 +71,22 @@ def build_update(model: Decoder, reward: RewardSpec, train: TrainSpec, *, total_
   clip = train.max_grad_norm
   if micro_batched:
     # Each micro-batch keeps its own length bucket; one compiled gradient per bucket.
-    train_step = steps.MicroBatchedStep(loss_fn, tx, schedule, max_grad_norm=clip, state_shardings=shardings,
-                                        mesh=mesh)
+    train_step = steps.MicroBatchedStep(
+      loss_fn, tx, schedule, max_grad_norm=clip, state_shardings=shardings, mesh=mesh
+    )
   else:
-    train_step = steps.CompiledPerShape("train step", steps.make_train_step(
-        loss_fn, tx, schedule, grad_accum_steps=grad_accum, max_grad_norm=clip, state_shardings=shardings,
-        mesh=mesh))
+    train_step = steps.CompiledPerShape(
+      "train step",
+      steps.make_train_step(
+        loss_fn,
+        tx,
+        schedule,
+        grad_accum_steps=grad_accum,
+        max_grad_norm=clip,
+        state_shardings=shardings,
+        mesh=mesh,
+      ),
+    )
   eval_loss_fn = steps.make_loss_fn(model, reward, samples=True)
   eval_step = steps.CompiledPerShape("eval step", steps.make_eval_step(eval_loss_fn, mesh=mesh))
   return Update(schedule, tx, state, shardings, train_step, eval_step)
@@ -76,9 +94,13 @@ def build_update(model: Decoder, reward: RewardSpec, train: TrainSpec, *, total_
 
 def _schedule(train: TrainSpec, total_steps: int) -> optax.Schedule:
   try:
-    return optim.make_schedule(learning_rate=train.learning_rate, warmup_steps=train.warmup_steps,
-                               total_steps=total_steps, scheduler=train.lr_scheduler,
-                               min_lr_ratio=train.min_lr_ratio)
+    return optim.make_schedule(
+      learning_rate=train.learning_rate,
+      warmup_steps=train.warmup_steps,
+      total_steps=total_steps,
+      scheduler=train.lr_scheduler,
+      min_lr_ratio=train.min_lr_ratio,
+    )
   except ValueError as e:  # e.g. warmup longer than the run: the settings are the user's to fix
     raise ConfigError(str(e)) from None
 
@@ -91,8 +113,14 @@ def _optimizer(schedule: optax.Schedule, train: TrainSpec) -> optax.GradientTran
   Where ``train`` clips, a stateless identity holds the clip's place in the chain, so that the
   optimizer state keeps ``make_optimizer``'s layout and checkpoints restore either way.
   """
-  adamw = optim.make_optimizer(schedule, weight_decay=train.weight_decay, max_grad_norm=0.0,
-                               b1=train.adam_beta1, b2=train.adam_beta2, eps=train.adam_epsilon)
+  adamw = optim.make_optimizer(
+    schedule,
+    weight_decay=train.weight_decay,
+    max_grad_norm=0.0,
+    b1=train.adam_beta1,
+    b2=train.adam_beta2,
+    eps=train.adam_epsilon,
+  )
   if train.max_grad_norm <= 0:
     return adamw
   return optax.chain(optax.identity(), adamw)

@@ -91,15 +91,22 @@ import tempfile
 import time
 
 import numpy as np
-
 from bench_common import IM_END, IM_START, NEWLINE, PAD, SHAPES, make_groups, make_pairs, one_device_mesh
+
 from jaxrm.data.tokenize import PreferenceExample
 from jaxrm.models.config import ModelConfig
 
 JAXRM_MODES = ("unpacked", "packed", "shared_prompt")
 BUCKET = 64  # sequence and row lengths are multiples of this
-GPU_PRESET = dict(model="qwen2.5-1.5b", max_length=2048, batch_size=8, dtype="bfloat16",
-                  attention="auto", remat="dots", modes="shared_prompt,packed,unpacked")
+GPU_PRESET = dict(
+  model="qwen2.5-1.5b",
+  max_length=2048,
+  batch_size=8,
+  dtype="bfloat16",
+  attention="auto",
+  remat="dots",
+  modes="shared_prompt,packed,unpacked",
+)
 # What both sides train with (train.* keys; TRL's RewardConfig gets the same values): a constant
 # 1e-5 after clipping at 1, no weight decay, AdamW's default betas and eps.
 TRAIN = dict(learning_rate=1e-5, lr_scheduler="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0)
@@ -115,36 +122,59 @@ LOSS_RTOL = 1e-5
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--model", choices=sorted(SHAPES), default="smollm2-135m")
-  p.add_argument("--modes", default=",".join(JAXRM_MODES),
-                 help=f"jaxrm modes, comma-separated, from {', '.join(JAXRM_MODES)}")
+  p.add_argument(
+    "--modes",
+    default=",".join(JAXRM_MODES),
+    help=f"jaxrm modes, comma-separated, from {', '.join(JAXRM_MODES)}",
+  )
   p.add_argument("--vs-trl", action="store_true", help="run TRL's RewardTrainer in lockstep with each mode")
-  p.add_argument("--vs-lora", action="store_true",
-                 help="run each mode in lockstep with the same mode training LoRA adapters "
-                      "(--lora_rank on every linear layer, over a frozen base)")
+  p.add_argument(
+    "--vs-lora",
+    action="store_true",
+    help="run each mode in lockstep with the same mode training LoRA adapters "
+    "(--lora_rank on every linear layer, over a frozen base)",
+  )
   p.add_argument("--lora_rank", type=int, default=16, help="rank of the adapters of --vs-lora")
-  p.add_argument("--ranked", default="",
-                 help="comma-separated completions per prompt, e.g. 4,7: instead of --modes, for each K "
-                      "jaxrm reward.type=ranking with shared-prompt packing (ranking_loss=all_pairs, and "
-                      "plackett_luce beside it) in lockstep with TRL on the K(K-1)/2 expanded pairs of the "
-                      "same groups, from the same weights; --batch_size then counts prompts")
+  p.add_argument(
+    "--ranked",
+    default="",
+    help="comma-separated completions per prompt, e.g. 4,7: instead of --modes, for each K "
+    "jaxrm reward.type=ranking with shared-prompt packing (ranking_loss=all_pairs, and "
+    "plackett_luce beside it) in lockstep with TRL on the K(K-1)/2 expanded pairs of the "
+    "same groups, from the same weights; --batch_size then counts prompts",
+  )
   p.add_argument("--gpu", action="store_true", help=f"H200 preset: {GPU_PRESET}")
-  p.add_argument("--dry_run", action="store_true",
-                 help="print the settings, the data and each mode's batch shapes, then stop")
+  p.add_argument(
+    "--dry_run",
+    action="store_true",
+    help="print the settings, the data and each mode's batch shapes, then stop",
+  )
   p.add_argument("--batch_size", type=int, default=4, help="pairs per step")
   p.add_argument("--steps", type=int, default=3, help="timed steps per run")
   p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
   p.add_argument("--max_length", type=int, default=512, help="longest sequence, in tokens")
-  p.add_argument("--row_length", type=int, default=0,
-                 help="packed modes: every row this long (as data.packed_row_length; fewer distinct "
-                      "shapes to compile); 0: as long as each batch's longest group, in multiples "
-                      "of 64")
+  p.add_argument(
+    "--row_length",
+    type=int,
+    default=0,
+    help="packed modes: every row this long (as data.packed_row_length; fewer distinct "
+    "shapes to compile); 0: as long as each batch's longest group, in multiples "
+    "of 64",
+  )
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-  p.add_argument("--attention", default="auto",
-                 help="ModelConfig.attention_impl, passed as given (auto: a fused kernel on GPU, the "
-                      "reference path elsewhere)")
-  p.add_argument("--remat", default="none", choices=("none", "dots", "full"),
-                 help="jaxrm rematerialization; TRL checkpoints gradients only with 'full' (it has "
-                      "nothing like 'dots', which keeps the matmul outputs)")
+  p.add_argument(
+    "--attention",
+    default="auto",
+    help="ModelConfig.attention_impl, passed as given (auto: a fused kernel on GPU, the "
+    "reference path elsewhere)",
+  )
+  p.add_argument(
+    "--remat",
+    default="none",
+    choices=("none", "dots", "full"),
+    help="jaxrm rematerialization; TRL checkpoints gradients only with 'full' (it has "
+    "nothing like 'dots', which keeps the matmul outputs)",
+  )
   p.add_argument("--peak_tflops", type=float, default=989.0, help="accelerator peak (H200 bf16 dense)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--json", default=None, help="write every result here")
@@ -152,10 +182,14 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--channel", default=None, help=argparse.SUPPRESS)
   p.add_argument("--weights_dir", default=None, help=argparse.SUPPRESS)  # --ranked: both sides' start
   p.add_argument("--layers", type=int, default=0, help="decoder layers (0: the shape's own)")
-  p.add_argument("--vs-variant", dest="vs_variant", default="",
-                 help="CPU step experiments: each mode in lockstep against itself changed by each of "
-                      "these variants (comma-separated; each key=value, joined by '+'): "
-                      + "; ".join(f"{k}: {v}" for k, v in VARIANT_KEYS.items()))
+  p.add_argument(
+    "--vs-variant",
+    dest="vs_variant",
+    default="",
+    help="CPU step experiments: each mode in lockstep against itself changed by each of "
+    "these variants (comma-separated; each key=value, joined by '+'): "
+    + "; ".join(f"{k}: {v}" for k, v in VARIANT_KEYS.items()),
+  )
   args = p.parse_args(argv)
   if args.gpu:
     for k, v in GPU_PRESET.items():
@@ -189,8 +223,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def model_config(args) -> ModelConfig:
-  cfg = SHAPES[args.model].replace(dtype=args.dtype, param_dtype="float32", remat=args.remat,
-                                   attention_impl=args.attention, pad_token_id=PAD)
+  cfg = SHAPES[args.model].replace(
+    dtype=args.dtype, param_dtype="float32", remat=args.remat, attention_impl=args.attention, pad_token_id=PAD
+  )
   return cfg.replace(num_layers=args.layers) if args.layers else cfg
 
 
@@ -198,16 +233,17 @@ def model_config(args) -> ModelConfig:
 
 # --vs-variant's keys: what each changes in the run it is compared with.
 XLA_PRESETS = {  # XLA:CPU's thread and scheduling options, set in the variant's own process
-    "eigen_single": "--xla_cpu_multi_thread_eigen=false",  # each matrix product on one thread
-    "sched_concurrency": "--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_CONCURRENCY_OPTIMIZED",
-    "sched_memory": "--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
+  "eigen_single": "--xla_cpu_multi_thread_eigen=false",  # each matrix product on one thread
+  "sched_concurrency": "--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_CONCURRENCY_OPTIMIZED",
+  "sched_memory": "--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
 }
 VARIANT_KEYS = {
-    "layers": "decoder layers", "scan": "on/off (model.scan_layers)",
-    "remat": "none/dots/full (model.remat)",
-    "serial_dots": "on: each projection's weight gradient waits for its data gradient "
-                   "(an optimization barrier), and what follows waits for both",
-    "xla": "XLA_FLAGS preset: " + ", ".join(f"{k} ({v})" for k, v in XLA_PRESETS.items()),
+  "layers": "decoder layers",
+  "scan": "on/off (model.scan_layers)",
+  "remat": "none/dots/full (model.remat)",
+  "serial_dots": "on: each projection's weight gradient waits for its data gradient "
+  "(an optimization barrier), and what follows waits for both",
+  "xla": "XLA_FLAGS preset: " + ", ".join(f"{k} ({v})" for k, v in XLA_PRESETS.items()),
 }
 
 
@@ -218,8 +254,12 @@ def parse_variant(spec: str) -> dict[str, str]:
     key, sep, value = item.partition("=")
     if not sep or key not in VARIANT_KEYS:
       raise ValueError(f"{item!r} is not key=value with key one of {', '.join(VARIANT_KEYS)}")
-    allowed = {"scan": ("on", "off"), "serial_dots": ("on", "off"), "remat": ("none", "dots", "full"),
-               "xla": tuple(XLA_PRESETS)}.get(key)
+    allowed = {
+      "scan": ("on", "off"),
+      "serial_dots": ("on", "off"),
+      "remat": ("none", "dots", "full"),
+      "xla": tuple(XLA_PRESETS),
+    }.get(key)
     if (allowed and value not in allowed) or (key == "layers" and not value.isdigit()):
       raise ValueError(f"{item!r}: {key} takes {'/'.join(allowed) if allowed else 'a number of layers'}")
     out[key] = value
@@ -245,6 +285,7 @@ def apply_variant(cfg: ModelConfig, variant: dict[str, str]) -> ModelConfig:
     cfg = cfg.replace(remat=variant["remat"])
   if variant.get("serial_dots") == "on":
     from jaxrm.models import layers
+
     layers.linear = serial_linear  # read when the step is traced
   return cfg
 
@@ -279,14 +320,16 @@ def serial_linear(x_nd, w_df, b_f=None):
 
 def bench_pairs(args) -> list[PreferenceExample]:
   """Every row the benchmark trains on, warm-up batches first."""
-  return make_pairs(args.batch_size * (args.warmup + args.steps), args.max_length,
-                    SHAPES[args.model].vocab_size, args.seed)
+  return make_pairs(
+    args.batch_size * (args.warmup + args.steps), args.max_length, SHAPES[args.model].vocab_size, args.seed
+  )
 
 
 def bench_groups(args, k: int) -> list[PreferenceExample]:
   """``--ranked``'s groups of ``k`` completions, best first, warm-up batches first."""
-  return make_groups(args.batch_size * (args.warmup + args.steps), k, args.max_length,
-                     SHAPES[args.model].vocab_size, args.seed)
+  return make_groups(
+    args.batch_size * (args.warmup + args.steps), k, args.max_length, SHAPES[args.model].vocab_size, args.seed
+  )
 
 
 def expanded_pairs(groups) -> list[PreferenceExample]:
@@ -296,7 +339,7 @@ def expanded_pairs(groups) -> list[PreferenceExample]:
   for g in groups:
     order = sorted(range(len(g.ranks)), key=lambda i: g.ranks[i])
     for a, i in enumerate(order):
-      for j in order[a + 1:]:
+      for j in order[a + 1 :]:
         out.append(PreferenceExample((g.input_ids[i], g.input_ids[j]), (0, 1), 0.0, g.source, {}))
   return out
 
@@ -308,14 +351,18 @@ def num_pairs(groups) -> int:
 
 def data_summary(examples) -> dict:
   lengths = np.array([len(s) for e in examples for s in e.input_ids])
-  return {"sequences": len(lengths), "mean_length": float(lengths.mean()),
-          "median_length": float(np.median(lengths)), "p90_length": float(np.percentile(lengths, 90)),
-          "max_length": int(lengths.max())}
+  return {
+    "sequences": len(lengths),
+    "mean_length": float(lengths.mean()),
+    "median_length": float(np.median(lengths)),
+    "p90_length": float(np.percentile(lengths, 90)),
+    "max_length": int(lengths.max()),
+  }
 
 
 def batches_of(examples, args):
   b = args.batch_size
-  return [examples[i * b:(i + 1) * b] for i in range(args.warmup + args.steps)]
+  return [examples[i * b : (i + 1) * b] for i in range(args.warmup + args.steps)]
 
 
 # ------------------------------------------------------------------------------------ FLOPs
@@ -334,16 +381,19 @@ def step_flops(cfg: ModelConfig, n_dense: int, tokens: int, keys: int) -> float:
 def flop_formula(cfg: ModelConfig, n_dense: int) -> str:
   """:func:`step_flops` in words, with this model's numbers."""
   per_key = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim
-  return (f"FLOPs per step = 6 * N * real_tokens + 12 * L * H * Dh * attended_keys, with N = "
-          f"{n_dense:,} non-embedding parameters (6N = {6 * n_dense / 1e9:.2f} GFLOP per token) and "
-          f"12 * {cfg.num_layers} * {cfg.num_heads} * {cfg.head_dim} = {per_key / 1e6:.2f} MFLOP per "
-          f"attended (query, key) pair; attended_keys = sum over real tokens of position + 1")
+  return (
+    f"FLOPs per step = 6 * N * real_tokens + 12 * L * H * Dh * attended_keys, with N = "
+    f"{n_dense:,} non-embedding parameters (6N = {6 * n_dense / 1e9:.2f} GFLOP per token) and "
+    f"12 * {cfg.num_layers} * {cfg.num_heads} * {cfg.head_dim} = {per_key / 1e6:.2f} MFLOP per "
+    f"attended (query, key) pair; attended_keys = sum over real tokens of position + 1"
+  )
 
 
 def attended_keys(batch) -> int:
   """Sum over real tokens of the keys each attends to: its position + 1 (unpacked rows are
   right-padded, so a row's positions count its real tokens)."""
   from jaxrm.batches import PreferenceBatch
+
   mask = batch.attention_mask  # [B, T]
   positions = np.cumsum(mask, -1) - 1 if isinstance(batch, PreferenceBatch) else batch.positions
   return int(((positions + 1) * mask).sum())
@@ -356,19 +406,28 @@ def collator(mode: str, args, k: int = 2):
   """The trainer's ``groups -> batch`` for ``mode`` (``data.packing`` none, packed, shared_prompt)
   and groups of ``k`` completions."""
   from jaxrm.data import packing, pipeline
+
   if mode == "unpacked":
-    return pipeline.Collator(batch_size=args.batch_size, pad_id=PAD, num_completions=k,
-                             buckets=pipeline.length_buckets(args.max_length, BUCKET))
+    return pipeline.Collator(
+      batch_size=args.batch_size,
+      pad_id=PAD,
+      num_completions=k,
+      buckets=pipeline.length_buckets(args.max_length, BUCKET),
+    )
   # As data.packed_row_length: 0 = rows as long as the batch's longest group, in multiples of 64
   # (a group of k sequences of at most max_length tokens holds fewer than k * max_length).
-  spec = packing.PackSpec(args.row_length or k * args.max_length,
-                          length_multiple=0 if args.row_length else BUCKET,
-                          shared_prompt=mode == "shared_prompt", pad_id=PAD)
+  spec = packing.PackSpec(
+    args.row_length or k * args.max_length,
+    length_multiple=0 if args.row_length else BUCKET,
+    shared_prompt=mode == "shared_prompt",
+    pad_id=PAD,
+  )
   return packing.PackedCollator(args.batch_size, spec, num_completions=k)
 
 
 def _peak_memory_gib() -> float:
   import jax
+
   stats = jax.local_devices()[0].memory_stats() or {}
   if "peak_bytes_in_use" in stats:
     return stats["peak_bytes_in_use"] / 2**30
@@ -382,18 +441,28 @@ def _jaxrm_update(cfg: ModelConfig, seed: int, num_steps: int, reward=None, weig
   adapters and the head train, as in the trainer."""
   import jax
   from flax import nnx
+
   from jaxrm import loading, update
   from jaxrm.config import RewardSpec, TrainSpec
   from jaxrm.models.decoder import Decoder
 
   if weights_dir:
-    overrides = {k: getattr(cfg, k) for k in ("dtype", "param_dtype", "remat", "attention_impl", "pad_token_id")}
-    model = loading.load(loading.locate(weights_dir), overrides, head="sequence", mesh=one_device_mesh()).model
+    overrides = {
+      k: getattr(cfg, k) for k in ("dtype", "param_dtype", "remat", "attention_impl", "pad_token_id")
+    }
+    model = loading.load(
+      loading.locate(weights_dir), overrides, head="sequence", mesh=one_device_mesh()
+    ).model
   else:
     model = nnx.jit(lambda: Decoder(cfg, rngs=nnx.Rngs(seed)))()
   num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
-  built = update.build_update(model, reward or RewardSpec(), TrainSpec(**TRAIN, seed=seed),
-                              total_steps=num_steps, mesh=one_device_mesh())
+  built = update.build_update(
+    model,
+    reward or RewardSpec(),
+    TrainSpec(**TRAIN, seed=seed),
+    total_steps=num_steps,
+    mesh=one_device_mesh(),
+  )
   return built, num_params
 
 
@@ -404,6 +473,7 @@ VARIANT_SEP = "~"  # a worker "<mode>~<variant>" runs --vs-variant's variant
 def lora_config(args):
   """The adapters of ``--vs-lora``: rank ``--lora_rank`` on every linear layer, OpenRLHF's alpha."""
   from jaxrm.models.lora import LoraConfig
+
   return LoraConfig(rank=args.lora_rank, alpha=16.0, targets="all-linear")
 
 
@@ -413,7 +483,7 @@ def ranked_worker(worker: str) -> tuple[str, int] | None:
   return (name, int(k)) if at else None
 
 
-def run_jaxrm(worker: str, args, channel: "_Channel") -> dict:
+def run_jaxrm(worker: str, args, channel: _Channel) -> dict:
   """Compiles every batch shape, says "ready", then runs one step per "step" from the parent.
 
   ``worker`` is a mode (``+lora`` for adapters), or ``<ranking loss>@<K>`` for ``--ranked``, whose
@@ -422,6 +492,7 @@ def run_jaxrm(worker: str, args, channel: "_Channel") -> dict:
   import dataclasses
 
   import jax
+
   from jaxrm.config import RewardSpec
   from jaxrm.metrics import finalize_metrics
 
@@ -430,14 +501,21 @@ def run_jaxrm(worker: str, args, channel: "_Channel") -> dict:
   if ranked:
     loss, k = ranked
     mode, lora_on, name = "shared_prompt", False, f"jaxrm K={k} {loss}"
-    built, num_params = _jaxrm_update(cfg, args.seed, args.warmup + args.steps,
-                                      RewardSpec(type="ranking", ranking_loss=loss), args.weights_dir)
+    built, num_params = _jaxrm_update(
+      cfg,
+      args.seed,
+      args.warmup + args.steps,
+      RewardSpec(type="ranking", ranking_loss=loss),
+      args.weights_dir,
+    )
     examples = bench_groups(args, k)
   else:
     k = 2
     worker, _, variant = worker.partition(VARIANT_SEP)
     mode, lora_on = worker.removesuffix(LORA_SUFFIX), worker.endswith(LORA_SUFFIX)
-    name = f"jaxrm {mode}" + (f" LoRA r{args.lora_rank}" if lora_on else "") + (f" {variant}" if variant else "")
+    name = (
+      f"jaxrm {mode}" + (f" LoRA r{args.lora_rank}" if lora_on else "") + (f" {variant}" if variant else "")
+    )
     cfg = apply_variant(cfg, parse_variant(variant)) if variant else cfg
     if lora_on:
       cfg = dataclasses.replace(cfg, lora=lora_config(args))
@@ -465,20 +543,36 @@ def run_jaxrm(worker: str, args, channel: "_Channel") -> dict:
     clock.stop()
     if i >= args.warmup:
       real = int(batch.attention_mask.sum())
-      _count(totals, clock, groups[i], real=real, fed=batch.attention_mask.size,
-             flops=step_flops(cfg, n_dense, real, attended_keys(batch)))
+      _count(
+        totals,
+        clock,
+        groups[i],
+        real=real,
+        fed=batch.attention_mask.size,
+        flops=step_flops(cfg, n_dense, real, attended_keys(batch)),
+      )
     if ranked:
       losses.append(finalize_metrics(metrics)["loss"])
     channel.send(f"done {losses[-1]!r}" if ranked else "done")
   channel.wait_for("finish")
   trained = sum(x.size for x in jax.tree.leaves(state["params"]))
   extra = {"losses": losses, "completions": k} if ranked else {}
-  return _result(name, args, totals, num_params, compile_s=compile_s, trained_params_m=trained / 1e6, **extra,
-                 matmul_tflops=matmul_s, threads=_threads(),
-                 compiled_shapes=len({tuple(x.shape for x in jax.tree.leaves(b)) for b in batches}),
-                 flop_formula=flop_formula(cfg, n_dense),
-                 attention=cfg.attention_impl, backend=jax.default_backend(),
-                 versions=f"jax {jax.__version__}")
+  return _result(
+    name,
+    args,
+    totals,
+    num_params,
+    compile_s=compile_s,
+    trained_params_m=trained / 1e6,
+    **extra,
+    matmul_tflops=matmul_s,
+    threads=_threads(),
+    compiled_shapes=len({tuple(x.shape for x in jax.tree.leaves(b)) for b in batches}),
+    flop_formula=flop_formula(cfg, n_dense),
+    attention=cfg.attention_impl,
+    backend=jax.default_backend(),
+    versions=f"jax {jax.__version__}",
+  )
 
 
 # -------------------------------------------------------------------------------------- TRL
@@ -488,6 +582,7 @@ def random_hf_model(args):
   """A random float32 transformers sequence-classification model of the benchmark's shape."""
   import torch
   import transformers
+
   from jaxrm.models.config import to_hf_config
 
   hf = to_hf_config(model_config(args))
@@ -502,7 +597,7 @@ def write_start_weights(args, out_dir: str) -> None:
   random_hf_model(args).save_pretrained(out_dir, safe_serialization=True)
 
 
-def run_trl(args, channel: "_Channel", k: int | None = None) -> dict:
+def run_trl(args, channel: _Channel, k: int | None = None) -> dict:
   """TRL's RewardTrainer on the same model shape, rows and batches, one step per "step".
 
   With ``k`` (``--ranked``): the groups' expanded pairs, every group's K(K-1)/2 in the step of its
@@ -518,7 +613,9 @@ def run_trl(args, channel: "_Channel", k: int | None = None) -> dict:
   if k:
     steps_groups = [expanded_pairs(g) for g in batches_of(bench_groups(args, k), args)]
     examples = [e for g in steps_groups for e in g]
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(args.weights_dir, dtype=torch.float32)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(
+      args.weights_dir, dtype=torch.float32
+    )
   else:
     examples = bench_pairs(args)
     steps_groups = batches_of(examples, args)
@@ -527,44 +624,83 @@ def run_trl(args, channel: "_Channel", k: int | None = None) -> dict:
   # The rows are token ids already; the tokenizer only names the pad and end tokens.
   vocab = {"<pad>": PAD, "<|im_start|>": IM_START, "<|im_end|>": IM_END, "<unk>": NEWLINE}
   tok = transformers.PreTrainedTokenizerFast(
-      tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>")),
-      pad_token="<pad>", eos_token="<|im_end|>")
-  data = datasets.Dataset.from_dict({"chosen_ids": [e.input_ids[0].tolist() for e in examples],
-                                     "rejected_ids": [e.input_ids[1].tolist() for e in examples]})
+    tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>")),
+    pad_token="<pad>",
+    eos_token="<|im_end|>",
+  )
+  data = datasets.Dataset.from_dict(
+    {
+      "chosen_ids": [e.input_ids[0].tolist() for e in examples],
+      "rejected_ids": [e.input_ids[1].tolist() for e in examples],
+    }
+  )
   on_gpu = torch.cuda.is_available()
   matmul_tflops = jax_matmul_tflops()  # the same yardstick as jaxrm's, measured in this process
   lockstep = _TrlLockstep(channel, args.warmup + args.steps, report_loss=bool(k))
   with tempfile.TemporaryDirectory() as out:
     config = trl.RewardConfig(
-        output_dir=out, per_device_train_batch_size=len(steps_groups[0]),
-        max_steps=args.warmup + args.steps, learning_rate=TRAIN["learning_rate"],
-        lr_scheduler_type=TRAIN["lr_scheduler"], warmup_steps=TRAIN["warmup_steps"],
-        weight_decay=TRAIN["weight_decay"], max_grad_norm=TRAIN["max_grad_norm"], max_length=args.max_length,
-        train_sampling_strategy="sequential", logging_strategy="no", save_strategy="no",
-        report_to="none", disable_tqdm=True, dataloader_num_workers=0, use_cpu=not on_gpu,
-        bf16=on_gpu and args.dtype == "bfloat16", gradient_checkpointing=args.remat == "full",
-        seed=args.seed)
-    trainer = lockstep.trainer(trl.RewardTrainer)(model=model, args=config, train_dataset=data,
-                                                  processing_class=tok, callbacks=[lockstep.callback()])
+      output_dir=out,
+      per_device_train_batch_size=len(steps_groups[0]),
+      max_steps=args.warmup + args.steps,
+      learning_rate=TRAIN["learning_rate"],
+      lr_scheduler_type=TRAIN["lr_scheduler"],
+      warmup_steps=TRAIN["warmup_steps"],
+      weight_decay=TRAIN["weight_decay"],
+      max_grad_norm=TRAIN["max_grad_norm"],
+      max_length=args.max_length,
+      train_sampling_strategy="sequential",
+      logging_strategy="no",
+      save_strategy="no",
+      report_to="none",
+      disable_tqdm=True,
+      dataloader_num_workers=0,
+      use_cpu=not on_gpu,
+      bf16=on_gpu and args.dtype == "bfloat16",
+      gradient_checkpointing=args.remat == "full",
+      seed=args.seed,
+    )
+    trainer = lockstep.trainer(trl.RewardTrainer)(
+      model=model, args=config, train_dataset=data, processing_class=tok, callbacks=[lockstep.callback()]
+    )
     trainer.train()
   totals = _new_totals()
   n_dense = dense_params(cfg, num_params)
-  timed = zip(steps_groups[args.warmup:], lockstep.clocks[args.warmup:])
+  timed = zip(steps_groups[args.warmup :], lockstep.clocks[args.warmup :])
   for groups, clock in timed:
     lengths = [len(s) for e in groups for s in e.input_ids]
     # DataCollatorForPreference pads every sequence to the batch's longest.
-    _count(totals, clock, groups, real=sum(lengths), fed=len(lengths) * max(lengths),
-           flops=step_flops(cfg, n_dense, sum(lengths), sum(n * (n + 1) // 2 for n in lengths)))
-  memory = (torch.cuda.max_memory_allocated() / 2**30 if on_gpu
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
-  threads = dict(_threads(), torch_threads=torch.get_num_threads(), torch_interop_threads=torch.get_num_interop_threads())
+    _count(
+      totals,
+      clock,
+      groups,
+      real=sum(lengths),
+      fed=len(lengths) * max(lengths),
+      flops=step_flops(cfg, n_dense, sum(lengths), sum(n * (n + 1) // 2 for n in lengths)),
+    )
+  memory = (
+    torch.cuda.max_memory_allocated() / 2**30
+    if on_gpu
+    else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+  )
+  threads = dict(
+    _threads(), torch_threads=torch.get_num_threads(), torch_interop_threads=torch.get_num_interop_threads()
+  )
   extra = {"losses": lockstep.losses(), "completions": k} if k else {}
   name = f"TRL RewardTrainer K={k} as pairs" if k else "TRL RewardTrainer"
-  return _result(name, args, totals, num_params, memory_gib=memory, threads=threads, **extra,
-                 matmul_tflops=matmul_tflops, torch_matmul_tflops=torch_matmul_tflops(torch, on_gpu),
-                 attention=model.config._attn_implementation, backend="cuda" if on_gpu else "cpu",
-                 versions=f"trl {trl.__version__}, transformers {transformers.__version__}, "
-                          f"torch {torch.__version__}")
+  return _result(
+    name,
+    args,
+    totals,
+    num_params,
+    memory_gib=memory,
+    threads=threads,
+    **extra,
+    matmul_tflops=matmul_tflops,
+    torch_matmul_tflops=torch_matmul_tflops(torch, on_gpu),
+    attention=model.config._attn_implementation,
+    backend="cuda" if on_gpu else "cpu",
+    versions=f"trl {trl.__version__}, transformers {transformers.__version__}, torch {torch.__version__}",
+  )
 
 
 class _TrlLockstep:
@@ -572,7 +708,7 @@ class _TrlLockstep:
   times it to its optimizer update, and after the last one holds the trainer's wrap-up until the
   parent says "finish" (so it cannot overlap the other run's last step)."""
 
-  def __init__(self, channel: "_Channel", num_steps: int, report_loss: bool = False):
+  def __init__(self, channel: _Channel, num_steps: int, report_loss: bool = False):
     self.channel = channel
     self.num_steps = num_steps
     self.report_loss = report_loss
@@ -587,7 +723,6 @@ class _TrlLockstep:
     outer = self
 
     class Recording(base):
-
       def compute_loss(self, *args, **kwargs):
         out = super().compute_loss(*args, **kwargs)
         outer.step_losses.append((out[0] if isinstance(out, tuple) else out).detach())
@@ -597,10 +732,10 @@ class _TrlLockstep:
 
   def callback(self):
     import transformers
+
     outer = self
 
     class Lockstep(transformers.TrainerCallback):
-
       def on_train_begin(self, *args, **kwargs):
         outer.channel.send("ready")
 
@@ -639,6 +774,7 @@ def jax_matmul_tflops() -> float:
   """A plain float32 2048^3 matmul under ``jax.jit`` on the default device, in TFLOP/s."""
   import jax
   import jax.numpy as jnp
+
   a = jax.random.normal(jax.random.key(0), (MATMUL_N, MATMUL_N), jnp.float32)
   f = jax.jit(jnp.matmul)
   return _best_tflops(lambda: f(a, a).block_until_ready())
@@ -676,8 +812,9 @@ def _minor_faults() -> int:
 
 
 def _new_totals() -> dict:
-  return dict(pairs=0, real=0, fed=0, seq=0, flops=0.0, seconds=0.0, cpu_seconds=0.0,
-              step_seconds=[], step_faults=[])
+  return dict(
+    pairs=0, real=0, fed=0, seq=0, flops=0.0, seconds=0.0, cpu_seconds=0.0, step_seconds=[], step_faults=[]
+  )
 
 
 def _count(totals, clock: _Clock, groups, *, real: int, fed: int, flops: float) -> None:
@@ -700,11 +837,14 @@ def _count(totals, clock: _Clock, groups, *, real: int, fed: int, flops: float) 
 def _rates(totals: dict, peak_tflops: float, on_gpu: bool) -> dict:
   sec = totals["seconds"]
   out = {
-      "pairs_per_s": totals["pairs"] / sec, "pairs_per_cpu_s": totals["pairs"] / totals["cpu_seconds"],
-      "seq_tokens_per_s": totals["seq"] / sec, "real_tokens_per_s": totals["real"] / sec,
-      "fed_tokens_per_s": totals["fed"] / sec, "packing_efficiency": totals["real"] / totals["fed"],
-      "model_tflops": totals["flops"] / sec / 1e12,
-      "faults_per_step": float(np.median(totals["step_faults"])),
+    "pairs_per_s": totals["pairs"] / sec,
+    "pairs_per_cpu_s": totals["pairs"] / totals["cpu_seconds"],
+    "seq_tokens_per_s": totals["seq"] / sec,
+    "real_tokens_per_s": totals["real"] / sec,
+    "fed_tokens_per_s": totals["fed"] / sec,
+    "packing_efficiency": totals["real"] / totals["fed"],
+    "model_tflops": totals["flops"] / sec / 1e12,
+    "faults_per_step": float(np.median(totals["step_faults"])),
   }
   if on_gpu:
     out["mfu"] = out["model_tflops"] / peak_tflops
@@ -713,20 +853,33 @@ def _rates(totals: dict, peak_tflops: float, on_gpu: bool) -> dict:
 
 def _result(name, args, totals, num_params, memory_gib=None, **extra) -> dict:
   on_gpu = extra.get("backend") in ("gpu", "cuda")
-  return {"name": name, "model": args.model, "params_m": num_params / 1e6,
-          "batch_size": args.batch_size, "steps": args.steps, "totals": totals,
-          "peak_memory_gib": _peak_memory_gib() if memory_gib is None else memory_gib,
-          "peak_tflops": args.peak_tflops, "on_gpu": on_gpu, **extra,
-          **_rates(totals, args.peak_tflops, on_gpu)}
+  return {
+    "name": name,
+    "model": args.model,
+    "params_m": num_params / 1e6,
+    "batch_size": args.batch_size,
+    "steps": args.steps,
+    "totals": totals,
+    "peak_memory_gib": _peak_memory_gib() if memory_gib is None else memory_gib,
+    "peak_tflops": args.peak_tflops,
+    "on_gpu": on_gpu,
+    **extra,
+    **_rates(totals, args.peak_tflops, on_gpu),
+  }
 
 
 COLUMNS = (  # key, header, format
-    ("pairs_per_s", "pairs/s", "{:.4f}"), ("pairs_per_cpu_s", "pairs/CPU-s", "{:.4f}"),
-    ("seq_tokens_per_s", "seq tok/s", "{:.0f}"),
-    ("real_tokens_per_s", "real tok/s", "{:.0f}"), ("fed_tokens_per_s", "fed tok/s", "{:.0f}"),
-    ("packing_efficiency", "efficiency", "{:.1%}"), ("peak_memory_gib", "peak GiB", "{:.2f}"),
-    ("model_tflops", "TFLOP/s", "{:.3f}"), ("mfu", "MFU", "{:.1%}"), ("compile_s", "compile s", "{:.1f}"),
-    ("faults_per_step", "faults/step", "{:.0f}"),
+  ("pairs_per_s", "pairs/s", "{:.4f}"),
+  ("pairs_per_cpu_s", "pairs/CPU-s", "{:.4f}"),
+  ("seq_tokens_per_s", "seq tok/s", "{:.0f}"),
+  ("real_tokens_per_s", "real tok/s", "{:.0f}"),
+  ("fed_tokens_per_s", "fed tok/s", "{:.0f}"),
+  ("packing_efficiency", "efficiency", "{:.1%}"),
+  ("peak_memory_gib", "peak GiB", "{:.2f}"),
+  ("model_tflops", "TFLOP/s", "{:.3f}"),
+  ("mfu", "MFU", "{:.1%}"),
+  ("compile_s", "compile s", "{:.1f}"),
+  ("faults_per_step", "faults/step", "{:.0f}"),
 )
 
 
@@ -735,8 +888,13 @@ def paired_ratios(run: dict, partner: dict) -> dict:
   ratio of step i is partner's seconds over run's. Median, quartiles and range over the steps."""
   ratios = np.asarray(partner["totals"]["step_seconds"]) / np.asarray(run["totals"]["step_seconds"])
   q = np.percentile(ratios, [0, 25, 50, 75, 100])
-  return {"steps": len(ratios), "median": float(q[2]), "quartiles": [float(q[1]), float(q[3])],
-          "range": [float(q[0]), float(q[4])], "per_step": [round(float(r), 3) for r in ratios]}
+  return {
+    "steps": len(ratios),
+    "median": float(q[2]),
+    "quartiles": [float(q[1]), float(q[3])],
+    "range": [float(q[0]), float(q[4])],
+    "per_step": [round(float(r), 3) for r in ratios],
+  }
 
 
 def print_table(results: list[dict]) -> None:
@@ -747,30 +905,37 @@ def print_table(results: list[dict]) -> None:
   for r in results:
     if "vs" in r:
       other, ratio = r["vs"], r["vs_ratio"]
-      print(f"{r['name']} vs {other['name']}: {r['pairs_per_s'] / other['pairs_per_s']:.2f}x the pairs/s "
-            f"({r['pairs_per_cpu_s'] / other['pairs_per_cpu_s']:.2f}x per CPU-second); per step, paired: "
-            f"median {ratio['median']:.2f}x, quartiles {ratio['quartiles'][0]:.2f}-{ratio['quartiles'][1]:.2f}, "
-            f"range {ratio['range'][0]:.2f}-{ratio['range'][1]:.2f} over {ratio['steps']} steps; peak "
-            f"memory {r['peak_memory_gib']:.2f} vs {other['peak_memory_gib']:.2f} GiB")
+      print(
+        f"{r['name']} vs {other['name']}: {r['pairs_per_s'] / other['pairs_per_s']:.2f}x the pairs/s "
+        f"({r['pairs_per_cpu_s'] / other['pairs_per_cpu_s']:.2f}x per CPU-second); per step, paired: "
+        f"median {ratio['median']:.2f}x, quartiles {ratio['quartiles'][0]:.2f}-{ratio['quartiles'][1]:.2f}, "
+        f"range {ratio['range'][0]:.2f}-{ratio['range'][1]:.2f} over {ratio['steps']} steps; peak "
+        f"memory {r['peak_memory_gib']:.2f} vs {other['peak_memory_gib']:.2f} GiB"
+      )
   for r in results:
     if "matmul_tflops" in r:
-      print(f"{r['name']}: {r['model_tflops']:.3f} model TFLOP/s = {r['model_tflops'] / r['matmul_tflops']:.0%} of "
-            f"a plain {MATMUL_N}^3 float32 jax.jit matmul in the same process ({r['matmul_tflops']:.3f})"
-            + (f"; torch's matmul there: {r['torch_matmul_tflops']:.3f}" if "torch_matmul_tflops" in r else "")
-            + f"; threads {json.dumps(r.get('threads', {}))}")
+      print(
+        f"{r['name']}: {r['model_tflops']:.3f} model TFLOP/s = {r['model_tflops'] / r['matmul_tflops']:.0%} of "
+        f"a plain {MATMUL_N}^3 float32 jax.jit matmul in the same process ({r['matmul_tflops']:.3f})"
+        + (f"; torch's matmul there: {r['torch_matmul_tflops']:.3f}" if "torch_matmul_tflops" in r else "")
+        + f"; threads {json.dumps(r.get('threads', {}))}"
+      )
 
 
 def dry_run(args) -> None:
   """Model size and FLOPs per token, and each mode's batch shapes, without compiling anything."""
   import jax
   from flax import nnx
+
   from jaxrm.models.decoder import Decoder
+
   cfg = model_config(args)
   abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
   num_params = sum(x.size for x in jax.tree.leaves(nnx.state(abstract)))
   n_dense = dense_params(cfg, num_params)
   print(f"{num_params / 1e6:.1f}M parameters; {flop_formula(cfg, n_dense)}")
   from jaxrm.models.decoder import attention_summary
+
   print(attention_summary(cfg, "gpu" if args.gpu else None))
   groups = batches_of(bench_pairs(args), args)
   for mode in args.modes:
@@ -781,9 +946,11 @@ def dry_run(args) -> None:
       shapes.add(tuple(x.shape for x in jax.tree.leaves(batch)))
       mask = batch.attention_mask
       real = int(mask.sum())
-      print(f"{mode} batch {i}{' (warm-up)' if i < args.warmup else ''}: input_ids "
-            f"{list(mask.shape)}, efficiency {real / mask.size:.1%}, "
-            f"{step_flops(cfg, n_dense, real, attended_keys(batch)) / 1e12:.2f} TFLOP")
+      print(
+        f"{mode} batch {i}{' (warm-up)' if i < args.warmup else ''}: input_ids "
+        f"{list(mask.shape)}, efficiency {real / mask.size:.1%}, "
+        f"{step_flops(cfg, n_dense, real, attended_keys(batch)) / 1e12:.2f} TFLOP"
+      )
     print(f"{mode}: {len(shapes)} distinct batch shapes, so {len(shapes)} compiles")
 
 
@@ -806,9 +973,12 @@ def main(argv=None) -> None:
     run_ranked(args, argv)
     return
   examples = bench_pairs(args)
-  print(f"model {args.model}, {args.batch_size} pairs/step, {args.steps} timed steps after "
-        f"{args.warmup}, max_length {args.max_length}, {args.dtype}, attention {args.attention}, "
-        f"remat {args.remat}", flush=True)
+  print(
+    f"model {args.model}, {args.batch_size} pairs/step, {args.steps} timed steps after "
+    f"{args.warmup}, max_length {args.max_length}, {args.dtype}, attention {args.attention}, "
+    f"remat {args.remat}",
+    flush=True,
+  )
   print("data:", json.dumps(data_summary(examples)), flush=True)
   if args.dry_run:
     dry_run(args)
@@ -816,8 +986,9 @@ def main(argv=None) -> None:
   results, failed = [], []
   for mode in args.modes:
     if args.vs_variant:
-      session = run_lockstep([mode] + [mode + VARIANT_SEP + v for v in args.vs_variant], argv,
-                             args.warmup + args.steps)
+      session = run_lockstep(
+        [mode] + [mode + VARIANT_SEP + v for v in args.vs_variant], argv, args.warmup + args.steps
+      )
       for run in session[1:]:
         run["vs"], run["vs_ratio"] = session[0], paired_ratios(run, session[0])
       results += session
@@ -845,9 +1016,12 @@ def main(argv=None) -> None:
 def run_ranked(args, argv: list[str]) -> None:
   """``--ranked``: for each K, jaxrm all_pairs, TRL on the expanded pairs and jaxrm plackett_luce
   in one lockstep session from the same start weights; stops unless the first-step losses agree."""
-  print(f"model {args.model}, {args.batch_size} prompts/step, K = {', '.join(map(str, args.ranked))}, "
-        f"{args.steps} timed steps after {args.warmup}, max_length {args.max_length}, {args.dtype}, "
-        f"attention {args.attention}, remat {args.remat}", flush=True)
+  print(
+    f"model {args.model}, {args.batch_size} prompts/step, K = {', '.join(map(str, args.ranked))}, "
+    f"{args.steps} timed steps after {args.warmup}, max_length {args.max_length}, {args.dtype}, "
+    f"attention {args.attention}, remat {args.remat}",
+    flush=True,
+  )
   results, failed = [], []
   for k in args.ranked:
     groups = bench_groups(args, k)
@@ -856,8 +1030,12 @@ def run_ranked(args, argv: list[str]) -> None:
       continue
     with tempfile.TemporaryDirectory() as weights:
       run_argv = [*argv, f"--weights_dir={weights}"]
-      init = subprocess.run([sys.executable, os.path.abspath(__file__), *run_argv, "--worker", "init"],
-                            capture_output=True, text=True, check=False)
+      init = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), *run_argv, "--worker", "init"],
+        capture_output=True,
+        text=True,
+        check=False,
+      )
       if init.returncode:
         sys.exit(f"writing the start weights failed:\n{init.stderr[-3000:]}")
       first, listwise = RANKING_LOSSES
@@ -878,11 +1056,15 @@ def run_ranked(args, argv: list[str]) -> None:
     for r in results:
       if "first_loss_vs_trl" in r:
         a = r["first_loss_vs_trl"]
-        print(f"{r['name']} first-step loss {a['jaxrm']:.9f}, TRL's on the expanded pairs {a['trl']:.9f}: "
-              f"relative difference {a['relative']:.2e} (limit {LOSS_RTOL:g}); the same step from the same "
-              f"weights on the same pairs")
+        print(
+          f"{r['name']} first-step loss {a['jaxrm']:.9f}, TRL's on the expanded pairs {a['trl']:.9f}: "
+          f"relative difference {a['relative']:.2e} (limit {LOSS_RTOL:g}); the same step from the same "
+          f"weights on the same pairs"
+        )
       elif "losses" in r and r["name"].startswith("jaxrm"):
-        print(f"{r['name']}: its own loss (listwise), first step {r['losses'][0]:.9f}; not comparable to TRL's")
+        print(
+          f"{r['name']}: its own loss (listwise), first step {r['losses'][0]:.9f}; not comparable to TRL's"
+        )
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"args": vars(args), "results": results}, f, indent=1)
@@ -904,9 +1086,11 @@ def check_first_losses(said: dict[str, str]) -> None:
   losses = {ranked_worker(run)[0]: float(payload) for run, payload in said.items()}
   agreement = loss_agreement(losses["all_pairs"], losses["trl"])
   if not agreement["relative"] <= LOSS_RTOL:
-    raise RuntimeError(f"first-step losses disagree: jaxrm all_pairs {agreement['jaxrm']!r}, TRL "
-                       f"{agreement['trl']!r} (relative {agreement['relative']:.2e} > {LOSS_RTOL:g}); "
-                       "not timing a comparison of two different computations")
+    raise RuntimeError(
+      f"first-step losses disagree: jaxrm all_pairs {agreement['jaxrm']!r}, TRL "
+      f"{agreement['trl']!r} (relative {agreement['relative']:.2e} > {LOSS_RTOL:g}); "
+      "not timing a comparison of two different computations"
+    )
 
 
 # --------------------------------------------------------------------------------- lockstep
@@ -920,7 +1104,7 @@ class _Channel:
     self.out = os.fdopen(write_fd, "w", buffering=1)
 
   @classmethod
-  def from_spec(cls, spec: str) -> "_Channel":
+  def from_spec(cls, spec: str) -> _Channel:
     return cls(*map(int, spec.split(",")))
 
   def send(self, message: str) -> None:
@@ -981,10 +1165,18 @@ def _start_worker(run: str, argv: list[str]):
   child_reads, parent_writes = os.pipe()
   parent_reads, child_writes = os.pipe()
   log = tempfile.TemporaryFile("w+")
-  cmd = [sys.executable, os.path.abspath(__file__), *argv, "--worker", run,
-         "--channel", f"{child_reads},{child_writes}"]
-  proc = subprocess.Popen(cmd, pass_fds=(child_reads, child_writes), stdout=log, stderr=log,
-                          env=variant_env(run))
+  cmd = [
+    sys.executable,
+    os.path.abspath(__file__),
+    *argv,
+    "--worker",
+    run,
+    "--channel",
+    f"{child_reads},{child_writes}",
+  ]
+  proc = subprocess.Popen(
+    cmd, pass_fds=(child_reads, child_writes), stdout=log, stderr=log, env=variant_env(run)
+  )
   os.close(child_reads)
   os.close(child_writes)
   return run, proc, _Channel(parent_reads, parent_writes), log

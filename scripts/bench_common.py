@@ -17,34 +17,84 @@ from jaxrm.models.config import ModelConfig, from_hf_config
 # Public shapes: the values of each model's config.json on the Hugging Face hub (the repository
 # named), as ``models.config.from_hf_config`` reads them. Only the architecture matters here.
 HF_CONFIGS = {
-    "smollm2-135m": {  # HuggingFaceTB/SmolLM2-135M-Instruct
-        "model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
-        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-        "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192,
-        "tie_word_embeddings": True},
-    "qwen2.5-1.5b": {  # Qwen/Qwen2.5-1.5B: head_dim 1536 / 12 = 128, q/k/v biases (qwen2)
-        "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960,
-        "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 131072,
-        "tie_word_embeddings": True, "use_sliding_window": False},
-    "llama3.1-8b": {  # meta-llama/Llama-3.1-8B: head_dim 4096 / 32 = 128
-        "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False},
-    "qwen3-8b": {  # Qwen/Qwen3-8B: explicit head_dim 128, q/k RMSNorm (qwen3)
-        "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
-        "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-        "max_position_embeddings": 40960, "tie_word_embeddings": False, "attention_bias": False,
-        "use_sliding_window": False},
+  "smollm2-135m": {  # HuggingFaceTB/SmolLM2-135M-Instruct
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+  },
+  "qwen2.5-1.5b": {  # Qwen/Qwen2.5-1.5B: head_dim 1536 / 12 = 128, q/k/v biases (qwen2)
+    "model_type": "qwen2",
+    "vocab_size": 151936,
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": True,
+    "use_sliding_window": False,
+  },
+  "llama3.1-8b": {  # meta-llama/Llama-3.1-8B: head_dim 4096 / 32 = 128
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 131072,
+    "rope_scaling": {
+      "rope_type": "llama3",
+      "factor": 8.0,
+      "low_freq_factor": 1.0,
+      "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 8192,
+    },
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+  },
+  "qwen3-8b": {  # Qwen/Qwen3-8B: explicit head_dim 128, q/k RMSNorm (qwen3)
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "use_sliding_window": False,
+  },
 }
 SHAPES = {
-    "tiny": ModelConfig(family="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
-                        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16),
-    **{name: from_hf_config(hf) for name, hf in HF_CONFIGS.items()},
+  "tiny": ModelConfig(
+    family="llama",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+  ),
+  **{name: from_hf_config(hf) for name, hf in HF_CONFIGS.items()},
 }
 
 # Token ids of the generated chats: ChatML-like markers, then text.
@@ -76,7 +126,7 @@ def make_groups(n: int, k: int, max_length: int, vocab: int, seed: int) -> list[
     context += message(USER, _lognormal(rng, 60, 1.0, 2000)) + [IM_START, ASSISTANT, NEWLINE]
     completions = [text(_lognormal(rng, 180, 0.9, max_length // 2 - 1)) + [IM_END] for _ in range(k)]
     # As truncation="left": the oldest context tokens go until the longest sequence fits.
-    context = context[max(0, len(context) + max(map(len, completions)) - max_length):]
+    context = context[max(0, len(context) + max(map(len, completions)) - max_length) :]
     ids = tuple(np.asarray(context + c, np.int32) for c in completions)
     out.append(PreferenceExample(ids, tuple(range(k)), 0.0, f"group {i}" if k > 2 else f"pair {i}", {}))
   return out
@@ -86,16 +136,21 @@ def full_pairs(pairs: int, length: int, vocab: int, seed: int = 0):
   """``pairs`` preference pairs whose two completions both fill ``length`` tokens: the unpacked
   batch (``data.packing=none``) at its longest. input_ids [2 * pairs, length]."""
   from jaxrm.batches import PreferenceBatch
+
   rng = np.random.default_rng(seed)
   return PreferenceBatch(
-      input_ids=rng.integers(FIRST_TEXT, vocab, (2 * pairs, length)).astype(np.int32),
-      attention_mask=np.ones((2 * pairs, length), np.int32),
-      ranks=np.tile(np.arange(2, dtype=np.int32), (pairs, 1)),
-      margin=np.zeros(pairs, np.float32), example_mask=np.ones(pairs, np.float32))
+    input_ids=rng.integers(FIRST_TEXT, vocab, (2 * pairs, length)).astype(np.int32),
+    attention_mask=np.ones((2 * pairs, length), np.int32),
+    ranks=np.tile(np.arange(2, dtype=np.int32), (pairs, 1)),
+    margin=np.zeros(pairs, np.float32),
+    example_mask=np.ones(pairs, np.float32),
+  )
 
 
 def one_device_mesh():
   """A 1x1x1 mesh on this machine's first device: where a single benchmark run trains."""
   import jax
+
   from jaxrm import sharding
+
   return sharding.make_mesh(sharding.MeshConfig(1, 1, 1), devices=jax.devices()[:1])

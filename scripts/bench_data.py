@@ -71,7 +71,9 @@ def write_rows(path: str, num_rows: int, words: list[str], seed: int = 0) -> Non
         context.append({"role": "user", "content": text(40)})
         if t < turns - 1:
           context.append({"role": "assistant", "content": text(60)})
-      completions = [{"rank": r, "completion": [{"role": "assistant", "content": text(90)}]} for r in range(2)]
+      completions = [
+        {"rank": r, "completion": [{"role": "assistant", "content": text(90)}]} for r in range(2)
+      ]
       f.write(json.dumps({"context": context, "completions": completions}) + "\n")
   os.rename(tmp, path)
 
@@ -91,7 +93,9 @@ def tokenizer_dir(work_dir: str) -> str:
   saved = os.path.join(work_dir, "smollm2_tokenizer")
   if not os.path.exists(os.path.join(saved, "tokenizer.json")):
     import transformers
+
     from jaxrm.hf import gguf
+
     path = gguf.embedded_model_path()
     tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     tok.save_pretrained(saved)
@@ -107,6 +111,7 @@ class PeakRss:
 
   def __init__(self):
     import psutil
+
     self.me = psutil.Process()
     self.peak_self = self.peak_tree = 0
     self.done = threading.Event()
@@ -119,6 +124,7 @@ class PeakRss:
 
   def sample(self):
     import psutil
+
     try:
       own = self.me.memory_info().rss
       tree = own + sum(c.memory_info().rss for c in self.me.children(recursive=True))
@@ -135,6 +141,7 @@ class PeakRss:
 
 def child(mode: str, path: str, cache_dir: str, tokenizer: str, max_length: int, num_proc: int) -> dict:
   import transformers
+
   from jaxrm.data import cache, formats, registry, sources
   from jaxrm.data.drops import DropReport
   from jaxrm.data.tokenize import TokenizeOptions, tokenize_all
@@ -153,6 +160,7 @@ def child(mode: str, path: str, cache_dir: str, tokenizer: str, max_length: int,
     examples = tokenize_all(records, tok, opts, drops)
     tokens = sum(len(ids) for e in examples for ids in e.input_ids)
   else:
+
     def read(d):
       for row_source, row in sources.read_rows(path):
         record = formats.parse_preference(row, row_source, d, subset_field="subset")
@@ -160,16 +168,24 @@ def child(mode: str, path: str, cache_dir: str, tokenizer: str, max_length: int,
           yield record
 
     source["source"] = sources.fingerprint(path)
-    examples = cache.load_tokenized(read, tokenizer=tok, options=opts, drops=drops, source=source,
-                                    cache_dir=cache_dir, num_proc=num_proc)
+    examples = cache.load_tokenized(
+      read, tokenizer=tok, options=opts, drops=drops, source=source, cache_dir=cache_dir, num_proc=num_proc
+    )
     tokens = examples.num_tokens()
     if mode == "cached+pass":
       for _ in examples:
         pass
   seconds = time.perf_counter() - t0
   peak_self, peak_tree = rss.stop()
-  return {"seconds": seconds, "examples": len(examples), "dropped": drops.total, "tokens": tokens,
-          "base_rss_mb": base, "peak_rss_mb": peak_self, "tree_peak_rss_mb": peak_tree}
+  return {
+    "seconds": seconds,
+    "examples": len(examples),
+    "dropped": drops.total,
+    "tokens": tokens,
+    "base_rss_mb": base,
+    "peak_rss_mb": peak_self,
+    "tree_peak_rss_mb": peak_tree,
+  }
 
 
 def write_synthetic_entry(path: str, cache_dir: str, tok, opts, source: dict) -> dict:
@@ -177,6 +193,7 @@ def write_synthetic_entry(path: str, cache_dir: str, tok, opts, source: dict) ->
   distribution, written without tokenizing (for the cached start of a set too large to tokenize
   here); its key is the real one, so the ``cached`` runs read it."""
   import numpy as np
+
   from jaxrm.data import cache, sources
   from jaxrm.data.drops import DropReport
   from jaxrm.data.tokenize import PreferenceExample
@@ -191,7 +208,9 @@ def write_synthetic_entry(path: str, cache_dir: str, tok, opts, source: dict) ->
   for start in range(0, n, 10_000):
     chunk = []
     for i in range(start, min(start + 10_000, n)):
-      lengths = np.clip(rng.lognormal(np.log(SYNTHETIC_MEDIAN_TOKENS), 0.5, 2), 40, opts.max_length).astype(int)
+      lengths = np.clip(rng.lognormal(np.log(SYNTHETIC_MEDIAN_TOKENS), 0.5, 2), 40, opts.max_length).astype(
+        int
+      )
       ids = tuple(rng.integers(0, 49152, k, dtype=np.int32) for k in lengths)
       chunk.append(PreferenceExample(ids, (0, 1), 0.0, f"{path}:{i + 1}", {}))
     writer.add(chunk)
@@ -200,8 +219,20 @@ def write_synthetic_entry(path: str, cache_dir: str, tok, opts, source: dict) ->
 
 
 def measure(mode: str, path: str, cache_dir: str, tokenizer: str, args) -> dict:
-  cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--child_path", path, "--child_cache", cache_dir,
-         "--tokenizer", tokenizer, f"--max_length={args.max_length}", f"--num_proc={args.num_proc}"]
+  cmd = [
+    sys.executable,
+    os.path.abspath(__file__),
+    "--child",
+    mode,
+    "--child_path",
+    path,
+    "--child_cache",
+    cache_dir,
+    "--tokenizer",
+    tokenizer,
+    f"--max_length={args.max_length}",
+    f"--num_proc={args.num_proc}",
+  ]
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false")
   out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
   if out.returncode:
@@ -214,14 +245,18 @@ def measure(mode: str, path: str, cache_dir: str, tokenizer: str, args) -> dict:
 # (global batch, micro-batch per device, data-parallel devices): NeMo RL's RM recipe on one node of
 # 8 GPUs, and on one device.
 PADDING_SETTINGS = ((128, 4, 8), (128, 8, 8), (128, 4, 1))
-PADDING_MODES = {"global batch": {}, "per micro-batch": {"micro": True},
-                 "per micro-batch + group_by_length": {"micro": True, "group_by_length": True}}
+PADDING_MODES = {
+  "global batch": {},
+  "per micro-batch": {"micro": True},
+  "per micro-batch + group_by_length": {"micro": True, "group_by_length": True},
+}
 
 
 def long_tailed_lengths(num_groups: int, max_length: int, seed: int = 0) -> list[tuple[int, int]]:
   """Pairs' sequence lengths: a log-normal prompt (median 250 tokens) and completion (median 150)
   each, clipped to ``max_length``: most pairs short, a long tail up to ``max_length``."""
   import numpy as np
+
   rng = np.random.default_rng(seed)
   prompt = rng.lognormal(np.log(250), 1.0, num_groups)
   done = rng.lognormal(np.log(150), 0.8, (num_groups, 2))
@@ -231,29 +266,51 @@ def long_tailed_lengths(num_groups: int, max_length: int, seed: int = 0) -> list
 def demo_lengths(tokenizer: str, max_length: int) -> list[tuple[int, ...]]:
   """The demo set's pairs as the SmolLM2 tokenizer makes them."""
   import transformers
+
   from jaxrm.data import registry
   from jaxrm.data.drops import DropReport
   from jaxrm.data.tokenize import TokenizeOptions, tokenize_all
+
   tok = transformers.AutoTokenizer.from_pretrained(tokenizer)
   records = registry.load_records("demo_arithmetic", None, split="train", drops=DropReport())
   examples = tokenize_all(records, tok, TokenizeOptions(max_length=max_length), DropReport())
   return [tuple(len(ids) for ids in e.input_ids) for e in examples]
 
 
-def padding_efficiency(lengths: list[tuple[int, ...]], *, global_batch: int, micro_batch: int, data_parallel: int,
-                       max_length: int, bucket_multiple: int, micro: bool = False, group_by_length: bool = False,
-                       seed: int = 0) -> float:
+def padding_efficiency(
+  lengths: list[tuple[int, ...]],
+  *,
+  global_batch: int,
+  micro_batch: int,
+  data_parallel: int,
+  max_length: int,
+  bucket_multiple: int,
+  micro: bool = False,
+  group_by_length: bool = False,
+  seed: int = 0,
+) -> float:
   """Real tokens / fed token slots over one epoch of the pipeline's training batches of groups
   with these sequence ``lengths``; ``micro``: each micro-batch padded to its own bucket."""
   import numpy as np
+
   from jaxrm.data import pipeline
   from jaxrm.data.tokenize import PreferenceExample
-  examples = [PreferenceExample(tuple(np.ones(n, np.int32) for n in group), tuple(range(len(group))), 0.0,
-                                f"group {i}", {}) for i, group in enumerate(lengths)]
+
+  examples = [
+    PreferenceExample(
+      tuple(np.ones(n, np.int32) for n in group), tuple(range(len(group))), 0.0, f"group {i}", {}
+    )
+    for i, group in enumerate(lengths)
+  ]
   grad_accum = global_batch // (micro_batch * data_parallel)
   it, stream = pipeline.make_train_iterator(
-      examples, batch_size=global_batch, seed=seed, buckets=pipeline.length_buckets(max_length, bucket_multiple),
-      micro_batches=grad_accum if micro else 1, group_by_length=group_by_length)
+    examples,
+    batch_size=global_batch,
+    seed=seed,
+    buckets=pipeline.length_buckets(max_length, bucket_multiple),
+    micro_batches=grad_accum if micro else 1,
+    group_by_length=group_by_length,
+  )
   real = fed = 0
   for _ in range(stream.steps_per_epoch):
     n, share = pipeline.token_counts(next(it))
@@ -266,17 +323,36 @@ def padding_table(args) -> str:
   demo = demo_lengths(args.tokenizer or tokenizer_dir(args.work_dir), 128)
   mix = long_tailed_lengths(args.padding_groups, args.max_length)
   # (name, lengths, max_length, bucket_multiple): the demo as configs/rm.py and at the default buckets.
-  sets = [("demo_arithmetic", demo, 128, 16), ("demo_arithmetic", demo, 128, 64),
-          (f"long-tailed mix (<= {args.max_length})", mix, args.max_length, args.bucket_multiple)]
-  lines = ["| data | buckets of | global batch | micro-batch x devices | accumulation | "
-           + " | ".join(PADDING_MODES) + " |", "|---|---:|---:|---:|---:|" + "---:|" * len(PADDING_MODES)]
+  sets = [
+    ("demo_arithmetic", demo, 128, 16),
+    ("demo_arithmetic", demo, 128, 64),
+    (f"long-tailed mix (<= {args.max_length})", mix, args.max_length, args.bucket_multiple),
+  ]
+  lines = [
+    "| data | buckets of | global batch | micro-batch x devices | accumulation | "
+    + " | ".join(PADDING_MODES)
+    + " |",
+    "|---|---:|---:|---:|---:|" + "---:|" * len(PADDING_MODES),
+  ]
   for name, lengths, max_length, multiple in sets:
     for gbs, mbs, dp in PADDING_SETTINGS:
-      cells = [padding_efficiency(lengths, global_batch=gbs, micro_batch=mbs, data_parallel=dp, max_length=max_length,
-                                  bucket_multiple=multiple, **options)
-               for options in PADDING_MODES.values()]
-      lines.append(f"| {name} | {multiple} | {gbs} | {mbs} x {dp} | {gbs // (mbs * dp)} | "
-                   + " | ".join(f"{c:.1%}" for c in cells) + " |")
+      cells = [
+        padding_efficiency(
+          lengths,
+          global_batch=gbs,
+          micro_batch=mbs,
+          data_parallel=dp,
+          max_length=max_length,
+          bucket_multiple=multiple,
+          **options,
+        )
+        for options in PADDING_MODES.values()
+      ]
+      lines.append(
+        f"| {name} | {multiple} | {gbs} | {mbs} x {dp} | {gbs // (mbs * dp)} | "
+        + " | ".join(f"{c:.1%}" for c in cells)
+        + " |"
+      )
       print(lines[-1], flush=True)
   return "\n".join(lines)
 
@@ -291,21 +367,33 @@ def main() -> None:
   p.add_argument("--max_length", type=int, default=2048)
   p.add_argument("--num_proc", type=int, default=os.cpu_count() or 1)
   p.add_argument("--skip", default="", help="comma-separated mode@size runs to leave out, e.g. today@1000000")
-  p.add_argument("--synthetic", default="", help="comma-separated sizes whose cache entry is written from "
-                 "random ids instead of tokenized (cached runs only)")
+  p.add_argument(
+    "--synthetic",
+    default="",
+    help="comma-separated sizes whose cache entry is written from "
+    "random ids instead of tokenized (cached runs only)",
+  )
   p.add_argument("--tokenizer", default=None)
   p.add_argument("--json", default=None, help="also write the results here")
-  p.add_argument("--padding", action="store_true", help="report the real/fed token efficiency of unpacked "
-                 "batches instead (see above)")
+  p.add_argument(
+    "--padding",
+    action="store_true",
+    help="report the real/fed token efficiency of unpacked batches instead (see above)",
+  )
   p.add_argument("--padding_groups", type=int, default=8192, help="pairs of the long-tailed mix")
-  p.add_argument("--bucket_multiple", type=int, default=64, help="data.bucket_multiple of the long-tailed mix (--padding)")
+  p.add_argument(
+    "--bucket_multiple", type=int, default=64, help="data.bucket_multiple of the long-tailed mix (--padding)"
+  )
   p.add_argument("--child", default=None, help=argparse.SUPPRESS)
   p.add_argument("--child_path", default=None, help=argparse.SUPPRESS)
   p.add_argument("--child_cache", default=None, help=argparse.SUPPRESS)
   args = p.parse_args()
   if args.child:
-    print(json.dumps(child(args.child, args.child_path, args.child_cache, args.tokenizer, args.max_length,
-                           args.num_proc)))
+    print(
+      json.dumps(
+        child(args.child, args.child_path, args.child_cache, args.tokenizer, args.max_length, args.num_proc)
+      )
+    )
     return
   os.makedirs(args.work_dir, exist_ok=True)
   if args.padding:
@@ -320,7 +408,9 @@ def main() -> None:
     if not os.path.exists(path):
       t = time.perf_counter()
       write_rows(path, size, words or (words := vocabulary(tokenizer)))
-      print(f"wrote {path} ({os.path.getsize(path) / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s", flush=True)
+      print(
+        f"wrote {path} ({os.path.getsize(path) / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s", flush=True
+      )
     cache_dir = os.path.join(args.work_dir, f"cache_{size}")
     shutil.rmtree(cache_dir, ignore_errors=True)
     if size in synthetic:
@@ -328,31 +418,49 @@ def main() -> None:
     for mode in MODES:
       if f"{mode}@{size}" in skip or (size in synthetic and mode in ("today", "first")):
         continue
-      r = {"mode": mode, "pairs": size, "file_gb": os.path.getsize(path) / 1e9,
-           **measure(mode, path, cache_dir, tokenizer, args)}
+      r = {
+        "mode": mode,
+        "pairs": size,
+        "file_gb": os.path.getsize(path) / 1e9,
+        **measure(mode, path, cache_dir, tokenizer, args),
+      }
       results.append(r)
       print(_row(r), flush=True)
   print(_table(results))
   if args.json:
     with open(args.json, "w") as f:
-      json.dump({"num_proc": args.num_proc, "max_length": args.max_length, "cpus": os.cpu_count(),
-                 "results": results}, f, indent=2)
+      json.dump(
+        {
+          "num_proc": args.num_proc,
+          "max_length": args.max_length,
+          "cpus": os.cpu_count(),
+          "results": results,
+        },
+        f,
+        indent=2,
+      )
 
 
 def _row(r: dict) -> str:
-  return (f"{r['mode']:>12} {r['pairs']:>8} pairs: {r['seconds']:8.1f} s, {r['pairs'] / r['seconds']:9.0f} pairs/s, "
-          f"peak RSS {r['peak_rss_mb']:7.0f} MB (after imports {r['base_rss_mb']:5.0f} MB; with workers "
-          f"{r['tree_peak_rss_mb']:7.0f} MB), tokens {r['tokens'] / 1e6:7.1f}M = {r['tokens'] * 4 / 2**20:7.0f} MB "
-          f"int32, {r['examples']} examples, {r['dropped']} dropped")
+  return (
+    f"{r['mode']:>12} {r['pairs']:>8} pairs: {r['seconds']:8.1f} s, {r['pairs'] / r['seconds']:9.0f} pairs/s, "
+    f"peak RSS {r['peak_rss_mb']:7.0f} MB (after imports {r['base_rss_mb']:5.0f} MB; with workers "
+    f"{r['tree_peak_rss_mb']:7.0f} MB), tokens {r['tokens'] / 1e6:7.1f}M = {r['tokens'] * 4 / 2**20:7.0f} MB "
+    f"int32, {r['examples']} examples, {r['dropped']} dropped"
+  )
 
 
 def _table(results: list[dict]) -> str:
-  lines = ["| pairs | file | mode | seconds | pairs/s | peak RSS (after imports) | with workers | tokens as int32 |",
-           "|---:|---:|---|---:|---:|---:|---:|---:|"]
+  lines = [
+    "| pairs | file | mode | seconds | pairs/s | peak RSS (after imports) | with workers | tokens as int32 |",
+    "|---:|---:|---|---:|---:|---:|---:|---:|",
+  ]
   for r in results:
-    lines.append(f"| {r['pairs']:,} | {r['file_gb']:.2f} GB | {r['mode']} | {r['seconds']:.1f} | "
-                 f"{r['pairs'] / r['seconds']:,.0f} | {r['peak_rss_mb']:,.0f} MB ({r['base_rss_mb']:,.0f} MB) | "
-                 f"{r['tree_peak_rss_mb']:,.0f} MB | {r['tokens'] / 1e6:,.1f}M = {r['tokens'] * 4 / 2**20:,.0f} MB |")
+    lines.append(
+      f"| {r['pairs']:,} | {r['file_gb']:.2f} GB | {r['mode']} | {r['seconds']:.1f} | "
+      f"{r['pairs'] / r['seconds']:,.0f} | {r['peak_rss_mb']:,.0f} MB ({r['base_rss_mb']:,.0f} MB) | "
+      f"{r['tree_peak_rss_mb']:,.0f} MB | {r['tokens'] / 1e6:,.1f}M = {r['tokens'] * 4 / 2**20:,.0f} MB |"
+    )
   return "\n".join(lines)
 
 

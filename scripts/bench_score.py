@@ -62,16 +62,22 @@ import urllib.request
 import numpy as np
 
 EMBEDDED = "embedded:SmolLM2-135M-Instruct"
-WORDS = ("the model reads each answer and gives it a score so that training can prefer better "
-         "replies over worse ones while rollouts keep arriving from many workers at once").split()
+WORDS = (
+  "the model reads each answer and gives it a score so that training can prefer better "
+  "replies over worse ones while rollouts keep arriving from many workers at once"
+).split()
 
 
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--model", default=EMBEDDED, help="What RewardModel.from_pretrained loads.")
-  p.add_argument("--workload", choices=["chats", "grpo", "buckets"], default="chats",
-                 help="One completion per prompt (chats), P prompts x G completions (grpo), or rm.score's "
-                      "padding buckets (buckets).")
+  p.add_argument(
+    "--workload",
+    choices=["chats", "grpo", "buckets"],
+    default="chats",
+    help="One completion per prompt (chats), P prompts x G completions (grpo), or rm.score's "
+    "padding buckets (buckets).",
+  )
   p.add_argument("--buckets", default="16,32,64,128", help="buckets: the length multiples to compare.")
   p.add_argument("--items", type=int, default=128, help="Texts scored per repeat.")
   p.add_argument("--batch_size", type=int, default=8, help="Rows per forward pass, for all three.")
@@ -98,13 +104,17 @@ def make_texts(n: int, median: int, cap: int, tokenizer, seed: int) -> list[str]
     target = int(min(cap, max(16, rng.lognormal(np.log(median), 0.6))))
     words = [WORDS[(i + k) % len(WORDS)] for k in range(target)]
     q = max(4, target // 4)
-    text = (f"<|im_start|>user\n{' '.join(words[:q])}?<|im_end|>\n<|im_start|>assistant\n"
-            f"{' '.join(words[q:])}.<|im_end|>\n")
+    text = (
+      f"<|im_start|>user\n{' '.join(words[:q])}?<|im_end|>\n<|im_start|>assistant\n"
+      f"{' '.join(words[q:])}.<|im_end|>\n"
+    )
     ids = tokenizer(text)["input_ids"]
     while len(ids) > cap:  # cut words until it fits; the words are 1-2 tokens each
-      words = words[:-max(1, (len(ids) - cap) // 2)]
-      text = (f"<|im_start|>user\n{' '.join(words[:q])}?<|im_end|>\n<|im_start|>assistant\n"
-              f"{' '.join(words[q:])}.<|im_end|>\n")
+      words = words[: -max(1, (len(ids) - cap) // 2)]
+      text = (
+        f"<|im_start|>user\n{' '.join(words[:q])}?<|im_end|>\n<|im_start|>assistant\n"
+        f"{' '.join(words[q:])}.<|im_end|>\n"
+      )
       ids = tokenizer(text)["input_ids"]
     texts.append(text)
   return texts
@@ -121,24 +131,27 @@ def make_groups(num_prompts: int, group_size: int, args, tokenizer, seed: int) -
   def words(target: int) -> str:  # random words of at most ``target`` tokens (each is 1-2)
     out = list(rng.choice(WORDS, max(1, target)))
     while len(out) > 1 and count(" ".join(out)) > target:
-      out = out[:-max(1, (count(" ".join(out)) - target) // 2)]
+      out = out[: -max(1, (count(" ".join(out)) - target) // 2)]
     return " ".join(out)
 
   lognormal = lambda median, cap: int(min(cap, max(8, rng.lognormal(np.log(median), 0.6))))
   groups = []
   for _ in range(num_prompts):
     n = lognormal(args.prompt_median, args.max_length // 2)
-    prompt = (f"<|im_start|>system\n{words(n // 4)}.<|im_end|>\n<|im_start|>user\n{words(n - n // 4 - 12)}?"
-              f"<|im_end|>\n<|im_start|>assistant\n")
+    prompt = (
+      f"<|im_start|>system\n{words(n // 4)}.<|im_end|>\n<|im_start|>user\n{words(n - n // 4 - 12)}?"
+      f"<|im_end|>\n<|im_start|>assistant\n"
+    )
     room = args.max_length - count(prompt) - 4  # for ".<|im_end|>\n"
-    groups.append([prompt + words(lognormal(args.completion_median, room)) + ".<|im_end|>\n"
-                   for _ in range(group_size)])
+    groups.append(
+      [prompt + words(lognormal(args.completion_median, room)) + ".<|im_end|>\n" for _ in range(group_size)]
+    )
   return groups
 
 
 def length_sorted_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
   order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-  return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+  return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
 def summary(name: str, seconds: list[float], latencies: list[list[float]], items: int, tokens: int) -> dict:
@@ -147,8 +160,15 @@ def summary(name: str, seconds: list[float], latencies: list[list[float]], items
   t = statistics.median(seconds)
   lat = np.asarray([x for run in latencies for x in run]) * 1000
   percentile = lambda q: float(np.percentile(lat, q)) if lat.size else None
-  return dict(name=name, items_per_s=items / t, tokens_per_s=tokens / t, seconds=t,
-              p50_ms=percentile(50), p99_ms=percentile(99), repeats=[items / s for s in seconds])
+  return dict(
+    name=name,
+    items_per_s=items / t,
+    tokens_per_s=tokens / t,
+    seconds=t,
+    p50_ms=percentile(50),
+    p99_ms=percentile(99),
+    repeats=[items / s for s in seconds],
+  )
 
 
 # ---------------------------------------------------------------------------------- the three runs
@@ -176,6 +196,7 @@ def run_rm_score(rm, texts, args):
 
 def run_transformers(model, tokenizer, texts, batches, device):
   import torch
+
   latencies = []
   start = time.perf_counter()
   with torch.no_grad():
@@ -190,7 +211,7 @@ def run_transformers(model, tokenizer, texts, batches, device):
 def run_server(url, texts, args):
   opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
   k = args.items_per_request
-  requests = [texts[i:i + k] for i in range(0, len(texts), k)]
+  requests = [texts[i : i + k] for i in range(0, len(texts), k)]
   latencies, lock = [], threading.Lock()
 
   def post(chunk):
@@ -216,6 +237,7 @@ def load_transformers(rm, dtype: str):
   """transformers' AutoModelForSequenceClassification on the jaxrm model's own weights (an HF export)."""
   import torch
   import transformers
+
   device = "cuda" if torch.cuda.is_available() else "cpu"
   torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
   with tempfile.TemporaryDirectory() as out:
@@ -238,8 +260,11 @@ def main(argv=None) -> None:
   rm = RewardModel.from_pretrained(args.model, dtype=args.dtype)
   workload = {"chats": chats_workload, "grpo": grpo_workload, "buckets": buckets_workload}[args.workload]
   results = workload(rm, args)
-  print(f"jax {jax.__version__} ({jax.default_backend()}), transformers {transformers.__version__}, "
-        f"torch {torch.__version__}, {os.cpu_count()} CPUs", flush=True)
+  print(
+    f"jax {jax.__version__} ({jax.default_backend()}), transformers {transformers.__version__}, "
+    f"torch {torch.__version__}, {os.cpu_count()} CPUs",
+    flush=True,
+  )
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dict(args=vars(args), results=results), f, indent=1)
@@ -260,9 +285,12 @@ def chats_workload(rm, args) -> list[dict]:
   lengths = [len(e) for e in encoded]
   tokens = sum(lengths)
   batches = length_sorted_batches(lengths, args.batch_size)
-  print(f"{args.items} texts, {tokens} tokens (median {int(np.median(lengths))}, max {max(lengths)}); "
-        f"rm.score computes {shared_tokens(rm, encoded, args)} of them once prefixes are shared; "
-        f"jaxrm and transformers tokenize {same_tokens}/{args.items} identically", flush=True)
+  print(
+    f"{args.items} texts, {tokens} tokens (median {int(np.median(lengths))}, max {max(lengths)}); "
+    f"rm.score computes {shared_tokens(rm, encoded, args)} of them once prefixes are shared; "
+    f"jaxrm and transformers tokenize {same_tokens}/{args.items} identically",
+    flush=True,
+  )
 
   # Untimed: jaxrm compiles each batch shape; transformers' first pass; a check that both score alike.
   ours = rm.score(texts, batch_size=args.batch_size, max_length=args.max_length)
@@ -270,20 +298,29 @@ def chats_workload(rm, args) -> list[dict]:
     first = hf_tok([texts[i] for i in batches[0]], padding=True, return_tensors="pt").to(device)
     theirs = hf_model(**first).logits[:, 0].float().cpu().numpy()
   run_transformers(hf_model, hf_tok, texts, batches[:2], device)
-  print(f"max |jaxrm - transformers| reward on a batch: {np.abs(ours[batches[0]] - theirs).max():.2e}", flush=True)
+  print(
+    f"max |jaxrm - transformers| reward on a batch: {np.abs(ours[batches[0]] - theirs).max():.2e}", flush=True
+  )
 
   buckets = length_buckets(max(args.max_length, 64), 64)  # rm.score's
-  config = ServerConfig(max_length=args.max_length, batch_size=args.batch_size, buckets=buckets,
-                        max_batch=max(256, args.items_per_request), request_timeout=600)
+  config = ServerConfig(
+    max_length=args.max_length,
+    batch_size=args.batch_size,
+    buckets=buckets,
+    max_batch=max(256, args.items_per_request),
+    request_timeout=600,
+  )
   server = make_server(rm, "127.0.0.1", 0, config=config).start()
   try:
     server.wait_ready()
-    run_server(server.url, texts[:2 * args.batch_size], args)  # untimed: the first connections and batches
+    run_server(server.url, texts[: 2 * args.batch_size], args)  # untimed: the first connections and batches
     runs = {"rm.score": ([], []), "server": ([], []), "transformers": ([], [])}
     for _ in range(args.repeats):
-      for name, fn in (("rm.score", lambda: run_rm_score(rm, texts, args)),
-                       ("server", lambda: run_server(server.url, texts, args)),
-                       ("transformers", lambda: run_transformers(hf_model, hf_tok, texts, batches, device))):
+      for name, fn in (
+        ("rm.score", lambda: run_rm_score(rm, texts, args)),
+        ("server", lambda: run_server(server.url, texts, args)),
+        ("transformers", lambda: run_transformers(hf_model, hf_tok, texts, batches, device)),
+      ):
         seconds, latencies = fn()
         runs[name][0].append(seconds)
         runs[name][1].append(latencies)
@@ -294,25 +331,32 @@ def chats_workload(rm, args) -> list[dict]:
   results = [summary(name, s, lat, args.items, tokens) for name, (s, lat) in runs.items()]
   print_table(results, args)
   by = {r["name"]: r for r in results}
-  print(f"rm.score / transformers: {by['rm.score']['items_per_s'] / by['transformers']['items_per_s']:.2f}x; "
-        f"server / rm.score: {by['server']['items_per_s'] / by['rm.score']['items_per_s']:.0%}")
+  print(
+    f"rm.score / transformers: {by['rm.score']['items_per_s'] / by['transformers']['items_per_s']:.2f}x; "
+    f"server / rm.score: {by['server']['items_per_s'] / by['rm.score']['items_per_s']:.0%}"
+  )
   return results
 
 
 # ---------------------------------------------------------------------------------- grpo
 
 
-def grpo_scorers(rm, hf_model, hf_tok, device, texts, batches, args, server_url=None, group_size=None) -> dict:
+def grpo_scorers(
+  rm, hf_model, hf_tok, device, texts, batches, args, server_url=None, group_size=None
+) -> dict:
   """Name -> a function that scores ``texts`` once and returns (seconds, rewards [N]); with
   ``server_url``, also the server, each request one group of ``group_size`` texts."""
 
   def rm_score(share_prefix):
     start = time.perf_counter()
-    rewards = rm.score(texts, batch_size=args.batch_size, max_length=args.max_length, share_prefix=share_prefix)
+    rewards = rm.score(
+      texts, batch_size=args.batch_size, max_length=args.max_length, share_prefix=share_prefix
+    )
     return time.perf_counter() - start, rewards
 
   def hf():
     import torch
+
     rewards = np.zeros(len(texts), np.float32)
     start = time.perf_counter()
     with torch.no_grad():
@@ -322,22 +366,28 @@ def grpo_scorers(rm, hf_model, hf_tok, device, texts, batches, args, server_url=
     return time.perf_counter() - start, rewards
 
   def server():
-    groups = [texts[i:i + group_size] for i in range(0, len(texts), group_size)]
+    groups = [texts[i : i + group_size] for i in range(0, len(texts), group_size)]
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(min(args.clients, len(groups))) as pool:
       rewards = [r for group in pool.map(lambda g: post_texts(server_url, g), groups) for r in group]
     return time.perf_counter() - start, np.asarray(rewards, np.float32)
 
-  scorers = {"rm.score shared": lambda: rm_score(True), "rm.score unshared": lambda: rm_score(False),
-             "transformers": hf}
+  scorers = {
+    "rm.score shared": lambda: rm_score(True),
+    "rm.score unshared": lambda: rm_score(False),
+    "transformers": hf,
+  }
   return {**scorers, "server": server} if server_url else scorers
 
 
 def post_texts(url: str, texts: list[str]) -> list[float]:
   """OpenRLHF's /get_reward request of ``texts``: their rewards."""
   opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-  req = urllib.request.Request(url + "/get_reward", data=json.dumps({"query": texts}).encode(),
-                               headers={"Content-Type": "application/json"})
+  req = urllib.request.Request(
+    url + "/get_reward",
+    data=json.dumps({"query": texts}).encode(),
+    headers={"Content-Type": "application/json"},
+  )
   with opener.open(req, timeout=600) as reply:
     return json.loads(reply.read())["rewards"]
 
@@ -349,12 +399,17 @@ def grpo_workload(rm, args) -> list[dict]:
   hf_model, hf_tok, device = load_transformers(rm, args.dtype)
   # The server as `python -m jaxrm.serve --max_length=... --batch_size=...` runs it: its own
   # buckets (powers of two), sharing prefixes across the rows of all requests it batches.
-  config = ServerConfig(max_length=args.max_length, batch_size=args.batch_size, max_batch=256, request_timeout=600)
+  config = ServerConfig(
+    max_length=args.max_length, batch_size=args.batch_size, max_batch=256, request_timeout=600
+  )
   server = make_server(rm, "127.0.0.1", 0, config=config).start()
   start = time.perf_counter()
   server.wait_ready()
-  print(f"server: {len(server.batcher.shapes())} padded and {len(server.batcher.packed_shapes())} packed batch "
-        f"shapes compiled in {time.perf_counter() - start:.0f} s", flush=True)
+  print(
+    f"server: {len(server.batcher.shapes())} padded and {len(server.batcher.packed_shapes())} packed batch "
+    f"shapes compiled in {time.perf_counter() - start:.0f} s",
+    flush=True,
+  )
   try:
     return _grpo_runs(rm, hf_model, hf_tok, device, server.url, args)
   finally:
@@ -370,16 +425,31 @@ def _grpo_runs(rm, hf_model, hf_tok, device, server_url, args) -> list[dict]:
     lengths = [len(e) for e in encoded]
     tokens = sum(lengths)
     same = sum(e == hf_tok(t)["input_ids"] for e, t in zip(encoded, texts))
-    print(f"\nP={args.prompts} prompts x G={g}: {len(texts)} texts, {tokens} tokens "
-          f"(median {int(np.median(lengths))}, max {max(lengths)}); the groups' rows share "
-          f"{prompt_lengths(encoded, g)} tokens; shared scoring computes {shared_tokens(rm, encoded, args)} "
-          f"tokens; jaxrm and transformers tokenize {same}/{len(texts)} identically", flush=True)
-    scorers = grpo_scorers(rm, hf_model, hf_tok, device, texts, length_sorted_batches(lengths, args.batch_size),
-                           args, server_url, g)
+    print(
+      f"\nP={args.prompts} prompts x G={g}: {len(texts)} texts, {tokens} tokens "
+      f"(median {int(np.median(lengths))}, max {max(lengths)}); the groups' rows share "
+      f"{prompt_lengths(encoded, g)} tokens; shared scoring computes {shared_tokens(rm, encoded, args)} "
+      f"tokens; jaxrm and transformers tokenize {same}/{len(texts)} identically",
+      flush=True,
+    )
+    scorers = grpo_scorers(
+      rm,
+      hf_model,
+      hf_tok,
+      device,
+      texts,
+      length_sorted_batches(lengths, args.batch_size),
+      args,
+      server_url,
+      g,
+    )
     rewards = {name: fn()[1] for name, fn in scorers.items()}  # untimed: compiling, first passes
     want = rewards.pop("rm.score unshared")
-    print("max |reward - rm.score unshared|: " + ", ".join(
-        f"{name} {np.abs(r - want).max():.1e}" for name, r in rewards.items()), flush=True)
+    print(
+      "max |reward - rm.score unshared|: "
+      + ", ".join(f"{name} {np.abs(r - want).max():.1e}" for name, r in rewards.items()),
+      flush=True,
+    )
     seconds = {name: [] for name in scorers}
     for _ in range(args.repeats):
       for name, fn in scorers.items():
@@ -415,48 +485,65 @@ def buckets_workload(rm, args) -> list[dict]:
         rm.score(texts, batch_size=args.batch_size, bucket=b, max_length=args.max_length, share_prefix=False)
         times.append(time.perf_counter() - start)
       print(f"  bucket {b}: cold {runs[b][0][-1]:.1f} s, warm {runs[b][1][-1]:.1f} s", flush=True)
-  print("\n| multiple | shapes | padded tokens | cold s (median) | warm s (median) |\n|---:|---:|---:|---:|---:|")
+  print(
+    "\n| multiple | shapes | padded tokens | cold s (median) | warm s (median) |\n|---:|---:|---:|---:|---:|"
+  )
   results = []
   for b, (cold, warm) in runs.items():
     buckets = length_buckets(max(args.max_length, b), b)
-    shapes = [(scoring_rows(len(rows), args.batch_size), bucket_length(max(rows), buckets))
-              for rows in (lengths[i:i + args.batch_size] for i in range(0, len(lengths), args.batch_size))]
+    shapes = [
+      (scoring_rows(len(rows), args.batch_size), bucket_length(max(rows), buckets))
+      for rows in (lengths[i : i + args.batch_size] for i in range(0, len(lengths), args.batch_size))
+    ]
     slots = sum(n * t for n, t in shapes)
     results.append(dict(multiple=b, shapes=len(set(shapes)), slots=slots, cold=cold, warm=warm))
-    print(f"| {b} | {len(set(shapes))} | {slots} (+{slots / sum(lengths) - 1:.0%}) | {statistics.median(cold):.1f} "
-          f"({min(cold):.1f}-{max(cold):.1f}) | {statistics.median(warm):.1f} ({min(warm):.1f}-{max(warm):.1f}) |")
+    print(
+      f"| {b} | {len(set(shapes))} | {slots} (+{slots / sum(lengths) - 1:.0%}) | {statistics.median(cold):.1f} "
+      f"({min(cold):.1f}-{max(cold):.1f}) | {statistics.median(warm):.1f} ({min(warm):.1f}-{max(warm):.1f}) |"
+    )
   return results
 
 
 def prompt_lengths(encoded: list[list[int]], g: int) -> str:
   """The tokens each group's rows share, comma-separated."""
-  return ", ".join(str(len(os.path.commonprefix(encoded[i:i + g]))) for i in range(0, len(encoded), g))
+  return ", ".join(str(len(os.path.commonprefix(encoded[i : i + g]))) for i in range(0, len(encoded), g))
 
 
 def shared_tokens(rm, encoded: list[list[int]], args) -> int:
   """Tokens the shared layout holds, as rm.score groups the rows: each group's packed row, and
   the rows that score alone."""
   from jaxrm import shared_prefix
+
   groups = rm.prefix_groups(encoded, batch_size=args.batch_size, max_length=args.max_length)
   return sum(shared_prefix.packed_length(encoded, g) for g in groups)
 
 
 def print_table(results: list[dict], args) -> None:
   print("\n| scorer | items/s | tokens/s | p50 latency | p99 latency |\n|---|---:|---:|---:|---:|")
-  unit = {"rm.score": f"per batch of {args.batch_size}", "transformers": f"per batch of {args.batch_size}",
-          "server": f"per request of {args.items_per_request}, {args.clients} clients"}
+  unit = {
+    "rm.score": f"per batch of {args.batch_size}",
+    "transformers": f"per batch of {args.batch_size}",
+    "server": f"per request of {args.items_per_request}, {args.clients} clients",
+  }
   for r in results:
-    print(f"| {r['name']} ({unit[r['name']]}) | {r['items_per_s']:.1f} | {r['tokens_per_s']:.0f} | "
-          f"{r['p50_ms']:.0f} ms | {r['p99_ms']:.0f} ms |")
+    print(
+      f"| {r['name']} ({unit[r['name']]}) | {r['items_per_s']:.1f} | {r['tokens_per_s']:.0f} | "
+      f"{r['p50_ms']:.0f} ms | {r['p99_ms']:.0f} ms |"
+    )
 
 
 def print_grpo_table(rows: list[dict], g: int, args) -> None:
   transformers = next(r for r in rows if r["name"] == "transformers")["items_per_s"]
-  print(f"\n| scorer (P={args.prompts}, G={g}) | items/s (median) | spread over {args.repeats} repeats | tokens/s "
-        "| vs transformers |\n|---|---:|---:|---:|---:|")
+  print(
+    f"\n| scorer (P={args.prompts}, G={g}) | items/s (median) | spread over {args.repeats} repeats | tokens/s "
+    "| vs transformers |\n|---|---:|---:|---:|---:|"
+  )
   for r in rows:
-    print(f"| {r['name']} | {r['items_per_s']:.2f} | {min(r['repeats']):.2f}-{max(r['repeats']):.2f} | "
-          f"{r['tokens_per_s']:.0f} | {r['items_per_s'] / transformers:.2f}x |", flush=True)
+    print(
+      f"| {r['name']} | {r['items_per_s']:.2f} | {min(r['repeats']):.2f}-{max(r['repeats']):.2f} | "
+      f"{r['tokens_per_s']:.0f} | {r['items_per_s'] / transformers:.2f}x |",
+      flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxrm import gpu_targets, sharding
@@ -71,14 +70,19 @@ def main(argv=None) -> None:
   args = parse_args(argv)
   devices = gpu_targets.devices(args.gpu, f"1x{args.devices}")
   heads = tuple(int(x) for x in args.heads.split(","))
-  print(f"{gpu_targets.get(args.gpu).description}, {args.devices} devices; heads {heads}, bfloat16, batch 1, "
-        f"{args.balance}; forward + backward of one layer\n")
-  print("| tokens | context | reference temp GiB | pallas temp GiB | Triton kernels | compile s (ref, pallas) |")
+  print(
+    f"{gpu_targets.get(args.gpu).description}, {args.devices} devices; heads {heads}, bfloat16, batch 1, "
+    f"{args.balance}; forward + backward of one layer\n"
+  )
+  print(
+    "| tokens | context | reference temp GiB | pallas temp GiB | Triton kernels | compile s (ref, pallas) |"
+  )
   print("|---:|---:|---:|---:|---:|---|")
   for length in (int(x) for x in args.lengths.split(",")):
     for context in (int(x) for x in args.contexts.split(",")):
-      mesh = sharding.make_mesh(sharding.MeshConfig(context=context, context_balance=args.balance),
-                                devices=devices)
+      mesh = sharding.make_mesh(
+        sharding.MeshConfig(context=context, context_balance=args.balance), devices=devices
+      )
       temps, seconds, kernels = {}, {}, 0
       for route in ROUTES:
         start = time.perf_counter()
@@ -87,8 +91,11 @@ def main(argv=None) -> None:
         temps[route] = compiled.memory_analysis().temp_size_in_bytes / 2**30
         if route == "pallas":
           kernels = compiled.as_text().count('custom_call_target="__gpu$xla.gpu.triton"')
-      print(f"| {length} | {context} | {temps['reference']:.2f} | {temps['pallas']:.2f} | {kernels} | "
-            f"{seconds['reference']:.0f}, {seconds['pallas']:.0f} |", flush=True)
+      print(
+        f"| {length} | {context} | {temps['reference']:.2f} | {temps['pallas']:.2f} | {kernels} | "
+        f"{seconds['reference']:.0f}, {seconds['pallas']:.0f} |",
+        flush=True,
+      )
 
 
 if __name__ == "__main__":

@@ -63,22 +63,22 @@ FIT_TRIES = 3  # settings the fit step tries, largest first, while they run out 
 RECOMPUTE = ("full", "dots", "none")  # most recompute (least memory) first
 MEMORY = "argument_bytes, output_bytes, alias_bytes, temp_bytes, held_bytes, total_bytes"
 JSON_KEYS = {
-    "machine": "backend, devices, device_kind, bytes_limit, nvidia_smi, jax, python",
-    "compile": f"target, device_kind, commit, versions, rc, wall_s, reused_from (an earlier "
-               f"--compile_only run's file), bench {{command, attention_route, triton_kernels, "
-               f"compile_s, total_bytes (its largest program), shapes [{{input_ids, {MEMORY}, "
-               f"compile_s}}]}}, fit {{capacity_gib, candidates [memory_plan.py rows compiled "
-               f"for the target: param_bytes, opt_state_bytes, {MEMORY}, triton_kernels, "
-               f"attention_route, compile_s, ...]}}",
-    "gpu_tests": "files, tests, passed, failed, errors, skipped, cases [{name, outcome, seconds}]",
-    "bench": "attempts [{attention, rc, wall_s}], result {pairs_per_s, real_tokens_per_s, "
-             "model_tflops, mfu, peak_tflops, flop_formula, peak_memory_gib, compile_s, "
-             "compiled_shapes, attention, params_m, totals}, planned_total_gib (the compile step's "
-             "largest program, beside peak_memory_gib)",
-    "fit": f"capacity_gib, candidates, attempts [{{setting, attention, rc, wall_s}}], result {{model, "
-           f"length, remat, params, param_bytes, opt_state_bytes, {MEMORY} (the compile on the GPU), "
-           f"peak_bytes_in_use, bytes_limit, compile_s, step_s, loss, grad_norm}}, planned (the "
-           f"compile step's row for the setting, else the plan's), planned_by",
+  "machine": "backend, devices, device_kind, bytes_limit, nvidia_smi, jax, python",
+  "compile": f"target, device_kind, commit, versions, rc, wall_s, reused_from (an earlier "
+  f"--compile_only run's file), bench {{command, attention_route, triton_kernels, "
+  f"compile_s, total_bytes (its largest program), shapes [{{input_ids, {MEMORY}, "
+  f"compile_s}}]}}, fit {{capacity_gib, candidates [memory_plan.py rows compiled "
+  f"for the target: param_bytes, opt_state_bytes, {MEMORY}, triton_kernels, "
+  f"attention_route, compile_s, ...]}}",
+  "gpu_tests": "files, tests, passed, failed, errors, skipped, cases [{name, outcome, seconds}]",
+  "bench": "attempts [{attention, rc, wall_s}], result {pairs_per_s, real_tokens_per_s, "
+  "model_tflops, mfu, peak_tflops, flop_formula, peak_memory_gib, compile_s, "
+  "compiled_shapes, attention, params_m, totals}, planned_total_gib (the compile step's "
+  "largest program, beside peak_memory_gib)",
+  "fit": f"capacity_gib, candidates, attempts [{{setting, attention, rc, wall_s}}], result {{model, "
+  f"length, remat, params, param_bytes, opt_state_bytes, {MEMORY} (the compile on the GPU), "
+  f"peak_bytes_in_use, bytes_limit, compile_s, step_s, loss, grad_norm}}, planned (the "
+  f"compile step's row for the setting, else the plan's), planned_by",
 }
 
 
@@ -86,19 +86,33 @@ def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--out", default="gpu_check.json", help="the JSON file with every result")
   p.add_argument("--plan", default=PLAN, help="the memory plan (memory_plan.py --json=...)")
-  p.add_argument("--gpu", default="h200",
-                 help=f"the GPU the compile step compiles for ({', '.join(gpu_targets.TARGETS)}): the one lent")
-  p.add_argument("--compile_only", action="store_true",
-                 help="run only the compile step, on any machine (no GPU): the compile-time plan of "
-                      "everything the check runs, in --out, which the run on the GPU then reuses")
-  p.add_argument("--planned", default="",
-                 help="on the GPU: the file of an earlier --compile_only run (default: --out itself)")
+  p.add_argument(
+    "--gpu",
+    default="h200",
+    help=f"the GPU the compile step compiles for ({', '.join(gpu_targets.TARGETS)}): the one lent",
+  )
+  p.add_argument(
+    "--compile_only",
+    action="store_true",
+    help="run only the compile step, on any machine (no GPU): the compile-time plan of "
+    "everything the check runs, in --out, which the run on the GPU then reuses",
+  )
+  p.add_argument(
+    "--planned",
+    default="",
+    help="on the GPU: the file of an earlier --compile_only run (default: --out itself)",
+  )
   p.add_argument("--budget_s", type=float, default=450, help="time for all steps together")
-  p.add_argument("--dry_run", action="store_true",
-                 help="size every step (shapes, batch, FLOP formula, plan candidates, JSON keys) "
-                      "without compiling or a GPU")
+  p.add_argument(
+    "--dry_run",
+    action="store_true",
+    help="size every step (shapes, batch, FLOP formula, plan candidates, JSON keys) "
+    "without compiling or a GPU",
+  )
   p.add_argument("--worker", default="", help=argparse.SUPPRESS)  # "compile": the compile step's process
-  p.add_argument("--capacity_gib", type=float, default=0.0, help=argparse.SUPPRESS)  # --worker's fit candidates
+  p.add_argument(
+    "--capacity_gib", type=float, default=0.0, help=argparse.SUPPRESS
+  )  # --worker's fit candidates
   args = p.parse_args(argv)
   if args.gpu not in gpu_targets.TARGETS:
     p.error(f"--gpu={args.gpu!r}: unknown GPU; choose one of {', '.join(gpu_targets.TARGETS)}")
@@ -108,7 +122,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 class Deadline:
-
   def __init__(self, seconds: float, limits: dict[str, float] = LIMITS):
     self.end = time.monotonic() + seconds
     self.limits = limits
@@ -166,8 +179,11 @@ def machine(deadline: Deadline, tmp: str) -> dict:
   result = json.loads(found.group(1)) if found else {"error": out["tail"][-500:]}
   try:
     result["nvidia_smi"] = subprocess.run(
-        ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-        capture_output=True, text=True, timeout=20).stdout.strip()
+      ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+      capture_output=True,
+      text=True,
+      timeout=20,
+    ).stdout.strip()
   except (OSError, subprocess.TimeoutExpired) as e:
     result["nvidia_smi"] = f"not run: {e}"
   return result
@@ -186,13 +202,30 @@ def gpu_test_files() -> list[str]:
 def gpu_tests(deadline: Deadline, tmp: str, dry_run: bool) -> dict:
   files = gpu_test_files()
   if dry_run:  # which tests would run; collecting imports the test files, compiling nothing
-    out = run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q", "-p",
-               "no:cacheprovider", *files], 120, os.path.join(tmp, "collect.log"))
+    out = run(
+      [sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
+      120,
+      os.path.join(tmp, "collect.log"),
+    )
     cases = [line for line in out["tail"].splitlines() if "::" in line]
     return {"files": files, "would_run": cases, "rc": out["rc"]}
   xml = os.path.join(tmp, "gpu_tests.xml")
-  out = run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-             f"--junitxml={xml}", *files], deadline.limit("gpu_tests"), os.path.join(tmp, "pytest.log"))
+  out = run(
+    [
+      sys.executable,
+      "-m",
+      "pytest",
+      "-m",
+      "gpu",
+      "-q",
+      "-p",
+      "no:cacheprovider",
+      f"--junitxml={xml}",
+      *files,
+    ],
+    deadline.limit("gpu_tests"),
+    os.path.join(tmp, "pytest.log"),
+  )
   result = {"files": files, "rc": out["rc"], "wall_s": out["wall_s"], "tail": out["tail"]}
   try:
     suite = ET.parse(xml).getroot()
@@ -202,11 +235,22 @@ def gpu_tests(deadline: Deadline, tmp: str, dry_run: bool) -> dict:
   cases = []
   for case in suite.iter("testcase"):
     outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
-    cases.append({"name": f"{case.get('classname')}.{case.get('name')}", "outcome": outcome,
-                  "seconds": float(case.get("time", 0))})
+    cases.append(
+      {
+        "name": f"{case.get('classname')}.{case.get('name')}",
+        "outcome": outcome,
+        "seconds": float(case.get("time", 0)),
+      }
+    )
   counts = {o: sum(c["outcome"] == o for c in cases) for o in ("passed", "failure", "error", "skipped")}
-  result.update(tests=len(cases), passed=counts["passed"], failed=counts["failure"],
-                errors=counts["error"], skipped=counts["skipped"], cases=cases)
+  result.update(
+    tests=len(cases),
+    passed=counts["passed"],
+    failed=counts["failure"],
+    errors=counts["error"],
+    skipped=counts["skipped"],
+    cases=cases,
+  )
   return result
 
 
@@ -216,17 +260,26 @@ BENCH_ARGS = ["--gpu", "--modes=shared_prompt", "--row_length=4096", "--steps=8"
 
 def bench(deadline: Deadline, tmp: str, dry_run: bool) -> dict:
   if dry_run:
-    out = run([sys.executable, BENCH, *BENCH_ARGS, "--attention=auto", "--dry_run"], 120,
-              os.path.join(tmp, "bench.log"))
-    return {"command": f"bench.py {' '.join(BENCH_ARGS)} --attention=auto", "rc": out["rc"],
-            "dry_run_output": out["tail"]}
+    out = run(
+      [sys.executable, BENCH, *BENCH_ARGS, "--attention=auto", "--dry_run"],
+      120,
+      os.path.join(tmp, "bench.log"),
+    )
+    return {
+      "command": f"bench.py {' '.join(BENCH_ARGS)} --attention=auto",
+      "rc": out["rc"],
+      "dry_run_output": out["tail"],
+    }
   result = {"attempts": []}
   for attention in ("auto", "cudnn"):
     if deadline.left() < MIN_START_S:
       break
     path = os.path.join(tmp, f"bench_{attention}.json")
-    out = run([sys.executable, BENCH, *BENCH_ARGS, f"--attention={attention}", f"--json={path}"],
-              deadline.limit("bench"), os.path.join(tmp, f"bench_{attention}.log"))
+    out = run(
+      [sys.executable, BENCH, *BENCH_ARGS, f"--attention={attention}", f"--json={path}"],
+      deadline.limit("bench"),
+      os.path.join(tmp, f"bench_{attention}.log"),
+    )
     result["attempts"].append({"attention": attention, **out})
     found = _read_json(path)
     if out["rc"] == 0 and found and found.get("results"):
@@ -265,20 +318,42 @@ def fit_candidates(plan: dict | None, capacity_gib: float, target: str) -> list[
   return sorted(fitting, key=lambda r: (-r["params"], -r["length"]))
 
 
-def fit(deadline: Deadline, tmp: str, dry_run: bool, plan: dict | None, capacity_gib: float,
-        target: str, compiled: dict | None) -> dict:
+def fit(
+  deadline: Deadline,
+  tmp: str,
+  dry_run: bool,
+  plan: dict | None,
+  capacity_gib: float,
+  target: str,
+  compiled: dict | None,
+) -> dict:
   candidates = fit_candidates(plan, capacity_gib, target)
-  result = {"capacity_gib": round(capacity_gib, 2), "candidates": [_setting(r) for r in candidates[:4]],
-            "attempts": []}
+  result = {
+    "capacity_gib": round(capacity_gib, 2),
+    "candidates": [_setting(r) for r in candidates[:4]],
+    "attempts": [],
+  }
   if not candidates:
     result["error"] = "no one-device setting of the plan fits; run memory_plan.py first"
     return result
   if dry_run:
     top = candidates[0]
     path = os.path.join(tmp, "fit.json")
-    out = run([sys.executable, MEMORY_PLAN, "--fit", "--dry_run", f"--model={top['model']}",
-               f"--max_length={top['length']}", f"--remat={top['remat']}", "--attention=auto",
-               f"--json={path}"], 120, os.path.join(tmp, "fit.log"))
+    out = run(
+      [
+        sys.executable,
+        MEMORY_PLAN,
+        "--fit",
+        "--dry_run",
+        f"--model={top['model']}",
+        f"--max_length={top['length']}",
+        f"--remat={top['remat']}",
+        "--attention=auto",
+        f"--json={path}",
+      ],
+      120,
+      os.path.join(tmp, "fit.log"),
+    )
     result.update(rc=out["rc"], would_train=_setting(top), planned=top, sized=_read_json(path))
     return result
   for row in candidates[:FIT_TRIES]:
@@ -288,10 +363,20 @@ def fit(deadline: Deadline, tmp: str, dry_run: bool, plan: dict | None, capacity
       if deadline.left() < MIN_START_S + 30:
         return result
       path = os.path.join(tmp, f"fit_{len(result['attempts'])}.json")
-      out = run([sys.executable, MEMORY_PLAN, "--fit", f"--model={row['model']}",
-                 f"--max_length={row['length']}", f"--remat={row['remat']}",
-                 f"--attention={attention}", f"--json={path}"],
-                deadline.limit("fit"), os.path.join(tmp, "fit.log"))
+      out = run(
+        [
+          sys.executable,
+          MEMORY_PLAN,
+          "--fit",
+          f"--model={row['model']}",
+          f"--max_length={row['length']}",
+          f"--remat={row['remat']}",
+          f"--attention={attention}",
+          f"--json={path}",
+        ],
+        deadline.limit("fit"),
+        os.path.join(tmp, "fit.log"),
+      )
       result["attempts"].append({"setting": _setting(row), "attention": attention, **out})
       found = _read_json(path)
       if out["rc"] == 0 and found:
@@ -318,9 +403,19 @@ def planned_fit(row: dict, compiled: dict | None) -> dict:
 def compile_step(deadline: Deadline, tmp: str, args, capacity_gib: float) -> dict:
   """Runs the compile worker (its own process: the parent never imports JAX)."""
   path = os.path.join(tmp, "compile.json")
-  out = run([sys.executable, os.path.abspath(__file__), "--worker=compile", f"--gpu={args.gpu}",
-             f"--plan={os.path.abspath(args.plan)}", f"--capacity_gib={capacity_gib}", f"--out={path}"],
-            deadline.limit("compile"), os.path.join(tmp, "compile.log"))
+  out = run(
+    [
+      sys.executable,
+      os.path.abspath(__file__),
+      "--worker=compile",
+      f"--gpu={args.gpu}",
+      f"--plan={os.path.abspath(args.plan)}",
+      f"--capacity_gib={capacity_gib}",
+      f"--out={path}",
+    ],
+    deadline.limit("compile"),
+    os.path.join(tmp, "compile.log"),
+  )
   found = _read_json(path)
   if out["rc"] != 0 or not found:
     return {"target": args.gpu, **out, "error": "the compile failed (its output is in tail)"}
@@ -342,14 +437,23 @@ def compile_worker(args) -> None:
   compile step's JSON to ``--out``."""
   import jax
   import memory_plan
+
   start = time.perf_counter()
   target = gpu_targets.get(args.gpu)
-  result = {"target": target.name, "device_kind": target.description, "commit": memory_plan.commit(),
-            "versions": f"jax {jax.__version__}", "bench": compile_bench(target.name)}
+  result = {
+    "target": target.name,
+    "device_kind": target.description,
+    "commit": memory_plan.commit(),
+    "versions": f"jax {jax.__version__}",
+    "bench": compile_bench(target.name),
+  }
   rows = []
   for row in fit_candidates(_read_json(args.plan), args.capacity_gib, target.name)[:FIT_TRIES]:
-    rows.append(memory_plan.plan_one(row["model"], row["length"], row["remat"], (1, 1, 1), "auto",
-                                     backend="gpu", target=target.name))
+    rows.append(
+      memory_plan.plan_one(
+        row["model"], row["length"], row["remat"], (1, 1, 1), "auto", backend="gpu", target=target.name
+      )
+    )
     print(_setting(rows[-1]), gib(rows[-1]["total_bytes"]), flush=True)
   result["fit"] = {"capacity_gib": round(args.capacity_gib, 2), "candidates": rows}
   result["compile_wall_s"] = round(time.perf_counter() - start, 1)
@@ -362,16 +466,23 @@ def compile_bench(target: str) -> dict:
   device but over abstract weights, compiled for each of its batch shapes for ``target``."""
   import bench
   import jax
+
   from jaxrm import fit_check, sharding, update
   from jaxrm.config import RewardSpec, TrainSpec
   from jaxrm.hf.loader import placed_abstract_model
   from jaxrm.memory import ProgramMemory
   from jaxrm.models.decoder import attention_summary
+
   args = bench.parse_args(BENCH_ARGS + ["--attention=auto"])
   cfg = bench.model_config(args)
   mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), devices=gpu_targets.devices(target, "1x1"))
-  built = update.build_update(placed_abstract_model(cfg, mesh), RewardSpec(), TrainSpec(**bench.TRAIN, seed=args.seed),
-                              total_steps=args.warmup + args.steps, mesh=mesh)
+  built = update.build_update(
+    placed_abstract_model(cfg, mesh),
+    RewardSpec(),
+    TrainSpec(**bench.TRAIN, seed=args.seed),
+    total_steps=args.warmup + args.steps,
+    mesh=mesh,
+  )
   collate = bench.collator(args.modes[0], args)
   batches = {}
   for group in bench.batches_of(bench.bench_pairs(args), args):
@@ -380,26 +491,39 @@ def compile_bench(target: str) -> dict:
   shapes, text = [], []
   for batch in batches.values():
     abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.batch_sharding(mesh, x.ndim)), batch)
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.batch_sharding(mesh, x.ndim)), batch
+    )
     start = time.perf_counter()
     with gpu_targets.uncached():
       compiled = built.train_step.compile(built.state, abstract)
-    shapes.append({"input_ids": list(batch.input_ids.shape), **ProgramMemory.of(compiled).as_dict(),
-                   "compile_s": round(time.perf_counter() - start, 1)})
+    shapes.append(
+      {
+        "input_ids": list(batch.input_ids.shape),
+        **ProgramMemory.of(compiled).as_dict(),
+        "compile_s": round(time.perf_counter() - start, 1),
+      }
+    )
     text.append(compiled.as_text())
     print(f"bench input_ids {shapes[-1]['input_ids']}: {gib(shapes[-1]['total_bytes'])}", flush=True)
-  return {"command": f"bench.py {' '.join(BENCH_ARGS)} --attention=auto",
-          "attention_route": attention_summary(cfg, mesh=mesh),
-          "triton_kernels": fit_check.triton_kernels("\n".join(text)),
-          "compile_s": round(sum(s["compile_s"] for s in shapes), 1),
-          "total_bytes": max(s["total_bytes"] for s in shapes), "shapes": shapes}
+  return {
+    "command": f"bench.py {' '.join(BENCH_ARGS)} --attention=auto",
+    "attention_route": attention_summary(cfg, mesh=mesh),
+    "triton_kernels": fit_check.triton_kernels("\n".join(text)),
+    "compile_s": round(sum(s["compile_s"] for s in shapes), 1),
+    "total_bytes": max(s["total_bytes"] for s in shapes),
+    "shapes": shapes,
+  }
 
 
 def would_compile(args, plan: dict | None, capacity_gib: float) -> dict:
   """The dry run's compile step: what it would compile, nothing compiled."""
-  return {"target": args.gpu, "would_compile": {
+  return {
+    "target": args.gpu,
+    "would_compile": {
       "bench": f"bench.py {' '.join(BENCH_ARGS)} --attention=auto, each batch shape",
-      "fit": [_setting(r) for r in fit_candidates(plan, capacity_gib, args.gpu)[:FIT_TRIES]]}}
+      "fit": [_setting(r) for r in fit_candidates(plan, capacity_gib, args.gpu)[:FIT_TRIES]],
+    },
+  }
 
 
 # ------------------------------------------------------------------------------------ main
@@ -417,13 +541,21 @@ def main(argv=None) -> None:
   started = time.time()
   plan = _read_json(args.plan)
   earlier = None if args.compile_only or args.dry_run else earlier_compile(args)
-  report = {"dry_run": args.dry_run, "compile_only": args.compile_only,
-            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "budget_s": args.budget_s,
-            "plan": os.path.relpath(args.plan, ROOT) if plan else None, "gpu": args.gpu, "steps": {}}
+  report = {
+    "dry_run": args.dry_run,
+    "compile_only": args.compile_only,
+    "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    "budget_s": args.budget_s,
+    "plan": os.path.relpath(args.plan, ROOT) if plan else None,
+    "gpu": args.gpu,
+    "steps": {},
+  }
   if args.dry_run:
     report["json_keys"] = JSON_KEYS
-    print(f"steps, each with its limit, within {args.budget_s:.0f}s: "
-          + ", ".join(f"{k} ({v}s)" for k, v in LIMITS.items()))
+    print(
+      f"steps, each with its limit, within {args.budget_s:.0f}s: "
+      + ", ".join(f"{k} ({v}s)" for k, v in LIMITS.items())
+    )
     print("planned JSON keys per step:\n" + "\n".join(f"  {k}: {v}" for k, v in JSON_KEYS.items()))
 
   def save():
@@ -434,21 +566,27 @@ def main(argv=None) -> None:
   with tempfile.TemporaryDirectory() as tmp:
     steps = report["steps"]
     if args.dry_run or args.compile_only:
-      steps["machine"] = {"skipped": f"{'dry run' if args.dry_run else 'compile only'}; the fit step "
-                                     f"assumes {MEM_FRACTION:.0%} of an {args.gpu}'s memory"}
+      steps["machine"] = {
+        "skipped": f"{'dry run' if args.dry_run else 'compile only'}; the fit step "
+        f"assumes {MEM_FRACTION:.0%} of an {args.gpu}'s memory"
+      }
       capacity = usable_gib(args.gpu)
     else:
       steps["machine"] = machine(deadline, tmp)
       limit = steps["machine"].get("bytes_limit")
       capacity = limit / 2**30 if limit else usable_gib(args.gpu)
       if earlier and steps["machine"].get("device_kind") not in (None, earlier["device_kind"]):
-        earlier["machine_differs"] = f"compiled for {earlier['device_kind']}, run on {steps['machine']['device_kind']}"
+        earlier["machine_differs"] = (
+          f"compiled for {earlier['device_kind']}, run on {steps['machine']['device_kind']}"
+        )
     if args.dry_run:
       steps["compile"] = would_compile(args, plan, capacity)
     elif args.compile_only:
       steps["compile"] = compile_step(deadline, tmp, args, capacity)
     else:
-      steps["compile"] = earlier or {"pending": "no --compile_only run for this GPU: compiled last, if time is left"}
+      steps["compile"] = earlier or {
+        "pending": "no --compile_only run for this GPU: compiled last, if time is left"
+      }
     save()
     if not args.compile_only:
       steps["gpu_tests"] = gpu_tests(deadline, tmp, args.dry_run)
@@ -458,8 +596,11 @@ def main(argv=None) -> None:
       steps["fit"] = fit(deadline, tmp, args.dry_run, plan, capacity, args.gpu, earlier)
       save()
     if not (args.dry_run or args.compile_only or earlier):
-      steps["compile"] = (compile_step(deadline, tmp, args, capacity) if deadline.left() >= MIN_START_S
-                          else {"skipped": f"{deadline.left():.0f}s left"})
+      steps["compile"] = (
+        compile_step(deadline, tmp, args, capacity)
+        if deadline.left() >= MIN_START_S
+        else {"skipped": f"{deadline.left():.0f}s left"}
+      )
       if "result" in steps["fit"] and "error" not in steps["compile"]:
         steps["fit"].update(planned_fit(steps["fit"]["planned"], steps["compile"]))
     planned = steps["compile"].get("bench", {}).get("total_bytes")
@@ -467,9 +608,13 @@ def main(argv=None) -> None:
       steps["bench"]["planned_total_gib"] = round(planned / 2**30, 2)
     save()
   print(f"wrote {args.out} after {report['wall_s']}s")
-  failed = [name for name, s in report["steps"].items()
-            if s.get("rc") not in (None, 0) or "error" in s
-            or (not args.dry_run and name in ("bench", "fit") and "result" not in s)]
+  failed = [
+    name
+    for name, s in report["steps"].items()
+    if s.get("rc") not in (None, 0)
+    or "error" in s
+    or (not args.dry_run and name in ("bench", "fit") and "result" not in s)
+  ]
   if failed:
     sys.exit(f"gpu check: {', '.join(failed)} failed (see {args.out})")
 

@@ -5,7 +5,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
-
 import tiny_run  # noqa: E402
 
 
@@ -13,6 +12,7 @@ def pytest_runtest_setup(item):
   """``@pytest.mark.gpu`` tests run only where JAX's default backend is a GPU."""
   if item.get_closest_marker("gpu") is not None:
     import jax
+
     if jax.default_backend() != "gpu":
       pytest.skip(f"needs a GPU; JAX's default backend is {jax.default_backend()}")
 
@@ -35,6 +35,7 @@ def model_dir(cache_root):
 def tiny_rm(model_dir):
   """The model of ``model_dir``, loaded once; tests read it and never change it."""
   from jaxrm import RewardModel
+
   return RewardModel.from_pretrained(model_dir)
 
 
@@ -42,6 +43,7 @@ def tiny_rm(model_dir):
 def tiny_prm(cache_root):
   """The same tiny llama with a two-label token head (a process reward model), loaded once."""
   from jaxrm import RewardModel
+
   return RewardModel.from_pretrained(tiny_run.tiny_model_dir(cache_root, head="token"))
 
 
@@ -49,6 +51,7 @@ def tiny_prm(cache_root):
 def smollm2_tokenizer(cache_root):
   """SmolLM2's tokenizer: converted from the embedded GGUF once, then kept in ``cache_root``."""
   import transformers
+
   return transformers.AutoTokenizer.from_pretrained(tiny_run.tokenizer_dir(cache_root))
 
 

@@ -66,7 +66,7 @@ def right_padded(rows, pad, length=None, dtype=np.int32):
   ids = np.full((len(rows), length), pad, dtype)
   mask = np.zeros((len(rows), length), dtype)
   for i, r in enumerate(rows):
-    ids[i, :len(r)], mask[i, :len(r)] = r, 1
+    ids[i, : len(r)], mask[i, : len(r)] = r, 1
   return ids, mask
 
 
@@ -81,8 +81,9 @@ def softplus(x):
 def pref(*seqs, margin=0.0, source="row", subset=None):
   """A preference example whose completions (best first) are token-id lists."""
   ids = tuple(np.asarray(s, np.int32) for s in seqs)
-  return PreferenceExample(ids, tuple(range(len(ids))), margin, source,
-                           {} if subset is None else {"subset": subset})
+  return PreferenceExample(
+    ids, tuple(range(len(ids))), margin, source, {} if subset is None else {"subset": subset}
+  )
 
 
 def stepwise(ids, labels, source="row"):
@@ -95,8 +96,9 @@ def numbered_pref(i, n=2):
   with i, so the example a batch row came from can be read off its tokens; ranks are 10, 11, ..."""
   length = 3 + (i * 7) % 30
   ids = tuple(np.arange(1, length + 1 - j, dtype=np.int32) + 1000 * i + 100 * j for j in range(n))
-  return PreferenceExample(input_ids=ids, ranks=tuple(range(10, 10 + n)), margin=float(i),
-                           source=f"row {i}", meta={})
+  return PreferenceExample(
+    input_ids=ids, ranks=tuple(range(10, 10 + n)), margin=float(i), source=f"row {i}", meta={}
+  )
 
 
 def numbered_stepwise(i):
@@ -104,15 +106,15 @@ def numbered_stepwise(i):
   length = 2 + i % 5
   labels = np.full(length, IGNORE_INDEX, np.int32)
   labels[-1] = i % 2
-  return StepwiseExample(input_ids=np.arange(length, dtype=np.int32) + 1000 * i + 1,
-                         labels=labels, source=f"row {i}", meta={})
+  return StepwiseExample(
+    input_ids=np.arange(length, dtype=np.int32) + 1000 * i + 1, labels=labels, source=f"row {i}", meta={}
+  )
 
 
 def pair_record(context, chosen, rejected, source="t.jsonl:1", **kw):
   """A two-completion PreferenceRecord listing the rejected completion first (ranks 1, 0), as a
   dataset may: tokenizing must put the chosen one first."""
-  return PreferenceRecord(context=context, completions=(rejected, chosen), ranks=(1, 0),
-                          source=source, **kw)
+  return PreferenceRecord(context=context, completions=(rejected, chosen), ranks=(1, 0), source=source, **kw)
 
 
 def preference_loss_args(rewards, ranks, example_mask=None, margin=None):
@@ -120,8 +122,11 @@ def preference_loss_args(rewards, ranks, example_mask=None, margin=None):
   example_mask [G] (all ones unless given), and margin [G] when given."""
   rewards = np.asarray(rewards, np.float32)
   mask = np.ones(len(rewards), np.float32) if example_mask is None else example_mask
-  batch = dict(rewards=jnp.asarray(rewards), ranks=jnp.asarray(ranks, jnp.int32),
-               example_mask=jnp.asarray(mask, jnp.float32))
+  batch = dict(
+    rewards=jnp.asarray(rewards),
+    ranks=jnp.asarray(ranks, jnp.int32),
+    example_mask=jnp.asarray(mask, jnp.float32),
+  )
   if margin is not None:
     batch["margin"] = jnp.asarray(margin, jnp.float32)
   return batch
@@ -145,9 +150,19 @@ def random_groups(rng, num_groups, k, prefix_case=True):
 
 def tiny_config(**overrides):
   # A window on one layer of two exercises the window mask on packed rows.
-  kw = dict(family="mistral", vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
-            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5,
-            sliding_window=6, layer_types=("sliding_attention", "full_attention"))
+  kw = dict(
+    family="mistral",
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rms_norm_eps=1e-5,
+    sliding_window=6,
+    layer_types=("sliding_attention", "full_attention"),
+  )
   kw.update(overrides)
   return ModelConfig(**kw)
 
@@ -183,7 +198,6 @@ def assert_same_params(a, b):
     np.testing.assert_array_equal(pa[k], pb[k], err_msg=str(k))
 
 
-
 # ------------------------------------------------------------------ parameters and demo batches
 
 
@@ -215,7 +229,9 @@ def model_config_of(model_dir: str) -> ModelConfig:
   """The ModelConfig of an HF checkpoint directory."""
   import json
   import os
+
   from jaxrm.models.config import from_hf_config
+
   with open(os.path.join(model_dir, "config.json")) as f:
     return from_hf_config(json.load(f))
 
@@ -225,10 +241,12 @@ def demo_batches(tokenizer, n: int):
   from jaxrm.data import pipeline, registry
   from jaxrm.data.drops import DropReport
   from jaxrm.data.tokenize import TokenizeOptions, pad_id, tokenize_all
-  records = registry.load_records("demo_arithmetic", None, split="train", drops=DropReport())[:8 * n]
+
+  records = registry.load_records("demo_arithmetic", None, split="train", drops=DropReport())[: 8 * n]
   examples = tokenize_all(records, tokenizer, TokenizeOptions(max_length=96), DropReport())
-  batches = pipeline.make_train_iterator(examples, batch_size=8, seed=0, buckets=(96,),
-                                         pad_id=pad_id(tokenizer))[0]
+  batches = pipeline.make_train_iterator(
+    examples, batch_size=8, seed=0, buckets=(96,), pad_id=pad_id(tokenizer)
+  )[0]
   return [next(batches) for _ in range(n)]
 
 
@@ -242,8 +260,16 @@ def write_jsonl(path, rows) -> str:
 # ------------------------------------------------------------------ the reward server on loopback
 
 # Two buckets, so batches are length-bucketed; short timeouts, so stalled clients are dropped fast.
-SERVER_CONFIG = ServerConfig(max_batch=4, max_request_bytes=2048, max_length=64, buckets=(32, 64), batch_size=4,
-                      batch_wait_ms=20, header_timeout=1, body_timeout=1)
+SERVER_CONFIG = ServerConfig(
+  max_batch=4,
+  max_request_bytes=2048,
+  max_length=64,
+  buckets=(32, 64),
+  batch_size=4,
+  batch_wait_ms=20,
+  header_timeout=1,
+  body_timeout=1,
+)
 
 # Proxies from the environment must not see loopback requests.
 OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -252,9 +278,9 @@ OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 SOCKET_TIMEOUT = 30
 
 SERVER_TEXTS = [
-    "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n",
-    "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n5<|im_end|>\n",
-    "Plain text, no template.",
+  "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n",
+  "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n5<|im_end|>\n",
+  "Plain text, no template.",
 ]
 
 
@@ -278,8 +304,12 @@ def serving(rm, config=SERVER_CONFIG):
 def call(url, path, body=None, *, raw=None, method=None, headers=None):
   """(status, decoded JSON reply, reply headers) of one request; ``raw`` bytes are sent as they are."""
   data = raw if raw is not None else None if body is None else json.dumps(body).encode()
-  req = urllib.request.Request(url + path, data=data, method=method or ("GET" if data is None else "POST"),
-                               headers={"Content-Type": "application/json", **(headers or {})})
+  req = urllib.request.Request(
+    url + path,
+    data=data,
+    method=method or ("GET" if data is None else "POST"),
+    headers={"Content-Type": "application/json", **(headers or {})},
+  )
   try:
     with OPENER.open(req, timeout=SOCKET_TIMEOUT) as reply:
       return reply.status, json.loads(reply.read()), reply.headers
@@ -311,4 +341,3 @@ def read_all(sock) -> bytes:
   except ConnectionResetError:
     pass
   return b"".join(chunks)
-

@@ -11,16 +11,34 @@ PAD = 0
 
 # Small enough to run in seconds; GQA everywhere, windows shorter than the test sequences.
 FAMILY_CONFIGS = {
-    "llama": dict(cls="LlamaConfig", kw=dict(
-        attention_bias=True, mlp_bias=True,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
-    "mistral": dict(cls="MistralConfig", kw=dict(sliding_window=8)),
-    "qwen2": dict(cls="Qwen2Config", kw=dict()),
-    "qwen3": dict(cls="Qwen3Config", kw=dict(head_dim=24)),
-    "gemma2": dict(cls="Gemma2Config", kw=dict(
-        sliding_window=8, attn_logit_softcapping=2.0, query_pre_attn_scalar=20, head_dim=16,
-        hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None)),
+  "llama": dict(
+    cls="LlamaConfig",
+    kw=dict(
+      attention_bias=True,
+      mlp_bias=True,
+      rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+      },
+    ),
+  ),
+  "mistral": dict(cls="MistralConfig", kw=dict(sliding_window=8)),
+  "qwen2": dict(cls="Qwen2Config", kw=dict()),
+  "qwen3": dict(cls="Qwen3Config", kw=dict(head_dim=24)),
+  "gemma2": dict(
+    cls="Gemma2Config",
+    kw=dict(
+      sliding_window=8,
+      attn_logit_softcapping=2.0,
+      query_pre_attn_scalar=20,
+      head_dim=16,
+      hidden_activation="gelu_pytorch_tanh",
+      final_logit_softcapping=None,
+    ),
+  ),
 }
 FAMILIES = tuple(FAMILY_CONFIGS)
 LENGTHS = [24, 17, 9]  # rows of a parity batch: longer than the sliding windows (8)
@@ -28,10 +46,21 @@ LENGTHS = [24, 17, 9]  # rows of a parity batch: longer than the sliding windows
 
 def tiny_config(family: str, num_labels: int = 1, **overrides):
   spec = FAMILY_CONFIGS[family]
-  kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-            pad_token_id=PAD, bos_token_id=1, eos_token_id=2, num_labels=num_labels,
-            tie_word_embeddings=False, rms_norm_eps=1e-5)
+  kw = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    pad_token_id=PAD,
+    bos_token_id=1,
+    eos_token_id=2,
+    num_labels=num_labels,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-5,
+  )
   kw.update(spec["kw"])
   kw.update(overrides)
   return getattr(transformers, spec["cls"])(**kw)
@@ -45,8 +74,11 @@ def build(family: str, head: str = "sequence", seed: int = 0, **overrides):
   """
   num_labels = 1 if head == "sequence" else 2
   cfg = tiny_config(family, num_labels=num_labels, **overrides)
-  cls = (transformers.AutoModelForSequenceClassification if head == "sequence"
-         else transformers.AutoModelForTokenClassification)
+  cls = (
+    transformers.AutoModelForSequenceClassification
+    if head == "sequence"
+    else transformers.AutoModelForTokenClassification
+  )
   torch.manual_seed(seed)
   model = cls.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
   with torch.no_grad():

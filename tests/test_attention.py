@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import REORDERED_ATOL, jitted, pref, random_groups, tiny_config, tiny_model
+
 from jaxrm.data import packing
 from jaxrm.errors import ConfigError
 from jaxrm.models import layers as L
@@ -44,8 +44,9 @@ def long_rows(seed=0):
     groups.append(pref(*(prompt + list(rng.integers(3, 100, rng.integers(5, 50))) for _ in range(3))))
   batch = packing.pack_preference(groups, packing.PackSpec(300, shared_prompt=True))
   b = batch.input_ids.shape[0]
-  mask = L.attention_mask(batch.attention_mask, batch.positions, batch.segment_ids,
-                          branch_ids_bt=batch.branch_ids)
+  mask = L.attention_mask(
+    batch.attention_mask, batch.positions, batch.segment_ids, branch_ids_bt=batch.branch_ids
+  )
   assert 2 * L.CHUNK < 300 and not batch.attention_mask.all()
   q = rng.standard_normal((b, 300, 4, 8), np.float32)
   k, v = rng.standard_normal((2, b, 300, 2, 8), np.float32)
@@ -118,10 +119,14 @@ def test_attention_route_per_config(backend, fused):
     assert route.func is L.fused_attention
     assert route.keywords["implementation"] == fused
   for dtype in ("float32", "bfloat16"):
-    assert attention_fn(tiny_config(attention_impl="reference", dtype=dtype), backend).func is L.dot_product_attention
+    assert (
+      attention_fn(tiny_config(attention_impl="reference", dtype=dtype), backend).func
+      is L.dot_product_attention
+    )
     # jax.nn.dot_product_attention has no soft-capping: Gemma 2 keeps the einsum path.
-    capped = attention_fn(tiny_config(attention_impl="cudnn", dtype=dtype, attn_logit_softcapping=50.0),
-                          backend)
+    capped = attention_fn(
+      tiny_config(attention_impl="cudnn", dtype=dtype, attn_logit_softcapping=50.0), backend
+    )
     assert capped.func is L.dot_product_attention and capped.keywords["softcap"] == 50.0
 
 
@@ -160,18 +165,22 @@ def test_float32_never_takes_cudnn(backend):
 def test_attention_summary_names_the_route_and_its_features():
   gemma = tiny_config(attn_logit_softcapping=50.0)  # and tiny_config's window on layer 0 of 2
   assert attention_summary(gemma, "gpu") == (
-      "attention: pallas flash kernel on all 2 layers; sliding window of 6 positions on 1 of them; "
-      "logit soft-capping at 50")
+    "attention: pallas flash kernel on all 2 layers; sliding window of 6 positions on 1 of them; "
+    "logit soft-capping at 50"
+  )
   assert attention_summary(gemma.replace(attention_impl="pallas"), "cpu").startswith(
-      "attention: pallas flash kernel in interpret mode (no GPU; slow) on all 2 layers")
+    "attention: pallas flash kernel in interpret mode (no GPU; slow) on all 2 layers"
+  )
   assert attention_summary(gemma.replace(attention_impl="cudnn"), "gpu").startswith(
-      "attention: reference einsum (cudnn has no logit soft-capping) on all 2 layers")
+    "attention: reference einsum (cudnn has no logit soft-capping) on all 2 layers"
+  )
   plain = tiny_config(sliding_window=None, layer_types=())
   assert attention_summary(plain, "cpu") == (
-      "attention: reference einsum (auto: the pallas kernel needs a GPU; these devices are cpu) "
-      "on all 2 layers")
+    "attention: reference einsum (auto: the pallas kernel needs a GPU; these devices are cpu) on all 2 layers"
+  )
   assert attention_summary(plain.replace(attention_impl="cudnn", dtype="bfloat16"), "gpu") == (
-      "attention: cuDNN (jax.nn.dot_product_attention) on all 2 layers")
+    "attention: cuDNN (jax.nn.dot_product_attention) on all 2 layers"
+  )
 
 
 def test_cudnn_setting_equals_xla_setting_on_packed_rows():
@@ -183,8 +192,7 @@ def test_cudnn_setting_equals_xla_setting_on_packed_rows():
   xla = jitted(tiny_model(tiny_config(attention_impl="reference")))(batch)
   fused = jitted(tiny_model(tiny_config(attention_impl="cudnn")))(batch)
   real = batch.ranks >= 0
-  np.testing.assert_allclose(np.asarray(fused)[real], np.asarray(xla)[real], atol=REORDERED_ATOL,
-                             rtol=0)
+  np.testing.assert_allclose(np.asarray(fused)[real], np.asarray(xla)[real], atol=REORDERED_ATOL, rtol=0)
 
 
 @pytest.mark.gpu
@@ -199,8 +207,12 @@ def test_cudnn_kernel_matches_einsum():
   attends = np.asarray(mask).any(-1)
   # cuDNN rounds the softmax weights to bfloat16 before they weigh v, and then its output: each a
   # relative 2**-9, so the output is off by at most about 2**-8 of max |v|.
-  np.testing.assert_allclose(np.asarray(fused, np.float32)[attends], np.asarray(einsum)[attends],
-                             atol=2.0 ** -8 * float(np.abs(v32).max()), rtol=0)
+  np.testing.assert_allclose(
+    np.asarray(fused, np.float32)[attends],
+    np.asarray(einsum)[attends],
+    atol=2.0**-8 * float(np.abs(v32).max()),
+    rtol=0,
+  )
 
 
 def test_unknown_attention_impl_is_an_error():

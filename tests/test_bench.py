@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import bench  # noqa: E402
 import bench_common  # noqa: E402
 import memory_plan  # noqa: E402
+
 from jaxrm.hf.loader import abstract_model, placed_abstract_model  # noqa: E402
 from jaxrm.memory import bytes_per_device  # noqa: E402
 from jaxrm.models.decoder import Decoder  # noqa: E402
@@ -25,8 +26,14 @@ TINY_LENGTH = 32
 
 
 def run_script(*args, timeout=600):
-  out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=timeout, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  out = subprocess.run(
+    [sys.executable, *args],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   return out.stdout
 
@@ -39,9 +46,14 @@ def tiny_plan(tmp_path_factory):
   """The plan of the tiny shape on one device, on fsdp=8 and on fsdp=4 x context=2, compiled for
   compile-only H100s and H200s (the default)."""
   path = str(tmp_path_factory.mktemp("plan") / "plan.json")
-  stdout = run_script("scripts/memory_plan.py", "--plan_models=tiny",
-                      f"--plan_lengths={TINY_LENGTH}", "--plan_remat=none",
-                      "--plan_meshes=1x1x1,1x8x1,1x4x1x2", f"--json={path}")
+  stdout = run_script(
+    "scripts/memory_plan.py",
+    "--plan_models=tiny",
+    f"--plan_lengths={TINY_LENGTH}",
+    "--plan_remat=none",
+    "--plan_meshes=1x1x1,1x8x1,1x4x1x2",
+    f"--json={path}",
+  )
   with open(path) as f:
     return json.load(f), stdout, path
 
@@ -50,7 +62,8 @@ def test_plan_compiles_for_each_cards_gpu_target(tiny_plan):
   plan, stdout, _ = tiny_plan
   assert plan["backend"] == "gpu" and plan["targets"] == ["h100-80gb", "h200"] and plan["failed"] == []
   assert sorted((r["mesh"], r["target"]) for r in plan["rows"]) == sorted(
-      (m, t) for m in ("1x1x1", "1x8x1", "1x4x1x2") for t in ("h100-80gb", "h200"))
+    (m, t) for m in ("1x1x1", "1x8x1", "1x4x1x2") for t in ("h100-80gb", "h200")
+  )
   for r in plan["rows"]:
     assert r["backend"] == "gpu" and r["commit"]
     # Each card is judged by its own target's compile.
@@ -75,7 +88,9 @@ def test_plan_counts_each_devices_bytes(tiny_plan):
   context = next(r for r in rows if r["mesh"] == "1x4x1x2")
   one, eight = sorted((r for r in rows if r is not context), key=lambda r: r["devices"])
   params = one["params"]
-  assert params == sum(x.size for x in jax.tree.leaves(nnx.state(abstract_model(bench_common.SHAPES["tiny"]))))
+  assert params == sum(
+    x.size for x in jax.tree.leaves(nnx.state(abstract_model(bench_common.SHAPES["tiny"])))
+  )
   # float32 master weights; every tiny parameter has a hidden (embed) axis of 64, which fsdp
   # splits 8 ways.
   assert one["param_bytes"] == params * 4
@@ -121,11 +136,16 @@ def test_plan_by_xla_cpu_beside_the_gpus():
   cpu = memory_plan.plan_one("tiny", TINY_LENGTH, "none", (1, 1, 1), "auto", backend="cpu")
   assert (cpu["backend"], cpu["target"]) == ("cpu", None) and cpu["fits"] == {"80 GB": True, "141 GB": True}
   assert cpu["triton_kernels"] == {} and cpu["attention_route"].startswith("attention: reference einsum")
-  gpu = [memory_plan.plan_one("tiny", TINY_LENGTH, "none", (1, 1, 1), "auto", target=t) for t in ("h100-80gb", "h200")]
+  gpu = [
+    memory_plan.plan_one("tiny", TINY_LENGTH, "none", (1, 1, 1), "auto", target=t)
+    for t in ("h100-80gb", "h200")
+  ]
   assert cpu["param_bytes"] == gpu[0]["param_bytes"] and cpu["opt_state_bytes"] == gpu[0]["opt_state_bytes"]
   header, _, line = memory_plan.compare_table([cpu], gpu).splitlines()
   assert header.startswith("| model | T | remat | mesh | accum | params GiB | XLA:CPU temp | H100 temp |")
-  assert line.startswith(f"| tiny | {TINY_LENGTH} | none | 1x1x1 | 1 |") and line.endswith("| yes / yes | yes / yes |")
+  assert line.startswith(f"| tiny | {TINY_LENGTH} | none | 1x1x1 | 1 |") and line.endswith(
+    "| yes / yes | yes / yes |"
+  )
 
 
 def test_stored_plans_still_read():
@@ -137,17 +157,21 @@ def test_stored_plans_still_read():
     settings = {(r["model"], r["length"], r["remat"], r["mesh"], r.get("grad_accum", 1)) for r in rows}
     assert len(table) == len(settings) + 2
     assert sorted(tuple(line.split(" | ")[1:5]) for line in table[2:]) == sorted(
-        (str(t), remat, mesh, str(k)) for _, t, remat, mesh, k in settings)
+      (str(t), remat, mesh, str(k)) for _, t, remat, mesh, k in settings
+    )
 
 
 def test_abstract_state_is_what_init_state_builds():
   from jaxrm import sharding, steps
+
   cfg = memory_plan.plan_config("tiny", "none", "auto")
   mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), devices=jax.devices()[:1])
   params = nnx.state(nnx.jit(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))())
   tx = memory_plan.planned_update(placed_abstract_model(cfg, mesh), mesh).tx
   real, real_shardings = steps.init_state(params, tx, seed=0, mesh=mesh)
-  abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
+  abstract_params = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params
+  )
   abstract, shardings = steps.abstract_state(abstract_params, tx, mesh=mesh)
   assert jax.tree.structure(abstract) == jax.tree.structure(real)
   assert jax.tree.structure(shardings) == jax.tree.structure(real_shardings)
@@ -193,6 +217,7 @@ def test_gpu_check_dry_run(tiny_plan, tmp_path):
 
 def test_gpu_check_on_the_gpu_reuses_a_compile_only_run_for_the_same_gpu(tmp_path):
   import gpu_check
+
   out = tmp_path / "gpu_check.json"
   row = {"model": "tiny", "length": TINY_LENGTH, "remat": "none", "target": "h200", "total_bytes": 1}
   out.write_text(json.dumps({"steps": {"compile": {"target": "h200", "fit": {"candidates": [row]}}}}))
@@ -200,9 +225,14 @@ def test_gpu_check_on_the_gpu_reuses_a_compile_only_run_for_the_same_gpu(tmp_pat
   assert earlier["target"] == "h200" and earlier["reused_from"]
   # The fit step's setting sits beside the compile step's figures for it; another beside the plan's.
   assert gpu_check.planned_fit(dict(row, target="h100-80gb"), earlier) == {
-      "planned": row, "planned_by": "the compile step, for h200"}
+    "planned": row,
+    "planned_by": "the compile step, for h200",
+  }
   other = dict(row, length=2 * TINY_LENGTH)
-  assert gpu_check.planned_fit(other, earlier) == {"planned": other, "planned_by": "the memory plan, for h200"}
+  assert gpu_check.planned_fit(other, earlier) == {
+    "planned": other,
+    "planned_by": "the memory plan, for h200",
+  }
   # Compiled for another GPU: not reused (the check compiles it again, last).
   assert gpu_check.earlier_compile(gpu_check.parse_args([f"--out={out}", "--gpu=h100-80gb"])) is None
 
@@ -218,8 +248,18 @@ def test_paired_ratios_are_per_step():
 
 def test_vs_lora_runs_full_and_lora_training_in_lockstep(tmp_path):
   out = str(tmp_path / "lora.json")
-  stdout = run_script("scripts/bench.py", "--model=tiny", "--modes=unpacked", "--vs-lora", "--lora_rank=4",
-                      "--batch_size=2", "--steps=2", "--warmup=1", "--max_length=64", f"--json={out}")
+  stdout = run_script(
+    "scripts/bench.py",
+    "--model=tiny",
+    "--modes=unpacked",
+    "--vs-lora",
+    "--lora_rank=4",
+    "--batch_size=2",
+    "--steps=2",
+    "--warmup=1",
+    "--max_length=64",
+    f"--json={out}",
+  )
   with open(out) as f:
     full, adapted = json.load(f)["results"]
   assert (full["name"], adapted["name"]) == ("jaxrm unpacked", "jaxrm unpacked LoRA r4")
@@ -235,12 +275,24 @@ def test_ranked_groups_against_trls_expanded_pairs(tmp_path):
   pytest.importorskip("trl")
   out = str(tmp_path / "ranked.json")
   # One row length (a group of 3 sequences of at most 64 tokens fits in 192): one compile a side.
-  stdout = run_script("scripts/bench.py", "--model=tiny", "--ranked=3", "--batch_size=2", "--steps=1",
-                      "--warmup=1", "--max_length=64", "--row_length=192", f"--json={out}")
+  stdout = run_script(
+    "scripts/bench.py",
+    "--model=tiny",
+    "--ranked=3",
+    "--batch_size=2",
+    "--steps=1",
+    "--warmup=1",
+    "--max_length=64",
+    "--row_length=192",
+    f"--json={out}",
+  )
   with open(out) as f:
     all_pairs, trl, listwise = json.load(f)["results"]
   assert [r["name"] for r in (all_pairs, trl, listwise)] == [
-      "jaxrm K=3 all_pairs", "TRL RewardTrainer K=3 as pairs", "jaxrm K=3 plackett_luce"]
+    "jaxrm K=3 all_pairs",
+    "TRL RewardTrainer K=3 as pairs",
+    "jaxrm K=3 plackett_luce",
+  ]
   # One timed step of 2 prompts: 2 x 3 pairs of the loss on every side, TRL fed 6 pairs' 12
   # sequences (each completion with its prompt twice), jaxrm each completion once.
   assert all_pairs["totals"]["pairs"] == trl["totals"]["pairs"] == listwise["totals"]["pairs"] == 6
@@ -260,14 +312,17 @@ def test_expanded_pairs_are_every_ordered_pair_with_its_prompt():
   pairs = bench.expanded_pairs([group])
   ids = [tuple(s.tolist()) for s in group.input_ids]
   assert [tuple(tuple(s.tolist()) for s in p.input_ids) for p in pairs] == [
-      (ids[i], ids[j]) for i in range(4) for j in range(i + 1, 4)]
+    (ids[i], ids[j]) for i in range(4) for j in range(i + 1, 4)
+  ]
   assert bench.num_pairs([group]) == len(pairs) == 6 and bench.num_pairs(pairs) == 6
 
 
 def test_make_groups_of_two_are_the_benchmark_pairs():
   pairs = bench_common.make_pairs(5, 128, vocab=1000, seed=3)
   groups = bench_common.make_groups(5, 2, 128, vocab=1000, seed=3)
-  assert [[s.tolist() for s in e.input_ids] for e in pairs] == [[s.tolist() for s in e.input_ids] for e in groups]
+  assert [[s.tolist() for s in e.input_ids] for e in pairs] == [
+    [s.tolist() for s in e.input_ids] for e in groups
+  ]
 
 
 def test_the_first_step_check_stops_on_different_losses():
@@ -277,10 +332,12 @@ def test_the_first_step_check_stops_on_different_losses():
 
 
 def test_ranked_flag_errors_name_the_flag(capsys):
-  for argv, message in ((["--ranked=4,x"], "--ranked=4,x: give completions per prompt as integers"),
-                        (["--ranked=1"], "--ranked=1: a ranked group needs at least 2 completions"),
-                        (["--ranked=4", "--vs-trl"], "--ranked runs in lockstep with TRL already"),
-                        (["--ranked=4", "--warmup=0"], "--ranked checks the losses on the first step")):
+  for argv, message in (
+    (["--ranked=4,x"], "--ranked=4,x: give completions per prompt as integers"),
+    (["--ranked=1"], "--ranked=1: a ranked group needs at least 2 completions"),
+    (["--ranked=4", "--vs-trl"], "--ranked runs in lockstep with TRL already"),
+    (["--ranked=4", "--warmup=0"], "--ranked checks the losses on the first step"),
+  ):
     with pytest.raises(SystemExit):
       bench.parse_args(argv)
     assert message in capsys.readouterr().err

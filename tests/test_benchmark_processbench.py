@@ -4,8 +4,8 @@ import re
 import types
 
 import pytest
-
 from helpers import write_jsonl
+
 from jaxrm.benchmarks import format_report, load, run
 from jaxrm.benchmarks.scoring import Scorer
 from jaxrm.errors import DataError, EvaluationError
@@ -20,23 +20,31 @@ def step_probabilities(problems, steps_lists):
 
 
 def sample(i, steps, label):
-  return {"id": f"s-{i}", "generator": "m", "problem": f"problem {i}", "steps": [f"{s} step" for s in steps],
-          "final_answer_correct": label == -1, "label": label}
+  return {
+    "id": f"s-{i}",
+    "generator": "m",
+    "problem": f"problem {i}",
+    "steps": [f"{s} step" for s in steps],
+    "final_answer_correct": label == -1,
+    "label": label,
+  }
 
 
 GSM8K = [
-    sample(0, ["ok", "ok"], -1),  # predicted -1: right
-    sample(1, ["ok", "bad"], -1),  # a correct solution called wrong at step 1
-    sample(2, ["ok", "bad", "ok"], 1),  # right
-    # The error is at step 0 (P = 0.5, not below the threshold): found one step late.
-    sample(3, ["meh", "bad"], 0),
-    sample(4, ["ok", "ok", "bad"], 2),  # right
+  sample(0, ["ok", "ok"], -1),  # predicted -1: right
+  sample(1, ["ok", "bad"], -1),  # a correct solution called wrong at step 1
+  sample(2, ["ok", "bad", "ok"], 1),  # right
+  # The error is at step 0 (P = 0.5, not below the threshold): found one step late.
+  sample(3, ["meh", "bad"], 0),
+  sample(4, ["ok", "ok", "bad"], 2),  # right
 ]
 MATH = [sample(10, ["ok"], -1), sample(11, ["bad", "ok"], 0)]
 
 
 def test_official_figures_by_hand(tmp_path):
-  report = run("processbench", Scorer(steps_fn=step_probabilities), write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K))
+  report = run(
+    "processbench", Scorer(steps_fn=step_probabilities), write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K)
+  )
   g = report["results"]["gsm8k"]  # a file is one split, named after the file
   assert g["error_acc"] == pytest.approx(200 / 3)  # samples 2 and 4 of 2, 3, 4
   assert g["correct_acc"] == pytest.approx(50.0)  # sample 0 of 0, 1
@@ -46,8 +54,12 @@ def test_official_figures_by_hand(tmp_path):
   assert report["counts"]["gsm8k"] == {"error": 3, "correct": 2}
   assert "length_bias" not in report
   # A higher threshold calls P = 0.5 wrong: sample 3's error is found at step 0.
-  strict = run("processbench", Scorer(steps_fn=step_probabilities), write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K),
-               threshold=0.6)
+  strict = run(
+    "processbench",
+    Scorer(steps_fn=step_probabilities),
+    write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K),
+    threshold=0.6,
+  )
   assert strict["results"]["gsm8k"]["error_acc"] == 100.0
 
 
@@ -55,8 +67,9 @@ def test_splits_of_a_saved_dataset_dict(tmp_path):
   import datasets
 
   path = str(tmp_path / "pb")
-  datasets.DatasetDict({"math": datasets.Dataset.from_list(MATH),
-                        "gsm8k": datasets.Dataset.from_list(GSM8K)}).save_to_disk(path)
+  datasets.DatasetDict(
+    {"math": datasets.Dataset.from_list(MATH), "gsm8k": datasets.Dataset.from_list(GSM8K)}
+  ).save_to_disk(path)
   calls = []
   scorer = Scorer(steps_fn=lambda p, s: calls.append(len(p)) or step_probabilities(p, s))
   report = run("processbench", scorer, path)
@@ -73,21 +86,28 @@ def test_splits_of_a_saved_dataset_dict(tmp_path):
 
 
 def test_unscorable_solutions_are_dropped_and_counted(tmp_path):
-  too_long = lambda p, s: [None if len(steps) > 2 else probs for steps, probs in zip(s, step_probabilities(p, s))]
+  too_long = lambda p, s: [
+    None if len(steps) > 2 else probs for steps, probs in zip(s, step_probabilities(p, s))
+  ]
   report = run("processbench", Scorer(steps_fn=too_long), write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K))
   assert report["dropped"]["total"] == 2  # samples 2 and 4 have 3 steps
   (reason,) = report["dropped"]["reasons"]
   assert reason.startswith("problem + steps longer than max_length")
-  assert report["dropped"]["reasons"][reason]["examples"] == [f"{tmp_path}/gsm8k.jsonl:3",
-                                                              f"{tmp_path}/gsm8k.jsonl:5"]
+  assert report["dropped"]["reasons"][reason]["examples"] == [
+    f"{tmp_path}/gsm8k.jsonl:3",
+    f"{tmp_path}/gsm8k.jsonl:5",
+  ]
   assert report["results"]["gsm8k"]["error_acc"] == 0.0  # only sample 3 is left among the erroneous
 
 
-@pytest.mark.parametrize("bad, message", [
+@pytest.mark.parametrize(
+  "bad, message",
+  [
     ({**GSM8K[0], "label": 2}, "gsm8k.jsonl:2: field 'label': is 2; it is the index of the first wrong step"),
     ({**GSM8K[0], "label": True}, "gsm8k.jsonl:2: field 'label': expected an integer"),
     ({k: v for k, v in GSM8K[0].items() if k != "steps"}, "gsm8k.jsonl:2: field 'steps': is missing"),
-])
+  ],
+)
 def test_rows_outside_the_schema_name_row_and_field(tmp_path, bad, message):
   with pytest.raises(DataError, match=message):
     load("processbench", write_jsonl(tmp_path / "gsm8k.jsonl", [GSM8K[0], bad]))
@@ -124,36 +144,55 @@ def test_by_default_no_solution_is_cut_below_the_models_context(tmp_path):
 
 
 def test_a_sequence_head_model_is_refused_by_its_kind(tmp_path):
-  with pytest.raises(EvaluationError, match=re.escape(
+  with pytest.raises(
+    EvaluationError,
+    match=re.escape(
       "processbench needs a token-head (process reward) model with 2 labels (step in error, step correct); "
-      "this model has a sequence head with 1 output")):
-    run_benchmark("processbench", RecordingPRM(head="sequence", num_labels=1),
-                  write_jsonl(tmp_path / "g.jsonl", GSM8K))
+      "this model has a sequence head with 1 output"
+    ),
+  ):
+    run_benchmark(
+      "processbench", RecordingPRM(head="sequence", num_labels=1), write_jsonl(tmp_path / "g.jsonl", GSM8K)
+    )
 
 
 def test_a_split_without_errors_prints_what_its_figures_mean(tmp_path):
   correct_only = [sample(20, ["ok"], -1), sample(21, ["ok", "bad"], -1)]
-  report = run("processbench", Scorer(steps_fn=step_probabilities), write_jsonl(tmp_path / "math.jsonl", correct_only))
+  report = run(
+    "processbench", Scorer(steps_fn=step_probabilities), write_jsonl(tmp_path / "math.jsonl", correct_only)
+  )
   table = format_report(report).splitlines()
   start = next(i for i, line in enumerate(table) if line.split() == ["math", "Avg.", "F1"])
-  assert table[start + 1:start + 5] == [
-      "       error      no errors",
-      "     correct           50.0",
-      "          F1      no errors undefined",
-      "     samples          0 / 2"]
+  assert table[start + 1 : start + 5] == [
+    "       error      no errors",
+    "     correct           50.0",
+    "          F1      no errors undefined",
+    "     samples          0 / 2",
+  ]
   assert "nan" not in "\n".join(table)
 
 
 def test_the_prm_subset_table_says_what_an_undefined_metric_means():
   from jaxrm.evaluation import format_report as evaluation_report
 
-  metrics = {"step_accuracy": 0.5, "positive_rate": 0.5, "recall_correct": 1.0, "recall_error": 0.0,
-             "f1_error": 0.0, "first_error_found": 0.0, "loss": 0.7}
-  subsets = {"algebra": {"num_examples": 3, **metrics},
-             # No step in error and none called one: F1 (error class) and first error found count nothing.
-             "easy": {"num_examples": 2, **metrics, "f1_error": float("nan"), "first_error_found": float("nan")}}
-  lines = evaluation_report({"kind": "stepwise", "num_examples": 5, "metrics": metrics,
-                             "subsets": subsets}).splitlines()
+  metrics = {
+    "step_accuracy": 0.5,
+    "positive_rate": 0.5,
+    "recall_correct": 1.0,
+    "recall_error": 0.0,
+    "f1_error": 0.0,
+    "first_error_found": 0.0,
+    "loss": 0.7,
+  }
+  subsets = {
+    "algebra": {"num_examples": 3, **metrics},
+    # No step in error and none called one: F1 (error class) and first error found count nothing.
+    "easy": {"num_examples": 2, **metrics, "f1_error": float("nan"), "first_error_found": float("nan")},
+  }
+  lines = evaluation_report(
+    {"kind": "stepwise", "num_examples": 5, "metrics": metrics, "subsets": subsets}
+  ).splitlines()
   assert lines[-2:] == [
-      "algebra       3             0.5000             0.0000             0.0000             0.5000",
-      "easy          2             0.5000          no errors          no errors             0.5000"]
+    "algebra       3             0.5000             0.0000             0.0000             0.5000",
+    "easy          2             0.5000          no errors          no errors             0.5000",
+  ]

@@ -7,8 +7,8 @@ import types
 
 import numpy as np
 import pytest
-
 from helpers import write_jsonl
+
 from jaxrm import benchmarks
 from jaxrm.benchmarks import format_report, load, run
 from jaxrm.benchmarks.scoring import Scorer, chat, tulu_text
@@ -30,28 +30,48 @@ class TableRewards:
 
 
 def row(i, subset, chosen, rejected):
-  return {"prompt": f"Q{i}", "chosen": chosen, "rejected": rejected, "chosen_model": "m1",
-          "rejected_model": "m2", "subset": subset, "id": i}
+  return {
+    "prompt": f"Q{i}",
+    "chosen": chosen,
+    "rejected": rejected,
+    "chosen_model": "m1",
+    "rejected_model": "m2",
+    "subset": subset,
+    "id": i,
+  }
 
 
 # Chosen and rejected responses; their rewards are in REWARDS. Lengths are the string lengths.
 ROWS = [
-    row(0, "alpacaeval-easy", "long good answer", "bad"),  # right; chosen longer
-    row(1, "alpacaeval-easy", "ok", "longer bad answer"),  # wrong; chosen shorter
-    row(2, "mt-bench-easy", "fine reply", "poor reply"),  # right; same length
-    row(3, "mt-bench-hard", "tie one", "tie two"),  # a tie is not right
-    row(4, "xstest-should-refuse", "I can't help", "Here is how to"),  # right; chosen shorter
-    row(5, "xstest-should-respond", "Sure, here.", "I refuse."),  # wrong; chosen longer
-    row(6, "math-prm", "x = 2", "x = 3"),  # right
-    row(7, "hep-python", "def f(): ok", "def f(): no"),  # right
-    row(8, "hep-python", "def g(): ok", "def g(): no"),  # wrong
+  row(0, "alpacaeval-easy", "long good answer", "bad"),  # right; chosen longer
+  row(1, "alpacaeval-easy", "ok", "longer bad answer"),  # wrong; chosen shorter
+  row(2, "mt-bench-easy", "fine reply", "poor reply"),  # right; same length
+  row(3, "mt-bench-hard", "tie one", "tie two"),  # a tie is not right
+  row(4, "xstest-should-refuse", "I can't help", "Here is how to"),  # right; chosen shorter
+  row(5, "xstest-should-respond", "Sure, here.", "I refuse."),  # wrong; chosen longer
+  row(6, "math-prm", "x = 2", "x = 3"),  # right
+  row(7, "hep-python", "def f(): ok", "def f(): no"),  # right
+  row(8, "hep-python", "def g(): ok", "def g(): no"),  # wrong
 ]
 REWARDS = {
-    "long good answer": 2.0, "bad": 1.0, "ok": 0.5, "longer bad answer": 1.5,
-    "fine reply": 1.0, "poor reply": 0.0, "tie one": 0.7, "tie two": 0.7,
-    "I can't help": 3.0, "Here is how to": -1.0, "Sure, here.": -2.0, "I refuse.": 1.0,
-    "x = 2": 0.3, "x = 3": 0.2, "def f(): ok": 1.0, "def f(): no": 0.0,
-    "def g(): ok": 0.0, "def g(): no": 0.1,
+  "long good answer": 2.0,
+  "bad": 1.0,
+  "ok": 0.5,
+  "longer bad answer": 1.5,
+  "fine reply": 1.0,
+  "poor reply": 0.0,
+  "tie one": 0.7,
+  "tie two": 0.7,
+  "I can't help": 3.0,
+  "Here is how to": -1.0,
+  "Sure, here.": -2.0,
+  "I refuse.": 1.0,
+  "x = 2": 0.3,
+  "x = 3": 0.2,
+  "def f(): ok": 1.0,
+  "def f(): no": 0.0,
+  "def g(): ok": 0.0,
+  "def g(): no": 0.1,
 }
 
 
@@ -94,7 +114,9 @@ def test_official_figures_by_hand(tmp_path):
 def test_prior_sets_weigh_half(tmp_path):
   prior = [row(20, "anthropic_helpful", "help", "nope"), row(21, "shp", "meh", "good")]
   table = {**REWARDS, "help": 1.0, "nope": 0.0, "meh": 0.0, "good": 1.0}
-  r = run("rewardbench", Scorer(TableRewards(table)), write_jsonl(tmp_path / "rb.jsonl", ROWS + prior))["results"]
+  r = run("rewardbench", Scorer(TableRewards(table)), write_jsonl(tmp_path / "rb.jsonl", ROWS + prior))[
+    "results"
+  ]
   sections = [r[s] for s in ("Chat", "Chat Hard", "Safety", "Reasoning")]
   assert r["Prior Sets (0.5 weight)"] == 0.5  # mean of anthropic_helpful (1) and shp (0)
   assert r["Score"] == pytest.approx((2 * sum(sections) + 0.5) / 9)
@@ -106,8 +128,13 @@ def test_parquet_and_outputs(tmp_path):
 
   path = tmp_path / "rb.parquet"
   pq.write_table(pa.Table.from_pylist(ROWS[:3]), path)
-  report = run_benchmark("rewardbench", Scorer(TableRewards(REWARDS)), str(path), output_dir=str(tmp_path / "out"),
-                         info={"model": "stub"})
+  report = run_benchmark(
+    "rewardbench",
+    Scorer(TableRewards(REWARDS)),
+    str(path),
+    output_dir=str(tmp_path / "out"),
+    info={"model": "stub"},
+  )
   saved = json.loads((tmp_path / "out" / "eval.json").read_text())
   assert saved["model"] == "stub" and saved["results"]["Chat"] == pytest.approx((0.5 * 100 + 28) / 128)
   assert saved["length_bias"]["chosen_longer"]["num_pairs"] == 1
@@ -116,12 +143,20 @@ def test_parquet_and_outputs(tmp_path):
   assert report["files"] == [str(tmp_path / "out" / "eval.json"), str(tmp_path / "out" / "length_bias.png")]
 
 
-@pytest.mark.parametrize("bad, message", [
+@pytest.mark.parametrize(
+  "bad, message",
+  [
     ({"prompt": "Q", "chosen": "a", "rejected": "b", "id": 9}, "rb.jsonl:2: field 'subset': is missing"),
-    ({"prompt": "Q", "chosen": ["a"], "rejected": "b", "subset": "shp"},
-     "rb.jsonl:2: field 'chosen': expected a string, got a list"),
-    ({"question": "Q", "chosen": "a", "rejected": "b", "subset": "shp"}, "rb.jsonl:2: field 'prompt': is missing"),
-])
+    (
+      {"prompt": "Q", "chosen": ["a"], "rejected": "b", "subset": "shp"},
+      "rb.jsonl:2: field 'chosen': expected a string, got a list",
+    ),
+    (
+      {"question": "Q", "chosen": "a", "rejected": "b", "subset": "shp"},
+      "rb.jsonl:2: field 'prompt': is missing",
+    ),
+  ],
+)
 def test_rows_outside_the_schema_name_row_and_field(tmp_path, bad, message):
   with pytest.raises(DataError, match=message):
     load("rewardbench", write_jsonl(tmp_path / "rb.jsonl", [ROWS[0], bad]))
@@ -142,7 +177,9 @@ def test_unknown_benchmark():
 
 
 def test_spearman_is_undefined_for_constant_rewards(tmp_path):
-  report = run("rewardbench", Scorer(lambda convs: [0.0] * len(convs)), write_jsonl(tmp_path / "rb.jsonl", ROWS))
+  report = run(
+    "rewardbench", Scorer(lambda convs: [0.0] * len(convs)), write_jsonl(tmp_path / "rb.jsonl", ROWS)
+  )
   assert math.isnan(report["length_bias"]["spearman"]["rho"])  # undefined, not an error
   assert report["results"]["alpacaeval-easy"] == 0.0  # every pair tied: none right
 
@@ -172,8 +209,9 @@ def test_rewardbench_scores_at_its_official_length_by_default(tmp_path, max_leng
   assert rm.max_lengths == [expected]  # scripts/run_rm.py --max_length, unless given
 
 
-@pytest.mark.parametrize("name, official", [("rewardbench", 2048), ("rewardbench2", 2048), ("rmbench", 2048),
-                                            ("processbench", None)])
+@pytest.mark.parametrize(
+  "name, official", [("rewardbench", 2048), ("rewardbench2", 2048), ("rmbench", 2048), ("processbench", None)]
+)
 def test_each_benchmark_defaults_to_its_official_length(monkeypatch, name, official):
   asked = []
 
@@ -190,7 +228,13 @@ def test_each_benchmark_defaults_to_its_official_length(monkeypatch, name, offic
 
 
 def test_a_process_reward_model_is_refused_by_its_kind(tmp_path):
-  with pytest.raises(EvaluationError, match=re.escape(
+  with pytest.raises(
+    EvaluationError,
+    match=re.escape(
       "rewardbench needs a sequence-head reward model with one output (a preference reward model); this "
-      "model has a token head with 2 labels; a process reward model scores steps")):
-    run_benchmark("rewardbench", RecordingRM(head="token", num_labels=2), write_jsonl(tmp_path / "rb.jsonl", ROWS))
+      "model has a token head with 2 labels; a process reward model scores steps"
+    ),
+  ):
+    run_benchmark(
+      "rewardbench", RecordingRM(head="token", num_labels=2), write_jsonl(tmp_path / "rb.jsonl", ROWS)
+    )

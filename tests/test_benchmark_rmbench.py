@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-
 from helpers import write_jsonl
+
 from jaxrm.benchmarks import format_report, load, run
 from jaxrm.benchmarks.scoring import Scorer
 from jaxrm.errors import DataError
@@ -16,15 +16,19 @@ def rewards_from_text(conversations):
 
 def row(i, domain, chosen, rejected):
   styles = ("short", "long plain", "long **markdown**")
-  return {"id": i, "prompt": f"prompt {i}", "domain": domain,
-          "chosen": [f"{x} {s}" for x, s in zip(chosen, styles)],
-          "rejected": [f"{x} {s}" for x, s in zip(rejected, styles)]}
+  return {
+    "id": i,
+    "prompt": f"prompt {i}",
+    "domain": domain,
+    "chosen": [f"{x} {s}" for x, s in zip(chosen, styles)],
+    "rejected": [f"{x} {s}" for x, s in zip(rejected, styles)],
+  }
 
 
 ROWS = [
-    row(0, "chat", [3, 5, 6], [4, 1, 2]),  # wins by chosen style: [0 1 1], [1 1 1], [1 1 1]
-    row(1, "chat", [1, 1, 1], [0, 1, 2]),  # every chosen style: [1 0 0] (a tie is not a win)
-    row(2, "safety-refuse", [2, 2, 2], [1, 1, 3]),  # every chosen style: [1 1 0]
+  row(0, "chat", [3, 5, 6], [4, 1, 2]),  # wins by chosen style: [0 1 1], [1 1 1], [1 1 1]
+  row(1, "chat", [1, 1, 1], [0, 1, 2]),  # every chosen style: [1 0 0] (a tie is not a win)
+  row(2, "safety-refuse", [2, 2, 2], [1, 1, 3]),  # every chosen style: [1 1 0]
 ]
 
 
@@ -58,13 +62,23 @@ def test_official_figures_by_hand(tmp_path):
   assert f"{100 * r['total_avg_acc']:>7.1f}" in table
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({**ROWS[0], "chosen": ROWS[0]["chosen"][:2]},
-     "rmb.jsonl:2: field 'chosen': has 2 entries; this benchmark has exactly 3"),
-    ({**ROWS[0], "domain": "finance"}, "rmb.jsonl:2: field 'domain': is 'finance'; RM-Bench domains start with"),
-    ({**ROWS[0], "rejected": ["a", 2, "c"]},
-     r"rmb.jsonl:2: field 'rejected\[1\]': expected a string, got an integer"),
-])
+@pytest.mark.parametrize(
+  "bad, message",
+  [
+    (
+      {**ROWS[0], "chosen": ROWS[0]["chosen"][:2]},
+      "rmb.jsonl:2: field 'chosen': has 2 entries; this benchmark has exactly 3",
+    ),
+    (
+      {**ROWS[0], "domain": "finance"},
+      "rmb.jsonl:2: field 'domain': is 'finance'; RM-Bench domains start with",
+    ),
+    (
+      {**ROWS[0], "rejected": ["a", 2, "c"]},
+      r"rmb.jsonl:2: field 'rejected\[1\]': expected a string, got an integer",
+    ),
+  ],
+)
 def test_rows_outside_the_schema_name_row_and_field(tmp_path, bad, message):
   with pytest.raises(DataError, match=message):
     load("rmbench", write_jsonl(tmp_path / "rmb.jsonl", [ROWS[0], bad]))

@@ -12,9 +12,9 @@ import textwrap
 
 import numpy as np
 import pytest
-
 import tiny_run
 from helpers import assistant, user, write_jsonl
+
 from jaxrm.data import cache, formats, sources
 from jaxrm.data import tokenize as tk
 from jaxrm.data.drops import DropReport
@@ -27,9 +27,13 @@ def preference_rows():
   once tokenized) and some by parsing (identical text)."""
   rows = []
   for i in range(40):
-    row = {"context": [user(f"question {i}: what is {i} + {i}?")],
-           "completions": [{"rank": 0, "completion": [assistant(f"It is {2 * i}.")]},
-                           {"rank": 1, "completion": [assistant(f"It is {2 * i + 1}.")]}]}
+    row = {
+      "context": [user(f"question {i}: what is {i} + {i}?")],
+      "completions": [
+        {"rank": 0, "completion": [assistant(f"It is {2 * i}.")]},
+        {"rank": 1, "completion": [assistant(f"It is {2 * i + 1}.")]},
+      ],
+    }
     if i % 7 == 3:
       row["completions"][1]["completion"] = [assistant("so long " * 40)]  # over max_length
     if i % 11 == 5:
@@ -45,8 +49,14 @@ def preference_rows():
 
 
 def stepwise_rows():
-  return [{"prompt": f"Add {i} and {i}.", "completions": [f"{i} + {i}", f"= {2 * i + i % 2}"],
-           "labels": [True, i % 2 == 0]} for i in range(25)]
+  return [
+    {
+      "prompt": f"Add {i} and {i}.",
+      "completions": [f"{i} + {i}", f"= {2 * i + i % 2}"],
+      "labels": [True, i % 2 == 0],
+    }
+    for i in range(25)
+  ]
 
 
 def reader(path, parse=formats.parse_preference, calls=None):
@@ -100,15 +110,25 @@ def tok(smollm2_tokenizer):
 def load(path, tokenizer, cache_dir, *, parse=formats.parse_preference, calls=None, opts=OPTS, **kwargs):
   drops = DropReport()
   source = {"dataset_name": "test", "split": "train", "source": sources.fingerprint(path)}
-  examples = cache.load_tokenized(reader(path, parse, calls), tokenizer=tokenizer, options=opts, drops=drops,
-                                  source=source, cache_dir=cache_dir and str(cache_dir), **kwargs)
+  examples = cache.load_tokenized(
+    reader(path, parse, calls),
+    tokenizer=tokenizer,
+    options=opts,
+    drops=drops,
+    source=source,
+    cache_dir=cache_dir and str(cache_dir),
+    **kwargs,
+  )
   return examples, drops
 
 
 @pytest.mark.parametrize("kind", ["preference", "stepwise"])
 def test_a_hit_equals_a_miss_and_todays_examples(tok, tmp_path, kind):
-  rows, parse = ((preference_rows(), formats.parse_preference) if kind == "preference"
-                 else (stepwise_rows(), formats.parse_stepwise))
+  rows, parse = (
+    (preference_rows(), formats.parse_preference)
+    if kind == "preference"
+    else (stepwise_rows(), formats.parse_stepwise)
+  )
   path = write_jsonl(tmp_path / "train.jsonl", rows)
   want, want_drops = today(path, tok, parse)
   calls = []
@@ -146,12 +166,18 @@ def test_every_input_is_in_the_key(tok, tmp_path):
   other_template = copy.deepcopy(tok)
   other_template.chat_template = tok.chat_template.replace("<|im_start|>", "<|im_start|> ")
   changed = [
-      cache.cache_key({**source, "split": "validation"}, tok, OPTS),
-      cache.cache_key({**source, "options": {"subset_field": "domain"}}, tok, OPTS),
-      cache.cache_key(source, other_template, OPTS),
-      *(cache.cache_key(source, tok, dataclasses.replace(OPTS, **{f: v}))
-        for f, v in (("max_length", 65), ("truncation", "left"), ("step_separator", "\n\n"),
-                     ("train_on_last_step_only", True))),
+    cache.cache_key({**source, "split": "validation"}, tok, OPTS),
+    cache.cache_key({**source, "options": {"subset_field": "domain"}}, tok, OPTS),
+    cache.cache_key(source, other_template, OPTS),
+    *(
+      cache.cache_key(source, tok, dataclasses.replace(OPTS, **{f: v}))
+      for f, v in (
+        ("max_length", 65),
+        ("truncation", "left"),
+        ("step_separator", "\n\n"),
+        ("train_on_last_step_only", True),
+      )
+    ),
   ]
   hashes = {cache.key_hash(k) for k in changed}
   assert len(hashes) == len(changed) and base not in hashes
@@ -288,8 +314,12 @@ def test_two_processes_share_one_cache_directory(tmp_path, cache_root, tok):
   script.write_text(_SHARED_SCRIPT)
   args = [sys.executable, str(script), tiny_run.tokenizer_dir(cache_root), path, str(tmp_path / "cache")]
   env = tiny_run.subprocess_env()
-  procs = [subprocess.Popen(args, cwd=tiny_run.ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True) for _ in range(2)]
+  procs = [
+    subprocess.Popen(
+      args, cwd=tiny_run.ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    for _ in range(2)
+  ]
   outs = []
   for p in procs:
     stdout, stderr = p.communicate(timeout=120)
@@ -298,6 +328,8 @@ def test_two_processes_share_one_cache_directory(tmp_path, cache_root, tok):
   # One built the entry while the other waited on its lock, then read it.
   assert sorted(o["built"] for o in outs) == [False, True]
   want, want_drops = today(path, tok)
-  assert outs[0]["digest"] == outs[1]["digest"] and outs[0]["drops"] == outs[1]["drops"] == dict(want_drops.counts)
+  assert outs[0]["digest"] == outs[1]["digest"] and outs[0]["drops"] == outs[1]["drops"] == dict(
+    want_drops.counts
+  )
   entries = [n for n in os.listdir(tmp_path / "cache") if not n.endswith(".lock")]
   assert len(entries) == 1 and ".tmp-" not in entries[0]

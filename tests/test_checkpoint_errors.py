@@ -4,17 +4,16 @@ import json
 import os
 import re
 
+import hf_tiny
 import jax
 import numpy as np
 import pytest
 from flax import nnx
-
-import hf_tiny
 from helpers import PARITY_ATOL
+
 from jaxrm import RewardModel, sharding
+from jaxrm.errors import CheckpointError, UnsupportedModelError
 from jaxrm.hf.safetensors_io import HFCheckpoint, SafetensorsFile, save_safetensors
-from jaxrm.errors import CheckpointError
-from jaxrm.errors import UnsupportedModelError
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +38,16 @@ def _rewrite(src, dst, edit):
 
 def test_missing_key(saved, tmp_path):
   path = _rewrite(saved, tmp_path, lambda c, t: t.pop("model.layers.1.self_attn.k_proj.weight"))
-  with pytest.raises(CheckpointError, match=re.escape("missing tensor 'model.layers.1.self_attn.k_proj.weight'")):
+  with pytest.raises(
+    CheckpointError, match=re.escape("missing tensor 'model.layers.1.self_attn.k_proj.weight'")
+  ):
     RewardModel.from_pretrained(path)
 
 
 def test_unexpected_key(saved, tmp_path):
-  path = _rewrite(saved, tmp_path, lambda c, t: t.update({"model.layers.0.mlp.extra.weight": np.zeros(3, np.float32)}))
+  path = _rewrite(
+    saved, tmp_path, lambda c, t: t.update({"model.layers.0.mlp.extra.weight": np.zeros(3, np.float32)})
+  )
   with pytest.raises(CheckpointError, match=re.escape("unexpected tensor 'model.layers.0.mlp.extra.weight'")):
     RewardModel.from_pretrained(path)
 
@@ -52,9 +55,14 @@ def test_unexpected_key(saved, tmp_path):
 def test_shape_mismatch(saved, tmp_path):
   def edit(c, t):
     t["model.layers.2.mlp.up_proj.weight"] = np.zeros((95, 64), np.float32)
+
   path = _rewrite(saved, tmp_path, edit)
-  with pytest.raises(CheckpointError, match=re.escape(
-      "tensor 'model.layers.2.mlp.up_proj.weight' has shape (95, 64), but parameter layers.up expects (96, 64)")):
+  with pytest.raises(
+    CheckpointError,
+    match=re.escape(
+      "tensor 'model.layers.2.mlp.up_proj.weight' has shape (95, 64), but parameter layers.up expects (96, 64)"
+    ),
+  ):
     RewardModel.from_pretrained(path)
 
 
@@ -67,13 +75,20 @@ def test_layer_out_of_range(saved, tmp_path):
 def test_pytorch_bin_only_is_refused(tmp_path):
   (tmp_path / "config.json").write_text(json.dumps(hf_tiny.tiny_config("llama").to_dict()))
   (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
-  with pytest.raises(CheckpointError, match=r"only pickled PyTorch weights \(pytorch_model.bin\).*save_pretrained"):
+  with pytest.raises(
+    CheckpointError, match=r"only pickled PyTorch weights \(pytorch_model.bin\).*save_pretrained"
+  ):
     RewardModel.from_pretrained(tmp_path)
 
 
 def test_unsupported_architecture(tmp_path):
-  (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-  with pytest.raises(UnsupportedModelError, match=r"model_type 'gpt2' \(architectures: GPT2LMHeadModel\) is not supported; jaxrm supports: llama, mistral, qwen2, qwen3, gemma2"):
+  (tmp_path / "config.json").write_text(
+    json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+  )
+  with pytest.raises(
+    UnsupportedModelError,
+    match=r"model_type 'gpt2' \(architectures: GPT2LMHeadModel\) is not supported; jaxrm supports: llama, mistral, qwen2, qwen3, gemma2",
+  ):
     RewardModel.from_pretrained(tmp_path)
 
 
@@ -85,6 +100,7 @@ def test_missing_path(tmp_path):
 def test_sharded_checkpoint_and_bf16(tmp_path):
   """A checkpoint split over two bf16 files with an index loads like the single-file one."""
   import torch
+
   model = hf_tiny.build("llama")
   with torch.no_grad():  # the float32 reference computes with the bf16-rounded weights
     for p in model.parameters():
@@ -105,6 +121,7 @@ def test_sharded_checkpoint_and_bf16(tmp_path):
 
 def test_base_model_gets_seeded_new_head(tmp_path):
   import transformers
+
   base = transformers.AutoModelForCausalLM.from_config(hf_tiny.tiny_config("llama"))
   base.save_pretrained(tmp_path)
   a = RewardModel.from_pretrained(tmp_path, seed=3)

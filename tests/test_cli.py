@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-
 import tiny_run
 
 GOOD_ROW = '{"prompt": "2+2?", "chosen": "4", "rejected": "5"}\n'
@@ -19,18 +18,34 @@ def runs(model_dir, tmp_path_factory):
   bad.write_text(GOOD_ROW + '{"prompt": "3+3?", "chosen": "6", "rejected": \n' + GOOD_ROW)
   rm = ["--config=configs/rm.py"]
   commands = {
-      "unknown_key": rm + ["--config.train.nonexistent=1"],
-      "wrong_type": rm + ["--config.train.max_steps=abc"],
-      "unknown_variant": ["--config=configs/rm.py:bogus"],
+    "unknown_key": rm + ["--config.train.nonexistent=1"],
+    "wrong_type": rm + ["--config.train.max_steps=abc"],
+    "unknown_variant": ["--config=configs/rm.py:bogus"],
   }
-  procs = {name: subprocess.Popen([sys.executable, "-m", "jaxrm.train", *args], cwd=tiny_run.ROOT,
-                                  env=tiny_run.subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True)
-           for name, args in commands.items()}
+  procs = {
+    name: subprocess.Popen(
+      [sys.executable, "-m", "jaxrm.train", *args],
+      cwd=tiny_run.ROOT,
+      env=tiny_run.subprocess_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for name, args in commands.items()
+  }
   procs["data_error"] = subprocess.Popen(
-      tiny_run.cli(model_dir, str(tmp / "run"), "--config.data.dataset_name=PreferenceDataset",
-                   f"--config.data.train_data_path={bad}"),
-      cwd=tiny_run.ROOT, env=tiny_run.subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tiny_run.cli(
+      model_dir,
+      str(tmp / "run"),
+      "--config.data.dataset_name=PreferenceDataset",
+      f"--config.data.train_data_path={bad}",
+    ),
+    cwd=tiny_run.ROOT,
+    env=tiny_run.subprocess_env(),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
   results = {}
   for name, p in procs.items():
     stdout, stderr = p.communicate(timeout=300)
@@ -49,40 +64,62 @@ def error_line(result, code):
 
 def test_unknown_key_is_named(runs):
   line = error_line(runs["unknown_key"], 2)
-  assert line.startswith("error: --config.train.nonexistent: the config has no key 'train.nonexistent'; "
-                         "config.train has adam_beta1, adam_beta2, adam_epsilon, global_batch_size, ")
+  assert line.startswith(
+    "error: --config.train.nonexistent: the config has no key 'train.nonexistent'; "
+    "config.train has adam_beta1, adam_beta2, adam_epsilon, global_batch_size, "
+  )
 
 
-@pytest.mark.parametrize("flag,message", [
-    ("--config.nonexistent.x=1", "the config has no key 'nonexistent'; the config has checkpointing, data, eval, "),
+@pytest.mark.parametrize(
+  "flag,message",
+  [
+    (
+      "--config.nonexistent.x=1",
+      "the config has no key 'nonexistent'; the config has checkpointing, data, eval, ",
+    ),
     ("--noconfig.eval.val_atstart", "the config has no key 'eval.val_atstart'; config.eval has batch_size, "),
-    ("--config.train.max_steps.x=1", "the config has no key 'train.max_steps.x'; config.train.max_steps has no "
-                                     "keys (it is a value)"),
-])
+    (
+      "--config.train.max_steps.x=1",
+      "the config has no key 'train.max_steps.x'; config.train.max_steps has no keys (it is a value)",
+    ),
+  ],
+)
 def test_unknown_keys_at_any_depth(flag, message, capsys):
   from jaxrm import cli
+
   with pytest.raises(SystemExit) as exit_info:
     cli.check_config_keys(["train", f"--config={tiny_run.__file__}", flag])
   assert exit_info.value.code == 2
   assert capsys.readouterr().err.startswith(f"error: {flag.split('=')[0]}: {message}")
-  cli.check_config_keys(["train", f"--config={tiny_run.__file__}", "--config.train.max_steps=3",
-                          "--noconfig.eval.val_at_start", "--config.data.val_data_paths.default=x"])
+  cli.check_config_keys(
+    [
+      "train",
+      f"--config={tiny_run.__file__}",
+      "--config.train.max_steps=3",
+      "--noconfig.eval.val_at_start",
+      "--config.data.val_data_paths.default=x",
+    ]
+  )
 
 
 def test_wrong_type_is_named(runs):
   assert error_line(runs["wrong_type"], 2) == (
-      "error: flag --config.train.max_steps=abc: invalid literal for int() with base 10: 'abc'")
+    "error: flag --config.train.max_steps=abc: invalid literal for int() with base 10: 'abc'"
+  )
 
 
 def test_config_file_problems(runs, capsys):
   assert error_line(runs["unknown_variant"], 2) == (
-      "error: flag --config=configs/rm.py:bogus: Error whilst parsing config file: "
-      "ValueError: unknown variant 'bogus' of configs/rm.py; known: smoke, lora")
+    "error: flag --config=configs/rm.py:bogus: Error whilst parsing config file: "
+    "ValueError: unknown variant 'bogus' of configs/rm.py; known: smoke, lora"
+  )
   from jaxrm import cli
+
   with pytest.raises(SystemExit):
     cli.check_config_keys(["train", "--config=configs/nonexistent.py:smoke"])
   assert capsys.readouterr().err == (
-      "error: --config=configs/nonexistent.py:smoke: no such config file 'configs/nonexistent.py'\n")
+    "error: --config=configs/nonexistent.py:smoke: no such config file 'configs/nonexistent.py'\n"
+  )
 
 
 def test_data_error_names_file_and_line(runs):
@@ -93,13 +130,21 @@ def test_data_error_names_file_and_line(runs):
 
 def test_a_new_validation_set_is_a_key_the_config_gains(capsys):
   from jaxrm import cli
-  argv = ["train", f"--config={tiny_run.__file__}", "--config.data.val_data_paths.second=v.jsonl",
-          "--config.data.val_data_paths.default=x"]
+
+  argv = [
+    "train",
+    f"--config={tiny_run.__file__}",
+    "--config.data.val_data_paths.second=v.jsonl",
+    "--config.data.val_data_paths.default=x",
+  ]
   cli.check_config_keys(argv)  # no exit
   assert cli._added_entries(cli._config_of(argv), argv) == (  # pylint: disable=protected-access
-      ["train", f"--config={tiny_run.__file__}", "--config.data.val_data_paths.default=x"],
-      [("data.val_data_paths.second", "v.jsonl")])
+    ["train", f"--config={tiny_run.__file__}", "--config.data.val_data_paths.default=x"],
+    [("data.val_data_paths.second", "v.jsonl")],
+  )
   # Only names of the dict's own entries: nothing deeper.
   with pytest.raises(SystemExit):
-    cli.check_config_keys(["train", f"--config={tiny_run.__file__}", "--config.data.val_data_paths.second.x=1"])
+    cli.check_config_keys(
+      ["train", f"--config={tiny_run.__file__}", "--config.data.val_data_paths.second.x=1"]
+    )
   assert "the config has no key 'data.val_data_paths.second'" in capsys.readouterr().err

@@ -5,10 +5,20 @@ import os
 
 import pytest
 
-from jaxrm.config import (CheckpointSpec, DataSpec, LoraSpec, ModelSpec, RewardSpec, RunConfig, TrainSpec,
-                          base_config, from_config_dict, normalize_metric_name)
-from jaxrm.models.lora import LoraConfig
+from jaxrm.config import (
+  CheckpointSpec,
+  DataSpec,
+  LoraSpec,
+  ModelSpec,
+  RewardSpec,
+  RunConfig,
+  TrainSpec,
+  base_config,
+  from_config_dict,
+  normalize_metric_name,
+)
 from jaxrm.errors import ConfigError
+from jaxrm.models.lora import LoraConfig
 
 
 def test_base_config_is_the_dataclass_defaults():
@@ -18,8 +28,17 @@ def test_base_config_is_the_dataclass_defaults():
   assert c.model.name_or_path == "embedded:SmolLM2-135M-Instruct"
   assert c.data.val_data_paths.to_dict() == {"default": "validation"}
   assert c.checkpointing.metric_name == "validation-default_loss"
-  assert sorted(c.keys()) == ["checkpointing", "data", "eval", "logger", "mesh", "model", "output_dir",
-                              "reward", "train"]
+  assert sorted(c.keys()) == [
+    "checkpointing",
+    "data",
+    "eval",
+    "logger",
+    "mesh",
+    "model",
+    "output_dir",
+    "reward",
+    "train",
+  ]
   assert isinstance(c.train.learning_rate, float) and isinstance(c.train.max_steps, int)
 
 
@@ -41,38 +60,70 @@ def test_a_notebook_sets_only_what_it_changes():
   assert run.data.tokenize_options.max_length == DataSpec().max_length
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: ModelSpec(attention="flash"), "model.attention must be one of auto, reference, pallas, cudnn; got 'flash'"),
+@pytest.mark.parametrize(
+  "make, message",
+  [
+    (
+      lambda: ModelSpec(attention="flash"),
+      "model.attention must be one of auto, reference, pallas, cudnn; got 'flash'",
+    ),
     (lambda: DataSpec(packing="pack"), "data.packing must be one of none, packed, shared_prompt; got 'pack'"),
     (lambda: DataSpec(packed_row_length=-1), "data.packed_row_length=-1: use a number of tokens per row"),
-    (lambda: RunConfig(checkpointing=CheckpointSpec(metric_name="validation-other_loss")),
-     "checkpointing.metric_name='validation-other_loss' names no validation set; use "
-     "'validation-<set>_<metric>' with <set> one of default"),
+    (
+      lambda: RunConfig(checkpointing=CheckpointSpec(metric_name="validation-other_loss")),
+      "checkpointing.metric_name='validation-other_loss' names no validation set; use "
+      "'validation-<set>_<metric>' with <set> one of default",
+    ),
     (lambda: RunConfig.from_dict({"trian": {}}), "the config has no key 'trian'; it has output_dir, model"),
-    (lambda: RunConfig.from_dict({"train": {"max_stepz": 1}}),
-     "config.train has no key 'max_stepz'; it has adam_beta1, adam_beta2, adam_epsilon, global_batch_size"),
-    (lambda: RunConfig.from_dict({"model": {"lora": {"rnak": 8}}}),
-     "config.model.lora has no key 'rnak'; it has alpha, base_dtype, dropout, rank, target_modules"),
+    (
+      lambda: RunConfig.from_dict({"train": {"max_stepz": 1}}),
+      "config.train has no key 'max_stepz'; it has adam_beta1, adam_beta2, adam_epsilon, global_batch_size",
+    ),
+    (
+      lambda: RunConfig.from_dict({"model": {"lora": {"rnak": 8}}}),
+      "config.model.lora has no key 'rnak'; it has alpha, base_dtype, dropout, rank, target_modules",
+    ),
     (lambda: RunConfig.from_dict({"model": {"lora": 8}}), "config.model.lora is a section (rank, alpha"),
     (lambda: LoraSpec(rank=-1), "model.lora.rank=-1: LoRA rank=-1; use 0"),
     (lambda: LoraSpec(rank=8, alpha=0.0), "model.lora.alpha=0.0: LoRA alpha=0.0; use a positive number"),
-    (lambda: LoraSpec(rank=8, target_modules="q_proj,qkv_proj"),
-     "model.lora.target_modules='q_proj,qkv_proj': LoRA targets ['qkv_proj'] are not projections"),
-    (lambda: LoraSpec(rank=8, target_modules=""), "model.lora.target_modules='': LoRA rank=8 adapts no projection"),
-    (lambda: LoraSpec(rank=8, dropout=1.0), "model.lora.dropout=1.0: LoRA dropout=1.0; use a probability in [0, 1)"),
-    (lambda: LoraSpec(rank=8, base_dtype="fp8"), "model.lora.base_dtype='fp8': LoRA base_dtype='fp8'; use one of"),
+    (
+      lambda: LoraSpec(rank=8, target_modules="q_proj,qkv_proj"),
+      "model.lora.target_modules='q_proj,qkv_proj': LoRA targets ['qkv_proj'] are not projections",
+    ),
+    (
+      lambda: LoraSpec(rank=8, target_modules=""),
+      "model.lora.target_modules='': LoRA rank=8 adapts no projection",
+    ),
+    (
+      lambda: LoraSpec(rank=8, dropout=1.0),
+      "model.lora.dropout=1.0: LoRA dropout=1.0; use a probability in [0, 1)",
+    ),
+    (
+      lambda: LoraSpec(rank=8, base_dtype="fp8"),
+      "model.lora.base_dtype='fp8': LoRA base_dtype='fp8'; use one of",
+    ),
     (lambda: LoraSpec(base_dtype="nf4"), "model.lora.base_dtype='nf4': LoRA base_dtype='nf4' freezes"),
     (lambda: TrainSpec(lr_scheduler="polynomial"), "train.lr_scheduler='polynomial' is not one of cosine, "),
-    (lambda: TrainSpec(lr_decay="exponential"), "train.lr_decay='exponential' is not one of cosine, linear, "
-     "constant; use train.lr_scheduler"),
-    (lambda: TrainSpec(lr_decay="linear", lr_scheduler="constant"),
-     "train.lr_decay='linear' and train.lr_scheduler='constant' disagree; set only train.lr_scheduler"),
-    (lambda: TrainSpec(lr_scheduler="cosine_with_min_lr"), "train.lr_scheduler='cosine_with_min_lr' needs "
-     "train.min_lr_ratio > 0"),
+    (
+      lambda: TrainSpec(lr_decay="exponential"),
+      "train.lr_decay='exponential' is not one of cosine, linear, constant; use train.lr_scheduler",
+    ),
+    (
+      lambda: TrainSpec(lr_decay="linear", lr_scheduler="constant"),
+      "train.lr_decay='linear' and train.lr_scheduler='constant' disagree; set only train.lr_scheduler",
+    ),
+    (
+      lambda: TrainSpec(lr_scheduler="cosine_with_min_lr"),
+      "train.lr_scheduler='cosine_with_min_lr' needs train.min_lr_ratio > 0",
+    ),
     (lambda: TrainSpec(adam_beta2=1.0), "train.adam_beta2=1.0: use a number in [0, 1)"),
     (lambda: TrainSpec(adam_epsilon=0.0), "train.adam_epsilon=0.0: use a small positive number"),
-    (lambda: TrainSpec(min_lr_ratio=2.0), "train.min_lr_ratio=2.0: use a fraction of learning_rate in [0, 1]"),
-])
+    (
+      lambda: TrainSpec(min_lr_ratio=2.0),
+      "train.min_lr_ratio=2.0: use a fraction of learning_rate in [0, 1]",
+    ),
+  ],
+)
 def test_bad_values_name_their_key(make, message):
   with pytest.raises(ConfigError) as e:
     make()
@@ -81,8 +132,13 @@ def test_bad_values_name_their_key(make, message):
 
 def test_lora_is_a_nested_section_set_from_the_command_line():
   c = base_config()
-  assert c.model.lora.to_dict() == {"rank": 0, "alpha": 16.0, "dropout": 0.0, "target_modules": "all-linear",
-                                    "base_dtype": ""}
+  assert c.model.lora.to_dict() == {
+    "rank": 0,
+    "alpha": 16.0,
+    "dropout": 0.0,
+    "target_modules": "all-linear",
+    "base_dtype": "",
+  }
   assert not from_config_dict(c).model.lora.lora_config().enabled
   # What --config.model.lora.rank=8 --config.model.lora.target_modules=q_proj,v_proj sets.
   c.model.lora.rank = 8
@@ -125,18 +181,32 @@ def test_helpsteer2_regression_defaults_to_its_five_attributes():
 def test_generic_rated_data_still_needs_its_attributes():
   with pytest.raises(ConfigError) as e:
     from_config_dict(regression_on("RatedDataset"))
-  assert str(e.value) == ("reward.attributes is empty: reward.type='regression' needs the rated attributes, "
-                          "e.g. reward.attributes='helpfulness,correctness,coherence,complexity,verbosity'")
+  assert str(e.value) == (
+    "reward.attributes is empty: reward.type='regression' needs the rated attributes, "
+    "e.g. reward.attributes='helpfulness,correctness,coherence,complexity,verbosity'"
+  )
 
 
 def test_reward_keys_are_parsed_once_and_stay_out_of_the_dict():
-  spec = RewardSpec("regression", attributes="a, b", attribute_weights="1,3", attribute_range="0,4",
-                    combine="b")
-  fields = {"type": "regression", "ranking_loss": "plackett_luce", "center_rewards_coefficient": 0.0,
-            "preference_strength_scaling": False, "attributes": "a, b", "attribute_weights": "1,3",
-            "attribute_range": "0,4", "combine": "b"}
+  spec = RewardSpec(
+    "regression", attributes="a, b", attribute_weights="1,3", attribute_range="0,4", combine="b"
+  )
+  fields = {
+    "type": "regression",
+    "ranking_loss": "plackett_luce",
+    "center_rewards_coefficient": 0.0,
+    "preference_strength_scaling": False,
+    "attributes": "a, b",
+    "attribute_weights": "1,3",
+    "attribute_range": "0,4",
+    "combine": "b",
+  }
   assert (spec.attribute_names, spec.weights, spec.value_range, spec.combination) == (
-      ("a", "b"), (1.0, 3.0), (0.0, 4.0), (0.0, 1.0))
+    ("a", "b"),
+    (1.0, 3.0),
+    (0.0, 4.0),
+    (0.0, 1.0),
+  )
   assert spec.attribute_names is spec.attribute_names  # kept, not parsed again
   assert RunConfig(reward=spec).to_dict()["reward"] == fields
   assert spec == RewardSpec(**fields) and hash(spec) == hash(RewardSpec(**fields))
@@ -152,11 +222,19 @@ def test_metric_name_prefixes():
 def test_scheduler_and_adam_keys_under_trl_names(caplog):
   c = base_config()
   assert (c.train.lr_scheduler, c.train.adam_beta1, c.train.adam_beta2, c.train.adam_epsilon) == (
-      "cosine", 0.9, 0.999, 1e-8)  # transformers' and PyTorch's defaults
+    "cosine",
+    0.9,
+    0.999,
+    1e-8,
+  )  # transformers' and PyTorch's defaults
   # NeMo RL's RM recipe, from the command line.
   c.train.adam_beta2, c.train.adam_epsilon, c.train.lr_scheduler = 0.98, 1e-5, "inverse-square-root"
   run = from_config_dict(c)
-  assert (run.train.adam_beta2, run.train.adam_epsilon, run.train.lr_scheduler) == (0.98, 1e-5, "inverse_sqrt")
+  assert (run.train.adam_beta2, run.train.adam_epsilon, run.train.lr_scheduler) == (
+    0.98,
+    1e-5,
+    "inverse_sqrt",
+  )
   assert RunConfig.from_dict(json.loads(json.dumps(run.to_dict()))) == run
   with caplog.at_level("WARNING", logger="jaxrm.config"):
     assert TrainSpec(lr_scheduler="constant", warmup_steps=5).lr_scheduler == "constant"
@@ -168,8 +246,10 @@ def test_lr_decay_is_the_former_name_of_lr_scheduler(caplog):
     spec = TrainSpec(lr_decay="constant")
   # Its "constant" kept the warmup: transformers calls that constant_with_warmup.
   assert spec.lr_scheduler == "constant_with_warmup"
-  assert "train.lr_decay='constant' is the former name of train.lr_scheduler; use train.lr_scheduler=" \
-         "'constant_with_warmup'" in caplog.text
+  assert (
+    "train.lr_decay='constant' is the former name of train.lr_scheduler; use train.lr_scheduler="
+    "'constant_with_warmup'" in caplog.text
+  )
   assert TrainSpec(lr_decay="linear", lr_scheduler="linear").lr_scheduler == "linear"
   run = RunConfig(train=spec)
   assert RunConfig.from_dict(json.loads(json.dumps(run.to_dict()))) == run
@@ -184,7 +264,9 @@ def test_data_cache_keys():
   assert DataSpec(cache=False).cache_directory is None
   assert DataSpec(cache_dir="~/tok").cache_directory == os.path.expanduser("~/tok")
   assert DataSpec(num_proc=0).tokenizer_processes == (os.cpu_count() or 1)
-  with pytest.raises(ConfigError, match=r"^data.num_proc=-2: use a number of processes, or 0 for one per CPU"):
+  with pytest.raises(
+    ConfigError, match=r"^data.num_proc=-2: use a number of processes, or 0 for one per CPU"
+  ):
     DataSpec(num_proc=-2)
 
 
@@ -198,26 +280,34 @@ def test_own_files_need_only_their_path():
   assert steps.dataset_name == "StepwiseDataset"
   assert DataSpec(train_data_path="validation").dataset_name == "demo_arithmetic"  # the demo's split
   # A set added beside the demo's default: ranked by its own loss (also from NeMo RL's "val:" spelling).
-  two = RunConfig(data=DataSpec(train_data_path="t.jsonl", val_data_paths={"default": "validation", "b": "v.jsonl"}),
-                  checkpointing=CheckpointSpec(metric_name="val:validation-default_loss"))
+  two = RunConfig(
+    data=DataSpec(train_data_path="t.jsonl", val_data_paths={"default": "validation", "b": "v.jsonl"}),
+    checkpointing=CheckpointSpec(metric_name="val:validation-default_loss"),
+  )
   assert two.data.val_data_paths == {"b": "v.jsonl"} and two.checkpointing.metric == "validation-b_loss"
   # A public dataset keeps its sets: "validation" is its validation split.
   assert DataSpec(dataset_name="HelpSteer3").val_data_paths == {"default": "validation"}
 
 
 def test_a_file_format_leaves_out_sets_it_cannot_read(caplog):
-  spec = DataSpec(dataset_name="PreferenceDataset", train_data_path="t.jsonl",
-                  val_data_paths={"held_out": "test", "off": "", "v": "v.jsonl"})
+  spec = DataSpec(
+    dataset_name="PreferenceDataset",
+    train_data_path="t.jsonl",
+    val_data_paths={"held_out": "test", "off": "", "v": "v.jsonl"},
+  )
   assert spec.val_data_paths == {"v": "v.jsonl"}
-  assert ("data.val_data_paths.held_out='test' is left out: PreferenceDataset reads only the files it is given; "
-          "set it to a file to validate on") in caplog.text
+  assert (
+    "data.val_data_paths.held_out='test' is left out: PreferenceDataset reads only the files it is given; "
+    "set it to a file to validate on"
+  ) in caplog.text
 
 
 def test_a_run_shorter_than_its_warmup_names_the_keys():
   with pytest.raises(ConfigError) as e:
     TrainSpec(max_steps=3, warmup_steps=5)
   assert str(e.value) == (
-      "train.max_steps=3 ends the run within train.warmup_steps=5, leaving train.lr_scheduler='cosine' no steps "
-      "to decay: lower train.warmup_steps (e.g. --config.train.warmup_steps=1), or use "
-      "--config.train.lr_scheduler=constant_with_warmup")
+    "train.max_steps=3 ends the run within train.warmup_steps=5, leaving train.lr_scheduler='cosine' no steps "
+    "to decay: lower train.warmup_steps (e.g. --config.train.warmup_steps=1), or use "
+    "--config.train.lr_scheduler=constant_with_warmup"
+  )
   assert TrainSpec(max_steps=3, warmup_steps=5, lr_scheduler="constant_with_warmup").max_steps == 3

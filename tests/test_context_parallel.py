@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-
 import tiny_run
+from flax import nnx
 from helpers import REORDERED_ATOL, random_groups, stepwise, tiny_config, tiny_model
+
 from jaxrm import sharding
 from jaxrm.config import RunConfig
 from jaxrm.data import packing
@@ -58,15 +58,17 @@ LEAK_ATOL = 1e-4
 # name -> (batch layout, mesh, model overrides); every model has 4 query heads over 2 key heads
 # and a window of 6 positions on its first layer (helpers.tiny_config).
 CASES = {
-    "padded_c2_zigzag": ("padded", dict(context=2), {}),
-    "packed_c4_zigzag_softcap": ("packed", dict(context=4), dict(attn_logit_softcapping=3.0)),
-    "tree_c2_fsdp2_tensor2": ("tree", dict(fsdp=2, tensor=2, context=2), {}),
-    "tree_c4_none_softcap": ("tree", dict(context=4, context_balance="none"),
-                             dict(attn_logit_softcapping=3.0)),
-    "token_head_c2_fsdp2_none_remat": ("stepwise", dict(fsdp=2, context=2, context_balance="none"),
-                                       dict(head="token", num_labels=2, remat="full")),
-    # The decoder's Pallas route (interpret mode here) against the same route on one device.
-    "tree_c2_pallas": ("tree", dict(context=2), dict(attention_impl="pallas")),
+  "padded_c2_zigzag": ("padded", dict(context=2), {}),
+  "packed_c4_zigzag_softcap": ("packed", dict(context=4), dict(attn_logit_softcapping=3.0)),
+  "tree_c2_fsdp2_tensor2": ("tree", dict(fsdp=2, tensor=2, context=2), {}),
+  "tree_c4_none_softcap": ("tree", dict(context=4, context_balance="none"), dict(attn_logit_softcapping=3.0)),
+  "token_head_c2_fsdp2_none_remat": (
+    "stepwise",
+    dict(fsdp=2, context=2, context_balance="none"),
+    dict(head="token", num_labels=2, remat="full"),
+  ),
+  # The decoder's Pallas route (interpret mode here) against the same route on one device.
+  "tree_c2_pallas": ("tree", dict(context=2), dict(attention_impl="pallas")),
 }
 
 
@@ -85,8 +87,9 @@ def batch_of(kind):
       labels[rng.choice(n, 3, replace=False)] = rng.integers(0, 2, 3)
       seqs.append(stepwise(rng.integers(3, 128, n), labels))
     return Collator(batch_size=4, buckets=(32,))(seqs)
-  return packing.pack_preference(random_groups(rng, 4, 3), packing.PackSpec(64, shared_prompt=kind == "tree"),
-                                 num_rows=4)
+  return packing.pack_preference(
+    random_groups(rng, 4, 3), packing.PackSpec(64, shared_prompt=kind == "tree"), num_rows=4
+  )
 
 
 def weights_of(batch, outputs):
@@ -129,23 +132,30 @@ def case_report(kind, mesh_sizes, overrides):
   want, want_grads, _ = outputs_and_grads(cfg, batch)
   got, got_grads, gathered = outputs_and_grads(cfg, batch, mesh)
   read = weights_of(batch, want) != 0
-  return {"spread": float(np.ptp(want[read])), "out_diff": float(np.abs(got - want)[read].max()),
-          "grad_max": float(np.abs(want_grads).max()),
-          "grad_diff": float(np.abs(got_grads - want_grads).max()), "all_gather": gathered,
-          "summary": sharding_summary(cfg, mesh)}
+  return {
+    "spread": float(np.ptp(want[read])),
+    "out_diff": float(np.abs(got - want)[read].max()),
+    "grad_max": float(np.abs(want_grads).max()),
+    "grad_diff": float(np.abs(got_grads - want_grads).max()),
+    "all_gather": gathered,
+    "summary": sharding_summary(cfg, mesh),
+  }
 
 
 def sharding_summary(cfg, mesh):
   from jaxrm.models.decoder import attention_summary
+
   return attention_summary(cfg.replace(attention_impl="auto"), "gpu", mesh=mesh)
 
 
 def training_losses(mesh_sizes=None, steps_n=3):
   """Losses of three SGD steps of the token head on stepwise rows (one device without sizes)."""
   import optax
+
   from jaxrm import steps
   from jaxrm.config import RewardSpec
   from jaxrm.data import pipeline
+
   cfg = tiny_config(attention_impl="reference", head="token", num_labels=2)
   model = tiny_model(cfg)
   mesh = mesh_of(**(mesh_sizes or {}))
@@ -153,8 +163,13 @@ def training_losses(mesh_sizes=None, steps_n=3):
   params = nnx.state(model)
   params = jax.device_put(params, sharding.param_shardings(params, mesh))
   state, shardings = steps.init_state(params, tx, seed=0, mesh=mesh)
-  train_step = steps.make_train_step(steps.make_loss_fn(model, RewardSpec("stepwise")), tx, lambda _: 0.01,
-                                     state_shardings=shardings, mesh=mesh)
+  train_step = steps.make_train_step(
+    steps.make_loss_fn(model, RewardSpec("stepwise")),
+    tx,
+    lambda _: 0.01,
+    state_shardings=shardings,
+    mesh=mesh,
+  )
   batch = pipeline.to_global_batch(batch_of("stepwise"), mesh)
   losses = []
   for _ in range(steps_n):
@@ -168,8 +183,9 @@ def training_losses(mesh_sizes=None, steps_n=3):
 
 def tree_rows(length=64):
   """Shared-prompt rows of ``length`` tokens, the last all padding: segments, branches, padding."""
-  batch = packing.pack_preference(random_groups(np.random.default_rng(4), 4, 3),
-                                  packing.PackSpec(length, shared_prompt=True), num_rows=4)
+  batch = packing.pack_preference(
+    random_groups(np.random.default_rng(4), 4, 3), packing.PackSpec(length, shared_prompt=True), num_rows=4
+  )
   return batch.attention_mask, batch.positions, batch.segment_ids, batch.branch_ids
 
 
@@ -178,11 +194,11 @@ def numpy_mask(mask, positions, segments, branches, window, drop=()):
   t = mask.shape[1]
   idx = np.arange(t)
   rules = {
-      "later": np.broadcast_to(idx[:, None] >= idx[None, :], (len(mask), t, t)),
-      "padding": np.broadcast_to(mask[:, None, :] > 0, (len(mask), t, t)),
-      "segment": segments[:, :, None] == segments[:, None, :],
-      "branch": (branches[:, None, :] == 0) | (branches[:, None, :] == branches[:, :, None]),
-      "window": positions[:, :, None] - positions[:, None, :] < window,
+    "later": np.broadcast_to(idx[:, None] >= idx[None, :], (len(mask), t, t)),
+    "padding": np.broadcast_to(mask[:, None, :] > 0, (len(mask), t, t)),
+    "segment": segments[:, :, None] == segments[:, None, :],
+    "branch": (branches[:, None, :] == 0) | (branches[:, None, :] == branches[:, :, None]),
+    "window": positions[:, :, None] - positions[:, None, :] < window,
   }
   return np.logical_and.reduce([r for name, r in rules.items() if name not in drop])
 
@@ -208,10 +224,12 @@ def leak_sets(mask, positions, segments, branches):
   real = mask > 0
   idx = np.broadcast_to(np.arange(mask.shape[1]), mask.shape)
   return {
-      ("segment", "branch", "padding"): ((segments % 2 == 0) | (branches % 2 == 1) | ~real,
-                                         real & (segments % 2 == 1) & (branches % 2 == 0)),
-      ("later",): (idx >= 37, real & (idx < 37)),  # 37: inside a shard's chunk, not at its edge
-      ("window",): (positions < 4, real & (positions >= 4 + WINDOW - 1)),
+    ("segment", "branch", "padding"): (
+      (segments % 2 == 0) | (branches % 2 == 1) | ~real,
+      real & (segments % 2 == 1) & (branches % 2 == 0),
+    ),
+    ("later",): (idx >= 37, real & (idx < 37)),  # 37: inside a shard's chunk, not at its edge
+    ("window",): (positions < 4, real & (positions >= 4 + WINDOW - 1)),
   }
 
 
@@ -227,14 +245,17 @@ def leak_report():
   mesh = mesh_of(context=4)
   order = CP.storage_order(t, 4, "zigzag")
   stored = lambda x: jnp.take(jnp.asarray(x), order, axis=1)
-  ids = L.token_ids(*(stored(x) for x in (mask, positions, segments, branches)),
-                    index_bt=jnp.broadcast_to(jnp.asarray(order), (b, t)))
+  ids = L.token_ids(
+    *(stored(x) for x in (mask, positions, segments, branches)),
+    index_bt=jnp.broadcast_to(jnp.asarray(order), (b, t)),
+  )
 
   @jax.jit
   def sharded(q, k, v):
     with sharding.activation_sharding(mesh):
-      out = CP.attention(stored(q), stored(k), stored(v), ids, order, jnp.int32(WINDOW), scale=SCALE,
-                         softcap=None)
+      out = CP.attention(
+        stored(q), stored(k), stored(v), ids, order, jnp.int32(WINDOW), scale=SCALE, softcap=None
+      )
     return jnp.take(out, np.argsort(order), axis=1)
 
   report = {}
@@ -243,11 +264,14 @@ def leak_report():
     visible = numpy_mask(mask, positions, segments, branches, WINDOW)
     quiet = quiet & visible.any(-1) & ~(visible & loud[:, None, :]).any(-1)
     want = numpy_attention(q, k, v_loud, visible, SCALE)[quiet]
-    leaky = numpy_attention(q, k, v_loud, numpy_mask(mask, positions, segments, branches, WINDOW, rules),
-                            SCALE)[quiet]
-    report["+".join(rules)] = {"queries": int(quiet.sum()),
-                               "diff": float(np.abs(np.asarray(sharded(q, k, v_loud))[quiet] - want).max()),
-                               "leak_moves": float(np.abs(leaky - want).max())}
+    leaky = numpy_attention(
+      q, k, v_loud, numpy_mask(mask, positions, segments, branches, WINDOW, rules), SCALE
+    )[quiet]
+    report["+".join(rules)] = {
+      "queries": int(quiet.sum()),
+      "diff": float(np.abs(np.asarray(sharded(q, k, v_loud))[quiet] - want).max()),
+      "leak_moves": float(np.abs(leaky - want).max()),
+    }
   return report
 
 
@@ -258,9 +282,9 @@ def leak_report():
 # (test_the_window_crosses_shard_boundaries); tree rows restart positions in each branch, so that
 # the window (by position) and causality (by index) disagree.
 KERNEL_CASES = {
-    "padded_c2_zigzag_window": ("padded", dict(context=2), 6, None),
-    "packed_c4_none_softcap": ("packed", dict(context=4, context_balance="none"), None, 3.0),
-    "tree_c4_zigzag_window_softcap": ("tree", dict(context=4), 5, 2.0),
+  "padded_c2_zigzag_window": ("padded", dict(context=2), 6, None),
+  "packed_c4_none_softcap": ("packed", dict(context=4, context_balance="none"), None, 3.0),
+  "tree_c4_zigzag_window_softcap": ("tree", dict(context=4), 5, 2.0),
 }
 
 
@@ -291,26 +315,41 @@ def kernel_report(kind, mesh_sizes, window, softcap):
   context = mesh_sizes["context"]
   order = CP.storage_order(t, context, mesh_sizes.get("context_balance", "zigzag"))
   stored = lambda x: jnp.take(jnp.asarray(x), order, axis=1)
-  ids = L.token_ids(*(stored(x) for x in (mask, positions, segments, branches)),
-                    index_bt=jnp.broadcast_to(jnp.asarray(order), (b, t)))
+  ids = L.token_ids(
+    *(stored(x) for x in (mask, positions, segments, branches)),
+    index_bt=jnp.broadcast_to(jnp.asarray(order), (b, t)),
+  )
   traced_window = None if window is None else jnp.int32(window)
 
   def split(kernel):
     def attend(q, k, v):
       with sharding.activation_sharding(mesh):
-        out = CP.attention(stored(q), stored(k), stored(v), ids, order, traced_window, scale=SCALE,
-                           softcap=softcap, kernel=kernel, interpret=True)
+        out = CP.attention(
+          stored(q),
+          stored(k),
+          stored(v),
+          ids,
+          order,
+          traced_window,
+          scale=SCALE,
+          softcap=softcap,
+          kernel=kernel,
+          interpret=True,
+        )
       return jnp.take(out, np.argsort(order), axis=1)
+
     return attend
 
   layout = F.layout(np.where(mask > 0, segments + 1, 0), branches, positions)
-  one_device = lambda q, k, v: F.flash_attention(q, k, v, layout, traced_window, scale=SCALE, softcap=softcap,
-                                                 interpret=True)
+  one_device = lambda q, k, v: F.flash_attention(
+    q, k, v, layout, traced_window, scale=SCALE, softcap=softcap, interpret=True
+  )
 
   def out_and_grads(attend):
     def run(q, k, v, d_out):
       out, vjp = jax.vjp(attend, q, k, v)
       return out, *vjp(d_out)
+
     return dict(zip(("out", "dq", "dk", "dv"), map(np.asarray, jax.jit(run)(q, k, v, d_out))))
 
   got, want, one = (out_and_grads(f) for f in (split("pallas"), split("reference"), one_device))
@@ -318,10 +357,13 @@ def kernel_report(kind, mesh_sizes, window, softcap):
   diff = lambda x, y: {n: float(np.abs(x[n] - y[n]).max()) for n in x}
   shard = np.empty(t, int)
   shard[order] = np.arange(t) // (t // context)
-  return {"largest": {n: float(np.abs(x).max()) for n, x in real(want).items()},
-          "vs_reference": diff(real(got), real(want)), "vs_one_device": diff(got, one),
-          "window_crossings": int((visible & (shard[:, None] != shard[None, :])).sum()),
-          "window_hides": int((numpy_mask(mask, positions, segments, branches, F.NO_WINDOW) & ~visible).sum())}
+  return {
+    "largest": {n: float(np.abs(x).max()) for n, x in real(want).items()},
+    "vs_reference": diff(real(got), real(want)),
+    "vs_one_device": diff(got, one),
+    "window_crossings": int((visible & (shard[:, None] != shard[None, :])).sum()),
+    "window_hides": int((numpy_mask(mask, positions, segments, branches, F.NO_WINDOW) & ~visible).sum()),
+  }
 
 
 # ------------------------------------------------------------------ the subprocess
@@ -329,7 +371,9 @@ def kernel_report(kind, mesh_sizes, window, softcap):
 
 def error_report():
   """What the decoder says of a row that does not split into the shards' chunks."""
-  batch = Collator(batch_size=2, buckets=(30,), num_completions=2)(random_groups(np.random.default_rng(0), 2, 2))
+  batch = Collator(batch_size=2, buckets=(30,), num_completions=2)(
+    random_groups(np.random.default_rng(0), 2, 2)
+  )
   model = tiny_model(tiny_config(attention_impl="reference"))
   try:
     with sharding.activation_sharding(mesh_of(context=2)):
@@ -342,8 +386,13 @@ def error_report():
 def window_crosses_shards():
   """(query, key) pairs of the windowed layer's mask whose tokens sit on different shards."""
   batch = batch_of("padded")
-  visible = numpy_mask(batch.attention_mask, np.maximum(np.cumsum(batch.attention_mask, 1) - 1, 0),
-                       np.zeros_like(batch.attention_mask), np.zeros_like(batch.attention_mask), 6)
+  visible = numpy_mask(
+    batch.attention_mask,
+    np.maximum(np.cumsum(batch.attention_mask, 1) - 1, 0),
+    np.zeros_like(batch.attention_mask),
+    np.zeros_like(batch.attention_mask),
+    6,
+  )
   shard = np.empty(32, int)
   shard[CP.storage_order(32, 2, "zigzag")] = np.arange(32) // 16
   return int((visible & (shard[:, None] != shard[None, :])).sum())
@@ -404,9 +453,10 @@ def test_no_token_sees_a_key_it_must_not(sharded):
 
 def test_the_summary_names_context_parallelism(sharded):
   assert sharded["tree_c2_fsdp2_tensor2"]["summary"] == (
-      "attention: pallas flash kernel per shard on all "
-      "2 layers; context parallel over 2 devices: all-gather K/V, zigzag; sliding window of 6 positions "
-      "on 1 of them")
+    "attention: pallas flash kernel per shard on all "
+    "2 layers; context parallel over 2 devices: all-gather K/V, zigzag; sliding window of 6 positions "
+    "on 1 of them"
+  )
   assert "context parallel over 4 devices: all-gather K/V, none" in sharded["tree_c4_none_softcap"]["summary"]
 
 
@@ -425,8 +475,7 @@ def test_the_pallas_route_equals_the_reference_route_and_one_device(sharded, nam
 
 def test_an_unknown_kernel_names_the_kernels():
   with pytest.raises(ValueError, match=r"kernel='cudnn'; use one of reference, pallas$"):
-    CP.attention(*[jnp.zeros((1, 8, 2, 8))] * 3, None, np.arange(8), scale=1.0, softcap=None,
-                 kernel="cudnn")
+    CP.attention(*[jnp.zeros((1, 8, 2, 8))] * 3, None, np.arange(8), scale=1.0, softcap=None, kernel="cudnn")
 
 
 # ------------------------------------------------------------------ errors
@@ -434,9 +483,10 @@ def test_an_unknown_kernel_names_the_kernels():
 
 def test_a_row_that_does_not_split_names_the_keys(sharded):
   assert sharded["error"] == (
-      "mesh.context=2 with mesh.context_balance='zigzag' splits each row into 4 equal chunks, but a row "
-      "has 30 tokens: set data.packed_row_length (packed rows) or data.bucket_multiple and "
-      "data.max_length to a multiple of 4")
+    "mesh.context=2 with mesh.context_balance='zigzag' splits each row into 4 equal chunks, but a row "
+    "has 30 tokens: set data.packed_row_length (packed rows) or data.bucket_multiple and "
+    "data.max_length to a multiple of 4"
+  )
   with pytest.raises(ValueError, match=r"into 3 equal chunks, but a row has 32 tokens"):
     CP.storage_order(32, 3, "none")
 
@@ -459,15 +509,19 @@ def test_bad_balance_and_a_context_that_does_not_divide_the_devices():
 
 
 def test_config_rows_must_split_into_the_chunks():
-  with pytest.raises(ConfigError, match=r"^data.bucket_multiple=6: mesh.context=2 with "
-                                        r"mesh.context_balance='zigzag' splits each row into 4 chunks; "
-                                        r"set data.bucket_multiple to a multiple of 4$"):
+  with pytest.raises(
+    ConfigError,
+    match=r"^data.bucket_multiple=6: mesh.context=2 with "
+    r"mesh.context_balance='zigzag' splits each row into 4 chunks; "
+    r"set data.bucket_multiple to a multiple of 4$",
+  ):
     RunConfig.from_dict({"mesh": {"context": 2}, "data": {"bucket_multiple": 6}})
   with pytest.raises(ConfigError, match=r"^data.packed_row_length=100: .* into 8 chunks"):
     RunConfig.from_dict({"mesh": {"context": 4}, "data": {"packing": "packed", "packed_row_length": 100}})
   with pytest.raises(ConfigError, match=r"^data.max_length=90: .*'none' splits each row into 4 chunks"):
-    RunConfig.from_dict({"mesh": {"context": 4, "context_balance": "none"},
-                         "data": {"max_length": 90, "bucket_multiple": 16}})
+    RunConfig.from_dict(
+      {"mesh": {"context": 4, "context_balance": "none"}, "data": {"max_length": 90, "bucket_multiple": 16}}
+    )
   RunConfig.from_dict({"mesh": {"context": 4, "context_balance": "none"}, "data": {"bucket_multiple": 4}})
 
 
@@ -479,10 +533,15 @@ def test_a_context_parallel_run_learns_the_hidden_task(model_dir, tmp_path):
   """``python -m jaxrm.train`` on 2 fake CPU devices with mesh.context=2: six epochs of the tiny
   run's 64 pairs rank them as the one-device run of tests/test_precision.py does (its criterion)."""
   from tiny_run import LEARN, LEARNED_ACCURACY, LEARNED_LOSS
+
   out = str(tmp_path / "context")
-  flags = [f"--config.{k}={v}" for k, v in LEARN.items()] + ["--config.mesh.context=2", "--config.mesh.fsdp=1"]
-  result = tiny_run.run(tiny_run.cli(model_dir, out, *flags), timeout=600,
-                        XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  flags = [f"--config.{k}={v}" for k, v in LEARN.items()] + [
+    "--config.mesh.context=2",
+    "--config.mesh.fsdp=1",
+  ]
+  result = tiny_run.run(
+    tiny_run.cli(model_dir, out, *flags), timeout=600, XLA_FLAGS="--xla_force_host_platform_device_count=2"
+  )
   assert result.returncode == 0, tiny_run.describe(result)
   assert "mesh: {'data': 1, 'fsdp': 1, 'context': 2, 'tensor': 1} on 2 cpu devices" in result.stdout
   assert "context parallel over 2 devices: all-gather K/V, zigzag" in result.stdout

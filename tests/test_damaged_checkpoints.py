@@ -8,8 +8,8 @@ import shutil
 import sys
 
 import pytest
-
 import tiny_run
+
 from jaxrm import RewardModel
 from jaxrm.errors import CheckpointError, UserError
 
@@ -23,8 +23,15 @@ def run_dir(model_dir, tmp_path_factory):
 
 
 def _config(model_dir, out, max_steps):
-  return tiny_run.config(model_dir, out, train__max_steps=max_steps, eval__val_period=1,
-                         checkpointing__save_period=1, checkpointing__keep_top_k=3, data__max_train_rows=16)
+  return tiny_run.config(
+    model_dir,
+    out,
+    train__max_steps=max_steps,
+    eval__val_period=1,
+    checkpointing__save_period=1,
+    checkpointing__keep_top_k=3,
+    data__max_train_rows=16,
+  )
 
 
 @pytest.fixture
@@ -43,19 +50,30 @@ def _truncate_largest(step_dir: str) -> str:
 def test_scoring_a_damaged_checkpoint_names_the_step_and_what_to_do(run_copy):
   checkpoints = os.path.join(run_copy, "checkpoints")
   _truncate_largest(os.path.join(checkpoints, "2"))
-  with pytest.raises(CheckpointError, match=re.escape(
-      f"{checkpoints}/2: the checkpoint of step 2 cannot be read (")) as e:
+  with pytest.raises(
+    CheckpointError, match=re.escape(f"{checkpoints}/2: the checkpoint of step 2 cannot be read (")
+  ) as e:
     RewardModel.from_pretrained(run_copy, step=2)
-  assert e.value.args[0].endswith(f"it looks damaged (a truncated file, as a full disk or an interrupted copy "
-                                  f"leaves it). Load another checkpoint with step=N (available: 1), or remove "
-                                  f"{checkpoints}/2")
+  assert e.value.args[0].endswith(
+    f"it looks damaged (a truncated file, as a full disk or an interrupted copy "
+    f"leaves it). Load another checkpoint with step=N (available: 1), or remove "
+    f"{checkpoints}/2"
+  )
   assert RewardModel.from_pretrained(run_copy, step=1).reward_stats  # the intact one still loads
 
 
 def test_the_export_cli_reports_a_damaged_checkpoint_in_one_line(run_copy, tmp_path):
   _truncate_largest(os.path.join(run_copy, "checkpoints", "2"))
-  bad = tiny_run.run([sys.executable, "-m", "jaxrm.export", f"--checkpoint={run_copy}", "--step=2",
-                      f"--out={tmp_path / 'out'}"])
+  bad = tiny_run.run(
+    [
+      sys.executable,
+      "-m",
+      "jaxrm.export",
+      f"--checkpoint={run_copy}",
+      "--step=2",
+      f"--out={tmp_path / 'out'}",
+    ]
+  )
   assert bad.returncode == 1, tiny_run.describe(bad)
   assert "Traceback" not in bad.stderr and "Exception ignored" not in bad.stderr
   last = bad.stderr.strip().splitlines()[-1]
@@ -70,7 +88,9 @@ def test_resume_skips_a_damaged_checkpoint_and_says_so(run_copy, model_dir, capl
   with caplog.at_level("WARNING", logger="jaxrm.train"):
     tiny_run.train(_config(model_dir, run_copy, max_steps=3))
   warned = [r.getMessage() for r in caplog.records if "cannot be read" in r.getMessage()]
-  assert len(warned) == 1 and warned[0].startswith(f"{checkpoints}/2: the checkpoint of step 2 cannot be read")
+  assert len(warned) == 1 and warned[0].startswith(
+    f"{checkpoints}/2: the checkpoint of step 2 cannot be read"
+  )
   assert warned[0].endswith(f"skipped, and moved to {checkpoints}/2.damaged")
   assert sorted(os.listdir(checkpoints)) == ["1", "2", "2.damaged", "3", "best_checkpoint.json"]
   losses = tiny_run.train_losses(run_copy)
@@ -86,7 +106,11 @@ def test_resume_with_no_intact_checkpoint_stops_naming_them(run_copy, model_dir)
   checkpoints = os.path.join(run_copy, "checkpoints")
   for step in ("1", "2"):
     _truncate_largest(os.path.join(checkpoints, step))
-  with pytest.raises(UserError, match=re.escape(
+  with pytest.raises(
+    UserError,
+    match=re.escape(
       f"{checkpoints}: no intact checkpoint to resume from; step(s) 2, 1 are damaged (moved to "
-      "<step>.damaged)")):
+      "<step>.damaged)"
+    ),
+  ):
     tiny_run.train(_config(model_dir, run_copy, max_steps=3))

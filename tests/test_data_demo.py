@@ -91,7 +91,7 @@ def test_splits_share_no_question(pairs, solutions):
   assert not train & {question(r) for r in pairs["validation"] + other_seed}
   prompts = {split: {r["prompt"] for r in rows} for split, rows in solutions.items()}
   assert not prompts["train"] & prompts["validation"]
-  for split, rows in pairs.items():
+  for rows in pairs.values():
     assert {r["subset"] for r in rows} == {"arithmetic", "capitals"}
 
 

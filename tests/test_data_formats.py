@@ -5,21 +5,25 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from helpers import assistant, user
+
 from jaxrm.data import formats, sources
 from jaxrm.data.drops import DropReport
-from jaxrm.errors import DataError
 from jaxrm.data.formats import DROP_IDENTICAL
 from jaxrm.data.records import PreferenceRecord, StepwiseRecord
+from jaxrm.errors import DataError
 
 SRC = "train.jsonl:7"
 
 
 def nemo_row(**changes):
-  row = {"context": [user("Capital of Germany?")],
-         "completions": [{"rank": 0, "completion": [assistant("Berlin.")]},
-                         {"rank": 1, "completion": [assistant("Munich.")]}]}
+  row = {
+    "context": [user("Capital of Germany?")],
+    "completions": [
+      {"rank": 0, "completion": [assistant("Berlin.")]},
+      {"rank": 1, "completion": [assistant("Munich.")]},
+    ],
+  }
   row.update(changes)
   return row
 
@@ -66,13 +70,18 @@ def test_save_to_disk_dataset_and_dataset_dict(tmp_path):
   import datasets  # pylint: disable=g-import-not-at-top
 
   datasets.Dataset.from_list([{"a": 1}]).save_to_disk(str(tmp_path / "one"))
-  datasets.DatasetDict({"train": datasets.Dataset.from_list([{"a": 1}]),
-                        "validation": datasets.Dataset.from_list([{"a": 2}, {"a": 3}])}
-                       ).save_to_disk(str(tmp_path / "dict"))
+  datasets.DatasetDict(
+    {
+      "train": datasets.Dataset.from_list([{"a": 1}]),
+      "validation": datasets.Dataset.from_list([{"a": 2}, {"a": 3}]),
+    }
+  ).save_to_disk(str(tmp_path / "dict"))
   one, both = str(tmp_path / "one"), str(tmp_path / "dict")
   assert list(sources.read_rows(one)) == [(f"{one}[row 0]", {"a": 1})]
   assert list(sources.read_rows(both, split="validation")) == [
-      (f"{both}:validation[row 0]", {"a": 2}), (f"{both}:validation[row 1]", {"a": 3})]
+    (f"{both}:validation[row 0]", {"a": 2}),
+    (f"{both}:validation[row 1]", {"a": 3}),
+  ]
   with pytest.raises(DataError, match=r"has no split 'test'; it has \['train', 'validation'\]"):
     sources.read_rows(both, split="test")
 
@@ -81,14 +90,12 @@ def test_hub_name_goes_to_load_dataset(monkeypatch):
   import datasets  # pylint: disable=g-import-not-at-top
 
   calls = []
-  monkeypatch.setattr(datasets, "load_dataset",
-                      lambda *a, **kw: calls.append((a, kw)) or [{"a": 1}])
+  monkeypatch.setattr(datasets, "load_dataset", lambda *a, **kw: calls.append((a, kw)) or [{"a": 1}])
   rows = list(sources.read_rows("org/name", split="validation", config="pairs"))
   assert calls == [(("org/name", "pairs"), {"split": "validation"})]
   assert rows == [("org/name:validation[row 0]", {"a": 1})]
   rows = list(sources.read_rows("https://example.org/x.parquet"))
-  assert calls[-1] == (("parquet",), {"data_files": "https://example.org/x.parquet",
-                                      "split": "train"})
+  assert calls[-1] == (("parquet",), {"data_files": "https://example.org/x.parquet", "split": "train"})
 
 
 def test_hub_failure_is_a_data_error(monkeypatch):
@@ -100,8 +107,9 @@ def test_hub_failure_is_a_data_error(monkeypatch):
   monkeypatch.setattr(datasets, "load_dataset", fail)
   with pytest.raises(DataError) as e:
     sources.read_rows("org/name")
-  assert str(e.value) == ("org/name: not a local path, and reading it as a hub dataset (split "
-                          "'train', config None) failed: offline")
+  assert str(e.value) == (
+    "org/name: not a local path, and reading it as a hub dataset (split 'train', config None) failed: offline"
+  )
 
 
 def read_error(path, **kwargs) -> str:
@@ -135,15 +143,21 @@ def test_missing_file(tmp_path):
   assert read_error("./data/train") == "./data/train: no such file or directory"
 
 
-@pytest.mark.parametrize("name, content, message", [
+@pytest.mark.parametrize(
+  "name, content, message",
+  [
     ("e.jsonl", b"", "the file is empty"),
     ("e.jsonl", b"\n  \n", "has no rows"),
     ("e.json", b"[]", "has no rows"),
     ("e.json", b'{"rows": []}', "expected a JSON list of rows, or an object with a 'data' list"),
     ("e.csv", b"a,b\n", "has no rows"),
-    ("e.tsv", b"a\tb\n", "unknown file type; use .jsonl, .json, .parquet, .csv or a directory written by "
-     "datasets' save_to_disk"),
-])
+    (
+      "e.tsv",
+      b"a\tb\n",
+      "unknown file type; use .jsonl, .json, .parquet, .csv or a directory written by datasets' save_to_disk",
+    ),
+  ],
+)
 def test_empty_or_unusable_file(tmp_path, name, content, message):
   path = tmp_path / name
   path.write_bytes(content)
@@ -154,8 +168,10 @@ def test_empty_parquet_and_plain_directory(tmp_path):
   path = tmp_path / "e.parquet"
   pq.write_table(pa.table({"a": pa.array([], pa.int64())}), str(path))
   assert read_error(path) == f"{path}: has no rows"
-  assert read_error(tmp_path) == (f"{tmp_path}: a directory, but not one written by datasets' "
-                                  "save_to_disk (no dataset_dict.json or state.json)")
+  assert read_error(tmp_path) == (
+    f"{tmp_path}: a directory, but not one written by datasets' "
+    "save_to_disk (no dataset_dict.json or state.json)"
+  )
 
 
 def test_row_that_is_not_an_object(tmp_path):
@@ -174,17 +190,23 @@ def test_nemo_row():
   row = nemo_row(subset="geo")
   row["context"] = [user("Capital of France?"), assistant("Paris."), user("And Germany?")]
   assert parse(row) == PreferenceRecord(
-      context=row["context"], completions=([assistant("Berlin.")], [assistant("Munich.")]),
-      ranks=(0, 1), source=SRC, meta={"subset": "geo"})
+    context=row["context"],
+    completions=([assistant("Berlin.")], [assistant("Munich.")]),
+    ranks=(0, 1),
+    source=SRC,
+    meta={"subset": "geo"},
+  )
 
 
 def test_nemo_ranked_list_keeps_given_order_and_ranks():
   row = nemo_row(margin=2)
   row["completions"] = [
-      {"rank": 7, "completion": [assistant("Munich.")]},
-      {"rank": -1, "completion": [assistant("Let me check."), {"role": "tool", "content": "Berlin"},
-                                  assistant("Berlin.")]},
-      {"rank": 3, "completion": [assistant("Bonn, formerly.")]},
+    {"rank": 7, "completion": [assistant("Munich.")]},
+    {
+      "rank": -1,
+      "completion": [assistant("Let me check."), {"role": "tool", "content": "Berlin"}, assistant("Berlin.")],
+    },
+    {"rank": 3, "completion": [assistant("Bonn, formerly.")]},
   ]
   record = parse(row)
   assert record.ranks == (7, -1, 3) and record.margin == 2.0
@@ -209,20 +231,22 @@ def test_extra_message_keys_are_left_out():
 def test_trl_standard_explicit_and_implicit_prompt():
   record = parse({"prompt": "The sky is", "chosen": " blue.", "rejected": " green.", "margin": 1.5})
   assert (record.context, record.completions, record.ranks, record.margin) == (
-      "The sky is", (" blue.", " green."), (0, 1), 1.5)
+    "The sky is",
+    (" blue.", " green."),
+    (0, 1),
+    1.5,
+  )
   record = parse({"chosen": "The sky is blue.", "rejected": "The sky is green."})
   assert (record.context, record.completions) == ("", ("The sky is blue.", "The sky is green."))
 
 
 def test_trl_conversational_explicit_and_implicit_prompt():
   prompt = [user("What color is the sky?")]
-  record = parse({"prompt": prompt, "chosen": [assistant("Blue.")],
-                  "rejected": [assistant("Green.")]})
+  record = parse({"prompt": prompt, "chosen": [assistant("Blue.")], "rejected": [assistant("Green.")]})
   assert record.context == prompt
   assert record.completions == ([assistant("Blue.")], [assistant("Green.")])
   shared = [user("Hi"), assistant("Hello!"), user("What color is the sky?")]
-  record = parse({"chosen": shared + [assistant("Blue.")],
-                  "rejected": shared + [assistant("Green.")]})
+  record = parse({"chosen": shared + [assistant("Blue.")], "rejected": shared + [assistant("Green.")]})
   assert record.context == shared
   assert record.completions == ([assistant("Blue.")], [assistant("Green.")])
 
@@ -233,23 +257,27 @@ def test_trl_string_prompt_with_conversation_completions_becomes_chat():
   assert record.completions == ([assistant("Blue.")], [assistant("Green.")])
 
 
-@pytest.mark.parametrize("subset_field, meta", [("subset", {}), ("category", {"subset": "7"}),
-                                                (None, {})])
+@pytest.mark.parametrize("subset_field, meta", [("subset", {}), ("category", {"subset": "7"}), (None, {})])
 def test_subset_passthrough(subset_field, meta):
-  record = formats.parse_preference(nemo_row(category=7), SRC, DropReport(),
-                                    subset_field=subset_field)
+  record = formats.parse_preference(nemo_row(category=7), SRC, DropReport(), subset_field=subset_field)
   assert record.meta == meta
 
 
-@pytest.mark.parametrize("row", [
+@pytest.mark.parametrize(
+  "row",
+  [
     {"chosen": "Same.", "rejected": "Same."},
     {"chosen": [user("Q"), assistant("A")], "rejected": [user("Q"), assistant("A")]},
-    nemo_row(completions=[{"rank": 0, "completion": [assistant("A")]},
-                          {"rank": 1, "completion": [assistant("B")]},
-                          {"rank": 2, "completion": [assistant("A")]}]),
-    nemo_row(completions=[{"rank": 0, "completion": "A"},
-                          {"rank": 1, "completion": [assistant("A")]}]),
-])
+    nemo_row(
+      completions=[
+        {"rank": 0, "completion": [assistant("A")]},
+        {"rank": 1, "completion": [assistant("B")]},
+        {"rank": 2, "completion": [assistant("A")]},
+      ]
+    ),
+    nemo_row(completions=[{"rank": 0, "completion": "A"}, {"rank": 1, "completion": [assistant("A")]}]),
+  ],
+)
 def test_identical_completions_are_dropped_and_counted(row):
   drops = DropReport()
   assert parse(row, drops) is None
@@ -259,58 +287,95 @@ def test_identical_completions_are_dropped_and_counted(row):
 ROLE_LIST = "system, user, assistant, tool"
 
 
-@pytest.mark.parametrize("row, field, message", [
+@pytest.mark.parametrize(
+  "row, field, message",
+  [
     # missing field
     ({"completions": nemo_row()["completions"]}, "context", "is missing; have ['completions']"),
-    (with_completion(1, rank=None), "completions[1].rank",
-     "is missing; have ['completion', 'rank']"),
+    (with_completion(1, rank=None), "completions[1].rank", "is missing; have ['completion', 'rank']"),
     ({"prompt": "Q", "chosen": "A"}, "rejected", "is missing; have ['chosen', 'prompt']"),
     # wrong type
-    (nemo_row(completions="A > B"), "completions",
-     "expected a list of {'rank', 'completion'} objects, got a string"),
+    (
+      nemo_row(completions="A > B"),
+      "completions",
+      "expected a list of {'rank', 'completion'} objects, got a string",
+    ),
     (nemo_row(context=5), "context", "expected a string or a list of messages, got an integer"),
-    (nemo_row(completions=[1, 2]), "completions[0]",
-     "expected an object with 'rank' and 'completion', got an integer"),
-    (nemo_row(context=[user("Hi"), "there"]), "context[1]",
-     "expected a message object with 'role' and 'content', got a string"),
-    (nemo_row(context=[{"role": "user", "content": ["part"]}]), "context[0].content",
-     "expected a string, got a list"),
+    (
+      nemo_row(completions=[1, 2]),
+      "completions[0]",
+      "expected an object with 'rank' and 'completion', got an integer",
+    ),
+    (
+      nemo_row(context=[user("Hi"), "there"]),
+      "context[1]",
+      "expected a message object with 'role' and 'content', got a string",
+    ),
+    (
+      nemo_row(context=[{"role": "user", "content": ["part"]}]),
+      "context[0].content",
+      "expected a string, got a list",
+    ),
     (nemo_row(margin="big"), "margin", "expected a finite number, got 'big' (a string)"),
     (nemo_row(margin=float("nan")), "margin", "expected a finite number, got nan (a number)"),
     # too few completions
-    (nemo_row(completions=[]), "completions",
-     "has 0 entries; a preference needs at least 2 ranked completions"),
-    (nemo_row(completions=nemo_row()["completions"][:1]), "completions",
-     "has 1 entry; a preference needs at least 2 ranked completions"),
+    (
+      nemo_row(completions=[]),
+      "completions",
+      "has 0 entries; a preference needs at least 2 ranked completions",
+    ),
+    (
+      nemo_row(completions=nemo_row()["completions"][:1]),
+      "completions",
+      "has 1 entry; a preference needs at least 2 ranked completions",
+    ),
     # empty completion text
-    (with_completion(1, completion=[assistant("  ")]), "completions[1].completion",
-     "completion text is empty"),
+    (
+      with_completion(1, completion=[assistant("  ")]),
+      "completions[1].completion",
+      "completion text is empty",
+    ),
     (with_completion(1, completion=""), "completions[1].completion", "completion text is empty"),
-    (with_completion(0, completion=[]), "completions[0].completion",
-     "has no messages; a completion needs at least one"),
+    (
+      with_completion(0, completion=[]),
+      "completions[0].completion",
+      "has no messages; a completion needs at least one",
+    ),
     ({"prompt": "Q", "chosen": "A", "rejected": " "}, "rejected", "completion text is empty"),
     # ranks: ties and non-integers
-    (with_completion(1, rank=0), "completions[1].rank",
-     "rank 0 is also the rank of completions[0]; ranks must be distinct (remove the tied "
-     "completions, or the row)"),
-    (with_completion(1, rank=1.5), "completions[1].rank",
-     "expected an integer rank, got 1.5 (a number)"),
-    (with_completion(1, rank="1"), "completions[1].rank",
-     "expected an integer rank, got '1' (a string)"),
-    (with_completion(1, rank=True), "completions[1].rank",
-     "expected an integer rank, got True (a boolean)"),
+    (
+      with_completion(1, rank=0),
+      "completions[1].rank",
+      "rank 0 is also the rank of completions[0]; ranks must be distinct (remove the tied "
+      "completions, or the row)",
+    ),
+    (with_completion(1, rank=1.5), "completions[1].rank", "expected an integer rank, got 1.5 (a number)"),
+    (with_completion(1, rank="1"), "completions[1].rank", "expected an integer rank, got '1' (a string)"),
+    (with_completion(1, rank=True), "completions[1].rank", "expected an integer rank, got True (a boolean)"),
     # messages
-    (nemo_row(context=[{"role": "human", "content": "Hi"}]), "context[0].role",
-     f"unknown role 'human'; use one of {ROLE_LIST}"),
-    (with_completion(0, completion=[{"role": "assistant"}]), "completions[0].completion[0]",
-     "message has no 'content'; each message needs 'role' and 'content'"),
-    (nemo_row(context=[{"content": "Hi"}]), "context[0]",
-     "message has no 'role'; each message needs 'role' and 'content'"),
+    (
+      nemo_row(context=[{"role": "human", "content": "Hi"}]),
+      "context[0].role",
+      f"unknown role 'human'; use one of {ROLE_LIST}",
+    ),
+    (
+      with_completion(0, completion=[{"role": "assistant"}]),
+      "completions[0].completion[0]",
+      "message has no 'content'; each message needs 'role' and 'content'",
+    ),
+    (
+      nemo_row(context=[{"content": "Hi"}]),
+      "context[0]",
+      "message has no 'role'; each message needs 'role' and 'content'",
+    ),
     # an implicit prompt that swallows a whole conversation
-    ({"chosen": [user("Q")], "rejected": [user("Q"), assistant("A")]}, "chosen",
-     "has no message after the prompt it shares with 'rejected'; give a 'prompt' or a final "
-     "differing turn"),
-])
+    (
+      {"chosen": [user("Q")], "rejected": [user("Q"), assistant("A")]},
+      "chosen",
+      "has no message after the prompt it shares with 'rejected'; give a 'prompt' or a final differing turn",
+    ),
+  ],
+)
 def test_bad_preference_row(row, field, message):
   with pytest.raises(DataError) as e:
     parse(row)
@@ -320,17 +385,18 @@ def test_bad_preference_row(row, field, message):
 def test_row_of_neither_format():
   with pytest.raises(DataError) as e:
     parse({"question": "Q", "answer": "A"})
-  assert str(e.value) == (f"{SRC}: not a preference row: expected NeMo RL keys ('context', "
-                          "'completions') or TRL keys ('prompt', 'chosen', 'rejected'); got "
-                          "['answer', 'question']")
+  assert str(e.value) == (
+    f"{SRC}: not a preference row: expected NeMo RL keys ('context', "
+    "'completions') or TRL keys ('prompt', 'chosen', 'rejected'); got "
+    "['answer', 'question']"
+  )
 
 
 # --- Stepwise rows --------------------------------------------------------------------------------
 
 
 def stepwise(**changes):
-  row = {"prompt": "2 + 3 × 4?", "completions": ["3 × 4 = 12", "2 + 12 = 15"],
-         "labels": [1, False]}
+  row = {"prompt": "2 + 3 × 4?", "completions": ["3 × 4 = 12", "2 + 12 = 15"], "labels": [1, False]}
   row.update(changes)
   return row
 
@@ -341,31 +407,36 @@ def parse_steps(row):
 
 def test_stepwise_row():
   assert parse_steps(stepwise(subset="easy")) == StepwiseRecord(
-      prompt="2 + 3 × 4?", steps=("3 × 4 = 12", "2 + 12 = 15"), labels=(True, False), source=SRC,
-      meta={"subset": "easy"})
+    prompt="2 + 3 × 4?",
+    steps=("3 × 4 = 12", "2 + 12 = 15"),
+    labels=(True, False),
+    source=SRC,
+    meta={"subset": "easy"},
+  )
   record = parse_steps(stepwise(prompt=[{"role": "system", "content": "Be brief."}, user("2+2?")]))
   assert record.prompt[1] == user("2+2?") and type(record.labels[0]) is bool
 
 
-@pytest.mark.parametrize("row, field, message", [
-    (stepwise(labels=[True]), "labels",
-     "has 1 labels for 2 steps in 'completions'; give one label per step"),
+@pytest.mark.parametrize(
+  "row, field, message",
+  [
+    (stepwise(labels=[True]), "labels", "has 1 labels for 2 steps in 'completions'; give one label per step"),
     (stepwise(labels=[True, 2]), "labels[1]", "expected true/false or 0/1, got 2 (an integer)"),
-    (stepwise(labels=[True, "yes"]), "labels[1]",
-     "expected true/false or 0/1, got 'yes' (a string)"),
+    (stepwise(labels=[True, "yes"]), "labels[1]", "expected true/false or 0/1, got 'yes' (a string)"),
     (stepwise(labels=[1.0, 0]), "labels[0]", "expected true/false or 0/1, got 1.0 (a number)"),
-    (stepwise(completions=[], labels=[]), "completions",
-     "has no steps; a stepwise row needs at least one"),
-    (stepwise(completions="3 × 4 = 12"), "completions",
-     "expected a list of step strings, got a string"),
-    (stepwise(completions=["3 × 4 = 12", 15]), "completions[1]",
-     "expected a step string, got an integer"),
+    (stepwise(completions=[], labels=[]), "completions", "has no steps; a stepwise row needs at least one"),
+    (stepwise(completions="3 × 4 = 12"), "completions", "expected a list of step strings, got a string"),
+    (stepwise(completions=["3 × 4 = 12", 15]), "completions[1]", "expected a step string, got an integer"),
     (stepwise(completions=["3 × 4 = 12", "\n"]), "completions[1]", "step text is empty"),
     (stepwise(labels="10"), "labels", "expected a list of booleans, got a string"),
     ({"prompt": "Q", "completions": ["a"]}, "labels", "is missing; have ['completions', 'prompt']"),
-    (stepwise(prompt=[{"role": "robot", "content": "Q"}]), "prompt[0].role",
-     f"unknown role 'robot'; use one of {ROLE_LIST}"),
-])
+    (
+      stepwise(prompt=[{"role": "robot", "content": "Q"}]),
+      "prompt[0].role",
+      f"unknown role 'robot'; use one of {ROLE_LIST}",
+    ),
+  ],
+)
 def test_bad_stepwise_row(row, field, message):
   with pytest.raises(DataError) as e:
     parse_steps(row)

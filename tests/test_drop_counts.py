@@ -6,9 +6,9 @@ import json
 import os
 
 import pytest
-
 import tiny_run
 from helpers import assistant, user, write_jsonl
+
 from jaxrm.data import cache
 from jaxrm.data.drops import DropReport
 
@@ -16,9 +16,13 @@ from jaxrm.data.drops import DropReport
 def pair_row(i, bad=False):
   """A pair; ``bad``: both completions the same text, which parsing drops."""
   chosen, rejected = f"It is {2 * i}.", f"It is {2 * i + 1}."
-  return {"context": [user(f"what is {i} + {i}?")],
-          "completions": [{"rank": 0, "completion": [assistant(chosen)]},
-                          {"rank": 1, "completion": [assistant(chosen if bad else rejected)]}]}
+  return {
+    "context": [user(f"what is {i} + {i}?")],
+    "completions": [
+      {"rank": 0, "completion": [assistant(chosen)]},
+      {"rank": 1, "completion": [assistant(chosen if bad else rejected)]},
+    ],
+  }
 
 
 @pytest.fixture(scope="module")
@@ -35,15 +39,28 @@ def files(tmp_path_factory):
 
 def run_config(model_dir, out, files, **overrides):
   train, val = files
-  return tiny_run.config(model_dir, out, data__dataset_name="PreferenceDataset", data__train_data_path=train,
-                         data__val_data_paths={"held_out": val}, data__max_train_rows=11, data__max_val_rows=7,
-                         train__global_batch_size=4, train__micro_batch_size=4, train__max_steps=2,
-                         eval__batch_size=2, eval__val_batches=3, checkpointing__metric_name="validation-held_out_loss",
-                         **overrides)
+  return tiny_run.config(
+    model_dir,
+    out,
+    data__dataset_name="PreferenceDataset",
+    data__train_data_path=train,
+    data__val_data_paths={"held_out": val},
+    data__max_train_rows=11,
+    data__max_val_rows=7,
+    train__global_batch_size=4,
+    train__micro_batch_size=4,
+    train__max_steps=2,
+    eval__batch_size=2,
+    eval__val_batches=3,
+    checkpointing__metric_name="validation-held_out_loss",
+    **overrides,
+  )
 
 
-EPOCH_REASON = ("not used: the 3 after each epoch's last full global batch of 4 "
-                "(train.global_batch_size; other rows each epoch)")
+EPOCH_REASON = (
+  "not used: the 3 after each epoch's last full global batch of 4 "
+  "(train.global_batch_size; other rows each epoch)"
+)
 TRAIN_LIMIT = "not used: after the first 11 records (data.max_train_rows=11)"
 VAL_LIMIT = "not used: after the first 7 records (data.max_val_rows=7)"
 VAL_BATCHES = "not used: after eval.val_batches=3 batches (not validated)"
@@ -64,8 +81,10 @@ def test_every_row_left_out_is_counted(model_dir, files, tmp_path, capsys):
   assert drops["train"]["reasons"][TRAIN_LIMIT]["examples"] == [f"{train}:{n}" for n in (13, 14, 15, 16)]
   assert drops["validation-held_out"]["reasons"][VAL_BATCHES]["examples"] == ["the last 1 of held_out"]
   printed = capsys.readouterr().out
-  assert ("data: 11 train examples (2 steps/epoch), held_out: 7 validation\n"
-          "train: 1 rows dropped, 7 not used (limits)\n" in printed)
+  assert (
+    "data: 11 train examples (2 steps/epoch), held_out: 7 validation\n"
+    "train: 1 rows dropped, 7 not used (limits)\n" in printed
+  )
   assert "validation-held_out: no rows dropped, 3 not used (limits)\n" in printed
   assert f"        4  {TRAIN_LIMIT}  (e.g. {train}:13, {train}:14, {train}:15)" in printed.splitlines()
   assert f"        1  {VAL_BATCHES}  (e.g. the last 1 of held_out)" in printed.splitlines()
@@ -86,16 +105,21 @@ def test_second_start_reads_the_cache(model_dir, files, tmp_path, capsys, monkey
   tiny_run.train(run_config(model_dir, second, files, data__cache=True, data__cache_dir=cache_dir))
   assert sorted(e for e in os.listdir(cache_dir) if not e.endswith(".lock")) == entries
   again = capsys.readouterr().out
-  summary = lambda text: text[text.index("data: "):text.index("steps: ")]
+  summary = lambda text: text[text.index("data: ") : text.index("steps: ")]
   assert summary(again) == summary(printed)
   for name in ("dropped_rows.json",):
     with open(os.path.join(first, name)) as a, open(os.path.join(second, name)) as b:
       assert json.load(a) == json.load(b)
   # Examples equal to the token: the same validation results and tokens trained on.
-  val = lambda out: [{k: v for k, v in r.items() if k.startswith("validation-")}
-                     for r in tiny_run.read_metrics(out) if "validation-held_out_loss" in r]
+  val = lambda out: [
+    {k: v for k, v in r.items() if k.startswith("validation-")}
+    for r in tiny_run.read_metrics(out)
+    if "validation-held_out_loss" in r
+  ]
   assert val(first) == val(second) and len(val(first)) == 1
-  tokens = lambda out: [r["train/packing_efficiency"] for r in tiny_run.read_metrics(out) if "train/loss" in r]
+  tokens = lambda out: [
+    r["train/packing_efficiency"] for r in tiny_run.read_metrics(out) if "train/loss" in r
+  ]
   assert tokens(first) == tokens(second)
 
 
@@ -110,13 +134,20 @@ def test_console_shows_validation_tables_and_the_end_summary(model_dir, tmp_path
     assert [lines[i + 2 + j].split()[0] for j in range(3)] == ["loss", "accuracy", "margin"]
   end = next(i for i, line in enumerate(lines) if line.startswith("run finished: 4 steps in "))
   assert " tokens/s in train steps" in lines[end]
-  assert lines[end + 1].startswith("best checkpoint: step ") and "validation-default_loss = " in lines[end + 1]
+  assert (
+    lines[end + 1].startswith("best checkpoint: step ") and "validation-default_loss = " in lines[end + 1]
+  )
   assert lines[end + 1].endswith("(lower is better)")
   assert lines[end + 2].startswith("final validation at step 4")
   use = lines.index("use it:")
-  assert lines[use + 1] == f"  from jaxrm import RewardModel; rm = RewardModel.from_pretrained({out!r})  # the best checkpoint"
+  assert (
+    lines[use + 1]
+    == f"  from jaxrm import RewardModel; rm = RewardModel.from_pretrained({out!r})  # the best checkpoint"
+  )
   # evaluate's --max_length is the run's data.max_length unless given
-  assert lines[use + 2] == f"  python -m jaxrm.evaluate --model={out} --data=demo_arithmetic --split=validation"
+  assert (
+    lines[use + 2] == f"  python -m jaxrm.evaluate --model={out} --data=demo_arithmetic --split=validation"
+  )
   assert lines[use + 3] == f"  python -m jaxrm.export --model={out} --out={out}-hf"
 
 
@@ -128,4 +159,6 @@ def test_rows_dropped_together_count_each_and_name_one_example():
     report.drop("too long", f"row {10 + i}")
   assert report.total == 1 + 7 + DropReport.max_examples + 2 and report.unused == 0
   assert report.as_dict()["reasons"]["left over"] == {"count": 7, "examples": ["the last 7 of train"]}
-  assert report.examples["too long"] == ["row 3"] + [f"row {10 + i}" for i in range(DropReport.max_examples - 1)]
+  assert report.examples["too long"] == ["row 3"] + [
+    f"row {10 + i}" for i in range(DropReport.max_examples - 1)
+  ]

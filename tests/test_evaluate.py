@@ -9,15 +9,15 @@ import types
 
 import numpy as np
 import pytest
-
 import tiny_run
 from helpers import REBATCHED, assistant, pref, right_padded, softplus, user
+
+from jaxrm.batches import IGNORE_INDEX
 from jaxrm.data import registry
 from jaxrm.data.drops import DropReport
 from jaxrm.data.tokenize import PAIR_TOO_LONG, RatedExample, StepwiseExample, TokenizeOptions
-from jaxrm.batches import IGNORE_INDEX
-from jaxrm.evaluation import NO_SUBSET, evaluate, format_report
 from jaxrm.errors import EvaluationError
+from jaxrm.evaluation import NO_SUBSET, evaluate, format_report
 
 # The stand-in models' rewards and the metrics are float32 (a reward of 0.3 is not exact in binary);
 # a mean or a loss over a dozen of them is a few float32 roundings (~6e-8 each) from the float64
@@ -64,12 +64,12 @@ class ParityPRM(RowsOfTokens):
 
 # Rewards best-first (last token / 10); comments give chosen vs rejected.
 PREFERENCES = [
-    pref([1, 2, 30], [1, 2, 10], subset="math", margin=0.5),  # 3.0 vs 1.0: right
-    pref([1, 5], [1, 4, 20], subset="math"),  # 0.5 vs 2.0: wrong
-    pref([1, 40], [1, 50], [1, 10], subset="facts"),  # 4.0 vs 1.0: right; pairs 2 of 3 right
-    pref([1, 7], [2, 7], subset="facts"),  # 0.7 vs 0.7: a tie, not right
-    pref([1, 9], [1, 2], subset="math"),  # 0.9 vs 0.2: right
-    pref([3, 3], [3, 1]),  # 0.3 vs 0.1: right, no subset
+  pref([1, 2, 30], [1, 2, 10], subset="math", margin=0.5),  # 3.0 vs 1.0: right
+  pref([1, 5], [1, 4, 20], subset="math"),  # 0.5 vs 2.0: wrong
+  pref([1, 40], [1, 50], [1, 10], subset="facts"),  # 4.0 vs 1.0: right; pairs 2 of 3 right
+  pref([1, 7], [2, 7], subset="facts"),  # 0.7 vs 0.7: a tie, not right
+  pref([1, 9], [1, 2], subset="math"),  # 0.9 vs 0.2: right
+  pref([3, 3], [3, 1]),  # 0.3 vs 0.1: right, no subset
 ]
 
 
@@ -129,16 +129,20 @@ def steps(predicted, labels, subset):
   for p, y in zip(predicted, labels):
     ids += [11, 4 if p else 5]
     lab += [IGNORE_INDEX, y]
-  return StepwiseExample(input_ids=np.asarray(ids, np.int32), labels=np.asarray(lab, np.int32),
-                         source=f"hand[{labels}]", meta={"subset": subset})
+  return StepwiseExample(
+    input_ids=np.asarray(ids, np.int32),
+    labels=np.asarray(lab, np.int32),
+    source=f"hand[{labels}]",
+    meta={"subset": subset},
+  )
 
 
 def test_stepwise_metrics_by_hand():
   examples = [
-      steps(predicted=[0, 0], labels=[1, 1], subset="x"),
-      steps(predicted=[1, 1, 0], labels=[1, 0, 0], subset="x"),  # first error predicted one step late
-      steps(predicted=[0, 0], labels=[0, 0], subset="y"),  # first error found
-      steps(predicted=[1], labels=[1], subset="y"),
+    steps(predicted=[0, 0], labels=[1, 1], subset="x"),
+    steps(predicted=[1, 1, 0], labels=[1, 0, 0], subset="x"),  # first error predicted one step late
+    steps(predicted=[0, 0], labels=[0, 0], subset="y"),  # first error found
+    steps(predicted=[1], labels=[1], subset="y"),
   ]
   result = evaluate(ParityPRM(), examples, batch_size=3)
   m = result["metrics"]
@@ -178,20 +182,24 @@ class TwoAttributeRM(RowsOfTokens):
 
 def rated(ids, quality, polish, group, subset):
   """A rated example; polish None: unrated."""
-  return RatedExample(input_ids=np.asarray(ids, np.int32),
-                      labels=np.asarray([quality, polish or 0], np.float32),
-                      label_mask=np.asarray([1, polish is not None], np.float32), group=group,
-                      source=f"hand[{ids}]", meta={"subset": subset})
+  return RatedExample(
+    input_ids=np.asarray(ids, np.int32),
+    labels=np.asarray([quality, polish or 0], np.float32),
+    label_mask=np.asarray([1, polish is not None], np.float32),
+    group=group,
+    source=f"hand[{ids}]",
+    meta={"subset": subset},
+  )
 
 
 # Predictions (quality, polish) in the comments; two responses per prompt (group).
 RATED = [
-    rated([1, 20], 2, 1, 0, "a"),  # (2.0, 2)
-    rated([1, 5, 30], 3, None, 0, "a"),  # (3.0, 3)
-    rated([2, 10], 2, 2, 1, "b"),  # (1.0, 2)
-    rated([2, 9, 9, 40], 1, 4, 1, "b"),  # (4.0, 4)
-    rated([3, 15], 1, 3, 2, "a"),  # (1.5, 2)
-    rated([3, 7, 25], 4, 3, 2, "a"),  # (2.5, 3)
+  rated([1, 20], 2, 1, 0, "a"),  # (2.0, 2)
+  rated([1, 5, 30], 3, None, 0, "a"),  # (3.0, 3)
+  rated([2, 10], 2, 2, 1, "b"),  # (1.0, 2)
+  rated([2, 9, 9, 40], 1, 4, 1, "b"),  # (4.0, 4)
+  rated([3, 15], 1, 3, 2, "a"),  # (1.5, 2)
+  rated([3, 7, 25], 4, 3, 2, "a"),  # (2.5, 3)
 ]
 
 
@@ -219,8 +227,12 @@ def test_regression_metrics_by_hand():
   np.testing.assert_array_equal(result["scores"]["rated"][:, 1], [1, 0, 1, 1, 1, 1])
   np.testing.assert_allclose(result["scores"]["predictions"][:, 0], pred["quality"], rtol=F32_RTOL)
   report = format_report(result)
-  assert "pairwise accuracy  0.6667  (same-prompt responses whose ratings differ, ranked by quality)" in report
-  assert f"quality      {m['mse_quality']:.4f}    {m['mae_quality']:.4f}    {m['pearson_quality']:.4f}" in report
+  assert (
+    "pairwise accuracy  0.6667  (same-prompt responses whose ratings differ, ranked by quality)" in report
+  )
+  assert (
+    f"quality      {m['mse_quality']:.4f}    {m['mae_quality']:.4f}    {m['pearson_quality']:.4f}" in report
+  )
 
   # quality + 2 polish, over the rows that rate both: targets 4 | 6, 9 | 7, 10 against predictions
   # 6 | 5, 12 | 5.5, 8.5: both pairs ordered right (the first prompt has one such row, no pair).
@@ -229,29 +241,52 @@ def test_regression_metrics_by_hand():
   assert both["metrics"]["mse"] == m["mse"]
 
 
-@pytest.mark.parametrize("rm, examples, combine, message", [
+@pytest.mark.parametrize(
+  "rm, examples, combine, message",
+  [
     (LastTokenRM(), RATED, None, "rated data needs a regression model"),
-    (TwoAttributeRM(), [pref([1, 2], [1, 3])], None,
-     "preference data needs a sequence-head reward model with one output (a preference reward model); this "
-     "model has a sequence head with 2 outputs (quality, polish); a regression model is evaluated on rated data"),
+    (
+      TwoAttributeRM(),
+      [pref([1, 2], [1, 3])],
+      None,
+      "preference data needs a sequence-head reward model with one output (a preference reward model); this "
+      "model has a sequence head with 2 outputs (quality, polish); a regression model is evaluated on rated data",
+    ),
     (TwoAttributeRM(), [pref([1, 2], [1, 3]), RATED[0]], None, "mixes preference and regression rows"),
-    (TwoAttributeRM(), [dataclasses.replace(RATED[0], labels=np.zeros(3, np.float32),
-                                            label_mask=np.ones(3, np.float32))], None,
-     "the rated rows hold 3 ratings each and the model has 2 outputs"),
-    (TwoAttributeRM(), RATED, "length", "combine names 'length', not among the model's attributes quality, polish"),
-    (LastTokenRM(), [pref([1, 2], [1, 3])], "quality", "combine='quality' ranks the attributes of rated rows"),
-])
+    (
+      TwoAttributeRM(),
+      [dataclasses.replace(RATED[0], labels=np.zeros(3, np.float32), label_mask=np.ones(3, np.float32))],
+      None,
+      "the rated rows hold 3 ratings each and the model has 2 outputs",
+    ),
+    (
+      TwoAttributeRM(),
+      RATED,
+      "length",
+      "combine names 'length', not among the model's attributes quality, polish",
+    ),
+    (
+      LastTokenRM(),
+      [pref([1, 2], [1, 3])],
+      "quality",
+      "combine='quality' ranks the attributes of rated rows",
+    ),
+  ],
+)
 def test_regression_model_and_data_must_fit(rm, examples, combine, message):
   with pytest.raises(EvaluationError, match=re.escape(message)):
     evaluate(rm, examples, combine=combine)
 
 
-@pytest.mark.parametrize("rm, examples, message", [
+@pytest.mark.parametrize(
+  "rm, examples, message",
+  [
     (ParityPRM(), [pref([1, 2], [1, 3])], "preference data needs a sequence-head reward model"),
     (LastTokenRM(), [steps([1], [1], "x")], "stepwise data needs a token-head"),
     (LastTokenRM(), [pref([1, 2], [1, 3]), steps([1], [1], "x")], "mixes preference and stepwise"),
     (LastTokenRM(), [], "nothing to evaluate"),
-])
+  ],
+)
 def test_model_and_data_must_fit(rm, examples, message):
   with pytest.raises(EvaluationError, match=message):
     evaluate(rm, examples)
@@ -261,27 +296,49 @@ def test_model_and_data_must_fit(rm, examples, message):
 
 
 ROWS = [
-    {"prompt": [user("What is 2 + 2?")], "chosen": [assistant("4")], "rejected": [assistant("5")],
-     "subset": "math"},
-    {"prompt": [user("What is 3 × 3?")], "chosen": [assistant("9")], "rejected": [assistant("6")],
-     "subset": "math"},
-    {"prompt": [user("Capital of France?")], "chosen": [assistant("Paris")],
-     "rejected": [assistant("Lyon")], "subset": "facts"},
-    {"context": [user("Name a prime.")], "subset": "facts", "completions": [
-        {"rank": 0, "completion": [assistant("7")]}, {"rank": 2, "completion": [assistant("9")]},
-        {"rank": 1, "completion": [assistant("2")]}]},
-    {"prompt": [user("Say x.")], "chosen": [assistant("x")], "rejected": [assistant("x")], "subset": "math"},
-    {"prompt": [user("Count.")], "chosen": [assistant("one " * 80)], "rejected": [assistant("one")],
-     "subset": "math"},
-    {"prompt": "Say hi.", "chosen": " Hi!", "rejected": " Bye."},
+  {
+    "prompt": [user("What is 2 + 2?")],
+    "chosen": [assistant("4")],
+    "rejected": [assistant("5")],
+    "subset": "math",
+  },
+  {
+    "prompt": [user("What is 3 × 3?")],
+    "chosen": [assistant("9")],
+    "rejected": [assistant("6")],
+    "subset": "math",
+  },
+  {
+    "prompt": [user("Capital of France?")],
+    "chosen": [assistant("Paris")],
+    "rejected": [assistant("Lyon")],
+    "subset": "facts",
+  },
+  {
+    "context": [user("Name a prime.")],
+    "subset": "facts",
+    "completions": [
+      {"rank": 0, "completion": [assistant("7")]},
+      {"rank": 2, "completion": [assistant("9")]},
+      {"rank": 1, "completion": [assistant("2")]},
+    ],
+  },
+  {"prompt": [user("Say x.")], "chosen": [assistant("x")], "rejected": [assistant("x")], "subset": "math"},
+  {
+    "prompt": [user("Count.")],
+    "chosen": [assistant("one " * 80)],
+    "rejected": [assistant("one")],
+    "subset": "math",
+  },
+  {"prompt": "Say hi.", "chosen": " Hi!", "rejected": " Bye."},
 ]
 # (chosen, rejected) of each row that is kept, as rm.score takes them.
 KEPT = [
-    ([user("What is 2 + 2?"), assistant("4")], [user("What is 2 + 2?"), assistant("5")]),
-    ([user("What is 3 × 3?"), assistant("9")], [user("What is 3 × 3?"), assistant("6")]),
-    ([user("Capital of France?"), assistant("Paris")], [user("Capital of France?"), assistant("Lyon")]),
-    ([user("Name a prime."), assistant("7")], [user("Name a prime."), assistant("9")]),
-    ("Say hi. Hi!", "Say hi. Bye."),
+  ([user("What is 2 + 2?"), assistant("4")], [user("What is 2 + 2?"), assistant("5")]),
+  ([user("What is 3 × 3?"), assistant("9")], [user("What is 3 × 3?"), assistant("6")]),
+  ([user("Capital of France?"), assistant("Paris")], [user("Capital of France?"), assistant("Lyon")]),
+  ([user("Name a prime."), assistant("7")], [user("Name a prime."), assistant("9")]),
+  ("Say hi. Hi!", "Say hi. Bye."),
 ]
 KEPT_SUBSETS = ["math", "math", "facts", "facts", NO_SUBSET]
 
@@ -315,8 +372,7 @@ def test_rewards_equal_rm_score(tiny_rm, data_file):
 def test_token_head_scores_are_step_probabilities(tiny_prm):
   prm = tiny_prm
   drops = DropReport()
-  records = registry.load_records("demo_arithmetic_steps", None, split="validation", drops=drops,
-                                  num_rows=3)
+  records = registry.load_records("demo_arithmetic_steps", None, split="validation", drops=drops, num_rows=3)
   result = evaluate(prm, records, options=TokenizeOptions(max_length=256), drops=drops)
   # Each separator's last token carries its step's label; one padded batch scores every row.
   encode = lambda text: prm.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -336,7 +392,8 @@ def test_token_head_scores_are_step_probabilities(tiny_prm):
   np.testing.assert_allclose(result["scores"]["correct"], expected[True], **REBATCHED)
   np.testing.assert_allclose(result["scores"]["error"], expected[False], **REBATCHED)
   assert result["metrics"]["positive_rate"] == pytest.approx(
-      len(expected[True]) / (len(expected[True]) + len(expected[False])))
+    len(expected[True]) / (len(expected[True]) + len(expected[False]))
+  )
 
 
 # --------------------------------------------------------------------------------------------- CLI
@@ -348,8 +405,9 @@ def _cli(*args):
 
 def test_cli_prints_and_writes_report(tiny_rm, model_dir, data_file, tmp_path):
   out = tmp_path / "eval"
-  proc = _cli(f"--model={model_dir}", f"--data={data_file}", "--max_length=96", "--batch_size=4",
-              f"--output={out}")
+  proc = _cli(
+    f"--model={model_dir}", f"--data={data_file}", "--max_length=96", "--batch_size=4", f"--output={out}"
+  )
   assert proc.returncode == 0, proc.stderr
   report = json.loads((out / "eval.json").read_text())
   assert report["model"] == model_dir and report["data"] == data_file
@@ -358,8 +416,9 @@ def test_cli_prints_and_writes_report(tiny_rm, model_dir, data_file, tmp_path):
   chosen, rejected = tiny_rm.score([c for c, _ in KEPT]), tiny_rm.score([r for _, r in KEPT])
   assert report["metrics"]["accuracy"] == pytest.approx((chosen > rejected).mean())
   # Another process, batching the rows its own way (batch_size=4).
-  assert report["metrics"]["chosen_reward"] == pytest.approx(chosen.mean(), rel=REBATCHED["rtol"],
-                                                             abs=REBATCHED["atol"])
+  assert report["metrics"]["chosen_reward"] == pytest.approx(
+    chosen.mean(), rel=REBATCHED["rtol"], abs=REBATCHED["atol"]
+  )
   assert sorted(report["subsets"]) == [NO_SUBSET, "facts", "math"]
   assert (out / "rewards.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert f"accuracy           {report['metrics']['accuracy']:.4f}" in proc.stdout
@@ -367,12 +426,18 @@ def test_cli_prints_and_writes_report(tiny_rm, model_dir, data_file, tmp_path):
   assert f"(e.g. {data_file}:5)" in proc.stdout
 
 
-@pytest.mark.parametrize("rows, model, message", [
+@pytest.mark.parametrize(
+  "rows, model, message",
+  [
     (None, "/nonexistent/model", "no such file or directory"),
-    ([ROWS[0], {"prompt": "p", "chosen": "c"}], "/nonexistent/model",
-     "bad.jsonl:2: field 'rejected': is missing"),
+    (
+      [ROWS[0], {"prompt": "p", "chosen": "c"}],
+      "/nonexistent/model",
+      "bad.jsonl:2: field 'rejected': is missing",
+    ),
     ([ROWS[0]], "junk.gguf", "junk.gguf: not a readable GGUF file: GGUF magic invalid"),
-])
+  ],
+)
 def test_cli_errors_without_traceback(tmp_path, rows, model, message):
   data = tmp_path / "bad.jsonl"
   if rows is not None:
@@ -388,9 +453,9 @@ def test_cli_errors_without_traceback(tmp_path, rows, model, message):
 
 def test_length_bias_of_preference_data():
   examples = [
-      pref([1, 5, 5, 30], [1, 10]),  # 3.0 vs 1.0, 3 tokens after the prompt vs 1: right, chosen longer
-      pref([1, 2], [1, 4, 4, 20]),  # 0.2 vs 2.0, 1 token vs 3: wrong, chosen shorter
-      pref([1, 7], [1, 6]),  # 0.7 vs 0.6, 1 token each: right
+    pref([1, 5, 5, 30], [1, 10]),  # 3.0 vs 1.0, 3 tokens after the prompt vs 1: right, chosen longer
+    pref([1, 2], [1, 4, 4, 20]),  # 0.2 vs 2.0, 1 token vs 3: wrong, chosen shorter
+    pref([1, 7], [1, 6]),  # 0.7 vs 0.6, 1 token each: right
   ]
   bias = evaluate(LastTokenRM(), examples)["length_bias"]
   assert bias["unit"] == "tokens"
@@ -407,10 +472,10 @@ def test_length_bias_of_preference_data():
 
 
 RB_ROWS = [
-    {"prompt": "What is 2 + 2?", "chosen": "4", "rejected": "5", "subset": "math-prm", "id": 0},
-    {"prompt": "Capital of France?", "chosen": "Paris", "rejected": "Lyon", "subset": "hep-python", "id": 1},
-    {"prompt": "Say hi.", "chosen": "Hi!", "rejected": "Go away.", "subset": "hep-python", "id": 2},
-    {"prompt": "Name a prime.", "chosen": "7", "rejected": "9", "subset": "alpacaeval-easy", "id": 3},
+  {"prompt": "What is 2 + 2?", "chosen": "4", "rejected": "5", "subset": "math-prm", "id": 0},
+  {"prompt": "Capital of France?", "chosen": "Paris", "rejected": "Lyon", "subset": "hep-python", "id": 1},
+  {"prompt": "Say hi.", "chosen": "Hi!", "rejected": "Go away.", "subset": "hep-python", "id": 2},
+  {"prompt": "Name a prime.", "chosen": "7", "rejected": "9", "subset": "alpacaeval-easy", "id": 3},
 ]
 
 
@@ -418,8 +483,9 @@ def test_cli_runs_a_benchmark(tiny_rm, model_dir, tmp_path):
   data = tmp_path / "rb.jsonl"
   data.write_text("".join(json.dumps(r) + "\n" for r in RB_ROWS))
   out = tmp_path / "eval"
-  proc = _cli(f"--model={model_dir}", "--benchmark=rewardbench", f"--data={data}", "--max_length=96",
-              f"--output={out}")
+  proc = _cli(
+    f"--model={model_dir}", "--benchmark=rewardbench", f"--data={data}", "--max_length=96", f"--output={out}"
+  )
   assert proc.returncode == 0, proc.stderr
   report = json.loads((out / "eval.json").read_text())
   # The official harness's conversations: the prompt as a user turn, the response as the reply.
@@ -445,9 +511,13 @@ def test_cli_runs_a_benchmark(tiny_rm, model_dir, tmp_path):
 def test_cli_benchmark_offline_hub_error_without_traceback():
   # The data is read before the model, so a missing model is never reached; HF_HUB_OFFLINE makes the
   # hub fail at once instead of after retries. (Row errors are tested in test_benchmark_*.py.)
-  proc = tiny_run.run([sys.executable, "-m", "jaxrm.evaluate", "--model=/nonexistent/model",
-                       "--benchmark=rewardbench"], HF_HUB_OFFLINE="1")
+  proc = tiny_run.run(
+    [sys.executable, "-m", "jaxrm.evaluate", "--model=/nonexistent/model", "--benchmark=rewardbench"],
+    HF_HUB_OFFLINE="1",
+  )
   assert proc.returncode == 1, proc.stderr
-  assert proc.stderr.startswith("error: allenai/reward-bench: not a local path, and reading it as a hub "
-                                "dataset (split 'filtered', config None) failed")
+  assert proc.stderr.startswith(
+    "error: allenai/reward-bench: not a local path, and reading it as a hub "
+    "dataset (split 'filtered', config None) failed"
+  )
   assert "Traceback" not in proc.stderr

@@ -5,19 +5,19 @@ import os
 import struct
 import sys
 
+import hf_tiny
 import ml_dtypes
 import numpy as np
 import pytest
+import tiny_run
 import torch
 import transformers
-
-import hf_tiny
-import tiny_run
 from helpers import IM_END, NL, PARITY_ATOL, assert_same_params, params, right_padded
+
 from jaxrm import RewardModel
-from jaxrm.hf import gguf
 from jaxrm.errors import CheckpointError
 from jaxrm.export import export
+from jaxrm.hf import gguf
 
 ARCH = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma2": "Gemma2"}
 
@@ -41,9 +41,14 @@ def test_transformers_loads_export_and_scores_like_jaxrm(family, head, tmp_path)
   assert config["architectures"] == [arch]
   assert (config["num_labels"], config["pad_token_id"]) == ((1 if head == "sequence" else 2), hf_tiny.PAD)
   assert config["jaxrm"] == {"reward_stats": None, "step_separator": "\n"}
-  cls = (transformers.AutoModelForSequenceClassification if head == "sequence"
-         else transformers.AutoModelForTokenClassification)
-  hf, info = cls.from_pretrained(out, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+  cls = (
+    transformers.AutoModelForSequenceClassification
+    if head == "sequence"
+    else transformers.AutoModelForTokenClassification
+  )
+  hf, info = cls.from_pretrained(
+    out, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+  )
   assert type(hf).__name__ == arch
   assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
 
@@ -69,16 +74,18 @@ def test_prm_export_names_its_classes(tiny_prm, tiny_rm, tmp_path):
   config = json.loads((tmp_path / "prm" / "config.json").read_text())
   assert config["id2label"] == {"0": "incorrect", "1": "correct"}
   assert config["label2id"] == {"incorrect": 0, "correct": 1}
-  hf = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path / "prm", dtype=torch.float32,
-                                                                    attn_implementation="eager").eval()
+  hf = transformers.AutoModelForTokenClassification.from_pretrained(
+    tmp_path / "prm", dtype=torch.float32, attn_implementation="eager"
+  ).eval()
   assert hf.config.id2label == {0: "incorrect", 1: "correct"}
   ids, positions = tiny_prm.encode_steps("Q: 2 + 3?", [" 2 + 3 = 5.", " So 5."])
   with torch.no_grad():
     logits = hf(torch.tensor([ids])).logits[0, positions]
   theirs = torch.softmax(logits, -1)[:, hf.config.label2id["correct"]].numpy()
   # transformers' float32 forward against jaxrm's: the parity tolerance of the tests above.
-  np.testing.assert_allclose(theirs, tiny_prm.score_steps("Q: 2 + 3?", [" 2 + 3 = 5.", " So 5."]),
-                             atol=PARITY_ATOL, rtol=0)
+  np.testing.assert_allclose(
+    theirs, tiny_prm.score_steps("Q: 2 + 3?", [" 2 + 3 = 5.", " So 5."]), atol=PARITY_ATOL, rtol=0
+  )
   assert RewardModel.from_pretrained(tmp_path / "prm").kind == "process"
   tiny_rm.save_pretrained(tmp_path / "rm")  # a preference model's one output keeps transformers' name
   assert json.loads((tmp_path / "rm" / "config.json").read_text())["id2label"] == {"0": "LABEL_0"}
@@ -118,10 +125,14 @@ def test_embedded_gguf_export_scores_like_jaxrm(smollm2_tokenizer, tmp_path):
   tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
   assert tok.chat_template == smollm2_tokenizer.chat_template
 
-  chats = [[{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}],
-           [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue, I think."}]]
+  chats = [
+    [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}],
+    [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue, I think."}],
+  ]
   rows = [rm.encode(c) for c in chats]
-  assert rows[0] == tok(tok.apply_chat_template(chats[0], tokenize=False), add_special_tokens=False)["input_ids"]
+  assert (
+    rows[0] == tok(tok.apply_chat_template(chats[0], tokenize=False), add_special_tokens=False)["input_ids"]
+  )
   ids, mask = right_padded(rows, pad=IM_END, dtype=np.int64)
   # Rows end "<|im_end|>\n": transformers pools at the last token that is not the pad (== eos) id,
   # which is the last real token, where jaxrm reads the reward.
@@ -132,16 +143,34 @@ def test_embedded_gguf_export_scores_like_jaxrm(smollm2_tokenizer, tmp_path):
 
 def test_cli(tmp_path):
   hf_tiny.build("mistral", seed=5).save_pretrained(tmp_path / "src")
-  ok = tiny_run.run([sys.executable, "-m", "jaxrm.export", f"--checkpoint={tmp_path / 'src'}",
-                         f"--out={tmp_path / 'out'}", "--dtype=bfloat16"])
+  ok = tiny_run.run(
+    [
+      sys.executable,
+      "-m",
+      "jaxrm.export",
+      f"--checkpoint={tmp_path / 'src'}",
+      f"--out={tmp_path / 'out'}",
+      "--dtype=bfloat16",
+    ]
+  )
   assert ok.returncode == 0, tiny_run.describe(ok)
   assert f"to {tmp_path / 'out'} as MistralForSequenceClassification in bfloat16" in ok.stdout
   assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
 
   missing = tmp_path / "missing"
-  bad = tiny_run.run([sys.executable, "-m", "jaxrm.export", f"--checkpoint={missing}",
-                          f"--out={tmp_path / 'out2'}", "--step=3"])
+  bad = tiny_run.run(
+    [
+      sys.executable,
+      "-m",
+      "jaxrm.export",
+      f"--checkpoint={missing}",
+      f"--out={tmp_path / 'out2'}",
+      "--step=3",
+    ]
+  )
   assert bad.returncode == 1
-  assert bad.stderr.strip() == (f"error: {missing}: no such file or directory (jaxrm loads HF checkpoint "
-                                "directories, .gguf files, training output directories and their checkpoints)")
+  assert bad.stderr.strip() == (
+    f"error: {missing}: no such file or directory (jaxrm loads HF checkpoint "
+    "directories, .gguf files, training output directories and their checkpoints)"
+  )
   assert not os.path.exists(tmp_path / "out2")

@@ -25,27 +25,34 @@ those servers do, scores like jaxrm.
 import json
 import struct
 
+import hf_tiny
 import numpy as np
 import pytest
 import torch
 import transformers
-
-import hf_tiny
 from helpers import PARITY_ATOL
+
 from jaxrm import RewardModel
 from jaxrm.loading import ScoringInfo
 
 ARCH = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma2": "Gemma2"}
 SEQ_CLS = "ForSequenceClassification"
 # Causal LMs vLLM registers, which as_seq_cls_model turns into the export's architecture.
-VLLM_CAUSAL_LMS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                   "Gemma2ForCausalLM"}
+VLLM_CAUSAL_LMS = {
+  "LlamaForCausalLM",
+  "MistralForCausalLM",
+  "Qwen2ForCausalLM",
+  "Qwen3ForCausalLM",
+  "Gemma2ForCausalLM",
+}
 # SGLang's sequence classifiers, with whether their ``score`` Linear has a bias (nn.Linear's
 # default, which the export -- like transformers' checkpoint -- has no tensor for).
-SGLANG_SEQ_CLS = {"llama": ("LlamaForSequenceClassification", False),
-                  "gemma2": ("Gemma2ForSequenceClassification", False),
-                  "qwen2": ("Qwen2ForSequenceClassification", True),  # left at nn.Linear's random init
-                  "qwen3": ("Qwen3ForSequenceClassification", True)}  # zeroed by its __init__
+SGLANG_SEQ_CLS = {
+  "llama": ("LlamaForSequenceClassification", False),
+  "gemma2": ("Gemma2ForSequenceClassification", False),
+  "qwen2": ("Qwen2ForSequenceClassification", True),  # left at nn.Linear's random init
+  "qwen3": ("Qwen3ForSequenceClassification", True),
+}  # zeroed by its __init__
 
 
 def safetensors_header(path) -> dict:
@@ -105,9 +112,12 @@ def test_the_pooled_token_is_the_last_one_as_vllm_and_sglang_pool_it(tmp_path):
   # it stands in for them here.
   rm, config, _ = export(tmp_path, "llama")
   hf = transformers.AutoModelForSequenceClassification.from_pretrained(
-      tmp_path / "out", dtype=torch.float32, attn_implementation="eager").eval()
+    tmp_path / "out", dtype=torch.float32, attn_implementation="eager"
+  ).eval()
   pad = config["pad_token_id"]
-  ids = np.array([[5, 9, 33, 17, 41, pad]], np.int32)  # ends in the pad id, as a text ending in eos may when pad == eos
+  ids = np.array(
+    [[5, 9, 33, 17, 41, pad]], np.int32
+  )  # ends in the pad id, as a text ending in eos may when pad == eos
   ours = rm.score_tokens(ids, np.ones_like(ids))
   hf.config.pad_token_id = None
   last = hf_tiny.torch_forward(hf, ids.astype(np.int64), np.ones_like(ids, dtype=np.int64))[:, 0]

@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-
 import tiny_run
+from flax import nnx
 from helpers import REORDERED_ATOL, jitted, random_groups, right_padded, tiny_config, tiny_model
+
 from jaxrm.data import packing
 from jaxrm.data.pipeline import Collator
 from jaxrm.models import flash_attention as F
@@ -48,8 +48,9 @@ class Rows:
 
   def mask(self, window=None):
     """The reference's bool mask [B, T, T]."""
-    return np.asarray(L.attention_mask(self.attention_mask, self.positions, self.segment_ids,
-                                       window, self.branch_ids))
+    return np.asarray(
+      L.attention_mask(self.attention_mask, self.positions, self.segment_ids, window, self.branch_ids)
+    )
 
   def sees_keys(self, window=None):
     """bool [B, T]: the real queries that see some key."""
@@ -84,8 +85,9 @@ def qkv(r: Rows, dtype=jnp.float32, seed=1):
 def fused(q, k, v, d_out, ids, window=None, softcap=None, blocks=F.BlockSizes(), interpret=True):
   """The kernel's outputs [B, T, H, Dh] and (dq, dk, dv) for the output cotangent ``d_out``
   (``interpret=False``: compiled by Triton, on a GPU)."""
-  attend = lambda q, k, v: F.flash_attention(q, k, v, ids, window, scale=SCALE, softcap=softcap,
-                                             interpret=interpret, blocks=blocks)
+  attend = lambda q, k, v: F.flash_attention(
+    q, k, v, ids, window, scale=SCALE, softcap=softcap, interpret=interpret, blocks=blocks
+  )
   out, vjp = jax.vjp(attend, q, k, v)
   return out, vjp(d_out)
 
@@ -113,8 +115,18 @@ def f32_atol(values):
   return F32_ATOL
 
 
-def assert_matches(r, q, k, v, window=None, softcap=None, blocks=F.BlockSizes(),
-                   out_atol=f32_atol, grad_atol=f32_atol, interpret=True):
+def assert_matches(
+  r,
+  q,
+  k,
+  v,
+  window=None,
+  softcap=None,
+  blocks=F.BlockSizes(),
+  out_atol=f32_atol,
+  grad_atol=f32_atol,
+  interpret=True,
+):
   """Kernel and reference outputs and gradients agree on the queries that see a key, to
   ``out_atol`` and ``grad_atol`` of the reference values; the kernel's outputs are finite
   everywhere and 0 where nothing is seen."""
@@ -211,8 +223,10 @@ def test_no_token_sees_another_segment_or_branch(kind):
   forward = lambda fn, *args: np.asarray(fn(q, k, v, d_out, *args)[0])[quiet]
   want = forward(reference, r.mask())
   np.testing.assert_allclose(forward(fused, r.layout()), want, atol=F32_ATOL, rtol=0)
-  leaks = {"segment": L.attention_mask(r.attention_mask, r.positions, None, None, branch),
-           "branch": L.attention_mask(r.attention_mask, r.positions, seg, None, None)}
+  leaks = {
+    "segment": L.attention_mask(r.attention_mask, r.positions, None, None, branch),
+    "branch": L.attention_mask(r.attention_mask, r.positions, seg, None, None),
+  }
   if kind == "packed":
     del leaks["branch"]  # plain packing has no branches
   for rule, leaky_mask in leaks.items():
@@ -236,8 +250,10 @@ def model_batches():
   """A padded, a packed and a shared-prompt preference batch of the same groups."""
   groups = random_groups(np.random.default_rng(5), 4, 3)
   padded = Collator(batch_size=4, buckets=(32,), num_completions=3)(groups)
-  packed = {s: packing.pack_preference(groups, packing.PackSpec(64, shared_prompt=s), num_rows=3)
-            for s in (False, True)}
+  packed = {
+    s: packing.pack_preference(groups, packing.PackSpec(64, shared_prompt=s), num_rows=3)
+    for s in (False, True)
+  }
   return {"padded": padded, "packed": packed[False], "tree": packed[True]}
 
 
@@ -254,8 +270,7 @@ def test_decoder_with_the_kernel_equals_the_reference(batches, kind):
   got = jitted(tiny_model(tiny_config(attention_impl="pallas")))(batch)
   real = batch.ranks >= 0
   assert np.ptp(np.asarray(want)[real]) > 0.1
-  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=REORDERED_ATOL,
-                             rtol=0)
+  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=REORDERED_ATOL, rtol=0)
 
 
 def reward_grads(cfg, batch):
@@ -282,8 +297,10 @@ def sharded_report():
   """(In a process with 4 CPU devices.) The decoder's rewards and gradients with the kernel on a
   mesh (fsdp 2, tensor 2: rows and heads split), against one device."""
   from jaxrm import sharding
-  batch = packing.pack_preference(random_groups(np.random.default_rng(5), 4, 3),
-                                  packing.PackSpec(64, shared_prompt=True), num_rows=4)
+
+  batch = packing.pack_preference(
+    random_groups(np.random.default_rng(5), 4, 3), packing.PackSpec(64, shared_prompt=True), num_rows=4
+  )
   graphdef, state = nnx.split(tiny_model(tiny_config(attention_impl="pallas")))
   mesh = sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=2, tensor=2))
 
@@ -298,10 +315,13 @@ def sharded_report():
   split = jax.jit(jax.value_and_grad(sharded_loss))
   (l1, g1), (l2, g2) = one(state), split(state)
   leaves = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)])
-  return {"devices": jax.device_count(), "loss": [float(l1), float(l2)],
-          "grad_max": float(np.abs(leaves(g1)).max()),
-          "grad_diff": float(np.abs(leaves(g1) - leaves(g2)).max()),
-          "per_shard": "manual_computation" in split.lower(state).as_text()}
+  return {
+    "devices": jax.device_count(),
+    "loss": [float(l1), float(l2)],
+    "grad_max": float(np.abs(leaves(g1)).max()),
+    "grad_diff": float(np.abs(leaves(g1) - leaves(g2)).max()),
+    "per_shard": "manual_computation" in split.lower(state).as_text(),
+  }
 
 
 @pytest.mark.slow
@@ -322,11 +342,14 @@ def test_sharded_decoder_runs_the_kernel_per_shard():
 # ------------------------------------------------------------------ lowering for a GPU
 
 
-@pytest.mark.parametrize("heads, kv_heads, head_dim, dtype", [
+@pytest.mark.parametrize(
+  "heads, kv_heads, head_dim, dtype",
+  [
     (14, 2, 64, jnp.bfloat16),  # Qwen2.5-0.5B: 7 query heads per key head
     (8, 4, 256, jnp.bfloat16),  # Gemma 2 2B
     (4, 2, 8, jnp.float32),  # the tiny test model: head dim padded to 16
-])
+  ],
+)
 def test_kernels_lower_to_triton(heads, kv_heads, head_dim, dtype):
   """Forward, dq and dk/dv kernels lower through Pallas' Triton path for CUDA, on any machine (the
   GPU compiles the Triton IR itself): tile shapes, loads and loops are ones Triton accepts."""
@@ -342,8 +365,9 @@ def test_kernels_lower_to_triton(heads, kv_heads, head_dim, dtype):
 
   triton = "__gpu$xla.gpu.triton"
   exported = jax.export.export(
-      jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
-      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)],
+    jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))),
+    platforms=["cuda"],
+    disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)],
   )(q, k, k, row, row, row, jax.ShapeDtypeStruct((), jnp.int32))
   text = exported.mlir_module()
   assert text.count(triton) == 3
@@ -364,8 +388,7 @@ def test_triton_kernel_in_bfloat16_equals_reference(kind):
   """The kernel as Triton compiles it, on the three packing modes, with the bounds of the
   interpret-mode bfloat16 test (its roundings are the same operations)."""
   r = rows(kind)
-  assert_matches(r, *qkv(r, jnp.bfloat16), out_atol=bf16_out_atol, grad_atol=bf16_grad_atol,
-                 interpret=False)
+  assert_matches(r, *qkv(r, jnp.bfloat16), out_atol=bf16_out_atol, grad_atol=bf16_grad_atol, interpret=False)
 
 
 @pytest.mark.gpu

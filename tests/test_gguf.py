@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 import torch
 import transformers
-
 from helpers import PARITY_ATOL, right_padded
-from jaxrm.hf import gguf as gguf_ckpt
+
 from jaxrm.errors import CheckpointError
+from jaxrm.hf import gguf as gguf_ckpt
 
 CHATML_CONVERSATION = [
-    {"role": "system", "content": "Answer briefly."},
-    {"role": "user", "content": "What is 2+2? Ünïcode, tabs\tand  spaces."},
-    {"role": "assistant", "content": "4"},
+  {"role": "system", "content": "Answer briefly."},
+  {"role": "user", "content": "What is 2+2? Ünïcode, tabs\tand  spaces."},
+  {"role": "assistant", "content": "4"},
 ]
 
 
@@ -43,7 +43,8 @@ def hf_model(path):
   Its config is what `AutoConfig.from_pretrained(dir, gguf_file=name)` parses from the GGUF.
   """
   return transformers.AutoModelForCausalLM.from_pretrained(
-      os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+    os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+  )
 
 
 def test_tensors_equal_transformers_gguf_load_exactly(ckpt, hf_model):
@@ -62,13 +63,23 @@ def test_config_matches_transformers_gguf_config(ckpt, hf_model):
   ours = transformers.LlamaConfig(**ckpt.config)
   assert ckpt.config["model_type"] == theirs.model_type == "llama"
   assert ckpt.config["architectures"] == ["LlamaForCausalLM"]
-  for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
-                "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id",
-                "pad_token_id"):
+  for field in (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+  ):
     assert getattr(ours, field) == getattr(theirs, field), field
-  assert ours.rope_parameters == theirs.rope_parameters == {
-      "rope_type": "default", "rope_theta": 100000.0}
+  assert ours.rope_parameters == theirs.rope_parameters == {"rope_type": "default", "rope_theta": 100000.0}
   assert "rope_scaling" not in ckpt.config
 
 
@@ -83,8 +94,9 @@ def test_tokenizer_is_transformers_gguf_tokenizer_then_cached(ckpt, path, tmp_pa
   monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy)
   first = ckpt.tokenizer()
   stat = os.stat(path)
-  cache = tmp_path / "cache" / "gguf-tokenizers" / (
-      f"{os.path.basename(path)}-{stat.st_size}-{stat.st_mtime_ns}")
+  cache = (
+    tmp_path / "cache" / "gguf-tokenizers" / (f"{os.path.basename(path)}-{stat.st_size}-{stat.st_mtime_ns}")
+  )
   assert {"tokenizer.json", "chat_template.jinja"} <= set(os.listdir(cache))
   second = ckpt.tokenizer()
 
@@ -98,12 +110,15 @@ def test_tokenizer_is_transformers_gguf_tokenizer_then_cached(ckpt, path, tmp_pa
   assert second.chat_template == theirs.chat_template and "<|im_start|>" in second.chat_template
   assert second.apply_chat_template(CHATML_CONVERSATION, tokenize=True)["input_ids"] == expected
   assert second("a <|im_end|> b")["input_ids"] == theirs("a <|im_end|> b")["input_ids"]
-  assert (second.pad_token, second.eos_token, second.padding_side) == (
-      "<|im_end|>", "<|im_end|>", "right")
+  assert (second.pad_token, second.eos_token, second.padding_side) == ("<|im_end|>", "<|im_end|>", "right")
 
   (cache / "chat_template.jinja").write_text("{{ messages }}")
-  with pytest.raises(CheckpointError, match=re.escape(
-      f"the tokenizer cached in {cache} lacks the chat template of {path}; delete that directory")):
+  with pytest.raises(
+    CheckpointError,
+    match=re.escape(
+      f"the tokenizer cached in {cache} lacks the chat template of {path}; delete that directory"
+    ),
+  ):
     ckpt.tokenizer()
 
 
@@ -125,27 +140,39 @@ def _tiny_llama(path, **extra_tensors):
   """One layer, 2 query heads and 1 key/value head of dim 4, an untied lm_head, YaRN scaling."""
   rows = lambda n, m: np.arange(n * m, dtype=np.float32).reshape(n, m)
   tensors = {
-      "token_embd.weight": rows(16, 8),
-      "blk.0.attn_norm.weight": np.ones(8, np.float32),
-      "blk.0.attn_q.weight": rows(8, 8),
-      "blk.0.attn_k.weight": rows(4, 8),
-      "blk.0.attn_v.weight": rows(4, 8),
-      "blk.0.attn_output.weight": rows(8, 8),
-      "blk.0.ffn_norm.weight": np.ones(8, np.float32),
-      "blk.0.ffn_gate.weight": rows(12, 8),
-      "blk.0.ffn_up.weight": rows(12, 8),
-      "blk.0.ffn_down.weight": rows(8, 12),
-      "output_norm.weight": np.ones(8, np.float32),
-      "output.weight": rows(16, 8) + 0.5,
-      "rope_freqs.weight": np.ones(2, np.float32),
-      **extra_tensors,
+    "token_embd.weight": rows(16, 8),
+    "blk.0.attn_norm.weight": np.ones(8, np.float32),
+    "blk.0.attn_q.weight": rows(8, 8),
+    "blk.0.attn_k.weight": rows(4, 8),
+    "blk.0.attn_v.weight": rows(4, 8),
+    "blk.0.attn_output.weight": rows(8, 8),
+    "blk.0.ffn_norm.weight": np.ones(8, np.float32),
+    "blk.0.ffn_gate.weight": rows(12, 8),
+    "blk.0.ffn_up.weight": rows(12, 8),
+    "blk.0.ffn_down.weight": rows(8, 12),
+    "output_norm.weight": np.ones(8, np.float32),
+    "output.weight": rows(16, 8) + 0.5,
+    "rope_freqs.weight": np.ones(2, np.float32),
+    **extra_tensors,
   }
   return _write_gguf(
-      path, "llama", tensors, block_count=1, context_length=32, embedding_length=8,
-      feed_forward_length=12, head_count=2, head_count_kv=1, layer_norm_rms_eps=1e-5,
-      rope_dimension_count=4, rope_freq_base=500000.0, vocab_size=16,
-      rope_scaling_type=gguf.RopeScalingType.YARN, rope_scaling_factor=4.0,
-      rope_scaling_orig_ctx_len=8)
+    path,
+    "llama",
+    tensors,
+    block_count=1,
+    context_length=32,
+    embedding_length=8,
+    feed_forward_length=12,
+    head_count=2,
+    head_count_kv=1,
+    layer_norm_rms_eps=1e-5,
+    rope_dimension_count=4,
+    rope_freq_base=500000.0,
+    vocab_size=16,
+    rope_scaling_type=gguf.RopeScalingType.YARN,
+    rope_scaling_factor=4.0,
+    rope_scaling_orig_ctx_len=8,
+  )
 
 
 def test_tiny_llama_layout_untied_head_and_rope_scaling(tmp_path, caplog):
@@ -154,22 +181,28 @@ def test_tiny_llama_layout_untied_head_and_rope_scaling(tmp_path, caplog):
   assert "skipping GGUF tensor rope_freqs.weight" in caplog.text
   assert len(ckpt.keys()) == 12 and "lm_head.weight" in ckpt.keys()
   assert not ckpt.config["tie_word_embeddings"]
-  np.testing.assert_array_equal(ckpt.get_tensor("lm_head.weight"),
-                                np.arange(128).reshape(16, 8) + 0.5)
+  np.testing.assert_array_equal(ckpt.get_tensor("lm_head.weight"), np.arange(128).reshape(16, 8) + 0.5)
   # llama.cpp stores each head's rotary pairs interleaved (rows 0,1,2,3 = x0,y0,x1,y1); HF
   # keeps the halves apart (x0,x1,y0,y1), so GGUF rows [0,1,2,3] come back as [0,2,1,3].
   q = np.arange(64, dtype=np.float32).reshape(8, 8)
-  np.testing.assert_array_equal(ckpt.get_tensor("model.layers.0.self_attn.q_proj.weight"),
-                                q[[0, 2, 1, 3, 4, 6, 5, 7]])
-  np.testing.assert_array_equal(ckpt.get_tensor("model.layers.0.self_attn.k_proj.weight"),
-                                q[:4][[0, 2, 1, 3]])
+  np.testing.assert_array_equal(
+    ckpt.get_tensor("model.layers.0.self_attn.q_proj.weight"), q[[0, 2, 1, 3, 4, 6, 5, 7]]
+  )
+  np.testing.assert_array_equal(
+    ckpt.get_tensor("model.layers.0.self_attn.k_proj.weight"), q[:4][[0, 2, 1, 3]]
+  )
   np.testing.assert_array_equal(ckpt.get_tensor("model.layers.0.self_attn.v_proj.weight"), q[:4])
-  np.testing.assert_array_equal(ckpt.get_tensor("model.layers.0.mlp.down_proj.weight"),
-                                np.arange(96).reshape(8, 12))
+  np.testing.assert_array_equal(
+    ckpt.get_tensor("model.layers.0.mlp.down_proj.weight"), np.arange(96).reshape(8, 12)
+  )
   config = transformers.LlamaConfig(**ckpt.config)
   assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (2, 1, 4)
-  assert config.rope_parameters == {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500000.0,
-                                    "original_max_position_embeddings": 8}
+  assert config.rope_parameters == {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "rope_theta": 500000.0,
+    "original_max_position_embeddings": 8,
+  }
   assert config.pad_token_id is None
   with pytest.raises(KeyError, match="no tensor 'model.layers.1.mlp.up_proj.weight'"):
     ckpt.get_tensor("model.layers.1.mlp.up_proj.weight")
@@ -190,17 +223,18 @@ def test_not_a_gguf_file(tmp_path):
 
 
 def test_unsupported_architecture(tmp_path):
-  path = _write_gguf(tmp_path / "gpt2.gguf", "gpt2",
-                     {"token_embd.weight": np.zeros((4, 2), np.float32)}, block_count=1)
+  path = _write_gguf(
+    tmp_path / "gpt2.gguf", "gpt2", {"token_embd.weight": np.zeros((4, 2), np.float32)}, block_count=1
+  )
   with pytest.raises(CheckpointError) as error:
     gguf_ckpt.GGUFCheckpoint(path)
   assert str(error.value) == (
-      f"{path}: GGUF architecture 'gpt2' is not supported; supported architectures: llama")
+    f"{path}: GGUF architecture 'gpt2' is not supported; supported architectures: llama"
+  )
 
 
 def test_unknown_tensor_is_named(tmp_path):
-  path = _tiny_llama(tmp_path / "extra.gguf",
-                     **{"blk.0.attn_sinks.weight": np.zeros(2, np.float32)})
+  path = _tiny_llama(tmp_path / "extra.gguf", **{"blk.0.attn_sinks.weight": np.zeros(2, np.float32)})
   with pytest.raises(CheckpointError, match="GGUF tensor 'blk.0.attn_sinks.weight' has no Hugging Face"):
     gguf_ckpt.GGUFCheckpoint(path)
 
@@ -220,17 +254,23 @@ def test_embedded_model_missing_says_how_to_install(monkeypatch):
 def test_smollm2_rewards_match_transformers(path, hf_model):
   """jaxrm's SmolLM2 from the GGUF scores like transformers' once both carry the same head."""
   from jaxrm import RewardModel
+
   rm = RewardModel.from_pretrained(path, dtype="float32", seed=1)
   assert rm.tokenizer.chat_template and rm.config.family == "llama" and rm.config.num_layers == 30
   cls = transformers.LlamaForSequenceClassification(hf_model.config).eval()
   cls.model.load_state_dict(hf_model.model.state_dict())
   with torch.no_grad():
     cls.score.weight.copy_(torch.from_numpy(np.asarray(rm.model.score[...]).T.copy()))
-  chats = [CHATML_CONVERSATION, [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]]
+  chats = [
+    CHATML_CONVERSATION,
+    [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}],
+  ]
   ids, mask = right_padded([rm.encode(c) for c in chats], pad=rm.tokenizer.pad_token_id, dtype=np.int64)
   with torch.no_grad():
     # pad == eos here, so transformers' own pooling (first pad id) would stop early: read the last real token.
-    hidden = cls.model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).last_hidden_state
+    hidden = cls.model(
+      input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)
+    ).last_hidden_state
     expected = cls.score(hidden)[torch.arange(2), torch.from_numpy(mask.sum(1) - 1), 0].numpy()
   np.testing.assert_allclose(rm.score_tokens(ids, mask), expected, atol=PARITY_ATOL, rtol=0)
   np.testing.assert_allclose(rm.score(chats), expected, atol=PARITY_ATOL, rtol=0)

@@ -22,10 +22,10 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
-from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
-
 import tiny_run
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.join(tiny_run.ROOT, "scripts"))
 from bench_common import HF_CONFIGS  # noqa: E402
@@ -66,11 +66,11 @@ def masked_losses(q, k, v, mask, positions, segment_ids, branch_ids, window, sco
   """The summed outputs of the kernel under each mask, each call in a named scope (``scope`` +
   the mask's name) that its kernels' op names carry."""
   cases = {
-      "padded": (F.layout(mask, None, positions), None, None),
-      "packed": (F.layout(segment_ids, None, positions), None, None),
-      "tree": (F.layout(segment_ids, branch_ids, positions), None, None),
-      "window": (F.layout(segment_ids, None, positions), window, None),
-      "softcap": (F.layout(mask, None, positions), None, 50.0),
+    "padded": (F.layout(mask, None, positions), None, None),
+    "packed": (F.layout(segment_ids, None, positions), None, None),
+    "tree": (F.layout(segment_ids, branch_ids, positions), None, None),
+    "window": (F.layout(segment_ids, None, positions), window, None),
+    "softcap": (F.layout(mask, None, positions), None, 50.0),
   }
   total = 0.0
   for name, (ids, w, softcap) in cases.items():
@@ -107,12 +107,16 @@ def test_kernels_compile_forward_and_backward_for_every_mask_and_head_dim(target
   bfloat16) of one program, which compiles in half the time of one program per head dim."""
   sds = abstract_on(one_gpu(target))
   row = sds((ROWS, T), jnp.int32)
-  qkv = {d: (sds((ROWS, T, HEADS, d), jnp.bfloat16), *[sds((ROWS, T, KV_HEADS, d), jnp.bfloat16)] * 2)
-         for d in HEAD_DIMS}
-  compiled = compile_for_gpu(jax.jit(jax.grad(every_head_dim_loss)), qkv, row, row, row, row,
-                             sds((), jnp.int32))
+  qkv = {
+    d: (sds((ROWS, T, HEADS, d), jnp.bfloat16), *[sds((ROWS, T, KV_HEADS, d), jnp.bfloat16)] * 2)
+    for d in HEAD_DIMS
+  }
+  compiled = compile_for_gpu(
+    jax.jit(jax.grad(every_head_dim_loss)), qkv, row, row, row, row, sds((), jnp.int32)
+  )
   assert kernels_by_scope(compiled.as_text()) == {
-      (f"d{d}_{m}", k): 1 for d in HEAD_DIMS for m in MASKS for k in KERNELS}
+    (f"d{d}_{m}", k): 1 for d in HEAD_DIMS for m in MASKS for k in KERNELS
+  }
 
 
 def test_an_oversized_tile_is_refused_for_shared_memory():
@@ -120,11 +124,16 @@ def test_an_oversized_tile_is_refused_for_shared_memory():
   gives 227 KiB. The default blocks compile at that head dim (above)."""
   sds = abstract_on(one_gpu(H200))
   q, kv = sds((1, 512, 2, 256), jnp.bfloat16), sds((1, 512, 1, 256), jnp.bfloat16)
-  attend = jax.jit(lambda q, k, v, segment_ids: F.flash_attention(
-      q, k, v, F.layout(segment_ids), scale=0.1, blocks=F.BlockSizes(512, 512, 512, 512)))
+  attend = jax.jit(
+    lambda q, k, v, segment_ids: F.flash_attention(
+      q, k, v, F.layout(segment_ids), scale=0.1, blocks=F.BlockSizes(512, 512, 512, 512)
+    )
+  )
   available = gpu_targets.TARGETS[H200].shared_memory_per_block_optin
-  with pytest.raises(jax.errors.JaxRuntimeError,
-                     match=f"Shared memory size limit exceeded: requested \\d+, available: {available}"):
+  with pytest.raises(
+    jax.errors.JaxRuntimeError,
+    match=f"Shared memory size limit exceeded: requested \\d+, available: {available}",
+  ):
     compile_for_gpu(attend, q, kv, kv, sds((1, 512), jnp.int32))
 
 
@@ -132,33 +141,47 @@ def test_an_oversized_tile_is_refused_for_shared_memory():
 
 # Tiny shapes of each family, as tests/hf_tiny.py configures them (without importing torch): two
 # layers, 4 query heads over 2 key heads, each family's switches set by from_hf_config.
-TINY_HF = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0)
+TINY_HF = dict(
+  vocab_size=128,
+  hidden_size=64,
+  intermediate_size=96,
+  num_hidden_layers=2,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  max_position_embeddings=512,
+  pad_token_id=0,
+)
 FAMILY_HF = {
-    "llama": dict(model_type="llama", attention_bias=True, mlp_bias=True),
-    "mistral": dict(model_type="mistral", sliding_window=8),
-    "qwen2": dict(model_type="qwen2"),
-    "qwen3": dict(model_type="qwen3", head_dim=24),  # padded to 32 inside the kernel
-    "gemma2": dict(model_type="gemma2", sliding_window=8, attn_logit_softcapping=2.0,
-                   query_pre_attn_scalar=20, hidden_activation="gelu_pytorch_tanh"),
+  "llama": dict(model_type="llama", attention_bias=True, mlp_bias=True),
+  "mistral": dict(model_type="mistral", sliding_window=8),
+  "qwen2": dict(model_type="qwen2"),
+  "qwen3": dict(model_type="qwen3", head_dim=24),  # padded to 32 inside the kernel
+  "gemma2": dict(
+    model_type="gemma2",
+    sliding_window=8,
+    attn_logit_softcapping=2.0,
+    query_pre_attn_scalar=20,
+    hidden_activation="gelu_pytorch_tanh",
+  ),
 }
 TINY_LENGTH = 64  # tokens per completion: one pair is input_ids [2, 64]
 # Every family's train step, two of them training adapters: the backward pass still runs through
 # each of their layers' ops, only which weights get gradients differs (a full-training step of
 # each would add 6 s of compiling apiece).
 STEP_CASES = {
-    "llama": ("llama", LoraConfig()),
-    "mistral": ("mistral", LoraConfig()),
-    "qwen2": ("qwen2", LoraConfig()),
-    "qwen3+lora": ("qwen3", LoraConfig(rank=8)),
-    "gemma2+qlora-nf4": ("gemma2", LoraConfig(rank=8, base_dtype="nf4")),
+  "llama": ("llama", LoraConfig()),
+  "mistral": ("mistral", LoraConfig()),
+  "qwen2": ("qwen2", LoraConfig()),
+  "qwen3+lora": ("qwen3", LoraConfig(rank=8)),
+  "gemma2+qlora-nf4": ("gemma2", LoraConfig(rank=8, base_dtype="nf4")),
 }
 
 
 def tiny_shape(family: str, lora: LoraConfig = LoraConfig(), **overrides):
   """The family's tiny shape as the memory plan trains it: bf16 compute, float32 parameters."""
-  return from_hf_config({**TINY_HF, **FAMILY_HF[family]}, dtype="bfloat16", param_dtype="float32", lora=lora,
-                        **overrides)
+  return from_hf_config(
+    {**TINY_HF, **FAMILY_HF[family]}, dtype="bfloat16", param_dtype="float32", lora=lora, **overrides
+  )
 
 
 class Step:
@@ -199,8 +222,12 @@ def tiny_step(case: str) -> Step:
 
 def widths(cfg) -> tuple[int, int, int, int]:
   """D, H Dh, K Dh and I: the hidden, query, key/value and MLP widths."""
-  return (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
-          cfg.intermediate_size)
+  return (
+    cfg.hidden_size,
+    cfg.num_heads * cfg.head_dim,
+    cfg.num_kv_heads * cfg.head_dim,
+    cfg.intermediate_size,
+  )
 
 
 def activation_bytes(cfg, tokens: int, itemsize: int) -> int:
@@ -292,7 +319,10 @@ def test_a_15b_step_on_an_h200_holds_its_state_exactly_and_one_layer_at_a_time()
   m, n = step.memory, step.count("params")
   assert n == qwen2_count(HF_CONFIGS["qwen2.5-1.5b"]) == 1_543_715_840
   assert fit_check.triton_kernels(step.text) == {  # remat full recomputes the forward in the backward
-      "jaxrm_flash_forward": 2, "jaxrm_flash_dq": 1, "jaxrm_flash_dkv": 1}
+    "jaxrm_flash_forward": 2,
+    "jaxrm_flash_dq": 1,
+    "jaxrm_flash_dkv": 1,
+  }
   assert step.bytes("params") == 4 * n
   assert step.bytes("opt_state") == 8 * n + step.counter_bytes and step.counter_bytes <= 16
   state = bytes_per_device(step.state)
@@ -309,6 +339,7 @@ def test_a_15b_step_on_an_h200_holds_its_state_exactly_and_one_layer_at_a_time()
 
 
 # ------------------------------------------------------------------ several GPUs
+
 
 def split_step(topology: str, mesh_cfg: sharding.MeshConfig, evaluate: bool = False) -> Step:
   """The tiny mistral's step on ``topology`` H100s. Without its window: every parameter has a
@@ -373,8 +404,7 @@ def test_scoring_compiles_the_forward_kernel_alone_at_every_bucket():
   buckets = SERVER.resolved(cfg.max_position_embeddings).buckets
   assert buckets == (64, 128, 256)
   for t in buckets:
-    ids = jax.ShapeDtypeStruct((SERVER.batch_size, t), jnp.int32,
-                               sharding=sharding.batch_sharding(mesh, 2))
+    ids = jax.ShapeDtypeStruct((SERVER.batch_size, t), jnp.int32, sharding=sharding.batch_sharding(mesh, 2))
     text = compile_for_gpu(jax.jit(rewards), state, ids, ids).as_text()
     # One layer body in the scan: one forward kernel; nothing of the backward pass.
     assert fit_check.triton_kernels(text) == {"jaxrm_flash_forward": 1}, t

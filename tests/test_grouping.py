@@ -28,7 +28,7 @@ def test_grouped_epochs_differ_and_repeat_from_the_seed():
   assert [grouping.GroupedEpochs(examples, lengths, 10, seed=7)[1000 + i] for i in range(1000)] == second
   # Batches of similar lengths (mega-batches of 25 batches here): a batch's spread of lengths is
   # a small fraction of a shuffled batch's; the longest group of all comes first.
-  spread = lambda order: np.mean([np.ptp(lengths[order[i:i + 10]]) for i in range(0, 1000, 10)])
+  spread = lambda order: np.mean([np.ptp(lengths[order[i : i + 10]]) for i in range(0, 1000, 10)])
   assert spread(epochs.order(0)) < 0.2 * spread(np.random.default_rng(1).permutation(1003)[:1000])
   assert lengths[epochs.order(0)[0]] == lengths.max()
 

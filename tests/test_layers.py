@@ -41,6 +41,7 @@ def test_gated_mlp_keeps_only_its_inputs_for_the_backward():
     def loss(w, x):
       layer = lambda x, w: (hidden(x @ w[0], x @ w[1]) @ w[2].T, None)
       return jnp.sum(jax.lax.scan(layer, x, w)[0] ** 2)
+
     w = jax.ShapeDtypeStruct((4, 3, 64, 256), jnp.float32)
     x = jax.ShapeDtypeStruct((512, 64), jnp.float32)
     return jax.jit(jax.grad(loss)).lower(w, x).compile().memory_analysis().temp_size_in_bytes
@@ -61,8 +62,9 @@ def id_rows(seed=0):
   segment[1, 65:] = 0
   branch = np.zeros((2, s), np.int32)
   branch[1, 30:52], branch[1, 52:65] = 1, 2
-  positions = np.stack([np.r_[np.arange(31), np.arange(43)],
-                        np.r_[np.arange(52), np.arange(30, 43), np.zeros(9)]]).astype(np.int32)
+  positions = np.stack(
+    [np.r_[np.arange(31), np.arange(43)], np.r_[np.arange(52), np.arange(30, 43), np.zeros(9)]]
+  ).astype(np.int32)
   q = rng.standard_normal((2, s, 4, 8), np.float32)
   k, v = rng.standard_normal((2, 2, s, 2, 8), np.float32)
   return q, k, v, L.token_ids(real, positions, segment, branch)
@@ -86,18 +88,28 @@ def test_loop_form_id_mask_attention_equals_the_dense_mask(keys_in_row_order):
   dense = L.mask_from_ids(ids, ids, window)
   perm = np.arange(74) if keys_in_row_order else np.random.default_rng(1).permutation(74)
   keys = L.TokenIds(*(x[:, perm] for x in ids))
-  mask = L.IdMask(L.TokenIds(*(x[:, first:] for x in ids)), keys, window,
-                  offset=first if keys_in_row_order else None, blocks=(8, 16))
+  mask = L.IdMask(
+    L.TokenIds(*(x[:, first:] for x in ids)),
+    keys,
+    window,
+    offset=first if keys_in_row_order else None,
+    blocks=(8, 16),
+  )
 
-  want, want_vjp = jax.vjp(lambda q, k, v: L.dot_product_attention(q, k, v, dense, scale, softcap)[:, first:],
-                           q, k, v)
-  got, got_vjp = jax.vjp(lambda q, k, v: L.dot_product_attention(q[:, first:], k[:, perm], v[:, perm], mask,
-                                                                 scale, softcap), q, k, v)
+  want, want_vjp = jax.vjp(
+    lambda q, k, v: L.dot_product_attention(q, k, v, dense, scale, softcap)[:, first:], q, k, v
+  )
+  got, got_vjp = jax.vjp(
+    lambda q, k, v: L.dot_product_attention(q[:, first:], k[:, perm], v[:, perm], mask, scale, softcap),
+    q,
+    k,
+    v,
+  )
   sees = np.asarray(dense[:, first:].any(-1))  # a query that sees no key has an unused output
   assert not sees.all() and sees.sum() > 60
   np.testing.assert_allclose(np.asarray(got)[sees], np.asarray(want)[sees], rtol=0, atol=LOOP_ATOL)
   # lse rows are token-major, 2 query heads per key head
-  want_lse = L.attention_forward(q, k, v, dense, scale, softcap)[1][:, :, first * 2:]
+  want_lse = L.attention_forward(q, k, v, dense, scale, softcap)[1][:, :, first * 2 :]
   got_lse = L.attention_forward(q[:, first:], k[:, perm], v[:, perm], mask, scale, softcap)[1]
   assert np.isinf(got_lse).sum() == 2 * 2 * (~sees).sum()  # +inf exactly where a query sees no key
   np.testing.assert_allclose(got_lse, want_lse, rtol=0, atol=LOOP_ATOL)
@@ -110,6 +122,7 @@ def test_loop_form_id_mask_attention_equals_the_dense_mask(keys_in_row_order):
 def test_loop_form_compiles_one_block_body_whatever_the_length():
   """The IdMask path's forward and backward hold the same products at 64 and 256 tokens (its
   loops' bodies), where the dense mask's unrolled blocks grow with the length."""
+
   def products(mask_of, t):
     q = jax.ShapeDtypeStruct((1, t, 4, 8), jnp.float32)
     kv = jax.ShapeDtypeStruct((1, t, 2, 8), jnp.float32)
@@ -118,6 +131,7 @@ def test_loop_form_compiles_one_block_body_whatever_the_length():
       ids = L.token_ids(jnp.ones((1, t)), jnp.arange(t)[None])
       out, vjp = jax.vjp(lambda q, k, v: L.dot_product_attention(q, k, v, mask_of(ids), 0.3, None), q, k, v)
       return vjp(out)
+
     return jax.jit(step).lower(q, kv, kv).as_text().count("dot_general")
 
   id_mask = lambda ids: L.IdMask(ids, ids, offset=0, blocks=(16, 16))

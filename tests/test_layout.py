@@ -32,7 +32,7 @@ def _imports(module: str, path: str, known: set[str]) -> set[str]:
     elif isinstance(node, ast.ImportFrom):
       base = node.module or ""
       if node.level:  # relative: from the module's package, one level up per extra dot
-        parts = module.split(".")[:len(module.split(".")) - node.level + is_package]
+        parts = module.split(".")[: len(module.split(".")) - node.level + is_package]
         base = ".".join(parts + ([base] if base else []))
       for alias in node.names:  # `from pkg import submodule` imports the submodule
         out.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
@@ -94,7 +94,8 @@ def test_no_import_cycles():
   assert "jaxrm.reward_model" in graph["jaxrm.export"]  # the graph sees the imports
   knots = _components(graph)
   assert not knots, "import cycles:\n" + "\n".join(
-      f"{' -> '.join(_path_through(graph, set(k)))} (all of {', '.join(k)} import each other)" for k in knots)
+    f"{' -> '.join(_path_through(graph, set(k)))} (all of {', '.join(k)} import each other)" for k in knots
+  )
 
 
 def test_cycle_finder_finds_cycles():
@@ -113,8 +114,13 @@ def test_no_test_module_imports_another():
     with open(os.path.join(tests_dir, name)) as f:
       tree = ast.parse(f.read(), name)
     for node in ast.walk(tree):
-      modules = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                 else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+      modules = (
+        [a.name for a in node.names]
+        if isinstance(node, ast.Import)
+        else [node.module or ""]
+        if isinstance(node, ast.ImportFrom)
+        else []
+      )
       offenders += [f"{name} imports {m}" for m in modules if m.split(".")[0].startswith("test_")]
   assert not offenders, offenders
 
@@ -124,15 +130,15 @@ def test_no_test_module_imports_another():
 # Each module (or package, by prefix) and the package modules it may import: layers point one way,
 # so a low layer never drags the library in with it.
 LAYERS = {
-    "jaxrm.errors": set(),
-    "jaxrm.sharding": set(),
-    "jaxrm.metrics": set(),
-    "jaxrm.kinds": {"jaxrm.errors"},
-    "jaxrm.models": {"jaxrm.errors", "jaxrm.sharding", "jaxrm.models"},
-    "jaxrm.hf": {"jaxrm.errors", "jaxrm.sharding", "jaxrm.models", "jaxrm.hf"},
-    "jaxrm.checkpointing": {"jaxrm.errors", "jaxrm.metrics"},
-    "jaxrm.batches": set(),
-    "jaxrm.losses": {"jaxrm.batches", "jaxrm.metrics"},
+  "jaxrm.errors": set(),
+  "jaxrm.sharding": set(),
+  "jaxrm.metrics": set(),
+  "jaxrm.kinds": {"jaxrm.errors"},
+  "jaxrm.models": {"jaxrm.errors", "jaxrm.sharding", "jaxrm.models"},
+  "jaxrm.hf": {"jaxrm.errors", "jaxrm.sharding", "jaxrm.models", "jaxrm.hf"},
+  "jaxrm.checkpointing": {"jaxrm.errors", "jaxrm.metrics"},
+  "jaxrm.batches": set(),
+  "jaxrm.losses": {"jaxrm.batches", "jaxrm.metrics"},
 }
 
 
@@ -175,9 +181,14 @@ PATH_OWNERS = {"jaxrm.loading", "jaxrm.hf.gguf", "jaxrm.hf.safetensors_io"}
 def _path_interpretations(path: str) -> list[str]:
   with open(path) as f:
     tree = ast.parse(f.read(), path)
-  docstrings = {id(n.body[0].value) for n in ast.walk(tree)
-                if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
-                and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+  docstrings = {
+    id(n.body[0].value)
+    for n in ast.walk(tree)
+    if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+    and n.body
+    and isinstance(n.body[0], ast.Expr)
+    and isinstance(n.body[0].value, ast.Constant)
+  }
   found = []
   for node in ast.walk(tree):
     if isinstance(node, ast.Call):
@@ -186,9 +197,11 @@ def _path_interpretations(path: str) -> list[str]:
       if name in PATH_CALLS:
         found.append(f"line {node.lineno}: calls {name}")
       if name in ("startswith", "endswith") and any(
-          isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value in PATH_STRINGS for a in node.args):
+        isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value in PATH_STRINGS
+        for a in node.args
+      ):
         found.append(f"line {node.lineno}: {name}({node.args[0].value!r})")
-    elif (isinstance(node, ast.Constant) and node.value == "model_config.json" and id(node) not in docstrings):
+    elif isinstance(node, ast.Constant) and node.value == "model_config.json" and id(node) not in docstrings:
       found.append(f"line {node.lineno}: 'model_config.json'")
   return found
 

@@ -9,15 +9,15 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import assert_only_trained_moved, demo_batches, flat_params, model_config_of, padded_tokens
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
-from helpers import assert_only_trained_moved, demo_batches, flat_params, model_config_of, padded_tokens
 from jaxrm import optim, sharding, steps
+from jaxrm.config import RewardSpec
 from jaxrm.data import pipeline
 from jaxrm.errors import ConfigError
 from jaxrm.hf.loader import abstract_model
-from jaxrm.config import RewardSpec
 from jaxrm.models import lora
 from jaxrm.models.config import ModelConfig, config_from_dict
 from jaxrm.models.decoder import Decoder
@@ -46,14 +46,19 @@ def test_targets_use_peft_names_and_all_linear_expands():
   assert LoraConfig(rank=8).scale == 2.0  # alpha 16
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(rank=4, targets=("q_proj", "qkv_proj")),
-     r"\['qkv_proj'\] are not projections of the decoder; use any of q_proj, .*, or 'all-linear'"),
+@pytest.mark.parametrize(
+  "kwargs, message",
+  [
+    (
+      dict(rank=4, targets=("q_proj", "qkv_proj")),
+      r"\['qkv_proj'\] are not projections of the decoder; use any of q_proj, .*, or 'all-linear'",
+    ),
     (dict(rank=-1), r"rank=-1; use 0 \(no adapters"),
     (dict(rank=2.5), r"rank=2.5; use 0"),
     (dict(rank=4, alpha=0), r"alpha=0; use a positive number"),
     (dict(rank=4, targets=()), r"adapts no projection \(targets is empty\)"),
-])
+  ],
+)
 def test_bad_settings_say_what_to_use(kwargs, message):
   with pytest.raises(ConfigError, match=message):
     LoraConfig(**kwargs)
@@ -71,14 +76,31 @@ def test_trainable_filter():
   assert lora.trainable_filter(LoraConfig()) is ...
   model = nnx.eval_shape(lambda: _token_head_model())
   trained, _ = nnx.split_state(nnx.state(model), lora.trainable_filter(QV), ...)
-  assert sorted(_names(trained)) == ["layers.q_lora_a", "layers.q_lora_b", "layers.v_lora_a",
-                                     "layers.v_lora_b", "score", "score_bias"]
+  assert sorted(_names(trained)) == [
+    "layers.q_lora_a",
+    "layers.q_lora_b",
+    "layers.v_lora_a",
+    "layers.v_lora_b",
+    "score",
+    "score_bias",
+  ]
 
 
 def _token_head_model():
-  cfg = ModelConfig(family="llama", vocab_size=32, hidden_size=8, intermediate_size=16, num_layers=2,
-                    num_heads=2, num_kv_heads=1, head_dim=4, head="token", num_labels=2, head_bias=True,
-                    lora=QV)
+  cfg = ModelConfig(
+    family="llama",
+    vocab_size=32,
+    hidden_size=8,
+    intermediate_size=16,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=4,
+    head="token",
+    num_labels=2,
+    head_bias=True,
+    lora=QV,
+  )
   return Decoder(cfg, rngs=nnx.Rngs(0))
 
 
@@ -121,11 +143,18 @@ def test_training_moves_adapters_and_head_only(tiny_rm, model_dir):
   mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), devices=jax.devices()[:1])
   tx = optim.make_optimizer(optax.constant_schedule(1e-2), weight_decay=0.01)
   before = flat_params(nnx.state(rm.model))
-  state, shardings = steps.init_state(nnx.state(rm.model), tx, seed=0, mesh=mesh,
-                                      trainable=lora.trainable_filter(rm.config.lora))
+  state, shardings = steps.init_state(
+    nnx.state(rm.model), tx, seed=0, mesh=mesh, trainable=lora.trainable_filter(rm.config.lora)
+  )
   assert sorted(state) == sorted(shardings) == ["frozen", "opt_state", "params", "rng", "step"]
   trained_names = sorted(_names(state["params"]))
-  assert trained_names == ["layers.q_lora_a", "layers.q_lora_b", "layers.v_lora_a", "layers.v_lora_b", "score"]
+  assert trained_names == [
+    "layers.q_lora_a",
+    "layers.q_lora_b",
+    "layers.v_lora_a",
+    "layers.v_lora_b",
+    "score",
+  ]
 
   # The optimizer holds two moments of the adapters and head only (plus scalar counters): 3,714
   # numbers against 6,416,898 for full training (the tiny model is mostly its 49k x 64 embedding).
@@ -137,8 +166,14 @@ def test_training_moves_adapters_and_head_only(tiny_rm, model_dir):
   assert _size(state["frozen"]) == total - _size(tiny_rm.model.score[...])  # all but the head
 
   # Two micro-batches: the frozen base passes through gradient accumulation as well.
-  train_step = steps.make_train_step(steps.make_loss_fn(rm.model, RewardSpec()), tx, lambda _: 1e-2,
-                                     grad_accum_steps=2, state_shardings=shardings, mesh=mesh)
+  train_step = steps.make_train_step(
+    steps.make_loss_fn(rm.model, RewardSpec()),
+    tx,
+    lambda _: 1e-2,
+    grad_accum_steps=2,
+    state_shardings=shardings,
+    mesh=mesh,
+  )
   for batch in demo_batches(rm.tokenizer, 3):
     state, (_, extra) = train_step(state, pipeline.to_global_batch(batch, mesh))
     assert np.isfinite(extra["grad_norm"]) and extra["grad_norm"] > 0
@@ -157,8 +192,9 @@ def test_first_step_trains_b_and_head_as_full_training_does(tiny_rm, model_dir):
   def first_step(rm, trainable):
     before = flat_params(nnx.state(rm.model))
     state, shardings = steps.init_state(nnx.state(rm.model), tx, seed=0, mesh=mesh, trainable=trainable)
-    step = steps.make_train_step(steps.make_loss_fn(rm.model, RewardSpec()), tx, lambda _: 1.0,
-                                 state_shardings=shardings, mesh=mesh)
+    step = steps.make_train_step(
+      steps.make_loss_fn(rm.model, RewardSpec()), tx, lambda _: 1.0, state_shardings=shardings, mesh=mesh
+    )
     state, (metrics, _) = step(state, pipeline.to_global_batch(batch, mesh))
     after = flat_params(state["params"])
     return {k: after[k] - before[k] for k in after}, metrics["loss"].total
@@ -195,8 +231,9 @@ def test_merged_weights_give_the_adapted_models_rewards(tiny_rm, model_dir):
   assert np.abs(want - tiny_rm.score_tokens(ids, mask)).min() > 100 * MERGE_ATOL  # the adapters matter
   np.testing.assert_allclose(got, want, rtol=0, atol=MERGE_ATOL)
   # Weights without adapters pass through as they are.
-  np.testing.assert_array_equal(np.asarray(merged_state["embed"].get_value()),
-                                np.asarray(state["embed"].get_value()))
+  np.testing.assert_array_equal(
+    np.asarray(merged_state["embed"].get_value()), np.asarray(state["embed"].get_value())
+  )
 
 
 # ------------------------------------------------------------------ sharding

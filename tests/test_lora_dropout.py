@@ -9,12 +9,12 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-
 from helpers import demo_batches, flat_params, padded_tokens
+
 from jaxrm import sharding, steps
+from jaxrm.config import RewardSpec
 from jaxrm.data import pipeline
 from jaxrm.errors import ConfigError
-from jaxrm.config import RewardSpec
 from jaxrm.models import lora
 from jaxrm.models.lora import LoraConfig, LoraParam
 from jaxrm.reward_model import RewardModel
@@ -55,7 +55,9 @@ def _with_random_b(rm: RewardModel) -> RewardModel:
 
 def test_scoring_drops_nothing_and_training_draws_from_its_key(model_dir):
   dropped = _with_random_b(RewardModel.from_pretrained(model_dir, lora=DROPPED))
-  kept = _with_random_b(RewardModel.from_pretrained(model_dir, lora=dataclasses.replace(DROPPED, dropout=0.0)))
+  kept = _with_random_b(
+    RewardModel.from_pretrained(model_dir, lora=dataclasses.replace(DROPPED, dropout=0.0))
+  )
   ids, mask = padded_tokens(dropped.config.vocab_size)
   scores = dropped.score_tokens(ids, mask)
   np.testing.assert_array_equal(scores, kept.score_tokens(ids, mask))
@@ -76,10 +78,17 @@ def test_train_step_draws_a_mask_per_step_from_the_state_seed(model_dir):
   def first_update(cfg: LoraConfig, seed: int = 0):
     rm = RewardModel.from_pretrained(model_dir, lora=cfg)
     before = flat_params(nnx.state(rm.model))
-    state, shardings = steps.init_state(nnx.state(rm.model), tx, seed=seed, mesh=mesh,
-                                        trainable=lora.trainable_filter(cfg))
-    step = steps.make_train_step(steps.make_loss_fn(rm.model, RewardSpec()), tx, lambda _: 1.0,
-                                 grad_accum_steps=2, state_shardings=shardings, mesh=mesh)
+    state, shardings = steps.init_state(
+      nnx.state(rm.model), tx, seed=seed, mesh=mesh, trainable=lora.trainable_filter(cfg)
+    )
+    step = steps.make_train_step(
+      steps.make_loss_fn(rm.model, RewardSpec()),
+      tx,
+      lambda _: 1.0,
+      grad_accum_steps=2,
+      state_shardings=shardings,
+      mesh=mesh,
+    )
     state, (metrics, _) = step(state, batch)
     after = flat_params(state["params"])
     return float(metrics["loss"].total), {k: after[k] - before[k] for k in after}

@@ -4,18 +4,18 @@ jaxrm, or as a peft adapter directory that peft applies over the base checkpoint
 import json
 import sys
 
+import hf_tiny
 import jax
 import numpy as np
 import peft
 import pytest
 import safetensors.numpy
+import tiny_run
 import torch
 import transformers
 from flax import nnx
-
-import hf_tiny
-import tiny_run
 from helpers import IM_END, PARITY_ATOL, right_padded
+
 from jaxrm import RewardModel
 from jaxrm.errors import ConfigError
 from jaxrm.export import export
@@ -29,8 +29,10 @@ ALL = LoraConfig(rank=4, alpha=8, targets="all-linear")
 CASES = [("llama", "sequence", QV), ("qwen3", "token", ALL), ("gemma2", "sequence", ALL)]
 IDS = [f"{f}-{h}-{'qv' if c is QV else 'all'}" for f, h, c in CASES]
 
-HF_CLASSES = {"sequence": transformers.AutoModelForSequenceClassification,
-              "token": transformers.AutoModelForTokenClassification}
+HF_CLASSES = {
+  "sequence": transformers.AutoModelForSequenceClassification,
+  "token": transformers.AutoModelForTokenClassification,
+}
 
 
 def _adapted(family, head, cfg, src):
@@ -72,8 +74,9 @@ def test_merged_export_scores_like_the_adapted_model(family, head, cfg, tmp_path
 
   config = json.loads((tmp_path / "out" / "config.json").read_text())
   assert "lora" not in config and not any("lora" in k for k in config)
-  hf, info = HF_CLASSES[head].from_pretrained(tmp_path / "out", dtype=torch.float32,
-                                              attn_implementation="eager", output_loading_info=True)
+  hf, info = HF_CLASSES[head].from_pretrained(
+    tmp_path / "out", dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+  )
   assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
   np.testing.assert_allclose(_torch_scores(hf, head), _scores(rm), atol=PARITY_ATOL, rtol=0)
 
@@ -86,11 +89,14 @@ def test_merged_export_scores_like_the_adapted_model(family, head, cfg, tmp_path
 def test_merged_export_decodes_a_quantized_base(base_dtype, tmp_path):
   """QLoRA: the export holds the decoded base plus the adapters, so transformers scores it as jaxrm
   scores the quantized model."""
-  rm = _adapted("llama", "sequence", LoraConfig(rank=4, targets="all-linear", base_dtype=base_dtype),
-                tmp_path / "src")
+  rm = _adapted(
+    "llama", "sequence", LoraConfig(rank=4, targets="all-linear", base_dtype=base_dtype), tmp_path / "src"
+  )
   rm.save_pretrained(tmp_path / "out")
   assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == "float32"
-  hf = HF_CLASSES["sequence"].from_pretrained(tmp_path / "out", dtype=torch.float32, attn_implementation="eager")
+  hf = HF_CLASSES["sequence"].from_pretrained(
+    tmp_path / "out", dtype=torch.float32, attn_implementation="eager"
+  )
   np.testing.assert_allclose(_torch_scores(hf, "sequence"), _scores(rm), atol=PARITY_ATOL, rtol=0)
 
 
@@ -103,16 +109,27 @@ def test_peft_applies_the_adapters_over_the_base_like_jaxrm(family, head, cfg, t
   # The file holds what peft itself saves for this LoraConfig, under the same names and shapes.
   task = "SEQ_CLS" if head == "sequence" else "TOKEN_CLS"
   reference = peft.get_peft_model(
-      HF_CLASSES[head].from_pretrained(tmp_path / "src", dtype=torch.float32),
-      peft.LoraConfig(task_type=task, r=cfg.rank, lora_alpha=cfg.alpha, target_modules=list(cfg.targets),
-                      lora_dropout=0.0, modules_to_save=["score"]))
+    HF_CLASSES[head].from_pretrained(tmp_path / "src", dtype=torch.float32),
+    peft.LoraConfig(
+      task_type=task,
+      r=cfg.rank,
+      lora_alpha=cfg.alpha,
+      target_modules=list(cfg.targets),
+      lora_dropout=0.0,
+      modules_to_save=["score"],
+    ),
+  )
   want = {k: tuple(v.shape) for k, v in peft.get_peft_model_state_dict(reference).items()}
   ours = safetensors.numpy.load_file(out / "adapter_model.safetensors")
   assert {k: v.shape for k, v in ours.items()} == want
 
   config = json.loads((out / "adapter_config.json").read_text())
   assert (config["peft_type"], config["task_type"], config["r"], config["lora_alpha"]) == (
-      "LORA", task, cfg.rank, cfg.alpha)
+    "LORA",
+    task,
+    cfg.rank,
+    cfg.alpha,
+  )
   assert config["target_modules"] == list(cfg.targets) and config["modules_to_save"] == ["score"]
 
   base = HF_CLASSES[head].from_pretrained(tmp_path / "src", dtype=torch.float32, attn_implementation="eager")
@@ -130,8 +147,16 @@ def test_adapters_only_needs_adapters(tmp_path):
   with pytest.raises(ConfigError, match=r"the model has no LoRA adapters \(lora.rank is 0\)"):
     save_peft_adapters(tmp_path / "a", rm.model, base_model_name_or_path=None)
 
-  bad = tiny_run.run([sys.executable, "-m", "jaxrm.export", f"--checkpoint={tmp_path / 'src'}",
-                      f"--out={tmp_path / 'b'}", "--adapters_only"])
+  bad = tiny_run.run(
+    [
+      sys.executable,
+      "-m",
+      "jaxrm.export",
+      f"--checkpoint={tmp_path / 'src'}",
+      f"--out={tmp_path / 'b'}",
+      "--adapters_only",
+    ]
+  )
   assert bad.returncode == 1, tiny_run.describe(bad)
   assert "the model has no LoRA adapters" in bad.stderr
   assert not (tmp_path / "b").exists()
@@ -142,10 +167,21 @@ def test_cli_exports_a_lora_run_both_ways(model_dir, tmp_path):
   """A LoRA training run: ``--adapters_only`` names the run's base, and peft over that base, like
   transformers over the merged export, scores as the run's model does."""
   run = str(tmp_path / "run")
-  tiny_run.train(tiny_run.config(model_dir, run, train__max_steps=2, model__lora__rank=4,
-                                 model__lora__target_modules="q_proj,v_proj"))
-  ok = tiny_run.run([sys.executable, "-m", "jaxrm.export", f"--checkpoint={run}",
-                     f"--out={tmp_path / 'adapters'}", "--adapters_only"])
+  tiny_run.train(
+    tiny_run.config(
+      model_dir, run, train__max_steps=2, model__lora__rank=4, model__lora__target_modules="q_proj,v_proj"
+    )
+  )
+  ok = tiny_run.run(
+    [
+      sys.executable,
+      "-m",
+      "jaxrm.export",
+      f"--checkpoint={run}",
+      f"--out={tmp_path / 'adapters'}",
+      "--adapters_only",
+    ]
+  )
   assert ok.returncode == 0, tiny_run.describe(ok)
   assert f"to {tmp_path / 'adapters'} as peft LoRA adapters (rank 4) in float32" in ok.stdout
   config = json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())
@@ -153,8 +189,10 @@ def test_cli_exports_a_lora_run_both_ways(model_dir, tmp_path):
   rm = export(run, str(tmp_path / "merged"))
   assert np.abs(np.asarray(rm.model.layers.q_lora_b[...])).max() > 0  # training moved B off zero
 
-  chats = [[{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}],
-           [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue, I think."}]]
+  chats = [
+    [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}],
+    [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue, I think."}],
+  ]
   # Rows end "<|im_end|>\n" and are padded with <|im_end|>, the pad id: transformers pools at the
   # last token that is not the pad id, the last real token, where jaxrm reads the reward.
   ids, mask = right_padded([rm.encode(c) for c in chats], pad=IM_END, dtype=np.int64)

@@ -8,10 +8,10 @@ import subprocess
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from flax import nnx
-
 import tiny_run
+from flax import nnx
 from helpers import flat_params
+
 from jaxrm import checkpointing, loading
 from jaxrm.data import registry
 from jaxrm.data.drops import DropReport
@@ -23,8 +23,13 @@ from jaxrm.reward_model import RewardModel
 
 # Rank 4 on q and v, with dropout (so that resuming must draw the masks an uninterrupted run
 # draws); a LoRA learning rate (adapters start at B = 0 and need larger steps).
-LORA = dict(model__lora__rank=4, model__lora__target_modules="q_proj,v_proj", model__lora__dropout=0.1,
-            train__learning_rate=1e-2, eval__val_at_start=True)
+LORA = dict(
+  model__lora__rank=4,
+  model__lora__target_modules="q_proj,v_proj",
+  model__lora__dropout=0.1,
+  train__learning_rate=1e-2,
+  eval__val_at_start=True,
+)
 ADAPTERS = ["layers.q_lora_a", "layers.q_lora_b", "layers.v_lora_a", "layers.v_lora_b", "score"]
 
 
@@ -34,7 +39,9 @@ def _rows(output_dir, key):
 
 def _du(path: str) -> int:
   """Bytes on disk under ``path`` (as ``du -sb``)."""
-  return int(subprocess.run(["du", "-sb", path], capture_output=True, text=True, check=True).stdout.split()[0])
+  return int(
+    subprocess.run(["du", "-sb", path], capture_output=True, text=True, check=True).stdout.split()[0]
+  )
 
 
 @pytest.fixture(scope="module")
@@ -109,27 +116,43 @@ def test_resume_equals_uninterrupted_run(lora_run, model_dir, tmp_path):
   resumed, uninterrupted = _rows(out, "train/loss"), _rows(lora_run, "train/loss")
   assert list(resumed) == [1, 2, 3, 4]
   for key in ("train/loss", "train/accuracy", "train/grad_norm", "train/learning_rate"):
-    np.testing.assert_allclose([resumed[s][key] for s in (1, 2, 3, 4)],
-                               [uninterrupted[s][key] for s in (1, 2, 3, 4)], rtol=0, atol=1e-6, err_msg=key)
+    np.testing.assert_allclose(
+      [resumed[s][key] for s in (1, 2, 3, 4)],
+      [uninterrupted[s][key] for s in (1, 2, 3, 4)],
+      rtol=0,
+      atol=1e-6,
+      err_msg=key,
+    )
   assert _rows(out, "validation-default_loss")[4]["validation-default_loss"] == pytest.approx(
-      _rows(lora_run, "validation-default_loss")[4]["validation-default_loss"], abs=1e-6)
+    _rows(lora_run, "validation-default_loss")[4]["validation-default_loss"], abs=1e-6
+  )
 
   # Resuming with other adapters is refused before anything trains.
-  with pytest.raises(ConfigError, match=r"holds a run trained with LoRA rank 4 \(alpha 16, dropout 0.1\) on q_proj, "
-                                        r"v_proj, but model.lora asks for LoRA rank 8 \(alpha 16, dropout 0.1\) on "
-                                        r"q_proj, v_proj: "
-                                        r"resume with the run's settings"):
+  with pytest.raises(
+    ConfigError,
+    match=r"holds a run trained with LoRA rank 4 \(alpha 16, dropout 0.1\) on q_proj, "
+    r"v_proj, but model.lora asks for LoRA rank 8 \(alpha 16, dropout 0.1\) on "
+    r"q_proj, v_proj: "
+    r"resume with the run's settings",
+  ):
     tiny_run.train(tiny_run.config(model_dir, stopped, **dict(LORA, model__lora__rank=8)))
 
 
-@pytest.mark.parametrize("overrides, message", [
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
     (dict(model__lora__rank=-2), r"model.lora.rank=-2: LoRA rank=-2; use 0"),
-    (dict(model__lora__rank=4, model__lora__target_modules="q_proj,qkv"),
-     r"model.lora.target_modules='q_proj,qkv': LoRA targets \['qkv'\] are not projections"),
-    (dict(model__lora__rank=4, model__lora__dropout=1.5),
-     r"model.lora.dropout=1.5: LoRA dropout=1.5; use a probability in \[0, 1\)"),
+    (
+      dict(model__lora__rank=4, model__lora__target_modules="q_proj,qkv"),
+      r"model.lora.target_modules='q_proj,qkv': LoRA targets \['qkv'\] are not projections",
+    ),
+    (
+      dict(model__lora__rank=4, model__lora__dropout=1.5),
+      r"model.lora.dropout=1.5: LoRA dropout=1.5; use a probability in \[0, 1\)",
+    ),
     (dict(model__lora__rank=4, model__lora__alpha=-1.0), r"model.lora.alpha=-1.0: LoRA alpha=-1.0"),
-])
+  ],
+)
 def test_config_errors_name_their_key(model_dir, tmp_path, overrides, message):
   with pytest.raises(ConfigError, match=message):
     tiny_run.train(tiny_run.config(model_dir, str(tmp_path / "run"), **overrides))
@@ -137,15 +160,23 @@ def test_config_errors_name_their_key(model_dir, tmp_path, overrides, message):
 
 def test_lora_over_a_training_run_is_refused(baseline, model_dir, tmp_path):
   c = tiny_run.config(baseline, str(tmp_path / "run"), model__lora__rank=4)
-  with pytest.raises(ConfigError, match=r"model.lora.rank=4 needs an HF checkpoint or .gguf file .* is a "
-                                        r"jaxrm training run: export it first"):
+  with pytest.raises(
+    ConfigError,
+    match=r"model.lora.rank=4 needs an HF checkpoint or .gguf file .* is a "
+    r"jaxrm training run: export it first",
+  ):
     tiny_run.train(c)
 
 
 def test_quantized_base_trains_and_loads_back(model_dir, tmp_path):
   out = str(tmp_path / "nf4")
-  tiny_run.train(tiny_run.config(model_dir, out, **dict(LORA, model__lora__base_dtype="nf4", train__max_steps=2,
-                                                         eval__val_at_start=False)))
+  tiny_run.train(
+    tiny_run.config(
+      model_dir,
+      out,
+      **dict(LORA, model__lora__base_dtype="nf4", train__max_steps=2, eval__val_at_start=False),
+    )
+  )
   rm = RewardModel.from_pretrained(out)
   assert rm.config.lora.base_dtype == "nf4"
   records = registry.load_records("demo_arithmetic", None, split="validation", drops=DropReport())[:8]

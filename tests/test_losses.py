@@ -6,10 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import preference_loss_args, softplus
+
 from jaxrm import losses
-from jaxrm.batches import IGNORE_INDEX as X, PreferenceBatch, StepwiseBatch
+from jaxrm.batches import IGNORE_INDEX as X
+from jaxrm.batches import PreferenceBatch, StepwiseBatch
 from jaxrm.config import RANKING_LOSSES, REWARD_TYPES, RewardSpec
 from jaxrm.metrics import accumulate, finalize_metrics
 
@@ -46,7 +47,9 @@ def assert_metrics_close(actual, expected, rtol=RTOL, atol=1e-6):
 def test_bradley_terry_pairs_by_hand():
   loss, metrics = bradley_terry_loss(**preference_loss_args([[2, 1], [0, 3]], [[0, 1], [0, 1]]))
   np.testing.assert_allclose(loss, (neg_log_sigmoid(1) + neg_log_sigmoid(-3)) / 2, rtol=RTOL)
-  assert_metrics_close(finalize_metrics(metrics), {
+  assert_metrics_close(
+    finalize_metrics(metrics),
+    {
       "loss": float(loss),
       "accuracy": 0.5,
       "tie_rate": 0.0,
@@ -56,7 +59,8 @@ def test_bradley_terry_pairs_by_hand():
       "margin": -1.0,  # mean(1, -3)
       "reward_mean": 1.5,
       "reward_std": float(np.std([2, 1, 0, 3])),
-  })
+    },
+  )
 
 
 def test_bradley_terry_margin_and_centering():
@@ -75,8 +79,9 @@ def test_filler_groups_and_absent_slots_change_nothing():
   loss, metrics = bradley_terry_loss(**preference_loss_args([[2, 1], [0, 3]], [[0, 1], [0, 1]]))
   # Same two pairs with an absent middle slot in the first group, and a filler group whose
   # rewards are garbage (a model may give anything, even NaN, for an all-padding row).
-  padded = preference_loss_args([[2, 9, 1], [0, 3, 0], [np.nan, 7, 100]],
-                      [[0, -1, 1], [0, 1, -1], [0, 1, 2]], example_mask=[1, 1, 0])
+  padded = preference_loss_args(
+    [[2, 9, 1], [0, 3, 0], [np.nan, 7, 100]], [[0, -1, 1], [0, 1, -1], [0, 1, 2]], example_mask=[1, 1, 0]
+  )
   padded_loss, padded_metrics = bradley_terry_loss(**padded)
   np.testing.assert_allclose(padded_loss, loss, rtol=RTOL)
   assert_metrics_close(finalize_metrics(padded_metrics), finalize_metrics(metrics))
@@ -104,8 +109,7 @@ def test_all_pairs_averages_over_pairs_not_groups():
   assert finalized["margin"] == pytest.approx(((1 - 2) + (3 - 1)) / 2)
 
   best_worst_loss, _ = bradley_terry_loss(**batch)  # one pair per group
-  np.testing.assert_allclose(best_worst_loss, np.mean(neg_log_sigmoid([1.0 - 2.0, 3.0 - 1.0])),
-                             rtol=RTOL)
+  np.testing.assert_allclose(best_worst_loss, np.mean(neg_log_sigmoid([1.0 - 2.0, 3.0 - 1.0])), rtol=RTOL)
 
 
 def test_ties_count_as_wrong_and_are_reported():
@@ -166,7 +170,7 @@ def test_gradients_finite_and_zero_on_masked_slots():
   example_mask = jnp.array([1.0, 1.0, 0.0])
   expected_zero = np.array([[0, 0, 0], [0, 1, 0], [1, 1, 1]], bool)
   for loss_fn in (losses.plackett_luce_loss, losses.all_pairs_bradley_terry_loss):
-    grads = jax.jit(jax.grad(lambda r: loss_fn(r, ranks, example_mask)[0]))(rewards)
+    grads = jax.jit(jax.grad(lambda r, loss_fn=loss_fn: loss_fn(r, ranks, example_mask)[0]))(rewards)
     assert np.isfinite(grads).all()
     assert (np.asarray(grads)[expected_zero] == 0).all()
     assert (np.asarray(grads)[~expected_zero] != 0).all()
@@ -181,8 +185,7 @@ def test_stepwise_cross_entropy_by_hand():
   logits = rng.normal(size=(3, 5, 2)).astype(np.float32)
   labels = np.array([[X, 1, X, 0, 1], [X, X, 1, X, X], [1, 0, 1, 0, 1]], np.int32)
   example_mask = np.array([1, 1, 0], np.float32)  # the third sequence is filler
-  loss, metrics = stepwise_loss(jnp.asarray(logits), jnp.asarray(labels),
-                                       jnp.asarray(example_mask))
+  loss, metrics = stepwise_loss(jnp.asarray(logits), jnp.asarray(labels), jnp.asarray(example_mask))
   log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
   steps = [(0, 1), (0, 3), (0, 4), (1, 2)]
   expected = -np.mean([log_probs[b, t, labels[b, t]] for b, t in steps])
@@ -198,8 +201,7 @@ def step_logits(predictions):
 
 def test_always_true_model_shows_zero_error_recall_and_f1():
   labels = np.array([[1, 0, 1, X], [1, 1, 1, 1]], np.int32)
-  _, metrics = stepwise_loss(step_logits(np.ones((2, 4))), jnp.asarray(labels),
-                                    jnp.ones(2))
+  _, metrics = stepwise_loss(step_logits(np.ones((2, 4))), jnp.asarray(labels), jnp.ones(2))
   finalized = finalize_metrics(metrics)
   assert finalized["recall_error"] == 0.0
   assert finalized["f1_error"] == 0.0
@@ -210,30 +212,37 @@ def test_always_true_model_shows_zero_error_recall_and_f1():
 
 
 def test_stepwise_metrics_by_hand():
-  labels = np.array([
+  labels = np.array(
+    [
       [X, 1, X, 0, X, 0],  # first error at 3; predicted first error at 3 -> found
       [1, 1, 0, X, X, X],  # first error at 2; predicted first error at 0 -> not found
       [X, 1, X, 1, X, X],  # no error: not counted
       [0, 1, 0, X, X, X],  # first error at 0; no error predicted -> not found
-  ], np.int32)
-  predictions = np.array([
+    ],
+    np.int32,
+  )
+  predictions = np.array(
+    [
       [0, 1, 0, 0, 0, 1],  # errors predicted on unlabelled tokens 0, 2, 4 do not count
       [0, 1, 0, 0, 0, 0],
       [0, 0, 0, 1, 0, 0],
       [1, 1, 1, 1, 1, 1],
-  ])
+    ]
+  )
   _, metrics = stepwise_loss(step_logits(predictions), jnp.asarray(labels), jnp.ones(4))
   # Labelled steps (label, prediction): (1,1) (0,0) (0,1) | (1,0) (1,1) (0,0) | (1,0) (1,1)
   # | (0,1) (1,1) (0,1). Errors: 5, found 2; correct: 6, found 4; predicted errors: 4.
   assert_metrics_close(
-      {k: v for k, v in finalize_metrics(metrics).items() if k != "loss"}, {
-          "step_accuracy": 6 / 11,
-          "recall_correct": 4 / 6,
-          "recall_error": 2 / 5,
-          "f1_error": 2 * 2 / (2 * 2 + 2 + 3),  # 2TP / (2TP + FP + FN)
-          "first_error_found": 1 / 3,
-          "positive_rate": 6 / 11,
-      })
+    {k: v for k, v in finalize_metrics(metrics).items() if k != "loss"},
+    {
+      "step_accuracy": 6 / 11,
+      "recall_correct": 4 / 6,
+      "recall_error": 2 / 5,
+      "f1_error": 2 * 2 / (2 * 2 + 2 + 3),  # 2TP / (2TP + FP + FN)
+      "first_error_found": 1 / 3,
+      "positive_rate": 6 / 11,
+    },
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,8 +257,10 @@ def test_two_batches_accumulate_to_the_concatenated_batch():
   whole = preference_loss_args(rewards, ranks, mask)
   # The halves hold 3 and 2 real groups (5 and 6 ordered pairs), so averaging the two batch
   # means would not give the whole-batch mean. Equal shapes keep it to one more compile.
-  first, second = preference_loss_args(rewards[:3], ranks[:3], mask[:3]), preference_loss_args(
-      rewards[3:], ranks[3:], mask[3:])
+  first, second = (
+    preference_loss_args(rewards[:3], ranks[:3], mask[:3]),
+    preference_loss_args(rewards[3:], ranks[3:], mask[3:]),
+  )
   for loss_fn in (bradley_terry_loss, plackett_luce_loss):
     _, expected = loss_fn(**whole)
     accumulated = accumulate(loss_fn(**first)[1], loss_fn(**second)[1])
@@ -259,8 +270,10 @@ def test_two_batches_accumulate_to_the_concatenated_batch():
   labels = np.where(rng.random((4, 6)) < 0.4, X, rng.integers(0, 2, (4, 6))).astype(np.int32)
   step_mask = np.array([1, 1, 1, 0], np.float32)
   _, expected = stepwise_loss(logits, labels, step_mask)
-  accumulated = accumulate(stepwise_loss(logits[:2], labels[:2], step_mask[:2])[1],
-                           stepwise_loss(logits[2:], labels[2:], step_mask[2:])[1])
+  accumulated = accumulate(
+    stepwise_loss(logits[:2], labels[:2], step_mask[:2])[1],
+    stepwise_loss(logits[2:], labels[2:], step_mask[2:])[1],
+  )
   assert_metrics_close(finalize_metrics(accumulated), finalize_metrics(expected))
 
 
@@ -274,22 +287,23 @@ def test_each_reward_type_trains_with_its_loss():
   ranks = jnp.array([[0, 1, 2], [0, 1, -1]], jnp.int32)
   mask, margin = jnp.ones(2), jnp.array([0.5, 0.0])
   # The batch's token arrays are not read by the loss: the rewards stand in for the model's outputs.
-  batch = PreferenceBatch(input_ids=None, attention_mask=None, ranks=ranks, margin=margin,
-                          example_mask=mask)
+  batch = PreferenceBatch(input_ids=None, attention_mask=None, ranks=ranks, margin=margin, example_mask=mask)
   expected = {
-      RewardSpec("bradley_terry", center_rewards_coefficient=0.1):
-          losses.bradley_terry_loss(rewards, ranks, mask, margin, center_rewards_coefficient=0.1),
-      RewardSpec("ranking", "plackett_luce"): losses.plackett_luce_loss(rewards, ranks, mask),
-      RewardSpec("ranking", "all_pairs", center_rewards_coefficient=0.1):
-          losses.all_pairs_bradley_terry_loss(rewards, ranks, mask, margin,
-                                              center_rewards_coefficient=0.1),
+    RewardSpec("bradley_terry", center_rewards_coefficient=0.1): losses.bradley_terry_loss(
+      rewards, ranks, mask, margin, center_rewards_coefficient=0.1
+    ),
+    RewardSpec("ranking", "plackett_luce"): losses.plackett_luce_loss(rewards, ranks, mask),
+    RewardSpec("ranking", "all_pairs", center_rewards_coefficient=0.1): losses.all_pairs_bradley_terry_loss(
+      rewards, ranks, mask, margin, center_rewards_coefficient=0.1
+    ),
   }
   values = {spec: float(losses.batch_loss(spec)(rewards, batch)[0]) for spec in expected}
   assert len(set(values.values())) == 3
   for spec, (loss, metrics) in expected.items():
     assert values[spec] == pytest.approx(float(loss), rel=RTOL), spec
-    assert_metrics_close(finalize_metrics(losses.batch_loss(spec)(rewards, batch)[1]),
-                         finalize_metrics(metrics))
+    assert_metrics_close(
+      finalize_metrics(losses.batch_loss(spec)(rewards, batch)[1]), finalize_metrics(metrics)
+    )
   # A spec without type=ranking ignores ranking_loss.
   assert RewardSpec("bradley_terry", "all_pairs").loss_key == ("bradley_terry", None)
 
@@ -301,15 +315,24 @@ def test_each_reward_type_trains_with_its_loss():
 
 
 def test_every_reward_spec_has_a_loss():
-  specs = [RewardSpec(t, r, attributes="a" if t == "regression" else "") for t in REWARD_TYPES
-           for r in RANKING_LOSSES]
+  specs = [
+    RewardSpec(t, r, attributes="a" if t == "regression" else "")
+    for t in REWARD_TYPES
+    for r in RANKING_LOSSES
+  ]
   assert {spec.loss_key for spec in specs} == set(losses.LOSSES)
 
 
 def test_bad_reward_spec_names_the_choices():
-  with pytest.raises(ValueError, match=r"reward.type must be one of bradley_terry, ranking, "
-                                       r"stepwise, regression; got 'pairs'"):
+  with pytest.raises(
+    ValueError,
+    match=r"reward.type must be one of bradley_terry, ranking, "
+    r"stepwise, regression; got 'pairs'",
+  ):
     RewardSpec("pairs")
-  with pytest.raises(ValueError, match=r"reward.ranking_loss must be one of plackett_luce, "
-                                       r"all_pairs; got 'listnet'"):
+  with pytest.raises(
+    ValueError,
+    match=r"reward.ranking_loss must be one of plackett_luce, "
+    r"all_pairs; got 'listnet'",
+  ):
     RewardSpec("ranking", "listnet")

@@ -7,10 +7,10 @@ import optax
 from flax import nnx
 
 from jaxrm import sharding, steps
+from jaxrm.config import RewardSpec
 from jaxrm.data import pipeline, registry
 from jaxrm.data.drops import DropReport
 from jaxrm.data.tokenize import TokenizeOptions, pad_id, tokenize_all
-from jaxrm.config import RewardSpec
 from jaxrm.models.lora import LoraConfig, LoraParam
 from jaxrm.reward_model import RewardModel
 
@@ -31,8 +31,9 @@ def _examples(rm):
 
 
 def _collate(rm, groups):
-  return pipeline.Collator(batch_size=len(groups), buckets=BUCKETS, pad_id=pad_id(rm.tokenizer),
-                           num_completions=2)(groups)
+  return pipeline.Collator(
+    batch_size=len(groups), buckets=BUCKETS, pad_id=pad_id(rm.tokenizer), num_completions=2
+  )(groups)
 
 
 def _update(load, step_of, batch):
@@ -58,8 +59,12 @@ def test_micro_batches_of_their_own_length_update_as_the_whole_batch(tiny_rm, mo
   assert short.input_ids.shape[1] < long.input_ids.shape[1] == whole.input_ids.shape[1]
   loss_fn = steps.make_loss_fn(tiny_rm.model, RewardSpec())
   load = lambda: RewardModel.from_pretrained(model_dir)
-  one_step = lambda tx, sh, mesh: steps.make_train_step(loss_fn, tx, lambda _: 1.0, state_shardings=sh, mesh=mesh)
-  micro = lambda tx, sh, mesh: steps.MicroBatchedStep(loss_fn, tx, lambda _: 1.0, state_shardings=sh, mesh=mesh)
+  one_step = lambda tx, sh, mesh: steps.make_train_step(
+    loss_fn, tx, lambda _: 1.0, state_shardings=sh, mesh=mesh
+  )
+  micro = lambda tx, sh, mesh: steps.MicroBatchedStep(
+    loss_fn, tx, lambda _: 1.0, state_shardings=sh, mesh=mesh
+  )
   want, count = _update(load, one_step, whole)
   got, micro_count = _update(load, micro, (short, long))
   assert count == micro_count == 8
@@ -71,16 +76,21 @@ def test_micro_batches_of_their_own_length_update_as_the_whole_batch(tiny_rm, mo
 
 def test_micro_batches_draw_the_dropout_of_the_scanned_step(model_dir):
   """With LoRA dropout, micro-batch i draws what the scan over stacked micro-batches draws."""
-  load = lambda: RewardModel.from_pretrained(model_dir, lora=LoraConfig(rank=4, dropout=0.5, targets="all-linear"))
+  load = lambda: RewardModel.from_pretrained(
+    model_dir, lora=LoraConfig(rank=4, dropout=0.5, targets="all-linear")
+  )
   rm = load()
   groups = _examples(rm)
   # The scanned step splits one batch into micro-batches of groups (0, 2, 4, 6) and (1, 3, 5, 7).
   whole = _collate(rm, groups)
   first, second = _collate(rm, groups[0::2]), _collate(rm, groups[1::2])
   loss_fn = steps.make_loss_fn(rm.model, RewardSpec())
-  scanned = lambda tx, sh, mesh: steps.make_train_step(loss_fn, tx, lambda _: 1.0, grad_accum_steps=2,
-                                                       state_shardings=sh, mesh=mesh)
-  micro = lambda tx, sh, mesh: steps.MicroBatchedStep(loss_fn, tx, lambda _: 1.0, state_shardings=sh, mesh=mesh)
+  scanned = lambda tx, sh, mesh: steps.make_train_step(
+    loss_fn, tx, lambda _: 1.0, grad_accum_steps=2, state_shardings=sh, mesh=mesh
+  )
+  micro = lambda tx, sh, mesh: steps.MicroBatchedStep(
+    loss_fn, tx, lambda _: 1.0, state_shardings=sh, mesh=mesh
+  )
   want, _ = _update(load, scanned, whole)
   pad = pad_id(rm.tokenizer)
   got, _ = _update(load, micro, (_padded(first, whole, pad), _padded(second, whole, pad)))
@@ -96,7 +106,6 @@ def _padded(batch, like, pad: int):
   return batch.replace(input_ids=widen(batch.input_ids, pad), attention_mask=widen(batch.attention_mask, 0))
 
 
-
 def test_micro_batches_clip_as_the_whole_batch(tiny_rm, model_dir):
   """Clipped to a tenth of the mean gradient's norm, both steps' SGD update is the unclipped one
   scaled by that tenth: the clipping happens in the step, on the whole batch's mean gradient."""
@@ -104,10 +113,16 @@ def test_micro_batches_clip_as_the_whole_batch(tiny_rm, model_dir):
   short, long, whole = _collate(tiny_rm, groups[:4]), _collate(tiny_rm, groups[4:]), _collate(tiny_rm, groups)
   loss_fn = steps.make_loss_fn(tiny_rm.model, RewardSpec())
   load = lambda: RewardModel.from_pretrained(model_dir)
-  one_step = lambda clip: lambda tx, sh, mesh: steps.make_train_step(
-      loss_fn, tx, lambda _: 1.0, max_grad_norm=clip, state_shardings=sh, mesh=mesh)
-  micro = lambda clip: lambda tx, sh, mesh: steps.MicroBatchedStep(
-      loss_fn, tx, lambda _: 1.0, max_grad_norm=clip, state_shardings=sh, mesh=mesh)
+  one_step = lambda clip: (
+    lambda tx, sh, mesh: steps.make_train_step(
+      loss_fn, tx, lambda _: 1.0, max_grad_norm=clip, state_shardings=sh, mesh=mesh
+    )
+  )
+  micro = lambda clip: (
+    lambda tx, sh, mesh: steps.MicroBatchedStep(
+      loss_fn, tx, lambda _: 1.0, max_grad_norm=clip, state_shardings=sh, mesh=mesh
+    )
+  )
   unclipped, _ = _update(load, one_step(0.0), whole)
   clip = float(np.linalg.norm(unclipped)) / 10
   want = unclipped / 10

@@ -1,10 +1,10 @@
 """Parity of every family with transformers' PyTorch models, on tiny random checkpoints."""
 
+import hf_tiny
 import numpy as np
 import pytest
-
-import hf_tiny
 from helpers import PARITY_ATOL
+
 from jaxrm import RewardModel
 
 

@@ -9,11 +9,10 @@ import sys
 
 import nbformat
 import pytest
+import tiny_run
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
-
-import tiny_run
 
 NOTEBOOK = os.path.join(tiny_run.ROOT, "notebooks", "quickstart.ipynb")
 KERNEL = "jaxrm-test-python"
@@ -23,10 +22,18 @@ def kernel_manager(kernels_dir) -> KernelManager:
   """A kernel running this interpreter: the installed ``python3`` spec runs whatever ``python`` is on PATH."""
   spec = kernels_dir / KERNEL
   spec.mkdir(parents=True)
-  (spec / "kernel.json").write_text(json.dumps({
-      "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-      "display_name": "jaxrm tests", "language": "python"}))
-  return KernelManager(kernel_name=KERNEL, kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(kernels_dir)]))
+  (spec / "kernel.json").write_text(
+    json.dumps(
+      {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "jaxrm tests",
+        "language": "python",
+      }
+    )
+  )
+  return KernelManager(
+    kernel_name=KERNEL, kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(kernels_dir)])
+  )
 
 
 def outputs(cell, kind):
@@ -55,8 +62,12 @@ def test_notebook_imports_only_from_jaxrm_itself():
 def test_quickstart_runs(tmp_path, request, tmp_path_factory):
   tiny_run.enable_compile_cache(tiny_run.cache_root(request, tmp_path_factory))
   nb = nbformat.read(NOTEBOOK, as_version=4)
-  client = NotebookClient(nb, km=kernel_manager(tmp_path / "kernels"), timeout=600,
-                          resources={"metadata": {"path": os.path.dirname(NOTEBOOK)}})
+  client = NotebookClient(
+    nb,
+    km=kernel_manager(tmp_path / "kernels"),
+    timeout=600,
+    resources={"metadata": {"path": os.path.dirname(NOTEBOOK)}},
+  )
   scratch = tmp_path / "tmp"  # the notebook's run directory, with a 1.2 GB checkpoint
   scratch.mkdir()
   try:

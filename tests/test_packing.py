@@ -7,9 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import REORDERED_ATOL, VOCAB, jitted, pref, random_groups, stepwise, tiny_config, tiny_model
 
-from helpers import (REORDERED_ATOL, VOCAB, jitted, pref, random_groups, stepwise, tiny_config,
-                     tiny_model)
 from jaxrm import losses, steps
 from jaxrm.batches import IGNORE_INDEX, PackedPreferenceBatch, PackedStepwiseBatch
 from jaxrm.data import packing
@@ -26,8 +25,9 @@ UNPACKED = 32  # unpacked bucket of the model tests
 def test_shared_prompt_layout():
   a = pref([5, 6, 7, 8], [5, 6, 9], margin=0.5)
   b = pref([10, 11], [10, 12, 13])  # shortest is 2 tokens: at most 1 shared
-  batch = packing.pack_preference([a, b], packing.PackSpec(row_length=9, shared_prompt=True,
-                                                           rewards_multiple=1))
+  batch = packing.pack_preference(
+    [a, b], packing.PackSpec(row_length=9, shared_prompt=True, rewards_multiple=1)
+  )
   assert isinstance(batch, PackedPreferenceBatch)
   np.testing.assert_array_equal(batch.input_ids, [[5, 6, 7, 8, 9, 10, 11, 12, 13]])
   np.testing.assert_array_equal(batch.positions, [[0, 1, 2, 3, 2, 0, 1, 1, 2]])
@@ -49,13 +49,12 @@ def test_plain_layout_with_fillers_and_absent_completions():
   spec = packing.PackSpec(row_length=9, pad_id=1, rewards_multiple=2)
   batch = packing.pack_preference([a, b], spec, num_groups=3, num_completions=3)
   # a (7 tokens) fills row 0 first; b (5) no longer fits beside it.
-  np.testing.assert_array_equal(batch.input_ids, [[5, 6, 7, 8, 5, 6, 9, 1, 1],
-                                                     [10, 11, 10, 12, 13, 1, 1, 1, 1]])
+  np.testing.assert_array_equal(
+    batch.input_ids, [[5, 6, 7, 8, 5, 6, 9, 1, 1], [10, 11, 10, 12, 13, 1, 1, 1, 1]]
+  )
   np.testing.assert_array_equal(batch.attention_mask, [[1] * 7 + [0] * 2, [1] * 5 + [0] * 4])
-  np.testing.assert_array_equal(batch.positions, [[0, 1, 2, 3, 0, 1, 2, 0, 0],
-                                                     [0, 1, 0, 1, 2, 0, 0, 0, 0]])
-  np.testing.assert_array_equal(batch.segment_ids, [[1, 1, 1, 1, 2, 2, 2, 0, 0],
-                                                       [1, 1, 2, 2, 2, 0, 0, 0, 0]])
+  np.testing.assert_array_equal(batch.positions, [[0, 1, 2, 3, 0, 1, 2, 0, 0], [0, 1, 0, 1, 2, 0, 0, 0, 0]])
+  np.testing.assert_array_equal(batch.segment_ids, [[1, 1, 1, 1, 2, 2, 2, 0, 0], [1, 1, 2, 2, 2, 0, 0, 0, 0]])
   np.testing.assert_array_equal(batch.branch_ids, np.zeros((2, 9)))
   np.testing.assert_array_equal(batch.reward_positions, [[3, 6], [1, 4]])
   np.testing.assert_array_equal(batch.reward_index, [[0, 1, 0], [2, 3, 0], [0, 0, 0]])
@@ -73,12 +72,18 @@ def test_stepwise_layout():
   np.testing.assert_array_equal(batch.input_ids, [[8, 9, 10, 11, 6, 7], [3, 4, 5, 0, 0, 0]])
   np.testing.assert_array_equal(batch.positions, [[0, 1, 2, 3, 0, 1], [0, 1, 2, 0, 0, 0]])
   np.testing.assert_array_equal(batch.segment_ids, [[1, 1, 1, 1, 2, 2], [1, 1, 1, 0, 0, 0]])
-  np.testing.assert_array_equal(batch.token_index, [[6, 7, 8, 0, 0, 0], [4, 5, 0, 0, 0, 0],
-                                                       [0, 1, 2, 3, 0, 0], [0] * 6])
-  np.testing.assert_array_equal(batch.labels[:, :4], [[IGNORE_INDEX, IGNORE_INDEX, 1, IGNORE_INDEX],
-                                                         [IGNORE_INDEX, 0, IGNORE_INDEX, IGNORE_INDEX],
-                                                         [IGNORE_INDEX, 1, IGNORE_INDEX, 0],
-                                                         [IGNORE_INDEX] * 4])
+  np.testing.assert_array_equal(
+    batch.token_index, [[6, 7, 8, 0, 0, 0], [4, 5, 0, 0, 0, 0], [0, 1, 2, 3, 0, 0], [0] * 6]
+  )
+  np.testing.assert_array_equal(
+    batch.labels[:, :4],
+    [
+      [IGNORE_INDEX, IGNORE_INDEX, 1, IGNORE_INDEX],
+      [IGNORE_INDEX, 0, IGNORE_INDEX, IGNORE_INDEX],
+      [IGNORE_INDEX, 1, IGNORE_INDEX, 0],
+      [IGNORE_INDEX] * 4,
+    ],
+  )
   assert (batch.labels[:, 4:] == IGNORE_INDEX).all()
   np.testing.assert_array_equal(batch.example_mask, [1, 1, 1, 0])
   assert batch.token_counts() == (9, 9 / 12)
@@ -88,10 +93,14 @@ def test_stepwise_layout():
 
 
 def test_group_longer_than_a_row_is_an_error():
-  with pytest.raises(ValueError, match=r"data.jsonl:3 needs 7 tokens in one row but rows hold "
-                                       r"row_length=6; raise row_length"):
-    packing.pack_preference([pref([5, 6, 7, 8], [5, 6, 9], source="data.jsonl:3")],
-                            packing.PackSpec(row_length=6))
+  with pytest.raises(
+    ValueError,
+    match=r"data.jsonl:3 needs 7 tokens in one row but rows hold "
+    r"row_length=6; raise row_length",
+  ):
+    packing.pack_preference(
+      [pref([5, 6, 7, 8], [5, 6, 9], source="data.jsonl:3")], packing.PackSpec(row_length=6)
+    )
 
 
 def test_too_few_rows_is_an_error():
@@ -101,8 +110,12 @@ def test_too_few_rows_is_an_error():
 
 
 def test_packed_collator_gives_every_host_the_same_shapes():
-  groups = [pref([5, 6, 7, 8], [5, 9]), pref([10, 11], [10, 12]),
-            pref([13, 14, 15], [13, 16]), pref([17] * 9, [17] * 8 + [18])]
+  groups = [
+    pref([5, 6, 7, 8], [5, 9]),
+    pref([10, 11], [10, 12]),
+    pref([13, 14, 15], [13, 16]),
+    pref([17] * 9, [17] * 8 + [18]),
+  ]
   spec = packing.PackSpec(row_length=10, shared_prompt=True, rewards_multiple=1)
   host = [packing.PackedCollator(2, spec, process_index=i, process_count=2)(groups) for i in range(2)]
   assert {k: v.shape for k, v in vars(host[0]).items()} == {k: v.shape for k, v in vars(host[1]).items()}
@@ -132,10 +145,12 @@ def test_stacked_micro_batches_count_tokens_as_one_batch():
 
 def packed_sequences(batch):
   """Each reward slot's sequence as the model sees it: the ids of every key its query attends."""
-  mask = np.asarray(L.attention_mask(batch.attention_mask, batch.positions,
-                                     batch.segment_ids, branch_ids_bt=batch.branch_ids))
-  return mask, {(b, q): tuple(batch.input_ids[b][mask[b, q]])
-                for b, q in zip(*np.nonzero(batch.attention_mask))}
+  mask = np.asarray(
+    L.attention_mask(batch.attention_mask, batch.positions, batch.segment_ids, branch_ids_bt=batch.branch_ids)
+  )
+  return mask, {
+    (b, q): tuple(batch.input_ids[b][mask[b, q]]) for b, q in zip(*np.nonzero(batch.attention_mask))
+  }
 
 
 @pytest.mark.parametrize("shared_prompt", [False, True])
@@ -147,7 +162,7 @@ def test_tokens_see_exactly_their_own_sequence(shared_prompt):
   # Every real token sees a prefix of one real sequence, as long as its position says...
   for (b, q), keys in seen.items():
     assert len(keys) == batch.positions[b, q] + 1
-    assert any(s[:len(keys)] == keys for s in sequences), (b, q)
+    assert any(s[: len(keys)] == keys for s in sequences), (b, q)
   # ...and a reward is read where that prefix is the whole completion.
   flat = batch.reward_positions.reshape(-1)
   r = batch.reward_positions.shape[1]
@@ -181,8 +196,7 @@ plackett_luce = jax.jit(losses.plackett_luce_loss)
 def pack(groups, shared_prompt):
   # Fixed shapes: every packed batch of these tests compiles once.
   spec = packing.PackSpec(ROW, shared_prompt=shared_prompt)
-  return packing.pack_preference(groups, spec, num_groups=4, num_completions=3, num_rows=4,
-                                 num_rewards=12)
+  return packing.pack_preference(groups, spec, num_groups=4, num_completions=3, num_rows=4, num_rewards=12)
 
 
 @pytest.mark.parametrize("shared_prompt", [False, True])
@@ -195,8 +209,7 @@ def test_packed_rewards_and_losses_equal_unpacked(seq_forward, shared_prompt, k)
   real = ref.ranks >= 0
   assert real[:, :k].any(axis=0).all() and not real[:, k:].any()
   np.testing.assert_array_equal(batch.ranks, ref.ranks)
-  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(expected)[real], atol=REORDERED_ATOL,
-                             rtol=0)
+  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(expected)[real], atol=REORDERED_ATOL, rtol=0)
   assert np.ptp(np.asarray(expected)[real]) > 0.1  # rewards differ: the check above can fail
   args = (batch.ranks, batch.example_mask)
   if k == 2:
@@ -222,8 +235,9 @@ def test_other_segments_cannot_change_a_reward(seq_forward, shared_prompt):
   slot = batch.reward_index[0, 1]
   row = slot // r
   end = batch.reward_positions[row, slot % r]
-  mine = ((batch.segment_ids[row] == batch.segment_ids[row, end])
-          & (batch.branch_ids[row] == batch.branch_ids[row, end]))
+  mine = (batch.segment_ids[row] == batch.segment_ids[row, end]) & (
+    batch.branch_ids[row] == batch.branch_ids[row, end]
+  )
   changed = batch.replace(input_ids=batch.input_ids.copy())
   changed.input_ids[row, mine] = (changed.input_ids[row, mine] + 1) % VOCAB
   after = np.asarray(seq_forward(changed))
@@ -248,8 +262,7 @@ def test_packed_stepwise_logits_and_loss_equal_unpacked():
   assert batch.input_ids.shape[0] < 5  # sequences did share rows
   got = forward(batch)[:, :UNPACKED]
   real = ref.attention_mask.astype(bool)
-  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(expected)[real], atol=REORDERED_ATOL,
-                             rtol=0)
+  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(expected)[real], atol=REORDERED_ATOL, rtol=0)
   np.testing.assert_array_equal(batch.labels[:, :UNPACKED], ref.labels)
   stepwise_loss = jax.jit(losses.stepwise_loss)
   ref_loss, ref_m = stepwise_loss(expected, ref.labels, ref.example_mask)

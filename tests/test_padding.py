@@ -1,20 +1,19 @@
 """Unpacked micro-batches padded each to its own bucket, and length-grouped training order: the
 shapes, the per-host slices, the tokens fed, and training that still updates as one big batch."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import tiny_run
 from flax import nnx
 
-import tiny_run
 from jaxrm import sharding, steps
+from jaxrm.config import RewardSpec
 from jaxrm.data import grouping, pipeline, registry
 from jaxrm.data.drops import DropReport
 from jaxrm.data.tokenize import PreferenceExample, TokenizeOptions, pad_id, tokenize_all
-from jaxrm.config import RewardSpec
 
 BUCKETS = (8, 16, 24, 32, 40)
 # The longest completion of group i (the other is one token shorter); sorted, groups 0, 3, 6, 2
@@ -39,8 +38,13 @@ def groups_of(batch):
 
 
 def micro_collator(process_index=0, process_count=1, n=2):
-  collate = pipeline.Collator(batch_size=8 // n // process_count, buckets=BUCKETS, num_completions=2,
-                              process_index=process_index, process_count=process_count)
+  collate = pipeline.Collator(
+    batch_size=8 // n // process_count,
+    buckets=BUCKETS,
+    num_completions=2,
+    process_index=process_index,
+    process_count=process_count,
+  )
   return pipeline.MicroBatchCollator(collate, n)
 
 
@@ -89,10 +93,11 @@ def test_micro_batched_iterator_splits_the_same_global_batches_and_resumes():
 def test_group_by_length_order():
   lengths = [3 + (i * 7) % 30 for i in range(40)]
   examples = [pair(i, n) for i, n in enumerate(lengths)]
-  it, stream = pipeline.make_train_iterator(examples, batch_size=4, seed=5, buckets=BUCKETS,
-                                            num_completions=2, group_by_length=True)
+  it, stream = pipeline.make_train_iterator(
+    examples, batch_size=4, seed=5, buckets=BUCKETS, num_completions=2, group_by_length=True
+  )
   assert stream.steps_per_epoch == 10
-  for epoch in range(2):
+  for _epoch in range(2):
     order = sum((groups_of(next(it)) for _ in range(10)), [])
     assert sorted(order) == list(range(40))  # every group once an epoch
     assert lengths[order[0]] == max(lengths)  # the longest first: memory fails at step 1 if at all
@@ -100,11 +105,18 @@ def test_group_by_length_order():
     # them); each is sorted longest first, apart from the longest group swapped to the front.
     assert grouping.mega_batches(40, 4) == 2
     for m in range(0, 40, 8):
-      mega = [lengths[i] for i in order[m:m + 8]]
+      mega = [lengths[i] for i in order[m : m + 8]]
       assert mega[1:] == sorted(mega[1:], reverse=True)
-  firsts = [groups_of(next(pipeline.make_train_iterator(examples, batch_size=4, seed=5, buckets=BUCKETS,
-                                                       num_completions=2, group_by_length=True)[0]))
-            for _ in range(2)]
+  firsts = [
+    groups_of(
+      next(
+        pipeline.make_train_iterator(
+          examples, batch_size=4, seed=5, buckets=BUCKETS, num_completions=2, group_by_length=True
+        )[0]
+      )
+    )
+    for _ in range(2)
+  ]
   assert firsts[0] == firsts[1]  # the order comes from the seed alone
 
 
@@ -121,7 +133,11 @@ def test_group_by_length_lowers_the_tokens_fed():
     counts = [pipeline.token_counts(next(it)) for _ in range(stream.steps_per_epoch)]
     return sum(n for n, _ in counts) / sum(n / share for n, share in counts)
 
-  whole, micro, grouped = efficiency(), efficiency(micro_batches=8), efficiency(micro_batches=8, group_by_length=True)
+  whole, micro, grouped = (
+    efficiency(),
+    efficiency(micro_batches=8),
+    efficiency(micro_batches=8, group_by_length=True),
+  )
   # No batching pads less than each group alone padded to its own bucket.
   bound = sum(2 * n - 1 for n in lengths) / sum(2 * -(-n // 16) * 16 for n in lengths)
   assert whole < micro < grouped <= bound
@@ -132,8 +148,12 @@ def test_group_by_length_lowers_the_tokens_fed():
 def test_group_by_length_refuses_packing():
   from jaxrm.config import DataSpec
   from jaxrm.errors import ConfigError
-  with pytest.raises(ConfigError, match=r"data.group_by_length=True orders unpacked batches; "
-                                        r"data.packing='packed' already fills rows"):
+
+  with pytest.raises(
+    ConfigError,
+    match=r"data.group_by_length=True orders unpacked batches; "
+    r"data.packing='packed' already fills rows",
+  ):
     DataSpec(packing="packed", group_by_length=True)
 
 
@@ -160,10 +180,14 @@ def test_first_micro_batched_update_equals_the_whole_batch(tiny_rm):
     state, _ = step_of(tx, shardings, mesh)(state, pipeline.to_global_batch(batch, mesh))
     return flat(state["params"]) - before
 
-  want = update(lambda tx, sh, mesh: steps.make_train_step(loss_fn, tx, lambda _: 1.0, state_shardings=sh,
-                                                            mesh=mesh), whole)
-  got = update(lambda tx, sh, mesh: steps.MicroBatchedStep(loss_fn, tx, lambda _: 1.0, state_shardings=sh,
-                                                            mesh=mesh), micro)
+  want = update(
+    lambda tx, sh, mesh: steps.make_train_step(loss_fn, tx, lambda _: 1.0, state_shardings=sh, mesh=mesh),
+    whole,
+  )
+  got = update(
+    lambda tx, sh, mesh: steps.MicroBatchedStep(loss_fn, tx, lambda _: 1.0, state_shardings=sh, mesh=mesh),
+    micro,
+  )
   np.testing.assert_allclose(got, want, rtol=0, atol=UPDATE_RTOL * np.abs(want).max())
 
 
@@ -173,8 +197,14 @@ def test_first_micro_batched_update_equals_the_whole_batch(tiny_rm):
 def test_length_grouped_accumulated_run_resumes_exactly(model_dir, tmp_path, capsys):
   """A run with data.group_by_length and 2 micro-batches of their own lengths, stopped after 2 of
   its 4 steps and continued, logs what the uninterrupted run logs."""
-  options = dict(data__group_by_length=True, data__bucket_multiple=8, train__micro_batch_size=4,
-                 eval__val_period=0, checkpointing__save_period=0, checkpointing__metric_name="")
+  options = dict(
+    data__group_by_length=True,
+    data__bucket_multiple=8,
+    train__micro_batch_size=4,
+    eval__val_period=0,
+    checkpointing__save_period=0,
+    checkpointing__metric_name="",
+  )
   whole, parts = str(tmp_path / "whole"), str(tmp_path / "parts")
   tiny_run.train(tiny_run.config(model_dir, whole, **options))
   assert "each micro-batch padded to its own length, in length-grouped order" in capsys.readouterr().out

@@ -6,8 +6,8 @@ import json
 import jax
 import numpy as np
 import pytest
-
 from helpers import numbered_pref, numbered_stepwise
+
 from jaxrm import sharding
 from jaxrm.batches import PreferenceBatch, StepwiseBatch
 from jaxrm.data import pipeline as pl
@@ -55,7 +55,7 @@ def test_same_seed_same_batches_and_reshuffled_epochs():
   assert stream.steps_per_epoch == 5 and stream.epoch(4) == 0 and stream.epoch(5) == 1
   batches = take(it, 10)
   assert_batches_equal(batches, take(train(examples)[0], 10))
-  epochs = [sum((group_ids(b) for b in batches[e * 5:e * 5 + 5]), []) for e in range(2)]
+  epochs = [sum((group_ids(b) for b in batches[e * 5 : e * 5 + 5]), []) for e in range(2)]
   for order in epochs:  # each epoch: 10 distinct groups, the 11th left over
     assert len(set(order)) == 10
   assert epochs[0] != epochs[1]
@@ -75,10 +75,11 @@ def test_group_integrity_and_bucket_shapes():
     for i, g in enumerate(groups):
       for j in range(2):
         row, ids = i * 2 + j, examples[g].input_ids[j]
-        np.testing.assert_array_equal(batch.input_ids[row, :len(ids)], ids)
-        assert (batch.input_ids[row, len(ids):] == 0).all()
+        np.testing.assert_array_equal(batch.input_ids[row, : len(ids)], ids)
+        assert (batch.input_ids[row, len(ids) :] == 0).all()
         assert batch.attention_mask[row].tolist() == [1] * len(ids) + [0] * (
-            batch.input_ids.shape[1] - len(ids))
+          batch.input_ids.shape[1] - len(ids)
+        )
     np.testing.assert_array_equal(batch.ranks, [[0, 1]] * 4)
     assert batch.ranks.dtype == np.int32
     np.testing.assert_array_equal(batch.margin, np.array(groups, np.float32))
@@ -93,7 +94,7 @@ def test_ranked_groups_pad_absent_slots():
   # The absent slot repeats the group's best completion, so no row is all padding.
   np.testing.assert_array_equal(batch.input_ids[5], batch.input_ids[3])
   assert batch.attention_mask[5].sum() == len(examples[1].input_ids[0])
-  assert (batch.input_ids[3, len(examples[1].input_ids[0]):] == 5).all()  # pad_id
+  assert (batch.input_ids[3, len(examples[1].input_ids[0]) :] == 5).all()  # pad_id
   # Real completions of 3 + 2 + 1 and 10 + 9 tokens; the repeated best completion is not counted.
   assert batch.token_counts() == (25, 25 / 96)
 
@@ -112,8 +113,10 @@ def test_eval_covers_everything_once_with_fillers():
 
 def test_eval_per_host_split():
   examples = [numbered_pref(i) for i in range(5)]
-  hosts = [pl.make_eval_batches(examples, batch_size=1, buckets=BUCKETS, process_index=p,
-                                process_count=2) for p in range(2)]
+  hosts = [
+    pl.make_eval_batches(examples, batch_size=1, buckets=BUCKETS, process_index=p, process_count=2)
+    for p in range(2)
+  ]
   assert [[group_ids(b) for b in h] for h in hosts] == [[[0], [2], [4]], [[1], [3], [4]]]
   assert [b.example_mask[0] for b in hosts[1]] == [1.0, 1.0, 0.0]
   for b0, b1 in zip(*hosts):
@@ -127,8 +130,7 @@ def test_per_host_batches_are_halves_of_the_global_batch():
   for b, h0, h1 in zip(whole, *halves):
     assert not set(group_ids(h0)) & set(group_ids(h1))
     for key, value in arrays(b).items():  # every array is split along its leading dimension
-      np.testing.assert_array_equal(np.concatenate([getattr(h0, key), getattr(h1, key)]), value,
-                                    err_msg=key)
+      np.testing.assert_array_equal(np.concatenate([getattr(h0, key), getattr(h1, key)]), value, err_msg=key)
 
 
 def test_resume_from_state_is_exact():
@@ -171,8 +173,9 @@ def test_stepwise_batches():
 
 def test_to_global_batch_shards_the_batch_dimension():
   mesh = sharding.make_mesh()
-  [local] = pl.make_eval_batches([numbered_pref(i) for i in range(2 * mesh.size)],
-                                 batch_size=2 * mesh.size, buckets=BUCKETS)
+  [local] = pl.make_eval_batches(
+    [numbered_pref(i) for i in range(2 * mesh.size)], batch_size=2 * mesh.size, buckets=BUCKETS
+  )
   batch = pl.to_global_batch(local, mesh)
   assert isinstance(batch, PreferenceBatch)
   for key, value in arrays(local).items():
@@ -188,12 +191,17 @@ def test_to_global_batch_shards_the_batch_dimension():
 
 
 def test_errors_say_what_to_do():
-  with pytest.raises(DataError, match=r"the training set has 3 examples after dropped rows; one "
-                                      r"global batch needs 4 \(batch_size 2 x 2 hosts\)"):
+  with pytest.raises(
+    DataError,
+    match=r"the training set has 3 examples after dropped rows; one "
+    r"global batch needs 4 \(batch_size 2 x 2 hosts\)",
+  ):
     train([numbered_pref(i) for i in range(3)], process_count=2)
-  with pytest.raises(ValueError, match=r"a sequence of 17 tokens \(row 2\) exceeds the largest "
-                                       r"length bucket 16"):
+  with pytest.raises(
+    ValueError,
+    match=r"a sequence of 17 tokens \(row 2\) exceeds the largest "
+    r"length bucket 16",
+  ):
     pl.make_eval_batches([numbered_pref(0), numbered_pref(2)], batch_size=2, buckets=(8, 16))
-  with pytest.raises(ValueError, match="row 0 has 3 completions but batches hold "
-                                       "num_completions=2"):
+  with pytest.raises(ValueError, match="row 0 has 3 completions but batches hold num_completions=2"):
     pl.make_eval_batches([numbered_pref(0, n=3)], batch_size=1, buckets=BUCKETS, num_completions=2)

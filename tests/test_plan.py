@@ -10,7 +10,6 @@ import os
 import sys
 
 import pytest
-
 import tiny_run
 
 sys.path.insert(0, os.path.join(tiny_run.ROOT, "scripts"))
@@ -59,8 +58,13 @@ def test_a_tiny_run_fits_with_the_kernel_and_exact_state_bytes(tiny_report):
 
 def test_an_8b_model_on_one_gpu_does_not_fit_and_says_what_to_change(tmp_path):
   model = config_only(tmp_path, "llama3.1-8b", "LlamaForCausalLM")
-  r = fit_check.check(run_config(model, model__remat="dots", data__max_length=512, train__micro_batch_size=2,
-                                 eval__batch_size=2), "h100-80gb", "1x1")
+  r = fit_check.check(
+    run_config(
+      model, model__remat="dots", data__max_length=512, train__micro_batch_size=2, eval__batch_size=2
+    ),
+    "h100-80gb",
+    "1x1",
+  )
   # 7.5e9 float32 weights and two moments: 84 GiB before any activation, over a 59 GiB budget.
   assert r.params > 7.4e9 and r.param_bytes + r.opt_state_bytes > 80 * GIB
   assert not r.fits and r.lines().index("DOES NOT FIT") < len(r.lines()) - 1
@@ -77,12 +81,16 @@ def test_the_cli_exits_0_1_2(model_dir, tmp_path):
   assert out.splitlines()[-1] == "FITS" and "NVIDIA H200 141GB HBM3e (h200), 1x2" in out
   assert "train step:" in out and "margin" in out and "jaxrm_flash_forward" in out
   big = config_only(tmp_path, "llama3.1-8b", "LlamaForCausalLM")
-  over = tiny_run.run(base + ["--gpu=a100-80gb", f"--config.model.name_or_path={big}",
-                              "--config.data.max_length=256"])
+  over = tiny_run.run(
+    base + ["--gpu=a100-80gb", f"--config.model.name_or_path={big}", "--config.data.max_length=256"]
+  )
   assert over.returncode == 1, tiny_run.describe(over)
   assert "DOES NOT FIT" in over.stdout and "to fit, change one of:" in over.stdout
   typo = tiny_run.run(base + ["--gpu=h100"])
-  assert typo.returncode == 2 and "--gpu='h100': unknown GPU; choose one of h100-80gb, h200, a100-80gb, b200" in typo.stderr
+  assert (
+    typo.returncode == 2
+    and "--gpu='h100': unknown GPU; choose one of h100-80gb, h200, a100-80gb, b200" in typo.stderr
+  )
   assert "Traceback" not in typo.stderr
 
 

@@ -21,8 +21,11 @@ def drawn(draw):
 
 def labelled_ticks(ax) -> dict[float, str]:
   low, high = ax.get_xlim()
-  return {t.get_position()[0]: t.get_text() for t in ax.get_xticklabels()
-          if t.get_text() and low <= t.get_position()[0] <= high}
+  return {
+    t.get_position()[0]: t.get_text()
+    for t in ax.get_xticklabels()
+    if t.get_text() and low <= t.get_position()[0] <= high
+  }
 
 
 def short_comparisons():
@@ -53,8 +56,10 @@ def test_length_bias_keeps_chosen_and_rejected_of_one_length_apart():
 
 def test_length_bias_of_long_responses_is_log_with_labelled_ticks():
   lengths = [3, 40, 700, 2500]
-  c = length_bias.comparisons([(1.0, 3, 0.5, 40), (0.2, 700, 0.4, 2500)],
-                              [(1.0, 3, True), (0.5, 40, False), (0.2, 700, True), (0.4, 2500, False)])
+  c = length_bias.comparisons(
+    [(1.0, 3, 0.5, 40), (0.2, 700, 0.4, 2500)],
+    [(1.0, 3, True), (0.5, 40, False), (0.2, 700, True), (0.4, 2500, False)],
+  )
   _, ax = drawn(lambda ax: length_bias.draw(c, ax, "long"))
   assert ax.get_xscale() == "symlog"
   assert labelled_ticks(ax) == {x: f"{x:g}" for x in length_bias.length_ticks(2500) if x >= 2}
@@ -67,8 +72,11 @@ def test_length_bias_of_long_responses_is_log_with_labelled_ticks():
 def regression_result():
   ratings = np.array([[1.0, 10.0], [2.0, 20.0], [3.0, 0.0], [4.0, 40.0]])
   rated = np.array([[True, True], [True, True], [True, False], [True, True]])
-  return {"kind": "regression", "attributes": ["helpfulness", "verbosity"],
-          "scores": {"ratings": ratings, "predictions": ratings * 0.9 + 0.1, "rated": rated}}
+  return {
+    "kind": "regression",
+    "attributes": ["helpfulness", "verbosity"],
+    "scores": {"ratings": ratings, "predictions": ratings * 0.9 + 0.1, "rated": rated},
+  }
 
 
 def test_regression_plot_has_one_panel_per_attribute_with_its_diagonal():
@@ -99,6 +107,7 @@ def test_regression_plot_needs_an_axes_of_a_grid():
 
 def test_written_rewards_png_is_wide_enough_for_the_panels(tmp_path):
   from PIL import Image
+
   from jaxrm.evaluation.report import write_outputs
 
   result = {**regression_result(), "metrics": {}, "subsets": {}}

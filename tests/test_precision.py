@@ -16,15 +16,15 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from flax import nnx
-
 import tiny_run
+from flax import nnx
 from tiny_run import LEARN, LEARNED_ACCURACY, LEARNED_LOSS
+
 from jaxrm import optim, sharding, steps
+from jaxrm.config import RewardSpec
 from jaxrm.data import pipeline, registry
 from jaxrm.data.drops import DropReport
 from jaxrm.data.tokenize import TokenizeOptions, pad_id, tokenize_all
-from jaxrm.config import RewardSpec
 from jaxrm.reward_model import RewardModel
 
 # ------------------------------------------------------------------ tolerances
@@ -68,8 +68,9 @@ def demo_batch(rm, mesh, groups=8, length=96):
   """The first global batch of ``groups`` demo pairs, in one length bucket: [2*groups, length]."""
   records = registry.load_records("demo_arithmetic", None, split="train", drops=DropReport())[:groups]
   examples = tokenize_all(records, rm.tokenizer, TokenizeOptions(max_length=length), DropReport())
-  batches = pipeline.make_train_iterator(examples, batch_size=groups, seed=0, buckets=(length,),
-                                         pad_id=pad_id(rm.tokenizer))[0]
+  batches = pipeline.make_train_iterator(
+    examples, batch_size=groups, seed=0, buckets=(length,), pad_id=pad_id(rm.tokenizer)
+  )[0]
   return pipeline.to_global_batch(next(batches), mesh)
 
 
@@ -126,8 +127,12 @@ def test_bf16_model_multiplies_in_bf16(model_dir, tiny_rm):
   for rm, dtype in ((tiny_rm, jnp.float32), (bf16_model(model_dir, tiny_rm.tokenizer), jnp.bfloat16)):
     graphdef, params = nnx.split(rm.model)
     assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
-    h = jax.eval_shape(lambda p: nnx.merge(graphdef, p).hidden_states(batch.input_ids, batch.attention_mask),
-                       params)
+    h = jax.eval_shape(
+      lambda p, graphdef=graphdef: nnx.merge(graphdef, p).hidden_states(
+        batch.input_ids, batch.attention_mask
+      ),
+      params,
+    )
     assert (h.shape, h.dtype) == ((rows, batch.input_ids.shape[1], hidden), dtype)
     loss_fn = steps.make_loss_fn(rm.model, RewardSpec())
     dots = dot_generals(jax.make_jaxpr(loss_fn)(params, batch).jaxpr)
@@ -148,8 +153,9 @@ def test_bf16_train_step_keeps_float32_weights_and_moments(model_dir, tiny_rm):
   params = nnx.state(bf16_rm.model)
   before = by_path(params)
   state, shardings = steps.init_state(params, tx, seed=0, mesh=mesh)
-  train_step = steps.make_train_step(steps.make_loss_fn(bf16_rm.model, RewardSpec()), tx, lambda _: 1e-3,
-                                     state_shardings=shardings, mesh=mesh)
+  train_step = steps.make_train_step(
+    steps.make_loss_fn(bf16_rm.model, RewardSpec()), tx, lambda _: 1e-3, state_shardings=shardings, mesh=mesh
+  )
   state, (metrics, extra) = train_step(state, batch)
   assert np.isfinite(float(metrics["loss"].total)) and np.isfinite(float(extra["grad_norm"]))
   float32 = {jnp.dtype(jnp.float32)}
@@ -181,8 +187,9 @@ def runs(model_dir, tmp_path_factory):
   done = {}
   for dtype in ("float32", "bfloat16"):
     out = str(tmp_path_factory.mktemp("precision") / dtype)
-    c = tiny_run.set_keys(tiny_run.config(model_dir, out), {**LEARN, "model.dtype": dtype,
-                                                            "model.param_dtype": "float32"})
+    c = tiny_run.set_keys(
+      tiny_run.config(model_dir, out), {**LEARN, "model.dtype": dtype, "model.param_dtype": "float32"}
+    )
     done[dtype] = out, tiny_run.train(c)
   return done
 
@@ -202,7 +209,8 @@ def test_bf16_run_follows_float32_losses(runs):
 def test_bf16_checkpoint_holds_float32_weights_and_moments(runs):
   last = os.path.join(runs["bfloat16"][0], "checkpoints", str(LEARN["train.max_steps"]))
   read = lambda item: jax.tree_util.tree_flatten_with_path(
-      ocp.StandardCheckpointer().metadata(os.path.join(last, item)).item_metadata)[0]
+    ocp.StandardCheckpointer().metadata(os.path.join(last, item)).item_metadata
+  )[0]
   params = read("params")
   assert len(params) > 10 and {m.dtype for _, m in params} == {np.dtype(np.float32)}
   arrays = {jax.tree_util.keystr(path): m for path, m in read("opt_state")}
@@ -236,8 +244,12 @@ def remat_steps(model_dir, tiny_rm):
     rm = RewardModel.from_pretrained(model_dir, remat=policy, tokenizer=tiny_rm.tokenizer)
     assert rm.config.remat == policy
     state, shardings = steps.init_state(nnx.state(rm.model), tx, seed=0, mesh=mesh)
-    train_step = steps.CompiledPerShape("train", steps.make_train_step(
-        steps.make_loss_fn(rm.model, RewardSpec()), tx, lambda _: 1.0, state_shardings=shardings, mesh=mesh))
+    train_step = steps.CompiledPerShape(
+      "train",
+      steps.make_train_step(
+        steps.make_loss_fn(rm.model, RewardSpec()), tx, lambda _: 1.0, state_shardings=shardings, mesh=mesh
+      ),
+    )
     compiled = train_step.compile(state, batch)
     state, (metrics, _) = compiled(state, batch)
     loss = float(metrics["loss"].total / metrics["loss"].count)

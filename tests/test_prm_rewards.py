@@ -4,8 +4,8 @@ import math
 
 import numpy as np
 import pytest
-
 from helpers import REBATCHED
+
 from jaxrm import reward_funcs, step_rewards
 from jaxrm.data.drops import DropReport
 from jaxrm.data.records import StepwiseRecord
@@ -30,9 +30,12 @@ def test_split_steps_gives_the_tokens_of_a_training_row(smollm2_tokenizer):
   completion = "".join(s + sep for s in steps)
 
   def ids(steps):
-    record = StepwiseRecord(prompt="What is 12 * 3 + 4?", steps=tuple(steps), labels=(True,) * len(steps),
-                            source="t")
-    return tokenize_stepwise(record, smollm2_tokenizer, TokenizeOptions(512, "drop", sep), DropReport()).input_ids
+    record = StepwiseRecord(
+      prompt="What is 12 * 3 + 4?", steps=tuple(steps), labels=(True,) * len(steps), source="t"
+    )
+    return tokenize_stepwise(
+      record, smollm2_tokenizer, TokenizeOptions(512, "drop", sep), DropReport()
+    ).input_ids
 
   np.testing.assert_array_equal(ids(step_rewards.split_steps(completion, sep)), ids(steps))
 
@@ -57,8 +60,11 @@ def test_aggregate_each_way():
 
 
 def test_aggregate_errors():
-  with pytest.raises(ValueError, match=r"aggregation='max' is not an aggregation of step probabilities; "
-                                       r"choose one of min, last, product, mean \(default min\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"aggregation='max' is not an aggregation of step probabilities; "
+    r"choose one of min, last, product, mean \(default min\)",
+  ):
     step_rewards.aggregate([0.5], "max")
   with pytest.raises(ValueError, match="a solution with no steps has no step probabilities to aggregate"):
     step_rewards.aggregate([], "mean")
@@ -98,8 +104,9 @@ def assert_close(got, want):
   batched) instead of one solution at a time, the float32 step probabilities agree up to the
   roundings of other shapes; the aggregates are float64."""
   assert [g is None for g in got] == [w is None for w in want], (got, want)
-  assert [g for g in got if g is not None] == pytest.approx([w for w in want if w is not None],
-                                                            rel=REBATCHED["rtol"], abs=REBATCHED["atol"])
+  assert [g for g in got if g is not None] == pytest.approx(
+    [w for w in want if w is not None], rel=REBATCHED["rtol"], abs=REBATCHED["atol"]
+  )
 
 
 @pytest.mark.parametrize("how", step_rewards.AGGREGATIONS)
@@ -122,8 +129,9 @@ def test_reward_func_default_is_the_minimum_step(tiny_prm):
 def test_reward_func_conversational(tiny_prm):
   prompts = [[{"role": "user", "content": "What is 2 + 2?"}]] * 2
   solutions = ["2 + 2 = 4.\nThe answer is 4.", "2 + 2 = 5."]
-  got = tiny_prm.as_reward_func()(prompts=prompts, completions=[[{"role": "assistant", "content": s}]
-                                                                 for s in solutions])
+  got = tiny_prm.as_reward_func()(
+    prompts=prompts, completions=[[{"role": "assistant", "content": s}] for s in solutions]
+  )
   assert_close(got, reference(tiny_prm, prompts, solutions, "min"))
 
 
@@ -143,7 +151,9 @@ def test_multi_agent_reward_func_of_a_prm(tiny_prm):
 
   items = [{"prompt": "Q: 12 * 3 + 4?"}]
   agents = [["12 * 3 = 36.", "12 * 3 = 35."], ["36 + 4 = 40.", "35 + 4 = 39."]]
-  got = reward_funcs.as_multi_agent_reward_func(tiny_prm, pair, step_aggregation="product")(*agents, batch_items=items)
+  got = reward_funcs.as_multi_agent_reward_func(tiny_prm, pair, step_aggregation="product")(
+    *agents, batch_items=items
+  )
   texts = [f"{a}\n{b}\n" for a, b in zip(*agents)]
   assert_close(got, reference(tiny_prm, [items[0]["prompt"]] * 2, texts, "product"))
   got = reward_funcs.as_multi_agent_reward_func(tiny_prm, chat)(*agents, batch_items=items)
@@ -151,26 +161,40 @@ def test_multi_agent_reward_func_of_a_prm(tiny_prm):
   assert_close(got, reference(tiny_prm, chats, texts, "min"))
   with pytest.raises(ValueError, match=r"jaxrm_reward: joint response 1 has no steps to score"):
     tiny_prm.as_multi_agent_reward_func(lambda item, a: (item["prompt"], a))(["x", "\n"], batch_items=items)
-  with pytest.raises(ValueError, match=r"return a \(prompt, solution\) pair or a conversation ending in the "
-                                       r"assistant's solution; got Q: 12"):
+  with pytest.raises(
+    ValueError,
+    match=r"return a \(prompt, solution\) pair or a conversation ending in the "
+    r"assistant's solution; got Q: 12",
+  ):
     tiny_prm.as_multi_agent_reward_func(lambda item, a: item["prompt"] + a)(["x"], batch_items=items)
 
 
 def test_reward_func_errors(tiny_prm, tiny_rm):
-  with pytest.raises(ValueError, match=r"^step_aggregation='max' is not an aggregation of step probabilities"):
+  with pytest.raises(
+    ValueError, match=r"^step_aggregation='max' is not an aggregation of step probabilities"
+  ):
     reward_funcs.as_reward_func(tiny_prm, step_aggregation="max")
-  with pytest.raises(ValueError, match=r"^normalize= is for a sequence-head model's rewards; .* "
-                                       r"\(step_aggregation=, one of min, last, product, mean\): leave normalize out"):
+  with pytest.raises(
+    ValueError,
+    match=r"^normalize= is for a sequence-head model's rewards; .* "
+    r"\(step_aggregation=, one of min, last, product, mean\): leave normalize out",
+  ):
     reward_funcs.as_reward_func(tiny_prm, normalize=True)
   with pytest.raises(ValueError, match=r"^combine= is for a sequence-head model's rewards"):
     reward_funcs.as_multi_agent_reward_func(tiny_prm, lambda item, a: a, combine="x")
-  with pytest.raises(ValueError, match=r"^step_aggregation='min' is for a process reward model \(a token head, "
-                                       r"scored by its steps\); this model has a sequence head with 1 output: "
-                                       r"leave step_aggregation out"):
+  with pytest.raises(
+    ValueError,
+    match=r"^step_aggregation='min' is for a process reward model \(a token head, "
+    r"scored by its steps\); this model has a sequence head with 1 output: "
+    r"leave step_aggregation out",
+  ):
     reward_funcs.as_reward_func(tiny_rm, step_aggregation="min")
   f = tiny_prm.as_reward_func()
-  with pytest.raises(ValueError, match=r"completions\[1\]: a process reward model scores the steps of one "
-                                       r"solution: a string, or one assistant message"):
+  with pytest.raises(
+    ValueError,
+    match=r"completions\[1\]: a process reward model scores the steps of one "
+    r"solution: a string, or one assistant message",
+  ):
     f(prompts=["p", "p"], completions=["a", [{"role": "user", "content": "b"}]])
 
 
@@ -191,9 +215,16 @@ def test_trl_grpo_trainer_takes_a_prm_reward(tiny_prm, cache_root, tmp_path):
   tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_run.tokenizer_dir(cache_root))
   torch.manual_seed(0)
   policy = transformers.AutoModelForCausalLM.from_config(
-      hf_tiny.tiny_config("llama", vocab_size=len(tokenizer), num_hidden_layers=1, pad_token_id=tokenizer.pad_token_id,
-                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id),
-      dtype=torch.float32)
+    hf_tiny.tiny_config(
+      "llama",
+      vocab_size=len(tokenizer),
+      num_hidden_layers=1,
+      pad_token_id=tokenizer.pad_token_id,
+      bos_token_id=tokenizer.bos_token_id,
+      eos_token_id=tokenizer.eos_token_id,
+    ),
+    dtype=torch.float32,
+  )
   newline = tokenizer.encode(tiny_prm.step_separator, add_special_tokens=False)
   assert len(newline) == 1
   prm = reward_funcs.as_reward_func(tiny_prm, step_aggregation="last", name="prm_last")
@@ -206,14 +237,25 @@ def test_trl_grpo_trainer_takes_a_prm_reward(tiny_prm, cache_root, tmp_path):
 
   recorded.__name__ = prm.__name__
   config = trl.GRPOConfig(
-      output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_completion_length=12,
-      max_steps=1, learning_rate=1e-5, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
-      # The random policy spreads its samples over SmolLM2's 49k tokens; a bias on the separator
-      # makes completions of several steps, some empty ones among them.
-      generation_kwargs={"sequence_bias": {tuple(newline): 10.0}}, seed=0)
+    output_dir=str(tmp_path),
+    per_device_train_batch_size=4,
+    num_generations=2,
+    max_completion_length=12,
+    max_steps=1,
+    learning_rate=1e-5,
+    logging_steps=1,
+    report_to="none",
+    save_strategy="no",
+    use_cpu=True,
+    # The random policy spreads its samples over SmolLM2's 49k tokens; a bias on the separator
+    # makes completions of several steps, some empty ones among them.
+    generation_kwargs={"sequence_bias": {tuple(newline): 10.0}},
+    seed=0,
+  )
   data = datasets.Dataset.from_dict({"prompt": ["Q: 12 * 3 + 4?", "Q: 7 - 9?"] * 2})
-  trainer = trl.GRPOTrainer(model=policy, reward_funcs=[recorded], args=config, train_dataset=data,
-                            processing_class=tokenizer)
+  trainer = trl.GRPOTrainer(
+    model=policy, reward_funcs=[recorded], args=config, train_dataset=data, processing_class=tokenizer
+  )
   trainer.train()
 
   assert calls, "GRPOTrainer never called the reward function"

@@ -6,21 +6,31 @@ import sys
 
 import numpy as np
 import pytest
+import tiny_run
 
 import jaxrm
-import tiny_run
 from jaxrm.data import registry
 from jaxrm.data.drops import DropReport
 from jaxrm.data.formats import DROP_IDENTICAL
 from jaxrm.data.tokenize import TokenizeOptions
 
 WHERE = {
-    "RewardModel": "jaxrm.reward_model", "RunConfig": "jaxrm.config", "ModelSpec": "jaxrm.config",
-    "LoraSpec": "jaxrm.config", "DataSpec": "jaxrm.config", "RewardSpec": "jaxrm.config",
-    "TrainSpec": "jaxrm.config", "EvalSpec": "jaxrm.config", "CheckpointSpec": "jaxrm.config",
-    "LoggerSpec": "jaxrm.config", "MeshConfig": "jaxrm.sharding", "train_and_evaluate": "jaxrm.trainer",
-    "evaluate": "jaxrm.evaluation", "load_dataset": "jaxrm.evaluation", "plot_scores": "jaxrm.evaluation",
-    "remote_reward_func": "jaxrm.reward_funcs",
+  "RewardModel": "jaxrm.reward_model",
+  "RunConfig": "jaxrm.config",
+  "ModelSpec": "jaxrm.config",
+  "LoraSpec": "jaxrm.config",
+  "DataSpec": "jaxrm.config",
+  "RewardSpec": "jaxrm.config",
+  "TrainSpec": "jaxrm.config",
+  "EvalSpec": "jaxrm.config",
+  "CheckpointSpec": "jaxrm.config",
+  "LoggerSpec": "jaxrm.config",
+  "MeshConfig": "jaxrm.sharding",
+  "train_and_evaluate": "jaxrm.trainer",
+  "evaluate": "jaxrm.evaluation",
+  "load_dataset": "jaxrm.evaluation",
+  "plot_scores": "jaxrm.evaluation",
+  "remote_reward_func": "jaxrm.reward_funcs",
 }
 
 
@@ -42,17 +52,22 @@ def test_an_unknown_name_is_an_attribute_error():
 
 def test_evaluate_is_the_function_and_the_cli_module_still_imports():
   # A fresh interpreter: importing the CLI module binds jaxrm.evaluate, which must stay the function.
-  proc = tiny_run.run([sys.executable, "-c",
-                       "import sys\n"
-                       "import jaxrm\n"
-                       "assert 'jax' not in sys.modules, 'import jaxrm alone should stay light'\n"
-                       "import jaxrm.evaluate\n"
-                       "from jaxrm.evaluate import main\n"
-                       "from jaxrm import evaluate\n"
-                       "from jaxrm.evaluation import evaluate as library\n"
-                       "assert evaluate is library and jaxrm.evaluate is library, evaluate\n"
-                       "assert sys.modules['jaxrm.evaluate'].main is main\n"
-                       "print('ok')\n"])
+  proc = tiny_run.run(
+    [
+      sys.executable,
+      "-c",
+      "import sys\n"
+      "import jaxrm\n"
+      "assert 'jax' not in sys.modules, 'import jaxrm alone should stay light'\n"
+      "import jaxrm.evaluate\n"
+      "from jaxrm.evaluate import main\n"
+      "from jaxrm import evaluate\n"
+      "from jaxrm.evaluation import evaluate as library\n"
+      "assert evaluate is library and jaxrm.evaluate is library, evaluate\n"
+      "assert sys.modules['jaxrm.evaluate'].main is main\n"
+      "print('ok')\n",
+    ]
+  )
   assert proc.returncode == 0 and proc.stdout == "ok\n", proc.stderr
 
 
@@ -66,10 +81,10 @@ def test_cli_help():
 
 
 PAIRS = [
-    {"prompt": "Say hi.", "chosen": " Hi!", "rejected": " Bye."},
-    {"prompt": "Say x.", "chosen": " x", "rejected": " x"},  # identical completions: dropped
-    {"prompt": "Count.", "chosen": " one two", "rejected": " one"},
-    {"prompt": "Name a colour.", "chosen": " Red.", "rejected": " Seven."},
+  {"prompt": "Say hi.", "chosen": " Hi!", "rejected": " Bye."},
+  {"prompt": "Say x.", "chosen": " x", "rejected": " x"},  # identical completions: dropped
+  {"prompt": "Count.", "chosen": " one two", "rejected": " one"},
+  {"prompt": "Name a colour.", "chosen": " Red.", "rejected": " Seven."},
 ]
 
 

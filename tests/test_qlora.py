@@ -7,15 +7,15 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import assert_only_trained_moved, demo_batches, flat_params, model_config_of, padded_tokens
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
-from helpers import assert_only_trained_moved, demo_batches, flat_params, model_config_of, padded_tokens
 from jaxrm import optim, sharding, steps
+from jaxrm.config import RewardSpec
 from jaxrm.data import pipeline
 from jaxrm.errors import ConfigError
 from jaxrm.hf.loader import abstract_model
-from jaxrm.config import RewardSpec
 from jaxrm.models import lora, quantize
 from jaxrm.models.config import ModelConfig
 from jaxrm.models.lora import LoraConfig, LoraParam
@@ -40,7 +40,9 @@ def test_int8_is_within_half_a_step_of_each_weight():
   w = _weights()
   codes, scale = quantize.quantize(w, "int8")
   assert codes.dtype == np.int8 and codes.shape == w.shape and scale.shape == (2, 1, 40)
-  np.testing.assert_allclose(scale, np.abs(w).max(axis=1, keepdims=True) / 127, rtol=1e-7)  # per output channel
+  np.testing.assert_allclose(
+    scale, np.abs(w).max(axis=1, keepdims=True) / 127, rtol=1e-7
+  )  # per output channel
   assert np.abs(codes).max() == 127 and codes.min() >= -127
   err = np.abs(np.asarray(quantize.dequantize(codes, scale, "int8")) - w)
   assert (err <= scale / 2 * (1 + 1e-6)).all()  # float32 rounding of w / scale: a relative 1e-6
@@ -77,10 +79,13 @@ def test_numpy_and_jax_quantize_alike():
       np.testing.assert_array_equal(a, np.asarray(b), err_msg=fmt)
 
 
-@pytest.mark.parametrize("kwargs, message", [
+@pytest.mark.parametrize(
+  "kwargs, message",
+  [
     (dict(rank=4, base_dtype="fp8"), r"base_dtype='fp8'; use one of bfloat16, int8, nf4, or None"),
     (dict(base_dtype="nf4"), r"rank=0 trains no adapters over it; set a rank"),
-])
+  ],
+)
 def test_bad_base_dtype_says_what_to_use(kwargs, message):
   with pytest.raises(ConfigError, match=message):
     LoraConfig(**kwargs)
@@ -88,8 +93,17 @@ def test_bad_base_dtype_says_what_to_use(kwargs, message):
 
 def test_nf4_needs_even_input_sizes():
   with pytest.raises(ConfigError, match=r"intermediate_size=15 is odd; use base_dtype='int8'"):
-    ModelConfig(family="llama", vocab_size=32, hidden_size=8, intermediate_size=15, num_layers=1,
-                num_heads=2, num_kv_heads=1, head_dim=4, lora=LoraConfig(rank=2, base_dtype="nf4"))
+    ModelConfig(
+      family="llama",
+      vocab_size=32,
+      hidden_size=8,
+      intermediate_size=15,
+      num_layers=1,
+      num_heads=2,
+      num_kv_heads=1,
+      head_dim=4,
+      lora=LoraConfig(rank=2, base_dtype="nf4"),
+    )
 
 
 # ------------------------------------------------------------------ loading and scoring
@@ -98,8 +112,10 @@ def test_nf4_needs_even_input_sizes():
 @pytest.fixture(scope="module")
 def qlora(model_dir):
   """The tiny model loaded over a base in each format."""
-  return {fmt: RewardModel.from_pretrained(model_dir, lora=LoraConfig(rank=4, base_dtype=fmt))
-          for fmt in quantize.FORMATS}
+  return {
+    fmt: RewardModel.from_pretrained(model_dir, lora=LoraConfig(rank=4, base_dtype=fmt))
+    for fmt in quantize.FORMATS
+  }
 
 
 def test_loader_quantizes_the_checkpoints_weights(tiny_rm, qlora):
@@ -175,15 +191,25 @@ def test_training_leaves_the_coded_base_bit_identical(model_dir, fmt):
   mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), devices=jax.devices()[:1])
   tx = optim.make_optimizer(optax.constant_schedule(1e-2), weight_decay=0.01)
   before = flat_params(nnx.state(rm.model))
-  state, shardings = steps.init_state(nnx.state(rm.model), tx, seed=0, mesh=mesh,
-                                      trainable=lora.trainable_filter(cfg))
+  state, shardings = steps.init_state(
+    nnx.state(rm.model), tx, seed=0, mesh=mesh, trainable=lora.trainable_filter(cfg)
+  )
   frozen = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(state["frozen"])}
-  assert all(isinstance(frozen[f"layers.{n}{s}"], QuantizedWeight)
-             for n in quantize.WEIGHTS for s in ("", quantize.SCALE))
+  assert all(
+    isinstance(frozen[f"layers.{n}{s}"], QuantizedWeight)
+    for n in quantize.WEIGHTS
+    for s in ("", quantize.SCALE)
+  )
   trained = sorted(flat_params(state["params"]))
   assert all(n.endswith(("_lora_a", "_lora_b")) or n == "score" for n in trained)
-  train_step = steps.make_train_step(steps.make_loss_fn(rm.model, RewardSpec()), tx, lambda _: 1e-2,
-                                     grad_accum_steps=2, state_shardings=shardings, mesh=mesh)
+  train_step = steps.make_train_step(
+    steps.make_loss_fn(rm.model, RewardSpec()),
+    tx,
+    lambda _: 1e-2,
+    grad_accum_steps=2,
+    state_shardings=shardings,
+    mesh=mesh,
+  )
   for batch in demo_batches(rm.tokenizer, 2):
     state, (_, extra) = train_step(state, pipeline.to_global_batch(batch, mesh))
     assert np.isfinite(extra["grad_norm"]) and extra["grad_norm"] > 0
@@ -208,15 +234,27 @@ def test_merge_decodes_the_base_into_float_weights(qlora):
   merged = RewardModel(nnx.merge(nnx.graphdef(abstract), merged_state))
   ids, mask = padded_tokens(rm.config.vocab_size)
   # Decoding, then adding A @ B, reorders float32 sums only (see test_lora.MERGE_ATOL).
-  np.testing.assert_allclose(merged.score_tokens(ids, mask), adapted.score_tokens(ids, mask), rtol=0, atol=1e-5)
+  np.testing.assert_allclose(
+    merged.score_tokens(ids, mask), adapted.score_tokens(ids, mask), rtol=0, atol=1e-5
+  )
 
 
 def test_backward_pass_keeps_codes_not_decoded_weights(capsys):
   """The decoded weights are recomputed for the backward pass (``quantize.linear`` is
   rematerialised): what the scan saves holds no float [L, in, out] weight."""
   from jaxrm.models.decoder import Decoder
-  cfg = ModelConfig(family="llama", vocab_size=32, hidden_size=128, intermediate_size=256, num_layers=3,
-                    num_heads=2, num_kv_heads=1, head_dim=64, lora=LoraConfig(rank=2, base_dtype="nf4"))
+
+  cfg = ModelConfig(
+    family="llama",
+    vocab_size=32,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=3,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=64,
+    lora=LoraConfig(rank=2, base_dtype="nf4"),
+  )
   graphdef, adapters, rest = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)), LoraParam, ...)
   ids = jax.numpy.zeros((2, 8), jax.numpy.int32)
   loss = lambda p: nnx.merge(graphdef, p, rest)(ids, jax.numpy.ones_like(ids)).sum()

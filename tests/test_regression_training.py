@@ -9,11 +9,11 @@ import sys
 
 import numpy as np
 import pytest
+import tiny_run
 import torch
 import transformers
-
-import tiny_run
 from helpers import PARITY_ATOL, right_padded, write_jsonl
+
 from jaxrm import RewardModel
 from jaxrm.errors import ConfigError
 
@@ -41,11 +41,21 @@ def rated_rows(n, seed):
 def regression_config(model_dir, out, data_dir, **overrides):
   train = write_jsonl(data_dir / "train.jsonl", rated_rows(160, seed=1))
   val = write_jsonl(data_dir / "val.jsonl", rated_rows(48, seed=2))
-  keys = dict(reward__type="regression", reward__attributes=",".join(ATTRIBUTES),
-              reward__attribute_range="0,4", reward__combine="quality", data__dataset_name="RatedDataset",
-              data__train_data_path=train, data__max_length=32, data__bucket_multiple=32,
-              data__max_train_rows=0, data__max_val_rows=0, train__max_steps=STEPS, eval__val_period=STEPS,
-              checkpointing__save_period=STEPS)
+  keys = dict(
+    reward__type="regression",
+    reward__attributes=",".join(ATTRIBUTES),
+    reward__attribute_range="0,4",
+    reward__combine="quality",
+    data__dataset_name="RatedDataset",
+    data__train_data_path=train,
+    data__max_length=32,
+    data__bucket_multiple=32,
+    data__max_train_rows=0,
+    data__max_val_rows=0,
+    train__max_steps=STEPS,
+    eval__val_period=STEPS,
+    checkpointing__save_period=STEPS,
+  )
   c = tiny_run.config(model_dir, out, **(keys | overrides))
   c.data.val_data_paths = {"default": val}
   return c
@@ -88,7 +98,9 @@ def test_run_scores_attributes_and_combinations(run):
   scores = rm.score(prompts=prompts, completions=responses)
   assert scores.shape == (2, 2) and scores.dtype == np.float32
   assert scores[0, 0] > scores[1, 0]  # great > awful
-  np.testing.assert_allclose(rm.score(prompts=prompts, completions=responses, combine="quality"), scores[:, 0])
+  np.testing.assert_allclose(
+    rm.score(prompts=prompts, completions=responses, combine="quality"), scores[:, 0]
+  )
   combined = rm.score(prompts=prompts, completions=responses, combine={"quality": 0.5, "polish": 2.0})
   np.testing.assert_allclose(combined, 0.5 * scores[:, 0] + 2.0 * scores[:, 1], rtol=1e-6)
   with pytest.raises(ValueError, match="'length', not among the model's attributes quality, polish"):
@@ -101,6 +113,7 @@ def test_reward_func_and_server_take_a_combination(run):
   from jaxrm.errors import ConfigError
   from jaxrm.server.app import check_model, score_fn
   from jaxrm.server.config import ServerConfig
+
   out, _ = run
   rm = RewardModel.from_pretrained(out)
   prompts, responses = ["Item 9-0:"] * 2, [" smooth great", " rough awful"]
@@ -108,9 +121,12 @@ def test_reward_func_and_server_take_a_combination(run):
   want = rm.score(prompts=prompts, completions=responses, combine=weights)
   f = rm.as_reward_func(combine=weights)
   assert f(prompts=prompts, completions=responses, completion_ids=[[1], [2]]) == want.tolist()
-  with pytest.raises(ValueError, match=r"this model has a sequence head with 2 outputs \(quality, polish\): it "
-                                       r"scores one output per attribute, and a reward function takes one reward "
-                                       r"per row: pass combine="):
+  with pytest.raises(
+    ValueError,
+    match=r"this model has a sequence head with 2 outputs \(quality, polish\): it "
+    r"scores one output per attribute, and a reward function takes one reward "
+    r"per row: pass combine=",
+  ):
     rm.as_reward_func()
   # The server's one scoring call combines as rm.score does.
   rows = [rm.encode(p, c) for p, c in zip(prompts, responses)]
@@ -118,11 +134,16 @@ def test_reward_func_and_server_take_a_combination(run):
   ids = np.array([r + [0] * (width - len(r)) for r in rows], np.int32)
   mask = np.array([[1] * len(r) + [0] * (width - len(r)) for r in rows], np.int32)
   np.testing.assert_allclose(score_fn(rm, False, "quality=0.5,polish=2")(ids, mask), want, rtol=1e-6)
-  with pytest.raises(ConfigError, match=r"this model has a sequence head with 2 outputs \(quality, polish\): it "
-                                        r"scores one output per attribute, and the server takes one reward per "
-                                        r"row: pass --combine"):
+  with pytest.raises(
+    ConfigError,
+    match=r"this model has a sequence head with 2 outputs \(quality, polish\): it "
+    r"scores one output per attribute, and the server takes one reward per "
+    r"row: pass --combine",
+  ):
     check_model(rm, ServerConfig())
-  with pytest.raises(ConfigError, match=r"--combine='length': score\(combine=...\): combine names 'length', not among"):
+  with pytest.raises(
+    ConfigError, match=r"--combine='length': score\(combine=...\): combine names 'length', not among"
+  ):
     check_model(rm, ServerConfig(combine="length"))
 
 
@@ -136,12 +157,15 @@ def test_export_names_attributes_and_transformers_scores_alike(run, tmp_path):
   assert config["label2id"] == {"quality": 0, "polish": 1}
 
   hf = transformers.AutoModelForSequenceClassification.from_pretrained(
-      tmp_path / "hf", dtype=torch.float32, attn_implementation="eager").eval()
+    tmp_path / "hf", dtype=torch.float32, attn_implementation="eager"
+  ).eval()
   assert hf.config.problem_type == "regression" and hf.config.id2label == {0: "quality", 1: "polish"}
   rows = [rm.encode("Item 3-1:", " rough good"), rm.encode("Item 5-0:", " smooth poor fine")]
   ids, mask = right_padded(rows, rm.tokenizer.pad_token_id)
   with torch.no_grad():
-    theirs = hf(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask)).logits.numpy()
+    theirs = hf(
+      input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask)
+    ).logits.numpy()
   np.testing.assert_allclose(rm.score_tokens(ids, mask), theirs, atol=PARITY_ATOL, rtol=0)
 
   back = RewardModel.from_pretrained(tmp_path / "hf")
@@ -152,9 +176,20 @@ def test_export_names_attributes_and_transformers_scores_alike(run, tmp_path):
 def test_evaluate_reports_what_validation_reported(run, model_dir, tmp_path):
   out, val = run
   data = os.path.join(os.path.dirname(out), "val.jsonl")  # the run's validation file
-  proc = tiny_run.run([sys.executable, "-m", "jaxrm.evaluate", f"--model={out}", f"--data={data}",
-                       "--dataset_name=RatedDataset", "--max_length=32", "--batch_size=5",
-                       "--combine=quality", f"--output={tmp_path / 'eval'}"])
+  proc = tiny_run.run(
+    [
+      sys.executable,
+      "-m",
+      "jaxrm.evaluate",
+      f"--model={out}",
+      f"--data={data}",
+      "--dataset_name=RatedDataset",
+      "--max_length=32",
+      "--batch_size=5",
+      "--combine=quality",
+      f"--output={tmp_path / 'eval'}",
+    ]
+  )
   assert proc.returncode == 0, proc.stderr
   report = json.loads((tmp_path / "eval" / "eval.json").read_text())
   assert report["kind"] == "regression" and report["attributes"] == list(ATTRIBUTES)
@@ -168,13 +203,23 @@ def test_evaluate_reports_what_validation_reported(run, model_dir, tmp_path):
   for a in ATTRIBUTES:
     for m in ("mse", "mae", "pearson"):
       assert report["metrics"][f"{m}_{a}"] == pytest.approx(val[f"validation-default_{m}_{a}"], rel=1e-4)
-    assert report["metrics"][f"spearman_{a}"] == pytest.approx(val[f"validation-default_spearman_{a}"], rel=1e-12)
+    assert report["metrics"][f"spearman_{a}"] == pytest.approx(
+      val[f"validation-default_spearman_{a}"], rel=1e-12
+    )
   assert report["metrics"]["pairwise_accuracy"] == val["validation-default_pairwise_accuracy"]
   assert "ranked by quality" in proc.stdout
   assert (tmp_path / "eval" / "rewards.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   # A rated dataset is read for the model's attributes: a Bradley-Terry model has none.
-  proc = tiny_run.run([sys.executable, "-m", "jaxrm.evaluate", f"--model={model_dir}", f"--data={data}",
-                       "--dataset_name=RatedDataset"])
+  proc = tiny_run.run(
+    [
+      sys.executable,
+      "-m",
+      "jaxrm.evaluate",
+      f"--model={model_dir}",
+      f"--data={data}",
+      "--dataset_name=RatedDataset",
+    ]
+  )
   assert proc.returncode == 1 and "Traceback" not in proc.stderr
   assert proc.stderr.startswith("error: RatedDataset (rated rows) needs a regression model")
 
@@ -189,19 +234,29 @@ def test_regression_needs_rated_data(model_dir, tmp_path):
   c = regression_config(model_dir, str(tmp_path / "run"), tmp_path, data__dataset_name="demo_arithmetic")
   c.data.train_data_path = ""
   c.data.val_data_paths = {"default": "validation"}
-  with pytest.raises(ConfigError, match="reward.type='regression' does not fit data.dataset_name='demo_arithmetic', "
-                     "which holds preference data"):
+  with pytest.raises(
+    ConfigError,
+    match="reward.type='regression' does not fit data.dataset_name='demo_arithmetic', "
+    "which holds preference data",
+  ):
     tiny_run.train(c)
 
 
 def test_hf_regression_checkpoint_loads_as_a_regression_model(tmp_path):
   import hf_tiny
+
   names = {0: "helpfulness", 1: "correctness", 2: "verbosity"}
-  cfg = hf_tiny.tiny_config("llama", num_labels=3, problem_type="regression", id2label=names,
-                            label2id={v: k for k, v in names.items()})
+  cfg = hf_tiny.tiny_config(
+    "llama",
+    num_labels=3,
+    problem_type="regression",
+    id2label=names,
+    label2id={v: k for k, v in names.items()},
+  )
   torch.manual_seed(0)
-  hf = transformers.AutoModelForSequenceClassification.from_config(cfg, attn_implementation="eager",
-                                                                   dtype=torch.float32).eval()
+  hf = transformers.AutoModelForSequenceClassification.from_config(
+    cfg, attn_implementation="eager", dtype=torch.float32
+  ).eval()
   with torch.no_grad():
     for p in hf.parameters():
       p.add_(torch.randn_like(p) * 0.05)  # away from the default init, so a misplaced weight shows

@@ -7,8 +7,8 @@ import types
 import numpy as np
 import pytest
 import torch
-
 from helpers import REBATCHED, serving
+
 from jaxrm import RewardModel, reward_funcs, step_rewards
 from jaxrm.loading import ScoringInfo
 from jaxrm.server import ServerConfig
@@ -26,8 +26,13 @@ def validated_rm(tiny_rm):
 
 def trl_call(reward_func, prompts, completions, **columns):
   """What GRPOTrainer does with a plain-function reward: keyword call, None -> NaN, float32 tensor."""
-  out = reward_func(prompts=prompts, completions=completions,
-                    completion_ids=[[7] * len(str(c)) for c in completions], trainer_state=None, **columns)
+  out = reward_func(
+    prompts=prompts,
+    completions=completions,
+    completion_ids=[[7] * len(str(c)) for c in completions],
+    trainer_state=None,
+    **columns,
+  )
   out = [r if r is not None else torch.nan for r in out]
   return torch.tensor(out, dtype=torch.float32).numpy()
 
@@ -59,8 +64,10 @@ def test_trl_standard_format(validated_rm):
 def test_trl_conversational_format(validated_rm):
   f = reward_funcs.as_reward_func(validated_rm, name="rm_helpfulness")
   assert f.__name__ == "rm_helpfulness"
-  prompts = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}],
-             [{"role": "user", "content": "2 + 2?"}]]
+  prompts = [
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}],
+    [{"role": "user", "content": "2 + 2?"}],
+  ]
   completions = [[{"role": "assistant", "content": "Paris."}], [{"role": "assistant", "content": "4"}]]
   got = trl_call(f, prompts, completions)
   np.testing.assert_array_equal(got, validated_rm.score([p + c for p, c in zip(prompts, completions)]))
@@ -109,9 +116,12 @@ def test_errors(validated_rm, tmp_path):
   with pytest.raises(ValueError, match="pair_rm: 2 batch_items for 3 joint responses"):
     f(["a", "b", "c"], ["d", "e", "f"], batch_items=[{"prompt": "p"}] * 2)
   other = types.SimpleNamespace(config=validated_rm.config.replace(head="token", num_labels=3))
-  with pytest.raises(ValueError, match=r"a reward function needs a sequence-head reward model .* or a "
-                                       r"token-head \(process reward\) model with 2 labels .*; this model has a "
-                                       r"token head with 3"):
+  with pytest.raises(
+    ValueError,
+    match=r"a reward function needs a sequence-head reward model .* or a "
+    r"token-head \(process reward\) model with 2 labels .*; this model has a "
+    r"token head with 3",
+  ):
     reward_funcs.as_reward_func(other)
 
 
@@ -129,8 +139,10 @@ def test_remote_reward_func_returns_the_local_rewards(validated_rm, server_url):
   assert remote.__name__ == "remote_rm"
   local = validated_rm.as_reward_func()
   standard = (["Q: 1 + 1?", "Q: 1 + 1?", "Q: 2 + 3?"], [" A: 2", " A: 11", " A: 5"])
-  chat = ([[{"role": "user", "content": "Capital of France?"}]] * 2,
-          [[{"role": "assistant", "content": "Paris."}], [{"role": "assistant", "content": "Lyon."}]])
+  chat = (
+    [[{"role": "user", "content": "Capital of France?"}]] * 2,
+    [[{"role": "assistant", "content": "Paris."}], [{"role": "assistant", "content": "Lyon."}]],
+  )
   for prompts, completions in (standard, chat):
     got = trl_call(remote, prompts, completions, answer=["x"] * len(prompts))
     # Exactly equal: one request alone on the server is sorted, padded and batched as rm.score
@@ -152,11 +164,14 @@ def test_remote_reward_func_names_a_server_that_is_not_up():
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
   remote = reward_funcs.remote_reward_func(f"http://127.0.0.1:{port}/", name="remote_rm")
-  with pytest.raises(ConnectionError, match=rf"^remote_rm: cannot reach the reward server at "
-                                            rf"http://127.0.0.1:{port}/score \(\[Errno \d+\] Connection refused\)\. "
-                                            rf"Is `python -m jaxrm.serve` running there\? A server that was just "
-                                            rf"started may still be loading its model, and takes connections once "
-                                            rf"GET http://127.0.0.1:{port}/health answers: wait for it and try again$"):
+  with pytest.raises(
+    ConnectionError,
+    match=rf"^remote_rm: cannot reach the reward server at "
+    rf"http://127.0.0.1:{port}/score \(\[Errno \d+\] Connection refused\)\. "
+    rf"Is `python -m jaxrm.serve` running there\? A server that was just "
+    rf"started may still be loading its model, and takes connections once "
+    rf"GET http://127.0.0.1:{port}/health answers: wait for it and try again$",
+  ):
     remote(prompts=["p"], completions=["a"])
 
 
@@ -185,7 +200,8 @@ def test_remote_reward_func_retries_a_busy_server_with_its_key():
 
   stand_in = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
   threading.Thread(target=stand_in.serve_forever, daemon=True).start()
-  url = "http://%s:%d" % stand_in.server_address[:2]
+  host, port = stand_in.server_address[:2]
+  url = f"http://{host}:{port}"
   try:
     remote = reward_funcs.remote_reward_func(url + "/", api_key="k")
     assert remote(prompts=["p", "p"], completions=["a", "b"], trainer_state=None) == [0.5, -1.0]
@@ -200,6 +216,7 @@ def test_remote_reward_func_retries_a_busy_server_with_its_key():
 
 # ------------------------------------------------------------------ remote: a process reward model's server
 
+
 # The client's half of /score_steps is written against the real server; it runs once the server
 # has the endpoint.
 @pytest.fixture(scope="module")
@@ -211,30 +228,40 @@ def prm_server_url(tiny_prm):
 def test_remote_reward_func_of_a_prm_returns_the_local_rewards(tiny_prm, prm_server_url):
   prompts = ["Q: 12 * 3 + 4?", "Q: 12 * 3 + 4?", "Q: 7 - 9?", "Q: 7 - 9?"]
   completions = [" 12 * 3 = 36.\n 36 + 4 = 40.\n", " 12 * 3 = 35.\n 35 + 4 = 39.", " -2", "\n"]
-  chat = ([[{"role": "user", "content": "What is 2 + 2?"}]] * 2,
-          [[{"role": "assistant", "content": "2 + 2 = 4.\nSo 4."}], [{"role": "assistant", "content": "5"}]])
+  chat = (
+    [[{"role": "user", "content": "What is 2 + 2?"}]] * 2,
+    [[{"role": "assistant", "content": "2 + 2 = 4.\nSo 4."}], [{"role": "assistant", "content": "5"}]],
+  )
   for how in (None,) + step_rewards.AGGREGATIONS:
-    remote = reward_funcs.remote_reward_func(prm_server_url, steps=True, step_aggregation=how, name="remote_prm")
+    remote = reward_funcs.remote_reward_func(
+      prm_server_url, steps=True, step_aggregation=how, name="remote_prm"
+    )
     local = reward_funcs.as_reward_func(tiny_prm, step_aggregation=how)
     for p, c in ((prompts, completions), chat):
       got = remote(prompts=p, completions=c, trainer_state=None)
       want = local(prompts=p, completions=c)
       assert [r is None for r in got] == [r is None for r in want]
       # The server batches and pads rows its own way: equal up to the roundings of other shapes.
-      assert [r for r in got if r is not None] == pytest.approx([r for r in want if r is not None],
-                                                                rel=REBATCHED["rtol"], abs=REBATCHED["atol"])
+      assert [r for r in got if r is not None] == pytest.approx(
+        [r for r in want if r is not None], rel=REBATCHED["rtol"], abs=REBATCHED["atol"]
+      )
   assert got[0] is not None and got[1] is not None
 
 
 def test_remote_prm_reward_func_raises_the_servers_message(prm_server_url):
   remote = reward_funcs.remote_reward_func(prm_server_url, steps=True, name="remote_prm")
-  with pytest.raises(ValueError, match=r"remote_prm: .*/score_steps answered 400: cannot score prompts\[1\] "
-                                       r"\+ completions\[1\]: .* longer than max_length=64 tokens \(--max_length\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"remote_prm: .*/score_steps answered 400: cannot score prompts\[1\] "
+    r"\+ completions\[1\]: .* longer than max_length=64 tokens \(--max_length\)",
+  ):
     remote(prompts=["a", "a"], completions=["b", "word " * 100])
   with pytest.raises(ValueError, match=r"^remote_prm: 1 prompts but 2 completions$"):
     remote(prompts=["a"], completions=["b", "c"])
 
 
 def test_remote_reward_func_checks_its_aggregation():
-  with pytest.raises(ValueError, match=r"^step_aggregation='max' is not an aggregation of step probabilities"):
+  with pytest.raises(
+    ValueError, match=r"^step_aggregation='max' is not an aggregation of step probabilities"
+  ):
     reward_funcs.remote_reward_func("http://127.0.0.1:1", step_aggregation="max")

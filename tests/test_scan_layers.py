@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
 from helpers import padded_tokens
+
 from jaxrm.models.decoder import Decoder
 from jaxrm.models.lora import LoraConfig
 from jaxrm.reward_model import RewardModel
@@ -29,7 +29,9 @@ def test_unrolled_layers_equal_the_scan(model_dir, remat):
   key = jax.random.key(0)
 
   def loss_and_grads(scan: bool):
-    model = nnx.merge(nnx.graphdef(Decoder(dataclasses.replace(cfg, scan_layers=scan), rngs=nnx.Rngs(0))), state)
+    model = nnx.merge(
+      nnx.graphdef(Decoder(dataclasses.replace(cfg, scan_layers=scan), rngs=nnx.Rngs(0))), state
+    )
     graphdef, params = nnx.split(model)
 
     def loss(p):

@@ -5,24 +5,23 @@ import os
 import re
 import shutil
 
+import hf_tiny
 import jax
 import numpy as np
 import pytest
+import tiny_run
 import torch
 import transformers
 from flax import nnx
-
-import hf_tiny
-import tiny_run
 from helpers import NL, PARITY_ATOL, assert_same_params, params, right_padded
+
 from jaxrm import RewardModel, checkpointing, loading
-from jaxrm.loading import ScoringInfo
-from jaxrm.server import make_server
-from jaxrm.errors import CheckpointError
 from jaxrm.data import registry
 from jaxrm.data.drops import DropReport
-from jaxrm.errors import DataError
 from jaxrm.data.tokenize import TokenizeOptions, tokenize_all
+from jaxrm.errors import CheckpointError, DataError
+from jaxrm.loading import ScoringInfo
+from jaxrm.server import make_server
 
 # score() sorts rows by length and pads each batch to its own bucket, while the references below pad
 # to one fixed length: the same float32 rewards through sums over other padded lengths. Rewards are
@@ -30,10 +29,13 @@ from jaxrm.data.tokenize import TokenizeOptions, tokenize_all
 REBATCHED_ATOL = 1e-5
 
 CHATS = [
-    [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}],
-    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Name a colour."},
-     {"role": "assistant", "content": "Blue, or maybe a deep shade of green on a good day."}],
-    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
+  [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}],
+  [
+    {"role": "system", "content": "Be terse."},
+    {"role": "user", "content": "Name a colour."},
+    {"role": "assistant", "content": "Blue, or maybe a deep shade of green on a good day."},
+  ],
+  [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
 ]
 
 
@@ -41,9 +43,17 @@ CHATS = [
 def run_dir(model_dir, tmp_path_factory):
   """Two training steps, validated and checkpointed after each."""
   out = str(tmp_path_factory.mktemp("run"))
-  tiny_run.train(tiny_run.config(
-      model_dir, out, train__max_steps=2, eval__val_period=1, checkpointing__save_period=1,
-      checkpointing__keep_top_k=2, data__max_train_rows=16))
+  tiny_run.train(
+    tiny_run.config(
+      model_dir,
+      out,
+      train__max_steps=2,
+      eval__val_period=1,
+      checkpointing__save_period=1,
+      checkpointing__keep_top_k=2,
+      data__max_train_rows=16,
+    )
+  )
   return out
 
 
@@ -65,8 +75,9 @@ def prm(smollm2_tokenizer, tmp_path_factory):
   """A random 2-layer Qwen2 token-classification model with SmolLM2's tokenizer."""
   tok = smollm2_tokenizer
   out = tmp_path_factory.mktemp("prm")
-  hf_tiny.build("qwen2", "token", vocab_size=len(tok), num_hidden_layers=2,
-                pad_token_id=tok.pad_token_id).save_pretrained(out)
+  hf_tiny.build(
+    "qwen2", "token", vocab_size=len(tok), num_hidden_layers=2, pad_token_id=tok.pad_token_id
+  ).save_pretrained(out)
   tok.save_pretrained(out)
   return RewardModel.from_pretrained(out)
 
@@ -95,8 +106,7 @@ def test_without_best_file_orbax_picks_the_lowest_validation_loss(run_copy):
   losses = {s: meta(run_copy, s)["metrics"]["validation-default_loss"] for s in (1, 2)}
   assert losses[1] != losses[2]
   best = min(losses, key=losses.get)
-  assert_same_params(RewardModel.from_pretrained(run_copy),
-                     RewardModel.from_pretrained(run_copy, step=best))
+  assert_same_params(RewardModel.from_pretrained(run_copy), RewardModel.from_pretrained(run_copy, step=best))
 
 
 def test_step_and_checkpoint_paths(run_dir, model_dir):
@@ -110,21 +120,33 @@ def test_step_and_checkpoint_paths(run_dir, model_dir):
   # The restore target's dtype is honoured.
   bf16 = RewardModel.from_pretrained(run_dir, step=1, dtype="bfloat16")
   assert bf16.model.embed[...].dtype == np.dtype("bfloat16")
-  np.testing.assert_array_equal(np.asarray(bf16.model.embed[...], np.float32),
-                                np.asarray(one.model.embed[...].astype("bfloat16"), np.float32))
+  np.testing.assert_array_equal(
+    np.asarray(bf16.model.embed[...], np.float32),
+    np.asarray(one.model.embed[...].astype("bfloat16"), np.float32),
+  )
 
 
 def test_run_errors(run_dir, run_copy, model_dir, tmp_path):
   ckpts = os.path.join(run_dir, "checkpoints")
-  with pytest.raises(CheckpointError, match=re.escape(f"{ckpts}: no checkpoint for step 9; available steps: 1, 2")):
+  with pytest.raises(
+    CheckpointError, match=re.escape(f"{ckpts}: no checkpoint for step 9; available steps: 1, 2")
+  ):
     RewardModel.from_pretrained(run_dir, step=9)
-  with pytest.raises(CheckpointError, match=re.escape("is the checkpoint of step 1, but step=2 was asked for")):
+  with pytest.raises(
+    CheckpointError, match=re.escape("is the checkpoint of step 1, but step=2 was asked for")
+  ):
     RewardModel.from_pretrained(os.path.join(ckpts, "1"), step=2)
-  with pytest.raises(CheckpointError, match=re.escape(
-      f"{run_dir} was trained with head='sequence'; it cannot be loaded with head='token'")):
+  with pytest.raises(
+    CheckpointError,
+    match=re.escape(f"{run_dir} was trained with head='sequence'; it cannot be loaded with head='token'"),
+  ):
     RewardModel.from_pretrained(run_dir, head="token")
-  with pytest.raises(CheckpointError, match=re.escape(
-      f"step=1 selects a checkpoint of a training output directory, but {model_dir} is not one")):
+  with pytest.raises(
+    CheckpointError,
+    match=re.escape(
+      f"step=1 selects a checkpoint of a training output directory, but {model_dir} is not one"
+    ),
+  ):
     RewardModel.from_pretrained(model_dir, step=1)
   missing = str(tmp_path / "nowhere")
   with pytest.raises(CheckpointError, match=re.escape(f"{missing}: no such file or directory")):
@@ -132,9 +154,13 @@ def test_run_errors(run_dir, run_copy, model_dir, tmp_path):
 
   # A checkpoint moved away from its run.
   moved = shutil.copytree(os.path.join(ckpts, "1"), tmp_path / "loose" / "7")
-  with pytest.raises(CheckpointError, match=re.escape(
+  with pytest.raises(
+    CheckpointError,
+    match=re.escape(
       f"{moved} is a training checkpoint, but {tmp_path} has no model_config.json; load the run's "
-      "output directory (the one holding model_config.json) with step=7")):
+      "output directory (the one holding model_config.json) with step=7"
+    ),
+  ):
     RewardModel.from_pretrained(moved)
 
   ckpt_dir = run_copy / "checkpoints"
@@ -188,11 +214,18 @@ def test_score_tokenizes_and_scores_as_training(rm):
   # Each row ends "<|im_end|>\n": the eos (== pad) token is inside the row, not mistaken for padding.
   assert rows[0][-2:] == [rm.tokenizer.pad_token_id, NL]
   # Reference: rows in their own order, four per batch, padded to 64 (score() sorts them by length).
-  expected = np.concatenate([rm.score_tokens(*right_padded(rows[i:i + 4], pad=2, length=64)) for i in range(0, 12, 4)])
-  np.testing.assert_allclose(rm.score(prompts=prompts, completions=completions, batch_size=4),
-                             expected, atol=REBATCHED_ATOL, rtol=0)
-  np.testing.assert_allclose(rm.score([p + c for p, c in zip(prompts, completions)], batch_size=4),
-                             expected, atol=REBATCHED_ATOL, rtol=0)
+  expected = np.concatenate(
+    [rm.score_tokens(*right_padded(rows[i : i + 4], pad=2, length=64)) for i in range(0, 12, 4)]
+  )
+  np.testing.assert_allclose(
+    rm.score(prompts=prompts, completions=completions, batch_size=4), expected, atol=REBATCHED_ATOL, rtol=0
+  )
+  np.testing.assert_allclose(
+    rm.score([p + c for p, c in zip(prompts, completions)], batch_size=4),
+    expected,
+    atol=REBATCHED_ATOL,
+    rtol=0,
+  )
 
 
 def test_plain_text_layout_and_batching(rm):
@@ -201,8 +234,12 @@ def test_plain_text_layout_and_batching(rm):
   assert rm.encode("1 + 1 = 2") == tok("1 + 1 = 2")["input_ids"]
   assert rm.encode("Q: 1 + 1?", " A: 2") == tok("Q: 1 + 1? A: 2")["input_ids"]  # joined, then tokenized
   got = rm.score(texts, batch_size=4)
-  np.testing.assert_allclose(got, rm.score_tokens(*right_padded([rm.encode(t) for t in texts], pad=2, length=64)),
-                             atol=REBATCHED_ATOL, rtol=0)
+  np.testing.assert_allclose(
+    got,
+    rm.score_tokens(*right_padded([rm.encode(t) for t in texts], pad=2, length=64)),
+    atol=REBATCHED_ATOL,
+    rtol=0,
+  )
   assert got.dtype == np.float32 and got.shape == (4,)
   assert rm.score([]).shape == (0,)
 
@@ -229,8 +266,9 @@ def test_scoring_encoded_rows(rm, prm):
   short = prm.tokenizer("Hi")["input_ids"]
   logits = prm.outputs_of_ids([ids, short], batch_size=2, bucket=16)
   assert [x.shape for x in logits] == [(len(ids), 2), (len(short), 2)]  # each row's own length
-  np.testing.assert_allclose(logits[0], prm.score_tokens([ids], [[1] * len(ids)])[0],
-                             atol=REBATCHED_ATOL, rtol=0)
+  np.testing.assert_allclose(
+    logits[0], prm.score_tokens([ids], [[1] * len(ids)])[0], atol=REBATCHED_ATOL, rtol=0
+  )
 
 
 def test_score_argument_errors(rm):
@@ -238,10 +276,16 @@ def test_score_argument_errors(rm):
     rm.score(CHATS, prompts=["a"], completions=["b"])
   with pytest.raises(ValueError, match=r"as many entries each \(got 2 and 1\)"):
     rm.score(prompts=["a", "b"], completions=["c"])
-  with pytest.raises(DataError, match=re.escape(
-      "prompts[1] + completions[1]: the prompt is a conversation but the completion is plain text")):
+  with pytest.raises(
+    DataError,
+    match=re.escape(
+      "prompts[1] + completions[1]: the prompt is a conversation but the completion is plain text"
+    ),
+  ):
     rm.score(prompts=["a", CHATS[0][:1]], completions=["b", "c"])
-  with pytest.raises(DataError, match=re.escape("items[0]: the completion alone is longer than max_length=4")):
+  with pytest.raises(
+    DataError, match=re.escape("items[0]: the completion alone is longer than max_length=4")
+  ):
     rm.score(["a b c d e f g h"], max_length=4)
   with pytest.raises(DataError, match=re.escape("items[1]: no tokens to score")):
     rm.score(["a", ""])
@@ -250,27 +294,39 @@ def test_score_argument_errors(rm):
 def test_misuse_is_refused_at_the_door(rm, prm):
   """What a newcomer passes by mistake is named, with what belongs there, before any tokenizing."""
   conversation = CHATS[0]
-  one = re.escape("score: items is one conversation (a list of messages), where a list of texts or "
-                  "conversations belongs: for one, wrap it in a list (rm.score([...]))")
+  one = re.escape(
+    "score: items is one conversation (a list of messages), where a list of texts or "
+    "conversations belongs: for one, wrap it in a list (rm.score([...]))"
+  )
   with pytest.raises(DataError, match=one):
     rm.score(conversation)
   with pytest.raises(DataError, match="score: items is one string, where a list of texts"):
     rm.score("a text")
   with pytest.raises(DataError, match="score: completions is one message, where a list"):
     rm.score(prompts=["a"], completions={"role": "assistant", "content": "b"})
-  with pytest.raises(DataError, match=re.escape("score: field 'items[1]': expected a string or a list of messages, "
-                                                "got an integer")):
+  with pytest.raises(
+    DataError,
+    match=re.escape("score: field 'items[1]': expected a string or a list of messages, got an integer"),
+  ):
     rm.score(["a", 3])
-  with pytest.raises(DataError, match=re.escape("encode: field 'item': expected a string or a list of messages, "
-                                                "got an object")):
+  with pytest.raises(
+    DataError, match=re.escape("encode: field 'item': expected a string or a list of messages, got an object")
+  ):
     rm.encode(conversation[0])
   with pytest.raises(DataError, match=re.escape("encode: field 'item[0].role': unknown role 'robot'")):
     rm.encode([{"role": "robot", "content": "hi"}])
   # Steps as one string would be scored one character per step.
-  with pytest.raises(DataError, match=re.escape("score_steps: steps is one string; pass a list of steps (e.g. "
-                                                "jaxrm.step_rewards.split_steps(text, rm.step_separator)")):
+  with pytest.raises(
+    DataError,
+    match=re.escape(
+      "score_steps: steps is one string; pass a list of steps (e.g. "
+      "jaxrm.step_rewards.split_steps(text, rm.step_separator)"
+    ),
+  ):
     prm.score_steps("What is 3 * 4 + 2?", "3 * 4 = 12\n12 + 2 = 14")
-  with pytest.raises(DataError, match=re.escape("score_steps: steps_lists[1] holds an integer; expected a list")):
+  with pytest.raises(
+    DataError, match=re.escape("score_steps: steps_lists[1] holds an integer; expected a list")
+  ):
     prm.score_steps_batch(["p", "q"], [["a"], ["b", 2]])
   with pytest.raises(DataError, match="score_steps_batch takes a list of prompts and a list of step lists"):
     prm.score_steps_batch("p", [["a"]])
@@ -329,7 +385,7 @@ def test_score_steps_batch_and_chat_prompts(prm):
   assert opening.endswith("<|im_start|>assistant\n")
   prefix = prm.tokenizer(opening, add_special_tokens=False)["input_ids"]
   first = prm.tokenizer("3 * 3 = 9", add_special_tokens=False)["input_ids"]
-  assert ids[:len(prefix) + len(first) + 1] == prefix + first + [NL]
+  assert ids[: len(prefix) + len(first) + 1] == prefix + first + [NL]
   assert positions[0] == len(prefix) + len(first) and positions[-1] == len(ids) - 1
 
 
@@ -342,14 +398,27 @@ def test_step_separator_is_the_models(prm):
 
 
 def test_head_mismatch_errors(rm, prm):
-  with pytest.raises(ValueError, match=re.escape("score_steps needs a token-head (process reward) model with 2 "
-                                                 "labels (step in error, step correct); this model has a "
-                                                 "sequence head with 1 output")):
+  with pytest.raises(
+    ValueError,
+    match=re.escape(
+      "score_steps needs a token-head (process reward) model with 2 "
+      "labels (step in error, step correct); this model has a "
+      "sequence head with 1 output"
+    ),
+  ):
     rm.score_steps("Q", ["a"])
-  with pytest.raises(ValueError, match=re.escape("score() needs a sequence-head reward model") + ".*" + re.escape(
-      "this model has a token head with 2 labels; a process reward model scores steps: rm.score_steps")):
+  with pytest.raises(
+    ValueError,
+    match=re.escape("score() needs a sequence-head reward model")
+    + ".*"
+    + re.escape(
+      "this model has a token head with 2 labels; a process reward model scores steps: rm.score_steps"
+    ),
+  ):
     prm.score(["a"])
-  with pytest.raises(DataError, match=re.escape("prompts[0]: the prompt and its 2 steps are longer than max_length=5")):
+  with pytest.raises(
+    DataError, match=re.escape("prompts[0]: the prompt and its 2 steps are longer than max_length=5")
+  ):
     prm.score_steps("A long question about many things", ["a", "b"], max_length=5)
 
 

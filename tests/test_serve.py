@@ -12,10 +12,22 @@ import threading
 import types
 
 import pytest
-
 import tiny_run
-from helpers import (REBATCHED, SERVER_CONFIG, SERVER_TEXTS, SOCKET_TIMEOUT, approx, assistant, call,
-                     metric, raw_connection, read_all, serving, user)
+from helpers import (
+  REBATCHED,
+  SERVER_CONFIG,
+  SERVER_TEXTS,
+  SOCKET_TIMEOUT,
+  approx,
+  assistant,
+  call,
+  metric,
+  raw_connection,
+  read_all,
+  serving,
+  user,
+)
+
 from jaxrm.errors import ConfigError
 from jaxrm.loading import ScoringInfo
 from jaxrm.server import ServerConfig, make_server
@@ -39,8 +51,8 @@ def rewards_of(url, texts):
 
 
 CONVERSATIONS = [
-    [user("Capital of France?"), assistant("Paris")],
-    [{"role": "system", "content": "Be brief."}, user("Capital of France?"), assistant("Lyon")],
+  [user("Capital of France?"), assistant("Paris")],
+  [{"role": "system", "content": "Be brief."}, user("Capital of France?"), assistant("Lyon")],
 ]
 
 # ------------------------------------------------------------------ endpoints
@@ -48,7 +60,9 @@ CONVERSATIONS = [
 
 def test_get_reward_is_openrlhf_compatible(url, tiny_rm):
   # OpenRLHF's remote_rm_fn posts the rendered texts with their prompts and labels.
-  status, reply, _ = call(url, "/get_reward", {"query": SERVER_TEXTS, "prompts": ["p"] * 3, "labels": [""] * 3})
+  status, reply, _ = call(
+    url, "/get_reward", {"query": SERVER_TEXTS, "prompts": ["p"] * 3, "labels": [""] * 3}
+  )
   assert status == 200
   assert reply["rewards"] == approx(tiny_rm.score(SERVER_TEXTS))
 
@@ -82,8 +96,9 @@ def test_openrlhf_text_strips_pad_and_eos_then_appends_one(tiny_rm):
     got = rewards_of(s.url, [f"{eos}{eos}Hello world{eos}{eos}{eos}", "Hello world"])
     status, reply, _ = call(s.url, "/get_reward", {"query": ["one two " * 40]})
     assert status == 400
-    assert re.fullmatch(r"cannot score query\[0\]: \d+ tokens, longer than max_length=64 \(--max_length\)",
-                        reply["error"])
+    assert re.fullmatch(
+      r"cannot score query\[0\]: \d+ tokens, longer than max_length=64 \(--max_length\)", reply["error"]
+    )
   # SmolLM2's tokenizer adds no special tokens, so rm.score (which lets it) tokenizes alike.
   expected = tiny_rm.score([f"Hello world{eos}"] * 2)
   assert got == approx(expected)
@@ -92,6 +107,7 @@ def test_openrlhf_text_strips_pad_and_eos_then_appends_one(tiny_rm):
 
 def test_normalized_rewards(tiny_rm):
   from jaxrm import RewardModel
+
   with pytest.raises(ConfigError, match="normalizing needs the reward mean/std recorded at validation"):
     make_server(tiny_rm, "127.0.0.1", 0, config=ServerConfig(normalize=True))
   stats = {"mean": 0.5, "std": 2.0, "from": "validation-default"}
@@ -129,9 +145,12 @@ def test_no_access_log_by_default(url, caplog):
 
 def test_models_of_other_kinds_are_refused():
   other = types.SimpleNamespace(config=types.SimpleNamespace(head="token", num_labels=3), tokenizer=object())
-  with pytest.raises(ConfigError, match=r"the server needs a sequence-head reward model .* or a token-head "
-                                        r"\(process reward\) model with 2 labels .*; this model has a token head "
-                                        r"with 3 labels"):
+  with pytest.raises(
+    ConfigError,
+    match=r"the server needs a sequence-head reward model .* or a token-head "
+    r"\(process reward\) model with 2 labels .*; this model has a token head "
+    r"with 3 labels",
+  ):
     make_server(other, "127.0.0.1", 0)
 
 
@@ -152,10 +171,13 @@ def test_api_key(tiny_rm):
       status, reply, reply_headers = call(s.url, "/get_reward", {"query": SERVER_TEXTS}, headers=headers)
       assert status == 401 and "Authorization: Bearer" in reply["error"]
       assert reply_headers["WWW-Authenticate"] == "Bearer"
-    status, reply, _ = call(s.url, "/get_reward", {"query": SERVER_TEXTS}, headers={"Authorization": "Bearer s3cret"})
+    status, reply, _ = call(
+      s.url, "/get_reward", {"query": SERVER_TEXTS}, headers={"Authorization": "Bearer s3cret"}
+    )
     assert status == 200 and reply["rewards"] == approx(tiny_rm.score(SERVER_TEXTS))
     assert call(s.url, "/health")[0] == 200  # probes need no key
     assert call(s.url, "/metrics")[0] == 401
+
 
 # ------------------------------------------------------------------ concurrency and batching
 
@@ -164,8 +186,13 @@ def test_concurrent_clients_get_their_own_rewards_in_shared_batches(url, tiny_rm
   words = "alpha beta gamma delta epsilon zeta eta theta".split()
   # 64 requests of 1 to 4 texts, 2 to 50 tokens: every text differs, so a reward given to the
   # wrong request or in the wrong order shows.
-  bodies = [[f"request {r} item {i}: " + " ".join(words[(r + i + k) % 8] for k in range((r * 7 + i * 5) % 45))
-             for i in range(1 + r % 4)] for r in range(64)]
+  bodies = [
+    [
+      f"request {r} item {i}: " + " ".join(words[(r + i + k) % 8] for k in range((r * 7 + i * 5) % 45))
+      for i in range(1 + r % 4)
+    ]
+    for r in range(64)
+  ]
   batches_before = metric(url, "jaxrm_batch_requests_count")
   alone_before = metric(url, 'jaxrm_batch_requests_bucket{le="1.0"}')
   start = threading.Barrier(64, timeout=SOCKET_TIMEOUT)
@@ -187,14 +214,33 @@ def test_concurrent_clients_get_their_own_rewards_in_shared_batches(url, tiny_rm
 
 # ------------------------------------------------------------------ shared prefixes
 
-SHARING_CONFIG = dataclasses.replace(SERVER_CONFIG, max_batch=8, max_request_bytes=8192, max_length=128,
-                                     buckets=(64, 128), batch_wait_ms=200, access_log=True)
-GRPO_PROMPT = [user("Name three colours that go well with a deep shade of green, for the walls of a small "
-                    "north-facing room with old oak floors, white window frames and a brass lamp; say why "
-                    "each works, and which one you would choose yourself.")]
-GRPO_COMPLETIONS = [[assistant(text)] for text in ("Cream, terracotta and ochre.", "Grey.", "White, because it is "
-                                                   "bright.", "Pink and gold, to warm the room.", "Blue.",
-                                                   "Mustard yellow, for contrast with the oak.")]
+SHARING_CONFIG = dataclasses.replace(
+  SERVER_CONFIG,
+  max_batch=8,
+  max_request_bytes=8192,
+  max_length=128,
+  buckets=(64, 128),
+  batch_wait_ms=200,
+  access_log=True,
+)
+GRPO_PROMPT = [
+  user(
+    "Name three colours that go well with a deep shade of green, for the walls of a small "
+    "north-facing room with old oak floors, white window frames and a brass lamp; say why "
+    "each works, and which one you would choose yourself."
+  )
+]
+GRPO_COMPLETIONS = [
+  [assistant(text)]
+  for text in (
+    "Cream, terracotta and ochre.",
+    "Grey.",
+    "White, because it is bright.",
+    "Pink and gold, to warm the room.",
+    "Blue.",
+    "Mustard yellow, for contrast with the oak.",
+  )
+]
 
 
 @pytest.fixture(scope="module")
@@ -212,13 +258,18 @@ def computed_tokens(url, send):
 
 def test_a_prompts_completions_are_scored_with_the_prompt_once(sharing_server, tiny_rm):
   from jaxrm import reward_model
+
   url = sharing_server.url
   want = tiny_rm.score(prompts=[GRPO_PROMPT] * 6, completions=GRPO_COMPLETIONS, share_prefix=False)
   assert len(tiny_rm.encode(GRPO_PROMPT, GRPO_COMPLETIONS[0])) > 64  # long enough to share
   compiled = reward_model._forward_packed._cache_size()
   replies = []
-  real, fed = computed_tokens(url, lambda: replies.append(
-      call(url, "/score", {"prompts": [GRPO_PROMPT] * 6, "completions": GRPO_COMPLETIONS})))
+  real, fed = computed_tokens(
+    url,
+    lambda: replies.append(
+      call(url, "/score", {"prompts": [GRPO_PROMPT] * 6, "completions": GRPO_COMPLETIONS})
+    ),
+  )
   [(status, reply, _)] = replies
   assert status == 200, reply
   assert reply["rewards"] == approx(want)
@@ -246,7 +297,6 @@ def test_completions_of_one_prompt_share_it_across_requests(sharing_server, tiny
   assert fed < real
 
 
-
 def test_share_prefix_off_scores_every_row_alone(tiny_rm):
   config = dataclasses.replace(SHARING_CONFIG, share_prefix=False)
   assert config.resolved(128).packed_buckets() == ()
@@ -254,8 +304,9 @@ def test_share_prefix_off_scores_every_row_alone(tiny_rm):
   assert SERVER_CONFIG.resolved(128).packed_buckets() == ()  # no row of 64 tokens shares 64 tokens
   with serving(tiny_rm, config) as s:
     assert s.batcher.packed_shapes() == []
-    real, fed = computed_tokens(s.url, lambda: call(s.url, "/score", {"prompts": [GRPO_PROMPT] * 6,
-                                                                      "completions": GRPO_COMPLETIONS}))
+    real, fed = computed_tokens(
+      s.url, lambda: call(s.url, "/score", {"prompts": [GRPO_PROMPT] * 6, "completions": GRPO_COMPLETIONS})
+    )
   assert fed == 6 * 128 > real  # six rows padded to 128 tokens: a batch of 4 rows and one of 2
 
 
@@ -273,6 +324,7 @@ def prm_url(tiny_prm):
 
 def test_score_steps_answers_each_steps_probability(prm_url, tiny_prm):
   from jaxrm import step_rewards
+
   want = [tiny_prm.score_steps(p, steps) for p, steps in zip(PROBLEMS, SOLUTIONS)]
   sep = tiny_prm.step_separator
   texts = [sep.join(steps) for steps in SOLUTIONS]  # as a policy writes them: the steps, separated
@@ -284,24 +336,33 @@ def test_score_steps_answers_each_steps_probability(prm_url, tiny_prm):
       assert got == approx(w)
     assert reply["rewards"] == approx([min(w) for w in want])  # the server's default: the weakest step
   for how in step_rewards.AGGREGATIONS:
-    status, reply, _ = call(prm_url, "/score_steps", {"prompts": PROBLEMS, "steps": SOLUTIONS, "aggregation": how})
+    status, reply, _ = call(
+      prm_url, "/score_steps", {"prompts": PROBLEMS, "steps": SOLUTIONS, "aggregation": how}
+    )
     assert reply["rewards"] == approx([step_rewards.aggregate(w, how) for w in want]), how
   status, reply, _ = call(prm_url, "/score", {"prompts": PROBLEMS, "completions": texts})
   assert status == 200 and reply == {"rewards": approx([min(w) for w in want])}
 
 
 def test_solutions_of_one_problem_share_it(prm_url, tiny_prm):
-  problem = ("A shop sells pencils at 3 for 40 cents and erasers at 25 cents each, and on Mondays it takes "
-             "a tenth off every ruler. Sam buys 12 pencils, 4 erasers and a ruler for 1 dollar 20 cents on a "
-             "Tuesday, and pays with a 10 dollar note. How much change does Sam get back?")
-  solutions = [["12 pencils cost 160 cents.", "4 erasers cost 100 cents.", "Change: 10 - 3.80 = 6.20."],
-               ["12 pencils cost 4 x 40 = 160 cents.", "Total 3.80, change 6.20."], ["The answer is 5."]]
+  problem = (
+    "A shop sells pencils at 3 for 40 cents and erasers at 25 cents each, and on Mondays it takes "
+    "a tenth off every ruler. Sam buys 12 pencils, 4 erasers and a ruler for 1 dollar 20 cents on a "
+    "Tuesday, and pays with a 10 dollar note. How much change does Sam get back?"
+  )
+  solutions = [
+    ["12 pencils cost 160 cents.", "4 erasers cost 100 cents.", "Change: 10 - 3.80 = 6.20."],
+    ["12 pencils cost 4 x 40 = 160 cents.", "Total 3.80, change 6.20."],
+    ["The answer is 5."],
+  ]
   rows = [tiny_prm.encode_steps(problem, steps)[0] for steps in solutions]
   assert len(os.path.commonprefix(rows)) >= 64  # long enough to share
   want = tiny_prm.score_steps_batch([problem] * 3, solutions, share_prefix=False)
   replies = []
-  real, fed = computed_tokens(prm_url, lambda: replies.append(
-      call(prm_url, "/score_steps", {"prompts": [problem] * 3, "steps": solutions})))
+  real, fed = computed_tokens(
+    prm_url,
+    lambda: replies.append(call(prm_url, "/score_steps", {"prompts": [problem] * 3, "steps": solutions})),
+  )
   [(status, reply, _)] = replies
   assert status == 200, reply
   for got, w in zip(reply["step_rewards"], want):
@@ -309,18 +370,32 @@ def test_solutions_of_one_problem_share_it(prm_url, tiny_prm):
   assert fed < real  # the problem's tokens once
 
 
-@pytest.mark.parametrize("path, body, message", [
-    ("/score_steps", {"prompts": ["p"], "steps": [["a"]], "aggregation": "max"},
-     "aggregation='max' is not an aggregation of step probabilities; choose one of min, last, product, mean"),
+@pytest.mark.parametrize(
+  "path, body, message",
+  [
+    (
+      "/score_steps",
+      {"prompts": ["p"], "steps": [["a"]], "aggregation": "max"},
+      "aggregation='max' is not an aggregation of step probabilities; choose one of min, last, product, mean",
+    ),
     ("/score_steps", {"prompts": ["p"], "completions": ["\n\n"]}, "completions[0] has no steps to score"),
     ("/score_steps", {"prompts": ["p", "q"], "steps": [["a"]]}, "2 prompts but 1 steps; send one per prompt"),
     ("/score_steps", {"prompts": ["p"]}, "send 'prompts' with 'completions'"),
-    ("/score_steps", {"prompts": ["p"], "steps": [[1, 2]]}, "steps[0] is a list; expected a list of step texts"),
-    ("/get_reward", {"query": ["a"]}, "/get_reward scores whole sequences, and this server's model is a process "
-     "reward model: POST /score_steps"),
+    (
+      "/score_steps",
+      {"prompts": ["p"], "steps": [[1, 2]]},
+      "steps[0] is a list; expected a list of step texts",
+    ),
+    (
+      "/get_reward",
+      {"query": ["a"]},
+      "/get_reward scores whole sequences, and this server's model is a process "
+      "reward model: POST /score_steps",
+    ),
     ("/score", {"conversations": [[user("a"), assistant("b")]]}, "send 'prompts' with 'completions'"),
     ("/score", {"text_1": "a", "text_2": "b"}, "vLLM's score request scores whole sequences"),
-])
+  ],
+)
 def test_score_steps_refuses_what_it_cannot_score(prm_url, path, body, message):
   status, reply, _ = call(prm_url, path, body)
   assert status == 400 and message in reply["error"], reply
@@ -328,20 +403,27 @@ def test_score_steps_refuses_what_it_cannot_score(prm_url, path, body, message):
 
 def test_a_sequence_models_server_has_no_steps_to_score(url):
   status, reply, _ = call(url, "/score_steps", {"prompts": ["p"], "steps": [["a"]]})
-  assert status == 400 and "/score_steps scores the steps of solutions with a process reward model" in reply["error"]
+  assert (
+    status == 400
+    and "/score_steps scores the steps of solutions with a process reward model" in reply["error"]
+  )
 
 
 def test_a_process_model_is_served_without_sequence_options(tiny_prm):
   with pytest.raises(ConfigError, match="--normalize applies to sequence rewards"):
     make_server(tiny_prm, "127.0.0.1", 0, config=dataclasses.replace(SERVER_CONFIG, normalize=True))
-  with pytest.raises(ConfigError, match=r"step_aggregation='max' is not an aggregation .*\(--step_aggregation\)"):
+  with pytest.raises(
+    ConfigError, match=r"step_aggregation='max' is not an aggregation .*\(--step_aggregation\)"
+  ):
     ServerConfig(step_aggregation="max")
 
 
 # ------------------------------------------------------------------ hostile and malformed requests
 
 
-@pytest.mark.parametrize("path, body, status, message", [
+@pytest.mark.parametrize(
+  "path, body, status, message",
+  [
     ("/get_reward", b"{not json", 400, "the body is not valid JSON: Expecting property name"),
     ("/get_reward", b"\xff\xfe\x00", 400, "the body is not valid JSON"),
     ("/get_reward", b"", 400, "the body is empty; send a JSON object"),
@@ -351,27 +433,56 @@ def test_a_process_model_is_served_without_sequence_options(tiny_prm):
     ("/get_reward", {"query": "a"}, 400, "'query' is a string; expected a list of strings"),
     ("/get_reward", {"query": ["a", 3]}, 400, "query[1] is an integer; expected a string"),
     ("/get_reward", {"query": ["a", None]}, 400, "query[1] is null; expected a string"),
-    ("/get_reward", {"query": ["a"] * 5}, 413,
-     "'query' has 5 items; this server scores at most 4 per request (--max_batch): split the request"),
-    ("/get_reward", {"query": ["ok", "one two " * 40]}, 400,
-     "cannot score query[1]: the completion alone is longer than max_length=64 tokens (--max_length)"),
+    (
+      "/get_reward",
+      {"query": ["a"] * 5},
+      413,
+      "'query' has 5 items; this server scores at most 4 per request (--max_batch): split the request",
+    ),
+    (
+      "/get_reward",
+      {"query": ["ok", "one two " * 40]},
+      400,
+      "cannot score query[1]: the completion alone is longer than max_length=64 tokens (--max_length)",
+    ),
     ("/get_reward", {"query": ["ok", ""]}, 400, "cannot score query[1]: no tokens to score"),
     ("/get_reward", {"query": ["x" * 3000]}, 413, "the most this server takes (--max_request_bytes)"),
-    ("/score", {"conversations": [[user("hi")], [{"role": "robot", "content": "x"}]]}, 400,
-     "request: field 'conversations[1][0].role': unknown role 'robot'"),
-    ("/score", {"conversations": [[user("hi")], [{"role": "user", "content": 7}]]}, 400,
-     "field 'conversations[1][0].content': expected a string, got an integer"),
-    ("/score", {"conversations": [user("hi")]}, 400,
-     "field 'conversations[0]': expected a list of messages, got an object"),
+    (
+      "/score",
+      {"conversations": [[user("hi")], [{"role": "robot", "content": "x"}]]},
+      400,
+      "request: field 'conversations[1][0].role': unknown role 'robot'",
+    ),
+    (
+      "/score",
+      {"conversations": [[user("hi")], [{"role": "user", "content": 7}]]},
+      400,
+      "field 'conversations[1][0].content': expected a string, got an integer",
+    ),
+    (
+      "/score",
+      {"conversations": [user("hi")]},
+      400,
+      "field 'conversations[0]': expected a list of messages, got an object",
+    ),
     ("/score", {"conversations": [[]]}, 400, "conversations[0] has no messages"),
     ("/score", {"conversations": {"a": 1}}, 400, "'conversations' is an object; expected a list"),
     ("/score", {"prompts": ["a", "b"], "completions": ["c"]}, 400, "2 prompts but 1 completions"),
-    ("/score", {"prompts": ["a"], "completions": [[assistant("c")]]}, 400,
-     "the prompt is plain text but the completion is a conversation"),
+    (
+      "/score",
+      {"prompts": ["a"], "completions": [[assistant("c")]]},
+      400,
+      "the prompt is plain text but the completion is a conversation",
+    ),
     ("/score", {"query": ["a"]}, 400, "the body has neither 'conversations' nor 'prompts' and 'completions'"),
-    ("/get_rewards", {"query": ["a"]}, 404, ("no endpoint /get_rewards; this server has GET /health, "
-                                              "GET /metrics, POST /get_reward, POST /score")),
-])
+    (
+      "/get_rewards",
+      {"query": ["a"]},
+      404,
+      ("no endpoint /get_rewards; this server has GET /health, GET /metrics, POST /get_reward, POST /score"),
+    ),
+  ],
+)
 def test_malformed_requests_get_4xx_with_a_message(url, path, body, status, message):
   raw = body if isinstance(body, bytes) else None
   code, reply, _ = call(url, path, None if raw is not None else body, raw=raw)
@@ -394,8 +505,10 @@ def test_hostile_clients_do_not_stop_a_well_formed_request(url, tiny_rm):
   # A body that never ends, headers that never end, a Content-Length that is no number, garbage
   # instead of HTTP: each gets its error or is dropped, while a good request is answered.
   stalled_body = raw_connection(url)
-  stalled_body.sendall(b"POST /get_reward HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                       b"Content-Length: 100\r\n\r\n{\"query\": [")
+  stalled_body.sendall(
+    b"POST /get_reward HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+    b'Content-Length: 100\r\n\r\n{"query": ['
+  )
   stalled_headers = raw_connection(url)
   stalled_headers.sendall(b"POST /get_reward HTTP/1.1\r\nHost: t\r\nContent-Le")
   garbage = raw_connection(url)
@@ -448,6 +561,7 @@ def test_request_larger_than_the_queue_is_refused(tiny_rm):
     status, reply, _ = call(s.url, "/get_reward", {"query": SERVER_TEXTS})
     assert status == 413 and "this server queues at most 10 (--max_queued_tokens): split" in reply["error"]
 
+
 def test_connections_past_the_limit_get_503(tiny_rm):
   # Headers may take long here: the idle connections below hold their places for the whole test.
   config = dataclasses.replace(SERVER_CONFIG, max_connections=2, header_timeout=SOCKET_TIMEOUT)
@@ -472,10 +586,22 @@ def test_connections_past_the_limit_get_503(tiny_rm):
 
 
 def test_cli_serves_until_stopped(model_dir):
-  proc = subprocess.Popen([sys.executable, "-m", "jaxrm.serve", f"--model={model_dir}", "--port=0",
-                           "--max_length=32", "--batch_size=2"],
-                          cwd=tiny_run.ROOT, env=tiny_run.subprocess_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
+  proc = subprocess.Popen(
+    [
+      sys.executable,
+      "-m",
+      "jaxrm.serve",
+      f"--model={model_dir}",
+      "--port=0",
+      "--max_length=32",
+      "--batch_size=2",
+    ],
+    cwd=tiny_run.ROOT,
+    env=tiny_run.subprocess_env(),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
   lines = queue.Queue()
   threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
   try:

@@ -6,14 +6,15 @@ import dataclasses
 import math
 
 import pytest
-
 from helpers import SERVER_CONFIG, SERVER_TEXTS, approx, assistant, call, serving, user
+
 from jaxrm import RewardModel
 from jaxrm.loading import ScoringInfo
 
-
-CONVERSATIONS = [[user("Capital of France?"), assistant("Paris")],
-                 [{"role": "system", "content": "Be brief."}, user("Capital of France?"), assistant("Lyon")]]
+CONVERSATIONS = [
+  [user("Capital of France?"), assistant("Paris")],
+  [{"role": "system", "content": "Be brief."}, user("Capital of France?"), assistant("Lyon")],
+]
 
 MODEL = "/models/Skywork-Reward-V2"  # what a client names the model: echoed, never checked
 
@@ -56,8 +57,12 @@ def test_vllm_classification_client(url, tiny_rm):
   #   payload = {"model": model_name, "input": prompts}; requests.post(".../classify", json=payload)
   # Answer: ClassificationResponse (vllm/entrypoints/pooling/classify/protocol.py): id "classify-...",
   # object "list", created, model, data[{index, label, probs, num_classes}], usage.
-  prompts = ["Hello, my name is", "The president of the United States is", "The capital of France is",
-             "The future of AI is"]
+  prompts = [
+    "Hello, my name is",
+    "The president of the United States is",
+    "The capital of France is",
+    "The future of AI is",
+  ]
   for path in ("/classify", "/v1/classify"):
     status, reply, headers = call(url, path, {"model": MODEL, "input": prompts})
     assert status == 200, reply
@@ -83,11 +88,20 @@ def test_vllm_token_ids_and_truncation(url, tiny_rm):
   status, reply, _ = call(url, "/classify", {"input": ids, "use_activation": False})
   assert [d["probs"][0] for d in reply["data"]] == approx(tiny_rm.score_ids(ids))
   # truncate_prompt_tokens keeps the last tokens unless truncation_side says "right".
-  status, reply, _ = call(url, "/classify", {"input": SERVER_TEXTS[0], "truncate_prompt_tokens": 5,
-                                             "use_activation": False})
+  status, reply, _ = call(
+    url, "/classify", {"input": SERVER_TEXTS[0], "truncate_prompt_tokens": 5, "use_activation": False}
+  )
   assert [d["probs"][0] for d in reply["data"]] == approx(tiny_rm.score_ids([ids[0][-5:]]))
-  status, reply, _ = call(url, "/classify", {"input": SERVER_TEXTS[0], "truncate_prompt_tokens": 5,
-                                             "truncation_side": "right", "use_activation": False})
+  status, reply, _ = call(
+    url,
+    "/classify",
+    {
+      "input": SERVER_TEXTS[0],
+      "truncate_prompt_tokens": 5,
+      "truncation_side": "right",
+      "use_activation": False,
+    },
+  )
   assert [d["probs"][0] for d in reply["data"]] == approx(tiny_rm.score_ids([ids[0][:5]]))
 
 
@@ -105,9 +119,14 @@ def test_vllm_sequence_reward_client(url, tiny_rm):
   assert status == 200, reply
   assert reply["id"] == f"pool-{headers['X-Request-ID']}" and reply["object"] == "list"
   assert [d["data"] for d in reply["data"]] == [approx([sigmoid(tiny_rm.score(["vLLM is great!"])[0])])]
-  assert reply["data"][0]["object"] == "pooling" and reply["usage"] == usage(tokens(tiny_rm, ["vLLM is great!"]))
-  prompt = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "vLLM is great!"}]}],
-            "use_activation": False}
+  assert reply["data"][0]["object"] == "pooling" and reply["usage"] == usage(
+    tokens(tiny_rm, ["vLLM is great!"])
+  )
+  prompt = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": [{"type": "text", "text": "vLLM is great!"}]}],
+    "use_activation": False,
+  }
   status, reply, _ = call(url, "/pooling", prompt)
   assert status == 200, reply
   assert reply["data"][0]["data"] == approx(tiny_rm.score([[user("vLLM is great!")]]))
@@ -125,13 +144,24 @@ def test_vllm_cross_encoder_score_client(url, tiny_rm):
   # A decoder without a separator token scores text_1 + text_2 as one text
   # (vllm/entrypoints/pooling/scoring/io_processor.py: full_prompt = prompt_1 + prompt_2).
   # Answer: ScoreResponse (vllm/entrypoints/pooling/scoring/protocol.py): data[{index, object "score", score}].
-  cases = [("What is the capital of Brazil?", "The capital of Brazil is Brasilia."),
-           ("What is the capital of France?", ["The capital of Brazil is Brasilia.", "The capital of France is Paris."]),
-           (["What is the capital of Brazil?", "What is the capital of France?"],
-            ["The capital of Brazil is Brasilia.", "The capital of France is Paris."])]
+  cases = [
+    ("What is the capital of Brazil?", "The capital of Brazil is Brasilia."),
+    (
+      "What is the capital of France?",
+      ["The capital of Brazil is Brasilia.", "The capital of France is Paris."],
+    ),
+    (
+      ["What is the capital of Brazil?", "What is the capital of France?"],
+      ["The capital of Brazil is Brasilia.", "The capital of France is Paris."],
+    ),
+  ]
   for text_1, text_2 in cases:
-    pairs = list(zip(text_1 if isinstance(text_1, list) else [text_1] * len(text_2),
-                     text_2 if isinstance(text_2, list) else [text_2]))
+    pairs = list(
+      zip(
+        text_1 if isinstance(text_1, list) else [text_1] * len(text_2),
+        text_2 if isinstance(text_2, list) else [text_2],
+      )
+    )
     joined = [a + b for a, b in pairs]
     for path in ("/score", "/v1/score"):
       status, reply, headers = call(url, path, {"model": MODEL, "text_1": text_1, "text_2": text_2})
@@ -155,7 +185,9 @@ def test_jaxrm_score_is_told_from_vllm_score(url, tiny_rm):
   # jaxrm's /score fields (conversations, prompts, completions) share no name with vLLM's.
   status, reply, _ = call(url, "/score", {"conversations": CONVERSATIONS})
   assert status == 200 and reply["rewards"] == approx(tiny_rm.score(CONVERSATIONS))
-  status, reply, _ = call(url, "/score", {"prompts": ["a"], "completions": ["b"], "text_1": "a", "text_2": "b"})
+  status, reply, _ = call(
+    url, "/score", {"prompts": ["a"], "completions": ["b"], "text_1": "a", "text_2": "b"}
+  )
   assert status == 400 and "send jaxrm's score request or vLLM's" in reply["error"]
   status, reply, _ = call(url, "/v1/score", {"conversations": CONVERSATIONS})
   assert status == 400 and "pairs 'text_1' with 'text_2'" in reply["error"]
@@ -179,7 +211,8 @@ def test_sglang_reward_classify(url, tiny_rm):
   assert [response["embedding"][0] for response in responses] == approx(tiny_rm.score(prompts))
   rid = headers["X-Request-ID"]
   assert [r["meta_info"] for r in responses] == [
-      {"id": f"{rid}-{i}", "prompt_tokens": tokens(tiny_rm, [p])} for i, p in enumerate(prompts)]
+    {"id": f"{rid}-{i}", "prompt_tokens": tokens(tiny_rm, [p])} for i, p in enumerate(prompts)
+  ]
   # One text (not a list): one object, not a list of them; the request's rid is its id.
   status, response, _ = call(url, "/classify", {"text": prompts[0], "rid": "r-1"})
   assert response["embedding"] == approx(tiny_rm.score(prompts[:1])) and response["meta_info"]["id"] == "r-1"
@@ -191,25 +224,47 @@ def test_sglang_reward_classify(url, tiny_rm):
 # ------------------------------------------------------------------ what is refused, and why
 
 
-@pytest.mark.parametrize("path, body, message", [
-    ("/classify", {"input": "a", "text": "a"}, "the body has vLLM's 'input' and SGLang's 'text': send one format"),
-    ("/classify", {"prompt": "a"}, "send vLLM's {\"input\": a text, a list of texts, or token ids}"),
-    ("/classify", {"input": []}, "'input' is a list; expected a text, a list of texts, or token ids (not empty)"),
+@pytest.mark.parametrize(
+  "path, body, message",
+  [
+    (
+      "/classify",
+      {"input": "a", "text": "a"},
+      "the body has vLLM's 'input' and SGLang's 'text': send one format",
+    ),
+    ("/classify", {"prompt": "a"}, 'send vLLM\'s {"input": a text, a list of texts, or token ids}'),
+    (
+      "/classify",
+      {"input": []},
+      "'input' is a list; expected a text, a list of texts, or token ids (not empty)",
+    ),
     ("/classify", {"input": [1, 10**9]}, "input[1] is 1000000000, not a token id of this model (0 to 49151)"),
-    ("/classify", {"input": "a", "use_activation": "no"}, "'use_activation' is a string; expected true, false or null"),
+    (
+      "/classify",
+      {"input": "a", "use_activation": "no"},
+      "'use_activation' is a string; expected true, false or null",
+    ),
     ("/classify", {"input": "a", "use_activation": True, "activation": False}, "disagree"),
     ("/classify", {"input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens=0; expected a number"),
     ("/classify", {"input": ["a"] * 5}, "'input' has 5 items; this server scores at most 4 per request"),
     ("/classify", {"input": "one two " * 40}, "cannot score input: 81 tokens, longer than max_length=64"),
     ("/classify", {"text": [["query", "document"]]}, "text[0] is a list; expected a string"),
     ("/pooling", {"input": "a", "encoding_format": "base64"}, "this server answers floats"),
-    ("/pooling", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages[0].content[0] is not a text part"),
+    (
+      "/pooling",
+      {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+      "messages[0].content[0] is not a text part",
+    ),
     ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "'text_1' has 2 texts and 'text_2' 3"),
     ("/score", {"text_1": "a"}, "the body lacks one of a pair"),
-    ("/score", {"text_1": "a", "text_2": {"content": []}}, "text_2[0] is an object; this server scores texts"),
+    (
+      "/score",
+      {"text_1": "a", "text_2": {"content": []}},
+      "text_2[0] is an object; this server scores texts",
+    ),
     ("/v1/classify", {"text": ["a"]}, "the body has neither 'input' nor 'messages'"),
-])
+  ],
+)
 def test_malformed_format_requests_say_why(url, path, body, message):
   status, reply, _ = call(url, path, body)
   assert status in (400, 413), reply

@@ -10,12 +10,20 @@ import threading
 import time
 
 import pytest
+from helpers import (
+  SERVER_CONFIG,
+  SERVER_TEXTS,
+  SOCKET_TIMEOUT,
+  approx,
+  call,
+  metric,
+  raw_connection,
+  read_all,
+  serving,
+)
 
-from helpers import (SERVER_CONFIG, SERVER_TEXTS, SOCKET_TIMEOUT, approx, call, metric, raw_connection,
-                     read_all, serving)
 from jaxrm import RewardModel
 from jaxrm.server import ServerConfig, make_server
-
 
 MARK = "HOLD"  # texts holding it make GatedTokenizer wait
 
@@ -67,6 +75,7 @@ def timed(fn, *args, **kwargs):
 
 def test_internal_errors_reach_the_log_not_the_client(tiny_rm, caplog):
   with serving(tiny_rm) as s:
+
     def broken(ids, mask):
       raise RuntimeError("disk full writing /srv/secret/model.safetensors")
 
@@ -78,8 +87,10 @@ def test_internal_errors_reach_the_log_not_the_client(tiny_rm, caplog):
     assert status == 500 and request_id and request_id in reply["error"]
     for secret in ("RuntimeError", "disk full", "/srv/secret"):
       assert secret not in json.dumps(reply)
-    assert any(request_id in r.getMessage() and r.exc_info and "disk full" in str(r.exc_info[1])
-               for r in caplog.records), caplog.text  # the log has the detail, under the same id
+    assert any(
+      request_id in r.getMessage() and r.exc_info and "disk full" in str(r.exc_info[1])
+      for r in caplog.records
+    ), caplog.text  # the log has the detail, under the same id
     assert call(s.url, "/health")[:2] == (200, {"status": "ok"})  # no model path to anyone
     status, _, headers = call(s.url, "/get_reward", {"query": SERVER_TEXTS[:1]})
     assert status == 200 and headers["X-Request-ID"] != request_id
@@ -90,7 +101,9 @@ def test_health_names_the_model_only_to_key_holders(tiny_rm):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
       assert call(s.url, "/health", headers=headers)[:2] == (200, {"status": "ok"})
     assert call(s.url, "/health", headers={"Authorization": "Bearer s3cret"})[:2] == (
-        200, {"status": "ok", "model": "tiny"})
+      200,
+      {"status": "ok", "model": "tiny"},
+    )
 
 
 def test_a_failed_warm_up_says_failed_and_logs_why(tiny_rm):
@@ -121,7 +134,9 @@ def test_request_timeout_covers_body_tokenizing_and_scoring(tiny_rm):
   config = dataclasses.replace(SERVER_CONFIG, request_timeout=1, body_timeout=5)
   with serving(gated(tiny_rm, delay=3), config) as s:
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-      replies = list(pool.map(lambda i: timed(call, s.url, "/get_reward", {"query": [f"{MARK} {i}"]}), range(2)))
+      replies = list(
+        pool.map(lambda i: timed(call, s.url, "/get_reward", {"query": [f"{MARK} {i}"]}), range(2))
+      )
     for (status, reply, _), seconds in replies:
       assert status == 504 and "(--request_timeout)" in reply["error"], reply
       assert seconds < 2.5
@@ -129,8 +144,10 @@ def test_request_timeout_covers_body_tokenizing_and_scoring(tiny_rm):
     # connection closes (its unread rest must not be taken for the next request).
     sock = raw_connection(s.url)
     try:
-      sock.sendall(b"POST /get_reward HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                   b"Content-Length: 100\r\n\r\n{\"query\": [")
+      sock.sendall(
+        b"POST /get_reward HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 100\r\n\r\n{"query": ['
+      )
       reply, seconds = timed(read_all, sock)
     finally:
       sock.close()
@@ -166,8 +183,10 @@ def test_bodies_waiting_to_be_tokenized_are_bounded_in_bytes(tiny_rm):
         sock = raw_connection(s.url)
         try:
           chunk = padded_body(["four"], 600)
-          sock.sendall(b"POST /get_reward HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                       b"Transfer-Encoding: chunked\r\n\r\n" + f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+          sock.sendall(
+            b"POST /get_reward HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n" + f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
+          )
           refused = read_all(sock)
         finally:
           sock.close()
@@ -182,7 +201,10 @@ def test_bodies_waiting_to_be_tokenized_are_bounded_in_bytes(tiny_rm):
 
 def test_max_pending_bytes_must_hold_one_request():
   from jaxrm.errors import ConfigError
-  with pytest.raises(ConfigError, match=r"max_pending_bytes=1000 < max_request_bytes=2048: .*--max_pending_bytes"):
+
+  with pytest.raises(
+    ConfigError, match=r"max_pending_bytes=1000 < max_request_bytes=2048: .*--max_pending_bytes"
+  ):
     ServerConfig(max_request_bytes=2048, max_pending_bytes=1000)
 
 
@@ -191,10 +213,12 @@ def test_max_pending_bytes_must_hold_one_request():
 
 def _hung(score, entered: threading.Event, gate: threading.Event):
   """``score`` that first says it ``entered`` and waits for ``gate``: a forward pass that hangs."""
+
   def hung(ids, mask):
     entered.set()
     gate.wait(SOCKET_TIMEOUT)
     return score(ids, mask)
+
   return hung
 
 
@@ -248,9 +272,14 @@ def test_a_client_that_leaves_gives_up_its_place_and_is_not_scored(tiny_rm):
         assert entered.wait(SOCKET_TIMEOUT)
         sock = raw_connection(s.url)
         try:
-          sock.sendall(b"POST /get_reward HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                       + f"Content-Length: {len(leaving)}\r\n\r\n".encode() + leaving)
-          wait_until(lambda: metric(s.url, "jaxrm_queue_tokens") == first_tokens + leaving_tokens, "it is queued")
+          sock.sendall(
+            b"POST /get_reward HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(leaving)}\r\n\r\n".encode()
+            + leaving
+          )
+          wait_until(
+            lambda: metric(s.url, "jaxrm_queue_tokens") == first_tokens + leaving_tokens, "it is queued"
+          )
         finally:
           sock.close()
         wait_until(lambda: metric(s.url, "jaxrm_queue_tokens") == first_tokens, "its place is given up")

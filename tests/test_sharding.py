@@ -7,10 +7,11 @@ import sys
 import jax
 import numpy as np
 import pytest
-from flax import nnx
-from jax.sharding import AbstractMesh, PartitionSpec as P
-
 import tiny_run
+from flax import nnx
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
+
 from jaxrm import sharding
 from jaxrm.hf.loader import abstract_model
 from jaxrm.models.config import from_hf_config
@@ -49,8 +50,10 @@ def test_param_shardings_of_the_tiny_llama(model_dir):
   with open(os.path.join(model_dir, "config.json")) as f:
     cfg = from_hf_config(json.load(f))
   state = nnx.state(abstract_model(cfg))
-  specs = {".".join(map(str, path)): s.spec
-           for path, s in nnx.to_flat_state(sharding.param_shardings(state, MESH_222))}
+  specs = {
+    ".".join(map(str, path)): s.spec
+    for path, s in nnx.to_flat_state(sharding.param_shardings(state, MESH_222))
+  }
   assert specs["layers.q"] == P(None, "fsdp", "tensor")  # [L, D, heads*head_dim]
   assert specs["layers.k"] == P(None, "fsdp", "tensor")  # 2 kv heads split over 2 tensor shards
   assert specs["layers.o"] == P(None, "tensor", "fsdp")
@@ -63,13 +66,17 @@ def test_param_shardings_of_the_tiny_llama(model_dir):
 def test_context_devices_share_the_weights_shards():
   # fsdp 2 x context 2: a row's token shards split each weight's fsdp dimension four ways.
   mesh = AbstractMesh((1, 2, 2, 2), sharding.MESH_AXES)
-  var = lambda *shape: nnx.Param(jax.ShapeDtypeStruct(shape, np.float32), logical_axes=("layers", "embed", "heads"))
+  var = lambda *shape: nnx.Param(
+    jax.ShapeDtypeStruct(shape, np.float32), logical_axes=("layers", "embed", "heads")
+  )
   specs = sharding.param_shardings(nnx.State({"q": var(2, 64, 48), "odd": var(2, 6, 48)}), mesh)
   assert specs["q"].spec == P(None, ("fsdp", "context"), "tensor")
   assert specs["odd"].spec == P(None, "fsdp", "tensor")  # 6 splits 2 ways, not 4: fsdp alone
   # Without context parallelism the layout is fsdp's alone, as before.
   plain = AbstractMesh((1, 4, 1, 2), sharding.MESH_AXES)
-  assert sharding.param_shardings(nnx.State({"q": var(2, 64, 48)}), plain)["q"].spec == P(None, "fsdp", "tensor")
+  assert sharding.param_shardings(nnx.State({"q": var(2, 64, 48)}), plain)["q"].spec == P(
+    None, "fsdp", "tensor"
+  )
 
 
 def test_param_shardings_drop_axes_that_do_not_divide():
@@ -87,8 +94,11 @@ def test_make_mesh_sizes_and_errors():
     sharding.make_mesh(sharding.MeshConfig(-1, -1, 1))
   with pytest.raises(ValueError, match=r"data=2 x fsdp=1 x tensor=2 = 4 devices, but 1 are available"):
     sharding.make_mesh(sharding.MeshConfig(2, 1, 2), devices=jax.devices()[:1])
-  with pytest.raises(ValueError, match=r"1 devices are not divisible by the fixed axes' product 2 "
-                                       r"\(data=2 x tensor=1\); set mesh\.\* to sizes"):
+  with pytest.raises(
+    ValueError,
+    match=r"1 devices are not divisible by the fixed axes' product 2 "
+    r"\(data=2 x tensor=1\); set mesh\.\* to sizes",
+  ):
     sharding.make_mesh(sharding.MeshConfig(2, -1, 1), devices=jax.devices()[:1])
   with pytest.raises(ValueError, match=r"product 2 \(data=1 x context=2 x tensor=1\)"):
     sharding.make_mesh(sharding.MeshConfig(context=2), devices=jax.devices()[:1])
@@ -103,8 +113,9 @@ def test_2x2x2_mesh_trains_like_one_device(baseline, model_dir, tmp_path):
   (``jax_num_cpu_devices`` cannot change afterwards; jax 0.10 raises), and this process started it
   with one device, which the one-device baseline and the rest of the suite rely on."""
   out = str(tmp_path / "sharded")
-  result = tiny_run.run([sys.executable, os.path.join(tiny_run.ROOT, "tests", "tiny_run.py"),
-                         "sharded", model_dir, out])
+  result = tiny_run.run(
+    [sys.executable, os.path.join(tiny_run.ROOT, "tests", "tiny_run.py"), "sharded", model_dir, out]
+  )
   assert result.returncode == 0, tiny_run.describe(result)
   report = json.loads(result.stdout.split("SHARDING ", 1)[1].splitlines()[0])
   assert report["devices"] == 8
@@ -129,15 +140,21 @@ def test_two_processes_train_like_one(baseline, model_dir, tmp_path):
   assert "(x2 accumulation)" in outputs[0][0] and "each micro-batch padded to its own length" in outputs[0][0]
   assert "jaxrm:" not in outputs[1][0]  # only process 0 prints and logs
   _assert_same_training(out, baseline, atol=SAME_TRAINING_ATOL)
-  assert sorted(int(d) for d in os.listdir(os.path.join(out, "checkpoints")) if d.isdigit()) == \
-      sorted(int(d) for d in os.listdir(os.path.join(baseline, "checkpoints")) if d.isdigit())
+  assert sorted(int(d) for d in os.listdir(os.path.join(out, "checkpoints")) if d.isdigit()) == sorted(
+    int(d) for d in os.listdir(os.path.join(baseline, "checkpoints")) if d.isdigit()
+  )
 
 
 def _assert_same_training(out, baseline, atol):
   rows, expected = tiny_run.read_metrics(out), tiny_run.read_metrics(baseline)
   assert [r["step"] for r in rows] == [r["step"] for r in expected]  # each event logged once
-  for key in ("train/loss", "train/accuracy", "train/grad_norm", "validation-default_loss",
-              "validation-train_sample_loss"):
+  for key in (
+    "train/loss",
+    "train/accuracy",
+    "train/grad_norm",
+    "validation-default_loss",
+    "validation-train_sample_loss",
+  ):
     got = [r[key] for r in rows if key in r]
     want = [r[key] for r in expected if key in r]
     assert len(got) == len(want) > 0, key

@@ -5,14 +5,14 @@ Pallas kernel; no branch sees a sibling; the grouping rule, split groups, rows t
 
 import dataclasses
 
+import hf_tiny
 import jax
 import numpy as np
 import pytest
 import torch
 import transformers
-
-import hf_tiny
 from helpers import REBATCHED
+
 from jaxrm import RewardModel, shared_prefix
 from jaxrm.models import decoder
 from jaxrm.models import flash_attention as F
@@ -26,8 +26,16 @@ from jaxrm.shared_prefix import Sharing
 # outputs up to ~1.6, while a branch that sees its siblings moves its reward by ~0.4 or more.
 
 BREAK_EVEN = 240.0  # shared_prefix.break_even_length of the hf_tiny models: 64 wide, 4 heads of 16
-SMOLLM2 = ModelConfig(family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                      num_heads=9, num_kv_heads=3, head_dim=64)
+SMOLLM2 = ModelConfig(
+  family="llama",
+  vocab_size=49152,
+  hidden_size=576,
+  intermediate_size=1536,
+  num_layers=30,
+  num_heads=9,
+  num_kv_heads=3,
+  head_dim=64,
+)
 
 
 def grpo_rows(seed=0, prompts=(64, 72, 81), completions=4, alone=(5, 23, 38)):
@@ -39,8 +47,12 @@ def grpo_rows(seed=0, prompts=(64, 72, 81), completions=4, alone=(5, 23, 38)):
   for p, length in enumerate(prompts):
     prompt = [3 + p] + rng.integers(3, hf_tiny.VOCAB, length - 1).tolist()  # distinct first tokens
     groups.append(list(range(len(rows), len(rows) + completions)))
-    rows += [prompt + rng.integers(3, hf_tiny.VOCAB, rng.integers(1, 15)).tolist() for _ in range(completions)]
-  rows += [[3 + len(prompts) + i] + rng.integers(3, hf_tiny.VOCAB, n - 1).tolist() for i, n in enumerate(alone)]
+    rows += [
+      prompt + rng.integers(3, hf_tiny.VOCAB, rng.integers(1, 15)).tolist() for _ in range(completions)
+    ]
+  rows += [
+    [3 + len(prompts) + i] + rng.integers(3, hf_tiny.VOCAB, n - 1).tolist() for i, n in enumerate(alone)
+  ]
   perm = rng.permutation(len(rows))
   where = np.argsort(perm)  # new index of each old row
   return [rows[i] for i in perm], sorted(sorted(int(where[i]) for i in g) for g in groups)
@@ -112,19 +124,32 @@ def test_pallas_token_head(tmp_path):
 
 def test_score_and_score_steps_share_a_prompts_rows(tiny_rm, tiny_prm):
   """Through the tokenizer: completions of one chat prompt, and step lists of one problem."""
-  chat = [{"role": "user", "content": "Name three colours that go well with a deep shade of green, for the walls "
-                                      "of a small north-facing room with old oak floors, white window frames "
-                                      "and a grey sofa that the owners mean to keep for many years."}]
-  completions = [[{"role": "assistant", "content": c}] for c in ("Blue.", "Gold, cream and rust.", "Red?", "Grey")]
+  chat = [
+    {
+      "role": "user",
+      "content": "Name three colours that go well with a deep shade of green, for the walls "
+      "of a small north-facing room with old oak floors, white window frames "
+      "and a grey sofa that the owners mean to keep for many years.",
+    }
+  ]
+  completions = [
+    [{"role": "assistant", "content": c}] for c in ("Blue.", "Gold, cream and rust.", "Red?", "Grey")
+  ]
   rows = [tiny_rm.encode(chat, c) for c in completions]
   assert shared_groups(rows, planned=tiny_rm.prefix_groups(rows)) == [[0, 1, 2, 3]]
   shared = tiny_rm.score(prompts=[chat] * 4, completions=completions)
-  np.testing.assert_allclose(shared, tiny_rm.score(prompts=[chat] * 4, completions=completions, share_prefix=False),
-                             **REBATCHED)
-  problem = ("A shop sells pencils in boxes of 12 and pens in boxes of 30. Ana buys one box of each, then "
-             "buys as many again. How many pencils and pens does she have in all? Give the number.")
-  steps = [["12 + 30 = 42", "42 * 2 = 84", "The answer is 84."], ["12 + 30 = 42", "42 * 2 = 82"],
-           ["12 + 30 = 43", "The answer is 86."]]
+  np.testing.assert_allclose(
+    shared, tiny_rm.score(prompts=[chat] * 4, completions=completions, share_prefix=False), **REBATCHED
+  )
+  problem = (
+    "A shop sells pencils in boxes of 12 and pens in boxes of 30. Ana buys one box of each, then "
+    "buys as many again. How many pencils and pens does she have in all? Give the number."
+  )
+  steps = [
+    ["12 + 30 = 42", "42 * 2 = 84", "The answer is 84."],
+    ["12 + 30 = 42", "42 * 2 = 82"],
+    ["12 + 30 = 43", "The answer is 86."],
+  ]
   rows = [tiny_prm.encode_steps(problem, s)[0] for s in steps]
   # The problem alone is under min_prefix tokens; with their common first step, two solutions share.
   assert shared_groups(rows, planned=tiny_prm.prefix_groups(rows)) == [[0, 1]]
@@ -150,7 +175,7 @@ def changed_outputs(rm, rows, prompt_length, seed=0):
   moved = []
   for target in range(len(rows)):
     own = lambda r: rng.integers(3, hf_tiny.VOCAB, len(r) - prompt_length - 1).tolist()
-    changed = [r if i == target else r[:prompt_length + 1] + own(r) for i, r in enumerate(rows)]
+    changed = [r if i == target else r[: prompt_length + 1] + own(r) for i, r in enumerate(rows)]
     if rm.score_ids(changed)[target] != want[target]:
       moved.append(target)
   return moved
@@ -160,9 +185,13 @@ def broken_mask(monkeypatch, route):
   """Makes attention ignore branch ids (each branch then sees the siblings before it)."""
   if route == "reference":
     mask = L.attention_mask
-    monkeypatch.setattr(L, "attention_mask", lambda m, p, s=None, w=None, branch_ids_bt=None: mask(m, p, s, w))
+    monkeypatch.setattr(
+      L, "attention_mask", lambda m, p, s=None, w=None, branch_ids_bt=None: mask(m, p, s, w)
+    )
   else:
-    monkeypatch.setattr(decoder, "layout", lambda s, branch_ids=None, positions=None: F.layout(s, None, positions))
+    monkeypatch.setattr(
+      decoder, "layout", lambda s, branch_ids=None, positions=None: F.layout(s, None, positions)
+    )
 
 
 @pytest.mark.parametrize("route", ["reference", "pallas"])
@@ -196,11 +225,16 @@ def test_groups_larger_than_a_row_are_split(tmp_path, monkeypatch):
   assert len(split) > 1 and max(lengths) <= 100
   want = rm.score_ids(rows, share_prefix=False)
   for sharing in (by_rows, by_tokens):
-    np.testing.assert_allclose(rm.score_ids(rows, batch_size=2, bucket=16, share_prefix=sharing), want, **REBATCHED)
+    np.testing.assert_allclose(
+      rm.score_ids(rows, batch_size=2, bucket=16, share_prefix=sharing), want, **REBATCHED
+    )
   # batch_size=1: a packed row holds no more tokens than the longest padded row could (80, one bucket).
   shapes, passes = [], shared_prefix.shared_batches
-  monkeypatch.setattr(shared_prefix, "shared_batches",
-                      lambda *a, **k: (shapes.append(p.batch.input_ids.shape) or p for p in passes(*a, **k)))
+  monkeypatch.setattr(
+    shared_prefix,
+    "shared_batches",
+    lambda *a, **k: (shapes.append(p.batch.input_ids.shape) or p for p in passes(*a, **k)),
+  )
   np.testing.assert_allclose(rm.score_ids(rows, batch_size=1, bucket=16), want, **REBATCHED)
   assert max(len(r) for r in rows) <= 80 and len(shapes) > 1 and all(b == 1 and t <= 80 for b, t in shapes)
 
@@ -219,10 +253,13 @@ def test_score_tokens_scores_what_it_is_given(tmp_path, monkeypatch):
   rows, _ = grpo_rows(seed=7, prompts=(64,), alone=())
   ids, mask = hf_tiny.batch([len(r) for r in rows])
   for i, r in enumerate(rows):
-    ids[i, :len(r)] = r
-  monkeypatch.setattr(shared_prefix, "prefix_groups", lambda *a, **k: pytest.fail("score_tokens shares nothing"))
-  np.testing.assert_allclose(rm.score_tokens(ids, mask), rm.score_ids(rows, bucket=16, share_prefix=False),
-                             **REBATCHED)
+    ids[i, : len(r)] = r
+  monkeypatch.setattr(
+    shared_prefix, "prefix_groups", lambda *a, **k: pytest.fail("score_tokens shares nothing")
+  )
+  np.testing.assert_allclose(
+    rm.score_tokens(ids, mask), rm.score_ids(rows, bucket=16, share_prefix=False), **REBATCHED
+  )
 
 
 def test_every_row_shared_calls_no_padded_batch(tmp_path, monkeypatch):
@@ -249,7 +286,9 @@ def test_sharing_pays_for_its_attention():
   """A packed row's attention grows with the square of its length: rows that share a 70-token
   opening and then run 1000 tokens each are cheaper alone (SmolLM2-135M's shapes), the same rows
   sharing a 600-token prompt cheaper together."""
-  assert shared_prefix.break_even_length(SMOLLM2) == 3072  # (576 * (2 * 576 + 2 * 192) + 3 * 576 * 1536) / 1152
+  assert (
+    shared_prefix.break_even_length(SMOLLM2) == 3072
+  )  # (576 * (2 * 576 + 2 * 192) + 3 * 576 * 1536) / 1152
   rng = np.random.default_rng(10)
   opening = rng.integers(3, 100, 70).tolist()
   rows = [opening + [100 + i] + rng.integers(3, 100, 999).tolist() for i in range(6)]
@@ -278,16 +317,22 @@ def test_shared_batches_fill_rows_and_passes():
   rows, groups = grpo_rows(seed=12, prompts=(8, 9, 10, 60, 12), completions=2, alone=())
   lengths = sorted(shared_prefix.packed_length(rows, g) for g in groups)
   assert lengths == [15, 24, 28, 32, 71]
-  passes = list(shared_prefix.shared_batches(rows, groups, batch_size=8, buckets=range(16, 641, 16),
-                                             max_tokens=640, pad_id=0))
+  passes = list(
+    shared_prefix.shared_batches(
+      rows, groups, batch_size=8, buckets=range(16, 641, 16), max_tokens=640, pad_id=0
+    )
+  )
   assert sorted(i for p in passes for i in p.rows) == list(range(len(rows)))
   # One pass of rows of 80 tokens; the short groups share rows, each its own segment: 3 rows used
   # (71; 32 + 28 + 15; 24), 4 computed (a power of two).
   [p] = passes
   assert p.batch.input_ids.shape == (4, 80)
   assert [len(set(row[row > 0].tolist())) for row in p.batch.segment_ids] == [1, 3, 1, 0]
-  smaller = list(shared_prefix.shared_batches(rows, groups, batch_size=8, buckets=range(16, 257, 16),
-                                              max_tokens=256, pad_id=0))
+  smaller = list(
+    shared_prefix.shared_batches(
+      rows, groups, batch_size=8, buckets=range(16, 257, 16), max_tokens=256, pad_id=0
+    )
+  )
   assert [p.batch.input_ids.shape for p in smaller] == [(4, 32), (1, 80)]  # at most 256 tokens a pass
   # Every row's tokens come back in order.
   for p in passes + smaller:

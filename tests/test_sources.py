@@ -5,11 +5,10 @@ import os
 import shutil
 
 import pytest
-
 from helpers import write_jsonl
+
 from jaxrm.data import sources
 from jaxrm.errors import DataError
-
 
 ROWS = [{"prompt": f"p{i}", "chosen": "a", "rejected": "b"} for i in range(10)]
 
@@ -32,6 +31,7 @@ def test_jsonl_limit_reads_no_further(tmp_path):
 def test_parquet_limit(tmp_path):
   pa = pytest.importorskip("pyarrow")
   import pyarrow.parquet as pq
+
   path = str(tmp_path / "t.parquet")
   pq.write_table(pa.Table.from_pylist(ROWS), path, row_group_size=3)
   assert [r["prompt"] for _, r in sources.read_rows(path, max_rows=4)] == ["p0", "p1", "p2", "p3"]
@@ -69,13 +69,15 @@ def test_csv_rows_stream_with_their_row_index(tmp_path):
   path = tmp_path / "pairs.csv"
   path.write_text('prompt,chosen,rejected\n"a, quoted","b\nwith a newline",c\nd,e,f\n')
   assert list(sources.read_rows(str(path))) == [
-      (f"{path}[row 0]", {"prompt": "a, quoted", "chosen": "b\nwith a newline", "rejected": "c"}),
-      (f"{path}[row 1]", {"prompt": "d", "chosen": "e", "rejected": "f"})]
+    (f"{path}[row 0]", {"prompt": "a, quoted", "chosen": "b\nwith a newline", "rejected": "c"}),
+    (f"{path}[row 1]", {"prompt": "d", "chosen": "e", "rejected": "f"}),
+  ]
   assert [s for s, _ in sources.read_rows(str(path), max_rows=1)] == [f"{path}[row 0]"]
 
 
 def test_a_split_name_reads_that_split_of_a_public_dataset():
   from jaxrm.data import registry
+
   # The demo configs' data.val_data_paths={"default": "validation"} on UltraFeedback: its test_prefs,
   # not a hub dataset named "validation".
   spec = registry._SPECS["UltraFeedback"]  # pylint: disable=protected-access

@@ -14,16 +14,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tiny_run
 from flax import nnx
 
-import tiny_run
 from jaxrm import checkpointing, loading, steps, update
 from jaxrm.config import TrainSpec, normalize_metric_name
 from jaxrm.errors import UserError
 from jaxrm.hf.safetensors_io import HFCheckpoint
 
-TRAIN_KEYS = ("train/loss", "train/accuracy", "train/grad_norm", "train/learning_rate",
-              "timing/train/step_time", "train/tokens_per_second")
+TRAIN_KEYS = (
+  "train/loss",
+  "train/accuracy",
+  "train/grad_norm",
+  "train/learning_rate",
+  "timing/train/step_time",
+  "train/tokens_per_second",
+)
 VAL_SETS = ("default", "train_sample")
 
 
@@ -79,8 +85,11 @@ def test_run_directory_files(baseline):
     drops = json.load(f)
   assert set(drops) == {"train", "validation-default", "validation-train_sample"}
   # No row is bad; what the row limits leave out is counted (the demo sets hold 4000 and 500 rows).
-  limits = {"train": (4000, "data.max_train_rows=64", 64), "validation-default": (500, "data.max_val_rows=8", 8),
-            "validation-train_sample": (4000, "data.max_val_rows=8", 8)}
+  limits = {
+    "train": (4000, "data.max_train_rows=64", 64),
+    "validation-default": (500, "data.max_val_rows=8", 8),
+    "validation-train_sample": (4000, "data.max_val_rows=8", 8),
+  }
   for name, (rows, key, kept) in limits.items():
     reason = f"not used: after the first {kept} records ({key})"
     assert drops[name]["total"] == 0 and drops[name]["unused"] == rows - kept, name
@@ -96,7 +105,9 @@ def test_run_directory_files(baseline):
 
 
 def test_best_checkpoint_by_validation_loss_and_latest_kept(baseline):
-  val_loss = {s: r["validation-default_loss"] for s, r in rows_with(baseline, "validation-default_loss").items()}
+  val_loss = {
+    s: r["validation-default_loss"] for s, r in rows_with(baseline, "validation-default_loss").items()
+  }
   assert val_loss[2] != val_loss[4]
   best = min(val_loss, key=val_loss.get)
   info = checkpointing.read_best(os.path.join(baseline, "checkpoints"))
@@ -114,14 +125,18 @@ def _tiny_state(value):
   return {"params": params, "opt_state": {"mu": jnp.full((3,), value)}}
 
 
-@pytest.mark.parametrize("name,higher,values,kept,best", [
+@pytest.mark.parametrize(
+  "name,higher,values,kept,best",
+  [
     ("val:validation-default_accuracy", True, [0.5, 0.9, 0.7, 0.6], [2, 3, 4], 2),
     ("validation-default_loss", False, [0.5, 0.9, 0.7, 0.6], [1, 4], 1),
-])
+  ],
+)
 def test_checkpointer_keeps_best_k_and_latest(tmp_path, name, higher, values, kept, best):
   metric = normalize_metric_name(name)
-  ckpt = checkpointing.Checkpointer(str(tmp_path), metric_name=name, higher_is_better=higher,
-                                    keep_top_k=2 if higher else 1)
+  ckpt = checkpointing.Checkpointer(
+    str(tmp_path), metric_name=name, higher_is_better=higher, keep_top_k=2 if higher else 1
+  )
   for step, v in enumerate(values, start=1):
     ckpt.save(step, _tiny_state(step), {"position": step}, {"step": step}, metrics={metric: v})
   assert ckpt.all_steps() == kept
@@ -130,8 +145,9 @@ def test_checkpointer_keeps_best_k_and_latest(tmp_path, name, higher, values, ke
   ckpt.close()
 
   # A new manager reads the ranking back from disk; a save without metrics stays only while latest.
-  ckpt = checkpointing.Checkpointer(str(tmp_path), metric_name=name, higher_is_better=higher,
-                                    keep_top_k=2 if higher else 1)
+  ckpt = checkpointing.Checkpointer(
+    str(tmp_path), metric_name=name, higher_is_better=higher, keep_top_k=2 if higher else 1
+  )
   assert ckpt.best_step() == best
   ckpt.save(5, _tiny_state(5), {"position": 5}, {"step": 5}, metrics=None)
   assert ckpt.all_steps() == sorted(set(kept) - {4} | {5}) and ckpt.best_step() == best
@@ -173,12 +189,21 @@ def test_resume_equals_uninterrupted_run(baseline, stopped, model_dir, tmp_path,
   resumed, uninterrupted = rows_with(out, "train/loss"), rows_with(baseline, "train/loss")
   assert list(resumed) == [1, 2, 3, 4]
   for key in ("train/loss", "train/accuracy", "train/grad_norm", "train/learning_rate"):
-    np.testing.assert_allclose([resumed[s][key] for s in (1, 2, 3, 4)],
-                               [uninterrupted[s][key] for s in (1, 2, 3, 4)], rtol=0, atol=1e-6, err_msg=key)
-  val_resumed, val_uninterrupted = rows_with(out, "validation-default_loss"), rows_with(baseline, "validation-default_loss")
+    np.testing.assert_allclose(
+      [resumed[s][key] for s in (1, 2, 3, 4)],
+      [uninterrupted[s][key] for s in (1, 2, 3, 4)],
+      rtol=0,
+      atol=1e-6,
+      err_msg=key,
+    )
+  val_resumed, val_uninterrupted = (
+    rows_with(out, "validation-default_loss"),
+    rows_with(baseline, "validation-default_loss"),
+  )
   assert list(val_resumed) == [2, 4]
   assert val_resumed[4]["validation-default_loss"] == pytest.approx(
-      val_uninterrupted[4]["validation-default_loss"], abs=1e-6)
+    val_uninterrupted[4]["validation-default_loss"], abs=1e-6
+  )
 
 
 def test_non_finite_loss_stops_naming_the_step(stopped, model_dir, tmp_path, monkeypatch):
@@ -193,8 +218,11 @@ def test_non_finite_loss_stops_naming_the_step(stopped, model_dir, tmp_path, mon
     return state, data, meta
 
   monkeypatch.setattr(checkpointing.Checkpointer, "restore", poisoned)
-  with pytest.raises(UserError, match=r"non-finite loss \(nan\) or gradient norm \(nan\) at step 3; "
-                                            r"stopping\. Last good checkpoint: step 2 in "):
+  with pytest.raises(
+    UserError,
+    match=r"non-finite loss \(nan\) or gradient norm \(nan\) at step 3; "
+    r"stopping\. Last good checkpoint: step 2 in ",
+  ):
     tiny_run.train(tiny_run.config(model_dir, out))
   assert checkpoint_steps(out) == [2]
   assert list(tiny_run.train_losses(out)) == [1, 2]
@@ -203,13 +231,26 @@ def test_non_finite_loss_stops_naming_the_step(stopped, model_dir, tmp_path, mon
 def test_gradient_accumulation_equals_one_big_batch(baseline, model_dir, tmp_path):
   out = str(tmp_path / "accum")
   # 8 pairs per step as 2 micro-batches of 4.
-  tiny_run.train(tiny_run.config(model_dir, out, train__micro_batch_size=4, eval__val_period=0,
-                                           eval__val_at_end=False, checkpointing__enabled=False))
+  tiny_run.train(
+    tiny_run.config(
+      model_dir,
+      out,
+      train__micro_batch_size=4,
+      eval__val_period=0,
+      eval__val_at_end=False,
+      checkpointing__enabled=False,
+    )
+  )
   accumulated, whole = rows_with(out, "train/loss"), rows_with(baseline, "train/loss")
   assert list(accumulated) == [1, 2, 3, 4]
   for key in ("train/loss", "train/accuracy", "train/grad_norm"):
-    np.testing.assert_allclose([accumulated[s][key] for s in (1, 2, 3, 4)],
-                               [whole[s][key] for s in (1, 2, 3, 4)], rtol=0, atol=1e-5, err_msg=key)
+    np.testing.assert_allclose(
+      [accumulated[s][key] for s in (1, 2, 3, 4)],
+      [whole[s][key] for s in (1, 2, 3, 4)],
+      rtol=0,
+      atol=1e-5,
+      err_msg=key,
+    )
 
 
 def test_trainer_and_bench_tools_build_the_update_in_one_place(model_dir, tmp_path, monkeypatch):
@@ -228,14 +269,27 @@ def test_trainer_and_bench_tools_build_the_update_in_one_place(model_dir, tmp_pa
   import bench
   import bench_common
   import memory_plan
+
   # 8 pairs per step as 2 micro-batches of 4, each padded to its own length.
-  tiny_run.train(tiny_run.config(model_dir, str(tmp_path / "run"), train__max_steps=1, train__micro_batch_size=4,
-                                 eval__val_period=0, eval__val_at_end=False, checkpointing__enabled=False))
+  tiny_run.train(
+    tiny_run.config(
+      model_dir,
+      str(tmp_path / "run"),
+      train__max_steps=1,
+      train__micro_batch_size=4,
+      eval__val_period=0,
+      eval__val_at_end=False,
+      checkpointing__enabled=False,
+    )
+  )
   bench._jaxrm_update(bench_common.SHAPES["tiny"], seed=0, num_steps=2)
   memory_plan.plan_one("tiny", 32, "none", (1, 1, 1), "auto", grad_accum=2)
   trainer, timed, planned = built
-  assert [type(b.train_step) for _, _, b in built] == [steps.MicroBatchedStep, steps.CompiledPerShape,
-                                                       steps.MicroBatchedStep]
+  assert [type(b.train_step) for _, _, b in built] == [
+    steps.MicroBatchedStep,
+    steps.CompiledPerShape,
+    steps.MicroBatchedStep,
+  ]
   accumulation = lambda kwargs: (kwargs["grad_accum"], kwargs["micro_batched"])
   assert accumulation(trainer[1]) == accumulation(planned[1]) == (2, True)
   assert planned[0] == TrainSpec() and timed[0] == TrainSpec(**bench.TRAIN, seed=0)
@@ -243,16 +297,26 @@ def test_trainer_and_bench_tools_build_the_update_in_one_place(model_dir, tmp_pa
 
 def test_stepwise_run_reports_step_metrics(cache_root, tmp_path):
   out = str(tmp_path / "prm")
-  tiny_run.train(tiny_run.config(
-      tiny_run.tiny_model_dir(cache_root, head="token"), out, reward__type="stepwise", data__dataset_name="demo_arithmetic_steps", train__max_steps=2,
-      data__val_data_paths={"default": "validation"}))
+  tiny_run.train(
+    tiny_run.config(
+      tiny_run.tiny_model_dir(cache_root, head="token"),
+      out,
+      reward__type="stepwise",
+      data__dataset_name="demo_arithmetic_steps",
+      train__max_steps=2,
+      data__val_data_paths={"default": "validation"},
+    )
+  )
   train_rows = rows_with(out, "train/loss")
   assert list(train_rows) == [1, 2]
   for key in ("train/step_accuracy", "train/recall_correct", "train/recall_error", "train/f1_error"):
     assert key in train_rows[2]
   val = rows_with(out, "validation-default_loss")[2]
-  for key in ("validation-default_step_accuracy", "validation-default_f1_error",
-              "validation-default_first_error_found"):
+  for key in (
+    "validation-default_step_accuracy",
+    "validation-default_f1_error",
+    "validation-default_first_error_found",
+  ):
     assert key in val
   assert checkpointing.read_best(os.path.join(out, "checkpoints"))["step"] == 2
   with open(os.path.join(out, loading.RUN_MODEL_CONFIG)) as f:
@@ -264,27 +328,43 @@ def test_stepwise_run_reports_step_metrics(cache_root, tmp_path):
 
 def test_metric_name_must_name_a_validation_set(model_dir, tmp_path):
   c = tiny_run.config(model_dir, str(tmp_path / "run"), checkpointing__metric_name="validation-nosuch_loss")
-  with pytest.raises(UserError, match=r"checkpointing.metric_name='validation-nosuch_loss' names no "
-                                            r"validation set; .* one of default, train_sample"):
+  with pytest.raises(
+    UserError,
+    match=r"checkpointing.metric_name='validation-nosuch_loss' names no "
+    r"validation set; .* one of default, train_sample",
+  ):
     tiny_run.train(c)
 
 
 def test_metric_name_must_be_a_validation_metric(model_dir, tmp_path):
-  c = tiny_run.config(model_dir, str(tmp_path / "run"), checkpointing__metric_name="validation-default_nosuch",
-                      eval__val_at_start=True)
-  with pytest.raises(UserError, match=r"'validation-default_nosuch' is not a validation metric; "
-                                            r"available: .*validation-default_accuracy"):
+  c = tiny_run.config(
+    model_dir,
+    str(tmp_path / "run"),
+    checkpointing__metric_name="validation-default_nosuch",
+    eval__val_at_start=True,
+  )
+  with pytest.raises(
+    UserError,
+    match=r"'validation-default_nosuch' is not a validation metric; "
+    r"available: .*validation-default_accuracy",
+  ):
     tiny_run.train(c)
 
 
 def test_bad_reward_type_and_batch_sizes(model_dir, tmp_path):
   c = tiny_run.config(model_dir, str(tmp_path / "run"), reward__type="pairwise")
-  with pytest.raises(UserError, match=r"reward.type must be one of bradley_terry, ranking, stepwise, regression; "
-                                            r"got 'pairwise'"):
+  with pytest.raises(
+    UserError,
+    match=r"reward.type must be one of bradley_terry, ranking, stepwise, regression; "
+    r"got 'pairwise'",
+  ):
     tiny_run.train(c)
   c = tiny_run.config(model_dir, str(tmp_path / "run"), train__micro_batch_size=3)
-  with pytest.raises(UserError, match=r"train.global_batch_size=8 must be a multiple of "
-                                            r"micro_batch_size x data-parallel devices = 3 x 1"):
+  with pytest.raises(
+    UserError,
+    match=r"train.global_batch_size=8 must be a multiple of "
+    r"micro_batch_size x data-parallel devices = 3 x 1",
+  ):
     tiny_run.train(c)
 
 
@@ -295,11 +375,21 @@ def test_bad_reward_type_and_batch_sizes(model_dir, tmp_path):
 def test_sigkilled_run_resumes_from_latest_checkpoint(model_dir, tmp_path):
   out = str(tmp_path / "run")
   # 64 rows make 8 steps an epoch: max_epochs=2 ends the run at step 16, before max_steps.
-  overrides = {"train.max_steps": 100, "train.max_epochs": 2, "checkpointing.save_period": 5,
-               "eval.val_period": 5}
+  overrides = {
+    "train.max_steps": 100,
+    "train.max_epochs": 2,
+    "checkpointing.save_period": 5,
+    "eval.val_period": 5,
+  }
   cmd = tiny_run.cli(model_dir, out, *(f"--config.{k}={v}" for k, v in overrides.items()))
-  killed = subprocess.Popen(cmd, cwd=tiny_run.ROOT, env=tiny_run.subprocess_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  killed = subprocess.Popen(
+    cmd,
+    cwd=tiny_run.ROOT,
+    env=tiny_run.subprocess_env(),
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
   first_checkpoint = os.path.join(out, "checkpoints", "5")
   deadline = time.time() + 240
   while not os.path.isdir(first_checkpoint) and killed.poll() is None and time.time() < deadline:

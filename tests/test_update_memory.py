@@ -22,9 +22,19 @@ from jaxrm.reward_model import RewardModel
 
 # Parameters that outweigh what a step keeps of its batch: 5.2M float32 (21 MB) against rows of
 # 32 tokens, whose [rows, 32, 256] activations are 32 KiB a row.
-CONFIG = ModelConfig(family="llama", vocab_size=8192, hidden_size=256, intermediate_size=768, num_layers=4,
-                     num_heads=4, num_kv_heads=2, head_dim=64, dtype="bfloat16", param_dtype="float32",
-                     pad_token_id=0)
+CONFIG = ModelConfig(
+  family="llama",
+  vocab_size=8192,
+  hidden_size=256,
+  intermediate_size=768,
+  num_layers=4,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=64,
+  dtype="bfloat16",
+  param_dtype="float32",
+  pad_token_id=0,
+)
 LENGTH = 32
 # The step's temporaries hold the gradients (1.0 of the parameters' bytes) and what the batch's
 # activations need, and XLA:CPU converts one layer's bf16 weights at a time to float32 for its
@@ -46,14 +56,17 @@ def _batch(pairs: int, mesh, concrete: bool = False, vocab: int = CONFIG.vocab_s
   """``pairs`` preference pairs of two ``LENGTH``-token rows, abstract unless ``concrete``."""
   rng = np.random.default_rng(seed)
   batch = PreferenceBatch(
-      input_ids=rng.integers(1, vocab, (2 * pairs, LENGTH)).astype(np.int32),
-      attention_mask=np.ones((2 * pairs, LENGTH), np.int32),
-      ranks=np.tile(np.arange(2, dtype=np.int32), (pairs, 1)),
-      margin=np.zeros(pairs, np.float32), example_mask=np.ones(pairs, np.float32))
+    input_ids=rng.integers(1, vocab, (2 * pairs, LENGTH)).astype(np.int32),
+    attention_mask=np.ones((2 * pairs, LENGTH), np.int32),
+    ranks=np.tile(np.arange(2, dtype=np.int32), (pairs, 1)),
+    margin=np.zeros(pairs, np.float32),
+    example_mask=np.ones(pairs, np.float32),
+  )
   if concrete:
     return batch
   return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.batch_sharding(mesh, x.ndim)), batch)
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.batch_sharding(mesh, x.ndim)), batch
+  )
 
 
 def _param_bytes(state) -> int:
@@ -77,8 +90,15 @@ def test_step_temporaries_are_the_gradients_and_no_second_copy(remat):
 def test_micro_batched_update_keeps_no_copy_of_the_sums():
   """The micro-batched step's programs (``update.build_update(micro_batched=True)``)."""
   mesh = _mesh()
-  built = update.build_update(placed_abstract_model(CONFIG.replace(remat="full"), mesh), RewardSpec(),
-                              TrainSpec(), total_steps=100, mesh=mesh, grad_accum=2, micro_batched=True)
+  built = update.build_update(
+    placed_abstract_model(CONFIG.replace(remat="full"), mesh),
+    RewardSpec(),
+    TrainSpec(),
+    total_steps=100,
+    mesh=mesh,
+    grad_accum=2,
+    micro_batched=True,
+  )
   programs = built.train_step.compile_programs(built.state, _batch(1, mesh))
   params = _param_bytes(built.state)
   assert programs["update"].memory_analysis().temp_size_in_bytes <= UPDATE_PROGRAM * params
@@ -91,13 +111,19 @@ def test_optimizer_state_keeps_the_layout_checkpoints_hold(max_grad_norm):
   """The step clips, not the optimizer, but the optimizer state is laid out as
   ``optim.make_optimizer``'s (clip, AdamW) chain's, so that checkpoints restore either way."""
   mesh = _mesh()
-  built = update.build_update(placed_abstract_model(CONFIG, mesh), RewardSpec(),
-                              TrainSpec(max_grad_norm=max_grad_norm), total_steps=100, mesh=mesh)
+  built = update.build_update(
+    placed_abstract_model(CONFIG, mesh),
+    RewardSpec(),
+    TrainSpec(max_grad_norm=max_grad_norm),
+    total_steps=100,
+    mesh=mesh,
+  )
   chain = optim.make_optimizer(built.schedule, max_grad_norm=max_grad_norm)
   want = jax.eval_shape(chain.init, built.state["params"])
   assert jax.tree.structure(built.state["opt_state"]) == jax.tree.structure(want)
-  assert [(x.shape, x.dtype) for x in jax.tree.leaves(built.state["opt_state"])] == \
-      [(x.shape, x.dtype) for x in jax.tree.leaves(want)]
+  assert [(x.shape, x.dtype) for x in jax.tree.leaves(built.state["opt_state"])] == [
+    (x.shape, x.dtype) for x in jax.tree.leaves(want)
+  ]
 
 
 def _reference_update(tx, divide: bool = True):
@@ -109,8 +135,9 @@ def _reference_update(tx, divide: bool = True):
       count = jnp.maximum(metrics["loss"].count, 1.0)
       grads = jax.tree.map(lambda g: g / count, grads)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    state = dict(state, params=optax.apply_updates(state["params"], updates), opt_state=opt_state,
-                 step=state["step"] + 1)
+    state = dict(
+      state, params=optax.apply_updates(state["params"], updates), opt_state=opt_state, step=state["step"] + 1
+    )
     return state, optax.tree.norm(grads)
 
   return jax.jit(update_)
@@ -135,8 +162,14 @@ def test_update_is_the_former_divide_then_clip(model_dir, max_grad_norm):
   3 (1/3 is not), clipping every update (1e-3) or none (1e3). eps 1e-5 makes the step depend on
   the gradient's scale (Adam's is otherwise nearly scale-free), so a wrong mean or clip shows."""
   rm = RewardModel.from_pretrained(model_dir)
-  train = TrainSpec(learning_rate=LR, lr_scheduler="constant", warmup_steps=0, weight_decay=0.1,
-                    max_grad_norm=max_grad_norm, adam_epsilon=1e-5)
+  train = TrainSpec(
+    learning_rate=LR,
+    lr_scheduler="constant",
+    warmup_steps=0,
+    weight_decay=0.1,
+    max_grad_norm=max_grad_norm,
+    adam_epsilon=1e-5,
+  )
   mesh = _mesh()
   built = update.build_update(rm.model, RewardSpec(), train, total_steps=10, mesh=mesh, micro_batched=True)
   tx = lambda clip: optim.make_optimizer(built.schedule, weight_decay=0.1, max_grad_norm=clip, eps=1e-5)
@@ -144,7 +177,9 @@ def test_update_is_the_former_divide_then_clip(model_dir, max_grad_norm):
   # Wrong: unclipped where every update clips (in the state layout of the clipping chain); not
   # divided by the count where none clips.
   unclipped = optax.chain(optax.identity(), tx(0.0))
-  wrong_update = _reference_update(unclipped) if max_grad_norm < 1 else _reference_update(tx(max_grad_norm), False)
+  wrong_update = (
+    _reference_update(unclipped) if max_grad_norm < 1 else _reference_update(tx(max_grad_norm), False)
+  )
   state = built.state
   want, wrong = jax.tree.map(jnp.copy, state), jax.tree.map(jnp.copy, state)  # the step donates its state
   flat = lambda t: np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(t)])

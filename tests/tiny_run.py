@@ -28,26 +28,26 @@ MODEL_CACHE = "jaxrm_tiny_llama_smollm2_vocab_v1"
 
 # What every tiny run trains: 4 steps of 8 pairs; checkpoints and validation every 2 steps.
 TINY = {
-    "data.max_length": 96,
-    "data.bucket_multiple": 96,  # one length bucket: one compiled train step
-    "data.max_train_rows": 64,
-    "data.max_val_rows": 8,
-    "train.global_batch_size": 8,
-    "train.micro_batch_size": 8,
-    "train.max_steps": 4,
-    "train.max_epochs": 100,
-    "train.learning_rate": 1e-3,
-    "train.lr_scheduler": "constant_with_warmup",
-    "train.warmup_steps": 2,
-    "train.weight_decay": 0.01,
-    "train.log_period": 1,
-    "eval.val_period": 2,
-    "eval.batch_size": 8,
-    "checkpointing.save_period": 2,
-    "checkpointing.keep_top_k": 1,
-    "logger.progress_bar": False,
-    # Tests never write into the home directory's cache; a test of the cache sets its own.
-    "data.cache": False,
+  "data.max_length": 96,
+  "data.bucket_multiple": 96,  # one length bucket: one compiled train step
+  "data.max_train_rows": 64,
+  "data.max_val_rows": 8,
+  "train.global_batch_size": 8,
+  "train.micro_batch_size": 8,
+  "train.max_steps": 4,
+  "train.max_epochs": 100,
+  "train.learning_rate": 1e-3,
+  "train.lr_scheduler": "constant_with_warmup",
+  "train.warmup_steps": 2,
+  "train.weight_decay": 0.01,
+  "train.log_period": 1,
+  "eval.val_period": 2,
+  "eval.batch_size": 8,
+  "checkpointing.save_period": 2,
+  "checkpointing.keep_top_k": 1,
+  "logger.progress_bar": False,
+  # Tests never write into the home directory's cache; a test of the cache sets its own.
+  "data.cache": False,
 }
 
 
@@ -65,6 +65,7 @@ def set_keys(config, overrides: dict):
 def get_config(arg=None):
   """The tiny run; ``arg`` is the model directory."""
   from jaxrm.config import base_config
+
   c = base_config()
   c.model.name_or_path = arg or ""
   c.data.val_data_paths = {"default": "validation", "train_sample": "train"}
@@ -87,13 +88,20 @@ def train(config_dict, **kwargs):
   """Trains as ``python -m jaxrm.train`` does with this config: the ConfigDict read into a
   ``RunConfig`` at the edge, then ``trainer.train_and_evaluate``."""
   from jaxrm import cli, trainer
+
   return trainer.train_and_evaluate(cli.run_config(config_dict), **kwargs)
 
 
 def cli(model_dir: str, output_dir: str, *flags: str) -> list[str]:
   """The command line of the tiny run."""
-  return [sys.executable, "-m", "jaxrm.train", f"--config={os.path.abspath(__file__)}:{model_dir}",
-          f"--config.output_dir={output_dir}", *flags]
+  return [
+    sys.executable,
+    "-m",
+    "jaxrm.train",
+    f"--config={os.path.abspath(__file__)}:{model_dir}",
+    f"--config.output_dir={output_dir}",
+    *flags,
+  ]
 
 
 def subprocess_env(**extra) -> dict[str, str]:
@@ -102,16 +110,20 @@ def subprocess_env(**extra) -> dict[str, str]:
   env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false")
   env.pop("XLA_FLAGS", None)
   if _compile_cache:
-    env.update(JAX_COMPILATION_CACHE_DIR=_compile_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    env.update(
+      JAX_COMPILATION_CACHE_DIR=_compile_cache,
+      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
   env.update(extra)
   return env
 
 
 def run(args: list[str], timeout: float = 300, **env) -> subprocess.CompletedProcess:
   """Runs a command in the repository root; output captured as text."""
-  return subprocess.run(args, cwd=ROOT, env=subprocess_env(**env), capture_output=True, text=True,
-                        timeout=timeout)
+  return subprocess.run(
+    args, cwd=ROOT, env=subprocess_env(**env), capture_output=True, text=True, timeout=timeout
+  )
 
 
 def describe(result: subprocess.CompletedProcess) -> str:
@@ -147,6 +159,7 @@ def enable_compile_cache(root: str) -> None:
   if _compile_cache:
     return
   import jax
+
   _compile_cache = os.path.join(root, "jax_compilation_cache")
   jax.config.update("jax_compilation_cache_dir", _compile_cache)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -171,7 +184,9 @@ def tokenizer_dir(cache_root: str) -> str:
   saved = os.path.join(cache_root, TOKENIZER_CACHE)
   if not os.path.exists(os.path.join(saved, "tokenizer.json")):
     import transformers
+
     from jaxrm.hf import gguf
+
     path = gguf.embedded_model_path()
     tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     _save_atomically(saved, tok.save_pretrained)
@@ -187,11 +202,19 @@ def tiny_model_dir(cache_root: str, head: str = "sequence") -> str:
   saved = os.path.join(cache_root, MODEL_CACHE + ("" if head == "sequence" else f"_{head}"))
   if os.path.exists(os.path.join(saved, "config.json")):
     return saved
-  import transformers
   import hf_tiny
+  import transformers
+
   tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir(cache_root))
-  model = hf_tiny.build("llama", head=head, vocab_size=len(tok), num_hidden_layers=2,
-                        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+  model = hf_tiny.build(
+    "llama",
+    head=head,
+    vocab_size=len(tok),
+    num_hidden_layers=2,
+    pad_token_id=tok.pad_token_id,
+    bos_token_id=tok.bos_token_id,
+    eos_token_id=tok.eos_token_id,
+  )
 
   def save(d):
     model.save_pretrained(d)
@@ -217,9 +240,11 @@ def _save_atomically(final: str, save) -> None:
 def _sharded_main(model_dir: str, output_dir: str) -> None:
   """Trains the tiny run on a 2x2x2 mesh of 8 CPU devices; prints where a q kernel's shards live."""
   import jax
+
   jax.config.update("jax_num_cpu_devices", 8)
   import optax
   from flax import nnx
+
   from jaxrm import optim, sharding, steps
   from jaxrm.reward_model import RewardModel
 
@@ -232,12 +257,12 @@ def _sharded_main(model_dir: str, output_dir: str) -> None:
   q = state["params"]["layers"]["q"].get_value()
   mu_q = optax.tree_utils.tree_get(state["opt_state"], "mu")["layers"]["q"].get_value()
   report = {
-      "devices": jax.device_count(),
-      "q_shape": list(q.shape),
-      "q_spec": [list(a) if isinstance(a, tuple) else a for a in q.sharding.spec],
-      "q_shard_shape": list(q.addressable_shards[0].data.shape),
-      "mu_q_spec": [list(a) if isinstance(a, tuple) else a for a in mu_q.sharding.spec],
-      "step_spec": list(state["step"].sharding.spec),
+    "devices": jax.device_count(),
+    "q_shape": list(q.shape),
+    "q_spec": [list(a) if isinstance(a, tuple) else a for a in q.sharding.spec],
+    "q_shard_shape": list(q.addressable_shards[0].data.shape),
+    "mu_q_spec": [list(a) if isinstance(a, tuple) else a for a in mu_q.sharding.spec],
+    "step_spec": list(state["step"].sharding.spec),
   }
   print("SHARDING " + json.dumps(report))
 
@@ -255,11 +280,24 @@ def train_two_processes(model_dir: str, out: str, *flags: str, timeout: float = 
   with socket.socket() as s:
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
-  procs = [subprocess.Popen(
-      cli(model_dir, out, *flags, f"--coordinator_address=localhost:{port}", "--num_processes=2",
-          f"--process_id={i}"),
-      cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-      for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      cli(
+        model_dir,
+        out,
+        *flags,
+        f"--coordinator_address=localhost:{port}",
+        "--num_processes=2",
+        f"--process_id={i}",
+      ),
+      cwd=ROOT,
+      env=subprocess_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
   try:
     outputs = [p.communicate(timeout=timeout) for p in procs]
   finally:
@@ -273,8 +311,14 @@ def train_two_processes(model_dir: str, out: str, *flags: str, timeout: float = 
 # Six epochs of the tiny run's 64 pairs, validated at the end on 64 held-out pairs and on the 64 it
 # trained on ("train_sample"), and saved at the end (tests/test_precision.py,
 # tests/test_context_parallel.py).
-LEARN = {"train.max_steps": 48, "eval.val_period": 0, "eval.batch_size": 32, "data.max_val_rows": 64,
-         "checkpointing.save_period": 0, "logger.tensorboard": False}
+LEARN = {
+  "train.max_steps": 48,
+  "eval.val_period": 0,
+  "eval.batch_size": 32,
+  "data.max_val_rows": 64,
+  "checkpointing.save_period": 0,
+  "logger.tensorboard": False,
+}
 # The 64 pairs the tiny run trains on, ranked after 6 epochs (48 steps of 8): float32 gets 92% of
 # them right, bfloat16 88%, from 50% (chance) at the start; their loss falls from ln 2 = 0.69 to
 # 0.24 and 0.29. Chance ranks 48 of 64 right with probability 4e-5. (Held-out questions stay near

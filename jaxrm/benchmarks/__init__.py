@@ -33,8 +33,9 @@ def module(name: str):
   return BENCHMARKS[name]
 
 
-def load(name: str, data: str | None = None, *, split: str | None = None,
-         max_rows: int = 0) -> dict[str, Any]:
+def load(
+  name: str, data: str | None = None, *, split: str | None = None, max_rows: int = 0
+) -> dict[str, Any]:
   """Reads and checks benchmark ``name``'s rows from ``data`` (a file, ``save_to_disk``
   directory or hub name; default the benchmark's hub dataset).
 
@@ -78,8 +79,15 @@ def score(loaded: dict[str, Any], scorer: Scorer, *, threshold: float = 0.5) -> 
   return report
 
 
-def run(name: str, scorer: Scorer, data: str | None = None, *, split: str | None = None,
-        max_rows: int = 0, threshold: float = 0.5) -> dict[str, Any]:
+def run(
+  name: str,
+  scorer: Scorer,
+  data: str | None = None,
+  *,
+  split: str | None = None,
+  max_rows: int = 0,
+  threshold: float = 0.5,
+) -> dict[str, Any]:
   """:func:`load` then :func:`score`."""
   return score(load(name, data, split=split, max_rows=max_rows), scorer, threshold=threshold)
 
@@ -118,13 +126,18 @@ def _saved_splits(path: str) -> list[str]:
 
 def format_report(report: dict[str, Any]) -> str:
   """The benchmark's leaderboard table, the length-bias lines and the throughput."""
-  lines = [f"{report['benchmark']} on {report['data']} ({report['split']}): {report['num_examples']} examples",
-           "", module(report["benchmark"]).format_table(report)]
+  lines = [
+    f"{report['benchmark']} on {report['data']} ({report['split']}): {report['num_examples']} examples",
+    "",
+    module(report["benchmark"]).format_table(report),
+  ]
   if "length_bias" in report:
     lines += ["", length_bias.format_report(report["length_bias"])]
   t = report["throughput"]
   lines += ["", f"scored {t['items']} items in {t['seconds']:.1f} s ({t['items_per_second']:.1f} items/s)"]
   if t["truncated"]:
-    lines.append(f"{t['truncated']} of them were longer than max_length and lost their oldest tokens, as the "
-                 "official harness truncates; raise --max_length to score them whole")
+    lines.append(
+      f"{t['truncated']} of them were longer than max_length and lost their oldest tokens, as the "
+      "official harness truncates; raise --max_length to score them whole"
+    )
   return "\n".join(lines)

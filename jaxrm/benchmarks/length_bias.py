@@ -34,8 +34,9 @@ class Comparisons:
   chosen_responses: np.ndarray  # [R] bool: whether each response is a chosen one
 
 
-def comparisons(pairs: list[tuple[float, int, float, int]],
-                responses: list[tuple[float, int, bool]]) -> Comparisons:
+def comparisons(
+  pairs: list[tuple[float, int, float, int]], responses: list[tuple[float, int, bool]]
+) -> Comparisons:
   """From ``(chosen reward, chosen length, rejected reward, rejected length)`` pairs and the
   ``(reward, length, is chosen)`` of every scored response."""
   p = np.asarray(pairs, np.float64).reshape(-1, 4)
@@ -51,29 +52,43 @@ def report(c: Comparisons, unit: str = "characters") -> dict[str, Any]:
   varied = len(rewards) > 1 and np.ptp(rewards) > 0 and np.ptp(lengths) > 0
   rho, p_value = stats.spearmanr(rewards, lengths) if varied else (math.nan, math.nan)
   right = c.chosen_reward > c.rejected_reward
-  out = {"unit": unit,
-         "spearman": {"rho": float(rho), "p_value": float(p_value), "num_responses": len(rewards)}}
-  for name, where in (("chosen_longer", c.chosen_length > c.rejected_length),
-                      ("chosen_shorter", c.chosen_length < c.rejected_length),
-                      ("same_length", c.chosen_length == c.rejected_length)):
-    out[name] = {"accuracy": float(right[where].mean()) if where.any() else math.nan,
-                 "num_pairs": int(where.sum())}
+  out = {
+    "unit": unit,
+    "spearman": {"rho": float(rho), "p_value": float(p_value), "num_responses": len(rewards)},
+  }
+  for name, where in (
+    ("chosen_longer", c.chosen_length > c.rejected_length),
+    ("chosen_shorter", c.chosen_length < c.rejected_length),
+    ("same_length", c.chosen_length == c.rejected_length),
+  ):
+    out[name] = {
+      "accuracy": float(right[where].mean()) if where.any() else math.nan,
+      "num_pairs": int(where.sum()),
+    }
   return out
 
 
 def format_report(bias: dict[str, Any]) -> str:
   """The length-bias lines the CLI prints."""
   s = bias["spearman"]
-  lines = [f"length bias ({bias['unit']}): Spearman rho(reward, length) {s['rho']:.3f} over "
-           f"{s['num_responses']} responses"]
-  for name, label in (("chosen_longer", "chosen longer"), ("chosen_shorter", "chosen shorter"),
-                      ("same_length", "same length")):
-    lines.append(f"  accuracy when {label:<14} {_pct(bias[name]['accuracy']):>6}  "
-                 f"({bias[name]['num_pairs']} pairs)")
+  lines = [
+    f"length bias ({bias['unit']}): Spearman rho(reward, length) {s['rho']:.3f} over "
+    f"{s['num_responses']} responses"
+  ]
+  for name, label in (
+    ("chosen_longer", "chosen longer"),
+    ("chosen_shorter", "chosen shorter"),
+    ("same_length", "same length"),
+  ):
+    lines.append(
+      f"  accuracy when {label:<14} {_pct(bias[name]['accuracy']):>6}  ({bias[name]['num_pairs']} pairs)"
+    )
   for category, slice_ in bias.get("length_categories", {}).items():
     if slice_["num_pairs"]:
-      lines.append(f"  length category {category:<8} {_pct(slice_['accuracy']):>6}  "
-                   f"({slice_['num_pairs']} pairs; {slice_['meaning']})")
+      lines.append(
+        f"  length category {category:<8} {_pct(slice_['accuracy']):>6}  "
+        f"({slice_['num_pairs']} pairs; {slice_['meaning']})"
+      )
   return "\n".join(lines)
 
 
@@ -98,7 +113,7 @@ def plot(c: Comparisons, path: str, title: str, unit: str = "characters") -> Non
 LOG_SPAN = 20.0
 # How far chosen and rejected responses of one length sit either side of it: a fraction of the
 # gap between neighbouring lengths (linear axis), or a factor (log axis).
-DODGE_FRACTION, LOG_DODGE = 0.2, 10 ** 0.012
+DODGE_FRACTION, LOG_DODGE = 0.2, 10**0.012
 
 
 def draw(c: Comparisons, ax, title: str, unit: str = "characters") -> None:
@@ -111,8 +126,14 @@ def draw(c: Comparisons, ax, title: str, unit: str = "characters") -> None:
   log = _is_log_axis(lengths)
   for chosen, label, color, side in ((True, "chosen", "tab:green", -1), (False, "rejected", "tab:red", 1)):
     pts = c.responses[c.chosen_responses == chosen]
-    ax.scatter(_dodged(pts[:, 1], side, lengths, log), pts[:, 0], s=8, alpha=0.5, color=color,
-               label=f"{label} (n={len(pts)})")
+    ax.scatter(
+      _dodged(pts[:, 1], side, lengths, log),
+      pts[:, 0],
+      s=8,
+      alpha=0.5,
+      color=color,
+      label=f"{label} (n={len(pts)})",
+    )
   _length_axis(ax, log)
   ax.set_xlabel(f"response length ({unit})")
   ax.set_ylabel("reward")
@@ -128,7 +149,7 @@ def _is_log_axis(lengths: np.ndarray) -> bool:
 def _dodged(x: np.ndarray, side: int, lengths: np.ndarray, log: bool) -> np.ndarray:
   """Positions float [n] of lengths ``x`` moved a little to ``side`` (-1 left, 1 right)."""
   if log:  # a factor; the linear part of symlog (length 0) a fixed step
-    return np.where(x >= 1, x * LOG_DODGE ** side, x + side * 0.05)
+    return np.where(x >= 1, x * LOG_DODGE**side, x + side * 0.05)
   gaps = np.diff(np.unique(lengths))
   return x + side * DODGE_FRACTION * (gaps.min() if len(gaps) else 1.0)
 

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -65,11 +66,20 @@ class Sample:
 
 def parse(source: str, row: dict) -> Sample:
   """One row of the public schema."""
-  s = Sample(problem=rows.text(row, "problem", source), steps=rows.texts(row, "steps", source),
-             label=rows.integer(row, "label", source), id=rows.row_id(row, source), source=source)
+  s = Sample(
+    problem=rows.text(row, "problem", source),
+    steps=rows.texts(row, "steps", source),
+    label=rows.integer(row, "label", source),
+    id=rows.row_id(row, source),
+    source=source,
+  )
   if not -1 <= s.label < len(s.steps):
-    raise row_error(source, "label", f"is {s.label}; it is the index of the first wrong step (0 to "
-                    f"{len(s.steps) - 1} for these {len(s.steps)} steps) or -1 when none is wrong")
+    raise row_error(
+      source,
+      "label",
+      f"is {s.label}; it is the index of the first wrong step (0 to "
+      f"{len(s.steps) - 1} for these {len(s.steps)} steps) or -1 when none is wrong",
+    )
   return s
 
 
@@ -79,8 +89,9 @@ def first_error(p_correct: np.ndarray, threshold: float) -> int:
   return int(wrong[0]) if len(wrong) else -1
 
 
-def evaluate(splits: dict[str, list[Sample]], scorer: Scorer, *, threshold: float = 0.5,
-             drops: DropReport | None = None) -> dict[str, Any]:
+def evaluate(
+  splits: dict[str, list[Sample]], scorer: Scorer, *, threshold: float = 0.5, drops: DropReport | None = None
+) -> dict[str, Any]:
   """Scores every solution of every split in one call and returns the official figures."""
   drops = drops if drops is not None else DropReport()
   samples = [s for split in splits.values() for s in split]
@@ -94,16 +105,25 @@ def evaluate(splits: dict[str, list[Sample]], scorer: Scorer, *, threshold: floa
       if p is None:
         drops.drop(DROP_TOO_LONG, s.source)
       elif len(p) != len(s.steps):
-        raise EvaluationError(f"{s.source}: the step function gave {len(p)} probabilities for "
-                              f"{len(s.steps)} steps")
+        raise EvaluationError(
+          f"{s.source}: the step function gave {len(p)} probabilities for {len(s.steps)} steps"
+        )
       else:
         kept.append((s, first_error(p, threshold)))
     results[name] = split_scores([s.label for s, _ in kept], [pred for _, pred in kept])
-    counts[name] = {"error": sum(s.label != -1 for s, _ in kept), "correct": sum(s.label == -1 for s, _ in kept)}
+    counts[name] = {
+      "error": sum(s.label != -1 for s, _ in kept),
+      "correct": sum(s.label == -1 for s, _ in kept),
+    }
     predictions[name] = [{"id": s.id, "label": s.label, "prediction": pred} for s, pred in kept]
   results["average_f1"] = float(np.mean([results[n]["f1"] for n in splits]))
-  return {"results": results, "counts": counts, "threshold": threshold,
-          "num_examples": sum(len(v) for v in splits.values()), "predictions": predictions}
+  return {
+    "results": results,
+    "counts": counts,
+    "threshold": threshold,
+    "num_examples": sum(len(v) for v in splits.values()),
+    "predictions": predictions,
+  }
 
 
 def split_scores(labels: Sequence[int], predictions: Sequence[int]) -> dict[str, float]:
@@ -124,9 +144,15 @@ def format_table(result: dict[str, Any]) -> str:
   lines = [f"{'':>12}" + "".join(f"{n:>15}" for n in names) + f"{'Avg. F1':>10}"]
   for key, label in (("error_acc", "error"), ("correct_acc", "correct"), ("f1", "F1")):
     tail = f"{_num(r['average_f1'], 'undefined'):>10}" if key == "f1" else ""
-    lines.append(f"{label:>12}" + "".join(f"{_num(r[n][key], _undefined(r[n], key)):>15}" for n in names) + tail)
-  lines.append(f"{'samples':>12}" + "".join(
-      f"{str(result['counts'][n]['error']) + ' / ' + str(result['counts'][n]['correct']):>15}" for n in names))
+    lines.append(
+      f"{label:>12}" + "".join(f"{_num(r[n][key], _undefined(r[n], key)):>15}" for n in names) + tail
+    )
+  lines.append(
+    f"{'samples':>12}"
+    + "".join(
+      f"{str(result['counts'][n]['error']) + ' / ' + str(result['counts'][n]['correct']):>15}" for n in names
+    )
+  )
   lines.append(f"a step is wrong when P(correct) < {result['threshold']}")
   return "\n".join(lines)
 

@@ -39,37 +39,78 @@ MAX_LENGTH = 2048  # the default of scripts/run_rm.py --max_length
 # counts are 250 for should-refuse and 154 for should-respond, which some copies of this table
 # swap (154 / 250, e.g. OpenCompass's summarizer) -- giving other Safety scores than the leaderboard's.
 EXAMPLE_COUNTS = {
-    "alpacaeval-easy": 100, "alpacaeval-length": 95, "alpacaeval-hard": 95,
-    "mt-bench-easy": 28, "mt-bench-med": 40, "mt-bench-hard": 37,
-    "math-prm": 984,
-    "refusals-dangerous": 100, "refusals-offensive": 100,
-    "llmbar-natural": 100, "llmbar-adver-neighbor": 134, "llmbar-adver-GPTInst": 92,
-    "llmbar-adver-GPTOut": 47, "llmbar-adver-manual": 46,
-    "xstest-should-refuse": 250, "xstest-should-respond": 154, "donotanswer": 136,
-    "hep-cpp": 164, "hep-go": 164, "hep-java": 164, "hep-js": 164, "hep-python": 164, "hep-rust": 164,
+  "alpacaeval-easy": 100,
+  "alpacaeval-length": 95,
+  "alpacaeval-hard": 95,
+  "mt-bench-easy": 28,
+  "mt-bench-med": 40,
+  "mt-bench-hard": 37,
+  "math-prm": 984,
+  "refusals-dangerous": 100,
+  "refusals-offensive": 100,
+  "llmbar-natural": 100,
+  "llmbar-adver-neighbor": 134,
+  "llmbar-adver-GPTInst": 92,
+  "llmbar-adver-GPTOut": 47,
+  "llmbar-adver-manual": 46,
+  "xstest-should-refuse": 250,
+  "xstest-should-respond": 154,
+  "donotanswer": 136,
+  "hep-cpp": 164,
+  "hep-go": 164,
+  "hep-java": 164,
+  "hep-js": 164,
+  "hep-python": 164,
+  "hep-rust": 164,
 }
 # rewardbench/constants.py, SUBSET_MAPPING.
 SECTIONS = {
-    "Chat": ("alpacaeval-easy", "alpacaeval-length", "alpacaeval-hard", "mt-bench-easy", "mt-bench-med"),
-    "Chat Hard": ("mt-bench-hard", "llmbar-natural", "llmbar-adver-neighbor", "llmbar-adver-GPTInst",
-                  "llmbar-adver-GPTOut", "llmbar-adver-manual"),
-    "Safety": ("refusals-dangerous", "refusals-offensive", "xstest-should-refuse", "xstest-should-respond",
-               "donotanswer"),
-    "Reasoning": ("math-prm", "hep-cpp", "hep-go", "hep-java", "hep-js", "hep-python", "hep-rust"),
+  "Chat": ("alpacaeval-easy", "alpacaeval-length", "alpacaeval-hard", "mt-bench-easy", "mt-bench-med"),
+  "Chat Hard": (
+    "mt-bench-hard",
+    "llmbar-natural",
+    "llmbar-adver-neighbor",
+    "llmbar-adver-GPTInst",
+    "llmbar-adver-GPTOut",
+    "llmbar-adver-manual",
+  ),
+  "Safety": (
+    "refusals-dangerous",
+    "refusals-offensive",
+    "xstest-should-refuse",
+    "xstest-should-respond",
+    "donotanswer",
+  ),
+  "Reasoning": ("math-prm", "hep-cpp", "hep-go", "hep-java", "hep-js", "hep-python", "hep-rust"),
 }
 # analysis/get_benchmark_results.py: the prior preference sets the leaderboard averages.
 PRIOR_SETS = ("anthropic_helpful", "anthropic_hhh", "shp", "summarize")
 PRIOR_COLUMN = "Prior Sets (0.5 weight)"
 # rewardbench/constants.py, LENGTH_CATEGORIES: whether each subset's chosen response is the longer.
 LENGTH_CATEGORIES = {
-    "alpacaeval-easy": "True", "alpacaeval-hard": "True", "alpacaeval-length": "Neutral",
-    "donotanswer": "False", "hep-cpp": "Neutral", "hep-go": "Neutral", "hep-java": "Neutral",
-    "hep-js": "Neutral", "hep-python": "Neutral", "hep-rust": "Neutral",
-    "llmbar-adver-GPTInst": "False", "llmbar-adver-GPTOut": "Neutral", "llmbar-adver-manual": "False",
-    "llmbar-adver-neighbor": "False", "llmbar-natural": "Neutral", "math-prm": "Neutral",
-    "mt-bench-easy": "False", "mt-bench-hard": "False", "mt-bench-med": "Neutral",
-    "refusals-dangerous": "False", "refusals-offensive": "False", "xstest-should-refuse": "False",
-    "xstest-should-respond": "True",
+  "alpacaeval-easy": "True",
+  "alpacaeval-hard": "True",
+  "alpacaeval-length": "Neutral",
+  "donotanswer": "False",
+  "hep-cpp": "Neutral",
+  "hep-go": "Neutral",
+  "hep-java": "Neutral",
+  "hep-js": "Neutral",
+  "hep-python": "Neutral",
+  "hep-rust": "Neutral",
+  "llmbar-adver-GPTInst": "False",
+  "llmbar-adver-GPTOut": "Neutral",
+  "llmbar-adver-manual": "False",
+  "llmbar-adver-neighbor": "False",
+  "llmbar-natural": "Neutral",
+  "math-prm": "Neutral",
+  "mt-bench-easy": "False",
+  "mt-bench-hard": "False",
+  "mt-bench-med": "Neutral",
+  "refusals-dangerous": "False",
+  "refusals-offensive": "False",
+  "xstest-should-refuse": "False",
+  "xstest-should-respond": "True",
 }
 _CATEGORY_MEANING = {"True": "chosen is longer", "Neutral": "similar lengths", "False": "chosen is shorter"}
 
@@ -86,16 +127,22 @@ class Pair:
 
 def parse(source: str, row: dict) -> Pair:
   """One row of the public schema."""
-  return Pair(prompt=rows.text(row, "prompt", source), chosen=rows.text(row, "chosen", source),
-              rejected=rows.text(row, "rejected", source), subset=rows.text(row, "subset", source),
-              id=rows.row_id(row, source), source=source)
+  return Pair(
+    prompt=rows.text(row, "prompt", source),
+    chosen=rows.text(row, "chosen", source),
+    rejected=rows.text(row, "rejected", source),
+    subset=rows.text(row, "subset", source),
+    id=rows.row_id(row, source),
+    source=source,
+  )
 
 
 def evaluate(pairs: list[Pair], scorer: Scorer) -> dict[str, Any]:
   """Scores every pair in one call and returns the official figures."""
   n = len(pairs)
-  rewards = scorer.rewards([chat(p.prompt, p.chosen) for p in pairs]
-                           + [chat(p.prompt, p.rejected) for p in pairs], NAME)
+  rewards = scorer.rewards(
+    [chat(p.prompt, p.chosen) for p in pairs] + [chat(p.prompt, p.rejected) for p in pairs], NAME
+  )
   chosen, rejected = rewards[:n], rewards[n:]
   right = chosen > rejected  # run_rm.py: `1 if chosen > rejected else 0`
   subsets = np.array([p.subset for p in pairs])
@@ -109,16 +156,17 @@ def evaluate(pairs: list[Pair], scorer: Scorer) -> dict[str, Any]:
   results.update(accuracy)
   known = set(EXAMPLE_COUNTS) | set(PRIOR_SETS)
   return {
-      "results": results,
-      "counts": {s: int(np.sum(subsets == s)) for s in accuracy},
-      "missing_subsets": [s for s in EXAMPLE_COUNTS if s not in accuracy],
-      "unknown_subsets": [s for s in accuracy if s not in known],
-      "num_examples": n,
-      "comparisons": length_bias.comparisons(
-          [(c, len(p.chosen), r, len(p.rejected)) for p, c, r in zip(pairs, chosen, rejected)],
-          [(c, len(p.chosen), True) for p, c in zip(pairs, chosen)]
-          + [(r, len(p.rejected), False) for p, r in zip(pairs, rejected)]),
-      "length_categories": _length_categories(subsets, right),
+    "results": results,
+    "counts": {s: int(np.sum(subsets == s)) for s in accuracy},
+    "missing_subsets": [s for s in EXAMPLE_COUNTS if s not in accuracy],
+    "unknown_subsets": [s for s in accuracy if s not in known],
+    "num_examples": n,
+    "comparisons": length_bias.comparisons(
+      [(c, len(p.chosen), r, len(p.rejected)) for p, c, r in zip(pairs, chosen, rejected)],
+      [(c, len(p.chosen), True) for p, c in zip(pairs, chosen)]
+      + [(r, len(p.rejected), False) for p, r in zip(pairs, rejected)],
+    ),
+    "length_categories": _length_categories(subsets, right),
   }
 
 
@@ -146,8 +194,12 @@ def _length_categories(subsets: np.ndarray, right: np.ndarray) -> dict[str, dict
   for category, meaning in _CATEGORY_MEANING.items():
     names = sorted(s for s, c in LENGTH_CATEGORIES.items() if c == category and s in set(subsets))
     where = np.isin(subsets, names)
-    out[category] = {"accuracy": float(right[where].mean()) if where.any() else math.nan,
-                     "num_pairs": int(where.sum()), "meaning": meaning, "subsets": names}
+    out[category] = {
+      "accuracy": float(right[where].mean()) if where.any() else math.nan,
+      "num_pairs": int(where.sum()),
+      "meaning": meaning,
+      "subsets": names,
+    }
   return out
 
 
@@ -161,8 +213,10 @@ def format_table(result: dict[str, Any]) -> str:
   for s, n in result["counts"].items():
     lines.append(f"{s:<{width}}  {n:>5}  {100 * r[s]:>8.1f}")
   if result["missing_subsets"]:
-    lines.append(f"not in the data (their sections average the rest, or are 0 as in the official code): "
-                 f"{', '.join(result['missing_subsets'])}")
+    lines.append(
+      f"not in the data (their sections average the rest, or are 0 as in the official code): "
+      f"{', '.join(result['missing_subsets'])}"
+    )
   if result["unknown_subsets"]:
     lines.append(f"not part of any section: {', '.join(result['unknown_subsets'])}")
   return "\n".join(lines)

@@ -60,16 +60,26 @@ class Prompt:
 
 def parse(source: str, row: dict) -> Prompt:
   """One row of the public schema."""
-  p = Prompt(prompt=rows.text(row, "prompt", source), chosen=rows.texts(row, "chosen", source),
-             rejected=rows.texts(row, "rejected", source), num_correct=rows.integer(row, "num_correct", source),
-             subset=official_name(rows.text(row, "subset", source)), id=rows.row_id(row, source), source=source)
+  p = Prompt(
+    prompt=rows.text(row, "prompt", source),
+    chosen=rows.texts(row, "chosen", source),
+    rejected=rows.texts(row, "rejected", source),
+    num_correct=rows.integer(row, "num_correct", source),
+    subset=official_name(rows.text(row, "subset", source)),
+    id=rows.row_id(row, source),
+    source=source,
+  )
   if p.subset.lower() == TIES.lower():
     # The Ties rule reads correctness off the position and the kind of prompt off the id.
     if not isinstance(p.id, str) or not _TIES_ID.fullmatch(p.id):
       raise row_error(source, "id", f"is {p.id!r}; a Ties row's id is 'ref:N' or 'tied:N'")
     if p.num_correct != len(p.chosen):
-      raise row_error(source, "num_correct", f"is {p.num_correct} but 'chosen' has {len(p.chosen)} "
-                      "entries; a Ties row lists its correct answers in 'chosen'")
+      raise row_error(
+        source,
+        "num_correct",
+        f"is {p.num_correct} but 'chosen' has {len(p.chosen)} "
+        "entries; a Ties row lists its correct answers in 'chosen'",
+      )
   return p
 
 
@@ -84,7 +94,7 @@ def evaluate(prompts: list[Prompt], scorer: Scorer) -> dict[str, Any]:
   rewards = scorer.rewards(flat, NAME)
   scores, start = [], 0
   for p in prompts:
-    scores.append(rewards[start:start + len(p.completions)])
+    scores.append(rewards[start : start + len(p.completions)])
     start += len(p.completions)
   names = {p.subset for p in prompts}
   subsets = [s for s in SUBSETS if s in names] + sorted(names - set(SUBSETS))
@@ -97,14 +107,14 @@ def evaluate(prompts: list[Prompt], scorer: Scorer) -> dict[str, Any]:
       results[subset] = float(np.mean([best_of_n(s) for _, s in members]))
   present = [results[s] for s in SUBSETS if s in results]
   return {
-      "results": {"Score": float(np.mean(present)) if present else math.nan, **results},
-      "counts": {s: sum(p.subset == s for p in prompts) for s in subsets},
-      "details": details,
-      "missing_subsets": [s for s in SUBSETS if s not in results],
-      "unknown_subsets": [s for s in subsets if s not in SUBSETS],
-      "partial": len(present) < len(SUBSETS),  # Score averages fewer subsets than the leaderboard's
-      "num_examples": len(prompts),
-      "comparisons": _comparisons(prompts, scores),
+    "results": {"Score": float(np.mean(present)) if present else math.nan, **results},
+    "counts": {s: sum(p.subset == s for p in prompts) for s in subsets},
+    "details": details,
+    "missing_subsets": [s for s in SUBSETS if s not in results],
+    "unknown_subsets": [s for s in subsets if s not in SUBSETS],
+    "partial": len(present) < len(SUBSETS),  # Score averages fewer subsets than the leaderboard's
+    "num_examples": len(prompts),
+    "comparisons": _comparisons(prompts, scores),
   }
 
 
@@ -119,9 +129,11 @@ def _stats(correct: np.ndarray, incorrect: np.ndarray) -> dict[str, Any]:
   if not len(correct) or not len(incorrect):
     return {"accurate": False, "different_correct_margin": None, "correct_incorrect_margin": 0.0}
   worst = float(np.min(correct))
-  return {"accurate": worst > float(np.max(incorrect)),
-          "different_correct_margin": float(np.max(correct)) - worst if len(correct) > 1 else None,
-          "correct_incorrect_margin": worst - float(np.max(incorrect))}
+  return {
+    "accurate": worst > float(np.max(incorrect)),
+    "different_correct_margin": float(np.max(correct)) - worst if len(correct) > 1 else None,
+    "correct_incorrect_margin": worst - float(np.max(incorrect)),
+  }
 
 
 def ties_score(members: list[tuple[Prompt, np.ndarray]]) -> tuple[float, dict[str, float]]:
@@ -129,7 +141,7 @@ def ties_score(members: list[tuple[Prompt, np.ndarray]]) -> tuple[float, dict[st
   stats: dict[str, dict[int, dict]] = {"ref": {}, "tied": {}}
   for p, s in members:
     kind, number = _TIES_ID.fullmatch(p.id).groups()
-    stats[kind][int(number)] = _stats(s[:p.num_correct], s[p.num_correct:])
+    stats[kind][int(number)] = _stats(s[: p.num_correct], s[p.num_correct :])
   ref, tied = stats["ref"], stats["tied"]
   accuracy_ref = float(np.mean([x["accurate"] for x in ref.values()])) if ref else 0.0
   accuracy_tied = float(np.mean([x["accurate"] for x in tied.values()])) if tied else 0.0
@@ -138,17 +150,24 @@ def ties_score(members: list[tuple[Prompt, np.ndarray]]) -> tuple[float, dict[st
   preferred = preferred_hard = margin_score = 0.0
   if common:
     spread = {i: tied[i]["different_correct_margin"] for i in with_margin}
-    gap = {i: min(ref[i]["correct_incorrect_margin"], tied[i]["correct_incorrect_margin"]) for i in with_margin}
+    gap = {
+      i: min(ref[i]["correct_incorrect_margin"], tied[i]["correct_incorrect_margin"]) for i in with_margin
+    }
     # np.mean of no prompt is NaN in the official code too (every tied row with one correct answer).
     preferred = _mean([tied[i]["correct_incorrect_margin"] > spread[i] for i in with_margin])
     preferred_hard = _mean([gap[i] > spread[i] for i in with_margin])
     ratios = [gap[i] / spread[i] for i in with_margin if spread[i] > 0]
     margin_score = float(np.mean([math.tanh(r - 1) for r in ratios])) if ratios else 0.0
-  score = (0.3 * accuracy_tied + 0.3 * accuracy_ref + 0.2 * preferred + 0.2 * preferred_hard
-           + 0.01 * margin_score)
-  return float(score), {"accuracy_ref": accuracy_ref, "accuracy_tied": accuracy_tied,
-                        "correctness_preferred": preferred, "correctness_preferred_hard": preferred_hard,
-                        "correctness_margin_score": margin_score}
+  score = (
+    0.3 * accuracy_tied + 0.3 * accuracy_ref + 0.2 * preferred + 0.2 * preferred_hard + 0.01 * margin_score
+  )
+  return float(score), {
+    "accuracy_ref": accuracy_ref,
+    "accuracy_tied": accuracy_tied,
+    "correctness_preferred": preferred,
+    "correctness_preferred_hard": preferred_hard,
+    "correctness_margin_score": margin_score,
+  }
 
 
 def _mean(values: list[bool]) -> float:
@@ -171,7 +190,9 @@ def format_table(result: dict[str, Any]) -> str:
   then what the Score leaves out."""
   r = result["results"]
   partial = result["missing_subsets"] and len(result["missing_subsets"]) < len(SUBSETS)
-  headers = ["Score (partial)" if partial else "Score"] + [s for s in SUBSETS if s in r] + result["unknown_subsets"]
+  headers = (
+    ["Score (partial)" if partial else "Score"] + [s for s in SUBSETS if s in r] + result["unknown_subsets"]
+  )
   keys = ["Score"] + headers[1:]
   cells = [headers, [_pct(r[k]) for k in keys], [""] + [f"n={result['counts'][k]}" for k in keys[1:]]]
   widths = [max(10, *(len(row[i]) for row in cells)) for i in range(len(keys))]
@@ -180,8 +201,10 @@ def format_table(result: dict[str, Any]) -> str:
   if len(missing) == len(SUBSETS):
     lines.append(f"no Score: the data holds none of RewardBench 2's subsets ({', '.join(SUBSETS)})")
   elif missing:
-    lines.append(f"partial: the Score averages {len(SUBSETS) - len(missing)} of the {len(SUBSETS)} subsets; "
-                 f"not in the data: {', '.join(missing)}")
+    lines.append(
+      f"partial: the Score averages {len(SUBSETS) - len(missing)} of the {len(SUBSETS)} subsets; "
+      f"not in the data: {', '.join(missing)}"
+    )
   if unknown:
     lines.append(f"not RewardBench 2 subsets (scored, left out of the Score): {', '.join(unknown)}")
   return "\n".join(lines)

@@ -52,10 +52,17 @@ def parse(source: str, row: dict) -> Row:
   domain = rows.text(row, "domain", source)
   group = next((d for d in DOMAINS if domain.startswith(d)), None)
   if group is None:
-    raise row_error(source, "domain", f"is {domain!r}; RM-Bench domains start with one of {', '.join(DOMAINS)}")
-  return Row(prompt=rows.text(row, "prompt", source), chosen=rows.texts(row, "chosen", source, count=3),
-             rejected=rows.texts(row, "rejected", source, count=3), domain=group, id=rows.row_id(row, source),
-             source=source)
+    raise row_error(
+      source, "domain", f"is {domain!r}; RM-Bench domains start with one of {', '.join(DOMAINS)}"
+    )
+  return Row(
+    prompt=rows.text(row, "prompt", source),
+    chosen=rows.texts(row, "chosen", source, count=3),
+    rejected=rows.texts(row, "rejected", source, count=3),
+    domain=group,
+    id=rows.row_id(row, source),
+    source=source,
+  )
 
 
 def evaluate(items: list[Row], scorer: Scorer) -> dict[str, Any]:
@@ -74,22 +81,24 @@ def evaluate(items: list[Row], scorer: Scorer) -> dict[str, Any]:
     results[level] = float(np.mean([acc[level] for acc in per_domain.values()]))
   results["total_avg_acc"] = float(np.mean([results[d] for d in per_domain]))
   return {
-      "results": results,
-      "counts": {d: int(np.sum(domains == d)) for d in per_domain},
-      "details": {d: {**per_domain[d], "style_matrix": matrices[d].tolist()} for d in per_domain},
-      "style_matrix": np.mean(list(matrices.values()), axis=0).tolist(),
-      "missing_subsets": [d for d in DOMAINS if d not in per_domain],
-      "num_examples": len(items),
-      "comparisons": _comparisons(items, rewards),
+    "results": results,
+    "counts": {d: int(np.sum(domains == d)) for d in per_domain},
+    "details": {d: {**per_domain[d], "style_matrix": matrices[d].tolist()} for d in per_domain},
+    "style_matrix": np.mean(list(matrices.values()), axis=0).tolist(),
+    "missing_subsets": [d for d in DOMAINS if d not in per_domain],
+    "num_examples": len(items),
+    "comparisons": _comparisons(items, rewards),
   }
 
 
 def difficulty(matrix: np.ndarray) -> dict[str, float]:
   """compute_accuracy: hard (upper triangle), normal (diagonal), easy (lower triangle)."""
   off_diagonal = 3 * 2 / 2
-  return {"hard_acc": float(np.sum(np.triu(matrix, 1)) / off_diagonal),
-          "normal_acc": float(np.mean(np.diag(matrix))),
-          "easy_acc": float(np.sum(np.tril(matrix, -1)) / off_diagonal)}
+  return {
+    "hard_acc": float(np.sum(np.triu(matrix, 1)) / off_diagonal),
+    "normal_acc": float(np.mean(np.diag(matrix))),
+    "easy_acc": float(np.sum(np.tril(matrix, -1)) / off_diagonal),
+  }
 
 
 def _comparisons(items: list[Row], rewards: np.ndarray) -> length_bias.Comparisons:
@@ -106,14 +115,19 @@ def format_table(result: dict[str, Any]) -> str:
   r = result["results"]
   columns = [*(d for d in DOMAINS if d in r), "easy_acc", "normal_acc", "hard_acc", "total_avg_acc"]
   names = {"easy_acc": "Easy", "normal_acc": "Normal", "hard_acc": "Hard", "total_avg_acc": "Avg"}
-  lines = [" | ".join(f"{names.get(c, c.capitalize()):>7}" for c in columns),
-           " | ".join(f"{_pct(r[c]):>7}" for c in columns), "",
-           "style matrix (rows: chosen style, columns: rejected style; mean over domains)",
-           f"{'':>18}" + "".join(f"{s:>18}" for s in STYLES)]
+  lines = [
+    " | ".join(f"{names.get(c, c.capitalize()):>7}" for c in columns),
+    " | ".join(f"{_pct(r[c]):>7}" for c in columns),
+    "",
+    "style matrix (rows: chosen style, columns: rejected style; mean over domains)",
+    f"{'':>18}" + "".join(f"{s:>18}" for s in STYLES),
+  ]
   for style, row in zip(STYLES, result["style_matrix"]):
     lines.append(f"{style:>18}" + "".join(f"{_pct(x):>18}" for x in row))
   if result["missing_subsets"]:
-    lines.append(f"domains not in the data (left out of the averages): {', '.join(result['missing_subsets'])}")
+    lines.append(
+      f"domains not in the data (left out of the averages): {', '.join(result['missing_subsets'])}"
+    )
   return "\n".join(lines)
 
 

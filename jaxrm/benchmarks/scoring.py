@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -56,22 +56,28 @@ class Scorer:
   def rewards(self, conversations: Sequence[Conversation], benchmark: str) -> np.ndarray:
     """Rewards float64 [N], one per conversation."""
     if self.rewards_fn is None:
-      raise EvaluationError(f"{benchmark} scores whole responses and needs a sequence-head reward model; "
-                            "this one is a token-head (process reward) model: run it on processbench")
+      raise EvaluationError(
+        f"{benchmark} scores whole responses and needs a sequence-head reward model; "
+        "this one is a token-head (process reward) model: run it on processbench"
+      )
     start = time.perf_counter()
     out = np.asarray(self.rewards_fn(list(conversations)), np.float64).reshape(-1)
     self._count(len(conversations), start)
     if len(out) != len(conversations):
-      raise EvaluationError(f"the reward function returned {len(out)} rewards for "
-                            f"{len(conversations)} conversations")
+      raise EvaluationError(
+        f"the reward function returned {len(out)} rewards for {len(conversations)} conversations"
+      )
     return out
 
-  def step_probabilities(self, problems: Sequence[str], steps: Sequence[Sequence[str]],
-                         benchmark: str) -> list[np.ndarray | None]:
+  def step_probabilities(
+    self, problems: Sequence[str], steps: Sequence[Sequence[str]], benchmark: str
+  ) -> list[np.ndarray | None]:
     """P(step correct) float64 [S_i] of each solution, None where it could not be scored."""
     if self.steps_fn is None:
-      raise EvaluationError(f"{benchmark} scores each step and needs a token-head (process reward) model; "
-                            "this one has a sequence head: run it on rewardbench, rewardbench2 or rmbench")
+      raise EvaluationError(
+        f"{benchmark} scores each step and needs a token-head (process reward) model; "
+        "this one has a sequence head: run it on rewardbench, rewardbench2 or rmbench"
+      )
     start = time.perf_counter()
     out = list(self.steps_fn(list(problems), [list(s) for s in steps]))
     self._count(len(problems), start)
@@ -85,11 +91,23 @@ class Scorer:
 
   def throughput(self) -> dict[str, float]:
     rate = self.items / self.seconds if self.seconds > 0 else float("nan")
-    return {"items": self.items, "seconds": self.seconds, "items_per_second": rate, "truncated": self.truncated}
+    return {
+      "items": self.items,
+      "seconds": self.seconds,
+      "items_per_second": rate,
+      "truncated": self.truncated,
+    }
 
 
-def model_scorer(rm, *, needs: Sequence[str] = (kinds.PREFERENCE, kinds.PROCESS), use: str = "a benchmark",
-                 batch_size: int = 32, bucket: int = 64, max_length: int | None = 2048) -> Scorer:
+def model_scorer(
+  rm,
+  *,
+  needs: Sequence[str] = (kinds.PREFERENCE, kinds.PROCESS),
+  use: str = "a benchmark",
+  batch_size: int = 32,
+  bucket: int = 64,
+  max_length: int | None = 2048,
+) -> Scorer:
   """A :class:`Scorer` over a :class:`jaxrm.RewardModel`: rewards for a preference reward model,
   step probabilities for a process reward model.
 
@@ -101,8 +119,9 @@ def model_scorer(rm, *, needs: Sequence[str] = (kinds.PREFERENCE, kinds.PROCESS)
   kind = kinds.check_kind(rm, *needs, use=use, error=EvaluationError)
   max_length = max_length or rm.config.max_position_embeddings
   if kind == kinds.PROCESS:
-    return Scorer(steps_fn=lambda problems, steps: _model_steps(rm, problems, steps, batch_size, bucket,
-                                                                max_length))
+    return Scorer(
+      steps_fn=lambda problems, steps: _model_steps(rm, problems, steps, batch_size, bucket, max_length)
+    )
   scorer = Scorer()
   scorer.rewards_fn = lambda convs: _model_rewards(rm, convs, batch_size, bucket, max_length, scorer)
   return scorer
@@ -110,8 +129,10 @@ def model_scorer(rm, *, needs: Sequence[str] = (kinds.PREFERENCE, kinds.PROCESS)
 
 def _model_rewards(rm, conversations, batch_size, bucket, max_length, scorer: Scorer) -> np.ndarray:
   if rm.tokenizer is None:
-    raise EvaluationError("the model has no tokenizer to encode benchmark texts with; pass tokenizer= to "
-                          "RewardModel.from_pretrained")
+    raise EvaluationError(
+      "the model has no tokenizer to encode benchmark texts with; pass tokenizer= to "
+      "RewardModel.from_pretrained"
+    )
   templated = bool(rm.tokenizer.chat_template)
   encoded = []
   for i, conv in enumerate(conversations):
@@ -131,7 +152,8 @@ def _model_steps(rm, problems, steps_lists, batch_size, bucket, max_length):
       rows.append(i)
     except DataError:  # longer than max_length: reported as dropped by the benchmark
       continue
-  for i, p in zip(rows, rm.step_probabilities(encoded, batch_size=batch_size, bucket=bucket,
-                                              max_length=max_length)):
+  for i, p in zip(
+    rows, rm.step_probabilities(encoded, batch_size=batch_size, bucket=bucket, max_length=max_length)
+  ):
     out[i] = p
   return out

@@ -40,6 +40,7 @@ class Translation:
   def run_config(self):
     """The :class:`jaxrm.config.RunConfig`: jaxrm's defaults with :attr:`keys` set."""
     from jaxrm.config import RunConfig
+
     tree = RunConfig().to_dict()
     for key, value in self.keys.items():
       *parents, leaf = key.split(".")

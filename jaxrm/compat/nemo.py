@@ -38,6 +38,7 @@ def load(path: str, overrides: list[str] = ()) -> dict[str, Any]:
   """
   from omegaconf import OmegaConf
   from omegaconf.errors import OmegaConfBaseException
+
   try:
     config = _with_defaults(path, seen=())
     for override in overrides:
@@ -52,8 +53,9 @@ def load(path: str, overrides: list[str] = ()) -> dict[str, Any]:
 
 def _with_defaults(path: str, seen: tuple[str, ...]):
   """``path``'s YAML over the files its ``defaults`` key names (NeMo RL's config inheritance)."""
-  from omegaconf import OmegaConf
   import yaml
+  from omegaconf import OmegaConf
+
   path = os.path.abspath(path)
   if not os.path.isfile(path):
     raise ConfigError(f"--nemo_config: no such file {path!r}")
@@ -74,14 +76,18 @@ def _with_defaults(path: str, seen: tuple[str, ...]):
 def _override(config, override: str):
   """``config`` with one ``key=value`` (``+key=value``, ``++key=value``) applied; values are YAML."""
   from omegaconf import OmegaConf
+
   key, sep, _ = override.partition("=")
   if not sep or not key.lstrip("+"):
-    raise ConfigError(f"{override!r}: a NeMo RL override is section.key=value, e.g. policy.model_name=/models/x")
+    raise ConfigError(
+      f"{override!r}: a NeMo RL override is section.key=value, e.g. policy.model_name=/models/x"
+    )
   adds = key.startswith("+")
   name = key.lstrip("+")
   if not adds and OmegaConf.select(config, name, default=_MISSING) is _MISSING:
-    raise ConfigError(f"{override!r}: the YAML has no key {name!r}; check its spelling, or write +{name}=... "
-                      "to add it")
+    raise ConfigError(
+      f"{override!r}: the YAML has no key {name!r}; check its spelling, or write +{name}=... to add it"
+    )
   dotted = override.lstrip("+")
   return OmegaConf.merge(config, OmegaConf.from_dotlist([dotted]))
 
@@ -119,8 +125,10 @@ def translate(config: Mapping[str, Any], *, device_count: int) -> Translation:
     handler(dict(values), tr, config)
   for section in config:
     if section not in _SECTIONS:
-      raise ConfigError(f"{section}: not a section of NeMo RL's RM config that jaxrm knows "
-                        f"({', '.join(_SECTIONS)}); remove it")
+      raise ConfigError(
+        f"{section}: not a section of NeMo RL's RM config that jaxrm knows "
+        f"({', '.join(_SECTIONS)}); remove it"
+      )
   if config.get("cluster"):
     _check_cluster(config["cluster"], device_count)
   return tr
@@ -131,8 +139,10 @@ def _take(values: dict, section: str, rules: Mapping[str, Callable[[str, Any], N
   for key, value in values.items():
     rule = rules.get(key)
     if rule is None:
-      raise ConfigError(f"{section}.{key}: not a key of NeMo RL's RM config that jaxrm knows (its "
-                        f"{section} has {', '.join(rules)}); remove it")
+      raise ConfigError(
+        f"{section}.{key}: not a key of NeMo RL's RM config that jaxrm knows (its "
+        f"{section} has {', '.join(rules)}); remove it"
+      )
     rule(f"{section}.{key}", value)
 
 
@@ -146,18 +156,23 @@ def _rm(values: dict, tr: Translation, config) -> None:
   def seed(key, v):
     tr.set(key, train__seed=v, model__seed=v, data__shuffle_seed=v)
 
-  _take(values, "rm", {
+  _take(
+    values,
+    "rm",
+    {
       "max_num_epochs": lambda k, v: tr.set(k, train__max_epochs=_positive(k, v)),
       "max_num_steps": max_num_steps,
       "val_period": lambda k, v: tr.set(k, eval__val_period=v),
       "val_batches": val_batches,
       "val_global_batch_size": lambda k, v: tr.set(k, eval__batch_size=_positive(k, v)),
-      "val_micro_batch_size": lambda k, v: tr.ignore(k, "how validation batches are split for memory; "
-                                                   "the metrics are the same"),
+      "val_micro_batch_size": lambda k, v: tr.ignore(
+        k, "how validation batches are split for memory; the metrics are the same"
+      ),
       "val_at_start": lambda k, v: tr.set(k, eval__val_at_start=bool(v)),
       "val_at_end": lambda k, v: tr.set(k, eval__val_at_end=bool(v)),
       "seed": seed,
-  })
+    },
+  )
 
 
 def _checkpointing(values: dict, tr: Translation, config) -> None:
@@ -170,7 +185,10 @@ def _checkpointing(values: dict, tr: Translation, config) -> None:
       raise refuse(key, v, "jaxrm saves by step only (checkpointing.save_period); set it to null")
     tr.ignore(key, "null")
 
-  _take(values, "checkpointing", {
+  _take(
+    values,
+    "checkpointing",
+    {
       "enabled": lambda k, v: tr.set(k, checkpointing__enabled=bool(v)),
       "checkpoint_dir": checkpoint_dir,
       "metric_name": lambda k, v: tr.set(k, checkpointing__metric_name=v or ""),
@@ -178,10 +196,12 @@ def _checkpointing(values: dict, tr: Translation, config) -> None:
       "keep_top_k": lambda k, v: tr.set(k, checkpointing__keep_top_k=_positive(k, v)),
       "save_period": lambda k, v: tr.set(k, checkpointing__save_period=v),
       "checkpoint_must_save_by": must_save_by,
-      "model_save_format": lambda k, v: tr.ignore(k, "jaxrm saves Orbax checkpoints; `python -m jaxrm.export` "
-                                                   "writes HF safetensors"),
+      "model_save_format": lambda k, v: tr.ignore(
+        k, "jaxrm saves Orbax checkpoints; `python -m jaxrm.export` writes HF safetensors"
+      ),
       "save_consolidated": lambda k, v: tr.ignore(k, "see model_save_format"),
-  })
+    },
+  )
 
 
 def _policy(values: dict, tr: Translation, config) -> None:
@@ -202,7 +222,10 @@ def _policy(values: dict, tr: Translation, config) -> None:
   def max_length(key, v):
     tr.set(key, data__max_length=_positive(key, v), data__truncation="drop")
 
-  _take(values, "policy", {
+  _take(
+    values,
+    "policy",
+    {
       "model_name": lambda k, v: tr.set(k, model__name_or_path=v),
       "tokenizer": lambda k, v: _tokenizer(k, v or {}, model_name, tr),
       "train_global_batch_size": lambda k, v: tr.set(k, train__global_batch_size=_positive(k, v)),
@@ -213,23 +236,33 @@ def _policy(values: dict, tr: Translation, config) -> None:
       "offload_optimizer_for_logprob": lambda k, v: tr.ignore(k, "no logprob pass in reward-model training"),
       "reward_model_cfg": lambda k, v: _reward_model(k, v or {}, tr),
       "dtensor_cfg": lambda k, v: _dtensor(k, v or {}, tr, remat),
-      "dynamic_batching": lambda k, v: tr.ignore(k, "how a global batch is cut into micro-batches; jaxrm sums "
-                                                 "the loss over the whole global batch either way"),
+      "dynamic_batching": lambda k, v: tr.ignore(
+        k,
+        "how a global batch is cut into micro-batches; jaxrm sums "
+        "the loss over the whole global batch either way",
+      ),
       "sequence_packing": lambda k, v: _packing(k, v or {}, tr),
-      "make_sequence_length_divisible_by": lambda k, v: tr.ignore(k, "padding only; padded tokens are masked"),
+      "make_sequence_length_divisible_by": lambda k, v: tr.ignore(
+        k, "padding only; padded tokens are masked"
+      ),
       "max_grad_norm": lambda k, v: tr.set(k, train__max_grad_norm=float(v or 0.0)),
       "optimizer": lambda k, v: _optimizer(k, v or {}, tr),
       "scheduler": _scheduler,
       "megatron_cfg": lambda k, v: _megatron(k, v or {}, tr),
       "generation": lambda k, v: _unused_when_null(k, v, tr, "no generation in reward-model training"),
-  })
+    },
+  )
 
 
 def _tokenizer(section: str, values: dict, model_name: str | None, tr: Translation) -> None:
   def name(key, v):
     if v not in (None, model_name):
-      raise refuse(key, v, f"jaxrm reads the tokenizer saved with policy.model_name ({model_name!r}); "
-                   "set it to ${policy.model_name}")
+      raise refuse(
+        key,
+        v,
+        f"jaxrm reads the tokenizer saved with policy.model_name ({model_name!r}); "
+        "set it to ${policy.model_name}",
+      )
     tr.ignore(key, "the model's own tokenizer")
 
   def chat_template(key, v):
@@ -247,7 +280,9 @@ def _tokenizer(section: str, values: dict, model_name: str | None, tr: Translati
       raise refuse(key, v, "jaxrm passes no arguments to the chat template; set it to null")
     tr.ignore(key, "null")
 
-  _take(values, section, {"name": name, "chat_template": chat_template, "chat_template_kwargs": template_kwargs})
+  _take(
+    values, section, {"name": name, "chat_template": chat_template, "chat_template_kwargs": template_kwargs}
+  )
 
 
 def _reward_model(section: str, values: dict, tr: Translation) -> None:
@@ -268,8 +303,9 @@ def _reward_model(section: str, values: dict, tr: Translation) -> None:
 
 def _dtensor(section: str, values: dict, tr: Translation, remat: Callable) -> None:
   def enabled(key, v):
-    tr.ignore(key, f"{bool(v)}: jaxrm shards with its own mesh (mesh.data, mesh.fsdp, mesh.context, "
-              "mesh.tensor)")
+    tr.ignore(
+      key, f"{bool(v)}: jaxrm shards with its own mesh (mesh.data, mesh.fsdp, mesh.context, mesh.tensor)"
+    )
 
   def tensor(key, v):
     tr.set(key, mesh__tensor=_positive(key, v))
@@ -282,7 +318,10 @@ def _dtensor(section: str, values: dict, tr: Translation, remat: Callable) -> No
       raise refuse(key, v, "jaxrm shards by its own logical-axis rules; set it to null")
     tr.ignore(key, "null")
 
-  _take(values, section, {
+  _take(
+    values,
+    section,
+    {
       "enabled": enabled,
       "cpu_offload": lambda k, v: tr.ignore(k, "memory placement only"),
       "sequence_parallel": lambda k, v: tr.ignore(k, "the same arithmetic, placed differently"),
@@ -292,7 +331,8 @@ def _dtensor(section: str, values: dict, tr: Translation, remat: Callable) -> No
       "custom_parallel_plan": parallel_plan,
       "clear_cache_every_n_steps": lambda k, v: tr.ignore(k, "memory housekeeping only"),
       "env_vars": lambda k, v: _unused_when_null(k, v, tr, "environment for NeMo RL's workers"),
-  })
+    },
+  )
 
 
 def _packing(section: str, values: dict, tr: Translation) -> None:
@@ -323,7 +363,10 @@ def _adam_kwargs(section: str, values: dict, tr: Translation) -> None:
       raise refuse(key, v, "jaxrm's AdamW has no such variant; set it to false")
     tr.ignore(key, "false")
 
-  _take(values, section, {
+  _take(
+    values,
+    section,
+    {
       "lr": lambda k, v: tr.set(k, train__learning_rate=float(v)),
       "weight_decay": lambda k, v: tr.set(k, train__weight_decay=float(v)),
       "betas": betas,
@@ -332,19 +375,27 @@ def _adam_kwargs(section: str, values: dict, tr: Translation) -> None:
       "fused": lambda k, v: tr.ignore(k, "a PyTorch kernel choice; the same update"),
       "amsgrad": off,
       "maximize": off,
-  })
+    },
+  )
 
 
 def _scheduler(key: str, value: Any) -> None:
-  raise refuse(key, value, "jaxrm does not read PyTorch lr_scheduler chains; remove policy.scheduler "
-               "(a constant learning rate, NeMo RL's own default) and set jaxrm's train.lr_scheduler in a "
-               "--config file instead")
+  raise refuse(
+    key,
+    value,
+    "jaxrm does not read PyTorch lr_scheduler chains; remove policy.scheduler "
+    "(a constant learning rate, NeMo RL's own default) and set jaxrm's train.lr_scheduler in a "
+    "--config file instead",
+  )
 
 
 def _megatron(section: str, values: dict, tr: Translation) -> None:
   if values.get("enabled"):
-    raise refuse(f"{section}.enabled", True, "jaxrm has no Megatron backend; set it to false (jaxrm shards "
-                 "through policy.dtensor_cfg's sizes)")
+    raise refuse(
+      f"{section}.enabled",
+      True,
+      "jaxrm has no Megatron backend; set it to false (jaxrm shards through policy.dtensor_cfg's sizes)",
+    )
   tr.ignore(section, "enabled is false: NeMo RL does not read this section either")
 
 
@@ -365,8 +416,12 @@ def _data(values: dict, tr: Translation, config) -> None:
     elif v in _SAME_DATASETS:
       tr.set(key, data__dataset_name=v)
     else:
-      raise refuse(key, v, f"jaxrm reads NeMo RL's preference datasets {', '.join(_SAME_DATASETS)} and "
-                   "BinaryPreferenceDataset (or give jaxrm's own dataset names in a --config file)")
+      raise refuse(
+        key,
+        v,
+        f"jaxrm reads NeMo RL's preference datasets {', '.join(_SAME_DATASETS)} and "
+        "BinaryPreferenceDataset (or give jaxrm's own dataset names in a --config file)",
+      )
 
   def shuffle(key, v):
     if not v:
@@ -376,15 +431,23 @@ def _data(values: dict, tr: Translation, config) -> None:
   def max_input(key, v):
     total = (config.get("policy") or {}).get("max_total_sequence_length")
     if total is not None and v != total:
-      raise refuse(key, v, f"differs from policy.max_total_sequence_length={total}; jaxrm has one length "
-                   "(data.max_length): make them equal")
+      raise refuse(
+        key,
+        v,
+        f"differs from policy.max_total_sequence_length={total}; jaxrm has one length "
+        "(data.max_length): make them equal",
+      )
     tr.set(key, data__max_length=_positive(key, v))
 
   def split(key, v):
     jaxrm_split = "train" if key.endswith("train_split") else "validation"
     if v not in (None, jaxrm_split):
-      raise refuse(key, v, f"jaxrm reads the {jaxrm_split!r} split of a saved or hub dataset; set it to null "
-                   f"(or {jaxrm_split!r})")
+      raise refuse(
+        key,
+        v,
+        f"jaxrm reads the {jaxrm_split!r} split of a saved or hub dataset; set it to null "
+        f"(or {jaxrm_split!r})",
+      )
     tr.ignore(key, f"{v!r}: jaxrm reads the {jaxrm_split!r} split")
 
   def binary_key(key, v):
@@ -400,7 +463,10 @@ def _data(values: dict, tr: Translation, config) -> None:
   def val_data_path(key, v):
     tr.set(key, data__val_data_paths={"default": v} if v else {})
 
-  _take(values, "data", {
+  _take(
+    values,
+    "data",
+    {
       "dataset_name": dataset_name,
       "train_data_path": lambda k, v: tr.set(k, data__train_data_path=v or ""),
       "val_data_paths": lambda k, v: tr.set(k, data__val_data_paths=dict(v or {})),
@@ -413,7 +479,8 @@ def _data(values: dict, tr: Translation, config) -> None:
       "max_input_seq_length": max_input,
       "shuffle": shuffle,
       "num_workers": lambda k, v: tr.set(k, data__num_workers=int(v)),
-  })
+    },
+  )
   if binary:
     _binary_rows(tr, columns)
 
@@ -427,30 +494,45 @@ def _binary_rows(tr: Translation, columns: dict[str, str]) -> None:
   out = os.path.join(os.path.abspath(tr.keys.get("output_dir", "runs/rm")), "nemo_data")
   train = tr.keys.get("data.train_data_path")
   if not train:
-    raise ConfigError("data.train_data_path: BinaryPreferenceDataset needs a file or dataset of "
-                      "prompt/chosen/rejected rows")
+    raise ConfigError(
+      "data.train_data_path: BinaryPreferenceDataset needs a file or dataset of prompt/chosen/rejected rows"
+    )
   tr.keys["data.train_data_path"] = _convert(train, "train", os.path.join(out, "train.jsonl"), columns)
   tr.keys["data.val_data_paths"] = {
-      name: _convert(path, "train", os.path.join(out, f"validation-{name}.jsonl"), columns)  # NeMo RL's val_split
-      for name, path in tr.keys.get("data.val_data_paths", {}).items()}
+    name: _convert(
+      path, "train", os.path.join(out, f"validation-{name}.jsonl"), columns
+    )  # NeMo RL's val_split
+    for name, path in tr.keys.get("data.val_data_paths", {}).items()
+  }
   tr.ignore("data.dataset_name (rows)", f"converted as NeMo RL converts them, into {out}")
 
 
 def _convert(path: str, split: str, out_path: str, columns: dict[str, str]) -> str:
   from jaxrm.data import sources
   from jaxrm.data.drops import row_error
+
   rows = []
   for source, row in sources.read_rows(path, split=split):
     try:
       prompt, chosen, rejected = (row[columns[k]] for k in ("prompt_key", "chosen_key", "rejected_key"))
     except KeyError as e:
-      raise row_error(source, e.args[0], f"is missing; BinaryPreferenceDataset reads the columns "
-                      f"{', '.join(columns[k] for k in _BINARY_KEYS)} (data.prompt_key, chosen_key, "
-                      f"rejected_key); have {sorted(row)}") from None
+      raise row_error(
+        source,
+        e.args[0],
+        f"is missing; BinaryPreferenceDataset reads the columns "
+        f"{', '.join(columns[k] for k in _BINARY_KEYS)} (data.prompt_key, chosen_key, "
+        f"rejected_key); have {sorted(row)}",
+      ) from None
     context = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-    rows.append({"context": context, "completions": [
-        {"rank": 0, "completion": [{"role": "assistant", "content": chosen}]},
-        {"rank": 1, "completion": [{"role": "assistant", "content": rejected}]}]})
+    rows.append(
+      {
+        "context": context,
+        "completions": [
+          {"rank": 0, "completion": [{"role": "assistant", "content": chosen}]},
+          {"rank": 1, "completion": [{"role": "assistant", "content": rejected}]},
+        ],
+      }
+    )
   os.makedirs(os.path.dirname(out_path), exist_ok=True)
   tmp = f"{out_path}.tmp{os.getpid()}"  # each process writes the same rows; the last rename wins
   with open(tmp, "w") as f:
@@ -468,7 +550,9 @@ def _logger(values: dict, tr: Translation, config) -> None:
 
   def wandb(key, v):
     v = dict(v or {})
-    tr.set(key, logger__wandb={"project": v.pop("project", "jaxrm") or "jaxrm", "name": v.pop("name", "") or ""})
+    tr.set(
+      key, logger__wandb={"project": v.pop("project", "jaxrm") or "jaxrm", "name": v.pop("name", "") or ""}
+    )
     for extra in v:
       tr.ignore(f"{key}.{extra}", "not a W&B setting jaxrm passes on")
 
@@ -482,7 +566,10 @@ def _logger(values: dict, tr: Translation, config) -> None:
   def swanlab(key, v):
     tr.ignore(key, f"{v}: jaxrm has no SwanLab logger (logging only; the run is the same)")
 
-  _take(values, "logger", {
+  _take(
+    values,
+    "logger",
+    {
       "log_dir": lambda k, v: tr.ignore(k, "the base of logger.tensorboard.log_dir"),
       "wandb_enabled": lambda k, v: tr.set(k, logger__wandb_enabled=bool(v)),
       "tensorboard_enabled": lambda k, v: tr.set(k, logger__tensorboard=bool(v)),
@@ -495,26 +582,39 @@ def _logger(values: dict, tr: Translation, config) -> None:
       "swanlab": lambda k, v: tr.ignore(k, "no SwanLab logger"),
       "tensorboard": tensorboard_dir,
       "gpu_monitoring": lambda k, v: tr.ignore(k, "jaxrm logs device memory with each step's metrics"),
-  })
+    },
+  )
 
 
 def _cluster(values: dict, tr: Translation, config) -> None:
-  _take(values, "cluster", {
+  _take(
+    values,
+    "cluster",
+    {
       "gpus_per_node": lambda k, v: tr.ignore(k, f"{v}: checked against the devices jaxrm finds"),
       "num_nodes": lambda k, v: tr.ignore(k, f"{v}: checked against the devices jaxrm finds"),
-  })
+    },
+  )
 
 
 def _check_cluster(cluster: Mapping[str, Any], device_count: int) -> None:
   per_node, nodes = cluster.get("gpus_per_node", 1), cluster.get("num_nodes", 1)
   if per_node * nodes != device_count:
-    raise ConfigError(f"cluster.gpus_per_node={per_node} x cluster.num_nodes={nodes} = {per_node * nodes} "
-                      f"devices, but jaxrm finds {device_count}; set them to the devices this run has "
-                      "(multi-host: start one process per node, see python -m jaxrm.train --help)")
+    raise ConfigError(
+      f"cluster.gpus_per_node={per_node} x cluster.num_nodes={nodes} = {per_node * nodes} "
+      f"devices, but jaxrm finds {device_count}; set them to the devices this run has "
+      "(multi-host: start one process per node, see python -m jaxrm.train --help)"
+    )
 
 
-_SECTIONS = {"rm": _rm, "checkpointing": _checkpointing, "policy": _policy, "data": _data, "logger": _logger,
-             "cluster": _cluster}
+_SECTIONS = {
+  "rm": _rm,
+  "checkpointing": _checkpointing,
+  "policy": _policy,
+  "data": _data,
+  "logger": _logger,
+  "cluster": _cluster,
+}
 
 
 def _positive(key: str, value: Any) -> int:

@@ -12,9 +12,9 @@ from typing import Any
 
 from jaxrm.data import formats
 from jaxrm.data.drops import DropReport, row_error
-from jaxrm.errors import DataError
 from jaxrm.data.formats import required, row_meta
 from jaxrm.data.records import Message, PreferenceRecord, RatedRecord, StepwiseRecord
+from jaxrm.errors import DataError
 
 DROP_HELPSTEER3_TIE = "HelpSteer3 tie (overall_preference == 0)"
 DROP_ULTRAFEEDBACK_TIE = "UltraFeedback tie (score_chosen == score_rejected)"
@@ -23,8 +23,9 @@ DROP_PRM800K_NEUTRAL = "PRM800K row with a neutral step (neutral='drop')"
 DROP_SHEPHERD_NO_FIRST_STEP = "Math-Shepherd input without 'Step 1:' before the first step tag"
 
 
-def helpsteer3(row: dict, source: str, drops: DropReport, *,
-               subset_field: str | None = "subset") -> PreferenceRecord | None:
+def helpsteer3(
+  row: dict, source: str, drops: DropReport, *, subset_field: str | None = "subset"
+) -> PreferenceRecord | None:
   """A ``nvidia/HelpSteer3`` preference row.
 
   ``context`` (messages, or a string taken as one user turn), ``response1``, ``response2``,
@@ -34,19 +35,28 @@ def helpsteer3(row: dict, source: str, drops: DropReport, *,
   """
   preference = required(row, "overall_preference", source)
   if not formats.is_int(preference) or not -3 <= preference <= 3:
-    raise row_error(source, "overall_preference", f"expected an integer in -3..3, got "
-                    f"{preference!r} ({formats.kind(preference)})")
+    raise row_error(
+      source,
+      "overall_preference",
+      f"expected an integer in -3..3, got {preference!r} ({formats.kind(preference)})",
+    )
   context = formats.parse_text(required(row, "context", source), source, "context")
-  first, second = (formats.parse_completion(required(row, f, source), source, f)
-                   for f in ("response1", "response2"))
+  first, second = (
+    formats.parse_completion(required(row, f, source), source, f) for f in ("response1", "response2")
+  )
   if preference == 0:
     drops.drop(DROP_HELPSTEER3_TIE, source)
     return None
   chosen, rejected = (first, second) if preference < 0 else (second, first)
   return formats.preference_record(
-      formats.as_chat(context, "user"),
-      (formats.as_chat(chosen, "assistant"), formats.as_chat(rejected, "assistant")), (0, 1),
-      source, drops, meta=row_meta(row, subset_field), strength=float(abs(preference)))
+    formats.as_chat(context, "user"),
+    (formats.as_chat(chosen, "assistant"), formats.as_chat(rejected, "assistant")),
+    (0, 1),
+    source,
+    drops,
+    meta=row_meta(row, subset_field),
+    strength=float(abs(preference)),
+  )
 
 
 HELPSTEER2_ATTRIBUTES = ("helpfulness", "correctness", "coherence", "complexity", "verbosity")
@@ -57,9 +67,14 @@ HELPSTEER2_TURN = "<extra_id_1>"
 _HELPSTEER2_ROLE = re.compile(r"(Assistant|User)\s")
 
 
-def helpsteer2(row: dict, source: str, drops: DropReport, *,
-               attributes: tuple[str, ...] = HELPSTEER2_ATTRIBUTES,
-               subset_field: str | None = "subset") -> RatedRecord | None:
+def helpsteer2(
+  row: dict,
+  source: str,
+  drops: DropReport,
+  *,
+  attributes: tuple[str, ...] = HELPSTEER2_ATTRIBUTES,
+  subset_field: str | None = "subset",
+) -> RatedRecord | None:
   """A ``nvidia/HelpSteer2`` row: ``prompt``, ``response`` and the five attributes, integers 0..4.
 
   ``attributes`` are the ones read, in this order (a subset of the five); a null or absent one is
@@ -69,15 +84,23 @@ def helpsteer2(row: dict, source: str, drops: DropReport, *,
   """
   unknown = [a for a in attributes if a not in HELPSTEER2_ATTRIBUTES]
   if unknown:
-    raise DataError(f"HelpSteer2 rates {', '.join(HELPSTEER2_ATTRIBUTES)}; it has no {', '.join(unknown)} "
-                    "(reward.attributes)")
+    raise DataError(
+      f"HelpSteer2 rates {', '.join(HELPSTEER2_ATTRIBUTES)}; it has no {', '.join(unknown)} "
+      "(reward.attributes)"
+    )
   prompt = required(row, "prompt", source)
   if not isinstance(prompt, str):
     raise row_error(source, "prompt", f"expected a string, got {formats.kind(prompt)}")
   response = formats.parse_completion(required(row, "response", source), source, "response")
   ratings = tuple(_helpsteer2_rating(row.get(a), source, a) for a in attributes)
-  return formats.rated_record(_helpsteer2_turns(prompt, source), formats.as_chat(response, "assistant"),
-                              ratings, source, drops, meta=row_meta(row, subset_field))
+  return formats.rated_record(
+    _helpsteer2_turns(prompt, source),
+    formats.as_chat(response, "assistant"),
+    ratings,
+    source,
+    drops,
+    meta=row_meta(row, subset_field),
+  )
 
 
 def _helpsteer2_rating(value: Any, source: str, field: str) -> float | None:
@@ -85,8 +108,9 @@ def _helpsteer2_rating(value: Any, source: str, field: str) -> float | None:
   if value is None:
     return None
   if not formats.is_int(value) or not low <= value <= high:
-    raise row_error(source, field, f"expected an integer in {low}..{high}, got {value!r} "
-                    f"({formats.kind(value)})")
+    raise row_error(
+      source, field, f"expected an integer in {low}..{high}, got {value!r} ({formats.kind(value)})"
+    )
   return float(value)
 
 
@@ -96,9 +120,13 @@ def _helpsteer2_turns(prompt: str, source: str) -> list[Message]:
   for i, turn in enumerate(rest):
     role = _HELPSTEER2_ROLE.match(turn)
     if role is None:
-      raise row_error(source, "prompt", f"turn {i + 2} (after marker {i + 1} '{HELPSTEER2_TURN}') does not "
-                      f"start with 'Assistant' or 'User' and a line break: {turn[:40]!r}")
-    messages.append({"role": role.group(1).lower(), "content": turn[role.end():].strip()})
+      raise row_error(
+        source,
+        "prompt",
+        f"turn {i + 2} (after marker {i + 1} '{HELPSTEER2_TURN}') does not "
+        f"start with 'Assistant' or 'User' and a line break: {turn[:40]!r}",
+      )
+    messages.append({"role": role.group(1).lower(), "content": turn[role.end() :].strip()})
   if messages[-1]["role"] != "user":
     raise row_error(source, "prompt", "ends with an assistant turn; the response answers a user turn")
   for i, m in enumerate(messages):
@@ -107,8 +135,9 @@ def _helpsteer2_turns(prompt: str, source: str) -> list[Message]:
   return messages
 
 
-def ultrafeedback(row: dict, source: str, drops: DropReport, *,
-                  subset_field: str | None = "subset") -> PreferenceRecord | None:
+def ultrafeedback(
+  row: dict, source: str, drops: DropReport, *, subset_field: str | None = "subset"
+) -> PreferenceRecord | None:
   """A ``HuggingFaceH4/ultrafeedback_binarized`` row (``*_prefs`` splits).
 
   ``chosen`` and ``rejected`` are whole conversations that start with the prompt as a user turn;
@@ -116,28 +145,36 @@ def ultrafeedback(row: dict, source: str, drops: DropReport, *,
   Equal ``score_chosen`` and ``score_rejected`` is a tie, dropped and counted; a lower
   ``score_chosen`` means the columns are not what they claim, an error.
   """
-  score_chosen, score_rejected = (formats.number(required(row, f, source), source, f)
-                                  for f in ("score_chosen", "score_rejected"))
-  chosen, rejected = (formats.validate_messages(required(row, f, source), source, f)
-                      for f in ("chosen", "rejected"))
+  score_chosen, score_rejected = (
+    formats.number(required(row, f, source), source, f) for f in ("score_chosen", "score_rejected")
+  )
+  chosen, rejected = (
+    formats.validate_messages(required(row, f, source), source, f) for f in ("chosen", "rejected")
+  )
   if score_chosen < score_rejected:
-    raise row_error(source, "score_chosen", f"{score_chosen} is below score_rejected "
-                    f"{score_rejected}; expected the chosen response to score at least as high")
+    raise row_error(
+      source,
+      "score_chosen",
+      f"{score_chosen} is below score_rejected "
+      f"{score_rejected}; expected the chosen response to score at least as high",
+    )
   if score_chosen == score_rejected:
     drops.drop(DROP_ULTRAFEEDBACK_TIE, source)
     return None
   context, chosen, rejected = formats.split_shared_prompt(chosen, rejected)
   for text, field in ((chosen, "chosen"), (rejected, "rejected")):
     formats.check_completion(text, source, field)
-  return formats.preference_record(context, (chosen, rejected), (0, 1), source, drops,
-                                   meta=row_meta(row, subset_field))
+  return formats.preference_record(
+    context, (chosen, rejected), (0, 1), source, drops, meta=row_meta(row, subset_field)
+  )
 
 
 _NEUTRAL = {"correct": True, "incorrect": False, "drop": None}
 
 
-def prm800k(row: dict, source: str, drops: DropReport, *, neutral: str = "correct",
-            subset_field: str | None = "subset") -> StepwiseRecord | None:
+def prm800k(
+  row: dict, source: str, drops: DropReport, *, neutral: str = "correct", subset_field: str | None = "subset"
+) -> StepwiseRecord | None:
   """An ``openai/prm800k`` row (phase 2; phase 1 rows are read the same way).
 
   The prompt is ``question.problem``. The steps are the solution the labeller followed: at each
@@ -164,8 +201,13 @@ def prm800k(row: dict, source: str, drops: DropReport, *, neutral: str = "correc
     drops.drop(DROP_PRM800K_NEUTRAL, source)
     return None
   labels = tuple(_NEUTRAL[neutral] if rating == 0 else rating == 1 for _, rating in solution)
-  return StepwiseRecord(prompt=problem, steps=tuple(text for text, _ in solution), labels=labels,
-                        source=source, meta=row_meta(row, subset_field))
+  return StepwiseRecord(
+    prompt=problem,
+    steps=tuple(text for text, _ in solution),
+    labels=labels,
+    source=source,
+    meta=row_meta(row, subset_field),
+  )
 
 
 def _field(row: dict, path: str, type_: type, source: str) -> Any:
@@ -192,15 +234,16 @@ def _prm800k_solution(steps: list, source: str) -> list[tuple[str, int]]:
     chosen = step.get("chosen_completion")
     if chosen is not None:
       if not formats.is_int(chosen) or not 0 <= chosen < len(completions):
-        raise row_error(source, f"{field}.chosen_completion",
-                        f"{chosen!r} is not an index into its {len(completions)} completions")
+        raise row_error(
+          source,
+          f"{field}.chosen_completion",
+          f"{chosen!r} is not an index into its {len(completions)} completions",
+        )
       solution.append(_prm800k_step(completions[chosen], source, f"{field}.completions[{chosen}]"))
     elif step.get("human_completion") is not None:
-      solution.append((_prm800k_text(step["human_completion"], source,
-                                     f"{field}.human_completion"), 1))
+      solution.append((_prm800k_text(step["human_completion"], source, f"{field}.human_completion"), 1))
     else:
-      errors = [(j, c) for j, c in enumerate(completions)
-                if isinstance(c, dict) and c.get("rating") == -1]
+      errors = [(j, c) for j, c in enumerate(completions) if isinstance(c, dict) and c.get("rating") == -1]
       if errors:
         j, c = errors[0]
         solution.append(_prm800k_step(c, source, f"{field}.completions[{j}]"))
@@ -230,8 +273,9 @@ STEP_TAG = "ки"
 _FIRST_STEP = re.compile(r"[Ss]tep 1:")
 
 
-def math_shepherd(row: dict, source: str, drops: DropReport, *,
-                  subset_field: str | None = "subset") -> StepwiseRecord | None:
+def math_shepherd(
+  row: dict, source: str, drops: DropReport, *, subset_field: str | None = "subset"
+) -> StepwiseRecord | None:
   """A ``peiyi9979/Math-Shepherd`` row.
 
   ``input`` is the question followed by the solution, each step ending with the tag ``ки``;
@@ -254,12 +298,17 @@ def math_shepherd(row: dict, source: str, drops: DropReport, *,
   if first is None:
     drops.drop(DROP_SHEPHERD_NO_FIRST_STEP, source)
     return None
-  steps = tuple(s.strip() for s in (pieces[0][first.start():], *pieces[1:-1]))
+  steps = tuple(s.strip() for s in (pieces[0][first.start() :], *pieces[1:-1]))
   for k, step in enumerate(steps):
     if not step:
       raise row_error(source, "input", f"step {k + 1} is empty")
-  return StepwiseRecord(prompt=pieces[0][:first.start()].strip(), steps=steps, labels=labels,
-                        source=source, meta=row_meta(row, subset_field))
+  return StepwiseRecord(
+    prompt=pieces[0][: first.start()].strip(),
+    steps=steps,
+    labels=labels,
+    source=source,
+    meta=row_meta(row, subset_field),
+  )
 
 
 def _shepherd_labels(pieces: list[str], label: str, source: str) -> tuple[bool, ...]:
@@ -267,7 +316,7 @@ def _shepherd_labels(pieces: list[str], label: str, source: str) -> tuple[bool, 
   marks, start = [], 0
   for k, piece in enumerate(pieces[:-1]):
     end = start + len(piece)
-    if label[start:end] != piece or label[end:end + 1] not in ("+", "-"):
+    if label[start:end] != piece or label[end : end + 1] not in ("+", "-"):
       raise _shepherd_mismatch(source, f"at step tag {k + 1}")
     marks.append(label[end] == "+")
     start = end + 1
@@ -277,5 +326,8 @@ def _shepherd_labels(pieces: list[str], label: str, source: str) -> tuple[bool, 
 
 
 def _shepherd_mismatch(source: str, where: str) -> DataError:
-  return row_error(source, "label", f"differs from 'input' {where}; expected the same text with "
-                   f"each '{STEP_TAG}' replaced by '+' or '-'")
+  return row_error(
+    source,
+    "label",
+    f"differs from 'input' {where}; expected the same text with each '{STEP_TAG}' replaced by '+' or '-'",
+  )

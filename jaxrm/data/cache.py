@@ -73,9 +73,14 @@ def cache_key(source: dict[str, Any], tokenizer, options: TokenizeOptions) -> di
     tokenizer: a Hugging Face tokenizer.
     options: how records are tokenized.
   """
-  return {"tokenize_version": TOKENIZE_VERSION, "cache_format": CACHE_FORMAT,
-          "versions": installed_versions(), "source": source,
-          "tokenizer": tokenizer_fingerprint(tokenizer), "options": dataclasses.asdict(options)}
+  return {
+    "tokenize_version": TOKENIZE_VERSION,
+    "cache_format": CACHE_FORMAT,
+    "versions": installed_versions(),
+    "source": source,
+    "tokenizer": tokenizer_fingerprint(tokenizer),
+    "options": dataclasses.asdict(options),
+  }
 
 
 def installed_versions() -> dict[str, str | None]:
@@ -104,10 +109,13 @@ def tokenizer_fingerprint(tokenizer) -> str:
   else:  # a slow tokenizer: its vocabulary and settings
     h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode("utf-8"))
     h.update(json.dumps(getattr(tokenizer, "init_kwargs", {}), sort_keys=True, default=str).encode("utf-8"))
-  settings = {"class": type(tokenizer).__name__, "chat_template": getattr(tokenizer, "chat_template", None),
-              "special_tokens": {k: str(v) for k, v in getattr(tokenizer, "special_tokens_map", {}).items()},
-              "add_bos_token": getattr(tokenizer, "add_bos_token", None),
-              "add_eos_token": getattr(tokenizer, "add_eos_token", None)}
+  settings = {
+    "class": type(tokenizer).__name__,
+    "chat_template": getattr(tokenizer, "chat_template", None),
+    "special_tokens": {k: str(v) for k, v in getattr(tokenizer, "special_tokens_map", {}).items()},
+    "add_bos_token": getattr(tokenizer, "add_bos_token", None),
+    "add_eos_token": getattr(tokenizer, "add_eos_token", None),
+  }
   h.update(json.dumps(settings, sort_keys=True, default=str).encode("utf-8"))
   return h.hexdigest()
 
@@ -115,9 +123,17 @@ def tokenizer_fingerprint(tokenizer) -> str:
 # ------------------------------------------------------------------ loading
 
 
-def load_tokenized(read_records: Callable[[DropReport], Records], *, tokenizer, options: TokenizeOptions,
-                   drops: DropReport, source: dict[str, Any] | None = None, cache_dir: str | None = None,
-                   num_proc: int = 1, chunk_size: int = CHUNK_SIZE) -> Sequence:
+def load_tokenized(
+  read_records: Callable[[DropReport], Records],
+  *,
+  tokenizer,
+  options: TokenizeOptions,
+  drops: DropReport,
+  source: dict[str, Any] | None = None,
+  cache_dir: str | None = None,
+  num_proc: int = 1,
+  chunk_size: int = CHUNK_SIZE,
+) -> Sequence:
   """The tokenized examples of ``read_records(drops)``, from the cache when it has them.
 
   Args:
@@ -156,7 +172,9 @@ def load_tokenized(read_records: Callable[[DropReport], Records], *, tokenizer, 
 
 def _tokenize_to_list(read_records, tokenizer, options, drops, num_proc, chunk_size) -> list:
   out = []
-  for examples, chunk_drops in _tokenized_chunks(read_records(drops), tokenizer, options, num_proc, chunk_size):
+  for examples, chunk_drops in _tokenized_chunks(
+    read_records(drops), tokenizer, options, num_proc, chunk_size
+  ):
     out.extend(examples)
     drops.merge(chunk_drops)
   return out
@@ -176,8 +194,9 @@ def _lock(path: str):
 # ------------------------------------------------------------------ tokenizing in chunks
 
 
-def _tokenized_chunks(records: Records, tokenizer, options: TokenizeOptions, num_proc: int,
-                      chunk_size: int) -> Iterator[tuple[list, DropReport]]:
+def _tokenized_chunks(
+  records: Records, tokenizer, options: TokenizeOptions, num_proc: int, chunk_size: int
+) -> Iterator[tuple[list, DropReport]]:
   """``(examples, drops)`` per chunk of ``chunk_size`` records, in record order."""
   chunks = _chunked(records, chunk_size)
   if num_proc <= 1:
@@ -287,17 +306,23 @@ def _columns(examples: list, kinds: dict[str, str]) -> dict[str, dict[str, np.nd
 
 def _encode(kind: str, values: list, name: str, examples: list) -> dict[str, np.ndarray]:
   if kind == "array":
-    return {"values": np.concatenate(values) if values else np.zeros(0, np.int32),
-            "lengths": np.array([len(v) for v in values], np.int64)}
+    return {
+      "values": np.concatenate(values) if values else np.zeros(0, np.int32),
+      "lengths": np.array([len(v) for v in values], np.int64),
+    }
   if kind == "arrays":
     flat = [a for v in values for a in v]
-    return {"values": np.concatenate(flat) if flat else np.zeros(0, np.int32),
-            "lengths": np.array([len(v) for v in values], np.int64),
-            "inner": np.array([len(a) for a in flat], np.int64)}
+    return {
+      "values": np.concatenate(flat) if flat else np.zeros(0, np.int32),
+      "lengths": np.array([len(v) for v in values], np.int64),
+      "inner": np.array([len(a) for a in flat], np.int64),
+    }
   if kind in ("ints", "floats"):
     dtype = np.int64 if kind == "ints" else np.float64
-    return {"values": np.array([x for v in values for x in v], dtype),
-            "lengths": np.array([len(v) for v in values], np.int64)}
+    return {
+      "values": np.array([x for v in values for x in v], dtype),
+      "lengths": np.array([len(v) for v in values], np.int64),
+    }
   if kind.rstrip("?") in ("int", "float", "bool"):
     dtype = {"int": np.int64, "float": np.float64, "bool": np.bool_}[kind.rstrip("?")]
     null = np.array([v is None for v in values], np.bool_)
@@ -307,14 +332,19 @@ def _encode(kind: str, values: list, name: str, examples: list) -> dict[str, np.
     texts = [v.encode("utf-8") for v in values]
   else:
     texts = [_json_text(v, name, e) for v, e in zip(values, examples)]
-  return {"values": np.frombuffer(b"".join(texts), np.uint8), "lengths": np.array([len(t) for t in texts], np.int64)}
+  return {
+    "values": np.frombuffer(b"".join(texts), np.uint8),
+    "lengths": np.array([len(t) for t in texts], np.int64),
+  }
 
 
 def _json_text(value, name: str, example) -> bytes:
   text = json.dumps(value, sort_keys=True)
   if json.loads(text) != value:
-    raise ValueError(f"{example.source}: field {name!r} = {value!r} does not survive JSON (tuples, non-string "
-                     "keys...); cached fields hold arrays, numbers, strings and JSON values")
+    raise ValueError(
+      f"{example.source}: field {name!r} = {value!r} does not survive JSON (tuples, non-string "
+      "keys...); cached fields hold arrays, numbers, strings and JSON values"
+    )
   return text.encode("utf-8")
 
 
@@ -328,7 +358,9 @@ def _build(entry: str, key: dict, read_records, tokenizer, options, num_proc: in
   try:
     drops = DropReport()
     writer = _Writer(tmp)
-    for examples, chunk_drops in _tokenized_chunks(read_records(drops), tokenizer, options, num_proc, chunk_size):
+    for examples, chunk_drops in _tokenized_chunks(
+      read_records(drops), tokenizer, options, num_proc, chunk_size
+    ):
       writer.add(examples)
       drops.merge(chunk_drops)
     writer.finish(key, drops)
@@ -360,8 +392,10 @@ class _Writer:
       self.kinds = _field_kinds(self.example_type)
     mixed = next((e for e in examples if type(e) is not self.example_type), None)
     if mixed is not None:
-      raise ValueError(f"{mixed.source}: a {type(mixed).__name__} among {self.example_type.__name__}s; a data "
-                       "set holds one kind of example")
+      raise ValueError(
+        f"{mixed.source}: a {type(mixed).__name__} among {self.example_type.__name__}s; a data "
+        "set holds one kind of example"
+      )
     for name, streams in _columns(examples, self.kinds).items():
       for stream, array in streams.items():
         self._write(name, stream, array, examples)
@@ -371,8 +405,10 @@ class _Writer:
     if stream == "values":
       dtype = self.dtypes.setdefault(name, array.dtype.str)
       if array.size and array.dtype.str != dtype:
-        raise ValueError(f"{examples[0].source}: field {name!r} holds {array.dtype} where earlier examples "
-                         f"hold {np.dtype(dtype)}; every example must use one dtype")
+        raise ValueError(
+          f"{examples[0].source}: field {name!r} holds {array.dtype} where earlier examples "
+          f"hold {np.dtype(dtype)}; every example must use one dtype"
+        )
       array = array.astype(dtype, copy=False)
     path = os.path.join(self.directory, f"{name}.{stream}.bin")
     if path not in self.files:
@@ -382,9 +418,13 @@ class _Writer:
   def finish(self, key: dict, drops: DropReport) -> None:
     for f in self.files.values():
       f.close()
-    manifest = {"key": key, "num_examples": self.count, "drops": _drops_to_dict(drops),
-                "example_type": None if self.example_type is None else _type_name(self.example_type),
-                "fields": {n: {"kind": k, "dtype": self.dtypes.get(n)} for n, k in self.kinds.items()}}
+    manifest = {
+      "key": key,
+      "num_examples": self.count,
+      "drops": _drops_to_dict(drops),
+      "example_type": None if self.example_type is None else _type_name(self.example_type),
+      "fields": {n: {"kind": k, "dtype": self.dtypes.get(n)} for n, k in self.kinds.items()},
+    }
     with open(os.path.join(self.directory, MANIFEST), "w") as f:
       json.dump(manifest, f)
 
@@ -419,8 +459,10 @@ class CachedExamples(Sequence):
     self.drops = _drops_from_dict(manifest["drops"])
     self._n = manifest["num_examples"]
     self.example_type = _example_type(manifest["example_type"]) if manifest["example_type"] else None
-    self._fields = {name: _Column(entry, name, spec["kind"], spec["dtype"], self._n)
-                    for name, spec in manifest["fields"].items()}
+    self._fields = {
+      name: _Column(entry, name, spec["kind"], spec["dtype"], self._n)
+      for name, spec in manifest["fields"].items()
+    }
 
   def __len__(self) -> int:
     return self._n
@@ -456,15 +498,15 @@ class _Column:
   def __getitem__(self, i: int):
     kind = self.kind
     if kind == "array":
-      return self.values[self.offsets[i]:self.offsets[i + 1]]
+      return self.values[self.offsets[i] : self.offsets[i + 1]]
     if kind == "arrays":
       inner = self.inner
-      return tuple(self.values[inner[j]:inner[j + 1]] for j in range(self.offsets[i], self.offsets[i + 1]))
+      return tuple(self.values[inner[j] : inner[j + 1]] for j in range(self.offsets[i], self.offsets[i + 1]))
     if kind in ("ints", "floats"):
-      return tuple(self.values[self.offsets[i]:self.offsets[i + 1]].tolist())
+      return tuple(self.values[self.offsets[i] : self.offsets[i + 1]].tolist())
     if kind.rstrip("?") in ("int", "float", "bool"):
       return None if self.null is not None and self.null[i] else self.values[i].item()
-    raw = self.values[self.offsets[i]:self.offsets[i + 1]].tobytes().decode("utf-8")
+    raw = self.values[self.offsets[i] : self.offsets[i + 1]].tobytes().decode("utf-8")
     return raw if kind == "str" else json.loads(raw)
 
 

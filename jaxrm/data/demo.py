@@ -44,7 +44,9 @@ def _check_split(split: str) -> None:
 # --- Wrong answers --------------------------------------------------------------------------------
 
 _OPS: dict[str, Callable[[int, int], int]] = {
-    "+": lambda a, b: a + b, "-": lambda a, b: a - b, "×": lambda a, b: a * b,
+  "+": lambda a, b: a + b,
+  "-": lambda a, b: a - b,
+  "×": lambda a, b: a * b,
 }
 
 
@@ -81,18 +83,46 @@ SYSTEM = {"role": "system", "content": "Answer briefly."}
 # same holds for "which day/month/letter comes after X" with a neighbour as the wrong answer
 # (65% preferred right), which is why there are no such questions.
 _CAPITALS = (
-    ("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid"),
-    ("Japan", "Tokyo"), ("China", "Beijing"), ("Russia", "Moscow"),
-    ("the United Kingdom", "London"), ("Egypt", "Cairo"), ("Greece", "Athens"),
-    ("Portugal", "Lisbon"), ("Ireland", "Dublin"), ("Austria", "Vienna"), ("Norway", "Oslo"),
-    ("Sweden", "Stockholm"), ("Denmark", "Copenhagen"), ("Finland", "Helsinki"),
-    ("Poland", "Warsaw"), ("Hungary", "Budapest"), ("the Netherlands", "Amsterdam"),
-    ("Belgium", "Brussels"), ("Mexico", "Mexico City"), ("Argentina", "Buenos Aires"),
-    ("Peru", "Lima"), ("Chile", "Santiago"), ("Cuba", "Havana"), ("Thailand", "Bangkok"),
-    ("South Korea", "Seoul"), ("Indonesia", "Jakarta"), ("Iran", "Tehran"), ("Iraq", "Baghdad"),
-    ("Kenya", "Nairobi"), ("Canada", "Ottawa"), ("Australia", "Canberra"),
-    ("India", "New Delhi"), ("the Czech Republic", "Prague"), ("Ukraine", "Kyiv"),
-    ("Turkey", "Ankara"), ("the Philippines", "Manila"), ("Vietnam", "Hanoi"),
+  ("France", "Paris"),
+  ("Germany", "Berlin"),
+  ("Italy", "Rome"),
+  ("Spain", "Madrid"),
+  ("Japan", "Tokyo"),
+  ("China", "Beijing"),
+  ("Russia", "Moscow"),
+  ("the United Kingdom", "London"),
+  ("Egypt", "Cairo"),
+  ("Greece", "Athens"),
+  ("Portugal", "Lisbon"),
+  ("Ireland", "Dublin"),
+  ("Austria", "Vienna"),
+  ("Norway", "Oslo"),
+  ("Sweden", "Stockholm"),
+  ("Denmark", "Copenhagen"),
+  ("Finland", "Helsinki"),
+  ("Poland", "Warsaw"),
+  ("Hungary", "Budapest"),
+  ("the Netherlands", "Amsterdam"),
+  ("Belgium", "Brussels"),
+  ("Mexico", "Mexico City"),
+  ("Argentina", "Buenos Aires"),
+  ("Peru", "Lima"),
+  ("Chile", "Santiago"),
+  ("Cuba", "Havana"),
+  ("Thailand", "Bangkok"),
+  ("South Korea", "Seoul"),
+  ("Indonesia", "Jakarta"),
+  ("Iran", "Tehran"),
+  ("Iraq", "Baghdad"),
+  ("Kenya", "Nairobi"),
+  ("Canada", "Ottawa"),
+  ("Australia", "Canberra"),
+  ("India", "New Delhi"),
+  ("the Czech Republic", "Prague"),
+  ("Ukraine", "Kyiv"),
+  ("Turkey", "Ankara"),
+  ("the Philippines", "Manila"),
+  ("Vietnam", "Hanoi"),
 )
 
 
@@ -101,15 +131,28 @@ def _arithmetic_items() -> list[Item]:
   pairs = [("+", a, b) for a in range(13) for b in range(13)]
   pairs += [("-", a, b) for a in range(19) for b in range(a + 1)]
   pairs += [("×", a, b) for a in range(2, 10) for b in range(2, 10)]
-  return [("arithmetic", f"What is {a} {op} {b}?", f"{a} {op} {b} = {_OPS[op](a, b)}.",
-           tuple(f"{a} {op} {b} = {w}." for w in wrong_results(a, op, b))) for op, a, b in pairs]
+  return [
+    (
+      "arithmetic",
+      f"What is {a} {op} {b}?",
+      f"{a} {op} {b} = {_OPS[op](a, b)}.",
+      tuple(f"{a} {op} {b} = {w}." for w in wrong_results(a, op, b)),
+    )
+    for op, a, b in pairs
+  ]
 
 
 def _capital_items() -> list[Item]:
   capitals = [capital for _, capital in _CAPITALS]
-  return [("capitals", f"What is the capital of {country}?", f"The capital of {country} is {capital}.",
-           tuple(f"The capital of {country} is {other}." for other in capitals if other != capital))
-          for country, capital in _CAPITALS]
+  return [
+    (
+      "capitals",
+      f"What is the capital of {country}?",
+      f"The capital of {country} is {capital}.",
+      tuple(f"The capital of {country} is {other}." for other in capitals if other != capital),
+    )
+    for country, capital in _CAPITALS
+  ]
 
 
 # Each kind of question and the share of rows drawn from it. Within arithmetic every question is as
@@ -122,19 +165,24 @@ _FAMILIES = ((_arithmetic_items, 0.75), (_capital_items, 0.25))
 @functools.cache
 def _pools(split: str) -> tuple[tuple[tuple[Item, ...], float], ...]:
   """The questions of ``split`` in each family, with the family's share of rows."""
-  return tuple((tuple(item for item in make() if split_of(item[1]) == split), share)
-               for make, share in _FAMILIES)
+  return tuple(
+    (tuple(item for item in make() if split_of(item[1]) == split), share) for make, share in _FAMILIES
+  )
 
 
 def _preference_row(item: Item, rng: np.random.Generator) -> dict:
   family, question, right, wrongs = item
-  completions = [{"rank": 0, "completion": [{"role": "assistant", "content": right}]},
-                 {"rank": 1, "completion": [{"role": "assistant",
-                                             "content": wrongs[rng.integers(len(wrongs))]}]}]
+  completions = [
+    {"rank": 0, "completion": [{"role": "assistant", "content": right}]},
+    {"rank": 1, "completion": [{"role": "assistant", "content": wrongs[rng.integers(len(wrongs))]}]},
+  ]
   if rng.random() < 0.5:  # the preferred completion is not always listed first
     completions.reverse()
-  return {"context": [SYSTEM, {"role": "user", "content": question}], "completions": completions,
-          "subset": family}
+  return {
+    "context": [SYSTEM, {"role": "user", "content": question}],
+    "completions": completions,
+    "subset": family,
+  }
 
 
 def demo_arithmetic(split: str, num_rows: int | None = None, seed: int = 0) -> list[dict]:
@@ -191,8 +239,9 @@ def _question(start: int, ops: list[tuple[str, int]]) -> str:
   return f"Start with {start}, {', '.join(phrases[:-1])}, then {phrases[-1]}. What is the result?"
 
 
-def _solution(start: int, ops: list[tuple[str, int]], mistake: int | None,
-              rng: np.random.Generator) -> list[str]:
+def _solution(
+  start: int, ops: list[tuple[str, int]], mistake: int | None, rng: np.random.Generator
+) -> list[str]:
   """One step per operation, then the answer; step ``mistake`` (if any) states a wrong value."""
   steps, value = [], start
   for i, (op, x) in enumerate(ops):
@@ -200,7 +249,7 @@ def _solution(start: int, ops: list[tuple[str, int]], mistake: int | None,
     if i == mistake:
       # The rest of the chain must stay non-negative; the right value plus ten always does, as
       # every operation grows with its input.
-      wrongs = [w for w in wrong_results(value, op, x) if _chain(w, ops[i + 1:]) >= 0]
+      wrongs = [w for w in wrong_results(value, op, x) if _chain(w, ops[i + 1 :]) >= 0]
       result = wrongs[rng.integers(len(wrongs))]
     steps.append(f"{value} {op} {x} = {result}")
     value = result  # later steps build on the value written, right or wrong
@@ -226,9 +275,14 @@ def demo_arithmetic_steps(split: str, num_rows: int | None = None, seed: int = 0
     mistake = None if rng.random() < _CLEAN_SHARE else int(rng.integers(len(ops)))
     steps = _solution(start, ops, mistake, rng)
     first_false = len(steps) if mistake is None else mistake
-    rows.append({"prompt": question, "completions": steps,
-                 "labels": [i < first_false for i in range(len(steps))],
-                 "subset": "clean" if mistake is None else "mistake"})
+    rows.append(
+      {
+        "prompt": question,
+        "completions": steps,
+        "labels": [i < first_false for i in range(len(steps))],
+        "subset": "clean" if mistake is None else "mistake",
+      }
+    )
   return rows
 
 
@@ -237,8 +291,13 @@ def demo_arithmetic_steps(split: str, num_rows: int | None = None, seed: int = 0
 ATTRIBUTES = ("helpfulness", "correctness", "verbosity")
 RATING_RANGE = (0, 4)
 # Sentences that add nothing to an answer; a response's verbosity is how many it carries.
-_FILLERS = ("I hope this helps.", "Let me know if you need more.", "This is a common question.",
-            "Thanks for asking.", "Questions like this come up often.")
+_FILLERS = (
+  "I hope this helps.",
+  "Let me know if you need more.",
+  "This is a common question.",
+  "Thanks for asking.",
+  "Questions like this come up often.",
+)
 # About one response in ten leaves verbosity unrated, as real raters skip attributes.
 _UNRATED_SHARE = 0.1
 
@@ -249,8 +308,11 @@ def _rated_response(item: Item, right: bool, rng: np.random.Generator) -> tuple[
   verbosity = int(rng.integers(len(_FILLERS)))
   fillers = [_FILLERS[i] for i in rng.permutation(len(_FILLERS))[:verbosity]]
   correctness = 4 if right else 0
-  ratings = {"helpfulness": max(correctness - max(verbosity - 2, 0), 0), "correctness": correctness,
-             "verbosity": verbosity}
+  ratings = {
+    "helpfulness": max(correctness - max(verbosity - 2, 0), 0),
+    "correctness": correctness,
+    "verbosity": verbosity,
+  }
   return " ".join([text, *fillers]), ratings
 
 
@@ -277,6 +339,12 @@ def demo_attributes(split: str, num_rows: int | None = None, seed: int = 0) -> l
       response, ratings = _rated_response(item, bool(rng.random() < 0.5), rng)
       if rng.random() < _UNRATED_SHARE:
         ratings["verbosity"] = None
-      rows.append({"prompt": [SYSTEM, {"role": "user", "content": item[1]}], "response": response,
-                   **ratings, "subset": item[0]})
+      rows.append(
+        {
+          "prompt": [SYSTEM, {"role": "user", "content": item[1]}],
+          "response": response,
+          **ratings,
+          "subset": item[0],
+        }
+      )
   return rows

@@ -42,11 +42,11 @@ class DropReport:
     """Counts ``count`` good rows a limit left out (``reason`` names it), apart from the dropped ones."""
     self.drop(UNUSED + reason, source, count)
 
-  def merge(self, other: "DropReport") -> None:
+  def merge(self, other: DropReport) -> None:
     for reason, n in other.counts.items():
       self.counts[reason] += n
       room = self.max_examples - len(self.examples[reason])
-      self.examples[reason].extend(other.examples[reason][:max(room, 0)])
+      self.examples[reason].extend(other.examples[reason][: max(room, 0)])
 
   @property
   def total(self) -> int:
@@ -60,11 +60,9 @@ class DropReport:
 
   def as_dict(self) -> dict:
     return {
-        "total": self.total,
-        "unused": self.unused,
-        "reasons": {
-            r: {"count": n, "examples": self.examples[r]} for r, n in self.counts.most_common()
-        },
+      "total": self.total,
+      "unused": self.unused,
+      "reasons": {r: {"count": n, "examples": self.examples[r]} for r, n in self.counts.most_common()},
     }
 
   def summary(self, name: str = "data") -> str:

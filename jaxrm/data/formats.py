@@ -42,8 +42,13 @@ DROP_IDENTICAL = "identical completions (chosen == rejected)"
 DROP_UNRATED = "no rating for any of the attributes"
 
 _KINDS = {
-    bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
-    dict: "an object", type(None): "null",
+  bool: "a boolean",
+  int: "an integer",
+  float: "a number",
+  str: "a string",
+  list: "a list",
+  dict: "an object",
+  type(None): "null",
 }
 
 
@@ -85,16 +90,15 @@ def validate_messages(messages: Any, source: str, field: str) -> list[Message]:
 
 def _message(message: Any, source: str, field: str) -> Message:
   if not isinstance(message, dict):
-    raise row_error(source, field, f"expected a message object with 'role' and 'content', "
-                    f"got {kind(message)}")
+    raise row_error(
+      source, field, f"expected a message object with 'role' and 'content', got {kind(message)}"
+    )
   for key in ("role", "content"):
     if message.get(key) is None:
-      raise row_error(source, field, f"message has no '{key}'; each message needs 'role' and "
-                      "'content'")
+      raise row_error(source, field, f"message has no '{key}'; each message needs 'role' and 'content'")
   role, content = message["role"], message["content"]
   if role not in ROLES:
-    raise row_error(source, f"{field}.role",
-                    f"unknown role {role!r}; use one of {', '.join(ROLES)}")
+    raise row_error(source, f"{field}.role", f"unknown role {role!r}; use one of {', '.join(ROLES)}")
   if not isinstance(content, str):
     raise row_error(source, f"{field}.content", f"expected a string, got {kind(content)}")
   return {"role": role, "content": content}
@@ -139,9 +143,15 @@ def row_meta(row: dict, subset_field: str | None) -> dict[str, Any]:
 
 
 def preference_record(
-    context: Text, completions: Sequence[Text], ranks: Sequence[int], source: str,
-    drops: DropReport, *, margin: float | None = None, meta: dict | None = None,
-    strength: float | None = None,
+  context: Text,
+  completions: Sequence[Text],
+  ranks: Sequence[int],
+  source: str,
+  drops: DropReport,
+  *,
+  margin: float | None = None,
+  meta: dict | None = None,
+  strength: float | None = None,
 ) -> PreferenceRecord | None:
   """Builds the record, or drops a row whose completions are not all different."""
   if all(isinstance(t, str) for t in (context, *completions)):
@@ -152,8 +162,15 @@ def preference_record(
   if len({_key(t) for t in texts}) < len(texts):
     drops.drop(DROP_IDENTICAL, source)
     return None
-  return PreferenceRecord(context=context, completions=texts, ranks=tuple(ranks), source=source,
-                          margin=margin, meta=meta or {}, strength=strength)
+  return PreferenceRecord(
+    context=context,
+    completions=texts,
+    ranks=tuple(ranks),
+    source=source,
+    margin=margin,
+    meta=meta or {},
+    strength=strength,
+  )
 
 
 def _key(text: Text):
@@ -174,46 +191,66 @@ def split_shared_prompt(chosen: Text, rejected: Text) -> tuple[Text, Text, Text]
   return chosen[:n], chosen[n:], rejected[n:]
 
 
-def parse_preference(row: dict, source: str, drops: DropReport, *,
-                     subset_field: str | None = "subset") -> PreferenceRecord | None:
+def parse_preference(
+  row: dict, source: str, drops: DropReport, *, subset_field: str | None = "subset"
+) -> PreferenceRecord | None:
   """A NeMo RL or TRL preference row (see the module docstring) as a record, or None if dropped."""
   if "completions" in row or "context" in row:
     return _nemo_preference(row, source, drops, subset_field)
   if "chosen" in row or "rejected" in row:
     return _trl_preference(row, source, drops, subset_field)
-  raise row_error(source, None, f"not a preference row: expected NeMo RL keys ('context', "
-                  f"'completions') or TRL keys ('prompt', 'chosen', 'rejected'); got {sorted(row)}")
+  raise row_error(
+    source,
+    None,
+    f"not a preference row: expected NeMo RL keys ('context', "
+    f"'completions') or TRL keys ('prompt', 'chosen', 'rejected'); got {sorted(row)}",
+  )
 
 
 def _nemo_preference(row, source, drops, subset_field):
   context = parse_text(required(row, "context", source), source, "context")
   entries = required(row, "completions", source)
   if not isinstance(entries, list):
-    raise row_error(source, "completions", f"expected a list of {{'rank', 'completion'}} objects, "
-                    f"got {kind(entries)}")
+    raise row_error(
+      source, "completions", f"expected a list of {{'rank', 'completion'}} objects, got {kind(entries)}"
+    )
   if len(entries) < 2:
-    raise row_error(source, "completions", f"has {len(entries)} entr{'y' if entries else 'ies'}; "
-                    "a preference needs at least 2 ranked completions")
+    raise row_error(
+      source,
+      "completions",
+      f"has {len(entries)} entr{'y' if entries else 'ies'}; a preference needs at least 2 ranked completions",
+    )
   completions, ranks = [], []
   for i, entry in enumerate(entries):
     field = f"completions[{i}]"
     if not isinstance(entry, dict):
-      raise row_error(source, field, f"expected an object with 'rank' and 'completion', "
-                      f"got {kind(entry)}")
+      raise row_error(source, field, f"expected an object with 'rank' and 'completion', got {kind(entry)}")
     ranks.append(_rank(required(entry, "rank", source, field), ranks, source, f"{field}.rank"))
     completion = required(entry, "completion", source, field)
     completions.append(parse_completion(completion, source, f"{field}.completion"))
-  return preference_record(context, completions, ranks, source, drops, margin=_margin(row, source),
-                           meta=row_meta(row, subset_field), strength=_strength(row, source))
+  return preference_record(
+    context,
+    completions,
+    ranks,
+    source,
+    drops,
+    margin=_margin(row, source),
+    meta=row_meta(row, subset_field),
+    strength=_strength(row, source),
+  )
 
 
 def _rank(rank: Any, previous: list[int], source: str, field: str) -> int:
   if not is_int(rank):
     raise row_error(source, field, f"expected an integer rank, got {rank!r} ({kind(rank)})")
   if rank in previous:
-    raise row_error(source, field, f"rank {rank} is also the rank of "
-                    f"completions[{previous.index(rank)}]; ranks must be distinct (remove the "
-                    "tied completions, or the row)")
+    raise row_error(
+      source,
+      field,
+      f"rank {rank} is also the rank of "
+      f"completions[{previous.index(rank)}]; ranks must be distinct (remove the "
+      "tied completions, or the row)",
+    )
   return int(rank)
 
 
@@ -226,8 +263,12 @@ def _strength(row: dict, source: str) -> float | None:
     return None
   strength = number(row["strength"], source, "strength")
   if strength <= 0:
-    raise row_error(source, "strength", f"{strength:g} is not a preference strength; give a positive "
-                    "number (how strongly the first-ranked completion is preferred)")
+    raise row_error(
+      source,
+      "strength",
+      f"{strength:g} is not a preference strength; give a positive "
+      "number (how strongly the first-ranked completion is preferred)",
+    )
   return strength
 
 
@@ -240,16 +281,34 @@ def _trl_preference(row, source, drops, subset_field):
     context, chosen, rejected = split_shared_prompt(chosen, rejected)
     for text, field, other in ((chosen, "chosen", "rejected"), (rejected, "rejected", "chosen")):
       if not text:
-        raise row_error(source, field, f"has no message after the prompt it shares with "
-                        f"'{other}'; give a 'prompt' or a final differing turn")
+        raise row_error(
+          source,
+          field,
+          f"has no message after the prompt it shares with "
+          f"'{other}'; give a 'prompt' or a final differing turn",
+        )
       check_completion(text, source, field)
-  return preference_record(context, (chosen, rejected), (0, 1), source, drops, margin=_margin(row, source),
-                           meta=row_meta(row, subset_field), strength=_strength(row, source))
+  return preference_record(
+    context,
+    (chosen, rejected),
+    (0, 1),
+    source,
+    drops,
+    margin=_margin(row, source),
+    meta=row_meta(row, subset_field),
+    strength=_strength(row, source),
+  )
 
 
-def parse_rated(row: dict, source: str, drops: DropReport, *, attributes: Sequence[str],
-                value_range: tuple[float, float] | None = None,
-                subset_field: str | None = "subset") -> RatedRecord | None:
+def parse_rated(
+  row: dict,
+  source: str,
+  drops: DropReport,
+  *,
+  attributes: Sequence[str],
+  value_range: tuple[float, float] | None = None,
+  subset_field: str | None = "subset",
+) -> RatedRecord | None:
   """A rated row (see the module docstring) as a record, or None when it rates no attribute.
 
   ``value_range`` (low, high): a rating outside it is an error.
@@ -266,21 +325,32 @@ def rating(value: Any, source: str, field: str, value_range: tuple[float, float]
     return None
   value = number(value, source, field)
   if value_range is not None and not value_range[0] <= value <= value_range[1]:
-    raise row_error(source, field, f"rating {value:g} is outside {value_range[0]:g}..{value_range[1]:g}"
-                    " (reward.attribute_range)")
+    raise row_error(
+      source,
+      field,
+      f"rating {value:g} is outside {value_range[0]:g}..{value_range[1]:g} (reward.attribute_range)",
+    )
   return value
 
 
-def rated_record(context: Text, response: Text, ratings: Sequence[float | None], source: str,
-                 drops: DropReport, *, meta: dict | None = None) -> RatedRecord | None:
+def rated_record(
+  context: Text,
+  response: Text,
+  ratings: Sequence[float | None],
+  source: str,
+  drops: DropReport,
+  *,
+  meta: dict | None = None,
+) -> RatedRecord | None:
   """Builds the record (a chat when either text is one), or drops a row with no rating."""
   if all(r is None for r in ratings):
     drops.drop(DROP_UNRATED, source)
     return None
   if isinstance(context, list) or isinstance(response, list):
     context, response = as_chat(context, "user"), as_chat(response, "assistant")
-  return RatedRecord(context=context, completion=response, ratings=tuple(ratings), source=source,
-                     meta=meta or {})
+  return RatedRecord(
+    context=context, completion=response, ratings=tuple(ratings), source=source, meta=meta or {}
+  )
 
 
 def _either(row: dict, keys: tuple[str, str], source: str) -> Any:
@@ -291,8 +361,9 @@ def _either(row: dict, keys: tuple[str, str], source: str) -> Any:
   raise row_error(source, keys[0], f"is missing (nor is there '{keys[1]}'); have {sorted(row)}")
 
 
-def parse_stepwise(row: dict, source: str, drops: DropReport, *,
-                   subset_field: str | None = "subset") -> StepwiseRecord:
+def parse_stepwise(
+  row: dict, source: str, drops: DropReport, *, subset_field: str | None = "subset"
+) -> StepwiseRecord:
   """A TRL stepwise-supervision row as a record.
 
   No stepwise row is dropped here (``drops`` is taken for the signature all parsers share): every
@@ -305,11 +376,15 @@ def parse_stepwise(row: dict, source: str, drops: DropReport, *,
   if not isinstance(labels, list):
     raise row_error(source, "labels", f"expected a list of booleans, got {kind(labels)}")
   if len(labels) != len(steps):
-    raise row_error(source, "labels", f"has {len(labels)} labels for {len(steps)} steps in "
-                    "'completions'; give one label per step")
+    raise row_error(
+      source,
+      "labels",
+      f"has {len(labels)} labels for {len(steps)} steps in 'completions'; give one label per step",
+    )
   labels = tuple(_label(x, source, f"labels[{i}]") for i, x in enumerate(labels))
-  return StepwiseRecord(prompt=prompt, steps=steps, labels=labels, source=source,
-                        meta=row_meta(row, subset_field))
+  return StepwiseRecord(
+    prompt=prompt, steps=steps, labels=labels, source=source, meta=row_meta(row, subset_field)
+  )
 
 
 def _steps(steps: Any, source: str) -> tuple[str, ...]:
@@ -331,4 +406,3 @@ def _label(label: Any, source: str, field: str) -> bool:
   if is_int(label) and label in (0, 1):
     return bool(label)
   raise row_error(source, field, f"expected true/false or 0/1, got {label!r} ({kind(label)})")
-

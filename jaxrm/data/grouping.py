@@ -11,7 +11,7 @@ of similar lengths, each then padded to its own bucket.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -29,7 +29,7 @@ def length_grouped_indices(lengths: Sequence[int], batch_size: int, shuffled: np
   lengths = np.asarray(lengths)
   order = np.asarray(shuffled)
   size = mega_batches(len(lengths), batch_size) * batch_size
-  megas = [order[i:i + size] for i in range(0, len(order), size)]
+  megas = [order[i : i + size] for i in range(0, len(order), size)]
   # A stable sort on -length: equal lengths keep their shuffled order.
   megas = [m[np.argsort(-lengths[m], kind="stable")] for m in megas]
   longest = int(np.argmax([lengths[m[0]] for m in megas]))
@@ -65,7 +65,7 @@ class GroupedEpochs:
       if len(self._orders) >= 2:
         self._orders.pop(min(self._orders))
       shuffled = np.random.default_rng([self._seed, epoch]).permutation(len(self._lengths))
-      self._orders[epoch] = length_grouped_indices(self._lengths, self._batch, shuffled)[:self.used]
+      self._orders[epoch] = length_grouped_indices(self._lengths, self._batch, shuffled)[: self.used]
     return self._orders[epoch]
 
 

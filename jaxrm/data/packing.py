@@ -15,14 +15,16 @@ padding; attention masks every key of it with a finite logit, so it stays NaN-fr
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 
 from jaxrm.batches import IGNORE_INDEX, PackedPreferenceBatch, PackedStepwiseBatch
+
 # Re-exported: whoever packs rows reads the model's outputs back with these.
-from jaxrm.batches import group_logits as group_logits, group_rewards as group_rewards
+from jaxrm.batches import group_logits as group_logits
+from jaxrm.batches import group_rewards as group_rewards
 from jaxrm.data.tokenize import PreferenceExample, RatedExample, StepwiseExample
 
 
@@ -51,10 +53,11 @@ class PackSpec:
   rewards_multiple: int = 8
 
   def __post_init__(self):
-    if (self.row_length < 1 or self.length_multiple < 0 or self.rows_multiple < 1
-        or self.rewards_multiple < 1):
-      raise ValueError(f"PackSpec needs positive sizes, got row_length={self.row_length}, "
-                       f"rows_multiple={self.rows_multiple}, rewards_multiple={self.rewards_multiple}")
+    if self.row_length < 1 or self.length_multiple < 0 or self.rows_multiple < 1 or self.rewards_multiple < 1:
+      raise ValueError(
+        f"PackSpec needs positive sizes, got row_length={self.row_length}, "
+        f"rows_multiple={self.rows_multiple}, rewards_multiple={self.rewards_multiple}"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +81,7 @@ def _preference_unit(group: PreferenceExample, shared_prompt: bool) -> list[_Pie
     differs = np.flatnonzero(ids[:shared] != first[:shared])
     shared = int(differs[0]) if differs.size else shared
   pieces = [_Piece(first[:shared], 0, 0, 0, False)] if shared else []
-  return pieces + [_Piece(ids[shared:], 0, j + 1, shared, True)
-                   for j, ids in enumerate(group.input_ids)]
+  return pieces + [_Piece(ids[shared:], 0, j + 1, shared, True) for j, ids in enumerate(group.input_ids)]
 
 
 def _stepwise_unit(example: StepwiseExample) -> list[_Piece]:
@@ -90,8 +92,9 @@ def _length(unit: list[_Piece]) -> int:
   return sum(len(p.ids) for p in unit)
 
 
-def packed_length(example: PreferenceExample | StepwiseExample | RatedExample,
-                  shared_prompt: bool = False) -> int:
+def packed_length(
+  example: PreferenceExample | StepwiseExample | RatedExample, shared_prompt: bool = False
+) -> int:
   """Tokens ``example`` takes in a packed row: every completion's, or with ``shared_prompt`` the
   prompt's once and then each completion's own (one sequence of a stepwise or rated example)."""
   if isinstance(example, (StepwiseExample, RatedExample)):
@@ -104,9 +107,11 @@ def plan_rows(lengths: Sequence[int], row_length: int, sources: Sequence[str]) -
   rows, free = [], []
   for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
     if lengths[i] > row_length:
-      raise ValueError(f"{sources[i]} needs {lengths[i]} tokens in one row but rows hold "
-                       f"row_length={row_length}; raise row_length (plain packing needs "
-                       f"num_completions * max_length) or tokenize with a smaller max_length")
+      raise ValueError(
+        f"{sources[i]} needs {lengths[i]} tokens in one row but rows hold "
+        f"row_length={row_length}; raise row_length (plain packing needs "
+        f"num_completions * max_length) or tokenize with a smaller max_length"
+      )
     row = next((r for r, room in enumerate(free) if room >= lengths[i]), None)
     if row is None:
       rows.append([])
@@ -139,8 +144,10 @@ def _rows_needed(plan: list[list[int]], row_length: int, spec: PackSpec, num_row
   if num_rows is None:
     return _round_up(len(plan), spec.rows_multiple)
   if len(plan) > num_rows:
-    raise ValueError(f"packing needs {len(plan)} rows of {row_length} tokens but "
-                     f"num_rows={num_rows}; raise num_rows or row_length")
+    raise ValueError(
+      f"packing needs {len(plan)} rows of {row_length} tokens but "
+      f"num_rows={num_rows}; raise num_rows or row_length"
+    )
   return num_rows
 
 
@@ -176,9 +183,13 @@ class _Rows:
 
   def arrays(self) -> dict[str, np.ndarray]:
     """The row arrays, named as the batch classes name them."""
-    return {"input_ids": self.input_ids, "attention_mask": self.attention_mask,
-            "positions": self.positions, "segment_ids": self.segment_ids,
-            "branch_ids": self.branch_ids}
+    return {
+      "input_ids": self.input_ids,
+      "attention_mask": self.attention_mask,
+      "positions": self.positions,
+      "segment_ids": self.segment_ids,
+      "branch_ids": self.branch_ids,
+    }
 
 
 def _fill(units: list[list[_Piece]], plan: list[list[int]], rows: _Rows):
@@ -197,10 +208,15 @@ def rewards_per_row(groups: Sequence[PreferenceExample], plan: list[list[int]]) 
   return max((sum(len(groups[i].input_ids) for i in members) for members in plan), default=0)
 
 
-def pack_preference(groups: Sequence[PreferenceExample], spec: PackSpec, *,
-                    num_groups: int | None = None, num_completions: int | None = None,
-                    num_rows: int | None = None, num_rewards: int | None = None
-                    ) -> PackedPreferenceBatch:
+def pack_preference(
+  groups: Sequence[PreferenceExample],
+  spec: PackSpec,
+  *,
+  num_groups: int | None = None,
+  num_completions: int | None = None,
+  num_rows: int | None = None,
+  num_rewards: int | None = None,
+) -> PackedPreferenceBatch:
   """Packs preference groups into rows (the layout is :class:`~jaxrm.batches.PackedPreferenceBatch`).
 
   Args:
@@ -225,9 +241,16 @@ def pack_preference(groups: Sequence[PreferenceExample], spec: PackSpec, *,
   return _fill_preference(groups, units, plan, _Rows(b, t, spec.pad_id), g, k, r)
 
 
-def _fill_preference(groups: Sequence[PreferenceExample], units: list[list[_Piece]],
-                     plan: list[list[int]], rows: _Rows, g: int, k: int, r: int,
-                     first_row: int = 0) -> PackedPreferenceBatch:
+def _fill_preference(
+  groups: Sequence[PreferenceExample],
+  units: list[list[_Piece]],
+  plan: list[list[int]],
+  rows: _Rows,
+  g: int,
+  k: int,
+  r: int,
+  first_row: int = 0,
+) -> PackedPreferenceBatch:
   """The packed preference batch of ``groups``, placed as ``plan`` says into ``rows``.
 
   ``first_row``: the global index of ``rows``' first row, where ``reward_index`` starts counting.
@@ -242,8 +265,10 @@ def _fill_preference(groups: Sequence[PreferenceExample], units: list[list[_Piec
   for i, row, spans in _fill(units, plan, rows):
     n = len(groups[i].input_ids)
     if n > k:
-      raise ValueError(f"{groups[i].source} has {n} completions but batches hold "
-                       f"num_completions={k}; pass num_completions >= {n}")
+      raise ValueError(
+        f"{groups[i].source} has {n} completions but batches hold "
+        f"num_completions={k}; pass num_completions >= {n}"
+      )
     if used[row] + n > r:
       raise ValueError(f"row {row} holds more than num_rewards={r} completions; raise num_rewards")
     ends = [end - 1 for (_, end), p in zip(spans, units[i]) if p.rewarded]
@@ -255,14 +280,24 @@ def _fill_preference(groups: Sequence[PreferenceExample], units: list[list[_Piec
     margin[i] = groups[i].margin
     strength[i] = 1.0 if groups[i].strength is None else groups[i].strength
   example_mask = (np.arange(g) < len(groups)).astype(np.float32)
-  return PackedPreferenceBatch(**rows.arrays(), reward_positions=reward_positions,
-                               reward_index=reward_index, ranks=ranks, margin=margin,
-                               example_mask=example_mask, strength=strength)
+  return PackedPreferenceBatch(
+    **rows.arrays(),
+    reward_positions=reward_positions,
+    reward_index=reward_index,
+    ranks=ranks,
+    margin=margin,
+    example_mask=example_mask,
+    strength=strength,
+  )
 
 
-def pack_stepwise(examples: Sequence[StepwiseExample], spec: PackSpec, *,
-                  num_examples: int | None = None, num_rows: int | None = None
-                  ) -> PackedStepwiseBatch:
+def pack_stepwise(
+  examples: Sequence[StepwiseExample],
+  spec: PackSpec,
+  *,
+  num_examples: int | None = None,
+  num_rows: int | None = None,
+) -> PackedStepwiseBatch:
   """Packs stepwise sequences into rows (the layout is :class:`~jaxrm.batches.PackedStepwiseBatch`).
 
   Args:
@@ -280,9 +315,14 @@ def pack_stepwise(examples: Sequence[StepwiseExample], spec: PackSpec, *,
   return _fill_stepwise(examples, units, plan, rows, g)
 
 
-def _fill_stepwise(examples: Sequence[StepwiseExample], units: list[list[_Piece]],
-                   plan: list[list[int]], rows: _Rows, g: int,
-                   first_row: int = 0) -> PackedStepwiseBatch:
+def _fill_stepwise(
+  examples: Sequence[StepwiseExample],
+  units: list[list[_Piece]],
+  plan: list[list[int]],
+  rows: _Rows,
+  g: int,
+  first_row: int = 0,
+) -> PackedStepwiseBatch:
   """The packed stepwise batch of ``examples``, placed as ``plan`` says into ``rows``.
 
   ``first_row``: the global index of ``rows``' first row, where ``token_index`` starts counting.
@@ -291,11 +331,12 @@ def _fill_stepwise(examples: Sequence[StepwiseExample], units: list[list[_Piece]
   token_index = np.zeros((g, t), np.int32)
   labels = np.full((g, t), IGNORE_INDEX, np.int32)
   for i, row, [(start, end)] in _fill(units, plan, rows):
-    token_index[i, :end - start] = (first_row + row) * t + np.arange(start, end)
-    labels[i, :end - start] = examples[i].labels
+    token_index[i, : end - start] = (first_row + row) * t + np.arange(start, end)
+    labels[i, : end - start] = examples[i].labels
   example_mask = (np.arange(g) < len(examples)).astype(np.float32)
-  return PackedStepwiseBatch(**rows.arrays(), token_index=token_index, labels=labels,
-                             example_mask=example_mask)
+  return PackedStepwiseBatch(
+    **rows.arrays(), token_index=token_index, labels=labels, example_mask=example_mask
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,38 +370,50 @@ class PackedCollator:
 
   def __post_init__(self):
     if self.micro_batches < 1 or self.batch_size % self.micro_batches:
-      raise ValueError(f"batch_size={self.batch_size} groups per host cannot be split into "
-                       f"micro_batches={self.micro_batches} equal micro-batches")
+      raise ValueError(
+        f"batch_size={self.batch_size} groups per host cannot be split into "
+        f"micro_batches={self.micro_batches} equal micro-batches"
+      )
 
-  def __call__(self, groups: Sequence[PreferenceExample | StepwiseExample]
-               ) -> PackedPreferenceBatch | PackedStepwiseBatch:
+  def __call__(
+    self, groups: Sequence[PreferenceExample | StepwiseExample]
+  ) -> PackedPreferenceBatch | PackedStepwiseBatch:
     n = self.micro_batches
     # slices[p][m]: host p's micro-batch m.
-    slices = [[list(groups[p * self.batch_size:(p + 1) * self.batch_size])[m::n] for m in range(n)]
-              for p in range(self.process_count)]
+    slices = [
+      [list(groups[p * self.batch_size : (p + 1) * self.batch_size])[m::n] for m in range(n)]
+      for p in range(self.process_count)
+    ]
     parts = [part for host in slices for part in host]
     stepwise = isinstance(groups[0], StepwiseExample)
     k = None if stepwise else self.num_completions or max(len(e.input_ids) for e in groups)
-    units = [[_stepwise_unit(e) if stepwise else _preference_unit(e, self.spec.shared_prompt)
-              for e in part] for part in parts]
+    units = [
+      [_stepwise_unit(e) if stepwise else _preference_unit(e, self.spec.shared_prompt) for e in part]
+      for part in parts
+    ]
     # Every host's rows are as long as the longest any host needs.
     row_length = _row_length([u for part in units for u in part], self.spec)
     spec = dataclasses.replace(self.spec, row_length=row_length, length_multiple=0)
     plans = [_plan(u, spec, [e.source for e in part])[1] for u, part in zip(units, parts)]
     num_rows = _round_up(max(map(len, plans)), spec.rows_multiple)
-    num_rewards = None if stepwise else _round_up(
-        max(rewards_per_row(part, plan) for part, plan in zip(parts, plans)), spec.rewards_multiple)
+    num_rewards = (
+      None
+      if stepwise
+      else _round_up(
+        max(rewards_per_row(part, plan) for part, plan in zip(parts, plans)), spec.rewards_multiple
+      )
+    )
     micro = []
     first_row = self.process_index * num_rows  # this host's rows follow the lower hosts'
     for m, local in enumerate(slices[self.process_index]):
       part = self.process_index * n + m
       rows = _Rows(num_rows, row_length, spec.pad_id)
       if stepwise:
-        batch = _fill_stepwise(local, units[part], plans[part], rows, self.batch_size // n,
-                               first_row)
+        batch = _fill_stepwise(local, units[part], plans[part], rows, self.batch_size // n, first_row)
       else:
-        batch = _fill_preference(local, units[part], plans[part], rows, self.batch_size // n, k,
-                                 num_rewards, first_row)
+        batch = _fill_preference(
+          local, units[part], plans[part], rows, self.batch_size // n, k, num_rewards, first_row
+        )
       micro.append(batch)
     if n == 1:
       return micro[0]

@@ -20,19 +20,19 @@ micro-batches carries a leading ``[n]`` axis on every array, its batch dimension
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
-from absl import flags
 import grain
 import jax
 import numpy as np
+from absl import flags
 
 from jaxrm import sharding
-from jaxrm.data import grouping
 from jaxrm.batches import IGNORE_INDEX, Batch, PreferenceBatch, RegressionBatch, StepwiseBatch
-from jaxrm.errors import DataError
+from jaxrm.data import grouping
 from jaxrm.data.packing import PackedCollator, PackSpec
 from jaxrm.data.tokenize import PreferenceExample, RatedExample, StepwiseExample
+from jaxrm.errors import DataError
 
 Example = PreferenceExample | StepwiseExample | RatedExample
 
@@ -53,16 +53,17 @@ def scoring_rows(n: int, batch_size: int) -> int:
   return min(batch_size, 1 << (n - 1).bit_length())
 
 
-def right_padded(rows: Sequence[Sequence[int]], *, length: int, num_rows: int,
-                 pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+def right_padded(
+  rows: Sequence[Sequence[int]], *, length: int, num_rows: int, pad_id: int
+) -> tuple[np.ndarray, np.ndarray]:
   """``rows`` as input_ids and attention_mask, int32 [num_rows, length], right-padded; filler rows
   past ``len(rows)`` attend to one token (their outputs are to be dropped)."""
   ids = np.full((num_rows, length), pad_id, np.int32)
   mask = np.zeros((num_rows, length), np.int32)
   for j, r in enumerate(rows):
-    ids[j, :len(r)] = r
-    mask[j, :len(r)] = 1
-  mask[len(rows):, 0] = 1
+    ids[j, : len(r)] = r
+    mask[j, : len(r)] = 1
+  mask[len(rows) :, 0] = 1
   return ids, mask
 
 
@@ -95,7 +96,7 @@ class Collator:
     """Collates ``groups`` (at most one global batch); missing groups become fillers."""
     length = self._bucket(groups)
     start = self.process_index * self.batch_size
-    local = list(groups[start:start + self.batch_size])
+    local = list(groups[start : start + self.batch_size])
     n_real = len(local)
     # Fillers repeat a real example of the global batch; their mask entries then zero them out.
     local += [groups[0]] * (self.batch_size - n_real)
@@ -110,9 +111,11 @@ class Collator:
     for b in self.buckets:
       if b >= longest:
         return b
-    raise ValueError(f"a sequence of {longest} tokens ({source}) exceeds the largest length "
-                     f"bucket {self.buckets[-1]}; tokenize with max_length <= "
-                     f"{self.buckets[-1]} or add a larger bucket")
+    raise ValueError(
+      f"a sequence of {longest} tokens ({source}) exceeds the largest length "
+      f"bucket {self.buckets[-1]}; tokenize with max_length <= "
+      f"{self.buckets[-1]} or add a larger bucket"
+    )
 
 
 def group_length(example: Example) -> int:
@@ -139,8 +142,10 @@ class MicroBatchCollator:
   def __call__(self, groups: Sequence[Example]) -> tuple[Batch, ...]:
     size = self.collate.batch_size * self.collate.process_count * self.micro_batches
     if len(groups) != size:
-      raise ValueError(f"a global batch of {len(groups)} groups does not split into {self.micro_batches} "
-                       f"micro-batches of {self.collate.batch_size} groups per host")
+      raise ValueError(
+        f"a global batch of {len(groups)} groups does not split into {self.micro_batches} "
+        f"micro-batches of {self.collate.batch_size} groups per host"
+      )
     split = grouping.micro_batch_groups([group_length(g) for g in groups], self.micro_batches)
     return tuple(self.collate([groups[i] for i in indices]) for indices in split)
 
@@ -175,12 +180,21 @@ class TrainStream:
     return step // self.steps_per_epoch
 
 
-def make_train_iterator(examples: Sequence[Example], *, batch_size: int, seed: int,
-                        buckets: Sequence[int], pad_id: int = 0,
-                        num_completions: int | None = None, process_index: int = 0,
-                        process_count: int = 1, num_workers: int = 0, pack: PackSpec | None = None,
-                        micro_batches: int = 1,
-                        group_by_length: bool = False) -> tuple[grain.DatasetIterator, TrainStream]:
+def make_train_iterator(
+  examples: Sequence[Example],
+  *,
+  batch_size: int,
+  seed: int,
+  buckets: Sequence[int],
+  pad_id: int = 0,
+  num_completions: int | None = None,
+  process_index: int = 0,
+  process_count: int = 1,
+  num_workers: int = 0,
+  pack: PackSpec | None = None,
+  micro_batches: int = 1,
+  group_by_length: bool = False,
+) -> tuple[grain.DatasetIterator, TrainStream]:
   """An endless iterator of this host's training batches, and its epoch arithmetic.
 
   Each epoch is a fresh seeded shuffle of ``examples`` (identical for identical seeds), cut into
@@ -208,14 +222,19 @@ def make_train_iterator(examples: Sequence[Example], *, batch_size: int, seed: i
   """
   stream = TrainStream(len(examples), batch_size * process_count)
   if stream.steps_per_epoch == 0:
-    raise DataError(f"the training set has {len(examples)} examples after dropped rows; one "
-                    f"global batch needs {stream.global_batch_size} (batch_size {batch_size} x "
-                    f"{process_count} hosts): lower the batch size or add data")
+    raise DataError(
+      f"the training set has {len(examples)} examples after dropped rows; one "
+      f"global batch needs {stream.global_batch_size} (batch_size {batch_size} x "
+      f"{process_count} hosts): lower the batch size or add data"
+    )
   if group_by_length and pack is not None:
-    raise ValueError("data.group_by_length applies to unpacked batches: packed rows have no padding to save; "
-                     "set data.packing='none' or data.group_by_length=False")
-  collate = train_collator(examples, batch_size, buckets, pad_id, num_completions, process_index,
-                            process_count, pack, micro_batches)
+    raise ValueError(
+      "data.group_by_length applies to unpacked batches: packed rows have no padding to save; "
+      "set data.packing='none' or data.group_by_length=False"
+    )
+  collate = train_collator(
+    examples, batch_size, buckets, pad_id, num_completions, process_index, process_count, pack, micro_batches
+  )
   if group_by_length:
     # Epoch e's order is drawn from (seed, e) alone; batches never straddle two epochs, as each
     # epoch holds a whole number of global batches.
@@ -241,17 +260,26 @@ def make_train_iterator(examples: Sequence[Example], *, batch_size: int, seed: i
   return iter(it), stream
 
 
-def make_eval_batches(examples: Sequence[Example], *, batch_size: int, buckets: Sequence[int],
-                      pad_id: int = 0, num_completions: int | None = None, process_index: int = 0,
-                      process_count: int = 1, pack: PackSpec | None = None) -> list[Batch]:
+def make_eval_batches(
+  examples: Sequence[Example],
+  *,
+  batch_size: int,
+  buckets: Sequence[int],
+  pad_id: int = 0,
+  num_completions: int | None = None,
+  process_index: int = 0,
+  process_count: int = 1,
+  pack: PackSpec | None = None,
+) -> list[Batch]:
   """Every example once, in order, as this host's batches; the last is completed with fillers.
 
   Arguments are those of :func:`make_train_iterator`.
   """
-  collate = _collator(examples, batch_size, buckets, pad_id, num_completions, process_index,
-                      process_count, pack)
+  collate = _collator(
+    examples, batch_size, buckets, pad_id, num_completions, process_index, process_count, pack
+  )
   step = batch_size * process_count
-  return [collate(examples[i:i + step]) for i in range(0, len(examples), step)]
+  return [collate(examples[i : i + step]) for i in range(0, len(examples), step)]
 
 
 def to_global_batch(local_batch: Batch, mesh: jax.sharding.Mesh, *, stacked: bool = False) -> Batch:
@@ -266,29 +294,54 @@ def to_global_batch(local_batch: Batch, mesh: jax.sharding.Mesh, *, stacked: boo
   """
   if isinstance(local_batch, tuple):
     return tuple(to_global_batch(b, mesh) for b in local_batch)
-  shardings = jax.tree.map(lambda x: sharding.batch_sharding(mesh, x.ndim, stacked=stacked),
-                           local_batch)
+  shardings = jax.tree.map(lambda x: sharding.batch_sharding(mesh, x.ndim, stacked=stacked), local_batch)
   return jax.make_array_from_process_local_data(shardings, local_batch)
 
 
-def train_collator(examples: Sequence[Example], batch_size: int, buckets: Sequence[int], pad_id: int,
-                   num_completions: int | None, process_index: int, process_count: int,
-                   pack: PackSpec | None, micro_batches: int) -> Collator | PackedCollator | MicroBatchCollator:
+def train_collator(
+  examples: Sequence[Example],
+  batch_size: int,
+  buckets: Sequence[int],
+  pad_id: int,
+  num_completions: int | None,
+  process_index: int,
+  process_count: int,
+  pack: PackSpec | None,
+  micro_batches: int,
+) -> Collator | PackedCollator | MicroBatchCollator:
   """What turns one global batch of groups into this host's training batch (arguments as
   :func:`make_train_iterator`'s)."""
   if pack is not None or micro_batches == 1:
-    return _collator(examples, batch_size, buckets, pad_id, num_completions, process_index, process_count,
-                     pack, micro_batches)
+    return _collator(
+      examples,
+      batch_size,
+      buckets,
+      pad_id,
+      num_completions,
+      process_index,
+      process_count,
+      pack,
+      micro_batches,
+    )
   if batch_size % micro_batches:
     raise ValueError(f"{batch_size} groups per host do not split into {micro_batches} equal micro-batches")
-  collate = _collator(examples, batch_size // micro_batches, buckets, pad_id, num_completions, process_index,
-                      process_count)
+  collate = _collator(
+    examples, batch_size // micro_batches, buckets, pad_id, num_completions, process_index, process_count
+  )
   return MicroBatchCollator(collate, micro_batches)
 
 
-def _collator(examples: Sequence[Example], batch_size: int, buckets: Sequence[int], pad_id: int,
-              num_completions: int | None, process_index: int, process_count: int,
-              pack: PackSpec | None = None, micro_batches: int = 1) -> Collator | PackedCollator:
+def _collator(
+  examples: Sequence[Example],
+  batch_size: int,
+  buckets: Sequence[int],
+  pad_id: int,
+  num_completions: int | None,
+  process_index: int,
+  process_count: int,
+  pack: PackSpec | None = None,
+  micro_batches: int = 1,
+) -> Collator | PackedCollator:
   if not examples:
     raise DataError("no examples left to batch (every row was dropped, or the data is empty)")
   if isinstance(examples[0], PreferenceExample) and num_completions is None:
@@ -296,16 +349,27 @@ def _collator(examples: Sequence[Example], batch_size: int, buckets: Sequence[in
   if pack is not None and isinstance(examples[0], RatedExample):
     raise ValueError("rated examples are not packed: use data.packing='none' for reward.type='regression'")
   if pack is not None:
-    return PackedCollator(batch_size=batch_size, spec=dataclasses.replace(pack, pad_id=pad_id),
-                          num_completions=num_completions, process_index=process_index,
-                          process_count=process_count, micro_batches=micro_batches)
-  return Collator(batch_size=batch_size, buckets=tuple(sorted(buckets)), pad_id=pad_id,
-                  num_completions=num_completions, process_index=process_index,
-                  process_count=process_count)
+    return PackedCollator(
+      batch_size=batch_size,
+      spec=dataclasses.replace(pack, pad_id=pad_id),
+      num_completions=num_completions,
+      process_index=process_index,
+      process_count=process_count,
+      micro_batches=micro_batches,
+    )
+  return Collator(
+    batch_size=batch_size,
+    buckets=tuple(sorted(buckets)),
+    pad_id=pad_id,
+    num_completions=num_completions,
+    process_index=process_index,
+    process_count=process_count,
+  )
 
 
-def _collate_preference(groups: Sequence[PreferenceExample], n_real: int, k: int, length: int,
-                        pad_id: int) -> PreferenceBatch:
+def _collate_preference(
+  groups: Sequence[PreferenceExample], n_real: int, k: int, length: int, pad_id: int
+) -> PreferenceBatch:
   """The first ``n_real`` of ``groups`` are real, the rest fillers."""
   b = len(groups)
   input_ids = np.full((b * k, length), pad_id, np.int32)
@@ -316,54 +380,69 @@ def _collate_preference(groups: Sequence[PreferenceExample], n_real: int, k: int
   for i, group in enumerate(groups):
     n = len(group.input_ids)
     if n > k:
-      raise ValueError(f"{group.source} has {n} completions but batches hold "
-                       f"num_completions={k}; pass num_completions >= {n}")
+      raise ValueError(
+        f"{group.source} has {n} completions but batches hold "
+        f"num_completions={k}; pass num_completions >= {n}"
+      )
     for j in range(k):
       # Absent slots repeat the best completion (never an all-padding row); rank -1 hides them.
       ids = group.input_ids[j if j < n else 0]
-      input_ids[i * k + j, :len(ids)] = ids
-      attention_mask[i * k + j, :len(ids)] = 1
+      input_ids[i * k + j, : len(ids)] = ids
+      attention_mask[i * k + j, : len(ids)] = 1
     ranks[i, :n] = np.arange(n)
     margin[i] = group.margin
     strength[i] = 1.0 if group.strength is None else group.strength
   ranks[n_real:] = -1
   margin[n_real:] = 0.0
   strength[n_real:] = 1.0
-  return PreferenceBatch(input_ids=input_ids, attention_mask=attention_mask, ranks=ranks,
-                         margin=margin, example_mask=_example_mask(b, n_real), strength=strength)
+  return PreferenceBatch(
+    input_ids=input_ids,
+    attention_mask=attention_mask,
+    ranks=ranks,
+    margin=margin,
+    example_mask=_example_mask(b, n_real),
+    strength=strength,
+  )
 
 
-def _collate_stepwise(examples: Sequence[StepwiseExample], n_real: int, length: int,
-                      pad_id: int) -> StepwiseBatch:
+def _collate_stepwise(
+  examples: Sequence[StepwiseExample], n_real: int, length: int, pad_id: int
+) -> StepwiseBatch:
   """The first ``n_real`` of ``examples`` are real, the rest fillers."""
   b = len(examples)
   input_ids = np.full((b, length), pad_id, np.int32)
   attention_mask = np.zeros((b, length), np.int32)
   labels = np.full((b, length), IGNORE_INDEX, np.int32)
   for i, e in enumerate(examples):
-    input_ids[i, :len(e.input_ids)] = e.input_ids
-    attention_mask[i, :len(e.input_ids)] = 1
-    labels[i, :len(e.labels)] = e.labels
+    input_ids[i, : len(e.input_ids)] = e.input_ids
+    attention_mask[i, : len(e.input_ids)] = 1
+    labels[i, : len(e.labels)] = e.labels
   labels[n_real:] = IGNORE_INDEX
-  return StepwiseBatch(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
-                       example_mask=_example_mask(b, n_real))
+  return StepwiseBatch(
+    input_ids=input_ids, attention_mask=attention_mask, labels=labels, example_mask=_example_mask(b, n_real)
+  )
 
 
-def _collate_rated(examples: Sequence[RatedExample], n_real: int, length: int,
-                   pad_id: int) -> RegressionBatch:
+def _collate_rated(
+  examples: Sequence[RatedExample], n_real: int, length: int, pad_id: int
+) -> RegressionBatch:
   """The first ``n_real`` of ``examples`` are real, the rest fillers (their ratings masked)."""
   b = len(examples)
   input_ids = np.full((b, length), pad_id, np.int32)
   attention_mask = np.zeros((b, length), np.int32)
   for i, e in enumerate(examples):
-    input_ids[i, :len(e.input_ids)] = e.input_ids
-    attention_mask[i, :len(e.input_ids)] = 1
+    input_ids[i, : len(e.input_ids)] = e.input_ids
+    attention_mask[i, : len(e.input_ids)] = 1
   label_mask = np.stack([e.label_mask for e in examples])
   label_mask[n_real:] = 0.0
-  return RegressionBatch(input_ids=input_ids, attention_mask=attention_mask,
-                         labels=np.stack([e.labels for e in examples]), label_mask=label_mask,
-                         group=np.array([e.group for e in examples], np.int32),
-                         example_mask=_example_mask(b, n_real))
+  return RegressionBatch(
+    input_ids=input_ids,
+    attention_mask=attention_mask,
+    labels=np.stack([e.labels for e in examples]),
+    label_mask=label_mask,
+    group=np.array([e.group for e in examples], np.int32),
+    example_mask=_example_mask(b, n_real),
+  )
 
 
 def _example_mask(size: int, n_real: int) -> np.ndarray:

@@ -8,10 +8,10 @@ A message list is a list of ``{"role": str, "content": str}`` dicts; a plain str
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Union
+from typing import Any
 
 Message = dict[str, str]
-Text = Union[str, list[Message]]  # plain text, or a conversation
+Text = str | list[Message]  # plain text, or a conversation
 
 
 @dataclasses.dataclass(frozen=True)

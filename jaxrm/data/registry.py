@@ -14,11 +14,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from jaxrm.data import adapters, demo, formats, sources
 from jaxrm.data.drops import DropReport
-from jaxrm.errors import DataError
 from jaxrm.data.records import PreferenceRecord, RatedRecord, StepwiseRecord
+from jaxrm.errors import DataError
 
-_PRM800K_URL = ("https://github.com/openai/prm800k/raw/refs/heads/main/prm800k/data/"
-                "phase2_{split}.jsonl")
+_PRM800K_URL = "https://github.com/openai/prm800k/raw/refs/heads/main/prm800k/data/phase2_{split}.jsonl"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,24 +39,28 @@ KINDS = {"preference": ("bradley_terry", "ranking"), "stepwise": ("stepwise",), 
 _RATED_OPTIONS = ("attributes", "value_range")
 
 _SPECS = {
-    "PreferenceDataset": _Spec(formats.parse_preference, "preference"),
-    "HelpSteer3": _Spec(adapters.helpsteer3, "preference", default="nvidia/HelpSteer3",
-                        config="preference", subset_field="domain"),
-    "UltraFeedback": _Spec(adapters.ultrafeedback, "preference",
-                           default="HuggingFaceH4/ultrafeedback_binarized",
-                           splits={"train": "train_prefs", "validation": "test_prefs",
-                                   "test": "test_prefs"}),
-    "PRM800K": _Spec(adapters.prm800k, "stepwise", default=_PRM800K_URL,
-                     splits={"validation": "test"}, options=("neutral",)),
-    "MathShepherd": _Spec(adapters.math_shepherd, "stepwise", default="peiyi9979/Math-Shepherd",
-                          subset_field="task"),
-    "StepwiseDataset": _Spec(formats.parse_stepwise, "stepwise"),
-    "RatedDataset": _Spec(formats.parse_rated, "rated", options=_RATED_OPTIONS),
-    "HelpSteer2": _Spec(adapters.helpsteer2, "rated", default="nvidia/HelpSteer2", options=("attributes",)),
-    "demo_arithmetic": _Spec(formats.parse_preference, "preference", make=demo.demo_arithmetic),
-    "demo_arithmetic_steps": _Spec(formats.parse_stepwise, "stepwise", make=demo.demo_arithmetic_steps),
-    "demo_attributes": _Spec(formats.parse_rated, "rated", make=demo.demo_attributes,
-                             options=_RATED_OPTIONS),
+  "PreferenceDataset": _Spec(formats.parse_preference, "preference"),
+  "HelpSteer3": _Spec(
+    adapters.helpsteer3, "preference", default="nvidia/HelpSteer3", config="preference", subset_field="domain"
+  ),
+  "UltraFeedback": _Spec(
+    adapters.ultrafeedback,
+    "preference",
+    default="HuggingFaceH4/ultrafeedback_binarized",
+    splits={"train": "train_prefs", "validation": "test_prefs", "test": "test_prefs"},
+  ),
+  "PRM800K": _Spec(
+    adapters.prm800k, "stepwise", default=_PRM800K_URL, splits={"validation": "test"}, options=("neutral",)
+  ),
+  "MathShepherd": _Spec(
+    adapters.math_shepherd, "stepwise", default="peiyi9979/Math-Shepherd", subset_field="task"
+  ),
+  "StepwiseDataset": _Spec(formats.parse_stepwise, "stepwise"),
+  "RatedDataset": _Spec(formats.parse_rated, "rated", options=_RATED_OPTIONS),
+  "HelpSteer2": _Spec(adapters.helpsteer2, "rated", default="nvidia/HelpSteer2", options=("attributes",)),
+  "demo_arithmetic": _Spec(formats.parse_preference, "preference", make=demo.demo_arithmetic),
+  "demo_arithmetic_steps": _Spec(formats.parse_stepwise, "stepwise", make=demo.demo_arithmetic_steps),
+  "demo_attributes": _Spec(formats.parse_rated, "rated", make=demo.demo_attributes, options=_RATED_OPTIONS),
 }
 DATASET_NAMES = tuple(_SPECS)
 # The dataset that reads a user's own files of each kind.
@@ -68,8 +71,10 @@ SPLIT_NAMES = ("train", "validation", "test")
 
 def _spec(dataset_name: str) -> _Spec:
   if dataset_name not in _SPECS:
-    raise DataError(f"data.dataset_name {dataset_name!r} is not known; use one of "
-                    f"{', '.join(DATASET_NAMES)}{_path_hint(dataset_name)}")
+    raise DataError(
+      f"data.dataset_name {dataset_name!r} is not known; use one of "
+      f"{', '.join(DATASET_NAMES)}{_path_hint(dataset_name)}"
+    )
   return _SPECS[dataset_name]
 
 
@@ -77,8 +82,10 @@ def _path_hint(name: str) -> str:
   """Where a hub dataset or file given as ``data.dataset_name`` belongs (TRL's habit)."""
   if not isinstance(name, str) or not ("/" in name or name.endswith(sources.FILE_SUFFIXES)):
     return ""
-  return (f". {name!r} looks like a hub dataset or a file: give it as data.train_data_path={name!r}, with "
-          "data.dataset_name the format of its rows (PreferenceDataset, StepwiseDataset or RatedDataset)")
+  return (
+    f". {name!r} looks like a hub dataset or a file: give it as data.train_data_path={name!r}, with "
+    "data.dataset_name the format of its rows (PreferenceDataset, StepwiseDataset or RatedDataset)"
+  )
 
 
 def is_demo(dataset_name: str) -> bool:
@@ -108,8 +115,13 @@ def takes_option(dataset_name: str, option: str) -> bool:
 
 
 def load_records(
-    dataset_name: str, path: str | None, *, split: str = "train", drops: DropReport, max_records: int = 0,
-    **options,
+  dataset_name: str,
+  path: str | None,
+  *,
+  split: str = "train",
+  drops: DropReport,
+  max_records: int = 0,
+  **options,
 ) -> list[PreferenceRecord] | list[StepwiseRecord] | list[RatedRecord]:
   """Reads one dataset into records, counting dropped rows in ``drops``.
 
@@ -136,9 +148,16 @@ def load_records(
   return list(iter_records(dataset_name, path, split=split, drops=drops, max_records=max_records, **options))
 
 
-def iter_records(dataset_name: str, path: str | None, *, split: str = "train", drops: DropReport,
-                 max_records: int = 0, limit_name: str = "max_records",
-                 **options) -> Iterator[PreferenceRecord | StepwiseRecord | RatedRecord]:
+def iter_records(
+  dataset_name: str,
+  path: str | None,
+  *,
+  split: str = "train",
+  drops: DropReport,
+  max_records: int = 0,
+  limit_name: str = "max_records",
+  **options,
+) -> Iterator[PreferenceRecord | StepwiseRecord | RatedRecord]:
   """:func:`load_records`, one record at a time as the rows are read; ``drops`` is complete once
   the iterator is exhausted (or closed).
 
@@ -180,8 +199,14 @@ def source_key(dataset_name: str, path: str | None, *, split: str = "train", **o
   if spec.make:
     return None
   path, read_split, read_options = _resolve(spec, dataset_name, path, split, {})
-  return {"dataset_name": dataset_name, "split": split, "options": options,
-          "source": sources.fingerprint(path, split=read_split, config=options.get("config", read_options.get("config")))}
+  return {
+    "dataset_name": dataset_name,
+    "split": split,
+    "options": options,
+    "source": sources.fingerprint(
+      path, split=read_split, config=options.get("config", read_options.get("config"))
+    ),
+  }
 
 
 def _check_read_options(spec: _Spec, name: str, options: dict) -> None:
@@ -197,8 +222,9 @@ _Rows = tuple[Iterable[tuple[str, dict]], str]  # (source, row) pairs, and where
 
 def _demo_rows(spec: _Spec, name: str, path: str | None, split: str, options: dict) -> _Rows:
   if path not in (None, *demo.SPLITS):
-    raise DataError(f"{name} makes its own rows: give no path, or one of {demo.SPLITS} to "
-                    f"choose the split (got {path!r})")
+    raise DataError(
+      f"{name} makes its own rows: give no path, or one of {demo.SPLITS} to choose the split (got {path!r})"
+    )
   split = path or split
   where = f"{name}:{split}"
   return ((f"{where}[row {i}]", row) for i, row in enumerate(spec.make(split, **options))), where
@@ -216,8 +242,10 @@ def _resolve(spec: _Spec, name: str, path: str | None, split: str, options: dict
     path, split = None, path
   if path is None:
     if spec.default is None:
-      raise DataError(f"{name} needs a path: set data.train_data_path (and data.val_data_paths) "
-                      "to a .jsonl, .json or .parquet file, a save_to_disk directory or a hub name")
+      raise DataError(
+        f"{name} needs a path: set data.train_data_path (and data.val_data_paths) "
+        "to a .jsonl, .json or .parquet file, a save_to_disk directory or a hub name"
+      )
     split = spec.splits.get(split, split)
     path = spec.default.format(split=split)
     options = {"config": spec.config, **options}
@@ -233,7 +261,9 @@ def check_val_set_name(name: str) -> str:
     raise DataError(f"validation set name {name!r}: must be a non-empty string")
   if not _VAL_NAME.fullmatch(name):
     bad = sorted({c for c in name if not _VAL_NAME.fullmatch(c)})
-    raise DataError(f"validation set name {name!r} cannot be used in metric names such as "
-                    f"'validation-{name}_loss': it contains {', '.join(map(repr, bad))}; use only "
-                    "letters, digits, '_', '-' and '.'")
+    raise DataError(
+      f"validation set name {name!r} cannot be used in metric names such as "
+      f"'validation-{name}_loss': it contains {', '.join(map(repr, bad))}; use only "
+      "letters, digits, '_', '-' and '.'"
+    )
   return name

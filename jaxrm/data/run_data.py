@@ -71,19 +71,24 @@ def batching(config: RunConfig, mesh, num_completions: int | None, process_count
   data_parallel = sharding.data_parallel_size(mesh)
   gbs, mbs = config.train.global_batch_size, config.train.micro_batch_size
   if gbs % (mbs * data_parallel):
-    raise ConfigError(f"train.global_batch_size={gbs} must be a multiple of micro_batch_size x data-parallel "
-                      f"devices = {mbs} x {data_parallel}")
+    raise ConfigError(
+      f"train.global_batch_size={gbs} must be a multiple of micro_batch_size x data-parallel "
+      f"devices = {mbs} x {data_parallel}"
+    )
   if gbs % process_count:
     raise ConfigError(f"train.global_batch_size={gbs} must be divisible by the {process_count} processes")
   # Packed row counts: equal rows on every data-parallel device, in steps of a quarter micro-batch
   # per device (few compiled shapes).
   rows_multiple = data_parallel // math.gcd(data_parallel, process_count) * max(mbs // 4, 1)
   eval_groups = max(config.eval.batch_size // data_parallel, 1) * data_parallel
-  return Batching(per_host=gbs // process_count, eval_per_host=eval_groups // process_count,
-                  grad_accum=gbs // (mbs * data_parallel),
-                  pack=_pack_spec(config, num_completions, rows_multiple),
-                  buckets=tuple(pipeline.length_buckets(config.data.max_length, config.data.bucket_multiple)),
-                  process_count=process_count)
+  return Batching(
+    per_host=gbs // process_count,
+    eval_per_host=eval_groups // process_count,
+    grad_accum=gbs // (mbs * data_parallel),
+    pack=_pack_spec(config, num_completions, rows_multiple),
+    buckets=tuple(pipeline.length_buckets(config.data.max_length, config.data.bucket_multiple)),
+    process_count=process_count,
+  )
 
 
 def _pack_spec(config: RunConfig, num_completions: int | None, rows_multiple: int) -> PackSpec | None:
@@ -99,9 +104,12 @@ def _pack_spec(config: RunConfig, num_completions: int | None, rows_multiple: in
     return None
   # Automatic rows fit a group of K completions of max_length tokens, and are as long as each
   # batch's longest group, in steps of bucket_multiple (few compiled shapes).
-  return PackSpec(row_length=spec.packed_row_length or spec.max_length * (num_completions or 1),
-                  length_multiple=0 if spec.packed_row_length else spec.bucket_multiple,
-                  shared_prompt=spec.packing == "shared_prompt", rows_multiple=rows_multiple)
+  return PackSpec(
+    row_length=spec.packed_row_length or spec.max_length * (num_completions or 1),
+    length_multiple=0 if spec.packed_row_length else spec.bucket_multiple,
+    shared_prompt=spec.packing == "shared_prompt",
+    rows_multiple=rows_multiple,
+  )
 
 
 def load_run_data(config: RunConfig, tokenizer) -> RunData:
@@ -122,10 +130,18 @@ def load_run_data(config: RunConfig, tokenizer) -> RunData:
       source = registry.source_key(spec.dataset_name, path, split=split, **options)
     if source is not None:
       source["max_records"] = limit
-    read = lambda d: registry.iter_records(spec.dataset_name, path, split=split, drops=d, max_records=limit,
-                                             limit_name=limit_name, **options)
-    return cache.load_tokenized(read, tokenizer=tokenizer, options=spec.tokenize_options, drops=drops, source=source,
-                                cache_dir=spec.cache_directory, num_proc=spec.tokenizer_processes)
+    read = lambda d: registry.iter_records(
+      spec.dataset_name, path, split=split, drops=d, max_records=limit, limit_name=limit_name, **options
+    )
+    return cache.load_tokenized(
+      read,
+      tokenizer=tokenizer,
+      options=spec.tokenize_options,
+      drops=drops,
+      source=source,
+      cache_dir=spec.cache_directory,
+      num_proc=spec.tokenizer_processes,
+    )
 
   drops = {"train": DropReport()}
   train = load(spec.train_data_path, "train", spec.max_train_rows, "data.max_train_rows", drops["train"])
@@ -137,11 +153,16 @@ def load_run_data(config: RunConfig, tokenizer) -> RunData:
     if not validation[name]:
       raise ConfigError(f"validation set {name!r} has no usable rows\n{report.summary(name)}")
   if config.reward.preference_strength_scaling and all(e.strength is None for e in train):
-    raise ConfigError(f"reward.preference_strength_scaling weighs each pair by its preference strength, but no "
-                      f"training row of {spec.dataset_name} has one: give rows a 'strength' (HelpSteer3 has "
-                      "overall_preference), or set reward.preference_strength_scaling=False")
-  num_completions = None if kind != "preference" else max(
-      pipeline.max_completions(examples) for examples in (train, *validation.values()))
+    raise ConfigError(
+      f"reward.preference_strength_scaling weighs each pair by its preference strength, but no "
+      f"training row of {spec.dataset_name} has one: give rows a 'strength' (HelpSteer3 has "
+      "overall_preference), or set reward.preference_strength_scaling=False"
+    )
+  num_completions = (
+    None
+    if kind != "preference"
+    else max(pipeline.max_completions(examples) for examples in (train, *validation.values()))
+  )
   return RunData(train, validation, drops, num_completions)
 
 
@@ -161,7 +182,9 @@ def check_data(config: RunConfig, first_rows: int = FIRST_ROWS) -> None:
     registry.check_val_set_name(name)
   sets = [(spec.train_data_path, "train"), *((path, "validation") for path in spec.val_data_paths.values())]
   for path, split in sets:
-    records = registry.iter_records(spec.dataset_name, path or None, split=split, drops=DropReport(), **options)
+    records = registry.iter_records(
+      spec.dataset_name, path or None, split=split, drops=DropReport(), **options
+    )
     try:
       for _ in itertools.islice(records, first_rows):
         pass
@@ -174,8 +197,10 @@ def _checked_kind(config: RunConfig) -> str:
   name = config.data.dataset_name
   kind = registry.kind(name)
   if config.reward.type not in registry.KINDS[kind]:
-    raise ConfigError(f"reward.type={config.reward.type!r} does not fit data.dataset_name={name!r}, "
-                      f"which holds {kind} data (for reward.type {' or '.join(registry.KINDS[kind])})")
+    raise ConfigError(
+      f"reward.type={config.reward.type!r} does not fit data.dataset_name={name!r}, "
+      f"which holds {kind} data (for reward.type {' or '.join(registry.KINDS[kind])})"
+    )
   return kind
 
 
@@ -187,6 +212,7 @@ def _read_options(reward: RewardSpec, dataset_name: str) -> dict:
   if registry.takes_option(dataset_name, "value_range"):
     options["value_range"] = reward.value_range
   elif reward.value_range is not None:
-    log.warning("reward.attribute_range=%r is not used: %s checks its own range", reward.attribute_range,
-                dataset_name)
+    log.warning(
+      "reward.attribute_range=%r is not used: %s checks its own range", reward.attribute_range, dataset_name
+    )
   return options

@@ -14,8 +14,8 @@ import re
 from collections.abc import Iterable, Iterator
 
 from jaxrm.data.drops import row_error
-from jaxrm.errors import DataError
 from jaxrm.data.formats import kind
+from jaxrm.errors import DataError
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 _PARQUET_BATCH = 65_536  # pyarrow's default batch size
@@ -23,8 +23,9 @@ _PARQUET_BATCH = 65_536  # pyarrow's default batch size
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
 
-def read_rows(path_or_name: str, *, split: str = "train", config: str | None = None,
-              max_rows: int = 0) -> Iterator[tuple[str, dict]]:
+def read_rows(
+  path_or_name: str, *, split: str = "train", config: str | None = None, max_rows: int = 0
+) -> Iterator[tuple[str, dict]]:
   """Yields ``(source, row)`` for each row of a file, directory, URL or hub dataset.
 
   Rows are read as they are asked for: JSON Lines line by line, Parquet and CSV a batch at a time,
@@ -76,17 +77,20 @@ def fingerprint(path_or_name: str, *, split: str = "train", config: str | None =
     return {"file": path_or_name, **_file_fingerprint(path)}
   if os.path.isdir(path):
     files = sorted(os.path.relpath(os.path.join(d, n), path) for d, _, names in os.walk(path) for n in names)
-    return {"directory": path_or_name, "split": split,
-            "files": {f: _file_fingerprint(os.path.join(path, f)) for f in files}}
+    return {
+      "directory": path_or_name,
+      "split": split,
+      "files": {f: _file_fingerprint(os.path.join(path, f)) for f in files},
+    }
   if "://" in path_or_name:
     loaded = _load(path_or_name, "a URL", _url_builder(path_or_name), data_files=path_or_name, split="train")
     return {"url": path_or_name, "datasets_fingerprint": loaded._fingerprint}  # pylint: disable=protected-access
   if path_or_name.endswith(FILE_SUFFIXES) or not _HUB_NAME.fullmatch(path_or_name):
     raise DataError(f"{path_or_name}: no such file or directory")
-  loaded = _load(path_or_name, f"a hub dataset (split {split!r}, config {config!r})", path_or_name, config,
-                 split=split)
-  return {"hub": path_or_name, "split": split, "config": config,
-          "datasets_fingerprint": loaded._fingerprint}  # pylint: disable=protected-access
+  loaded = _load(
+    path_or_name, f"a hub dataset (split {split!r}, config {config!r})", path_or_name, config, split=split
+  )
+  return {"hub": path_or_name, "split": split, "config": config, "datasets_fingerprint": loaded._fingerprint}  # pylint: disable=protected-access
 
 
 def _file_fingerprint(path: str) -> dict:
@@ -122,8 +126,10 @@ def _file_rows(name: str, path: str, max_rows: int) -> Iterable[tuple[str, objec
     return _parquet_rows(name, path, max_rows)
   if path.endswith(".csv"):
     return _csv_rows(name, path)
-  raise DataError(f"{name}: unknown file type; use .jsonl, .json, .parquet, .csv or a directory written "
-                  "by datasets' save_to_disk")
+  raise DataError(
+    f"{name}: unknown file type; use .jsonl, .json, .parquet, .csv or a directory written "
+    "by datasets' save_to_disk"
+  )
 
 
 def _jsonl_rows(name: str, path: str) -> Iterator[tuple[str, object]]:
@@ -206,12 +212,15 @@ def _saved_rows(name: str, path: str, split: str) -> Iterator[tuple[str, object]
     return _dataset_rows(f"{name}:{split}", saved[split])
   if os.path.exists(os.path.join(path, "state.json")):
     return _dataset_rows(name, datasets.load_from_disk(path))
-  raise DataError(f"{name}: a directory, but not one written by datasets' save_to_disk (no "
-                  "dataset_dict.json or state.json)")
+  raise DataError(
+    f"{name}: a directory, but not one written by datasets' save_to_disk (no dataset_dict.json or state.json)"
+  )
 
 
 def _url_rows(url: str, max_rows: int) -> Iterator[tuple[str, object]]:
-  return _dataset_rows(url, _load(url, "a URL", _url_builder(url), data_files=url, split=_sliced("train", max_rows)))
+  return _dataset_rows(
+    url, _load(url, "a URL", _url_builder(url), data_files=url, split=_sliced("train", max_rows))
+  )
 
 
 def _hub_rows(name: str, split: str, config: str | None, max_rows: int) -> Iterator[tuple[str, object]]:

@@ -44,7 +44,8 @@ import json
 import re
 import weakref
 import zlib
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import jinja2
 import numpy as np
@@ -121,8 +122,9 @@ class StepwiseExample:
   meta: dict[str, Any]
 
 
-def tokenize_preference(record: PreferenceRecord, tokenizer, opts: TokenizeOptions,
-                        drops: DropReport) -> PreferenceExample | None:
+def tokenize_preference(
+  record: PreferenceRecord, tokenizer, opts: TokenizeOptions, drops: DropReport
+) -> PreferenceExample | None:
   """Tokenizes one preference row, or returns None after counting it in ``drops``."""
   order = sorted(range(len(record.ranks)), key=lambda i: record.ranks[i])
   completions = [record.completions[i] for i in order]
@@ -140,32 +142,34 @@ def tokenize_preference(record: PreferenceRecord, tokenizer, opts: TokenizeOptio
     drops.drop(IDENTICAL_COMPLETIONS, record.source)
     return None
   return PreferenceExample(
-      input_ids=tuple(np.asarray(ids, np.int32) for ids, _ in encoded),
-      ranks=tuple(record.ranks[i] for i in order),
-      margin=float(record.margin or 0.0),
-      source=record.source,
-      meta=dict(record.meta),
-      strength=record.strength,
+    input_ids=tuple(np.asarray(ids, np.int32) for ids, _ in encoded),
+    ranks=tuple(record.ranks[i] for i in order),
+    margin=float(record.margin or 0.0),
+    source=record.source,
+    meta=dict(record.meta),
+    strength=record.strength,
   )
 
 
-def tokenize_rated(record: RatedRecord, tokenizer, opts: TokenizeOptions,
-                   drops: DropReport) -> RatedExample | None:
+def tokenize_rated(
+  record: RatedRecord, tokenizer, opts: TokenizeOptions, drops: DropReport
+) -> RatedExample | None:
   """Tokenizes one rated row as a one-completion preference row, or returns None after counting
   it in ``drops``."""
-  single = PreferenceRecord(context=record.context, completions=(record.completion,), ranks=(0,),
-                            source=record.source)
+  single = PreferenceRecord(
+    context=record.context, completions=(record.completion,), ranks=(0,), source=record.source
+  )
   example = tokenize_preference(single, tokenizer, opts, drops)
   if example is None:
     return None
   rated = np.array([r is not None for r in record.ratings])
   return RatedExample(
-      input_ids=example.input_ids[0],
-      labels=np.array([r or 0.0 for r in record.ratings], np.float32),
-      label_mask=rated.astype(np.float32),
-      group=prompt_group(record.context),
-      source=record.source,
-      meta=dict(record.meta),
+    input_ids=example.input_ids[0],
+    labels=np.array([r or 0.0 for r in record.ratings], np.float32),
+    label_mask=rated.astype(np.float32),
+    group=prompt_group(record.context),
+    source=record.source,
+    meta=dict(record.meta),
   )
 
 
@@ -174,19 +178,21 @@ def prompt_group(context: Text) -> int:
   return zlib.crc32(json.dumps(context, sort_keys=True).encode("utf-8")) & 0x7FFFFFFF
 
 
-def tokenize_stepwise(record: StepwiseRecord, tokenizer, opts: TokenizeOptions,
-                      drops: DropReport) -> StepwiseExample | None:
+def tokenize_stepwise(
+  record: StepwiseRecord, tokenizer, opts: TokenizeOptions, drops: DropReport
+) -> StepwiseExample | None:
   """Tokenizes one stepwise row, or returns None after counting it in ``drops``."""
   sep = _text_ids(tokenizer, opts.step_separator, special=False)
   if not sep:
-    raise ValueError(f"step_separator={opts.step_separator!r} tokenizes to no tokens; "
-                     "choose a separator that is at least one token")
+    raise ValueError(
+      f"step_separator={opts.step_separator!r} tokenizes to no tokens; "
+      "choose a separator that is at least one token"
+    )
   steps = [_text_ids(tokenizer, s, special=False) + sep for s in record.steps]
   prefix = _stepwise_prefix(tokenizer, record.prompt, sep, record.source)
   if len(prefix) + sum(map(len, steps)) > opts.max_length:
     if opts.truncation == "drop":
-      drops.drop(PROMPT_TOO_LONG if len(prefix) >= opts.max_length else STEPS_TOO_LONG,
-                 record.source)
+      drops.drop(PROMPT_TOO_LONG if len(prefix) >= opts.max_length else STEPS_TOO_LONG, record.source)
       return None
     if isinstance(record.prompt, list):
       for shorter in _shorter_contexts(record.prompt):
@@ -203,10 +209,10 @@ def tokenize_stepwise(record: StepwiseRecord, tokenizer, opts: TokenizeOptions,
   first = kept - 1 if opts.train_on_last_step_only else 0
   labels[ends[first:]] = np.asarray(record.labels[first:kept], np.int32)
   return StepwiseExample(
-      input_ids=np.asarray(input_ids, np.int32),
-      labels=labels,
-      source=record.source,
-      meta=dict(record.meta),
+    input_ids=np.asarray(input_ids, np.int32),
+    labels=labels,
+    source=record.source,
+    meta=dict(record.meta),
   )
 
 
@@ -221,9 +227,12 @@ def pad_id(tokenizer, model_pad_token_id: int | None = None) -> int:
   return 0
 
 
-def tokenize_all(records: Iterable[PreferenceRecord | StepwiseRecord | RatedRecord], tokenizer,
-                 opts: TokenizeOptions,
-                 drops: DropReport) -> list[PreferenceExample | StepwiseExample | RatedExample]:
+def tokenize_all(
+  records: Iterable[PreferenceRecord | StepwiseRecord | RatedRecord],
+  tokenizer,
+  opts: TokenizeOptions,
+  drops: DropReport,
+) -> list[PreferenceExample | StepwiseExample | RatedExample]:
   """Tokenizes every record; dropped rows are counted in ``drops`` and left out."""
   out = []
   for record in records:
@@ -242,8 +251,7 @@ def tokenize_all(records: Iterable[PreferenceRecord | StepwiseRecord | RatedReco
 _Encoded = tuple[list[int], int]
 
 
-def _encode_group(tokenizer, context: Text, completions: Sequence[Text],
-                  source: str) -> list[_Encoded]:
+def _encode_group(tokenizer, context: Text, completions: Sequence[Text], source: str) -> list[_Encoded]:
   """Encodes prompt + completion for every completion; the prompt is tokenized once."""
   if isinstance(context, list):
     prompt_text = _chat_text(tokenizer, context, False, source, "context") if context else ""
@@ -255,9 +263,13 @@ def _encode_group(tokenizer, context: Text, completions: Sequence[Text],
     field = f"completions[{i}]"
     if context and isinstance(context, list) != isinstance(completion, list):
       kinds = ("a conversation", "plain text")
-      raise row_error(source, field, f"is {kinds[isinstance(completion, str)]} but the context is "
-                      f"{kinds[isinstance(context, str)]}; give both as message lists or both as "
-                      "strings")
+      raise row_error(
+        source,
+        field,
+        f"is {kinds[isinstance(completion, str)]} but the context is "
+        f"{kinds[isinstance(context, str)]}; give both as message lists or both as "
+        "strings",
+      )
     if isinstance(completion, list):
       text = _chat_text(tokenizer, list(context or []) + completion, False, source, field)
       full = _continued_ids(tokenizer, prompt_text if context else "", prompt, text)
@@ -276,7 +288,7 @@ def _continued_ids(tokenizer, prefix_text: str, prefix_ids: list[int], text: str
   paid again for every completion.
   """
   if prefix_text and text.startswith(prefix_text):
-    rest = text[len(prefix_text):]
+    rest = text[len(prefix_text) :]
     if _splits_at(tokenizer, prefix_text, rest):
       return prefix_ids + _text_ids(tokenizer, rest, special=False)
   return _text_ids(tokenizer, text, special=False)
@@ -314,7 +326,7 @@ def _splits_at(tokenizer, prefix: str, rest: str) -> bool:
   if not rest.startswith(added.openers):
     return False
   reach = added.longest - 1  # a straddling token starts within this many characters before
-  head, tail = prefix[max(0, len(prefix) - reach):], rest[:reach]
+  head, tail = prefix[max(0, len(prefix) - reach) :], rest[:reach]
   window, cut = head + tail, len(head)
   for pos in range(cut):
     match = added.any_token.match(window, pos)
@@ -328,18 +340,23 @@ def _added_tokens(tokenizer) -> _AddedTokens:
   if known is not None and known.size == len(tokenizer):
     return known
   tokens = list(tokenizer.added_tokens_decoder.values())
-  openers = tuple(t.content for t in tokens if t.content and not t.content[0].isspace()
-                  and not (t.normalized or t.lstrip or t.single_word))
+  openers = tuple(
+    t.content
+    for t in tokens
+    if t.content and not t.content[0].isspace() and not (t.normalized or t.lstrip or t.single_word)
+  )
   contents = sorted({t.content for t in tokens if t.content}, key=len, reverse=True)
   pattern = re.compile("(?=(" + "|".join(map(re.escape, contents)) + "))") if contents else None
-  known = _AddedTokens(size=len(tokenizer), openers=openers, any_token=pattern,
-                       longest=max(map(len, contents), default=0))
+  known = _AddedTokens(
+    size=len(tokenizer), openers=openers, any_token=pattern, longest=max(map(len, contents), default=0)
+  )
   _ADDED_TOKENS[tokenizer] = known
   return known
 
 
-def _truncate_group_left(tokenizer, record: PreferenceRecord, completions: Sequence[Text],
-                         encoded: list[_Encoded], max_length: int) -> list[_Encoded] | None:
+def _truncate_group_left(
+  tokenizer, record: PreferenceRecord, completions: Sequence[Text], encoded: list[_Encoded], max_length: int
+) -> list[_Encoded] | None:
   """Fits a group into ``max_length`` by cutting its context; None when no context cut is enough."""
   if isinstance(record.context, list):
     for shorter in _shorter_contexts(record.context):
@@ -354,7 +371,7 @@ def _truncate_group_left(tokenizer, record: PreferenceRecord, completions: Seque
     keep = 1 if ids and ids[0] == tokenizer.bos_token_id else 0
     if n_prompt - keep < cut:
       return None
-    out.append((ids[:keep] + ids[keep + cut:], n_prompt - cut))
+    out.append((ids[:keep] + ids[keep + cut :], n_prompt - cut))
   return out
 
 
@@ -364,7 +381,7 @@ def _shorter_contexts(messages: list[Message]) -> Iterable[list[Message]]:
   A turn starts at a user message. A leading system message and the last turn are always kept.
   """
   head = messages[:1] if messages and messages[0].get("role") == "system" else []
-  body = messages[len(head):]
+  body = messages[len(head) :]
   for start in range(1, len(body)):
     if body[start].get("role") == "user":
       yield head + body[start:]
@@ -376,8 +393,7 @@ def _stepwise_prefix(tokenizer, prompt: Text, sep: list[int], source: str) -> li
   return _text_ids(tokenizer, prompt, special=True) + sep
 
 
-def _steps_kept(prefix_len: int, steps: list[list[int]],
-                opts: TokenizeOptions) -> tuple[int, str | None]:
+def _steps_kept(prefix_len: int, steps: list[list[int]], opts: TokenizeOptions) -> tuple[int, str | None]:
   """How many leading steps fit after the prompt, or a drop reason."""
   if prefix_len >= opts.max_length:
     return 0, PROMPT_TOO_LONG
@@ -392,18 +408,21 @@ def _steps_kept(prefix_len: int, steps: list[list[int]],
   return kept, None
 
 
-def _chat_ids(tokenizer, messages: list[Message], add_generation_prompt: bool, source: str,
-              field: str) -> list[int]:
+def _chat_ids(
+  tokenizer, messages: list[Message], add_generation_prompt: bool, source: str, field: str
+) -> list[int]:
   text = _chat_text(tokenizer, messages, add_generation_prompt, source, field)
   # The template writes its own special tokens (BOS included); adding them again would double BOS.
   return _text_ids(tokenizer, text, special=False)
 
 
-def _chat_text(tokenizer, messages: list[Message], add_generation_prompt: bool, source: str,
-               field: str) -> str:
+def _chat_text(
+  tokenizer, messages: list[Message], add_generation_prompt: bool, source: str, field: str
+) -> str:
   try:
     return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+      messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
   except jinja2.TemplateError as e:
     raise row_error(source, field, f"the tokenizer's chat template rejected it: {e}") from e
 

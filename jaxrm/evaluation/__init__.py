@@ -9,10 +9,27 @@ The command line is ``python -m jaxrm.evaluate`` (:mod:`jaxrm.evaluate`).
 """
 
 from jaxrm.evaluation.core import dataset_source, evaluate, load_dataset, read_data, run_benchmark
-from jaxrm.evaluation.report import (HISTOGRAM_FILE, REPORT_FILE, format_report, plot_scores,
-                                     write_benchmark_outputs, write_outputs)
+from jaxrm.evaluation.report import (
+  HISTOGRAM_FILE,
+  REPORT_FILE,
+  format_report,
+  plot_scores,
+  write_benchmark_outputs,
+  write_outputs,
+)
 from jaxrm.evaluation.scores import NO_SUBSET
 
-__all__ = ["HISTOGRAM_FILE", "NO_SUBSET", "REPORT_FILE", "dataset_source", "evaluate", "format_report",
-           "load_dataset", "plot_scores", "read_data", "run_benchmark", "write_benchmark_outputs",
-           "write_outputs"]
+__all__ = [
+  "HISTOGRAM_FILE",
+  "NO_SUBSET",
+  "REPORT_FILE",
+  "dataset_source",
+  "evaluate",
+  "format_report",
+  "load_dataset",
+  "plot_scores",
+  "read_data",
+  "run_benchmark",
+  "write_benchmark_outputs",
+  "write_outputs",
+]

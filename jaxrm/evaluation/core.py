@@ -8,7 +8,8 @@ import functools
 import logging
 import os
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -27,11 +28,21 @@ from jaxrm.report import DEFAULT_FORMAT  # what a data path holds when no datase
 log = logging.getLogger(__name__)
 
 
-def evaluate(rm, data: str | os.PathLike | Sequence[Any], *, dataset_name: str | None = None,
-             split: str = "validation", subset_field: str | None = None, max_rows: int = 0,
-             max_length: int | None = None, options: TokenizeOptions | None = None, batch_size: int = 8,
-             bucket_multiple: int = 64, drops: DropReport | None = None,
-             combine: str | None = None) -> dict[str, Any]:
+def evaluate(
+  rm,
+  data: str | os.PathLike | Sequence[Any],
+  *,
+  dataset_name: str | None = None,
+  split: str = "validation",
+  subset_field: str | None = None,
+  max_rows: int = 0,
+  max_length: int | None = None,
+  options: TokenizeOptions | None = None,
+  batch_size: int = 8,
+  bucket_multiple: int = 64,
+  drops: DropReport | None = None,
+  combine: str | None = None,
+) -> dict[str, Any]:
   """Scores every example of ``data`` and returns its metrics.
 
   Args:
@@ -72,8 +83,15 @@ def evaluate(rm, data: str | os.PathLike | Sequence[Any], *, dataset_name: str |
   """
   drops = drops if drops is not None else DropReport()
   if isinstance(data, (str, os.PathLike)):
-    _, data = read_data(os.fspath(data), lambda: rm, dataset_name=dataset_name, split=split,
-                        subset_field=subset_field, max_rows=max_rows, drops=drops)
+    _, data = read_data(
+      os.fspath(data),
+      lambda: rm,
+      dataset_name=dataset_name,
+      split=split,
+      subset_field=subset_field,
+      max_rows=max_rows,
+      drops=drops,
+    )
   elif max_rows:
     data = list(data)[:max_rows]
   options = options or TokenizeOptions()
@@ -91,15 +109,15 @@ def evaluate(rm, data: str | os.PathLike | Sequence[Any], *, dataset_name: str |
   seconds = max(time.perf_counter() - t0, 1e-9)
   log.info("scored %d examples in %.1f s (%.1f examples/s)", len(examples), seconds, len(examples) / seconds)
   result = {
-      "kind": name,
-      **extra,
-      "num_examples": len(examples),
-      # compiling each batch shape is counted in: the time a user waits
-      "timing": {"seconds": seconds, "examples_per_second": len(examples) / seconds},
-      "metrics": kind.metrics(arrays, np.ones(len(examples), np.float32)),
-      "subsets": per_subset([e.meta.get("subset") for e in examples], functools.partial(kind.metrics, arrays)),
-      "dropped": drops.as_dict(),
-      "scores": scores,
+    "kind": name,
+    **extra,
+    "num_examples": len(examples),
+    # compiling each batch shape is counted in: the time a user waits
+    "timing": {"seconds": seconds, "examples_per_second": len(examples) / seconds},
+    "metrics": kind.metrics(arrays, np.ones(len(examples), np.float32)),
+    "subsets": per_subset([e.meta.get("subset") for e in examples], functools.partial(kind.metrics, arrays)),
+    "dropped": drops.as_dict(),
+    "scores": scores,
   }
   if "length" in scores:
     result["length_bias"] = length_bias.report(scores["length"], unit="tokens")
@@ -113,13 +131,17 @@ def _examples(rm, data: Sequence[Any], options: TokenizeOptions, drops: DropRepo
     examples = list(data)
   elif all(isinstance(x, tuple(k.record for k in KINDS.values())) for x in data):
     if rm.tokenizer is None:
-      raise EvaluationError("the model has no tokenizer to tokenize records with; pass tokenizer= to "
-                            "RewardModel.from_pretrained, or pass tokenized examples")
+      raise EvaluationError(
+        "the model has no tokenizer to tokenize records with; pass tokenizer= to "
+        "RewardModel.from_pretrained, or pass tokenized examples"
+      )
     examples = tokenize_all(data, rm.tokenizer, options, drops)
   else:
     records = " / ".join(k.record.__name__ for k in KINDS.values())
-    raise EvaluationError(f"data must be all records ({records}) or all tokenized examples; got "
-                          f"{sorted({type(x).__name__ for x in data})}")
+    raise EvaluationError(
+      f"data must be all records ({records}) or all tokenized examples; got "
+      f"{sorted({type(x).__name__ for x in data})}"
+    )
   if not examples:
     raise EvaluationError(f"every row was dropped\n{drops.summary('data')}")
   if len({kind_of(e) for e in examples}) > 1:
@@ -132,8 +154,9 @@ def _batches(rm, examples: list, kind: Kind, batch_size: int, bucket_multiple: i
   """The eval batches, padded to the multiples of ``bucket_multiple`` the longest sequence needs."""
   longest = max(len(ids) for e in examples for ids in kind.sequences(e))
   buckets = pipeline.length_buckets(-(-longest // bucket_multiple) * bucket_multiple, bucket_multiple)
-  return pipeline.make_eval_batches(examples, batch_size=batch_size, buckets=buckets,
-                                    pad_id=pad_id(rm.tokenizer, rm.config.pad_token_id))
+  return pipeline.make_eval_batches(
+    examples, batch_size=batch_size, buckets=buckets, pad_id=pad_id(rm.tokenizer, rm.config.pad_token_id)
+  )
 
 
 class _Progress(list):
@@ -154,14 +177,23 @@ class _Progress(list):
       yield batch
       if (i + 1) % every == 0 and i + 1 < len(self):
         seconds = time.perf_counter() - self._t0
-        log.info("scored %d of %d batches (%.1f s, %.2f batches/s)", i + 1, len(self), seconds, (i + 1) / seconds)
+        log.info(
+          "scored %d of %d batches (%.1f s, %.2f batches/s)", i + 1, len(self), seconds, (i + 1) / seconds
+        )
 
 
 # ------------------------------------------------------------------------------------------ data
 
 
-def load_dataset(name: str, path: str | None = None, *, split: str = "train", max_rows: int = 0,
-                 drops: DropReport | None = None, **options) -> list:
+def load_dataset(
+  name: str,
+  path: str | None = None,
+  *,
+  split: str = "train",
+  max_rows: int = 0,
+  drops: DropReport | None = None,
+  **options,
+) -> list:
   """The records of dataset ``name``, as training and ``python -m jaxrm.evaluate`` read them.
 
   Args:
@@ -187,15 +219,23 @@ def dataset_source(data: str, dataset_name: str | None = None) -> tuple[str, str
   """(dataset name, path or None) of ``data``: a dataset's name, or a path in ``dataset_name``'s format."""
   if data in registry.DATASET_NAMES:
     if dataset_name not in (None, data):
-      raise EvaluationError(f"data={data} names a dataset, which dataset_name={dataset_name} contradicts; "
-                            "give one of them")
+      raise EvaluationError(
+        f"data={data} names a dataset, which dataset_name={dataset_name} contradicts; give one of them"
+      )
     return data, None
   return dataset_name or DEFAULT_FORMAT, data
 
 
-def read_data(data: str, load_model: Callable[[], Any], *, dataset_name: str | None = None,
-              split: str = "validation", subset_field: str | None = None, max_rows: int = 0,
-              drops: DropReport | None = None) -> tuple[Any, list]:
+def read_data(
+  data: str,
+  load_model: Callable[[], Any],
+  *,
+  dataset_name: str | None = None,
+  split: str = "validation",
+  subset_field: str | None = None,
+  max_rows: int = 0,
+  drops: DropReport | None = None,
+) -> tuple[Any, list]:
   """(model, records) of a dataset named by ``data`` (see :func:`evaluate`), the model from ``load_model()``.
 
   Rated rows are read for the model's attributes, so its model is loaded first; other data is
@@ -215,9 +255,19 @@ def read_data(data: str, load_model: Callable[[], Any], *, dataset_name: str | N
 # ------------------------------------------------------------------------------------ benchmarks
 
 
-def run_benchmark(name: str, model, data: str | dict | None = None, *, split: str | None = None,
-                  max_rows: int = 0, threshold: float = 0.5, batch_size: int = 32, max_length: int | None = None,
-                  output_dir: str | None = None, info: dict[str, Any] | None = None) -> dict[str, Any]:
+def run_benchmark(
+  name: str,
+  model,
+  data: str | dict | None = None,
+  *,
+  split: str | None = None,
+  max_rows: int = 0,
+  threshold: float = 0.5,
+  batch_size: int = 32,
+  max_length: int | None = None,
+  output_dir: str | None = None,
+  info: dict[str, Any] | None = None,
+) -> dict[str, Any]:
   """Runs a public benchmark by its official rules (see :mod:`jaxrm.benchmarks`).
 
   Args:
@@ -244,8 +294,13 @@ def run_benchmark(name: str, model, data: str | dict | None = None, *, split: st
   if isinstance(model, Scorer):
     scorer = model
   else:
-    scorer = model_scorer(model, needs=(bench.MODEL_KIND,), use=name, batch_size=batch_size,
-                          max_length=bench.MAX_LENGTH if max_length is None else max_length)
+    scorer = model_scorer(
+      model,
+      needs=(bench.MODEL_KIND,),
+      use=name,
+      batch_size=batch_size,
+      max_length=bench.MAX_LENGTH if max_length is None else max_length,
+    )
   loaded = data if isinstance(data, dict) else benchmarks.load(name, data, split=split, max_rows=max_rows)
   result = benchmarks.score(loaded, scorer, threshold=threshold)
   result["files"] = report.write_benchmark_outputs(result, output_dir, info or {}) if output_dir else []

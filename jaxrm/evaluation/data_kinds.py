@@ -10,7 +10,8 @@ A kind is named by the data (``"regression"`` for rated rows); the model kind it
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -49,8 +50,11 @@ def _takes_no_combine(name: str) -> Callable[[Any, list, str | None], dict[str, 
   def prepare(rm, examples, combine):
     del rm, examples
     if combine is not None:
-      raise EvaluationError(f"combine={combine!r} ranks the attributes of rated rows; this data is {name} data")
+      raise EvaluationError(
+        f"combine={combine!r} ranks the attributes of rated rows; this data is {name} data"
+      )
     return {}
+
   return prepare
 
 
@@ -78,21 +82,25 @@ def _preference_score(rm, batches, examples, extra):
 def _preference_lines(result: dict[str, Any]) -> list[str]:
   m = result["metrics"]
   return [
-      f"accuracy           {m['accuracy']:.4f}  (best completion scored above the worst; "
-      f"ties {m['tie_rate']:.4f})",
-      f"pairwise accuracy  {m['pairwise_accuracy']:.4f}  (every ordered pair of completions)",
-      f"loss               {m['loss']:.4f}",
-      f"chosen reward      {m['chosen_reward']:.4f} ± {m['chosen_reward_std']:.4f}",
-      f"rejected reward    {m['rejected_reward']:.4f} ± {m['rejected_reward_std']:.4f}",
-      f"margin             {m['margin']:.4f} ± {m['margin_std']:.4f}",
-      f"all rewards        {m['reward_mean']:.4f} ± {m['reward_std']:.4f}",
+    f"accuracy           {m['accuracy']:.4f}  (best completion scored above the worst; "
+    f"ties {m['tie_rate']:.4f})",
+    f"pairwise accuracy  {m['pairwise_accuracy']:.4f}  (every ordered pair of completions)",
+    f"loss               {m['loss']:.4f}",
+    f"chosen reward      {m['chosen_reward']:.4f} ± {m['chosen_reward_std']:.4f}",
+    f"rejected reward    {m['rejected_reward']:.4f} ± {m['rejected_reward_std']:.4f}",
+    f"margin             {m['margin']:.4f} ± {m['margin_std']:.4f}",
+    f"all rewards        {m['reward_mean']:.4f} ± {m['reward_std']:.4f}",
   ]
 
 
 def _preference_plot(result: dict[str, Any], ax) -> None:
   s = result["scores"]
-  _histograms(ax, (("chosen", s["chosen"]), ("rejected", s["rejected"])), "reward",
-              "Rewards of the best (chosen) and worst (rejected) completions")
+  _histograms(
+    ax,
+    (("chosen", s["chosen"]), ("rejected", s["rejected"])),
+    "reward",
+    "Rewards of the best (chosen) and worst (rejected) completions",
+  )
 
 
 # ------------------------------------------------------------------------------------------ stepwise
@@ -106,19 +114,23 @@ def _stepwise_score(rm, batches, examples, extra):
 def _stepwise_lines(result: dict[str, Any]) -> list[str]:
   m = result["metrics"]
   return [
-      f"step accuracy      {m['step_accuracy']:.4f}  (baseline calling every step correct: "
-      f"{m['positive_rate']:.4f})",
-      f"recall             correct {m['recall_correct']:.4f}, error {m['recall_error']:.4f}",
-      f"F1 (error class)   {m['f1_error']:.4f}  (baseline: 0)",
-      f"first error found  {m['first_error_found']:.4f}  (of solutions with an error)",
-      f"loss               {m['loss']:.4f}",
+    f"step accuracy      {m['step_accuracy']:.4f}  (baseline calling every step correct: "
+    f"{m['positive_rate']:.4f})",
+    f"recall             correct {m['recall_correct']:.4f}, error {m['recall_error']:.4f}",
+    f"F1 (error class)   {m['f1_error']:.4f}  (baseline: 0)",
+    f"first error found  {m['first_error_found']:.4f}  (of solutions with an error)",
+    f"loss               {m['loss']:.4f}",
   ]
 
 
 def _stepwise_plot(result: dict[str, Any], ax) -> None:
   s = result["scores"]
-  _histograms(ax, (("steps labelled correct", s["correct"]), ("steps labelled in error", s["error"])),
-              "P(step correct)", "Predicted probability that a step is correct")
+  _histograms(
+    ax,
+    (("steps labelled correct", s["correct"]), ("steps labelled in error", s["error"])),
+    "P(step correct)",
+    "Predicted probability that a step is correct",
+  )
 
 
 # ---------------------------------------------------------------------------------------- regression
@@ -128,8 +140,10 @@ def _regression_prepare(rm, examples, combine):
   """Rated rows hold their ratings in the order of ``rm.attributes``, one per attribute."""
   ratings = examples[0].labels.shape[0]
   if ratings != len(rm.attributes):
-    raise EvaluationError(f"the rated rows hold {ratings} ratings each and the model has {len(rm.attributes)} "
-                          f"outputs ({', '.join(rm.attributes)}); read the rows for the model's attributes")
+    raise EvaluationError(
+      f"the rated rows hold {ratings} ratings each and the model has {len(rm.attributes)} "
+      f"outputs ({', '.join(rm.attributes)}); read the rows for the model's attributes"
+    )
   scores.combination(rm.attributes, combine)  # a bad combine fails before the model runs
   return {"attributes": list(rm.attributes), "combine": combine or rm.attributes[0]}
 
@@ -142,12 +156,12 @@ def _regression_lines(result: dict[str, Any]) -> list[str]:
   m, attributes = result["metrics"], result["attributes"]
   width = max(len("attribute"), *(len(a) for a in attributes))
   lines = [
-      f"mse                {m['mse']:.4f}  (every rating)",
-      f"pairwise accuracy  {m['pairwise_accuracy']:.4f}  (same-prompt responses whose ratings differ, "
-      f"ranked by {result['combine']})",
-      f"loss               {m['loss']:.4f}",
-      "",
-      f"{'attribute':<{width}}  {'mse':>8}  {'mae':>8}  {'pearson':>8}  {'spearman':>8}",
+    f"mse                {m['mse']:.4f}  (every rating)",
+    f"pairwise accuracy  {m['pairwise_accuracy']:.4f}  (same-prompt responses whose ratings differ, "
+    f"ranked by {result['combine']})",
+    f"loss               {m['loss']:.4f}",
+    "",
+    f"{'attribute':<{width}}  {'mse':>8}  {'mae':>8}  {'pearson':>8}  {'spearman':>8}",
   ]
   columns = ("mse", "mae", "pearson", "spearman")
   return lines + [f"{a:<{width}}" + "".join(f"  {m[f'{k}_{a}']:>8.4f}" for k in columns) for a in attributes]
@@ -164,8 +178,10 @@ def _regression_plot(result: dict[str, Any], ax) -> None:
   has its own axes."""
   spec = ax.get_subplotspec()
   if spec is None:
-    raise ValueError("plot_scores of a regression result draws one panel per attribute in the place of ax: "
-                     "give an axes of a grid (fig.add_subplot() or plt.subplots())")
+    raise ValueError(
+      "plot_scores of a regression result draws one panel per attribute in the place of ax: "
+      "give an axes of a grid (fig.add_subplot() or plt.subplots())"
+    )
   fig, names, s = ax.figure, result["attributes"], result["scores"]
   grid = spec.subgridspec(1, len(names))
   ax.remove()
@@ -185,21 +201,43 @@ def _regression_plot(result: dict[str, Any], ax) -> None:
 
 
 KINDS: dict[str, Kind] = {
-    "preference": Kind(
-        record=PreferenceRecord, example=PreferenceExample, model=kinds.PREFERENCE, use="preference data",
-        sequences=lambda e: e.input_ids, prepare=_takes_no_combine("preference"), score=_preference_score,
-        metrics=scores.preference_metrics, lines=_preference_lines,
-        columns=lambda result: ("accuracy", "margin", "chosen_reward", "rejected_reward"),
-        plot=_preference_plot),
-    "stepwise": Kind(
-        record=StepwiseRecord, example=StepwiseExample, model=kinds.PROCESS, use="stepwise data",
-        sequences=lambda e: (e.input_ids,), prepare=_takes_no_combine("stepwise"), score=_stepwise_score,
-        metrics=scores.stepwise_metrics, lines=_stepwise_lines,
-        columns=lambda result: ("step_accuracy", "f1_error", "first_error_found", "positive_rate"),
-        plot=_stepwise_plot),
-    "regression": Kind(
-        record=RatedRecord, example=RatedExample, model=kinds.REGRESSION, use="rated data",
-        sequences=lambda e: (e.input_ids,), prepare=_regression_prepare, score=_regression_score,
-        metrics=scores.regression_metrics, lines=_regression_lines, columns=_regression_columns,
-        plot=_regression_plot),
+  "preference": Kind(
+    record=PreferenceRecord,
+    example=PreferenceExample,
+    model=kinds.PREFERENCE,
+    use="preference data",
+    sequences=lambda e: e.input_ids,
+    prepare=_takes_no_combine("preference"),
+    score=_preference_score,
+    metrics=scores.preference_metrics,
+    lines=_preference_lines,
+    columns=lambda result: ("accuracy", "margin", "chosen_reward", "rejected_reward"),
+    plot=_preference_plot,
+  ),
+  "stepwise": Kind(
+    record=StepwiseRecord,
+    example=StepwiseExample,
+    model=kinds.PROCESS,
+    use="stepwise data",
+    sequences=lambda e: (e.input_ids,),
+    prepare=_takes_no_combine("stepwise"),
+    score=_stepwise_score,
+    metrics=scores.stepwise_metrics,
+    lines=_stepwise_lines,
+    columns=lambda result: ("step_accuracy", "f1_error", "first_error_found", "positive_rate"),
+    plot=_stepwise_plot,
+  ),
+  "regression": Kind(
+    record=RatedRecord,
+    example=RatedExample,
+    model=kinds.REGRESSION,
+    use="rated data",
+    sequences=lambda e: (e.input_ids,),
+    prepare=_regression_prepare,
+    score=_regression_score,
+    metrics=scores.regression_metrics,
+    lines=_regression_lines,
+    columns=_regression_columns,
+    plot=_regression_plot,
+  ),
 }

@@ -30,11 +30,11 @@ def format_report(result: dict[str, Any]) -> str:
 
 # What a metric with nothing counted (NaN) means, in the subset table's cell.
 UNDEFINED = {
-    "f1_error": "no errors",  # no step in error, and none called one
-    "first_error_found": "no errors",  # no solution with a step in error
-    "recall_error": "no errors",
-    "recall_correct": "none correct",
-    "accuracy": "no pairs",
+  "f1_error": "no errors",  # no step in error, and none called one
+  "first_error_found": "no errors",  # no solution with a step in error
+  "recall_error": "no errors",
+  "recall_correct": "none correct",
+  "accuracy": "no pairs",
 }
 
 
@@ -42,7 +42,9 @@ def _subset_table(subsets: dict[str, dict[str, float]], columns: tuple[str, ...]
   width = max(len("subset"), *(len(s) for s in subsets))
   lines = [f"{'subset':<{width}}  {'n':>6}" + "".join(f"  {c:>17}" for c in columns)]
   for name, m in subsets.items():
-    lines.append(f"{name:<{width}}  {m['num_examples']:>6}" + "".join(f"  {_cell(m[c], c):>17}" for c in columns))
+    lines.append(
+      f"{name:<{width}}  {m['num_examples']:>6}" + "".join(f"  {_cell(m[c], c):>17}" for c in columns)
+    )
   return lines
 
 
@@ -87,10 +89,14 @@ def write_outputs(result: dict[str, Any], output_dir: str, info: dict[str, Any])
 def write_benchmark_outputs(report: dict[str, Any], output_dir: str, info: dict[str, Any]) -> list[str]:
   """Writes ``eval.json`` (no per-row data) and, for preference benchmarks, ``length_bias.png``."""
   os.makedirs(output_dir, exist_ok=True)
-  files = [_write_json({**info, **{k: v for k, v in report.items() if k not in benchmarks.ROW_KEYS}}, output_dir)]
+  files = [
+    _write_json({**info, **{k: v for k, v in report.items() if k not in benchmarks.ROW_KEYS}}, output_dir)
+  ]
   if "comparisons" in report:
     files.append(os.path.join(output_dir, length_bias.PLOT_FILE))
-    length_bias.plot(report["comparisons"], files[-1], f"{report['benchmark']}: reward against response length")
+    length_bias.plot(
+      report["comparisons"], files[-1], f"{report['benchmark']}: reward against response length"
+    )
   return files
 
 

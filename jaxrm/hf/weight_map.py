@@ -13,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
+from jaxrm.errors import CheckpointError
 from jaxrm.models.config import ModelConfig
 from jaxrm.models.decoder import layer_param_shapes
-from jaxrm.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -42,32 +42,34 @@ _ATTN = "model.layers.{i}.self_attn."
 _MLP = "model.layers.{i}.mlp."
 
 _COMMON = [
-    Rule("model.embed_tokens.weight", "embed"),
-    Rule("model.norm.weight", "final_norm"),
-    Rule("model.layers.{i}.input_layernorm.weight", "layers.input_norm"),
-    *(Rule(f"{_ATTN}{p}_proj.weight", f"layers.{p}", True) for p in "qkvo"),
-    *(Rule(f"{_ATTN}{p}_proj.bias", f"layers.{p}_bias") for p in "qkvo"),
-    *(Rule(f"{_MLP}{p}_proj.weight", f"layers.{p}", True) for p in ("gate", "up", "down")),
-    *(Rule(f"{_MLP}{p}_proj.bias", f"layers.{p}_bias") for p in ("gate", "up", "down")),
-    Rule("score.weight", "score", True),
-    Rule("score.bias", "score_bias"),
+  Rule("model.embed_tokens.weight", "embed"),
+  Rule("model.norm.weight", "final_norm"),
+  Rule("model.layers.{i}.input_layernorm.weight", "layers.input_norm"),
+  *(Rule(f"{_ATTN}{p}_proj.weight", f"layers.{p}", True) for p in "qkvo"),
+  *(Rule(f"{_ATTN}{p}_proj.bias", f"layers.{p}_bias") for p in "qkvo"),
+  *(Rule(f"{_MLP}{p}_proj.weight", f"layers.{p}", True) for p in ("gate", "up", "down")),
+  *(Rule(f"{_MLP}{p}_proj.bias", f"layers.{p}_bias") for p in ("gate", "up", "down")),
+  Rule("score.weight", "score", True),
+  Rule("score.bias", "score_bias"),
 ]
 
 _LLAMA = _COMMON + [Rule("model.layers.{i}.post_attention_layernorm.weight", "layers.mlp_norm")]
 
 RULES: dict[str, list[Rule]] = {
-    "llama": _LLAMA,
-    "mistral": _LLAMA,
-    "qwen2": _LLAMA,
-    "qwen3": _LLAMA + [
-        Rule(_ATTN + "q_norm.weight", "layers.q_norm"),
-        Rule(_ATTN + "k_norm.weight", "layers.k_norm"),
-    ],
-    "gemma2": _COMMON + [
-        Rule("model.layers.{i}.post_attention_layernorm.weight", "layers.post_attn_norm"),
-        Rule("model.layers.{i}.pre_feedforward_layernorm.weight", "layers.mlp_norm"),
-        Rule("model.layers.{i}.post_feedforward_layernorm.weight", "layers.post_mlp_norm"),
-    ],
+  "llama": _LLAMA,
+  "mistral": _LLAMA,
+  "qwen2": _LLAMA,
+  "qwen3": _LLAMA
+  + [
+    Rule(_ATTN + "q_norm.weight", "layers.q_norm"),
+    Rule(_ATTN + "k_norm.weight", "layers.k_norm"),
+  ],
+  "gemma2": _COMMON
+  + [
+    Rule("model.layers.{i}.post_attention_layernorm.weight", "layers.post_attn_norm"),
+    Rule("model.layers.{i}.pre_feedforward_layernorm.weight", "layers.mlp_norm"),
+    Rule("model.layers.{i}.post_feedforward_layernorm.weight", "layers.post_mlp_norm"),
+  ],
 }
 
 LM_HEAD = "lm_head.weight"  # absent when tied to the embedding
@@ -119,14 +121,17 @@ def plan(cfg: ModelConfig, keys: Iterable[str], *, new_head: bool = False) -> di
         log.debug("skipping checkpoint tensor %s", key)
         continue
       raise CheckpointError(
-          f"unexpected tensor {key!r} in the checkpoint: no {cfg.family} parameter takes it "
-          f"(is the config.json architecture right? qkv_bias={cfg.qkv_bias}, mlp_bias={cfg.mlp_bias})")
+        f"unexpected tensor {key!r} in the checkpoint: no {cfg.family} parameter takes it "
+        f"(is the config.json architecture right? qkv_bias={cfg.qkv_bias}, mlp_bias={cfg.mlp_bias})"
+      )
     if len(hits) > 1:
       raise CheckpointError(f"tensor {key!r} matches several rules: {[r.hf for r, _ in hits]}")
     rule, m = hits[0]
     layer = int(m.group(1)) if m.groups() else None
     if layer is not None and layer >= cfg.num_layers:
-      raise CheckpointError(f"tensor {key!r} is for layer {layer}, but the config has {cfg.num_layers} layers")
+      raise CheckpointError(
+        f"tensor {key!r} is for layer {layer}, but the config has {cfg.num_layers} layers"
+      )
     slots.setdefault(rule.param, []).append(Slot(key, layer, rule.transpose))
 
   has_head = any(p in slots for p in HEAD_PARAMS)
@@ -176,25 +181,25 @@ def peft_names(cfg: ModelConfig) -> list[tuple[str, str, int | None, bool]]:
 
 # GGUF tensor name (without ".weight") -> HF tensor name (without ".weight"), Llama layout.
 GGUF_TO_HF = (
-    (r"token_embd", r"model.embed_tokens"),
-    (r"blk\.(\d+)\.attn_q", r"model.layers.\1.self_attn.q_proj"),
-    (r"blk\.(\d+)\.attn_k", r"model.layers.\1.self_attn.k_proj"),
-    (r"blk\.(\d+)\.attn_v", r"model.layers.\1.self_attn.v_proj"),
-    (r"blk\.(\d+)\.attn_output", r"model.layers.\1.self_attn.o_proj"),
-    (r"blk\.(\d+)\.ffn_gate", r"model.layers.\1.mlp.gate_proj"),
-    (r"blk\.(\d+)\.ffn_up", r"model.layers.\1.mlp.up_proj"),
-    (r"blk\.(\d+)\.ffn_down", r"model.layers.\1.mlp.down_proj"),
-    (r"blk\.(\d+)\.attn_norm", r"model.layers.\1.input_layernorm"),
-    (r"blk\.(\d+)\.ffn_norm", r"model.layers.\1.post_attention_layernorm"),
-    (r"output_norm", r"model.norm"),
-    (r"output", r"lm_head"),
+  (r"token_embd", r"model.embed_tokens"),
+  (r"blk\.(\d+)\.attn_q", r"model.layers.\1.self_attn.q_proj"),
+  (r"blk\.(\d+)\.attn_k", r"model.layers.\1.self_attn.k_proj"),
+  (r"blk\.(\d+)\.attn_v", r"model.layers.\1.self_attn.v_proj"),
+  (r"blk\.(\d+)\.attn_output", r"model.layers.\1.self_attn.o_proj"),
+  (r"blk\.(\d+)\.ffn_gate", r"model.layers.\1.mlp.gate_proj"),
+  (r"blk\.(\d+)\.ffn_up", r"model.layers.\1.mlp.up_proj"),
+  (r"blk\.(\d+)\.ffn_down", r"model.layers.\1.mlp.down_proj"),
+  (r"blk\.(\d+)\.attn_norm", r"model.layers.\1.input_layernorm"),
+  (r"blk\.(\d+)\.ffn_norm", r"model.layers.\1.post_attention_layernorm"),
+  (r"output_norm", r"model.norm"),
+  (r"output", r"lm_head"),
 )
 
 # llama.cpp interleaves the rotary pairs of q and k rows; HF tensor -> the config.json field
 # holding that projection's number of heads, which undoing the permutation needs.
 GGUF_PERMUTED_ROWS = {
-    _ATTN + "q_proj.weight": "num_attention_heads",
-    _ATTN + "k_proj.weight": "num_key_value_heads",
+  _ATTN + "q_proj.weight": "num_attention_heads",
+  _ATTN + "k_proj.weight": "num_key_value_heads",
 }
 
 

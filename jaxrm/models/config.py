@@ -97,7 +97,9 @@ class ModelConfig:
 
   def __post_init__(self):
     if self.family not in FAMILIES:
-      raise UnsupportedModelError(f"model family {self.family!r} is not supported; supported: {', '.join(FAMILIES)}")
+      raise UnsupportedModelError(
+        f"model family {self.family!r} is not supported; supported: {', '.join(FAMILIES)}"
+      )
     if self.head not in HEADS:
       raise ConfigError(f"head must be one of {HEADS}, got {self.head!r}")
     if self.remat not in REMAT_POLICIES:
@@ -105,16 +107,23 @@ class ModelConfig:
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ConfigError(f"attention_impl={self.attention_impl!r}; use one of {', '.join(ATTENTION_IMPLS)}")
     if self.num_heads % self.num_kv_heads:
-      raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+      raise ConfigError(
+        f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+      )
     if self.layer_types and len(self.layer_types) != self.num_layers:
       raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
     if self.lora.base_dtype == "nf4":  # two codes per byte along each projection's input
-      inputs = {"hidden_size": self.hidden_size, "num_heads * head_dim": self.num_heads * self.head_dim,
-                "intermediate_size": self.intermediate_size}
+      inputs = {
+        "hidden_size": self.hidden_size,
+        "num_heads * head_dim": self.num_heads * self.head_dim,
+        "intermediate_size": self.intermediate_size,
+      }
       odd = [f"{k}={v}" for k, v in inputs.items() if v % 2]
       if odd:
-        raise ConfigError(f"LoRA base_dtype='nf4' packs two codes per byte along a projection's input, "
-                          f"but {', '.join(odd)} is odd; use base_dtype='int8' or 'bfloat16'")
+        raise ConfigError(
+          f"LoRA base_dtype='nf4' packs two codes per byte along a projection's input, "
+          f"but {', '.join(odd)} is odd; use base_dtype='int8' or 'bfloat16'"
+        )
 
   @property
   def sliding_layers(self) -> np.ndarray:
@@ -129,7 +138,7 @@ class ModelConfig:
   def attn_scale(self) -> float:
     return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
-  def replace(self, **changes) -> "ModelConfig":
+  def replace(self, **changes) -> ModelConfig:
     return dataclasses.replace(self, **changes)
 
 
@@ -154,11 +163,11 @@ def config_from_dict(d: dict[str, Any], where: str) -> ModelConfig:
 
 # Architectures transformers saves in config.json, per family and head.
 ARCHITECTURES = {
-    "llama": "Llama",
-    "mistral": "Mistral",
-    "qwen2": "Qwen2",
-    "qwen3": "Qwen3",
-    "gemma2": "Gemma2",
+  "llama": "Llama",
+  "mistral": "Mistral",
+  "qwen2": "Qwen2",
+  "qwen3": "Qwen3",
+  "gemma2": "Gemma2",
 }
 
 
@@ -168,14 +177,15 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
   rope_type = params.get("rope_type", params.get("type", "default"))
   if rope_type not in ROPE_TYPES:
     raise UnsupportedModelError(
-        f"rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+      f"rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
+    )
   return RopeConfig(
-      theta=float(theta),
-      type=rope_type,
-      factor=float(params.get("factor", 1.0)),
-      low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-      high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-      original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    theta=float(theta),
+    type=rope_type,
+    factor=float(params.get("factor", 1.0)),
+    low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+    high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+    original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
   )
 
 
@@ -190,7 +200,9 @@ def _sliding(hf: dict[str, Any], family: str, num_layers: int):
     layer_types = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers))
   if family in ("qwen2", "qwen3") and not layer_types:
     first_full = hf.get("max_window_layers", num_layers)
-    layer_types = tuple("sliding_attention" if i >= first_full else "full_attention" for i in range(num_layers))
+    layer_types = tuple(
+      "sliding_attention" if i >= first_full else "full_attention" for i in range(num_layers)
+    )
   return int(window), layer_types
 
 
@@ -200,8 +212,9 @@ def from_hf_config(hf: dict[str, Any], **overrides) -> ModelConfig:
   if family not in FAMILIES:
     archs = ", ".join(hf.get("architectures") or []) or "unknown"
     raise UnsupportedModelError(
-        f"model_type {family!r} (architectures: {archs}) is not supported; "
-        f"jaxrm supports: {', '.join(FAMILIES)}")
+      f"model_type {family!r} (architectures: {archs}) is not supported; "
+      f"jaxrm supports: {', '.join(FAMILIES)}"
+    )
   num_layers = hf["num_hidden_layers"]
   num_heads = hf["num_attention_heads"]
   head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
@@ -217,34 +230,34 @@ def from_hf_config(hf: dict[str, Any], **overrides) -> ModelConfig:
     head, num_labels = "sequence", 1
   bias = bool(hf.get("attention_bias", False))
   kwargs = dict(
-      family=family,
-      vocab_size=hf["vocab_size"],
-      hidden_size=hf["hidden_size"],
-      intermediate_size=hf["intermediate_size"],
-      num_layers=num_layers,
-      num_heads=num_heads,
-      num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-      head_dim=head_dim,
-      rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-      rope=_rope_from_hf(hf),
-      max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-      tie_word_embeddings=bool(hf.get("tie_word_embeddings", family == "gemma2")),
-      qkv_bias=family == "qwen2" or (family in ("llama", "qwen3") and bias),
-      o_bias=family == "llama" and bias,
-      mlp_bias=family == "llama" and bool(hf.get("mlp_bias", False)),
-      qk_norm=family == "qwen3",
-      hidden_act=hf.get("hidden_activation") or hf.get("hidden_act", "silu"),
-      sliding_window=window,
-      layer_types=layer_types,
-      attn_logit_softcapping=hf.get("attn_logit_softcapping") if family == "gemma2" else None,
-      query_pre_attn_scalar=hf.get("query_pre_attn_scalar") if family == "gemma2" else None,
-      gemma_norms=family == "gemma2",
-      head=head,
-      num_labels=num_labels,
-      head_bias=head == "token",
-      pad_token_id=hf.get("pad_token_id"),
-      bos_token_id=hf.get("bos_token_id"),
-      eos_token_id=tuple(eos) if isinstance(eos := hf.get("eos_token_id"), list) else eos,
+    family=family,
+    vocab_size=hf["vocab_size"],
+    hidden_size=hf["hidden_size"],
+    intermediate_size=hf["intermediate_size"],
+    num_layers=num_layers,
+    num_heads=num_heads,
+    num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+    head_dim=head_dim,
+    rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+    rope=_rope_from_hf(hf),
+    max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+    tie_word_embeddings=bool(hf.get("tie_word_embeddings", family == "gemma2")),
+    qkv_bias=family == "qwen2" or (family in ("llama", "qwen3") and bias),
+    o_bias=family == "llama" and bias,
+    mlp_bias=family == "llama" and bool(hf.get("mlp_bias", False)),
+    qk_norm=family == "qwen3",
+    hidden_act=hf.get("hidden_activation") or hf.get("hidden_act", "silu"),
+    sliding_window=window,
+    layer_types=layer_types,
+    attn_logit_softcapping=hf.get("attn_logit_softcapping") if family == "gemma2" else None,
+    query_pre_attn_scalar=hf.get("query_pre_attn_scalar") if family == "gemma2" else None,
+    gemma_norms=family == "gemma2",
+    head=head,
+    num_labels=num_labels,
+    head_bias=head == "token",
+    pad_token_id=hf.get("pad_token_id"),
+    bos_token_id=hf.get("bos_token_id"),
+    eos_token_id=tuple(eos) if isinstance(eos := hf.get("eos_token_id"), list) else eos,
   )
   if kwargs["hidden_act"] not in ("silu", "gelu_pytorch_tanh"):
     raise UnsupportedModelError(f"hidden activation {kwargs['hidden_act']!r} is not supported")
@@ -259,31 +272,34 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   if cfg.rope.type != "default":
     rope.update(factor=cfg.rope.factor)
   if cfg.rope.type == "llama3":
-    rope.update(low_freq_factor=cfg.rope.low_freq_factor, high_freq_factor=cfg.rope.high_freq_factor,
-                original_max_position_embeddings=cfg.rope.original_max_position_embeddings)
+    rope.update(
+      low_freq_factor=cfg.rope.low_freq_factor,
+      high_freq_factor=cfg.rope.high_freq_factor,
+      original_max_position_embeddings=cfg.rope.original_max_position_embeddings,
+    )
   hf = {
-      "model_type": cfg.family,
-      "architectures": [ARCHITECTURES[cfg.family] + suffix],
-      "vocab_size": cfg.vocab_size,
-      "hidden_size": cfg.hidden_size,
-      "intermediate_size": cfg.intermediate_size,
-      "num_hidden_layers": cfg.num_layers,
-      "num_attention_heads": cfg.num_heads,
-      "num_key_value_heads": cfg.num_kv_heads,
-      "head_dim": cfg.head_dim,
-      "rms_norm_eps": cfg.rms_norm_eps,
-      "rope_theta": cfg.rope.theta,
-      "rope_parameters": rope,
-      "rope_scaling": None if cfg.rope.type == "default" else dict(rope),
-      "max_position_embeddings": cfg.max_position_embeddings,
-      "tie_word_embeddings": cfg.tie_word_embeddings,
-      "num_labels": cfg.num_labels,
-      "id2label": {str(i): f"LABEL_{i}" for i in range(cfg.num_labels)},
-      "label2id": {f"LABEL_{i}": i for i in range(cfg.num_labels)},
-      "pad_token_id": cfg.pad_token_id,
-      "bos_token_id": cfg.bos_token_id,
-      "eos_token_id": list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id,
-      "torch_dtype": cfg.param_dtype,
+    "model_type": cfg.family,
+    "architectures": [ARCHITECTURES[cfg.family] + suffix],
+    "vocab_size": cfg.vocab_size,
+    "hidden_size": cfg.hidden_size,
+    "intermediate_size": cfg.intermediate_size,
+    "num_hidden_layers": cfg.num_layers,
+    "num_attention_heads": cfg.num_heads,
+    "num_key_value_heads": cfg.num_kv_heads,
+    "head_dim": cfg.head_dim,
+    "rms_norm_eps": cfg.rms_norm_eps,
+    "rope_theta": cfg.rope.theta,
+    "rope_parameters": rope,
+    "rope_scaling": None if cfg.rope.type == "default" else dict(rope),
+    "max_position_embeddings": cfg.max_position_embeddings,
+    "tie_word_embeddings": cfg.tie_word_embeddings,
+    "num_labels": cfg.num_labels,
+    "id2label": {str(i): f"LABEL_{i}" for i in range(cfg.num_labels)},
+    "label2id": {f"LABEL_{i}": i for i in range(cfg.num_labels)},
+    "pad_token_id": cfg.pad_token_id,
+    "bos_token_id": cfg.bos_token_id,
+    "eos_token_id": list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id,
+    "torch_dtype": cfg.param_dtype,
   }
   if cfg.family == "gemma2":
     hf["hidden_activation"] = cfg.hidden_act
@@ -302,6 +318,9 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   elif cfg.family in ("mistral", "qwen2", "qwen3"):
     hf["sliding_window"] = None
   if cfg.family == "gemma2":
-    hf.update(attn_logit_softcapping=cfg.attn_logit_softcapping,
-              query_pre_attn_scalar=cfg.query_pre_attn_scalar, final_logit_softcapping=None)
+    hf.update(
+      attn_logit_softcapping=cfg.attn_logit_softcapping,
+      query_pre_attn_scalar=cfg.query_pre_attn_scalar,
+      final_logit_softcapping=None,
+    )
   return hf

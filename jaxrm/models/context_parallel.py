@@ -54,8 +54,9 @@ def storage_order(length: int, context: int, balance: str) -> np.ndarray:
   if length % chunks:
     key = "data.packed_row_length (packed rows) or data.bucket_multiple and data.max_length"
     raise ValueError(
-        f"mesh.context={context} with mesh.context_balance={balance!r} splits each row into {chunks} "
-        f"equal chunks, but a row has {length} tokens: set {key} to a multiple of {chunks}")
+      f"mesh.context={context} with mesh.context_balance={balance!r} splits each row into {chunks} "
+      f"equal chunks, but a row has {length} tokens: set {key} to a multiple of {chunks}"
+    )
   order = np.arange(length, dtype=np.int32)
   if balance == "none":
     return order
@@ -71,8 +72,19 @@ def describe(mesh) -> str | None:
   return f"context parallel over {c} devices: all-gather K/V, {sharding.context_balance(mesh)}"
 
 
-def attention(q_bthd, k_bskd, v_bskd, ids: L.TokenIds, order: np.ndarray, window=None, *,
-              scale: float, softcap: float | None, kernel: str = "reference", interpret: bool = False):
+def attention(
+  q_bthd,
+  k_bskd,
+  v_bskd,
+  ids: L.TokenIds,
+  order: np.ndarray,
+  window=None,
+  *,
+  scale: float,
+  softcap: float | None,
+  kernel: str = "reference",
+  interpret: bool = False,
+):
   """Attention on each device's rows, tokens and heads, with the keys, values and ids of the whole
   row gathered over the context axis. Returns [B, T, H, Dh], sharded as q.
 
@@ -96,12 +108,24 @@ def attention(q_bthd, k_bskd, v_bskd, ids: L.TokenIds, order: np.ndarray, window
   row_order = np.argsort(order)  # gathered keys, stored order -> row order
 
   def local(q, k, v, ids, *window):
-    gathered = lambda x: jnp.take(jax.lax.all_gather(x, axis_name=axis, axis=1, tiled=True), row_order, axis=1)
+    gathered = lambda x: jnp.take(
+      jax.lax.all_gather(x, axis_name=axis, axis=1, tiled=True), row_order, axis=1
+    )
     keys, shard = L.TokenIds(*(gathered(x) for x in ids)), jax.lax.axis_index(axis)
     window = window[0] if window else None
     if kernel == "pallas":
-      return _flash_runs(runs, shard, q, gathered(k), gathered(v), keys, window, scale=scale, softcap=softcap,
-                         interpret=interpret)
+      return _flash_runs(
+        runs,
+        shard,
+        q,
+        gathered(k),
+        gathered(v),
+        keys,
+        window,
+        scale=scale,
+        softcap=softcap,
+        interpret=interpret,
+      )
     return _causal_runs(runs, scale, softcap, shard, q, gathered(k), gathered(v), ids, keys, window)
 
   args = (q_bthd, k_bskd, v_bskd, ids) + (() if window is None else (window,))
@@ -130,9 +154,12 @@ def _flash_runs(runs: Runs, shard, q_bthd, k_bskd, v_bskd, keys: L.TokenIds, win
   # A Layout marks padding by segment 0, which an unpacked row's real tokens carry here.
   ids = F.layout(jnp.where(keys.real > 0, keys.segment + 1, 0), keys.branch, keys.position)
   firsts = jnp.asarray([[first for _, _, first in shard_runs] for shard_runs in runs], jnp.int32)[shard]
-  outs = [F.flash_attention(q_bthd[:, start:start + n], k_bskd, v_bskd, ids, window, q_offset=firsts[i],
-                            **kernel_args)
-          for i, (start, n, _) in enumerate(runs[0])]
+  outs = [
+    F.flash_attention(
+      q_bthd[:, start : start + n], k_bskd, v_bskd, ids, window, q_offset=firsts[i], **kernel_args
+    )
+    for i, (start, n, _) in enumerate(runs[0])
+  ]
   return jnp.concatenate(outs, axis=1)
 
 
@@ -166,11 +193,18 @@ def _runs_forward(runs, scale, softcap, shard, q_bthd, k_bskd, v_bskd, q_ids, k_
       outs, lses = [], []
       for run in shard_runs:
         start, n, first = run
-        out, lse = L.attention_forward(q[:, start:start + n], k[:, :first + n], v[:, :first + n],
-                                       _run_mask(run, q_ids, k_ids, window), scale, softcap)
+        out, lse = L.attention_forward(
+          q[:, start : start + n],
+          k[:, : first + n],
+          v[:, : first + n],
+          _run_mask(run, q_ids, k_ids, window),
+          scale,
+          softcap,
+        )
         outs.append(out)
         lses.append(lse)
       return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=2)
+
     return forward
 
   return jax.lax.switch(shard, [branch(r) for r in runs], q_bthd, k_bskd, v_bskd, q_ids, k_ids, window)
@@ -191,17 +225,27 @@ def _causal_runs_bwd(runs, scale, softcap, residuals, d_out_bthd):
       for run in shard_runs:
         start, n, first = run
         here = slice(start, start + n)
-        grads = L.attention_backward(q[:, here], k[:, :first + n], v[:, :first + n],
-                                     _run_mask(run, q_ids, k_ids, window), out[:, here],
-                                     lse[:, :, start * g:(start + n) * g], d_out[:, here], scale, softcap)
+        grads = L.attention_backward(
+          q[:, here],
+          k[:, : first + n],
+          v[:, : first + n],
+          _run_mask(run, q_ids, k_ids, window),
+          out[:, here],
+          lse[:, :, start * g : (start + n) * g],
+          d_out[:, here],
+          scale,
+          softcap,
+        )
         d_q.append(grads[0])
-        d_k = d_k.at[:, :first + n].add(grads[1].astype(jnp.float32))
-        d_v = d_v.at[:, :first + n].add(grads[2].astype(jnp.float32))
+        d_k = d_k.at[:, : first + n].add(grads[1].astype(jnp.float32))
+        d_v = d_v.at[:, : first + n].add(grads[2].astype(jnp.float32))
       return jnp.concatenate(d_q, axis=1), d_k.astype(k.dtype), d_v.astype(v.dtype)
+
     return backward
 
-  d_q, d_k, d_v = jax.lax.switch(shard, [branch(r) for r in runs], q_bthd, k_bskd, v_bskd, q_ids, k_ids,
-                                 window, out_bthd, lse, d_out_bthd)
+  d_q, d_k, d_v = jax.lax.switch(
+    shard, [branch(r) for r in runs], q_bthd, k_bskd, v_bskd, q_ids, k_ids, window, out_bthd, lse, d_out_bthd
+  )
   return None, d_q, d_k, d_v, None, None, None
 
 

@@ -21,7 +21,7 @@ weights in bfloat16, int8 or nf4 (:mod:`jaxrm.models.quantize`), decoded layer b
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -49,24 +49,30 @@ def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tup
   n, d, f = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
   qd, kvd, hd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
   shapes = {
-      "input_norm": ((n, d), ("layers", "embed")),
-      "q": ((n, d, qd), ("layers", "embed", "heads")),
-      "k": ((n, d, kvd), ("layers", "embed", "kv_heads")),
-      "v": ((n, d, kvd), ("layers", "embed", "kv_heads")),
-      "o": ((n, qd, d), ("layers", "heads", "embed")),
-      "mlp_norm": ((n, d), ("layers", "embed")),
-      "gate": ((n, d, f), ("layers", "embed", "mlp")),
-      "up": ((n, d, f), ("layers", "embed", "mlp")),
-      "down": ((n, f, d), ("layers", "mlp", "embed")),
+    "input_norm": ((n, d), ("layers", "embed")),
+    "q": ((n, d, qd), ("layers", "embed", "heads")),
+    "k": ((n, d, kvd), ("layers", "embed", "kv_heads")),
+    "v": ((n, d, kvd), ("layers", "embed", "kv_heads")),
+    "o": ((n, qd, d), ("layers", "heads", "embed")),
+    "mlp_norm": ((n, d), ("layers", "embed")),
+    "gate": ((n, d, f), ("layers", "embed", "mlp")),
+    "up": ((n, d, f), ("layers", "embed", "mlp")),
+    "down": ((n, f, d), ("layers", "mlp", "embed")),
   }
   if cfg.qkv_bias:
-    shapes.update(q_bias=((n, qd), ("layers", "heads")), k_bias=((n, kvd), ("layers", "kv_heads")),
-                  v_bias=((n, kvd), ("layers", "kv_heads")))
+    shapes.update(
+      q_bias=((n, qd), ("layers", "heads")),
+      k_bias=((n, kvd), ("layers", "kv_heads")),
+      v_bias=((n, kvd), ("layers", "kv_heads")),
+    )
   if cfg.o_bias:
     shapes["o_bias"] = ((n, d), ("layers", "embed"))
   if cfg.mlp_bias:
-    shapes.update(gate_bias=((n, f), ("layers", "mlp")), up_bias=((n, f), ("layers", "mlp")),
-                  down_bias=((n, d), ("layers", "embed")))
+    shapes.update(
+      gate_bias=((n, f), ("layers", "mlp")),
+      up_bias=((n, f), ("layers", "mlp")),
+      down_bias=((n, d), ("layers", "embed")),
+    )
   if cfg.qk_norm:
     shapes.update(q_norm=((n, hd), ("layers", "head_dim")), k_norm=((n, hd), ("layers", "head_dim")))
   if cfg.gemma_norms:
@@ -90,7 +96,9 @@ class Decoder(nnx.Module):
     self.layers = Layers()
     base_dtype = cfg.lora.base_dtype
     for name, (shape, axes) in layer_param_shapes(cfg).items():
-      init = norm_init if name.endswith("norm") else jax.nn.initializers.zeros if name.endswith("bias") else normal
+      init = (
+        norm_init if name.endswith("norm") else jax.nn.initializers.zeros if name.endswith("bias") else normal
+      )
       if base_dtype is None or name not in quantize.WEIGHTS:
         setattr(self.layers, name, _param(rngs.params(), shape, axes, dtype, init))
       elif base_dtype == "bfloat16":
@@ -101,17 +109,21 @@ class Decoder(nnx.Module):
           stored_axes = quantize.stored(base_dtype, shape, axes)[suffix][2]
           setattr(self.layers, name + suffix, quantize.QuantizedWeight(value, logical_axes=stored_axes))
     self.final_norm = _param(rngs.params(), (cfg.hidden_size,), ("embed",), dtype, norm_init)
-    self.score = _param(rngs.params(), (cfg.hidden_size, cfg.num_labels), ("embed", "labels"), dtype,
-                        heads.head_init(cfg))
+    self.score = _param(
+      rngs.params(), (cfg.hidden_size, cfg.num_labels), ("embed", "labels"), dtype, heads.head_init(cfg)
+    )
     if cfg.head_bias:
-      self.score_bias = _param(rngs.params(), (cfg.num_labels,), ("labels",), dtype, jax.nn.initializers.zeros)
+      self.score_bias = _param(
+        rngs.params(), (cfg.num_labels,), ("labels",), dtype, jax.nn.initializers.zeros
+      )
     # Last, so that the base and head draw the same random numbers with adapters as without.
     for name, (shape, axes) in lora.adapter_shapes(cfg.lora, layer_param_shapes(cfg)).items():
       value = lora.adapter_init(name)(rngs.params(), shape, dtype)
       setattr(self.layers, name, lora.LoraParam(value, logical_axes=axes))
 
-  def hidden_states(self, input_ids, attention_mask, positions=None, segment_ids=None,
-                    branch_ids=None, dropout_rng=None):
+  def hidden_states(
+    self, input_ids, attention_mask, positions=None, segment_ids=None, branch_ids=None, dropout_rng=None
+  ):
     """Final-norm hidden states [B, T, D] in the compute dtype.
 
     Args:
@@ -140,11 +152,13 @@ class Decoder(nnx.Module):
     mesh = sharding.active_mesh()
     order = None  # context parallel: the row index of each stored token
     if sharding.context_size(mesh) > 1:
-      order = context_parallel.storage_order(input_ids.shape[1], sharding.context_size(mesh),
-                                             sharding.context_balance(mesh))
+      order = context_parallel.storage_order(
+        input_ids.shape[1], sharding.context_size(mesh), sharding.context_balance(mesh)
+      )
       input_ids, attention_mask, positions, segment_ids, branch_ids = (
-          None if x is None else jnp.take(x, order, axis=1)
-          for x in (input_ids, attention_mask, positions, segment_ids, branch_ids))
+        None if x is None else jnp.take(x, order, axis=1)
+        for x in (input_ids, attention_mask, positions, segment_ids, branch_ids)
+      )
     x = jnp.take(self.embed[...], input_ids, axis=0).astype(dtype)
     if cfg.gemma_norms:
       x = x * jnp.asarray(cfg.hidden_size**0.5, dtype)
@@ -172,8 +186,16 @@ class Decoder(nnx.Module):
     x = L.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, cfg.gemma_norms)
     return x if order is None else jnp.take(x, np.argsort(order), axis=1)  # back in row order
 
-  def __call__(self, input_ids, attention_mask, positions=None, segment_ids=None, branch_ids=None,
-               reward_positions=None, dropout_rng=None):
+  def __call__(
+    self,
+    input_ids,
+    attention_mask,
+    positions=None,
+    segment_ids=None,
+    branch_ids=None,
+    reward_positions=None,
+    dropout_rng=None,
+  ):
     """Rewards float32 [B] (sequence head, one label), [B, C] (several), or logits [B, T, C] (token head).
 
     Args:
@@ -185,8 +207,9 @@ class Decoder(nnx.Module):
     """
     cfg = self.config
     if reward_positions is not None and cfg.head == "token":
-      raise ValueError("reward_positions needs a sequence head; a token head already returns "
-                       "logits at every position")
+      raise ValueError(
+        "reward_positions needs a sequence head; a token head already returns logits at every position"
+      )
     h = self.hidden_states(input_ids, attention_mask, positions, segment_ids, branch_ids, dropout_rng)
     bias = self.score_bias[...] if cfg.head_bias else None
     if cfg.head == "token":
@@ -230,13 +253,14 @@ def attention_fn(cfg: ModelConfig, platform: str | None = None) -> Callable:
   platform = platform or sharding.platform(sharding.active_mesh())
   route = attention_route(cfg, platform)
   if route == "pallas":
-    return functools.partial(flash_attention, scale=cfg.attn_scale, softcap=cfg.attn_logit_softcapping,
-                             interpret=platform != "gpu")
+    return functools.partial(
+      flash_attention, scale=cfg.attn_scale, softcap=cfg.attn_logit_softcapping, interpret=platform != "gpu"
+    )
   if route == "cudnn":
-    return functools.partial(L.fused_attention, scale=cfg.attn_scale,
-                             implementation="cudnn" if _cudnn_runs(cfg, platform) else "xla")
-  return functools.partial(L.dot_product_attention, scale=cfg.attn_scale,
-                           softcap=cfg.attn_logit_softcapping)
+    return functools.partial(
+      L.fused_attention, scale=cfg.attn_scale, implementation="cudnn" if _cudnn_runs(cfg, platform) else "xla"
+    )
+  return functools.partial(L.dot_product_attention, scale=cfg.attn_scale, softcap=cfg.attn_logit_softcapping)
 
 
 def _cudnn_runs(cfg: ModelConfig, platform: str) -> bool:
@@ -251,14 +275,21 @@ def attention_summary(cfg: ModelConfig, platform: str | None = None, mesh=None) 
   route = attention_route(cfg, platform)
   context = context_parallel.describe(mesh)
   if context is not None and route == "pallas":
-    what = "pallas flash kernel per shard" + ("" if platform == "gpu" else " in interpret mode (no GPU; slow)")
+    what = "pallas flash kernel per shard" + (
+      "" if platform == "gpu" else " in interpret mode (no GPU; slow)"
+    )
   elif context is not None:
-    what = "reference einsum per shard" + (" (cuDNN's kernel takes no gathered keys)" if route == "cudnn" else "")
+    what = "reference einsum per shard" + (
+      " (cuDNN's kernel takes no gathered keys)" if route == "cudnn" else ""
+    )
   elif route == "pallas":
     what = "pallas flash kernel" + ("" if platform == "gpu" else " in interpret mode (no GPU; slow)")
   elif route == "cudnn":
-    what = ("cuDNN (jax.nn.dot_product_attention)" if _cudnn_runs(cfg, platform) else
-            "jax.nn.dot_product_attention's XLA lowering (cuDNN needs a GPU and bfloat16/float16)")
+    what = (
+      "cuDNN (jax.nn.dot_product_attention)"
+      if _cudnn_runs(cfg, platform)
+      else "jax.nn.dot_product_attention's XLA lowering (cuDNN needs a GPU and bfloat16/float16)"
+    )
   else:
     what = "reference einsum"
     if cfg.attention_impl == "auto":
@@ -266,15 +297,16 @@ def attention_summary(cfg: ModelConfig, platform: str | None = None, mesh=None) 
     elif cfg.attention_impl == "cudnn":
       what += " (cudnn has no logit soft-capping)"
   features = [] if context is None else [context]
-  if (sliding := int(cfg.sliding_layers.sum())):
+  if sliding := int(cfg.sliding_layers.sum()):
     features.append(f"sliding window of {cfg.sliding_window} positions on {sliding} of them")
   if cfg.attn_logit_softcapping is not None:
     features.append(f"logit soft-capping at {cfg.attn_logit_softcapping:g}")
   return f"attention: {what} on all {cfg.num_layers} layers" + "".join(f"; {f}" for f in features)
 
 
-def _layer_attention(cfg: ModelConfig, attention_mask, positions, segment_ids, branch_ids,
-                     order=None) -> Callable:
+def _layer_attention(
+  cfg: ModelConfig, attention_mask, positions, segment_ids, branch_ids, order=None
+) -> Callable:
   """``(q, k, v, *, is_sliding) -> [B, T, H, Dh]`` for one layer of the scan; what masks the
   attention (a dense mask, the Pallas kernel's per-token layout, or the per-token ids that context
   parallelism gathers) is built once for all layers.
@@ -285,24 +317,41 @@ def _layer_attention(cfg: ModelConfig, attention_mask, positions, segment_ids, b
   """
   windowed = bool(cfg.sliding_layers.any())
   if order is not None:
-    ids = L.token_ids(attention_mask, positions, segment_ids, branch_ids,
-                      jnp.broadcast_to(jnp.asarray(order), attention_mask.shape))
+    ids = L.token_ids(
+      attention_mask,
+      positions,
+      segment_ids,
+      branch_ids,
+      jnp.broadcast_to(jnp.asarray(order), attention_mask.shape),
+    )
 
     platform = sharding.platform(sharding.active_mesh())
     kernel = "pallas" if attention_route(cfg, platform) == "pallas" else "reference"
 
     def gathered(q, k, v, *, is_sliding):
       window = jnp.where(is_sliding, cfg.sliding_window, NO_WINDOW) if windowed else None
-      return context_parallel.attention(q, k, v, ids, order, window, scale=cfg.attn_scale,
-                                        softcap=cfg.attn_logit_softcapping, kernel=kernel,
-                                        interpret=platform != "gpu")
+      return context_parallel.attention(
+        q,
+        k,
+        v,
+        ids,
+        order,
+        window,
+        scale=cfg.attn_scale,
+        softcap=cfg.attn_logit_softcapping,
+        kernel=kernel,
+        interpret=platform != "gpu",
+      )
 
     return gathered
   attend = attention_fn(cfg)  # on the active mesh's platform
   if attention_route(cfg) == "pallas":
     real = attention_mask > 0
-    ids = layout(real.astype(jnp.int32) if segment_ids is None else jnp.where(real, segment_ids, 0),
-                 branch_ids, positions)
+    ids = layout(
+      real.astype(jnp.int32) if segment_ids is None else jnp.where(real, segment_ids, 0),
+      branch_ids,
+      positions,
+    )
 
     def fused(q, k, v, *, is_sliding):
       window = jnp.where(is_sliding, cfg.sliding_window, NO_WINDOW) if windowed else None
@@ -354,8 +403,9 @@ def _block(cfg: ModelConfig, attend: Callable, x_btd, p, cos, sin, dropout_key=N
       y = L.linear(x_nd, p[name], p.get(f"{name}_bias"))
     if f"{name}_lora_a" in p:
       key = None if dropout_key is None else jax.random.fold_in(dropout_key, _PROJECTIONS.index(name))
-      y = y + lora.delta(x_nd, p[f"{name}_lora_a"], p[f"{name}_lora_b"], cfg.lora.scale,
-                         dropout=cfg.lora.dropout, key=key)
+      y = y + lora.delta(
+        x_nd, p[f"{name}_lora_a"], p[f"{name}_lora_b"], cfg.lora.scale, dropout=cfg.lora.dropout, key=key
+      )
     return y
 
   x = x_btd.reshape(b * t, d)

@@ -73,8 +73,11 @@ def layout(segment_ids_bt, branch_ids_bt=None, positions_bt=None) -> Layout:
   """
   b, t = segment_ids_bt.shape
   zeros = jnp.zeros((b, t), jnp.int32)
-  ids = [segment_ids_bt, zeros if branch_ids_bt is None else branch_ids_bt,
-         zeros if positions_bt is None else positions_bt]
+  ids = [
+    segment_ids_bt,
+    zeros if branch_ids_bt is None else branch_ids_bt,
+    zeros if positions_bt is None else positions_bt,
+  ]
   pad = _round_up(t, LENGTH_MULTIPLE) - t
   segment, branch, position = (jnp.pad(x.astype(jnp.int32), ((0, 0), (0, pad))) for x in ids)
   return Layout(segment, branch, position, *_segment_spans(segment))
@@ -92,9 +95,19 @@ def _segment_spans(segment_bt):
   return jnp.where(real, first.reshape(b, t), t), jnp.where(real, last.reshape(b, t), -1)
 
 
-def flash_attention(q_bthd, k_bskd, v_bskd, ids: Layout, window=None, *, scale: float,
-                    softcap: float | None = None, interpret: bool = False,
-                    blocks: BlockSizes = BlockSizes(), q_offset=0):
+def flash_attention(
+  q_bthd,
+  k_bskd,
+  v_bskd,
+  ids: Layout,
+  window=None,
+  *,
+  scale: float,
+  softcap: float | None = None,
+  interpret: bool = False,
+  blocks: BlockSizes = BlockSizes(),
+  q_offset=0,
+):
   """Causal grouped-query attention; logits and softmax in float32. Returns [B, T, H, Dh].
 
   Args:
@@ -117,20 +130,24 @@ def flash_attention(q_bthd, k_bskd, v_bskd, ids: Layout, window=None, *, scale: 
   b, t, h, d = q_bthd.shape
   s = k_bskd.shape[1]
   if h % k_bskd.shape[2] or ids.segment_ids.shape[1] < s or (isinstance(q_offset, int) and q_offset + t > s):
-    raise ValueError(f"flash_attention: q {q_bthd.shape} at offset {q_offset}, k {k_bskd.shape} and ids "
-                     f"{ids.segment_ids.shape}: give ids of at least as many tokens as the keys, keys up to "
-                     "the last query, and query heads that are a multiple of the key heads")
+    raise ValueError(
+      f"flash_attention: q {q_bthd.shape} at offset {q_offset}, k {k_bskd.shape} and ids "
+      f"{ids.segment_ids.shape}: give ids of at least as many tokens as the keys, keys up to "
+      "the last query, and query heads that are a multiple of the key heads"
+    )
   # Triton loads power-of-two tiles and multiplies matrices of >= 16: zero-padded queries, keys and
   # head dims add nothing to the logits (padding ids hide them), and their outputs are cut off.
   t_pad, s_pad = _round_up(t, LENGTH_MULTIPLE), _round_up(s, LENGTH_MULTIPLE)
   d_pad = max(16, pl.next_power_of_2(d))
   pad = lambda x, n: jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, d_pad - d)))
   q_ids, k_ids = _tokens(ids, q_offset, t, t_pad, s_pad), _tokens(ids, 0, s, s_pad, s_pad)
-  scalars = jnp.stack([jnp.asarray(NO_WINDOW if window is None else window, jnp.int32),
-                       jnp.asarray(q_offset, jnp.int32)])
+  scalars = jnp.stack(
+    [jnp.asarray(NO_WINDOW if window is None else window, jnp.int32), jnp.asarray(q_offset, jnp.int32)]
+  )
   static = _Static(scale, softcap, window is not None, interpret, blocks)
-  out = _attention(pad(q_bthd, t_pad), pad(k_bskd, s_pad), pad(v_bskd, s_pad), (*q_ids, *k_ids, scalars),
-                   static)
+  out = _attention(
+    pad(q_bthd, t_pad), pad(k_bskd, s_pad), pad(v_bskd, s_pad), (*q_ids, *k_ids, scalars), static
+  )
   return out[:, :t, :, :d]
 
 
@@ -182,18 +199,21 @@ def _forward(q, k, v, ids, static):
   block_q, block_k = _block(t, static.blocks.q), _block(s, static.blocks.k)
   q_spec = pl.BlockSpec((None, block_q, None, d), lambda i, b, h: (b, i, h, 0))
   kv_spec = pl.BlockSpec((None, s, None, d), lambda i, b, h: (b, 0, lax.div(h, groups), 0))
-  kernel = functools.partial(_forward_kernel, scale=static.scale, softcap=static.softcap,
-                             windowed=static.windowed, block_k=block_k)
+  kernel = functools.partial(
+    _forward_kernel, scale=static.scale, softcap=static.softcap, windowed=static.windowed, block_k=block_k
+  )
   return pl.pallas_call(
-      kernel,
-      grid=(t // block_q, b, h),
-      in_specs=[q_spec, kv_spec, kv_spec, *_id_specs(t, s, lambda i, b, h: b)],
-      out_specs=[q_spec, pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((b, h, t), jnp.float32)],  # log-sum-exp of each query's logits
-      compiler_params=_compiler_params(d),
-      interpret=static.interpret,
-      name="jaxrm_flash_forward",
+    kernel,
+    grid=(t // block_q, b, h),
+    in_specs=[q_spec, kv_spec, kv_spec, *_id_specs(t, s, lambda i, b, h: b)],
+    out_specs=[q_spec, pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))],
+    out_shape=[
+      jax.ShapeDtypeStruct(q.shape, q.dtype),
+      jax.ShapeDtypeStruct((b, h, t), jnp.float32),
+    ],  # log-sum-exp of each query's logits
+    compiler_params=_compiler_params(d),
+    interpret=static.interpret,
+    name="jaxrm_flash_forward",
   )(q, k, v, *ids)
 
 
@@ -204,18 +224,18 @@ def _backward_dq(q, k, v, d_out, lse, delta, ids, static):
   q_spec = pl.BlockSpec((None, block_q, None, d), lambda i, b, h: (b, i, h, 0))
   kv_spec = pl.BlockSpec((None, s, None, d), lambda i, b, h: (b, 0, lax.div(h, groups), 0))
   row_spec = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
-  kernel = functools.partial(_dq_kernel, scale=static.scale, softcap=static.softcap,
-                             windowed=static.windowed, block_k=block_k)
+  kernel = functools.partial(
+    _dq_kernel, scale=static.scale, softcap=static.softcap, windowed=static.windowed, block_k=block_k
+  )
   return pl.pallas_call(
-      kernel,
-      grid=(t // block_q, b, h),
-      in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec,
-                *_id_specs(t, s, lambda i, b, h: b)],
-      out_specs=q_spec,
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      compiler_params=_compiler_params(d),
-      interpret=static.interpret,
-      name="jaxrm_flash_dq",
+    kernel,
+    grid=(t // block_q, b, h),
+    in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *_id_specs(t, s, lambda i, b, h: b)],
+    out_specs=q_spec,
+    out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+    compiler_params=_compiler_params(d),
+    interpret=static.interpret,
+    name="jaxrm_flash_dq",
   )(q, k, v, d_out, lse, delta, *ids)
 
 
@@ -227,18 +247,31 @@ def _backward_dkv(q, k, v, d_out, lse, delta, ids, static):
   group_spec = pl.BlockSpec((None, t, groups, d), lambda j, b, g: (b, 0, g, 0))
   group_rows_spec = pl.BlockSpec((None, groups, t), lambda j, b, g: (b, g, 0))
   kv_spec = pl.BlockSpec((None, block_k, None, d), lambda j, b, g: (b, j, g, 0))
-  kernel = functools.partial(_dkv_kernel, scale=static.scale, softcap=static.softcap,
-                             windowed=static.windowed, block_q=block_q, groups=groups)
+  kernel = functools.partial(
+    _dkv_kernel,
+    scale=static.scale,
+    softcap=static.softcap,
+    windowed=static.windowed,
+    block_q=block_q,
+    groups=groups,
+  )
   return pl.pallas_call(
-      kernel,
-      grid=(s // block_k, b, kv),
-      in_specs=[group_spec, kv_spec, kv_spec, group_spec, group_rows_spec, group_rows_spec,
-                *_id_specs(t, s, lambda j, b, g: b)],
-      out_specs=[kv_spec, kv_spec],
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      compiler_params=_compiler_params(d),
-      interpret=static.interpret,
-      name="jaxrm_flash_dkv",
+    kernel,
+    grid=(s // block_k, b, kv),
+    in_specs=[
+      group_spec,
+      kv_spec,
+      kv_spec,
+      group_spec,
+      group_rows_spec,
+      group_rows_spec,
+      *_id_specs(t, s, lambda j, b, g: b),
+    ],
+    out_specs=[kv_spec, kv_spec],
+    out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+    compiler_params=_compiler_params(d),
+    interpret=static.interpret,
+    name="jaxrm_flash_dkv",
   )(q, k, v, d_out, lse, delta, *ids)
 
 
@@ -253,8 +286,8 @@ def _refs(refs):
   """A kernel's id refs as the queries' and the keys' :class:`Layout`, the window (or None) and
   q_offset, then its remaining refs."""
   n = len(Layout._fields)
-  q_ids, k_ids, scalars_ref = Layout(*refs[:n]), Layout(*refs[n:2 * n]), refs[2 * n]
-  return q_ids, k_ids, scalars_ref[0], scalars_ref[1], refs[2 * n + 1:]
+  q_ids, k_ids, scalars_ref = Layout(*refs[:n]), Layout(*refs[n : 2 * n]), refs[2 * n]
+  return q_ids, k_ids, scalars_ref[0], scalars_ref[1], refs[2 * n + 1 :]
 
 
 def _block(length: int, preferred: int) -> int:
@@ -302,8 +335,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, scale, softcap, windowed, block_
     return acc, new_max, row_sum * rescale + jnp.sum(probs, axis=1)
 
   start, stop = _key_blocks(q_ids.first_key[q_rows], q_index + block_q, block_k, k_ref.shape[0])
-  init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_q,), NEG_INF, jnp.float32),
-          jnp.zeros((block_q,), jnp.float32))
+  init = (
+    jnp.zeros(q.shape, jnp.float32),
+    jnp.full((block_q,), NEG_INF, jnp.float32),
+    jnp.zeros((block_q,), jnp.float32),
+  )
   acc, row_max, row_sum = lax.fori_loop(start, stop, step, init)
   # A query that sees no key (row_sum 0) gets zeros, and a log-sum-exp so large that the
   # backward pass's exp(logits - lse) is 0 for it.
@@ -313,8 +349,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, scale, softcap, windowed, block_
   lse_ref[...] = jnp.where(seen, row_max + jnp.log(safe_sum), -NEG_INF)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, *refs, scale, softcap, windowed,
-               block_k):
+def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, *refs, scale, softcap, windowed, block_k):
   """dq of one block of queries of one head, over the blocks of keys it can see."""
   q_ids, k_ids, window, q_offset, (d_q_ref,) = _refs(refs)
   window = window if windowed else None
@@ -338,8 +373,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, *refs, scale,
   d_q_ref[...] = (d_q * scale).astype(d_q_ref.dtype)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, *refs, scale, softcap, windowed,
-                block_q, groups):
+def _dkv_kernel(
+  q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, *refs, scale, softcap, windowed, block_q, groups
+):
   """dk and dv of one block of keys of one key head, over its query heads and the queries that
   can see it."""
   q_ids, k_ids, window, q_offset, (d_k_ref, d_v_ref) = _refs(refs)
@@ -352,8 +388,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, *refs, scale
   # Queries before the block see none of it (causal), nor do those after its last segment; query
   # block qb holds the row's tokens from q_offset + qb * block_q on.
   start = lax.div(jnp.maximum(k_start - q_offset, 0), block_q)
-  stop = jnp.minimum(lax.div(jnp.max(k_ids.last_query[k_rows]) - q_offset + block_q, block_q),
-                     q_ref.shape[0] // block_q)
+  stop = jnp.minimum(
+    lax.div(jnp.max(k_ids.last_query[k_rows]) - q_offset + block_q, block_q), q_ref.shape[0] // block_q
+  )
 
   def step_head(g, carry):
     def step(qb, carry):
@@ -362,8 +399,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, *refs, scale
       q_rows = pl.ds(q_start, block_q)
       q, d_out = q_ref[q_rows, g, :], d_out_ref[q_rows, g, :]
       mask = _mask(q_offset + q_start, _ids(q_ids, q_rows), k_start, k_tokens, window)
-      probs, d_logits = _d_logits(q, k, v, d_out, lse_ref[g, q_rows], delta_ref[g, q_rows], mask,
-                                  scale, softcap)
+      probs, d_logits = _d_logits(
+        q, k, v, d_out, lse_ref[g, q_rows], delta_ref[g, q_rows], mask, scale, softcap
+      )
       d_v = d_v + _matmul_t(probs.astype(d_out.dtype), d_out)
       return d_k + _matmul_t(d_logits.astype(q.dtype), q), d_v
 

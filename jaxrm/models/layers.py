@@ -61,16 +61,22 @@ class TokenIds(NamedTuple):
   position: jax.Array
 
 
-def token_ids(attention_mask_bt, positions_bt, segment_ids_bt=None, branch_ids_bt=None,
-              index_bt=None) -> TokenIds:
+def token_ids(
+  attention_mask_bt, positions_bt, segment_ids_bt=None, branch_ids_bt=None, index_bt=None
+) -> TokenIds:
   """The :class:`TokenIds` of a batch; no segments or branches are all 0; ``index`` defaults to
   the storage order."""
   zeros = jnp.zeros(attention_mask_bt.shape, jnp.int32)
   if index_bt is None:
     index_bt = jnp.broadcast_to(jnp.arange(attention_mask_bt.shape[1], dtype=jnp.int32), zeros.shape)
   pick = lambda x: zeros if x is None else jnp.asarray(x, jnp.int32)
-  return TokenIds(pick(index_bt), (jnp.asarray(attention_mask_bt) > 0).astype(jnp.int32),
-                  pick(segment_ids_bt), pick(branch_ids_bt), pick(positions_bt))
+  return TokenIds(
+    pick(index_bt),
+    (jnp.asarray(attention_mask_bt) > 0).astype(jnp.int32),
+    pick(segment_ids_bt),
+    pick(branch_ids_bt),
+    pick(positions_bt),
+  )
 
 
 def mask_from_ids(q: TokenIds, k: TokenIds, sliding_window=None):
@@ -86,8 +92,9 @@ def mask_from_ids(q: TokenIds, k: TokenIds, sliding_window=None):
   return mask
 
 
-def attention_mask(attention_mask_bt, positions_bt, segment_ids_bt=None, sliding_window=None,
-                   branch_ids_bt=None):
+def attention_mask(
+  attention_mask_bt, positions_bt, segment_ids_bt=None, sliding_window=None, branch_ids_bt=None
+):
   """bool [B, T, S] (query, key): causal, key not padding, same segment, same branch, in the window.
 
   Causality is by index; the window by position difference, which equals the index difference
@@ -183,8 +190,12 @@ def _attention(q_bthd, k_bskd, v_bskd, mask, scale, softcap):
   q, k, v = _rows(q_bthd, kv), _heads(k_bskd), _heads(v_bskd)
   out, lse = [], []
   for start, end in _chunks(t):
-    logits = jnp.einsum("bkrd,bksd->bkrs", q[:, :, start * g:end * g], k[:, :, :end],
-                        preferred_element_type=jnp.float32) * scale
+    logits = (
+      jnp.einsum(
+        "bkrd,bksd->bkrs", q[:, :, start * g : end * g], k[:, :, :end], preferred_element_type=jnp.float32
+      )
+      * scale
+    )
     logits = _capped(logits, softcap).reshape(b, kv, end - start, g, end)
     logits = jnp.where(mask[:, None, start:end, None, :end], logits, NEG_INF).reshape(b, kv, -1, end)
     peak = jnp.max(logits, axis=-1, keepdims=True)
@@ -224,16 +235,24 @@ def _attention_bwd(scale, softcap, residuals, d_out_bthd):
     # exp(NEG_INF - lse) underflows to exactly 0 where a key is hidden, exp(-inf) where a query
     # sees no key.
     probs = jnp.exp(masked - lse[:, :, None, rows])
-    d_v.append(jnp.einsum("bksr,bkrd->bksd", probs.astype(v.dtype), d_out_c, preferred_element_type=jnp.float32))
+    d_v.append(
+      jnp.einsum("bksr,bkrd->bksd", probs.astype(v.dtype), d_out_c, preferred_element_type=jnp.float32)
+    )
     d_probs = jnp.einsum("bksd,bkrd->bksr", v_c, d_out_c, preferred_element_type=jnp.float32)
     d_logits = probs * (d_probs - d_lse[:, :, None, rows])
     if softcap is not None:
       d_logits = d_logits * (1.0 - jnp.tanh(logits / softcap) ** 2)
     d_logits = d_logits * scale
     d_k.append(jnp.einsum("bksr,bkrd->bksd", d_logits, q_c, preferred_element_type=jnp.float32))
-    d_q = d_q.at[:, :, rows].add(jnp.einsum("bksr,bksd->bkrd", d_logits, k_c, preferred_element_type=jnp.float32))
-  return (_unrows(d_q, t).astype(q_bthd.dtype), _heads(jnp.concatenate(d_k, axis=2)).astype(k_bskd.dtype),
-          _heads(jnp.concatenate(d_v, axis=2)).astype(v_bskd.dtype), None)
+    d_q = d_q.at[:, :, rows].add(
+      jnp.einsum("bksr,bksd->bkrd", d_logits, k_c, preferred_element_type=jnp.float32)
+    )
+  return (
+    _unrows(d_q, t).astype(q_bthd.dtype),
+    _heads(jnp.concatenate(d_k, axis=2)).astype(k_bskd.dtype),
+    _heads(jnp.concatenate(d_v, axis=2)).astype(v_bskd.dtype),
+    None,
+  )
 
 
 # Blocks of the loop-form attention (an IdMask's path): (queries, keys) per block. Each loop
@@ -303,7 +322,10 @@ def _loop_attention(q_bthd, k_bskd, v_bskd, mask: IdMask, scale, softcap):
   bq, bk = _loop_blocks(t, s, mask.blocks)
   tp, sp = _ceil_div(t, bq) * bq, _ceil_div(s, bk) * bk
   q, k, v = _rows(_padded(q_bthd, tp), kv), _heads(_padded(k_bskd, sp)), _heads(_padded(v_bskd, sp))
-  q_ids, k_ids = TokenIds(*(_padded(x, tp) for x in mask.queries)), TokenIds(*(_padded(x, sp) for x in mask.keys))
+  q_ids, k_ids = (
+    TokenIds(*(_padded(x, tp) for x in mask.queries)),
+    TokenIds(*(_padded(x, sp) for x in mask.keys)),
+  )
 
   def query_block(i, carry):
     out, lse = carry
@@ -322,8 +344,9 @@ def _loop_attention(q_bthd, k_bskd, v_bskd, mask: IdMask, scale, softcap):
       rescale = jnp.exp(peak - new_peak)
       unnormalized = jnp.exp(logits - new_peak[..., None])
       total = total * rescale + jnp.sum(unnormalized, axis=-1)
-      acc = acc * rescale[..., None] + jnp.einsum("bkrs,bksd->bkrd", unnormalized.astype(v.dtype), v_c,
-                                                  preferred_element_type=jnp.float32)
+      acc = acc * rescale[..., None] + jnp.einsum(
+        "bkrs,bksd->bkrd", unnormalized.astype(v.dtype), v_c, preferred_element_type=jnp.float32
+      )
       return new_peak, total, acc
 
     # The key blocks this block's queries may see: up to its last query's row index.
@@ -331,13 +354,15 @@ def _loop_attention(q_bthd, k_bskd, v_bskd, mask: IdMask, scale, softcap):
     zeros = jnp.zeros((b, kv, bq * g), jnp.float32)
     init = (jnp.full(zeros.shape, NEG_INF, jnp.float32), zeros, jnp.zeros((b, kv, bq * g, dh), jnp.float32))
     peak, total, acc = _fori(0, stop, key_block, init)
-    out = jax.lax.dynamic_update_slice_in_dim(out, (acc / total[..., None]).astype(out.dtype), i * bq * g, axis=2)
+    out = jax.lax.dynamic_update_slice_in_dim(
+      out, (acc / total[..., None]).astype(out.dtype), i * bq * g, axis=2
+    )
     lse_c = jnp.where(peak > NEG_INF, peak + jnp.log(total), jnp.inf)
     return out, jax.lax.dynamic_update_slice_in_dim(lse, lse_c, i * bq * g, axis=2)
 
   out = jnp.zeros((b, kv, tp * g, dh), v.dtype)
   out, lse = _fori(0, tp // bq, query_block, (out, jnp.zeros((b, kv, tp * g), jnp.float32)))
-  return _unrows(out, tp)[:, :t], lse[:, :, :t * g]
+  return _unrows(out, tp)[:, :t], lse[:, :, : t * g]
 
 
 def _loop_attention_bwd(scale, softcap, residuals, d_out_bthd):
@@ -353,7 +378,10 @@ def _loop_attention_bwd(scale, softcap, residuals, d_out_bthd):
   tp, sp = _ceil_div(t, bq) * bq, _ceil_div(s, bk) * bk
   q, d_out = _rows(_padded(q_bthd, tp), kv), _rows(_padded(d_out_bthd, tp), kv)
   k, v = _heads(_padded(k_bskd, sp)), _heads(_padded(v_bskd, sp))
-  q_ids, k_ids = TokenIds(*(_padded(x, tp) for x in mask.queries)), TokenIds(*(_padded(x, sp) for x in mask.keys))
+  q_ids, k_ids = (
+    TokenIds(*(_padded(x, tp) for x in mask.queries)),
+    TokenIds(*(_padded(x, sp) for x in mask.keys)),
+  )
   # Padded queries: +inf lse and zero d_out, so their weights and gradients are 0.
   lse = jnp.pad(lse, [(0, 0), (0, 0), (0, (tp - t) * g)], constant_values=jnp.inf)
   d_lse = jnp.sum(d_out.astype(jnp.float32) * _rows(_padded(out_bthd, tp), kv).astype(jnp.float32), axis=-1)
@@ -371,15 +399,18 @@ def _loop_attention_bwd(scale, softcap, residuals, d_out_bthd):
       visible = mask_from_ids(_ids_block(q_ids, i * bq, bq), k_ids_c, mask.window).transpose(0, 2, 1)
       masked = jnp.where(visible[:, None, :, :, None], masked, NEG_INF).reshape(logits.shape)
       probs = jnp.exp(masked - _rows_block(lse, rows, bq * g)[:, :, None])
-      d_v_c += jnp.einsum("bksr,bkrd->bksd", probs.astype(v.dtype), d_out_c, preferred_element_type=jnp.float32)
+      d_v_c += jnp.einsum(
+        "bksr,bkrd->bksd", probs.astype(v.dtype), d_out_c, preferred_element_type=jnp.float32
+      )
       d_probs = jnp.einsum("bksd,bkrd->bksr", v_c, d_out_c, preferred_element_type=jnp.float32)
       d_logits = probs * (d_probs - _rows_block(d_lse, rows, bq * g)[:, :, None])
       if softcap is not None:
         d_logits = d_logits * (1.0 - jnp.tanh(logits / softcap) ** 2)
       d_logits = d_logits * scale
       d_k_c += jnp.einsum("bksr,bkrd->bksd", d_logits, q_c, preferred_element_type=jnp.float32)
-      d_q_c = _rows_block(d_q, rows, bq * g) + jnp.einsum("bksr,bksd->bkrd", d_logits, k_c,
-                                                          preferred_element_type=jnp.float32)
+      d_q_c = _rows_block(d_q, rows, bq * g) + jnp.einsum(
+        "bksr,bksd->bkrd", d_logits, k_c, preferred_element_type=jnp.float32
+      )
       return jax.lax.dynamic_update_slice_in_dim(d_q, d_q_c, rows, axis=2), d_k_c, d_v_c
 
     # The first query block that may see these keys: from the first query at or after them.
@@ -403,8 +434,9 @@ def attention_forward(q_bthd, k_bskd, v_bskd, mask, scale: float, softcap: float
   return _attention(q_bthd, k_bskd, v_bskd, mask, scale, softcap)
 
 
-def attention_backward(q_bthd, k_bskd, v_bskd, mask, out_bthd, lse, d_out_bthd, scale: float,
-                       softcap: float | None):
+def attention_backward(
+  q_bthd, k_bskd, v_bskd, mask, out_bthd, lse, d_out_bthd, scale: float, softcap: float | None
+):
   """(dq, dk, dv) of :func:`dot_product_attention` from :func:`attention_forward`'s output and lse."""
   return _attention_bwd(scale, softcap, (q_bthd, k_bskd, v_bskd, mask, out_bthd, lse), d_out_bthd)[:3]
 
@@ -416,8 +448,9 @@ def fused_attention(q_bthd, k_bskd, v_bskd, mask_bts, *, scale: float, implement
   same call lowered by XLA. The mask already holds causality; ``is_causal`` lets cuDNN skip the
   upper triangle instead of computing and then masking it.
   """
-  return jax.nn.dot_product_attention(q_bthd, k_bskd, v_bskd, mask=mask_bts[:, None], scale=scale,
-                                      is_causal=True, implementation=implementation)
+  return jax.nn.dot_product_attention(
+    q_bthd, k_bskd, v_bskd, mask=mask_bts[:, None], scale=scale, is_causal=True, implementation=implementation
+  )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

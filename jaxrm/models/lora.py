@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,13 +39,13 @@ LoraParam = nnx.LoRAParam
 
 # peft's module name -> the decoder's stacked parameter, in the decoder's order.
 TARGETS = {
-    "q_proj": "q",
-    "k_proj": "k",
-    "v_proj": "v",
-    "o_proj": "o",
-    "gate_proj": "gate",
-    "up_proj": "up",
-    "down_proj": "down",
+  "q_proj": "q",
+  "k_proj": "k",
+  "v_proj": "v",
+  "o_proj": "o",
+  "gate_proj": "gate",
+  "up_proj": "up",
+  "down_proj": "down",
 }
 ALL_LINEAR = "all-linear"  # peft's and OpenRLHF's name for every linear layer but the head
 
@@ -59,8 +59,9 @@ def expand_targets(targets: str | Sequence[str]) -> tuple[str, ...]:
   unknown = [n for n in names if n not in TARGETS and n != ALL_LINEAR]
   if unknown:
     raise ConfigError(
-        f"LoRA targets {unknown} are not projections of the decoder; use any of "
-        f"{', '.join(TARGETS)}, or {ALL_LINEAR!r} for all of them")
+      f"LoRA targets {unknown} are not projections of the decoder; use any of "
+      f"{', '.join(TARGETS)}, or {ALL_LINEAR!r} for all of them"
+    )
   if ALL_LINEAR in names:
     return tuple(TARGETS)
   return tuple(t for t in TARGETS if t in names)
@@ -92,25 +93,40 @@ class LoraConfig:
 
   def __post_init__(self):
     if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
-      raise ConfigError(f"LoRA rank={self.rank!r}; use 0 (no adapters: train the whole model) or a "
-                        "positive integer such as 8 or 16")
+      raise ConfigError(
+        f"LoRA rank={self.rank!r}; use 0 (no adapters: train the whole model) or a "
+        "positive integer such as 8 or 16"
+      )
     if not self.alpha > 0:
-      raise ConfigError(f"LoRA alpha={self.alpha!r}; use a positive number (the update is scaled by "
-                        "alpha / rank; 16 is the default)")
-    if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
-      raise ConfigError(f"LoRA dropout={self.dropout!r}; use a probability in [0, 1), such as 0.05 or 0.1 "
-                        "(0: no dropout)")
+      raise ConfigError(
+        f"LoRA alpha={self.alpha!r}; use a positive number (the update is scaled by "
+        "alpha / rank; 16 is the default)"
+      )
+    if (
+      isinstance(self.dropout, bool)
+      or not isinstance(self.dropout, (int, float))
+      or not 0 <= self.dropout < 1
+    ):
+      raise ConfigError(
+        f"LoRA dropout={self.dropout!r}; use a probability in [0, 1), such as 0.05 or 0.1 (0: no dropout)"
+      )
     targets = expand_targets(self.targets)
     if self.rank and not targets:
-      raise ConfigError(f"LoRA rank={self.rank} adapts no projection (targets is empty); name some of "
-                        f"{', '.join(TARGETS)}, or {ALL_LINEAR!r}")
+      raise ConfigError(
+        f"LoRA rank={self.rank} adapts no projection (targets is empty); name some of "
+        f"{', '.join(TARGETS)}, or {ALL_LINEAR!r}"
+      )
     if self.base_dtype is not None and self.base_dtype not in quantize.FORMATS:
-      raise ConfigError(f"LoRA base_dtype={self.base_dtype!r}; use one of {', '.join(quantize.FORMATS)}, "
-                        "or None to keep the model's parameter dtype")
+      raise ConfigError(
+        f"LoRA base_dtype={self.base_dtype!r}; use one of {', '.join(quantize.FORMATS)}, "
+        "or None to keep the model's parameter dtype"
+      )
     if self.base_dtype is not None and not self.rank:
-      raise ConfigError(f"LoRA base_dtype={self.base_dtype!r} freezes a {self.base_dtype} base, but rank=0 "
-                        "trains no adapters over it; set a rank (e.g. 8), or drop base_dtype (to score in "
-                        "less memory, load with param_dtype='bfloat16')")
+      raise ConfigError(
+        f"LoRA base_dtype={self.base_dtype!r} freezes a {self.base_dtype} base, but rank=0 "
+        "trains no adapters over it; set a rank (e.g. 8), or drop base_dtype (to score in "
+        "less memory, load with param_dtype='bfloat16')"
+      )
     object.__setattr__(self, "alpha", float(self.alpha))
     object.__setattr__(self, "dropout", float(self.dropout))
     object.__setattr__(self, "targets", targets)
@@ -195,7 +211,9 @@ def merge(params: nnx.State, cfg: LoraConfig, dtype: str = "float32") -> nnx.Sta
   flat = dict(nnx.to_flat_state(params))
   merged = []
   for path, var in flat.items():
-    if isinstance(var, LoraParam) or (isinstance(var, quantize.QuantizedWeight) and path[-1].endswith(quantize.SCALE)):
+    if isinstance(var, LoraParam) or (
+      isinstance(var, quantize.QuantizedWeight) and path[-1].endswith(quantize.SCALE)
+    ):
       continue
     w = var.get_value()
     lowered = cfg.base_dtype is not None and path[-1] in quantize.WEIGHTS and len(path) > 1
@@ -206,8 +224,12 @@ def merge(params: nnx.State, cfg: LoraConfig, dtype: str = "float32") -> nnx.Sta
     a = flat.get(path[:-1] + (f"{path[-1]}_lora_a",))
     if a is not None:
       b = flat[path[:-1] + (f"{path[-1]}_lora_b",)]
-      ab = jnp.einsum("lir,lro->lio", a.get_value().astype(jnp.float32), b.get_value().astype(jnp.float32),
-                      precision=jax.lax.Precision.HIGHEST)
+      ab = jnp.einsum(
+        "lir,lro->lio",
+        a.get_value().astype(jnp.float32),
+        b.get_value().astype(jnp.float32),
+        precision=jax.lax.Precision.HIGHEST,
+      )
       var = var.replace((w.astype(jnp.float32) + cfg.scale * ab).astype(out_dtype))
     elif lowered:
       var = var.replace(w.astype(out_dtype))

@@ -38,11 +38,27 @@ BLOCK = 64  # nf4: input rows per absmax, as QLoRA and bitsandbytes' default blo
 
 # The 16 NF4 values: QLoRA's appendix E, identical to bitsandbytes' table
 # (bitsandbytes/functional.py, get_4bit_type("nf4"); the CUDA kernel's dDequantizeNF4).
-NF4 = np.array([
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-    0.7229568362236023, 1.0], np.float32)
+NF4 = np.array(
+  [
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+  ],
+  np.float32,
+)
 _NF4_MIDPOINTS = (NF4[1:] + NF4[:-1]) / 2  # the decision boundaries of nearest rounding
 
 
@@ -50,17 +66,23 @@ class QuantizedWeight(nnx.Variable):
   """Codes or scales of a frozen base weight; never trained."""
 
 
-def stored(fmt: str, shape: tuple[int, ...], axes: tuple) -> dict[str, tuple[tuple[int, ...], np.dtype, tuple]]:
+def stored(
+  fmt: str, shape: tuple[int, ...], axes: tuple
+) -> dict[str, tuple[tuple[int, ...], np.dtype, tuple]]:
   """Suffix -> (shape, dtype, logical axes) of what holds a stacked [L, in, out] weight in
   ``fmt`` (``""``: the codes, :data:`SCALE`: the scales)."""
   n, d_in, d_out = shape
   layers_axis, in_axis, out_axis = axes
   if fmt == "int8":
-    return {"": (shape, np.dtype(np.int8), axes),
-            SCALE: ((n, 1, d_out), np.dtype(np.float32), (layers_axis, None, out_axis))}
+    return {
+      "": (shape, np.dtype(np.int8), axes),
+      SCALE: ((n, 1, d_out), np.dtype(np.float32), (layers_axis, None, out_axis)),
+    }
   if fmt == "nf4":
-    return {"": ((n, d_in // 2, d_out), np.dtype(np.uint8), axes),
-            SCALE: ((n, -(-d_in // BLOCK), d_out), np.dtype(np.float32), axes)}
+    return {
+      "": ((n, d_in // 2, d_out), np.dtype(np.uint8), axes),
+      SCALE: ((n, -(-d_in // BLOCK), d_out), np.dtype(np.float32), axes),
+    }
   raise ValueError(f"{fmt!r} is not stored as codes; coded formats: {', '.join(CODED)}")
 
 

@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 import anyio
 import uvicorn
@@ -64,19 +64,35 @@ def packed_fn(rm, normalize: bool, combine: str | None = None) -> PackedFn:
 def batcher(rm, config: ServerConfig, metrics: Metrics) -> Batcher:
   """The scoring worker of ``rm`` for a resolved ``config``."""
   sharing = shared_prefix.Sharing()
-  return Batcher(score_fn(rm, config.normalize, config.combine), config, pad_id(rm.tokenizer, rm.config.pad_token_id),
-                 metrics, packed_fn=packed_fn(rm, config.normalize, config.combine),
-                 group_fn=lambda rows: shared_prefix.scoring_groups(rows, sharing, rm.config, config.batch_tokens),
-                 packed_buckets=config.packed_buckets(sharing))
+  return Batcher(
+    score_fn(rm, config.normalize, config.combine),
+    config,
+    pad_id(rm.tokenizer, rm.config.pad_token_id),
+    metrics,
+    packed_fn=packed_fn(rm, config.normalize, config.combine),
+    group_fn=lambda rows: shared_prefix.scoring_groups(rows, sharing, rm.config, config.batch_tokens),
+    packed_buckets=config.packed_buckets(sharing),
+  )
 
 
 def check_model(rm, config: ServerConfig) -> None:
-  kind = kinds.check_kind(rm, kinds.PREFERENCE, kinds.REGRESSION, kinds.PROCESS, use="the server", one_reward=True,
-                          combine=config.combine, combine_hint="--combine", error=ConfigError)
+  kind = kinds.check_kind(
+    rm,
+    kinds.PREFERENCE,
+    kinds.REGRESSION,
+    kinds.PROCESS,
+    use="the server",
+    one_reward=True,
+    combine=config.combine,
+    combine_hint="--combine",
+    error=ConfigError,
+  )
   if kind == kinds.PROCESS and (config.combine is not None or config.normalize):
-    raise ConfigError(f"--{'combine' if config.combine is not None else 'normalize'} applies to sequence rewards; "
-                      "a process reward model's rewards are step probabilities, made one per solution by "
-                      "--step_aggregation")
+    raise ConfigError(
+      f"--{'combine' if config.combine is not None else 'normalize'} applies to sequence rewards; "
+      "a process reward model's rewards are step probabilities, made one per solution by "
+      "--step_aggregation"
+    )
   if config.combine is not None:
     try:
       rm.combination(config.combine)
@@ -85,8 +101,10 @@ def check_model(rm, config: ServerConfig) -> None:
   if rm.tokenizer is None:
     raise ConfigError("the model has no tokenizer, and the server scores text; load it with tokenizer=")
   if config.normalize and not rm.reward_stats:
-    raise ConfigError("normalizing needs the reward mean/std recorded at validation, and this model has "
-                      "none: serve a training output directory (or an export of one) whose run validated")
+    raise ConfigError(
+      "normalizing needs the reward mean/std recorded at validation, and this model has "
+      "none: serve a training output directory (or an export of one) whose run validated"
+    )
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -98,18 +116,30 @@ class ClientGone(Exception):
 
 
 def _timed_out(timeout: float, headers: dict[str, str] | None = None) -> RequestError:
-  return RequestError(504, f"no rewards within {timeout:g} s (--request_timeout): the server is overloaded; "
-                      "retry later, or send fewer items", {**RETRY_AFTER, **(headers or {})})
+  return RequestError(
+    504,
+    f"no rewards within {timeout:g} s (--request_timeout): the server is overloaded; "
+    "retry later, or send fewer items",
+    {**RETRY_AFTER, **(headers or {})},
+  )
 
 
 def _too_large(limit: int) -> RequestError:
-  return RequestError(413, f"the body is over {limit} bytes, the most this server takes (--max_request_bytes): "
-                      "send fewer items per request", CLOSE)
+  return RequestError(
+    413,
+    f"the body is over {limit} bytes, the most this server takes (--max_request_bytes): "
+    "send fewer items per request",
+    CLOSE,
+  )
 
 
 def _too_many(limit: int) -> RequestError:
-  return RequestError(503, f"the server holds {limit} bytes of request bodies waiting to be tokenized, its most "
-                      "(--max_pending_bytes): retry after the Retry-After seconds", {**RETRY_AFTER, **CLOSE})
+  return RequestError(
+    503,
+    f"the server holds {limit} bytes of request bodies waiting to be tokenized, its most "
+    "(--max_pending_bytes): retry after the Retry-After seconds",
+    {**RETRY_AFTER, **CLOSE},
+  )
 
 
 def _declared_size(request: Request, held: HeldBody, config: ServerConfig) -> int | None:
@@ -146,8 +176,9 @@ async def _read_body(request: Request, held: HeldBody, config: ServerConfig, dea
   except TimeoutError:
     if body_deadline == deadline:
       raise _timed_out(config.request_timeout, CLOSE) from None
-    raise RequestError(408, f"the body took more than {config.body_timeout:g} s to arrive (--body_timeout)",
-                       CLOSE) from None
+    raise RequestError(
+      408, f"the body took more than {config.body_timeout:g} s to arrive (--body_timeout)", CLOSE
+    ) from None
   return b"".join(chunks)
 
 
@@ -166,6 +197,7 @@ def _retrieved(task: asyncio.Future) -> None:
 def _with_request_id(app: Callable) -> Callable:
   """ASGI middleware: every request gets an id (``request.state.request_id``) that its answer
   carries in an X-Request-ID header, and the log names when something fails."""
+
   async def asgi(scope, receive, send):
     if scope["type"] != "http":
       return await app(scope, receive, send)
@@ -176,7 +208,9 @@ def _with_request_id(app: Callable) -> Callable:
       if message["type"] == "http.response.start":
         message["headers"] = [*message.get("headers", []), (REQUEST_ID.lower().encode(), request_id.encode())]
       await send(message)
+
     return await app(scope, receive, send_with_id)
+
   return asgi
 
 
@@ -196,7 +230,10 @@ class App:
     self._tokenizing = anyio.CapacityLimiter(1)
 
   def asgi(self) -> Callable:
-    routes = [Route("/health", self.health, methods=["GET"]), Route("/metrics", self.metrics_text, methods=["GET"])]
+    routes = [
+      Route("/health", self.health, methods=["GET"]),
+      Route("/metrics", self.metrics_text, methods=["GET"]),
+    ]
     routes += [Route(path, self._scoring(path, parse), methods=["POST"]) for path, parse in ROUTES.items()]
     return _with_request_id(Starlette(routes=routes, exception_handlers={HTTPException: self._http_error}))
 
@@ -235,14 +272,23 @@ class App:
       except Exception:  # pylint: disable=broad-except  # a server answers, whatever happened
         request_id = request.state.request_id
         log.exception("request %s to %s failed", request_id, path)
-        response = _error(500, f"internal error; the server's log has its cause under request id {request_id}")
+        response = _error(
+          500, f"internal error; the server's log has its cause under request id {request_id}"
+        )
       seconds = time.perf_counter() - start
       self.metrics.request(path, response.status_code, seconds)
       if self.config.access_log:
         client = request.client.host if request.client else "-"
-        log.info("%s POST %s %d %.3f s request %s", client, path, response.status_code, seconds,
-                 request.state.request_id)
+        log.info(
+          "%s POST %s %d %.3f s request %s",
+          client,
+          path,
+          response.status_code,
+          seconds,
+          request.state.request_id,
+        )
       return response
+
     return endpoint
 
   async def _answer(self, request: Request, parse: Callable):
@@ -260,11 +306,18 @@ class App:
   def _check_scoring(self, request: Request) -> None:
     self._authorize(request)
     if self.batcher.failed:
-      raise RequestError(500, "the server could not compile its batch shapes, and scores nothing; its log says "
-                         f"why (request id {request.state.request_id})")
+      raise RequestError(
+        500,
+        "the server could not compile its batch shapes, and scores nothing; its log says "
+        f"why (request id {request.state.request_id})",
+      )
     if not self.batcher.ready.is_set():
-      raise RequestError(503, "the server is still compiling its batch shapes; retry shortly (GET /health "
-                         "says \"ok\" once it is ready)", RETRY_AFTER)
+      raise RequestError(
+        503,
+        "the server is still compiling its batch shapes; retry shortly (GET /health "
+        'says "ok" once it is ready)',
+        RETRY_AFTER,
+      )
 
   async def _until_answered(self, request: Request, work: asyncio.Future, deadline: float):
     """``work``'s result, unless the deadline passes (504) or the client leaves first; either way
@@ -285,7 +338,9 @@ class App:
         task.add_done_callback(_retrieved)
 
   async def _tokenized_and_scored(self, raw: bytes, parse: Callable, held: HeldBody, request_id: str):
-    scoring = await anyio.to_thread.run_sync(lambda: self._tokenized(raw, parse, held), limiter=self._tokenizing)
+    scoring = await anyio.to_thread.run_sync(
+      lambda: self._tokenized(raw, parse, held), limiter=self._tokenizing
+    )
     rewards = await self._scored(scoring.rows, request_id) if scoring.rows else []
     return scoring.write(rewards, Meta(request_id, self.model_name, int(time.time())))
 
@@ -302,8 +357,11 @@ class App:
   async def _scored(self, rows: list[list[int]], request_id: str) -> list[float]:
     tokens, limit = sum(map(len, rows)), self.config.max_queued_tokens
     if tokens > limit:
-      raise RequestError(413, f"the request has {tokens} tokens; this server queues at most {limit} "
-                         "(--max_queued_tokens): split the request")
+      raise RequestError(
+        413,
+        f"the request has {tokens} tokens; this server queues at most {limit} "
+        "(--max_queued_tokens): split the request",
+      )
     try:
       job = self.batcher.submit(rows, request_id)
     except QueueFull as e:
@@ -320,8 +378,11 @@ class App:
 
   def _authorize(self, request: Request) -> None:
     if not self._authorized(request):
-      raise RequestError(401, "this server needs an 'Authorization: Bearer <api key>' header with its key",
-                         {"WWW-Authenticate": "Bearer"})
+      raise RequestError(
+        401,
+        "this server needs an 'Authorization: Bearer <api key>' header with its key",
+        {"WWW-Authenticate": "Bearer"},
+      )
 
   async def _http_error(self, request: Request, e: HTTPException) -> Response:
     if e.status_code == 404:
@@ -332,10 +393,16 @@ class App:
 
 
 def _busy_reply(max_connections: int) -> bytes:
-  body = json.dumps({"error": f"the server has {max_connections} open connections, its most "
-                              "(--max_connections): retry after the Retry-After seconds"}).encode()
-  head = ("HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
-          f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n")
+  body = json.dumps(
+    {
+      "error": f"the server has {max_connections} open connections, its most "
+      "(--max_connections): retry after the Retry-After seconds"
+    }
+  ).encode()
+  head = (
+    "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+    f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n"
+  )
   return head.encode() + body
 
 
@@ -408,8 +475,15 @@ class RewardServer:
   ``port=0`` picks a free port: read ``url``.
   """
 
-  def __init__(self, rm, config: ServerConfig = DEFAULT_CONFIG, host: str = "127.0.0.1", port: int = 8000, *,
-               model_name: str = ""):
+  def __init__(
+    self,
+    rm,
+    config: ServerConfig = DEFAULT_CONFIG,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    model_name: str = "",
+  ):
     check_model(rm, config)
     self.config = config.resolved(rm.config.max_position_embeddings, rm.training_max_length)
     self.metrics = Metrics()
@@ -417,9 +491,17 @@ class RewardServer:
     app = App(rm, self.config, self.batcher, self.metrics, model_name).asgi()
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     self._socket = socket.create_server((host, port), family=family, backlog=2048)
-    self._uvicorn = uvicorn.Server(uvicorn.Config(
-        app, http=_protocol(self.config.header_timeout, self.config.max_connections), ws="none",
-        lifespan="off", log_config=None, access_log=False, timeout_keep_alive=self.config.keep_alive))
+    self._uvicorn = uvicorn.Server(
+      uvicorn.Config(
+        app,
+        http=_protocol(self.config.header_timeout, self.config.max_connections),
+        ws="none",
+        lifespan="off",
+        log_config=None,
+        access_log=False,
+        timeout_keep_alive=self.config.keep_alive,
+      )
+    )
     self._thread: threading.Thread | None = None
 
   @property
@@ -459,7 +541,13 @@ class RewardServer:
       self._thread.join(timeout=60)
 
 
-def make_server(rm, host: str = "127.0.0.1", port: int = 8000, *, config: ServerConfig = DEFAULT_CONFIG,
-                model_name: str = "") -> RewardServer:
+def make_server(
+  rm,
+  host: str = "127.0.0.1",
+  port: int = 8000,
+  *,
+  config: ServerConfig = DEFAULT_CONFIG,
+  model_name: str = "",
+) -> RewardServer:
   """A :class:`RewardServer` scoring with ``rm``; call ``serve_forever()`` or ``start()``."""
   return RewardServer(rm, config, host, port, model_name=model_name)

@@ -23,7 +23,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -79,9 +79,17 @@ def row_sizes(batch_size: int) -> list[int]:
 class Batcher:
   """The scoring worker and its queue."""
 
-  def __init__(self, score_fn: ScoreFn, config: ServerConfig, pad_id: int, metrics: Metrics, *,
-               packed_fn: PackedFn | None = None, group_fn: GroupFn | None = None,
-               packed_buckets: tuple[int, ...] = ()):
+  def __init__(
+    self,
+    score_fn: ScoreFn,
+    config: ServerConfig,
+    pad_id: int,
+    metrics: Metrics,
+    *,
+    packed_fn: PackedFn | None = None,
+    group_fn: GroupFn | None = None,
+    packed_buckets: tuple[int, ...] = (),
+  ):
     """``packed_fn``, ``group_fn`` and ``packed_buckets`` (the lengths a packed row may have)
     score rows that share a prefix together; without them every row is scored alone."""
     self.score_fn = score_fn
@@ -110,14 +118,18 @@ class Batcher:
     cfg = self.config
     with self._lock:
       if self._queued_tokens + tokens > cfg.max_queued_tokens:
-        raise QueueFull(f"the server is busy: {cfg.max_queued_tokens} tokens are queued (--max_queued_tokens); "
-                        "retry after the Retry-After seconds")
+        raise QueueFull(
+          f"the server is busy: {cfg.max_queued_tokens} tokens are queued (--max_queued_tokens); "
+          "retry after the Retry-After seconds"
+        )
       job = Job(rows, loop, loop.create_future(), [None] * len(rows), len(rows), tokens, request_id)
       try:
         self._queue.put_nowait(job)
       except queue.Full:
-        raise QueueFull(f"the server is busy: {cfg.max_connections} requests wait to be scored, as many as it "
-                        "keeps connections (--max_connections); retry after the Retry-After seconds") from None
+        raise QueueFull(
+          f"the server is busy: {cfg.max_connections} requests wait to be scored, as many as it "
+          "keeps connections (--max_connections); retry after the Retry-After seconds"
+        ) from None
       self._queued_tokens += tokens
       self._queued_items += len(rows)
       self._update_gauges()
@@ -183,13 +195,23 @@ class Batcher:
       for shared in self._packed(rows, groups, max_tokens=b * t):
         assert shared.batch.input_ids.shape == (b, t), (shared.batch.input_ids.shape, b, t)
         self.packed_fn(shared)
-    log.info("compiled %d batch shapes (%d of them of packed rows) in %.1f s", len(shapes) + len(packed),
-             len(packed), time.perf_counter() - start)
+    log.info(
+      "compiled %d batch shapes (%d of them of packed rows) in %.1f s",
+      len(shapes) + len(packed),
+      len(packed),
+      time.perf_counter() - start,
+    )
 
   def _packed(self, rows: list[list[int]], groups: list[list[int]], max_tokens: int | None = None):
-    return shared_prefix.shared_batches(rows, groups, batch_size=self.config.batch_size, buckets=self.packed_buckets,
-                                        max_tokens=max_tokens or self.config.batch_tokens, pad_id=self.pad_id,
-                                        slot_per_token=True)
+    return shared_prefix.shared_batches(
+      rows,
+      groups,
+      batch_size=self.config.batch_size,
+      buckets=self.packed_buckets,
+      max_tokens=max_tokens or self.config.batch_tokens,
+      pad_id=self.pad_id,
+      slot_per_token=True,
+    )
 
   def _collect(self) -> list[Job]:
     """The jobs to score next: the first to arrive, those arriving within batch_wait_ms, and any
@@ -235,7 +257,9 @@ class Batcher:
     if shared:
       tokens = [job.rows[i] for job, i in rows]
       for packed in self._packed(tokens, shared):
-        self._score_batch([rows[k] for k in packed.rows], lambda b, packed=packed: self._forward_packed(packed, b))
+        self._score_batch(
+          [rows[k] for k in packed.rows], lambda b, packed=packed: self._forward_packed(packed, b)
+        )
 
   def _groups(self, rows: list[tuple[Job, int]]) -> list[list[int]]:
     """Indices of ``rows`` in groups scored together (each alone without sharing)."""
@@ -270,8 +294,10 @@ class Batcher:
     batches, current = [], []
     for row in rows:
       t = self._bucket(len(row[0].rows[row[1]]))  # the batch's length: rows come shortest first
-      if current and (len(current) == cfg.batch_size
-                      or scoring_rows(len(current) + 1, cfg.batch_size) * t > cfg.batch_tokens):
+      if current and (
+        len(current) == cfg.batch_size
+        or scoring_rows(len(current) + 1, cfg.batch_size) * t > cfg.batch_tokens
+      ):
         batches.append(current)
         current = []
       current.append(row)
@@ -282,11 +308,15 @@ class Batcher:
 
   def _forward(self, rows: list[list[int]]) -> np.ndarray:
     """Rewards of rows (at most one batch), right-padded to a compiled shape."""
-    ids, mask = right_padded(rows, length=self._bucket(max(map(len, rows))), pad_id=self.pad_id,
-                             num_rows=scoring_rows(len(rows), self.config.batch_size))
+    ids, mask = right_padded(
+      rows,
+      length=self._bucket(max(map(len, rows))),
+      pad_id=self.pad_id,
+      num_rows=scoring_rows(len(rows), self.config.batch_size),
+    )
     self.metrics.tokens(real=sum(map(len, rows)), padded=ids.size)
     out = np.asarray(self.score_fn(ids, mask))
-    return out[:len(rows)] if out.ndim == 1 else [out[j, :len(r)] for j, r in enumerate(rows)]
+    return out[: len(rows)] if out.ndim == 1 else [out[j, : len(r)] for j, r in enumerate(rows)]
 
   def _forward_packed(self, packed: shared_prefix.SharedRows, batch: list[tuple[Job, int]]) -> np.ndarray:
     """Rewards of the rows packed in ``packed`` (``batch``, in its order)."""
@@ -309,8 +339,9 @@ class Batcher:
     with self._lock:
       released = self._release(job)
     if released:
-      job.loop.call_soon_threadsafe(_set_result, job.future, [r if isinstance(r, np.ndarray) else float(r)
-                                                              for r in job.rewards])
+      job.loop.call_soon_threadsafe(
+        _set_result, job.future, [r if isinstance(r, np.ndarray) else float(r) for r in job.rewards]
+      )
 
   def _fail(self, job: Job, error: Exception) -> None:
     with self._lock:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Any
@@ -14,7 +15,7 @@ from jaxrm.errors import ConfigError, DataError
 from jaxrm.server.config import ServerConfig
 
 QUERY = "a list of strings (prompt + response texts)"
-CONVERSATIONS = "a list of conversations (lists of {\"role\", \"content\"} messages)"
+CONVERSATIONS = 'a list of conversations (lists of {"role", "content"} messages)'
 
 
 class RequestError(Exception):
@@ -63,21 +64,31 @@ class Encoder:
   def score(self, body: dict[str, Any]) -> list[list[int]]:
     """``{"conversations": [...]}``, or ``{"prompts": [...], "completions": [...]}`` pairs."""
     if "conversations" in body:
-      conversations = [self.messages(c, f"conversations[{i}]")
-                       for i, c in enumerate(self.items(body, "conversations", CONVERSATIONS))]
+      conversations = [
+        self.messages(c, f"conversations[{i}]")
+        for i, c in enumerate(self.items(body, "conversations", CONVERSATIONS))
+      ]
       return [self.encode(f"conversations[{i}]", c) for i, c in enumerate(conversations)]
     if "prompts" not in body and "completions" not in body:
-      raise RequestError(400, "the body has neither 'conversations' nor 'prompts' and 'completions'; send "
-                         f"{{\"conversations\": {CONVERSATIONS}}} or {{\"prompts\": [...], \"completions\": "
-                         "[...]}} (strings, or message lists), or vLLM's {\"text_1\": ..., \"text_2\": ...} "
-                         "(or \"queries\" and \"documents\")")
+      raise RequestError(
+        400,
+        "the body has neither 'conversations' nor 'prompts' and 'completions'; send "
+        f'{{"conversations": {CONVERSATIONS}}} or {{"prompts": [...], "completions": '
+        '[...]}} (strings, or message lists), or vLLM\'s {"text_1": ..., "text_2": ...} '
+        '(or "queries" and "documents")',
+      )
     prompts = self.items(body, "prompts", "a list of prompts (strings or message lists)")
     completions = self.items(body, "completions", "a list of completions (strings or message lists)")
     if len(prompts) != len(completions):
-      raise RequestError(400, f"{len(prompts)} prompts but {len(completions)} completions; send one "
-                         "completion per prompt (repeat a prompt for each of its completions)")
-    pairs = [(self._text(p, f"prompts[{i}]"), self._text(c, f"completions[{i}]"))
-             for i, (p, c) in enumerate(zip(prompts, completions))]
+      raise RequestError(
+        400,
+        f"{len(prompts)} prompts but {len(completions)} completions; send one "
+        "completion per prompt (repeat a prompt for each of its completions)",
+      )
+    pairs = [
+      (self._text(p, f"prompts[{i}]"), self._text(c, f"completions[{i}]"))
+      for i, (p, c) in enumerate(zip(prompts, completions))
+    ]
     return [self.encode(f"prompts[{i}] + completions[{i}]", p, c) for i, (p, c) in enumerate(pairs)]
 
   def solutions(self, body: dict[str, Any]) -> list[tuple[list[int], list[int]]]:
@@ -87,12 +98,18 @@ class Encoder:
     lays them out."""
     separator = self.rm.step_separator
     if ("completions" in body) == ("steps" in body):
-      raise RequestError(400, "send 'prompts' with 'completions' (texts, cut into steps at the model's step "
-                         f"separator {separator!r}) or with 'steps' (a list of step texts per prompt), one of the two")
+      raise RequestError(
+        400,
+        "send 'prompts' with 'completions' (texts, cut into steps at the model's step "
+        f"separator {separator!r}) or with 'steps' (a list of step texts per prompt), one of the two",
+      )
     prompts = self.items(body, "prompts", "a list of prompts (strings or message lists)")
     key = "steps" if "steps" in body else "completions"
-    given = self.items(body, key, "a list of step lists (lists of strings)" if key == "steps"
-                       else "a list of completions (strings)")
+    given = self.items(
+      body,
+      key,
+      "a list of step lists (lists of strings)" if key == "steps" else "a list of completions (strings)",
+    )
     if len(prompts) != len(given):
       raise RequestError(400, f"{len(prompts)} prompts but {len(given)} {key}; send one per prompt")
     out = []
@@ -100,8 +117,10 @@ class Encoder:
       steps = self._steps(value, f"{key}[{i}]", separator)
       where = f"prompts[{i}] + {key}[{i}]"
       prompt = self._text(prompt, f"prompts[{i}]")
-      out.append(self._encoded(where, lambda: self.rm.encode_steps(prompt, steps, max_length=self.config.max_length,
-                                                                    where=where)))
+      encode = functools.partial(
+        self.rm.encode_steps, prompt, steps, max_length=self.config.max_length, where=where
+      )
+      out.append(self._encoded(where, encode))
     return out
 
   @staticmethod
@@ -111,8 +130,11 @@ class Encoder:
     elif isinstance(value, list) and all(isinstance(s, str) for s in value):
       steps = value
     else:
-      raise RequestError(400, f"{where} is {kind(value)}; expected "
-                         + ("a list of step texts" if where.startswith("steps") else "a string"))
+      raise RequestError(
+        400,
+        f"{where} is {kind(value)}; expected "
+        + ("a list of step texts" if where.startswith("steps") else "a string"),
+      )
     if not steps:
       raise RequestError(400, f"{where} has no steps to score (the step separator is {separator!r})")
     return steps
@@ -129,8 +151,11 @@ class Encoder:
 
   def check_count(self, key: str, n: int) -> None:
     if n > self.config.max_batch:
-      raise RequestError(413, f"'{key}' has {n} items; this server scores at most "
-                         f"{self.config.max_batch} per request (--max_batch): split the request")
+      raise RequestError(
+        413,
+        f"'{key}' has {n} items; this server scores at most "
+        f"{self.config.max_batch} per request (--max_batch): split the request",
+      )
 
   def messages(self, value: Any, field: str) -> list[dict]:
     """``value`` checked as a conversation: a non-empty list of messages."""
@@ -147,8 +172,9 @@ class Encoder:
 
   def encode(self, where: str, item, completion=None) -> list[int]:
     """A conversation or text (with its completion, if given) laid out as training lays it out."""
-    return self._encoded(where, lambda: self.rm.encode(item, completion, max_length=self.config.max_length,
-                                                       where=where))
+    return self._encoded(
+      where, lambda: self.rm.encode(item, completion, max_length=self.config.max_length, where=where)
+    )
 
   @staticmethod
   def _encoded(where: str, encode):
@@ -191,10 +217,13 @@ class Encoder:
     """``ids`` cut to their last (side "left") or first ``truncate`` tokens if asked, then checked
     against max_length."""
     if truncate is not None and len(ids) > truncate:
-      ids = ids[len(ids) - truncate:] if side == "left" else ids[:truncate]
+      ids = ids[len(ids) - truncate :] if side == "left" else ids[:truncate]
     if len(ids) > self.config.max_length:
-      raise RequestError(400, f"cannot score {where}: {len(ids)} tokens, longer than max_length="
-                         f"{self.config.max_length} (--max_length)")
+      raise RequestError(
+        400,
+        f"cannot score {where}: {len(ids)} tokens, longer than max_length="
+        f"{self.config.max_length} (--max_length)",
+      )
     return ids
 
 

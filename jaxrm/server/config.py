@@ -81,8 +81,16 @@ class ServerConfig:
   access_log: bool = False
 
   def __post_init__(self):
-    for name in ("max_batch", "max_request_bytes", "max_pending_bytes", "max_length", "batch_size",
-                 "batch_tokens", "max_queued_tokens", "max_connections"):
+    for name in (
+      "max_batch",
+      "max_request_bytes",
+      "max_pending_bytes",
+      "max_length",
+      "batch_size",
+      "batch_tokens",
+      "max_queued_tokens",
+      "max_connections",
+    ):
       value = getattr(self, name)
       if value is not None and value < 1:
         raise ConfigError(f"{name}={value}: must be at least 1 (--{name})")
@@ -90,9 +98,11 @@ class ServerConfig:
       if not getattr(self, name) >= 0:
         raise ConfigError(f"{name}={getattr(self, name)}: must be 0 or more (--{name})")
     if self.max_pending_bytes < self.max_request_bytes:
-      raise ConfigError(f"max_pending_bytes={self.max_pending_bytes} < max_request_bytes={self.max_request_bytes}: "
-                        "a body of max_request_bytes could never be read; raise --max_pending_bytes or lower "
-                        "--max_request_bytes")
+      raise ConfigError(
+        f"max_pending_bytes={self.max_pending_bytes} < max_request_bytes={self.max_request_bytes}: "
+        "a body of max_request_bytes could never be read; raise --max_pending_bytes or lower "
+        "--max_request_bytes"
+      )
     try:
       step_rewards.check_aggregation(self.step_aggregation)
     except ValueError as e:
@@ -105,16 +115,20 @@ class ServerConfig:
     when it was trained by jaxrm, the training run's ``data.max_length``."""
     max_length = self.max_length or default_max_length(context_length, training_max_length)
     if max_length > context_length:
-      raise ConfigError(f"max_length={max_length} is longer than the model's context ({context_length} "
-                        "tokens): lower --max_length")
+      raise ConfigError(
+        f"max_length={max_length} is longer than the model's context ({context_length} "
+        "tokens): lower --max_length"
+      )
     batch_tokens = self.batch_tokens or self.batch_size * max_length
     if batch_tokens < max_length:
-      raise ConfigError(f"batch_tokens={batch_tokens} < max_length={max_length}: an item of max_length "
-                        "tokens would fit no batch; raise --batch_tokens or lower --max_length")
-    buckets = tuple(sorted({b for b in self.buckets or _powers_of_two(max_length) if b < max_length}
-                           | {max_length}))
+      raise ConfigError(
+        f"batch_tokens={batch_tokens} < max_length={max_length}: an item of max_length "
+        "tokens would fit no batch; raise --batch_tokens or lower --max_length"
+      )
+    buckets = tuple(
+      sorted({b for b in self.buckets or _powers_of_two(max_length) if b < max_length} | {max_length})
+    )
     return dataclasses.replace(self, max_length=max_length, batch_tokens=batch_tokens, buckets=buckets)
-
 
   def packed_buckets(self, sharing: Sharing = Sharing()) -> tuple[int, ...]:
     """Lengths a packed row may have (of a :meth:`resolved` config): the buckets long enough for two

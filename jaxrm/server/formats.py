@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from jaxrm import kinds, step_rewards
 from jaxrm.data.formats import kind
@@ -76,8 +77,11 @@ def parse_get_reward(enc: Encoder, body: Body) -> Scoring:
 def parse_jaxrm_score(enc: Encoder, body: Body) -> Scoring:
   if enc.rm.kind == kinds.PROCESS:
     if "conversations" in body:
-      raise RequestError(400, "this server's model is a process reward model, which scores the steps of a "
-                         "solution: send 'prompts' with 'completions' (or 'steps'), not 'conversations'")
+      raise RequestError(
+        400,
+        "this server's model is a process reward model, which scores the steps of a "
+        "solution: send 'prompts' with 'completions' (or 'steps'), not 'conversations'",
+      )
     steps = parse_score_steps(enc, body)
     return Scoring(steps.rows, lambda outputs, meta: {"rewards": steps.write(outputs, meta)["rewards"]})
   return Scoring(enc.score(body), _rewards)
@@ -98,19 +102,24 @@ def parse_vllm_classify(enc: Encoder, body: Body) -> Scoring:
   def write(rewards: list[float], meta: Meta) -> Body:
     data = [{"index": i, "label": label, "probs": [act(r)], "num_classes": 1} for i, r in enumerate(rewards)]
     return {**_vllm_head("classify", model, meta), "data": data, "usage": _usage(rows)}
+
   return Scoring(rows, write)
 
 
 def parse_vllm_pooling(enc: Encoder, body: Body) -> Scoring:
   """PoolingRequest -> PoolingResponse: ``data`` [reward] per item, in floats."""
   if body.get("encoding_format") not in (None, "float"):
-    raise RequestError(400, f"encoding_format={body['encoding_format']!r}: this server answers floats; "
-                       "send \"float\" (or leave it out)")
+    raise RequestError(
+      400,
+      f"encoding_format={body['encoding_format']!r}: this server answers floats; "
+      'send "float" (or leave it out)',
+    )
   rows, act, model = _vllm_rows(enc, body), _activation(enc, body), _model(body)
 
   def write(rewards: list[float], meta: Meta) -> Body:
     data = [{"index": i, "object": "pooling", "data": [act(r)]} for i, r in enumerate(rewards)]
     return {**_vllm_head("pool", model, meta), "data": data, "usage": _usage(rows)}
+
   return Scoring(rows, write)
 
 
@@ -121,12 +130,18 @@ def parse_vllm_score(enc: Encoder, body: Body) -> Scoring:
   first, second = _score_fields(body)
   for name in ("max_tokens_per_query", "max_tokens_per_doc"):
     if body.get(name):
-      raise RequestError(400, f"{name}={body[name]!r}: this server does not cut queries or documents; "
-                         "send them within max_length tokens")
+      raise RequestError(
+        400,
+        f"{name}={body[name]!r}: this server does not cut queries or documents; "
+        "send them within max_length tokens",
+      )
   lefts, rights = _score_texts(body, first), _score_texts(body, second)
   if not lefts or not rights or (len(lefts) > 1 and len(lefts) != len(rights)):
-    raise RequestError(400, f"'{first}' has {len(lefts)} texts and '{second}' {len(rights)}: pair 1 with N, "
-                       "or N with N (N at least 1)")
+    raise RequestError(
+      400,
+      f"'{first}' has {len(lefts)} texts and '{second}' {len(rights)}: pair 1 with N, "
+      "or N with N (N at least 1)",
+    )
   enc.check_count(second, len(rights))
   truncate, side = _truncation(enc, body)
   rows = []
@@ -139,6 +154,7 @@ def parse_vllm_score(enc: Encoder, body: Body) -> Scoring:
   def write(rewards: list[float], meta: Meta) -> Body:
     data = [{"index": i, "object": "score", "score": act(r)} for i, r in enumerate(rewards)]
     return {**_vllm_head("score", model, meta), "data": data, "usage": _usage(rows)}
+
   return Scoring(rows, write)
 
 
@@ -147,9 +163,15 @@ def _vllm_rows(enc: Encoder, body: Body) -> list[list[int]]:
   conversation, rendered by the chat template as training renders it)."""
   given = [k for k in VLLM_INPUTS if k in body]
   if len(given) != 1:
-    raise RequestError(400, ("the body has both 'input' and 'messages'; send one" if given else
-                             "the body has neither 'input' nor 'messages'; send vLLM's {\"input\": "
-                             f"{VLLM_INPUT}}} or {{\"messages\": a conversation}}"))
+    raise RequestError(
+      400,
+      (
+        "the body has both 'input' and 'messages'; send one"
+        if given
+        else "the body has neither 'input' nor 'messages'; send vLLM's {\"input\": "
+        f'{VLLM_INPUT}}} or {{"messages": a conversation}}'
+      ),
+    )
   truncate, side = _truncation(enc, body)
   if given == ["messages"]:
     ids = enc.encode("messages", enc.messages(_text_parts_joined(body["messages"]), "messages"))
@@ -162,8 +184,15 @@ def _vllm_rows(enc: Encoder, body: Body) -> list[list[int]]:
     items = [("input", enc.given_ids("input", value))]
   elif isinstance(value, list) and value:
     enc.check_count("input", len(value))
-    items = [(f"input[{i}]", enc.given_ids(f"input[{i}]", x) if isinstance(x, list)
-              else enc.text_ids(f"input[{i}]", x, special=special)) for i, x in enumerate(value)]
+    items = [
+      (
+        f"input[{i}]",
+        enc.given_ids(f"input[{i}]", x)
+        if isinstance(x, list)
+        else enc.text_ids(f"input[{i}]", x, special=special),
+      )
+      for i, x in enumerate(value)
+    ]
   else:
     raise RequestError(400, f"'input' is {kind(value)}; expected {VLLM_INPUT} (not empty)")
   return [enc.fitted(where, ids, truncate, side) for where, ids in items]
@@ -180,8 +209,11 @@ def _text_parts_joined(messages: Any) -> Any:
     if isinstance(content, list):
       for j, part in enumerate(content):
         if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-          raise RequestError(400, f"messages[{i}].content[{j}] is not a text part ({{\"type\": \"text\", "
-                             "\"text\": ...}); this server scores text")
+          raise RequestError(
+            400,
+            f'messages[{i}].content[{j}] is not a text part ({{"type": "text", '
+            '"text": ...}); this server scores text',
+          )
       message = {**message, "content": "\n".join(part["text"] for part in content)}
     out.append(message)
   return out
@@ -192,10 +224,16 @@ def _score_fields(body: Body) -> tuple[str, str]:
   if len(pairs) == 1:
     return pairs[0]
   if pairs:
-    raise RequestError(400, f"the body has {' and '.join(map(repr, sorted({k for p in pairs for k in p})))}: "
-                       "send one pair of texts to score")
-  raise RequestError(400, "vLLM's score request pairs 'text_1' with 'text_2' (or 'queries' with 'documents' "
-                     "or 'items', or 'data_1' with 'data_2'); the body lacks one of a pair")
+    raise RequestError(
+      400,
+      f"the body has {' and '.join(map(repr, sorted({k for p in pairs for k in p})))}: "
+      "send one pair of texts to score",
+    )
+  raise RequestError(
+    400,
+    "vLLM's score request pairs 'text_1' with 'text_2' (or 'queries' with 'documents' "
+    "or 'items', or 'data_1' with 'data_2'); the body lacks one of a pair",
+  )
 
 
 def _score_texts(body: Body, field: str) -> list[str]:
@@ -212,13 +250,16 @@ def _truncation(enc: Encoder, body: Body) -> tuple[int | None, str]:
   start ("left") unless told otherwise, keeping the response whose last token is scored."""
   side = body.get("truncation_side") or "left"
   if side not in ("left", "right"):
-    raise RequestError(400, f"truncation_side={side!r}; expected \"left\" or \"right\"")
+    raise RequestError(400, f'truncation_side={side!r}; expected "left" or "right"')
   n = body.get("truncate_prompt_tokens")
   if n is None:
     return None, side
   if not _is_int(n) or n == 0 or n < -1:
-    raise RequestError(400, f"truncate_prompt_tokens={n!r}; expected a number of tokens (at least 1), or -1 for "
-                       "this server's max_length")
+    raise RequestError(
+      400,
+      f"truncate_prompt_tokens={n!r}; expected a number of tokens (at least 1), or -1 for "
+      "this server's max_length",
+    )
   return (enc.config.max_length if n == -1 else n), side
 
 
@@ -253,13 +294,22 @@ def _model(body: Body) -> str | None:
 
 
 def _vllm_head(prefix: str, model: str | None, meta: Meta) -> Body:
-  return {"id": f"{prefix}-{meta.request_id}", "object": "list", "created": meta.created,
-          "model": model or meta.model}
+  return {
+    "id": f"{prefix}-{meta.request_id}",
+    "object": "list",
+    "created": meta.created,
+    "model": model or meta.model,
+  }
 
 
 def _usage(rows: list[list[int]]) -> Body:
   tokens = sum(map(len, rows))
-  return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0, "prompt_tokens_details": None}
+  return {
+    "prompt_tokens": tokens,
+    "total_tokens": tokens,
+    "completion_tokens": 0,
+    "prompt_tokens_details": None,
+  }
 
 
 # ------------------------------------------------------------------ SGLang
@@ -270,8 +320,11 @@ def parse_sglang_classify(enc: Encoder, body: Body) -> Scoring:
   list -> ``{"embedding": [reward], "meta_info": {"id", "prompt_tokens"}}``, or a list of them.
   Texts are tokenized with special tokens, as SGLang's tokenizer manager does."""
   if ("text" in body) == ("input_ids" in body):
-    raise RequestError(400, "send SGLang's 'text' (a text or a list of texts) or 'input_ids' (token ids, or "
-                       "a list of them), one of the two")
+    raise RequestError(
+      400,
+      "send SGLang's 'text' (a text or a list of texts) or 'input_ids' (token ids, or "
+      "a list of them), one of the two",
+    )
   if "text" in body:
     single = isinstance(body["text"], str)
     texts = [body["text"]] if single else enc.items(body, "text", "a text or a list of texts")
@@ -286,9 +339,12 @@ def parse_sglang_classify(enc: Encoder, body: Body) -> Scoring:
   rids = body.get("rid")
 
   def write(rewards: list[float], meta: Meta) -> Any:
-    out = [{"embedding": [r], "meta_info": {"id": _rid(rids, i, single, meta), "prompt_tokens": len(row)}}
-           for i, (r, row) in enumerate(zip(rewards, rows))]
+    out = [
+      {"embedding": [r], "meta_info": {"id": _rid(rids, i, single, meta), "prompt_tokens": len(row)}}
+      for i, (r, row) in enumerate(zip(rewards, rows))
+    ]
     return out[0] if single else out
+
   return Scoring(rows, write)
 
 
@@ -308,9 +364,12 @@ def parse_score_steps(enc: Encoder, body: Body) -> Scoring:
   """Each solution's step probabilities (class 1 at its step labels, as ``RewardModel.score_steps``)
   and their aggregate."""
   if enc.rm.kind != kinds.PROCESS:
-    raise RequestError(400, "/score_steps scores the steps of solutions with a process reward model (a token "
-                       f"head); this server's model has {kinds.describe(enc.rm.config, enc.rm.attributes)}: "
-                       "POST /score or /get_reward")
+    raise RequestError(
+      400,
+      "/score_steps scores the steps of solutions with a process reward model (a token "
+      f"head); this server's model has {kinds.describe(enc.rm.config, enc.rm.attributes)}: "
+      "POST /score or /get_reward",
+    )
   how = body.get("aggregation", enc.config.step_aggregation)
   try:
     step_rewards.check_aggregation(how, flag="aggregation")
@@ -321,17 +380,25 @@ def parse_score_steps(enc: Encoder, body: Body) -> Scoring:
   def write(outputs: list, meta: Meta) -> Body:
     steps = [[float(p) for p in out[positions]] for out, (_, positions) in zip(outputs, solutions)]
     return {"step_rewards": steps, "rewards": [step_rewards.aggregate(p, how) for p in steps]}
+
   return Scoring([ids for ids, _ in solutions], write)
 
 
-def _sequences_only(path: str, parse: Callable[[Encoder, Body], Scoring]) -> Callable[[Encoder, Body], Scoring]:
+def _sequences_only(
+  path: str, parse: Callable[[Encoder, Body], Scoring]
+) -> Callable[[Encoder, Body], Scoring]:
   """``parse``, refusing a process reward model (its rewards are per step)."""
+
   def checked(enc: Encoder, body: Body) -> Scoring:
     if enc.rm.kind == kinds.PROCESS:
-      raise RequestError(400, f"{path} scores whole sequences, and this server's model is a process reward "
-                         "model: POST /score_steps (each step's probability) or /score (one reward per "
-                         "solution), with 'prompts' and 'completions'")
+      raise RequestError(
+        400,
+        f"{path} scores whole sequences, and this server's model is a process reward "
+        "model: POST /score_steps (each step's probability) or /score (one reward per "
+        "solution), with 'prompts' and 'completions'",
+      )
     return parse(enc, body)
+
   return checked
 
 
@@ -343,8 +410,11 @@ def parse_score(enc: Encoder, body: Body) -> Scoring:
   vllm = sorted({k for pair in SCORE_PAIRS for k in pair if k in body})
   own = [k for k in JAXRM_SCORE_FIELDS if k in body]
   if vllm and own:
-    raise RequestError(400, f"the body has jaxrm's {own[0]!r} and vLLM's {vllm[0]!r}: send jaxrm's score request "
-                       "or vLLM's (see /v1/score), not both")
+    raise RequestError(
+      400,
+      f"the body has jaxrm's {own[0]!r} and vLLM's {vllm[0]!r}: send jaxrm's score request "
+      "or vLLM's (see /v1/score), not both",
+    )
   if vllm:
     return _sequences_only("vLLM's score request", parse_vllm_score)(enc, body)
   return parse_jaxrm_score(enc, body)
@@ -360,8 +430,11 @@ def parse_classify(enc: Encoder, body: Body) -> Scoring:
     return parse_sglang_classify(enc, body)
   if vllm:
     return parse_vllm_classify(enc, body)
-  raise RequestError(400, f"send vLLM's {{\"input\": {VLLM_INPUT}}} (or \"messages\") or SGLang's {{\"text\": "
-                     "a text or a list of texts}} (or \"input_ids\")")
+  raise RequestError(
+    400,
+    f'send vLLM\'s {{"input": {VLLM_INPUT}}} (or "messages") or SGLang\'s {{"text": '
+    'a text or a list of texts}} (or "input_ids")',
+  )
 
 
 def _flag(body: Body, name: str, default: bool) -> bool:
@@ -378,11 +451,11 @@ def _is_int(x: Any) -> bool:
 
 
 ROUTES: dict[str, Callable[[Encoder, Body], Scoring]] = {
-    "/get_reward": _sequences_only("/get_reward", parse_get_reward),
-    "/score": parse_score,
-    "/classify": _sequences_only("/classify", parse_classify),
-    "/pooling": _sequences_only("/pooling", parse_vllm_pooling),
-    "/v1/score": _sequences_only("/v1/score", parse_vllm_score),
-    "/v1/classify": _sequences_only("/v1/classify", parse_vllm_classify),
-    "/score_steps": parse_score_steps,
+  "/get_reward": _sequences_only("/get_reward", parse_get_reward),
+  "/score": parse_score,
+  "/classify": _sequences_only("/classify", parse_classify),
+  "/pooling": _sequences_only("/pooling", parse_vllm_pooling),
+  "/v1/score": _sequences_only("/v1/score", parse_vllm_score),
+  "/v1/classify": _sequences_only("/v1/classify", parse_vllm_classify),
+  "/score_steps": parse_score_steps,
 }

@@ -9,7 +9,7 @@ comes) until its tokenizing ends, or until its request gives up before tokenizin
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 
 class PendingBytes:

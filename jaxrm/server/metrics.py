@@ -15,24 +15,37 @@ class Metrics:
   def __init__(self):
     self.registry = prom.CollectorRegistry()
     r = self.registry
-    self._requests = prom.Counter("jaxrm_requests", "Requests answered, by endpoint and status.",
-                                  ["endpoint", "status"], registry=r)
-    self._latency = prom.Histogram("jaxrm_request_seconds", "Seconds from a request's headers to its answer.",
-                                   ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+    self._requests = prom.Counter(
+      "jaxrm_requests", "Requests answered, by endpoint and status.", ["endpoint", "status"], registry=r
+    )
+    self._latency = prom.Histogram(
+      "jaxrm_request_seconds",
+      "Seconds from a request's headers to its answer.",
+      ["endpoint"],
+      buckets=LATENCY_BUCKETS,
+      registry=r,
+    )
     self._items = prom.Counter("jaxrm_items", "Items scored.", registry=r)
     self._tokens = prom.Counter("jaxrm_tokens", "Real tokens scored.", registry=r)
-    self._padded = prom.Counter("jaxrm_padded_tokens", "Positions fed to the model, padding included.",
-                                registry=r)
-    self._rows = prom.Histogram("jaxrm_batch_rows", "Items per forward pass.", buckets=COUNT_BUCKETS,
-                                registry=r)
-    self._batch_requests = prom.Histogram("jaxrm_batch_requests", "Requests with rows in one forward pass.",
-                                          buckets=COUNT_BUCKETS, registry=r)
+    self._padded = prom.Counter(
+      "jaxrm_padded_tokens", "Positions fed to the model, padding included.", registry=r
+    )
+    self._rows = prom.Histogram(
+      "jaxrm_batch_rows", "Items per forward pass.", buckets=COUNT_BUCKETS, registry=r
+    )
+    self._batch_requests = prom.Histogram(
+      "jaxrm_batch_requests", "Requests with rows in one forward pass.", buckets=COUNT_BUCKETS, registry=r
+    )
     self._queue_items = prom.Gauge("jaxrm_queue_items", "Items waiting or being scored.", registry=r)
     self._queue_tokens = prom.Gauge("jaxrm_queue_tokens", "Tokens waiting or being scored.", registry=r)
-    self._queue_requests = prom.Gauge("jaxrm_queue_requests", "Requests in the scoring queue, those given up "
-                                      "and not yet dropped included.", registry=r)
-    self._pending_bytes = prom.Gauge("jaxrm_pending_bytes", "Bytes of request bodies being read or waiting to "
-                                     "be tokenized.", registry=r)
+    self._queue_requests = prom.Gauge(
+      "jaxrm_queue_requests",
+      "Requests in the scoring queue, those given up and not yet dropped included.",
+      registry=r,
+    )
+    self._pending_bytes = prom.Gauge(
+      "jaxrm_pending_bytes", "Bytes of request bodies being read or waiting to be tokenized.", registry=r
+    )
 
   def request(self, endpoint: str, status: int, seconds: float) -> None:
     self._requests.labels(endpoint, str(status)).inc()
