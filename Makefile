@@ -34,7 +34,7 @@ train: $(STAMP)
 test: $(STAMP) $(GPU_COMPILER)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q -n 2 --dist loadscope --durations=10 tests
 
 clean:
 	rm -rf $(VENV) runs

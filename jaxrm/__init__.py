@@ -4,17 +4,15 @@ What a notebook needs is here, imported on first use (so that ``python -m jaxrm.
 config errors stay fast): :class:`RewardModel`; :class:`RunConfig` and its sections
 (:class:`ModelSpec`, :class:`LoraSpec`, :class:`DataSpec`, :class:`RewardSpec`, :class:`TrainSpec`,
 :class:`EvalSpec`, :class:`CheckpointSpec`, :class:`LoggerSpec`, :class:`MeshConfig`);
-:func:`train_and_evaluate`; :func:`evaluate`, :func:`load_dataset` and :func:`plot_scores`; and
+:func:`train_and_evaluate`; :func:`load_dataset` and :func:`plot_scores`; and
 :func:`remote_reward_func`.
 
-``jaxrm.evaluate`` is the function :func:`jaxrm.evaluation.evaluate`. The module of the same name,
-``jaxrm/evaluate.py``, is the command line (``python -m jaxrm.evaluate``); importing it leaves the
-attribute the function.
+The commands are the modules ``jaxrm.train``, ``jaxrm.evaluate``, ``jaxrm.export``, ``jaxrm.serve``,
+``jaxrm.report`` and ``jaxrm.plan`` (``python -m jaxrm.<command>``), each a ``main`` over the
+library; evaluation in Python is :func:`jaxrm.evaluation.evaluate`.
 """
 
 import importlib
-import sys
-import types
 
 __version__ = "0.1.0"
 
@@ -32,7 +30,6 @@ _EXPORTS = {
   "LoggerSpec": "jaxrm.config",
   "MeshConfig": "jaxrm.sharding",
   "train_and_evaluate": "jaxrm.trainer",
-  "evaluate": "jaxrm.evaluation",
   "load_dataset": "jaxrm.evaluation",
   "plot_scores": "jaxrm.evaluation",
   "remote_reward_func": "jaxrm.reward_funcs",
@@ -40,7 +37,15 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
+# Commands (modules run with ``python -m``) that a notebook might call as functions.
+_COMMANDS = {"evaluate": "jaxrm.evaluation.evaluate", "train": "jaxrm.train_and_evaluate"}
+
+
 def __getattr__(name):
+  if name in _COMMANDS:
+    raise AttributeError(
+      f"jaxrm.{name} is the command line (python -m jaxrm.{name}); in Python, call {_COMMANDS[name]}"
+    )
   if name not in _EXPORTS:
     raise AttributeError(f"module 'jaxrm' has no attribute {name!r}")
   return getattr(importlib.import_module(_EXPORTS[name]), name)
@@ -48,19 +53,3 @@ def __getattr__(name):
 
 def __dir__():
   return sorted({*globals(), *_EXPORTS})
-
-
-class _Package(types.ModuleType):
-  """The jaxrm module, whose ``evaluate`` stays the function once the CLI module is imported."""
-
-  @property
-  def evaluate(self):
-    return __getattr__("evaluate")
-
-  @evaluate.setter
-  def evaluate(self, module):
-    # Importing jaxrm.evaluate (the CLI) binds the submodule here; it stays in sys.modules.
-    del module
-
-
-sys.modules[__name__].__class__ = _Package

@@ -13,17 +13,16 @@ or a bad copy leaves it) raises :class:`DamagedCheckpointError` naming its step.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import math
 import os
-import warnings
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
-from orbax.checkpoint._src.checkpoint_managers import preservation_policy as pp
 
 from jaxrm.errors import CheckpointError
 from jaxrm.metrics import normalize_metric_name
@@ -50,36 +49,37 @@ class DamagedCheckpointError(CheckpointError):
     self.step = step
 
 
-def _quiet_stragglers() -> Callable[[], None]:
-  """Drops what a failed restore prints after its error: the reads of the other arrays still in
-  flight finish on tensorstore's threads once Orbax's event loop is closed ("Event loop is
-  closed"), and the coroutines of other damaged arrays are dropped with their errors. They can
-  fire before Orbax's error reaches us, so the hooks go in before each restore; the returned
-  function takes them out again (after a restore that succeeded, when none can come)."""
-  import sys
+class _SettlingLoop(asyncio.SelectorEventLoop):
+  """An event loop that, closed with tasks still pending, lets them finish first."""
 
-  if getattr(sys.unraisablehook, "_jaxrm_quiet", False):
-    return lambda: None
-  closed = lambda e: isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
-  previous_unraisable, previous_except = sys.unraisablehook, sys.excepthook
+  def close(self) -> None:
+    pending = asyncio.all_tasks(self)
+    if pending and not self.is_running():
+      self.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    super().close()
 
-  def unraisable_hook(unraisable):
-    code = getattr(unraisable.object, "cr_code", None)  # an Orbax read dropped with its error
-    if closed(unraisable.exc_value) or (code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename):
-      return
-    previous_unraisable(unraisable)
 
-  def except_hook(kind, value, tb):  # what tensorstore's threads print a callback's error with
-    if not closed(value):
-      previous_except(kind, value, tb)
+class _SettlingPolicy(asyncio.DefaultEventLoopPolicy):
+  def new_event_loop(self) -> asyncio.AbstractEventLoop:
+    return _SettlingLoop()
 
-  def undo():
-    if sys.unraisablehook is unraisable_hook:
-      sys.unraisablehook, sys.excepthook = previous_unraisable, previous_except
 
-  unraisable_hook._jaxrm_quiet = True
-  sys.unraisablehook, sys.excepthook = unraisable_hook, except_hook
-  return undo
+@contextlib.contextmanager
+def _reads_settled():
+  """Orbax restores in an event loop of its own and closes it as soon as one array's read fails,
+  the other arrays' reads still in flight: they then end on tensorstore's threads in the closed
+  loop, each printing a traceback ("Event loop is closed", "Exception ignored in: <coroutine
+  _read_array_index_and_device_put>") after the error the user is to read. The loops Orbax makes
+  within this block let those reads finish, their errors collected, before they close."""
+  previous = asyncio.get_event_loop_policy()
+  if isinstance(previous, _SettlingPolicy):  # a restore in another thread set it
+    yield
+    return
+  asyncio.set_event_loop_policy(_SettlingPolicy())
+  try:
+    yield
+  finally:
+    asyncio.set_event_loop_policy(previous)
 
 
 def _first_sentence(e: BaseException) -> str:
@@ -111,11 +111,11 @@ class Checkpointer:
     self.metric_name = normalize_metric_name(metric_name)
     self.higher_is_better = higher_is_better
     best_fn = None
-    policies: list[Any] = [pp.LatestN(n=1)]
+    policies: list[Any] = [ocp.checkpoint_managers.LatestN(n=1)]
     if self.metric_name:
       best_fn = lambda m: m[self.metric_name]
       policies.append(
-        pp.BestN(
+        ocp.checkpoint_managers.BestN(
           get_metric_fn=best_fn,
           reverse=not higher_is_better,
           n=keep_top_k,
@@ -123,10 +123,10 @@ class Checkpointer:
         )
       )
     else:
-      policies.append(pp.LatestN(n=keep_top_k))
+      policies.append(ocp.checkpoint_managers.LatestN(n=keep_top_k))
     # best_fn also makes Orbax store each step's metrics, so the ranking survives a restart.
     options = ocp.CheckpointManagerOptions(
-      preservation_policy=pp.AnyPreservationPolicy(policies),
+      preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
       best_fn=best_fn,
       best_mode="max" if higher_is_better else "min",
       enable_async_checkpointing=False,
@@ -218,20 +218,16 @@ class Checkpointer:
     return restored["params"], restored["meta"]
 
   def _restore(self, step: int, **items):
-    undo = _quiet_stragglers()
     try:
-      restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+      with _reads_settled():
+        return self.manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:  # tensorstore/Orbax errors of a file cut short or missing
-      # The hooks stay, and so does a filter for the dropped reads' "never awaited" warnings.
-      warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
       if any(m in str(e) for m in _MISMATCH):
         raise CheckpointError(
           f"{os.path.join(self.directory, str(step))} does not fit the model restored "
           f"into it ({_first_sentence(e)})"
         ) from None
       raise DamagedCheckpointError(self.directory, step, e) from None
-    undo()
-    return restored
 
   def set_aside(self, step: int) -> str:
     """Moves a damaged checkpoint out of Orbax's sight, to ``<step>.damaged``; returns its new path.

@@ -21,7 +21,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxrm import optim
+from jaxrm import optim, tasks
 from jaxrm.data import demo, registry
 from jaxrm.data.adapters import HELPSTEER2_ATTRIBUTES
 from jaxrm.data.cache import DEFAULT_CACHE_DIR
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
 PACKING_MODES = ("none", "packed", "shared_prompt")
-REWARD_TYPES = ("bradley_terry", "ranking", "stepwise", "regression")
+REWARD_TYPES = tasks.REWARD_TYPES
 RANKING_LOSSES = ("plackett_luce", "all_pairs")
 # Attribute names stand in metric names such as ``validation-default_mse_helpfulness``.
 _ATTRIBUTE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
@@ -142,8 +142,7 @@ class RewardSpec:
   combine: str = ""
 
   def __post_init__(self):
-    if self.type not in REWARD_TYPES:
-      raise ValueError(f"reward.type must be one of {', '.join(REWARD_TYPES)}; got {self.type!r}")
+    tasks.of_reward_type(self.type)  # refuses an unknown type, naming the known ones
     if self.ranking_loss not in RANKING_LOSSES:
       raise ValueError(
         f"reward.ranking_loss must be one of {', '.join(RANKING_LOSSES)}; got {self.ranking_loss!r}"
@@ -152,10 +151,15 @@ class RewardSpec:
       raise ValueError(
         f"reward.preference_strength_scaling applies to reward.type='bradley_terry', not {self.type!r}"
       )
-    if self.type == "regression":
+    if self.task.per_attribute:
       # Parsed here, once: each property refuses a bad value of its key (attributes through all
       # three), and keeps what it parsed for later reads.
       _ = self.weights, self.value_range, self.combination
+
+  @property
+  def task(self) -> tasks.Task:
+    """The task this reward type trains (:mod:`jaxrm.tasks`)."""
+    return tasks.of_reward_type(self.type)
 
   @functools.cached_property
   def attribute_names(self) -> tuple[str, ...]:
@@ -222,8 +226,8 @@ class RewardSpec:
 
   @property
   def loss_key(self) -> tuple[str, str | None]:
-    """This spec's key in :data:`jaxrm.losses.LOSSES`: ``ranking_loss`` matters to ``ranking`` only."""
-    return self.type, self.ranking_loss if self.type == "ranking" else None
+    """This spec's key in its task's losses: ``ranking_loss`` matters to ``ranking`` only."""
+    return self.task.loss_key(self.type, self.ranking_loss)
 
 
 def combination_weights(
@@ -396,7 +400,6 @@ class TrainSpec:
   # transformers' get_scheduler names (TRL's lr_scheduler_type): cosine | cosine_with_min_lr | linear
   # | constant (no warmup) | constant_with_warmup | inverse_sqrt ("inverse-square-root" too)
   lr_scheduler: str = "cosine"
-  lr_decay: str = ""  # the former name of lr_scheduler: cosine | linear | constant (with warmup)
   min_lr_ratio: float = 0.0  # where cosine and linear end, as a fraction of learning_rate
   warmup_steps: int = 10
   weight_decay: float = 0.0
@@ -410,8 +413,6 @@ class TrainSpec:
   log_period: int = 5
 
   def __post_init__(self):
-    if self.lr_decay:
-      _set_scheduler_from_lr_decay(self)
     try:
       object.__setattr__(self, "lr_scheduler", optim.scheduler_name(self.lr_scheduler))
     except ValueError as e:
@@ -456,28 +457,6 @@ class TrainSpec:
         f"--config.train.warmup_steps={max(total_steps // 4, 1) if total_steps > 1 else 0}), or use "
         "--config.train.lr_scheduler=constant_with_warmup"
       )
-
-
-def _set_scheduler_from_lr_decay(spec: TrainSpec) -> None:
-  """``train.lr_decay`` names the scheduler unless ``train.lr_scheduler`` names another."""
-  if spec.lr_decay not in optim.LEGACY_DECAYS:
-    raise ConfigError(
-      f"train.lr_decay={spec.lr_decay!r} is not one of {', '.join(optim.LEGACY_DECAYS)}; "
-      f"use train.lr_scheduler ({', '.join(optim.SCHEDULERS)}) instead"
-    )
-  meant = optim.LEGACY_DECAYS[spec.lr_decay]
-  if spec.lr_scheduler not in (meant, TrainSpec.lr_scheduler):
-    raise ConfigError(
-      f"train.lr_decay={spec.lr_decay!r} and train.lr_scheduler={spec.lr_scheduler!r} disagree; "
-      f"set only train.lr_scheduler"
-    )
-  if spec.lr_scheduler != meant:
-    log.warning(
-      "train.lr_decay=%r is the former name of train.lr_scheduler; use train.lr_scheduler=%r",
-      spec.lr_decay,
-      meant,
-    )
-  object.__setattr__(spec, "lr_scheduler", meant)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -554,15 +533,9 @@ class RunConfig:
   logger: LoggerSpec = LoggerSpec()
 
   def __post_init__(self):
-    if self.data.packing == "shared_prompt" and self.reward.type == "stepwise":
-      raise ConfigError(
-        "data.packing='shared_prompt' writes a preference group's prompt once; stepwise "
-        "sequences have no group to share it: use data.packing='packed'"
-      )
-    if self.reward.type == "regression" and self.data.packing != "none":
-      raise ConfigError(
-        f"data.packing={self.data.packing!r}: regression rows are not packed yet; use data.packing='none'"
-      )
+    task = self.reward.task
+    if self.data.packing not in task.batches:
+      raise ConfigError(task.packing_refused.format(packing=self.data.packing))
     if self.data.packing == "none" and self.data.packed_row_length:
       log.warning("data.packed_row_length=%d is ignored: data.packing is 'none'", self.data.packed_row_length)
     _check_context_lengths(self)
@@ -573,7 +546,7 @@ class RunConfig:
 
   @property
   def stepwise(self) -> bool:
-    return self.reward.type == "stepwise"
+    return self.reward.task is tasks.PROCESS
 
   def to_dict(self) -> dict[str, Any]:
     """The nested dict of every key (what ``config.json`` holds)."""
@@ -612,7 +585,7 @@ def _with_default_attributes(d: dict[str, Any]) -> dict[str, Any]:
   reward, data = d.get("reward"), d.get("data")
   if (
     not isinstance(reward, dict)
-    or reward.get("type") != "regression"
+    or reward.get("type", RewardSpec.type) not in tasks.REGRESSION.reward_types
     or str(reward.get("attributes", "")).strip()
   ):
     return d

@@ -8,8 +8,8 @@ r"""Evaluates a reward model on preference, stepwise or rated data, or on a publ
   python -m jaxrm.evaluate --model=runs/rm --benchmark=rewardbench --output=eval/
   python -m jaxrm.evaluate --model=runs/prm --benchmark=processbench --data=ProcessBench/ --output=eval/
 
-This module is the command line only; the library is :mod:`jaxrm.evaluation` (``jaxrm.evaluate``,
-the package attribute, is its :func:`~jaxrm.evaluation.evaluate` function).
+This module is the command line only; the library is :mod:`jaxrm.evaluation` (in Python:
+:func:`jaxrm.evaluation.evaluate`).
 
 ``--benchmark`` (rewardbench, rewardbench2, rmbench, processbench) scores by that benchmark's
 official rules (see :mod:`jaxrm.benchmarks`) and reports its official figures under their official

@@ -3,14 +3,14 @@ r"""Exports a reward model as a Hugging Face checkpoint directory.
   python -m jaxrm.export --model=runs/rm --out=exported/rm [--dtype=bfloat16] [--step=200]
   python -m jaxrm.export --model=runs/rm-lora --out=exported/adapters --adapters_only
 
-``--model`` (as ``evaluate`` and ``serve`` name it; ``--checkpoint`` is its former name) is a
-training output directory (its best checkpoint unless ``--step``), one training checkpoint
-(``runs/rm/checkpoints/200``), an HF directory or a ``.gguf`` file. The output
-loads with transformers' ``AutoModelForSequenceClassification`` (sequence heads) or
-``AutoModelForTokenClassification`` (token heads, process reward models); what it holds is
-described in :mod:`jaxrm.hf.export`. A model trained with LoRA is exported with its adapters merged
-into the weights, or with ``--adapters_only`` as a peft adapter directory over its base checkpoint
-(``--base_model``; default: the base the run trained over, as its ``model_config.json`` names it).
+``--model`` (as ``evaluate`` and ``serve`` name it) is a training output directory (its best
+checkpoint unless ``--step``), one training checkpoint (``runs/rm/checkpoints/200``), an HF
+directory or a ``.gguf`` file. The output loads with transformers'
+``AutoModelForSequenceClassification`` (sequence heads) or ``AutoModelForTokenClassification``
+(token heads, process reward models); what it holds is described in :mod:`jaxrm.hf.export`. A
+model trained with LoRA is exported with its adapters merged into the weights, or with
+``--adapters_only`` as a peft adapter directory over its base checkpoint (``--base_model``;
+default: the base the run trained over, as its ``model_config.json`` names it).
 """
 
 from __future__ import annotations
@@ -66,7 +66,6 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
   """The CLI's flags; defined only when run as a program, so importing this module defines none."""
   flags.DEFINE_string("model", None, "Training output dir, training checkpoint, HF dir or .gguf file.")
-  flags.DEFINE_alias("checkpoint", "model")  # the flag's former name
   flags.DEFINE_string("out", None, "Directory to write the HF checkpoint into.")
   flags.DEFINE_enum("dtype", "float32", list(DTYPES), "Dtype of the exported tensors.")
   flags.DEFINE_integer("step", None, "Checkpoint step of a training output dir (default: the best).")

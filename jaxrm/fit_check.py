@@ -77,6 +77,11 @@ class FitReport:
   def fits(self) -> bool:
     return self.peak_bytes + self.margin_bytes <= self.budget_bytes
 
+  @property
+  def exit_status(self) -> int:
+    """``python -m jaxrm.plan``'s: 0 when the run fits, 1 when it does not (2 is a usage error)."""
+    return 0 if self.fits else 1
+
   def lines(self) -> list[str]:
     """The report as the CLI prints it."""
     t = self.target
@@ -158,7 +163,7 @@ def check(
     mesh = sharding.make_mesh(config.mesh, devices=devices)
   except ValueError as e:
     raise ConfigError(str(e)) from None
-  k = None if config.stepwise or config.reward.type == "regression" else completions
+  k = None if config.stepwise or config.reward.task.per_attribute else completions
   plan = batching(config, mesh, k, hosts)
   lora_cfg = config.model.lora.lora_config()
   source = _model_source(config.model.name_or_path)
@@ -172,6 +177,7 @@ def check(
     config.train,
     total_steps=config.train.max_steps,
     mesh=mesh,
+    context_balance=config.mesh.context_balance,
     grad_accum=plan.grad_accum,
     micro_batched=plan.micro_batched,
   )
@@ -215,7 +221,7 @@ def check(
     mem_fraction=fraction,
     margin_bytes=max(int(budget * MARGIN_FRACTION), MARGIN_MIN_BYTES),
     batch=_describe_batch(config, plan, k, hosts, train_batch),
-    attention=_attention_words(cfg, mesh),
+    attention=_attention_words(cfg, sharding.Placement.of(mesh, config.mesh)),
     triton_kernels=triton_kernels(text),
     triton_fusions=len(re.findall(r'"kind":"__triton', text)),
     collectives=collectives(text),
@@ -272,7 +278,7 @@ def _largest_examples(config: RunConfig, cfg, k: int | None, n: int) -> list:
     labels = np.full(length, -100, np.int32)
     labels[-1] = 1
     return [StepwiseExample(ids(0), labels, "plan", {}) for _ in range(n)]
-  if config.reward.type == "regression":
+  if config.reward.task.per_attribute:
     a = len(config.reward.attribute_names)
     return [
       RatedExample(ids(0), np.zeros(a, np.float32), np.ones(a, np.float32), i, "plan", {}) for i in range(n)
@@ -361,10 +367,10 @@ def collectives(hlo_text: str) -> dict[str, int]:
   return {kind: len(re.findall(rf"\s{kind}(?:-start)?\(", hlo_text)) for kind in COLLECTIVES}
 
 
-def _attention_words(cfg, mesh) -> str:
+def _attention_words(cfg, placement: sharding.Placement) -> str:
   from jaxrm.models.decoder import attention_summary
 
-  return attention_summary(cfg, mesh=mesh)
+  return attention_summary(cfg, placement=placement)
 
 
 def _model_flops(cfg, config: RunConfig, k: int | None, hosts: int) -> float:

@@ -1,8 +1,9 @@
-"""What a reward model is for, told once from its head: the one owner of "does this model fit?".
+"""Whether a model fits its use, told once from its head: the one owner of "does this model fit?".
 
 Every scoring path (``RewardModel.score`` and ``score_steps``, the reward functions, the server,
 ``jaxrm.evaluate`` and the benchmarks) asks :func:`check_kind`, so a model of the wrong kind gets
-the same message everywhere: what the use needs, what the model is, and what to do.
+the same message everywhere: what the use needs, what the model is, and what to do. A model's kind
+is the name of the :mod:`jaxrm.tasks` task its head serves, whose words the message uses:
 
 * ``preference``: a sequence head with one output, one reward per row (Bradley-Terry, ranking);
 * ``regression``: a sequence head with one output per named attribute (``reward.type=regression``);
@@ -15,26 +16,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from jaxrm import tasks
 from jaxrm.errors import UserError
 
-PREFERENCE, REGRESSION, PROCESS, OTHER = "preference", "regression", "process", "other"
-
-_NEEDS = {
-  PREFERENCE: "a sequence-head reward model with one output (a preference reward model)",
-  REGRESSION: "a regression model (one output per attribute, trained with reward.type=regression)",
-  PROCESS: "a token-head (process reward) model with 2 labels (step in error, step correct)",
-}
-_TRAIN = {  # how to get a model of the key's kind
-  PREFERENCE: "train one with reward.type=bradley_terry or ranking",
-  REGRESSION: "train one with reward.type=regression",
-  PROCESS: "train one with reward.type=stepwise",
-}
-_USE_INSTEAD = {  # what a model of the key's kind is scored on instead
-  PROCESS: "a process reward model scores steps: rm.score_steps, or stepwise data "
-  "(--dataset_name=StepwiseDataset or demo_arithmetic_steps)",
-  REGRESSION: "a regression model is evaluated on rated data (--dataset_name=RatedDataset, HelpSteer2 "
-  "or demo_attributes)",
-}
+PREFERENCE, REGRESSION, PROCESS = tasks.PREFERENCE.name, tasks.REGRESSION.name, tasks.PROCESS.name
+OTHER = "other"
 
 
 class ModelKindError(UserError):
@@ -43,11 +29,8 @@ class ModelKindError(UserError):
 
 def model_kind(config: Any, attributes: Sequence[str] | None = None) -> str:
   """``preference`` | ``regression`` | ``process`` | ``other`` of a model config and its attribute names."""
-  if config.head == "token":
-    return PROCESS if config.num_labels == 2 else OTHER
-  if attributes is not None:
-    return REGRESSION
-  return PREFERENCE if config.num_labels == 1 else OTHER
+  task = tasks.of_head(config, attributes)
+  return OTHER if task is None else task.name
 
 
 def describe(config: Any, attributes: Sequence[str] | None = None) -> str:
@@ -79,18 +62,21 @@ def check_kind(
     error: the exception type raised (a subclass of UserError).
   """
   attributes = getattr(rm, "attributes", None)
-  kind = model_kind(rm.config, attributes)
-  if kind in kinds and not (one_reward and kind == REGRESSION and combine is None):
+  task = tasks.of_head(rm.config, attributes)
+  kind = OTHER if task is None else task.name
+  # `use` takes one reward per row: a model of one output per attribute needs `combine`
+  combines = one_reward and task is not None and task.per_attribute
+  if kind in kinds and not (combines and combine is None):
     return kind
-  wanted = " or ".join(_NEEDS[k] for k in kinds if not (one_reward and k == REGRESSION))
+  wanted = " or ".join(t.needs for t in map(tasks.TASKS.get, kinds) if not (one_reward and t.per_attribute))
   message = f"{use} needs {wanted}; this model has {describe(rm.config, attributes)}"
-  if one_reward and kind == REGRESSION:
+  if combines:
     message += (
       f": it scores one output per attribute, and {use} takes one reward per row: pass "
       f"{combine_hint} (an attribute's name, or 'name=weight,...')"
     )
-  elif kind in _USE_INSTEAD:
-    message += f"; {_USE_INSTEAD[kind]}"
+  elif task is not None and task.use_instead:
+    message += f"; {task.use_instead}"
   else:
-    message += f"; {_TRAIN[kinds[0]]}"
+    message += f"; {tasks.TASKS[kinds[0]].train}"
   raise error(message)

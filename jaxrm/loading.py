@@ -74,11 +74,10 @@ class ScoringInfo:
     stats = meta.get("reward_stats") or None
     if config is None:
       return cls(reward_stats=stats)
-    regression = config.reward.type == "regression"
     return cls(
       reward_stats=stats,
       step_separator=config.data.step_separator,
-      attributes=config.reward.attribute_names if regression else None,
+      attributes=config.reward.attribute_names if config.reward.task.per_attribute else None,
       training_max_length=config.data.max_length,
     )
 

@@ -2,12 +2,12 @@
 regression on rated attributes.
 
 Each loss is a pure function of one batch's arrays that returns ``(loss, metrics)``;
-:data:`LOSSES` says which one each reward type trains with, and :func:`batch_loss` gives it as a
-function of the model's outputs and the batch.
+:mod:`jaxrm.tasks` says which one each reward type trains with, and :func:`jaxrm.tasks.batch_loss`
+gives it as a function of the model's outputs and the batch.
 
 The metrics hold sums and counts, not means (:mod:`jaxrm.metrics` adds and finalizes them), so
 batches combine exactly. Rank correlations and same-prompt pairs need every example of a set at
-once: validation asks for them with ``batch_loss(spec, samples=True)``.
+once: validation asks for them with ``tasks.batch_loss(spec, samples=True)``.
 
 ``metrics["loss"].total`` is differentiable. To average over a global batch split into
 micro-batches with different numbers of real pairs, differentiate ``metrics["loss"].total`` divided
@@ -16,7 +16,6 @@ by the global count instead of averaging the per-micro-batch ``loss``.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -317,16 +316,16 @@ def regression_samples(
 
 
 # ---------------------------------------------------------------------------------------------
-# Which loss a reward type trains with
+# The losses of a reward spec
 
 
 class LossSpec(Protocol):
-  """What :func:`batch_loss` reads of a reward spec; :class:`jaxrm.config.RewardSpec` has it all.
+  """What the losses below read of a reward spec; :class:`jaxrm.config.RewardSpec` has it all.
 
   A shape, not an import: the config sits above the losses, and layers point one way.
   """
 
-  loss_key: tuple[str, str | None]  # the spec's key in LOSSES
+  loss_key: tuple[str, str | None]  # the spec's key in its task's losses (jaxrm.tasks)
   center_rewards_coefficient: float  # bradley_terry and ranking/all_pairs
   preference_strength_scaling: bool  # bradley_terry
   attribute_names: tuple[str, ...]  # regression, as are weights and combination
@@ -336,9 +335,14 @@ class LossSpec(Protocol):
 
 # outputs (rewards [G, K] or logits [G, T, C]) and their batch -> (loss, metrics)
 BatchLoss = Callable[[jax.Array, Batch], tuple[jax.Array, Metrics]]
+# What each task's table (jaxrm.tasks) holds: the losses of a reward spec, as functions of
+# (spec, outputs, batch) -> (loss, metrics), and the metrics validation adds that need a whole set,
+# (spec, outputs, batch) -> {"samples": Samples}.
+SpecLoss = Callable[..., tuple[jax.Array, Metrics]]
+SpecMetrics = Callable[..., Metrics]
 
 
-def _bradley_terry(spec: LossSpec, rewards, batch) -> tuple[jax.Array, Metrics]:
+def bradley_terry(spec: LossSpec, rewards, batch) -> tuple[jax.Array, Metrics]:
   weight = None
   if spec.preference_strength_scaling:
     if batch.strength is None:
@@ -356,7 +360,7 @@ def _bradley_terry(spec: LossSpec, rewards, batch) -> tuple[jax.Array, Metrics]:
   )
 
 
-def _all_pairs(spec: LossSpec, rewards, batch) -> tuple[jax.Array, Metrics]:
+def all_pairs(spec: LossSpec, rewards, batch) -> tuple[jax.Array, Metrics]:
   return all_pairs_bradley_terry_loss(
     rewards,
     batch.ranks,
@@ -366,17 +370,17 @@ def _all_pairs(spec: LossSpec, rewards, batch) -> tuple[jax.Array, Metrics]:
   )
 
 
-def _plackett_luce(spec: LossSpec, rewards, batch) -> tuple[jax.Array, Metrics]:
+def plackett_luce(spec: LossSpec, rewards, batch) -> tuple[jax.Array, Metrics]:
   del spec  # Plackett-Luce has no margin and no centering
   return plackett_luce_loss(rewards, batch.ranks, batch.example_mask)
 
 
-def _stepwise(spec: LossSpec, logits, batch) -> tuple[jax.Array, Metrics]:
+def stepwise(spec: LossSpec, logits, batch) -> tuple[jax.Array, Metrics]:
   del spec
   return stepwise_loss(logits, batch.labels, batch.example_mask)
 
 
-def _regression(spec: LossSpec, predictions, batch) -> tuple[jax.Array, Metrics]:
+def regression(spec: LossSpec, predictions, batch) -> tuple[jax.Array, Metrics]:
   return regression_loss(
     predictions,
     batch.labels,
@@ -387,17 +391,7 @@ def _regression(spec: LossSpec, predictions, batch) -> tuple[jax.Array, Metrics]
   )
 
 
-# LossSpec.loss_key -> fn(spec, outputs, batch) -> (loss, metrics)
-LOSSES: dict[tuple[str, str | None], Callable[..., tuple[jax.Array, Metrics]]] = {
-  ("bradley_terry", None): _bradley_terry,
-  ("ranking", "plackett_luce"): _plackett_luce,
-  ("ranking", "all_pairs"): _all_pairs,
-  ("stepwise", None): _stepwise,
-  ("regression", None): _regression,
-}
-
-
-def _regression_samples(spec: LossSpec, predictions, batch) -> Metrics:
+def regression_pair_samples(spec: LossSpec, predictions, batch) -> Metrics:
   return {
     "samples": regression_samples(
       predictions,
@@ -409,30 +403,3 @@ def _regression_samples(spec: LossSpec, predictions, batch) -> Metrics:
       combination=spec.combination,
     )
   }
-
-
-# LossSpec.loss_key -> fn(spec, outputs, batch) -> metrics that need the whole set (Samples)
-SAMPLES: dict[tuple[str, str | None], Callable[..., Metrics]] = {
-  ("regression", None): _regression_samples,
-}
-
-
-def batch_loss(spec: LossSpec, *, samples: bool = False) -> BatchLoss:
-  """``loss(outputs, batch) -> (loss, metrics)`` of the loss ``spec`` trains with.
-
-  ``spec`` is read by its attributes (:class:`LossSpec`), so the run's ``reward`` section serves
-  without this module importing the config. ``outputs`` is what ``batch.outputs(model)`` returns;
-  packed and unpacked batches alike. With ``samples`` (validation), metrics also hold the
-  :class:`Samples` the reward type ranks by, if any; they are concatenated, not summed, so they
-  stay out of the train step.
-  """
-  loss = functools.partial(LOSSES[spec.loss_key], spec)
-  extra = SAMPLES.get(spec.loss_key) if samples else None
-  if extra is None:
-    return loss
-
-  def with_samples(outputs, batch):
-    value, metrics = loss(outputs, batch)
-    return value, {**metrics, **extra(spec, outputs, batch)}
-
-  return with_samples

@@ -14,8 +14,6 @@ SCHEDULERS = ("cosine", "cosine_with_min_lr", "linear", "constant", "constant_wi
 DECAYING = ("cosine", "cosine_with_min_lr", "linear")
 # Other spellings users bring: NeMo RL's Megatron ``lr_decay_style`` values.
 SCHEDULER_ALIASES = {"inverse-square-root": "inverse_sqrt"}
-# The former ``decay`` / ``train.lr_decay`` values: their "constant" kept the warmup.
-LEGACY_DECAYS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
 
 # Parameters whose path has a key containing one of these are never weight-decayed.
 NO_DECAY_KEYS = ("norm", "bias")
@@ -38,7 +36,6 @@ def make_schedule(
   total_steps: int,
   scheduler: str = "cosine",
   min_lr_ratio: float = 0.0,
-  decay: str | None = None,
 ) -> optax.Schedule:
   """Learning rate per optimizer step, as transformers' ``get_scheduler(scheduler)`` gives it.
 
@@ -46,15 +43,8 @@ def make_schedule(
   ``cosine`` / ``linear`` decay to ``learning_rate * min_lr_ratio`` at ``total_steps`` and stay
   there (``cosine_with_min_lr`` is ``cosine`` with ``min_lr_ratio > 0``); ``constant_with_warmup``
   holds ``learning_rate``; ``inverse_sqrt`` scales it by ``sqrt(warmup_steps / step)``.
-  ``constant`` has no warmup at all. ``decay`` is the former name of ``scheduler``
-  (:data:`LEGACY_DECAYS`: its ``constant`` is ``constant_with_warmup``).
+  ``constant`` has no warmup at all.
   """
-  if decay:
-    if decay not in LEGACY_DECAYS:
-      raise ValueError(
-        f"decay={decay!r} is not one of {tuple(LEGACY_DECAYS)}; use scheduler= ({', '.join(SCHEDULERS)})"
-      )
-    scheduler = LEGACY_DECAYS[decay]
   scheduler = scheduler_name(scheduler)
   if warmup_steps < 0:
     raise ValueError(f"warmup_steps={warmup_steps} must be 0 or more")

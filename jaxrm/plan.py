@@ -32,24 +32,33 @@ flags.DEFINE_string("topology", "1x1", "Hosts x GPUs per host, e.g. 1x8 or 2x8."
 flags.DEFINE_integer("completions", 2, "Completions per preference group (ranked data: its largest group).")
 
 
+def plan(config, gpu: str, topology: str, completions: int = 2):
+  """Prints and returns the :class:`jaxrm.fit_check.FitReport` of the run ``config`` (as
+  :func:`jaxrm.cli.run_config` reads it) on ``topology`` GPUs of ``gpu``. Raises
+  :class:`jaxrm.errors.UserError` for a usage error."""
+  from jaxrm import fit_check, gpu_targets
+  from jaxrm.errors import UserError
+
+  gpu_targets.get(gpu)
+  gpu_targets.parse_topology(topology)
+  if completions < 2:
+    raise UserError(f"--completions={completions}: a preference group has 2 or more")
+  report = fit_check.check(config, gpu, topology, completions=completions)
+  print("\n".join(report.lines()), flush=True)
+  return report
+
+
 def main() -> None:
   cli.setup_logging()
   if FLAGS.config is None:
     cli.exit_usage("give --config=configs/rm.py (the run to plan), --gpu and --topology")
-  from jaxrm import fit_check, gpu_targets
   from jaxrm.errors import UserError
 
   try:
-    config = cli.run_config(FLAGS.config)
-    gpu_targets.get(FLAGS.gpu)
-    gpu_targets.parse_topology(FLAGS.topology)
-    if FLAGS.completions < 2:
-      raise UserError(f"--completions={FLAGS.completions}: a preference group has 2 or more")
-    report = fit_check.check(config, FLAGS.gpu, FLAGS.topology, completions=FLAGS.completions)
+    report = plan(cli.run_config(FLAGS.config), FLAGS.gpu, FLAGS.topology, FLAGS.completions)
   except UserError as e:
     cli.exit_usage(str(e))
-  print("\n".join(report.lines()), flush=True)
-  sys.exit(0 if report.fits else 1)
+  sys.exit(report.exit_status)
 
 
 if __name__ == "__main__":

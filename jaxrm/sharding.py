@@ -9,7 +9,6 @@ its shards are the closest devices). :data:`DEFAULT_RULES` maps the former to th
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -66,11 +65,6 @@ class MeshConfig:
       )
 
 
-# mesh -> its MeshConfig.context_balance, for the decoder to read at trace time (a jax Mesh
-# carries axis names and sizes only).
-_BALANCE: dict[Mesh, str] = {}
-
-
 def make_mesh(cfg: MeshConfig = MeshConfig(), devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A ``(data, fsdp, context, tensor)`` mesh; one size may be -1 for the remaining devices."""
   devices = list(devices if devices is not None else jax.devices())
@@ -94,15 +88,15 @@ def make_mesh(cfg: MeshConfig = MeshConfig(), devices: Sequence[jax.Device] | No
       f"mesh: {said(sizes, ' x ')} = {math.prod(sizes)} devices, "
       f"but {len(devices)} are available; set the sizes so their product matches (or use -1 for one axis)"
     )
-  mesh = Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
-  _BALANCE[mesh] = cfg.context_balance
-  return mesh
+  return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
 
 
-def platform(mesh: Mesh | None = None) -> str:
-  """Where a computation over ``mesh`` runs: ``"gpu"`` (CUDA or ROCm), ``"cpu"``, ``"tpu"``. It
-  follows the mesh's devices, which may be compile-only GPUs in a CPU process
-  (:mod:`jaxrm.gpu_targets`); without a mesh, the default device's (where jit places it)."""
+def platform(where: Mesh | Placement | None = None) -> str:
+  """Where a computation over ``where`` (a mesh, or a placement's mesh) runs: ``"gpu"`` (CUDA or
+  ROCm), ``"cpu"``, ``"tpu"``. It follows the mesh's devices, which may be compile-only GPUs in a
+  CPU process (:mod:`jaxrm.gpu_targets`); without a mesh, the default device's (where jit places
+  it)."""
+  mesh = where.mesh if isinstance(where, Placement) else where
   devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
   kinds = {"gpu" if d.platform in ("cuda", "rocm", "gpu") else d.platform for d in devices}
   if len(kinds) != 1:
@@ -113,12 +107,6 @@ def platform(mesh: Mesh | None = None) -> str:
 def context_size(mesh: Mesh | None) -> int:
   """How many devices split each row's tokens (``mesh.context``); 1 without a mesh."""
   return 1 if mesh is None else dict(mesh.shape).get(CONTEXT_AXIS, 1)
-
-
-def context_balance(mesh: Mesh) -> str:
-  """The ``mesh.context_balance`` that :func:`make_mesh` built ``mesh`` with ("zigzag" for a
-  mesh built otherwise)."""
-  return _BALANCE.get(mesh, "zigzag")
 
 
 def logged_shape(mesh: Mesh) -> dict[str, int]:
@@ -133,7 +121,13 @@ def data_parallel_size(mesh: Mesh) -> int:
 
 
 def logical_to_spec(logical_axes: Sequence[str | None], rules: dict[str, Any] = DEFAULT_RULES) -> P:
-  """PartitionSpec for a tensor whose dimensions carry ``logical_axes``; a mesh axis is used once."""
+  """PartitionSpec for a tensor whose dimensions carry ``logical_axes``; a mesh axis is used once.
+  A name ``rules`` does not know is an error (a typo would otherwise replicate the tensor)."""
+  unknown = [name for name in logical_axes if name is not None and name not in rules]
+  if unknown:
+    raise ValueError(
+      f"logical axes {unknown} have no sharding rule; the rules name {', '.join(rules)} (sharding.py)"
+    )
   used: set[str] = set()
   spec = []
   for name in logical_axes:
@@ -206,47 +200,55 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
-_ACTIVE: list[tuple[Mesh, dict[str, Any]]] = []
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where a forward pass puts its activations: the ``mesh``, how ``mesh.context`` deals each row's
+  tokens to its shards (``context_balance``, as :class:`MeshConfig` names it) and the logical-axis
+  ``rules``. The model and the loss take one explicitly (``placement=``); without one, no
+  activation is constrained and no row is split."""
+
+  mesh: Mesh
+  context_balance: str = "zigzag"
+  rules: dict[str, Any] = dataclasses.field(default_factory=lambda: DEFAULT_RULES)
+
+  def __post_init__(self):
+    if self.context_balance not in CONTEXT_BALANCES:
+      raise ValueError(f"context_balance={self.context_balance!r}: use one of {', '.join(CONTEXT_BALANCES)}")
+
+  @classmethod
+  def of(cls, mesh: Mesh, cfg: MeshConfig) -> Placement:
+    """The placement of a run whose ``mesh`` was made from ``cfg``."""
+    return cls(mesh, cfg.context_balance)
+
+  @property
+  def context(self) -> int:
+    """How many devices split each row's tokens."""
+    return context_size(self.mesh)
+
+  @property
+  def platform(self) -> str:
+    return platform(self.mesh)
+
+  def spec(self, shape: Sequence[int], logical_axes: Sequence[str | None]) -> P:
+    """The PartitionSpec of an activation of ``shape`` whose dimensions carry ``logical_axes``, e.g.
+    for a ``shard_map`` around a kernel XLA cannot split."""
+    return _fits(shape, logical_to_spec(logical_axes, self.rules), self.mesh)
+
+  def attention_specs(self, q_shape: Sequence[int], k_shape: Sequence[int]) -> tuple[P, P]:
+    """The PartitionSpecs of queries [B, T, H, Dh] and keys/values [B, S, K, Dh] for a ``shard_map``
+    around attention: rows, tokens and heads as :meth:`constrain` splits them. Heads are split only
+    where the key heads split alike, so that each device holds every query head of its key heads."""
+    q_spec = self.spec(q_shape, ("batch", "length", "heads", "head_dim"))
+    k_spec = self.spec(k_shape, ("batch", "length", "kv_heads", "head_dim"))
+    if q_spec[2] != k_spec[2]:
+      q_spec, k_spec = (P(x[0], x[1], None, x[3]) for x in (q_spec, k_spec))
+    return q_spec, k_spec
+
+  def constrain(self, x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """``with_sharding_constraint`` by logical names."""
+    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, self.spec(x.shape, logical_axes)))
 
 
-@contextlib.contextmanager
-def activation_sharding(mesh: Mesh, rules: dict[str, Any] = DEFAULT_RULES):
-  """Within this context (at trace time), :func:`constrain` pins activations to the mesh."""
-  _ACTIVE.append((mesh, rules))
-  try:
-    yield
-  finally:
-    _ACTIVE.pop()
-
-
-def active_mesh() -> Mesh | None:
-  """The mesh of the innermost :func:`activation_sharding` context; None outside one."""
-  return _ACTIVE[-1][0] if _ACTIVE else None
-
-
-def activation_spec(shape: Sequence[int], logical_axes: Sequence[str | None]) -> P:
-  """The PartitionSpec that :func:`constrain` would give an activation of ``shape`` (inside
-  :func:`activation_sharding`), e.g. for a ``shard_map`` around a kernel XLA cannot split."""
-  mesh, rules = _ACTIVE[-1]
-  return _fits(shape, logical_to_spec(logical_axes, rules), mesh)
-
-
-def attention_specs(q_shape: Sequence[int], k_shape: Sequence[int]) -> tuple[P, P]:
-  """The PartitionSpecs of queries [B, T, H, Dh] and keys/values [B, S, K, Dh] for a ``shard_map``
-  around attention (inside :func:`activation_sharding`): rows, tokens and heads as
-  :func:`constrain` splits them. Heads are split only where the key heads split alike, so that
-  each device holds every query head of its key heads."""
-  q_spec = activation_spec(q_shape, ("batch", "length", "heads", "head_dim"))
-  k_spec = activation_spec(k_shape, ("batch", "length", "kv_heads", "head_dim"))
-  if q_spec[2] != k_spec[2]:
-    q_spec, k_spec = (P(x[0], x[1], None, x[3]) for x in (q_spec, k_spec))
-  return q_spec, k_spec
-
-
-def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
-  """``with_sharding_constraint`` by logical names; a no-op outside :func:`activation_sharding`."""
-  if not _ACTIVE:
-    return x
-  mesh, rules = _ACTIVE[-1]
-  spec = _fits(x.shape, logical_to_spec(logical_axes, rules), mesh)
-  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+def constrain(x: jax.Array, logical_axes: Sequence[str | None], placement: Placement | None) -> jax.Array:
+  """``placement.constrain(x, logical_axes)``; ``x`` itself without a placement."""
+  return x if placement is None else placement.constrain(x, logical_axes)

@@ -5,13 +5,12 @@ State is a plain dict ``{"params", "opt_state", "step", "rng"}``; ``params`` is 
 ``params`` holds only what is trained (adapters and head) and ``frozen`` the rest, which has no
 gradient and no optimizer state (:func:`model_params` joins them). Optimizer moments are sharded
 like their parameters; counters, step and RNG are replicated. Batches are the
-classes of :mod:`jaxrm.batches`; the loss is the one :data:`jaxrm.losses.LOSSES` gives the
-reward type.
+classes of :mod:`jaxrm.batches`; the loss is the one the reward type's task gives
+(:func:`jaxrm.tasks.batch_loss`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import time
@@ -25,7 +24,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrm import losses, sharding
+from jaxrm import sharding, tasks
 from jaxrm.batches import Batch
 from jaxrm.config import RewardSpec
 from jaxrm.memory import ProgramMemory
@@ -35,7 +34,9 @@ from jaxrm.models.decoder import Decoder
 log = logging.getLogger("jaxrm.steps")
 
 
-def make_loss_fn(model: Decoder, spec: RewardSpec, *, samples: bool = False) -> Callable:
+def make_loss_fn(
+  model: Decoder, spec: RewardSpec, *, samples: bool = False, placement: sharding.Placement | None = None
+) -> Callable:
   """``loss_fn(params, batch, frozen=None, rng=None) -> (loss_total, metrics)``; loss_total is a
   sum, metrics["loss"].count its count.
 
@@ -43,14 +44,16 @@ def make_loss_fn(model: Decoder, spec: RewardSpec, *, samples: bool = False) -> 
   and metrics, counted per group or sequence. ``frozen`` is the part of the model's state that
   ``params`` leaves out (``state["frozen"]``, see :func:`init_state`). ``rng`` (a PRNG key, in
   training) drives the adapters' dropout; without it nothing is dropped. ``samples`` (validation)
-  adds the per-example :class:`~jaxrm.metrics.Samples` that rank-based metrics need.
+  adds the per-example :class:`~jaxrm.metrics.Samples` that rank-based metrics need. With
+  ``placement``, the model's activations are pinned to its mesh at block boundaries (and rows
+  split over its context axis).
   """
   graphdef = nnx.graphdef(model)
-  batch_loss = losses.batch_loss(spec, samples=samples)
+  batch_loss = tasks.batch_loss(spec, samples=samples)
 
   def loss_fn(params, batch: Batch, frozen=None, rng=None):
     model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
-    forward = model if rng is None else functools.partial(model, dropout_rng=rng)
+    forward = functools.partial(model, dropout_rng=rng, placement=placement)
     _, metrics = batch_loss(batch.outputs(forward), batch)
     return metrics["loss"].total, metrics
 
@@ -171,7 +174,6 @@ def make_train_step(
   grad_accum_steps: int = 1,
   max_grad_norm: float = 0.0,
   state_shardings: Any = None,
-  mesh: Mesh | None = None,
 ) -> Callable:
   """One jitted ``(state, batch) -> (state, (metrics, extra))`` with the state donated.
 
@@ -183,15 +185,11 @@ def make_train_step(
   split here; a packed one comes split, each array with a leading ``[grad_accum_steps]`` axis
   (see ``packing.PackedCollator``). ``metrics`` are the loss's sums and counts (see
   ``metrics.finalize_metrics``); ``extra`` holds ``grad_norm`` (before clipping) and
-  ``learning_rate``. With ``mesh``, activations are pinned to it at block boundaries.
+  ``learning_rate``. Where activations live is ``loss_fn``'s (:func:`make_loss_fn`).
   """
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
   def step(state, batch):
-    with _activations_on(mesh):
-      return _step(state, batch)
-
-  def _step(state, batch):
     params, frozen = state["params"], state.get("frozen")
     rng = _step_key(state)
     if grad_accum_steps == 1:
@@ -273,14 +271,12 @@ class MicroBatchedStep:
     *,
     max_grad_norm: float = 0.0,
     state_shardings: Any = None,
-    mesh: Mesh | None = None,
   ):
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def grads_of(state, index, batch):
-      with _activations_on(mesh):
-        rng = jax.random.fold_in(_step_key(state), index)
-        (_, metrics), grads = grad_fn(state["params"], batch, state.get("frozen"), rng)
+      rng = jax.random.fold_in(_step_key(state), index)
+      (_, metrics), grads = grad_fn(state["params"], batch, state.get("frozen"), rng)
       return grads, metrics
 
     def add(total, new):
@@ -322,19 +318,14 @@ class MicroBatchedStep:
     }
 
 
-def make_eval_step(loss_fn: Callable, *, mesh: Mesh | None = None) -> Callable:
+def make_eval_step(loss_fn: Callable) -> Callable:
   """Jitted ``(params, batch) -> metrics`` (sums and counts; accumulate over batches); ``params``
   are the whole model's (:func:`model_params` of a train state)."""
 
   def step(params, batch):
-    with _activations_on(mesh):
-      return loss_fn(params, batch)[1]
+    return loss_fn(params, batch)[1]
 
   return jax.jit(step)
-
-
-def _activations_on(mesh: Mesh | None):
-  return sharding.activation_sharding(mesh) if mesh is not None else contextlib.nullcontext()
 
 
 class CompiledPerShape:

@@ -159,6 +159,7 @@ def _set_up(config: RunConfig) -> _Run:
     config.train,
     total_steps=total_steps,
     mesh=mesh,
+    context_balance=config.mesh.context_balance,
     grad_accum=inputs.grad_accum,
     micro_batched=inputs.micro_batched,
   )
@@ -246,8 +247,8 @@ def _load_model(
 
 def model_request(config: RunConfig, lora_cfg: lora.LoraConfig) -> dict[str, Any]:
   """What ``loading.load`` is asked for the run's model: the config's overrides of the
-  checkpoint's settings, and the head the reward type needs."""
-  regression = config.reward.type == "regression"
+  checkpoint's settings, and the head the reward type's task needs."""
+  task = config.reward.task
   overrides = dict(
     dtype=config.model.dtype,
     param_dtype=config.model.param_dtype,
@@ -258,8 +259,8 @@ def model_request(config: RunConfig, lora_cfg: lora.LoraConfig) -> dict[str, Any
   )
   return dict(
     overrides=overrides,
-    head="token" if config.stepwise else "sequence",
-    num_labels=len(config.reward.attribute_names) if regression else None,
+    head=task.head,
+    num_labels=len(config.reward.attribute_names) if task.per_attribute else None,
   )
 
 
@@ -415,7 +416,7 @@ def _summary(run: _Run, out_dir: str) -> str:
     reward_type=config.reward.type,
     num_params=sum(x.size for x in jax.tree.leaves(nnx.state(rm.model))),
     trained_params=sum(x.size for x in jax.tree.leaves(run.state["params"])),
-    attention=attention_summary(rm.config, mesh=run.mesh),
+    attention=attention_summary(rm.config, placement=sharding.Placement.of(run.mesh, config.mesh)),
     mesh_shape=sharding.logged_shape(run.mesh),
     devices=jax.device_count(),
     backend=sharding.platform(run.mesh),

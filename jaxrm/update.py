@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrm import optim, steps
+from jaxrm import optim, sharding, steps
 from jaxrm.config import RewardSpec, TrainSpec
 from jaxrm.errors import ConfigError
 from jaxrm.models import lora
@@ -41,6 +41,7 @@ def build_update(
   *,
   total_steps: int,
   mesh: Mesh,
+  context_balance: str = "zigzag",
   grad_accum: int = 1,
   micro_batched: bool = False,
 ) -> Update:
@@ -55,6 +56,8 @@ def build_update(
     train: the optimizer's settings and the state's seed.
     total_steps: the run's length, where the schedule ends.
     mesh: the device mesh.
+    context_balance: how ``mesh``'s context axis deals each row's tokens to its shards
+      (``MeshConfig.context_balance``).
     grad_accum: micro-batches per update when each batch holds them all (a packed batch stacks
       them on a leading axis; an unpacked one is split by the step).
     micro_batched: each batch is instead a tuple of micro-batches, each padded to its own length
@@ -67,13 +70,12 @@ def build_update(
   schedule = _schedule(train, total_steps)
   tx = _optimizer(schedule, train)
   state, shardings = _initial_state(model, tx, seed=train.seed, mesh=mesh)
-  loss_fn = steps.make_loss_fn(model, reward)
+  placement = sharding.Placement(mesh, context_balance)
+  loss_fn = steps.make_loss_fn(model, reward, placement=placement)
   clip = train.max_grad_norm
   if micro_batched:
     # Each micro-batch keeps its own length bucket; one compiled gradient per bucket.
-    train_step = steps.MicroBatchedStep(
-      loss_fn, tx, schedule, max_grad_norm=clip, state_shardings=shardings, mesh=mesh
-    )
+    train_step = steps.MicroBatchedStep(loss_fn, tx, schedule, max_grad_norm=clip, state_shardings=shardings)
   else:
     train_step = steps.CompiledPerShape(
       "train step",
@@ -84,11 +86,10 @@ def build_update(
         grad_accum_steps=grad_accum,
         max_grad_norm=clip,
         state_shardings=shardings,
-        mesh=mesh,
       ),
     )
-  eval_loss_fn = steps.make_loss_fn(model, reward, samples=True)
-  eval_step = steps.CompiledPerShape("eval step", steps.make_eval_step(eval_loss_fn, mesh=mesh))
+  eval_loss_fn = steps.make_loss_fn(model, reward, samples=True, placement=placement)
+  eval_step = steps.CompiledPerShape("eval step", steps.make_eval_step(eval_loss_fn))
   return Update(schedule, tx, state, shardings, train_step, eval_step)
 
 

@@ -45,19 +45,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 def compile_layer(route: str, length: int, mesh, balance: str, heads: tuple[int, int, int]):
   """The layer's forward and backward, compiled over ``mesh`` for one row of ``length`` tokens."""
   h, kv, d = heads
-  context = sharding.context_size(mesh)
-  order = CP.storage_order(length, context, balance)
+  placement = sharding.Placement(mesh, balance)
+  order = CP.storage_order(length, placement.context, balance)
   index = jnp.broadcast_to(jnp.asarray(order), (1, length))
 
   def layer(q, k, v, d_out, mask, positions):
-    with sharding.activation_sharding(mesh):
-      ids = L.token_ids(mask, positions, index_bt=index)
-      attend = lambda q, k, v: CP.attention(q, k, v, ids, order, scale=d**-0.5, softcap=None, kernel=route)
-      out, vjp = jax.vjp(attend, q, k, v)
-      return out, *vjp(d_out)
+    ids = L.token_ids(mask, positions, index_bt=index)
+    attend = lambda q, k, v: CP.attention(
+      q, k, v, ids, order, placement=placement, scale=d**-0.5, softcap=None, kernel=route
+    )
+    out, vjp = jax.vjp(attend, q, k, v)
+    return out, *vjp(d_out)
 
-  with sharding.activation_sharding(mesh):
-    q_spec, k_spec = sharding.attention_specs((1, length, h, d), (1, length, kv, d))
+  q_spec, k_spec = placement.attention_specs((1, length, h, d), (1, length, kv, d))
   arg = lambda shape, dtype, spec: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
   q = arg((1, length, h, d), jnp.bfloat16, q_spec)
   k = arg((1, length, kv, d), jnp.bfloat16, k_spec)

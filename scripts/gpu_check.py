@@ -507,7 +507,7 @@ def compile_bench(target: str) -> dict:
     print(f"bench input_ids {shapes[-1]['input_ids']}: {gib(shapes[-1]['total_bytes'])}", flush=True)
   return {
     "command": f"bench.py {' '.join(BENCH_ARGS)} --attention=auto",
-    "attention_route": attention_summary(cfg, mesh=mesh),
+    "attention_route": attention_summary(cfg, placement=sharding.Placement(mesh)),
     "triton_kernels": fit_check.triton_kernels("\n".join(text)),
     "compile_s": round(sum(s["compile_s"] for s in shapes), 1),
     "total_bytes": max(s["total_bytes"] for s in shapes),

@@ -358,7 +358,7 @@ def plan_one(
     **step.as_dict(),
     **({"programs": {k: m.as_dict() for k, m in each.items()}} if len(each) > 1 else {}),
     "fits": {card: step.total_bytes <= CARDS_GIB[card] * 2**30 for card in _cards(backend, target)},
-    "attention_route": attention_summary(cfg, mesh=mesh),
+    "attention_route": attention_summary(cfg, placement=sharding.Placement(mesh)),
     "triton_kernels": fit_check.triton_kernels(text),
     "triton_fusions": text.count('"kind":"__triton'),
     "compile_s": round(compile_s, 1),

@@ -2,50 +2,29 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 import transformers
+from transformers.modeling_layers import GenericForTokenClassification
+
+from jaxrm.models import families
 
 VOCAB = 128
 PAD = 0
 
-# Small enough to run in seconds; GQA everywhere, windows shorter than the test sequences.
-FAMILY_CONFIGS = {
-  "llama": dict(
-    cls="LlamaConfig",
-    kw=dict(
-      attention_bias=True,
-      mlp_bias=True,
-      rope_scaling={
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16,
-      },
-    ),
-  ),
-  "mistral": dict(cls="MistralConfig", kw=dict(sliding_window=8)),
-  "qwen2": dict(cls="Qwen2Config", kw=dict()),
-  "qwen3": dict(cls="Qwen3Config", kw=dict(head_dim=24)),
-  "gemma2": dict(
-    cls="Gemma2Config",
-    kw=dict(
-      sliding_window=8,
-      attn_logit_softcapping=2.0,
-      query_pre_attn_scalar=20,
-      head_dim=16,
-      hidden_activation="gelu_pytorch_tanh",
-      final_logit_softcapping=None,
-    ),
-  ),
-}
-FAMILIES = tuple(FAMILY_CONFIGS)
+# Each family's tiny config lives in its spec (jaxrm.models.families): small enough to run in
+# seconds; GQA everywhere, windows shorter than the test sequences.
+FAMILIES = families.names()
+# The Pallas kernel's tests take one family per kind of attention: Gemma 3's (a window on some
+# layers, no soft-capping) is Mistral's and Gemma 2's; its second rotary base acts before the kernel.
+KERNEL_FAMILIES = tuple(f for f in FAMILIES if f != "gemma3")
 LENGTHS = [24, 17, 9]  # rows of a parity batch: longer than the sliding windows (8)
 
 
 def tiny_config(family: str, num_labels: int = 1, **overrides):
-  spec = FAMILY_CONFIGS[family]
+  spec = families.get(family).tiny_hf_config
   kw = dict(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -61,7 +40,7 @@ def tiny_config(family: str, num_labels: int = 1, **overrides):
     tie_word_embeddings=False,
     rms_norm_eps=1e-5,
   )
-  kw.update(spec["kw"])
+  kw.update(copy.deepcopy(spec["kw"]))  # transformers may fill in the dicts it is given
   kw.update(overrides)
   return getattr(transformers, spec["cls"])(**kw)
 
@@ -74,17 +53,29 @@ def build(family: str, head: str = "sequence", seed: int = 0, **overrides):
   """
   num_labels = 1 if head == "sequence" else 2
   cfg = tiny_config(family, num_labels=num_labels, **overrides)
-  cls = (
-    transformers.AutoModelForSequenceClassification
-    if head == "sequence"
-    else transformers.AutoModelForTokenClassification
-  )
+  cls = auto_class(family, head, cfg)
   torch.manual_seed(seed)
   model = cls.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
   with torch.no_grad():
     for p in model.parameters():
       p.add_(torch.randn_like(p) * 0.05)
   return model.eval()
+
+
+def auto_class(family: str, head: str, config):
+  """transformers' Auto class of a ``head`` model of ``config``. Where transformers has no token
+  classifier of the family (Gemma 3), it is given one as transformers writes the others:
+  ``GenericForTokenClassification`` over the family's pretrained-model class."""
+  if head == "sequence":
+    return transformers.AutoModelForSequenceClassification
+  auto = transformers.AutoModelForTokenClassification
+  if type(config) not in auto._model_mapping:
+    decoder = transformers.AutoModel._model_mapping[type(config)]
+    pretrained = next(c for c in decoder.__mro__ if c.__name__.endswith("PreTrainedModel"))
+    name = families.get(family).architecture + "ForTokenClassification"
+    cls = type(name, (GenericForTokenClassification, pretrained), {"config_class": type(config)})
+    auto.register(type(config), cls, exist_ok=True)
+  return auto
 
 
 def batch(lengths, seed=0, left=False, total=None):

@@ -4,8 +4,6 @@ the Pallas flash kernel (tests/test_flash_attention.py checks its arithmetic).
 Which route a config takes is asserted for every backend on any machine; cuDNN's kernel itself only
 runs where there is a GPU (``@pytest.mark.gpu``)."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +13,6 @@ from helpers import REORDERED_ATOL, jitted, pref, random_groups, tiny_config, ti
 from jaxrm.data import packing
 from jaxrm.errors import ConfigError
 from jaxrm.models import layers as L
-from jaxrm.models.config import config_from_dict
 from jaxrm.models.decoder import attention_fn, attention_route, attention_summary
 from jaxrm.models.flash_attention import flash_attention
 
@@ -218,13 +215,6 @@ def test_cudnn_kernel_matches_einsum():
 def test_unknown_attention_impl_is_an_error():
   with pytest.raises(ConfigError, match=r"attention_impl='flash'; use one of auto, reference, pallas, cudnn"):
     tiny_config(attention_impl="flash")
-
-
-def test_a_run_written_with_the_xla_setting_reads_back_as_reference():
-  """Older runs' model_config.json hold attention_impl="xla", the einsum's former name."""
-  old = dataclasses.asdict(tiny_config())
-  old.update(attention_impl="xla", layer_types=list(old["layer_types"]))
-  assert config_from_dict(old, "model_config.json") == tiny_config(attention_impl="reference")
 
 
 def test_reward_positions_need_a_sequence_head():

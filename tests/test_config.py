@@ -79,6 +79,10 @@ def test_a_notebook_sets_only_what_it_changes():
       lambda: RunConfig.from_dict({"train": {"max_stepz": 1}}),
       "config.train has no key 'max_stepz'; it has adam_beta1, adam_beta2, adam_epsilon, global_batch_size",
     ),
+    (  # no former names are read: train.lr_decay is train.lr_scheduler
+      lambda: RunConfig.from_dict({"train": {"lr_decay": "cosine"}}),
+      "config.train has no key 'lr_decay'; it has adam_beta1, adam_beta2, adam_epsilon, global_batch_size",
+    ),
     (
       lambda: RunConfig.from_dict({"model": {"lora": {"rnak": 8}}}),
       "config.model.lora has no key 'rnak'; it has alpha, base_dtype, dropout, rank, target_modules",
@@ -104,14 +108,6 @@ def test_a_notebook_sets_only_what_it_changes():
     ),
     (lambda: LoraSpec(base_dtype="nf4"), "model.lora.base_dtype='nf4': LoRA base_dtype='nf4' freezes"),
     (lambda: TrainSpec(lr_scheduler="polynomial"), "train.lr_scheduler='polynomial' is not one of cosine, "),
-    (
-      lambda: TrainSpec(lr_decay="exponential"),
-      "train.lr_decay='exponential' is not one of cosine, linear, constant; use train.lr_scheduler",
-    ),
-    (
-      lambda: TrainSpec(lr_decay="linear", lr_scheduler="constant"),
-      "train.lr_decay='linear' and train.lr_scheduler='constant' disagree; set only train.lr_scheduler",
-    ),
     (
       lambda: TrainSpec(lr_scheduler="cosine_with_min_lr"),
       "train.lr_scheduler='cosine_with_min_lr' needs train.min_lr_ratio > 0",
@@ -239,20 +235,6 @@ def test_scheduler_and_adam_keys_under_trl_names(caplog):
   with caplog.at_level("WARNING", logger="jaxrm.config"):
     assert TrainSpec(lr_scheduler="constant", warmup_steps=5).lr_scheduler == "constant"
   assert "train.warmup_steps=5 is ignored" in caplog.text
-
-
-def test_lr_decay_is_the_former_name_of_lr_scheduler(caplog):
-  with caplog.at_level("WARNING", logger="jaxrm.config"):
-    spec = TrainSpec(lr_decay="constant")
-  # Its "constant" kept the warmup: transformers calls that constant_with_warmup.
-  assert spec.lr_scheduler == "constant_with_warmup"
-  assert (
-    "train.lr_decay='constant' is the former name of train.lr_scheduler; use train.lr_scheduler="
-    "'constant_with_warmup'" in caplog.text
-  )
-  assert TrainSpec(lr_decay="linear", lr_scheduler="linear").lr_scheduler == "linear"
-  run = RunConfig(train=spec)
-  assert RunConfig.from_dict(json.loads(json.dumps(run.to_dict()))) == run
 
 
 def test_data_cache_keys():

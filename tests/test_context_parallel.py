@@ -14,6 +14,7 @@ JAX fixes the CPU device count when its backend starts, and this process starts 
 numbers, and the tests below read them.
 """
 
+import functools
 import json
 import sys
 
@@ -100,16 +101,13 @@ def weights_of(batch, outputs):
   return w * np.asarray(batch.attention_mask)[..., None]
 
 
-def outputs_and_grads(cfg, batch, mesh=None):
+def outputs_and_grads(cfg, batch, placement=None):
   """The model's outputs, the gradient of a fixed weighted sum of them (flattened), and whether
   the compiled step all-gathers."""
   graphdef, state = nnx.split(tiny_model(cfg))
 
   def forward(s):
-    if mesh is None:
-      return batch.outputs(nnx.merge(graphdef, s))
-    with sharding.activation_sharding(mesh):
-      return batch.outputs(nnx.merge(graphdef, s))
+    return batch.outputs(functools.partial(nnx.merge(graphdef, s), placement=placement))
 
   w = jnp.asarray(weights_of(batch, np.zeros(jax.eval_shape(forward, state).shape)))
   weighted = lambda s: (lambda out: (jnp.sum(out * w), out))(forward(s))
@@ -120,9 +118,10 @@ def outputs_and_grads(cfg, batch, mesh=None):
 
 
 def mesh_of(**sizes):
+  """The placement of a mesh of ``sizes`` (and its ``context_balance``) on the first devices."""
   cfg = sharding.MeshConfig(**{"data": 1, "fsdp": 1, "tensor": 1, **sizes})
   n = cfg.data * cfg.fsdp * cfg.tensor * cfg.context
-  return sharding.make_mesh(cfg, devices=jax.devices()[:n])
+  return sharding.Placement.of(sharding.make_mesh(cfg, devices=jax.devices()[:n]), cfg)
 
 
 def case_report(kind, mesh_sizes, overrides):
@@ -145,7 +144,7 @@ def case_report(kind, mesh_sizes, overrides):
 def sharding_summary(cfg, mesh):
   from jaxrm.models.decoder import attention_summary
 
-  return attention_summary(cfg.replace(attention_impl="auto"), "gpu", mesh=mesh)
+  return attention_summary(cfg.replace(attention_impl="auto"), "gpu", placement=mesh)
 
 
 def training_losses(mesh_sizes=None, steps_n=3):
@@ -158,17 +157,17 @@ def training_losses(mesh_sizes=None, steps_n=3):
 
   cfg = tiny_config(attention_impl="reference", head="token", num_labels=2)
   model = tiny_model(cfg)
-  mesh = mesh_of(**(mesh_sizes or {}))
+  placement = mesh_of(**(mesh_sizes or {}))
+  mesh = placement.mesh
   tx = optax.sgd(0.01)
   params = nnx.state(model)
   params = jax.device_put(params, sharding.param_shardings(params, mesh))
   state, shardings = steps.init_state(params, tx, seed=0, mesh=mesh)
   train_step = steps.make_train_step(
-    steps.make_loss_fn(model, RewardSpec("stepwise")),
+    steps.make_loss_fn(model, RewardSpec("stepwise"), placement=placement),
     tx,
     lambda _: 0.01,
     state_shardings=shardings,
-    mesh=mesh,
   )
   batch = pipeline.to_global_batch(batch_of("stepwise"), mesh)
   losses = []
@@ -252,10 +251,17 @@ def leak_report():
 
   @jax.jit
   def sharded(q, k, v):
-    with sharding.activation_sharding(mesh):
-      out = CP.attention(
-        stored(q), stored(k), stored(v), ids, order, jnp.int32(WINDOW), scale=SCALE, softcap=None
-      )
+    out = CP.attention(
+      stored(q),
+      stored(k),
+      stored(v),
+      ids,
+      order,
+      jnp.int32(WINDOW),
+      placement=mesh,
+      scale=SCALE,
+      softcap=None,
+    )
     return jnp.take(out, np.argsort(order), axis=1)
 
   report = {}
@@ -323,19 +329,19 @@ def kernel_report(kind, mesh_sizes, window, softcap):
 
   def split(kernel):
     def attend(q, k, v):
-      with sharding.activation_sharding(mesh):
-        out = CP.attention(
-          stored(q),
-          stored(k),
-          stored(v),
-          ids,
-          order,
-          traced_window,
-          scale=SCALE,
-          softcap=softcap,
-          kernel=kernel,
-          interpret=True,
-        )
+      out = CP.attention(
+        stored(q),
+        stored(k),
+        stored(v),
+        ids,
+        order,
+        traced_window,
+        placement=mesh,
+        scale=SCALE,
+        softcap=softcap,
+        kernel=kernel,
+        interpret=True,
+      )
       return jnp.take(out, np.argsort(order), axis=1)
 
     return attend
@@ -376,8 +382,7 @@ def error_report():
   )
   model = tiny_model(tiny_config(attention_impl="reference"))
   try:
-    with sharding.activation_sharding(mesh_of(context=2)):
-      batch.outputs(model)
+    batch.outputs(functools.partial(model, placement=mesh_of(context=2)))
   except ValueError as e:
     return str(e)
   return "no error"
@@ -475,7 +480,15 @@ def test_the_pallas_route_equals_the_reference_route_and_one_device(sharded, nam
 
 def test_an_unknown_kernel_names_the_kernels():
   with pytest.raises(ValueError, match=r"kernel='cudnn'; use one of reference, pallas$"):
-    CP.attention(*[jnp.zeros((1, 8, 2, 8))] * 3, None, np.arange(8), scale=1.0, softcap=None, kernel="cudnn")
+    CP.attention(
+      *[jnp.zeros((1, 8, 2, 8))] * 3,
+      None,
+      np.arange(8),
+      placement=mesh_of(context=1),
+      scale=1.0,
+      softcap=None,
+      kernel="cudnn",
+    )
 
 
 # ------------------------------------------------------------------ errors

@@ -69,7 +69,7 @@ def test_the_export_cli_reports_a_damaged_checkpoint_in_one_line(run_copy, tmp_p
       sys.executable,
       "-m",
       "jaxrm.export",
-      f"--checkpoint={run_copy}",
+      f"--model={run_copy}",
       "--step=2",
       f"--out={tmp_path / 'out'}",
     ]

@@ -18,8 +18,7 @@ from jaxrm import RewardModel
 from jaxrm.errors import CheckpointError
 from jaxrm.export import export
 from jaxrm.hf import gguf
-
-ARCH = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma2": "Gemma2"}
+from jaxrm.models import families
 
 
 def safetensors_header(path):
@@ -37,7 +36,9 @@ def test_transformers_loads_export_and_scores_like_jaxrm(family, head, tmp_path)
   rm.save_pretrained(out)
 
   config = json.loads((out / "config.json").read_text())
-  arch = ARCH[family] + ("ForSequenceClassification" if head == "sequence" else "ForTokenClassification")
+  arch = families.get(family).architecture + (
+    "ForSequenceClassification" if head == "sequence" else "ForTokenClassification"
+  )
   assert config["architectures"] == [arch]
   assert (config["num_labels"], config["pad_token_id"]) == ((1 if head == "sequence" else 2), hf_tiny.PAD)
   assert config["jaxrm"] == {"reward_stats": None, "step_separator": "\n"}
@@ -148,7 +149,7 @@ def test_cli(tmp_path):
       sys.executable,
       "-m",
       "jaxrm.export",
-      f"--checkpoint={tmp_path / 'src'}",
+      f"--model={tmp_path / 'src'}",
       f"--out={tmp_path / 'out'}",
       "--dtype=bfloat16",
     ]
@@ -163,7 +164,7 @@ def test_cli(tmp_path):
       sys.executable,
       "-m",
       "jaxrm.export",
-      f"--checkpoint={missing}",
+      f"--model={missing}",
       f"--out={tmp_path / 'out2'}",
       "--step=3",
     ]

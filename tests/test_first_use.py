@@ -157,7 +157,7 @@ def test_export_takes_model_as_evaluate_and_serve_do(runs, tmp_path):
   procs = {
     flag: start([sys.executable, "-m", "jaxrm.export", f"--{flag}={run}", f"--out={tmp_path / flag}"])
     for flag in ("model", "checkpoint")
-  }  # --checkpoint: the former name, kept
+  }  # --checkpoint: a former name, no longer a flag
   procs["evaluate"] = start(
     [
       sys.executable,
@@ -176,8 +176,10 @@ def test_export_takes_model_as_evaluate_and_serve_do(runs, tmp_path):
     "length_bias.png (default: print only)."
   ) in help_text
   assert "default: the training run's data.max_length" in help_text
-  for flag in ("model", "checkpoint"):
-    assert f"exported {run} (llama, sequence head) to {tmp_path / flag}" in ok(results[flag])
+  assert f"exported {run} (llama, sequence head) to {tmp_path / 'model'}" in ok(results["model"])
+  refused = results["checkpoint"]
+  assert refused.returncode == 1 and "Traceback" not in refused.stderr
+  assert "FATAL Flags parsing error: Unknown command line flag 'checkpoint'" in refused.stderr
   out = ok(results["evaluate"])
   # The run's data.max_length (configs/rm.py: 128), and how fast scoring went.
   assert out.startswith(f"jaxrm evaluate: model {run}, data {runs['dir'] / 'val.jsonl'}, max_length 128\n")

@@ -34,6 +34,7 @@ from memory_plan import compile_programs, plan_config, planned_batch, planned_up
 from jaxrm import fit_check, gpu_targets, sharding, steps  # noqa: E402
 from jaxrm.hf.loader import placed_abstract_model  # noqa: E402
 from jaxrm.memory import ProgramMemory, bytes_per_device  # noqa: E402
+from jaxrm.models import families  # noqa: E402
 from jaxrm.models import flash_attention as F  # noqa: E402
 from jaxrm.models.config import from_hf_config  # noqa: E402
 from jaxrm.models.decoder import attention_fn, attention_route  # noqa: E402
@@ -100,12 +101,27 @@ def abstract_on(mesh):
   return lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
 
 
-@pytest.mark.parametrize("target", [H100, H200])
-def test_kernels_compile_forward_and_backward_for_every_mask_and_head_dim(target):
+def test_h100_and_h200_give_triton_the_same_device():
+  """What Triton's compile reads of a target is the same for both (the same Hopper SM): a kernel
+  compiled for one is the kernel of the other, so the kernels below compile once, for an H100
+  (the oversized tile is refused on an H200). They differ in memory, which the steps' plans read."""
+  h100, h200 = gpu_targets.TARGETS[H100], gpu_targets.TARGETS[H200]
+  for field in (
+    "compute_capability",
+    "core_count",
+    "shared_memory_per_core",
+    "shared_memory_per_block_optin",
+    "clock_rate_ghz",
+  ):
+    assert getattr(h100, field) == getattr(h200, field), field
+  assert h100.memory_bytes < h200.memory_bytes
+
+
+def test_kernels_compile_forward_and_backward_for_every_mask_and_head_dim():
   """Triton compiles each kernel, checking its tiles against the GPU's shared memory and
   registers: forward, dq and dk/dv once per mask and head dim in jax.grad (w.r.t. q, k, v in
   bfloat16) of one program, which compiles in half the time of one program per head dim."""
-  sds = abstract_on(one_gpu(target))
+  sds = abstract_on(one_gpu(H100))
   row = sds((ROWS, T), jnp.int32)
   qkv = {
     d: (sds((ROWS, T, HEADS, d), jnp.bfloat16), *[sds((ROWS, T, KV_HEADS, d), jnp.bfloat16)] * 2)
@@ -139,8 +155,8 @@ def test_an_oversized_tile_is_refused_for_shared_memory():
 
 # ------------------------------------------------------------------ the trainer's step
 
-# Tiny shapes of each family, as tests/hf_tiny.py configures them (without importing torch): two
-# layers, 4 query heads over 2 key heads, each family's switches set by from_hf_config.
+# Tiny shapes of each family: two layers, 4 query heads over 2 key heads, each family's switches as
+# its spec's tiny test config sets them (jaxrm.models.families; read without importing torch).
 TINY_HF = dict(
   vocab_size=128,
   hidden_size=64,
@@ -151,19 +167,13 @@ TINY_HF = dict(
   max_position_embeddings=512,
   pad_token_id=0,
 )
-FAMILY_HF = {
-  "llama": dict(model_type="llama", attention_bias=True, mlp_bias=True),
-  "mistral": dict(model_type="mistral", sliding_window=8),
-  "qwen2": dict(model_type="qwen2"),
-  "qwen3": dict(model_type="qwen3", head_dim=24),  # padded to 32 inside the kernel
-  "gemma2": dict(
-    model_type="gemma2",
-    sliding_window=8,
-    attn_logit_softcapping=2.0,
-    query_pre_attn_scalar=20,
-    hidden_activation="gelu_pytorch_tanh",
-  ),
-}
+
+
+def family_hf(name: str) -> dict:
+  family = families.get(name)
+  return {"model_type": family.model_type, **family.tiny_hf_config["kw"]}
+
+
 TINY_LENGTH = 64  # tokens per completion: one pair is input_ids [2, 64]
 # Every family's train step, two of them training adapters: the backward pass still runs through
 # each of their layers' ops, only which weights get gradients differs (a full-training step of
@@ -180,7 +190,7 @@ STEP_CASES = {
 def tiny_shape(family: str, lora: LoraConfig = LoraConfig(), **overrides):
   """The family's tiny shape as the memory plan trains it: bf16 compute, float32 parameters."""
   return from_hf_config(
-    {**TINY_HF, **FAMILY_HF[family]}, dtype="bfloat16", param_dtype="float32", lora=lora, **overrides
+    {**TINY_HF, **family_hf(family)}, dtype="bfloat16", param_dtype="float32", lora=lora, **overrides
   )
 
 
@@ -288,12 +298,13 @@ def test_the_attention_route_follows_the_mesh_devices_not_the_process():
   gpu = tiny_step("llama")
   cfg = gpu.cfg
   assert cfg.attention_impl == "auto"
-  with sharding.activation_sharding(gpu.mesh):
-    assert attention_route(cfg) == "pallas" and attention_fn(cfg).keywords["interpret"] is False
+  on_gpu = sharding.platform(sharding.Placement(gpu.mesh))
+  assert on_gpu == "gpu" and attention_route(cfg, on_gpu) == "pallas"
+  assert attention_fn(cfg, on_gpu).keywords["interpret"] is False
   assert fit_check.triton_kernels(gpu.text) == dict.fromkeys(KERNELS, 1)
   cpu_mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), devices=jax.devices("cpu")[:1])
-  with sharding.activation_sharding(cpu_mesh):
-    assert attention_route(cfg) == "reference"
+  assert attention_route(cfg, sharding.platform(cpu_mesh)) == "reference"
+  assert jax.default_backend() != "cpu" or attention_route(cfg) == "reference"  # no mesh: the process's
   # The validation step: the train step's forward, at a fifth of its compile time on a CPU. Not
   # even the kernel in interpret mode (its ops would carry the kernels' names).
   cpu = Step(cfg, cpu_mesh, TINY_LENGTH, evaluate=True)
@@ -392,14 +403,13 @@ SERVER = ServerConfig(batch_size=4, max_length=256)
 
 def test_scoring_compiles_the_forward_kernel_alone_at_every_bucket():
   """The tiny llama's scoring forward (``Decoder.__call__``, as ``RewardModel`` scores) on one
-  H100, under the mesh's activation sharding, at each length the server compiles."""
+  H100, its activations placed on the mesh, at each length the server compiles."""
   cfg = tiny_shape("llama")
   mesh = one_gpu(H100)
   graphdef, state = nnx.split(placed_abstract_model(cfg, mesh))
 
   def rewards(state, input_ids, attention_mask):
-    with sharding.activation_sharding(mesh):
-      return nnx.merge(graphdef, state)(input_ids, attention_mask)
+    return nnx.merge(graphdef, state)(input_ids, attention_mask, placement=sharding.Placement(mesh))
 
   buckets = SERVER.resolved(cfg.max_position_embeddings).buckets
   assert buckets == (64, 128, 256)

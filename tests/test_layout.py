@@ -5,6 +5,9 @@ import os
 
 import tiny_run
 
+from jaxrm import tasks
+from jaxrm.models import families
+
 PACKAGE = "jaxrm"
 
 
@@ -133,8 +136,12 @@ LAYERS = {
   "jaxrm.errors": set(),
   "jaxrm.sharding": set(),
   "jaxrm.metrics": set(),
-  "jaxrm.kinds": {"jaxrm.errors"},
+  "jaxrm.kinds": {"jaxrm.errors", "jaxrm.tasks"},
+  # A task is data the library asks: it names its batches and losses, and imports nothing above them.
+  "jaxrm.tasks": {"jaxrm.batches", "jaxrm.losses"},
   "jaxrm.models": {"jaxrm.errors", "jaxrm.sharding", "jaxrm.models"},
+  # Family specs are data that the model config asks: they import no model code.
+  "jaxrm.models.families": {"jaxrm.errors", "jaxrm.models.families"},
   "jaxrm.hf": {"jaxrm.errors", "jaxrm.sharding", "jaxrm.models", "jaxrm.hf"},
   "jaxrm.checkpointing": {"jaxrm.errors", "jaxrm.metrics"},
   "jaxrm.batches": set(),
@@ -170,6 +177,53 @@ def test_the_hf_writer_imports_only_model_and_tensor_code():
       closure.add(m)
       todo.append(m)
   assert {m.split(".")[1] for m in closure} <= {"errors", "sharding", "models", "hf"}, sorted(closure)
+
+
+def test_only_the_families_package_names_a_family():
+  """A family is one file: no module elsewhere compares against a family's name, model_type or GGUF
+  architecture; it asks the family's spec."""
+  spellings = set()
+  for fam in families.FAMILIES:
+    spellings |= {fam.name, fam.model_type, fam.multimodal_model_type, fam.gguf and fam.gguf.architecture}
+  spellings.discard(None)
+  found = []
+  for module, path in _modules().items():
+    if module.startswith("jaxrm.models.families"):
+      continue
+    with open(path) as f:
+      tree = ast.parse(f.read(), path)
+    found += [
+      f"{module} line {n.lineno}: {n.value!r}"
+      for n in ast.walk(tree)
+      if isinstance(n, ast.Constant) and n.value in spellings
+    ]
+  assert "gemma3_text" in spellings and not found, found
+
+
+# Modules that still compare task names, each with what it should ask instead.
+
+
+def test_only_the_tasks_module_compares_task_names():
+  """A task is one object in jaxrm.tasks: no module elsewhere compares a value against a task's name,
+  its data kind or its evaluation kind; it asks the task (config.reward.task, registry.task,
+  tasks.of_head)."""
+  spellings = {s for t in tasks.TASKS.values() for s in (t.name, t.data, t.evaluation)}
+  found = []
+  for module, path in _modules().items():
+    if module == "jaxrm.tasks":
+      continue
+    with open(path) as f:
+      tree = ast.parse(f.read(), path)
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Compare):
+        operands = [node.left, *node.comparators]
+        values = [e for o in operands for e in (o.elts if isinstance(o, (ast.Tuple, ast.Set)) else [o])]
+        found += [
+          f"{module} line {node.lineno}: {v.value!r}"
+          for v in values
+          if isinstance(v, ast.Constant) and v.value in spellings
+        ]
+  assert {"regression", "stepwise", "rated"} <= spellings and not found, found
 
 
 # What interprets a model path: only jaxrm.loading says what a path names.

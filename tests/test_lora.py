@@ -172,7 +172,6 @@ def test_training_moves_adapters_and_head_only(tiny_rm, model_dir):
     lambda _: 1e-2,
     grad_accum_steps=2,
     state_shardings=shardings,
-    mesh=mesh,
   )
   for batch in demo_batches(rm.tokenizer, 3):
     state, (_, extra) = train_step(state, pipeline.to_global_batch(batch, mesh))
@@ -193,7 +192,7 @@ def test_first_step_trains_b_and_head_as_full_training_does(tiny_rm, model_dir):
     before = flat_params(nnx.state(rm.model))
     state, shardings = steps.init_state(nnx.state(rm.model), tx, seed=0, mesh=mesh, trainable=trainable)
     step = steps.make_train_step(
-      steps.make_loss_fn(rm.model, RewardSpec()), tx, lambda _: 1.0, state_shardings=shardings, mesh=mesh
+      steps.make_loss_fn(rm.model, RewardSpec()), tx, lambda _: 1.0, state_shardings=shardings
     )
     state, (metrics, _) = step(state, pipeline.to_global_batch(batch, mesh))
     after = flat_params(state["params"])

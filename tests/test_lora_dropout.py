@@ -87,7 +87,6 @@ def test_train_step_draws_a_mask_per_step_from_the_state_seed(model_dir):
       lambda _: 1.0,
       grad_accum_steps=2,
       state_shardings=shardings,
-      mesh=mesh,
     )
     state, (metrics, _) = step(state, batch)
     after = flat_params(state["params"])

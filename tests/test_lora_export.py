@@ -152,7 +152,7 @@ def test_adapters_only_needs_adapters(tmp_path):
       sys.executable,
       "-m",
       "jaxrm.export",
-      f"--checkpoint={tmp_path / 'src'}",
+      f"--model={tmp_path / 'src'}",
       f"--out={tmp_path / 'b'}",
       "--adapters_only",
     ]
@@ -177,7 +177,7 @@ def test_cli_exports_a_lora_run_both_ways(model_dir, tmp_path):
       sys.executable,
       "-m",
       "jaxrm.export",
-      f"--checkpoint={run}",
+      f"--model={run}",
       f"--out={tmp_path / 'adapters'}",
       "--adapters_only",
     ]

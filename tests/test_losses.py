@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from helpers import preference_loss_args, softplus
 
-from jaxrm import losses
+from jaxrm import losses, tasks
 from jaxrm.batches import IGNORE_INDEX as X
 from jaxrm.batches import PreferenceBatch, StepwiseBatch
 from jaxrm.config import RANKING_LOSSES, REWARD_TYPES, RewardSpec
@@ -297,12 +297,12 @@ def test_each_reward_type_trains_with_its_loss():
       rewards, ranks, mask, margin, center_rewards_coefficient=0.1
     ),
   }
-  values = {spec: float(losses.batch_loss(spec)(rewards, batch)[0]) for spec in expected}
+  values = {spec: float(tasks.batch_loss(spec)(rewards, batch)[0]) for spec in expected}
   assert len(set(values.values())) == 3
   for spec, (loss, metrics) in expected.items():
     assert values[spec] == pytest.approx(float(loss), rel=RTOL), spec
     assert_metrics_close(
-      finalize_metrics(losses.batch_loss(spec)(rewards, batch)[1]), finalize_metrics(metrics)
+      finalize_metrics(tasks.batch_loss(spec)(rewards, batch)[1]), finalize_metrics(metrics)
     )
   # A spec without type=ranking ignores ranking_loss.
   assert RewardSpec("bradley_terry", "all_pairs").loss_key == ("bradley_terry", None)
@@ -310,7 +310,7 @@ def test_each_reward_type_trains_with_its_loss():
   logits = jnp.asarray(np.random.default_rng(3).normal(size=(2, 4, 2)), jnp.float32)
   labels = jnp.array([[X, 1, X, 0], [0, X, X, 1]], jnp.int32)
   steps = StepwiseBatch(input_ids=None, attention_mask=None, labels=labels, example_mask=mask)
-  loss, _ = losses.batch_loss(RewardSpec("stepwise"))(logits, steps)
+  loss, _ = tasks.batch_loss(RewardSpec("stepwise"))(logits, steps)
   assert float(loss) == pytest.approx(float(losses.stepwise_loss(logits, labels, mask)[0]), rel=RTOL)
 
 
@@ -320,7 +320,7 @@ def test_every_reward_spec_has_a_loss():
     for t in REWARD_TYPES
     for r in RANKING_LOSSES
   ]
-  assert {spec.loss_key for spec in specs} == set(losses.LOSSES)
+  assert {spec.loss_key for spec in specs} == {key for task in tasks.TASKS.values() for key in task.losses}
 
 
 def test_bad_reward_spec_names_the_choices():

@@ -59,12 +59,8 @@ def test_micro_batches_of_their_own_length_update_as_the_whole_batch(tiny_rm, mo
   assert short.input_ids.shape[1] < long.input_ids.shape[1] == whole.input_ids.shape[1]
   loss_fn = steps.make_loss_fn(tiny_rm.model, RewardSpec())
   load = lambda: RewardModel.from_pretrained(model_dir)
-  one_step = lambda tx, sh, mesh: steps.make_train_step(
-    loss_fn, tx, lambda _: 1.0, state_shardings=sh, mesh=mesh
-  )
-  micro = lambda tx, sh, mesh: steps.MicroBatchedStep(
-    loss_fn, tx, lambda _: 1.0, state_shardings=sh, mesh=mesh
-  )
+  one_step = lambda tx, sh, mesh: steps.make_train_step(loss_fn, tx, lambda _: 1.0, state_shardings=sh)
+  micro = lambda tx, sh, mesh: steps.MicroBatchedStep(loss_fn, tx, lambda _: 1.0, state_shardings=sh)
   want, count = _update(load, one_step, whole)
   got, micro_count = _update(load, micro, (short, long))
   assert count == micro_count == 8
@@ -86,11 +82,9 @@ def test_micro_batches_draw_the_dropout_of_the_scanned_step(model_dir):
   first, second = _collate(rm, groups[0::2]), _collate(rm, groups[1::2])
   loss_fn = steps.make_loss_fn(rm.model, RewardSpec())
   scanned = lambda tx, sh, mesh: steps.make_train_step(
-    loss_fn, tx, lambda _: 1.0, grad_accum_steps=2, state_shardings=sh, mesh=mesh
+    loss_fn, tx, lambda _: 1.0, grad_accum_steps=2, state_shardings=sh
   )
-  micro = lambda tx, sh, mesh: steps.MicroBatchedStep(
-    loss_fn, tx, lambda _: 1.0, state_shardings=sh, mesh=mesh
-  )
+  micro = lambda tx, sh, mesh: steps.MicroBatchedStep(loss_fn, tx, lambda _: 1.0, state_shardings=sh)
   want, _ = _update(load, scanned, whole)
   pad = pad_id(rm.tokenizer)
   got, _ = _update(load, micro, (_padded(first, whole, pad), _padded(second, whole, pad)))
@@ -115,12 +109,12 @@ def test_micro_batches_clip_as_the_whole_batch(tiny_rm, model_dir):
   load = lambda: RewardModel.from_pretrained(model_dir)
   one_step = lambda clip: (
     lambda tx, sh, mesh: steps.make_train_step(
-      loss_fn, tx, lambda _: 1.0, max_grad_norm=clip, state_shardings=sh, mesh=mesh
+      loss_fn, tx, lambda _: 1.0, max_grad_norm=clip, state_shardings=sh
     )
   )
   micro = lambda clip: (
     lambda tx, sh, mesh: steps.MicroBatchedStep(
-      loss_fn, tx, lambda _: 1.0, max_grad_norm=clip, state_shardings=sh, mesh=mesh
+      loss_fn, tx, lambda _: 1.0, max_grad_norm=clip, state_shardings=sh
     )
   )
   unclipped, _ = _update(load, one_step(0.0), whole)

@@ -23,7 +23,7 @@ def lr_at(schedule, *steps):
 
 def test_cosine_schedule_at_warmup_middle_and_end():
   schedule = optim.make_schedule(
-    learning_rate=LR, warmup_steps=10, total_steps=110, decay="cosine", min_lr_ratio=0.1
+    learning_rate=LR, warmup_steps=10, total_steps=110, scheduler="cosine", min_lr_ratio=0.1
   )
   quarter = MIN + (LR - MIN) * 0.5 * (1 + math.cos(math.pi / 4))
   np.testing.assert_allclose(
@@ -35,7 +35,7 @@ def test_cosine_schedule_at_warmup_middle_and_end():
 
 def test_linear_schedule_at_warmup_middle_and_end():
   schedule = optim.make_schedule(
-    learning_rate=LR, warmup_steps=10, total_steps=110, decay="linear", min_lr_ratio=0.1
+    learning_rate=LR, warmup_steps=10, total_steps=110, scheduler="linear", min_lr_ratio=0.1
   )
   np.testing.assert_allclose(
     lr_at(schedule, 0, 5, 10, 35, 60, 110, 500),
@@ -45,7 +45,9 @@ def test_linear_schedule_at_warmup_middle_and_end():
 
 
 def test_constant_schedule_and_no_warmup():
-  constant = optim.make_schedule(learning_rate=LR, warmup_steps=4, total_steps=0, decay="constant")
+  constant = optim.make_schedule(
+    learning_rate=LR, warmup_steps=4, total_steps=0, scheduler="constant_with_warmup"
+  )
   # No cosine here: LR's own float32 rounding (4.7e-8) and an exact warmup fraction (2 / 4).
   np.testing.assert_allclose(lr_at(constant, 0, 2, 4, 1000), [0.0, LR / 2, LR, LR], rtol=1e-6)
   cosine = optim.make_schedule(learning_rate=LR, warmup_steps=0, total_steps=100)
@@ -57,8 +59,6 @@ def test_constant_schedule_and_no_warmup():
 def test_schedule_errors_say_what_to_change():
   with pytest.raises(ValueError, match="leaves no steps to decay.*use scheduler='constant_with_warmup'"):
     optim.make_schedule(learning_rate=LR, warmup_steps=100, total_steps=100)
-  with pytest.raises(ValueError, match="decay='exponential' is not one of"):
-    optim.make_schedule(learning_rate=LR, warmup_steps=0, total_steps=10, decay="exponential")
   with pytest.raises(ValueError, match="lr_scheduler='polynomial' is not one of cosine, "):
     optim.make_schedule(learning_rate=LR, warmup_steps=0, total_steps=10, scheduler="polynomial")
   with pytest.raises(ValueError, match="'cosine_with_min_lr' needs min_lr_ratio > 0"):
@@ -99,18 +99,6 @@ def test_schedules_equal_transformers_get_scheduler(scheduler, min_lr_ratio, hf_
   # atol: near the end of a decay to 0 the rate is small, but its float32 roundings are those of a
   # value of LR's size (1e-7 of LR is a few of them); a step off there still moves it by ~1e-6.
   np.testing.assert_allclose(lr_at(ours, *range(total + 1)), expected, rtol=SCHEDULE_RTOL, atol=1e-10)
-
-
-def test_legacy_decay_names_keep_their_meaning():
-  """``decay="constant"`` kept the warmup: it is ``constant_with_warmup``, not transformers' ``constant``."""
-  legacy = optim.make_schedule(learning_rate=LR, warmup_steps=4, total_steps=20, decay="constant")
-  np.testing.assert_allclose(lr_at(legacy, 0, 2, 4, 19), [0.0, LR / 2, LR, LR], rtol=1e-6)
-  for decay, scheduler in optim.LEGACY_DECAYS.items():
-    a = optim.make_schedule(learning_rate=LR, warmup_steps=4, total_steps=20, decay=decay, min_lr_ratio=0.1)
-    b = optim.make_schedule(
-      learning_rate=LR, warmup_steps=4, total_steps=20, scheduler=scheduler, min_lr_ratio=0.1
-    )
-    assert lr_at(a, *range(25)) == lr_at(b, *range(25))
 
 
 def params_tree():

@@ -204,7 +204,6 @@ def first_update(cache_root, head, pack, micro_batches):
     lambda _: 1.0,
     grad_accum_steps=micro_batches,
     state_shardings=shardings,
-    mesh=mesh,
   )
   stacked = pack is not None and micro_batches > 1
   state, _ = train_step(state, pipeline.to_global_batch(next(collate), mesh, stacked=stacked))

@@ -181,11 +181,11 @@ def test_first_micro_batched_update_equals_the_whole_batch(tiny_rm):
     return flat(state["params"]) - before
 
   want = update(
-    lambda tx, sh, mesh: steps.make_train_step(loss_fn, tx, lambda _: 1.0, state_shardings=sh, mesh=mesh),
+    lambda tx, sh, mesh: steps.make_train_step(loss_fn, tx, lambda _: 1.0, state_shardings=sh),
     whole,
   )
   got = update(
-    lambda tx, sh, mesh: steps.MicroBatchedStep(loss_fn, tx, lambda _: 1.0, state_shardings=sh, mesh=mesh),
+    lambda tx, sh, mesh: steps.MicroBatchedStep(loss_fn, tx, lambda _: 1.0, state_shardings=sh),
     micro,
   )
   np.testing.assert_allclose(got, want, rtol=0, atol=UPDATE_RTOL * np.abs(want).max())

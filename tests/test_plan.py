@@ -7,6 +7,7 @@ trainer's, compiled by XLA's GPU compiler for compile-only devices (``jaxrm.gpu_
 import json
 import math
 import os
+import re
 import sys
 
 import pytest
@@ -15,7 +16,8 @@ import tiny_run
 sys.path.insert(0, os.path.join(tiny_run.ROOT, "scripts"))
 from bench_common import HF_CONFIGS  # noqa: E402
 
-from jaxrm import cli, fit_check, gpu_targets  # noqa: E402
+from jaxrm import cli, fit_check, gpu_targets, plan  # noqa: E402
+from jaxrm.errors import UserError  # noqa: E402
 
 GIB = 2**30
 
@@ -56,42 +58,47 @@ def test_a_tiny_run_fits_with_the_kernel_and_exact_state_bytes(tiny_report):
   assert "packed rows" in r.batch and "every sequence 96 tokens" in r.batch
 
 
-def test_an_8b_model_on_one_gpu_does_not_fit_and_says_what_to_change(tmp_path):
+def test_an_8b_model_on_one_gpu_does_not_fit_and_says_what_to_change(tmp_path, capsys):
+  """What ``python -m jaxrm.plan`` prints and its exit status (its flags and usage errors are
+  the next test's)."""
   model = config_only(tmp_path, "llama3.1-8b", "LlamaForCausalLM")
-  r = fit_check.check(
-    run_config(
-      model, model__remat="dots", data__max_length=512, train__micro_batch_size=2, eval__batch_size=2
-    ),
-    "h100-80gb",
-    "1x1",
+  config = run_config(
+    model, model__remat="dots", data__max_length=512, train__micro_batch_size=2, eval__batch_size=2
   )
+  r = plan.plan(config, "h100-80gb", "1x1")
   # 7.5e9 float32 weights and two moments: 84 GiB before any activation, over a 59 GiB budget.
   assert r.params > 7.4e9 and r.param_bytes + r.opt_state_bytes > 80 * GIB
-  assert not r.fits and r.lines().index("DOES NOT FIT") < len(r.lines()) - 1
+  assert not r.fits and r.exit_status == 1
+  printed = capsys.readouterr().out.splitlines()
+  assert printed == r.lines() and printed.index("DOES NOT FIT") < printed.index("to fit, change one of:")
   advice = "\n".join(r.advice)
   for change in ("model.remat=full", "train.micro_batch_size=1", "model.lora.rank=16", "more GPUs"):
     assert change in advice
 
 
-def test_the_cli_exits_0_1_2(model_dir, tmp_path):
+def test_the_cli_exits_0_when_it_fits_and_2_for_a_usage_error(model_dir):
+  """The command as a user runs it (exit 1 is the previous test's, on the report it prints)."""
   base = [sys.executable, "-m", "jaxrm.plan", f"--config={tiny_run.ROOT}/tests/tiny_run.py:{model_dir}"]
   fits = tiny_run.run(base + ["--gpu=h200", "--topology=1x2", "--config.train.micro_batch_size=4"])
   assert fits.returncode == 0, tiny_run.describe(fits)
   out = fits.stdout
   assert out.splitlines()[-1] == "FITS" and "NVIDIA H200 141GB HBM3e (h200), 1x2" in out
   assert "train step:" in out and "margin" in out and "jaxrm_flash_forward" in out
-  big = config_only(tmp_path, "llama3.1-8b", "LlamaForCausalLM")
-  over = tiny_run.run(
-    base + ["--gpu=a100-80gb", f"--config.model.name_or_path={big}", "--config.data.max_length=256"]
-  )
-  assert over.returncode == 1, tiny_run.describe(over)
-  assert "DOES NOT FIT" in over.stdout and "to fit, change one of:" in over.stdout
   typo = tiny_run.run(base + ["--gpu=h100"])
-  assert (
-    typo.returncode == 2
-    and "--gpu='h100': unknown GPU; choose one of h100-80gb, h200, a100-80gb, b200" in typo.stderr
-  )
+  assert typo.returncode == 2, tiny_run.describe(typo)
+  assert "--gpu='h100': unknown GPU; choose one of h100-80gb, h200, a100-80gb, b200" in typo.stderr
   assert "Traceback" not in typo.stderr
+
+
+def test_usage_errors_are_named_before_anything_compiles(model_dir):
+  config = run_config(model_dir)
+  for args, message in (
+    (("h100", "1x1"), "--gpu='h100': unknown GPU"),
+    (("h200", "8x"), "hosts x GPUs per host"),
+    (("h200", "1x1", 1), "--completions=1: a preference group has 2 or more"),
+  ):
+    with pytest.raises(UserError, match=re.escape(message)):
+      plan.plan(config, *args)
 
 
 def test_targets_carry_xla_specs():

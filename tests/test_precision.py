@@ -154,7 +154,10 @@ def test_bf16_train_step_keeps_float32_weights_and_moments(model_dir, tiny_rm):
   before = by_path(params)
   state, shardings = steps.init_state(params, tx, seed=0, mesh=mesh)
   train_step = steps.make_train_step(
-    steps.make_loss_fn(bf16_rm.model, RewardSpec()), tx, lambda _: 1e-3, state_shardings=shardings, mesh=mesh
+    steps.make_loss_fn(bf16_rm.model, RewardSpec(), placement=sharding.Placement(mesh)),
+    tx,
+    lambda _: 1e-3,
+    state_shardings=shardings,
   )
   state, (metrics, extra) = train_step(state, batch)
   assert np.isfinite(float(metrics["loss"].total)) and np.isfinite(float(extra["grad_norm"]))
@@ -247,7 +250,10 @@ def remat_steps(model_dir, tiny_rm):
     train_step = steps.CompiledPerShape(
       "train",
       steps.make_train_step(
-        steps.make_loss_fn(rm.model, RewardSpec()), tx, lambda _: 1.0, state_shardings=shardings, mesh=mesh
+        steps.make_loss_fn(rm.model, RewardSpec(), placement=sharding.Placement(mesh)),
+        tx,
+        lambda _: 1.0,
+        state_shardings=shardings,
       ),
     )
     compiled = train_step.compile(state, batch)

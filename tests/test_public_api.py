@@ -1,4 +1,5 @@
-"""The names a notebook imports from ``jaxrm``, and ``jaxrm.evaluate`` as a function and as the CLI."""
+"""The names a notebook imports from ``jaxrm``; ``jaxrm.evaluate`` is the command, the function is
+``jaxrm.evaluation.evaluate``."""
 
 import importlib
 import json
@@ -9,6 +10,7 @@ import pytest
 import tiny_run
 
 import jaxrm
+from jaxrm import evaluation
 from jaxrm.data import registry
 from jaxrm.data.drops import DropReport
 from jaxrm.data.formats import DROP_IDENTICAL
@@ -27,7 +29,6 @@ WHERE = {
   "LoggerSpec": "jaxrm.config",
   "MeshConfig": "jaxrm.sharding",
   "train_and_evaluate": "jaxrm.trainer",
-  "evaluate": "jaxrm.evaluation",
   "load_dataset": "jaxrm.evaluation",
   "plot_scores": "jaxrm.evaluation",
   "remote_reward_func": "jaxrm.reward_funcs",
@@ -50,8 +51,13 @@ def test_an_unknown_name_is_an_attribute_error():
     jaxrm.evaluation_loop  # noqa: B018
 
 
-def test_evaluate_is_the_function_and_the_cli_module_still_imports():
-  # A fresh interpreter: importing the CLI module binds jaxrm.evaluate, which must stay the function.
+def test_a_command_asked_for_as_a_function_names_the_function():
+  for name, function in (("evaluate", "jaxrm.evaluation.evaluate"), ("train", "jaxrm.train_and_evaluate")):
+    with pytest.raises(AttributeError, match=f"python -m jaxrm.{name}\\); in Python, call {function}"):
+      getattr(jaxrm, name)
+
+
+def test_the_commands_import_as_modules_and_jaxrm_stays_light():
   proc = tiny_run.run(
     [
       sys.executable,
@@ -61,10 +67,8 @@ def test_evaluate_is_the_function_and_the_cli_module_still_imports():
       "assert 'jax' not in sys.modules, 'import jaxrm alone should stay light'\n"
       "import jaxrm.evaluate\n"
       "from jaxrm.evaluate import main\n"
-      "from jaxrm import evaluate\n"
-      "from jaxrm.evaluation import evaluate as library\n"
-      "assert evaluate is library and jaxrm.evaluate is library, evaluate\n"
-      "assert sys.modules['jaxrm.evaluate'].main is main\n"
+      "from jaxrm.evaluation import evaluate\n"
+      "assert jaxrm.evaluate.main is main and callable(evaluate)\n"
       "print('ok')\n",
     ]
   )
@@ -116,17 +120,17 @@ def _same(a, b):
 
 
 def test_evaluate_a_dataset_by_name_as_records_read_by_hand(tiny_rm):
-  by_name = jaxrm.evaluate(tiny_rm, "demo_arithmetic", split="validation", max_rows=6, max_length=96)
+  by_name = evaluation.evaluate(tiny_rm, "demo_arithmetic", split="validation", max_rows=6, max_length=96)
   drops = DropReport()
   records = registry.load_records("demo_arithmetic", None, split="validation", drops=drops)[:6]
-  by_hand = jaxrm.evaluate(tiny_rm, records, options=TokenizeOptions(max_length=96), drops=drops)
+  by_hand = evaluation.evaluate(tiny_rm, records, options=TokenizeOptions(max_length=96), drops=drops)
   _same(by_name, by_hand)
   assert by_name["num_examples"] == 6
 
 
 def test_evaluate_a_file_by_path_as_records_read_by_hand(tiny_rm, pairs_file):
-  by_path = jaxrm.evaluate(tiny_rm, pairs_file, max_rows=2, max_length=64)
+  by_path = evaluation.evaluate(tiny_rm, pairs_file, max_rows=2, max_length=64)
   drops = DropReport()
   records = registry.load_records("PreferenceDataset", pairs_file, split="validation", drops=drops)[:2]
-  _same(by_path, jaxrm.evaluate(tiny_rm, records, options=TokenizeOptions(max_length=64), drops=drops))
+  _same(by_path, evaluation.evaluate(tiny_rm, records, options=TokenizeOptions(max_length=64), drops=drops))
   assert by_path["num_examples"] == 2 and by_path["dropped"]["total"] == 1

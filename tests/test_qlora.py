@@ -203,12 +203,11 @@ def test_training_leaves_the_coded_base_bit_identical(model_dir, fmt):
   trained = sorted(flat_params(state["params"]))
   assert all(n.endswith(("_lora_a", "_lora_b")) or n == "score" for n in trained)
   train_step = steps.make_train_step(
-    steps.make_loss_fn(rm.model, RewardSpec()),
+    steps.make_loss_fn(rm.model, RewardSpec(), placement=sharding.Placement(mesh)),
     tx,
     lambda _: 1e-2,
     grad_accum_steps=2,
     state_shardings=shardings,
-    mesh=mesh,
   )
   for batch in demo_batches(rm.tokenizer, 2):
     state, (_, extra) = train_step(state, pipeline.to_global_batch(batch, mesh))

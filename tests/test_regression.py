@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from helpers import assistant, softplus, user
 
-from jaxrm import losses
+from jaxrm import losses, tasks
 from jaxrm.batches import PreferenceBatch, RegressionBatch
 from jaxrm.config import RewardSpec
 from jaxrm.data import adapters, formats, pipeline, registry
@@ -153,10 +153,10 @@ def test_regression_spec_trains_with_the_loss_and_validates_with_samples():
     example_mask=jnp.ones(2),
   )
   predictions = jnp.array([[0.0, 2.0], [0.0, 2.0]])
-  loss, metrics = losses.batch_loss(spec)(predictions, batch)
+  loss, metrics = tasks.batch_loss(spec)(predictions, batch)
   np.testing.assert_allclose(loss, (1 * 1 + 3 * 0 + 1 * 0 + 3 * 4) / 8, rtol=RTOL)
   assert "samples" not in metrics  # the train step sums metrics; Samples are validation's
-  _, metrics = losses.batch_loss(spec, samples=True)(predictions, batch)
+  _, metrics = tasks.batch_loss(spec, samples=True)(predictions, batch)
   # Combined ratings 1 - 1 = 0 and 0 - 2 = -2; predictions tie at -1: a tie counts as wrong.
   assert finalize_metrics(metrics)["pairwise_accuracy"] == 0.0
 
@@ -196,10 +196,10 @@ def test_scaled_bradley_terry_weighs_each_pair_by_its_strength():
     example_mask=jnp.array([1.0, 1.0, 0.0]),
     strength=jnp.array([3.0, 1.0, 2.0]),
   )
-  loss, _ = losses.batch_loss(RewardSpec(preference_strength_scaling=True))(rewards, batch)
+  loss, _ = tasks.batch_loss(RewardSpec(preference_strength_scaling=True))(rewards, batch)
   # Mean over the two real pairs of strength * -log sigmoid(chosen - rejected).
   np.testing.assert_allclose(loss, (3 * softplus(-1.0) + 1 * softplus(1.0)) / 2, rtol=RTOL)
-  plain, _ = losses.batch_loss(RewardSpec())(rewards, batch)
+  plain, _ = tasks.batch_loss(RewardSpec())(rewards, batch)
   np.testing.assert_allclose(plain, (softplus(-1.0) + softplus(1.0)) / 2, rtol=RTOL)
   with pytest.raises(ValueError, match="applies to reward.type='bradley_terry'"):
     RewardSpec("ranking", preference_strength_scaling=True)

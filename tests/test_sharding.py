@@ -40,6 +40,13 @@ def test_logical_to_spec_uses_each_mesh_axis_once():
   assert sharding.logical_to_spec((None, "labels")) == P(None, None)
 
 
+def test_an_unknown_logical_axis_is_an_error_not_replicated():
+  with pytest.raises(
+    ValueError, match=r"logical axes \['embedd'\] have no sharding rule; the rules name batch, "
+  ):
+    sharding.logical_to_spec(("layers", "embedd", None))
+
+
 def test_batch_sharding_splits_rows():
   assert sharding.batch_sharding(MESH_222, 2).spec == P(("data", "fsdp"), None)
   # Micro-batches stacked for accumulation: rows are the second axis.

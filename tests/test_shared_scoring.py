@@ -108,7 +108,7 @@ def test_regression_head_shares_every_output(tmp_path):
   assert_shared_equals_unshared(rm, rows, groups)
 
 
-@pytest.mark.parametrize("family", hf_tiny.FAMILIES)
+@pytest.mark.parametrize("family", hf_tiny.KERNEL_FAMILIES)
 def test_shared_scoring_through_the_pallas_kernel(family, tmp_path):
   """The flash kernel (interpret mode off a GPU) reads the tree from the rows' segment and branch
   ids: Gemma 2's soft-capping and the sliding windows of Mistral and Gemma 2 on packed rows."""

@@ -12,6 +12,7 @@ import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
+from jaxrm import tasks
 from jaxrm.data import adapters, demo, formats, sources
 from jaxrm.data.drops import DropReport
 from jaxrm.data.records import PreferenceRecord, RatedRecord, StepwiseRecord
@@ -25,7 +26,7 @@ class _Spec:
   """How one dataset name is read."""
 
   parse: Callable  # (row, source, drops, *, subset_field, **options) -> record | None
-  kind: str  # one of KINDS: what its records are
+  task: tasks.Task  # the task its records train (their kind is the task's `data`)
   default: str | None = None  # read when no path is given: a hub name or a URL ({split})
   config: str | None = None  # the hub configuration
   splits: Mapping[str, str] = dataclasses.field(default_factory=dict)  # ours -> the hub's
@@ -34,37 +35,47 @@ class _Spec:
   make: Callable[..., list[dict]] | None = None  # a demo set's row maker
 
 
-# What a dataset's records are, and the reward types that train on them.
-KINDS = {"preference": ("bradley_terry", "ranking"), "stepwise": ("stepwise",), "rated": ("regression",)}
 _RATED_OPTIONS = ("attributes", "value_range")
 
 _SPECS = {
-  "PreferenceDataset": _Spec(formats.parse_preference, "preference"),
+  "PreferenceDataset": _Spec(formats.parse_preference, tasks.PREFERENCE),
   "HelpSteer3": _Spec(
-    adapters.helpsteer3, "preference", default="nvidia/HelpSteer3", config="preference", subset_field="domain"
+    adapters.helpsteer3,
+    tasks.PREFERENCE,
+    default="nvidia/HelpSteer3",
+    config="preference",
+    subset_field="domain",
   ),
   "UltraFeedback": _Spec(
     adapters.ultrafeedback,
-    "preference",
+    tasks.PREFERENCE,
     default="HuggingFaceH4/ultrafeedback_binarized",
     splits={"train": "train_prefs", "validation": "test_prefs", "test": "test_prefs"},
   ),
   "PRM800K": _Spec(
-    adapters.prm800k, "stepwise", default=_PRM800K_URL, splits={"validation": "test"}, options=("neutral",)
+    adapters.prm800k, tasks.PROCESS, default=_PRM800K_URL, splits={"validation": "test"}, options=("neutral",)
   ),
   "MathShepherd": _Spec(
-    adapters.math_shepherd, "stepwise", default="peiyi9979/Math-Shepherd", subset_field="task"
+    adapters.math_shepherd, tasks.PROCESS, default="peiyi9979/Math-Shepherd", subset_field="task"
   ),
-  "StepwiseDataset": _Spec(formats.parse_stepwise, "stepwise"),
-  "RatedDataset": _Spec(formats.parse_rated, "rated", options=_RATED_OPTIONS),
-  "HelpSteer2": _Spec(adapters.helpsteer2, "rated", default="nvidia/HelpSteer2", options=("attributes",)),
-  "demo_arithmetic": _Spec(formats.parse_preference, "preference", make=demo.demo_arithmetic),
-  "demo_arithmetic_steps": _Spec(formats.parse_stepwise, "stepwise", make=demo.demo_arithmetic_steps),
-  "demo_attributes": _Spec(formats.parse_rated, "rated", make=demo.demo_attributes, options=_RATED_OPTIONS),
+  "StepwiseDataset": _Spec(formats.parse_stepwise, tasks.PROCESS),
+  "RatedDataset": _Spec(formats.parse_rated, tasks.REGRESSION, options=_RATED_OPTIONS),
+  "HelpSteer2": _Spec(
+    adapters.helpsteer2, tasks.REGRESSION, default="nvidia/HelpSteer2", options=("attributes",)
+  ),
+  "demo_arithmetic": _Spec(formats.parse_preference, tasks.PREFERENCE, make=demo.demo_arithmetic),
+  "demo_arithmetic_steps": _Spec(formats.parse_stepwise, tasks.PROCESS, make=demo.demo_arithmetic_steps),
+  "demo_attributes": _Spec(
+    formats.parse_rated, tasks.REGRESSION, make=demo.demo_attributes, options=_RATED_OPTIONS
+  ),
 }
 DATASET_NAMES = tuple(_SPECS)
 # The dataset that reads a user's own files of each kind.
-FILE_FORMATS = {"preference": "PreferenceDataset", "stepwise": "StepwiseDataset", "rated": "RatedDataset"}
+FILE_FORMATS = {
+  tasks.PREFERENCE.data: "PreferenceDataset",
+  tasks.PROCESS.data: "StepwiseDataset",
+  tasks.REGRESSION.data: "RatedDataset",
+}
 # Values of a validation path that name a split of a dataset read by name, not a file.
 SPLIT_NAMES = ("train", "validation", "test")
 
@@ -101,12 +112,17 @@ def reads_paths_only(dataset_name: str) -> bool:
 
 def is_stepwise(dataset_name: str) -> bool:
   """Whether the dataset holds stepwise (process) labels rather than preferences."""
-  return _spec(dataset_name).kind == "stepwise"
+  return _spec(dataset_name).task is tasks.PROCESS
 
 
 def kind(dataset_name: str) -> str:
-  """What the dataset's records are: "preference", "stepwise" or "rated" (see :data:`KINDS`)."""
-  return _spec(dataset_name).kind
+  """What the dataset's records are: "preference", "stepwise" or "rated" (its task's ``data``)."""
+  return _spec(dataset_name).task.data
+
+
+def task(dataset_name: str) -> tasks.Task:
+  """The task the dataset's records train (:mod:`jaxrm.tasks`)."""
+  return _spec(dataset_name).task
 
 
 def takes_option(dataset_name: str, option: str) -> bool:

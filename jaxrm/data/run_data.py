@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from jaxrm import sharding
+from jaxrm import sharding, tasks
 from jaxrm.data import cache, packing, pipeline, registry
 from jaxrm.data.drops import DropReport
 from jaxrm.data.packing import PackSpec
@@ -120,7 +120,7 @@ def load_run_data(config: RunConfig, tokenizer) -> RunData:
       a validation set has no usable rows.
   """
   spec = config.data
-  kind = _checked_kind(config)
+  task = _checked_task(config)
   options = _read_options(config.reward, spec.dataset_name)
 
   def load(path: str, split: str, limit: int, limit_name: str, drops: DropReport) -> Sequence:
@@ -159,9 +159,9 @@ def load_run_data(config: RunConfig, tokenizer) -> RunData:
       "overall_preference), or set reward.preference_strength_scaling=False"
     )
   num_completions = (
-    None
-    if kind != "preference"
-    else max(pipeline.max_completions(examples) for examples in (train, *validation.values()))
+    max(pipeline.max_completions(examples) for examples in (train, *validation.values()))
+    if task is tasks.PREFERENCE
+    else None
   )
   return RunData(train, validation, drops, num_completions)
 
@@ -176,7 +176,7 @@ def check_data(config: RunConfig, first_rows: int = FIRST_ROWS) -> None:
     DataError: an unknown dataset, a missing path, an unknown file type, a bad row among the first.
   """
   spec = config.data
-  _checked_kind(config)
+  _checked_task(config)
   options = _read_options(config.reward, spec.dataset_name)
   for name in spec.val_data_paths:
     registry.check_val_set_name(name)
@@ -192,21 +192,21 @@ def check_data(config: RunConfig, first_rows: int = FIRST_ROWS) -> None:
       records.close()
 
 
-def _checked_kind(config: RunConfig) -> str:
-  """The kind of ``data.dataset_name``'s records, if ``reward.type`` trains on it."""
-  name = config.data.dataset_name
-  kind = registry.kind(name)
-  if config.reward.type not in registry.KINDS[kind]:
+def _checked_task(config: RunConfig) -> tasks.Task:
+  """The task ``reward.type`` trains, if ``data.dataset_name``'s records are its data."""
+  name, task = config.data.dataset_name, config.reward.task
+  data_task = registry.task(name)
+  if data_task is not task:
     raise ConfigError(
       f"reward.type={config.reward.type!r} does not fit data.dataset_name={name!r}, "
-      f"which holds {kind} data (for reward.type {' or '.join(registry.KINDS[kind])})"
+      f"which holds {data_task.data} data (for reward.type {' or '.join(data_task.reward_types)})"
     )
-  return kind
+  return task
 
 
 def _read_options(reward: RewardSpec, dataset_name: str) -> dict:
   """What a rated dataset is read for: the attributes, in the head's order, and their range."""
-  if reward.type != "regression":
+  if not reward.task.per_attribute:
     return {}
   options = {"attributes": reward.attribute_names}
   if registry.takes_option(dataset_name, "value_range"):

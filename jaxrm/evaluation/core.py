@@ -100,7 +100,7 @@ def evaluate(
   examples = _examples(rm, data, options, drops)
   name = kind_of(examples[0])
   kind = KINDS[name]
-  kinds.check_kind(rm, kind.model, use=kind.use, error=EvaluationError)
+  kinds.check_kind(rm, kind.task.name, use=kind.use, error=EvaluationError)
   extra = kind.prepare(rm, examples, combine)
   batches = _batches(rm, examples, kind, batch_size, bucket_multiple)
   log.info("scoring %d %s examples in %d batches of %d", len(examples), name, len(batches), batch_size)
@@ -244,11 +244,12 @@ def read_data(
   name, path = dataset_source(data, dataset_name)
   options = {} if subset_field is None else {"subset_field": subset_field}
   read = functools.partial(load_dataset, name, path, split=split, max_rows=max_rows, drops=drops, **options)
-  if registry.kind(name) != "rated":
+  task = registry.task(name)
+  if not task.per_attribute:
     records = read()
     return load_model(), records
   rm = load_model()
-  kinds.check_kind(rm, kinds.REGRESSION, use=f"{name} (rated rows)", error=EvaluationError)
+  kinds.check_kind(rm, task.name, use=f"{name} (rated rows)", error=EvaluationError)
   return rm, read(attributes=rm.attributes)
 
 

@@ -3,8 +3,8 @@ what each is: its records and examples, the model it needs, how it is scored
 (:mod:`jaxrm.evaluation.scores`) and what its report shows (headline lines, the columns of the
 subset table, the plot). Evaluation, report and plot look a kind up here instead of testing it.
 
-A kind is named by the data (``"regression"`` for rated rows); the model kind it needs is
-:mod:`jaxrm.kinds`'s.
+Each kind is the evaluation of one :mod:`jaxrm.tasks` task, named by the task's ``evaluation``
+(``"regression"`` for rated rows); the model it needs is the task's.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrm import kinds
+from jaxrm import tasks
 from jaxrm.data.records import PreferenceRecord, RatedRecord, StepwiseRecord
 from jaxrm.data.tokenize import PreferenceExample, RatedExample, StepwiseExample
 from jaxrm.errors import EvaluationError
@@ -28,7 +28,7 @@ class Kind:
 
   record: type  # its records
   example: type  # its tokenized examples
-  model: str  # the model kind it needs (jaxrm.kinds)
+  task: tasks.Task  # the task whose models it evaluates
   use: str  # what needs the model, as the wrong-model message names it
   sequences: Callable[[Any], Sequence[np.ndarray]]  # example -> its token sequences
   # (rm, examples, combine) -> the result's extra keys; raises when the data does not fit the model
@@ -200,37 +200,37 @@ def _regression_plot(result: dict[str, Any], ax) -> None:
   fig.suptitle("Predictions against ratings (dashed: prediction = rating)")
 
 
-KINDS: dict[str, Kind] = {
-  "preference": Kind(
+_KINDS = (
+  Kind(
+    task=tasks.PREFERENCE,
     record=PreferenceRecord,
     example=PreferenceExample,
-    model=kinds.PREFERENCE,
     use="preference data",
     sequences=lambda e: e.input_ids,
-    prepare=_takes_no_combine("preference"),
+    prepare=_takes_no_combine(tasks.PREFERENCE.data),
     score=_preference_score,
     metrics=scores.preference_metrics,
     lines=_preference_lines,
     columns=lambda result: ("accuracy", "margin", "chosen_reward", "rejected_reward"),
     plot=_preference_plot,
   ),
-  "stepwise": Kind(
+  Kind(
+    task=tasks.PROCESS,
     record=StepwiseRecord,
     example=StepwiseExample,
-    model=kinds.PROCESS,
     use="stepwise data",
     sequences=lambda e: (e.input_ids,),
-    prepare=_takes_no_combine("stepwise"),
+    prepare=_takes_no_combine(tasks.PROCESS.data),
     score=_stepwise_score,
     metrics=scores.stepwise_metrics,
     lines=_stepwise_lines,
     columns=lambda result: ("step_accuracy", "f1_error", "first_error_found", "positive_rate"),
     plot=_stepwise_plot,
   ),
-  "regression": Kind(
+  Kind(
+    task=tasks.REGRESSION,
     record=RatedRecord,
     example=RatedExample,
-    model=kinds.REGRESSION,
     use="rated data",
     sequences=lambda e: (e.input_ids,),
     prepare=_regression_prepare,
@@ -240,4 +240,6 @@ KINDS: dict[str, Kind] = {
     columns=_regression_columns,
     plot=_regression_plot,
   ),
-}
+)
+# An evaluation result's "kind" -> its Kind
+KINDS: dict[str, Kind] = {k.task.evaluation: k for k in _KINDS}

@@ -62,7 +62,7 @@ def plot_scores(result: dict[str, Any], ax) -> None:
 
 def _figure_size(result: dict[str, Any]) -> tuple[float, float]:
   """Inches (width, height) of ``rewards.png``: wider for a regression model's panels."""
-  panels = len(result["attributes"]) if result["kind"] == "regression" else 1
+  panels = len(result["attributes"]) if KINDS[result["kind"]].task.per_attribute else 1
   return max(7.0, 3.2 * panels), 4.0
 
 

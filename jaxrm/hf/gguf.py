@@ -1,9 +1,11 @@
-"""Reads a Llama-architecture GGUF file as if it were a Hugging Face checkpoint.
+"""Reads a GGUF file as if it were a Hugging Face checkpoint, for the families whose spec has a
+GGUF layout (:func:`jaxrm.models.families.gguf_architectures`: Llama).
 
 `GGUFCheckpoint` offers what an HF checkpoint offers -- a `config.json`-style dict, HF tensor
 names, float32 tensors in HF layout and a transformers tokenizer -- so the HF weight-mapping tables
-load a GGUF file unchanged (the GGUF -> HF names are in :mod:`jaxrm.hf.weight_map`). Tensors are
-dequantized one at a time from the memory-mapped file.
+load a GGUF file unchanged (the GGUF -> HF names are the family's
+:class:`~jaxrm.models.families.base.GgufLayout`). Tensors are dequantized one at a time from the
+memory-mapped file.
 """
 
 from __future__ import annotations
@@ -19,10 +21,9 @@ import numpy as np
 
 from jaxrm.errors import CheckpointError
 from jaxrm.hf import weight_map
+from jaxrm.models import families
 
 log = logging.getLogger(__name__)
-
-SUPPORTED_ARCHITECTURES = ("llama",)
 
 # Llama 3 rotary frequency factors. HF derives frequencies from config parameters, which GGUF
 # metadata lacks; like transformers' GGUF loader, jaxrm skips the tensor (unscaled rotary).
@@ -57,11 +58,12 @@ def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 class GGUFCheckpoint:
-  """A memory-mapped GGUF file of a Llama model, read with HF names, layout and config.
+  """A memory-mapped GGUF file, read with HF names, layout and config.
 
   Attributes:
     path: the GGUF file.
-    config: HF `config.json`-style dict; `transformers.LlamaConfig(**config)` accepts it.
+    config: HF `config.json`-style dict of the family's causal LM; its transformers config class
+      (e.g. `transformers.LlamaConfig(**config)`) accepts it.
   """
 
   def __init__(self, path: str):
@@ -73,31 +75,34 @@ class GGUFCheckpoint:
     except ValueError as e:  # the reader's messages ("GGUF magic invalid") omit the path
       raise CheckpointError(f"{path}: not a readable GGUF file: {e}") from e
     arch = self._field("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    family = families.of_gguf(arch)
+    if family is None:
       raise CheckpointError(
         f"{path}: GGUF architecture '{arch}' is not supported; supported architectures: "
-        f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        f"{', '.join(families.gguf_architectures())}"
       )
+    self._layout = family.gguf
     self._tensors = {}  # HF name -> gguf.ReaderTensor
     for tensor in self._reader.tensors:
       if tensor.name in _SKIPPED:
         log.warning("%s: skipping GGUF tensor %s; rotary embeddings will be unscaled", path, tensor.name)
         continue
-      hf_name = weight_map.hf_name_of_gguf(tensor.name)
+      hf_name = self._layout.hf_name(tensor.name)
       if hf_name is None:
         raise CheckpointError(
-          f"{path}: GGUF tensor '{tensor.name}' has no Hugging Face Llama counterpart; "
-          "this file is not a plain Llama model"
+          f"{path}: GGUF tensor '{tensor.name}' has no Hugging Face {family.architecture} counterpart; "
+          f"this file is not a plain {family.architecture} model"
         )
       self._tensors[hf_name] = tensor
-    self.config = self._llama_config(arch)
+    self.config = self._hf_config(family)
 
   def _field(self, key: str, default=None):
     field = self._reader.get_field(key)
     return default if field is None else field.contents()
 
-  def _llama_config(self, arch: str) -> dict:
-    """HF `config.json` fields for transformers' LlamaConfig, from the GGUF metadata."""
+  def _hf_config(self, family: families.Family) -> dict:
+    """HF `config.json` fields of ``family``'s causal LM, from the GGUF metadata."""
+    arch = family.gguf.architecture
     f = lambda key, default=None: self._field(f"{arch}.{key}", default)
 
     def need(key):
@@ -111,8 +116,8 @@ class GGUFCheckpoint:
       tokens = self._field("tokenizer.ggml.tokens")
       vocab_size = len(tokens) if tokens else need("vocab_size")
     config = {
-      "model_type": "llama",
-      "architectures": ["LlamaForCausalLM"],
+      "model_type": family.model_type,
+      "architectures": [family.architecture + "ForCausalLM"],
       "vocab_size": vocab_size,
       "hidden_size": hidden,
       "intermediate_size": need("feed_forward_length"),
@@ -144,12 +149,12 @@ class GGUFCheckpoint:
     if name not in self._tensors:
       raise KeyError(
         f"{self.path}: no tensor '{name}'; the file has {len(self._tensors)} tensors "
-        "named like the Hugging Face Llama checkpoint (see keys())"
+        "named like the Hugging Face checkpoint (see keys())"
       )
     tensor = self._tensors[name]
     # np.array copies: F32 tensors dequantize to a read-only view of the memory map.
     w = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-    heads_field = weight_map.gguf_permuted_heads(name)
+    heads_field = self._layout.permuted_heads(name)
     if heads_field is not None:
       w = _unpermute_rows(w, self.config[heads_field])
     return w

@@ -1,11 +1,12 @@
-"""Hugging Face tensor names <-> jaxrm parameters, one table per family.
+"""Hugging Face tensor names <-> jaxrm parameters, through each family's table of rules.
 
-Each rule is ``(hf_template, param, transpose)``: ``{i}`` in a template is the layer index, and
-the parameter is then one slice of a stacked ``layers.<name>`` array. Linear weights are stored
-``[out, in]`` by transformers and ``[in, out]`` here, hence the transpose. The same table serves
-loading and export. :func:`peft_names` derives peft's adapter-file names from the same table.
-:data:`GGUF_TO_HF` names llama.cpp's tensors by their HF names, so a GGUF
-file loads through the same table. HF key names appear nowhere else.
+A family's rules (:class:`jaxrm.models.families.base.Rule`, in its module of
+:mod:`jaxrm.models.families`) map each ``(hf_template, param, transpose)``: ``{i}`` in a template
+is the layer index, and the parameter is then one slice of a stacked ``layers.<name>`` array.
+Linear weights are stored ``[out, in]`` by transformers and ``[in, out]`` here, hence the
+transpose. The same table serves loading (:func:`plan`) and export (:func:`to_hf_names`);
+:func:`peft_names` derives peft's adapter-file names from it. HF key names appear only in these
+tables.
 """
 
 from __future__ import annotations
@@ -16,61 +17,12 @@ import re
 from collections.abc import Iterable
 
 from jaxrm.errors import CheckpointError
+from jaxrm.models import families
 from jaxrm.models.config import ModelConfig
 from jaxrm.models.decoder import layer_param_shapes
+from jaxrm.models.families.base import Rule
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-  hf: str  # e.g. "model.layers.{i}.self_attn.q_proj.weight"
-  param: str  # e.g. "layers.q"
-  transpose: bool = False
-
-  @property
-  def pattern(self) -> re.Pattern:
-    return _template_pattern(self.hf)
-
-
-def _template_pattern(template: str) -> re.Pattern:
-  """``model.layers.{i}.x`` -> a pattern matching it for any layer, the index as group 1."""
-  return re.compile("^" + re.escape(template).replace(r"\{i\}", r"(\d+)") + "$")
-
-
-_ATTN = "model.layers.{i}.self_attn."
-_MLP = "model.layers.{i}.mlp."
-
-_COMMON = [
-  Rule("model.embed_tokens.weight", "embed"),
-  Rule("model.norm.weight", "final_norm"),
-  Rule("model.layers.{i}.input_layernorm.weight", "layers.input_norm"),
-  *(Rule(f"{_ATTN}{p}_proj.weight", f"layers.{p}", True) for p in "qkvo"),
-  *(Rule(f"{_ATTN}{p}_proj.bias", f"layers.{p}_bias") for p in "qkvo"),
-  *(Rule(f"{_MLP}{p}_proj.weight", f"layers.{p}", True) for p in ("gate", "up", "down")),
-  *(Rule(f"{_MLP}{p}_proj.bias", f"layers.{p}_bias") for p in ("gate", "up", "down")),
-  Rule("score.weight", "score", True),
-  Rule("score.bias", "score_bias"),
-]
-
-_LLAMA = _COMMON + [Rule("model.layers.{i}.post_attention_layernorm.weight", "layers.mlp_norm")]
-
-RULES: dict[str, list[Rule]] = {
-  "llama": _LLAMA,
-  "mistral": _LLAMA,
-  "qwen2": _LLAMA,
-  "qwen3": _LLAMA
-  + [
-    Rule(_ATTN + "q_norm.weight", "layers.q_norm"),
-    Rule(_ATTN + "k_norm.weight", "layers.k_norm"),
-  ],
-  "gemma2": _COMMON
-  + [
-    Rule("model.layers.{i}.post_attention_layernorm.weight", "layers.post_attn_norm"),
-    Rule("model.layers.{i}.pre_feedforward_layernorm.weight", "layers.mlp_norm"),
-    Rule("model.layers.{i}.post_feedforward_layernorm.weight", "layers.post_mlp_norm"),
-  ],
-}
 
 LM_HEAD = "lm_head.weight"  # absent when tied to the embedding
 
@@ -88,7 +40,7 @@ def param_names(cfg: ModelConfig) -> list[str]:
 def active_rules(cfg: ModelConfig) -> list[Rule]:
   """The family's rules whose parameter exists in this configuration."""
   names = set(param_names(cfg))
-  return [r for r in RULES[cfg.family] if r.param in names]
+  return [r for r in families.get(cfg.family).rules if r.param in names]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,39 +53,72 @@ class Slot:
 def plan(cfg: ModelConfig, keys: Iterable[str], *, new_head: bool = False) -> dict[str, list[Slot]]:
   """Maps each parameter to the checkpoint keys that fill it; raises on any mismatch.
 
-  Unexpected keys, keys matching two rules, missing keys and out-of-range layers are errors naming
-  the key. The head may be absent altogether (a base or causal-LM checkpoint): the caller then
-  initialises a new one. ``new_head`` ignores the checkpoint's head (e.g. a process reward model
-  started from a sequence classifier).
+  Unexpected keys, keys matching two rules, two keys for one tensor, missing keys and out-of-range
+  layers are errors naming the key. The head may be absent altogether (a base or causal-LM
+  checkpoint): the caller then initialises a new one. ``new_head`` ignores the checkpoint's head
+  (e.g. a process reward model started from a sequence classifier). A vision-language checkpoint's
+  tensors are read by the decoder's names for them, its vision tower's skipped
+  (``Family.checkpoint_name``).
   """
+  named = _decoder_keys(cfg, keys)
   if new_head:
-    head_keys = {r.hf for r in RULES[cfg.family] if r.param in HEAD_PARAMS}
-    dropped = [k for k in keys if k in head_keys]
+    head_names = {r.hf for r in families.get(cfg.family).rules if r.param in HEAD_PARAMS}
+    dropped = [key for key, name in named if name in head_names]
     if dropped:
       log.info("replacing the checkpoint's reward head (%s) with a new %s head", ", ".join(dropped), cfg.head)
-    keys = [k for k in keys if k not in head_keys]
+    named = [(key, name) for key, name in named if name not in head_names]
   rules = active_rules(cfg)
   slots: dict[str, list[Slot]] = {}
-  for key in keys:
-    hits = [(r, m) for r in rules if (m := r.pattern.match(key))]
-    if not hits:
-      if any(p.match(key) for p in SKIPPED):
-        log.debug("skipping checkpoint tensor %s", key)
-        continue
-      raise CheckpointError(
-        f"unexpected tensor {key!r} in the checkpoint: no {cfg.family} parameter takes it "
-        f"(is the config.json architecture right? qkv_bias={cfg.qkv_bias}, mlp_bias={cfg.mlp_bias})"
-      )
-    if len(hits) > 1:
-      raise CheckpointError(f"tensor {key!r} matches several rules: {[r.hf for r, _ in hits]}")
-    rule, m = hits[0]
-    layer = int(m.group(1)) if m.groups() else None
-    if layer is not None and layer >= cfg.num_layers:
-      raise CheckpointError(
-        f"tensor {key!r} is for layer {layer}, but the config has {cfg.num_layers} layers"
-      )
-    slots.setdefault(rule.param, []).append(Slot(key, layer, rule.transpose))
+  for key, name in named:
+    found = _slot(cfg, rules, key, name)
+    if found is None:
+      continue
+    param, slot = found
+    twin = next((s for s in slots.get(param, []) if s.layer == slot.layer), None)
+    if twin is not None:
+      layer = "" if slot.layer is None else f" of layer {slot.layer}"
+      raise CheckpointError(f"tensors {twin.key!r} and {key!r} both hold {param}{layer}; keep one of them")
+    slots.setdefault(param, []).append(slot)
+  _check_complete(cfg, rules, slots)
+  return slots
 
+
+def _decoder_keys(cfg: ModelConfig, keys: Iterable[str]) -> list[tuple[str, str]]:
+  """(checkpoint key, the decoder's name of it) of each tensor that is the decoder's."""
+  family = families.get(cfg.family)
+  out = []
+  for key in keys:
+    name = family.checkpoint_name(key)
+    if name is None:
+      log.debug("skipping checkpoint tensor %s: not the text decoder's", key)
+    else:
+      out.append((key, name))
+  return out
+
+
+def _slot(cfg: ModelConfig, rules: list[Rule], key: str, name: str) -> tuple[str, Slot] | None:
+  """(parameter, slot) that checkpoint tensor ``key`` (``name`` to the decoder) fills; None for a
+  tensor deliberately not loaded."""
+  hits = [(r, m) for r in rules if (m := r.pattern.match(name))]
+  if not hits:
+    if any(p.match(name) for p in SKIPPED):
+      log.debug("skipping checkpoint tensor %s", key)
+      return None
+    raise CheckpointError(
+      f"unexpected tensor {key!r} in the checkpoint: no {cfg.family} parameter takes it "
+      f"(is the config.json architecture right? qkv_bias={cfg.qkv_bias}, mlp_bias={cfg.mlp_bias})"
+    )
+  if len(hits) > 1:
+    raise CheckpointError(f"tensor {key!r} matches several rules: {[r.hf for r, _ in hits]}")
+  rule, m = hits[0]
+  layer = int(m.group(1)) if m.groups() else None
+  if layer is not None and layer >= cfg.num_layers:
+    raise CheckpointError(f"tensor {key!r} is for layer {layer}, but the config has {cfg.num_layers} layers")
+  return rule.param, Slot(key, layer, rule.transpose)
+
+
+def _check_complete(cfg: ModelConfig, rules: list[Rule], slots: dict[str, list[Slot]]) -> None:
+  """Every rule's tensors are there, each layer's; the head's only if the checkpoint has one."""
   has_head = any(p in slots for p in HEAD_PARAMS)
   for rule in rules:
     if rule.param in HEAD_PARAMS and not has_head:
@@ -142,7 +127,6 @@ def plan(cfg: ModelConfig, keys: Iterable[str], *, new_head: bool = False) -> di
     wanted = set(range(cfg.num_layers)) if "{i}" in rule.hf else {None}
     for layer in sorted(wanted - filled, key=lambda x: -1 if x is None else x):
       raise CheckpointError(f"missing tensor {rule.hf.format(i=layer)!r} in the checkpoint")
-  return slots
 
 
 def to_hf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None, bool]]:
@@ -177,46 +161,3 @@ def peft_names(cfg: ModelConfig) -> list[tuple[str, str, int | None, bool]]:
     elif param in HEAD_PARAMS:
       out.append((PEFT_PREFIX + key, param, layer, transpose))
   return out
-
-
-# GGUF tensor name (without ".weight") -> HF tensor name (without ".weight"), Llama layout.
-GGUF_TO_HF = (
-  (r"token_embd", r"model.embed_tokens"),
-  (r"blk\.(\d+)\.attn_q", r"model.layers.\1.self_attn.q_proj"),
-  (r"blk\.(\d+)\.attn_k", r"model.layers.\1.self_attn.k_proj"),
-  (r"blk\.(\d+)\.attn_v", r"model.layers.\1.self_attn.v_proj"),
-  (r"blk\.(\d+)\.attn_output", r"model.layers.\1.self_attn.o_proj"),
-  (r"blk\.(\d+)\.ffn_gate", r"model.layers.\1.mlp.gate_proj"),
-  (r"blk\.(\d+)\.ffn_up", r"model.layers.\1.mlp.up_proj"),
-  (r"blk\.(\d+)\.ffn_down", r"model.layers.\1.mlp.down_proj"),
-  (r"blk\.(\d+)\.attn_norm", r"model.layers.\1.input_layernorm"),
-  (r"blk\.(\d+)\.ffn_norm", r"model.layers.\1.post_attention_layernorm"),
-  (r"output_norm", r"model.norm"),
-  (r"output", r"lm_head"),
-)
-
-# llama.cpp interleaves the rotary pairs of q and k rows; HF tensor -> the config.json field
-# holding that projection's number of heads, which undoing the permutation needs.
-GGUF_PERMUTED_ROWS = {
-  _ATTN + "q_proj.weight": "num_attention_heads",
-  _ATTN + "k_proj.weight": "num_key_value_heads",
-}
-
-
-def hf_name_of_gguf(gguf_name: str) -> str | None:
-  """HF name of a GGUF ".weight" tensor, or None if :data:`GGUF_TO_HF` has no rule for it."""
-  base, dot, suffix = gguf_name.rpartition(".")
-  if suffix != "weight":
-    return None
-  for pattern, replacement in GGUF_TO_HF:
-    if re.fullmatch(pattern, base):
-      return re.sub(pattern, replacement, base) + dot + suffix
-  return None
-
-
-def gguf_permuted_heads(hf_key: str) -> str | None:
-  """The config.json field with the head count of a tensor whose GGUF rows are permuted, else None."""
-  for template, field in GGUF_PERMUTED_ROWS.items():
-    if _template_pattern(template).match(hf_key):
-      return field
-  return None

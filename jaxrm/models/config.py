@@ -2,7 +2,8 @@
 
 The families differ in a handful of switches (biases, q/k norms, sliding windows, soft-capping,
 Gemma-style norms); :func:`from_hf_config` reads them from a transformers ``config.json`` dict and
-:func:`to_hf_config` writes one back. :func:`config_from_dict` reads back what
+:func:`to_hf_config` writes one back, each asking the family's spec (:mod:`jaxrm.models.families`)
+for what differs between families. :func:`config_from_dict` reads back what
 ``dataclasses.asdict`` wrote (a training run's ``model_config.json``). LoRA adapters (``lora``,
 :class:`jaxrm.models.lora.LoraConfig`) are not in transformers' config: they come from overrides.
 """
@@ -16,15 +17,14 @@ from typing import Any
 import numpy as np
 
 from jaxrm.errors import CheckpointError, ConfigError, UnsupportedModelError
+from jaxrm.models import families
 from jaxrm.models.lora import LoraConfig
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
 HEADS = ("sequence", "token")
 ROPE_TYPES = ("default", "linear", "llama3")
 REMAT_POLICIES = ("none", "full", "dots")
 # auto: the Pallas flash kernel on a GPU, the reference einsum elsewhere (see decoder.attention_route)
 ATTENTION_IMPLS = ("auto", "reference", "pallas", "cudnn")
-LEGACY_ATTENTION_IMPLS = {"xla": "reference"}  # what older runs' model_config.json may hold
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +53,37 @@ class RopeConfig:
       inv = np.where(medium, smoothed, scaled)
     return inv.astype(np.float32)
 
+  @classmethod
+  def from_hf(cls, params: dict[str, Any], theta: float = 10000.0) -> RopeConfig:
+    """From transformers' rope parameters (``rope_parameters``, or the older ``rope_scaling``);
+    ``theta`` where they hold no ``rope_theta``."""
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+      raise UnsupportedModelError(
+        f"rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
+      )
+    return cls(
+      theta=float(params.get("rope_theta", theta)),
+      type=rope_type,
+      factor=float(params.get("factor", 1.0)),
+      low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+      high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+      original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+  def to_hf(self) -> dict[str, Any]:
+    """transformers' rope parameters: the inverse of :meth:`from_hf`."""
+    params = {"rope_type": self.type, "rope_theta": self.theta}
+    if self.type != "default":
+      params.update(factor=self.factor)
+    if self.type == "llama3":
+      params.update(
+        low_freq_factor=self.low_freq_factor,
+        high_freq_factor=self.high_freq_factor,
+        original_max_position_embeddings=self.original_max_position_embeddings,
+      )
+    return params
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -77,9 +108,11 @@ class ModelConfig:
   hidden_act: str = "silu"  # silu | gelu_pytorch_tanh
   sliding_window: int | None = None
   layer_types: tuple[str, ...] = ()  # per layer: "full_attention" | "sliding_attention"
+  sliding_rope: RopeConfig | None = None  # the sliding layers' own rotary embedding; None: rope's
   attn_logit_softcapping: float | None = None
   query_pre_attn_scalar: float | None = None
-  gemma_norms: bool = False  # (1 + w) RMSNorm, sqrt(hidden) embedding scale, post-attn/post-mlp norms
+  # (1 + w) RMSNorms (the q/k norms' too), sqrt(hidden) embedding scale, post-attn/post-mlp norms
+  gemma_norms: bool = False
   head: str = "sequence"  # sequence: one reward per row | token: num_labels logits per token
   num_labels: int = 1
   head_bias: bool = False  # *ForTokenClassification heads have a bias, *ForSequenceClassification not
@@ -96,10 +129,7 @@ class ModelConfig:
   lora: LoraConfig = LoraConfig()  # rank 0: no adapters, the whole model trains
 
   def __post_init__(self):
-    if self.family not in FAMILIES:
-      raise UnsupportedModelError(
-        f"model family {self.family!r} is not supported; supported: {', '.join(FAMILIES)}"
-      )
+    families.get(self.family)  # an unknown family is an error naming the supported ones
     if self.head not in HEADS:
       raise ConfigError(f"head must be one of {HEADS}, got {self.head!r}")
     if self.remat not in REMAT_POLICIES:
@@ -155,110 +185,83 @@ def config_from_dict(d: dict[str, Any], where: str) -> ModelConfig:
     raise CheckpointError(f"{where}: unknown model config fields {unknown}; was it written by a newer jaxrm?")
   kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
   kwargs["rope"] = RopeConfig(**d.get("rope", {}))
+  if d.get("sliding_rope") is not None:
+    kwargs["sliding_rope"] = RopeConfig(**d["sliding_rope"])
   kwargs["lora"] = LoraConfig(**d.get("lora", {}))
-  if "attention_impl" in kwargs:
-    kwargs["attention_impl"] = LEGACY_ATTENTION_IMPLS.get(kwargs["attention_impl"], kwargs["attention_impl"])
   return ModelConfig(**kwargs)
 
 
-# Architectures transformers saves in config.json, per family and head.
-ARCHITECTURES = {
-  "llama": "Llama",
-  "mistral": "Mistral",
-  "qwen2": "Qwen2",
-  "qwen3": "Qwen3",
-  "gemma2": "Gemma2",
-}
-
-
 def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
-  params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-  theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-  rope_type = params.get("rope_type", params.get("type", "default"))
-  if rope_type not in ROPE_TYPES:
+  params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+  return RopeConfig.from_hf(params, hf.get("rope_theta", 10000.0))
+
+
+def _head_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+  """``head`` and ``num_labels`` of the architecture config.json names (a new sequence head for none)."""
+  archs = hf.get("architectures") or []
+  labels = hf.get("num_labels") or len(hf.get("id2label") or {})
+  if any(a.endswith("ForTokenClassification") for a in archs):
+    return {"head": "token", "num_labels": int(labels or 2), "head_bias": True}
+  if any(a.endswith("ForSequenceClassification") for a in archs):
+    return {"head": "sequence", "num_labels": int(labels or 1)}
+  return {"head": "sequence", "num_labels": 1}
+
+
+# What a vision-language config.json's top level says of the model's head.
+_HEAD_FIELDS = ("architectures", "num_labels", "id2label", "label2id")
+
+
+def _decoder_config(hf: dict[str, Any], family: families.Family) -> dict[str, Any]:
+  """The decoder's config.json: a vision-language checkpoint's ``text_config``, with the head its top
+  level names; ``hf`` itself otherwise."""
+  if hf.get("model_type") != family.multimodal_model_type:
+    return hf
+  if not isinstance(hf.get("text_config"), dict):
     raise UnsupportedModelError(
-      f"rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
+      f"config.json of model_type {hf['model_type']!r} has no text_config; jaxrm reads its text decoder from it"
     )
-  return RopeConfig(
-    theta=float(theta),
-    type=rope_type,
-    factor=float(params.get("factor", 1.0)),
-    low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-    high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-    original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
-  )
+  return {**hf["text_config"], **{k: hf[k] for k in _HEAD_FIELDS if k in hf}}
 
 
-def _sliding(hf: dict[str, Any], family: str, num_layers: int):
-  window = hf.get("sliding_window")
-  layer_types = tuple(hf.get("layer_types") or ())
-  if family in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
-    return None, ()
-  if window is None or (layer_types and "sliding_attention" not in layer_types):
-    return None, ()
-  if family == "gemma2" and not layer_types:
-    layer_types = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers))
-  if family in ("qwen2", "qwen3") and not layer_types:
-    first_full = hf.get("max_window_layers", num_layers)
-    layer_types = tuple(
-      "sliding_attention" if i >= first_full else "full_attention" for i in range(num_layers)
-    )
-  return int(window), layer_types
+def _family_ropes(switches: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+  """A family's own rotary embeddings (``Family.read``) as RopeConfigs; a sliding rope that no layer
+  uses, or that equals the others', is None."""
+  out = {k: RopeConfig.from_hf(v) for k, v in switches.items() if k in ("rope", "sliding_rope")}
+  unused = kwargs.get("sliding_window") is None or out.get("sliding_rope") == out.get("rope", kwargs["rope"])
+  if "sliding_rope" in out and unused:
+    out["sliding_rope"] = None
+  return out
 
 
 def from_hf_config(hf: dict[str, Any], **overrides) -> ModelConfig:
-  """Builds a :class:`ModelConfig` from a transformers config dict (``config.json``)."""
-  family = hf.get("model_type")
-  if family not in FAMILIES:
-    archs = ", ".join(hf.get("architectures") or []) or "unknown"
-    raise UnsupportedModelError(
-      f"model_type {family!r} (architectures: {archs}) is not supported; "
-      f"jaxrm supports: {', '.join(FAMILIES)}"
-    )
-  num_layers = hf["num_hidden_layers"]
+  """Builds a :class:`ModelConfig` from a transformers config dict (``config.json``); of a
+  vision-language checkpoint, the text decoder's."""
+  family = families.of_config(hf)
+  hf = _decoder_config(hf, family)
   num_heads = hf["num_attention_heads"]
-  head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
-  window, layer_types = _sliding(hf, family, num_layers)
-  archs = hf.get("architectures") or []
-  token_head = any(a.endswith("ForTokenClassification") for a in archs)
-  seq_head = any(a.endswith("ForSequenceClassification") for a in archs)
-  if token_head:
-    head, num_labels = "token", int(hf.get("num_labels") or len(hf.get("id2label") or {}) or 2)
-  elif seq_head:
-    head, num_labels = "sequence", int(hf.get("num_labels") or len(hf.get("id2label") or {}) or 1)
-  else:
-    head, num_labels = "sequence", 1
-  bias = bool(hf.get("attention_bias", False))
+  eos = hf.get("eos_token_id")
   kwargs = dict(
-    family=family,
+    family=family.name,
     vocab_size=hf["vocab_size"],
     hidden_size=hf["hidden_size"],
     intermediate_size=hf["intermediate_size"],
-    num_layers=num_layers,
+    num_layers=hf["num_hidden_layers"],
     num_heads=num_heads,
     num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-    head_dim=head_dim,
+    head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
     rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
     rope=_rope_from_hf(hf),
     max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-    tie_word_embeddings=bool(hf.get("tie_word_embeddings", family == "gemma2")),
-    qkv_bias=family == "qwen2" or (family in ("llama", "qwen3") and bias),
-    o_bias=family == "llama" and bias,
-    mlp_bias=family == "llama" and bool(hf.get("mlp_bias", False)),
-    qk_norm=family == "qwen3",
-    hidden_act=hf.get("hidden_activation") or hf.get("hidden_act", "silu"),
-    sliding_window=window,
-    layer_types=layer_types,
-    attn_logit_softcapping=hf.get("attn_logit_softcapping") if family == "gemma2" else None,
-    query_pre_attn_scalar=hf.get("query_pre_attn_scalar") if family == "gemma2" else None,
-    gemma_norms=family == "gemma2",
-    head=head,
-    num_labels=num_labels,
-    head_bias=head == "token",
+    tie_word_embeddings=bool(hf.get("tie_word_embeddings", family.tie_word_embeddings)),
+    hidden_act=hf.get(family.activation_field) or family.default_activation,
     pad_token_id=hf.get("pad_token_id"),
     bos_token_id=hf.get("bos_token_id"),
-    eos_token_id=tuple(eos) if isinstance(eos := hf.get("eos_token_id"), list) else eos,
+    eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+    **_head_from_hf(hf),
   )
+  switches = family.read(hf)
+  kwargs.update(switches)
+  kwargs.update(_family_ropes(switches, kwargs))
   if kwargs["hidden_act"] not in ("silu", "gelu_pytorch_tanh"):
     raise UnsupportedModelError(f"hidden activation {kwargs['hidden_act']!r} is not supported")
   kwargs.update(overrides)
@@ -267,19 +270,12 @@ def from_hf_config(hf: dict[str, Any], **overrides) -> ModelConfig:
 
 def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
   """A transformers config dict for ``cfg`` with the matching classification architecture."""
+  family = families.get(cfg.family)
   suffix = "ForTokenClassification" if cfg.head == "token" else "ForSequenceClassification"
-  rope = {"rope_type": cfg.rope.type, "rope_theta": cfg.rope.theta}
-  if cfg.rope.type != "default":
-    rope.update(factor=cfg.rope.factor)
-  if cfg.rope.type == "llama3":
-    rope.update(
-      low_freq_factor=cfg.rope.low_freq_factor,
-      high_freq_factor=cfg.rope.high_freq_factor,
-      original_max_position_embeddings=cfg.rope.original_max_position_embeddings,
-    )
+  rope = cfg.rope.to_hf()
   hf = {
-    "model_type": cfg.family,
-    "architectures": [ARCHITECTURES[cfg.family] + suffix],
+    "model_type": family.model_type,
+    "architectures": [family.architecture + suffix],
     "vocab_size": cfg.vocab_size,
     "hidden_size": cfg.hidden_size,
     "intermediate_size": cfg.intermediate_size,
@@ -293,6 +289,7 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
     "rope_scaling": None if cfg.rope.type == "default" else dict(rope),
     "max_position_embeddings": cfg.max_position_embeddings,
     "tie_word_embeddings": cfg.tie_word_embeddings,
+    family.activation_field: cfg.hidden_act,
     "num_labels": cfg.num_labels,
     "id2label": {str(i): f"LABEL_{i}" for i in range(cfg.num_labels)},
     "label2id": {f"LABEL_{i}": i for i in range(cfg.num_labels)},
@@ -301,26 +298,9 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
     "eos_token_id": list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id,
     "torch_dtype": cfg.param_dtype,
   }
-  if cfg.family == "gemma2":
-    hf["hidden_activation"] = cfg.hidden_act
-  else:
-    hf["hidden_act"] = cfg.hidden_act
-  if cfg.family == "llama":
-    hf.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
-  if cfg.family == "qwen3":
-    hf["attention_bias"] = cfg.qkv_bias
   if cfg.sliding_window is not None:
     hf["sliding_window"] = cfg.sliding_window
     if cfg.layer_types:
       hf["layer_types"] = list(cfg.layer_types)
-    if cfg.family in ("qwen2", "qwen3"):
-      hf["use_sliding_window"] = True
-  elif cfg.family in ("mistral", "qwen2", "qwen3"):
-    hf["sliding_window"] = None
-  if cfg.family == "gemma2":
-    hf.update(
-      attn_logit_softcapping=cfg.attn_logit_softcapping,
-      query_pre_attn_scalar=cfg.query_pre_attn_scalar,
-      final_logit_softcapping=None,
-    )
+  hf.update(family.write(cfg))
   return hf

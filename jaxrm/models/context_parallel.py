@@ -64,12 +64,11 @@ def storage_order(length: int, context: int, balance: str) -> np.ndarray:
   return np.concatenate([np.concatenate([pieces[i], pieces[chunks - 1 - i]]) for i in range(context)])
 
 
-def describe(mesh) -> str | None:
-  """The run log's words for the mesh's context parallelism; None without it."""
-  c = sharding.context_size(mesh)
-  if c == 1:
+def describe(placement: sharding.Placement | None) -> str | None:
+  """The run log's words for the placement's context parallelism; None without it."""
+  if placement is None or placement.context == 1:
     return None
-  return f"context parallel over {c} devices: all-gather K/V, {sharding.context_balance(mesh)}"
+  return f"context parallel over {placement.context} devices: all-gather K/V, {placement.context_balance}"
 
 
 def attention(
@@ -80,6 +79,7 @@ def attention(
   order: np.ndarray,
   window=None,
   *,
+  placement: sharding.Placement,
   scale: float,
   softcap: float | None,
   kernel: str = "reference",
@@ -93,6 +93,7 @@ def attention(
     ids: every token's ids [B, T], in the same order.
     order: int [T], the row index of each stored token (:func:`storage_order`).
     window: the layer's sliding window (traced), or None.
+    placement: the mesh whose ``context`` axis splits the tokens, and the rules.
     scale, softcap: the attention's logit scale and soft cap.
     kernel: ``"reference"`` (``layers.dot_product_attention``'s arithmetic) or ``"pallas"`` (the
       flash kernel; padding queries then see no key and get zeros, as without context parallelism).
@@ -100,11 +101,11 @@ def attention(
   """
   if kernel not in KERNELS:
     raise ValueError(f"context_parallel.attention: kernel={kernel!r}; use one of {', '.join(KERNELS)}")
-  mesh = sharding.active_mesh()
-  q_spec, k_spec = sharding.attention_specs(q_bthd.shape, k_bskd.shape)
+  mesh = placement.mesh
+  q_spec, k_spec = placement.attention_specs(q_bthd.shape, k_bskd.shape)
   ids_spec = P(q_spec[0], q_spec[1])
   axis = sharding.CONTEXT_AXIS
-  runs = _runs(order, sharding.context_size(mesh))
+  runs = _runs(order, placement.context)
   row_order = np.argsort(order)  # gathered keys, stored order -> row order
 
   def local(q, k, v, ids, *window):

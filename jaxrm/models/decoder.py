@@ -122,7 +122,14 @@ class Decoder(nnx.Module):
       setattr(self.layers, name, lora.LoraParam(value, logical_axes=axes))
 
   def hidden_states(
-    self, input_ids, attention_mask, positions=None, segment_ids=None, branch_ids=None, dropout_rng=None
+    self,
+    input_ids,
+    attention_mask,
+    positions=None,
+    segment_ids=None,
+    branch_ids=None,
+    dropout_rng=None,
+    placement: sharding.Placement | None = None,
   ):
     """Final-norm hidden states [B, T, D] in the compute dtype.
 
@@ -135,26 +142,25 @@ class Decoder(nnx.Module):
         branch, which sees the prefix and itself only (see ``layers.attention_mask``).
       dropout_rng: a PRNG key for the adapters' dropout (``config.lora.dropout``), given in
         training only; None (scoring, evaluation) drops nothing.
+      placement: the mesh and rules that pin the activations at block boundaries (and split the
+        attention per device); None: unconstrained, on the default device's attention route.
 
     The states of padding tokens depend on the attention route (the Pallas kernel gives padding
     queries no keys, the reference the real keys before them); losses and scores read real
     tokens only.
 
-    Inside ``sharding.activation_sharding`` with a ``context`` axis of c > 1 devices, each row's
-    tokens are split over them (:mod:`jaxrm.models.context_parallel`): stored in the order of
-    ``mesh.context_balance`` through the layers, and returned in row order. T must then be a
-    multiple of 2c (zigzag) or c (none).
+    With a ``placement`` whose mesh has a ``context`` axis of c > 1 devices, each row's tokens are
+    split over them (:mod:`jaxrm.models.context_parallel`): stored in the order of its
+    ``context_balance`` through the layers, and returned in row order. T must then be a multiple
+    of 2c (zigzag) or c (none).
     """
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     if positions is None:
       positions = jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0)
-    mesh = sharding.active_mesh()
     order = None  # context parallel: the row index of each stored token
-    if sharding.context_size(mesh) > 1:
-      order = context_parallel.storage_order(
-        input_ids.shape[1], sharding.context_size(mesh), sharding.context_balance(mesh)
-      )
+    if placement is not None and placement.context > 1:
+      order = context_parallel.storage_order(input_ids.shape[1], placement.context, placement.context_balance)
       input_ids, attention_mask, positions, segment_ids, branch_ids = (
         None if x is None else jnp.take(x, order, axis=1)
         for x in (input_ids, attention_mask, positions, segment_ids, branch_ids)
@@ -162,12 +168,13 @@ class Decoder(nnx.Module):
     x = jnp.take(self.embed[...], input_ids, axis=0).astype(dtype)
     if cfg.gemma_norms:
       x = x * jnp.asarray(cfg.hidden_size**0.5, dtype)
-    cos, sin = L.rope_tables(positions, cfg.rope.inv_freq(cfg.head_dim))
-    attend = _layer_attention(cfg, attention_mask, positions, segment_ids, branch_ids, order)
+    rope = _rope_tables(cfg, positions)
+    attend = _layer_attention(cfg, placement, attention_mask, positions, segment_ids, branch_ids, order)
 
     def block(x_btd, per_layer):
       p, is_sliding, key = per_layer
-      x_btd = sharding.constrain(x_btd, ("batch", "length", "act_embed"))
+      x_btd = sharding.constrain(x_btd, ("batch", "length", "act_embed"), placement)
+      cos, sin = rope(is_sliding)
       return _block(cfg, functools.partial(attend, is_sliding=is_sliding), x_btd, p, cos, sin, key), None
 
     if cfg.remat != "none":
@@ -195,11 +202,12 @@ class Decoder(nnx.Module):
     branch_ids=None,
     reward_positions=None,
     dropout_rng=None,
+    placement: sharding.Placement | None = None,
   ):
     """Rewards float32 [B] (sequence head, one label), [B, C] (several), or logits [B, T, C] (token head).
 
     Args:
-      input_ids, attention_mask, positions, segment_ids, branch_ids, dropout_rng: as in
+      input_ids, attention_mask, positions, segment_ids, branch_ids, dropout_rng, placement: as in
         :meth:`hidden_states`.
       reward_positions: [B, R] int32 (sequence head, packed rows): read a reward at each of these
         indices instead of at the last real token, giving rewards [B, R] ([B, R, C] for several
@@ -210,11 +218,24 @@ class Decoder(nnx.Module):
       raise ValueError(
         "reward_positions needs a sequence head; a token head already returns logits at every position"
       )
-    h = self.hidden_states(input_ids, attention_mask, positions, segment_ids, branch_ids, dropout_rng)
+    h = self.hidden_states(
+      input_ids, attention_mask, positions, segment_ids, branch_ids, dropout_rng, placement
+    )
     bias = self.score_bias[...] if cfg.head_bias else None
     if cfg.head == "token":
       return heads.token_logits(h, self.score[...], bias)
     return heads.sequence_rewards(h, self.score[...], bias, attention_mask, reward_positions)
+
+
+def _rope_tables(cfg: ModelConfig, positions_bt) -> Callable:
+  """``is_sliding -> (cos, sin)`` of one layer: ``cfg.rope``'s tables, or on the sliding layers
+  ``cfg.sliding_rope``'s where it has one (e.g. Gemma 3's local base frequency). Each table is
+  computed once for all layers."""
+  tables = L.rope_tables(positions_bt, cfg.rope.inv_freq(cfg.head_dim))
+  if cfg.sliding_rope is None or not cfg.sliding_layers.any():
+    return lambda is_sliding: tables
+  local = L.rope_tables(positions_bt, cfg.sliding_rope.inv_freq(cfg.head_dim))
+  return lambda is_sliding: tuple(jnp.where(is_sliding, a, b) for a, b in zip(local, tables))
 
 
 def _unstacked(params: dict[str, jax.Array], n: int) -> list[dict[str, jax.Array]]:
@@ -226,13 +247,13 @@ def _unstacked(params: dict[str, jax.Array], n: int) -> list[dict[str, jax.Array
 
 def attention_route(cfg: ModelConfig, platform: str | None = None) -> str:
   """What computes the attention of ``cfg`` on devices of ``platform`` (``sharding.platform``:
-  default, the active mesh's): ``"pallas"`` (:mod:`jaxrm.models.flash_attention`), ``"cudnn"``
+  default, the default device's): ``"pallas"`` (:mod:`jaxrm.models.flash_attention`), ``"cudnn"``
   (``jax.nn.dot_product_attention``) or ``"reference"`` (``layers.dot_product_attention``).
 
   ``auto`` takes the Pallas kernel on a GPU and the reference elsewhere. ``cudnn`` has no logit
   soft-capping, so soft-capped models (Gemma 2) take the reference instead.
   """
-  platform = platform or sharding.platform(sharding.active_mesh())
+  platform = platform or sharding.platform()
   if cfg.attention_impl == "auto":
     return "pallas" if platform == "gpu" else "reference"
   if cfg.attention_impl == "cudnn" and cfg.attn_logit_softcapping is not None:
@@ -241,7 +262,7 @@ def attention_route(cfg: ModelConfig, platform: str | None = None) -> str:
 
 
 def attention_fn(cfg: ModelConfig, platform: str | None = None) -> Callable:
-  """The attention of ``cfg`` on devices of ``platform`` (default: the active mesh's).
+  """The attention of ``cfg`` on devices of ``platform`` (default: the default device's).
 
   Every route takes q [B, T, H, Dh], k/v [B, S, K, Dh] and returns [B, T, H, Dh]; the Pallas
   kernel then takes a ``flash_attention.Layout`` and a window, the others a bool mask [B, T, S].
@@ -250,7 +271,7 @@ def attention_fn(cfg: ModelConfig, platform: str | None = None) -> Callable:
   call's XLA lowering otherwise. A GPU here is the devices the step is compiled for, which may be
   compile-only ones (:mod:`jaxrm.gpu_targets`) in a CPU process.
   """
-  platform = platform or sharding.platform(sharding.active_mesh())
+  platform = platform or sharding.platform()
   route = attention_route(cfg, platform)
   if route == "pallas":
     return functools.partial(
@@ -267,13 +288,15 @@ def _cudnn_runs(cfg: ModelConfig, platform: str) -> bool:
   return platform == "gpu" and jnp.dtype(cfg.dtype) in (jnp.bfloat16, jnp.float16)
 
 
-def attention_summary(cfg: ModelConfig, platform: str | None = None, mesh=None) -> str:
-  """One line saying what computes the attention of ``cfg`` over ``mesh`` (default:
-  ``sharding.active_mesh()``) on devices of ``platform`` (default: the mesh's), for the run's log."""
-  mesh = mesh if mesh is not None else sharding.active_mesh()
-  platform = platform or sharding.platform(mesh)
+def attention_summary(
+  cfg: ModelConfig, platform: str | None = None, placement: sharding.Placement | None = None
+) -> str:
+  """One line saying what computes the attention of ``cfg`` under ``placement`` (None: one
+  device) on devices of ``platform`` (default: the placement's, else the default device's), for
+  the run's log."""
+  platform = platform or sharding.platform(placement)
   route = attention_route(cfg, platform)
-  context = context_parallel.describe(mesh)
+  context = context_parallel.describe(placement)
   if context is not None and route == "pallas":
     what = "pallas flash kernel per shard" + (
       "" if platform == "gpu" else " in interpret mode (no GPU; slow)"
@@ -298,14 +321,15 @@ def attention_summary(cfg: ModelConfig, platform: str | None = None, mesh=None) 
       what += " (cudnn has no logit soft-capping)"
   features = [] if context is None else [context]
   if sliding := int(cfg.sliding_layers.sum()):
-    features.append(f"sliding window of {cfg.sliding_window} positions on {sliding} of them")
+    rope = "" if cfg.sliding_rope is None else f" (rotary base {cfg.sliding_rope.theta:g} there)"
+    features.append(f"sliding window of {cfg.sliding_window} positions on {sliding} of them{rope}")
   if cfg.attn_logit_softcapping is not None:
     features.append(f"logit soft-capping at {cfg.attn_logit_softcapping:g}")
   return f"attention: {what} on all {cfg.num_layers} layers" + "".join(f"; {f}" for f in features)
 
 
 def _layer_attention(
-  cfg: ModelConfig, attention_mask, positions, segment_ids, branch_ids, order=None
+  cfg: ModelConfig, placement, attention_mask, positions, segment_ids, branch_ids, order=None
 ) -> Callable:
   """``(q, k, v, *, is_sliding) -> [B, T, H, Dh]`` for one layer of the scan; what masks the
   attention (a dense mask, the Pallas kernel's per-token layout, or the per-token ids that context
@@ -314,8 +338,10 @@ def _layer_attention(
   ``order`` (context parallel): int [T], the row index of each stored token; the inputs are
   already in that order. Each shard's queries then meet the gathered keys through the Pallas
   kernel on its route, through the reference einsum on the others (cuDNN's takes a dense mask).
+  The route is the placement's devices' (without one, the default device's).
   """
   windowed = bool(cfg.sliding_layers.any())
+  platform = sharding.platform(placement)
   if order is not None:
     ids = L.token_ids(
       attention_mask,
@@ -325,7 +351,6 @@ def _layer_attention(
       jnp.broadcast_to(jnp.asarray(order), attention_mask.shape),
     )
 
-    platform = sharding.platform(sharding.active_mesh())
     kernel = "pallas" if attention_route(cfg, platform) == "pallas" else "reference"
 
     def gathered(q, k, v, *, is_sliding):
@@ -337,6 +362,7 @@ def _layer_attention(
         ids,
         order,
         window,
+        placement=placement,
         scale=cfg.attn_scale,
         softcap=cfg.attn_logit_softcapping,
         kernel=kernel,
@@ -344,8 +370,8 @@ def _layer_attention(
       )
 
     return gathered
-  attend = attention_fn(cfg)  # on the active mesh's platform
-  if attention_route(cfg) == "pallas":
+  attend = attention_fn(cfg, platform)
+  if attention_route(cfg, platform) == "pallas":
     real = attention_mask > 0
     ids = layout(
       real.astype(jnp.int32) if segment_ids is None else jnp.where(real, segment_ids, 0),
@@ -355,7 +381,7 @@ def _layer_attention(
 
     def fused(q, k, v, *, is_sliding):
       window = jnp.where(is_sliding, cfg.sliding_window, NO_WINDOW) if windowed else None
-      return _per_shard(attend, q, k, v, ids, window)
+      return _per_shard(attend, placement, q, k, v, ids, window)
 
     return fused
   full = L.attention_mask(attention_mask, positions, segment_ids, branch_ids_bt=branch_ids)
@@ -369,22 +395,20 @@ def _layer_attention(
   return dense
 
 
-def _per_shard(attend: Callable, q_bthd, k_bskd, v_bskd, ids, window):
-  """``attend(q, k, v, ids, window)``, run on each device's rows and heads under
-  ``sharding.activation_sharding``.
+def _per_shard(attend: Callable, placement, q_bthd, k_bskd, v_bskd, ids, window):
+  """``attend(q, k, v, ids, window)``, run on each device's rows and heads of ``placement``.
 
   XLA cannot split a Pallas kernel: left to itself, it would gather the whole batch onto every
-  device and compute all of it there (heads split as ``sharding.attention_specs`` says). Rows
+  device and compute all of it there (heads split as ``Placement.attention_specs`` says). Rows
   are whole here: context parallelism has its own per-shard attention
   (:mod:`jaxrm.models.context_parallel`).
   """
   args = (q_bthd, k_bskd, v_bskd, ids) + (() if window is None else (window,))
-  mesh = sharding.active_mesh()
-  if mesh is None:
+  if placement is None:
     return attend(*args)
-  q_spec, k_spec = sharding.attention_specs(q_bthd.shape, k_bskd.shape)
+  q_spec, k_spec = placement.attention_specs(q_bthd.shape, k_bskd.shape)
   specs = (q_spec, k_spec, k_spec, P(q_spec[0], None)) + (() if window is None else (P(),))
-  return jax.shard_map(attend, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(*args)
+  return jax.shard_map(attend, mesh=placement.mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(*args)
 
 
 _PROJECTIONS = tuple(lora.TARGETS.values())  # each adapter's dropout draws from its own key

@@ -28,6 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxrm.models import layers as L
 from jaxrm.models.layers import NEG_INF
 
 LENGTH_MULTIPLE = 16  # rows are padded to this; Triton's matrix products need blocks of >= 16
@@ -52,8 +53,8 @@ class BlockSizes:
 class Layout(NamedTuple):
   """Who attends to whom: int32 [B, T'] arrays, T' = T rounded up to ``LENGTH_MULTIPLE``.
 
-  A query attends to a key at or before it (by index) of the same segment, whose branch is 0 or
-  the query's own, and (in a sliding-window layer) fewer than ``window`` positions back.
+  Who attends to whom is ``layers.visible``'s rule (the reference path's and context
+  parallelism's too), segment 0 marking padding.
   ``first_key`` and ``last_query`` bound each token's segment, so that the kernels skip the
   blocks that lie outside every segment of a block.
   """
@@ -421,17 +422,16 @@ def _ids(refs: Layout, rows):
 
 
 def _mask(q_start, q_ids, k_start, k_ids, window):
-  """bool [block_q, block_k]: the rule of :class:`Layout`; ``q_start`` and ``k_start`` are the
-  blocks' first row indices."""
-  (q_segment, q_branch, q_position), (k_segment, k_branch, k_position) = q_ids, k_ids
-  q_index = q_start + jnp.arange(q_segment.shape[0], dtype=jnp.int32)
-  k_index = k_start + jnp.arange(k_segment.shape[0], dtype=jnp.int32)
-  mask = (q_index[:, None] >= k_index[None, :]) & (k_segment[None, :] != 0)
-  mask &= q_segment[:, None] == k_segment[None, :]
-  mask &= (k_branch[None, :] == 0) | (k_branch[None, :] == q_branch[:, None])
-  if window is not None:
-    mask &= q_position[:, None] - k_position[None, :] < window
-  return mask
+  """bool [block_q, block_k]: ``layers.visible`` of a block of queries and one of keys;
+  ``q_start`` and ``k_start`` are the blocks' first row indices. Padding is segment 0 here."""
+
+  def tokens(start, ids, axis):
+    segment, branch, position = ids
+    index = start + jnp.arange(segment.shape[0], dtype=jnp.int32)
+    spread = lambda x: jnp.expand_dims(x, axis)
+    return L.TokenIds(spread(index), spread(segment != 0), spread(segment), spread(branch), spread(position))
+
+  return L.visible(tokens(q_start, q_ids, 1), tokens(k_start, k_ids, 0), window)
 
 
 def _key_blocks(first_key_q, q_end, block_k, keys):

@@ -79,17 +79,25 @@ def token_ids(
   )
 
 
-def mask_from_ids(q: TokenIds, k: TokenIds, sliding_window=None):
-  """bool [B, T, S] (query, key): the key is not after the query (by ``index``), not padding, of
-  the query's segment, of branch 0 or the query's own, and fewer than ``sliding_window``
-  positions back (when given; it may be traced)."""
-  mask = (q.index[:, :, None] >= k.index[:, None, :]) & (k.real[:, None, :] > 0)
-  mask &= q.segment[:, :, None] == k.segment[:, None, :]
-  key_branch = k.branch[:, None, :]
-  mask &= (key_branch == 0) | (key_branch == q.branch[:, :, None])
+def visible(q: TokenIds, k: TokenIds, sliding_window=None):
+  """Who attends to whom, the one rule every attention path applies: the key is not after the
+  query (by ``index``), not padding, of the query's segment, of branch 0 or the query's own, and
+  fewer than ``sliding_window`` positions back (when given; it may be traced).
+
+  ``q`` and ``k`` hold arrays that broadcast against each other (queries along one axis, keys
+  along another); the result is bool of their broadcast shape.
+  """
+  mask = (q.index >= k.index) & (k.real > 0)
+  mask &= q.segment == k.segment
+  mask &= (k.branch == 0) | (k.branch == q.branch)
   if sliding_window is not None:
-    mask &= (q.position[:, :, None] - k.position[:, None, :]) < sliding_window
+    mask &= (q.position - k.position) < sliding_window
   return mask
+
+
+def mask_from_ids(q: TokenIds, k: TokenIds, sliding_window=None):
+  """bool [B, T, S] (query, key) of queries' ids [B, T] and keys' ids [B, S] (:func:`visible`)."""
+  return visible(TokenIds(*(x[:, :, None] for x in q)), TokenIds(*(x[:, None, :] for x in k)), sliding_window)
 
 
 def attention_mask(

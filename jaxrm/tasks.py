@@ -1,0 +1,165 @@
+"""What a reward model is for, told once: one :class:`Task` per kind of reward model in jaxrm.
+
+* ``preference``: one reward per response, trained on ranked completions of a prompt
+  (``reward.type=bradley_terry``, or ``ranking`` with ``reward.ranking_loss``);
+* ``process``: a probability per step that the step is correct (``reward.type=stepwise``);
+* ``regression``: one prediction per rated attribute (``reward.type=regression``).
+
+Each task says which reward types train it, what data it reads, how its batches are laid out, the
+head it needs, its losses, and what to say when a model of another kind is used for it. The config,
+the data checks, the trainer, the losses, scoring, the server and evaluation ask a task (found from
+a reward type with :func:`of_reward_type`, from a model's head with :func:`of_head`) instead of
+comparing names; :mod:`jaxrm.kinds` says whether a model fits a use, in these tasks' words.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jaxrm import losses
+from jaxrm.batches import (
+  PackedPreferenceBatch,
+  PackedStepwiseBatch,
+  PreferenceBatch,
+  RegressionBatch,
+  StepwiseBatch,
+)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # one object per task, compared by identity
+class Task:
+  """One kind of reward model: how it is trained, and what its head is."""
+
+  name: str  # the model kind: RewardModel.kind, and what jaxrm.kinds.check_kind is asked for
+  reward_types: tuple[str, ...]  # the reward.type values that train it
+  data: str  # the kind of the datasets it trains on (jaxrm.data.registry.kind)
+  evaluation: str  # its key in jaxrm.evaluation.data_kinds.KINDS (an evaluation result's "kind")
+  # data.packing -> the batch class its rows are collated into; a mode left out is refused
+  batches: Mapping[str, type]
+  packing_refused: str  # why a data.packing left out of `batches` is refused ({packing}: the mode)
+  head: str  # "sequence" (one output vector per row) | "token" (one per token)
+  num_labels: int | None  # the head's outputs; None: one per rated attribute (reward.attributes)
+  # RewardSpec.loss_key -> fn(spec, outputs, batch) -> (loss, metrics)
+  losses: Mapping[tuple[str, str | None], losses.SpecLoss]
+  # validation's metrics that need the whole set: fn(spec, outputs, batch) -> {"samples": ...}
+  samples: losses.SpecMetrics | None
+  # The wrong-model message (jaxrm.kinds.check_kind): what a use of this task needs, how to train
+  # a model of it, and what a model of it is used for instead (None: the message says how to train
+  # the model the use wants).
+  needs: str
+  train: str
+  use_instead: str | None = None
+
+  @property
+  def per_attribute(self) -> bool:
+    """Whether the head has one output per rated attribute (``reward.attributes``)."""
+    return self.num_labels is None
+
+  def loss_key(self, reward_type: str, ranking_loss: str) -> tuple[str, str | None]:
+    """The key in :attr:`losses` of a reward spec: ``ranking_loss`` counts where it names one."""
+    return (reward_type, ranking_loss) if (reward_type, ranking_loss) in self.losses else (reward_type, None)
+
+
+PREFERENCE = Task(
+  name="preference",
+  reward_types=("bradley_terry", "ranking"),
+  data="preference",
+  evaluation="preference",
+  batches={"none": PreferenceBatch, "packed": PackedPreferenceBatch, "shared_prompt": PackedPreferenceBatch},
+  packing_refused="",
+  head="sequence",
+  num_labels=1,
+  losses={
+    ("bradley_terry", None): losses.bradley_terry,
+    ("ranking", "plackett_luce"): losses.plackett_luce,
+    ("ranking", "all_pairs"): losses.all_pairs,
+  },
+  samples=None,
+  needs="a sequence-head reward model with one output (a preference reward model)",
+  train="train one with reward.type=bradley_terry or ranking",
+)
+
+PROCESS = Task(
+  name="process",
+  reward_types=("stepwise",),
+  data="stepwise",
+  evaluation="stepwise",
+  batches={"none": StepwiseBatch, "packed": PackedStepwiseBatch},
+  packing_refused="data.packing={packing!r} writes a preference group's prompt once; stepwise "
+  "sequences have no group to share it: use data.packing='packed'",
+  head="token",
+  num_labels=2,  # step in error, step correct
+  losses={("stepwise", None): losses.stepwise},
+  samples=None,
+  needs="a token-head (process reward) model with 2 labels (step in error, step correct)",
+  train="train one with reward.type=stepwise",
+  use_instead="a process reward model scores steps: rm.score_steps, or stepwise data "
+  "(--dataset_name=StepwiseDataset or demo_arithmetic_steps)",
+)
+
+REGRESSION = Task(
+  name="regression",
+  reward_types=("regression",),
+  data="rated",
+  evaluation="regression",
+  batches={"none": RegressionBatch},
+  packing_refused="data.packing={packing!r}: regression rows are not packed yet; use data.packing='none'",
+  head="sequence",
+  num_labels=None,
+  losses={("regression", None): losses.regression},
+  samples=losses.regression_pair_samples,
+  needs="a regression model (one output per attribute, trained with reward.type=regression)",
+  train="train one with reward.type=regression",
+  use_instead="a regression model is evaluated on rated data (--dataset_name=RatedDataset, HelpSteer2 "
+  "or demo_attributes)",
+)
+
+TASKS = {t.name: t for t in (PREFERENCE, PROCESS, REGRESSION)}
+REWARD_TYPES = tuple(r for t in TASKS.values() for r in t.reward_types)
+
+
+def of_reward_type(reward_type: str) -> Task:
+  """The task ``reward.type`` trains; a ValueError naming the reward types for an unknown one."""
+  for task in TASKS.values():
+    if reward_type in task.reward_types:
+      return task
+  raise ValueError(f"reward.type must be one of {', '.join(REWARD_TYPES)}; got {reward_type!r}")
+
+
+def of_head(config: Any, attributes: Sequence[str] | None = None) -> Task | None:
+  """The task a model serves, told from its head (``config.head``, ``config.num_labels``) and its
+  attribute names; None for a head that serves none (e.g. several unnamed outputs).
+
+  A head with attribute names is one per attribute whatever its size, so those tasks come first.
+  """
+  for task in sorted(TASKS.values(), key=lambda t: not t.per_attribute):
+    if task.head != config.head:
+      continue
+    if attributes is not None if task.per_attribute else config.num_labels == task.num_labels:
+      return task
+  return None
+
+
+def batch_loss(spec: losses.LossSpec, *, samples: bool = False) -> losses.BatchLoss:
+  """``loss(outputs, batch) -> (loss, metrics)`` of the loss ``spec`` trains with.
+
+  ``spec`` is read by its attributes (:class:`jaxrm.losses.LossSpec`), so the run's ``reward``
+  section serves without this module importing the config. ``outputs`` is what
+  ``batch.outputs(model)`` returns; packed and unpacked batches alike. With ``samples``
+  (validation), metrics also hold the :class:`~jaxrm.metrics.Samples` the task ranks by, if any;
+  they are concatenated, not summed, so they stay out of the train step.
+  """
+  task = of_reward_type(spec.loss_key[0])
+  loss = functools.partial(task.losses[spec.loss_key], spec)
+  if not (samples and task.samples):
+    return loss
+  extra = functools.partial(task.samples, spec)
+
+  def with_samples(outputs, batch):
+    value, metrics = loss(outputs, batch)
+    return value, {**metrics, **extra(outputs, batch)}
+
+  return with_samples
