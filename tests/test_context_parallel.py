@@ -117,7 +117,7 @@ def outputs_and_grads(cfg, batch, placement=None):
   return np.asarray(out), grads, "all-gather" in step.as_text()
 
 
-def mesh_of(**sizes):
+def placement_of(**sizes):
   """The placement of a mesh of ``sizes`` (and its ``context_balance``) on the first devices."""
   cfg = sharding.MeshConfig(**{"data": 1, "fsdp": 1, "tensor": 1, **sizes})
   n = cfg.data * cfg.fsdp * cfg.tensor * cfg.context
@@ -127,9 +127,9 @@ def mesh_of(**sizes):
 def case_report(kind, mesh_sizes, overrides):
   batch = batch_of(kind)
   cfg = tiny_config(**{"attention_impl": "reference", **overrides})
-  mesh = mesh_of(**mesh_sizes)
+  placement = placement_of(**mesh_sizes)
   want, want_grads, _ = outputs_and_grads(cfg, batch)
-  got, got_grads, gathered = outputs_and_grads(cfg, batch, mesh)
+  got, got_grads, gathered = outputs_and_grads(cfg, batch, placement)
   read = weights_of(batch, want) != 0
   return {
     "spread": float(np.ptp(want[read])),
@@ -137,14 +137,14 @@ def case_report(kind, mesh_sizes, overrides):
     "grad_max": float(np.abs(want_grads).max()),
     "grad_diff": float(np.abs(got_grads - want_grads).max()),
     "all_gather": gathered,
-    "summary": sharding_summary(cfg, mesh),
+    "summary": sharding_summary(cfg, placement),
   }
 
 
-def sharding_summary(cfg, mesh):
+def sharding_summary(cfg, placement):
   from jaxrm.models.decoder import attention_summary
 
-  return attention_summary(cfg.replace(attention_impl="auto"), "gpu", placement=mesh)
+  return attention_summary(cfg.replace(attention_impl="auto"), "gpu", placement=placement)
 
 
 def training_losses(mesh_sizes=None, steps_n=3):
@@ -157,7 +157,7 @@ def training_losses(mesh_sizes=None, steps_n=3):
 
   cfg = tiny_config(attention_impl="reference", head="token", num_labels=2)
   model = tiny_model(cfg)
-  placement = mesh_of(**(mesh_sizes or {}))
+  placement = placement_of(**(mesh_sizes or {}))
   mesh = placement.mesh
   tx = optax.sgd(0.01)
   params = nnx.state(model)
@@ -241,7 +241,7 @@ def leak_report():
   b, t = mask.shape
   q = rng.standard_normal((b, t, 4, 8)).astype(np.float32)
   k, v = rng.standard_normal((2, b, t, 2, 8)).astype(np.float32)
-  mesh = mesh_of(context=4)
+  placement = placement_of(context=4)
   order = CP.storage_order(t, 4, "zigzag")
   stored = lambda x: jnp.take(jnp.asarray(x), order, axis=1)
   ids = L.token_ids(
@@ -258,7 +258,7 @@ def leak_report():
       ids,
       order,
       jnp.int32(WINDOW),
-      placement=mesh,
+      placement=placement,
       scale=SCALE,
       softcap=None,
     )
@@ -317,7 +317,7 @@ def kernel_report(kind, mesh_sizes, window, softcap):
   visible = numpy_mask(mask, positions, segments, branches, F.NO_WINDOW if window is None else window)
   seen = visible.any(-1) & (mask > 0)
   d_out = jnp.asarray(rng.standard_normal(q.shape) * seen[..., None, None], jnp.float32)
-  mesh = mesh_of(**mesh_sizes)
+  placement = placement_of(**mesh_sizes)
   context = mesh_sizes["context"]
   order = CP.storage_order(t, context, mesh_sizes.get("context_balance", "zigzag"))
   stored = lambda x: jnp.take(jnp.asarray(x), order, axis=1)
@@ -336,7 +336,7 @@ def kernel_report(kind, mesh_sizes, window, softcap):
         ids,
         order,
         traced_window,
-        placement=mesh,
+        placement=placement,
         scale=SCALE,
         softcap=softcap,
         kernel=kernel,
@@ -382,7 +382,7 @@ def error_report():
   )
   model = tiny_model(tiny_config(attention_impl="reference"))
   try:
-    batch.outputs(functools.partial(model, placement=mesh_of(context=2)))
+    batch.outputs(functools.partial(model, placement=placement_of(context=2)))
   except ValueError as e:
     return str(e)
   return "no error"
@@ -484,7 +484,7 @@ def test_an_unknown_kernel_names_the_kernels():
       *[jnp.zeros((1, 8, 2, 8))] * 3,
       None,
       np.arange(8),
-      placement=mesh_of(context=1),
+      placement=placement_of(context=1),
       scale=1.0,
       softcap=None,
       kernel="cudnn",
