@@ -7,14 +7,18 @@ config errors stay fast): :class:`RewardModel`; :class:`RunConfig` and its secti
 :func:`train_and_evaluate`; :func:`load_dataset` and :func:`plot_scores`; and
 :func:`remote_reward_func`.
 
-The commands are the modules ``jaxrm.train``, ``jaxrm.evaluate``, ``jaxrm.export``, ``jaxrm.serve``,
-``jaxrm.report`` and ``jaxrm.plan`` (``python -m jaxrm.<command>``), each a ``main`` over the
-library; evaluation in Python is :func:`jaxrm.evaluation.evaluate`.
+The commands are the top-level modules named in :data:`COMMANDS` (``python -m jaxrm.<command>``),
+each a ``main`` over the library and nothing else runs as a script; evaluation in Python is
+:func:`jaxrm.evaluation.evaluate`.
 """
 
 import importlib
 
 __version__ = "0.1.0"
+
+# The command lines, each ``python -m jaxrm.<name>``: a module of this package's top level with a
+# ``main()``; the library they call lives beside them (trainer, evaluation, hf.export, server, plan).
+COMMANDS = ("train", "evaluate", "export", "serve", "plan")
 
 # Each public name -> the module that defines it.
 _EXPORTS = {
@@ -38,13 +42,13 @@ __all__ = list(_EXPORTS)
 
 
 # Commands (modules run with ``python -m``) that a notebook might call as functions.
-_COMMANDS = {"evaluate": "jaxrm.evaluation.evaluate", "train": "jaxrm.train_and_evaluate"}
+_IN_PYTHON = {"evaluate": "jaxrm.evaluation.evaluate", "train": "jaxrm.train_and_evaluate"}
 
 
 def __getattr__(name):
-  if name in _COMMANDS:
+  if name in _IN_PYTHON:
     raise AttributeError(
-      f"jaxrm.{name} is the command line (python -m jaxrm.{name}); in Python, call {_COMMANDS[name]}"
+      f"jaxrm.{name} is the command line (python -m jaxrm.{name}); in Python, call {_IN_PYTHON[name]}"
     )
   if name not in _EXPORTS:
     raise AttributeError(f"module 'jaxrm' has no attribute {name!r}")

@@ -26,7 +26,7 @@ from jaxrm.data import demo, registry
 from jaxrm.data.adapters import HELPSTEER2_ATTRIBUTES
 from jaxrm.data.cache import DEFAULT_CACHE_DIR
 from jaxrm.data.tokenize import TokenizeOptions
-from jaxrm.errors import ConfigError
+from jaxrm.errors import ConfigError, UserError
 from jaxrm.metrics import normalize_metric_name
 from jaxrm.models.config import ATTENTION_IMPLS
 from jaxrm.models.lora import ALL_LINEAR, LoraConfig
@@ -69,10 +69,10 @@ class LoraSpec:
       ("dropout", dict(dropout=self.dropout)),
       ("target_modules", dict(targets=self.targets)),
       ("target_modules", dict(rank=self.rank, targets=self.targets)),
-      ("base_dtype", self._lora_kwargs()),
+      ("base_dtype", None),  # all of them: the model's LoraConfig, kept for later reads
     ):
       try:
-        LoraConfig(**kwargs)
+        _ = LoraConfig(**kwargs) if kwargs else self.lora_config
       except ConfigError as e:
         raise ConfigError(f"model.lora.{key}={getattr(self, key)!r}: {e}") from None
 
@@ -80,12 +80,10 @@ class LoraSpec:
   def targets(self) -> tuple[str, ...]:
     return tuple(t.strip() for t in self.target_modules.split(",") if t.strip())
 
+  @functools.cached_property
   def lora_config(self) -> LoraConfig:
-    """The model's :class:`~jaxrm.models.lora.LoraConfig`."""
-    return LoraConfig(**self._lora_kwargs())
-
-  def _lora_kwargs(self) -> dict[str, Any]:
-    return dict(
+    """The model's :class:`~jaxrm.models.lora.LoraConfig`, built once (by the checks)."""
+    return LoraConfig(
       rank=self.rank,
       alpha=self.alpha,
       dropout=self.dropout,
@@ -142,7 +140,7 @@ class RewardSpec:
   combine: str = ""
 
   def __post_init__(self):
-    tasks.of_reward_type(self.type)  # refuses an unknown type, naming the known ones
+    _ = self.task  # refuses an unknown type, naming the known ones
     if self.ranking_loss not in RANKING_LOSSES:
       raise ValueError(
         f"reward.ranking_loss must be one of {', '.join(RANKING_LOSSES)}; got {self.ranking_loss!r}"
@@ -156,9 +154,9 @@ class RewardSpec:
       # three), and keeps what it parsed for later reads.
       _ = self.weights, self.value_range, self.combination
 
-  @property
+  @functools.cached_property
   def task(self) -> tasks.Task:
-    """The task this reward type trains (:mod:`jaxrm.tasks`)."""
+    """The task this reward type trains (:mod:`jaxrm.tasks`), found once (by the checks)."""
     return tasks.of_reward_type(self.type)
 
   @functools.cached_property
@@ -312,6 +310,8 @@ class DataSpec:
 
   def __post_init__(self):
     _own_data(self)
+    for name in self.val_data_paths:
+      registry.check_val_set_name(name)  # it stands in metric names
     if self.packing not in PACKING_MODES:
       raise ConfigError(f"data.packing must be one of {', '.join(PACKING_MODES)}; got {self.packing!r}")
     if self.packed_row_length < 0:
@@ -602,9 +602,12 @@ def from_config_dict(config) -> RunConfig:
 
   Raises:
     ConfigError: a value that cannot work, named by its key.
+    DataError: a validation set name that cannot stand in metric names.
   """
   try:
     return RunConfig.from_dict(config.to_dict())
+  except UserError:
+    raise
   except ValueError as e:  # a section's own check (e.g. RewardSpec, MeshConfig)
     raise ConfigError(str(e)) from None
 

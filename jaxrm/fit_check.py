@@ -165,7 +165,7 @@ def check(
     raise ConfigError(str(e)) from None
   k = None if config.stepwise or config.reward.task.per_attribute else completions
   plan = batching(config, mesh, k, hosts)
-  lora_cfg = config.model.lora.lora_config()
+  lora_cfg = config.model.lora.lora_config
   source = _model_source(config.model.name_or_path)
   loaded = loading.load(
     source, mesh=mesh, seed=config.model.seed, weights=False, **trainer.model_request(config, lora_cfg)

@@ -137,7 +137,7 @@ def _set_up(config: RunConfig) -> _Run:
   # An existing run resumes: known before the model loads, whose weights it then does not read
   # (unless LoRA trains over them: a LoRA checkpoint holds only the adapters and the head).
   # A new run's directories are made only once its input has been read without error.
-  lora_cfg = config.model.lora.lora_config()
+  lora_cfg = config.model.lora.lora_config
   source = _locate_model(config, lora_cfg)
   existing = os.path.isdir(_checkpoint_dir(config, out_dir))
   ckpt = _checkpointer(config, out_dir) if existing else None

@@ -7,6 +7,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import tiny_run  # noqa: E402
 
+# Read when JAX's backend starts, after this file: see tiny_run.TEST_XLA_FLAGS.
+os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), tiny_run.TEST_XLA_FLAGS]))
+
 
 def pytest_runtest_setup(item):
   """``@pytest.mark.gpu`` tests run only where JAX's default backend is a GPU."""

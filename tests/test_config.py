@@ -135,17 +135,17 @@ def test_lora_is_a_nested_section_set_from_the_command_line():
     "target_modules": "all-linear",
     "base_dtype": "",
   }
-  assert not from_config_dict(c).model.lora.lora_config().enabled
+  assert not from_config_dict(c).model.lora.lora_config.enabled
   # What --config.model.lora.rank=8 --config.model.lora.target_modules=q_proj,v_proj sets.
   c.model.lora.rank = 8
   c.model.lora.target_modules = "q_proj, v_proj"
   c.model.lora.base_dtype = "int8"
   run = from_config_dict(c)
-  assert run.model.lora.lora_config() == LoraConfig(rank=8, targets=("q_proj", "v_proj"), base_dtype="int8")
+  assert run.model.lora.lora_config == LoraConfig(rank=8, targets=("q_proj", "v_proj"), base_dtype="int8")
   assert RunConfig.from_dict(json.loads(json.dumps(run.to_dict()))) == run
   # A notebook may name the targets as a list; the spec keeps the string form of the config.
   assert LoraSpec(rank=4, target_modules=["v_proj", "q_proj"]).target_modules == "v_proj,q_proj"
-  assert ModelSpec(lora=LoraSpec(rank=4)).lora.lora_config().targets == LoraConfig().targets
+  assert ModelSpec(lora=LoraSpec(rank=4)).lora.lora_config.targets == LoraConfig().targets
 
 
 def test_section_checks_become_config_errors():

@@ -2,9 +2,11 @@
 
 import ast
 import os
+import sys
 
 import tiny_run
 
+import jaxrm
 from jaxrm import tasks
 from jaxrm.models import families
 
@@ -160,6 +162,83 @@ def _allowed(module: str, imported: str) -> bool:
 def _graph() -> dict[str, set[str]]:
   modules = _modules()
   return {m: _imports(m, path, set(modules)) for m, path in modules.items()}
+
+
+def _depth(graph: dict[str, set[str]]):
+  """module -> its import layer: 0 for a module that imports none of the package, else one more
+  than the highest module it imports."""
+  depth = {}
+
+  def of(m):
+    if m not in depth:
+      depth[m] = 1 + max((of(d) for d in graph.get(m, ())), default=-1)
+    return depth[m]
+
+  return of
+
+
+class _Enough(BaseException):
+  """Stops the run being followed (no ``except Exception`` in it catches this)."""
+
+
+def test_the_run_config_goes_back_up_the_layers_fewer_than_8_times(model_dir, tmp_path):
+  """Following the run config from ``trainer.train_and_evaluate`` through its first 400 calls into
+  the package: a call that returns into a module of a higher import layer is a step back up.
+  Fewer than 8: the set-up asks each layer once (the config parses its keys once, the data
+  modules take what the config parsed) instead of bouncing between trainer, config, loading and
+  the data modules (14 such returns before)."""
+  from jaxrm import cli, trainer
+
+  depth = _depth(_graph())
+  config = cli.run_config(tiny_run.config(model_dir, str(tmp_path / "run")))
+  stack, ups, calls = [], [], 0
+
+  def follow(frame, event, arg):
+    nonlocal calls
+    module = frame.f_globals.get("__name__", "")
+    if event not in ("call", "return") or not module.startswith(PACKAGE + "."):
+      return
+    if event == "call":
+      calls += 1
+      if calls > 400:
+        sys.setprofile(None)
+        raise _Enough
+      stack.append((module, frame.f_code.co_name))
+    elif stack:
+      callee = stack.pop()
+      caller = stack[-1] if stack else ("jaxrm.trainer", "train_and_evaluate")
+      if caller[0] != callee[0] and depth(caller[0]) > depth(callee[0]):
+        ups.append(f"{callee[0]}.{callee[1]} -> {caller[0]}.{caller[1]}")
+
+  sys.setprofile(follow)
+  try:
+    trainer.train_and_evaluate(config)
+  except _Enough:
+    pass
+  finally:
+    sys.setprofile(None)
+  assert calls > 400  # the set-up ran that far: the count covers the whole window
+  assert len(ups) < 8, "\n".join(ups)
+
+
+def test_the_commands_are_the_modules_run_as_scripts():
+  """Entry points in one place: every module with a ``__main__`` block is one of
+  ``jaxrm.COMMANDS``, at the package's top level, and defines ``main``."""
+  scripts = set()
+  for module, path in _modules().items():
+    with open(path) as f:
+      tree = ast.parse(f.read(), path)
+    for node in tree.body:
+      if (
+        isinstance(node, ast.If)
+        and isinstance(node.test, ast.Compare)
+        and isinstance(node.test.left, ast.Name)
+        and node.test.left.id == "__name__"
+      ):
+        defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        assert "main" in defined, f"{module} runs as a script without a main()"
+        scripts.add(module)
+  assert scripts == {f"{PACKAGE}.{c}" for c in jaxrm.COMMANDS}, sorted(scripts)
 
 
 def test_layers_import_nothing_above_them():

@@ -15,7 +15,6 @@ from helpers import REBATCHED
 
 from jaxrm import RewardModel, shared_prefix
 from jaxrm.models import decoder
-from jaxrm.models import flash_attention as F
 from jaxrm.models import layers as L
 from jaxrm.models.config import ModelConfig
 from jaxrm.shared_prefix import Sharing
@@ -182,16 +181,10 @@ def changed_outputs(rm, rows, prompt_length, seed=0):
 
 
 def broken_mask(monkeypatch, route):
-  """Makes attention ignore branch ids (each branch then sees the siblings before it)."""
-  if route == "reference":
-    mask = L.attention_mask
-    monkeypatch.setattr(
-      L, "attention_mask", lambda m, p, s=None, w=None, branch_ids_bt=None: mask(m, p, s, w)
-    )
-  else:
-    monkeypatch.setattr(
-      decoder, "layout", lambda s, branch_ids=None, positions=None: F.layout(s, None, positions)
-    )
+  """Makes attention ignore branch ids (each branch then sees the siblings before it): every route
+  (``route`` names the one under test) reads the token ids the decoder builds once."""
+  ids = L.token_ids
+  monkeypatch.setattr(L, "token_ids", lambda m, p, s=None, b=None, i=None: ids(m, p, s, None, i))
 
 
 @pytest.mark.parametrize("route", ["reference", "pallas"])

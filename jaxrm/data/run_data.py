@@ -147,7 +147,6 @@ def load_run_data(config: RunConfig, tokenizer) -> RunData:
   train = load(spec.train_data_path, "train", spec.max_train_rows, "data.max_train_rows", drops["train"])
   validation = {}
   for name, path in spec.val_data_paths.items():
-    registry.check_val_set_name(name)
     drops[f"validation-{name}"] = report = DropReport()
     validation[name] = load(path, "validation", spec.max_val_rows, "data.max_val_rows", report)
     if not validation[name]:
@@ -168,8 +167,8 @@ def load_run_data(config: RunConfig, tokenizer) -> RunData:
 
 def check_data(config: RunConfig, first_rows: int = FIRST_ROWS) -> None:
   """Checks what needs no model, so that a run that cannot work stops before one loads: the
-  dataset's name and kind against ``reward.type``, the validation set names, and each set's path
-  and first ``first_rows`` records.
+  dataset's name and kind against ``reward.type``, and each set's path and first ``first_rows``
+  records (``config.data`` has checked the validation set names).
 
   Raises:
     ConfigError: the data does not fit ``config.reward``.
@@ -178,8 +177,6 @@ def check_data(config: RunConfig, first_rows: int = FIRST_ROWS) -> None:
   spec = config.data
   _checked_task(config)
   options = _read_options(config.reward, spec.dataset_name)
-  for name in spec.val_data_paths:
-    registry.check_val_set_name(name)
   sets = [(spec.train_data_path, "train"), *((path, "validation") for path in spec.val_data_paths.values())]
   for path, split in sets:
     records = registry.iter_records(

@@ -152,8 +152,7 @@ def _flash_runs(runs: Runs, shard, q_bthd, k_bskd, v_bskd, keys: L.TokenIds, win
   """One shard's attention through the Pallas kernel: each run of its queries against the row's
   keys (in row order), from the run's first row index, which depends on the shard and so is
   traced: one program serves every shard."""
-  # A Layout marks padding by segment 0, which an unpacked row's real tokens carry here.
-  ids = F.layout(jnp.where(keys.real > 0, keys.segment + 1, 0), keys.branch, keys.position)
+  ids = F.layout_of(keys)
   firsts = jnp.asarray([[first for _, _, first in shard_runs] for shard_runs in runs], jnp.int32)[shard]
   outs = [
     F.flash_attention(

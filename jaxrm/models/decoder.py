@@ -33,7 +33,7 @@ from jaxrm import sharding
 from jaxrm.models import context_parallel, heads, lora, quantize
 from jaxrm.models import layers as L
 from jaxrm.models.config import ModelConfig
-from jaxrm.models.flash_attention import NO_WINDOW, flash_attention, layout
+from jaxrm.models.flash_attention import NO_WINDOW, flash_attention, layout_of
 
 
 class Layers(nnx.Module):
@@ -139,7 +139,7 @@ class Decoder(nnx.Module):
       positions: [B, T] int32; default: the count of real tokens before each one.
       segment_ids: [B, T] int32; tokens attend only within their segment (packed rows).
       branch_ids: [B, T] int32 (shared-prompt rows): 0 = a segment's shared prefix, b > 0 = one
-        branch, which sees the prefix and itself only (see ``layers.attention_mask``).
+        branch, which sees the prefix and itself only (see ``layers.visible``).
       dropout_rng: a PRNG key for the adapters' dropout (``config.lora.dropout``), given in
         training only; None (scoring, evaluation) drops nothing.
       placement: the mesh and rules that pin the activations at block boundaries (and split the
@@ -342,15 +342,10 @@ def _layer_attention(
   """
   windowed = bool(cfg.sliding_layers.any())
   platform = sharding.platform(placement)
+  # Who attends to whom, described once: every route below reads these ids.
+  index = None if order is None else jnp.broadcast_to(jnp.asarray(order), attention_mask.shape)
+  ids = L.token_ids(attention_mask, positions, segment_ids, branch_ids, index)
   if order is not None:
-    ids = L.token_ids(
-      attention_mask,
-      positions,
-      segment_ids,
-      branch_ids,
-      jnp.broadcast_to(jnp.asarray(order), attention_mask.shape),
-    )
-
     kernel = "pallas" if attention_route(cfg, platform) == "pallas" else "reference"
 
     def gathered(q, k, v, *, is_sliding):
@@ -372,22 +367,15 @@ def _layer_attention(
     return gathered
   attend = attention_fn(cfg, platform)
   if attention_route(cfg, platform) == "pallas":
-    real = attention_mask > 0
-    ids = layout(
-      real.astype(jnp.int32) if segment_ids is None else jnp.where(real, segment_ids, 0),
-      branch_ids,
-      positions,
-    )
+    kernel_ids = layout_of(ids)
 
     def fused(q, k, v, *, is_sliding):
       window = jnp.where(is_sliding, cfg.sliding_window, NO_WINDOW) if windowed else None
-      return _per_shard(attend, placement, q, k, v, ids, window)
+      return _per_shard(attend, placement, q, k, v, kernel_ids, window)
 
     return fused
-  full = L.attention_mask(attention_mask, positions, segment_ids, branch_ids_bt=branch_ids)
-  window = None
-  if windowed:
-    window = L.attention_mask(attention_mask, positions, segment_ids, cfg.sliding_window, branch_ids)
+  full = L.mask_from_ids(ids, ids)
+  window = L.mask_from_ids(ids, ids, cfg.sliding_window) if windowed else None
 
   def dense(q, k, v, *, is_sliding):
     return attend(q, k, v, full if window is None else jnp.where(is_sliding, window, full))

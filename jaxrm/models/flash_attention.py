@@ -84,6 +84,14 @@ def layout(segment_ids_bt, branch_ids_bt=None, positions_bt=None) -> Layout:
   return Layout(segment, branch, position, *_segment_spans(segment))
 
 
+def layout_of(ids: L.TokenIds) -> Layout:
+  """The kernel's :class:`Layout` of a batch's :class:`~jaxrm.models.layers.TokenIds` (the one
+  description of who attends to whom, which the reference and context-parallel paths read as is).
+  The tokens are in row order (``ids.index`` counts 0, 1, ...): the kernel takes causality from
+  where a token is stored."""
+  return layout(jnp.where(ids.real > 0, ids.segment + 1, 0), ids.branch, ids.position)
+
+
 def _segment_spans(segment_bt):
   """Lowest and highest index of each token's segment, as int32 [B, T] each."""
   b, t = segment_bt.shape
