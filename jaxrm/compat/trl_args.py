@@ -361,7 +361,7 @@ def _lora(args: dict, tr: Translation) -> None:
         args[name],
         "jaxrm adapts modules by name (--lora_target_modules) and trains the reward head in full; remove it",
       )
-  # peft's default targets for the decoder families jaxrm has (llama, mistral, qwen2/3, gemma2).
+  # peft's default targets for every decoder family jaxrm has (jaxrm/models/families).
   targets = ",".join(args["lora_target_modules"] or ["q_proj", "v_proj"])
   lora = {
     "rank": args["lora_r"],
