@@ -24,7 +24,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxrm import checkpointing, loading, report, sharding, steps, update
+from jaxrm import checkpointing, loading, report, run_lock, sharding, steps, update
 from jaxrm.config import RunConfig
 from jaxrm.data import packing, pipeline, registry
 from jaxrm.data.packing import PackSpec
@@ -102,7 +102,7 @@ def train_and_evaluate(config: RunConfig, *, stop_after_steps: int | None = None
       also a non-finite loss or gradient norm, naming the step.
   """
   started = time.time()
-  run = _prepare(config)
+  run, lock = _prepare(config)
   try:
     last_val = _loop(run, stop_after_steps)
     if run.writer.enabled:
@@ -112,16 +112,24 @@ def train_and_evaluate(config: RunConfig, *, stop_after_steps: int | None = None
     run.writer.close()
     if run.ckpt is not None:
       run.ckpt.close()
+    if lock is not None:
+      lock.release()
 
 
-def _prepare(config: RunConfig) -> _Run:
-  """The run set up; a new run that stops with a UserError leaves no directory behind."""
+def _prepare(config: RunConfig) -> tuple[_Run, run_lock.RunLock | None]:
+  """The run set up, holding its output directory's lock (process 0); a new run that stops with a
+  UserError leaves no directory behind."""
   out_dirs = [os.path.abspath(config.output_dir), _checkpoint_dir(config, os.path.abspath(config.output_dir))]
   new = [d for d in out_dirs if not os.path.exists(d)]
+  is_main = jax.process_index() == 0
+  lock = None
   try:
-    return _set_up(config)
-  except UserError:
-    if jax.process_index() == 0:
+    lock = run_lock.hold(out_dirs[0]) if is_main else None
+    return _set_up(config), lock
+  except BaseException as e:
+    if lock is not None:
+      lock.release()
+    if isinstance(e, UserError) and is_main:
       for d in new:
         shutil.rmtree(d, ignore_errors=True)
     raise

@@ -146,6 +146,7 @@ LAYERS = {
   "jaxrm.models.families": {"jaxrm.errors", "jaxrm.models.families"},
   "jaxrm.hf": {"jaxrm.errors", "jaxrm.sharding", "jaxrm.models", "jaxrm.hf"},
   "jaxrm.checkpointing": {"jaxrm.errors", "jaxrm.metrics"},
+  "jaxrm.run_lock": {"jaxrm.errors"},
   "jaxrm.batches": set(),
   "jaxrm.losses": {"jaxrm.batches", "jaxrm.metrics"},
 }

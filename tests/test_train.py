@@ -3,6 +3,7 @@ gradient accumulation, non-finite stops, SIGKILL and resume."""
 
 import glob
 import json
+import logging
 import math
 import os
 import shutil
@@ -98,6 +99,7 @@ def test_run_directory_files(baseline):
   with open(os.path.join(baseline, "config.json")) as f:
     assert json.load(f)["train"]["max_steps"] == 4
   assert os.path.exists(os.path.join(baseline, "tokenizer", "tokenizer.json"))
+  assert not os.path.exists(os.path.join(baseline, "run.lock"))  # the finished run gave it back
   assert os.path.exists(os.path.join(baseline, loading.RUN_MODEL_CONFIG))
 
 
@@ -372,7 +374,7 @@ def test_bad_reward_type_and_batch_sizes(model_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_sigkilled_run_resumes_from_latest_checkpoint(model_dir, tmp_path):
+def test_sigkilled_run_resumes_from_latest_checkpoint(model_dir, tmp_path, caplog):
   out = str(tmp_path / "run")
   # 64 rows make 8 steps an epoch: max_epochs=2 ends the run at step 16, before max_steps.
   overrides = {
@@ -401,8 +403,16 @@ def test_sigkilled_run_resumes_from_latest_checkpoint(model_dir, tmp_path):
   latest = max(checkpoint_steps(out))
   assert 5 <= latest <= killed_at < 16
 
-  # The same run again (here in-process) continues from the latest checkpoint and finishes.
-  tiny_run.train(tiny_run.set_keys(tiny_run.config(model_dir, out), overrides))
+  # The killed run's lock names a process that is gone.
+  with open(os.path.join(out, "run.lock")) as f:
+    assert json.load(f)["pid"] == killed.pid
+
+  # The same run again (here in-process) takes the lock over and continues from the latest
+  # checkpoint, and finishes.
+  with caplog.at_level(logging.WARNING, logger="jaxrm.run_lock"):
+    tiny_run.train(tiny_run.set_keys(tiny_run.config(model_dir, out), overrides))
+  assert f"a lock left by pid {killed.pid} on " in caplog.text and "is no longer running" in caplog.text
+  assert not os.path.exists(os.path.join(out, "run.lock"))
   assert checkpoint_steps(out)[-1] == 16
   # The rows the killed run wrote after its last checkpoint were dropped and written again.
   train_rows = rows_with(out, "train/loss")

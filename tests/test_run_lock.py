@@ -1,0 +1,118 @@
+"""One run at a time in an output directory (jaxrm.run_lock): a second run is refused naming the
+holder; a lock whose holder is gone is taken over with a warning."""
+
+import json
+import logging
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import tiny_run
+
+from jaxrm import run_lock
+from jaxrm.errors import ConfigError
+
+
+def write_lock(directory, **holder):
+  path = directory / run_lock.FILE
+  path.write_text(json.dumps({"host": socket.gethostname(), "started": "2026-01-02 03:04:05", **holder}))
+  return path
+
+
+def finished_pid() -> int:
+  """The pid of a process that has exited."""
+  proc = subprocess.run(
+    [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+  )
+  return int(proc.stdout)
+
+
+def test_a_second_run_is_refused_naming_the_holder(tmp_path):
+  lock = run_lock.hold(str(tmp_path / "run"))  # makes the directory
+  holder = json.loads((tmp_path / "run" / "run.lock").read_text())
+  assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
+  with pytest.raises(ConfigError) as e:
+    run_lock.hold(str(tmp_path / "run"))
+  assert str(e.value) == (
+    f"{tmp_path / 'run'} is in use by another run: pid {os.getpid()} on {socket.gethostname()}, "
+    f"started {holder['started']}: {holder['command']} (its process is running; "
+    f"{tmp_path / 'run' / 'run.lock'}). Wait for it to end or stop it, or train into another output_dir"
+  )
+  lock.release()
+  assert not (tmp_path / "run" / "run.lock").exists()
+  run_lock.hold(str(tmp_path / "run")).release()  # free again
+
+
+def test_a_lock_of_a_process_that_is_gone_is_taken_over(tmp_path, caplog):
+  pid = finished_pid()
+  write_lock(tmp_path, pid=pid, command="python -m jaxrm.train --config=configs/rm.py")
+  with caplog.at_level(logging.WARNING, logger="jaxrm.run_lock"):
+    lock = run_lock.hold(str(tmp_path))
+  assert caplog.messages == [
+    f"taking over {tmp_path / 'run.lock'}: a lock left by pid {pid} on {socket.gethostname()}, started "
+    "2026-01-02 03:04:05: python -m jaxrm.train --config=configs/rm.py, which is no longer running"
+  ]
+  assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
+  lock.release()
+
+
+def test_another_hosts_lock_is_judged_by_its_age(tmp_path, caplog):
+  path = write_lock(tmp_path, host="node-7", pid=1)
+  with pytest.raises(ConfigError, match=r"pid 1 on node-7, started 2026-01-02 03:04:05 \(refreshed \d s ago"):
+    run_lock.hold(str(tmp_path))
+  old = time.time() - run_lock.STALE_SECONDS - 60
+  os.utime(path, (old, old))
+  with caplog.at_level(logging.WARNING, logger="jaxrm.run_lock"):
+    run_lock.hold(str(tmp_path)).release()
+  assert f"which has not refreshed it for {run_lock.STALE_SECONDS + 60:.0f} s" in caplog.text
+
+
+def test_the_holder_refreshes_its_lock_while_it_runs(tmp_path, monkeypatch):
+  monkeypatch.setattr(run_lock, "HEARTBEAT_SECONDS", 0.01)
+  lock = run_lock.hold(str(tmp_path))
+  old = time.time() - 1000
+  os.utime(tmp_path / "run.lock", (old, old))
+  deadline = time.time() + 10
+  while time.time() - os.stat(tmp_path / "run.lock").st_mtime > 100 and time.time() < deadline:
+    time.sleep(0.01)
+  assert time.time() - os.stat(tmp_path / "run.lock").st_mtime < 100
+  lock.release()
+
+
+def test_release_leaves_a_lock_another_run_took_over(tmp_path):
+  lock = run_lock.hold(str(tmp_path))
+  write_lock(tmp_path, pid=os.getppid())  # taken over meanwhile (as if this process had stalled)
+  lock.release()
+  assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getppid()
+
+
+def test_an_unreadable_old_lock_is_taken_over(tmp_path, caplog):
+  path = tmp_path / run_lock.FILE
+  path.write_text("{")
+  old = time.time() - 60
+  os.utime(path, (old, old))
+  with caplog.at_level(logging.WARNING, logger="jaxrm.run_lock"):
+    run_lock.hold(str(tmp_path)).release()
+  assert "an unreadable lock" in caplog.text
+
+
+def test_a_bad_directory_is_named():
+  with pytest.raises(ValueError, match=r"output_dir must be a directory path, got ''"):
+    run_lock.RunLock("")
+
+
+def test_a_run_into_a_locked_directory_stops_before_the_model_loads(model_dir, tmp_path):
+  out = tmp_path / "run"
+  lock = run_lock.hold(str(out))  # another run of this host, still running
+  try:
+    with pytest.raises(
+      ConfigError, match=rf"^{re.escape(str(out))} is in use by another run: pid {os.getpid()} "
+    ):
+      tiny_run.train(tiny_run.config(model_dir, str(out)))
+    assert os.listdir(out) == ["run.lock"]  # nothing written, nothing removed
+  finally:
+    lock.release()
