@@ -533,6 +533,11 @@ class RunConfig:
   logger: LoggerSpec = LoggerSpec()
 
   def __post_init__(self):
+    if not isinstance(self.output_dir, str) or not self.output_dir.strip():
+      raise ConfigError(
+        f"output_dir={self.output_dir!r}: name the folder the run writes into (output_dir='runs/rm'; "
+        "on the command line --config.output_dir=runs/rm)"
+      )
     task = self.reward.task
     if self.data.packing not in task.batches:
       raise ConfigError(task.packing_refused.format(packing=self.data.packing))

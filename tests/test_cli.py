@@ -21,6 +21,9 @@ def runs(model_dir, tmp_path_factory):
     "unknown_key": rm + ["--config.train.nonexistent=1"],
     "wrong_type": rm + ["--config.train.max_steps=abc"],
     "unknown_variant": ["--config=configs/rm.py:bogus"],
+    "no_coordinator": rm + ["--num_processes=2"],
+    "process_id_out_of_range": rm
+    + ["--coordinator_address=localhost:1", "--num_processes=2", "--process_id=2"],
   }
   procs = {
     name: subprocess.Popen(
@@ -148,3 +151,26 @@ def test_a_new_validation_set_is_a_key_the_config_gains(capsys):
       ["train", f"--config={tiny_run.__file__}", "--config.data.val_data_paths.second.x=1"]
     )
   assert "the config has no key 'data.val_data_paths.second'" in capsys.readouterr().err
+
+
+def test_multi_host_flags_that_cannot_start_a_run_are_named(runs):
+  assert error_line(runs["no_coordinator"], 2) == (
+    "error: --num_processes=2 without --coordinator_address and --process_id: a multi-host run "
+    "outside Slurm gives all three to every process, e.g. --coordinator_address=host0:1234 "
+    "--num_processes=2 --process_id=0 (and --process_id=1 on the other)"
+  )
+  assert error_line(runs["process_id_out_of_range"], 2) == (
+    "error: --process_id=2 with --num_processes=2: the processes are numbered 0 to 1"
+  )
+
+
+def test_slurm_supplies_what_the_multi_host_flags_leave_out(monkeypatch):
+  from jaxrm import train
+
+  monkeypatch.setenv("SLURM_JOB_ID", "42")
+  train.check_distributed_flags(None, 2, None)  # no exit: jax.distributed reads the rest from Slurm
+  monkeypatch.delenv("SLURM_JOB_ID")
+  with pytest.raises(SystemExit):
+    train.check_distributed_flags(None, 2, None)
+  train.check_distributed_flags(None, None, None)  # one process
+  train.check_distributed_flags("localhost:1", 2, 1)

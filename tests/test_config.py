@@ -113,6 +113,12 @@ def test_a_notebook_sets_only_what_it_changes():
       "train.lr_scheduler='cosine_with_min_lr' needs train.min_lr_ratio > 0",
     ),
     (lambda: TrainSpec(adam_beta2=1.0), "train.adam_beta2=1.0: use a number in [0, 1)"),
+    (
+      lambda: RunConfig(output_dir=""),
+      "output_dir='': name the folder the run writes into (output_dir='runs/rm'; on the command line "
+      "--config.output_dir=runs/rm)",
+    ),
+    (lambda: RunConfig.from_dict({"output_dir": "  "}), "output_dir='  ': name the folder the run writes"),
     (lambda: TrainSpec(adam_epsilon=0.0), "train.adam_epsilon=0.0: use a small positive number"),
     (
       lambda: TrainSpec(min_lr_ratio=2.0),

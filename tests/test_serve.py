@@ -466,6 +466,19 @@ def test_a_process_model_is_served_without_sequence_options(tiny_prm):
       "field 'conversations[0]': expected a list of messages, got an object",
     ),
     ("/score", {"conversations": [[]]}, 400, "conversations[0] has no messages"),
+    (
+      "/get_reward",
+      b'{"query": ["ok", "a\\ud800b"]}',
+      400,
+      "field 'query[1]' holds a lone surrogate (an escape in \\ud800-\\udfff), which is not text",
+    ),
+    (
+      "/score",
+      b'{"conversations": [[{"role": "user", "content": "\\udfff"}]]}',
+      400,
+      "field 'conversations[0][0].content' holds a lone surrogate",
+    ),
+    ("/score", b'{"\\ud800": 1}', 400, "a key of the body holds a lone surrogate"),
     ("/score", {"conversations": {"a": 1}}, 400, "'conversations' is an object; expected a list"),
     ("/score", {"prompts": ["a", "b"], "completions": ["c"]}, 400, "2 prompts but 1 completions"),
     (
@@ -488,6 +501,21 @@ def test_malformed_requests_get_4xx_with_a_message(url, path, body, status, mess
   code, reply, _ = call(url, path, None if raw is not None else body, raw=raw)
   assert code == status
   assert message in reply["error"]
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", ""])
+def test_a_body_that_is_not_declared_json_is_refused(url, content_type):
+  """What a web page may post to any address without asking is not scored (415)."""
+  status, reply, _ = call(url, "/get_reward", {"query": ["a"]}, headers={"Content-Type": content_type})
+  assert status == 415
+  assert reply["error"] == (
+    f"the body's Content-Type is {content_type or 'not given'}; send it as application/json "
+    "(curl: -H 'Content-Type: application/json')"
+  )
+  assert (
+    call(url, "/get_reward", {"query": ["a"]}, headers={"Content-Type": "application/json; charset=utf-8"})[0]
+    == 200
+  )
 
 
 def test_wrong_method(url):

@@ -305,6 +305,15 @@ class App:
 
   def _check_scoring(self, request: Request) -> None:
     self._authorize(request)
+    # A browser posts text/plain or form bodies to any address without asking (a "simple"
+    # request); application/json it must ask for first, which this server never grants.
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != "application/json":
+      raise RequestError(
+        415,
+        f"the body's Content-Type is {media or 'not given'}; send it as application/json "
+        "(curl: -H 'Content-Type: application/json')",
+      )
     if self.batcher.failed:
       raise RequestError(
         500,
