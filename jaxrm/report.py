@@ -202,6 +202,7 @@ def run_summary(
   lora: bool = False,
   finished: bool = True,
   start_step: int = 0,
+  final_shown: bool = False,
 ) -> str:
   """What a run did and how to use it.
 
@@ -222,6 +223,8 @@ def run_summary(
     finished: the run reached its last step; False: it stopped early and running it again
       continues it.
     start_step: the step the run resumed from (0: a new run).
+    final_shown: the run printed the final validation's table already; the summary points at it
+      instead of printing it again.
   """
   rate = f", {_count(train_tokens / train_seconds)} tokens/s in train steps" if train_seconds > 0 else ""
   ended = "run finished" if finished else "run stopped early (run again to continue)"
@@ -238,7 +241,10 @@ def run_summary(
       f"({'higher' if higher_is_better else 'lower'} is better)"
     )
   if final_step is not None and split_validation_metrics(final_metrics, sets):
-    lines.append("final " + validation_table(final_metrics, sets, final_step))
+    if final_shown:
+      lines.append(f"final validation: the table at step {final_step} above")
+    else:
+      lines.append("final " + validation_table(final_metrics, sets, final_step))
   lines += [
     "use it:",
     *(

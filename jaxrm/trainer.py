@@ -73,6 +73,7 @@ class _Run:
   start_step: int
   last_val: dict[str, float]  # the latest validation results
   last_val_step: int | None = None
+  shown_val_step: int | None = None  # the step of the last validation table this process printed
   steps_done: int = 0  # by this process, since it started
   train_seconds: float = 0.0  # in train steps
   train_tokens: float = 0.0  # real tokens, all processes together
@@ -475,6 +476,7 @@ def _evaluate(run: _Run, step: int) -> dict[str, float]:
   run.writer.write(step, results)
   if run.writer.enabled:
     _say(report.validation_table(results, list(run.input.validation), step))
+    run.shown_val_step = step
   return results
 
 
@@ -626,6 +628,7 @@ def _final_summary(run: _Run, wall_seconds: float) -> str:
     lora=run.rm.config.lora.enabled,
     finished=run.finished,
     start_step=run.start_step,
+    final_shown=run.last_val_step is not None and run.last_val_step == run.shown_val_step,
   )
 
 

@@ -138,7 +138,7 @@ def test_console_shows_validation_tables_and_the_end_summary(model_dir, tmp_path
     lines[end + 1].startswith("best checkpoint: step ") and "validation-default_loss = " in lines[end + 1]
   )
   assert lines[end + 1].endswith("(lower is better)")
-  assert lines[end + 2].startswith("final validation at step 4")
+  assert lines[end + 2] == "final validation: the table at step 4 above"  # printed once, not again
   use = lines.index("use it:")
   assert (
     lines[use + 1]

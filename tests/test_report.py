@@ -88,6 +88,7 @@ def test_run_summary_names_the_best_checkpoint_and_the_commands():
   assert lines[0] == "run finished: 200 steps in 1h02m05s, 4.0k tokens/s in train steps"
   assert lines[1] == "best checkpoint: step 150, validation-default_loss = 0.6012 (lower is better)"
   assert lines[2] == "final validation at step 200 (2.0 s)"
+
   assert lines[-5:] == [
     "use it:",
     "  from jaxrm import RewardModel; rm = RewardModel.from_pretrained('runs/rm')  # the best checkpoint",
@@ -95,6 +96,15 @@ def test_run_summary_names_the_best_checkpoint_and_the_commands():
     "  python -m jaxrm.export --model=runs/rm --out=runs/rm-hf",
     "  python -m jaxrm.export --model=runs/rm --out=runs/rm-adapters --adapters_only",
   ]
+
+
+def test_run_summary_points_at_a_final_table_the_run_printed():
+  shown = report.run_summary(
+    **dict(output_dir="runs/rm", steps=200, wall_seconds=3725.4, train_tokens=0, train_seconds=0.0),
+    **dict(final_metrics=PREFERENCE, sets=["default", "train_sample"], final_step=200, best=None),
+    **dict(higher_is_better=False, dataset_name="PreferenceDataset", val_path="v.jsonl", final_shown=True),
+  ).splitlines()
+  assert shown[1:3] == ["final validation: the table at step 200 above", "use it:"]
 
 
 def test_evaluate_command_for_a_dataset_read_by_name():
