@@ -297,9 +297,25 @@ def _resolve(name: str) -> str:
       return snapshot_download(name, allow_patterns=_HUB_FILES)
     except Exception as e:  # offline, unknown repo, gated...
       raise CheckpointError(
-        f"{name}: not a local path, and downloading it from the hub failed: {e}"
+        f"{name}: no such file or folder ({os.path.abspath(name)}), and as a hub model name it "
+        f"could not be fetched: {_hub_failure(e)}"
       ) from None
   return name
+
+
+def _hub_failure(e: Exception) -> str:
+  """Why the hub gave no model, in a few words."""
+  from huggingface_hub import errors
+
+  if isinstance(e, errors.GatedRepoError):
+    return "the repository is gated; log in with an account that has access (hf auth login)"
+  if isinstance(e, errors.RepositoryNotFoundError):
+    return "the hub has no such repository (or it is private; log in with hf auth login)"
+  if isinstance(e, errors.LocalEntryNotFoundError):
+    cause = e.__cause__ or e.__context__
+    why = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
+    return f"the hub is unreachable from here{why}, and the model is not in the local hub cache"
+  return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 def _locate_run(path: str, step: int | None) -> RunSource | None:

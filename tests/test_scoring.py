@@ -447,3 +447,46 @@ def test_run_export_scores_like_jaxrm_in_transformers(rm, run_dir, tmp_path):
     assert server.config.max_length == trained
     server._socket.close()  # pylint: disable=protected-access  # never started
   np.testing.assert_array_equal(back.score(CHATS, normalize=True), rm.score(CHATS, normalize=True))
+
+
+def test_a_name_that_is_neither_a_path_nor_on_the_hub_says_which_and_why(monkeypatch, tmp_path):
+  """A mistyped local folder of the form ``a/b`` reads as a hub name: the message says there is no
+  such folder, and why the hub gave nothing (the real client, told it is offline)."""
+  import huggingface_hub
+
+  monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(CheckpointError) as e:
+    loading.locate("modles/my-rm")
+  assert str(e.value).startswith(
+    f"modles/my-rm: no such file or folder ({tmp_path / 'modles' / 'my-rm'}), and as a hub model name "
+    "it could not be fetched: the hub is unreachable from here ("
+  )
+  assert str(e.value).endswith("), and the model is not in the local hub cache")
+  assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+  "error,why",
+  [
+    ("GatedRepoError", "the repository is gated; log in with an account that has access (hf auth login)"),
+    (
+      "RepositoryNotFoundError",
+      "the hub has no such repository (or it is private; log in with hf auth login)",
+    ),
+  ],
+)
+def test_a_hub_refusal_is_named(monkeypatch, tmp_path, error, why):
+  import huggingface_hub
+  from huggingface_hub import errors
+
+  def refuse(*args, **kwargs):
+    import httpx
+
+    response = httpx.Response(401, request=httpx.Request("GET", "https://huggingface.co/api/models/org/x"))
+    raise getattr(errors, error)("401 Client Error.\nlong details", response=response)
+
+  monkeypatch.setattr(huggingface_hub, "snapshot_download", refuse)
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(CheckpointError, match=rf"could not be fetched: {re.escape(why)}$"):
+    loading.locate("org/private-rm")
