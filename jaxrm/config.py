@@ -417,13 +417,26 @@ class TrainSpec:
       object.__setattr__(self, "lr_scheduler", optim.scheduler_name(self.lr_scheduler))
     except ValueError as e:
       raise ConfigError(f"train.{e}") from None
+    # NaN and infinities fail every one of these.
+    for key, positive, example in (
+      ("learning_rate", True, "1e-5 (TRL's --learning_rate, NeMo RL's optimizer.kwargs.lr)"),
+      ("weight_decay", False, "0.0 or 0.01 (TRL's --weight_decay)"),
+      ("max_grad_norm", False, "1.0, or 0 for no clipping (TRL's --max_grad_norm)"),
+    ):
+      value = getattr(self, key)
+      number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+      if not number or value < 0 or (positive and value == 0):
+        raise ConfigError(
+          f"train.{key}={value!r}: use a {'positive' if positive else 'non-negative'} finite number, "
+          f"e.g. {example}"
+        )
     for key in ("adam_beta1", "adam_beta2"):
       if not 0.0 <= getattr(self, key) < 1.0:
         raise ConfigError(
           f"train.{key}={getattr(self, key)!r}: use a number in [0, 1), e.g. 0.9 for "
           "adam_beta1 and 0.999 (or NeMo RL's 0.98) for adam_beta2"
         )
-    if not self.adam_epsilon > 0.0:
+    if not 0.0 < self.adam_epsilon < math.inf:
       raise ConfigError(
         f"train.adam_epsilon={self.adam_epsilon!r}: use a small positive number, e.g. 1e-8 "
         "(NeMo RL's RM recipe: 1e-5)"

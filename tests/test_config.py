@@ -114,6 +114,19 @@ def test_a_notebook_sets_only_what_it_changes():
     ),
     (lambda: TrainSpec(adam_beta2=1.0), "train.adam_beta2=1.0: use a number in [0, 1)"),
     (
+      lambda: TrainSpec(learning_rate=float("nan")),
+      "train.learning_rate=nan: use a positive finite number, e.g. 1e-5 (TRL's --learning_rate",
+    ),
+    (lambda: TrainSpec(learning_rate=0.0), "train.learning_rate=0.0: use a positive finite number"),
+    (lambda: TrainSpec(learning_rate=-1e-5), "train.learning_rate=-1e-05: use a positive finite number"),
+    (lambda: TrainSpec(learning_rate=float("inf")), "train.learning_rate=inf: use a positive finite number"),
+    (lambda: TrainSpec(weight_decay=-0.1), "train.weight_decay=-0.1: use a non-negative finite number"),
+    (
+      lambda: TrainSpec(max_grad_norm=float("nan")),
+      "train.max_grad_norm=nan: use a non-negative finite number",
+    ),
+    (lambda: TrainSpec(adam_epsilon=float("inf")), "train.adam_epsilon=inf: use a small positive number"),
+    (
       lambda: RunConfig(output_dir=""),
       "output_dir='': name the folder the run writes into (output_dir='runs/rm'; on the command line "
       "--config.output_dir=runs/rm)",
