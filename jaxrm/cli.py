@@ -149,6 +149,12 @@ def _check_keys(config, argv: list[str]) -> None:
         key = name[len(prefix) :]
         if prefix == "--config." and "=" in arg and key.rpartition(".")[0] in OPEN_DICTS:
           continue
+        value = arg.partition("=")[2]
+        if key in OPEN_DICTS and "=" in arg and not value.lstrip().startswith("{"):
+          exit_usage(
+            f"{arg}: {key} maps validation set names to files; give each set its own key: "
+            f"--config.{key}.default={value} (another set: --config.{key}.<name>=<file>)"
+          )
         problem = _missing_key(config, key)
         if problem:
           exit_usage(f"{name}: {problem}")

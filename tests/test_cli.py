@@ -174,3 +174,18 @@ def test_slurm_supplies_what_the_multi_host_flags_leave_out(monkeypatch):
     train.check_distributed_flags(None, 2, None)
   train.check_distributed_flags(None, None, None)  # one process
   train.check_distributed_flags("localhost:1", 2, 1)
+
+
+def test_a_file_given_for_the_whole_validation_dict_says_what_form_the_key_takes(capsys):
+  from jaxrm import cli
+
+  with pytest.raises(SystemExit) as exit_info:
+    cli.check_config_keys(
+      ["train", f"--config={tiny_run.__file__}", "--config.data.val_data_paths=val.jsonl"]
+    )
+  assert exit_info.value.code == 2
+  assert capsys.readouterr().err == (
+    "error: --config.data.val_data_paths=val.jsonl: data.val_data_paths maps validation set names "
+    "to files; give each set its own key: --config.data.val_data_paths.default=val.jsonl (another "
+    "set: --config.data.val_data_paths.<name>=<file>)\n"
+  )
