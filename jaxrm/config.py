@@ -48,6 +48,30 @@ DEFAULT_VAL_DATA_PATHS = {"default": "validation"}
 DEFAULT_METRIC_NAME = "validation-default_loss"
 
 
+# A field annotated with one of these names takes these types (a bool is no number here).
+_SIMPLE_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+
+
+def _check_types(spec, where: str) -> None:
+  """Refuses a value of another type than its field's, naming the key: what a notebook may pass
+  (a section as a dict, ``max_steps=2.5``, a learning rate as a string); sections are checked
+  through."""
+  for field in dataclasses.fields(spec):
+    value, key = getattr(spec, field.name), f"{where}{field.name}"
+    if dataclasses.is_dataclass(field.default):
+      section = type(field.default)
+      if not isinstance(value, section):
+        raise ConfigError(
+          f"{key}: a {section.__name__} section, not {type(value).__name__} {value!r:.60}; give "
+          f"{section.__name__}(...), or build the whole config with RunConfig.from_dict(...)"
+        )
+      _check_types(value, f"{key}.")
+      continue
+    types = _SIMPLE_TYPES.get(field.type)
+    if types and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
+      raise ConfigError(f"{key}={value!r}: expected {field.type}, got {type(value).__name__}")
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraSpec:
   """``model.lora``: low-rank adapters trained over a frozen base (peft's key names)."""
@@ -62,6 +86,7 @@ class LoraSpec:
   def __post_init__(self):
     if not isinstance(self.target_modules, str):  # a notebook may pass a list of names
       object.__setattr__(self, "target_modules", ",".join(self.target_modules))
+    _check_types(self, "model.lora.")
     # LoraConfig checks the values; each message is put under the key it is about.
     for key, kwargs in (
       ("rank", dict(rank=self.rank)),
@@ -110,6 +135,7 @@ class ModelSpec:
   chat_template: str = ""
 
   def __post_init__(self):
+    _check_types(self, "model.")
     if self.attention not in ATTENTION_IMPLS:
       raise ConfigError(
         f"model.attention must be one of {', '.join(ATTENTION_IMPLS)}; got {self.attention!r}"
@@ -140,6 +166,7 @@ class RewardSpec:
   combine: str = ""
 
   def __post_init__(self):
+    _check_types(self, "reward.")
     _ = self.task  # refuses an unknown type, naming the known ones
     if self.ranking_loss not in RANKING_LOSSES:
       raise ValueError(
@@ -309,6 +336,7 @@ class DataSpec:
   group_by_length: bool = False
 
   def __post_init__(self):
+    _check_types(self, "data.")
     _own_data(self)
     for name in self.val_data_paths:
       registry.check_val_set_name(name)  # it stands in metric names
@@ -413,6 +441,7 @@ class TrainSpec:
   log_period: int = 5
 
   def __post_init__(self):
+    _check_types(self, "train.")
     try:
       object.__setattr__(self, "lr_scheduler", optim.scheduler_name(self.lr_scheduler))
     except ValueError as e:
@@ -546,6 +575,7 @@ class RunConfig:
   logger: LoggerSpec = LoggerSpec()
 
   def __post_init__(self):
+    _check_types(self, "")
     if not isinstance(self.output_dir, str) or not self.output_dir.strip():
       raise ConfigError(
         f"output_dir={self.output_dir!r}: name the folder the run writes into (output_dir='runs/rm'; "

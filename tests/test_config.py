@@ -8,6 +8,7 @@ import pytest
 from jaxrm.config import (
   CheckpointSpec,
   DataSpec,
+  EvalSpec,
   LoraSpec,
   ModelSpec,
   RewardSpec,
@@ -113,6 +114,16 @@ def test_a_notebook_sets_only_what_it_changes():
       "train.lr_scheduler='cosine_with_min_lr' needs train.min_lr_ratio > 0",
     ),
     (lambda: TrainSpec(adam_beta2=1.0), "train.adam_beta2=1.0: use a number in [0, 1)"),
+    (lambda: TrainSpec(max_steps=2.5), "train.max_steps=2.5: expected int, got float"),
+    (lambda: TrainSpec(max_steps=True), "train.max_steps=True: expected int, got bool"),
+    (lambda: DataSpec(max_length="512"), "data.max_length='512': expected int, got str"),
+    (lambda: RunConfig(eval=EvalSpec(val_at_start="yes")), "eval.val_at_start='yes': expected bool, got str"),
+    (
+      lambda: RunConfig(train={"max_steps": 3}),
+      "train: a TrainSpec section, not dict {'max_steps': 3}; give TrainSpec(...), or build the whole "
+      "config with RunConfig.from_dict(...)",
+    ),
+    (lambda: RunConfig(model=ModelSpec(lora={"rank": 4})), "model.lora: a LoraSpec section, not dict"),
     (
       lambda: TrainSpec(learning_rate=float("nan")),
       "train.learning_rate=nan: use a positive finite number, e.g. 1e-5 (TRL's --learning_rate",
