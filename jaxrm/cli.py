@@ -9,6 +9,7 @@ exits 2; anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -37,6 +38,38 @@ def exit_usage(message: str) -> None:
   """Prints a usage error and exits 2 (as absl does for a bad flag)."""
   print(f"error: {message}", file=sys.stderr)
   sys.exit(2)
+
+
+_CLUSTER_ENV = "SLURM_JOB_ID"  # jax.distributed finds the processes itself under Slurm
+_EXAMPLE = (
+  "--coordinator_address=host0:1234 --num_processes=2 --process_id=0 (and --process_id=1 on the other)"
+)
+
+
+def check_distributed_flags(
+  coordinator_address: str | None, num_processes: int | None, process_id: int | None
+) -> None:
+  """Exits 2 naming the flags where the multi-host flags cannot start a run: some of them without
+  the others (outside Slurm, which supplies what is missing), or a process id outside the count."""
+  given = {
+    "--coordinator_address": coordinator_address,
+    "--num_processes": num_processes,
+    "--process_id": process_id,
+  }
+  named = [f"{k}={v}" for k, v in given.items() if v is not None and v != ""]
+  if named and len(named) < 3 and _CLUSTER_ENV not in os.environ:
+    missing = [k for k, v in given.items() if v is None or v == ""]
+    exit_usage(
+      f"{' '.join(named)} without {' and '.join(missing)}: a multi-host run outside Slurm gives all "
+      f"three to every process, e.g. {_EXAMPLE}"
+    )
+  if num_processes is not None and num_processes < 1:
+    exit_usage(f"--num_processes={num_processes}: give the number of processes, at least 1")
+  if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:
+    exit_usage(
+      f"--process_id={process_id} with --num_processes={num_processes}: the processes are numbered "
+      f"0 to {num_processes - 1}"
+    )
 
 
 def run(
@@ -163,8 +196,6 @@ def _check_keys(config, argv: list[str]) -> None:
 def _config_of(argv: list[str]):
   """The ConfigDict of ``--config`` in ``argv``; None without the flag, or when the file fails to
   load (config_flags then reports it, with the file's own message)."""
-  import os
-
   spec = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("--config=")), None)
   if spec is None:
     return None

@@ -59,38 +59,6 @@ def initialize_distributed(
     jax.distributed.initialize()  # Slurm cluster auto-detection
 
 
-_CLUSTER_ENV = "SLURM_JOB_ID"  # jax.distributed finds the processes itself under Slurm
-_EXAMPLE = (
-  "--coordinator_address=host0:1234 --num_processes=2 --process_id=0 (and --process_id=1 on the other)"
-)
-
-
-def check_distributed_flags(
-  coordinator_address: str | None, num_processes: int | None, process_id: int | None
-) -> None:
-  """Exits 2 naming the flags where the multi-host flags cannot start a run: some of them without
-  the others (outside Slurm, which supplies what is missing), or a process id outside the count."""
-  given = {
-    "--coordinator_address": coordinator_address,
-    "--num_processes": num_processes,
-    "--process_id": process_id,
-  }
-  named = [f"{k}={v}" for k, v in given.items() if v is not None and v != ""]
-  if named and len(named) < 3 and _CLUSTER_ENV not in os.environ:
-    missing = [k for k, v in given.items() if v is None or v == ""]
-    cli.exit_usage(
-      f"{' '.join(named)} without {' and '.join(missing)}: a multi-host run outside Slurm gives all "
-      f"three to every process, e.g. {_EXAMPLE}"
-    )
-  if num_processes is not None and num_processes < 1:
-    cli.exit_usage(f"--num_processes={num_processes}: give the number of processes, at least 1")
-  if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:
-    cli.exit_usage(
-      f"--process_id={process_id} with --num_processes={num_processes}: the processes are numbered "
-      f"0 to {num_processes - 1}"
-    )
-
-
 # What follows --trl_args, and the section.key=value words after --nemo_config (set by _parse).
 _FOREIGN: dict[str, list[str]] = {"trl": [], "nemo": []}
 
@@ -111,7 +79,7 @@ def main() -> None:
       f"give one of --config=configs/rm.py, --nemo_config=rm.yaml or --trl_args ...; got "
       f"{' and '.join(given) or 'none'}"
     )
-  check_distributed_flags(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  cli.check_distributed_flags(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   if FLAGS.config is not None:
     config = cli.run_config(FLAGS.config)  # read once, here; the library takes the dataclasses
     initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)

@@ -165,15 +165,15 @@ def test_multi_host_flags_that_cannot_start_a_run_are_named(runs):
 
 
 def test_slurm_supplies_what_the_multi_host_flags_leave_out(monkeypatch):
-  from jaxrm import train
+  from jaxrm import cli
 
   monkeypatch.setenv("SLURM_JOB_ID", "42")
-  train.check_distributed_flags(None, 2, None)  # no exit: jax.distributed reads the rest from Slurm
+  cli.check_distributed_flags(None, 2, None)  # no exit: jax.distributed reads the rest from Slurm
   monkeypatch.delenv("SLURM_JOB_ID")
   with pytest.raises(SystemExit):
-    train.check_distributed_flags(None, 2, None)
-  train.check_distributed_flags(None, None, None)  # one process
-  train.check_distributed_flags("localhost:1", 2, 1)
+    cli.check_distributed_flags(None, 2, None)
+  cli.check_distributed_flags(None, None, None)  # one process
+  cli.check_distributed_flags("localhost:1", 2, 1)
 
 
 def test_a_file_given_for_the_whole_validation_dict_says_what_form_the_key_takes(capsys):
