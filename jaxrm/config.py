@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
 PACKING_MODES = ("none", "packed", "shared_prompt")
+CHANGED_SETTINGS = ("refuse", "start_fresh_keep_old", "start_fresh_remove_old")
 REWARD_TYPES = tasks.REWARD_TYPES
 RANKING_LOSSES = ("plackett_luce", "all_pairs")
 # Attribute names stand in metric names such as ``validation-default_mse_helpfulness``.
@@ -565,6 +566,9 @@ class RunConfig:
   """Everything a training run is told; each field is one section of the config."""
 
   output_dir: str = "runs/rm"
+  # When output_dir holds a run trained with other settings: refuse (say which differ), or start
+  # afresh there, the old run's files moved into output_dir/old-<time>/ or removed.
+  changed_settings: str = "refuse"
   model: ModelSpec = ModelSpec()
   reward: RewardSpec = RewardSpec()
   data: DataSpec = DataSpec()
@@ -580,6 +584,10 @@ class RunConfig:
       raise ConfigError(
         f"output_dir={self.output_dir!r}: name the folder the run writes into (output_dir='runs/rm'; "
         "on the command line --config.output_dir=runs/rm)"
+      )
+    if self.changed_settings not in CHANGED_SETTINGS:
+      raise ConfigError(
+        f"changed_settings={self.changed_settings!r}; expected one of {', '.join(CHANGED_SETTINGS)}"
       )
     task = self.reward.task
     if self.data.packing not in task.batches:
@@ -610,12 +618,13 @@ class RunConfig:
     kwargs = {}
     for name, value in _with_default_attributes(d).items():
       section = _SECTIONS.get(name)
-      if section is None and name != "output_dir":
-        raise ConfigError(f"the config has no key {name!r}; it has output_dir, {', '.join(_SECTIONS)}")
+      if section is None and name not in _TOP_KEYS:
+        raise ConfigError(f"the config has no key {name!r}; it has {', '.join([*_TOP_KEYS, *_SECTIONS])}")
       kwargs[name] = value if section is None else _section(section, name, value)
     return cls(**kwargs)
 
 
+_TOP_KEYS = ("output_dir", "changed_settings")
 _SECTIONS = {
   "model": ModelSpec,
   "reward": RewardSpec,

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxrm import checkpointing, loading, report, run_lock, sharding, steps, update
+from jaxrm import checkpointing, loading, report, rerun, run_lock, sharding, steps, update
 from jaxrm.config import RunConfig
 from jaxrm.data import packing, pipeline, registry
 from jaxrm.data.packing import PackSpec
@@ -148,9 +148,7 @@ def _set_up(config: RunConfig) -> _Run:
   # A new run's directories are made only once its input has been read without error.
   lora_cfg = config.model.lora.lora_config
   source = _locate_model(config, lora_cfg)
-  existing = os.path.isdir(_checkpoint_dir(config, out_dir))
-  ckpt = _checkpointer(config, out_dir) if existing else None
-  resume_step = ckpt.latest_step() if ckpt is not None else None
+  ckpt, resume_step = _existing_run(config, out_dir)
   if resume_step is not None:
     _check_same_lora(out_dir, lora_cfg)
   check_data(config)  # what needs no model fails before one loads
@@ -179,7 +177,7 @@ def _set_up(config: RunConfig) -> _Run:
   state, start_step, last_val = built.state, 0, {}
   if resume_step is not None:
     state, last_val, start_step = _resume(ckpt, resume_step, state, inputs.train_iter)
-  if ckpt is not None and is_main:
+  if ckpt is not None and is_main and start_step < total_steps:  # a finished run's files stay as they are
     base = loading.base_reference(config.model.name_or_path) if lora_cfg.enabled else None
     loading.RunFiles(out_dir, rm.config, config, base).write(rm.tokenizer)
   # ------------------------------------------------------------------ summary
@@ -222,6 +220,18 @@ def _total_steps(config: RunConfig, stream: pipeline.TrainStream) -> int:
 
 def _checkpoint_dir(config: RunConfig, out_dir: str) -> str:
   return config.checkpointing.checkpoint_dir or os.path.join(out_dir, "checkpoints")
+
+
+def _existing_run(config: RunConfig, out_dir: str) -> tuple[checkpointing.Checkpointer | None, int | None]:
+  """The checkpointer of the run already in ``out_dir`` and the step it resumes from, when this
+  run resumes it (:func:`jaxrm.rerun.resumes`); (None, None) for a new run."""
+  ckpt_dir = _checkpoint_dir(config, out_dir)
+  ckpt = _checkpointer(config, out_dir) if os.path.isdir(ckpt_dir) else None
+  step = ckpt.latest_step() if ckpt is not None else None
+  if step is None or rerun.resumes(config, out_dir, step, ckpt_dir):
+    return ckpt, step
+  ckpt.close()
+  return None, None
 
 
 def _checkpointer(config: RunConfig, out_dir: str) -> checkpointing.Checkpointer | None:
