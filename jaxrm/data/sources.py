@@ -74,13 +74,13 @@ def fingerprint(path_or_name: str, *, split: str = "train", config: str | None =
   """
   path = os.path.expanduser(path_or_name)
   if os.path.isfile(path):
-    return {"file": path_or_name, **_file_fingerprint(path)}
+    return {"file": path_or_name, **file_fingerprint(path)}
   if os.path.isdir(path):
     files = sorted(os.path.relpath(os.path.join(d, n), path) for d, _, names in os.walk(path) for n in names)
     return {
       "directory": path_or_name,
       "split": split,
-      "files": {f: _file_fingerprint(os.path.join(path, f)) for f in files},
+      "files": {f: file_fingerprint(os.path.join(path, f)) for f in files},
     }
   if "://" in path_or_name:
     loaded = _load(path_or_name, "a URL", _url_builder(path_or_name), data_files=path_or_name, split="train")
@@ -93,7 +93,8 @@ def fingerprint(path_or_name: str, *, split: str = "train", config: str | None =
   return {"hub": path_or_name, "split": split, "config": config, "datasets_fingerprint": loaded._fingerprint}  # pylint: disable=protected-access
 
 
-def _file_fingerprint(path: str) -> dict:
+def file_fingerprint(path: str) -> dict:
+  """``{"size": bytes, "xxh3_128": hex digest}`` of a file's content."""
   import xxhash  # pylint: disable=g-import-not-at-top  (a dependency of datasets)
 
   h = xxhash.xxh3_128()
