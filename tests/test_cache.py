@@ -4,12 +4,14 @@ changed input rebuilds, and processes sharing a cache directory never see a part
 import copy
 import dataclasses
 import json
+import logging
 import os
 import pickle
 import subprocess
 import sys
 import textwrap
 
+import cache_faults
 import numpy as np
 import pytest
 import tiny_run
@@ -333,3 +335,52 @@ def test_two_processes_share_one_cache_directory(tmp_path, cache_root, tok):
   )
   entries = [n for n in os.listdir(tmp_path / "cache") if not n.endswith(".lock")]
   assert len(entries) == 1 and ".tmp-" not in entries[0]
+
+
+def test_seeded_damage_is_detected_never_used_and_rebuilt(tok, tmp_path, caplog):
+  """Each trial damages one file of the entry (truncated, a flipped bit, emptied): the next load
+  warns naming the entry and the file, reads the source again, and returns today's examples."""
+  path = write_jsonl(tmp_path / "train.jsonl", preference_rows())
+  want, want_drops = today(path, tok)
+  calls = []
+  first, _ = load(path, tok, tmp_path / "cache", calls=calls)
+  caplog.set_level(logging.WARNING, logger="jaxrm.data.cache")
+  seen = set()
+  for seed in range(24):
+    caplog.clear()
+    damage = cache_faults.corrupt_cache(str(tmp_path / "cache"), seed)
+    seen.add((damage.kind, damage.name.split(".")[-2]))
+    assert cache.damaged(first.entry) is not None, damage
+    got, drops = load(path, tok, tmp_path / "cache", calls=calls)
+    assert len(calls) == seed + 2, damage  # rebuilt from the source
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and first.entry in warnings[0] and damage.name in warnings[0], (
+      damage,
+      warnings,
+    )
+    assert got.entry == first.entry and cache.damaged(got.entry) is None
+    assert_same_examples(got, want)
+    assert_same_drops(drops, want_drops)
+  assert {kind for kind, _ in seen} == set(cache_faults.KINDS)
+  assert {part for _, part in seen} >= {"values", "lengths", "manifest"}, seen
+  for seed, kind in enumerate(cache_faults.KINDS):  # the checksum itself damaged
+    damage = cache_faults.corrupt_cache(str(tmp_path / "cache"), seed, (kind,), name=cache.CHECKSUM)
+    caplog.clear()
+    assert_same_examples(load(path, tok, tmp_path / "cache", calls=calls)[0], want)
+    assert len(calls) == 26 + seed and cache.CHECKSUM in caplog.records[0].getMessage(), damage
+
+
+def test_an_entry_with_a_missing_or_added_file_is_rebuilt(tok, tmp_path, caplog):
+  path = write_jsonl(tmp_path / "train.jsonl", preference_rows())
+  calls = []
+  first, _ = load(path, tok, tmp_path / "cache", calls=calls)
+  caplog.set_level(logging.WARNING, logger="jaxrm.data.cache")
+  os.remove(os.path.join(first.entry, "strength.null.bin"))
+  load(path, tok, tmp_path / "cache", calls=calls)
+  open(os.path.join(first.entry, "margin.null.bin"), "ab").close()
+  open(os.path.join(first.entry, "extra.bin"), "wb").close()
+  again, _ = load(path, tok, tmp_path / "cache", calls=calls)
+  assert len(calls) == 3
+  warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert "strength.null.bin is missing" in warnings[0] and "extra.bin" in warnings[1], warnings
+  assert_same_examples(again, today(path, tok)[0])

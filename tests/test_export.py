@@ -175,3 +175,51 @@ def test_cli(tmp_path):
     "directories, .gguf files, training output directories and their checkpoints)"
   )
   assert not os.path.exists(tmp_path / "out2")
+
+
+def sharded(model, out):
+  """``model`` saved by transformers in shards with their index, as a large model is."""
+  model.save_pretrained(out, max_shard_size="20KB")
+  names = os.listdir(out)
+  assert "model.safetensors.index.json" in names and "model.safetensors" not in names
+  return sorted(names)
+
+
+def test_export_over_an_earlier_export_removes_the_files_it_does_not_rewrite(tmp_path):
+  """An earlier sharded export (with a tokenizer) in the folder: its shards and index would
+  otherwise sit beside the new weights and be read back instead of them."""
+  out = tmp_path / "out"
+  earlier = sharded(hf_tiny.build("llama", seed=1), out)
+  (out / "tokenizer.json").write_text("{}")
+  hf_tiny.build("llama", seed=2).save_pretrained(tmp_path / "src")
+  export(str(tmp_path / "src"), str(out))
+  assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"], earlier
+  assert_same_params(RewardModel.from_pretrained(out), RewardModel.from_pretrained(tmp_path / "src"))
+
+
+def test_export_refuses_a_folder_holding_other_files(tmp_path):
+  out = tmp_path / "out"
+  hf_tiny.build("llama", seed=1).save_pretrained(out)
+  (out / "notes.txt").write_text("mine")
+  (out / "eval").mkdir()
+  before = {n: os.path.getmtime(out / n) for n in os.listdir(out)}
+  hf_tiny.build("llama", seed=2).save_pretrained(tmp_path / "src")
+  with pytest.raises(CheckpointError, match=f"^{out} holds eval, notes.txt, which no export writes"):
+    export(str(tmp_path / "src"), str(out))
+  assert {n: os.path.getmtime(out / n) for n in os.listdir(out)} == before  # nothing written
+
+
+def test_an_index_beside_a_single_weights_file_is_read_as_transformers_reads_it(tmp_path, caplog):
+  """transformers reads model.safetensors before a sharded index; jaxrm reads the same weights."""
+  both = tmp_path / "both"
+  sharded(hf_tiny.build("llama", seed=1), both)
+  hf_tiny.build("llama", seed=2).save_pretrained(tmp_path / "single")
+  os.link(tmp_path / "single" / "model.safetensors", both / "model.safetensors")
+  theirs = transformers.AutoModelForSequenceClassification.from_pretrained(both, dtype=torch.float32)
+  single = transformers.AutoModelForSequenceClassification.from_pretrained(
+    tmp_path / "single", dtype=torch.float32
+  )
+  for (name, a), (_, b) in zip(theirs.state_dict().items(), single.state_dict().items()):
+    assert torch.equal(a, b), name
+  assert_same_params(RewardModel.from_pretrained(both), RewardModel.from_pretrained(tmp_path / "single"))
+  assert "reading model.safetensors, as transformers does" in caplog.text

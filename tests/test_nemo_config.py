@@ -210,9 +210,18 @@ def test_cli_errors_are_one_line():
     "two_recipes": tiny_run.run(
       [sys.executable, "-m", "jaxrm.train", f"--nemo_config={YAML}", "--config=configs/rm.py"]
     ),
+    "not_a_number": tiny_run.run(
+      [sys.executable, "-m", "jaxrm.train", f"--nemo_config={YAML}", "policy.optimizer.kwargs.lr=fast"]
+    ),
   }
   for name, code, start in (
     ("refused", 1, "error: policy.megatron_cfg.enabled=True"),
+    (
+      "not_a_number",
+      1,
+      "error: policy.optimizer.kwargs.lr='fast' (in the override 'policy.optimizer.kwargs.lr=fast'): "
+      "expected a number, got a string",
+    ),
     (
       "two_recipes",
       2,
@@ -290,3 +299,72 @@ def test_context_parallelism_with_packing_runs_where_nemo_rl_refuses_it():
     device_count=2,
   ).run_config()
   assert (run.mesh.context, run.mesh.fsdp, run.data.packing) == (2, -1, "packed")  # fsdp: the rest
+
+
+def test_defaults_read_yaml_files_only_and_errors_never_show_their_content(tmp_path):
+  """NeMo RL's inheritance: paths relative to the file naming them (or absolute); only YAML files,
+  each a mapping, and an error names the file without printing what it holds."""
+  secret = "s3cr3t-token"
+  (tmp_path / "notes.txt").write_text(f"token: {secret}\n")
+  (tmp_path / "broken.yaml").write_text(f"rm:\n  seed: [{secret}\n")
+  (tmp_path / "list.yaml").write_text(f"- {secret}\n")
+  for parent, message in (
+    ("notes.txt", f"defaults names '{tmp_path / 'notes.txt'}', which is not a YAML file"),
+    ("/etc/passwd", "defaults names '/etc/passwd', which is not a YAML file"),
+    ("broken.yaml", f"{tmp_path / 'broken.yaml'}: not valid YAML at line 3, column 1"),
+    ("list.yaml", f"{tmp_path / 'list.yaml'}: not a mapping of sections"),
+    ("missing.yaml", f"defaults names '{tmp_path / 'missing.yaml'}', which does not exist"),
+    ("[{a: b}]", "defaults is a YAML file's path, or a list of them"),
+  ):
+    (tmp_path / "child.yaml").write_text(f"defaults: {parent}\n")
+    with pytest.raises(ConfigError) as e:
+      nemo.load(str(tmp_path / "child.yaml"))
+    assert message in str(e.value) and secret not in str(e.value) and "root:" not in str(e.value)
+  with pytest.raises(ConfigError, match="is not a YAML file"):
+    nemo.load(str(tmp_path / "notes.txt"))
+
+  # a parent in another folder names its own parent relative to itself; _override_ replaces a section
+  (tmp_path / "base").mkdir()
+  (tmp_path / "base" / "mid.yaml").write_text("defaults: ../root.yaml\nrm: {seed: 2}\n")
+  (tmp_path / "root.yaml").write_text(f"defaults: {YAML}\nrm: {{val_period: 3}}\n")
+  (tmp_path / "child.yaml").write_text(
+    "defaults: [base/mid.yaml]\ncluster: {_override_: true, num_nodes: 1}\n"
+  )
+  config = nemo.load(str(tmp_path / "child.yaml"))
+  assert (config["rm"]["seed"], config["rm"]["val_period"], config["rm"]["max_num_epochs"]) == (2, 3, 1)
+  assert config["cluster"] == {"num_nodes": 1}
+
+
+def test_a_numeric_key_holding_no_number_is_named_with_where_it_was_set(tmp_path):
+  (tmp_path / "child.yaml").write_text(f"defaults: {YAML}\npolicy: {{optimizer: {{kwargs: {{lr: fast}}}}}}\n")
+  for path, overrides, message in (
+    (
+      tmp_path / "child.yaml",
+      [],
+      f"policy.optimizer.kwargs.lr='fast' (in {tmp_path / 'child.yaml'}): expected a number",
+    ),
+    (
+      YAML,
+      ["rm.seed=abc"],
+      "rm.seed='abc' (in the override 'rm.seed=abc'): expected an integer, got a string",
+    ),
+    (
+      YAML,
+      ["rm.val_period=1.5"],
+      "rm.val_period=1.5 (in the override 'rm.val_period=1.5'): expected an integer",
+    ),
+    (YAML, ["policy.max_grad_norm=true"], "policy.max_grad_norm=True (in the override"),
+    (
+      YAML,
+      ["policy.optimizer.kwargs.betas=[0.9,x]"],
+      "policy.optimizer.kwargs.betas[1]='x' (in the override",
+    ),
+    (YAML, ["cluster.num_nodes=two"], "cluster.num_nodes='two'"),
+  ):
+    with pytest.raises(ConfigError) as e:
+      nemo.load(str(path), overrides)
+    assert str(e.value).startswith(message), str(e.value)
+  assert (
+    nemo.load(YAML, ["policy.max_grad_norm=null", "checkpointing.keep_top_k=null"])["policy"]["max_grad_norm"]
+    is None
+  )

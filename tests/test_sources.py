@@ -83,3 +83,28 @@ def test_a_split_name_reads_that_split_of_a_public_dataset():
   spec = registry._SPECS["UltraFeedback"]  # pylint: disable=protected-access
   key = registry._resolve(spec, "UltraFeedback", "validation", "validation", {})  # pylint: disable=protected-access
   assert key == ("HuggingFaceH4/ultrafeedback_binarized", "test_prefs", {"config": None})
+
+
+def test_a_lone_surrogate_is_named_by_file_row_and_field(tmp_path):
+  """JSON's escapes can spell half a surrogate pair, which no tokenizer reads: the row is refused
+  where it is read, naming it; a whole pair, or the escape's text itself, reads as before."""
+  from jaxrm.data import registry
+  from jaxrm.data.drops import DropReport
+
+  good = {"context": "p", "completions": [{"rank": 0, "completion": "a"}, {"rank": 1, "completion": "b"}]}
+  lines = [json.dumps(good), json.dumps({**good, "context": "smile \ud83d\ude00"}), json.dumps(good)]
+  lines.append(json.dumps({**good, "context": "a backslash: \\ud800"}))
+  bad = json.loads(json.dumps(good))
+  bad["completions"][1]["completion"] = [{"role": "assistant", "content": "x\ud800y"}]
+  path = str(tmp_path / "train.jsonl")
+  with open(path, "w") as f:
+    f.write("\n".join([*lines, json.dumps(bad)]) + "\n")
+  field = r"field 'completions\[1\]\.completion\[0\]\.content' holds a lone surrogate"
+  with pytest.raises(DataError, match=rf"^{path}:5: {field}"):
+    registry.load_records("PreferenceDataset", path, drops=DropReport())
+  assert len(list(sources.read_rows(path, max_rows=4))) == 4
+  as_json = str(tmp_path / "train.json")
+  with open(as_json, "w") as f:
+    f.write("[" + ",".join([lines[0], json.dumps({"context": "p", "\udfff": 1})]) + "]")
+  with pytest.raises(DataError, match=r"train\.json\[row 1\]: a key of the row holds a lone surrogate"):
+    list(sources.read_rows(as_json))

@@ -2,28 +2,58 @@ r"""NeMo RL's reward-model recipe (its ``examples/configs/rm.yaml``), run as it 
 
   python -m jaxrm.train --nemo_config=rm.yaml policy.model_name=/models/llama data.train_data_path=t.jsonl
 
-The YAML is read as NeMo RL reads it: OmegaConf, a ``defaults:`` file (or list of files,
-relative to the YAML) underneath, then the ``section.key=value`` overrides (``+key=value`` adds a
-key the YAML lacks, as Hydra's grammar has it), then every ``${...}`` interpolation resolved.
-:func:`translate` then maps each key onto jaxrm's config or says why it changes nothing; a
-setting jaxrm cannot honour and that would change the result is refused, naming the key.
+The YAML is read as NeMo RL reads it (``nemo_rl.utils.config.load_config_with_inheritance``):
+OmegaConf, a ``defaults:`` file (or list of files) underneath, each an absolute path or one
+relative to the directory of the file naming it, merged in order (a section marked
+``_override_: true`` replaces the inherited one instead of merging into it), then the
+``section.key=value`` overrides (``+key=value`` adds a key the YAML lacks, as Hydra's grammar has
+it), then every ``${...}`` interpolation resolved. Only YAML files (``.yaml``, ``.yml``) are read,
+each a mapping of sections; an error names the file, never what it holds. A numeric key holding
+anything but a number is refused, naming the key and where it was set. :func:`translate` then
+maps each key onto jaxrm's config or says why it changes nothing; a setting jaxrm cannot honour
+and that would change the result is refused, naming the key.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jaxrm import compat
 from jaxrm.compat import Translation, refuse
+from jaxrm.data.formats import kind
 from jaxrm.errors import ConfigError
 
 # NeMo RL's preference datasets that jaxrm reads under the same name.
 _SAME_DATASETS = ("HelpSteer3", "PreferenceDataset")
 _BINARY_KEYS = {"prompt_key": "prompt", "chosen_key": "chosen", "rejected_key": "rejected"}
 _PRECISIONS = {"bfloat16": ("bfloat16", "float32"), "float32": ("float32", "float32")}
+YAML_SUFFIXES = (".yaml", ".yml")
+# NeMo RL's numeric keys, as the YAML spells them: each must hold a number (an integer where NeMo
+# RL's config types say int); null only where NeMo RL allows it.
+_INTEGER_KEYS = (
+  *(f"rm.{k}" for k in ("max_num_epochs", "max_num_steps", "val_period", "val_batches", "seed")),
+  "rm.val_global_batch_size",
+  "rm.val_micro_batch_size",
+  "checkpointing.keep_top_k",
+  "checkpointing.save_period",
+  "policy.train_global_batch_size",
+  "policy.train_micro_batch_size",
+  "policy.max_total_sequence_length",
+  "policy.dtensor_cfg.tensor_parallel_size",
+  "policy.dtensor_cfg.context_parallel_size",
+  "data.max_input_seq_length",
+  "data.num_workers",
+  "cluster.gpus_per_node",
+  "cluster.num_nodes",
+)
+_NUMBER_KEYS = (
+  "policy.max_grad_norm",
+  *(f"policy.optimizer.kwargs.{k}" for k in ("lr", "weight_decay", "eps", "betas[0]", "betas[1]")),
+)
+_NULLABLE_KEYS = ("checkpointing.keep_top_k", "policy.max_grad_norm")
 
 
 # ------------------------------------------------------------------ reading
@@ -39,8 +69,9 @@ def load(path: str, overrides: list[str] = ()) -> dict[str, Any]:
   from omegaconf import OmegaConf
   from omegaconf.errors import OmegaConfBaseException
 
+  files: list[tuple[str, Any]] = []  # (file, its own keys), in merge order
   try:
-    config = _with_defaults(path, seen=())
+    config = _with_defaults(path, seen=(), files=files)
     for override in overrides:
       config = _override(config, override)
     resolved = OmegaConf.to_container(config, resolve=True)
@@ -48,29 +79,74 @@ def load(path: str, overrides: list[str] = ()) -> dict[str, Any]:
     raise ConfigError(f"--nemo_config={path}: {_first_line(e)}") from None
   if not isinstance(resolved, dict):
     raise ConfigError(f"--nemo_config={path}: the YAML is not a mapping of sections")
+  _check_numbers(resolved, files, overrides)
   return resolved
 
 
-def _with_defaults(path: str, seen: tuple[str, ...]):
-  """``path``'s YAML over the files its ``defaults`` key names (NeMo RL's config inheritance)."""
+def _with_defaults(path: str, seen: tuple[str, ...], files: list):
+  """``path``'s YAML over the files its ``defaults`` key names (NeMo RL's config inheritance);
+  each file read is appended to ``files`` with its own keys, in merge order."""
+  from omegaconf import DictConfig, OmegaConf
+
+  path = os.path.abspath(path)
+  named_by = f"{seen[-1]}: defaults names {path!r}, which" if seen else f"--nemo_config={path}:"
+  if not path.endswith(YAML_SUFFIXES):
+    raise ConfigError(
+      f"{named_by} is not a YAML file; NeMo RL configs are {' or '.join(YAML_SUFFIXES)} files"
+    )
+  if not os.path.isfile(path):
+    raise ConfigError(f"{named_by} does not exist" if seen else f"--nemo_config: no such file {path!r}")
+  if path in seen:
+    raise ConfigError(f"{path}: 'defaults' comes back to this file ({' -> '.join(seen + (path,))})")
+  config = _read_yaml(path)
+  if not isinstance(config, DictConfig):
+    raise ConfigError(f"{path}: not a mapping of sections (NeMo RL reads a YAML mapping)")
+  parents = config.pop("defaults", None)
+  own = config
+  if parents is not None:
+    parents = (
+      [parents] if isinstance(parents, str) else list(parents) if isinstance(parents, Sequence) else None
+    )
+    if parents is None or not all(isinstance(p, str) for p in parents):
+      raise ConfigError(f"{path}: defaults is a YAML file's path, or a list of them")
+    # NeMo RL's resolve_path: an absolute path as it is, another relative to this file's directory.
+    base = OmegaConf.create({})
+    for parent in parents:
+      base = _merge_with_override(
+        base, _with_defaults(os.path.join(os.path.dirname(path), parent), (*seen, path), files)
+      )
+    config = _merge_with_override(base, config)
+  files.append((path, own))
+  return config
+
+
+def _read_yaml(path: str):
+  """The file's YAML; an error names the file and where it fails, never what it holds."""
   import yaml
   from omegaconf import OmegaConf
 
-  path = os.path.abspath(path)
-  if not os.path.isfile(path):
-    raise ConfigError(f"--nemo_config: no such file {path!r}")
-  if path in seen:
-    raise ConfigError(f"{path}: 'defaults' comes back to this file ({' -> '.join(seen + (path,))})")
   try:
-    config = OmegaConf.load(path)
+    return OmegaConf.load(path)
   except yaml.YAMLError as e:
-    raise ConfigError(f"{path}: not valid YAML: {_first_line(e)}") from None
-  parents = config.pop("defaults", None) if isinstance(config, Mapping) else None
-  if parents is None:
-    return config
-  parents = [parents] if isinstance(parents, str) else list(parents)
-  base = [_with_defaults(os.path.join(os.path.dirname(path), p), seen + (path,)) for p in parents]
-  return OmegaConf.merge(*base, config)
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    raise ConfigError(f"{path}: not valid YAML{where}") from None
+  except UnicodeDecodeError:
+    raise ConfigError(f"{path}: not a text file (YAML is UTF-8 text)") from None
+
+
+def _merge_with_override(base, config):
+  """NeMo RL's ``merge_with_override``: ``config`` over ``base``, a section of ``config`` marked
+  ``_override_: true`` replacing ``base``'s instead of merging into it."""
+  from omegaconf import DictConfig, OmegaConf
+
+  for key in list(config.keys()):
+    section = config[key]
+    if isinstance(section, DictConfig) and section.get("_override_", False):
+      section.pop("_override_")
+      if key in base:
+        base.pop(key)
+  return OmegaConf.merge(base, config)
 
 
 def _override(config, override: str):
@@ -93,6 +169,46 @@ def _override(config, override: str):
 
 
 _MISSING = object()
+
+
+def _check_numbers(config: dict, files: list[tuple[str, Any]], overrides: list[str]) -> None:
+  """Refuses a numeric key holding anything but a number, naming it and where it was set."""
+  from omegaconf import OmegaConf
+
+  for key in (*_INTEGER_KEYS, *_NUMBER_KEYS):
+    value = _lookup(config, key)
+    if value is _MISSING or (value is None and key in _NULLABLE_KEYS):
+      continue
+    integer = key in _INTEGER_KEYS
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+      name = key.partition("[")[0]
+      override = next((o for o in reversed(overrides) if o.partition("=")[0].lstrip("+") == name), None)
+      if override is not None:
+        where = f"the override {override!r}"
+      else:
+        where = next(
+          (f for f, own in reversed(files) if OmegaConf.select(own, name, default=_MISSING) is not _MISSING),
+          files[-1][0],
+        )
+      raise ConfigError(
+        f"{key}={value!r} (in {where}): expected {'an integer' if integer else 'a number'}, got {kind(value)}"
+      )
+
+
+def _lookup(config: dict, key: str) -> Any:
+  """``config``'s value at a dotted ``key`` (``a.b[1]`` indexes a list), or _MISSING."""
+  node: Any = config
+  for part in key.replace("[", ".[").split("."):
+    if part.startswith("["):
+      index = int(part[1:-1])
+      if not isinstance(node, list) or index >= len(node):
+        return _MISSING
+      node = node[index]
+    elif isinstance(node, dict) and part in node:
+      node = node[part]
+    else:
+      return _MISSING
+  return node
 
 
 def _first_line(error: Exception) -> str:

@@ -10,13 +10,16 @@ examples are memory-mapped and built on access, so neither the records nor the e
 held in memory.
 
 Layout of one entry, ``<cache_dir>/<key hash>/``: ``manifest.json`` (the key, the example type,
-each field's kind and dtype, the drop report) and per field raw little-endian arrays
-(``<field>.values.bin``; ``<field>.lengths.bin``, one length per example, for ragged fields;
-``<field>.inner.bin`` for tuples of arrays; ``<field>.null.bin`` for optional numbers). Fields are
-stored by their dataclass type, so a new example type needs no change here. An entry is written
-into a temporary directory and renamed into place, so processes sharing a cache directory never
-see a partial one; a lock file makes a second process wait for the first one's entry rather
-than tokenize the same data again.
+each field's kind and dtype, the drop report, and each data file's size and xxh3-128 checksum), per
+field raw little-endian arrays (``<field>.values.bin``; ``<field>.lengths.bin``, one length per
+example, for ragged fields; ``<field>.inner.bin`` for tuples of arrays; ``<field>.null.bin`` for
+optional numbers), and ``checksum.json``, the manifest's own size and checksum, written last.
+Fields are stored by their dataclass type, so a new example type needs no change here. An entry is
+written into a temporary directory and renamed into place, so processes sharing a cache directory
+never see a partial one; a lock file makes a second process wait for the first one's entry rather
+than tokenize the same data again. Every file of an entry is checked against its checksum before
+the entry is used: a damaged one (truncated, edited, a file missing or added) is never read, but
+named in a warning and rebuilt from the source.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from jaxrm.data.drops import DropReport
+from jaxrm.data.sources import file_fingerprint
 from jaxrm.data.tokenize import TokenizeOptions, tokenize_all
 
 log = logging.getLogger(__name__)
@@ -53,10 +57,11 @@ log = logging.getLogger(__name__)
 # itself (installed_versions); this number covers changes between releases.
 TOKENIZE_VERSION = 1
 VERSIONED_PACKAGES = ("jaxrm", "transformers", "tokenizers")
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: checksums
 DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "jaxrm", "tokenized")
 CHUNK_SIZE = 1000  # records per task sent to a worker process
 MANIFEST = "manifest.json"
+CHECKSUM = "checksum.json"  # the manifest's size and checksum; written last
 
 Records = Iterable[Any]  # PreferenceRecord | StepwiseRecord | ...
 
@@ -160,7 +165,13 @@ def load_tokenized(
   entry = os.path.join(root, key_hash(key))
   os.makedirs(root, exist_ok=True)
   with _lock(entry + ".lock"):
-    if not os.path.exists(os.path.join(entry, MANIFEST)):
+    damage = damaged(entry) if os.path.lexists(entry) else None
+    if damage is not None:
+      log.warning(
+        "the tokenized cache entry %s is damaged (%s): not used, rebuilt from the source", entry, damage
+      )
+      _discard(entry)
+    if not os.path.lexists(entry):
       log.info("tokenizing into the cache: %s", entry)
       _build(entry, key, read_records, tokenizer, options, num_proc, chunk_size)
     else:
@@ -367,7 +378,7 @@ def _build(entry: str, key: dict, read_records, tokenizer, options, num_proc: in
     try:
       os.rename(tmp, entry)
     except OSError:  # another process (without the lock: another host) wrote it first
-      if not os.path.exists(os.path.join(entry, MANIFEST)):
+      if damaged(entry) is not None:
         raise
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
@@ -424,9 +435,12 @@ class _Writer:
       "drops": _drops_to_dict(drops),
       "example_type": None if self.example_type is None else _type_name(self.example_type),
       "fields": {n: {"kind": k, "dtype": self.dtypes.get(n)} for n, k in self.kinds.items()},
+      "files": {os.path.basename(p): file_fingerprint(p) for p in sorted(self.files)},
     }
     with open(os.path.join(self.directory, MANIFEST), "w") as f:
       json.dump(manifest, f)
+    with open(os.path.join(self.directory, CHECKSUM), "w") as f:
+      json.dump(file_fingerprint(os.path.join(self.directory, MANIFEST)), f)
 
 
 def _drops_to_dict(drops: DropReport) -> dict:
@@ -439,6 +453,49 @@ def _drops_from_dict(d: dict) -> DropReport:
   for reason, sources in d["examples"].items():
     drops.examples[reason].extend(sources)
   return drops
+
+
+# ------------------------------------------------------------------ checking an entry
+
+
+def damaged(entry: str) -> str | None:
+  """What is wrong with the cache entry ``entry``, naming the file; None when every file of it
+  matches the checksum written with it."""
+  if not os.path.isdir(entry):
+    return f"{entry} is not a directory"
+  try:
+    with open(os.path.join(entry, CHECKSUM)) as f:
+      want = json.load(f)
+  except (OSError, ValueError):
+    return f"{CHECKSUM} is missing or unreadable"
+  manifest_path = os.path.join(entry, MANIFEST)
+  if not os.path.isfile(manifest_path) or file_fingerprint(manifest_path) != want:
+    return f"{MANIFEST} does not match {CHECKSUM}"
+  with open(manifest_path) as f:
+    files = json.load(f)["files"]
+  extra = sorted(set(os.listdir(entry)) - set(files) - {MANIFEST, CHECKSUM})
+  if extra:
+    return f"{', '.join(extra)}: not written with the entry"
+  for name, fingerprint in files.items():
+    path = os.path.join(entry, name)
+    if not os.path.isfile(path):
+      return f"{name} is missing"
+    got = file_fingerprint(path)
+    if got["size"] != fingerprint["size"]:
+      return f"{name} holds {got['size']} bytes, written with {fingerprint['size']}"
+    if got != fingerprint:
+      return f"{name} does not match its checksum"
+  return None
+
+
+def _discard(entry: str) -> None:
+  """Removes a damaged entry; renamed first, so that no process sees it half removed."""
+  doomed = f"{entry}.damaged-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+  os.rename(entry, doomed)
+  if os.path.isdir(doomed):
+    shutil.rmtree(doomed, ignore_errors=True)
+  else:
+    os.remove(doomed)
 
 
 # ------------------------------------------------------------------ reading an entry
@@ -459,8 +516,9 @@ class CachedExamples(Sequence):
     self.drops = _drops_from_dict(manifest["drops"])
     self._n = manifest["num_examples"]
     self.example_type = _example_type(manifest["example_type"]) if manifest["example_type"] else None
+    files = set(manifest["files"])
     self._fields = {
-      name: _Column(entry, name, spec["kind"], spec["dtype"], self._n)
+      name: _Column(entry, name, spec["kind"], spec["dtype"], files)
       for name, spec in manifest["fields"].items()
     }
 
@@ -486,14 +544,17 @@ class CachedExamples(Sequence):
 class _Column:
   """One field's streams, mapped from its files."""
 
-  def __init__(self, entry: str, name: str, kind: str, dtype: str | None, n: int):
+  def __init__(self, entry: str, name: str, kind: str, dtype: str | None, files: set[str]):
     self.kind = kind
-    base = os.path.join(entry, name)
-    self.values = _map(f"{base}.values.bin", dtype or "<i4")
-    self.offsets = _offsets(f"{base}.lengths.bin")
-    self.inner = _offsets(f"{base}.inner.bin")
-    null = f"{base}.null.bin"
-    self.null = _map(null, "|b1") if os.path.exists(null) else None
+
+    def path(stream: str) -> str | None:  # None: the entry was written without this stream
+      return os.path.join(entry, f"{name}.{stream}.bin") if f"{name}.{stream}.bin" in files else None
+
+    self.values = _map(path("values"), dtype or "<i4")
+    self.offsets = _offsets(path("lengths"))
+    self.inner = _offsets(path("inner"))
+    null = path("null")
+    self.null = None if null is None else _map(null, "|b1")
 
   def __getitem__(self, i: int):
     kind = self.kind
@@ -510,14 +571,14 @@ class _Column:
     return raw if kind == "str" else json.loads(raw)
 
 
-def _map(path: str, dtype: str) -> np.ndarray:
-  if not os.path.exists(path) or os.path.getsize(path) == 0:
+def _map(path: str | None, dtype: str) -> np.ndarray:
+  if path is None or os.path.getsize(path) == 0:
     return np.zeros(0, np.dtype(dtype))
   return np.asarray(np.memmap(path, dtype=np.dtype(dtype), mode="r"))
 
 
-def _offsets(path: str) -> np.ndarray | None:
-  if not os.path.exists(path):
+def _offsets(path: str | None) -> np.ndarray | None:
+  if path is None:
     return None
   lengths = np.fromfile(path, np.int64)
   return np.concatenate([[0], np.cumsum(lengths)])

@@ -57,6 +57,39 @@ def kind(value: Any) -> str:
   return _KINDS.get(type(value), type(value).__name__)
 
 
+LONE_SURROGATE = "holds a lone surrogate (a JSON escape in \\ud800-\\udfff alone), which is not text"
+
+
+def not_text(value: Any, whole: str = "the row") -> str | None:
+  """Where ``value`` (a parsed JSON row or body) holds a string or key with a lone surrogate, which
+  JSON's ``\\u`` escapes allow and no tokenizer reads: ``"field 'a[0].b'"`` or ``"a key of
+  field 'a'"`` (of ``whole`` at the top); None where there is none."""
+  todo = [("", value)]
+  while todo:
+    path, x = todo.pop()
+    if isinstance(x, str):
+      if not _is_text(x):
+        return f"field '{path}'"
+    elif isinstance(x, dict):
+      for k, v in reversed(x.items()):
+        if isinstance(k, str) and not _is_text(k):
+          return f"a key of {f'field {path!r}' if path else whole}"
+        todo.append((f"{path}.{k}" if path else str(k), v))
+    elif isinstance(x, list):
+      todo.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(x))))
+  return None
+
+
+def _is_text(s: str) -> bool:
+  if s.isascii():
+    return True
+  try:
+    s.encode("utf-8")
+  except UnicodeEncodeError:
+    return False
+  return True
+
+
 def required(obj: dict, key: str, source: str, prefix: str = "") -> Any:
   """``obj[key]``; a missing or null value is an error naming ``prefix.key``."""
   value = obj.get(key)

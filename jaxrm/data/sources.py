@@ -14,13 +14,15 @@ import re
 from collections.abc import Iterable, Iterator
 
 from jaxrm.data.drops import row_error
-from jaxrm.data.formats import kind
+from jaxrm.data.formats import LONE_SURROGATE, kind, not_text
 from jaxrm.errors import DataError
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 _PARQUET_BATCH = 65_536  # pyarrow's default batch size
 # "name" or "org/name": anything else that does not exist on disk is a missing local path.
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+# A \u escape of a surrogate code point: the only way a lone surrogate gets into a row.
+_ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def read_rows(
@@ -74,13 +76,13 @@ def fingerprint(path_or_name: str, *, split: str = "train", config: str | None =
   """
   path = os.path.expanduser(path_or_name)
   if os.path.isfile(path):
-    return {"file": path_or_name, **_file_fingerprint(path)}
+    return {"file": path_or_name, **file_fingerprint(path)}
   if os.path.isdir(path):
     files = sorted(os.path.relpath(os.path.join(d, n), path) for d, _, names in os.walk(path) for n in names)
     return {
       "directory": path_or_name,
       "split": split,
-      "files": {f: _file_fingerprint(os.path.join(path, f)) for f in files},
+      "files": {f: file_fingerprint(os.path.join(path, f)) for f in files},
     }
   if "://" in path_or_name:
     loaded = _load(path_or_name, "a URL", _url_builder(path_or_name), data_files=path_or_name, split="train")
@@ -93,7 +95,8 @@ def fingerprint(path_or_name: str, *, split: str = "train", config: str | None =
   return {"hub": path_or_name, "split": split, "config": config, "datasets_fingerprint": loaded._fingerprint}  # pylint: disable=protected-access
 
 
-def _file_fingerprint(path: str) -> dict:
+def file_fingerprint(path: str) -> dict:
+  """``{"size": bytes, "xxh3_128": hex digest}`` of a file's content."""
   import xxhash  # pylint: disable=g-import-not-at-top  (a dependency of datasets)
 
   h = xxhash.xxh3_128()
@@ -146,6 +149,8 @@ def _jsonl_rows(name: str, path: str) -> Iterator[tuple[str, object]]:
         row = json.loads(line)
       except json.JSONDecodeError as e:
         raise row_error(source, None, f"not valid JSON: {e.msg} at column {e.colno}") from None
+      if _ESCAPED_SURROGATE.search(line):
+        _check_text(source, row)
       yield source, row
 
 
@@ -164,7 +169,17 @@ def _json_rows(name: str, path: str) -> Iterator[tuple[str, object]]:
   rows = data.get("data") if isinstance(data, dict) else data
   if not isinstance(rows, list):
     raise DataError(f"{name}: expected a JSON list of rows, or an object with a 'data' list")
-  return ((f"{name}[row {i}]", row) for i, row in enumerate(rows))
+  check = _ESCAPED_SURROGATE.search(text) is not None
+  for i, row in enumerate(rows):
+    if check:
+      _check_text(f"{name}[row {i}]", row)
+    yield f"{name}[row {i}]", row
+
+
+def _check_text(source: str, row: object) -> None:
+  """Refuses a row holding a lone surrogate (only JSON's escapes can: Arrow's strings are UTF-8)."""
+  if (where := not_text(row)) is not None:
+    raise row_error(source, None, f"{where} {LONE_SURROGATE}; write the character itself, or a valid pair")
 
 
 def _parquet_rows(name: str, path: str, max_rows: int) -> Iterator[tuple[str, object]]:

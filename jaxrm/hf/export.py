@@ -11,6 +11,11 @@
 A model with LoRA adapters is written with the adapters merged into its weights (a plain
 checkpoint, no peft needed), or, by :func:`save_peft_adapters`, as a peft adapter directory
 (``adapter_config.json`` + ``adapter_model.safetensors``) to apply over its base checkpoint.
+
+A directory that holds an earlier export (jaxrm's or transformers' ``save_pretrained``: weights,
+shards and their index, config, tokenizer and adapter files) is written over, and the files of the
+earlier export that this one does not rewrite are removed, so that no loader reads stale shards
+beside the new weights. Any other file in it makes the export refuse before writing, naming it.
 """
 
 from __future__ import annotations
@@ -18,13 +23,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+from collections.abc import Iterable
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from jaxrm.errors import ConfigError
+from jaxrm.errors import CheckpointError, ConfigError
 from jaxrm.hf.safetensors_io import save_safetensors
 from jaxrm.hf.weight_map import PEFT_HEAD, peft_names, to_hf_names
 from jaxrm.models import lora
@@ -100,6 +107,47 @@ def peft_config(cfg: ModelConfig, base_model_name_or_path: str | None) -> dict:
     "rank_pattern": {},
     "alpha_pattern": {},
   }
+
+
+# The files an HF export writes (jaxrm's, or transformers' and peft's save_pretrained): an export
+# removes those of an earlier one that it does not rewrite, and refuses a directory holding others.
+EXPORT_FILES = re.compile(
+  r"config\.json|generation_config\.json"
+  r"|(model|adapter_model)\.safetensors(\.tmp)?|model\.safetensors\.index\.json"
+  r"|model-\d{5}-of-\d{5}\.safetensors|adapter_config\.json"
+  r"|(pytorch_model|adapter_model)\.bin|pytorch_model\.bin\.index\.json|pytorch_model-\d{5}-of-\d{5}\.bin"
+  r"|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|added_tokens\.json"
+  r"|vocab\.json|vocab\.txt|merges\.txt|tokenizer\.model|spiece\.model|sentencepiece\.bpe\.model"
+  r"|chat_template\.jinja|chat_template\.json"
+)
+
+
+def _earlier_export(out_dir: str) -> list[str]:
+  """The files of an earlier export in ``out_dir`` (created if missing); any other entry in it is
+  refused, named, before anything is written."""
+  os.makedirs(out_dir, exist_ok=True)
+  names = sorted(os.listdir(out_dir))
+  other = [n for n in names if not (EXPORT_FILES.fullmatch(n) and os.path.isfile(os.path.join(out_dir, n)))]
+  if other:
+    raise CheckpointError(
+      f"{out_dir} holds {', '.join(other)}, which no export writes; export into a new or empty "
+      "directory, or remove them (an earlier export's own files are replaced)"
+    )
+  return names
+
+
+def _remove_unwritten(out_dir: str, earlier: Iterable[str], written: Iterable[str]) -> None:
+  """Removes the files of the earlier export that this one did not rewrite."""
+  stale = sorted(set(earlier) - {os.path.basename(w) for w in written})
+  for name in stale:
+    os.remove(os.path.join(out_dir, name))
+  if stale:
+    log.info("removed the files of an earlier export in %s: %s", out_dir, ", ".join(stale))
+
+
+def _save_tokenizer(out_dir: str, tokenizer: Any) -> list[str]:
+  """The tokenizer's files written into ``out_dir`` (none without a tokenizer)."""
+  return [] if tokenizer is None else [os.fspath(p) for p in tokenizer.save_pretrained(out_dir)]
 
 
 REGRESSION = "regression"  # transformers' problem_type of a regression head
@@ -179,25 +227,29 @@ def save_pretrained(
   adapters are merged into the weights, and the config written is that of a model without them.
 
   Args:
-    out_dir: created if missing; existing export files in it are replaced.
+    out_dir: created if missing; the files of an earlier export in it are replaced or removed,
+      and any other file makes it refuse (see the module docstring).
     model: its parameters must be addressable from this process.
     tokenizer: saved beside the weights; None writes no tokenizer files.
     attributes, extra_config: see :func:`hf_config`.
     dtype: tensor dtype, "float32" or "bfloat16" (default: the model's parameter dtype).
+
+  Raises:
+    CheckpointError: ``out_dir`` holds files that no export writes.
   """
   out_dir = os.fspath(out_dir)
   dtype = _check_dtype(dtype or model.config.param_dtype)
-  os.makedirs(out_dir, exist_ok=True)
+  earlier = _earlier_export(out_dir)
   save_safetensors(os.path.join(out_dir, "model.safetensors"), hf_tensors(model, dtype))
   config = hf_config(
     model.config, dtype, tokenizer=tokenizer, attributes=attributes, extra_config=extra_config
   )
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(config, f, indent=2)
-  if tokenizer is not None:
-    tokenizer.save_pretrained(out_dir)
-  else:
+  written = ["model.safetensors", "config.json", *_save_tokenizer(out_dir, tokenizer)]
+  if tokenizer is None:
     log.warning("the model has no tokenizer: %s holds no tokenizer files", out_dir)
+  _remove_unwritten(out_dir, earlier, written)
 
 
 def save_peft_adapters(
@@ -215,7 +267,8 @@ def save_peft_adapters(
   ``*ForTokenClassification`` (its head, if any, is replaced by the saved one).
 
   Args:
-    out_dir: created if missing; existing adapter files in it are replaced.
+    out_dir: created if missing; the files of an earlier export in it are replaced or removed,
+      and any other file makes it refuse (see the module docstring).
     model: a model with LoRA adapters; its parameters must be addressable from this process.
     tokenizer: saved beside the adapters; None writes no tokenizer files.
     base_model_name_or_path: the base checkpoint (an HF directory or hub name), recorded in
@@ -225,7 +278,7 @@ def save_peft_adapters(
   out_dir = os.fspath(out_dir)
   dtype = _check_dtype(dtype or model.config.param_dtype)
   tensors = peft_tensors(model, dtype)
-  os.makedirs(out_dir, exist_ok=True)
+  earlier = _earlier_export(out_dir)
   save_safetensors(os.path.join(out_dir, "adapter_model.safetensors"), tensors)
   with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
     json.dump(peft_config(model.config, base_model_name_or_path), f, indent=2)
@@ -236,5 +289,5 @@ def save_peft_adapters(
       "keeps jaxrm's)",
       model.config.lora.base_dtype,
     )
-  if tokenizer is not None:
-    tokenizer.save_pretrained(out_dir)
+  written = ["adapter_model.safetensors", "adapter_config.json", *_save_tokenizer(out_dir, tokenizer)]
+  _remove_unwritten(out_dir, earlier, written)

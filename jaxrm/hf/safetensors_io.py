@@ -8,6 +8,7 @@ cannot). Only safetensors is read: pickled ``pytorch_model.bin`` files are refus
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 from typing import Any
@@ -16,6 +17,8 @@ import ml_dtypes
 import numpy as np
 
 from jaxrm.errors import CheckpointError
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {
   "F64": np.float64,
@@ -76,11 +79,18 @@ class HFCheckpoint:
     path = self.path
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
-    if os.path.isfile(index):
+    # transformers' precedence: model.safetensors, if there is one, before a sharded index.
+    if os.path.isfile(single):
+      if os.path.isfile(index):
+        log.warning(
+          "%s holds both model.safetensors and model.safetensors.index.json: reading "
+          "model.safetensors, as transformers does; remove the index and its shards if they are stale",
+          path,
+        )
+      self._where = {k: "model.safetensors" for k in self._file("model.safetensors").keys()}
+    elif os.path.isfile(index):
       with open(index) as f:
         self._where = dict(json.load(f)["weight_map"])
-    elif os.path.isfile(single):
-      self._where = {k: "model.safetensors" for k in self._file("model.safetensors").keys()}
     else:
       bins = [n for n in os.listdir(path) if n.endswith(".bin") or n.endswith(".pt")]
       if bins:
