@@ -1,9 +1,10 @@
 """What every jaxrm command line shares: logging, and user errors printed as one line.
 
 ``python -m jaxrm.train | evaluate | serve | export`` each end in :func:`run`. A
-:class:`~jaxrm.errors.UserError` (a bad config value, data row, checkpoint...) or an ``OSError``
-(a missing file, a port in use) is printed as ``error: <message>`` and exits 1; a usage error
-exits 2; anything else is a bug and keeps its traceback.
+:class:`~jaxrm.errors.UserError` (a data row, a checkpoint, a model that does not fit...) or an
+``OSError`` (a missing file, a port in use) is printed as ``error: <message>`` and exits 1; a usage
+error, a setting that cannot work (:class:`~jaxrm.errors.ConfigError`) included, exits 2; anything
+else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from jaxrm.errors import UserError
+from jaxrm.errors import ConfigError, UserError
 
 # Libraries that log every compile, restore or file at INFO.
 NOISY_LOGGERS = ("absl", "orbax", "jax._src", "tensorstore")
@@ -89,6 +90,8 @@ def run(
       exit_usage(f"unexpected arguments: {' '.join(argv[1:])}")
     try:
       main()
+    except ConfigError as e:
+      exit_usage(str(e))
     except (UserError, OSError) as e:
       print(f"error: {e}", file=sys.stderr)
       sys.exit(1)

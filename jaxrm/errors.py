@@ -1,4 +1,5 @@
-"""The errors a user can fix: each CLI prints their message, without a traceback, and exits 1.
+"""The errors a user can fix: each CLI prints their message, without a traceback, and exits 1
+(2 for a :class:`ConfigError`, a setting that cannot work, as for any other usage error).
 
 Every error that a config value, a data row, a checkpoint or a request can cause derives from
 :class:`UserError`; anything else is a bug and keeps its traceback. They also derive from

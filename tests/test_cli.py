@@ -78,7 +78,7 @@ def test_unknown_key_is_named(runs):
   [
     (
       "--config.nonexistent.x=1",
-      "the config has no key 'nonexistent'; the config has checkpointing, data, eval, ",
+      "the config has no key 'nonexistent'; the config has changed_settings, checkpointing, data, eval, ",
     ),
     ("--noconfig.eval.val_atstart", "the config has no key 'eval.val_atstart'; config.eval has batch_size, "),
     (

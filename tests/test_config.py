@@ -76,7 +76,10 @@ def test_a_notebook_sets_only_what_it_changes():
       "checkpointing.metric_name='validation-other_loss' names no validation set; use "
       "'validation-<set>_<metric>' with <set> one of default",
     ),
-    (lambda: RunConfig.from_dict({"trian": {}}), "the config has no key 'trian'; it has output_dir, changed_settings, model"),
+    (
+      lambda: RunConfig.from_dict({"trian": {}}),
+      "the config has no key 'trian'; it has output_dir, changed_settings, model",
+    ),
     (
       lambda: RunConfig.from_dict({"train": {"max_stepz": 1}}),
       "config.train has no key 'max_stepz'; it has adam_beta1, adam_beta2, adam_epsilon, global_batch_size",

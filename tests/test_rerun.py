@@ -32,7 +32,7 @@ def test_cli_refuses_changed_settings_naming_each_key_before_the_model_loads(fin
   result = tiny_run.run(
     tiny_run.cli(model_dir, finished, "--config.train.learning_rate=0.01", "--config.data.max_train_rows=32")
   )
-  assert result.returncode == 1, tiny_run.describe(result)
+  assert result.returncode == 2, tiny_run.describe(result)
   err = result.stderr
   assert "Traceback" not in err, err
   assert f"{finished} holds a run (checkpoint at step 4) trained with other settings" in err, err

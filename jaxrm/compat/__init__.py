@@ -26,11 +26,13 @@ class Translation:
   tool: str  # "NeMo RL" | "TRL"
   keys: dict[str, Any] = dataclasses.field(default_factory=dict)  # dotted jaxrm key -> value
   fates: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (recipe key, what it became)
+  origins: dict[str, str] = dataclasses.field(default_factory=dict)  # dotted jaxrm key -> recipe key
 
   def set(self, source: str, **jaxrm_keys: Any) -> None:
     """``source`` (a recipe key) sets these jaxrm keys (``train__max_steps=`` for ``train.max_steps``)."""
     dotted = {k.replace("__", "."): v for k, v in jaxrm_keys.items()}
     self.keys.update(dotted)
+    self.origins.update(dict.fromkeys(dotted, source))
     self.fates.append((source, ", ".join(f"{k}={v!r}" for k, v in dotted.items())))
 
   def ignore(self, source: str, why: str) -> None:
@@ -50,8 +52,16 @@ class Translation:
       node[leaf] = value
     try:
       return RunConfig.from_dict(tree)
-    except ValueError as e:  # a section's own check; the fates say which recipe key set it
-      raise ConfigError(f"{e} (from the {self.tool} recipe; see the mapping above)") from None
+    except ValueError as e:  # a section's own check, naming the jaxrm key first
+      raise ConfigError(self._as_written(str(e))) from None
+
+  def _as_written(self, message: str) -> str:
+    """A jaxrm key's error led by the recipe key that set it, as the user wrote it."""
+    key = message.split("=", 1)[0].split(" ", 1)[0]
+    source = self.origins.get(key)
+    if source is None:
+      return f"{message} (from the {self.tool} recipe; see the mapping above)"
+    return f"{source} ({self.tool}), which sets {message}"
 
   def table(self) -> str:
     """What each recipe key became, one line each (printed at the start of the run)."""
