@@ -3,6 +3,7 @@
 import types
 
 import pytest
+import tiny_run
 
 from jaxrm import kinds, tasks
 from jaxrm.data import registry
@@ -62,3 +63,50 @@ def test_ranking_loss_counts_for_ranking_only():
   assert tasks.PREFERENCE.loss_key("ranking", "all_pairs") == ("ranking", "all_pairs")
   assert tasks.PREFERENCE.loss_key("bradley_terry", "all_pairs") == ("bradley_terry", None)
   assert tasks.PROCESS.loss_key("stepwise", "plackett_luce") == ("stepwise", None)
+
+
+def test_validation_metrics_are_those_a_run_reports(baseline):
+  from jaxrm.config import RewardSpec
+
+  (row,) = [r for r in tiny_run.read_metrics(baseline) if r["step"] == 4 and "validation-default_loss" in r]
+  reported = {k.removeprefix("validation-default_") for k in row if k.startswith("validation-default_")}
+  assert set(tasks.validation_metrics(RewardSpec())) == reported
+
+
+@pytest.mark.parametrize(
+  "reward_type,metrics",
+  [
+    ("stepwise", {"loss", "step_accuracy", "f1_error", "first_error_found", "recall_error"}),
+    ("regression", {"loss", "mse", "mse_q", "pearson_q", "spearman_q", "pairwise_accuracy"}),
+  ],
+)
+def test_validation_metrics_of_each_task(reward_type, metrics):
+  from jaxrm.config import RewardSpec
+
+  spec = RewardSpec(type=reward_type, attributes="q" if reward_type == "regression" else "")
+  names = tasks.validation_metrics(spec)
+  assert metrics <= set(names) and "accuracy" not in names
+
+
+def test_a_misspelled_checkpoint_metric_is_refused_before_the_model_loads(model_dir, tmp_path, monkeypatch):
+  from jaxrm import trainer
+  from jaxrm.errors import ConfigError
+
+  monkeypatch.setattr(trainer, "_load_model", lambda *a, **k: pytest.fail("the model loaded"))
+  out = tmp_path / "run"
+  c = tiny_run.config(model_dir, str(out), checkpointing__metric_name="val:validation-default_acuracy")
+  with pytest.raises(ConfigError) as e:
+    tiny_run.train(c)
+  assert str(e.value) == (
+    "checkpointing.metric_name='val:validation-default_acuracy' is not a metric validation reports "
+    "(did you mean 'validation-default_accuracy'?); with reward.type='bradley_terry', set 'default' "
+    "reports validation-default_<metric> for <metric> one of loss, accuracy, margin, chosen_reward, "
+    "pairwise_accuracy, rejected_reward, reward_mean, reward_std, tie_rate"
+  )
+  assert not out.exists()
+  # A set whose name holds '_' is told apart from the metric that follows it.
+  c = tiny_run.config(model_dir, str(out), checkpointing__metric_name="validation-train_sample_los")
+  with pytest.raises(
+    ConfigError, match=r"\(did you mean 'validation-train_sample_loss'\?\); .* set 'train_sample' "
+  ):
+    tiny_run.train(c)

@@ -8,13 +8,14 @@ tokenizer)`` what it reads before it batches anything.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import itertools
 import logging
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from jaxrm import sharding, tasks
+from jaxrm import report, sharding, tasks
 from jaxrm.data import cache, packing, pipeline, registry
 from jaxrm.data.drops import DropReport
 from jaxrm.data.packing import PackSpec
@@ -167,16 +168,22 @@ def load_run_data(config: RunConfig, tokenizer) -> RunData:
 
 def check_data(config: RunConfig, first_rows: int = FIRST_ROWS) -> None:
   """Checks what needs no model, so that a run that cannot work stops before one loads: the
-  dataset's name and kind against ``reward.type``, and each set's path and first ``first_rows``
-  records (``config.data`` has checked the validation set names).
+  dataset's name and kind against ``reward.type``, that each of ``reward.attributes`` is rated in
+  the training set, that ``checkpointing.metric_name`` is a metric validation reports, and each
+  set's path and first ``first_rows`` records (``config.data`` has checked the validation set
+  names).
 
   Raises:
-    ConfigError: the data does not fit ``config.reward``.
+    ConfigError: the data does not fit ``config.reward``, an attribute no training row rates, a
+      metric validation does not report.
     DataError: an unknown dataset, a missing path, an unknown file type, a bad row among the first.
   """
   spec = config.data
   _checked_task(config)
+  _check_checkpoint_metric(config)
   options = _read_options(config.reward, spec.dataset_name)
+  if config.reward.task.per_attribute:
+    _check_attributes_rated(config)
   sets = [(spec.train_data_path, "train"), *((path, "validation") for path in spec.val_data_paths.values())]
   for path, split in sets:
     records = registry.iter_records(
@@ -187,6 +194,46 @@ def check_data(config: RunConfig, first_rows: int = FIRST_ROWS) -> None:
         pass
     finally:
       records.close()
+
+
+def _check_checkpoint_metric(config: RunConfig) -> None:
+  """``checkpointing.metric_name`` is a metric validation reports (``config`` has checked that it
+  names a validation set)."""
+  metric = config.checkpointing.metric
+  if not (config.checkpointing.enabled and metric):
+    return
+  names = tasks.validation_metrics(config.reward)
+  for val_set, rest in report.split_validation_metrics(
+    {metric: 0.0}, list(config.data.val_data_paths)
+  ).items():
+    if next(iter(rest)) not in names:
+      raise ConfigError(
+        f"checkpointing.metric_name={config.checkpointing.metric_name!r} is not a metric validation "
+        f"reports{_did_you_mean([metric], [f'validation-{val_set}_{n}' for n in names])}; with "
+        f"reward.type={config.reward.type!r}, set {val_set!r} reports validation-{val_set}_<metric> "
+        f"for <metric> one of {', '.join(report.metric_order(names))}"
+      )
+
+
+def _check_attributes_rated(config: RunConfig) -> None:
+  """Each of ``reward.attributes`` is rated by some row of the training set: a misspelled one
+  would train its output on nothing."""
+  spec, names = config.data, config.reward.attribute_names
+  unrated, where, columns = registry.unrated_attributes(
+    spec.dataset_name, spec.train_data_path or None, names
+  )
+  if unrated:
+    raise ConfigError(
+      f"reward.attributes={config.reward.attributes!r}: no row of {where} rates "
+      f"{', '.join(map(repr, unrated))}{_did_you_mean(unrated, columns)}; its rows have the columns "
+      f"{', '.join(columns)}"
+    )
+
+
+def _did_you_mean(names: Sequence[str], known: Sequence[str]) -> str:
+  """`` (did you mean 'x'?)`` where ``names`` are close to some of ``known``; else empty."""
+  close = [m[0] for name in names if (m := difflib.get_close_matches(name, known, n=1))]
+  return f" (did you mean {' and '.join(map(repr, close))}?)" if close else ""
 
 
 def _checked_task(config: RunConfig) -> tasks.Task:
