@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+import start_checks
 import tiny_run
 import torch
 import transformers
@@ -249,17 +250,12 @@ def test_evaluate_reports_what_validation_reported(run, model_dir, tmp_path):
 def test_an_attribute_no_row_rates_is_refused_before_the_model_loads(
   model_dir, tmp_path, monkeypatch, attributes, message
 ):
-  from jaxrm import trainer
-
-  monkeypatch.setattr(trainer, "_load_model", lambda *a, **k: pytest.fail("the model loaded"))
-  out = tmp_path / "run"
-  c = regression_config(model_dir, str(out), tmp_path, reward__attributes=attributes, reward__combine="")
-  with pytest.raises(ConfigError) as e:
-    tiny_run.train(c)
-  assert str(e.value) == f"reward.attributes={attributes!r}: " + message.format(
+  c = regression_config(
+    model_dir, str(tmp_path / "run"), tmp_path, reward__attributes=attributes, reward__combine=""
+  )
+  assert start_checks.refusal(c, monkeypatch) == f"reward.attributes={attributes!r}: " + message.format(
     train=tmp_path / "train.jsonl"
   )
-  assert not out.exists()
 
 
 def test_regression_refuses_packing(model_dir, tmp_path):
