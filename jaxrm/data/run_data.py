@@ -15,7 +15,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from jaxrm import report, sharding, tasks
+from jaxrm import metrics_writer, report, sharding, tasks
 from jaxrm.data import cache, packing, pipeline, registry
 from jaxrm.data.drops import DropReport
 from jaxrm.data.packing import PackSpec
@@ -169,18 +169,20 @@ def load_run_data(config: RunConfig, tokenizer) -> RunData:
 def check_data(config: RunConfig, first_rows: int = FIRST_ROWS) -> None:
   """Checks what needs no model, so that a run that cannot work stops before one loads: the
   dataset's name and kind against ``reward.type``, that each of ``reward.attributes`` is rated in
-  the training set, that ``checkpointing.metric_name`` is a metric validation reports, and each
-  set's path and first ``first_rows`` records (``config.data`` has checked the validation set
-  names).
+  the training set, that ``checkpointing.metric_name`` is a metric validation reports, the
+  loggers' packages, and each set's path and first ``first_rows`` records (``config.data`` has
+  checked the validation set names).
 
   Raises:
     ConfigError: the data does not fit ``config.reward``, an attribute no training row rates, a
-      metric validation does not report.
+      metric validation does not report, a logger that cannot start.
     DataError: an unknown dataset, a missing path, an unknown file type, a bad row among the first.
   """
   spec = config.data
   _checked_task(config)
   _check_checkpoint_metric(config)
+  # Not data, but what needs no model either: the loggers' packages and MLflow's URI.
+  metrics_writer.check_loggers(config.logger)
   options = _read_options(config.reward, spec.dataset_name)
   if config.reward.task.per_attribute:
     _check_attributes_rated(config)
