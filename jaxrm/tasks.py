@@ -19,7 +19,6 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
 from jaxrm import losses
@@ -30,7 +29,6 @@ from jaxrm.batches import (
   RegressionBatch,
   StepwiseBatch,
 )
-from jaxrm.metrics import finalize_metrics
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # one object per task, compared by identity
@@ -199,15 +197,3 @@ def batch_loss(spec: losses.LossSpec, *, samples: bool = False) -> losses.BatchL
     return value, {**metrics, **extra(outputs, batch)}
 
   return with_samples
-
-
-def validation_metrics(spec: losses.LossSpec) -> tuple[str, ...]:
-  """The metrics validation reports for each set when a run trains with ``spec`` (the ``<name>``
-  of ``validation-<set>_<name>``): what ``checkpointing.metric_name`` can rank by.
-
-  Read from the loss itself, traced on a tiny batch of its task (nothing is computed on a device),
-  and named as :func:`jaxrm.metrics.finalize_metrics` names them.
-  """
-  outputs, batch = of_reward_type(spec.loss_key[0]).example(spec)
-  _, shapes = jax.eval_shape(batch_loss(spec, samples=True), outputs, batch)
-  return tuple(finalize_metrics(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)))

@@ -15,8 +15,9 @@ import torch
 import transformers
 from helpers import PARITY_ATOL, right_padded, write_jsonl
 
-from jaxrm import RewardModel, tasks
+from jaxrm import RewardModel
 from jaxrm.config import RewardSpec
+from jaxrm.data import run_data
 from jaxrm.errors import ConfigError
 
 ATTRIBUTES = ("quality", "polish")
@@ -93,7 +94,8 @@ def test_regression_learns_the_hidden_attribute(run):
   # What checkpointing.metric_name is checked against before a run starts is what validation reports.
   reported = {k.removeprefix("validation-default_") for k in val if k.startswith("validation-default_")}
   assert (
-    set(tasks.validation_metrics(RewardSpec(type="regression", attributes=",".join(ATTRIBUTES)))) == reported
+    set(run_data.validation_metrics(RewardSpec(type="regression", attributes=",".join(ATTRIBUTES))))
+    == reported
   )
 
 

@@ -15,11 +15,15 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import jax
+import numpy as np
+
 from jaxrm import metrics_writer, report, sharding, tasks
 from jaxrm.data import cache, packing, pipeline, registry
 from jaxrm.data.drops import DropReport
 from jaxrm.data.packing import PackSpec
 from jaxrm.errors import ConfigError
+from jaxrm.metrics import finalize_metrics
 
 if TYPE_CHECKING:
   from jaxrm.config import RewardSpec, RunConfig
@@ -180,11 +184,8 @@ def check_data(config: RunConfig, first_rows: int = FIRST_ROWS) -> None:
   """
   spec = config.data
   _checked_task(config)
-  _check_checkpoint_metric(config)
-  # Not data, but what needs no model either: the loggers' packages and MLflow's URI.
-  metrics_writer.check_loggers(config.logger)
   options = _read_options(config.reward, spec.dataset_name)
-  if config.reward.task.per_attribute:
+  if "attributes" in options:  # before rows are read: with none rated, every row is dropped
     _check_attributes_rated(config)
   sets = [(spec.train_data_path, "train"), *((path, "validation") for path in spec.val_data_paths.values())]
   for path, split in sets:
@@ -196,6 +197,21 @@ def check_data(config: RunConfig, first_rows: int = FIRST_ROWS) -> None:
         pass
     finally:
       records.close()
+  _check_checkpoint_metric(config)
+  # Not data, but what needs no model either: the loggers' packages and MLflow's URI.
+  metrics_writer.check_loggers(config.logger)
+
+
+def validation_metrics(reward: RewardSpec) -> tuple[str, ...]:
+  """The metrics validation reports for each set of a run trained with ``reward`` (the ``<name>``
+  of ``validation-<set>_<name>``): what ``checkpointing.metric_name`` can rank by.
+
+  Read from the loss itself, traced on a tiny batch of its task (nothing is computed on a device),
+  and named as :func:`jaxrm.metrics.finalize_metrics` names them.
+  """
+  outputs, batch = reward.task.example(reward)
+  _, shapes = jax.eval_shape(tasks.batch_loss(reward, samples=True), outputs, batch)
+  return tuple(finalize_metrics(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)))
 
 
 def _check_checkpoint_metric(config: RunConfig) -> None:
@@ -204,7 +220,7 @@ def _check_checkpoint_metric(config: RunConfig) -> None:
   metric = config.checkpointing.metric
   if not (config.checkpointing.enabled and metric):
     return
-  names = tasks.validation_metrics(config.reward)
+  names = validation_metrics(config.reward)
   for val_set, rest in report.split_validation_metrics(
     {metric: 0.0}, list(config.data.val_data_paths)
   ).items():
