@@ -221,15 +221,15 @@ def _check_checkpoint_metric(config: RunConfig) -> None:
   if not (config.checkpointing.enabled and metric):
     return
   names = validation_metrics(config.reward)
-  for val_set, rest in report.split_validation_metrics(
-    {metric: 0.0}, list(config.data.val_data_paths)
-  ).items():
-    if next(iter(rest)) not in names:
+  per_set = report.split_validation_metrics({metric: 0.0}, list(config.data.val_data_paths))
+  for val_set, metrics in per_set.items():  # one set: config has checked that metric names it
+    (name,) = metrics
+    if name not in names:
+      full = lambda n, val_set=val_set: f"validation-{val_set}_{n}"
       raise ConfigError(
-        f"checkpointing.metric_name={config.checkpointing.metric_name!r} is not a metric validation "
-        f"reports{_did_you_mean([metric], [f'validation-{val_set}_{n}' for n in names])}; with "
-        f"reward.type={config.reward.type!r}, set {val_set!r} reports validation-{val_set}_<metric> "
-        f"for <metric> one of {', '.join(report.metric_order(names))}"
+        f"checkpointing.metric_name={config.checkpointing.metric_name!r} is not a validation metric; "
+        f"available: {', '.join(map(full, report.metric_order(names)))}"
+        f"{_did_you_mean([name], names, spelled=full)}"
       )
 
 
@@ -248,9 +248,10 @@ def _check_attributes_rated(config: RunConfig) -> None:
     )
 
 
-def _did_you_mean(names: Sequence[str], known: Sequence[str]) -> str:
-  """`` (did you mean 'x'?)`` where ``names`` are close to some of ``known``; else empty."""
-  close = [m[0] for name in names if (m := difflib.get_close_matches(name, known, n=1))]
+def _did_you_mean(names: Sequence[str], known: Sequence[str], spelled=lambda name: name) -> str:
+  """`` (did you mean 'x'?)`` where ``names`` are close to some of ``known`` (each as ``spelled``
+  gives it); else empty."""
+  close = [spelled(m[0]) for name in names if (m := difflib.get_close_matches(name, known, n=1))]
   return f" (did you mean {' and '.join(map(repr, close))}?)" if close else ""
 
 
