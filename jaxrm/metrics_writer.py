@@ -2,19 +2,32 @@
 ``logger`` says, TensorBoard events, a Weights & Biases run and an MLflow run (NeMo RL's
 ``logger.wandb_enabled`` / ``mlflow_enabled`` / ``tensorboard_enabled``), each under the JSONL's
 names and steps. W&B and MLflow are optional extras (``pip install 'jaxrm[wandb]'``,
-``'jaxrm[mlflow]'``), imported only when enabled.
+``'jaxrm[mlflow]'``), imported only when enabled; MLflow records into ``<output_dir>/mlruns``
+unless given a tracking URI.
+
+A tracker that fails (to start, to log a row, to close) is reported in one warning line and left
+out for the rest of the run: training goes on and ``metrics.jsonl`` keeps every row. A missing
+package or a tracking URI this MLflow cannot use is refused before anything starts
+(:func:`check_loggers`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 from typing import Any
+from urllib.parse import urlparse
 
 from jaxrm.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 METRICS_FILE = "metrics.jsonl"
+MLFLOW_DIR = "mlruns"  # MLflow's file store under the output directory, where no URI is given
+_GOES_ON = "the run goes on without it ({key}); metrics.jsonl has every row"
 
 
 class MetricsWriter:
@@ -43,27 +56,39 @@ class MetricsWriter:
     if logger is not None:
       tensorboard, log_dir = logger.tensorboard, logger.log_dir or None
     self.enabled = enabled
-    self._tb = None
-    self._trackers: list[Any] = []
+    self._trackers: list[_Tracker] = []
     self._monitor_devices = bool(logger is not None and logger.monitor_gpus)
     if not enabled:
       return
     if logger is not None:  # before any file is touched: a missing extra stops the run at once
-      name = os.path.basename(os.path.abspath(output_dir))
-      if logger.wandb_enabled:
-        self._trackers.append(_WandbRun(logger.wandb, name, output_dir, run_config))
-      if logger.mlflow_enabled:
-        self._trackers.append(_MlflowRun(logger.mlflow, name, run_config))
+      check_loggers(logger)
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, METRICS_FILE)
     _keep_rows_up_to(path, resume_step)
     self._jsonl = open(path, "a")
+    if logger is not None:
+      name = os.path.basename(os.path.abspath(output_dir))
+      if logger.wandb_enabled:
+        self._start(
+          "W&B", "logger.wandb_enabled", lambda: _WandbRun(logger.wandb, name, output_dir, run_config)
+        )
+      if logger.mlflow_enabled:
+        self._start(
+          "MLflow", "logger.mlflow_enabled", lambda: _MlflowRun(logger.mlflow, name, output_dir, run_config)
+        )
     if tensorboard:
-      from tensorboardX import SummaryWriter
-
-      self._tb = SummaryWriter(
-        log_dir or os.path.join(output_dir, "tensorboard"), purge_step=resume_step + 1 if resume_step else 0
+      self._start(
+        "TensorBoard",
+        "logger.tensorboard",
+        lambda: _TensorBoard(log_dir or os.path.join(output_dir, "tensorboard"), resume_step),
       )
+
+  def _start(self, name: str, key: str, start) -> None:
+    """Starts a tracker; one that fails is reported in a line and left out, the run goes on."""
+    try:
+      self._trackers.append(_Tracker(name, key, start()))
+    except Exception as e:  # pylint: disable=broad-except  (a tracker never stops the run)
+      log.warning("%s could not start (%s); %s", name, _one_line(e), _GOES_ON.format(key=key))
 
   def write(self, step: int, metrics: dict[str, float]) -> None:
     """Records ``metrics`` at ``step`` everywhere the run logs to (process 0 only)."""
@@ -75,20 +100,15 @@ class MetricsWriter:
     row.update({k: (float(v) if math.isfinite(float(v)) else None) for k, v in metrics.items()})
     self._jsonl.write(json.dumps(row) + "\n")
     self._jsonl.flush()
-    if self._tb is not None:
-      for k, v in metrics.items():
-        self._tb.add_scalar(k, float(v), int(step))
-      self._tb.flush()
+    values = {k: float(v) for k, v in metrics.items()}
     for tracker in self._trackers:
-      tracker.log(int(step), {k: float(v) for k, v in metrics.items()})
+      tracker.call("log", int(step), values)
 
   def close(self) -> None:
     if self.enabled:
       self._jsonl.close()
-      if self._tb is not None:
-        self._tb.close()
       for tracker in self._trackers:
-        tracker.close()
+        tracker.call("close")
 
 
 def device_memory() -> dict[str, float]:
@@ -107,6 +127,20 @@ def device_memory() -> dict[str, float]:
   return out
 
 
+def check_loggers(logger) -> None:
+  """What the loggers ``logger`` (a :class:`jaxrm.config.LoggerSpec`) enables need, checked before
+  anything starts: their packages, and a tracking URI this MLflow can write to.
+
+  Raises:
+    ConfigError: a package is missing, or MLflow's URI needs a store this MLflow lacks.
+  """
+  if logger.wandb_enabled:
+    _import("wandb", "wandb", "logger.wandb_enabled")
+  if logger.mlflow_enabled:
+    _import("mlflow", "mlflow", "logger.mlflow_enabled")
+    _check_mlflow_uri(logger.mlflow)
+
+
 def _import(module: str, extra: str, key: str):
   import importlib
 
@@ -118,6 +152,52 @@ def _import(module: str, extra: str, key: str):
     ) from None
 
 
+def _one_line(e: BaseException) -> str:
+  """An exception as one short line: its type and the first line of its message."""
+  text = str(e).strip().splitlines()
+  text = text[0] if text else ""
+  text = text if len(text) <= 300 else text[:297] + "..."
+  return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+class _Tracker:
+  """A logger the run mirrors its metrics to; its first failure is one warning line, and the run
+  goes on without it."""
+
+  def __init__(self, name: str, key: str, impl):
+    self.name, self.key, self._impl = name, key, impl
+
+  def call(self, method: str, *args) -> None:
+    if self._impl is None:
+      return
+    try:
+      getattr(self._impl, method)(*args)
+    except Exception as e:  # pylint: disable=broad-except  (a tracker never stops the run)
+      what = f"step {args[0]}" if method == "log" else "closing"
+      log.warning("%s failed at %s (%s); %s", self.name, what, _one_line(e), _GOES_ON.format(key=self.key))
+      self._impl = None
+
+
+class _TensorBoard:
+  """TensorBoard events under ``log_dir``; a run resumed from ``resume_step`` purges the later
+  steps its previous attempt wrote. A value that is not finite (a metric with nothing counted) is
+  left out, as ``metrics.jsonl`` writes it as null, instead of tensorboardX warning of it."""
+
+  def __init__(self, log_dir: str, resume_step: int):
+    from tensorboardX import SummaryWriter
+
+    self._writer = SummaryWriter(log_dir, purge_step=resume_step + 1 if resume_step else 0)
+
+  def log(self, step: int, metrics: dict[str, float]) -> None:
+    for k, v in metrics.items():
+      if math.isfinite(v):
+        self._writer.add_scalar(k, v, step)
+    self._writer.flush()
+
+  def close(self) -> None:
+    self._writer.close()
+
+
 class _WandbRun:
   """A W&B run (``logger.wandb``): the config recorded once, each row logged at its step.
 
@@ -126,7 +206,8 @@ class _WandbRun:
   """
 
   def __init__(self, spec, default_name: str, output_dir: str, run_config: dict | None):
-    wandb = _import("wandb", "wandb", "logger.wandb_enabled")
+    import wandb
+
     try:
       self._run = wandb.init(
         project=spec.project,
@@ -136,9 +217,8 @@ class _WandbRun:
         reinit="create_new",
       )
     except wandb.errors.Error as e:  # not logged in, no network...
-      raise ConfigError(
-        f"logger.wandb_enabled=True: W&B could not start a run ({e}); run `wandb login`, or "
-        "set WANDB_MODE=offline to keep the run on disk"
+      raise RuntimeError(
+        f"{_one_line(e)}; run `wandb login`, or set WANDB_MODE=offline to keep the run on disk"
       ) from None
 
   def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -148,28 +228,69 @@ class _WandbRun:
     self._run.finish()
 
 
-class _MlflowRun:
-  """An MLflow run (``logger.mlflow``) in its experiment: the config as parameters, each row's
-  metrics at its step. Uses MLflow's client, so no process-wide active run is left behind."""
+def mlflow_tracking_uri(spec, output_dir: str) -> str:
+  """Where an MLflow run is recorded: ``logger.mlflow.tracking_uri``, else MLflow's own
+  ``MLFLOW_TRACKING_URI``, else a file store in ``<output_dir>/mlruns`` (``mlflow ui
+  --backend-store-uri <output_dir>/mlruns`` shows it)."""
+  uri = spec.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+  return uri or os.path.abspath(os.path.join(output_dir, MLFLOW_DIR))
 
-  def __init__(self, spec, default_name: str, run_config: dict | None):
-    _import("mlflow", "mlflow", "logger.mlflow_enabled")
+
+def _check_mlflow_uri(spec) -> None:
+  """A database URI needs SQLAlchemy, which ``jaxrm[mlflow]`` (mlflow-skinny) leaves out."""
+  import importlib.util
+
+  from mlflow.store.db.db_types import DATABASE_ENGINES
+
+  key = "logger.mlflow.tracking_uri" if spec.tracking_uri else "MLFLOW_TRACKING_URI"
+  uri = spec.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+  scheme = urlparse(uri).scheme.split("+")[0]
+  if scheme in DATABASE_ENGINES and importlib.util.find_spec("sqlalchemy") is None:
+    raise ConfigError(
+      f"{key}={uri!r}: MLflow's {scheme} store needs SQLAlchemy, which this MLflow lacks: pip "
+      "install mlflow (the full package), use a tracking server (http://...), or leave "
+      f"{key} unset to record the run under its output directory ({MLFLOW_DIR}/)"
+    )
+
+
+@contextlib.contextmanager
+def _file_store_allowed(uri: str):
+  """MLflow 3 keeps its file store (a path or ``file:`` URI) behind ``MLFLOW_ALLOW_FILE_STORE``;
+  a run that asks for one (or the default, under its output directory) is allowed it while its
+  calls run, and the process's environment is left as it was."""
+  if urlparse(uri).scheme not in ("", "file") or "MLFLOW_ALLOW_FILE_STORE" in os.environ:
+    yield
+    return
+  os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+  try:
+    yield
+  finally:
+    os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)
+
+
+class _MlflowRun:
+  """An MLflow run (``logger.mlflow``) in its experiment, at :func:`mlflow_tracking_uri`: the
+  config as parameters, each row's metrics at its step. Uses MLflow's client, so no process-wide
+  active run is left behind."""
+
+  def __init__(self, spec, default_name: str, output_dir: str, run_config: dict | None):
+    from mlflow.entities import Param
     from mlflow.tracking import MlflowClient
 
-    self._client = MlflowClient(tracking_uri=spec.tracking_uri or None)
-    experiment = self._client.get_experiment_by_name(spec.experiment_name)
-    experiment_id = (
-      experiment.experiment_id
-      if experiment is not None
-      else self._client.create_experiment(spec.experiment_name)
-    )
-    self._run_id = self._client.create_run(experiment_id, run_name=spec.run_name or default_name).info.run_id
-    params = _flat(run_config or {})
-    from mlflow.entities import Param
-
-    items = [Param(k, str(v)[:6000]) for k, v in params.items()]
-    for i in range(0, len(items), 100):  # MLflow takes at most 100 parameters per batch
-      self._client.log_batch(self._run_id, params=items[i : i + 100])
+    self._uri = mlflow_tracking_uri(spec, output_dir)
+    with _file_store_allowed(self._uri):
+      self._client = MlflowClient(tracking_uri=self._uri)
+      experiment = self._client.get_experiment_by_name(spec.experiment_name)
+      experiment_id = (
+        experiment.experiment_id
+        if experiment is not None
+        else self._client.create_experiment(spec.experiment_name)
+      )
+      run = self._client.create_run(experiment_id, run_name=spec.run_name or default_name)
+      self._run_id = run.info.run_id
+      items = [Param(k, str(v)[:6000]) for k, v in _flat(run_config or {}).items()]
+      for i in range(0, len(items), 100):  # MLflow takes at most 100 parameters per batch
+        self._client.log_batch(self._run_id, params=items[i : i + 100])
 
   def log(self, step: int, metrics: dict[str, float]) -> None:
     import time
@@ -177,10 +298,12 @@ class _MlflowRun:
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
-    self._client.log_batch(self._run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()])
+    with _file_store_allowed(self._uri):
+      self._client.log_batch(self._run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()])
 
   def close(self) -> None:
-    self._client.set_terminated(self._run_id)
+    with _file_store_allowed(self._uri):
+      self._client.set_terminated(self._run_id)
 
 
 def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from jaxrm.data.registry import SPLIT_NAMES
@@ -117,11 +117,17 @@ def _steps(start_step: int, total_steps: int) -> str:
   return f"resumed from step {start_step} -> {total_steps}" if start_step else f"0 -> {total_steps}"
 
 
-def progress_line(step: int, total_steps: int, loss: float, accuracy: float, step_seconds: float) -> str:
+def progress_line(
+  step: int, total_steps: int, loss: float, accuracy: float | None, step_seconds: float
+) -> str:
   """A training step as a plain line, for a log that is not a terminal:
-  ``step 10/120: loss 0.6931, accuracy 0.500, 0.42 s/step``."""
+  ``step 10/120: loss 0.6931, accuracy 0.500, 0.42 s/step``. An ``accuracy`` of None or NaN (a
+  task that has none: regression) is left out rather than printed as ``nan``."""
+  shown = accuracy is not None and math.isfinite(accuracy)
   return (
-    f"step {step}/{total_steps}: loss {_number(loss)}, accuracy {accuracy:.3f}, {step_seconds:.2f} s/step"
+    f"step {step}/{total_steps}: loss {_number(loss)}"
+    + (f", accuracy {accuracy:.3f}" if shown else "")
+    + f", {step_seconds:.2f} s/step"
   )
 
 
@@ -178,7 +184,7 @@ def validation_table(metrics: Mapping[str, float], sets: Sequence[str], step: in
   title = f"validation at step {step}" + (f" ({seconds:.1f} s)" if seconds is not None else "")
   if not per_set:
     return f"{title}: no metrics"
-  names = _metric_order({m for values in per_set.values() for m in values})
+  names = metric_order({m for values in per_set.values() for m in values})
   rows = [["", *per_set]] + [[m, *(_number(values.get(m)) for values in per_set.values())] for m in names]
   return f"{title}\n{_table(rows)}"
 
@@ -301,7 +307,9 @@ def usage_commands(
   return lines
 
 
-def _metric_order(names: set[str]) -> list[str]:
+def metric_order(names: Iterable[str]) -> list[str]:
+  """``names`` as tables show them: :data:`LEADING_METRICS` first, then the rest by name."""
+  names = set(names)
   leading = [m for m in LEADING_METRICS if m in names]
   return leading + sorted(names - set(leading))
 

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from jaxrm import losses
 from jaxrm.batches import (
@@ -46,6 +48,8 @@ class Task:
   losses: Mapping[tuple[str, str | None], losses.SpecLoss]
   # validation's metrics that need the whole set: fn(spec, outputs, batch) -> {"samples": ...}
   samples: losses.SpecMetrics | None
+  # fn(spec) -> (outputs, batch) of one tiny unpacked batch: what the loss's metrics are named
+  example: Callable[[Any], tuple[np.ndarray, Any]]
   # The wrong-model message (jaxrm.kinds.check_kind): what a use of this task needs, how to train
   # a model of it, and what a model of it is used for instead (None: the message says how to train
   # the model the use wants).
@@ -63,6 +67,33 @@ class Task:
     return (reward_type, ranking_loss) if (reward_type, ranking_loss) in self.losses else (reward_type, None)
 
 
+def _mask(n: int) -> np.ndarray:
+  return np.ones(n, np.float32)
+
+
+def _preference_example(spec) -> tuple[np.ndarray, PreferenceBatch]:
+  """Rewards [1, 2] of one group of two ranked completions."""
+  del spec
+  ids = np.zeros((2, 1), np.int32)
+  ranks = np.array([[0, 1]], np.int32)
+  batch = PreferenceBatch(ids, ids, ranks, np.zeros(1, np.float32), _mask(1), strength=_mask(1))
+  return np.zeros((1, 2), np.float32), batch
+
+
+def _process_example(spec) -> tuple[np.ndarray, StepwiseBatch]:
+  """Logits [1, 1, 2] of one sequence of one labelled step."""
+  del spec
+  ids = np.zeros((1, 1), np.int32)
+  return np.zeros((1, 1, 2), np.float32), StepwiseBatch(ids, ids, np.ones((1, 1), np.int32), _mask(1))
+
+
+def _regression_example(spec) -> tuple[np.ndarray, RegressionBatch]:
+  """Predictions [1, A] of one response rated on every attribute."""
+  ids, rated = np.zeros((1, 1), np.int32), np.ones((1, len(spec.attribute_names)), np.float32)
+  batch = RegressionBatch(ids, ids, rated, rated, np.zeros(1, np.int32), _mask(1))
+  return np.zeros_like(rated), batch
+
+
 PREFERENCE = Task(
   name="preference",
   reward_types=("bradley_terry", "ranking"),
@@ -78,6 +109,7 @@ PREFERENCE = Task(
     ("ranking", "all_pairs"): losses.all_pairs,
   },
   samples=None,
+  example=_preference_example,
   needs="a sequence-head reward model with one output (a preference reward model)",
   train="train one with reward.type=bradley_terry or ranking",
 )
@@ -94,6 +126,7 @@ PROCESS = Task(
   num_labels=2,  # step in error, step correct
   losses={("stepwise", None): losses.stepwise},
   samples=None,
+  example=_process_example,
   needs="a token-head (process reward) model with 2 labels (step in error, step correct)",
   train="train one with reward.type=stepwise",
   use_instead="a process reward model scores steps: rm.score_steps, or stepwise data "
@@ -111,6 +144,7 @@ REGRESSION = Task(
   num_labels=None,
   losses={("regression", None): losses.regression},
   samples=losses.regression_pair_samples,
+  example=_regression_example,
   needs="a regression model (one output per attribute, trained with reward.type=regression)",
   train="train one with reward.type=regression",
   use_instead="a regression model is evaluated on rated data (--dataset_name=RatedDataset, HelpSteer2 "

@@ -1,15 +1,21 @@
 """W&B (offline) and MLflow (a local file store) receive the JSONL's metrics, names and steps."""
 
 import glob
+import importlib.util
 import json
+import logging
+import math
+import os
+import socket
 import struct
 import sys
 
 import pytest
+import start_checks
 import tiny_run
 
 from jaxrm import metrics_writer
-from jaxrm.config import LoggerSpec
+from jaxrm.config import LoggerSpec, MlflowSpec
 from jaxrm.errors import ConfigError
 
 
@@ -55,8 +61,10 @@ def test_wandb_and_mlflow_receive_every_metric_at_its_step(model_dir, tmp_path, 
   monkeypatch.setenv("WANDB_MODE", "offline")
   monkeypatch.setenv("WANDB_DIR", str(tmp_path))
   monkeypatch.setenv("WANDB_SILENT", "true")
-  monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store behind this switch
-  uri = f"file://{tmp_path}/mlruns"
+  # MLflow with no tracking URI and none of its switches set: a file store under the run's folder.
+  for name in ("MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE"):
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.chdir(tmp_path)
   out = str(tmp_path / "run")
   tiny_run.train(
     tiny_run.config(
@@ -65,11 +73,14 @@ def test_wandb_and_mlflow_receive_every_metric_at_its_step(model_dir, tmp_path, 
       logger__wandb_enabled=True,
       logger__wandb__project="jaxrm-test",
       logger__mlflow_enabled=True,
-      logger__mlflow__tracking_uri=uri,
       logger__mlflow__experiment_name="jaxrm-test",
       logger__mlflow__run_name="tiny",
     )
   )
+  assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ
+  assert not (tmp_path / "mlruns").exists() and not (tmp_path / "mlflow.db").exists()
+  uri = os.path.join(out, "mlruns")
+  monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # to read the store back here
   expected = jsonl_metrics(out)
   steps = sorted({s for s, _ in expected})
   assert steps == [1, 2, 3, 4]
@@ -132,3 +143,111 @@ def test_monitor_gpus_logs_device_memory_each_step(model_dir, tmp_path):
     assert row["device_memory/0_in_use_gib"] > 0
     assert row["device_memory/0_peak_gib"] >= row["device_memory/0_in_use_gib"]
   assert all("device_memory/0_in_use_gib" not in r for r in rows if "validation-default_loss" in r)
+
+
+def mlflow_history(uri: str) -> dict[tuple[int, str], float]:
+  from mlflow.tracking import MlflowClient
+
+  client = MlflowClient(tracking_uri=uri)
+  (run,) = client.search_runs([client.get_experiment_by_name("jaxrm").experiment_id])
+  assert run.info.status == "FINISHED"
+  return {
+    (m.step, n): m.value for n in run.data.metrics for m in client.get_metric_history(run.info.run_id, n)
+  }
+
+
+@pytest.mark.parametrize("where", ["default", "file_uri"])
+def test_mlflow_records_with_no_switch_set(tmp_path, monkeypatch, where):
+  for name in ("MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE"):
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.chdir(tmp_path)
+  uri = f"file://{tmp_path}/store" if where == "file_uri" else ""
+  spec = LoggerSpec(mlflow_enabled=True, tensorboard=False, mlflow=MlflowSpec(tracking_uri=uri))
+  writer = metrics_writer.MetricsWriter("run", logger=spec, run_config={"train": {"learning_rate": 0.5}})
+  writer.write(1, {"train/loss": 0.5})
+  writer.write(2, {"train/loss": 0.25})
+  writer.close()
+  assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ  # the process's environment is left as it was
+  assert sorted(os.listdir(tmp_path)) == (["run", "store"] if uri else ["run"])  # nothing in the cwd
+  monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+  assert mlflow_history(uri or str(tmp_path / "run" / "mlruns")) == {
+    (1, "train/loss"): 0.5,
+    (2, "train/loss"): 0.25,
+  }
+
+
+def test_a_failing_logger_is_one_line_and_the_run_goes_on(tmp_path, monkeypatch, caplog):
+  from mlflow.exceptions import MlflowException
+
+  monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+
+  def fail(self, step, metrics):
+    raise MlflowException("API request to http://tracking/api failed\nTraceback (most recent call last): ...")
+
+  monkeypatch.setattr(metrics_writer._MlflowRun, "log", fail)
+  spec = LoggerSpec(mlflow_enabled=True, mlflow=MlflowSpec(tracking_uri=str(tmp_path / "store")))
+  out = tmp_path / "run"
+  with caplog.at_level(logging.WARNING):
+    writer = metrics_writer.MetricsWriter(str(out), logger=spec)
+    for step in (1, 2, 3):
+      writer.write(step, {"train/loss": 1.0 / step, "train/nothing_counted": math.nan})
+    writer.close()
+  assert [r.getMessage() for r in caplog.records] == [
+    "MLflow failed at step 1 (MlflowException: API request to http://tracking/api failed); the run goes "
+    "on without it (logger.mlflow_enabled); metrics.jsonl has every row"
+  ]  # nor tensorboardX's "NaN or Inf found in input tensor"
+  assert [r["step"] for r in tiny_run.read_metrics(str(out))] == [1, 2, 3]
+  (events,) = glob.glob(str(out / "tensorboard" / "events.out.tfevents.*"))
+  with open(events, "rb") as f:
+    data = f.read()
+  # TensorBoard went on; a NaN (a metric with nothing counted) is left out of it, as the JSONL's null.
+  assert data.count(b"train/loss") == 3 and b"train/nothing_counted" not in data
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_loggers_that_cannot_start_lose_nothing(model_dir, tmp_path, monkeypatch, caplog):
+  # A tracking server that is down, and a TensorBoard folder that cannot be made (a file is in the
+  # way): one line each, and the run trains, validates and checkpoints as it would without them.
+  monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+  (tmp_path / "taken").write_text("")
+  out = str(tmp_path / "run")
+  c = tiny_run.config(
+    model_dir,
+    out,
+    train__max_steps=2,
+    logger__mlflow_enabled=True,
+    logger__mlflow__tracking_uri=f"http://127.0.0.1:{free_port()}",
+    logger__log_dir=str(tmp_path / "taken" / "tensorboard"),
+  )
+  with caplog.at_level(logging.WARNING, logger="jaxrm.metrics_writer"):
+    tiny_run.train(c)
+  lines = [r.getMessage() for r in caplog.records if r.name == "jaxrm.metrics_writer"]
+  assert len(lines) == 2 and all("\n" not in line for line in lines), lines
+  assert lines[0].startswith("MLflow could not start (MlflowException: ")
+  assert lines[0].endswith(
+    "; the run goes on without it (logger.mlflow_enabled); metrics.jsonl has every row"
+  )
+  assert lines[1].startswith("TensorBoard could not start (NotADirectoryError: ")
+  steps = {r["step"] for r in tiny_run.read_metrics(out) if "validation-default_loss" in r}
+  assert steps == {2} and os.path.isdir(os.path.join(out, "checkpoints", "2"))
+
+
+def test_a_database_uri_this_mlflow_cannot_use_is_refused_before_the_model_loads(
+  model_dir, tmp_path, monkeypatch
+):
+  if importlib.util.find_spec("sqlalchemy") is not None:
+    pytest.skip("this MLflow has its database stores")
+  monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+  c = tiny_run.config(model_dir, str(tmp_path / "run"), logger__mlflow_enabled=True)
+  monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")  # MLflow 3's own default
+  assert start_checks.refusal(c, monkeypatch) == (
+    "MLFLOW_TRACKING_URI='sqlite:///mlflow.db': MLflow's sqlite store needs SQLAlchemy, which this "
+    "MLflow lacks: pip install mlflow (the full package), use a tracking server (http://...), or "
+    "leave MLFLOW_TRACKING_URI unset to record the run under its output directory (mlruns/)"
+  )

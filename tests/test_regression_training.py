@@ -9,12 +9,15 @@ import sys
 
 import numpy as np
 import pytest
+import start_checks
 import tiny_run
 import torch
 import transformers
 from helpers import PARITY_ATOL, right_padded, write_jsonl
 
 from jaxrm import RewardModel
+from jaxrm.config import RewardSpec
+from jaxrm.data import run_data
 from jaxrm.errors import ConfigError
 
 ATTRIBUTES = ("quality", "polish")
@@ -88,6 +91,12 @@ def test_regression_learns_the_hidden_attribute(run):
       assert math.isfinite(val[f"validation-default_{m}_{a}"]), (m, a)
   # Same-prompt pairs with different quality exist in the validation set, ordered by quality.
   assert val["validation-default_pairwise_accuracy"] > 0.8
+  # What checkpointing.metric_name is checked against before a run starts is what validation reports.
+  reported = {k.removeprefix("validation-default_") for k in val if k.startswith("validation-default_")}
+  assert (
+    set(run_data.validation_metrics(RewardSpec(type="regression", attributes=",".join(ATTRIBUTES))))
+    == reported
+  )
 
 
 def test_run_scores_attributes_and_combinations(run):
@@ -222,6 +231,33 @@ def test_evaluate_reports_what_validation_reported(run, model_dir, tmp_path):
   )
   assert proc.returncode == 1 and "Traceback" not in proc.stderr
   assert proc.stderr.startswith("error: RatedDataset (rated rows) needs a regression model")
+
+
+@pytest.mark.parametrize(
+  "attributes,message",
+  [
+    (
+      "quality,polsh",
+      "no row of {train} rates 'polsh' (did you mean 'polish'?); its rows have the columns polish, "
+      "prompt, quality, response",
+    ),
+    # Every attribute misspelled: not "all rows were dropped", but the same message.
+    (
+      "qualty,polsh",
+      "no row of {train} rates 'qualty', 'polsh' (did you mean 'quality' and 'polish'?); its rows have "
+      "the columns polish, prompt, quality, response",
+    ),
+  ],
+)
+def test_an_attribute_no_row_rates_is_refused_before_the_model_loads(
+  model_dir, tmp_path, monkeypatch, attributes, message
+):
+  c = regression_config(
+    model_dir, str(tmp_path / "run"), tmp_path, reward__attributes=attributes, reward__combine=""
+  )
+  assert start_checks.refusal(c, monkeypatch) == f"reward.attributes={attributes!r}: " + message.format(
+    train=tmp_path / "train.jsonl"
+  )
 
 
 def test_regression_refuses_packing(model_dir, tmp_path):

@@ -245,3 +245,9 @@ def test_a_run_on_own_files_without_validation_names_a_file_to_evaluate_on():
   )
   assert evaluate == "python -m jaxrm.evaluate --model=runs/own --data=HELD_OUT.jsonl"
   assert export == "python -m jaxrm.export --model=runs/own --out=runs/own-hf"
+
+
+def test_progress_line_leaves_out_an_accuracy_the_task_has_none_of():
+  # A regression step has no accuracy; the trainer's NaN is not printed as "accuracy nan".
+  for accuracy in (None, math.nan):
+    assert report.progress_line(3, 30, 0.25, accuracy, 0.1) == "step 3/30: loss 0.2500, 0.10 s/step"

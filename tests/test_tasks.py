@@ -3,9 +3,11 @@
 import types
 
 import pytest
+import start_checks
+import tiny_run
 
 from jaxrm import kinds, tasks
-from jaxrm.data import registry
+from jaxrm.data import registry, run_data
 from jaxrm.evaluation import data_kinds
 
 
@@ -62,3 +64,46 @@ def test_ranking_loss_counts_for_ranking_only():
   assert tasks.PREFERENCE.loss_key("ranking", "all_pairs") == ("ranking", "all_pairs")
   assert tasks.PREFERENCE.loss_key("bradley_terry", "all_pairs") == ("bradley_terry", None)
   assert tasks.PROCESS.loss_key("stepwise", "plackett_luce") == ("stepwise", None)
+
+
+def test_validation_metrics_are_those_a_run_reports(baseline):
+  from jaxrm.config import RewardSpec
+
+  (row,) = [r for r in tiny_run.read_metrics(baseline) if r["step"] == 4 and "validation-default_loss" in r]
+  reported = {k.removeprefix("validation-default_") for k in row if k.startswith("validation-default_")}
+  assert set(run_data.validation_metrics(RewardSpec())) == reported
+
+
+@pytest.mark.parametrize(
+  "reward_type,metrics",
+  [
+    ("stepwise", {"loss", "step_accuracy", "f1_error", "first_error_found", "recall_error"}),
+    ("regression", {"loss", "mse", "mse_q", "pearson_q", "spearman_q", "pairwise_accuracy"}),
+  ],
+)
+def test_validation_metrics_of_each_task(reward_type, metrics):
+  from jaxrm.config import RewardSpec
+
+  spec = RewardSpec(type=reward_type, attributes="q" if reward_type == "regression" else "")
+  names = run_data.validation_metrics(spec)
+  assert metrics <= set(names) and "accuracy" not in names
+
+
+def test_a_misspelled_checkpoint_metric_is_refused_before_the_model_loads(model_dir, tmp_path, monkeypatch):
+  c = tiny_run.config(
+    model_dir, str(tmp_path / "run"), checkpointing__metric_name="val:validation-default_acuracy"
+  )
+  assert start_checks.refusal(c, monkeypatch) == (
+    "checkpointing.metric_name='val:validation-default_acuracy' is not a validation metric; available: "
+    "validation-default_loss, validation-default_accuracy, validation-default_margin, "
+    "validation-default_chosen_reward, validation-default_pairwise_accuracy, "
+    "validation-default_rejected_reward, validation-default_reward_mean, validation-default_reward_std, "
+    "validation-default_tie_rate (did you mean 'validation-default_accuracy'?)"
+  )
+  # A set whose name holds '_' is told apart from the metric that follows it.
+  c = tiny_run.config(
+    model_dir, str(tmp_path / "run"), checkpointing__metric_name="validation-train_sample_los"
+  )
+  assert start_checks.refusal(c, monkeypatch).endswith(
+    "validation-train_sample_tie_rate (did you mean 'validation-train_sample_loss'?)"
+  )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from jaxrm import tasks
 from jaxrm.data import adapters, demo, formats, sources
@@ -33,6 +33,7 @@ class _Spec:
   subset_field: str = "subset"  # the column copied into record.meta["subset"]
   options: tuple[str, ...] = ()  # options passed to `parse`
   make: Callable[..., list[dict]] | None = None  # a demo set's row maker
+  attribute_columns: bool = False  # rated rows hold each attribute in a column of its name
 
 
 _RATED_OPTIONS = ("attributes", "value_range")
@@ -59,14 +60,20 @@ _SPECS = {
     adapters.math_shepherd, tasks.PROCESS, default="peiyi9979/Math-Shepherd", subset_field="task"
   ),
   "StepwiseDataset": _Spec(formats.parse_stepwise, tasks.PROCESS),
-  "RatedDataset": _Spec(formats.parse_rated, tasks.REGRESSION, options=_RATED_OPTIONS),
+  "RatedDataset": _Spec(
+    formats.parse_rated, tasks.REGRESSION, options=_RATED_OPTIONS, attribute_columns=True
+  ),
   "HelpSteer2": _Spec(
     adapters.helpsteer2, tasks.REGRESSION, default="nvidia/HelpSteer2", options=("attributes",)
   ),
   "demo_arithmetic": _Spec(formats.parse_preference, tasks.PREFERENCE, make=demo.demo_arithmetic),
   "demo_arithmetic_steps": _Spec(formats.parse_stepwise, tasks.PROCESS, make=demo.demo_arithmetic_steps),
   "demo_attributes": _Spec(
-    formats.parse_rated, tasks.REGRESSION, make=demo.demo_attributes, options=_RATED_OPTIONS
+    formats.parse_rated,
+    tasks.REGRESSION,
+    make=demo.demo_attributes,
+    options=_RATED_OPTIONS,
+    attribute_columns=True,
   ),
 }
 DATASET_NAMES = tuple(_SPECS)
@@ -201,6 +208,33 @@ def iter_records(
   if not count:
     dropped = f"all {local.total} rows were dropped\n{local.summary(where)}"
     raise DataError(f"{where}: {dropped if local.total else 'has no rows'}")
+
+
+def unrated_attributes(
+  dataset_name: str, path: str | None, attributes: Sequence[str], *, split: str = "train"
+) -> tuple[list[str], str, list[str]]:
+  """Those of ``attributes`` that no row of a rated set holds a rating of (a column of the
+  attribute's name, not null), where its rows come from, and the columns they hold.
+
+  Rows are read until each attribute has been seen, so a set that rates them all is read no
+  further than it must be. A dataset that reads its attributes otherwise (HelpSteer2 checks their
+  names itself) has none unrated here.
+  """
+  spec = _spec(dataset_name)
+  if not spec.attribute_columns:
+    return [], dataset_name, []
+  read = _demo_rows if spec.make else _read_rows
+  rows, where = read(spec, dataset_name, path, split, {})
+  unrated, columns = list(attributes), set()
+  try:
+    for _, row in rows:
+      columns.update(k for k, v in row.items() if v is not None)
+      unrated = [a for a in unrated if a not in columns]
+      if not unrated:
+        break
+  finally:
+    getattr(rows, "close", lambda: None)()
+  return unrated, where, sorted(columns)
 
 
 def _count_rest(rows: Iterable[tuple[str, dict]], drops: DropReport, reason: str) -> None:
