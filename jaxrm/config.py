@@ -542,7 +542,7 @@ class MlflowSpec:
 
   experiment_name: str = "jaxrm"
   run_name: str = ""  # empty: the output directory's name
-  tracking_uri: str = ""  # empty: MLflow's own default (MLFLOW_TRACKING_URI, else ./mlruns)
+  tracking_uri: str = ""  # empty: MLFLOW_TRACKING_URI, else <output_dir>/mlruns
 
 
 @dataclasses.dataclass(frozen=True)

@@ -332,10 +332,6 @@ def test_documented_command_runs_on_the_tiny_model(model_dir, tmp_path, lora):
     assert lora_b and any(np.abs(b).max() > 0 for b in lora_b)  # B starts at 0: the adapters trained
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="needs jaxrm/compat/trl_args.py's _split_path to name the splits a directory holds",
-)
 @pytest.mark.parametrize("flag", ["--dataset_test_split", "--dataset_train_split"])
 def test_a_missing_split_is_named_with_the_splits_there_are(tmp_path, flag):
   data = write_splits(tmp_path / "data")

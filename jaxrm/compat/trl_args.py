@@ -17,7 +17,9 @@ here is ignored at its default value and refused at any other.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import math
 import os
 from collections.abc import Sequence
@@ -445,6 +447,9 @@ def _split_path(name: str, split: str, flag: str, jaxrm_split: str) -> str:
     for suffix in FILE_SUFFIXES:
       if os.path.isfile(os.path.join(path, split + suffix)):
         return os.path.join(path, split + suffix)
+    there = _splits_in(path, FILE_SUFFIXES)
+    if there and split not in there:
+      raise refuse(flag, split, f"{name} has no {split!r} split; its splits are {', '.join(there)}")
   if os.path.isfile(path):
     if split != "train":
       raise refuse(
@@ -462,6 +467,19 @@ def _split_path(name: str, split: str, flag: str, jaxrm_split: str) -> str:
       f"{flag} {jaxrm_split}, or a directory of <split>.jsonl files",
     )
   return name
+
+
+def _splits_in(path: str, suffixes: Sequence[str]) -> list[str]:
+  """The splits of a directory: those a saved ``DatasetDict`` lists (``dataset_dict.json``), else
+  its ``<split>.<suffix>`` files' names."""
+  saved = os.path.join(path, "dataset_dict.json")
+  if os.path.isfile(saved):
+    with contextlib.suppress(OSError, ValueError, TypeError):
+      with open(saved) as f:
+        return sorted(map(str, json.load(f)["splits"]))
+  return sorted(
+    {f[: -len(x)] for f in os.listdir(path) for x in suffixes if f.endswith(x) and len(f) > len(x)}
+  )
 
 
 def _schedule(args: dict, tr: Translation, device_count: int) -> None:
