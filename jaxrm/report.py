@@ -56,6 +56,7 @@ def run_start(
   drops: Mapping[str, DropReport],
   start_step: int,
   total_steps: int,
+  ends_by: str,
   global_batch_size: int,
   grad_accum: int,
   tokens_per_step: float,
@@ -74,7 +75,8 @@ def run_start(
     mesh_shape, devices, backend, processes: where it trains.
     train_examples, steps_per_epoch, validation_sizes: the examples of each set.
     drops: each set's dropped rows (``"train"``, ``"validation-<set>"``).
-    start_step, total_steps: where the loop starts and ends.
+    start_step, total_steps: where the loop starts and ends; ``ends_by`` the key that ends it
+      (:data:`MAX_STEPS` or :data:`MAX_EPOCHS`, with what it says).
     global_batch_size, grad_accum: groups per update, and the micro-batches they come in.
     tokens_per_step: real tokens per update on average, each group's prompt counted per sequence;
       ``shared_tokens_per_step`` the same with prompts written once (given with
@@ -102,7 +104,7 @@ def run_start(
     + (", ".join(f"{n}: {k}" for n, k in validation_sizes.items()) or "no")
     + " validation\n"
     + "".join(f"{d.summary(name)}\n" for name, d in drops.items())
-    + f"steps: {_steps(start_step, total_steps)}, batch {global_batch_size} groups (x{grad_accum} accumulation), "
+    + f"steps: {_steps(start_step, total_steps, ends_by)}, batch {global_batch_size} groups (x{grad_accum} accumulation), "
     f"{tokens_per_step:.0f} tokens/step on average, {packing}"
     + (", in length-grouped order (data.group_by_length)" if group_by_length else "")
     + "\n"
@@ -110,11 +112,13 @@ def run_start(
   )
 
 
-def _steps(start_step: int, total_steps: int) -> str:
-  """``0 -> 120``, ``resumed from step 60 -> 120``, or ``already finished at step 120``."""
+def _steps(start_step: int, total_steps: int, ends_by: str) -> str:
+  """``0 -> 120 (train.max_steps)``, ``resumed from step 60 -> 120 (...)``, or ``already finished
+  at step 120 (raise train.max_steps to train on)``."""
   if start_step >= total_steps:
-    return f"already finished at step {start_step} (raise train.max_steps to train on)"
-  return f"resumed from step {start_step} -> {total_steps}" if start_step else f"0 -> {total_steps}"
+    return f"already finished at step {start_step} ({_train_on(ends_by)})"
+  steps = f"resumed from step {start_step} -> {total_steps}" if start_step else f"0 -> {total_steps}"
+  return f"{steps} ({ends_by})"
 
 
 def progress_line(
@@ -129,6 +133,10 @@ def progress_line(
     + (f", accuracy {accuracy:.3f}" if shown else "")
     + f", {step_seconds:.2f} s/step"
   )
+
+
+def _train_on(ends_by: str) -> str:
+  return f"raise {ends_by.split('=', 1)[0].split(' ', 1)[0]} to train on"
 
 
 def describe_lora(cfg: LoraConfig) -> str:
@@ -209,6 +217,7 @@ def run_summary(
   finished: bool = True,
   start_step: int = 0,
   final_shown: bool = False,
+  ends_by: str = "train.max_steps",
 ) -> str:
   """What a run did and how to use it.
 
@@ -231,15 +240,14 @@ def run_summary(
     start_step: the step the run resumed from (0: a new run).
     final_shown: the run printed the final validation's table already; the summary points at it
       instead of printing it again.
+    ends_by: the key that set the run's length (as :func:`run_start` takes it).
   """
   rate = f", {_count(train_tokens / train_seconds)} tokens/s in train steps" if train_seconds > 0 else ""
   ended = "run finished" if finished else "run stopped early (run again to continue)"
   resumed = f", resumed from step {start_step}" if start_step else ""
   lines = [f"{ended}: {steps} steps in {_duration(wall_seconds)}{resumed}{rate}"]
   if finished and not steps:
-    lines = [
-      f"run already finished at step {start_step}: nothing left to train (raise train.max_steps to train on)"
-    ]
+    lines = [f"run already finished at step {start_step}: nothing left to train ({_train_on(ends_by)})"]
   if best is not None:
     step, name, value = best
     lines.append(

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxrm import checkpointing, loading, report, rerun, run_lock, sharding, steps, update
+from jaxrm import checkpointing, compat, loading, report, rerun, run_lock, sharding, steps, update
 from jaxrm.config import RunConfig
 from jaxrm.data import packing, pipeline, registry
 from jaxrm.data.packing import PackSpec
@@ -78,6 +78,7 @@ class _Run:
   train_seconds: float = 0.0  # in train steps
   train_tokens: float = 0.0  # real tokens, all processes together
   finished: bool = False  # the loop reached total_steps
+  ends_by: str = "train.max_steps"  # the key that sets total_steps, with what it says
 
 
 @contextlib.contextmanager
@@ -158,7 +159,7 @@ def _set_up(config: RunConfig) -> _Run:
   data = load_run_data(config, rm.tokenizer)
   inputs = _make_input(config, mesh, data, pad_id(rm.tokenizer, rm.config.pad_token_id))
   _count_unused(config, data, inputs)
-  total_steps = _total_steps(config, inputs.stream)
+  total_steps, ends_by = _total_steps(config, inputs.stream)
   # ------------------------------------------------------------------ update
   built = update.build_update(
     rm.model,
@@ -198,6 +199,7 @@ def _set_up(config: RunConfig) -> _Run:
     writer,
     start_step,
     last_val,
+    ends_by=ends_by,
   )
   if is_main:
     _write_drops(out_dir, data)
@@ -205,17 +207,21 @@ def _set_up(config: RunConfig) -> _Run:
   return run
 
 
-def _total_steps(config: RunConfig, stream: pipeline.TrainStream) -> int:
-  """``train.max_steps``, or fewer where ``train.max_epochs`` ends the run first."""
+def _total_steps(config: RunConfig, stream: pipeline.TrainStream) -> tuple[int, str]:
+  """``train.max_steps``, or fewer where ``train.max_epochs`` ends the run first; and which of the
+  two ends it, as the run's start says."""
   spec = config.train
   epochs = spec.max_epochs * stream.steps_per_epoch
-  if epochs < spec.max_steps:
-    spec.check_steps(
-      epochs,
-      f"train.max_epochs={spec.max_epochs} of {stream.steps_per_epoch} steps each "
-      f"({stream.num_examples} train examples, train.global_batch_size={stream.global_batch_size})",
-    )
-  return min(spec.max_steps, epochs)
+  if epochs >= spec.max_steps:
+    return spec.max_steps, "train.max_steps"
+  why = (
+    f"train.max_epochs={spec.max_epochs} of {stream.steps_per_epoch} steps each "
+    f"({stream.num_examples} train examples, train.global_batch_size={stream.global_batch_size})"
+  )
+  spec.check_steps(epochs, why)
+  if spec.max_steps < compat.UNTIL_EPOCHS:
+    why += f", before train.max_steps={spec.max_steps}"
+  return epochs, why
 
 
 def _checkpoint_dir(config: RunConfig, out_dir: str) -> str:
@@ -446,6 +452,7 @@ def _summary(run: _Run, out_dir: str) -> str:
     drops=data.drops,
     start_step=run.start_step,
     total_steps=run.total_steps,
+    ends_by=run.ends_by,
     global_batch_size=gbs,
     grad_accum=run.input.grad_accum,
     tokens_per_step=gbs * data.mean_train_tokens(),
@@ -639,6 +646,7 @@ def _final_summary(run: _Run, wall_seconds: float) -> str:
     finished=run.finished,
     start_step=run.start_step,
     final_shown=run.last_val_step is not None and run.last_val_step == run.shown_val_step,
+    ends_by=run.ends_by,
   )
 
 

@@ -202,7 +202,7 @@ def test_resumed_and_finished_runs_say_so(model_dir, tmp_path, capsys):
   capsys.readouterr()
   tiny_run.train(tiny_run.config(model_dir, out, train__max_steps=4))
   printed = capsys.readouterr().out
-  assert "\nsteps: resumed from step 2 -> 4, batch 8 groups" in printed
+  assert "\nsteps: resumed from step 2 -> 4 (train.max_steps), batch 8 groups" in printed
   assert re.search(r"\nrun finished: 2 steps in \S+, resumed from step 2\b", printed)
   tiny_run.train(tiny_run.config(model_dir, out, train__max_steps=4))
   printed = capsys.readouterr().out

@@ -179,6 +179,12 @@ def test_a_resumed_run_and_a_finished_one_say_so():
   assert report.run_summary(steps=0, start_step=8, **common).splitlines()[0] == (
     "run already finished at step 8: nothing left to train (raise train.max_steps to train on)"
   )
+  by_epochs = report.run_summary(
+    steps=0, start_step=8, ends_by="train.max_epochs=1 of 8 steps each", **common
+  )
+  assert by_epochs.splitlines()[0] == (
+    "run already finished at step 8: nothing left to train (raise train.max_epochs to train on)"
+  )
 
 
 def test_start_summary_names_a_resume_and_a_finished_run():
@@ -222,14 +228,24 @@ def test_start_summary_names_a_resume_and_a_finished_run():
   steps = lambda text: next(line for line in text.splitlines() if line.startswith("steps: ")).split(
     ", batch"
   )[0]
-  assert steps(report.run_start(start_step=0, total_steps=8, **common)) == "steps: 0 -> 8"
-  assert steps(report.run_start(start_step=6, total_steps=8, **common)) == "steps: resumed from step 6 -> 8"
-  assert steps(report.run_start(start_step=8, total_steps=8, **common)) == (
+  by_steps = dict(common, ends_by="train.max_steps")
+  assert steps(report.run_start(start_step=0, total_steps=8, **by_steps)) == "steps: 0 -> 8 (train.max_steps)"
+  assert steps(report.run_start(start_step=6, total_steps=8, **by_steps)) == (
+    "steps: resumed from step 6 -> 8 (train.max_steps)"
+  )
+  assert steps(report.run_start(start_step=8, total_steps=8, **by_steps)) == (
     "steps: already finished at step 8 (raise train.max_steps to train on)"
+  )
+  by_epochs = dict(common, ends_by="train.max_epochs=4 of 2 steps each, before train.max_steps=100")
+  assert steps(report.run_start(start_step=0, total_steps=8, **by_epochs)) == (
+    "steps: 0 -> 8 (train.max_epochs=4 of 2 steps each, before train.max_steps=100)"
+  )
+  assert steps(report.run_start(start_step=8, total_steps=8, **by_epochs)) == (
+    "steps: already finished at step 8 (raise train.max_epochs to train on)"
   )
   # No validation set (own files without data.val_data_paths) is said in words.
   assert "data: 16 train examples (2 steps/epoch), no validation\n" in report.run_start(
-    start_step=0, total_steps=8, **common
+    start_step=0, total_steps=8, **by_steps
   )
 
 

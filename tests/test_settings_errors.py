@@ -61,3 +61,20 @@ def test_cli_refuses_a_bad_jaxrm_key_with_exit_2(model_dir, tmp_path, flag, mess
   assert result.returncode == 2, tiny_run.describe(result)
   assert "Traceback" not in result.stderr
   assert message in result.stderr, result.stderr
+
+
+def test_the_start_says_which_of_max_steps_and_max_epochs_ends_the_run():
+  from types import SimpleNamespace
+
+  from jaxrm import compat, trainer
+  from jaxrm.config import RunConfig, TrainSpec
+
+  stream = SimpleNamespace(steps_per_epoch=8, num_examples=64, global_batch_size=8)
+  run = lambda **train: trainer._total_steps(RunConfig(train=TrainSpec(warmup_steps=1, **train)), stream)
+  assert run(max_steps=10, max_epochs=2) == (10, "train.max_steps")
+  assert run(max_steps=100, max_epochs=2) == (
+    16,
+    "train.max_epochs=2 of 8 steps each (64 train examples, train.global_batch_size=8), before train.max_steps=100",
+  )
+  # TRL's and NeMo's "until the epochs run out" has no max_steps to name.
+  assert run(max_steps=compat.UNTIL_EPOCHS, max_epochs=1)[1].endswith("train.global_batch_size=8)")
