@@ -159,11 +159,11 @@ class Encoder:
     ]
     return [self.encode(f"prompts[{i}] + completions[{i}]", p, c) for i, (p, c) in enumerate(pairs)]
 
-  def solutions(self, body: dict[str, Any]) -> list[tuple[list[int], list[int]]]:
+  def solutions(self, body: dict[str, Any]) -> list[tuple[list[int], list[int]] | None]:
     """A process model's ``{"prompts", "completions"}`` (each completion cut into steps at the
     model's step separator) or ``{"prompts", "steps"}`` (a list of steps per prompt): each
     solution's token ids and the positions of its step labels, laid out as stepwise training
-    lays them out."""
+    lays them out; None for a solution with no steps."""
     separator = self.rm.step_separator
     if ("completions" in body) == ("steps" in body):
       raise RequestError(
@@ -185,6 +185,9 @@ class Encoder:
       steps = self._steps(value, f"{key}[{i}]", separator)
       where = f"prompts[{i}] + {key}[{i}]"
       prompt = self._text(prompt, f"prompts[{i}]")
+      if not steps:
+        out.append(None)
+        continue
       encode = functools.partial(
         self.rm.encode_steps, prompt, steps, max_length=self.config.max_length, where=where
       )
@@ -193,19 +196,21 @@ class Encoder:
 
   @staticmethod
   def _steps(value: Any, where: str, separator: str) -> list[str]:
-    if isinstance(value, str):
-      steps = step_rewards.split_steps(value, separator)
-    elif isinstance(value, list) and all(isinstance(s, str) for s in value):
-      steps = value
-    else:
-      raise RequestError(
-        400,
-        f"{where} is {kind(value)}; expected "
-        + ("a list of step texts" if where.startswith("steps") else "a string"),
+    """A solution's steps: a completion (a string) cut at the step separator, or a list of steps
+    as given -- one string is refused there, as ``rm.score_steps`` refuses it. A solution of no
+    steps has no reward (null), as the Python reward functions give None."""
+    if where.startswith("completions"):
+      if not isinstance(value, str):
+        raise RequestError(400, f"{where} is {kind(value)}; expected a string")
+      return step_rewards.split_steps(value, separator)
+    try:
+      return step_rewards.check_steps(
+        value,
+        where,
+        f"or send the solution as one of 'completions', which are cut at the step separator {separator!r}",
       )
-    if not steps:
-      raise RequestError(400, f"{where} has no steps to score (the step separator is {separator!r})")
-    return steps
+    except ValueError as e:
+      raise RequestError(400, str(e)) from None
 
   def items(self, body: dict[str, Any], key: str, expected: str) -> list:
     """``body[key]``, a list of at most max_batch items."""
