@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrm import kinds, loading, reward_funcs, shared_prefix
+from jaxrm import kinds, loading, reward_funcs, shared_prefix, step_rewards
 from jaxrm.batches import IGNORE_INDEX
 from jaxrm.config import combination_weights
 from jaxrm.data.drops import DropReport
@@ -74,21 +74,18 @@ def _texts(values: Any, name: str, call: str) -> list[Text]:
 
 
 def _steps(steps: Any, field: str, separator: str) -> tuple[str, ...]:
-  """``steps`` checked as a list of step texts."""
-  if isinstance(steps, str):
-    raise DataError(
-      f"score_steps: {field} is one string; pass a list of steps (e.g. "
-      f"jaxrm.step_rewards.split_steps(text, rm.step_separator) cuts a solution at the step "
-      f"separator {separator!r})"
+  """``steps`` checked as a list of step texts (:func:`jaxrm.step_rewards.check_steps`)."""
+  try:
+    return tuple(
+      step_rewards.check_steps(
+        steps,
+        field,
+        f"e.g. jaxrm.step_rewards.split_steps(text, rm.step_separator) cuts a solution at the step "
+        f"separator {separator!r}",
+      )
     )
-  if not isinstance(steps, (list, tuple)) or not all(isinstance(x, str) for x in steps):
-    raise DataError(
-      f"score_steps: {field} is {kind(steps)}; expected a list of step texts (strings)"
-      if not isinstance(steps, (list, tuple))
-      else f"score_steps: {field} holds {kind(next(x for x in steps if not isinstance(x, str)))}; "
-      "expected a list of step texts (strings)"
-    )
-  return tuple(steps)
+  except ValueError as e:
+    raise DataError(f"score_steps: {e}") from None
 
 
 class RewardModel:

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
+
+from jaxrm.data.formats import kind
 
 AGGREGATIONS = ("min", "last", "product", "mean")
 DEFAULT_AGGREGATION = "min"
@@ -45,6 +48,26 @@ def split_steps(completion: str, separator: str) -> list[str]:
   if not isinstance(separator, str) or not separator:
     raise ValueError(f"the step separator must be a non-empty string, got {separator!r}")
   return [step for step in completion.split(separator) if step.strip()]
+
+
+def check_steps(steps: Any, field: str, one_string: str) -> list[str]:
+  """``steps`` as a list of step texts (an empty list is a solution with no steps), else a
+  ValueError naming ``field``. One string is refused, not cut: where its steps end is the step
+  separator's to say, which ``one_string`` tells the caller how to apply."""
+  if isinstance(steps, str):
+    raise ValueError(f"{field} is one string; pass a list of steps ({one_string})")
+  if not isinstance(steps, (list, tuple)):
+    raise ValueError(f"{field} is {kind(steps)}; expected a list of step texts (strings)")
+  for x in steps:
+    if not isinstance(x, str):
+      raise ValueError(f"{field} holds {kind(x)}; expected a list of step texts (strings)")
+  return list(steps)
+
+
+def solution_reward(probabilities: Sequence[float], how: str = DEFAULT_AGGREGATION) -> float | None:
+  """:func:`aggregate`, or None for a solution with no steps: no reward, as TRL reads None (the
+  reward functions and the server's ``/score_steps`` alike)."""
+  return aggregate(probabilities, how) if len(probabilities) else None
 
 
 def aggregate(probabilities: Sequence[float], how: str = DEFAULT_AGGREGATION) -> float:

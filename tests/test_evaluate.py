@@ -508,6 +508,33 @@ def test_cli_runs_a_benchmark(tiny_rm, model_dir, tmp_path):
   assert "items/s" in proc.stdout and "length bias (characters)" in proc.stdout
 
 
+def test_a_rewardbench_file_scored_plainly_says_why_its_figures_differ(tiny_rm, tmp_path):
+  from jaxrm.evaluation import run_benchmark
+
+  data = tmp_path / "rb.jsonl"
+  data.write_text("".join(json.dumps(r) + "\n" for r in RB_ROWS))
+  plain = evaluate(tiny_rm, str(data))
+  bench = run_benchmark("rewardbench", tiny_rm, str(data))
+  # Plain evaluation reads the file as training does: prompt + response as one plain text...
+  prompts = [r["prompt"] for r in RB_ROWS]
+  np.testing.assert_allclose(
+    plain["scores"]["chosen"],
+    tiny_rm.score(prompts=prompts, completions=[r["chosen"] for r in RB_ROWS]),
+    **REBATCHED,
+  )
+  # ...the benchmark as its harness does: a user turn and the assistant's reply, chat-templated.
+  chat = lambda key: tiny_rm.score([[user(r["prompt"]), assistant(r[key])] for r in RB_ROWS])
+  right = chat("chosen") > chat("rejected")
+  assert [bench["results"][s] for s in ("math-prm", "alpacaeval-easy")] == [right[0], right[3]]
+  assert plain["subsets"]["math-prm"]["accuracy"] != bench["results"]["math-prm"]  # so they differ
+  assert plain["note"].startswith("these rows are RewardBench's (every subset is one of its own)")
+  report = format_report(plain)
+  assert "note: these rows are RewardBench's" in report and "--benchmark=rewardbench" in report
+  other = [dict(r, subset="mine") for r in RB_ROWS]  # not RewardBench's subsets: no note
+  (tmp_path / "mine.jsonl").write_text("".join(json.dumps(r) + "\n" for r in other))
+  assert "note" not in evaluate(tiny_rm, str(tmp_path / "mine.jsonl"))
+
+
 def test_cli_benchmark_offline_hub_error_without_traceback():
   # The data is read before the model, so a missing model is never reached; HF_HUB_OFFLINE makes the
   # hub fail at once instead of after retries. (Row errors are tested in test_benchmark_*.py.)

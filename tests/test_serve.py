@@ -28,7 +28,7 @@ from helpers import (
   user,
 )
 
-from jaxrm.errors import ConfigError
+from jaxrm.errors import ConfigError, DataError
 from jaxrm.loading import ScoringInfo
 from jaxrm.server import ServerConfig, make_server
 
@@ -378,13 +378,12 @@ def test_solutions_of_one_problem_share_it(prm_url, tiny_prm):
       {"prompts": ["p"], "steps": [["a"]], "aggregation": "max"},
       "aggregation='max' is not an aggregation of step probabilities; choose one of min, last, product, mean",
     ),
-    ("/score_steps", {"prompts": ["p"], "completions": ["\n\n"]}, "completions[0] has no steps to score"),
     ("/score_steps", {"prompts": ["p", "q"], "steps": [["a"]]}, "2 prompts but 1 steps; send one per prompt"),
     ("/score_steps", {"prompts": ["p"]}, "send 'prompts' with 'completions'"),
     (
       "/score_steps",
       {"prompts": ["p"], "steps": [[1, 2]]},
-      "steps[0] is a list; expected a list of step texts",
+      "steps[0] holds an integer; expected a list of step texts (strings)",
     ),
     (
       "/get_reward",
@@ -399,6 +398,33 @@ def test_solutions_of_one_problem_share_it(prm_url, tiny_prm):
 def test_score_steps_refuses_what_it_cannot_score(prm_url, path, body, message):
   status, reply, _ = call(prm_url, path, body)
   assert status == 400 and message in reply["error"], reply
+
+
+def test_python_and_http_agree_on_solutions_without_steps_and_on_steps_as_one_string(prm_url, tiny_prm):
+  sep = tiny_prm.step_separator
+  # No steps: no reward (TRL's None; null over HTTP), whichever way the solution came.
+  assert tiny_prm.score_steps("p", []) == []
+  assert tiny_prm.as_reward_func()(prompts=["p", "p"], completions=["", sep * 2]) == [None, None]
+  want = tiny_prm.score_steps("p", ["a"])
+  for body in (
+    {"prompts": ["p", "p", "p"], "completions": ["a", "", sep * 2]},
+    {"prompts": ["p", "p"], "steps": [["a"], []]},
+  ):
+    n = len(body["prompts"])
+    status, reply, _ = call(prm_url, "/score_steps", body)
+    assert status == 200, reply
+    assert reply["step_rewards"][0] == approx(want) and reply["step_rewards"][1:] == [[]] * (n - 1)
+    assert reply["rewards"][:1] == approx([min(want)]) and reply["rewards"][1:] == [None] * (n - 1)
+    status, reply, _ = call(prm_url, "/score", body)
+    assert status == 200 and reply["rewards"][1:] == [None] * (n - 1), reply
+  status, reply, _ = call(prm_url, "/score_steps", {"prompts": ["p"], "steps": [[]]})
+  assert status == 200 and reply == {"step_rewards": [[]], "rewards": [None]}, reply
+  # Steps given as one string: refused by both, each saying how to have it cut into steps.
+  with pytest.raises(DataError, match=r"score_steps: steps is one string; pass a list of steps \(e\.g\. "):
+    tiny_prm.score_steps("p", f"a{sep}b")
+  status, reply, _ = call(prm_url, "/score_steps", {"prompts": ["p"], "steps": [f"a{sep}b"]})
+  assert status == 400, reply
+  assert reply["error"].startswith("steps[0] is one string; pass a list of steps (or send the solution as")
 
 
 def test_a_sequence_models_server_has_no_steps_to_score(url):

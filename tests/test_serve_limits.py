@@ -36,6 +36,7 @@ class GatedTokenizer:
     self._tokenizer = tokenizer
     self._gate = gate
     self._delay = delay
+    self.marked = 0  # texts holding MARK tokenized so far
 
   def __getattr__(self, name):
     return getattr(self._tokenizer, name)
@@ -45,6 +46,7 @@ class GatedTokenizer:
 
   def __call__(self, text, *args, **kwargs):
     if MARK in str(text):
+      self.marked += 1
       if self._gate is not None:
         self._gate.wait(SOCKET_TIMEOUT)
       else:
@@ -291,3 +293,73 @@ def test_a_client_that_leaves_gives_up_its_place_and_is_not_scored(tiny_rm):
     s.batcher.score_fn = score
     wait_until(lambda: metric(s.url, "jaxrm_queue_requests") == 0, "the worker drops it")
     assert metric(s.url, "jaxrm_items_total") - items_before == len(first)
+
+
+# ------------------------------------------------------------------ hostile clients
+
+
+def test_headers_alone_hold_no_pending_bytes(tiny_rm):
+  # Two clients send the headers of 2048-byte bodies, and nothing more: they once reserved all of
+  # max_pending_bytes until body_timeout, and every other request got 503. Bytes count as they
+  # arrive now: the gauge stays at 0, and an honest request is scored meanwhile.
+  config = dataclasses.replace(SERVER_CONFIG, max_pending_bytes=4096, body_timeout=SOCKET_TIMEOUT)
+  with serving(tiny_rm, config) as s:
+    socks = [raw_connection(s.url) for _ in range(2)]
+    try:
+      for sock in socks:
+        sock.sendall(
+          b"POST /get_reward HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+          b"Content-Length: 2048\r\n\r\n"
+        )
+      time.sleep(0.5)  # their headers are read (before, they then reserved 4096 bytes)
+      assert metric(s.url, "jaxrm_pending_bytes") == 0
+      status, reply, _ = call(s.url, "/get_reward", raw=padded_body(SERVER_TEXTS, 600))
+      assert status == 200, reply
+      assert reply["rewards"] == approx(tiny_rm.score(SERVER_TEXTS, max_length=64))
+    finally:
+      for sock in socks:
+        sock.close()
+
+
+def long_conversation(messages: int) -> list[dict]:
+  return [
+    {
+      "role": "user" if i % 2 == 0 else "assistant",
+      "content": f"{'question' if i % 2 == 0 else 'answer'} {i}",
+    }
+    for i in range(messages)
+  ]
+
+
+def test_ten_thousand_turns_are_scored_or_refused_within_request_timeout(tiny_rm):
+  # Cutting the oldest turns one render at a time took minutes for such a conversation, holding
+  # the tokenizer past the request's 504 while every other request waited behind it.
+  conversation = long_conversation(10_001)
+  body = {"conversations": [conversation]}
+  config = dataclasses.replace(
+    SERVER_CONFIG, max_request_bytes=2**20, max_pending_bytes=2**20, request_timeout=20
+  )
+  with serving(tiny_rm, config) as s:
+    (status, reply, _), seconds = timed(call, s.url, "/score", body)
+    assert status == 413 and "(--max_messages)" in reply["error"], reply
+    assert "conversations[0] brings the request to 10001 messages" in reply["error"]
+    assert seconds < 2
+  with serving(tiny_rm, dataclasses.replace(config, max_messages=20_000)) as s:
+    (status, reply, _), seconds = timed(call, s.url, "/score", body)
+    assert status == 200, reply
+    assert seconds < config.request_timeout
+    assert reply["rewards"] == approx(tiny_rm.score([conversation], max_length=64))
+
+
+def test_a_request_past_its_deadline_stops_tokenizing(tiny_rm):
+  # Four texts of 0.4 s each to tokenize, and 0.6 s to answer: the request is answered 504 at
+  # 0.6 s, and its tokenizing stops before its third text instead of going on for 1.6 s while
+  # the requests behind it wait.
+  slow = gated(tiny_rm, delay=0.4)
+  config = dataclasses.replace(SERVER_CONFIG, request_timeout=0.6)
+  with serving(slow, config) as s:
+    status, reply, _ = call(s.url, "/get_reward", {"query": [f"{MARK} {i}" for i in range(4)]})
+    assert status == 504, reply
+    status, reply, _ = call(s.url, "/get_reward", {"query": ["next"]})  # waits for the tokenizer
+    assert status == 200, reply
+  assert slow.tokenizer.marked == 2

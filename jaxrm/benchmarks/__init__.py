@@ -33,6 +33,15 @@ def module(name: str):
   return BENCHMARKS[name]
 
 
+def plain_evaluation_note(subsets: set[str]) -> str | None:
+  """Why plain evaluation of rows of these subsets gives other figures than the benchmark they
+  are from (see its ``PLAIN_EVALUATION_DIFFERS``), or None when they are from none."""
+  for bench in BENCHMARKS.values():
+    if hasattr(bench, "holds") and bench.holds(subsets):
+      return bench.PLAIN_EVALUATION_DIFFERS
+  return None
+
+
 def load(
   name: str, data: str | None = None, *, split: str | None = None, max_rows: int = 0
 ) -> dict[str, Any]:

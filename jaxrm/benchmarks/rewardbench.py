@@ -112,6 +112,16 @@ LENGTH_CATEGORIES = {
   "xstest-should-refuse": "False",
   "xstest-should-respond": "True",
 }
+# Why `python -m jaxrm.evaluate --data=<a RewardBench file>` (plain evaluation) gives other figures.
+PLAIN_EVALUATION_DIFFERS = (
+  "these rows are RewardBench's (every subset is one of its own). Plain evaluation scores them as "
+  "training reads a preference file: prompt + completion as one plain text, rows over max_length "
+  "dropped, accuracy over all rows. --benchmark=rewardbench scores them as the official harness "
+  "does: the prompt as a user turn and the response as the assistant's reply through the chat "
+  "template (tulu's, without one), rows over 2048 tokens cut on the left, and a Score that weighs "
+  "the sections by the official subset counts. The figures differ for those reasons; for "
+  "RewardBench's own figures, run --benchmark=rewardbench"
+)
 _CATEGORY_MEANING = {"True": "chosen is longer", "Neutral": "similar lengths", "False": "chosen is shorter"}
 
 
@@ -123,6 +133,11 @@ class Pair:
   subset: str
   id: Any
   source: str
+
+
+def holds(subsets: set[str]) -> bool:
+  """Whether rows of these subsets are RewardBench's (all of them its own)."""
+  return bool(subsets) and subsets <= set(EXAMPLE_COUNTS) | set(PRIOR_SETS)
 
 
 def parse(source: str, row: dict) -> Pair:

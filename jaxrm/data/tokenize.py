@@ -44,8 +44,8 @@ import json
 import re
 import weakref
 import zlib
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import jinja2
 import numpy as np
@@ -62,6 +62,8 @@ IDENTICAL_COMPLETIONS = "completions identical after tokenization"
 STEPS_TOO_LONG = "prompt + steps longer than max_length (truncation='drop')"
 NO_STEP_FITS = "no step fits in max_length after the prompt"
 LAST_STEP_CUT = "last step cut by truncation (train_on_last_step_only)"
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,10 +197,13 @@ def tokenize_stepwise(
       drops.drop(PROMPT_TOO_LONG if len(prefix) >= opts.max_length else STEPS_TOO_LONG, record.source)
       return None
     if isinstance(record.prompt, list):
-      for shorter in _shorter_contexts(record.prompt):
-        if len(prefix) + sum(map(len, steps)) <= opts.max_length:
-          break
-        prefix = _stepwise_prefix(tokenizer, shorter, sep, record.source)
+      room = opts.max_length - sum(map(len, steps))
+      prefix = _fewest_turns_cut(
+        record.prompt,
+        prefix,
+        lambda shorter: _stepwise_prefix(tokenizer, shorter, sep, record.source),
+        lambda prefix: len(prefix) <= room,
+      )
   kept, reason = _steps_kept(len(prefix), steps, opts)
   if reason:
     drops.drop(reason, record.source)
@@ -359,10 +364,12 @@ def _truncate_group_left(
 ) -> list[_Encoded] | None:
   """Fits a group into ``max_length`` by cutting its context; None when no context cut is enough."""
   if isinstance(record.context, list):
-    for shorter in _shorter_contexts(record.context):
-      if _longest(encoded) <= max_length:
-        break
-      encoded = _encode_group(tokenizer, shorter, completions, record.source)
+    encoded = _fewest_turns_cut(
+      record.context,
+      encoded,
+      lambda shorter: _encode_group(tokenizer, shorter, completions, record.source),
+      lambda encoded: _longest(encoded) <= max_length,
+    )
   cut = _longest(encoded) - max_length
   if cut <= 0:
     return encoded
@@ -375,16 +382,55 @@ def _truncate_group_left(
   return out
 
 
-def _shorter_contexts(messages: list[Message]) -> Iterable[list[Message]]:
-  """Yields the conversation with its oldest turns dropped, one turn more each time.
+def _fewest_turns_cut(
+  messages: list[Message], whole: T, encode: Callable[[list[Message]], T], fits: Callable[[T], bool]
+) -> T:
+  """``encode(shorter)`` of the conversation with the fewest oldest turns cut for ``fits`` to hold
+  (see :func:`_turn_starts`), else with every turn but the last cut; ``whole`` (the whole
+  conversation's encoding, which does not fit) when there is no turn to cut.
+
+  Cutting a turn never lengthens a conversation, so the first cut that fits is found by galloping
+  back from the last turn (keeping 1, 2, 4... more turns) until a cut does not fit, then bisecting:
+  O(log n) encodings, each at most about twice as long as what is kept, where trying one cut more
+  at a time was quadratic in the conversation. The result is the same.
+  """
+  head, starts = _turn_starts(messages)
+  if not starts:
+    return whole
+  done: dict[int, T] = {}
+
+  def encoded(k: int) -> T:  # the conversation from turn starts[k] on
+    if k not in done:
+      done[k] = encode(messages[:head] + messages[starts[k] :])
+    return done[k]
+
+  fit = len(starts) - 1
+  if not fits(encoded(fit)):
+    return encoded(fit)
+  unfit, step = -1, 1  # -1: the whole conversation
+  while fit - step > unfit:
+    if not fits(encoded(fit - step)):
+      unfit = fit - step
+      break
+    fit, step = fit - step, 2 * step
+  while fit - unfit > 1:
+    mid = (fit + unfit) // 2
+    if fits(encoded(mid)):
+      fit = mid
+    else:
+      unfit = mid
+  return encoded(fit)
+
+
+def _turn_starts(messages: list[Message]) -> tuple[int, list[int]]:
+  """(messages always kept at the start, where each later turn starts): the conversation with its
+  oldest turns cut, one turn more each time, is ``messages[:head] + messages[start:]`` for each
+  start, in order.
 
   A turn starts at a user message. A leading system message and the last turn are always kept.
   """
-  head = messages[:1] if messages and messages[0].get("role") == "system" else []
-  body = messages[len(head) :]
-  for start in range(1, len(body)):
-    if body[start].get("role") == "user":
-      yield head + body[start:]
+  head = 1 if messages and messages[0].get("role") == "system" else 0
+  return head, [i for i in range(head + 1, len(messages)) if messages[i].get("role") == "user"]
 
 
 def _stepwise_prefix(tokenizer, prompt: Text, sep: list[int], source: str) -> list[int]:

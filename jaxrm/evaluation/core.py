@@ -78,7 +78,8 @@ def evaluate(
     correct, for the steps labelled each way, and for regression models ``predictions`` and
     ``ratings`` [N, A] with ``rated`` (bool [N, A]: where a row rates an attribute). Preference
     results also have ``length_bias`` (see :mod:`jaxrm.benchmarks.length_bias`; lengths in tokens
-    after the prompt), whose comparisons are ``scores["length"]``; regression results have
+    after the prompt), whose comparisons are ``scores["length"]``, and, for rows of a public
+    benchmark, ``note``: why its ``run_benchmark`` figures differ; regression results have
     ``attributes`` and ``combine``.
   """
   drops = drops if drops is not None else DropReport()
@@ -121,6 +122,11 @@ def evaluate(
   }
   if "length" in scores:
     result["length_bias"] = length_bias.report(scores["length"], unit="tokens")
+  note = benchmarks.plain_evaluation_note(
+    {str(s) for e in examples if (s := e.meta.get("subset")) is not None}
+  )
+  if note is not None and name == "preference":
+    result["note"] = note
   return result
 
 

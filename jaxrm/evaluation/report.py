@@ -25,6 +25,8 @@ def format_report(result: dict[str, Any]) -> str:
     lines += ["", *_subset_table(result["subsets"], kind.columns(result))]
   if "length_bias" in result:
     lines += ["", length_bias.format_report(result["length_bias"])]
+  if "note" in result:
+    lines += ["", f"note: {result['note']}"]
   return "\n".join(lines)
 
 

@@ -26,7 +26,7 @@ from jaxrm.data.tokenize import pad_id
 from jaxrm.errors import ConfigError
 from jaxrm.models.heads import correct_probability
 from jaxrm.server.batcher import Batcher, PackedFn, QueueFull, ScoreFn
-from jaxrm.server.bodies import Encoder, RequestError, parse_json
+from jaxrm.server.bodies import RETRY_AFTER, Encoder, RequestError, parse_json, timed_out
 from jaxrm.server.config import ServerConfig
 from jaxrm.server.formats import ROUTES, Meta, Scoring
 from jaxrm.server.limits import HeldBody, PendingBytes
@@ -35,7 +35,6 @@ from jaxrm.server.metrics import CONTENT_TYPE, Metrics
 log = logging.getLogger("jaxrm.server")
 
 ENDPOINTS = "GET /health, GET /metrics, " + ", ".join(f"POST {path}" for path in ROUTES)
-RETRY_AFTER = {"Retry-After": "1"}
 CLOSE = {"Connection": "close"}
 REQUEST_ID = "X-Request-ID"
 CLIENT_GONE = 499  # nginx's status for a client that closed its connection before the answer
@@ -115,15 +114,6 @@ class ClientGone(Exception):
   """The client closed its connection while its request was tokenized or scored."""
 
 
-def _timed_out(timeout: float, headers: dict[str, str] | None = None) -> RequestError:
-  return RequestError(
-    504,
-    f"no rewards within {timeout:g} s (--request_timeout): the server is overloaded; "
-    "retry later, or send fewer items",
-    {**RETRY_AFTER, **(headers or {})},
-  )
-
-
 def _too_large(limit: int) -> RequestError:
   return RequestError(
     413,
@@ -142,26 +132,23 @@ def _too_many(limit: int) -> RequestError:
   )
 
 
-def _declared_size(request: Request, held: HeldBody, config: ServerConfig) -> int | None:
-  """The body's Content-Length, within max_request_bytes and held in max_pending_bytes before a byte
-  arrives; None for a chunked body, held chunk by chunk instead."""
+def _declared_size(request: Request, config: ServerConfig) -> None:
+  """Refuses a Content-Length that is not a number, or over max_request_bytes. It holds nothing
+  in max_pending_bytes: the bytes count as they arrive, so headers alone hold none."""
   size = request.headers.get("content-length")
   if size is None:
-    return None
+    return
   if not size.isdigit():
     raise RequestError(400, f"Content-Length {size!r} is not a number of bytes", CLOSE)
   if int(size) > config.max_request_bytes:
     raise _too_large(config.max_request_bytes)
-  if not held.take(int(size)):
-    raise _too_many(config.max_pending_bytes)
-  return int(size)
 
 
 async def _read_body(request: Request, held: HeldBody, config: ServerConfig, deadline: float) -> bytes:
-  """The body, within max_request_bytes, max_pending_bytes (``held`` counts it) and body_timeout
-  seconds, before ``deadline`` (the request's); past any, the connection closes (its unread rest
-  must not be taken for the next request)."""
-  size = _declared_size(request, held, config)
+  """The body, within max_request_bytes, max_pending_bytes (``held`` counts each chunk as it
+  arrives) and body_timeout seconds, before ``deadline`` (the request's); past any, the connection
+  closes (its unread rest must not be taken for the next request)."""
+  _declared_size(request, config)
   body_deadline = min(asyncio.get_running_loop().time() + config.body_timeout, deadline)
   chunks, n = [], 0
   try:
@@ -170,12 +157,12 @@ async def _read_body(request: Request, held: HeldBody, config: ServerConfig, dea
         n += len(chunk)
         if n > config.max_request_bytes:
           raise _too_large(config.max_request_bytes)
-        if size is None and not held.take(len(chunk)):
+        if not held.take(len(chunk)):
           raise _too_many(config.max_pending_bytes)
         chunks.append(chunk)
   except TimeoutError:
     if body_deadline == deadline:
-      raise _timed_out(config.request_timeout, CLOSE) from None
+      raise timed_out(config.request_timeout, CLOSE) from None
     raise RequestError(
       408, f"the body took more than {config.body_timeout:g} s to arrive (--body_timeout)", CLOSE
     ) from None
@@ -294,14 +281,23 @@ class App:
   async def _answer(self, request: Request, parse: Callable):
     """The answer's JSON; reading, tokenizing and scoring all end by the request's deadline."""
     deadline = asyncio.get_running_loop().time() + self.config.request_timeout
+    # The same instant on the tokenizing thread's clock: it stops there, between two items.
+    encoder = self.encoder.for_request(time.monotonic() + self.config.request_timeout, self._gave_up(request))
     self._check_scoring(request)
     held = HeldBody(self.pending)
     try:
       raw = await _read_body(request, held, self.config, deadline)
-      work = asyncio.ensure_future(self._tokenized_and_scored(raw, parse, held, request.state.request_id))
+      work = asyncio.ensure_future(
+        self._tokenized_and_scored(raw, parse, held, encoder, request.state.request_id)
+      )
       return await self._until_answered(request, work, deadline)
     finally:
       held.abandon()  # a no-op once the tokenizer has the body: it gives the bytes back itself
+      request.state.answered = True  # a tokenizer still at it stops before its next item
+
+  @staticmethod
+  def _gave_up(request: Request) -> Callable[[], bool]:
+    return lambda: getattr(request.state, "answered", False)
 
   def _check_scoring(self, request: Request) -> None:
     self._authorize(request)
@@ -339,27 +335,30 @@ class App:
         return work.result()
       if gone in done:
         raise ClientGone()
-      raise _timed_out(self.config.request_timeout)
+      raise timed_out(self.config.request_timeout)
     finally:
       for task in (work, gone):
         task.cancel()
         # Either may have failed just as the other ended: its error is not an answer any more.
         task.add_done_callback(_retrieved)
 
-  async def _tokenized_and_scored(self, raw: bytes, parse: Callable, held: HeldBody, request_id: str):
+  async def _tokenized_and_scored(
+    self, raw: bytes, parse: Callable, held: HeldBody, encoder: Encoder, request_id: str
+  ):
     scoring = await anyio.to_thread.run_sync(
-      lambda: self._tokenized(raw, parse, held), limiter=self._tokenizing
+      lambda: self._tokenized(raw, parse, held, encoder), limiter=self._tokenizing
     )
     rewards = await self._scored(scoring.rows, request_id) if scoring.rows else []
     return scoring.write(rewards, Meta(request_id, self.model_name, int(time.time())))
 
-  def _tokenized(self, raw: bytes, parse: Callable, held: HeldBody) -> Scoring | None:
+  def _tokenized(self, raw: bytes, parse: Callable, held: HeldBody, encoder: Encoder) -> Scoring | None:
     """In the tokenizing thread; None if the request gave up before its turn came (its work is
     cancelled then, so None is never read)."""
     if not held.claim():
       return None
     try:
-      return parse(self.encoder, parse_json(raw))
+      encoder.check_time()
+      return parse(encoder, parse_json(raw))
     finally:
       held.release()
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import re
+import time
+from collections.abc import Callable
 from typing import Any
 
 import jinja2
@@ -25,6 +28,22 @@ class RequestError(Exception):
     super().__init__(message)
     self.status = status
     self.headers = headers or {}
+
+
+RETRY_AFTER = {"Retry-After": "1"}
+
+
+def timed_out(timeout: float, headers: dict[str, str] | None = None) -> RequestError:
+  return RequestError(
+    504,
+    f"no rewards within {timeout:g} s (--request_timeout): the server is overloaded; "
+    "retry later, or send fewer items",
+    {**RETRY_AFTER, **(headers or {})},
+  )
+
+
+class GaveUp(Exception):
+  """The request's handler no longer waits for its tokens (it answered 504, or its client left)."""
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -76,12 +95,29 @@ def _is_text(s: str) -> bool:
 class Encoder:
   """Turns request bodies into token-id rows: jaxrm's and OpenRLHF's here, as ``rm.score`` would;
   the other formats (:mod:`jaxrm.server.formats`) through :meth:`text_ids`, :meth:`given_ids` and
-  :meth:`fitted`."""
+  :meth:`fitted`. :meth:`for_request` gives the encoder of one request, which stops at its deadline."""
 
   def __init__(self, rm, config: ServerConfig):
     self.rm = rm
     self.config = config
     self._openrlhf = _openrlhf_stripper(rm.tokenizer) if config.openrlhf_text else None
+    self._until: float | None = None
+    self._gave_up: Callable[[], bool] = lambda: False
+    self._messages = 0
+
+  def for_request(self, until: float, gave_up: Callable[[], bool]) -> Encoder:
+    """This encoder for one request: it counts the request's messages against max_messages, and
+    stops before its next item once ``time.monotonic()`` passes ``until`` (504) or ``gave_up()``
+    (its handler answered already): the tokenizer then goes to the requests behind it."""
+    enc = copy.copy(self)
+    enc._until, enc._gave_up, enc._messages = until, gave_up, 0
+    return enc
+
+  def check_time(self) -> None:
+    if self._gave_up():
+      raise GaveUp()
+    if self._until is not None and time.monotonic() > self._until:
+      raise timed_out(self.config.request_timeout)
 
   def get_reward(self, body: dict[str, Any]) -> list[list[int]]:
     """OpenRLHF's ``{"query": [text, ...]}``; its ``prompts`` and ``labels`` are ignored."""
@@ -123,11 +159,11 @@ class Encoder:
     ]
     return [self.encode(f"prompts[{i}] + completions[{i}]", p, c) for i, (p, c) in enumerate(pairs)]
 
-  def solutions(self, body: dict[str, Any]) -> list[tuple[list[int], list[int]]]:
+  def solutions(self, body: dict[str, Any]) -> list[tuple[list[int], list[int]] | None]:
     """A process model's ``{"prompts", "completions"}`` (each completion cut into steps at the
     model's step separator) or ``{"prompts", "steps"}`` (a list of steps per prompt): each
     solution's token ids and the positions of its step labels, laid out as stepwise training
-    lays them out."""
+    lays them out; None for a solution with no steps."""
     separator = self.rm.step_separator
     if ("completions" in body) == ("steps" in body):
       raise RequestError(
@@ -149,6 +185,9 @@ class Encoder:
       steps = self._steps(value, f"{key}[{i}]", separator)
       where = f"prompts[{i}] + {key}[{i}]"
       prompt = self._text(prompt, f"prompts[{i}]")
+      if not steps:
+        out.append(None)
+        continue
       encode = functools.partial(
         self.rm.encode_steps, prompt, steps, max_length=self.config.max_length, where=where
       )
@@ -157,19 +196,21 @@ class Encoder:
 
   @staticmethod
   def _steps(value: Any, where: str, separator: str) -> list[str]:
-    if isinstance(value, str):
-      steps = step_rewards.split_steps(value, separator)
-    elif isinstance(value, list) and all(isinstance(s, str) for s in value):
-      steps = value
-    else:
-      raise RequestError(
-        400,
-        f"{where} is {kind(value)}; expected "
-        + ("a list of step texts" if where.startswith("steps") else "a string"),
+    """A solution's steps: a completion (a string) cut at the step separator, or a list of steps
+    as given -- one string is refused there, as ``rm.score_steps`` refuses it. A solution of no
+    steps has no reward (null), as the Python reward functions give None."""
+    if where.startswith("completions"):
+      if not isinstance(value, str):
+        raise RequestError(400, f"{where} is {kind(value)}; expected a string")
+      return step_rewards.split_steps(value, separator)
+    try:
+      return step_rewards.check_steps(
+        value,
+        where,
+        f"or send the solution as one of 'completions', which are cut at the step separator {separator!r}",
       )
-    if not steps:
-      raise RequestError(400, f"{where} has no steps to score (the step separator is {separator!r})")
-    return steps
+    except ValueError as e:
+      raise RequestError(400, str(e)) from None
 
   def items(self, body: dict[str, Any], key: str, expected: str) -> list:
     """``body[key]``, a list of at most max_batch items."""
@@ -190,7 +231,17 @@ class Encoder:
       )
 
   def messages(self, value: Any, field: str) -> list[dict]:
-    """``value`` checked as a conversation: a non-empty list of messages."""
+    """``value`` checked as a conversation: a non-empty list of messages, within the request's
+    max_messages."""
+    if isinstance(value, list):
+      self._messages += len(value)
+      if self._messages > self.config.max_messages:
+        raise RequestError(
+          413,
+          f"{field} brings the request to {self._messages} messages; this server takes at most "
+          f"{self.config.max_messages} per request (--max_messages): split the request, or send "
+          "only the turns that fit in max_length",
+        )
     try:
       messages = validate_messages(value, "request", field)
     except DataError as e:
@@ -208,9 +259,9 @@ class Encoder:
       where, lambda: self.rm.encode(item, completion, max_length=self.config.max_length, where=where)
     )
 
-  @staticmethod
-  def _encoded(where: str, encode):
+  def _encoded(self, where: str, encode):
     """``encode()``, its refusal (over-long or empty, or a template refusing it) a 400 naming ``where``."""
+    self.check_time()
     try:
       return encode()
     except (ValueError, jinja2.TemplateError) as e:
@@ -228,6 +279,7 @@ class Encoder:
     ``special`` -- as vLLM and SGLang tokenize a prompt -- not yet checked against max_length."""
     if not isinstance(text, str):
       raise RequestError(400, f"{where} is {kind(text)}; expected a string")
+    self.check_time()
     ids = list(self.rm.tokenizer(text, add_special_tokens=special)["input_ids"])
     if not ids:
       raise RequestError(400, f"cannot score {where}: no tokens to score")

@@ -20,9 +20,12 @@ class ServerConfig:
 
   Attributes:
     max_batch: items (texts, conversations or pairs) per request.
+    max_messages: chat messages per request, all its conversations together (a conversation over
+      max_length loses its oldest turns, which takes time in proportion to its length).
     max_request_bytes: size of a request body.
     max_pending_bytes: bytes of request bodies being read or waiting to be tokenized, all requests
-      together (the tokenizer takes one at a time); past it, 503. At least max_request_bytes.
+      together (the tokenizer takes one at a time), counted as they arrive; past it, 503. At least
+      max_request_bytes.
     max_length: tokens per item. A longer conversation loses its oldest turns (as in training),
       a longer text or last message is refused. None: ``DEFAULT_MAX_LENGTH`` (or the model's
       context, if shorter) unless the model records its training run's ``data.max_length``.
@@ -37,7 +40,8 @@ class ServerConfig:
       rounding. Packed rows have lengths of their own (``packed_buckets``), compiled at start too.
     max_queued_tokens: tokens waiting or being scored, all requests together; past it, 503.
     request_timeout: seconds from a request's headers to its answer -- reading its body, waiting
-      for the tokenizer, tokenizing, queueing and scoring -- before 504.
+      for the tokenizer, tokenizing, queueing and scoring -- before 504. A request past it stops
+      tokenizing at its next item, so that the tokenizer goes to the requests behind it.
     header_timeout: seconds a connection may take to send a request's headers before it is dropped.
     body_timeout: seconds a request may take to send its body before 408.
     keep_alive: seconds an idle keep-alive connection is kept.
@@ -57,6 +61,7 @@ class ServerConfig:
   """
 
   max_batch: int = 256
+  max_messages: int = 4096
   max_request_bytes: int = 16 * 2**20
   # Four bodies of the largest size: the tokenizer takes one body at a time, so more waiting would
   # only wait longer, while max_connections such bodies would be 16 GiB.
@@ -83,6 +88,7 @@ class ServerConfig:
   def __post_init__(self):
     for name in (
       "max_batch",
+      "max_messages",
       "max_request_bytes",
       "max_pending_bytes",
       "max_length",

@@ -14,9 +14,10 @@ so configured). :data:`ROUTES` gives each POST path its parser.
   "meta_info"}`` per item. ``/v1/classify`` takes vLLM's only.
 * ``/pooling``: vLLM's ``{"input"}`` or ``{"messages"}`` -> its PoolingResponse.
 * ``/score_steps`` (a process reward model): ``{"prompts", "completions"}`` (each completion cut
-  into steps at the model's step separator) or ``{"prompts", "steps"}`` -> ``{"step_rewards":
-  [[P(step correct), ...], ...], "rewards": [...]}``, each reward its solution's step
-  probabilities aggregated (the request's ``"aggregation"``, else ``--step_aggregation``). Such a
+  into steps at the model's step separator) or ``{"prompts", "steps"}`` (lists of step texts) ->
+  ``{"step_rewards": [[P(step correct), ...], ...], "rewards": [...]}``, each reward its solution's
+  step probabilities aggregated (the request's ``"aggregation"``, else ``--step_aggregation``); a
+  solution with no steps has ``[]`` and a null reward, as the Python reward functions give None. Such a
   model's ``/score`` takes the same prompts and completions and answers ``{"rewards"}``; the other
   endpoints score sequences and refuse it.
 
@@ -376,12 +377,14 @@ def parse_score_steps(enc: Encoder, body: Body) -> Scoring:
   except ValueError as e:
     raise RequestError(400, str(e)) from None
   solutions = enc.solutions(body)
+  scored = [s for s in solutions if s is not None]
 
   def write(outputs: list, meta: Meta) -> Body:
-    steps = [[float(p) for p in out[positions]] for out, (_, positions) in zip(outputs, solutions)]
-    return {"step_rewards": steps, "rewards": [step_rewards.aggregate(p, how) for p in steps]}
+    found = iter([float(p) for p in out[positions]] for out, (_, positions) in zip(outputs, scored))
+    steps = [[] if s is None else next(found) for s in solutions]
+    return {"step_rewards": steps, "rewards": [step_rewards.solution_reward(p, how) for p in steps]}
 
-  return Scoring([ids for ids, _ in solutions], write)
+  return Scoring([ids for ids, _ in scored], write)
 
 
 def _sequences_only(

@@ -2,8 +2,10 @@
 tokenized, all requests together.
 
 The tokenizer takes one body at a time (:class:`~jaxrm.server.app.App`), so bodies wait for it; a
-body's bytes count from the moment it starts to arrive (its Content-Length, else each chunk as it
-comes) until its tokenizing ends, or until its request gives up before tokenizing began.
+body's bytes count as they arrive, chunk by chunk, until its tokenizing ends, or until its request
+gives up before tokenizing began. A Content-Length reserves nothing: a client that sends headers and
+no body holds no more than what the connection buffers (uvicorn stops reading a connection past
+64 KiB unread), so a few such clients cannot lock the others out.
 """
 
 from __future__ import annotations
