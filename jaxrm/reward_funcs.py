@@ -274,7 +274,7 @@ def remote_reward_func(
   :func:`as_reward_func` does. A process reward model's server is asked for ``/score_steps``
   instead (``steps=True``, or any ``step_aggregation``): it cuts each completion into steps at the
   model's step separator and aggregates their probabilities as :func:`as_reward_func` does (an
-  empty or whitespace-only completion: None; the server refuses one that is only separators). A
+  completion with no steps, empty or only separators: None, as the server answers it). A
   busy server's 503/504 is retried after its Retry-After, up to ``retries`` times; any other error
   raises with the server's message, and a server that cannot be reached a ConnectionError naming
   it. Connections go straight to ``url``, whatever HTTP proxy the environment names.
@@ -341,15 +341,11 @@ def _remote_step_rewards(
   if len(prompts) != len(completions):
     raise ValueError(f"{name}: {len(prompts)} prompts but {len(completions)} completions")
   solutions = [_solution_text(c, f"completions[{i}]") for i, c in enumerate(completions)]
-  # Text that is only whitespace has no step whatever the separator: no reward, as as_reward_func
-  # gives it, without asking the server (which refuses a solution of no steps).
-  scored = [i for i, s in enumerate(solutions) if s.strip()]
-  rewards: list[float | None] = [None] * len(solutions)
-  if scored:
-    body = {"prompts": [prompts[i] for i in scored], "completions": [solutions[i] for i in scored]}
-    for i, r in zip(scored, post(body if how is None else {**body, "aggregation": how})):
-      rewards[i] = r
-  return rewards
+  if not solutions:
+    return []
+  # The server answers null for a solution with no steps, as as_reward_func gives None.
+  body = {"prompts": list(prompts), "completions": solutions}
+  return list(post(body if how is None else {**body, "aggregation": how}))
 
 
 def _error_message(e: urllib.error.HTTPError) -> str:

@@ -78,6 +78,9 @@ def _define_flags() -> None:
   flags.DEFINE_integer("max_batch", d.max_batch, "Most texts, conversations or pairs per request.")
   flags.DEFINE_integer("max_request_bytes", d.max_request_bytes, "Largest request body, in bytes.")
   flags.DEFINE_integer(
+    "max_messages", d.max_messages, "Most chat messages per request, all conversations together."
+  )
+  flags.DEFINE_integer(
     "max_pending_bytes",
     d.max_pending_bytes,
     "Bytes of request bodies being read or waiting "
@@ -179,6 +182,7 @@ def server_config(f) -> ServerConfig:
     max_batch=f.max_batch,
     max_request_bytes=f.max_request_bytes,
     max_pending_bytes=f.max_pending_bytes,
+    max_messages=f.max_messages,
     max_length=f.max_length,
     batch_size=f.batch_size,
     batch_tokens=f.batch_tokens,

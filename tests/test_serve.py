@@ -165,6 +165,12 @@ def test_config_errors_say_which_flag():
   assert ServerConfig().resolved(8192).max_length == 2048
 
 
+def test_every_server_setting_is_a_flag():
+  helped = tiny_run.run([sys.executable, "-m", "jaxrm.serve", "--help"])
+  flags = set(re.findall(r"^\s+--(?:\[no\])?(\w+)", helped.stdout, re.M))
+  assert {f.name for f in dataclasses.fields(ServerConfig)} <= flags, helped.stdout
+
+
 def test_api_key(tiny_rm):
   with serving(tiny_rm, dataclasses.replace(SERVER_CONFIG, api_key="s3cret")) as s:
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
