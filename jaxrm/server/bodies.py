@@ -13,7 +13,7 @@ from typing import Any
 import jinja2
 
 from jaxrm import step_rewards
-from jaxrm.data.formats import kind, validate_messages
+from jaxrm.data.formats import kind, not_text, validate_messages
 from jaxrm.errors import ConfigError, DataError
 from jaxrm.server.config import ServerConfig
 
@@ -57,39 +57,12 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     raise RequestError(400, "the body is not valid JSON: it nests too deeply") from None
   if not isinstance(body, dict):
     raise RequestError(400, f"the body is {kind(body)}; expected a JSON object")
-  if (where := _not_text(body)) is not None:
+  if (where := not_text(body, whole="the body")) is not None:
     raise RequestError(
       400,
       f"{where} holds a lone surrogate (an escape in \\ud800-\\udfff), which is not text: send valid Unicode",
     )
   return body
-
-
-def _not_text(body: dict) -> str | None:
-  """Where ``body`` holds a string (or key) with a lone surrogate, which JSON's escapes allow and
-  no tokenizer reads: "field 'a[0].b'", or "a key of ..."; None where there is none."""
-  todo = [("", body)]
-  while todo:
-    path, x = todo.pop()
-    if isinstance(x, str):
-      if not _is_text(x):
-        return f"field '{path}'"
-    elif isinstance(x, dict):
-      for k, v in reversed(x.items()):
-        if not _is_text(k):
-          return f"a key of {f'field {path!r}' if path else 'the body'}"
-        todo.append((f"{path}.{k}" if path else k, v))
-    elif isinstance(x, list):
-      todo.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(x))))
-  return None
-
-
-def _is_text(s: str) -> bool:
-  try:
-    s.encode("utf-8")
-  except UnicodeEncodeError:
-    return False
-  return True
 
 
 class Encoder:
