@@ -10,6 +10,7 @@ holds it once, from process 0.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -116,11 +117,23 @@ class RunLock:
           f"{self.path}). Wait for it to end or stop it, or train into another output_dir"
         )
       reason = f"a lock left by {_describe(holder)}, which {why}"
-    log.warning("taking over %s: %s", self.path, reason)
+    if self._set_aside(holder):
+      log.warning("taking over %s: %s", self.path, reason)
+
+  def _set_aside(self, judged: dict | None) -> bool:
+    """Removes the lock judged stale. Another run may have taken it over and written its own since
+    it was read: the lock is moved aside first, and put back if it is no longer the one judged."""
+    aside = f"{self.path}.{socket.gethostname()}-{os.getpid()}-{threading.get_ident()}"
     try:
-      os.remove(self.path)
+      os.rename(self.path, aside)
     except FileNotFoundError:
-      pass
+      return False  # released or taken over meanwhile: try again
+    moved = _read(aside)
+    if moved != judged:
+      with contextlib.suppress(FileExistsError):
+        os.link(aside, self.path)  # back in place, unless yet another run holds it now
+    os.remove(aside)
+    return moved == judged
 
 
 def _read(path: str) -> dict | None:

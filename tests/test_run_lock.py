@@ -60,6 +60,27 @@ def test_a_lock_of_a_process_that_is_gone_is_taken_over(tmp_path, caplog):
   lock.release()
 
 
+def test_two_runs_taking_over_one_stale_lock_leave_one_holder(tmp_path, monkeypatch):
+  """Run B judged the dead run's lock stale; before B removes it, run A takes it over: B must not
+  remove A's lock, and stops naming A."""
+  write_lock(tmp_path, pid=finished_pid())
+  judge, started, taken = run_lock._alive, [], []
+
+  def a_takes_over_meanwhile(holder, host, age):
+    verdict = judge(holder, host, age)
+    if not started:  # B's judgement: run A takes over between B's reading and B's removing
+      started.append(True)
+      taken.append(run_lock.hold(str(tmp_path)))
+    return verdict
+
+  monkeypatch.setattr(run_lock, "_alive", a_takes_over_meanwhile)
+  with pytest.raises(ConfigError, match="is in use by another run"):
+    run_lock.hold(str(tmp_path))  # run B
+  assert json.loads((tmp_path / "run.lock").read_text()) == taken[0]._mine
+  assert sorted(os.listdir(tmp_path)) == ["run.lock"]
+  taken[0].release()
+
+
 def test_another_hosts_lock_is_judged_by_its_age(tmp_path, caplog):
   path = write_lock(tmp_path, host="node-7", pid=1)
   with pytest.raises(ConfigError, match=r"pid 1 on node-7, started 2026-01-02 03:04:05 \(refreshed \d s ago"):
