@@ -98,11 +98,30 @@ def test_run_summary_names_the_best_checkpoint_and_the_commands():
   ]
 
 
+# A run's summary, each test changing what it is about.
+SUMMARY = dict(
+  output_dir="runs/x",
+  steps=4,
+  wall_seconds=42,
+  train_tokens=0,
+  train_seconds=0.0,
+  final_metrics={},
+  sets=["default"],
+  final_step=None,
+  best=None,
+  higher_is_better=False,
+  dataset_name="HelpSteer3",
+  val_path="",
+)
+
+
+def summary(**changed) -> str:
+  return report.run_summary(**{**SUMMARY, **changed})
+
+
 def test_run_summary_points_at_a_final_table_the_run_printed():
-  shown = report.run_summary(
-    **dict(output_dir="runs/rm", steps=200, wall_seconds=3725.4, train_tokens=0, train_seconds=0.0),
-    **dict(final_metrics=PREFERENCE, sets=["default", "train_sample"], final_step=200, best=None),
-    **dict(higher_is_better=False, dataset_name="PreferenceDataset", val_path="v.jsonl", final_shown=True),
+  shown = summary(
+    final_metrics=PREFERENCE, sets=["default", "train_sample"], final_step=200, final_shown=True
   ).splitlines()
   assert shown[1:3] == ["final validation: the table at step 200 above", "use it:"]
 
@@ -121,67 +140,25 @@ def test_evaluate_command_for_a_dataset_read_by_name():
 
 
 def test_summary_without_ranking_or_validation():
-  text = report.run_summary(
-    output_dir="runs/x",
-    steps=4,
-    wall_seconds=42,
-    train_tokens=0,
-    train_seconds=0.0,
-    final_metrics={},
-    sets=["default"],
-    final_step=None,
-    best=None,
-    higher_is_better=False,
-    dataset_name="HelpSteer3",
-    val_path="",
-  )
+  text = summary()
   assert text.splitlines()[:2] == ["run finished: 4 steps in 42s", "use it:"]
   assert "  python -m jaxrm.evaluate --model=runs/x --data=HelpSteer3\n" in text
 
 
 def test_a_run_stopped_early_is_not_called_finished():
-  text = report.run_summary(
-    output_dir="runs/x",
-    steps=2,
-    wall_seconds=42,
-    train_tokens=0,
-    train_seconds=0.0,
-    final_metrics={},
-    sets=["default"],
-    final_step=None,
-    best=None,
-    higher_is_better=False,
-    dataset_name="HelpSteer3",
-    val_path="",
-    finished=False,
-  )
+  text = summary(steps=2, finished=False)
   assert text.splitlines()[0] == "run stopped early (run again to continue): 2 steps in 42s"
   assert "finished" not in text
 
 
 def test_a_resumed_run_and_a_finished_one_say_so():
-  common = dict(
-    output_dir="runs/x",
-    wall_seconds=9,
-    train_tokens=0,
-    train_seconds=0.0,
-    final_metrics={},
-    sets=["default"],
-    final_step=None,
-    best=None,
-    higher_is_better=False,
-    dataset_name="HelpSteer3",
-    val_path="",
-  )
-  assert report.run_summary(steps=2, start_step=6, **common).splitlines()[0] == (
+  assert summary(steps=2, start_step=6, wall_seconds=9).splitlines()[0] == (
     "run finished: 2 steps in 9s, resumed from step 6"
   )
-  assert report.run_summary(steps=0, start_step=8, **common).splitlines()[0] == (
+  assert summary(steps=0, start_step=8).splitlines()[0] == (
     "run already finished at step 8: nothing left to train (raise train.max_steps to train on)"
   )
-  by_epochs = report.run_summary(
-    steps=0, start_step=8, ends_by="train.max_epochs=1 of 8 steps each", **common
-  )
+  by_epochs = summary(steps=0, start_step=8, ends_by="train.max_epochs=1 of 8 steps each")
   assert by_epochs.splitlines()[0] == (
     "run already finished at step 8: nothing left to train (raise train.max_epochs to train on)"
   )
