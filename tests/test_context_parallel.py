@@ -232,6 +232,32 @@ def leak_sets(mask, positions, segments, branches):
   }
 
 
+def stored_attention(rows, order, window, placement, softcap, **route):
+  """``f(q, k, v)`` [B, T, H, D] -> [B, T, H, D]: the context-parallel attention over ``rows``
+  (attention mask, positions, segment and branch ids [B, T]) and q, k, v stored in ``order`` (the
+  shards' layout), its output put back in row order."""
+  b, t = rows[0].shape
+  stored = lambda x: jnp.take(jnp.asarray(x), order, axis=1)
+  ids = L.token_ids(*map(stored, rows), index_bt=jnp.broadcast_to(jnp.asarray(order), (b, t)))
+
+  def attend(q, k, v):
+    out = CP.attention(
+      stored(q),
+      stored(k),
+      stored(v),
+      ids,
+      order,
+      window,
+      placement=placement,
+      scale=SCALE,
+      softcap=softcap,
+      **route,
+    )
+    return jnp.take(out, np.argsort(order), axis=1)
+
+  return attend
+
+
 def leak_report():
   """Under context 4 (zigzag), each rule's loud keys carry values of 1e4; the queries that must
   not see them give the float64 reference's outputs, and the reference with that rule dropped is
@@ -241,28 +267,9 @@ def leak_report():
   b, t = mask.shape
   q = rng.standard_normal((b, t, 4, 8)).astype(np.float32)
   k, v = rng.standard_normal((2, b, t, 2, 8)).astype(np.float32)
-  placement = placement_of(context=4)
   order = CP.storage_order(t, 4, "zigzag")
-  stored = lambda x: jnp.take(jnp.asarray(x), order, axis=1)
-  ids = L.token_ids(
-    *(stored(x) for x in (mask, positions, segments, branches)),
-    index_bt=jnp.broadcast_to(jnp.asarray(order), (b, t)),
-  )
-
-  @jax.jit
-  def sharded(q, k, v):
-    out = CP.attention(
-      stored(q),
-      stored(k),
-      stored(v),
-      ids,
-      order,
-      jnp.int32(WINDOW),
-      placement=placement,
-      scale=SCALE,
-      softcap=None,
-    )
-    return jnp.take(out, np.argsort(order), axis=1)
+  rows = (mask, positions, segments, branches)
+  sharded = jax.jit(stored_attention(rows, order, jnp.int32(WINDOW), placement_of(context=4), None))
 
   report = {}
   for rules, (loud, quiet) in leak_sets(mask, positions, segments, branches).items():
@@ -320,31 +327,16 @@ def kernel_report(kind, mesh_sizes, window, softcap):
   placement = placement_of(**mesh_sizes)
   context = mesh_sizes["context"]
   order = CP.storage_order(t, context, mesh_sizes.get("context_balance", "zigzag"))
-  stored = lambda x: jnp.take(jnp.asarray(x), order, axis=1)
-  ids = L.token_ids(
-    *(stored(x) for x in (mask, positions, segments, branches)),
-    index_bt=jnp.broadcast_to(jnp.asarray(order), (b, t)),
-  )
   traced_window = None if window is None else jnp.int32(window)
-
-  def split(kernel):
-    def attend(q, k, v):
-      out = CP.attention(
-        stored(q),
-        stored(k),
-        stored(v),
-        ids,
-        order,
-        traced_window,
-        placement=placement,
-        scale=SCALE,
-        softcap=softcap,
-        kernel=kernel,
-        interpret=True,
-      )
-      return jnp.take(out, np.argsort(order), axis=1)
-
-    return attend
+  split = lambda kernel: stored_attention(
+    (mask, positions, segments, branches),
+    order,
+    traced_window,
+    placement,
+    softcap,
+    kernel=kernel,
+    interpret=True,
+  )
 
   layout = F.layout_of(L.token_ids(mask, positions, segments, branches))
   one_device = lambda q, k, v: F.flash_attention(
