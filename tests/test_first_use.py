@@ -92,8 +92,8 @@ def ok(result):
   return result.stdout
 
 
-def error_line(result):
-  assert result.returncode == 1, tiny_run.describe(result)
+def error_line(result, code=1):
+  assert result.returncode == code, tiny_run.describe(result)
   assert "Traceback" not in result.stderr, result.stderr
   [line] = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
   return line
@@ -131,7 +131,7 @@ def test_off_a_terminal_progress_is_plain_lines(runs):
 
 
 def test_a_short_run_names_the_keys_to_change_before_anything_loads(runs):
-  assert error_line(runs["short"]) == (
+  assert error_line(runs["short"], code=2) == (
     "error: train.max_steps=3 ends the run within train.warmup_steps=5, leaving train.lr_scheduler='cosine' "
     "no steps to decay: lower train.warmup_steps (e.g. --config.train.warmup_steps=1), or use "
     "--config.train.lr_scheduler=constant_with_warmup"

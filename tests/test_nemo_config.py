@@ -215,10 +215,10 @@ def test_cli_errors_are_one_line():
     ),
   }
   for name, code, start in (
-    ("refused", 1, "error: policy.megatron_cfg.enabled=True"),
+    ("refused", 2, "error: policy.megatron_cfg.enabled=True"),
     (
       "not_a_number",
-      1,
+      2,
       "error: policy.optimizer.kwargs.lr='fast' (in the override 'policy.optimizer.kwargs.lr=fast'): "
       "expected a number, got a string",
     ),
