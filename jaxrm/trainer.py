@@ -24,7 +24,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxrm import checkpointing, loading, report, run_lock, sharding, steps, update
+from jaxrm import checkpointing, loading, preemption, report, run_lock, sharding, steps, update
 from jaxrm.config import RunConfig
 from jaxrm.data import packing, pipeline, registry
 from jaxrm.data.packing import PackSpec
@@ -96,16 +96,25 @@ def train_and_evaluate(config: RunConfig, *, stop_after_steps: int | None = None
 
   Continues from the latest checkpoint in the checkpoint directory, if any. ``stop_after_steps``
   ends the run early, after saving a checkpoint, without marking it finished: running again
-  continues it.
+  continues it. SIGTERM or SIGINT (received in the main thread) does the same at the end of the
+  step under way, on every process at the same step, then raises :class:`preemption.Stopped`.
 
   Raises:
     UserError: a config value, the data or the model does not work (the message says why);
       also a non-finite loss or gradient norm, naming the step.
+    preemption.Stopped: a signal stopped the run; its message says where the checkpoint is.
   """
   started = time.time()
+  with preemption.watch() as signals:
+    return _run(config, stop_after_steps, signals, started)
+
+
+def _run(
+  config: RunConfig, stop_after_steps: int | None, signals: preemption.Watch, started: float
+) -> dict[str, float]:
   run, lock = _prepare(config)
   try:
-    last_val = _loop(run, stop_after_steps)
+    last_val = _loop(run, stop_after_steps, signals)
     if run.writer.enabled:
       print(_final_summary(run, time.time() - started), flush=True)
     return last_val
@@ -503,7 +512,7 @@ def _samples_to_host(metrics: Metrics) -> Metrics:
 # ------------------------------------------------------------------ loop
 
 
-def _loop(run: _Run, stop_after_steps: int | None) -> dict[str, float]:
+def _loop(run: _Run, stop_after_steps: int | None, signals: preemption.Watch) -> dict[str, float]:
   config = run.config
   progress = _progress(config, run.start_step, run.total_steps, run.writer.enabled)
   step = run.start_step
@@ -520,8 +529,11 @@ def _loop(run: _Run, stop_after_steps: int | None) -> dict[str, float]:
       _show_progress(run, progress, step, metrics, logged)
       if logged:
         run.writer.write(step, metrics)
-      stopping = stop_after_steps is not None and step >= run.start_step + stop_after_steps
+      signalled = signals.reached(step)
+      stopping = signalled or (stop_after_steps is not None and step >= run.start_step + stop_after_steps)
       _validate_and_save(run, step, stopping)
+      if signalled and step < run.total_steps:
+        raise _stopped(run, step, signals)
       if stopping:
         break
     run.finished = step >= run.total_steps
@@ -529,6 +541,23 @@ def _loop(run: _Run, stop_after_steps: int | None) -> dict[str, float]:
     if progress is not None:
       progress.close()
   return run.last_val
+
+
+def _stopped(run: _Run, step: int, signals: preemption.Watch) -> preemption.Stopped:
+  """What a run stopped by a signal after ``step`` tells: where its checkpoint is, how to go on."""
+  name = signals.name
+  if run.ckpt is None:
+    message = (
+      f"stopped by {name} after step {step} of {run.total_steps}; nothing saved "
+      "(checkpointing.enabled is false)"
+    )
+  else:
+    message = (
+      f"stopped by {name} after step {step} of {run.total_steps}: checkpoint saved in "
+      f"{os.path.join(run.ckpt.directory, str(step))}; run the same command again (the same "
+      "config and output_dir) to continue from it"
+    )
+  return preemption.Stopped(message, signals.signum, step)
 
 
 def _show_progress(run: _Run, progress, step: int, metrics: dict[str, float], logged: bool) -> None:
