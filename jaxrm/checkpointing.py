@@ -15,10 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import glob
 import json
 import logging
 import math
 import os
+import re
+import shutil
+import time
 from typing import Any
 
 import jax
@@ -49,6 +54,104 @@ class DamagedCheckpointError(CheckpointError):
     self.step = step
 
 
+class NoRoomError(CheckpointError):
+  """A checkpoint that the file system had no room for (a full disk, a quota, a file size limit)."""
+
+
+# What a write refused for want of room raises: an OSError, or tensorstore's text of one.
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+
+
+def _no_room(e: BaseException) -> int | None:
+  """The errno of ``e`` (or of an exception it came from) when it says a write found no room."""
+  seen: BaseException | None = e
+  for _ in range(16):  # a chain of causes, not a cycle
+    if seen is None:
+      return None
+    if isinstance(seen, OSError) and seen.errno in _NO_ROOM:
+      return seen.errno
+    code = _OS_ERROR_CODE.search(str(seen))
+    if code and int(code.group(1)) in _NO_ROOM:
+      return int(code.group(1))
+    seen = seen.__cause__ or seen.__context__
+  return None
+
+
+class _Held(logging.Filter):
+  """Holds back a logger's error records (Orbax's threads log each failed write with its traceback,
+  then the save raises); :func:`_held_errors` logs them after all unless ``dropped``."""
+
+  def __init__(self):
+    super().__init__()
+    self.records: list[logging.LogRecord] = []
+    self.dropped = False
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.levelno >= logging.ERROR:
+      self.records.append(record)
+      return False
+    return True
+
+
+@contextlib.contextmanager
+def _held_errors(logger_name: str = "absl"):
+  logger = logging.getLogger(logger_name)
+  held = _Held()
+  logger.addFilter(held)
+  try:
+    yield held
+  finally:
+    logger.removeFilter(held)
+    if not held.dropped:
+      for record in held.records:
+        logger.handle(record)
+
+
+class _Mentioning(logging.Filter):
+  """Drops the error records that mention ``text``."""
+
+  def __init__(self, text: str):
+    super().__init__()
+    self.text = text
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return record.levelno < logging.ERROR or self.text not in record.getMessage()
+
+
+def _remove_when_still(partial: str, quiet_seconds: float = 0.5, at_most: float = 30.0) -> None:
+  """Removes the directory of a failed save once nothing has been written into it for
+  ``quiet_seconds``: the first failed write ends the save while other writes are still under way.
+  Those that fail afterwards, on the removed directory, are not reported again."""
+
+  def listing():
+    return sorted(
+      (os.path.join(d, f), os.path.getsize(os.path.join(d, f)))
+      for d, _, names in os.walk(partial)
+      for f in names
+      if os.path.exists(os.path.join(d, f))
+    )
+
+  last, still_since, started = None, time.time(), time.time()
+  while time.time() - started < at_most:
+    now = listing()
+    if now != last:
+      last, still_since = now, time.time()
+    elif time.time() - still_since >= quiet_seconds:
+      break
+    time.sleep(0.05)
+  for name in ("absl", "asyncio"):
+    logging.getLogger(name).addFilter(_Mentioning(partial))
+  shutil.rmtree(partial, ignore_errors=True)
+
+
+def _bytes(n: int) -> str:
+  for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    if n >= size:
+      return f"{n / size:.1f} {unit} ({n:,} bytes)"
+  return f"{n} bytes"
+
+
 class _SettlingLoop(asyncio.SelectorEventLoop):
   """An event loop that, closed with tasks still pending, lets them finish first."""
 
@@ -65,12 +168,12 @@ class _SettlingPolicy(asyncio.DefaultEventLoopPolicy):
 
 
 @contextlib.contextmanager
-def _reads_settled():
-  """Orbax restores in an event loop of its own and closes it as soon as one array's read fails,
-  the other arrays' reads still in flight: they then end on tensorstore's threads in the closed
-  loop, each printing a traceback ("Event loop is closed", "Exception ignored in: <coroutine
+def _loops_settled():
+  """Orbax restores (and saves) in event loops of its own and closes one as soon as one array's
+  read (or write) fails, the others still in flight: they then end on tensorstore's threads in the
+  closed loop, each printing a traceback ("Event loop is closed", "Exception ignored in: <coroutine
   _read_array_index_and_device_put>") after the error the user is to read. The loops Orbax makes
-  within this block let those reads finish, their errors collected, before they close."""
+  within this block let those finish, their errors collected, before they close."""
   previous = asyncio.get_event_loop_policy()
   if isinstance(previous, _SettlingPolicy):  # a restore in another thread set it
     yield
@@ -164,16 +267,53 @@ class Checkpointer:
     """
     from flax import nnx
 
+    params = nnx.to_pure_dict(state["params"])
     args = ocp.args.Composite(
-      params=ocp.args.StandardSave(nnx.to_pure_dict(state["params"])),
+      params=ocp.args.StandardSave(params),
       opt_state=ocp.args.StandardSave(state["opt_state"]),
       data=ocp.args.JsonSave(data_state),
       meta=ocp.args.JsonSave(meta),
     )
-    self.manager.save(step, args=args, metrics=metrics, force=True)
-    self.manager.wait_until_finished()
+    with _held_errors() as held, _loops_settled():
+      try:
+        self.manager.save(step, args=args, metrics=metrics, force=True)
+        self.manager.wait_until_finished()
+        if jax.process_index() == 0:
+          self._write_best()
+      except Exception as e:
+        code = _no_room(e)
+        if code is None:
+          raise
+        held.dropped = True  # the one message below says it all
+        raise self._no_room_error(step, code, params, state["opt_state"]) from None
+
+  def _no_room_error(self, step: int, code: int, params, opt_state) -> NoRoomError:
+    """What a save that found no room tells, once its partial files are gone."""
     if jax.process_index() == 0:
-      self._write_best()
+      for partial in glob.glob(os.path.join(self.directory, f"{step}.orbax-checkpoint-tmp*")):
+        _remove_when_still(partial)
+      with contextlib.suppress(OSError):
+        os.remove(os.path.join(self.directory, BEST_FILE + ".tmp"))
+    self.manager.reload()
+    size = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes"))
+    need_params, need_opt = size(params), size(opt_state)
+    free = shutil.disk_usage(self.directory).free
+    steps = self.all_steps()
+    if step in steps:  # Orbax committed it; what followed (the best step's file) found no room
+      what, after = (
+        f"the checkpoint of step {step} was saved, but not {BEST_FILE}",
+        f"continues from step {step}",
+      )
+    else:
+      what = f"no room to save the checkpoint of step {step}; nothing of it was kept"
+      after = f"continues from step {steps[-1]}" if steps else "starts from the beginning (no checkpoint yet)"
+    return NoRoomError(
+      f"{self.directory}: {what} ({os.strerror(code)}). A checkpoint needs about "
+      f"{_bytes(need_params + need_opt)} (parameters {_bytes(need_params)}, optimizer state "
+      f"{_bytes(need_opt)}); {_bytes(free)} are free there. Free some space, or set "
+      "checkpointing.checkpoint_dir to a disk with room; then run the same command again: it "
+      f"{after}"
+    )
 
   def _write_best(self) -> None:
     best = self.best_step()
@@ -219,7 +359,7 @@ class Checkpointer:
 
   def _restore(self, step: int, **items):
     try:
-      with _reads_settled():
+      with _loops_settled():
         return self.manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:  # tensorstore/Orbax errors of a file cut short or missing
       if any(m in str(e) for m in _MISMATCH):
