@@ -5,8 +5,11 @@ Each checkpoint holds four items: ``params`` (the trained parameters), ``opt_sta
 A LoRA run trains, and so saves, only its adapters and reward head (:mod:`jaxrm.loading` reads
 its base from where it trained).
 Orbax writes into a temporary directory and renames it when complete, so a crash mid-save leaves
-the previous checkpoints intact; a checkpoint damaged afterwards (a truncated file, as a full disk
-or a bad copy leaves it) raises :class:`DamagedCheckpointError` naming its step.
+the previous checkpoints intact; a save the disk has no room for raises :class:`NoRoomError` and
+leaves nothing of itself. Each step's :data:`CHECKSUMS` file, written last, holds every other file's
+size and CRC32: a checkpoint damaged afterwards (a truncated file, a flipped byte, an emptied value,
+as a full disk or a bad copy leaves it) raises :class:`DamagedCheckpointError` naming its step and
+the file, instead of loading wrong values.
 ``best_checkpoint.json`` names the best step. What the run's other files say is
 :mod:`jaxrm.loading`'s to read.
 """
@@ -24,6 +27,7 @@ import os
 import re
 import shutil
 import time
+import zlib
 from typing import Any
 
 import jax
@@ -35,6 +39,9 @@ from jaxrm.metrics import normalize_metric_name
 log = logging.getLogger(__name__)
 
 BEST_FILE = "best_checkpoint.json"
+# In each step's directory, written last: every other file's size and CRC32, checked before a
+# restore (Orbax's files carry no checksum: a flipped byte in an array would load as a wrong value).
+CHECKSUMS = "jaxrm_checksums.json"
 ITEMS = ("params", "opt_state", "data", "meta")
 
 
@@ -45,11 +52,12 @@ _MISMATCH = ("not compatible with the stored shape", "tree structures do not mat
 class DamagedCheckpointError(CheckpointError):
   """A checkpoint that Orbax lists but cannot read back; ``step`` names it."""
 
-  def __init__(self, directory: str, step: int, cause: BaseException):
+  def __init__(self, directory: str, step: int, cause: BaseException | str):
+    why = cause if isinstance(cause, str) else _first_sentence(cause)
     super().__init__(
       f"{os.path.join(directory, str(step))}: the checkpoint of step {step} cannot be read "
-      f"({_first_sentence(cause)}); it looks damaged (a truncated file, as a full disk or an "
-      "interrupted copy leaves it)"
+      f"({why}); it looks damaged (a truncated file, as a full disk or an interrupted copy "
+      "leaves it)"
     )
     self.step = step
 
@@ -235,7 +243,23 @@ class Checkpointer:
       enable_async_checkpointing=False,
       create=True,
     )
+    self._check_read_at_start()
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+
+  def _check_read_at_start(self) -> None:
+    """Orbax reads each step's metrics and metadata as it starts (and stops at a damaged one with a
+    bare JSON error): these are checked first."""
+    if not os.path.isdir(self.directory):
+      return
+    for name in os.listdir(self.directory):
+      if name.isdigit():
+        damage = _damage(self._step_dir(int(name)), only=_READ_AT_START)
+        if damage is not None:
+          raise CheckpointError(
+            f"{DamagedCheckpointError(self.directory, int(name), damage)}. Move "
+            f"{self._step_dir(int(name))} out of {self.directory}, or remove it, to use the other "
+            "checkpoints"
+          )
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -279,6 +303,7 @@ class Checkpointer:
         self.manager.save(step, args=args, metrics=metrics, force=True)
         self.manager.wait_until_finished()
         if jax.process_index() == 0:
+          _write_json(os.path.join(self._step_dir(step), CHECKSUMS), _checksums(self._step_dir(step)))
           self._write_best()
       except Exception as e:
         code = _no_room(e)
@@ -292,18 +317,17 @@ class Checkpointer:
     if jax.process_index() == 0:
       for partial in glob.glob(os.path.join(self.directory, f"{step}.orbax-checkpoint-tmp*")):
         _remove_when_still(partial)
-      with contextlib.suppress(OSError):
-        os.remove(os.path.join(self.directory, BEST_FILE + ".tmp"))
+      for tmp in (os.path.join(self.directory, BEST_FILE), os.path.join(self._step_dir(step), CHECKSUMS)):
+        with contextlib.suppress(OSError):
+          os.remove(tmp + ".tmp")
     self.manager.reload()
     size = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes"))
     need_params, need_opt = size(params), size(opt_state)
     free = shutil.disk_usage(self.directory).free
     steps = self.all_steps()
-    if step in steps:  # Orbax committed it; what followed (the best step's file) found no room
-      what, after = (
-        f"the checkpoint of step {step} was saved, but not {BEST_FILE}",
-        f"continues from step {step}",
-      )
+    if step in steps:  # Orbax committed it; what followed (checksums, the best step's file) found no room
+      what = f"the checkpoint of step {step} was saved, but not its {CHECKSUMS} or {BEST_FILE}"
+      after = f"continues from step {step}"
     else:
       what = f"no room to save the checkpoint of step {step}; nothing of it was kept"
       after = f"continues from step {steps[-1]}" if steps else "starts from the beginning (no checkpoint yet)"
@@ -327,10 +351,10 @@ class Checkpointer:
       "value": metrics.get(self.metric_name) if metrics else None,
       "higher_is_better": self.higher_is_better,
     }
-    tmp = os.path.join(self.directory, BEST_FILE + ".tmp")
-    with open(tmp, "w") as f:
-      json.dump(info, f, indent=2)
-    os.replace(tmp, os.path.join(self.directory, BEST_FILE))
+    _write_json(os.path.join(self.directory, BEST_FILE), info)
+
+  def _step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
 
   def restore(self, step: int, state: dict) -> tuple[dict, dict, dict]:
     """Restores into the structure and shardings of ``state`` (a live train state).
@@ -358,6 +382,9 @@ class Checkpointer:
     return restored["params"], restored["meta"]
 
   def _restore(self, step: int, **items):
+    damage = self._damage(step)
+    if damage is not None:
+      raise DamagedCheckpointError(self.directory, step, damage)
     try:
       with _loops_settled():
         return self.manager.restore(step, args=ocp.args.Composite(**items))
@@ -368,6 +395,20 @@ class Checkpointer:
           f"into it ({_first_sentence(e)})"
         ) from None
       raise DamagedCheckpointError(self.directory, step, e) from None
+
+  def _damage(self, step: int) -> str | None:
+    """What differs in step ``step``'s files from what was written (see :data:`CHECKSUMS`), or None.
+
+    Process 0 reads the files; the others are told whether they differ."""
+    damage = _damage(self._step_dir(step)) if jax.process_index() == 0 else None
+    if jax.process_count() > 1:
+      import numpy as np
+      from jax.experimental import multihost_utils
+
+      differs = multihost_utils.broadcast_one_to_all(np.int32(damage is not None))
+      if differs and damage is None:
+        damage = "process 0 found its files changed since they were written"
+    return damage
 
   def set_aside(self, step: int) -> str:
     """Moves a damaged checkpoint out of Orbax's sight, to ``<step>.damaged``; returns its new path.
@@ -398,8 +439,80 @@ def read_best(directory: str) -> dict | None:
   path = os.path.join(directory, BEST_FILE)
   if not os.path.exists(path):
     return None
-  with open(path) as f:
-    return json.load(f)
+  try:
+    with open(path) as f:
+      best = json.load(f)
+    if not isinstance(best, dict) or type(best.get("step")) is not int:
+      raise ValueError(
+        f"its 'step' is {best.get('step') if isinstance(best, dict) else best!r}, not a step number"
+      )
+  except (ValueError, UnicodeDecodeError) as e:
+    raise CheckpointError(
+      f"{path} is damaged ({_first_sentence(e)}): remove it to load the latest checkpoint, or load "
+      "one with step=N; training writes it again at its next checkpoint"
+    ) from None
+  return best
+
+
+def _write_json(path: str, value) -> None:
+  """Writes ``path`` whole or not at all."""
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(value, f, indent=2)
+  os.replace(tmp, path)
+
+
+def _files(step_dir: str) -> list[str]:
+  return sorted(
+    os.path.relpath(os.path.join(d, f), step_dir) for d, _, names in os.walk(step_dir) for f in names
+  )
+
+
+def _crc32(path: str) -> int:
+  crc = 0
+  with open(path, "rb") as f:
+    while chunk := f.read(1 << 24):
+      crc = zlib.crc32(chunk, crc)
+  return crc
+
+
+def _checksums(step_dir: str) -> dict:
+  files = [f for f in _files(step_dir) if f != CHECKSUMS]
+  return {
+    "crc32": {
+      f: [os.path.getsize(os.path.join(step_dir, f)), _crc32(os.path.join(step_dir, f))] for f in files
+    }
+  }
+
+
+_READ_AT_START = ("_CHECKPOINT_METADATA", os.path.join("metrics", "metrics"))
+
+
+def _damage(step_dir: str, only: tuple[str, ...] | None = None) -> str | None:
+  """The first file of ``step_dir`` (of ``only`` those) that differs from its :data:`CHECKSUMS`
+  entry, said how; None when all agree, or when the checkpoint has no checksums (saved before jaxrm
+  wrote them)."""
+  listed = os.path.join(step_dir, CHECKSUMS)
+  if not os.path.exists(listed):
+    return None
+  try:
+    with open(listed) as f:
+      expected = json.load(f)["crc32"]
+    items = [(name, int(size), int(crc)) for name, (size, crc) in expected.items()]
+  except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError) as e:
+    return f"{listed}, its files' checksums, cannot be read: {_first_sentence(e)}"
+  for name, size, crc in items:
+    if only is not None and name not in only:
+      continue
+    path = os.path.join(step_dir, name)
+    if not os.path.isfile(path):
+      return f"{path} is missing"
+    actual = os.path.getsize(path)
+    if actual != size:
+      return f"{path} has {actual} bytes; {size} were written"
+    if _crc32(path) != crc:
+      return f"{path} differs from what was written (its CRC32)"
+  return None
 
 
 def _abstract(tree):

@@ -315,12 +315,13 @@ def _resume(ckpt: checkpointing.Checkpointer, step: int, state, train_iter):
   """The state of the newest intact checkpoint up to ``step`` (the data iterator moved to where it
   was), its validation and its step. A damaged checkpoint is set aside (``<step>.damaged``) and
   said so; with none intact, the run stops naming the damaged steps."""
-  damaged = []
+  damaged, reasons = [], []
   for candidate in sorted((s for s in ckpt.all_steps() if s <= step), reverse=True):
     try:
       restored, data_state, meta = ckpt.restore(candidate, state)
     except checkpointing.DamagedCheckpointError as e:
       damaged.append(candidate)
+      reasons.append(str(e))
       log.warning("%s: skipped, and moved to %s", e, ckpt.set_aside(candidate))
       continue
     restored = steps.set_step_and_rng(restored, meta["step"], meta["rng"])
@@ -334,8 +335,8 @@ def _resume(ckpt: checkpointing.Checkpointer, step: int, state, train_iter):
     return restored, meta.get("metrics") or {}, candidate
   raise CheckpointError(
     f"{ckpt.directory}: no intact checkpoint to resume from; step(s) "
-    f"{', '.join(map(str, damaged))} are damaged (moved to <step>.damaged). Remove the "
-    "checkpoint directory to start over, or use another output_dir"
+    f"{', '.join(map(str, damaged))} are damaged (moved to <step>.damaged): {'; '.join(reasons)}. "
+    "Remove the checkpoint directory to start over, or use another output_dir"
   )
 
 
