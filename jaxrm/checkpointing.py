@@ -442,10 +442,9 @@ def read_best(directory: str) -> dict | None:
   try:
     with open(path) as f:
       best = json.load(f)
-    if not isinstance(best, dict) or type(best.get("step")) is not int:
-      raise ValueError(
-        f"its 'step' is {best.get('step') if isinstance(best, dict) else best!r}, not a step number"
-      )
+    step, saved_at = (best.get("step"), best.get("path")) if isinstance(best, dict) else (best, None)
+    if type(step) is not int or os.path.basename(str(saved_at)) != str(step):
+      raise ValueError(f"its 'step' is {step!r} and its 'path' {saved_at!r}: they do not agree")
   except (ValueError, UnicodeDecodeError) as e:
     raise CheckpointError(
       f"{path} is damaged ({_first_sentence(e)}): remove it to load the latest checkpoint, or load "
@@ -478,11 +477,12 @@ def _crc32(path: str) -> int:
 
 def _checksums(step_dir: str) -> dict:
   files = [f for f in _files(step_dir) if f != CHECKSUMS]
-  return {
-    "crc32": {
-      f: [os.path.getsize(os.path.join(step_dir, f)), _crc32(os.path.join(step_dir, f))] for f in files
-    }
-  }
+  crcs = {f: [os.path.getsize(os.path.join(step_dir, f)), _crc32(os.path.join(step_dir, f))] for f in files}
+  return {"crc32": crcs, "crc32_of_crc32": _crc32_of(crcs)}  # the last: a damaged list is not believed
+
+
+def _crc32_of(value) -> int:
+  return zlib.crc32(json.dumps(value, sort_keys=True).encode())
 
 
 _READ_AT_START = ("_CHECKPOINT_METADATA", os.path.join("metrics", "metrics"))
@@ -497,7 +497,10 @@ def _damage(step_dir: str, only: tuple[str, ...] | None = None) -> str | None:
     return None
   try:
     with open(listed) as f:
-      expected = json.load(f)["crc32"]
+      saved = json.load(f)
+    expected = saved["crc32"]
+    if _crc32_of(expected) != saved["crc32_of_crc32"]:
+      raise ValueError("its own CRC32 differs")
     items = [(name, int(size), int(crc)) for name, (size, crc) in expected.items()]
   except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError) as e:
     return f"{listed}, its files' checksums, cannot be read: {_first_sentence(e)}"
