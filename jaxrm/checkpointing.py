@@ -99,7 +99,9 @@ class _Held(logging.Filter):
     if record.levelno >= logging.ERROR:
       self.records.append(record)
       return False
-    return True
+    # A save without metrics (a signal's, stop_after_steps') is meant: it is kept while it is the
+    # latest.
+    return not str(record.msg).startswith("Requested `tracked_metric`; did not provide metrics")
 
 
 @contextlib.contextmanager

@@ -332,7 +332,7 @@ def _resume(ckpt: checkpointing.Checkpointer, step: int, state, train_iter):
       ckpt.directory,
       f", skipping the damaged step(s) {', '.join(map(str, damaged))}" if damaged else "",
     )
-    return restored, meta.get("metrics") or {}, candidate
+    return restored, meta.get("last_validation", meta.get("metrics")) or {}, candidate
   raise CheckpointError(
     f"{ckpt.directory}: no intact checkpoint to resume from; step(s) "
     f"{', '.join(map(str, damaged))} are damaged (moved to <step>.damaged): {'; '.join(reasons)}. "
@@ -630,6 +630,9 @@ def _validate_and_save(run: _Run, step: int, stopping: bool) -> None:
       "rng": jax.device_get(run.state["rng"]).tolist(),
       "reward_stats": _reward_stats(run.last_val),
       "metrics": fresh_val or {},
+      # What a run resumed from here reads as its latest validation (a checkpoint between two
+      # validations, such as a signal's, has no metrics of its own).
+      "last_validation": run.last_val,
       "config": config.to_dict(),
     }
     run.ckpt.save(step, run.state, run.input.train_iter.get_state(), meta, metrics=fresh_val)

@@ -44,14 +44,15 @@ def stopped(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sigtermed(model_dir, tmp_path_factory):
-  """The baseline's run sent SIGTERM during its step 2: it saves step 2 and stops."""
+  """The baseline's run sent SIGTERM during its step 3, between two validations: it saves step 3
+  and stops."""
   from jaxrm import preemption, trainer
 
   out = str(tmp_path_factory.mktemp("sigtermed") / "run")
   train_step = trainer._train_step
 
   def signalled(run, step):
-    if step == 2:  # the signal arrives while the step is under way
+    if step == 3:  # the signal arrives while the step is under way
       os.kill(os.getpid(), signal.SIGTERM)
     return train_step(run, step)
 
@@ -60,7 +61,7 @@ def sigtermed(model_dir, tmp_path_factory):
     with pytest.raises(preemption.Stopped) as e:
       tiny_run.train(tiny_run.config(model_dir, out))
   assert str(e.value) == (
-    f"stopped by SIGTERM after step 2 of 4: checkpoint saved in {out}/checkpoints/2; run the same "
+    f"stopped by SIGTERM after step 3 of 4: checkpoint saved in {out}/checkpoints/3; run the same "
     "command again (the same config and output_dir) to continue from it"
   )
   assert e.value.exit_code == 143
@@ -202,13 +203,15 @@ def test_checkpointer_without_metric_keeps_latest_k(tmp_path):
 # ------------------------------------------------------------------ resume
 
 
-@pytest.mark.parametrize("stopped_by", ["stopped", "sigtermed"])
-def test_resume_equals_uninterrupted_run(baseline, stopped_by, model_dir, tmp_path, monkeypatch, request):
-  """Stopped after 2 of 4 steps (by stop_after_steps, or by SIGTERM), then run again."""
+@pytest.mark.parametrize("stopped_by,trained,saved", [("stopped", 2, [2]), ("sigtermed", 3, [2, 3])])
+def test_resume_equals_uninterrupted_run(
+  baseline, stopped_by, trained, saved, model_dir, tmp_path, monkeypatch, request
+):
+  """Stopped after 2 of 4 steps by stop_after_steps, or after 3 by SIGTERM, then run again."""
   out = str(tmp_path / "run")
   shutil.copytree(request.getfixturevalue(stopped_by), out)
-  assert list(tiny_run.train_losses(out)) == [1, 2]
-  assert checkpoint_steps(out) == [2]
+  assert list(tiny_run.train_losses(out)) == list(range(1, trained + 1))
+  assert checkpoint_steps(out) == saved
 
   def unread(self, key):  # the checkpoint holds every parameter: the HF weights are not read
     raise AssertionError(f"a resumed run read {key} from {model_dir}")
