@@ -96,8 +96,9 @@ def train_and_evaluate(config: RunConfig, *, stop_after_steps: int | None = None
 
   Continues from the latest checkpoint in the checkpoint directory, if any. ``stop_after_steps``
   ends the run early, after saving a checkpoint, without marking it finished: running again
-  continues it. SIGTERM or SIGINT (received in the main thread) does the same at the end of the
-  step under way, on every process at the same step, then raises :class:`preemption.Stopped`.
+  continues it. SIGTERM or SIGINT (received in the main thread once training has begun) does the
+  same at the end of the step under way, on every process at the same step, then raises
+  :class:`preemption.Stopped`.
 
   Raises:
     UserError: a config value, the data or the model does not work (the message says why);
@@ -105,16 +106,12 @@ def train_and_evaluate(config: RunConfig, *, stop_after_steps: int | None = None
     preemption.Stopped: a signal stopped the run; its message says where the checkpoint is.
   """
   started = time.time()
-  with preemption.watch() as signals:
-    return _run(config, stop_after_steps, signals, started)
-
-
-def _run(
-  config: RunConfig, stop_after_steps: int | None, signals: preemption.Watch, started: float
-) -> dict[str, float]:
   run, lock = _prepare(config)
   try:
-    last_val = _loop(run, stop_after_steps, signals)
+    # From here on a signal stops the run at a step boundary; during the set-up, with nothing
+    # trained to save, it stops the process at once, as it would any program.
+    with preemption.watch() as signals:
+      last_val = _loop(run, stop_after_steps, signals)
     if run.writer.enabled:
       print(_final_summary(run, time.time() - started), flush=True)
     return last_val
