@@ -5,8 +5,11 @@ Each checkpoint holds four items: ``params`` (the trained parameters), ``opt_sta
 A LoRA run trains, and so saves, only its adapters and reward head (:mod:`jaxrm.loading` reads
 its base from where it trained).
 Orbax writes into a temporary directory and renames it when complete, so a crash mid-save leaves
-the previous checkpoints intact; a checkpoint damaged afterwards (a truncated file, as a full disk
-or a bad copy leaves it) raises :class:`DamagedCheckpointError` naming its step.
+the previous checkpoints intact; a save the disk has no room for raises :class:`NoRoomError` and
+leaves nothing of itself. Each step's :data:`CHECKSUMS` file, written last, holds every other file's
+size and CRC32: a checkpoint damaged afterwards (a truncated file, a flipped byte, an emptied value,
+as a full disk or a bad copy leaves it) raises :class:`DamagedCheckpointError` naming its step and
+the file, instead of loading wrong values.
 ``best_checkpoint.json`` names the best step. What the run's other files say is
 :mod:`jaxrm.loading`'s to read.
 """
@@ -15,10 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import glob
 import json
 import logging
 import math
 import os
+import re
+import shutil
+import time
+import zlib
 from typing import Any
 
 import jax
@@ -30,6 +39,9 @@ from jaxrm.metrics import normalize_metric_name
 log = logging.getLogger(__name__)
 
 BEST_FILE = "best_checkpoint.json"
+# In each step's directory, written last: every other file's size and CRC32, checked before a
+# restore (Orbax's files carry no checksum: a flipped byte in an array would load as a wrong value).
+CHECKSUMS = "jaxrm_checksums.json"
 ITEMS = ("params", "opt_state", "data", "meta")
 
 
@@ -40,13 +52,114 @@ _MISMATCH = ("not compatible with the stored shape", "tree structures do not mat
 class DamagedCheckpointError(CheckpointError):
   """A checkpoint that Orbax lists but cannot read back; ``step`` names it."""
 
-  def __init__(self, directory: str, step: int, cause: BaseException):
+  def __init__(self, directory: str, step: int, cause: BaseException | str):
+    why = cause if isinstance(cause, str) else _first_sentence(cause)
     super().__init__(
       f"{os.path.join(directory, str(step))}: the checkpoint of step {step} cannot be read "
-      f"({_first_sentence(cause)}); it looks damaged (a truncated file, as a full disk or an "
-      "interrupted copy leaves it)"
+      f"({why}); it looks damaged (a truncated file, as a full disk or an interrupted copy "
+      "leaves it)"
     )
     self.step = step
+
+
+class NoRoomError(CheckpointError):
+  """A checkpoint that the file system had no room for (a full disk, a quota, a file size limit)."""
+
+
+# What a write refused for want of room raises: an OSError, or tensorstore's text of one.
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+
+
+def _no_room(e: BaseException) -> int | None:
+  """The errno of ``e`` (or of an exception it came from) when it says a write found no room."""
+  seen: BaseException | None = e
+  for _ in range(16):  # a chain of causes, not a cycle
+    if seen is None:
+      return None
+    if isinstance(seen, OSError) and seen.errno in _NO_ROOM:
+      return seen.errno
+    code = _OS_ERROR_CODE.search(str(seen))
+    if code and int(code.group(1)) in _NO_ROOM:
+      return int(code.group(1))
+    seen = seen.__cause__ or seen.__context__
+  return None
+
+
+class _Held(logging.Filter):
+  """Holds back a logger's error records (Orbax's threads log each failed write with its traceback,
+  then the save raises); :func:`_held_errors` logs them after all unless ``dropped``."""
+
+  def __init__(self):
+    super().__init__()
+    self.records: list[logging.LogRecord] = []
+    self.dropped = False
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.levelno >= logging.ERROR:
+      self.records.append(record)
+      return False
+    # A save without metrics (a signal's, stop_after_steps') is meant: it is kept while it is the
+    # latest.
+    return not str(record.msg).startswith("Requested `tracked_metric`; did not provide metrics")
+
+
+@contextlib.contextmanager
+def _held_errors(logger_name: str = "absl"):
+  logger = logging.getLogger(logger_name)
+  held = _Held()
+  logger.addFilter(held)
+  try:
+    yield held
+  finally:
+    logger.removeFilter(held)
+    if not held.dropped:
+      for record in held.records:
+        logger.handle(record)
+
+
+class _Mentioning(logging.Filter):
+  """Drops the error records that mention ``text``."""
+
+  def __init__(self, text: str):
+    super().__init__()
+    self.text = text
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return record.levelno < logging.ERROR or self.text not in record.getMessage()
+
+
+def _remove_when_still(partial: str, quiet_seconds: float = 0.5, at_most: float = 30.0) -> None:
+  """Removes the directory of a failed save once nothing has been written into it for
+  ``quiet_seconds``: the first failed write ends the save while other writes are still under way.
+  Those that fail afterwards, on the removed directory, are not reported again."""
+
+  def listing():
+    return sorted(
+      (os.path.join(d, f), os.path.getsize(os.path.join(d, f)))
+      for d, _, names in os.walk(partial)
+      for f in names
+      if os.path.exists(os.path.join(d, f))
+    )
+
+  last, still_since, started = None, time.time(), time.time()
+  while time.time() - started < at_most:
+    now = listing()
+    if now != last:
+      last, still_since = now, time.time()
+    elif time.time() - still_since >= quiet_seconds:
+      break
+    time.sleep(0.05)
+  for name in ("absl", "asyncio"):
+    logging.getLogger(name).addFilter(_Mentioning(partial))
+  shutil.rmtree(partial, ignore_errors=True)
+
+
+def _bytes(n: int) -> str:
+  for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    if n >= size:
+      return f"{n / size:.1f} {unit} ({n:,} bytes)"
+  return f"{n} bytes"
 
 
 class _SettlingLoop(asyncio.SelectorEventLoop):
@@ -65,12 +178,12 @@ class _SettlingPolicy(asyncio.DefaultEventLoopPolicy):
 
 
 @contextlib.contextmanager
-def _reads_settled():
-  """Orbax restores in an event loop of its own and closes it as soon as one array's read fails,
-  the other arrays' reads still in flight: they then end on tensorstore's threads in the closed
-  loop, each printing a traceback ("Event loop is closed", "Exception ignored in: <coroutine
+def _loops_settled():
+  """Orbax restores (and saves) in event loops of its own and closes one as soon as one array's
+  read (or write) fails, the others still in flight: they then end on tensorstore's threads in the
+  closed loop, each printing a traceback ("Event loop is closed", "Exception ignored in: <coroutine
   _read_array_index_and_device_put>") after the error the user is to read. The loops Orbax makes
-  within this block let those reads finish, their errors collected, before they close."""
+  within this block let those finish, their errors collected, before they close."""
   previous = asyncio.get_event_loop_policy()
   if isinstance(previous, _SettlingPolicy):  # a restore in another thread set it
     yield
@@ -132,7 +245,23 @@ class Checkpointer:
       enable_async_checkpointing=False,
       create=True,
     )
+    self._check_read_at_start()
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+
+  def _check_read_at_start(self) -> None:
+    """Orbax reads each step's metrics and metadata as it starts (and stops at a damaged one with a
+    bare JSON error): these are checked first."""
+    if not os.path.isdir(self.directory):
+      return
+    for name in os.listdir(self.directory):
+      if name.isdigit():
+        damage = _damage(self._step_dir(int(name)), only=_READ_AT_START)
+        if damage is not None:
+          raise CheckpointError(
+            f"{DamagedCheckpointError(self.directory, int(name), damage)}. Move "
+            f"{self._step_dir(int(name))} out of {self.directory}, or remove it, to use the other "
+            "checkpoints"
+          )
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -164,16 +293,53 @@ class Checkpointer:
     """
     from flax import nnx
 
+    params = nnx.to_pure_dict(state["params"])
     args = ocp.args.Composite(
-      params=ocp.args.StandardSave(nnx.to_pure_dict(state["params"])),
+      params=ocp.args.StandardSave(params),
       opt_state=ocp.args.StandardSave(state["opt_state"]),
       data=ocp.args.JsonSave(data_state),
       meta=ocp.args.JsonSave(meta),
     )
-    self.manager.save(step, args=args, metrics=metrics, force=True)
-    self.manager.wait_until_finished()
+    with _held_errors() as held, _loops_settled():
+      try:
+        self.manager.save(step, args=args, metrics=metrics, force=True)
+        self.manager.wait_until_finished()
+        if jax.process_index() == 0:
+          _write_json(os.path.join(self._step_dir(step), CHECKSUMS), _checksums(self._step_dir(step)))
+          self._write_best()
+      except Exception as e:
+        code = _no_room(e)
+        if code is None:
+          raise
+        held.dropped = True  # the one message below says it all
+        raise self._no_room_error(step, code, params, state["opt_state"]) from None
+
+  def _no_room_error(self, step: int, code: int, params, opt_state) -> NoRoomError:
+    """What a save that found no room tells, once its partial files are gone."""
     if jax.process_index() == 0:
-      self._write_best()
+      for partial in glob.glob(os.path.join(self.directory, f"{step}.orbax-checkpoint-tmp*")):
+        _remove_when_still(partial)
+      for tmp in (os.path.join(self.directory, BEST_FILE), os.path.join(self._step_dir(step), CHECKSUMS)):
+        with contextlib.suppress(OSError):
+          os.remove(tmp + ".tmp")
+    self.manager.reload()
+    size = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes"))
+    need_params, need_opt = size(params), size(opt_state)
+    free = shutil.disk_usage(self.directory).free
+    steps = self.all_steps()
+    if step in steps:  # Orbax committed it; what followed (checksums, the best step's file) found no room
+      what = f"the checkpoint of step {step} was saved, but not its {CHECKSUMS} or {BEST_FILE}"
+      after = f"continues from step {step}"
+    else:
+      what = f"no room to save the checkpoint of step {step}; nothing of it was kept"
+      after = f"continues from step {steps[-1]}" if steps else "starts from the beginning (no checkpoint yet)"
+    return NoRoomError(
+      f"{self.directory}: {what} ({os.strerror(code)}). A checkpoint needs about "
+      f"{_bytes(need_params + need_opt)} (parameters {_bytes(need_params)}, optimizer state "
+      f"{_bytes(need_opt)}); {_bytes(free)} are free there. Free some space, or set "
+      "checkpointing.checkpoint_dir to a disk with room; then run the same command again: it "
+      f"{after}"
+    )
 
   def _write_best(self) -> None:
     best = self.best_step()
@@ -187,10 +353,10 @@ class Checkpointer:
       "value": metrics.get(self.metric_name) if metrics else None,
       "higher_is_better": self.higher_is_better,
     }
-    tmp = os.path.join(self.directory, BEST_FILE + ".tmp")
-    with open(tmp, "w") as f:
-      json.dump(info, f, indent=2)
-    os.replace(tmp, os.path.join(self.directory, BEST_FILE))
+    _write_json(os.path.join(self.directory, BEST_FILE), info)
+
+  def _step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
 
   def restore(self, step: int, state: dict) -> tuple[dict, dict, dict]:
     """Restores into the structure and shardings of ``state`` (a live train state).
@@ -218,8 +384,11 @@ class Checkpointer:
     return restored["params"], restored["meta"]
 
   def _restore(self, step: int, **items):
+    damage = self._damage(step)
+    if damage is not None:
+      raise DamagedCheckpointError(self.directory, step, damage)
     try:
-      with _reads_settled():
+      with _loops_settled():
         return self.manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:  # tensorstore/Orbax errors of a file cut short or missing
       if any(m in str(e) for m in _MISMATCH):
@@ -228,6 +397,20 @@ class Checkpointer:
           f"into it ({_first_sentence(e)})"
         ) from None
       raise DamagedCheckpointError(self.directory, step, e) from None
+
+  def _damage(self, step: int) -> str | None:
+    """What differs in step ``step``'s files from what was written (see :data:`CHECKSUMS`), or None.
+
+    Process 0 reads the files; the others are told whether they differ."""
+    damage = _damage(self._step_dir(step)) if jax.process_index() == 0 else None
+    if jax.process_count() > 1:
+      import numpy as np
+      from jax.experimental import multihost_utils
+
+      differs = multihost_utils.broadcast_one_to_all(np.int32(damage is not None))
+      if differs and damage is None:
+        damage = "process 0 found its files changed since they were written"
+    return damage
 
   def set_aside(self, step: int) -> str:
     """Moves a damaged checkpoint out of Orbax's sight, to ``<step>.damaged``; returns its new path.
@@ -258,8 +441,83 @@ def read_best(directory: str) -> dict | None:
   path = os.path.join(directory, BEST_FILE)
   if not os.path.exists(path):
     return None
-  with open(path) as f:
-    return json.load(f)
+  try:
+    with open(path) as f:
+      best = json.load(f)
+    step, saved_at = (best.get("step"), best.get("path")) if isinstance(best, dict) else (best, None)
+    if type(step) is not int or os.path.basename(str(saved_at)) != str(step):
+      raise ValueError(f"its 'step' is {step!r} and its 'path' {saved_at!r}: they do not agree")
+  except (ValueError, UnicodeDecodeError) as e:
+    raise CheckpointError(
+      f"{path} is damaged ({_first_sentence(e)}): remove it to load the latest checkpoint, or load "
+      "one with step=N; training writes it again at its next checkpoint"
+    ) from None
+  return best
+
+
+def _write_json(path: str, value) -> None:
+  """Writes ``path`` whole or not at all."""
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(value, f, indent=2)
+  os.replace(tmp, path)
+
+
+def _files(step_dir: str) -> list[str]:
+  return sorted(
+    os.path.relpath(os.path.join(d, f), step_dir) for d, _, names in os.walk(step_dir) for f in names
+  )
+
+
+def _crc32(path: str) -> int:
+  crc = 0
+  with open(path, "rb") as f:
+    while chunk := f.read(1 << 24):
+      crc = zlib.crc32(chunk, crc)
+  return crc
+
+
+def _checksums(step_dir: str) -> dict:
+  files = [f for f in _files(step_dir) if f != CHECKSUMS]
+  crcs = {f: [os.path.getsize(os.path.join(step_dir, f)), _crc32(os.path.join(step_dir, f))] for f in files}
+  return {"crc32": crcs, "crc32_of_crc32": _crc32_of(crcs)}  # the last: a damaged list is not believed
+
+
+def _crc32_of(value) -> int:
+  return zlib.crc32(json.dumps(value, sort_keys=True).encode())
+
+
+_READ_AT_START = ("_CHECKPOINT_METADATA", os.path.join("metrics", "metrics"))
+
+
+def _damage(step_dir: str, only: tuple[str, ...] | None = None) -> str | None:
+  """The first file of ``step_dir`` (of ``only`` those) that differs from its :data:`CHECKSUMS`
+  entry, said how; None when all agree, or when the checkpoint has no checksums (saved before jaxrm
+  wrote them)."""
+  listed = os.path.join(step_dir, CHECKSUMS)
+  if not os.path.exists(listed):
+    return None
+  try:
+    with open(listed) as f:
+      saved = json.load(f)
+    expected = saved["crc32"]
+    if _crc32_of(expected) != saved["crc32_of_crc32"]:
+      raise ValueError("its own CRC32 differs")
+    items = [(name, int(size), int(crc)) for name, (size, crc) in expected.items()]
+  except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError) as e:
+    return f"{listed}, its files' checksums, cannot be read: {_first_sentence(e)}"
+  for name, size, crc in items:
+    if only is not None and name not in only:
+      continue
+    path = os.path.join(step_dir, name)
+    if not os.path.isfile(path):
+      return f"{path} is missing"
+    actual = os.path.getsize(path)
+    if actual != size:
+      return f"{path} has {actual} bytes; {size} were written"
+    if _crc32(path) != crc:
+      return f"{path} differs from what was written (its CRC32)"
+  return None
 
 
 def _abstract(tree):

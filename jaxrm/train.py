@@ -11,6 +11,8 @@ than in commands of their own so that every way in shares the multi-host flags b
 one trainer.
 
 Rerunning the same command continues from the latest checkpoint in the output directory.
+SIGTERM (a scheduler's preemption notice) or Ctrl-C saves a checkpoint at the end of the step
+under way, prints where it is, and exits 128 + the signal's number (143, 130).
 Multi-host: under Slurm ``jax.distributed`` is initialised from the environment (see
 ``scripts/slurm_train.sh``); elsewhere pass ``--coordinator_address=host:port --num_processes=N
 --process_id=i`` to every process. The loop itself is :func:`jaxrm.trainer.train_and_evaluate`.
@@ -19,6 +21,7 @@ Multi-host: under Slurm ``jax.distributed`` is initialised from the environment 
 from __future__ import annotations
 
 import os
+import sys
 
 from absl import flags
 from ml_collections import config_flags
@@ -85,9 +88,16 @@ def main() -> None:
     initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   else:
     config = _foreign_config()
-  from jaxrm import trainer
+  from jaxrm import preemption, trainer
 
-  trainer.train_and_evaluate(config)
+  try:
+    trainer.train_and_evaluate(config)
+  except preemption.Stopped as e:  # SIGTERM/SIGINT: a checkpoint saved; one line says where
+    import jax
+
+    if jax.process_index() == 0:
+      print(e, file=sys.stderr, flush=True)
+    sys.exit(e.exit_code)
 
 
 def _foreign_config():

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxrm import checkpointing, compat, loading, report, rerun, run_lock, sharding, steps, update
+from jaxrm import checkpointing, compat, loading, preemption, report, rerun, run_lock, sharding, steps, update
 from jaxrm.config import RunConfig
 from jaxrm.data import packing, pipeline, registry
 from jaxrm.data.packing import PackSpec
@@ -97,16 +97,22 @@ def train_and_evaluate(config: RunConfig, *, stop_after_steps: int | None = None
 
   Continues from the latest checkpoint in the checkpoint directory, if any. ``stop_after_steps``
   ends the run early, after saving a checkpoint, without marking it finished: running again
-  continues it.
+  continues it. SIGTERM or SIGINT (received in the main thread once training has begun) does the
+  same at the end of the step under way, on every process at the same step, then raises
+  :class:`preemption.Stopped`.
 
   Raises:
     UserError: a config value, the data or the model does not work (the message says why);
       also a non-finite loss or gradient norm, naming the step.
+    preemption.Stopped: a signal stopped the run; its message says where the checkpoint is.
   """
   started = time.time()
   run, lock = _prepare(config)
   try:
-    last_val = _loop(run, stop_after_steps)
+    # From here on a signal stops the run at a step boundary; during the set-up, with nothing
+    # trained to save, it stops the process at once, as it would any program.
+    with preemption.watch() as signals:
+      last_val = _loop(run, stop_after_steps, signals)
     if run.writer.enabled:
       print(_final_summary(run, time.time() - started), flush=True)
     return last_val
@@ -322,12 +328,13 @@ def _resume(ckpt: checkpointing.Checkpointer, step: int, state, train_iter):
   """The state of the newest intact checkpoint up to ``step`` (the data iterator moved to where it
   was), its validation and its step. A damaged checkpoint is set aside (``<step>.damaged``) and
   said so; with none intact, the run stops naming the damaged steps."""
-  damaged = []
+  damaged, reasons = [], []
   for candidate in sorted((s for s in ckpt.all_steps() if s <= step), reverse=True):
     try:
       restored, data_state, meta = ckpt.restore(candidate, state)
     except checkpointing.DamagedCheckpointError as e:
       damaged.append(candidate)
+      reasons.append(str(e))
       log.warning("%s: skipped, and moved to %s", e, ckpt.set_aside(candidate))
       continue
     restored = steps.set_step_and_rng(restored, meta["step"], meta["rng"])
@@ -338,11 +345,11 @@ def _resume(ckpt: checkpointing.Checkpointer, step: int, state, train_iter):
       ckpt.directory,
       f", skipping the damaged step(s) {', '.join(map(str, damaged))}" if damaged else "",
     )
-    return restored, meta.get("metrics") or {}, candidate
+    return restored, meta.get("last_validation", meta.get("metrics")) or {}, candidate
   raise CheckpointError(
     f"{ckpt.directory}: no intact checkpoint to resume from; step(s) "
-    f"{', '.join(map(str, damaged))} are damaged (moved to <step>.damaged). Remove the "
-    "checkpoint directory to start over, or use another output_dir"
+    f"{', '.join(map(str, damaged))} are damaged (moved to <step>.damaged): {'; '.join(reasons)}. "
+    "Remove the checkpoint directory to start over, or use another output_dir"
   )
 
 
@@ -520,7 +527,7 @@ def _samples_to_host(metrics: Metrics) -> Metrics:
 # ------------------------------------------------------------------ loop
 
 
-def _loop(run: _Run, stop_after_steps: int | None) -> dict[str, float]:
+def _loop(run: _Run, stop_after_steps: int | None, signals: preemption.Watch) -> dict[str, float]:
   config = run.config
   progress = _progress(config, run.start_step, run.total_steps, run.writer.enabled)
   step = run.start_step
@@ -537,8 +544,11 @@ def _loop(run: _Run, stop_after_steps: int | None) -> dict[str, float]:
       _show_progress(run, progress, step, metrics, logged)
       if logged:
         run.writer.write(step, metrics)
-      stopping = stop_after_steps is not None and step >= run.start_step + stop_after_steps
+      signalled = signals.reached(step)
+      stopping = signalled or (stop_after_steps is not None and step >= run.start_step + stop_after_steps)
       _validate_and_save(run, step, stopping)
+      if signalled and step < run.total_steps:
+        raise _stopped(run, step, signals)
       if stopping:
         break
     run.finished = step >= run.total_steps
@@ -546,6 +556,23 @@ def _loop(run: _Run, stop_after_steps: int | None) -> dict[str, float]:
     if progress is not None:
       progress.close()
   return run.last_val
+
+
+def _stopped(run: _Run, step: int, signals: preemption.Watch) -> preemption.Stopped:
+  """What a run stopped by a signal after ``step`` tells: where its checkpoint is, how to go on."""
+  name = signals.name
+  if run.ckpt is None:
+    message = (
+      f"stopped by {name} after step {step} of {run.total_steps}; nothing saved "
+      "(checkpointing.enabled is false)"
+    )
+  else:
+    message = (
+      f"stopped by {name} after step {step} of {run.total_steps}: checkpoint saved in "
+      f"{os.path.join(run.ckpt.directory, str(step))}; run the same command again (the same "
+      "config and output_dir) to continue from it"
+    )
+  return preemption.Stopped(message, signals.signum, step)
 
 
 def _show_progress(run: _Run, progress, step: int, metrics: dict[str, float], logged: bool) -> None:
@@ -617,6 +644,9 @@ def _validate_and_save(run: _Run, step: int, stopping: bool) -> None:
       "rng": jax.device_get(run.state["rng"]).tolist(),
       "reward_stats": _reward_stats(run.last_val),
       "metrics": fresh_val or {},
+      # What a run resumed from here reads as its latest validation (a checkpoint between two
+      # validations, such as a signal's, has no metrics of its own).
+      "last_validation": run.last_val,
       "config": config.to_dict(),
     }
     run.ckpt.save(step, run.state, run.input.train_iter.get_state(), meta, metrics=fresh_val)

@@ -1,5 +1,5 @@
 """The trainer end to end on a tiny random Llama: metrics, best-k checkpoints, exact resume,
-gradient accumulation, non-finite stops, SIGKILL and resume."""
+gradient accumulation, non-finite stops, SIGTERM, SIGKILL and resume."""
 
 import glob
 import json
@@ -39,6 +39,33 @@ def stopped(model_dir, tmp_path_factory):
   """The baseline's run stopped after 2 of its 4 steps."""
   out = str(tmp_path_factory.mktemp("stopped") / "run")
   tiny_run.train(tiny_run.config(model_dir, out), stop_after_steps=2)
+  return out
+
+
+@pytest.fixture(scope="module")
+def sigtermed(model_dir, tmp_path_factory):
+  """The baseline's run sent SIGTERM during its step 3, between two validations: it saves step 3
+  and stops."""
+  from jaxrm import preemption, trainer
+
+  out = str(tmp_path_factory.mktemp("sigtermed") / "run")
+  train_step = trainer._train_step
+
+  def signalled(run, step):
+    if step == 3:  # the signal arrives while the step is under way
+      os.kill(os.getpid(), signal.SIGTERM)
+    return train_step(run, step)
+
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(trainer, "_train_step", signalled)
+    with pytest.raises(preemption.Stopped) as e:
+      tiny_run.train(tiny_run.config(model_dir, out))
+  assert str(e.value) == (
+    f"stopped by SIGTERM after step 3 of 4: checkpoint saved in {out}/checkpoints/3; run the same "
+    "command again (the same config and output_dir) to continue from it"
+  )
+  assert e.value.exit_code == 143
+  assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler was given back
   return out
 
 
@@ -176,11 +203,15 @@ def test_checkpointer_without_metric_keeps_latest_k(tmp_path):
 # ------------------------------------------------------------------ resume
 
 
-def test_resume_equals_uninterrupted_run(baseline, stopped, model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("stopped_by,trained,saved", [("stopped", 2, [2]), ("sigtermed", 3, [2, 3])])
+def test_resume_equals_uninterrupted_run(
+  baseline, stopped_by, trained, saved, model_dir, tmp_path, monkeypatch, request
+):
+  """Stopped after 2 of 4 steps by stop_after_steps, or after 3 by SIGTERM, then run again."""
   out = str(tmp_path / "run")
-  shutil.copytree(stopped, out)
-  assert list(tiny_run.train_losses(out)) == [1, 2]
-  assert checkpoint_steps(out) == [2]
+  shutil.copytree(request.getfixturevalue(stopped_by), out)
+  assert list(tiny_run.train_losses(out)) == list(range(1, trained + 1))
+  assert checkpoint_steps(out) == saved
 
   def unread(self, key):  # the checkpoint holds every parameter: the HF weights are not read
     raise AssertionError(f"a resumed run read {key} from {model_dir}")

@@ -1,0 +1,118 @@
+"""Stopping a run cleanly when it is told to: SIGTERM (what Slurm and cloud schedulers send before
+they kill a job) and SIGINT (Ctrl-C).
+
+While :func:`watch` holds, either signal is remembered instead of ending the process; the
+training loop asks :meth:`Watch.reached` after each step and, where it says so, saves a
+checkpoint of that step and raises :class:`Stopped`. Every process of a multi-host run stops at the
+same step: there JAX's preemption sync manager (the one Orbax's ``CheckpointManager.should_save``
+asks) receives SIGTERM on any host and names the step at which all of them save; a SIGINT is
+passed on to it as a SIGTERM. A second Ctrl-C stops at once, as Python does; further SIGTERMs
+are ignored (launchers often send one per process group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+
+import jax
+
+log = logging.getLogger("jaxrm.train")
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Stopped(Exception):
+  """The run stopped at a step boundary on a signal; the message says where its checkpoint is and
+  how to continue. ``exit_code`` is the shell's code of a process ended by that signal."""
+
+  def __init__(self, message: str, signum: int, step: int):
+    super().__init__(message)
+    self.signum = signum
+    self.step = step
+    self.exit_code = 128 + signum
+
+
+class Watch:
+  """Which signal arrived (``received``), and whether all processes have reached the step to stop
+  at (:meth:`reached`)."""
+
+  def __init__(self):
+    self.received: int | None = None
+    self._previous: dict[int, object] = {}
+    self._jax_sync = jax.process_count() > 1 and _jax_sync_available()
+
+  def install(self) -> None:
+    if threading.current_thread() is not threading.main_thread():
+      return  # signal handlers belong to the main thread: a run in another thread keeps the defaults
+    for signum in SIGNALS:
+      if signum == signal.SIGTERM and self._jax_sync:
+        continue  # JAX's preemption notifier holds SIGTERM and tells every host
+      self._previous[signum] = signal.signal(signum, self._handle)
+
+  def uninstall(self) -> None:
+    for signum, previous in self._previous.items():
+      signal.signal(signum, previous)
+    self._previous.clear()
+
+  def _handle(self, signum: int, frame) -> None:
+    name = signal.Signals(signum).name
+    if self.received is not None:
+      if signum == signal.SIGINT:  # Ctrl-C twice: stop now, as Python would have at the first
+        signal.signal(signum, self._previous.pop(signum))
+        raise KeyboardInterrupt
+      log.warning("%s received again: still saving at the end of the current step", name)
+      return
+    self.received = signum
+    log.warning(
+      "%s received: saving a checkpoint at the end of the current step, then stopping%s",
+      name,
+      " (Ctrl-C again to stop at once, without saving)" if signum == signal.SIGINT else "",
+    )
+    if self._jax_sync and signum != signal.SIGTERM:
+      os.kill(os.getpid(), signal.SIGTERM)  # through JAX's notifier, to every host
+
+  def reached(self, step: int) -> bool:
+    """Whether to save and stop after ``step``; every process calls it at every step."""
+    if jax.process_count() == 1:
+      return self.received is not None
+    from jax.experimental import multihost_utils
+
+    if self._jax_sync:
+      return multihost_utils.reached_preemption_sync_point(step)
+    # Without JAX's preemption service (jax_enable_preemption_service=False) the hosts agree here.
+    flags = multihost_utils.process_allgather(int(self.received is not None))
+    return bool(flags.any())
+
+  @property
+  def signum(self) -> int:
+    """The signal this process received, or (another host's) SIGTERM."""
+    return self.received or signal.SIGTERM
+
+  @property
+  def name(self) -> str:
+    return signal.Signals(self.signum).name
+
+
+def _jax_sync_available() -> bool:
+  from jax.experimental import multihost_utils
+
+  try:
+    multihost_utils.reached_preemption_sync_point(-1)
+  except RuntimeError:  # the preemption service is off
+    return False
+  return True
+
+
+@contextlib.contextmanager
+def watch():
+  """SIGTERM and SIGINT remembered (not acted on) within the block; yields the :class:`Watch`."""
+  w = Watch()
+  w.install()
+  try:
+    yield w
+  finally:
+    w.uninstall()
