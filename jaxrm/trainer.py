@@ -580,7 +580,8 @@ def _show_progress(run: _Run, progress, step: int, metrics: dict[str, float], lo
   accuracy = metrics.get("train/accuracy", metrics.get("train/step_accuracy", math.nan))
   if progress is not None:
     progress.update(1)
-    progress.set_postfix(loss=f"{metrics['train/loss']:.4f}", acc=f"{accuracy:.3f}")
+    shown = {"acc": f"{accuracy:.3f}"} if math.isfinite(accuracy) else {}  # regression has none
+    progress.set_postfix(loss=f"{metrics['train/loss']:.4f}", **shown)
   elif logged and run.writer.enabled and run.config.logger.progress_bar:
     print(
       report.progress_line(

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrm import benchmarks, kinds
+from jaxrm import benchmarks, kinds, tasks
 from jaxrm.benchmarks import length_bias
 from jaxrm.benchmarks.scoring import Scorer, model_scorer
 from jaxrm.data import pipeline, registry
@@ -125,7 +125,7 @@ def evaluate(
   note = benchmarks.plain_evaluation_note(
     {str(s) for e in examples if (s := e.meta.get("subset")) is not None}
   )
-  if note is not None and name == "preference":
+  if note is not None and kind.task is tasks.PREFERENCE:
     result["note"] = note
   return result
 
