@@ -10,7 +10,7 @@ import shutil
 import pytest
 import tiny_run
 
-from jaxrm import loading
+from jaxrm import loading, rerun
 from jaxrm.errors import ConfigError
 
 
@@ -73,23 +73,37 @@ def test_raised_max_steps_trains_on_and_saves_the_new_length(finished, model_dir
   assert json.loads(saved_config(finished))["train"]["max_steps"] == 6
 
 
-@pytest.mark.parametrize("how", ["start_fresh_keep_old", "start_fresh_remove_old"])
-def test_changed_settings_start_fresh_keeping_or_removing_the_old_run(finished, model_dir, how):
+def test_changed_settings_start_fresh_keeping_the_old_run(finished, model_dir):
   old_losses = tiny_run.train_losses(finished)
   # 2 steps at another rate: a resumed run would have been finished at step 4, and trained none.
+  how = "start_fresh_keep_old"
   tiny_run.train(
     tiny_run.config(model_dir, finished, train__learning_rate=1e-4, train__max_steps=2, changed_settings=how)
   )
   assert list(tiny_run.train_losses(finished)) == [1, 2]
   assert json.loads(saved_config(finished))["train"]["learning_rate"] == 1e-4
-  aside = [d for d in os.listdir(finished) if d.startswith("old-")]
-  if how == "start_fresh_remove_old":
-    assert aside == []
-    return
-  (old,) = aside
+  (old,) = [d for d in os.listdir(finished) if d.startswith("old-")]
   assert json.loads(saved_config(os.path.join(finished, old)))["train"]["learning_rate"] == 1e-3
   assert tiny_run.train_losses(os.path.join(finished, old)) == old_losses
   assert "4" in os.listdir(os.path.join(finished, old, "checkpoints"))
+
+
+def test_changed_settings_start_fresh_removing_the_old_run(tmp_path):
+  """What the run finds to remove (its lock and earlier old-* folders stay); an outside checkpoint
+  folder too, or renamed beside itself when kept."""
+  run, outside = tmp_path / "run", tmp_path / "ckpts"
+  for path in (run / "checkpoints" / "4", run / "tensorboard", run / "old-20260101-000000", outside / "4"):
+    path.mkdir(parents=True)
+  for name in ("config.json", "metrics.jsonl", "run.lock"):
+    (run / name).write_text("{}")
+  rerun._start_fresh("start_fresh_remove_old", str(run), str(run / "checkpoints"))
+  assert sorted(os.listdir(run)) == ["old-20260101-000000", "run.lock"]
+  rerun._start_fresh("start_fresh_remove_old", str(run), str(outside))
+  assert not outside.exists()
+  (outside / "4").mkdir(parents=True)
+  rerun._start_fresh("start_fresh_keep_old", str(run), str(outside))
+  assert len([p for p in tmp_path.iterdir() if p.name.startswith("ckpts-old-")]) == 1
+  assert not outside.exists()
 
 
 def test_changed_settings_takes_only_its_three_values(model_dir, tmp_path):
