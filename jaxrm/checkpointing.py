@@ -445,7 +445,8 @@ def read_best(directory: str) -> dict | None:
     with open(path) as f:
       best = json.load(f)
     step, saved_at = (best.get("step"), best.get("path")) if isinstance(best, dict) else (best, None)
-    if type(step) is not int or os.path.basename(str(saved_at)) != str(step):
+    # A file written by hand may name the step alone; a path, when there is one, must agree with it.
+    if type(step) is not int or (saved_at is not None and os.path.basename(str(saved_at)) != str(step)):
       raise ValueError(f"its 'step' is {step!r} and its 'path' {saved_at!r}: they do not agree")
   except (ValueError, UnicodeDecodeError) as e:
     raise CheckpointError(

@@ -21,6 +21,7 @@ Multi-host: under Slurm ``jax.distributed`` is initialised from the environment 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from absl import flags
@@ -98,6 +99,9 @@ def main() -> None:
     if jax.process_index() == 0:
       print(e, file=sys.stderr, flush=True)
     sys.exit(e.exit_code)
+  # The run is saved and over: a scheduler's SIGTERM while the process exits changes nothing, and
+  # the exit code says the run ended.
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _foreign_config():

@@ -108,20 +108,25 @@ def train_and_evaluate(config: RunConfig, *, stop_after_steps: int | None = None
   """
   started = time.time()
   run, lock = _prepare(config)
-  try:
-    # From here on a signal stops the run at a step boundary; during the set-up, with nothing
-    # trained to save, it stops the process at once, as it would any program.
-    with preemption.watch() as signals:
+  # From here on a signal stops the run at a step boundary; during the set-up, with nothing
+  # trained to save, it stops the process at once, as it would any program. After the last step
+  # it lets the run end as it would have: its last checkpoint may still be being written.
+  with preemption.watch() as signals:
+    try:
       last_val = _loop(run, stop_after_steps, signals)
-    if run.writer.enabled:
-      print(_final_summary(run, time.time() - started), flush=True)
-    return last_val
-  finally:
-    run.writer.close()
-    if run.ckpt is not None:
-      run.ckpt.close()
-    if lock is not None:
-      lock.release()
+      if run.writer.enabled:
+        print(_final_summary(run, time.time() - started), flush=True)
+    finally:
+      run.writer.close()
+      if run.ckpt is not None:
+        run.ckpt.close()
+      if lock is not None:
+        lock.release()
+    if signals.received is not None:
+      log.warning(
+        "%s received after the last step: the run ended as it would have, its checkpoints saved", signals.name
+      )
+  return last_val
 
 
 def _prepare(config: RunConfig) -> tuple[_Run, run_lock.RunLock | None]:

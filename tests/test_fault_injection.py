@@ -90,6 +90,29 @@ def test_a_run_killed_at_a_random_moment_resumes_to_the_same_end(signum, baselin
   _assert_same_run(out, baseline)
 
 
+def test_a_signal_after_the_last_step_lets_the_run_end_as_it_would_have(
+  baseline, model_dir, tmp_path, monkeypatch, caplog
+):
+  """SIGTERM while the finished run prints its summary and waits for its last save: the run ends
+  as it would have, says so, and holds its checkpoints (before, the process died mid-close)."""
+  from jaxrm import trainer
+
+  out = str(tmp_path / "run")
+  shutil.copytree(baseline, out)
+  summary = trainer._final_summary
+
+  def terminated_meanwhile(run, seconds):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return summary(run, seconds)
+
+  monkeypatch.setattr(trainer, "_final_summary", terminated_meanwhile)
+  with caplog.at_level("WARNING", logger="jaxrm.train"):
+    tiny_run.train(tiny_run.config(model_dir, out, train__max_steps=5))
+  assert "SIGTERM received after the last step: the run ended as it would have" in caplog.text
+  assert max(tiny_run.train_losses(out)) == 5
+  assert "5" in os.listdir(os.path.join(out, "checkpoints"))
+
+
 # ------------------------------------------------------------------ damaged files
 
 
