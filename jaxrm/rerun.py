@@ -184,7 +184,7 @@ _WAYS = (
   "to train with these settings, write into another folder (--config.output_dir=<new folder>), or "
   "start afresh in {run_dir} with --config.changed_settings=start_fresh_keep_old (the old run's "
   "files move into {run_dir}/old-<time>/) or --config.changed_settings=start_fresh_remove_old "
-  "(they are deleted)"
+  "(they are deleted; TRL's flags: --overwrite_output_dir)"
 )
 
 

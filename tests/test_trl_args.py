@@ -52,7 +52,9 @@ def test_flags_match_trl_dataclasses():
     "lr_scheduler_kwargs": None,
     "output_dir": "trainer_output",
   }  # transformers: None is "trainer_output"
-  older = {"warmup_ratio"}  # transformers 5 folded it into warmup_steps < 1; older TRL commands still give it
+  # transformers 5 folded warmup_ratio into warmup_steps < 1 and dropped overwrite_output_dir; older
+  # TRL commands still give them.
+  older = {"warmup_ratio", "overwrite_output_dir"}
   for name, (_, default) in trl_args.FLAGS.items():
     if name in older:
       continue
@@ -338,3 +340,12 @@ def test_a_missing_split_is_named_with_the_splits_there_are(tmp_path, flag):
   with pytest.raises(ConfigError) as e:
     translate("--model_name_or_path", "/m", "--dataset_name", data, "--eval_strategy", "steps", flag, "eval")
   assert str(e.value) == f"{flag}='eval': {data} has no 'eval' split; its splits are test, train"
+
+
+def test_overwrite_output_dir_starts_afresh_where_settings_changed():
+  assert translate(*MODEL_AND_DATA).run_config().changed_settings == "refuse"
+  config = translate(*MODEL_AND_DATA, "--overwrite_output_dir").run_config()
+  assert config.changed_settings == "start_fresh_remove_old"
+  assert (
+    translate(*MODEL_AND_DATA, "--overwrite_output_dir", "false").run_config().changed_settings == "refuse"
+  )

@@ -80,6 +80,7 @@ FLAGS: dict[str, tuple[Any, Any]] = {
   "activation_offloading": (bool, False),
   # TrainingArguments that jaxrm reads
   "output_dir": (str, "trainer_output"),
+  "overwrite_output_dir": (bool, False),  # transformers < 5
   "per_device_train_batch_size": (int, 8),
   "per_device_eval_batch_size": (int, 8),
   "gradient_accumulation_steps": (int, 1),
@@ -121,7 +122,6 @@ _HARMLESS = {
   "logging_dir": "TensorBoard files go to <output_dir>/tensorboard",
   "logging_strategy": "jaxrm logs every train.log_period steps",
   "logging_first_step": "logging only",
-  "overwrite_output_dir": "jaxrm continues the run in output_dir",
   "resume_from_checkpoint": "jaxrm resumes from output_dir's latest checkpoint by itself",
   "do_train": "always trains",
   "do_eval": "eval_strategy decides",
@@ -318,6 +318,10 @@ def _model(args: dict, tr: Translation) -> None:
     raise ConfigError("--model_name_or_path is required (an HF model directory, .gguf file or hub name)")
   tr.set("--model_name_or_path", model__name_or_path=args["model_name_or_path"])
   tr.set("--output_dir", output_dir=args["output_dir"])
+  if args["overwrite_output_dir"]:
+    # transformers' "overwrite the content of the output directory": a run with other settings
+    # starts afresh there (one with the same settings still resumes).
+    tr.set("--overwrite_output_dir", changed_settings="start_fresh_remove_old")
   if args["fp16"]:
     raise refuse("--fp16", True, "jaxrm has no float16 loss scaling; use --bf16")
   param_dtype = {"float32": "float32", "bfloat16": "bfloat16"}.get(args["dtype"])
