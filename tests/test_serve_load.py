@@ -29,11 +29,14 @@ def test_honest_clients_are_answered_in_time_beside_hostile_ones(tiny_rm):
     max_pending_bytes=2**22,
     request_timeout=10,
     header_timeout=1,
-    body_timeout=1,
+    # The clients share this process and 2 cores with the suite's other worker: an honest client's
+    # small body once took over 1 s to arrive (408, 1 of 438). 3 s still ends the hostile clients'
+    # announced bodies well inside the run.
+    body_timeout=3,
   )
   limits = {"request_timeout": config.request_timeout, "max_request_bytes": config.max_request_bytes}
   with serving(tiny_rm, config) as s:
-    result = load_server.run_load(s.url, clients=8, hostile=2, seconds=4, items=4, limits=limits)
+    result = load_server.run_load(s.url, clients=8, hostile=2, seconds=6, items=4, limits=limits)
   honest = result["honest"]
   assert honest["requests"] >= 8 and honest["errors"] == 0, result
   assert honest["max_s"] < config.request_timeout, result
