@@ -7,6 +7,8 @@ Two calling conventions:
   (conversational data: a completion is ``[{"role": "assistant", "content": ...}]``); extra
   keyword arguments (dataset columns, ``completion_ids``, ``trainer_state``...) are ignored. TRL
   logs the rewards under ``f.__name__``.
+* TRL also awaits an ``async def`` reward function (``remote_reward_func(..., asynchronous=True)``),
+  running its async reward functions side by side.
 * CoMLRL-style multi-agent trainers call ``f(*agent_completions, batch_items=[item])``: one list
   of completions per agent, all of the same length (joint responses are aligned by position), and
   the task item(s). ``formatter(item, *completions)`` builds what the model scores -- a string or
@@ -26,9 +28,11 @@ reward model).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -267,7 +271,8 @@ def remote_reward_func(
   name: str = "jaxrm_reward",
   steps: bool = False,
   step_aggregation: str | None = None,
-) -> Callable[..., list[float | None]]:
+  asynchronous: bool = False,
+) -> Callable[..., Any]:
   """``f(prompts, completions, **kwargs) -> list[float]`` for TRL's GRPOTrainer, scored by a server.
 
   Sends the pairs to the ``/score`` endpoint of ``python -m jaxrm.serve``, which joins them as
@@ -289,11 +294,58 @@ def remote_reward_func(
       ``--step_aggregation``.
     step_aggregation: ``"min"``, ``"last"``, ``"product"`` or ``"mean"``: the aggregation asked of
       ``/score_steps`` (implies ``steps``).
+    asynchronous: ``f`` is an ``async def`` function, which TRL awaits beside its other async
+      reward functions: the same request, retries and errors, sent from a worker thread.
   """
+  url = _check_url(url, name)
   if step_aggregation is not None:
     step_aggregation = step_rewards.check_aggregation(step_aggregation)
   steps = steps or step_aggregation is not None
-  endpoint = url.rstrip("/") + ("/score_steps" if steps else "/score")
+  post = _poster(url, "/score_steps" if steps else "/score", api_key, timeout, retries, name)
+
+  def rewards(prompts: Sequence[Text], completions: Sequence[Text]) -> list[float | None]:
+    if not steps:
+      return post({"prompts": list(prompts), "completions": list(completions)})
+    return _remote_step_rewards(post, prompts, completions, step_aggregation, name)
+
+  if asynchronous:
+
+    async def reward_func(
+      prompts: Sequence[Text], completions: Sequence[Text], **kwargs: Any
+    ) -> list[float | None]:
+      del kwargs  # dataset columns and trainer state: the model needs only the text
+      # The blocking request, and its waits on a busy server, hold a worker thread, not the loop.
+      return await asyncio.to_thread(rewards, list(prompts), list(completions))
+
+  else:
+
+    def reward_func(
+      prompts: Sequence[Text], completions: Sequence[Text], **kwargs: Any
+    ) -> list[float | None]:
+      del kwargs  # dataset columns and trainer state: the model needs only the text
+      return rewards(prompts, completions)
+
+  return _named(reward_func, name)
+
+
+def _check_url(url: Any, name: str) -> str:
+  """``url`` without its trailing slash, or an error saying what a server's address looks like."""
+  if not isinstance(url, str) or not url.strip():
+    raise ValueError(
+      f"{name}: the reward server's URL is missing (got {url!r}); pass the address where "
+      "`python -m jaxrm.serve` listens, e.g. 'http://HOST:8000'"
+    )
+  parts = urllib.parse.urlsplit(url.strip())
+  if parts.scheme not in ("http", "https") or not parts.netloc:
+    raise ValueError(f"{name}: {url!r} is not a server address; pass 'http://HOST:PORT'")
+  return url.strip().rstrip("/")
+
+
+def _poster(
+  url: str, path: str, api_key: str | None, timeout: float, retries: int, name: str
+) -> Callable[[dict], list[float | None]]:
+  """``post(body) -> rewards``: one request to ``url + path``, retried while the server is busy."""
+  endpoint = url + path
   headers = {"Content-Type": "application/json"}
   if api_key:
     headers["Authorization"] = f"Bearer {api_key}"
@@ -317,17 +369,11 @@ def remote_reward_func(
         raise ConnectionError(
           f"{name}: cannot reach the reward server at {endpoint} ({e.reason}). Is `python -m jaxrm.serve` "
           f"running there? A server that was just started may still be loading its model, and takes "
-          f"connections once GET {url.rstrip('/')}/health answers: wait for it and try again"
+          f"connections once GET {url}/health answers: wait for it and try again"
         ) from None
       attempt += 1
 
-  def reward_func(prompts: Sequence[Text], completions: Sequence[Text], **kwargs: Any) -> list[float | None]:
-    del kwargs  # dataset columns and trainer state: the model needs only the text
-    if not steps:
-      return post({"prompts": list(prompts), "completions": list(completions)})
-    return _remote_step_rewards(post, prompts, completions, step_aggregation, name)
-
-  return _named(reward_func, name)
+  return post
 
 
 def _remote_step_rewards(

@@ -1,7 +1,12 @@
 """Reward functions called exactly as TRL's GRPOTrainer and CoMLRL's multi-agent trainers call them."""
 
+import asyncio
+import contextlib
+import http.server
 import inspect
+import json
 import socket
+import threading
 import types
 
 import numpy as np
@@ -25,8 +30,10 @@ def validated_rm(tiny_rm):
 
 
 def trl_call(reward_func, prompts, completions, **columns):
-  """What GRPOTrainer does with a plain-function reward: keyword call, None -> NaN, float32 tensor."""
-  out = reward_func(
+  """What GRPOTrainer does with a plain-function reward: keyword call (awaited for an async
+  function), None -> NaN, float32 tensor."""
+  out = called(
+    reward_func,
     prompts=prompts,
     completions=completions,
     completion_ids=[[7] * len(str(c)) for c in completions],
@@ -35,6 +42,12 @@ def trl_call(reward_func, prompts, completions, **columns):
   )
   out = [r if r is not None else torch.nan for r in out]
   return torch.tensor(out, dtype=torch.float32).numpy()
+
+
+def called(reward_func, **kwargs):
+  """``reward_func(**kwargs)``, awaited if it is an async function, as TRL awaits one."""
+  out = reward_func(**kwargs)
+  return asyncio.run(out) if inspect.isawaitable(out) else out
 
 
 def comlrl_call(reward_func, prompts, agent_completions, item):
@@ -127,6 +140,10 @@ def test_errors(validated_rm, tmp_path):
 
 # ------------------------------------------------------------------ remote: a jaxrm server on loopback
 
+# Every remote test runs both ways: the plain function, and the async one TRL awaits (the same
+# request, sent from a worker thread).
+ASYNC = pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+
 
 @pytest.fixture(scope="module")
 def server_url(validated_rm):
@@ -134,8 +151,9 @@ def server_url(validated_rm):
     yield server.url
 
 
-def test_remote_reward_func_returns_the_local_rewards(validated_rm, server_url):
-  remote = reward_funcs.remote_reward_func(server_url, name="remote_rm")
+@ASYNC
+def test_remote_reward_func_returns_the_local_rewards(validated_rm, server_url, asynchronous):
+  remote = reward_funcs.remote_reward_func(server_url, name="remote_rm", asynchronous=asynchronous)
   assert remote.__name__ == "remote_rm"
   local = validated_rm.as_reward_func()
   standard = (["Q: 1 + 1?", "Q: 1 + 1?", "Q: 2 + 3?"], [" A: 2", " A: 11", " A: 5"])
@@ -149,21 +167,32 @@ def test_remote_reward_func_returns_the_local_rewards(validated_rm, server_url):
     # does it here (rows of at most 64 tokens padded to 64, 2 or 3 rows padded to 2 or 4 rows),
     # so the same compiled program sees the same inputs.
     np.testing.assert_array_equal(got, trl_call(local, prompts, completions))
-  raw = remote(prompts=standard[0], completions=standard[1])
+  raw = called(remote, prompts=standard[0], completions=standard[1])
   assert isinstance(raw, list) and all(type(r) is float for r in raw)
 
 
-def test_remote_reward_func_raises_the_servers_message(server_url):
-  remote = reward_funcs.remote_reward_func(server_url, name="remote_rm")
+def test_an_async_remote_reward_func_is_one_trl_awaits():
+  trl_utils = pytest.importorskip("trl.trainer.utils")
+  remote = reward_funcs.remote_reward_func("http://127.0.0.1:1", asynchronous=True)
+  assert inspect.iscoroutinefunction(remote) and trl_utils.is_async_callable(remote)
+  assert not trl_utils.is_async_callable(reward_funcs.remote_reward_func("http://127.0.0.1:1"))
+
+
+@ASYNC
+def test_remote_reward_func_raises_the_servers_message(server_url, asynchronous):
+  remote = reward_funcs.remote_reward_func(server_url, name="remote_rm", asynchronous=asynchronous)
   with pytest.raises(ValueError, match=r"remote_rm: .*/score answered 400: 1 prompts but 2 completions"):
-    remote(prompts=["a"], completions=["b", "c"])
+    called(remote, prompts=["a"], completions=["b", "c"])
 
 
-def test_remote_reward_func_names_a_server_that_is_not_up():
+@ASYNC
+def test_remote_reward_func_names_a_server_that_is_not_up(asynchronous):
   with socket.socket() as s:  # a port nothing listens on: bound, then closed
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-  remote = reward_funcs.remote_reward_func(f"http://127.0.0.1:{port}/", name="remote_rm")
+  remote = reward_funcs.remote_reward_func(
+    f"http://127.0.0.1:{port}/", name="remote_rm", asynchronous=asynchronous
+  )
   with pytest.raises(
     ConnectionError,
     match=rf"^remote_rm: cannot reach the reward server at "
@@ -172,46 +201,94 @@ def test_remote_reward_func_names_a_server_that_is_not_up():
     rf"started may still be loading its model, and takes connections once "
     rf"GET http://127.0.0.1:{port}/health answers: wait for it and try again$",
   ):
-    remote(prompts=["p"], completions=["a"])
+    called(remote, prompts=["p"], completions=["a"])
 
 
-def test_remote_reward_func_retries_a_busy_server_with_its_key():
-  """Against a stand-in server that is busy every other request: the same request is sent again."""
-  import http.server
-  import json
-  import threading
+@pytest.mark.parametrize(
+  "url, message",
+  [
+    (None, r"^remote_rm: the reward server's URL is missing \(got None\); pass the address where "),
+    ("", r"^remote_rm: the reward server's URL is missing \(got ''\)"),
+    ("127.0.0.1:8000", r"^remote_rm: '127.0.0.1:8000' is not a server address; pass 'http://HOST:PORT'$"),
+  ],
+)
+def test_remote_reward_func_checks_its_url(url, message):
+  with pytest.raises(ValueError, match=message):
+    reward_funcs.remote_reward_func(url, name="remote_rm")
 
-  seen = []
+
+@contextlib.contextmanager
+def stand_in_server(answer):
+  """A loopback HTTP server whose every POST is answered by ``answer(path, headers, body) ->
+  (status, reply)``, each in its own thread; yields its URL."""
 
   class Handler(http.server.BaseHTTPRequestHandler):
     def do_POST(self):
       body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-      seen.append((self.path, self.headers["Authorization"], body))
-      busy = len(seen) % 2 == 1
-      reply = json.dumps({"error": "busy"} if busy else {"rewards": [0.5, -1]}).encode()
-      self.send_response(503 if busy else 200)
+      status, reply = answer(self.path, self.headers, body)
+      data = json.dumps(reply).encode()
+      self.send_response(status)
       self.send_header("Retry-After", "0")
-      self.send_header("Content-Length", str(len(reply)))
+      self.send_header("Content-Length", str(len(data)))
       self.end_headers()
-      self.wfile.write(reply)
+      self.wfile.write(data)
 
     def log_message(self, *args):
       pass
 
-  stand_in = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-  threading.Thread(target=stand_in.serve_forever, daemon=True).start()
-  host, port = stand_in.server_address[:2]
-  url = f"http://{host}:{port}"
+  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  host, port = server.server_address[:2]
   try:
-    remote = reward_funcs.remote_reward_func(url + "/", api_key="k")
-    assert remote(prompts=["p", "p"], completions=["a", "b"], trainer_state=None) == [0.5, -1.0]
+    yield f"http://{host}:{port}"
+  finally:
+    server.shutdown()
+    server.server_close()
+
+
+@ASYNC
+def test_remote_reward_func_retries_a_busy_server_with_its_key(asynchronous):
+  """Against a stand-in server that is busy every other request: the same request is sent again."""
+  seen = []
+
+  def busy_every_other(path, headers, body):
+    seen.append((path, headers["Authorization"], body))
+    busy = len(seen) % 2 == 1
+    return (503, {"error": "busy"}) if busy else (200, {"rewards": [0.5, -1]})
+
+  with stand_in_server(busy_every_other) as url:
+    remote = reward_funcs.remote_reward_func(url + "/", api_key="k", asynchronous=asynchronous)
+    assert called(remote, prompts=["p", "p"], completions=["a", "b"], trainer_state=None) == [0.5, -1.0]
     assert seen == [("/score", "Bearer k", {"prompts": ["p", "p"], "completions": ["a", "b"]})] * 2
     with pytest.raises(ValueError, match="answered 503: busy"):
-      reward_funcs.remote_reward_func(url, retries=0)(prompts=["p"], completions=["a"])
+      called(
+        reward_funcs.remote_reward_func(url, retries=0, asynchronous=asynchronous),
+        prompts=["p"],
+        completions=["a"],
+      )
     assert len(seen) == 3
-  finally:
-    stand_in.shutdown()
-    stand_in.server_close()
+
+
+def test_async_remote_reward_funcs_wait_for_their_servers_together():
+  """Two async reward functions gathered (as TRL gathers its async rewards) have their requests
+  in flight at once: the stand-in answers neither until both have arrived."""
+  both = threading.Barrier(2, timeout=30)
+
+  def when_both_arrived(path, headers, body):
+    both.wait()
+    return 200, {"rewards": [float(len(c)) for c in body["completions"]]}
+
+  with stand_in_server(when_both_arrived) as url:
+    first, second = (
+      reward_funcs.remote_reward_func(url, name=name, asynchronous=True) for name in ("rm_a", "rm_b")
+    )
+
+    async def gathered():
+      return await asyncio.gather(
+        first(prompts=["p"], completions=["ab"]), second(prompts=["p", "p"], completions=["a", "abc"])
+      )
+
+    assert asyncio.run(gathered()) == [[2.0], [1.0, 3.0]]
 
 
 # ------------------------------------------------------------------ remote: a process reward model's server
@@ -225,7 +302,8 @@ def prm_server_url(tiny_prm):
     yield server.url
 
 
-def test_remote_reward_func_of_a_prm_returns_the_local_rewards(tiny_prm, prm_server_url):
+@ASYNC
+def test_remote_reward_func_of_a_prm_returns_the_local_rewards(tiny_prm, prm_server_url, asynchronous):
   prompts = ["Q: 12 * 3 + 4?", "Q: 12 * 3 + 4?", "Q: 7 - 9?", "Q: 7 - 9?"]
   completions = [" 12 * 3 = 36.\n 36 + 4 = 40.\n", " 12 * 3 = 35.\n 35 + 4 = 39.", " -2", "\n"]
   chat = (
@@ -234,11 +312,11 @@ def test_remote_reward_func_of_a_prm_returns_the_local_rewards(tiny_prm, prm_ser
   )
   for how in (None,) + step_rewards.AGGREGATIONS:
     remote = reward_funcs.remote_reward_func(
-      prm_server_url, steps=True, step_aggregation=how, name="remote_prm"
+      prm_server_url, steps=True, step_aggregation=how, name="remote_prm", asynchronous=asynchronous
     )
     local = reward_funcs.as_reward_func(tiny_prm, step_aggregation=how)
     for p, c in ((prompts, completions), chat):
-      got = remote(prompts=p, completions=c, trainer_state=None)
+      got = called(remote, prompts=p, completions=c, trainer_state=None)
       want = local(prompts=p, completions=c)
       assert [r is None for r in got] == [r is None for r in want]
       # The server batches and pads rows its own way: equal up to the roundings of other shapes.
@@ -248,20 +326,24 @@ def test_remote_reward_func_of_a_prm_returns_the_local_rewards(tiny_prm, prm_ser
   assert got[0] is not None and got[1] is not None
 
 
-def test_remote_prm_reward_func_raises_the_servers_message(prm_server_url):
-  remote = reward_funcs.remote_reward_func(prm_server_url, steps=True, name="remote_prm")
+@ASYNC
+def test_remote_prm_reward_func_raises_the_servers_message(prm_server_url, asynchronous):
+  remote = reward_funcs.remote_reward_func(
+    prm_server_url, steps=True, name="remote_prm", asynchronous=asynchronous
+  )
   with pytest.raises(
     ValueError,
     match=r"remote_prm: .*/score_steps answered 400: cannot score prompts\[1\] "
     r"\+ completions\[1\]: .* longer than max_length=64 tokens \(--max_length\)",
   ):
-    remote(prompts=["a", "a"], completions=["b", "word " * 100])
+    called(remote, prompts=["a", "a"], completions=["b", "word " * 100])
   with pytest.raises(ValueError, match=r"^remote_prm: 1 prompts but 2 completions$"):
-    remote(prompts=["a"], completions=["b", "c"])
+    called(remote, prompts=["a"], completions=["b", "c"])
 
 
-def test_remote_reward_func_checks_its_aggregation():
+@ASYNC
+def test_remote_reward_func_checks_its_aggregation(asynchronous):
   with pytest.raises(
     ValueError, match=r"^step_aggregation='max' is not an aggregation of step probabilities"
   ):
-    reward_funcs.remote_reward_func("http://127.0.0.1:1", step_aggregation="max")
+    reward_funcs.remote_reward_func("http://127.0.0.1:1", step_aggregation="max", asynchronous=asynchronous)
