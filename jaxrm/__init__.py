@@ -4,7 +4,8 @@ What a notebook needs is here, imported on first use (so that ``python -m jaxrm.
 config errors stay fast): :class:`RewardModel`; :class:`RunConfig` and its sections
 (:class:`ModelSpec`, :class:`LoraSpec`, :class:`DataSpec`, :class:`RewardSpec`, :class:`TrainSpec`,
 :class:`EvalSpec`, :class:`CheckpointSpec`, :class:`LoggerSpec`, :class:`MeshConfig`);
-:func:`train_and_evaluate`; :func:`load_dataset` and :func:`plot_scores`; and
+:func:`train_and_evaluate`; :func:`load_dataset` and :func:`plot_scores`; and the reward
+functions :func:`as_reward_funcs` (one per attribute of a regression model) and
 :func:`remote_reward_func`.
 
 The commands are the top-level modules named in :data:`COMMANDS` (``python -m jaxrm.<command>``),
@@ -36,6 +37,7 @@ _EXPORTS = {
   "train_and_evaluate": "jaxrm.trainer",
   "load_dataset": "jaxrm.evaluation",
   "plot_scores": "jaxrm.evaluation",
+  "as_reward_funcs": "jaxrm.reward_funcs",
   "remote_reward_func": "jaxrm.reward_funcs",
 }
 __all__ = list(_EXPORTS)

@@ -21,6 +21,9 @@ steps: the completion is cut at the model's step separator, as its training rows
 reward. A completion with no steps (empty, or only separators) gets ``None``: TRL's "no reward from
 this function", which GRPOTrainer leaves out of its group statistics instead of reading it as 0.
 
+:func:`as_reward_funcs` gives a regression model's attributes one reward function each, for TRL's
+``reward_weights`` and ``multi_objective_aggregation``; the functions share one forward pass per batch.
+
 :func:`remote_reward_func` is the TRL function of a model served by ``python -m jaxrm.serve`` on
 another host: the same call, scored by the server's ``/score`` (``/score_steps`` for a process
 reward model).
@@ -29,7 +32,10 @@ reward model).
 from __future__ import annotations
 
 import asyncio
+import collections
+import hashlib
 import json
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -179,6 +185,78 @@ def as_reward_func(
     ).tolist()
 
   return _named(reward_func, name)
+
+
+def as_reward_funcs(
+  rm: Scorer, *, batch_size: int = 8, name: str = "jaxrm_reward"
+) -> list[Callable[..., list[float]]]:
+  """One TRL reward function per attribute of a regression model, in the model's attribute order.
+
+  Each is ``f(prompts, completions, **kwargs) -> list[float]`` named ``<name>_<attribute>`` (TRL
+  logs its rewards under that name), giving that attribute's column of ``rm.score``; TRL's
+  ``GRPOConfig(reward_weights=[...], multi_objective_aggregation=...)`` weighs them. The model
+  scores a batch once for all of them: its outputs are kept for the last few batches, keyed by
+  the batch's contents.
+
+  Args:
+    rm: a regression model (``reward.type=regression``) with a tokenizer.
+    batch_size: rows per forward pass.
+    name: the prefix of the functions' names.
+  """
+  attributes = _check_attributes(rm)
+  outputs = _SharedOutputs(rm, batch_size)
+
+  def attribute_func(i: int) -> Callable[..., list[float]]:
+    def reward_func(prompts: Sequence[Text], completions: Sequence[Text], **kwargs: Any) -> list[float]:
+      del kwargs  # dataset columns and trainer state: the model needs only the text
+      return outputs(prompts, completions)[:, i].tolist()
+
+    return reward_func
+
+  return [_named(attribute_func(i), f"{name}_{a}") for i, a in enumerate(attributes)]
+
+
+def _check_attributes(rm: Scorer) -> tuple[str, ...]:
+  """A regression model's attribute names, or an error saying which reward function fits ``rm``."""
+  attributes = getattr(rm, "attributes", None)
+  if kinds.model_kind(rm.config, attributes) in (kinds.PREFERENCE, kinds.PROCESS):
+    raise kinds.ModelKindError(
+      f"as_reward_funcs gives one reward function per attribute of a regression model; this "
+      f"model has {kinds.describe(rm.config, attributes)}, one reward per row: use as_reward_func"
+    )
+  kinds.check_kind(rm, kinds.REGRESSION, use="as_reward_funcs")
+  return tuple(attributes)
+
+
+class _SharedOutputs:
+  """A regression model's outputs float32 [N, A] of the last few batches it scored, keyed by the
+  batch's contents: the attributes' reward functions, called one after another on the same
+  batch, then share one forward pass."""
+
+  KEPT = 4  # batches: TRL calls every reward function on one batch before the next
+
+  def __init__(self, rm: Scorer, batch_size: int):
+    self._rm, self._batch_size = rm, batch_size
+    self._kept: collections.OrderedDict[bytes, np.ndarray] = collections.OrderedDict()
+    self._lock = threading.Lock()  # one forward pass per batch, whichever thread asks first
+
+  def __call__(self, prompts: Sequence[Text], completions: Sequence[Text]) -> np.ndarray:
+    key = _batch_key(prompts, completions)
+    with self._lock:
+      if key not in self._kept:
+        self._kept[key] = self._rm.score(
+          prompts=list(prompts), completions=list(completions), batch_size=self._batch_size
+        )
+        if len(self._kept) > self.KEPT:
+          self._kept.popitem(last=False)
+      self._kept.move_to_end(key)
+      return self._kept[key]
+
+
+def _batch_key(prompts: Sequence[Text], completions: Sequence[Text]) -> bytes:
+  """A digest of the batch's texts (strings or message lists): equal batches, equal keys."""
+  text = json.dumps([list(prompts), list(completions)], sort_keys=True, ensure_ascii=False, default=repr)
+  return hashlib.blake2b(text.encode(errors="surrogatepass"), digest_size=16).digest()
 
 
 def as_multi_agent_reward_func(

@@ -341,3 +341,52 @@ def read_all(sock) -> bytes:
   except ConnectionResetError:
     pass
   return b"".join(chunks)
+
+
+# ------------------------------------------------------------------ TRL's GRPOTrainer
+
+
+def grpo_trainer(cache_root, tmp_path, reward_funcs, prompts, **config):
+  """TRL's GRPOTrainer of one step on ``prompts``, with a tiny random 1-layer Llama policy over
+  SmolLM2's tokenizer (4 completions a step, 2 per prompt, of at most 12 tokens) on the CPU;
+  ``config`` adds to or overrides its GRPOConfig."""
+  trl = pytest.importorskip("trl", minversion="1.16", reason="TRL's GRPOTrainer: pip install trl==1.16.0")
+  import datasets
+  import hf_tiny
+  import tiny_run
+  import torch
+  import transformers
+
+  tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_run.tokenizer_dir(cache_root))
+  torch.manual_seed(0)
+  policy = transformers.AutoModelForCausalLM.from_config(
+    hf_tiny.tiny_config(
+      "llama",
+      vocab_size=len(tokenizer),
+      num_hidden_layers=1,
+      pad_token_id=tokenizer.pad_token_id,
+      bos_token_id=tokenizer.bos_token_id,
+      eos_token_id=tokenizer.eos_token_id,
+    ),
+    dtype=torch.float32,
+  )
+  args = dict(
+    output_dir=str(tmp_path),
+    per_device_train_batch_size=4,
+    num_generations=2,
+    max_completion_length=12,
+    max_steps=1,
+    learning_rate=1e-5,
+    logging_steps=1,
+    report_to="none",
+    save_strategy="no",
+    use_cpu=True,
+    seed=0,
+  )
+  return trl.GRPOTrainer(
+    model=policy,
+    reward_funcs=reward_funcs,
+    args=trl.GRPOConfig(**(args | config)),
+    train_dataset=datasets.Dataset.from_dict({"prompt": list(prompts)}),
+    processing_class=tokenizer,
+  )

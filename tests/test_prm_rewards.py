@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 import pytest
-from helpers import REBATCHED
+from helpers import REBATCHED, grpo_trainer
 
 from jaxrm import reward_funcs, step_rewards
 from jaxrm.data.drops import DropReport
@@ -205,26 +205,10 @@ def test_reward_func_errors(tiny_prm, tiny_rm):
 def test_trl_grpo_trainer_takes_a_prm_reward(tiny_prm, cache_root, tmp_path):
   """One GRPO step of TRL's GRPOTrainer with a tiny random policy: it calls the PRM's reward
   function as it calls any, and each reward is the aggregate of score_steps of that completion."""
-  trl = pytest.importorskip("trl", minversion="1.16", reason="TRL's GRPOTrainer: pip install trl==1.16.0")
-  import datasets
-  import hf_tiny
   import tiny_run
-  import torch
   import transformers
 
   tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_run.tokenizer_dir(cache_root))
-  torch.manual_seed(0)
-  policy = transformers.AutoModelForCausalLM.from_config(
-    hf_tiny.tiny_config(
-      "llama",
-      vocab_size=len(tokenizer),
-      num_hidden_layers=1,
-      pad_token_id=tokenizer.pad_token_id,
-      bos_token_id=tokenizer.bos_token_id,
-      eos_token_id=tokenizer.eos_token_id,
-    ),
-    dtype=torch.float32,
-  )
   newline = tokenizer.encode(tiny_prm.step_separator, add_special_tokens=False)
   assert len(newline) == 1
   prm = reward_funcs.as_reward_func(tiny_prm, step_aggregation="last", name="prm_last")
@@ -236,25 +220,14 @@ def test_trl_grpo_trainer_takes_a_prm_reward(tiny_prm, cache_root, tmp_path):
     return rewards
 
   recorded.__name__ = prm.__name__
-  config = trl.GRPOConfig(
-    output_dir=str(tmp_path),
-    per_device_train_batch_size=4,
-    num_generations=2,
-    max_completion_length=12,
-    max_steps=1,
-    learning_rate=1e-5,
-    logging_steps=1,
-    report_to="none",
-    save_strategy="no",
-    use_cpu=True,
+  trainer = grpo_trainer(
+    cache_root,
+    tmp_path,
+    [recorded],
+    ["Q: 12 * 3 + 4?", "Q: 7 - 9?"] * 2,
     # The random policy spreads its samples over SmolLM2's 49k tokens; a bias on the separator
     # makes completions of several steps, some empty ones among them.
     generation_kwargs={"sequence_bias": {tuple(newline): 10.0}},
-    seed=0,
-  )
-  data = datasets.Dataset.from_dict({"prompt": ["Q: 12 * 3 + 4?", "Q: 7 - 9?"] * 2})
-  trainer = trl.GRPOTrainer(
-    model=policy, reward_funcs=[recorded], args=config, train_dataset=data, processing_class=tokenizer
   )
   trainer.train()
 

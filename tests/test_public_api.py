@@ -31,6 +31,7 @@ WHERE = {
   "train_and_evaluate": "jaxrm.trainer",
   "load_dataset": "jaxrm.evaluation",
   "plot_scores": "jaxrm.evaluation",
+  "as_reward_funcs": "jaxrm.reward_funcs",
   "remote_reward_func": "jaxrm.reward_funcs",
 }
 
