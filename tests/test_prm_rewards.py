@@ -1,5 +1,6 @@
 """A process reward model's step probabilities as RL rewards: steps, aggregations, reward functions."""
 
+import asyncio
 import math
 
 import numpy as np
@@ -80,6 +81,35 @@ def test_check_aggregation_names_the_flag():
     step_rewards.check_aggregation("Min", flag="--step_aggregation")
   with pytest.raises(ValueError, match=r"^step_aggregation=None is not"):
     step_rewards.check_aggregation(None)
+
+
+def test_every_door_takes_the_same_aggregation_names(tiny_prm):
+  """The reward functions (local, remote, async), verl's compute_score and the server all take
+  step_aggregation as one of step_rewards.AGGREGATIONS, and refuse another with one message."""
+  from jaxrm.integrations import verl
+  from jaxrm.server import ServerConfig
+
+  url = "http://127.0.0.1:1"  # nothing is sent: the name is checked at the door
+  doors = {
+    "as_reward_func": lambda how: reward_funcs.as_reward_func(tiny_prm, step_aggregation=how),
+    "remote_reward_func": lambda how: reward_funcs.remote_reward_func(url, step_aggregation=how),
+    "async remote_reward_func": lambda how: reward_funcs.remote_reward_func(
+      url, step_aggregation=how, asynchronous=True
+    ),
+    "the server": lambda how: ServerConfig(step_aggregation=how),
+  }
+  for door, make in doors.items():
+    for how in step_rewards.AGGREGATIONS:
+      make(how)
+    with pytest.raises(
+      ValueError,
+      match=r"^step_aggregation='max' is not an aggregation of step probabilities; choose one of "
+      r"min, last, product, mean \(default min\)",
+    ):
+      make("max")
+      pytest.fail(f"{door} took step_aggregation='max'")
+  with pytest.raises(ValueError, match=r"^step_aggregation='max' is not an aggregation"):
+    asyncio.run(verl.compute_score("src", "2", "2", {"question": "q"}, url=url, step_aggregation="max"))
 
 
 # ------------------------------------------------------------------ reward functions of a process reward model
