@@ -104,15 +104,36 @@ def cli(model_dir: str, output_dir: str, *flags: str) -> list[str]:
   ]
 
 
+def _xla_knows(flag: str) -> bool:
+  """Whether the installed jaxlib has an XLA flag (XLA aborts on an unknown one in XLA_FLAGS): its
+  name in the library that parses the flags, found without starting JAX (~0.1 s)."""
+  import importlib.util
+  import mmap
+
+  spec = importlib.util.find_spec("jaxlib")
+  path = spec and spec.origin and os.path.join(os.path.dirname(spec.origin), "libjax_common.so")
+  if not path or not os.path.isfile(path):
+    return False
+  with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+    return m.find(b"\0" + flag.encode() + b"\0") >= 0
+
+
 # XLA flags of every test process and subprocess. The suite compiles ~2000 small programs that
-# each run for milliseconds: on 2 cores LLVM's optimisation of their machine code took half of the
-# suite's compile time (measured on three training test files: backend compile 64 s -> 36 s, wall
-# 127 s -> 93 s). Turning it down leaves XLA's HLO passes and buffer assignment (the memory figures
-# tests read) as they are; the machine code's float operations may be ordered or fused otherwise, so
-# float32 results may move by roundings (measured: the context-parallel 2x2x2 gradients' largest
-# difference from one device, 8.6e-5 -> 1.06e-4). The trainer, the benchmarks and the plan command
-# compile at XLA's defaults, and so does a test whose tolerance was measured there (xla_defaults).
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# each run for milliseconds, so compiling is most of its time:
+# - LLVM's optimisation of their machine code took half of the suite's compile time (measured on
+#   three training test files: backend compile 64 s -> 36 s, wall 127 s -> 93 s);
+# - XLA:CPU's newer fusion emitters (MLIR) cost three times the older ones' compile time (measured
+#   on test_packed_training.py and test_shared_scoring.py, one process, cold cache: backend compile
+#   70 s -> 23 s, wall 129 s -> 79 s).
+# Both leave XLA's HLO passes and buffer assignment (the memory figures tests read) as they are;
+# the machine code's float operations may be ordered or fused otherwise, so float32 results may
+# move by roundings (measured: the context-parallel 2x2x2 gradients' largest difference from one
+# device, 8.6e-5 -> 1.06e-4). The trainer, the benchmarks and the plan command compile at XLA's
+# defaults, and so does a test whose tolerance was measured there (xla_defaults).
+TEST_XLA_FLAGS = " ".join(
+  ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
+  + (["--xla_cpu_use_fusion_emitters=false"] if _xla_knows("xla_cpu_use_fusion_emitters") else [])
+)
 
 
 def subprocess_env(xla_defaults: bool = False, **extra) -> dict[str, str]:
