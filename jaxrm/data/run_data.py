@@ -141,7 +141,7 @@ def load_run_data(config: RunConfig, tokenizer) -> RunData:
     return cache.load_tokenized(
       read,
       tokenizer=tokenizer,
-      options=spec.tokenize_options,
+      options=config.tokenize_options,
       drops=drops,
       source=source,
       cache_dir=spec.cache_directory,
@@ -259,12 +259,17 @@ def _checked_task(config: RunConfig) -> tasks.Task:
   """The task ``reward.type`` trains, if ``data.dataset_name``'s records are its data."""
   name, task = config.data.dataset_name, config.reward.task
   data_task = registry.task(name)
-  if data_task is not task:
+  if data_task.data != task.data:
     raise ConfigError(
       f"reward.type={config.reward.type!r} does not fit data.dataset_name={name!r}, "
-      f"which holds {data_task.data} data (for reward.type {' or '.join(data_task.reward_types)})"
+      f"which holds {data_task.data} data (for reward.type {' or '.join(_reward_types(data_task.data))})"
     )
   return task
+
+
+def _reward_types(data: str) -> list[str]:
+  """The reward types whose tasks train on ``data`` (a :attr:`jaxrm.tasks.Task.data`)."""
+  return [r for t in tasks.TASKS.values() if t.data == data for r in t.reward_types]
 
 
 def _read_options(reward: RewardSpec, dataset_name: str) -> dict:

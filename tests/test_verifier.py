@@ -1,0 +1,224 @@
+"""The generative verifier (``reward.type=verifier``, ``RewardModel.from_pretrained(..., verifier=True)``):
+its score is transformers' ``log_softmax(logits)[yes] - [no]`` after the question; it trains on
+preference pairs, packed rows scoring as unpacked ones; its export is a causal LM that transformers
+loads and jaxrm loads back as a verifier; bad answers, heads and uses are refused by name."""
+
+import json
+import os
+
+import hf_tiny
+import numpy as np
+import pytest
+import tiny_run
+import torch
+import transformers
+from helpers import PARITY_ATOL, REBATCHED, assistant, user
+
+from jaxrm import RewardModel, verifier
+from jaxrm.config import RewardSpec
+from jaxrm.data import packing, pipeline, registry
+from jaxrm.data.drops import DropReport
+from jaxrm.data.tokenize import TokenizeOptions, pad_id, tokenize_all
+from jaxrm.errors import CheckpointError, ConfigError
+from jaxrm.export import export
+from jaxrm.hf.safetensors_io import SafetensorsFile
+from jaxrm.kinds import ModelKindError
+
+QUESTION = "Is the answer right? Answer Yes or No."
+CONVERSATIONS = [
+  [user("What is 2 + 2?"), assistant("4")],
+  [user("What is 2 + 2?"), assistant("5")],
+  [{"role": "system", "content": "Be brief."}, user("Name a colour."), assistant("Blue, or green.")],
+]
+
+
+def causal_lm(tokenizer, path, tie: bool):
+  """A tiny random LlamaForCausalLM over SmolLM2's vocabulary, saved with its tokenizer in ``path``."""
+  model = hf_tiny.build(
+    "llama",
+    head="causal",
+    vocab_size=len(tokenizer),
+    num_hidden_layers=2,
+    pad_token_id=tokenizer.pad_token_id,
+    bos_token_id=tokenizer.bos_token_id,
+    eos_token_id=tokenizer.eos_token_id,
+    tie_word_embeddings=tie,
+  )
+  model.save_pretrained(path)
+  tokenizer.save_pretrained(path)
+  return model
+
+
+def transformers_log_odds(model, tokenizer, conversations, question, answers=("Yes", "No")):
+  """``log_softmax(logits)[yes] - [no]`` at the last position of each conversation followed by
+  ``question``, rendered by the chat template with the generation prompt."""
+  yes, no = (tokenizer.encode(a, add_special_tokens=False)[0] for a in answers)
+  out = []
+  for conversation in conversations:
+    text = tokenizer.apply_chat_template(
+      conversation + [user(question)], tokenize=False, add_generation_prompt=True
+    )
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+      log_probs = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1], -1)
+    out.append(float(log_probs[yes] - log_probs[no]))
+  return np.asarray(out)
+
+
+# ------------------------------------------------------------------ zero-shot
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_zero_shot_scores_equal_transformers_log_odds(smollm2_tokenizer, tmp_path, tie):
+  torch_model = causal_lm(smollm2_tokenizer, tmp_path, tie)
+  rm = RewardModel.from_pretrained(tmp_path, verifier={"question": QUESTION, "answers": ["Yes", "No"]})
+  assert (rm.kind, rm.config.head, rm.config.tie_word_embeddings) == ("verifier", "lm", tie)
+  assert rm.verifier == verifier.Verifier(QUESTION, ("Yes", "No"))
+  assert ("lm_head" in vars(rm.model)) != tie and "score" not in vars(rm.model)  # no reward head
+  expected = transformers_log_odds(torch_model, smollm2_tokenizer, CONVERSATIONS, QUESTION)
+  np.testing.assert_allclose(rm.score(CONVERSATIONS), expected, atol=PARITY_ATOL, rtol=0)
+  # Prompt and completion given apart lay out the same rows; the two that share a prompt score
+  # together (one packed row), or alone, alike.
+  split = dict(prompts=[c[:-1] for c in CONVERSATIONS], completions=[c[-1:] for c in CONVERSATIONS])
+  np.testing.assert_allclose(rm.score(**split), expected, atol=PARITY_ATOL, rtol=0)
+  np.testing.assert_allclose(rm.score(**split, share_prefix=False), rm.score(**split), **REBATCHED)
+
+
+def test_default_question_and_plain_text(smollm2_tokenizer, tmp_path):
+  torch_model = causal_lm(smollm2_tokenizer, tmp_path, tie=True)
+  rm = RewardModel.from_pretrained(tmp_path, verifier=True)
+  assert rm.verifier.question == verifier.DEFAULT_QUESTION and rm.verifier.answers == ("Yes", "No")
+  # Plain text is a user turn (the prompt) and an assistant turn (the completion).
+  got = rm.score(prompts=["What is 2 + 2?"], completions=["4"])
+  expected = transformers_log_odds(
+    torch_model, smollm2_tokenizer, CONVERSATIONS[:1], verifier.DEFAULT_QUESTION
+  )
+  np.testing.assert_allclose(got, expected, atol=PARITY_ATOL, rtol=0)
+
+
+def test_answers_must_be_one_token_each(smollm2_tokenizer, tmp_path):
+  causal_lm(smollm2_tokenizer, tmp_path, tie=True)
+  with pytest.raises(
+    ConfigError, match=r"answer 'Yes indeed' is 2 tokens for this tokenizer \('Yes', 'Ġindeed'\)"
+  ):
+    RewardModel.from_pretrained(tmp_path, verifier={"answers": ["Yes indeed", "No"]})
+  with pytest.raises(ConfigError, match="two different non-empty strings"):
+    verifier.Verifier(answers=("Yes", "Yes"))
+  with pytest.raises(ConfigError, match=r"reward.verifier_answers='Yes'.*two \(yes, then no\)"):
+    RewardSpec("verifier", verifier_answers="Yes")
+
+
+def test_a_classifier_without_lm_head_is_no_verifier(model_dir):
+  with pytest.raises(CheckpointError, match=r"missing tensor 'lm_head.weight'.*load a causal LM"):
+    RewardModel.from_pretrained(model_dir, verifier=True)
+
+
+def test_wrong_uses_name_the_verifier(smollm2_tokenizer, tmp_path):
+  causal_lm(smollm2_tokenizer, tmp_path, tie=True)
+  rm = RewardModel.from_pretrained(tmp_path, verifier=True)
+  with pytest.raises(
+    ModelKindError,
+    match=r"score_steps needs a token-head .*; this model has an LM head \(a verifier: the log-odds "
+    r"of two answer tokens\); a verifier scores conversations",
+  ):
+    rm.score_steps("What is 2 + 2?", ["2 + 2 = 4\n"])
+  # A verifier serves where a preference model does: one reward per row.
+  assert rm.check_kind("preference", use="a reward function", one_reward=True) == "verifier"
+
+
+# ------------------------------------------------------------------ scoring elsewhere
+
+
+@pytest.fixture(scope="module")
+def zero_shot(smollm2_tokenizer, tmp_path_factory):
+  """A tiny random causal LM (tied embeddings) loaded as a verifier asking QUESTION."""
+  path = tmp_path_factory.mktemp("zero_shot")
+  causal_lm(smollm2_tokenizer, path, tie=True)
+  return RewardModel.from_pretrained(path, verifier={"question": QUESTION})
+
+
+def test_reward_function_scores_through_score(zero_shot):
+  prompts, completions = [c[:-1] for c in CONVERSATIONS], [c[-1:] for c in CONVERSATIONS]
+  rewards = zero_shot.as_reward_func()(prompts=prompts, completions=completions, trainer_state=None)
+  np.testing.assert_allclose(rewards, zero_shot.score(CONVERSATIONS), **REBATCHED)
+
+
+# ------------------------------------------------------------------ training
+
+
+@pytest.fixture(scope="module")
+def causal_dir(cache_root):
+  return tiny_run.tiny_model_dir(cache_root, head="causal")
+
+
+@pytest.fixture(scope="module")
+def verifier_run(causal_dir, tmp_path_factory):
+  """The tiny run with reward.type=verifier; validation at the start and at steps 2 and 4."""
+  out = str(tmp_path_factory.mktemp("verifier") / "run")
+  tiny_run.train(tiny_run.config(causal_dir, out, reward__type="verifier", eval__val_at_start=True))
+  return out
+
+
+def test_verifier_run_trains(verifier_run):
+  val = {r["step"]: r for r in tiny_run.read_metrics(verifier_run) if "validation-train_sample_loss" in r}
+  assert list(val) == [0, 2, 4]
+  # The Bradley-Terry loss of the log-odds falls on the pairs it trains on.
+  assert val[4]["validation-train_sample_loss"] < val[0]["validation-train_sample_loss"] - 0.01
+  rm = RewardModel.from_pretrained(verifier_run)
+  assert rm.kind == "verifier" and rm.verifier == verifier.Verifier()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["packed", "shared_prompt"])
+def test_packed_rows_score_as_unpacked(causal_dir, shared):
+  """Each completion branch ends with the question and the generation prompt; its log-odds are
+  read at its last token, as an unpacked row's."""
+  rm = RewardModel.from_pretrained(causal_dir, verifier=True)
+  records = registry.load_records("demo_arithmetic", None, split="train", drops=DropReport())[:6]
+  options = TokenizeOptions(max_length=96, verifier_question=rm.verifier.question)
+  examples = tokenize_all(records, rm.tokenizer, options, DropReport())
+  # SmolLM2's chat template: the question's user turn, then the assistant's turn opened.
+  asked = f"<|im_start|>user\n{rm.verifier.question}<|im_end|>\n<|im_start|>assistant\n"
+  assert all(rm.tokenizer.decode(ids).endswith(asked) for e in examples for ids in e.input_ids)
+  batch = dict(batch_size=6, buckets=(96,), pad_id=pad_id(rm.tokenizer), num_completions=2)
+  (unpacked,) = pipeline.make_eval_batches(examples, **batch)
+  pack = packing.PackSpec(row_length=192, length_multiple=16, shared_prompt=shared)
+  (packed,) = pipeline.make_eval_batches(examples, **batch, pack=pack)
+  assert packed.input_ids.shape[0] < unpacked.input_ids.shape[0]
+  want = np.asarray(unpacked.outputs(rm.model))
+  np.testing.assert_allclose(np.asarray(packed.outputs(rm.model)), want, **REBATCHED)
+  assert np.ptp(want) > 0
+
+
+# ------------------------------------------------------------------ export
+
+
+def test_export_is_a_causal_lm_with_the_same_log_odds(verifier_run, smollm2_tokenizer, tmp_path):
+  out = tmp_path / "export"
+  rm = export(verifier_run, str(out))
+  with open(out / "config.json") as f:
+    config = json.load(f)
+  assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is True
+  with open(out / verifier.FILE) as f:
+    assert json.load(f) == {"question": verifier.DEFAULT_QUESTION, "answers": ["Yes", "No"]}
+  assert "lm_head.weight" not in SafetensorsFile(str(out / "model.safetensors")).keys()  # tied
+  torch_model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+  assert torch_model.lm_head.weight.data_ptr() == torch_model.model.embed_tokens.weight.data_ptr()
+  scores = rm.score(CONVERSATIONS)
+  expected = transformers_log_odds(torch_model, smollm2_tokenizer, CONVERSATIONS, verifier.DEFAULT_QUESTION)
+  np.testing.assert_allclose(scores, expected, atol=PARITY_ATOL, rtol=0)
+  # jaxrm reads its export back as the verifier it is, without being told.
+  back = RewardModel.from_pretrained(out)
+  assert back.kind == "verifier" and back.verifier == rm.verifier
+  np.testing.assert_allclose(back.score(CONVERSATIONS), scores, atol=PARITY_ATOL, rtol=0)
+
+
+def test_untied_export_writes_the_lm_head(smollm2_tokenizer, tmp_path):
+  causal_lm(smollm2_tokenizer, tmp_path / "lm", tie=False)
+  rm = RewardModel.from_pretrained(tmp_path / "lm", verifier={"question": QUESTION})
+  rm.save_pretrained(tmp_path / "export")
+  assert "lm_head.weight" in SafetensorsFile(str(tmp_path / "export" / "model.safetensors")).keys()
+  torch_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32)
+  expected = transformers_log_odds(torch_model.eval(), smollm2_tokenizer, CONVERSATIONS, QUESTION)
+  np.testing.assert_allclose(rm.score(CONVERSATIONS), expected, atol=PARITY_ATOL, rtol=0)
+  assert os.path.isfile(tmp_path / "export" / verifier.FILE)
+  assert RewardModel.from_pretrained(tmp_path / "export").verifier == rm.verifier
