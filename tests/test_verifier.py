@@ -3,6 +3,7 @@ its score is transformers' ``log_softmax(logits)[yes] - [no]`` after the questio
 preference pairs, packed rows scoring as unpacked ones; its export is a causal LM that transformers
 loads and jaxrm loads back as a verifier; bad answers, heads and uses are refused by name."""
 
+import dataclasses
 import json
 import os
 
@@ -12,7 +13,7 @@ import pytest
 import tiny_run
 import torch
 import transformers
-from helpers import PARITY_ATOL, REBATCHED, assistant, user
+from helpers import PARITY_ATOL, REBATCHED, SERVER_CONFIG, approx, assistant, call, serving, user
 
 from jaxrm import RewardModel, verifier
 from jaxrm.config import RewardSpec
@@ -141,6 +142,35 @@ def test_reward_function_scores_through_score(zero_shot):
   prompts, completions = [c[:-1] for c in CONVERSATIONS], [c[-1:] for c in CONVERSATIONS]
   rewards = zero_shot.as_reward_func()(prompts=prompts, completions=completions, trainer_state=None)
   np.testing.assert_allclose(rewards, zero_shot.score(CONVERSATIONS), **REBATCHED)
+
+
+def test_server_classifies_by_the_answers(zero_shot):
+  want = zero_shot.score(CONVERSATIONS[:2])
+  config = dataclasses.replace(SERVER_CONFIG, max_length=128, buckets=(64, 128))
+  with serving(zero_shot, config) as server:
+    status, reply, _ = call(server.url, "/score", {"conversations": CONVERSATIONS[:2]})
+    assert status == 200, reply
+    assert reply["rewards"] == approx(want)
+    status, reply, _ = call(server.url, "/classify", {"messages": CONVERSATIONS[0]})
+    assert status == 200, reply
+    (item,) = reply["data"]
+    p_yes = 1 / (1 + np.exp(-want[0]))
+    assert item["num_classes"] == 2 and item["probs"] == approx([p_yes, 1 - p_yes])
+    assert item["label"] == ("Yes" if p_yes >= 0.5 else "No")
+    status, reply, _ = call(server.url, "/classify", {"messages": CONVERSATIONS[0], "use_activation": False})
+    assert status == 400 and "is a verifier" in reply["error"], reply
+
+
+def test_evaluation_lays_records_out_with_the_question(zero_shot):
+  from jaxrm.evaluation import evaluate
+
+  result = evaluate(zero_shot, "demo_arithmetic", max_rows=4, max_length=128)
+  assert result["kind"] == "preference" and result["num_examples"] == 4
+  records = registry.load_records("demo_arithmetic", None, split="validation", drops=DropReport())[:4]
+  chosen = zero_shot.score(
+    prompts=[r.context for r in records], completions=[r.completions[r.ranks.index(0)] for r in records]
+  )
+  np.testing.assert_allclose(np.sort(result["scores"]["chosen"]), np.sort(chosen), **REBATCHED)
 
 
 # ------------------------------------------------------------------ training
