@@ -6,6 +6,7 @@ loads and jaxrm loads back as a verifier; bad answers, heads and uses are refuse
 import dataclasses
 import json
 import os
+import sys
 
 import hf_tiny
 import numpy as np
@@ -21,6 +22,7 @@ from jaxrm.data import packing, pipeline, registry
 from jaxrm.data.drops import DropReport
 from jaxrm.data.tokenize import TokenizeOptions, pad_id, tokenize_all
 from jaxrm.errors import CheckpointError, ConfigError
+from jaxrm.evaluation import evaluate
 from jaxrm.export import export
 from jaxrm.hf.safetensors_io import SafetensorsFile
 from jaxrm.kinds import ModelKindError
@@ -162,8 +164,6 @@ def test_server_classifies_by_the_answers(zero_shot):
 
 
 def test_evaluation_lays_records_out_with_the_question(zero_shot):
-  from jaxrm.evaluation import evaluate
-
   result = evaluate(zero_shot, "demo_arithmetic", max_rows=4, max_length=128)
   assert result["kind"] == "preference" and result["num_examples"] == 4
   records = registry.load_records("demo_arithmetic", None, split="validation", drops=DropReport())[:4]
@@ -171,6 +171,21 @@ def test_evaluation_lays_records_out_with_the_question(zero_shot):
     prompts=[r.context for r in records], completions=[r.completions[r.ranks.index(0)] for r in records]
   )
   np.testing.assert_allclose(np.sort(result["scores"]["chosen"]), np.sort(chosen), **REBATCHED)
+
+
+def test_evaluate_command_line_takes_a_causal_lm_as_verifier(causal_dir, tmp_path):
+  args = [f"--model={causal_dir}", "--data=demo_arithmetic", "--max_rows=4", "--max_length=128"]
+  proc = tiny_run.run([sys.executable, "-m", "jaxrm.evaluate", *args, "--verifier", f"--output={tmp_path}"])
+  assert proc.returncode == 0, tiny_run.describe(proc)
+  with open(tmp_path / "eval.json") as f:
+    report = json.load(f)
+  rm = RewardModel.from_pretrained(causal_dir, verifier=True)
+  want = evaluate(rm, "demo_arithmetic", max_rows=4, max_length=128)
+  assert report["metrics"] == pytest.approx(want["metrics"], rel=1e-5, abs=1e-6)
+  # Without --verifier the causal LM is a base model with a new reward head; --verifier_question
+  # alone is refused.
+  proc = tiny_run.run([sys.executable, "-m", "jaxrm.evaluate", *args, "--verifier_question=Right?"])
+  assert proc.returncode == 2 and "--verifier_question applies with --verifier" in proc.stderr, proc.stderr
 
 
 # ------------------------------------------------------------------ training
