@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxrm import losses
 from jaxrm.batches import (
+  LabelledBatch,
   PackedPreferenceBatch,
   PackedStepwiseBatch,
   PreferenceBatch,
@@ -67,6 +68,9 @@ class Task:
   # The other tasks' uses (their names) that a model of this task serves too: a verifier's one
   # reward per row serves wherever a preference model's does.
   serves: tuple[str, ...] = ()
+  # Also trains on labelled items (prompt, completion, good or bad: a LabelledBatch), which a
+  # preference file may hold instead of pairs.
+  labelled: bool = False
 
   @property
   def per_attribute(self) -> bool:
@@ -164,6 +168,24 @@ REGRESSION = Task(
   "or demo_attributes)",
 )
 
+
+def _or_labelled(pairwise: losses.SpecLoss) -> losses.SpecLoss:
+  """A verifier's loss: ``pairwise`` on preference batches, the cross-entropy over its two answers
+  on labelled items."""
+
+  def loss(spec, outputs, batch):
+    if isinstance(batch, LabelledBatch):
+      return losses.labelled(spec, outputs, batch)
+    return pairwise(spec, outputs, batch)
+
+  return loss
+
+
+def _labelled_scores(spec, outputs, batch):
+  """Validation's scores of labelled items (their AUROC); none of preference batches."""
+  return losses.labelled_scores(spec, outputs, batch) if isinstance(batch, LabelledBatch) else {}
+
+
 VERIFIER = Task(
   name="verifier",
   reward_types=("verifier",),
@@ -174,11 +196,11 @@ VERIFIER = Task(
   head="lm",
   num_labels=1,
   losses={
-    ("verifier", None): losses.bradley_terry,
-    ("verifier", "plackett_luce"): losses.plackett_luce,
-    ("verifier", "all_pairs"): losses.all_pairs,
+    ("verifier", None): _or_labelled(losses.bradley_terry),
+    ("verifier", "plackett_luce"): _or_labelled(losses.plackett_luce),
+    ("verifier", "all_pairs"): _or_labelled(losses.all_pairs),
   },
-  samples=None,
+  samples=_labelled_scores,
   example=_preference_example,
   needs="a verifier (a causal LM scoring the log-odds of its answers to a question)",
   train="train one with reward.type=verifier, or load a causal LM with "
@@ -186,6 +208,7 @@ VERIFIER = Task(
   use_instead="a verifier scores conversations: rm.score, or preference data",
   loss_choice="verifier_loss",
   serves=(PREFERENCE.name,),
+  labelled=True,
 )
 
 TASKS = {t.name: t for t in (PREFERENCE, PROCESS, REGRESSION, VERIFIER)}

@@ -267,3 +267,105 @@ def test_untied_export_writes_the_lm_head(smollm2_tokenizer, tmp_path):
   np.testing.assert_allclose(rm.score(CONVERSATIONS), expected, atol=PARITY_ATOL, rtol=0)
   assert os.path.isfile(tmp_path / "export" / verifier.FILE)
   assert RewardModel.from_pretrained(tmp_path / "export").verifier == rm.verifier
+
+
+# ------------------------------------------------------------------ labelled items
+
+
+def labelled_file(path, split: str, rows: int, plain: bool = False) -> str:
+  """TRL's unpaired rows (prompt, completion, label) from the demo's pairs: the better completion
+  of each labelled true, the worse false; conversations, or with ``plain`` their texts."""
+  records = registry.load_records("demo_arithmetic", None, split=split, drops=DropReport())[: rows // 2]
+  with open(path, "w") as f:
+    for r in records:
+      for completion, rank in zip(r.completions, r.ranks):
+        prompt = r.context[-1]["content"] if plain else r.context
+        text = completion[0]["content"] if plain else completion
+        f.write(json.dumps({"prompt": prompt, "completion": text, "label": rank == 0}) + "\n")
+  return str(path)
+
+
+def labelled_config(causal_dir, tmp_path, out, **overrides):
+  train, val = (
+    labelled_file(tmp_path / "train.jsonl", "train", 64),
+    labelled_file(tmp_path / "val.jsonl", "validation", 16),
+  )
+  return tiny_run.config(
+    causal_dir,
+    str(out),
+    reward__type="verifier",
+    data__dataset_name="PreferenceDataset",
+    data__train_data_path=train,
+    data__val_data_paths={"default": val, "train_sample": train},
+    eval__val_at_start=True,
+    data__max_val_rows=0,
+    **overrides,
+  )
+
+
+@pytest.fixture(scope="module")
+def labelled_run(causal_dir, tmp_path_factory):
+  tmp_path = tmp_path_factory.mktemp("labelled")
+  out = tmp_path / "run"
+  # 12 steps: 64 balanced items take a few epochs to move more than the log-odds' bias.
+  tiny_run.train(
+    labelled_config(
+      causal_dir, tmp_path, out, train__max_steps=12, eval__val_period=6, train__learning_rate=1e-4
+    )
+  )
+  return str(out), tmp_path
+
+
+def test_labelled_items_train_with_cross_entropy_over_the_answers(labelled_run, causal_dir):
+  out, tmp_path = labelled_run
+  val = {r["step"]: r for r in tiny_run.read_metrics(out) if "validation-default_loss" in r}
+  assert list(val) == [0, 6, 12]
+  assert val[12]["validation-train_sample_loss"] < val[0]["validation-train_sample_loss"] - 0.01
+  for key in ("accuracy", "positive_rate", "auroc", "ece"):
+    assert 0 <= val[0][f"validation-default_{key}"] <= 1, key
+  assert val[0]["validation-default_positive_rate"] == 0.5
+  # Step 0 is the causal LM as it is: the loss is -log sigmoid(+-log-odds) of rm.score's log-odds.
+  rm = RewardModel.from_pretrained(causal_dir, verifier=True)
+  with open(tmp_path / "val.jsonl") as f:
+    rows = [json.loads(line) for line in f]
+  s = rm.score(prompts=[r["prompt"] for r in rows], completions=[r["completion"] for r in rows]).astype(
+    np.float64
+  )
+  y = np.array([r["label"] for r in rows])
+  loss = -np.mean(np.where(y, -np.logaddexp(0, -s), -np.logaddexp(0, s)))
+  assert val[0]["validation-default_loss"] == pytest.approx(loss, abs=1e-5)
+  assert val[0]["validation-default_accuracy"] == np.mean((s > 0) == y)
+  auroc = np.mean([(a > b) + 0.5 * (a == b) for a in s[y] for b in s[~y]])
+  assert val[0]["validation-default_auroc"] == pytest.approx(auroc, abs=1e-9)
+  p = 1 / (1 + np.exp(-s))
+  bins = np.minimum((p * 10).astype(int), 9)
+  ece = sum(abs(y[bins == b].sum() - p[bins == b].sum()) for b in range(10)) / len(s)
+  assert val[0]["validation-default_ece"] == pytest.approx(ece, abs=1e-5)
+
+
+def test_plain_text_labelled_items_are_read(causal_dir, tmp_path):
+  path = labelled_file(tmp_path / "plain.jsonl", "train", 4, plain=True)
+  records = registry.load_records("PreferenceDataset", path, split="train", drops=DropReport())
+  assert sorted(r.label for r in records) == [False, False, True, True]
+  assert isinstance(records[0].context, str) and isinstance(records[0].completion, str)
+
+
+def test_labelled_items_are_refused_where_they_cannot_train(causal_dir, model_dir, tmp_path):
+  c = labelled_config(causal_dir, tmp_path, tmp_path / "bt")
+  c.reward.type = "bradley_terry"
+  c.model.name_or_path = model_dir
+  with pytest.raises(
+    ConfigError,
+    match=r"holds labelled items \(prompt, completion, label; .*train.jsonl:1\), which train reward.type=verifier only, not 'bradley_terry'",
+  ):
+    tiny_run.train(c)
+  c = labelled_config(causal_dir, tmp_path, tmp_path / "mixed")
+  lines = (tmp_path / "train.jsonl").read_text().splitlines(keepends=True)
+  pair = json.dumps({"prompt": "What is 1 + 1?", "chosen": "2", "rejected": "3"}) + "\n"
+  (tmp_path / "train.jsonl").write_text("".join([lines[0], pair, *lines[1:]]))
+  with pytest.raises(
+    ConfigError,
+    match=r"mixes labelled items \(.*train.jsonl:1\) with preference pairs \(.*train.jsonl:2\); give one kind "
+    r"of row per file",
+  ):
+    tiny_run.train(c)

@@ -14,6 +14,8 @@ Layouts:
   template with the generation prompt, so that the sequence ends where the answer's token would
   come (:mod:`jaxrm.verifier`). Plain text is made a conversation first: the context a user turn,
   the completion an assistant turn. Truncation cuts the context only; the question stays.
+* **Labelled** (a verifier's unpaired items). Prompt + completion, laid out as one preference
+  completion is, and its label.
 * **Rated.** Prompt + response, laid out (and truncated) as one preference completion is.
 * **Stepwise.** ``prompt, step_1, sep, step_2, sep, ...`` where ``sep`` is the tokenized
   ``step_separator``. Step ``i``'s label (1 correct, 0 not) sits on the last token of the separator
@@ -57,7 +59,7 @@ import numpy as np
 
 from jaxrm.batches import IGNORE_INDEX
 from jaxrm.data.drops import DropReport, row_error
-from jaxrm.data.records import Message, PreferenceRecord, RatedRecord, StepwiseRecord, Text
+from jaxrm.data.records import LabelledRecord, Message, PreferenceRecord, RatedRecord, StepwiseRecord, Text
 
 # Drop reasons, as counted in the DropReport.
 PROMPT_TOO_LONG = "prompt alone is max_length tokens or longer"
@@ -118,6 +120,17 @@ class RatedExample:
   labels: np.ndarray  # float32 [A]: the ratings, 0 where not rated
   label_mask: np.ndarray  # float32 [A]: 1 where rated
   group: int  # the same for every response to the same prompt
+  source: str
+  meta: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class LabelledExample:
+  """A tokenized labelled item: prompt + completion (laid out as one preference completion), and
+  whether the completion is good."""
+
+  input_ids: np.ndarray  # int32 [T]
+  label: bool
   source: str
   meta: dict[str, Any]
 
@@ -186,6 +199,20 @@ def tokenize_rated(
   )
 
 
+def tokenize_labelled(
+  record: LabelledRecord, tokenizer, opts: TokenizeOptions, drops: DropReport
+) -> LabelledExample | None:
+  """Tokenizes one labelled item as a one-completion preference row, or returns None after
+  counting it in ``drops``."""
+  single = PreferenceRecord(
+    context=record.context, completions=(record.completion,), ranks=(0,), source=record.source
+  )
+  example = tokenize_preference(single, tokenizer, opts, drops)
+  if example is None:
+    return None
+  return LabelledExample(example.input_ids[0], bool(record.label), record.source, dict(record.meta))
+
+
 def prompt_group(context: Text) -> int:
   """A non-negative int32 that responses to one prompt share (a hash of its text)."""
   return zlib.crc32(json.dumps(context, sort_keys=True).encode("utf-8")) & 0x7FFFFFFF
@@ -244,11 +271,11 @@ def pad_id(tokenizer, model_pad_token_id: int | None = None) -> int:
 
 
 def tokenize_all(
-  records: Iterable[PreferenceRecord | StepwiseRecord | RatedRecord],
+  records: Iterable[PreferenceRecord | StepwiseRecord | RatedRecord | LabelledRecord],
   tokenizer,
   opts: TokenizeOptions,
   drops: DropReport,
-) -> list[PreferenceExample | StepwiseExample | RatedExample]:
+) -> list[PreferenceExample | StepwiseExample | RatedExample | LabelledExample]:
   """Tokenizes every record; dropped rows are counted in ``drops`` and left out."""
   out = []
   for record in records:
@@ -256,6 +283,8 @@ def tokenize_all(
       example = tokenize_preference(record, tokenizer, opts, drops)
     elif isinstance(record, RatedRecord):
       example = tokenize_rated(record, tokenizer, opts, drops)
+    elif isinstance(record, LabelledRecord):
+      example = tokenize_labelled(record, tokenizer, opts, drops)
     else:
       example = tokenize_stepwise(record, tokenizer, opts, drops)
     if example is not None:
