@@ -269,6 +269,29 @@ def test_untied_export_writes_the_lm_head(smollm2_tokenizer, tmp_path):
   assert RewardModel.from_pretrained(tmp_path / "export").verifier == rm.verifier
 
 
+def test_lora_verifier_trains_and_exports_merged(causal_dir, smollm2_tokenizer, tmp_path):
+  """LoRA adapters over the frozen causal LM (its LM head frozen too); the export merges them."""
+  out = tmp_path / "lora"
+  c = tiny_run.config(
+    causal_dir,
+    str(out),
+    reward__type="verifier",
+    model__lora__rank=4,
+    train__max_steps=2,
+    eval__val_at_end=False,
+  )
+  tiny_run.train(tiny_run.set_keys(c, {"checkpointing.save_period": 2, "train.learning_rate": 1e-2}))
+  rm = export(str(out), str(tmp_path / "export"))
+  assert rm.kind == "verifier" and rm.config.lora.rank == 4
+  base = RewardModel.from_pretrained(causal_dir, verifier=True)
+  assert np.abs(rm.score(CONVERSATIONS) - base.score(CONVERSATIONS)).max() > 1e-3  # the adapters moved it
+  torch_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32)
+  expected = transformers_log_odds(
+    torch_model.eval(), smollm2_tokenizer, CONVERSATIONS, verifier.DEFAULT_QUESTION
+  )
+  np.testing.assert_allclose(rm.score(CONVERSATIONS), expected, atol=PARITY_ATOL, rtol=0)
+
+
 # ------------------------------------------------------------------ labelled items
 
 
