@@ -21,7 +21,7 @@ from jaxrm.config import RewardSpec
 from jaxrm.data import packing, pipeline, registry
 from jaxrm.data.drops import DropReport
 from jaxrm.data.tokenize import TokenizeOptions, pad_id, tokenize_all
-from jaxrm.errors import CheckpointError, ConfigError
+from jaxrm.errors import CheckpointError, ConfigError, EvaluationError
 from jaxrm.evaluation import evaluate
 from jaxrm.export import export
 from jaxrm.hf.safetensors_io import SafetensorsFile
@@ -392,3 +392,20 @@ def test_labelled_items_are_refused_where_they_cannot_train(causal_dir, model_di
     r"of row per file",
   ):
     tiny_run.train(c)
+
+
+def test_evaluation_of_labelled_items(labelled_run, causal_dir):
+  out, tmp_path = labelled_run
+  rm = RewardModel.from_pretrained(causal_dir, verifier=True)
+  result = evaluate(rm, str(tmp_path / "val.jsonl"), max_length=128)
+  assert result["kind"] == "labelled" and result["num_examples"] == 16
+  # The metrics the run's validation reported at step 0, of the same model.
+  (step0,) = [r for r in tiny_run.read_metrics(out) if r["step"] == 0 and "validation-default_loss" in r]
+  for key in ("loss", "accuracy", "positive_rate", "auroc", "ece", "reward_mean"):
+    assert result["metrics"][key] == pytest.approx(step0[f"validation-default_{key}"], abs=1e-5), key
+  # A preference model is not a verifier.
+  with pytest.raises(EvaluationError, match=r"labelled items needs a verifier"):
+    evaluate(
+      RewardModel.from_pretrained(tiny_run.tiny_model_dir(os.path.dirname(causal_dir))),
+      str(tmp_path / "val.jsonl"),
+    )
