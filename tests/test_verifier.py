@@ -234,6 +234,23 @@ def test_packed_rows_score_as_unpacked(causal_dir, shared):
   assert np.ptp(want) > 0
 
 
+def test_a_run_saved_before_the_verifier_keys_resumes(model_dir, tmp_path):
+  """config.json of a run started by a jaxrm without reward.verifier_*: the keys at their defaults
+  are no changed setting, so the rerun resumes; set otherwise, they are."""
+  out = tmp_path / "run"
+  tiny_run.train(tiny_run.config(model_dir, str(out), eval__val_at_end=False), stop_after_steps=2)
+  with open(out / "config.json") as f:
+    saved = json.load(f)
+  for key in ("verifier_question", "verifier_answers", "verifier_loss"):
+    del saved["reward"][key]
+  with open(out / "config.json", "w") as f:
+    json.dump(saved, f)
+  tiny_run.train(tiny_run.config(model_dir, str(out), eval__val_at_end=False))
+  assert [r["step"] for r in tiny_run.read_metrics(out) if "train/loss" in r] == [1, 2, 3, 4]
+  with pytest.raises(ConfigError, match=r"reward.verifier_loss"):
+    tiny_run.train(tiny_run.config(model_dir, str(out), reward__verifier_loss="all_pairs"))
+
+
 # ------------------------------------------------------------------ export
 
 
