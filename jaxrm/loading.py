@@ -403,16 +403,16 @@ def load(
       ``jax.ShapeDtypeStruct``s with the shardings they would have on ``mesh``.
     verifier: load a causal LM as a verifier asking this question (:mod:`jaxrm.verifier`); an
       export of a verifier (its ``jaxrm_verifier.json``) and a training run of one are verifiers
-      without it.
+      without it, asking theirs. ``head="lm"`` alone: a verifier asking theirs, else the defaults.
   """
   overrides = dict(overrides or {})
-  if verifier is None and head == "lm":
-    verifier = Verifier()
   if isinstance(source, RunSource):
     return _load_run(source, overrides, head, num_labels, mesh, tokenizer, weights, verifier)
   tensors = tensors_of(source)
-  if verifier is None and head is None and isinstance(source, HFSource):
-    verifier = verifiers.read(source.path)
+  if verifier is None and head in (None, "lm") and isinstance(source, HFSource):
+    verifier = verifiers.read(source.path)  # an export of a verifier asks what it recorded
+  if verifier is None and head == "lm":
+    verifier = Verifier()
   if tokenizer is None:
     tokenizer = tensors.tokenizer() if hasattr(tensors, "tokenizer") else _tokenizer_from_dir(source.path)
   saved = from_hf_config(tensors.config)

@@ -195,9 +195,13 @@ class RewardModel:
         (the default question and answers of :mod:`jaxrm.verifier`), or ``{"question": ...,
         "answers": ["Yes", "No"]}``; the score of a conversation is then ``log p(yes) - log p(no)``
         of the answer to the question asked after it. An export of a verifier, or a training run
-        of one, is a verifier without it.
+        of one, is a verifier without it (True keeps its question; a dict asks another).
     """
-    if verifier is False:
+    if verifier is True:  # a verifier asking what an export or run of one recorded, else the defaults
+      if head not in (None, "lm"):
+        raise ValueError(f"verifier=True with head={head!r}: a verifier's head is the LM head ('lm')")
+      verifier, head = None, "lm"
+    elif verifier is False:
       verifier = None
     elif verifier is not None:
       verifier = Verifier.of(verifier)

@@ -284,6 +284,12 @@ def test_untied_export_writes_the_lm_head(smollm2_tokenizer, tmp_path):
   np.testing.assert_allclose(rm.score(CONVERSATIONS), expected, atol=PARITY_ATOL, rtol=0)
   assert os.path.isfile(tmp_path / "export" / verifier.FILE)
   assert RewardModel.from_pretrained(tmp_path / "export").verifier == rm.verifier
+  # verifier=True keeps the question the export recorded; a dict asks another.
+  assert RewardModel.from_pretrained(tmp_path / "export", verifier=True).verifier == rm.verifier
+  other = RewardModel.from_pretrained(tmp_path / "export", verifier={"question": "Right?"})
+  assert other.verifier.question == "Right?"
+  with pytest.raises(ValueError, match="verifier=True with head='sequence'"):
+    RewardModel.from_pretrained(tmp_path / "export", verifier=True, head="sequence")
 
 
 def test_lora_verifier_trains_and_exports_merged(causal_dir, smollm2_tokenizer, tmp_path):
