@@ -87,6 +87,33 @@ def test_zero_shot_scores_equal_transformers_log_odds(smollm2_tokenizer, tmp_pat
   np.testing.assert_allclose(rm.score(**split, share_prefix=False), rm.score(**split), **REBATCHED)
 
 
+def test_gemma2_final_soft_capping_acts_on_the_answers_logits(smollm2_tokenizer, tmp_path):
+  """Gemma 2 caps the LM head's logits (c * tanh(z / c)) before the softmax: each of the two
+  answers' logits is capped before their difference. A cap of 0.5 moves these by far more than the
+  tolerance."""
+  tok = smollm2_tokenizer
+  torch_model = hf_tiny.build(
+    "gemma2",
+    head="causal",
+    vocab_size=len(tok),
+    pad_token_id=tok.pad_token_id,
+    bos_token_id=tok.bos_token_id,
+    eos_token_id=tok.eos_token_id,
+    tie_word_embeddings=True,
+    final_logit_softcapping=0.5,
+  )
+  torch_model.save_pretrained(tmp_path)
+  tok.save_pretrained(tmp_path)
+  rm = RewardModel.from_pretrained(tmp_path, verifier={"question": QUESTION})
+  assert rm.config.final_logit_softcapping == 0.5
+  expected = transformers_log_odds(torch_model, tok, CONVERSATIONS, QUESTION)
+  np.testing.assert_allclose(rm.score(CONVERSATIONS), expected, atol=PARITY_ATOL, rtol=0)
+  uncapped = RewardModel.from_pretrained(
+    tmp_path, verifier={"question": QUESTION}, final_logit_softcapping=None
+  )
+  assert np.abs(uncapped.score(CONVERSATIONS) - expected).max() > 100 * PARITY_ATOL
+
+
 def test_default_question_and_plain_text(smollm2_tokenizer, tmp_path):
   torch_model = causal_lm(smollm2_tokenizer, tmp_path, tie=True)
   rm = RewardModel.from_pretrained(tmp_path, verifier=True)
