@@ -1,7 +1,7 @@
 """The batch layouts that the data pipeline builds and the train and eval steps consume.
 
-Five frozen pytrees, one per layout: :class:`PreferenceBatch`, :class:`StepwiseBatch` and
-:class:`RegressionBatch` hold one sequence per row (built by ``data.pipeline.Collator``),
+Six frozen pytrees, one per layout: :class:`PreferenceBatch`, :class:`StepwiseBatch`,
+:class:`RegressionBatch` and :class:`LabelledBatch` hold one sequence per row (built by ``data.pipeline.Collator``),
 :class:`PackedPreferenceBatch` and :class:`PackedStepwiseBatch` several (built by
 ``data.packing``). Their arrays are numpy on the
 host that collated them and ``jax.Array`` once ``pipeline.to_global_batch`` has placed them. Where
@@ -103,6 +103,27 @@ class RegressionBatch:
 
 
 @struct.dataclass
+class LabelledBatch:
+  """G labelled items, one per row: a completion after its prompt, good (1) or bad (0); a
+  generative verifier's unpaired data (:mod:`jaxrm.verifier`)."""
+
+  input_ids: Array  # [G, T] int32, right-padded with pad_id
+  attention_mask: Array  # [G, T] int32
+  labels: Array  # [G] float32: 1 = good, 0 = bad
+  example_mask: Array  # [G] float32: 0 for filler rows
+
+  packed: ClassVar[bool] = False
+
+  def outputs(self, model) -> jax.Array:
+    """Log-odds [G]."""
+    return model(self.input_ids, self.attention_mask).reshape(self.labels.shape)
+
+  def token_counts(self) -> tuple[int, float]:
+    """(tokens of the real rows, their share of the token slots), on the host."""
+    return _unpacked_counts(np.asarray(self.attention_mask), np.asarray(self.example_mask) > 0)
+
+
+@struct.dataclass
 class PackedPreferenceBatch:
   """G groups of up to K completions packed into B rows; every completion of a group shares a row.
 
@@ -169,7 +190,14 @@ class PackedStepwiseBatch:
     return int(mask.sum()), float(mask.sum()) / mask.size
 
 
-Batch = PreferenceBatch | StepwiseBatch | RegressionBatch | PackedPreferenceBatch | PackedStepwiseBatch
+Batch = (
+  PreferenceBatch
+  | StepwiseBatch
+  | RegressionBatch
+  | LabelledBatch
+  | PackedPreferenceBatch
+  | PackedStepwiseBatch
+)
 
 
 def group_rewards(rewards_br, reward_index_gk):

@@ -162,6 +162,42 @@ def _add_entries(config, added: list[tuple[str, str]]) -> None:
       node[name] = value
 
 
+def define_verifier_flags() -> None:
+  """``--verifier``, ``--verifier_question``, ``--verifier_answers``: a causal LM scored as a
+  generative verifier (:mod:`jaxrm.verifier`), as ``RewardModel.from_pretrained(verifier=...)``."""
+  from absl import flags
+
+  from jaxrm import verifier
+
+  flags.DEFINE_bool(
+    "verifier",
+    False,
+    "Score --model, a causal LM, as a generative verifier: log p(yes) - log p(no) of its answer to "
+    "--verifier_question after each conversation (an export or training run of a verifier is one "
+    "without it).",
+  )
+  flags.DEFINE_string(
+    "verifier_question",
+    verifier.DEFAULT_QUESTION,
+    "With --verifier: the question asked after each conversation.",
+  )
+  flags.DEFINE_string(
+    "verifier_answers",
+    ",".join(verifier.DEFAULT_ANSWERS),
+    "With --verifier: its two answers, yes then no, comma-separated; each must be one token.",
+  )
+
+
+def verifier_request(f) -> dict | None:
+  """``RewardModel.from_pretrained``'s ``verifier=`` of the flags :func:`define_verifier_flags` defines."""
+  if not f.verifier:
+    for name in ("verifier_question", "verifier_answers"):
+      if f[name].present:
+        raise ConfigError(f"--{name} applies with --verifier")
+    return None
+  return {"question": f.verifier_question, "answers": f.verifier_answers}
+
+
 def run_config(config_dict):
   """The :class:`jaxrm.config.RunConfig` of a parsed ``--config`` (a ``ConfigDict``)."""
   from jaxrm.config import from_config_dict

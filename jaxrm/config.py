@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxrm import optim, tasks
+from jaxrm import verifier as verifiers
 from jaxrm.data import demo, registry
 from jaxrm.data.adapters import HELPSTEER2_ATTRIBUTES
 from jaxrm.data.cache import DEFAULT_CACHE_DIR
@@ -39,6 +40,7 @@ PACKING_MODES = ("none", "packed", "shared_prompt")
 CHANGED_SETTINGS = ("refuse", "start_fresh_keep_old", "start_fresh_remove_old")
 REWARD_TYPES = tasks.REWARD_TYPES
 RANKING_LOSSES = ("plackett_luce", "all_pairs")
+VERIFIER_LOSSES = ("bradley_terry", *RANKING_LOSSES)
 # Attribute names stand in metric names such as ``validation-default_mse_helpfulness``.
 _ATTRIBUTE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 # What a regression run on these datasets trains on when reward.attributes is not given: all
@@ -151,7 +153,7 @@ class RewardSpec:
   in them, so they stay out of ``to_dict()``, equality and the repr.
   """
 
-  type: str = "bradley_terry"  # bradley_terry | ranking | stepwise | regression
+  type: str = "bradley_terry"  # bradley_terry | ranking | stepwise | regression | verifier
   ranking_loss: str = "plackett_luce"  # for type=ranking: plackett_luce | all_pairs
   center_rewards_coefficient: float = 0.0
   # bradley_terry: weight each pair's loss by its annotated preference strength (scaled BT)
@@ -165,6 +167,12 @@ class RewardSpec:
   # regression: what validation's pairwise_accuracy ranks by: an attribute, or
   # "name=weight,..." ("": the first attribute)
   combine: str = ""
+  # verifier: the question asked after each response, in a user turn (jaxrm.verifier)
+  verifier_question: str = verifiers.DEFAULT_QUESTION
+  # verifier: its two answers, "yes,no"; each must be one token of the model's tokenizer
+  verifier_answers: str = ",".join(verifiers.DEFAULT_ANSWERS)
+  # verifier: the loss on its log-odds: bradley_terry | plackett_luce | all_pairs
+  verifier_loss: str = "bradley_terry"
 
   def __post_init__(self):
     _check_types(self, "reward.")
@@ -173,10 +181,15 @@ class RewardSpec:
       raise ValueError(
         f"reward.ranking_loss must be one of {', '.join(RANKING_LOSSES)}; got {self.ranking_loss!r}"
       )
+    if self.verifier_loss not in VERIFIER_LOSSES:
+      raise ValueError(
+        f"reward.verifier_loss must be one of {', '.join(VERIFIER_LOSSES)}; got {self.verifier_loss!r}"
+      )
     if self.preference_strength_scaling and self.type != "bradley_terry":
       raise ValueError(
         f"reward.preference_strength_scaling applies to reward.type='bradley_terry', not {self.type!r}"
       )
+    _ = self.verifier  # refuses a bad question or answers
     if self.task.per_attribute:
       # Parsed here, once: each property refuses a bad value of its key (attributes through all
       # three), and keeps what it parsed for later reads.
@@ -186,6 +199,19 @@ class RewardSpec:
   def task(self) -> tasks.Task:
     """The task this reward type trains (:mod:`jaxrm.tasks`), found once (by the checks)."""
     return tasks.of_reward_type(self.type)
+
+  @functools.cached_property
+  def verifier(self) -> verifiers.Verifier | None:
+    """The question and answers of a verifier run (``reward.type='verifier'``); None for others."""
+    if self.task is not tasks.VERIFIER:
+      return None
+    try:
+      return verifiers.Verifier(self.verifier_question, self.verifier_answers)
+    except ConfigError as e:
+      raise ConfigError(
+        f"reward.verifier_question={self.verifier_question!r}, reward.verifier_answers="
+        f"{self.verifier_answers!r}: {e}"
+      ) from None
 
   @functools.cached_property
   def attribute_names(self) -> tuple[str, ...]:
@@ -252,8 +278,10 @@ class RewardSpec:
 
   @property
   def loss_key(self) -> tuple[str, str | None]:
-    """This spec's key in its task's losses: ``ranking_loss`` matters to ``ranking`` only."""
-    return self.task.loss_key(self.type, self.ranking_loss)
+    """This spec's key in its task's losses: ``ranking_loss`` matters to ``ranking`` only,
+    ``verifier_loss`` to ``verifier`` only (the task's ``loss_choice``)."""
+    choice = self.task.loss_choice
+    return self.task.loss_key(self.type, getattr(self, choice) if choice else None)
 
 
 def combination_weights(
@@ -603,6 +631,14 @@ class RunConfig:
   @property
   def stepwise(self) -> bool:
     return self.reward.task is tasks.PROCESS
+
+  @property
+  def tokenize_options(self) -> TokenizeOptions:
+    """How the run's records are tokenized: ``data``'s options, and a verifier's question."""
+    verifier = self.reward.verifier
+    return dataclasses.replace(
+      self.data.tokenize_options, verifier_question=None if verifier is None else verifier.question
+    )
 
   def to_dict(self) -> dict[str, Any]:
     """The nested dict of every key (what ``config.json`` holds)."""

@@ -118,6 +118,7 @@ def _define_flags() -> None:
     "Directory for eval.json, rewards.png (not with --benchmark) and, for "
     "preference data, length_bias.png (default: print only).",
   )
+  cli.define_verifier_flags()
 
 
 def main() -> None:
@@ -170,7 +171,9 @@ def main() -> None:
 def _model(f):
   from jaxrm.reward_model import RewardModel
 
-  return RewardModel.from_pretrained(f.model, dtype=f.dtype, attention_impl=f.attention)
+  return RewardModel.from_pretrained(
+    f.model, dtype=f.dtype, attention_impl=f.attention, verifier=cli.verifier_request(f)
+  )
 
 
 def _benchmark_main(f) -> None:

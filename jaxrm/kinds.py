@@ -8,6 +8,8 @@ is the name of the :mod:`jaxrm.tasks` task its head serves, whose words the mess
 * ``preference``: a sequence head with one output, one reward per row (Bradley-Terry, ranking);
 * ``regression``: a sequence head with one output per named attribute (``reward.type=regression``);
 * ``process``: a token head with 2 labels, a probability per step (``reward.type=stepwise``);
+* ``verifier``: a causal LM's log-odds of two answers, one reward per row (``reward.type=verifier``,
+  or a causal LM loaded with ``verifier=True``); it serves every use a preference model serves;
 * ``other``: any other head (e.g. a sequence head with several unnamed outputs).
 """
 
@@ -20,6 +22,7 @@ from jaxrm import tasks
 from jaxrm.errors import UserError
 
 PREFERENCE, REGRESSION, PROCESS = tasks.PREFERENCE.name, tasks.REGRESSION.name, tasks.PROCESS.name
+VERIFIER = tasks.VERIFIER.name
 OTHER = "other"
 
 
@@ -28,13 +31,16 @@ class ModelKindError(UserError):
 
 
 def model_kind(config: Any, attributes: Sequence[str] | None = None) -> str:
-  """``preference`` | ``regression`` | ``process`` | ``other`` of a model config and its attribute names."""
+  """``preference`` | ``regression`` | ``process`` | ``verifier`` | ``other`` of a model config and
+  its attribute names."""
   task = tasks.of_head(config, attributes)
   return OTHER if task is None else task.name
 
 
 def describe(config: Any, attributes: Sequence[str] | None = None) -> str:
   """``a sequence head with 2 outputs (quality, polish)``: the head as messages name it."""
+  if config.head == "lm":
+    return "an LM head (a verifier: the log-odds of two answer tokens)"
   n = config.num_labels
   noun = ("label" if config.head == "token" else "output") + ("" if n == 1 else "s")
   names = f" ({', '.join(attributes)})" if attributes else ""
@@ -50,7 +56,8 @@ def check_kind(
   combine_hint: str = "combine=",
   error: type[UserError] = ModelKindError,
 ) -> str:
-  """Returns ``rm``'s kind when it is one of ``kinds``, else raises ``error`` saying what to do.
+  """Returns ``rm``'s kind when it is one of ``kinds`` (or its task serves one of them: a verifier
+  serves a preference model's uses), else raises ``error`` saying what to do.
 
   Args:
     rm: anything with ``config`` (``head``, ``num_labels``) and ``attributes`` (a RewardModel).
@@ -66,9 +73,13 @@ def check_kind(
   kind = OTHER if task is None else task.name
   # `use` takes one reward per row: a model of one output per attribute needs `combine`
   combines = one_reward and task is not None and task.per_attribute
-  if kind in kinds and not (combines and combine is None):
+  fits = kind in kinds or (task is not None and any(k in kinds for k in task.serves))
+  if fits and not (combines and combine is None):
     return kind
-  wanted = " or ".join(t.needs for t in map(tasks.TASKS.get, kinds) if not (one_reward and t.per_attribute))
+  serving = [t.name for t in tasks.TASKS.values() if t.name not in kinds and set(t.serves) & set(kinds)]
+  wanted = " or ".join(
+    t.needs for t in map(tasks.TASKS.get, (*kinds, *serving)) if not (one_reward and t.per_attribute)
+  )
   message = f"{use} needs {wanted}; this model has {describe(rm.config, attributes)}"
   if combines:
     message += (

@@ -27,14 +27,16 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrm import checkpointing
+from jaxrm import verifier as verifiers
 from jaxrm.config import RunConfig
 from jaxrm.data.tokenize import TokenizeOptions
-from jaxrm.errors import CheckpointError, UserError
+from jaxrm.errors import CheckpointError, ConfigError, UserError
 from jaxrm.hf import export as hf_export
 from jaxrm.hf.loader import load_model, placed_abstract_model
 from jaxrm.models import lora
 from jaxrm.models.config import ModelConfig, config_from_dict, from_hf_config, to_hf_config
 from jaxrm.models.decoder import Decoder
+from jaxrm.verifier import Verifier
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +63,14 @@ class ScoringInfo:
     attributes: a regression model's attribute names, one per output, else None.
     training_max_length: the training run's data.max_length, else None (the reward server's
       default limit per item).
+    verifier: a verifier's question and answers (:mod:`jaxrm.verifier`), else None.
   """
 
   reward_stats: dict[str, Any] | None = None
   step_separator: str = TokenizeOptions.step_separator
   attributes: tuple[str, ...] | None = None
   training_max_length: int | None = None
+  verifier: Verifier | None = None
 
   @classmethod
   def of_run(cls, config: RunConfig | None, meta: dict[str, Any]) -> ScoringInfo:
@@ -79,18 +83,22 @@ class ScoringInfo:
       step_separator=config.data.step_separator,
       attributes=config.reward.attribute_names if config.reward.task.per_attribute else None,
       training_max_length=config.data.max_length,
+      verifier=config.reward.verifier,
     )
 
   @classmethod
-  def of_export(cls, hf_config: dict[str, Any], cfg: ModelConfig) -> ScoringInfo:
+  def of_export(
+    cls, hf_config: dict[str, Any], cfg: ModelConfig, verifier: Verifier | None = None
+  ) -> ScoringInfo:
     """Of an HF config.json: what an export recorded under :data:`SCORING_KEY`, and the attribute
-    names of a regression head (``problem_type``, ``id2label``)."""
+    names of a regression head (``problem_type``, ``id2label``); ``verifier`` is a verifier head's."""
     saved = hf_config.get(SCORING_KEY) or {}
     return cls(
       reward_stats=saved.get("reward_stats") or None,
       step_separator=saved.get("step_separator", TokenizeOptions.step_separator),
       attributes=hf_export.regression_attributes(hf_config, cfg),
       training_max_length=saved.get("training_max_length"),
+      verifier=verifier,
     )
 
   def export_entry(self) -> dict[str, Any]:
@@ -378,33 +386,57 @@ def load(
   seed: int = 0,
   tokenizer: Any = None,
   weights: bool = True,
+  verifier: Verifier | None = None,
 ) -> Loaded:
   """The model ``source`` holds, with its tokenizer and scoring info.
 
   Args:
     source: from :func:`locate`.
     overrides: ModelConfig fields to set (``dtype``, ``param_dtype``, ``remat``, ``lora``...).
-    head: "sequence" or "token": an HF checkpoint gets a new head of this kind unless it has one;
-      a training run must have been trained with it.
+    head: "sequence", "token" or "lm" (a verifier's): an HF checkpoint gets a new head of this kind unless it
+      has one; a training run must have been trained with it.
     num_labels: labels of a new head (default 1 for sequence, 2 for token heads).
     mesh: place parameters sharded over this mesh (default: the first device).
     seed: seed of a new head and of new LoRA adapters.
     tokenizer: use this tokenizer instead of the source's.
     weights: False reads no tensors and opens no checkpoint: the model's parameters are
       ``jax.ShapeDtypeStruct``s with the shardings they would have on ``mesh``.
+    verifier: load a causal LM as a verifier asking this question (:mod:`jaxrm.verifier`); an
+      export of a verifier (its ``jaxrm_verifier.json``) and a training run of one are verifiers
+      without it, asking theirs. ``head="lm"`` alone: a verifier asking theirs, else the defaults.
   """
   overrides = dict(overrides or {})
   if isinstance(source, RunSource):
-    return _load_run(source, overrides, head, num_labels, mesh, tokenizer, weights)
+    return _load_run(source, overrides, head, num_labels, mesh, tokenizer, weights, verifier)
   tensors = tensors_of(source)
-  saved = from_hf_config(tensors.config)
-  cfg = from_hf_config(tensors.config, **(overrides | _head_overrides(head, num_labels)))
-  model = _model(cfg, tensors, saved, mesh, seed) if weights else placed_abstract_model(cfg, mesh)
+  if verifier is None and head in (None, "lm") and isinstance(source, HFSource):
+    verifier = verifiers.read(source.path)  # an export of a verifier asks what it recorded
+  if verifier is None and head == "lm":
+    verifier = Verifier()
   if tokenizer is None:
     tokenizer = tensors.tokenizer() if hasattr(tensors, "tokenizer") else _tokenizer_from_dir(source.path)
+  saved = from_hf_config(tensors.config)
+  if verifier is not None:
+    head_overrides = _verifier_overrides(verifier, tokenizer, num_labels, source.name)
+  else:
+    head_overrides = _head_overrides(head, num_labels)
+  cfg = from_hf_config(tensors.config, **(overrides | head_overrides))
+  model = _model(cfg, tensors, saved, mesh, seed) if weights else placed_abstract_model(cfg, mesh)
   if tokenizer is not None and cfg.pad_token_id is None and tokenizer.pad_token_id is not None:
     model.config = cfg.replace(pad_token_id=tokenizer.pad_token_id)
-  return Loaded(model, tokenizer, ScoringInfo.of_export(tensors.config, model.config))
+  return Loaded(model, tokenizer, ScoringInfo.of_export(tensors.config, model.config, verifier))
+
+
+def _verifier_overrides(verifier: Verifier, tokenizer, num_labels: int | None, name: str) -> dict[str, Any]:
+  """Config changes that make a causal LM a verifier of ``verifier``'s answers."""
+  if tokenizer is None:
+    raise CheckpointError(
+      f"{name} has no tokenizer: a verifier needs one to find its answers' tokens and to lay out "
+      "its question (pass tokenizer=)"
+    )
+  if num_labels not in (None, 1):
+    raise ConfigError(f"num_labels={num_labels}: a verifier gives one score per row (its answers' log-odds)")
+  return dict(head="lm", head_bias=False, num_labels=1, verifier_tokens=verifier.token_ids(tokenizer))
 
 
 def _head_overrides(head: str | None, num_labels: int | None) -> dict[str, Any]:
@@ -420,9 +452,13 @@ def _model(cfg: ModelConfig, tensors, saved: ModelConfig, mesh: Mesh | None, see
   return load_model(cfg, tensors, mesh=mesh, seed=seed, new_head=new_head)
 
 
-def _load_run(source: RunSource, overrides, head, num_labels, mesh, tokenizer, weights: bool) -> Loaded:
+def _load_run(
+  source: RunSource, overrides, head, num_labels, mesh, tokenizer, weights: bool, verifier: Verifier | None
+) -> Loaded:
   files = source.files
   cfg = files.model_config
+  if verifier is not None:
+    head = "lm"
   for name, wanted in (("head", head), ("num_labels", num_labels), ("lora", overrides.get("lora"))):
     if wanted is not None and wanted != getattr(cfg, name):
       raise CheckpointError(
@@ -439,7 +475,15 @@ def _load_run(source: RunSource, overrides, head, num_labels, mesh, tokenizer, w
     )
   if tokenizer is None:
     tokenizer = _tokenizer_from_dir(files.tokenizer_dir)
-  return Loaded(model, tokenizer, ScoringInfo.of_run(files.run_config, meta))
+  info = ScoringInfo.of_run(files.run_config, meta)
+  if verifier is not None:  # the run's answers, another question
+    if info.verifier is not None and verifier.answers != info.verifier.answers:
+      raise CheckpointError(
+        f"{files.run_dir} was trained as a verifier answering {'/'.join(info.verifier.answers)}; "
+        f"it cannot be loaded answering {'/'.join(verifier.answers)}"
+      )
+    info = dataclasses.replace(info, verifier=verifier)
+  return Loaded(model, tokenizer, info)
 
 
 def _lora_base(files: RunFiles, cfg: ModelConfig, mesh: Mesh | None) -> Decoder:
@@ -552,6 +596,7 @@ def save_export(
     dtype=dtype,
     attributes=info.attributes,
     extra_config={SCORING_KEY: info.export_entry()},
+    extra_files=None if info.verifier is None else {verifiers.FILE: info.verifier.to_json()},
   )
 
 

@@ -1,5 +1,5 @@
-"""Reward-model losses: Bradley-Terry, Plackett-Luce ranking, stepwise cross-entropy and
-regression on rated attributes.
+"""Reward-model losses: Bradley-Terry, Plackett-Luce ranking, stepwise cross-entropy, regression
+on rated attributes, and a verifier's cross-entropy on labelled items.
 
 Each loss is a pure function of one batch's arrays that returns ``(loss, metrics)``;
 :mod:`jaxrm.tasks` says which one each reward type trains with, and :func:`jaxrm.tasks.batch_loss`
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrm.batches import IGNORE_INDEX, Batch
-from jaxrm.metrics import Correlation, Metrics, Moments, Ratio, Samples
+from jaxrm.metrics import Calibration, Correlation, Metrics, Moments, Ratio, Samples, Scores
 
 # Stands in for -inf in masked logsumexp terms: exp() of it is exactly 0, yet, unlike -inf, it
 # never makes a NaN in gradients of rows where every entry is masked.
@@ -316,6 +316,53 @@ def regression_samples(
 
 
 # ---------------------------------------------------------------------------------------------
+# Labelled items (a verifier's unpaired data)
+
+CALIBRATION_BINS = 10  # equal-width bins of P(yes) for the expected calibration error
+
+
+def labelled_loss(
+  log_odds: jax.Array,  # [G] float: log p(yes) - log p(no)
+  labels: jax.Array,  # [G] float32: 1 = good (the answer is yes), 0 = bad
+  example_mask: jax.Array,  # [G] float32, 0 for filler rows
+) -> tuple[jax.Array, Metrics]:
+  """Cross-entropy over the two answers, ``-log sigmoid(+-log_odds)``, averaged over items.
+
+  Metrics: ``accuracy`` (log-odds > 0 for good items, < 0 for bad; 0 counts as wrong),
+  ``positive_rate`` (the share of good items: the accuracy of always answering yes), ``ece`` (the
+  expected calibration error of P(yes) over :data:`CALIBRATION_BINS` equal-width bins) and the
+  log-odds' mean and std (``reward``).
+  """
+  if log_odds.shape != labels.shape or example_mask.shape != labels.shape:
+    raise ValueError(
+      f"labelled batch shapes disagree: log_odds {log_odds.shape}, labels {labels.shape} and "
+      f"example_mask {example_mask.shape} must all be [G]"
+    )
+  real = example_mask > 0
+  s = jnp.where(real, log_odds.astype(jnp.float32), 0.0)
+  y = jnp.where(real, labels.astype(jnp.float32), 0.0)
+  nll = -(y * jax.nn.log_sigmoid(s) + (1.0 - y) * jax.nn.log_sigmoid(-s))
+  loss = _mean(nll, real)
+  good = y > 0.5
+  right = real & jnp.where(good, s > 0, s < 0)
+  p = jax.nn.sigmoid(s)
+  bins = jnp.clip(jnp.floor(p * CALIBRATION_BINS), 0, CALIBRATION_BINS - 1).astype(jnp.int32)
+  in_bin = real[:, None] & (bins[:, None] == jnp.arange(CALIBRATION_BINS)[None, :])  # [G, bins]
+  metrics = {
+    "loss": loss,
+    "accuracy": Ratio(_count(right), _count(real)),
+    "positive_rate": Ratio(_count(real & good), _count(real)),
+    "ece": Calibration(
+      jnp.sum(in_bin, axis=0, dtype=jnp.float32),
+      jnp.sum(jnp.where(in_bin, p[:, None], 0.0), axis=0),
+      jnp.sum(jnp.where(in_bin, y[:, None], 0.0), axis=0),
+    ),
+    "reward": Moments(_masked_sum(s, real), _masked_sum(s * s, real), _count(real)),
+  }
+  return _value(loss), metrics
+
+
+# ---------------------------------------------------------------------------------------------
 # The losses of a reward spec
 
 
@@ -389,6 +436,18 @@ def regression(spec: LossSpec, predictions, batch) -> tuple[jax.Array, Metrics]:
     attributes=spec.attribute_names,
     weights=spec.weights,
   )
+
+
+def labelled(spec: LossSpec, log_odds, batch) -> tuple[jax.Array, Metrics]:
+  del spec  # the labels say it all
+  return labelled_loss(log_odds, batch.labels, batch.example_mask)
+
+
+def labelled_scores(spec: LossSpec, log_odds, batch) -> Metrics:
+  """Validation's :class:`~jaxrm.metrics.Scores` of a labelled batch (``auroc``)."""
+  del spec
+  real = batch.example_mask > 0
+  return {"samples": Scores(jnp.where(real, log_odds.astype(jnp.float32), 0.0), batch.labels, real)}
 
 
 def regression_pair_samples(spec: LossSpec, predictions, batch) -> Metrics:

@@ -2,12 +2,12 @@
 and hosts is exact.
 
 A loss returns its metrics as a :data:`Metrics` dict of :class:`Ratio`, :class:`Moments`,
-:class:`Correlation` and :class:`Samples`. :func:`accumulate` adds two of them (micro-batches of
+:class:`Correlation`, :class:`Calibration`, :class:`Samples` and :class:`Scores`. :func:`accumulate` adds two of them (micro-batches of
 one step, or every batch of a validation set) and :func:`finalize_metrics` divides once at the
 end. A validation loss is therefore the mean over the whole set, not a mean of batch means, and
 filler groups that pad the last batch change nothing. Rank correlations and same-prompt pairs need
-every example of a set at once: :class:`Samples` keeps them whole and :func:`accumulate`
-concatenates them.
+every example of a set at once: :class:`Samples` (and :class:`Scores`, for AUROC) keeps them
+whole and :func:`accumulate` concatenates them.
 """
 
 from __future__ import annotations
@@ -48,6 +48,27 @@ class Correlation(NamedTuple):
   sum_xy: jax.Array
 
 
+class Calibration(NamedTuple):
+  """Per-bin counts and sums of a predicted probability and of its 0/1 label, over equal-width
+  bins of the probability; finalizes to the expected calibration error,
+  ``sum_b |sum_y - sum_p| / count`` (each bin's gap weighted by its share)."""
+
+  count: jax.Array  # [bins] float32
+  sum_p: jax.Array  # [bins] float32
+  sum_y: jax.Array  # [bins] float32
+
+
+@struct.dataclass
+class Scores:
+  """Every example's score and 0/1 label, kept whole (:func:`accumulate` concatenates them);
+  finalizes to ``auroc``: the chance that a positive scores above a negative (ties count half;
+  NaN without both)."""
+
+  scores: jax.Array  # [N] float32
+  labels: jax.Array  # [N] float32
+  real: jax.Array  # [N] bool
+
+
 @struct.dataclass
 class Samples:
   """Every example's predictions and ratings, kept whole: :func:`accumulate` concatenates them.
@@ -66,21 +87,22 @@ class Samples:
   combination: tuple[float, ...] = struct.field(pytree_node=False, default=())
 
 
-Metrics = dict[str, Ratio | Moments | Correlation | Samples]
+Metrics = dict[str, Ratio | Moments | Correlation | Calibration | Samples | Scores]
+_WHOLE = (Samples, Scores)  # kept whole: concatenated, not added
 
 
 def accumulate(a: Metrics, b: Metrics) -> Metrics:
   """Combines the metrics of two batches (device arrays or host numpy alike)."""
   return {
     name: _concatenate(a[name], b[name])
-    if isinstance(a[name], Samples)
+    if isinstance(a[name], _WHOLE)
     else jax.tree.map(operator.add, a[name], b[name])
     for name in a
   }
 
 
-def _concatenate(a: Samples, b: Samples) -> Samples:
-  xp = np if isinstance(a.group, np.ndarray) else jnp
+def _concatenate(a: Samples | Scores, b: Samples | Scores) -> Samples | Scores:
+  xp = np if isinstance(jax.tree.leaves(a)[0], np.ndarray) else jnp
   return jax.tree.map(lambda x, y: xp.concatenate([x, y]), a, b)
 
 
@@ -93,6 +115,12 @@ def finalize_metrics(metrics: Metrics) -> dict[str, float]:
   for name, acc in jax.device_get(metrics).items():
     if isinstance(acc, Samples):
       out.update(_ranked_metrics(acc))
+    elif isinstance(acc, Scores):
+      out["auroc"] = _auroc(np.asarray(acc.scores), np.asarray(acc.labels), np.asarray(acc.real, bool))
+    elif isinstance(acc, Calibration):
+      count = float(np.sum(acc.count, dtype=np.float64))
+      gaps = np.abs(np.asarray(acc.sum_y, np.float64) - np.asarray(acc.sum_p, np.float64))
+      out[name] = float(gaps.sum() / count) if count > 0 else math.nan
     elif isinstance(acc, Correlation):
       out[name] = _pearson(*(np.asarray(x, np.float64) for x in acc))
     elif isinstance(acc, Moments):
@@ -147,6 +175,16 @@ def _ranked_metrics(s: Samples) -> dict[str, float]:
     predictions, labels, rated, np.asarray(s.group), np.asarray(s.combination, np.float64)
   )
   return out
+
+
+def _auroc(scores: np.ndarray, labels: np.ndarray, real: np.ndarray) -> float:
+  """Mann-Whitney's U over the real examples, from ranks (tied scores share their mean rank)."""
+  scores, positive = scores[real], labels[real] > 0.5
+  n_pos, n_neg = int(positive.sum()), int((~positive).sum())
+  if not n_pos or not n_neg:
+    return math.nan
+  ranks = _ranks(scores)  # 0-based
+  return float((ranks[positive].sum() - n_pos * (n_pos - 1) / 2) / (n_pos * n_neg))
 
 
 def _pair_accuracy(predictions, labels, rated, group, combination) -> float:

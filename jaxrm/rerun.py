@@ -72,7 +72,7 @@ def resumes(config: RunConfig, run_dir: str, step: int, checkpoint_dir: str) -> 
   saved = _saved(run_dir)
   if saved is None:
     return True
-  changed = dict(_differences(saved, _as_saved(config.to_dict())))
+  changed = dict(_differences(saved, _as_saved(config.to_dict()), _as_saved(RunConfig().to_dict())))
   refused = {k: v for k, v in changed.items() if not _free(k)}
   if refused and config.changed_settings == "refuse":
     raise ConfigError(_refusal(run_dir, step, refused))
@@ -162,13 +162,18 @@ def _as_saved(d: dict[str, Any]) -> dict[str, Any]:
   return json.loads(json.dumps(d))
 
 
-def _differences(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, tuple]]:
-  """(dotted key, (saved value, value now)) for each key whose value differs."""
+def _differences(
+  saved: dict[str, Any], now: dict[str, Any], defaults: dict[str, Any], prefix: str = ""
+) -> Iterator[tuple[str, tuple]]:
+  """(dotted key, (saved value, value now)) for each key whose value differs. A key the saved run
+  has not (a jaxrm before it had none) is no change while it keeps its default: that was what
+  the older jaxrm did."""
   for key in [*now, *(k for k in saved if k not in now)]:
     was, is_ = saved.get(key, _ABSENT), now.get(key, _ABSENT)
+    default = defaults.get(key, _ABSENT) if isinstance(defaults, dict) else _ABSENT
     if isinstance(was, dict) and isinstance(is_, dict) and key != "val_data_paths":
-      yield from _differences(was, is_, f"{prefix}{key}.")
-    elif was != is_:
+      yield from _differences(was, is_, default, f"{prefix}{key}.")
+    elif was != is_ and not (was is _ABSENT and is_ == default):
       yield f"{prefix}{key}", (_show(was), _show(is_))
 
 

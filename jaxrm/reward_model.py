@@ -34,6 +34,7 @@ from jaxrm.models.config import ModelConfig
 from jaxrm.models.decoder import Decoder
 from jaxrm.models.heads import correct_probability
 from jaxrm.shared_prefix import Sharing
+from jaxrm.verifier import Verifier
 
 log = logging.getLogger(__name__)
 
@@ -99,11 +100,17 @@ class RewardModel:
     attributes: a regression model's attribute names, one per output of ``score``, else None.
     training_max_length: the training run's ``data.max_length`` (from the run, or recorded in an
       export of one), else None; the reward server's default limit per item.
+    verifier: a verifier's question and answers (:class:`jaxrm.verifier.Verifier`), else None.
   """
 
   def __init__(self, model: Decoder, tokenizer=None, info: ScoringInfo = ScoringInfo()):
     if not isinstance(info, ScoringInfo):
       raise TypeError(f"info must be a jaxrm.loading.ScoringInfo, got {type(info).__name__}")
+    if (info.verifier is None) != (model.config.head != "lm"):
+      raise ValueError(
+        f"a {model.config.head} head with info.verifier={info.verifier!r}: an LM head (a verifier's) needs "
+        "its question and answers, and no other head has them"
+      )
     if info.attributes is not None and len(info.attributes) != model.config.num_labels:
       raise ValueError(
         f"{len(info.attributes)} attribute names for a head of {model.config.num_labels} outputs"
@@ -133,8 +140,12 @@ class RewardModel:
     return self.info.training_max_length
 
   @property
+  def verifier(self) -> Verifier | None:
+    return self.info.verifier
+
+  @property
   def kind(self) -> str:
-    """``preference``, ``regression``, ``process`` or ``other`` (see :mod:`jaxrm.kinds`)."""
+    """``preference``, ``regression``, ``process``, ``verifier`` or ``other`` (see :mod:`jaxrm.kinds`)."""
     return kinds.model_kind(self.config, self.attributes)
 
   def check_kind(self, *wanted: str, use: str, **kwargs) -> str:
@@ -156,6 +167,7 @@ class RewardModel:
     tokenizer: Any = None,
     step: int | None = None,
     load_weights: bool = True,
+    verifier: bool | dict | Verifier | None = None,
     **config_overrides,
   ) -> RewardModel:
     """Loads a checkpoint (through :func:`jaxrm.loading.locate` and :func:`jaxrm.loading.load`).
@@ -167,8 +179,9 @@ class RewardModel:
         run's base is read from where it trained (``model_config.json`` names it), its adapters and
         head from the checkpoint.
       dtype: compute dtype ("float32" | "bfloat16"); parameters default to the same.
-      head: "sequence" (one reward per row) or "token" (per-token logits, for process reward
-        models); default: whatever the checkpoint was saved as (a sequence head for base models).
+      head: "sequence" (one reward per row), "token" (per-token logits, for process reward
+        models) or "lm" (a verifier's, as ``verifier=True``); default: whatever the checkpoint was
+        saved as (a sequence head for base models).
       num_labels: labels of a new head (default 1 for sequence, 2 for token heads).
       mesh: place parameters sharded over this mesh (default: the first device).
       seed: seed of a newly initialised head.
@@ -178,7 +191,20 @@ class RewardModel:
         ``jax.ShapeDtypeStruct``s with the shardings they would have on ``mesh`` (e.g. a restore
         target for a training checkpoint), and a training run's checkpoints are not opened
         (``reward_stats`` is None). Config and tokenizer load as usual.
+      verifier: score with a causal LM (HF directory or .gguf file) as a generative verifier: True
+        (the default question and answers of :mod:`jaxrm.verifier`), or ``{"question": ...,
+        "answers": ["Yes", "No"]}``; the score of a conversation is then ``log p(yes) - log p(no)``
+        of the answer to the question asked after it. An export of a verifier, or a training run
+        of one, is a verifier without it (True keeps its question; a dict asks another).
     """
+    if verifier is True:  # a verifier asking what an export or run of one recorded, else the defaults
+      if head not in (None, "lm"):
+        raise ValueError(f"verifier=True with head={head!r}: a verifier's head is the LM head ('lm')")
+      verifier, head = None, "lm"
+    elif verifier is False:
+      verifier = None
+    elif verifier is not None:
+      verifier = Verifier.of(verifier)
     overrides = dict(dtype=dtype, param_dtype=param_dtype or dtype, **config_overrides)
     loaded = loading.load(
       loading.as_source(path, step),
@@ -189,6 +215,7 @@ class RewardModel:
       seed=seed,
       tokenizer=tokenizer,
       weights=load_weights,
+      verifier=verifier,
     )
     return cls(loaded.model, loaded.tokenizer, loaded.info)
 
@@ -229,7 +256,8 @@ class RewardModel:
 
     With ``completion``, ``item`` is its prompt: prompt + completion, as training joins them. A
     row longer than ``max_length`` (default: the model's context) loses its oldest context turns
-    or tokens, as training's ``truncation="left"`` does.
+    or tokens, as training's ``truncation="left"`` does. A verifier's row ends with its question
+    and the generation prompt (:mod:`jaxrm.verifier`).
     """
     item = parse_text(item, "encode", where)
     if completion is None:
@@ -247,7 +275,9 @@ class RewardModel:
       raise ValueError("the tokenizer has no chat template; score plain strings instead of message lists")
     record = PreferenceRecord(context=context, completions=(completion,), ranks=(0,), source=where)
     limit = self._max_length(max_length)
-    example = tokenize_preference(record, self._tokenizer(), TokenizeOptions(limit, "left"), DropReport())
+    question = None if self.verifier is None else self.verifier.question
+    options = TokenizeOptions(limit, "left", verifier_question=question)
+    example = tokenize_preference(record, self._tokenizer(), options, DropReport())
     if example is None:
       raise DataError(f"{where}: the completion alone is longer than max_length={limit} tokens")
     if not len(example.input_ids[0]):
@@ -286,7 +316,7 @@ class RewardModel:
         :class:`jaxrm.shared_prefix.Sharing`, or False (every row alone). The rewards are the
         same either way, up to float rounding.
     """
-    if self.config.head != "sequence":  # any sequence head scores; a token head scores steps
+    if self.config.per_token:  # any sequence or verifier head scores; a token head scores steps
       self.check_kind(kinds.PREFERENCE, kinds.REGRESSION, use="score()")
     weights = None if combine is None else self.combination(combine)
     encoded = self._encode_items(items, prompts, completions, max_length)
@@ -382,7 +412,7 @@ class RewardModel:
     alone = [g[0] for g in groups if len(g) == 1]
     for rows, outputs in self._batched([encoded[i] for i in alone], batch_size, buckets):
       for j, r in zip(rows, outputs):
-        out[alone[j]] = r if self.config.head == "sequence" else r[: len(encoded[alone[j]])]
+        out[alone[j]] = r[: len(encoded[alone[j]])] if self.config.per_token else r
     shared = [g for g in groups if len(g) > 1]
     for rows, outputs in self._shared(encoded, shared, batch_size, bucket, max_tokens):
       for i, r in zip(rows, outputs):
@@ -454,7 +484,7 @@ class RewardModel:
     rows = tuple(
       jnp.asarray(x) for x in (b.input_ids, b.attention_mask, b.positions, b.segment_ids, b.branch_ids)
     )
-    sequence = self.config.head == "sequence"
+    sequence = not self.config.per_token
     reward_positions = jnp.asarray(b.reward_positions) if sequence else None
     graphdef, state = nnx.split(self.model)
     out = np.asarray(_forward_packed(graphdef, state, rows, reward_positions), np.float32)

@@ -166,6 +166,7 @@ def _define_flags() -> None:
     "Attention implementation: auto (a fused kernel on GPU, the "
     "reference path elsewhere) | reference | pallas | cudnn.",
   )
+  cli.define_verifier_flags()
 
 
 def server_config(f) -> ServerConfig:
@@ -217,7 +218,9 @@ def main() -> None:
   cli.setup_logging(logging.INFO, timestamps=True)
   f = flags.FLAGS
   config = server_config(f)
-  rm = RewardModel.from_pretrained(f.model, dtype=f.dtype, attention_impl=f.attention)
+  rm = RewardModel.from_pretrained(
+    f.model, dtype=f.dtype, attention_impl=f.attention, verifier=cli.verifier_request(f)
+  )
   server = make_server(rm, f.host, f.port, config=config, model_name=served_model_name(f))
   host = server.address[0]
   if not ipaddress.ip_address(host).is_loopback and config.api_key is None:

@@ -3,7 +3,10 @@
 * ``preference``: one reward per response, trained on ranked completions of a prompt
   (``reward.type=bradley_terry``, or ``ranking`` with ``reward.ranking_loss``);
 * ``process``: a probability per step that the step is correct (``reward.type=stepwise``);
-* ``regression``: one prediction per rated attribute (``reward.type=regression``).
+* ``regression``: one prediction per rated attribute (``reward.type=regression``);
+* ``verifier``: a causal LM's log-odds of answering yes to a question about the response
+  (``reward.type=verifier``, :mod:`jaxrm.verifier`), trained on preferences as a preference model
+  is, and used wherever one reward per response is.
 
 Each task says which reward types train it, what data it reads, how its batches are laid out, the
 head it needs, its losses, and what to say when a model of another kind is used for it. The config,
@@ -23,6 +26,7 @@ import numpy as np
 
 from jaxrm import losses
 from jaxrm.batches import (
+  LabelledBatch,
   PackedPreferenceBatch,
   PackedStepwiseBatch,
   PreferenceBatch,
@@ -42,7 +46,9 @@ class Task:
   # data.packing -> the batch class its rows are collated into; a mode left out is refused
   batches: Mapping[str, type]
   packing_refused: str  # why a data.packing left out of `batches` is refused ({packing}: the mode)
-  head: str  # "sequence" (one output vector per row) | "token" (one per token)
+  # "sequence" (one output vector per row) | "token" (one per token) | "lm" (a verifier's: one
+  # log-odds per row, from the LM head)
+  head: str
   num_labels: int | None  # the head's outputs; None: one per rated attribute (reward.attributes)
   # RewardSpec.loss_key -> fn(spec, outputs, batch) -> (loss, metrics)
   losses: Mapping[tuple[str, str | None], losses.SpecLoss]
@@ -56,15 +62,25 @@ class Task:
   needs: str
   train: str
   use_instead: str | None = None
+  # The RewardSpec key that picks one of several losses (its value is the second part of the
+  # loss key), or None.
+  loss_choice: str | None = None
+  # The other tasks' uses (their names) that a model of this task serves too: a verifier's one
+  # reward per row serves wherever a preference model's does.
+  serves: tuple[str, ...] = ()
+  # Also trains on labelled items (prompt, completion, good or bad: a LabelledBatch), which a
+  # preference file may hold instead of pairs.
+  labelled: bool = False
 
   @property
   def per_attribute(self) -> bool:
     """Whether the head has one output per rated attribute (``reward.attributes``)."""
     return self.num_labels is None
 
-  def loss_key(self, reward_type: str, ranking_loss: str) -> tuple[str, str | None]:
-    """The key in :attr:`losses` of a reward spec: ``ranking_loss`` counts where it names one."""
-    return (reward_type, ranking_loss) if (reward_type, ranking_loss) in self.losses else (reward_type, None)
+  def loss_key(self, reward_type: str, choice: str) -> tuple[str, str | None]:
+    """The key in :attr:`losses` of a reward spec: ``choice`` (the value of its
+    :attr:`loss_choice` key) counts where it names one."""
+    return (reward_type, choice) if (reward_type, choice) in self.losses else (reward_type, None)
 
 
 def _mask(n: int) -> np.ndarray:
@@ -112,6 +128,7 @@ PREFERENCE = Task(
   example=_preference_example,
   needs="a sequence-head reward model with one output (a preference reward model)",
   train="train one with reward.type=bradley_terry or ranking",
+  loss_choice="ranking_loss",
 )
 
 PROCESS = Task(
@@ -151,7 +168,50 @@ REGRESSION = Task(
   "or demo_attributes)",
 )
 
-TASKS = {t.name: t for t in (PREFERENCE, PROCESS, REGRESSION)}
+
+def _or_labelled(pairwise: losses.SpecLoss) -> losses.SpecLoss:
+  """A verifier's loss: ``pairwise`` on preference batches, the cross-entropy over its two answers
+  on labelled items."""
+
+  def loss(spec, outputs, batch):
+    if isinstance(batch, LabelledBatch):
+      return losses.labelled(spec, outputs, batch)
+    return pairwise(spec, outputs, batch)
+
+  return loss
+
+
+def _labelled_scores(spec, outputs, batch):
+  """Validation's scores of labelled items (their AUROC); none of preference batches."""
+  return losses.labelled_scores(spec, outputs, batch) if isinstance(batch, LabelledBatch) else {}
+
+
+VERIFIER = Task(
+  name="verifier",
+  reward_types=("verifier",),
+  data="preference",
+  evaluation="preference",
+  batches=PREFERENCE.batches,
+  packing_refused="",
+  head="lm",
+  num_labels=1,
+  losses={
+    ("verifier", None): _or_labelled(losses.bradley_terry),
+    ("verifier", "plackett_luce"): _or_labelled(losses.plackett_luce),
+    ("verifier", "all_pairs"): _or_labelled(losses.all_pairs),
+  },
+  samples=_labelled_scores,
+  example=_preference_example,
+  needs="a verifier (a causal LM scoring the log-odds of its answers to a question)",
+  train="train one with reward.type=verifier, or load a causal LM with "
+  "RewardModel.from_pretrained(path, verifier=True)",
+  use_instead="a verifier scores conversations: rm.score, or preference data",
+  loss_choice="verifier_loss",
+  serves=(PREFERENCE.name,),
+  labelled=True,
+)
+
+TASKS = {t.name: t for t in (PREFERENCE, PROCESS, REGRESSION, VERIFIER)}
 REWARD_TYPES = tuple(r for t in TASKS.values() for r in t.reward_types)
 
 

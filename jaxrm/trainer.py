@@ -283,7 +283,8 @@ def _load_model(
 
 def model_request(config: RunConfig, lora_cfg: lora.LoraConfig) -> dict[str, Any]:
   """What ``loading.load`` is asked for the run's model: the config's overrides of the
-  checkpoint's settings, and the head the reward type's task needs."""
+  checkpoint's settings, and the head the reward type's task needs (a verifier's question and
+  answers)."""
   task = config.reward.task
   overrides = dict(
     dtype=config.model.dtype,
@@ -297,6 +298,7 @@ def model_request(config: RunConfig, lora_cfg: lora.LoraConfig) -> dict[str, Any
     overrides=overrides,
     head=task.head,
     num_labels=len(config.reward.attribute_names) if task.per_attribute else None,
+    verifier=config.reward.verifier,
   )
 
 

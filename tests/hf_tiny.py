@@ -46,7 +46,8 @@ def tiny_config(family: str, num_labels: int = 1, **overrides):
 
 
 def build(family: str, head: str = "sequence", seed: int = 0, **overrides):
-  """A randomly initialised ``*ForSequenceClassification`` / ``*ForTokenClassification`` in float32.
+  """A randomly initialised ``*ForSequenceClassification`` / ``*ForTokenClassification`` (``head``
+  "sequence" or "token"), or ``*ForCausalLM`` ("causal": a verifier's), in float32.
 
   Every parameter, norms and biases included, is perturbed away from its default init so that a
   weight loaded into the wrong place shows up in the outputs.
@@ -68,6 +69,8 @@ def auto_class(family: str, head: str, config):
   ``GenericForTokenClassification`` over the family's pretrained-model class."""
   if head == "sequence":
     return transformers.AutoModelForSequenceClassification
+  if head == "causal":
+    return transformers.AutoModelForCausalLM
   auto = transformers.AutoModelForTokenClassification
   if type(config) not in auto._model_mapping:
     decoder = transformers.AutoModel._model_mapping[type(config)]

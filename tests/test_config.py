@@ -230,6 +230,9 @@ def test_reward_keys_are_parsed_once_and_stay_out_of_the_dict():
     "attribute_weights": "1,3",
     "attribute_range": "0,4",
     "combine": "b",
+    "verifier_question": "Is the last response correct and helpful? Answer Yes or No.",
+    "verifier_answers": "Yes,No",
+    "verifier_loss": "bradley_terry",
   }
   assert (spec.attribute_names, spec.weights, spec.value_range, spec.combination) == (
     ("a", "b"),

@@ -386,8 +386,8 @@ def test_row_of_neither_format():
   with pytest.raises(DataError) as e:
     parse({"question": "Q", "answer": "A"})
   assert str(e.value) == (
-    f"{SRC}: not a preference row: expected NeMo RL keys ('context', "
-    "'completions') or TRL keys ('prompt', 'chosen', 'rejected'); got "
+    f"{SRC}: not a preference row: expected NeMo RL keys ('context', 'completions'), TRL keys "
+    "('prompt', 'chosen', 'rejected') or a labelled item's ('prompt', 'completion', 'label'); got "
     "['answer', 'question']"
   )
 

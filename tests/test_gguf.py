@@ -274,3 +274,26 @@ def test_smollm2_rewards_match_transformers(path, hf_model):
     expected = cls.score(hidden)[torch.arange(2), torch.from_numpy(mask.sum(1) - 1), 0].numpy()
   np.testing.assert_allclose(rm.score_tokens(ids, mask), expected, atol=PARITY_ATOL, rtol=0)
   np.testing.assert_allclose(rm.score(chats), expected, atol=PARITY_ATOL, rtol=0)
+
+
+def test_smollm2_verifier_log_odds_match_transformers(path, hf_model):
+  """SmolLM2-Instruct from the GGUF as a zero-shot verifier (tied embeddings): its score is
+  transformers' log_softmax(logits)[Yes] - [No] after the question."""
+  from jaxrm import RewardModel
+
+  rm = RewardModel.from_pretrained(path, dtype="float32", verifier=True)
+  assert rm.kind == "verifier" and rm.config.tie_word_embeddings
+  chats = [
+    CHATML_CONVERSATION,
+    [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}],
+  ]
+  yes, no = rm.config.verifier_tokens
+  expected = []
+  for chat in chats:
+    asked = chat + [{"role": "user", "content": rm.verifier.question}]
+    text = rm.tokenizer.apply_chat_template(asked, tokenize=False, add_generation_prompt=True)
+    ids = rm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+      log_probs = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0, -1], -1)
+    expected.append(float(log_probs[yes] - log_probs[no]))
+  np.testing.assert_allclose(rm.score(chats), expected, atol=PARITY_ATOL, rtol=0)

@@ -149,6 +149,8 @@ LAYERS = {
   "jaxrm.run_lock": {"jaxrm.errors"},
   "jaxrm.batches": set(),
   "jaxrm.losses": {"jaxrm.batches", "jaxrm.metrics"},
+  # A verifier's question and answers: data the config, loading and scoring ask.
+  "jaxrm.verifier": {"jaxrm.errors"},
 }
 
 

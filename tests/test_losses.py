@@ -11,7 +11,7 @@ from helpers import preference_loss_args, softplus
 from jaxrm import losses, tasks
 from jaxrm.batches import IGNORE_INDEX as X
 from jaxrm.batches import PreferenceBatch, StepwiseBatch
-from jaxrm.config import RANKING_LOSSES, REWARD_TYPES, RewardSpec
+from jaxrm.config import RANKING_LOSSES, REWARD_TYPES, VERIFIER_LOSSES, RewardSpec
 from jaxrm.metrics import accumulate, finalize_metrics
 
 # Jitted once here, as training uses them; it also keeps the tests fast (one compile per shape
@@ -316,9 +316,10 @@ def test_each_reward_type_trains_with_its_loss():
 
 def test_every_reward_spec_has_a_loss():
   specs = [
-    RewardSpec(t, r, attributes="a" if t == "regression" else "")
+    RewardSpec(t, r, attributes="a" if t == "regression" else "", verifier_loss=v)
     for t in REWARD_TYPES
     for r in RANKING_LOSSES
+    for v in VERIFIER_LOSSES
   ]
   assert {spec.loss_key for spec in specs} == {key for task in tasks.TASKS.values() for key in task.losses}
 
@@ -327,7 +328,7 @@ def test_bad_reward_spec_names_the_choices():
   with pytest.raises(
     ValueError,
     match=r"reward.type must be one of bradley_terry, ranking, "
-    r"stepwise, regression; got 'pairs'",
+    r"stepwise, regression, verifier; got 'pairs'",
   ):
     RewardSpec("pairs")
   with pytest.raises(

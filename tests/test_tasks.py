@@ -16,19 +16,20 @@ def _head(head: str, num_labels: int):
 
 
 def test_each_reward_type_trains_one_task():
-  assert tasks.REWARD_TYPES == ("bradley_terry", "ranking", "stepwise", "regression")
+  assert tasks.REWARD_TYPES == ("bradley_terry", "ranking", "stepwise", "regression", "verifier")
   assert [tasks.of_reward_type(t).name for t in tasks.REWARD_TYPES] == [
     "preference",
     "preference",
     "process",
     "regression",
+    "verifier",
   ]
 
 
 def test_an_unknown_reward_type_names_the_known_ones():
   with pytest.raises(
     ValueError,
-    match=r"^reward.type must be one of bradley_terry, ranking, stepwise, regression; got 'pairs'$",
+    match=r"^reward.type must be one of bradley_terry, ranking, stepwise, regression, verifier; got 'pairs'$",
   ):
     tasks.of_reward_type("pairs")
 
@@ -36,6 +37,7 @@ def test_an_unknown_reward_type_names_the_known_ones():
 def test_a_head_tells_its_task():
   assert tasks.of_head(_head("sequence", 1)) is tasks.PREFERENCE
   assert tasks.of_head(_head("token", 2)) is tasks.PROCESS
+  assert tasks.of_head(_head("lm", 1)) is tasks.VERIFIER
   # Attribute names make a sequence head one output per attribute, whatever its size.
   assert tasks.of_head(_head("sequence", 3), ("a", "b", "c")) is tasks.REGRESSION
   assert tasks.of_head(_head("sequence", 1), ("a",)) is tasks.REGRESSION
@@ -53,10 +55,13 @@ def test_the_head_a_task_trains_is_told_as_that_task():
 
 
 def test_every_task_has_datasets_an_evaluation_and_unpacked_batches():
-  assert {registry.task(n).name for n in registry.DATASET_NAMES} == set(tasks.TASKS)
+  # A verifier trains on a preference model's datasets and is evaluated as one, whose uses it serves.
+  own = {t.name for t in tasks.TASKS.values() if not t.serves}
+  assert {registry.task(n).name for n in registry.DATASET_NAMES} == own
   assert {registry.kind(n) for n in registry.DATASET_NAMES} == {t.data for t in tasks.TASKS.values()}
-  assert len(data_kinds.KINDS) == len(tasks.TASKS)
-  assert all(data_kinds.KINDS[t.evaluation].task is t for t in tasks.TASKS.values())
+  # A verifier's labelled items are the one kind of evaluation data besides the tasks' own.
+  assert set(data_kinds.KINDS) == {t.evaluation for t in tasks.TASKS.values()} | {"labelled"}
+  assert all(data_kinds.KINDS[t.evaluation].task.name in (t.name, *t.serves) for t in tasks.TASKS.values())
   assert all("none" in t.batches for t in tasks.TASKS.values())
 
 
@@ -64,6 +69,8 @@ def test_ranking_loss_counts_for_ranking_only():
   assert tasks.PREFERENCE.loss_key("ranking", "all_pairs") == ("ranking", "all_pairs")
   assert tasks.PREFERENCE.loss_key("bradley_terry", "all_pairs") == ("bradley_terry", None)
   assert tasks.PROCESS.loss_key("stepwise", "plackett_luce") == ("stepwise", None)
+  assert tasks.VERIFIER.loss_key("verifier", "bradley_terry") == ("verifier", None)
+  assert tasks.VERIFIER.loss_key("verifier", "all_pairs") == ("verifier", "all_pairs")
 
 
 def test_validation_metrics_are_those_a_run_reports(baseline):

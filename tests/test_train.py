@@ -388,8 +388,8 @@ def test_bad_reward_type_and_batch_sizes(model_dir, tmp_path):
   c = tiny_run.config(model_dir, str(tmp_path / "run"), reward__type="pairwise")
   with pytest.raises(
     UserError,
-    match=r"reward.type must be one of bradley_terry, ranking, stepwise, regression; "
-    r"got 'pairwise'",
+    match=r"reward.type must be one of bradley_terry, ranking, stepwise, regression, "
+    r"verifier; got 'pairwise'",
   ):
     tiny_run.train(c)
   c = tiny_run.config(model_dir, str(tmp_path / "run"), train__micro_batch_size=3)

@@ -234,8 +234,9 @@ def tokenizer_dir(cache_root: str) -> str:
 def tiny_model_dir(cache_root: str, head: str = "sequence") -> str:
   """A random 2-layer Llama with SmolLM2's tokenizer, saved under ``cache_root``.
 
-  ``head``: "sequence" (LlamaForSequenceClassification, one label) or "token"
-  (LlamaForTokenClassification, two labels: a process reward model).
+  ``head``: "sequence" (LlamaForSequenceClassification, one label), "token"
+  (LlamaForTokenClassification, two labels: a process reward model) or "causal" (LlamaForCausalLM
+  with tied embeddings, as SmolLM2's: a verifier's).
   """
   saved = os.path.join(cache_root, MODEL_CACHE + ("" if head == "sequence" else f"_{head}"))
   if os.path.exists(os.path.join(saved, "config.json")):
@@ -252,6 +253,7 @@ def tiny_model_dir(cache_root: str, head: str = "sequence") -> str:
     pad_token_id=tok.pad_token_id,
     bos_token_id=tok.bos_token_id,
     eos_token_id=tok.eos_token_id,
+    tie_word_embeddings=head == "causal",
   )
 
   def save(d):

@@ -11,6 +11,10 @@ Preference rows come in two layouts, told apart by their keys:
   messages that ``chosen`` and ``rejected`` share; for strings it is empty, the whole text being
   scored. An optional number ``margin`` is kept.
 
+A preference file may hold labelled items instead (TRL's unpaired preference rows): ``prompt`` /
+``completion`` / ``label`` (true: a good completion, false: a bad one), which only a generative
+verifier trains on (:class:`~jaxrm.data.records.LabelledRecord`).
+
 Both may carry ``strength``, a positive number: how strongly the preference was annotated
 (scaled Bradley-Terry weighs the pair by it).
 
@@ -35,7 +39,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxrm.data.drops import DropReport, row_error
-from jaxrm.data.records import Message, PreferenceRecord, RatedRecord, StepwiseRecord, Text
+from jaxrm.data.records import LabelledRecord, Message, PreferenceRecord, RatedRecord, StepwiseRecord, Text
 
 ROLES = ("system", "user", "assistant", "tool")
 DROP_IDENTICAL = "identical completions (chosen == rejected)"
@@ -226,18 +230,30 @@ def split_shared_prompt(chosen: Text, rejected: Text) -> tuple[Text, Text, Text]
 
 def parse_preference(
   row: dict, source: str, drops: DropReport, *, subset_field: str | None = "subset"
-) -> PreferenceRecord | None:
-  """A NeMo RL or TRL preference row (see the module docstring) as a record, or None if dropped."""
+) -> PreferenceRecord | LabelledRecord | None:
+  """A NeMo RL or TRL preference row, or a labelled item (see the module docstring), as a
+  record, or None if dropped."""
   if "completions" in row or "context" in row:
     return _nemo_preference(row, source, drops, subset_field)
   if "chosen" in row or "rejected" in row:
     return _trl_preference(row, source, drops, subset_field)
+  if "label" in row and "completion" in row:
+    return _trl_labelled(row, source, subset_field)
   raise row_error(
     source,
     None,
-    f"not a preference row: expected NeMo RL keys ('context', "
-    f"'completions') or TRL keys ('prompt', 'chosen', 'rejected'); got {sorted(row)}",
+    f"not a preference row: expected NeMo RL keys ('context', 'completions'), TRL keys ('prompt', "
+    f"'chosen', 'rejected') or a labelled item's ('prompt', 'completion', 'label'); got {sorted(row)}",
   )
+
+
+def _trl_labelled(row: dict, source: str, subset_field: str | None) -> LabelledRecord:
+  context = parse_text(required(row, "prompt", source), source, "prompt")
+  completion = parse_completion(row["completion"], source, "completion")
+  label = _label(row["label"], source, "label")
+  if isinstance(context, list) or isinstance(completion, list):
+    context, completion = as_chat(context, "user"), as_chat(completion, "assistant")
+  return LabelledRecord(context, completion, label, source, row_meta(row, subset_field))
 
 
 def _nemo_preference(row, source, drops, subset_field):

@@ -25,7 +25,7 @@ from jaxrm.batches import IGNORE_INDEX, PackedPreferenceBatch, PackedStepwiseBat
 # Re-exported: whoever packs rows reads the model's outputs back with these.
 from jaxrm.batches import group_logits as group_logits
 from jaxrm.batches import group_rewards as group_rewards
-from jaxrm.data.tokenize import PreferenceExample, RatedExample, StepwiseExample
+from jaxrm.data.tokenize import LabelledExample, PreferenceExample, RatedExample, StepwiseExample
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,11 +93,12 @@ def _length(unit: list[_Piece]) -> int:
 
 
 def packed_length(
-  example: PreferenceExample | StepwiseExample | RatedExample, shared_prompt: bool = False
+  example: PreferenceExample | StepwiseExample | RatedExample | LabelledExample, shared_prompt: bool = False
 ) -> int:
   """Tokens ``example`` takes in a packed row: every completion's, or with ``shared_prompt`` the
-  prompt's once and then each completion's own (one sequence of a stepwise or rated example)."""
-  if isinstance(example, (StepwiseExample, RatedExample)):
+  prompt's once and then each completion's own (one sequence of a stepwise, rated or labelled
+  example)."""
+  if isinstance(example, (StepwiseExample, RatedExample, LabelledExample)):
     return len(example.input_ids)
   return _length(_preference_unit(example, shared_prompt))
 

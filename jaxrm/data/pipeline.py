@@ -28,13 +28,13 @@ import numpy as np
 from absl import flags
 
 from jaxrm import sharding
-from jaxrm.batches import IGNORE_INDEX, Batch, PreferenceBatch, RegressionBatch, StepwiseBatch
+from jaxrm.batches import IGNORE_INDEX, Batch, LabelledBatch, PreferenceBatch, RegressionBatch, StepwiseBatch
 from jaxrm.data import grouping
 from jaxrm.data.packing import PackedCollator, PackSpec
-from jaxrm.data.tokenize import PreferenceExample, RatedExample, StepwiseExample
+from jaxrm.data.tokenize import LabelledExample, PreferenceExample, RatedExample, StepwiseExample
 from jaxrm.errors import DataError
 
-Example = PreferenceExample | StepwiseExample | RatedExample
+Example = PreferenceExample | StepwiseExample | RatedExample | LabelledExample
 
 
 def length_buckets(max_length: int, multiple: int = 64) -> tuple[int, ...]:
@@ -104,6 +104,8 @@ class Collator:
       return _collate_stepwise(local, n_real, length, self.pad_id)
     if isinstance(groups[0], RatedExample):
       return _collate_rated(local, n_real, length, self.pad_id)
+    if isinstance(groups[0], LabelledExample):
+      return _collate_labelled(local, n_real, length, self.pad_id)
     return _collate_preference(local, n_real, self.num_completions, length, self.pad_id)
 
   def _bucket(self, groups: Sequence[Example]) -> int:
@@ -348,6 +350,8 @@ def _collator(
     num_completions = max_completions(examples)
   if pack is not None and isinstance(examples[0], RatedExample):
     raise ValueError("rated examples are not packed: use data.packing='none' for reward.type='regression'")
+  if pack is not None and isinstance(examples[0], LabelledExample):
+    raise ValueError("labelled items (prompt, completion, label) are not packed yet: use data.packing='none'")
   if pack is not None:
     return PackedCollator(
       batch_size=batch_size,
@@ -445,12 +449,26 @@ def _collate_rated(
   )
 
 
+def _collate_labelled(
+  examples: Sequence[LabelledExample], n_real: int, length: int, pad_id: int
+) -> LabelledBatch:
+  """The first ``n_real`` of ``examples`` are real, the rest fillers."""
+  b = len(examples)
+  input_ids = np.full((b, length), pad_id, np.int32)
+  attention_mask = np.zeros((b, length), np.int32)
+  for i, e in enumerate(examples):
+    input_ids[i, : len(e.input_ids)] = e.input_ids
+    attention_mask[i, : len(e.input_ids)] = 1
+  labels = np.array([float(e.label) for e in examples], np.float32)
+  return LabelledBatch(input_ids, attention_mask, labels, _example_mask(b, n_real))
+
+
 def _example_mask(size: int, n_real: int) -> np.ndarray:
   """[size] float32: 1 for the first ``n_real`` entries, 0 for the fillers after them."""
   return (np.arange(size) < n_real).astype(np.float32)
 
 
 def _sequences(example: Example) -> Sequence[np.ndarray]:
-  if isinstance(example, (StepwiseExample, RatedExample)):
+  if isinstance(example, (StepwiseExample, RatedExample, LabelledExample)):
     return (example.input_ids,)
   return example.input_ids

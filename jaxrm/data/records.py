@@ -48,6 +48,18 @@ class RatedRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class LabelledRecord:
+  """A prompt and one completion labelled good (True) or bad (False): TRL's unpaired preference
+  rows, which a generative verifier trains on (:mod:`jaxrm.verifier`)."""
+
+  context: Text
+  completion: Text
+  label: bool
+  source: str
+  meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
 class StepwiseRecord:
   """A prompt and a solution split into steps, each labelled correct (True) or not (False)."""
 

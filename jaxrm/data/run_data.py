@@ -22,6 +22,7 @@ from jaxrm import metrics_writer, report, sharding, tasks
 from jaxrm.data import cache, packing, pipeline, registry
 from jaxrm.data.drops import DropReport
 from jaxrm.data.packing import PackSpec
+from jaxrm.data.tokenize import LabelledExample, PreferenceExample
 from jaxrm.errors import ConfigError
 from jaxrm.metrics import finalize_metrics
 
@@ -141,7 +142,7 @@ def load_run_data(config: RunConfig, tokenizer) -> RunData:
     return cache.load_tokenized(
       read,
       tokenizer=tokenizer,
-      options=spec.tokenize_options,
+      options=config.tokenize_options,
       drops=drops,
       source=source,
       cache_dir=spec.cache_directory,
@@ -156,18 +157,41 @@ def load_run_data(config: RunConfig, tokenizer) -> RunData:
     validation[name] = load(path, "validation", spec.max_val_rows, "data.max_val_rows", report)
     if not validation[name]:
       raise ConfigError(f"validation set {name!r} has no usable rows\n{report.summary(name)}")
+  sets = {"data.train_data_path": train, **{f"validation set {n!r}": v for n, v in validation.items()}}
+  for where, examples in sets.items():
+    _check_kind_of_items(where, examples, task, config.reward.type)
   if config.reward.preference_strength_scaling and all(e.strength is None for e in train):
     raise ConfigError(
       f"reward.preference_strength_scaling weighs each pair by its preference strength, but no "
       f"training row of {spec.dataset_name} has one: give rows a 'strength' (HelpSteer3 has "
       "overall_preference), or set reward.preference_strength_scaling=False"
     )
-  num_completions = (
-    max(pipeline.max_completions(examples) for examples in (train, *validation.values()))
-    if task is tasks.PREFERENCE
-    else None
-  )
+  grouped = [e for e in sets.values() if e and isinstance(e[0], PreferenceExample)]
+  num_completions = max(map(pipeline.max_completions, grouped)) if grouped else None
   return RunData(train, validation, drops, num_completions)
+
+
+def _check_kind_of_items(where: str, examples: Sequence, task: tasks.Task, reward_type: str) -> None:
+  """Labelled items (prompt, completion, label) train a task that takes them, and a set holds
+  one kind of row (the cache has checked a cached set)."""
+  if not examples:
+    return
+  first = examples[0]
+  if isinstance(first, LabelledExample) and not task.labelled:
+    takes = [r for t in tasks.TASKS.values() if t.labelled for r in t.reward_types]
+    raise ConfigError(
+      f"{where} holds labelled items (prompt, completion, label; {first.source}), which train "
+      f"reward.type={' or '.join(takes)} only, not {reward_type!r}: give preference pairs, or "
+      f"set reward.type={takes[0]!r}"
+    )
+  if isinstance(examples, list):
+    odd = next((e for e in examples if type(e) is not type(first)), None)
+    if odd is not None:
+      names = {LabelledExample: "labelled items", PreferenceExample: "preference pairs"}
+      raise ConfigError(
+        f"{where} mixes {names.get(type(first), type(first).__name__)} ({first.source}) with "
+        f"{names.get(type(odd), type(odd).__name__)} ({odd.source}); give one kind of row per file"
+      )
 
 
 def check_data(config: RunConfig, first_rows: int = FIRST_ROWS) -> None:
@@ -259,12 +283,17 @@ def _checked_task(config: RunConfig) -> tasks.Task:
   """The task ``reward.type`` trains, if ``data.dataset_name``'s records are its data."""
   name, task = config.data.dataset_name, config.reward.task
   data_task = registry.task(name)
-  if data_task is not task:
+  if data_task.data != task.data:
     raise ConfigError(
       f"reward.type={config.reward.type!r} does not fit data.dataset_name={name!r}, "
-      f"which holds {data_task.data} data (for reward.type {' or '.join(data_task.reward_types)})"
+      f"which holds {data_task.data} data (for reward.type {' or '.join(_reward_types(data_task.data))})"
     )
   return task
+
+
+def _reward_types(data: str) -> list[str]:
+  """The reward types whose tasks train on ``data`` (a :attr:`jaxrm.tasks.Task.data`)."""
+  return [r for t in tasks.TASKS.values() if t.data == data for r in t.reward_types]
 
 
 def _read_options(reward: RewardSpec, dataset_name: str) -> dict:

@@ -9,6 +9,13 @@ Layouts:
   Each sequence simply ends where the completion ends: the reward is read at the last position of
   the attention mask, so an end-of-turn token equal to the pad token (SmolLM2, Llama 3) is never
   mistaken for padding.
+* **Verifier** (``TokenizeOptions.verifier_question``). A preference row as a generative verifier
+  reads it: each completion followed by a user turn holding the question, rendered by the chat
+  template with the generation prompt, so that the sequence ends where the answer's token would
+  come (:mod:`jaxrm.verifier`). Plain text is made a conversation first: the context a user turn,
+  the completion an assistant turn. Truncation cuts the context only; the question stays.
+* **Labelled** (a verifier's unpaired items). Prompt + completion, laid out as one preference
+  completion is, and its label.
 * **Rated.** Prompt + response, laid out (and truncated) as one preference completion is.
 * **Stepwise.** ``prompt, step_1, sep, step_2, sep, ...`` where ``sep`` is the tokenized
   ``step_separator``. Step ``i``'s label (1 correct, 0 not) sits on the last token of the separator
@@ -52,7 +59,7 @@ import numpy as np
 
 from jaxrm.batches import IGNORE_INDEX
 from jaxrm.data.drops import DropReport, row_error
-from jaxrm.data.records import Message, PreferenceRecord, RatedRecord, StepwiseRecord, Text
+from jaxrm.data.records import LabelledRecord, Message, PreferenceRecord, RatedRecord, StepwiseRecord, Text
 
 # Drop reasons, as counted in the DropReport.
 PROMPT_TOO_LONG = "prompt alone is max_length tokens or longer"
@@ -76,12 +83,15 @@ class TokenizeOptions:
       context; see the module docstring).
     step_separator: text after every step of a stepwise row; its last token carries the label.
     train_on_last_step_only: keep only the last step's label (outcome supervision).
+    verifier_question: a verifier's question (:mod:`jaxrm.verifier`): each preference completion
+      is then followed by a user turn holding it and the generation prompt; None: no question.
   """
 
   max_length: int = 1024
   truncation: str = "drop"
   step_separator: str = "\n"
   train_on_last_step_only: bool = False
+  verifier_question: str | None = None
 
   def __post_init__(self):
     if self.truncation not in ("drop", "left"):
@@ -115,6 +125,17 @@ class RatedExample:
 
 
 @dataclasses.dataclass(frozen=True)
+class LabelledExample:
+  """A tokenized labelled item: prompt + completion (laid out as one preference completion), and
+  whether the completion is good."""
+
+  input_ids: np.ndarray  # int32 [T]
+  label: bool
+  source: str
+  meta: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
 class StepwiseExample:
   """A tokenized stepwise row."""
 
@@ -130,13 +151,16 @@ def tokenize_preference(
   """Tokenizes one preference row, or returns None after counting it in ``drops``."""
   order = sorted(range(len(record.ranks)), key=lambda i: record.ranks[i])
   completions = [record.completions[i] for i in order]
-  encoded = _encode_group(tokenizer, record.context, completions, record.source)
+  if opts.verifier_question is not None:
+    record, completions = _asked(tokenizer, record, completions, opts.verifier_question)
+  asks = opts.verifier_question is not None
+  encoded = _encode_group(tokenizer, record.context, completions, record.source, asks)
   if _longest(encoded) > opts.max_length:
     if opts.truncation == "drop":
       reason = PROMPT_TOO_LONG if _prompt_len(encoded) >= opts.max_length else PAIR_TOO_LONG
       drops.drop(reason, record.source)
       return None
-    encoded = _truncate_group_left(tokenizer, record, completions, encoded, opts.max_length)
+    encoded = _truncate_group_left(tokenizer, record, completions, encoded, opts.max_length, asks)
     if encoded is None:
       drops.drop(COMPLETION_TOO_LONG, record.source)
       return None
@@ -173,6 +197,20 @@ def tokenize_rated(
     source=record.source,
     meta=dict(record.meta),
   )
+
+
+def tokenize_labelled(
+  record: LabelledRecord, tokenizer, opts: TokenizeOptions, drops: DropReport
+) -> LabelledExample | None:
+  """Tokenizes one labelled item as a one-completion preference row, or returns None after
+  counting it in ``drops``."""
+  single = PreferenceRecord(
+    context=record.context, completions=(record.completion,), ranks=(0,), source=record.source
+  )
+  example = tokenize_preference(single, tokenizer, opts, drops)
+  if example is None:
+    return None
+  return LabelledExample(example.input_ids[0], bool(record.label), record.source, dict(record.meta))
 
 
 def prompt_group(context: Text) -> int:
@@ -233,11 +271,11 @@ def pad_id(tokenizer, model_pad_token_id: int | None = None) -> int:
 
 
 def tokenize_all(
-  records: Iterable[PreferenceRecord | StepwiseRecord | RatedRecord],
+  records: Iterable[PreferenceRecord | StepwiseRecord | RatedRecord | LabelledRecord],
   tokenizer,
   opts: TokenizeOptions,
   drops: DropReport,
-) -> list[PreferenceExample | StepwiseExample | RatedExample]:
+) -> list[PreferenceExample | StepwiseExample | RatedExample | LabelledExample]:
   """Tokenizes every record; dropped rows are counted in ``drops`` and left out."""
   out = []
   for record in records:
@@ -245,6 +283,8 @@ def tokenize_all(
       example = tokenize_preference(record, tokenizer, opts, drops)
     elif isinstance(record, RatedRecord):
       example = tokenize_rated(record, tokenizer, opts, drops)
+    elif isinstance(record, LabelledRecord):
+      example = tokenize_labelled(record, tokenizer, opts, drops)
     else:
       example = tokenize_stepwise(record, tokenizer, opts, drops)
     if example is not None:
@@ -256,8 +296,12 @@ def tokenize_all(
 _Encoded = tuple[list[int], int]
 
 
-def _encode_group(tokenizer, context: Text, completions: Sequence[Text], source: str) -> list[_Encoded]:
-  """Encodes prompt + completion for every completion; the prompt is tokenized once."""
+def _encode_group(
+  tokenizer, context: Text, completions: Sequence[Text], source: str, asks: bool = False
+) -> list[_Encoded]:
+  """Encodes prompt + completion for every completion; the prompt is tokenized once. With
+  ``asks`` (a verifier's, each completion ending with its question), conversations end with the
+  generation prompt."""
   if isinstance(context, list):
     prompt_text = _chat_text(tokenizer, context, False, source, "context") if context else ""
     prompt = _text_ids(tokenizer, prompt_text, special=False) if context else []
@@ -276,13 +320,47 @@ def _encode_group(tokenizer, context: Text, completions: Sequence[Text], source:
         "strings",
       )
     if isinstance(completion, list):
-      text = _chat_text(tokenizer, list(context or []) + completion, False, source, field)
+      text = _chat_text(tokenizer, list(context or []) + completion, asks, source, field)
       full = _continued_ids(tokenizer, prompt_text if context else "", prompt, text)
     else:
       full = _text_ids(tokenizer, (context or "") + completion, special=True)
     # A template or BPE merge may change tokens at the boundary; what is shared is the prompt.
     encoded.append((full, _common_prefix(full, prompt)))
   return encoded
+
+
+def _asked(
+  tokenizer, record: PreferenceRecord, completions: list[Text], question: str
+) -> tuple[PreferenceRecord, list[list[Message]]]:
+  """``record`` and its ``completions`` as a verifier reads them: conversations, each completion
+  followed by a user turn holding ``question`` (:func:`_encode_group` then renders it with the
+  generation prompt). Plain text becomes a user turn (the context, if any) and an assistant turn
+  (the completion)."""
+  if not getattr(tokenizer, "chat_template", None):
+    raise row_error(
+      record.source,
+      "completions",
+      "a verifier asks its question in a chat turn, and the tokenizer has no chat template; give "
+      "one (model.chat_template)",
+    )
+  context = record.context
+  if isinstance(context, str):
+    context = [{"role": "user", "content": context}] if context else []
+  turn = {"role": "user", "content": question}
+  asked = []
+  for i, completion in enumerate(completions):
+    if record.context and isinstance(record.context, list) != isinstance(completion, list):
+      kinds = ("a conversation", "plain text")
+      raise row_error(
+        record.source,
+        f"completions[{i}]",
+        f"is {kinds[isinstance(completion, str)]} but the context is {kinds[isinstance(record.context, str)]}; "
+        "give both as message lists or both as strings",
+      )
+    if isinstance(completion, str):
+      completion = [{"role": "assistant", "content": completion}]
+    asked.append([*completion, turn])
+  return dataclasses.replace(record, context=context), asked
 
 
 def _continued_ids(tokenizer, prefix_text: str, prefix_ids: list[int], text: str) -> list[int]:
@@ -360,14 +438,19 @@ def _added_tokens(tokenizer) -> _AddedTokens:
 
 
 def _truncate_group_left(
-  tokenizer, record: PreferenceRecord, completions: Sequence[Text], encoded: list[_Encoded], max_length: int
+  tokenizer,
+  record: PreferenceRecord,
+  completions: Sequence[Text],
+  encoded: list[_Encoded],
+  max_length: int,
+  asks: bool = False,
 ) -> list[_Encoded] | None:
   """Fits a group into ``max_length`` by cutting its context; None when no context cut is enough."""
   if isinstance(record.context, list):
     encoded = _fewest_turns_cut(
       record.context,
       encoded,
-      lambda shorter: _encode_group(tokenizer, shorter, completions, record.source),
+      lambda shorter: _encode_group(tokenizer, shorter, completions, record.source, asks),
       lambda encoded: _longest(encoded) <= max_length,
     )
   cut = _longest(encoded) - max_length

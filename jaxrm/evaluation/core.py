@@ -47,8 +47,9 @@ def evaluate(
 
   Args:
     rm: a :class:`jaxrm.RewardModel` of the kind the data needs: a preference reward model for
-      preference data, a process reward model (token head) for stepwise data, a regression model
-      (one output per name of ``rm.attributes``) for rated rows.
+      preference data (or a verifier: records then end with its question), a process reward model
+      (token head) for stepwise data, a regression model (one output per name of
+      ``rm.attributes``) for rated rows.
     data: a dataset, read as ``python -m jaxrm.evaluate --data`` reads it: a name of
       :data:`jaxrm.data.registry.DATASET_NAMES` (``"demo_arithmetic"``, ``"HelpSteer3"``...)
       read from its usual place, or a file or directory in the format ``dataset_name`` names
@@ -98,6 +99,9 @@ def evaluate(
   options = options or TokenizeOptions()
   if max_length is not None:
     options = dataclasses.replace(options, max_length=max_length)
+  verifier = getattr(rm, "verifier", None)
+  if verifier is not None:  # records are laid out as the verifier reads them: its question asked
+    options = dataclasses.replace(options, verifier_question=verifier.question)
   examples = _examples(rm, data, options, drops)
   name = kind_of(examples[0])
   kind = KINDS[name]

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from jaxrm import tasks
-from jaxrm.data.records import PreferenceRecord, RatedRecord, StepwiseRecord
-from jaxrm.data.tokenize import PreferenceExample, RatedExample, StepwiseExample
+from jaxrm.data.records import LabelledRecord, PreferenceRecord, RatedRecord, StepwiseRecord
+from jaxrm.data.tokenize import LabelledExample, PreferenceExample, RatedExample, StepwiseExample
 from jaxrm.errors import EvaluationError
 from jaxrm.evaluation import scores
 
@@ -39,6 +39,13 @@ class Kind:
   lines: Callable[[dict[str, Any]], list[str]]  # result -> the report's headline lines
   columns: Callable[[dict[str, Any]], tuple[str, ...]]  # result -> the subset table's metrics
   plot: Callable[[dict[str, Any], Any], None]  # (result, matplotlib axes): the scores' plot
+  # Its key in KINDS (a result's "kind"); None: its task's ``evaluation``. A task with data of two
+  # layouts (a verifier's pairs and labelled items) names the other one here.
+  name: str | None = None
+
+  @property
+  def key(self) -> str:
+    return self.name or self.task.evaluation
 
 
 def kind_of(example: Any) -> str:
@@ -130,6 +137,35 @@ def _stepwise_plot(result: dict[str, Any], ax) -> None:
     (("steps labelled correct", s["correct"]), ("steps labelled in error", s["error"])),
     "P(step correct)",
     "Predicted probability that a step is correct",
+  )
+
+
+# ------------------------------------------------------------------------------------ labelled items
+
+
+def _labelled_score(rm, batches, examples, extra):
+  del extra
+  return scores.labelled_arrays(rm, batches, len(examples))
+
+
+def _labelled_lines(result: dict[str, Any]) -> list[str]:
+  m = result["metrics"]
+  return [
+    f"accuracy           {m['accuracy']:.4f}  (baseline answering yes to all: {m['positive_rate']:.4f})",
+    f"AUROC              {m['auroc']:.4f}  (a good item's log-odds above a bad one's)",
+    f"ECE                {m['ece']:.4f}  (expected calibration error of P(yes), 10 bins)",
+    f"loss               {m['loss']:.4f}",
+    f"log-odds           {m['reward_mean']:.4f} ± {m['reward_std']:.4f}",
+  ]
+
+
+def _labelled_plot(result: dict[str, Any], ax) -> None:
+  s = result["scores"]
+  _histograms(
+    ax,
+    (("labelled good", s["good"]), ("labelled bad", s["bad"])),
+    "log p(yes) - log p(no)",
+    "A verifier's log-odds",
   )
 
 
@@ -240,6 +276,20 @@ _KINDS = (
     columns=_regression_columns,
     plot=_regression_plot,
   ),
+  Kind(
+    task=tasks.VERIFIER,
+    name="labelled",
+    record=LabelledRecord,
+    example=LabelledExample,
+    use="labelled items",
+    sequences=lambda e: (e.input_ids,),
+    prepare=_takes_no_combine("labelled"),
+    score=_labelled_score,
+    metrics=scores.labelled_metrics,
+    lines=_labelled_lines,
+    columns=lambda result: ("accuracy", "auroc", "ece", "positive_rate"),
+    plot=_labelled_plot,
+  ),
 )
 # An evaluation result's "kind" -> its Kind
-KINDS: dict[str, Kind] = {k.task.evaluation: k for k in _KINDS}
+KINDS: dict[str, Kind] = {k.key: k for k in _KINDS}

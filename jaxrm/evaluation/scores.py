@@ -16,11 +16,12 @@ import jax
 import numpy as np
 
 from jaxrm import losses
-from jaxrm.batches import IGNORE_INDEX, PreferenceBatch, RegressionBatch, StepwiseBatch
+from jaxrm.batches import IGNORE_INDEX, LabelledBatch, PreferenceBatch, RegressionBatch, StepwiseBatch
 from jaxrm.benchmarks import length_bias
 from jaxrm.config import combination_weights
 from jaxrm.data.tokenize import PreferenceExample
 from jaxrm.errors import EvaluationError
+from jaxrm.metrics import Scores as ScoreSamples
 from jaxrm.metrics import finalize_metrics
 from jaxrm.models.heads import correct_probability
 
@@ -121,6 +122,30 @@ def preference_metrics(a: PreferenceArrays, mask: np.ndarray) -> dict[str, float
   ):
     metrics[f"{name}_std"] = float(np.std(values)) if len(values) else math.nan
   return metrics
+
+
+# ------------------------------------------------------------------------------------- labelled items
+
+
+class LabelledArrays(NamedTuple):
+  log_odds: np.ndarray  # [N] float32: a verifier's log p(yes) - log p(no)
+  labels: np.ndarray  # [N] float32: 1 = good, 0 = bad
+
+
+def labelled_arrays(rm, batches: list[LabelledBatch], n: int) -> tuple[LabelledArrays, Scores]:
+  """The log-odds of every item; scores ``good``/``bad``: those of the items so labelled."""
+  log_odds = _rewards(rm, batches, 1).reshape(-1)[:n]
+  labels = np.concatenate([b.labels for b in batches])[:n]
+  return LabelledArrays(log_odds, labels), {"good": log_odds[labels > 0.5], "bad": log_odds[labels <= 0.5]}
+
+
+_labelled_sums = jax.jit(lambda *args: losses.labelled_loss(*args)[1])
+
+
+def labelled_metrics(a: LabelledArrays, mask: np.ndarray) -> dict[str, float]:
+  """The labelled items' validation metrics: loss, accuracy, positive rate, ECE and AUROC."""
+  metrics = finalize_metrics(_labelled_sums(a.log_odds, a.labels, mask))
+  return {**metrics, **finalize_metrics({"auroc": ScoreSamples(a.log_odds, a.labels, mask > 0)})}
 
 
 # ------------------------------------------------------------------------------------------ stepwise

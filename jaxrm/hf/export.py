@@ -1,6 +1,7 @@
 """Writes a model as a Hugging Face checkpoint directory that transformers loads.
 
-* ``config.json``: the ``*ForSequenceClassification`` / ``*ForTokenClassification`` architecture,
+* ``config.json``: the ``*ForSequenceClassification`` / ``*ForTokenClassification`` architecture
+  (a verifier's: ``*ForCausalLM``, its question and answers in a ``jaxrm_verifier.json`` beside it),
   ``num_labels``, ``pad_token_id`` (a regression model: ``problem_type="regression"`` and its
   attribute names as ``id2label``; a process reward model's two classes named by
   :data:`STEP_LABELS`), and any ``extra_config`` entries the caller records (transformers
@@ -75,6 +76,11 @@ def hf_tensors(model: Decoder, dtype: str = "float32") -> dict[str, np.ndarray]:
 
 def peft_tensors(model: Decoder, dtype: str = "float32") -> dict[str, np.ndarray]:
   """peft name -> host array: each layer's ``lora_A`` [r, in] and ``lora_B`` [out, r], and the head."""
+  if model.config.head == "lm":
+    raise ConfigError(
+      "a verifier's LoRA adapters are not written as a peft adapter directory yet: export it whole "
+      "(without adapters_only), a causal LM with the adapters merged"
+    )
   if not model.config.lora.enabled:
     raise ConfigError(
       "the model has no LoRA adapters (lora.rank is 0): export it whole (without "
@@ -119,6 +125,7 @@ EXPORT_FILES = re.compile(
   r"|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|added_tokens\.json"
   r"|vocab\.json|vocab\.txt|merges\.txt|tokenizer\.model|spiece\.model|sentencepiece\.bpe\.model"
   r"|chat_template\.jinja|chat_template\.json"
+  r"|jaxrm_[a-z_]+\.json"  # jaxrm's own files beside the model (extra_files)
 )
 
 
@@ -222,6 +229,7 @@ def save_pretrained(
   dtype: str | None = None,
   attributes: tuple[str, ...] | None = None,
   extra_config: dict[str, Any] | None = None,
+  extra_files: dict[str, Any] | None = None,
 ) -> None:
   """Writes ``model`` (and ``tokenizer``) to ``out_dir`` as an HF checkpoint directory; LoRA
   adapters are merged into the weights, and the config written is that of a model without them.
@@ -233,12 +241,18 @@ def save_pretrained(
     tokenizer: saved beside the weights; None writes no tokenizer files.
     attributes, extra_config: see :func:`hf_config`.
     dtype: tensor dtype, "float32" or "bfloat16" (default: the model's parameter dtype).
+    extra_files: ``jaxrm_<name>.json`` -> its JSON content: jaxrm's own files written beside the
+      model (a verifier's question and answers, :mod:`jaxrm.verifier`), or None.
 
   Raises:
     CheckpointError: ``out_dir`` holds files that no export writes.
   """
   out_dir = os.fspath(out_dir)
   dtype = _check_dtype(dtype or model.config.param_dtype)
+  extra_files = dict(extra_files or {})
+  for name in extra_files:
+    if not re.fullmatch(r"jaxrm_[a-z_]+\.json", name):
+      raise ValueError(f"extra file {name!r}: jaxrm's own files beside an export are jaxrm_<name>.json")
   earlier = _earlier_export(out_dir)
   save_safetensors(os.path.join(out_dir, "model.safetensors"), hf_tensors(model, dtype))
   config = hf_config(
@@ -247,6 +261,10 @@ def save_pretrained(
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(config, f, indent=2)
   written = ["model.safetensors", "config.json", *_save_tokenizer(out_dir, tokenizer)]
+  for name, content in extra_files.items():
+    with open(os.path.join(out_dir, name), "w") as f:
+      json.dump(content, f, indent=2)
+    written.append(name)
   if tokenizer is None:
     log.warning("the model has no tokenizer: %s holds no tokenizer files", out_dir)
   _remove_unwritten(out_dir, earlier, written)

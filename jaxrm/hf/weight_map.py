@@ -30,11 +30,15 @@ LM_HEAD = "lm_head.weight"  # absent when tied to the embedding
 SKIPPED = (re.compile("^" + re.escape(LM_HEAD) + "$"), re.compile(r".*rotary_emb\.inv_freq$"))
 
 HEAD_PARAMS = ("score", "score_bias")
+VERIFIER_HEAD = "lm_head"  # a verifier reads its answers' logits from it (jaxrm.verifier)
 
 
 def param_names(cfg: ModelConfig) -> list[str]:
-  names = ["embed", "final_norm", "score"] + (["score_bias"] if cfg.head_bias else [])
-  return names + [f"layers.{n}" for n in layer_param_shapes(cfg)]
+  if cfg.head == "lm":  # the LM head, unless tied to the embedding
+    head = [] if cfg.tie_word_embeddings else [VERIFIER_HEAD]
+  else:
+    head = ["score"] + (["score_bias"] if cfg.head_bias else [])
+  return ["embed", "final_norm", *head] + [f"layers.{n}" for n in layer_param_shapes(cfg)]
 
 
 def active_rules(cfg: ModelConfig) -> list[Rule]:
@@ -126,7 +130,13 @@ def _check_complete(cfg: ModelConfig, rules: list[Rule], slots: dict[str, list[S
     filled = {s.layer for s in slots.get(rule.param, [])}
     wanted = set(range(cfg.num_layers)) if "{i}" in rule.hf else {None}
     for layer in sorted(wanted - filled, key=lambda x: -1 if x is None else x):
-      raise CheckpointError(f"missing tensor {rule.hf.format(i=layer)!r} in the checkpoint")
+      why = ""
+      if rule.param == VERIFIER_HEAD:
+        why = (
+          ": a verifier reads its answers' logits from the LM head, and config.json does not tie it "
+          "to the embedding (tie_word_embeddings); load a causal LM (*ForCausalLM) as a verifier"
+        )
+      raise CheckpointError(f"missing tensor {rule.hf.format(i=layer)!r} in the checkpoint{why}")
 
 
 def to_hf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None, bool]]:

@@ -20,7 +20,7 @@ from jaxrm.errors import CheckpointError, ConfigError, UnsupportedModelError
 from jaxrm.models import families
 from jaxrm.models.lora import LoraConfig
 
-HEADS = ("sequence", "token")
+HEADS = ("sequence", "token", "lm")
 ROPE_TYPES = ("default", "linear", "llama3")
 REMAT_POLICIES = ("none", "full", "dots")
 # auto: the Pallas flash kernel on a GPU, the reference einsum elsewhere (see decoder.attention_route)
@@ -110,11 +110,15 @@ class ModelConfig:
   layer_types: tuple[str, ...] = ()  # per layer: "full_attention" | "sliding_attention"
   sliding_rope: RopeConfig | None = None  # the sliding layers' own rotary embedding; None: rope's
   attn_logit_softcapping: float | None = None
+  final_logit_softcapping: float | None = None  # the LM head's (Gemma 2): read by a verifier head
   query_pre_attn_scalar: float | None = None
   # (1 + w) RMSNorms (the q/k norms' too), sqrt(hidden) embedding scale, post-attn/post-mlp norms
   gemma_norms: bool = False
-  head: str = "sequence"  # sequence: one reward per row | token: num_labels logits per token
+  # sequence: one reward per row | token: num_labels logits per token | lm: a verifier's, one reward
+  # per row, the LM head's log-odds of two answer tokens (jaxrm.verifier)
+  head: str = "sequence"
   num_labels: int = 1
+  verifier_tokens: tuple[int, ...] = ()  # head "lm": the ids of its answers (yes, no)
   head_bias: bool = False  # *ForTokenClassification heads have a bias, *ForSequenceClassification not
   pad_token_id: int | None = None
   bos_token_id: int | None = None
@@ -132,6 +136,7 @@ class ModelConfig:
     families.get(self.family)  # an unknown family is an error naming the supported ones
     if self.head not in HEADS:
       raise ConfigError(f"head must be one of {HEADS}, got {self.head!r}")
+    self._check_verifier()
     if self.remat not in REMAT_POLICIES:
       raise ConfigError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
     if self.attention_impl not in ATTENTION_IMPLS:
@@ -155,6 +160,20 @@ class ModelConfig:
           f"but {', '.join(odd)} is odd; use base_dtype='int8' or 'bfloat16'"
         )
 
+  def _check_verifier(self) -> None:
+    if self.head != "lm":
+      if self.verifier_tokens:
+        raise ConfigError(f"verifier_tokens={self.verifier_tokens} belong to head='lm', not {self.head!r}")
+      return
+    tokens = self.verifier_tokens
+    if len(tokens) != 2 or tokens[0] == tokens[1] or not all(0 <= t < self.vocab_size for t in tokens):
+      raise ConfigError(
+        f"head='lm' needs verifier_tokens: the ids of its two different answers (yes, no), "
+        f"each below vocab_size={self.vocab_size}; got {tokens!r}"
+      )
+    if self.num_labels != 1:
+      raise ConfigError(f"head='lm' gives one reward per row; num_labels={self.num_labels}")
+
   @property
   def sliding_layers(self) -> np.ndarray:
     """bool [num_layers]: which layers use the sliding window."""
@@ -163,6 +182,11 @@ class ModelConfig:
     if not self.layer_types:
       return np.ones(self.num_layers, bool)
     return np.array([t == "sliding_attention" for t in self.layer_types])
+
+  @property
+  def per_token(self) -> bool:
+    """Whether the head gives outputs at every token (a token head), not one per row."""
+    return self.head == "token"
 
   @property
   def attn_scale(self) -> float:
@@ -268,10 +292,18 @@ def from_hf_config(hf: dict[str, Any], **overrides) -> ModelConfig:
   return ModelConfig(**kwargs)
 
 
+_ARCHITECTURE_SUFFIXES = {
+  "sequence": "ForSequenceClassification",
+  "token": "ForTokenClassification",
+  "lm": "ForCausalLM",
+}
+
+
 def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
-  """A transformers config dict for ``cfg`` with the matching classification architecture."""
+  """A transformers config dict for ``cfg`` with the matching classification architecture (a
+  verifier's: the causal LM)."""
   family = families.get(cfg.family)
-  suffix = "ForTokenClassification" if cfg.head == "token" else "ForSequenceClassification"
+  suffix = _ARCHITECTURE_SUFFIXES[cfg.head]
   rope = cfg.rope.to_hf()
   hf = {
     "model_type": family.model_type,
@@ -290,14 +322,17 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
     "max_position_embeddings": cfg.max_position_embeddings,
     "tie_word_embeddings": cfg.tie_word_embeddings,
     family.activation_field: cfg.hidden_act,
-    "num_labels": cfg.num_labels,
-    "id2label": {str(i): f"LABEL_{i}" for i in range(cfg.num_labels)},
-    "label2id": {f"LABEL_{i}": i for i in range(cfg.num_labels)},
     "pad_token_id": cfg.pad_token_id,
     "bos_token_id": cfg.bos_token_id,
     "eos_token_id": list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id,
     "torch_dtype": cfg.param_dtype,
   }
+  if cfg.head != "lm":  # a causal LM has no labels
+    hf.update(
+      num_labels=cfg.num_labels,
+      id2label={str(i): f"LABEL_{i}" for i in range(cfg.num_labels)},
+      label2id={f"LABEL_{i}": i for i in range(cfg.num_labels)},
+    )
   if cfg.sliding_window is not None:
     hf["sliding_window"] = cfg.sliding_window
     if cfg.layer_types:

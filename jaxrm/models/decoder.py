@@ -1,9 +1,10 @@
 """The decoder backbone with a reward head, for every supported family.
 
 Layer parameters are stacked along a leading ``layers`` axis and the forward pass scans over
-them, so a 30-layer model compiles one block, not thirty. The LM head is never computed: the
-model ends in a sequence head (``score``: one reward per row, read at the last real token) or a
-token head (``num_labels`` logits per token, for process reward models).
+them, so a 30-layer model compiles one block, not thirty. The LM head is never computed over the
+vocabulary: the model ends in a sequence head (``score``: one reward per row, read at the last real
+token), a token head (``num_labels`` logits per token, for process reward models), or a verifier
+head (two of the LM head's logits at the last real token: :mod:`jaxrm.verifier`).
 
 Attention takes one of three routes (:func:`attention_route`): the Pallas flash kernel
 (``flash_attention.py``, the default on a GPU), which masks from per-token ids; the reference
@@ -109,9 +110,15 @@ class Decoder(nnx.Module):
           stored_axes = quantize.stored(base_dtype, shape, axes)[suffix][2]
           setattr(self.layers, name + suffix, quantize.QuantizedWeight(value, logical_axes=stored_axes))
     self.final_norm = _param(rngs.params(), (cfg.hidden_size,), ("embed",), dtype, norm_init)
-    self.score = _param(
-      rngs.params(), (cfg.hidden_size, cfg.num_labels), ("embed", "labels"), dtype, heads.head_init(cfg)
-    )
+    if cfg.head == "lm":  # the LM head, unless tied to the embedding; no reward head
+      if not cfg.tie_word_embeddings:
+        self.lm_head = _param(
+          rngs.params(), (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype, normal
+        )
+    else:
+      self.score = _param(
+        rngs.params(), (cfg.hidden_size, cfg.num_labels), ("embed", "labels"), dtype, heads.head_init(cfg)
+      )
     if cfg.head_bias:
       self.score_bias = _param(
         rngs.params(), (cfg.num_labels,), ("labels",), dtype, jax.nn.initializers.zeros
@@ -204,12 +211,13 @@ class Decoder(nnx.Module):
     dropout_rng=None,
     placement: sharding.Placement | None = None,
   ):
-    """Rewards float32 [B] (sequence head, one label), [B, C] (several), or logits [B, T, C] (token head).
+    """Rewards float32 [B] (sequence head, one label; verifier head: the answers' log-odds), [B, C]
+    (several), or logits [B, T, C] (token head).
 
     Args:
       input_ids, attention_mask, positions, segment_ids, branch_ids, dropout_rng, placement: as in
         :meth:`hidden_states`.
-      reward_positions: [B, R] int32 (sequence head, packed rows): read a reward at each of these
+      reward_positions: [B, R] int32 (sequence or verifier head, packed rows): read a reward at each of these
         indices instead of at the last real token, giving rewards [B, R] ([B, R, C] for several
         labels); slots of -1 are unused and read 0.
     """
@@ -221,10 +229,21 @@ class Decoder(nnx.Module):
     h = self.hidden_states(
       input_ids, attention_mask, positions, segment_ids, branch_ids, dropout_rng, placement
     )
+    if cfg.head == "lm":
+      return heads.verifier_log_odds(
+        h, self.answer_weights(), attention_mask, reward_positions, cfg.final_logit_softcapping
+      )
     bias = self.score_bias[...] if cfg.head_bias else None
     if cfg.head == "token":
       return heads.token_logits(h, self.score[...], bias)
     return heads.sequence_rewards(h, self.score[...], bias, attention_mask, reward_positions)
+
+  def answer_weights(self):
+    """[D, 2]: the LM head's columns of a verifier's two answers (the embedding's rows, tied)."""
+    ids = jnp.asarray(self.config.verifier_tokens, jnp.int32)
+    if self.config.tie_word_embeddings:
+      return jnp.take(self.embed[...], ids, axis=0).T
+    return jnp.take(self.lm_head[...], ids, axis=1)
 
 
 def _rope_tables(cfg: ModelConfig, positions_bt) -> Callable:

@@ -2,7 +2,8 @@
 
 A sequence head reads one reward per row at the row's last real token (or, in packed rows, at
 given positions); a token head gives ``num_labels`` logits at every position, for process reward
-models, whose class 1 means "this step is correct".
+models, whose class 1 means "this step is correct"; a verifier head reads, where a sequence head
+would, the log-odds of two answer tokens from the LM head (:mod:`jaxrm.verifier`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,20 @@ def sequence_rewards(h_btd, w_dc, bias_c, attention_mask_bt, reward_positions_br
     h_last = jnp.take_along_axis(h_btd, last[:, None, None], axis=1)[:, 0]  # [B, D]
     rewards = L.linear(h_last.astype(jnp.float32), w, bias_c)
   return rewards[..., 0] if w_dc.shape[-1] == 1 else rewards
+
+
+def verifier_log_odds(h_btd, w_d2, attention_mask_bt, reward_positions_br=None, softcap: float | None = None):
+  """Float32 ``z_yes - z_no`` [B] at each row's last real token ([B, R] at ``reward_positions_br``,
+  0 in unused slots), ``w_d2`` [D, 2] being the LM head's columns of the two answers.
+
+  Only the two answers' logits are computed: ``log p(yes) - log p(no)`` needs no other, the
+  softmax's normaliser cancelling. ``softcap`` is the LM head's final soft-capping (Gemma 2), which
+  acts on each logit before the difference.
+  """
+  logits = sequence_rewards(h_btd, w_d2, None, attention_mask_bt, reward_positions_br)  # [..., 2]
+  if softcap is not None:
+    logits = softcap * jnp.tanh(logits / softcap)
+  return logits[..., 0] - logits[..., 1]
 
 
 def token_logits(h_btd, w_dc, bias_c):

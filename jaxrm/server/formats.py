@@ -9,7 +9,8 @@ so configured). :data:`ROUTES` gives each POST path its parser.
   a body with vLLM's pair fields instead (``text_1``/``text_2``, or ``queries`` with ``documents``
   or ``items``, or ``data_1``/``data_2``; jaxrm's fields share no name with them) is vLLM's score
   request, answered as vLLM answers it. ``/v1/score`` takes vLLM's only.
-* ``/classify``: vLLM's ``{"input"}`` or ``{"messages"}`` -> its ClassificationResponse; SGLang's
+* ``/classify``: vLLM's ``{"input"}`` or ``{"messages"}`` -> its ClassificationResponse (a
+  verifier's: its two answers as labels, with their probabilities); SGLang's
   ``{"text"}`` or ``{"input_ids"}`` (its native reward endpoint) -> ``{"embedding": [reward],
   "meta_info"}`` per item. ``/v1/classify`` takes vLLM's only.
 * ``/pooling``: vLLM's ``{"input"}`` or ``{"messages"}`` -> its PoolingResponse.
@@ -97,11 +98,35 @@ def _rewards(rewards: list[float], meta: Meta) -> Body:
 
 def parse_vllm_classify(enc: Encoder, body: Body) -> Scoring:
   """ClassificationRequest -> ClassificationResponse: one ``probs`` entry per item, the served
-  output's (``num_classes`` 1)."""
+  output's (``num_classes`` 1); a verifier's: its two answers' probabilities (``num_classes`` 2),
+  labelled by the likelier answer."""
+  if enc.rm.kind == kinds.VERIFIER:
+    return _verifier_classify(enc, body)
   rows, act, label, model = _vllm_rows(enc, body), _activation(enc, body), _label(enc), _model(body)
 
   def write(rewards: list[float], meta: Meta) -> Body:
     data = [{"index": i, "label": label, "probs": [act(r)], "num_classes": 1} for i, r in enumerate(rewards)]
+    return {**_vllm_head("classify", model, meta), "data": data, "usage": _usage(rows)}
+
+  return Scoring(rows, write)
+
+
+def _verifier_classify(enc: Encoder, body: Body) -> Scoring:
+  """A verifier's ClassificationResponse: ``probs`` [p(yes), p(no)] of its answers, the softmax
+  over the two (``sigmoid`` of the served log-odds), ``label`` the likelier answer."""
+  if body.get("use_activation") is False or body.get("activation") is False:
+    raise RequestError(
+      400,
+      "this server's model is a verifier, which classifies by its answers' probabilities: leave "
+      "'use_activation' out (its log-odds are /score's rewards)",
+    )
+  rows, model, (yes, no) = _vllm_rows(enc, body), _model(body), enc.rm.verifier.answers
+
+  def write(rewards: list[float], meta: Meta) -> Body:
+    data = []
+    for i, r in enumerate(rewards):
+      p = _sigmoid(r)
+      data.append({"index": i, "label": yes if p >= 0.5 else no, "probs": [p, 1.0 - p], "num_classes": 2})
     return {**_vllm_head("classify", model, meta), "data": data, "usage": _usage(rows)}
 
   return Scoring(rows, write)

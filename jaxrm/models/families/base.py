@@ -112,7 +112,8 @@ LAYER = "model.layers.{i}."
 ATTN = LAYER + "self_attn."
 MLP = LAYER + "mlp."
 
-# Embedding, final norm, projections (biases where the config has them) and the reward head.
+# Embedding, final norm, projections (biases where the config has them), the reward head and the LM
+# head (a verifier's).
 DECODER_RULES = (
   Rule("model.embed_tokens.weight", "embed"),
   Rule("model.norm.weight", "final_norm"),
@@ -123,6 +124,7 @@ DECODER_RULES = (
   *(Rule(f"{MLP}{p}_proj.bias", f"layers.{p}_bias") for p in ("gate", "up", "down")),
   Rule("score.weight", "score", True),
   Rule("score.bias", "score_bias"),
+  Rule("lm_head.weight", "lm_head", True),  # a verifier's, unless tied to the embedding
 )
 # Llama's name for the norm before the MLP.
 PRE_MLP_NORM = (Rule(LAYER + "post_attention_layernorm.weight", "layers.mlp_norm"),)

@@ -8,6 +8,7 @@ from jaxrm.models.families.base import Family
 def _read(hf: dict) -> dict:
   return {
     "attn_logit_softcapping": hf.get("attn_logit_softcapping"),
+    "final_logit_softcapping": hf.get("final_logit_softcapping", 30.0),  # transformers' default
     "query_pre_attn_scalar": hf.get("query_pre_attn_scalar"),
     "gemma_norms": True,
     **base.sliding(hf, base.alternating_layer_types),
@@ -18,7 +19,8 @@ def _write(cfg) -> dict:
   return {
     "attn_logit_softcapping": cfg.attn_logit_softcapping,
     "query_pre_attn_scalar": cfg.query_pre_attn_scalar,
-    "final_logit_softcapping": None,  # the LM head's, which a reward model does not have
+    # the LM head's: a verifier reads it; transformers' classifiers ignore it
+    "final_logit_softcapping": cfg.final_logit_softcapping,
   }
 
 

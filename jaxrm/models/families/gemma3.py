@@ -50,6 +50,7 @@ def _read(hf: dict) -> dict:
     "qk_norm": True,
     "gemma_norms": True,
     "attn_logit_softcapping": hf.get("attn_logit_softcapping"),
+    "final_logit_softcapping": hf.get("final_logit_softcapping"),
     "query_pre_attn_scalar": hf.get("query_pre_attn_scalar", 256),
     **base.sliding({"sliding_window": _WINDOW, **hf}, _layer_types),
     **_ropes(hf),
@@ -62,7 +63,8 @@ def _write(cfg) -> dict:
     "attention_bias": cfg.qkv_bias,
     "attn_logit_softcapping": cfg.attn_logit_softcapping,
     "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_dim,
-    "final_logit_softcapping": None,  # the LM head's, which a reward model does not have
+    # the LM head's: a verifier reads it; transformers' classifiers ignore it
+    "final_logit_softcapping": cfg.final_logit_softcapping,
     "use_bidirectional_attention": False,
     # transformers builds the sliding layers' mask even when no layer uses it: a window must be set.
     "sliding_window": cfg.sliding_window or _WINDOW,

@@ -1,0 +1,96 @@
+"""The generative verifier: a causal LM asked a yes/no question about a conversation.
+
+A verifier's score of a conversation is ``log p(yes) - log p(no)`` of the token that follows the
+conversation and one more user turn holding :attr:`Verifier.question`, rendered by the tokenizer's
+chat template with the generation prompt (:mod:`jaxrm.data.tokenize` lays it out). The softmax's
+normaliser cancels in the difference, so the score is ``z_yes - z_no``: the last hidden state
+dotted with the difference of the two answers' rows of the LM head
+(:func:`jaxrm.models.heads.verifier_log_odds`), and no other logit is computed.
+
+This module holds what names a verifier (its question and answers), the check that each answer is
+one token, and the file an export records them in (:data:`FILE`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from jaxrm.errors import CheckpointError, ConfigError
+
+DEFAULT_QUESTION = "Is the last response correct and helpful? Answer Yes or No."
+DEFAULT_ANSWERS = ("Yes", "No")
+FILE = "jaxrm_verifier.json"  # beside an export's config.json: its question and answers
+
+
+@dataclasses.dataclass(frozen=True)
+class Verifier:
+  """What a verifier asks (``question``) and the two answers it weighs (``answers``: yes, no)."""
+
+  question: str = DEFAULT_QUESTION
+  answers: tuple[str, str] = DEFAULT_ANSWERS
+
+  def __post_init__(self):
+    if not isinstance(self.question, str) or not self.question.strip():
+      raise ConfigError(f"a verifier's question must be a non-empty string; got {self.question!r}")
+    answers = self.answers
+    if isinstance(answers, str):
+      answers = tuple(a.strip() for a in answers.split(","))
+    if not isinstance(answers, (tuple, list)) or len(answers) != 2:
+      raise ConfigError(f"a verifier's answers are two (yes, then no), e.g. 'Yes,No'; got {self.answers!r}")
+    if not all(isinstance(a, str) and a for a in answers) or answers[0] == answers[1]:
+      raise ConfigError(f"a verifier's answers must be two different non-empty strings; got {self.answers!r}")
+    object.__setattr__(self, "answers", tuple(answers))
+
+  @classmethod
+  def of(cls, value: bool | Mapping[str, Any] | Verifier) -> Verifier:
+    """``True`` (the defaults), a dict with ``question`` and/or ``answers``, or a Verifier."""
+    if isinstance(value, Verifier):
+      return value
+    if value is True:
+      return cls()
+    if isinstance(value, Mapping):
+      unknown = sorted(set(value) - {"question", "answers"})
+      if unknown:
+        raise ConfigError(f"verifier= takes 'question' and 'answers'; got {', '.join(map(repr, unknown))}")
+      return cls(**value)
+    raise ConfigError(
+      f"verifier= takes True, a dict {{'question': ..., 'answers': ['Yes', 'No']}} or a "
+      f"jaxrm.verifier.Verifier; got {value!r}"
+    )
+
+  def token_ids(self, tokenizer: Any) -> tuple[int, int]:
+    """The ids of the two answers; each must be one token as
+    ``tokenizer.encode(answer, add_special_tokens=False)`` gives it."""
+    ids = []
+    for answer in self.answers:
+      encoded = list(tokenizer.encode(answer, add_special_tokens=False))
+      if len(encoded) != 1:
+        pieces = tokenizer.convert_ids_to_tokens(encoded)
+        raise ConfigError(
+          f"the verifier's answer {answer!r} is {len(encoded)} tokens for this tokenizer "
+          f"({', '.join(map(repr, pieces)) or 'none'}); each answer must be one token: choose "
+          "others (reward.verifier_answers, or verifier={'answers': [...]})"
+        )
+      ids.append(int(encoded[0]))
+    return ids[0], ids[1]
+
+  def to_json(self) -> dict[str, Any]:
+    """What :data:`FILE` holds."""
+    return {"question": self.question, "answers": list(self.answers)}
+
+
+def read(directory: str | os.PathLike) -> Verifier | None:
+  """The verifier an export in ``directory`` records (:data:`FILE`), or None when it has none."""
+  path = os.path.join(os.fspath(directory), FILE)
+  if not os.path.isfile(path):
+    return None
+  try:
+    with open(path) as f:
+      saved = json.load(f)
+    return Verifier(question=saved["question"], answers=tuple(saved["answers"]))
+  except (OSError, ValueError, KeyError, TypeError, ConfigError) as e:
+    raise CheckpointError(f"{path}: not a verifier's question and answers ({e})") from None
