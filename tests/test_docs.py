@@ -2,6 +2,7 @@
 (a broken link or anchor, a page missing from the nav or a nav entry missing, a bad reference)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -39,6 +40,31 @@ def test_every_compat_key_is_on_its_page():
   assert [f for f, *_ in gen_docs.trl_rows()] == list(trl_args.FLAGS)
   nemo = {k for k, *_ in gen_docs.nemo_rows()}
   assert {"rm.max_num_steps", "policy.optimizer.kwargs.lr", "data.val_data_path", "logger.mlflow"} <= nemo
+
+
+def test_readme_links_name_pages_that_exist():
+  with open(os.path.join(ROOT, "README.md")) as f:
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", f.read())
+  local = [link for link in links if "://" not in link]
+  assert local, "the README points into docs/"
+  assert [link for link in local if not os.path.exists(os.path.join(ROOT, link))] == []
+
+
+def test_example_rows_are_read_as_their_format_reads_them(tmp_path):
+  """Every example row on the reward tasks page is one record of the format it names, none dropped."""
+  from jaxrm import load_dataset
+  from jaxrm.data.drops import DropReport
+
+  with open(os.path.join(ROOT, "docs", "training", "tasks.md")) as f:
+    rows = re.findall(r"<!-- row: (\w+) -->\n```json\n(.*?)\n```", f.read())
+  assert {name for name, _ in rows} == {"PreferenceDataset", "StepwiseDataset", "RatedDataset"}
+  for i, (name, row) in enumerate(rows):
+    path = tmp_path / f"{i}.jsonl"
+    path.write_text(row + "\n")
+    drops = DropReport()
+    options = {"attributes": ("helpfulness", "correctness", "verbosity")} if name == "RatedDataset" else {}
+    records = load_dataset(name, str(path), drops=drops, **options)
+    assert (len(records), drops.total) == (1, 0), (name, row)
 
 
 @pytest.mark.slow
