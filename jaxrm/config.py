@@ -153,7 +153,7 @@ class RewardSpec:
 
   type: str = "bradley_terry"  # bradley_terry | ranking | stepwise | regression
   ranking_loss: str = "plackett_luce"  # for type=ranking: plackett_luce | all_pairs
-  center_rewards_coefficient: float = 0.0
+  center_rewards_coefficient: float = 0.0  # TRL's: adds coef * mean((r_chosen + r_rejected)^2) to the loss
   # bradley_terry: weight each pair's loss by its annotated preference strength (scaled BT)
   preference_strength_scaling: bool = False
   # regression: the rated attributes, comma-separated, in the order of the head's outputs
@@ -312,6 +312,7 @@ class DataSpec:
 
   dataset_name: str = "demo_arithmetic"  # the data format or named set (docs: Reward tasks and data)
   train_data_path: str = ""  # empty: the dataset's default (demo sets: made on the spot)
+  # validation set name -> path; each set's metrics are validation-<name>_<metric>
   val_data_paths: dict[str, str] = dataclasses.field(default_factory=lambda: dict(DEFAULT_VAL_DATA_PATHS))
   max_length: int = 256  # tokens per sequence (prompt + completion); longer rows: see truncation
   truncation: str = "drop"  # over-long rows: drop (counted) | left (lose their oldest context)
@@ -423,14 +424,14 @@ def _own_data(spec: DataSpec) -> None:
 class TrainSpec:
   global_batch_size: int = 16  # groups (pairs, ranked lists or stepwise rows) per update
   micro_batch_size: int = 16  # groups per device per forward pass (gradient accumulation)
-  max_steps: int = 100
+  max_steps: int = 100  # optimizer updates; the run ends here or after max_epochs, whichever is first
   max_epochs: int = 1  # the run ends at max_steps or after this many epochs, whichever is first
   learning_rate: float = 1e-5  # peak learning rate, after warmup
   # transformers' get_scheduler names (TRL's lr_scheduler_type): cosine | cosine_with_min_lr | linear
   # | constant (no warmup) | constant_with_warmup | inverse_sqrt ("inverse-square-root" too)
   lr_scheduler: str = "cosine"
   min_lr_ratio: float = 0.0  # where cosine and linear end, as a fraction of learning_rate
-  warmup_steps: int = 10
+  warmup_steps: int = 10  # steps of linear warmup from 0 to learning_rate
   weight_decay: float = 0.0  # AdamW's decoupled weight decay
   max_grad_norm: float = 1.0  # gradients clipped to this global norm (0: no clipping)
   # AdamW's betas and eps, under TRL's names (NeMo RL: optimizer.kwargs.betas / eps, or Megatron's

@@ -47,7 +47,8 @@ def _cell(text: Any) -> str:
 
 
 def _prose(text: str) -> str:
-  return text.replace("\n", " ").replace("|", "\\|")
+  """Text safe inside a Markdown table cell, as prose (``<dir>`` shown, not read as an HTML tag)."""
+  return text.replace("\n", " ").replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
 
 
 # ------------------------------------------------------------------ config reference
@@ -56,11 +57,13 @@ def _prose(text: str) -> str:
 def _field_comments(cls) -> dict[str, str]:
   """Each field of a dataclass -> its comment: the one on its line, else the block just above it."""
   source = textwrap.dedent(inspect.getsource(cls))
-  comments = {
-    tok.start[0]: tok.string.lstrip("#").strip()
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline)
-    if tok.type == tokenize.COMMENT
-  }
+  lines = source.splitlines()
+  comments, own_line = {}, set()  # line -> comment; the lines that hold nothing but a comment
+  for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+    if tok.type == tokenize.COMMENT:
+      comments[tok.start[0]] = tok.string.lstrip("#").strip()
+      if lines[tok.start[0] - 1].lstrip().startswith("#"):
+        own_line.add(tok.start[0])
   out = {}
   for node in ast.parse(source).body[0].body:
     if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
@@ -70,7 +73,7 @@ def _field_comments(cls) -> dict[str, str]:
       out[node.target.id] = comments[line]
       continue
     above, above_line = [], line - 1
-    while above_line in comments:
+    while above_line in own_line:
       above.insert(0, comments[above_line])
       above_line -= 1
     out[node.target.id] = " ".join(above)
