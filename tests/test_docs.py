@@ -28,6 +28,17 @@ def test_a_stale_page_is_found(tmp_path, monkeypatch):
   assert gen_docs.stale() == []
 
 
+def test_a_changed_compat_table_makes_its_page_stale(monkeypatch):
+  """A flag added to TRL's table, or a NeMo RL key mapped differently, without regenerating."""
+  from jaxrm.compat import nemo, trl_args
+
+  monkeypatch.setitem(trl_args.FLAGS, "new_flag", (int, 3))
+  assert gen_docs.stale() == ["docs/coming-from-trl.md"]
+  monkeypatch.delitem(trl_args.FLAGS, "new_flag")
+  monkeypatch.setitem(nemo._SECTIONS, "cluster", lambda values, tr, config: tr.ignore("cluster", "changed"))
+  assert gen_docs.stale() == ["docs/coming-from-nemo.md"]
+
+
 def test_every_config_key_has_a_meaning():
   rows = gen_docs.config_rows()
   assert [key for key, _, _, meaning in rows if not meaning] == []
