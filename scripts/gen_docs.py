@@ -225,12 +225,40 @@ TRL_EXAMPLE = (
 ).split()
 
 
-def trl_rows() -> list[tuple[str, str, str]]:
-  """(flag, TRL's default, what it becomes in :data:`TRL_EXAMPLE`) for every declared flag.
+# Values the TRL page tries a flag at when TRL's example leaves it out and it is not a bool (whose
+# other value is tried): a flag that reads a file (--chat_template_path) is not tried.
+TRL_PROBES: dict[str, Any] = {
+  "dataset_config": "default",
+  "datasets": ["other/dataset"],
+  "test_split_size": 0.1,
+  "model_revision": "dev",
+  "attn_implementation": "eager",
+  "lora_target_parameters": ["experts.gate_up_proj"],
+  "lora_modules_to_save": ["score"],
+  "bnb_4bit_quant_storage": "uint8",
+  "model_init_kwargs": '{"device_map": "auto"}',
+  "dataset_num_proc": 4,
+  "eos_token": "<|im_end|>",
+  "pad_token": "<|endoftext|>",
+  "max_steps": 500,
+  "lr_scheduler_kwargs": '{"min_lr_rate": 0.1}',
+  "warmup_ratio": 0.1,
+  "data_seed": 7,
+  "greater_is_better": True,
+  "run_name": "rm-1",
+  "gradient_accumulation_steps": 4,
+  "lr_scheduler_type": "cosine",
+}
 
-  A flag that the example does not name is given alone at the value opposite its default (a
-  bool) to show what that does; other flags keep TRL's default.
-  """
+
+def _fate_of(flag: str, fates: list[tuple[str, str]]) -> str:
+  return "; ".join(f for k, f in fates if flag in k.replace("/", " ").replace("--", " ").split())
+
+
+def trl_rows() -> list[tuple[str, str, str]]:
+  """(flag, TRL's default, what it becomes) for every declared flag: in :data:`TRL_EXAMPLE`, and
+  for a flag the example leaves out, also at its other value (a bool) or at its
+  :data:`TRL_PROBES` value, given alone on top of the example."""
   from jaxrm.compat import trl_args
   from jaxrm.errors import ConfigError
 
@@ -238,19 +266,16 @@ def trl_rows() -> list[tuple[str, str, str]]:
   fates = trl_args.translate(given, device_count=1).fates
   rows = []
   for flag, (kind, default) in trl_args.FLAGS.items():
-    fate = "; ".join(f for k, f in fates if flag in k.replace("/", " ").replace("--", " ").split())
-    if flag not in given and kind is bool:
-      flipped = dict(given, **{flag: not default})
+    fate = _fate_of(flag, fates)
+    probe = (not default) if kind is bool else TRL_PROBES.get(flag)
+    if flag not in given and probe is not None:
       try:
-        tried = trl_args.translate(flipped, device_count=1).fates
-        flip = "; ".join(f for k, f in tried if flag in k.replace("/", " ").replace("--", " ").split())
+        tried = _fate_of(flag, trl_args.translate(dict(given, **{flag: probe}), device_count=1).fates)
       except ConfigError as e:
-        flip = f"refused: {e}"
-      fate = (
-        f"{fate}; `--{flag}={not default}`: {flip or 'as above'}"
-        if fate
-        else f"`--{flag}={not default}`: {flip}"
-      )
+        tried = f"refused: {e}"
+      shown = " ".join(probe) if isinstance(probe, list) else probe
+      tried = f"`--{flag} {shown}`: {tried or 'as at the default'}"
+      fate = f"{fate}; {tried}" if fate else tried
     rows.append((flag, repr(default), fate or "not mapped at TRL's default (see above)"))
   return rows
 
