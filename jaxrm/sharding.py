@@ -47,11 +47,11 @@ class MeshConfig:
   ("zigzag": shard i of c holds chunks i and 2c-1-i of 2c, so that causal attention costs each
   shard alike; "none": contiguous quarters, halves...)."""
 
-  data: int = 1
-  fsdp: int = -1
-  tensor: int = 1
-  context: int = 1
-  context_balance: str = "zigzag"
+  data: int = 1  # devices holding whole copies of the weights, each on its own rows
+  fsdp: int = -1  # devices sharding weights and optimizer state (and the rows); -1: the rest
+  tensor: int = 1  # devices splitting attention heads and the MLP
+  context: int = 1  # devices splitting each row's tokens (long rows)
+  context_balance: str = "zigzag"  # zigzag | none: how a row's tokens are dealt to context shards
 
   def __post_init__(self):
     for name in ("data", "fsdp", "tensor", "context"):

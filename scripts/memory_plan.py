@@ -6,7 +6,7 @@ XLA's GPU compiler, per named shape (``scripts/bench_common.py``: their config.j
 sequence length, remat policy, mesh and gradient accumulation, with each device's parameter,
 optimizer-state and temporary bytes against an 80 GB and a 141 GB GPU, each card's verdict from a
 compile for its own GPU (``--gpu``: compile-only H100 and H200 devices of ``jaxrm.gpu_targets``,
-one host of as many as the mesh needs; results and caveats: BENCHMARKS.md)::
+one host of as many as the mesh needs; results and caveats: docs/benchmarks.md)::
 
   python scripts/memory_plan.py --json=scripts/memory_plan.json
   python scripts/memory_plan.py --plan_models=llama3.1-8b --plan_lengths=8192 --plan_meshes=1x8x1
@@ -57,7 +57,7 @@ PLAN_BACKENDS = ("gpu", "cpu")
 # Memory of one GPU as nvidia-smi reports it (MiB): an 80 GB H100 and a 141 GB H200.
 CARDS_GIB = {"80 GB": 81559 / 1024, "141 GB": 143771 / 1024}
 # The GPU target each card's column is compiled for (jaxrm.gpu_targets): XLA's GPU compiler reads
-# the card's memory and bandwidth, and its programs for the two differ a little (BENCHMARKS.md).
+# the card's memory and bandwidth, and its programs for the two differ a little (docs/benchmarks.md).
 CARD_OF_TARGET = {"h100-80gb": "80 GB", "h200": "141 GB"}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -468,7 +468,7 @@ def gated(act, gate_nf, up_nf):
 
   Differentiated as written, XLA keeps the activation's intermediates too (for SiLU: the sigmoid,
   the activation and the product), each a [N, F] array per layer; here the backward recomputes
-  them from ``gate``: 1.1 GB less per training step of a 135M model on 2048 tokens (BENCHMARKS.md).
+  them from ``gate``: 1.1 GB less per training step of a 135M model on 2048 tokens (docs/benchmarks.md).
   """
   return act(gate_nf) * up_nf
 
