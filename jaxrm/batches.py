@@ -60,8 +60,24 @@ class PreferenceBatch:
     return _unpacked_counts(mask, np.asarray(self.ranks).reshape(mask.shape[:-1]) >= 0)
 
 
+class _OneRowEach:
+  """Rows that each hold one example's sequence, filler rows marked by ``example_mask``."""
+
+  packed: ClassVar[bool] = False
+
+  def token_counts(self) -> tuple[int, float]:
+    """(tokens of the real rows, their share of the token slots), on the host."""
+    return _unpacked_counts(np.asarray(self.attention_mask), np.asarray(self.example_mask) > 0)
+
+
+class _OneOutputPerRow(_OneRowEach):
+  def outputs(self, model) -> jax.Array:
+    """The model's outputs shaped as ``labels``: predictions [G, A] or log-odds [G]."""
+    return model(self.input_ids, self.attention_mask).reshape(self.labels.shape)
+
+
 @struct.dataclass
-class StepwiseBatch:
+class StepwiseBatch(_OneRowEach):
   """G sequences, one per row, labelled at the last token of each step."""
 
   input_ids: Array  # [G, T] int32, right-padded with pad_id
@@ -69,19 +85,13 @@ class StepwiseBatch:
   labels: Array  # [G, T] int32: 1 = step correct, 0 = step in error, IGNORE_INDEX = no step
   example_mask: Array  # [G] float32: 0 for filler sequences
 
-  packed: ClassVar[bool] = False
-
   def outputs(self, model) -> jax.Array:
     """Logits [G, T, C]."""
     return model(self.input_ids, self.attention_mask)
 
-  def token_counts(self) -> tuple[int, float]:
-    """(tokens of the real sequences, their share of the token slots), on the host."""
-    return _unpacked_counts(np.asarray(self.attention_mask), np.asarray(self.example_mask) > 0)
-
 
 @struct.dataclass
-class RegressionBatch:
+class RegressionBatch(_OneOutputPerRow):
   """G responses, one per row, each rated on A attributes (a missing rating is masked)."""
 
   input_ids: Array  # [G, T] int32, right-padded with pad_id
@@ -91,19 +101,9 @@ class RegressionBatch:
   group: Array  # [G] int32: rows that answer one prompt share it (validation's same-prompt pairs)
   example_mask: Array  # [G] float32: 0 for filler rows
 
-  packed: ClassVar[bool] = False
-
-  def outputs(self, model) -> jax.Array:
-    """Predictions [G, A]."""
-    return model(self.input_ids, self.attention_mask).reshape(self.labels.shape)
-
-  def token_counts(self) -> tuple[int, float]:
-    """(tokens of the real rows, their share of the token slots), on the host."""
-    return _unpacked_counts(np.asarray(self.attention_mask), np.asarray(self.example_mask) > 0)
-
 
 @struct.dataclass
-class LabelledBatch:
+class LabelledBatch(_OneOutputPerRow):
   """G labelled items, one per row: a completion after its prompt, good (1) or bad (0); a
   generative verifier's unpaired data (:mod:`jaxrm.verifier`)."""
 
@@ -111,16 +111,6 @@ class LabelledBatch:
   attention_mask: Array  # [G, T] int32
   labels: Array  # [G] float32: 1 = good, 0 = bad
   example_mask: Array  # [G] float32: 0 for filler rows
-
-  packed: ClassVar[bool] = False
-
-  def outputs(self, model) -> jax.Array:
-    """Log-odds [G]."""
-    return model(self.input_ids, self.attention_mask).reshape(self.labels.shape)
-
-  def token_counts(self) -> tuple[int, float]:
-    """(tokens of the real rows, their share of the token slots), on the host."""
-    return _unpacked_counts(np.asarray(self.attention_mask), np.asarray(self.example_mask) > 0)
 
 
 @struct.dataclass

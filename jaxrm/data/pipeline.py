@@ -414,12 +414,9 @@ def _collate_stepwise(
 ) -> StepwiseBatch:
   """The first ``n_real`` of ``examples`` are real, the rest fillers."""
   b = len(examples)
-  input_ids = np.full((b, length), pad_id, np.int32)
-  attention_mask = np.zeros((b, length), np.int32)
+  input_ids, attention_mask = _one_row_each(examples, length, pad_id)
   labels = np.full((b, length), IGNORE_INDEX, np.int32)
   for i, e in enumerate(examples):
-    input_ids[i, : len(e.input_ids)] = e.input_ids
-    attention_mask[i, : len(e.input_ids)] = 1
     labels[i, : len(e.labels)] = e.labels
   labels[n_real:] = IGNORE_INDEX
   return StepwiseBatch(
@@ -432,11 +429,7 @@ def _collate_rated(
 ) -> RegressionBatch:
   """The first ``n_real`` of ``examples`` are real, the rest fillers (their ratings masked)."""
   b = len(examples)
-  input_ids = np.full((b, length), pad_id, np.int32)
-  attention_mask = np.zeros((b, length), np.int32)
-  for i, e in enumerate(examples):
-    input_ids[i, : len(e.input_ids)] = e.input_ids
-    attention_mask[i, : len(e.input_ids)] = 1
+  input_ids, attention_mask = _one_row_each(examples, length, pad_id)
   label_mask = np.stack([e.label_mask for e in examples])
   label_mask[n_real:] = 0.0
   return RegressionBatch(
@@ -454,13 +447,14 @@ def _collate_labelled(
 ) -> LabelledBatch:
   """The first ``n_real`` of ``examples`` are real, the rest fillers."""
   b = len(examples)
-  input_ids = np.full((b, length), pad_id, np.int32)
-  attention_mask = np.zeros((b, length), np.int32)
-  for i, e in enumerate(examples):
-    input_ids[i, : len(e.input_ids)] = e.input_ids
-    attention_mask[i, : len(e.input_ids)] = 1
+  input_ids, attention_mask = _one_row_each(examples, length, pad_id)
   labels = np.array([float(e.label) for e in examples], np.float32)
   return LabelledBatch(input_ids, attention_mask, labels, _example_mask(b, n_real))
+
+
+def _one_row_each(examples: Sequence[Example], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+  """Each example's one sequence as a right-padded row: input_ids and attention_mask [len, length]."""
+  return right_padded([e.input_ids for e in examples], length=length, num_rows=len(examples), pad_id=pad_id)
 
 
 def _example_mask(size: int, n_real: int) -> np.ndarray:
