@@ -27,7 +27,7 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from jaxrm import cli
+from jaxrm import cli, host_memory
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file(
@@ -68,6 +68,7 @@ _FOREIGN: dict[str, list[str]] = {"trl": [], "nemo": []}
 
 
 def main() -> None:
+  host_memory.keep_freed_blocks()  # before JAX's threads start: each step's blocks kept for the next
   cli.setup_logging()
   given = [
     name

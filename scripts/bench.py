@@ -23,7 +23,9 @@ Ranked groups against TRL's expanded pairs: K completions per prompt (``--ranked
 
 CPU step experiments: each mode in lockstep against itself changed by a variant, in its own
 process (``serial_dots=on``: each projection's two backward products in turn; ``xla=<preset>``:
-XLA:CPU thread and scheduling flags; ``layers``, ``scan``, ``remat``: the model's; joined by ``+``)::
+XLA:CPU thread and scheduling flags; ``malloc=<preset>``: glibc's allocator, ``system`` for its
+defaults where jaxrm otherwise keeps freed blocks (:mod:`jaxrm.host_memory`); ``layers``, ``scan``,
+``remat``: the model's; joined by ``+``)::
 
   python scripts/bench.py --modes=unpacked --batch_size=2 --steps=10 \
       --vs-variant=serial_dots=on,xla=eigen_single,scan=off+remat=full
@@ -93,6 +95,7 @@ import time
 import numpy as np
 from bench_common import IM_END, IM_START, NEWLINE, PAD, SHAPES, make_groups, make_pairs, one_device_mesh
 
+from jaxrm import host_memory
 from jaxrm.data.tokenize import PreferenceExample
 from jaxrm.models.config import ModelConfig
 
@@ -237,6 +240,14 @@ XLA_PRESETS = {  # XLA:CPU's thread and scheduling options, set in the variant's
   "sched_concurrency": "--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_CONCURRENCY_OPTIMIZED",
   "sched_memory": "--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
 }
+# The C library's allocator. jaxrm's workers keep freed blocks for the next step, as the commands do
+# (jaxrm.host_memory); a preset sets glibc's own environment in the variant's process, which
+# jaxrm then leaves as it is.
+MALLOC_PRESETS = {
+  "system": {"MALLOC_TOP_PAD_": "131072"},  # glibc as it starts: its default top pad, nothing else
+  # glibc's defaults, large blocks on transparent huge pages (2 MiB: a 512th of the faults).
+  "hugepages": {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
+}
 VARIANT_KEYS = {
   "layers": "decoder layers",
   "scan": "on/off (model.scan_layers)",
@@ -244,6 +255,7 @@ VARIANT_KEYS = {
   "serial_dots": "on: each projection's weight gradient waits for its data gradient "
   "(an optimization barrier), and what follows waits for both",
   "xla": "XLA_FLAGS preset: " + ", ".join(f"{k} ({v})" for k, v in XLA_PRESETS.items()),
+  "malloc": "glibc allocator preset: " + ", ".join(MALLOC_PRESETS),
 }
 
 
@@ -259,6 +271,7 @@ def parse_variant(spec: str) -> dict[str, str]:
       "serial_dots": ("on", "off"),
       "remat": ("none", "dots", "full"),
       "xla": tuple(XLA_PRESETS),
+      "malloc": tuple(MALLOC_PRESETS),
     }.get(key)
     if (allowed and value not in allowed) or (key == "layers" and not value.isdigit()):
       raise ValueError(f"{item!r}: {key} takes {'/'.join(allowed) if allowed else 'a number of layers'}")
@@ -272,6 +285,7 @@ def variant_env(worker: str) -> dict[str, str]:
   env = dict(os.environ)
   if "xla" in variant:
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + XLA_PRESETS[variant["xla"]]).strip()
+  env.update(MALLOC_PRESETS.get(variant.get("malloc"), {}))
   return env
 
 
@@ -966,7 +980,9 @@ def main(argv=None) -> None:
     if args.worker == "trl" or (ranked and ranked[0] == "trl"):
       result = run_trl(args, channel, ranked and ranked[1])
     else:
+      allocator = host_memory.keep_freed_blocks()  # as the commands do, before JAX's threads start
       result = run_jaxrm(args.worker, args, channel)
+      result["threads"]["freed_blocks_kept"] = allocator
     channel.send(json.dumps(result))
     return
   if args.ranked:

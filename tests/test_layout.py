@@ -138,6 +138,7 @@ LAYERS = {
   "jaxrm.errors": set(),
   "jaxrm.sharding": set(),
   "jaxrm.metrics": set(),
+  "jaxrm.host_memory": set(),
   "jaxrm.kinds": {"jaxrm.errors", "jaxrm.tasks"},
   # A task is data the library asks: it names its batches and losses, and imports nothing above them.
   "jaxrm.tasks": {"jaxrm.batches", "jaxrm.losses"},
