@@ -1,5 +1,6 @@
-"""The documentation: its generated pages match the code, and ``mkdocs build --strict`` passes
-(a broken link or anchor, a page missing from the nav or a nav entry missing, a bad reference)."""
+"""The documentation: its generated pages match the code, ``mkdocs build --strict`` passes (a
+broken link or anchor, a page missing from the nav or a nav entry missing, a bad reference),
+and the built site navigates and searches in a browser where one is installed."""
 
 import os
 import re
@@ -11,6 +12,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
+import docs_screenshots  # noqa: E402
 import gen_docs  # noqa: E402
 
 
@@ -78,13 +80,33 @@ def test_example_rows_are_read_as_their_format_reads_them(tmp_path):
     assert (len(records), drops.total) == (1, 0), (name, row)
 
 
-@pytest.mark.slow
-def test_mkdocs_build_strict(tmp_path):
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+  """``mkdocs build --strict`` of docs/, once: (its result, the site's directory)."""
+  site_dir = str(tmp_path_factory.mktemp("site"))
   result = subprocess.run(
-    [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+    [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", site_dir],
     cwd=ROOT,
     capture_output=True,
     text=True,
     env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},  # Material's notice about its successor
   )
+  return result, site_dir
+
+
+@pytest.mark.slow
+def test_mkdocs_build_strict(site):
+  result, _ = site
   assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_site_navigates_and_searches_in_a_browser(site, tmp_path):
+  """scripts/docs_screenshots.py on the built site: sidebar links lead to their pages, and each
+  reader's question typed into the search box finds its page among the first results."""
+  pytest.importorskip("playwright", reason="the site in a browser: pip install playwright")
+  if not docs_screenshots.find_chromium():
+    pytest.skip("the site in a browser: no Chromium (apt-get install chromium)")
+  result, site_dir = site
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert docs_screenshots.run(site_dir, str(tmp_path), docs_screenshots.find_chromium()) == []
