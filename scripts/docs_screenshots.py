@@ -5,11 +5,12 @@ headless Chromium, with a screenshot of each page it reaches.
 
 It builds the site (``mkdocs build --strict`` into a temporary directory; ``--site=DIR`` takes one
 already built), serves it on 127.0.0.1, opens the home page, follows the navigation by clicking
-the sidebar's links (:data:`NAV`), and types each of :data:`SEARCHES` into the site's search box:
-the results must appear, the expected page must be among the first :data:`TOP` of them, and
-clicking it must open that page with the expected words on it. It exits 1 naming every check that
-failed (a click that led elsewhere, a search without the page, a missing asset, a JavaScript
-error), and 2 where no Chromium or no playwright is found. ``--out`` receives one PNG per step
+the sidebar's links (:data:`NAV`), and types each of :data:`SEARCHES` (a reader's question, in
+the words a reader would type) into the site's search box: the results must appear, the expected
+page must be among the first :data:`TOP` of them, and clicking it must open that page with the
+expected words on it. It exits 1 naming every check that failed (a click that led elsewhere, a
+search without the page, a missing asset, a JavaScript error), and 2 where no Chromium or no
+playwright is found. ``--out`` receives one PNG per step
 (``NN-name.png``) and ``searches.txt``: each query's first results, as a reader sees them.
 
 It needs the ``playwright`` Python package and a Chromium; playwright's own browser download is
@@ -76,16 +77,17 @@ class Search:
 
 
 SEARCHES = (
-  Search("own-trl-jsonl", "own data jsonl", "getting-started/", "data.train_data_path"),
+  Search("own-data", "train on my own data", "getting-started/", "--config.data.train_data_path=train.jsonl"),
+  Search("trl-jsonl", "TRL jsonl", "getting-started/", "TRL's form"),
   Search(
     "nemo-max-total-sequence-length",
     "max_total_sequence_length",
     "coming-from-nemo/",
-    "data.max_length",
+    "policy.max_total_sequence_length becomes data.max_length",
   ),
-  Search("verl-reward-loop", "verl reward", "verl/", "compute_score"),
+  Search("verl", "verl", "verl/", "reward.custom_reward_function.path=pkg://jaxrm.integrations.verl"),
   Search("llama-8b-16k-8xh100", "Llama-3.1-8B 16k H100", "training/long-context/", "32.0 GiB per device"),
-  Search("shared-prompt-packing", "shared_prompt", "training/packing/", "shared-prompt packing"),
+  Search("shared-prompt", "shared_prompt", "training/packing/", "computes a pair's prompt once"),
 )
 
 
@@ -204,10 +206,12 @@ def search(check: Check, s: Search, report: list[str]) -> None:
     url = urllib.parse.urlsplit(href)
     report.append(f"  {i + 1}. {title}  {url.path}{'#' + url.fragment if url.fragment else ''}")
   check.shot(f"search-{s.name}")
-  hit = next((i for i, h in enumerate(hrefs) if urllib.parse.urlsplit(h).path.lstrip("/") == s.page), None)
-  if hit is None:
+  hits = [i for i, h in enumerate(hrefs) if urllib.parse.urlsplit(h).path.lstrip("/") == s.page]
+  if not hits:
     check.failures.append(f"search {s.query!r}: /{s.page} is not among the first {TOP} results")
     return
+  # The page's section that matched, where the results name one: where a reader would click.
+  hit = next((i for i in hits if urllib.parse.urlsplit(hrefs[i]).fragment), hits[0])
   items.nth(hit).click()
   page.wait_for_load_state("load")
   if check.at(s.page, f"search {s.query!r}, result {hit + 1}"):

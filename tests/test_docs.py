@@ -69,13 +69,15 @@ def test_readme_links_name_pages_that_exist():
 
 
 def test_example_rows_are_read_as_their_format_reads_them(tmp_path):
-  """Every example row on the reward tasks page, and the README's, is one record of the format it
-  names, none dropped."""
+  """Every example row on the reward tasks and getting started pages, and the README's, is one
+  record of the format it names, none dropped."""
   from jaxrm import load_dataset
   from jaxrm.data.drops import DropReport
 
-  with open(os.path.join(ROOT, "docs", "training", "tasks.md")) as f:
-    rows = re.findall(r"<!-- row: (\w+) -->\n```json\n(.*?)\n```", f.read())
+  rows = []
+  for page in ("training/tasks.md", "getting-started.md"):
+    with open(os.path.join(ROOT, "docs", page)) as f:
+      rows += re.findall(r"<!-- row: (\w+) -->\n```json\n(.*?)\n```", f.read())
   assert {name for name, _ in rows} == {"PreferenceDataset", "StepwiseDataset", "RatedDataset"}
   rows += [("PreferenceDataset", row.strip()) for row in readme_blocks("json")]
   for i, (name, row) in enumerate(rows):
@@ -108,7 +110,7 @@ README_COMMANDS = {
   "python -m jaxrm.train --config=configs/regression.py": (PARSED,),
   "python -m jaxrm.train --config=configs/rm.py --config.model.name_or_path=/path/to/hf_checkpoint "
   "--config.data.train_data_path=train.jsonl --config.data.val_data_paths.default=val.jsonl "
-  "--config.train.max_steps=500 --config.output_dir=runs/my-rm": (
+  "--config.data.max_length=2048 --config.train.max_steps=500 --config.output_dir=runs/my-rm": (
     PARSED,
     OWN_FILES,
     "tests/test_first_use.py::test_a_second_validation_set_on_the_command_line",
