@@ -160,6 +160,7 @@ README_COMMANDS = {
   ),
   "make docs": "not run as a whole: it serves until stopped; its build is test_mkdocs_build_strict "
   "and its generated pages test_generated_pages_are_current",
+  "python scripts/docs_screenshots.py --out=shots/": ("test_site_navigates_and_searches_in_a_browser",),
 }
 
 
