@@ -4,13 +4,16 @@ r"""Bradley-Terry reward model: the embedded SmolLM2-135M-Instruct on demo_arith
   python -m jaxrm.train --config=configs/rm.py:smoke           # about a minute on CPU
   python -m jaxrm.train --config=configs/rm.py:lora            # LoRA rank 16 on all-linear
   python -m jaxrm.train --config=configs/rm.py --config.data.train_data_path=train.jsonl \
-      --config.data.val_data_paths.default=val.jsonl --config.train.max_steps=500
+      --config.data.val_data_paths.default=val.jsonl --config.data.max_length=2048 \
+      --config.train.max_steps=500
 
 Own data needs only data.train_data_path (.jsonl, .json, .parquet, .csv, a save_to_disk directory
 or a hub name): it is read as PreferenceDataset rows, and validated on the sets that
 data.val_data_paths names, a dict of name -> path (none by default; checkpoints are then kept by
 recency). --config.data.val_data_paths.default=val.jsonl sets the first, and
---config.data.val_data_paths.<name>=<path> adds more (validation-<name>_loss...). A run shorter
+--config.data.val_data_paths.<name>=<path> adds more (validation-<name>_loss...). The demo's rows
+are short (data.max_length=128); real conversations need a longer one, or most are dropped
+(counted in the run's drop report). A run shorter
 than train.warmup_steps=5 needs --config.train.warmup_steps=1 (or a constant schedule).
 """
 
