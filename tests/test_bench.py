@@ -351,3 +351,32 @@ def test_ranked_flag_errors_name_the_flag(capsys):
       bench.parse_args(argv)
     assert message in capsys.readouterr().err
   assert bench.parse_args(["--ranked=4,7"]).ranked == [4, 7]
+
+
+def test_the_step_profile_counts_each_operations_flops_and_names_its_bucket():
+  """scripts/profile_step.py's reading of a compiled program: a linear layer's forward and
+  backward products (2*M*K*N FLOPs each, by hand) land in the projections' buckets, forward and
+  backward apart, and the norm's operations in the norms'."""
+  import jax.numpy as jnp
+  import profile_step
+
+  from jaxrm.models import layers
+
+  m, k, n = 8, 16, 32
+
+  def loss(x, w, scale):
+    return layers.linear(layers.rms_norm(x, scale, 1e-6, False), w).sum()
+
+  args = (jnp.ones((m, k)), jnp.ones((k, n)), jnp.ones((k,)))
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  program = profile_step.Program(step.lower(*args).compile().as_text())
+  by_bucket = {}
+  for name, op in program.ops.items():
+    if op["opcode"] != "parameter":
+      bucket, _ = profile_step.bucket_of(program, name)
+      by_bucket[bucket] = by_bucket.get(bucket, 0.0) + op["flops"]
+  # Forward x @ w; backward dL/dx = g @ w.T and dL/dw = x.T @ g: three products of 2*m*k*n.
+  assert sum(by_bucket.values()) == 3 * 2 * m * k * n, by_bucket
+  assert by_bucket["layer projections (q, k, v, o, MLP) (forward)"] == 2 * m * k * n
+  assert by_bucket["layer projections (q, k, v, o, MLP) (backward)"] == 2 * 2 * m * k * n
+  assert "norms and rope (forward)" in by_bucket and "norms and rope (backward)" in by_bucket, by_bucket
