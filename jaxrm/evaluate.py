@@ -44,7 +44,12 @@ from __future__ import annotations
 
 import logging
 
-from jaxrm import benchmarks, cli, host_memory
+from jaxrm import host_memory
+
+if __name__ == "__main__":  # first: glibc reads its tunables only when a process starts
+  host_memory.restart_with_huge_pages()
+
+from jaxrm import benchmarks, cli
 from jaxrm.data.tokenize import TokenizeOptions
 from jaxrm.server.config import DEFAULT_MAX_LENGTH, default_max_length
 
@@ -129,7 +134,6 @@ def main() -> None:
   from jaxrm.data.drops import DropReport
   from jaxrm.errors import EvaluationError
 
-  host_memory.keep_freed_blocks()  # before JAX's threads start: each batch's blocks kept for the next
   cli.setup_logging(logging.WARNING)  # the report is the output: only warnings go with it...
   logging.getLogger("jaxrm.evaluation").setLevel(logging.INFO)  # ...and how far scoring has got
   f = flags.FLAGS

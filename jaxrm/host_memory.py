@@ -1,17 +1,22 @@
-"""The host allocator of jaxrm's own processes: a step's large blocks kept for the next step.
+"""Host memory of jaxrm's own processes: a step's temporaries on huge pages.
 
 XLA:CPU allocates a compiled program's temporaries (for a training step, gigabytes: every layer's
-activations) at each run, from the thread that runs it, and frees them at its end. glibc serves a
-block that large from a thread with a mapping of its own and unmaps it when freed, so every step
-maps, faults in and zeroes its temporaries anew: for SmolLM2-135M at two pairs a step, 3.2 GB and
-~778,000 minor page faults a step (`docs/benchmarks.md`, "CPU: where the step's time goes").
+activations) at each run and frees them at its end; glibc serves blocks that large with a mapping
+of their own and unmaps them when freed, so every step maps and faults in its temporaries anew,
+one 4 KiB page at a time: for SmolLM2-135M at two pairs a step, 3.2 GB and ~778,000 minor page
+faults a step, 22 times TRL's (docs/benchmarks.md, "CPU: where the step's time goes").
 
-:func:`keep_freed_blocks` makes every thread allocate from glibc's main heap, which grows by
-``brk``, serves no block by a mapping of its own and is never trimmed: a freed block stays in the
-process for the next step (none of those faults after the first step). The commands call it
-before JAX starts its threads; a thread that has already allocated keeps the heap it has. It
-changes nothing where the C library is not glibc, and nothing where the environment already sets
-glibc's allocator (any ``MALLOC_*_``-style variable or ``GLIBC_TUNABLES``): those are the user's.
+glibc 2.35 and later can back those mappings with transparent huge pages (the tunable
+``glibc.malloc.hugetlb=1``): 2 MiB a fault, ~1/500th of the faults, the same memory. glibc reads
+tunables only when a process starts, so the commands (``python -m jaxrm.train``, ``evaluate``,
+``serve``) restart themselves once, at their very start, with it set: :func:`restart_with_huge_pages`.
+Nothing changes where glibc is older or absent, where the kernel's transparent huge pages are off,
+or where ``GLIBC_TUNABLES`` is already set (the user's choice, kept as it is: setting it, even
+empty, turns this off).
+
+Kept from one step to the next instead (glibc's main heap for every thread, nothing trimmed), the
+temporaries fault once, but blocks of differently shaped steps pin each other in the heap: the
+process held 1.4-1.5x the memory (docs/benchmarks.md), so that is not done.
 """
 
 from __future__ import annotations
@@ -20,35 +25,38 @@ import ctypes
 import os
 import sys
 
-# glibc's mallopt parameters (malloc.h).
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_MAX = -4
-_M_ARENA_MAX = -8
-
-# The environment through which glibc reads allocator settings at start.
-_GLIBC_MALLOC_ENV = (
-  "MALLOC_ARENA_MAX",
-  "MALLOC_ARENA_TEST",
-  "MALLOC_MMAP_MAX_",
-  "MALLOC_MMAP_THRESHOLD_",
-  "MALLOC_TOP_PAD_",
-  "MALLOC_TRIM_THRESHOLD_",
-  "GLIBC_TUNABLES",
-)
+TUNABLE = "glibc.malloc.hugetlb=1"
+_THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
-def keep_freed_blocks() -> bool:
-  """One heap for every thread, no block mapped on its own, nothing returned to the system.
+def huge_pages_env() -> dict[str, str]:
+  """The environment a process needs for huge-page temporaries: ``{"GLIBC_TUNABLES": ...}``, or
+  ``{}`` where it would change nothing or the environment already sets glibc's tunables."""
+  if not sys.platform.startswith("linux") or "GLIBC_TUNABLES" in os.environ:
+    return {}
+  try:
+    libc = ctypes.CDLL(None)
+    version = libc.gnu_get_libc_version
+  except (OSError, AttributeError):
+    return {}  # another C library (musl): its allocator is left as it is
+  version.restype = ctypes.c_char_p
+  if tuple(int(x) for x in version().decode().split(".")[:2]) < (2, 35):
+    return {}
+  try:
+    with open(_THP) as f:
+      if "[never]" in f.read():
+        return {}
+  except OSError:
+    return {}
+  return {"GLIBC_TUNABLES": TUNABLE}
 
-  Returns whether the allocator was changed (False off glibc, or where the environment sets
-  glibc's allocator). Call it before JAX creates its threads: at the start of a command.
-  """
-  if not sys.platform.startswith("linux") or any(k in os.environ for k in _GLIBC_MALLOC_ENV):
-    return False
-  libc = ctypes.CDLL(None)
-  if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
-    return False  # another C library (musl): its allocator is left as it is
-  mallopt = libc.mallopt
-  mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-  # -1 as M_TRIM_THRESHOLD turns trimming off (mallopt(3)).
-  return all(mallopt(p, v) == 1 for p, v in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1)))
+
+def restart_with_huge_pages() -> None:
+  """Restarts this process with :func:`huge_pages_env` set (the same interpreter, flags and
+  arguments, the same process id), where it changes something; else returns. Call it first in a
+  command's ``__main__``, before anything else has run."""
+  env = huge_pages_env()
+  if env:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, sys.orig_argv, {**os.environ, **env})

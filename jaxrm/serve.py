@@ -42,7 +42,12 @@ import ipaddress
 import logging
 import os
 
-from jaxrm import cli, host_memory, step_rewards
+from jaxrm import host_memory
+
+if __name__ == "__main__":  # first: glibc reads its tunables only when a process starts
+  host_memory.restart_with_huge_pages()
+
+from jaxrm import cli, step_rewards
 from jaxrm.server import ServerConfig, make_server
 from jaxrm.server.app import ENDPOINTS
 
@@ -215,7 +220,6 @@ def main() -> None:
 
   from jaxrm.reward_model import RewardModel
 
-  host_memory.keep_freed_blocks()  # before JAX's threads start: each batch's blocks kept for the next
   cli.setup_logging(logging.INFO, timestamps=True)
   f = flags.FLAGS
   config = server_config(f)

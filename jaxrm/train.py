@@ -24,10 +24,15 @@ import os
 import signal
 import sys
 
+from jaxrm import host_memory
+
+if __name__ == "__main__":  # first: glibc reads its tunables only when a process starts
+  host_memory.restart_with_huge_pages()
+
 from absl import flags
 from ml_collections import config_flags
 
-from jaxrm import cli, host_memory
+from jaxrm import cli
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file(
@@ -68,7 +73,6 @@ _FOREIGN: dict[str, list[str]] = {"trl": [], "nemo": []}
 
 
 def main() -> None:
-  host_memory.keep_freed_blocks()  # before JAX's threads start: each step's blocks kept for the next
   cli.setup_logging()
   given = [
     name

@@ -24,8 +24,8 @@ Ranked groups against TRL's expanded pairs: K completions per prompt (``--ranked
 CPU step experiments: each mode in lockstep against itself changed by a variant, in its own
 process (``serial_dots=on``: each projection's two backward products in turn; ``xla=<preset>``:
 XLA:CPU thread and scheduling flags; ``malloc=<preset>``: glibc's allocator, ``system`` for its
-defaults where jaxrm otherwise keeps freed blocks (:mod:`jaxrm.host_memory`); ``layers``, ``scan``,
-``remat``: the model's; joined by ``+``)::
+defaults where jaxrm's workers otherwise start with huge-page temporaries as the commands do
+(:mod:`jaxrm.host_memory`); ``layers``, ``scan``, ``remat``: the model's; joined by ``+``)::
 
   python scripts/bench.py --modes=unpacked --batch_size=2 --steps=10 \
       --vs-variant=serial_dots=on,xla=eigen_single,scan=off+remat=full
@@ -240,13 +240,19 @@ XLA_PRESETS = {  # XLA:CPU's thread and scheduling options, set in the variant's
   "sched_concurrency": "--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_CONCURRENCY_OPTIMIZED",
   "sched_memory": "--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
 }
-# The C library's allocator. jaxrm's workers keep freed blocks for the next step, as the commands do
-# (jaxrm.host_memory); a preset sets glibc's own environment in the variant's process, which
-# jaxrm then leaves as it is.
+# The C library's allocator. jaxrm's workers start as the commands restart, with glibc's huge-page
+# tunable where it changes something (jaxrm.host_memory); a preset sets the variant's environment
+# instead (a GLIBC_TUNABLES of its own, empty for glibc's defaults).
 MALLOC_PRESETS = {
-  "system": {"MALLOC_TOP_PAD_": "131072"},  # glibc as it starts: its default top pad, nothing else
-  # glibc's defaults, large blocks on transparent huge pages (2 MiB: a 512th of the faults).
-  "hugepages": {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
+  "system": {"GLIBC_TUNABLES": ""},  # glibc as it starts: every large block mapped per use
+  # Every thread allocates from the main heap, which grows by brk and is never trimmed: a block
+  # freed after one step is there for the next.
+  "one_heap": {
+    "GLIBC_TUNABLES": "",
+    "MALLOC_ARENA_MAX": "1",
+    "MALLOC_MMAP_MAX_": "0",
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 40),
+  },
 }
 VARIANT_KEYS = {
   "layers": "decoder layers",
@@ -285,7 +291,10 @@ def variant_env(worker: str) -> dict[str, str]:
   env = dict(os.environ)
   if "xla" in variant:
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + XLA_PRESETS[variant["xla"]]).strip()
-  env.update(MALLOC_PRESETS.get(variant.get("malloc"), {}))
+  if "malloc" in variant:
+    env.update(MALLOC_PRESETS[variant["malloc"]])
+  elif worker.partition("@")[0] != "trl":  # a jaxrm worker: as the commands restart
+    env.update(host_memory.huge_pages_env())
   return env
 
 
@@ -803,7 +812,8 @@ def torch_matmul_tflops(torch, on_gpu: bool) -> float:
 
 def _threads() -> dict:
   """What sets this process's threads: CPUs it may run on and the environment that sizes pools."""
-  env = {k: os.environ[k] for k in ("XLA_FLAGS", "OMP_NUM_THREADS", "MKL_NUM_THREADS") if k in os.environ}
+  keys = ("XLA_FLAGS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "GLIBC_TUNABLES", "MALLOC_ARENA_MAX")
+  env = {k: os.environ[k] for k in keys if k in os.environ}
   return {"cpus": len(os.sched_getaffinity(0)), **env}
 
 
@@ -980,9 +990,7 @@ def main(argv=None) -> None:
     if args.worker == "trl" or (ranked and ranked[0] == "trl"):
       result = run_trl(args, channel, ranked and ranked[1])
     else:
-      allocator = host_memory.keep_freed_blocks()  # as the commands do, before JAX's threads start
       result = run_jaxrm(args.worker, args, channel)
-      result["threads"]["freed_blocks_kept"] = allocator
     channel.send(json.dumps(result))
     return
   if args.ranked:

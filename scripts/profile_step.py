@@ -311,7 +311,7 @@ def show(result: dict) -> None:
 
 def main(argv=None) -> None:
   args = parse_args(sys.argv[1:] if argv is None else argv)
-  host_memory.keep_freed_blocks()  # as the commands do, before JAX's threads start
+  host_memory.restart_with_huge_pages()  # as the commands do
   result = profile(args)
   show(result)
   if args.json:
