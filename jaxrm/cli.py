@@ -169,22 +169,27 @@ def define_verifier_flags() -> None:
 
   from jaxrm import verifier
 
+  main = sys.argv[0]  # listed by --help with the command's own flags, not only by --helpfull
+
   flags.DEFINE_bool(
     "verifier",
     False,
     "Score --model, a causal LM, as a generative verifier: log p(yes) - log p(no) of its answer to "
     "--verifier_question after each conversation (an export or training run of a verifier is one "
     "without it).",
+    module_name=main,
   )
   flags.DEFINE_string(
     "verifier_question",
     verifier.DEFAULT_QUESTION,
     "With --verifier: the question asked after each conversation.",
+    module_name=main,
   )
   flags.DEFINE_string(
     "verifier_answers",
     ",".join(verifier.DEFAULT_ANSWERS),
     "With --verifier: its two answers, yes then no, comma-separated; each must be one token.",
+    module_name=main,
   )
 
 

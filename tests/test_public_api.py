@@ -79,6 +79,7 @@ def test_the_commands_import_as_modules_and_jaxrm_stays_light():
 def test_cli_help():
   proc = tiny_run.run([sys.executable, "-m", "jaxrm.evaluate", "--help"])  # absl exits 1 after --help
   assert "--benchmark" in proc.stdout and "--max_length" in proc.stdout, proc.stderr
+  assert "--[no]verifier" in proc.stdout and "--verifier_question" in proc.stdout  # not only --helpfull
   assert "Traceback" not in proc.stderr
 
 

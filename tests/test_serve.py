@@ -169,6 +169,7 @@ def test_every_server_setting_is_a_flag():
   helped = tiny_run.run([sys.executable, "-m", "jaxrm.serve", "--help"])
   flags = set(re.findall(r"^\s+--(?:\[no\])?(\w+)", helped.stdout, re.M))
   assert {f.name for f in dataclasses.fields(ServerConfig)} <= flags, helped.stdout
+  assert {"verifier", "verifier_question", "verifier_answers"} <= flags, helped.stdout
 
 
 def test_api_key(tiny_rm):
