@@ -109,3 +109,18 @@ def test_targets_carry_xla_specs():
   with pytest.raises(ValueError, match="hosts x GPUs per host"):
     gpu_targets.parse_topology("2x")
   assert gpu_targets.parse_topology("8") == (1, 8)
+
+
+def test_a_verifier_run_is_planned_with_its_lm_head_and_no_score_head(model_dir, tiny_report):
+  """``reward.type=verifier`` keeps the model's LM head (its own [vocab, hidden] matrix here, the
+  embeddings being untied) and adds no score head: its parameters are the sequence-head run's
+  less the head's [hidden, 1] weight, plus the LM head's."""
+  with open(os.path.join(model_dir, "config.json")) as f:
+    hf = json.load(f)
+  r = fit_check.check(
+    run_config(model_dir, data__packing="shared_prompt", reward__type="verifier"), "h100-80gb", "1x1"
+  )
+  assert r.fits and r.lines()[-1] == "FITS"
+  lm_head = 0 if hf.get("tie_word_embeddings") else hf["vocab_size"] * hf["hidden_size"]
+  assert r.params == tiny_report.params - hf["hidden_size"] + lm_head, (r.params, tiny_report.params)
+  assert r.param_bytes == 4 * r.params
