@@ -7,7 +7,8 @@ r"""Exports a reward model as a Hugging Face checkpoint directory.
 checkpoint unless ``--step``), one training checkpoint (``runs/rm/checkpoints/200``), an HF
 directory or a ``.gguf`` file. The output loads with transformers'
 ``AutoModelForSequenceClassification`` (sequence heads) or ``AutoModelForTokenClassification``
-(token heads, process reward models); what it holds is described in :mod:`jaxrm.hf.export`. A
+(token heads, process reward models), a verifier's with ``AutoModelForCausalLM``; what it holds
+is described in :mod:`jaxrm.hf.export`. A
 model trained with LoRA is exported with its adapters merged into the weights, or with
 ``--adapters_only`` as a peft adapter directory over its base checkpoint (``--base_model``;
 default: the base the run trained over, as its ``model_config.json`` names it).
@@ -20,7 +21,7 @@ import logging
 from absl import app, flags
 
 from jaxrm import cli, loading
-from jaxrm.hf.export import DTYPES, save_peft_adapters
+from jaxrm.hf.export import DTYPES
 from jaxrm.models.config import to_hf_config
 from jaxrm.reward_model import RewardModel
 
@@ -49,7 +50,9 @@ def export(
     rm.save_pretrained(out_dir, dtype=dtype)
     return rm
   base = base_model or (source.files.base_model if isinstance(source, loading.RunSource) else None)
-  save_peft_adapters(out_dir, rm.model, rm.tokenizer, base_model_name_or_path=base, dtype=dtype)
+  loading.save_adapters_export(
+    out_dir, rm.model, rm.tokenizer, rm.info, base_model_name_or_path=base, dtype=dtype
+  )
   if base is None or loading.names_gguf(base):
     log.warning(
       "peft loads adapters over an HF checkpoint, and their base is %s: export the base with "

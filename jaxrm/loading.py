@@ -596,8 +596,34 @@ def save_export(
     dtype=dtype,
     attributes=info.attributes,
     extra_config={SCORING_KEY: info.export_entry()},
-    extra_files=None if info.verifier is None else {verifiers.FILE: info.verifier.to_json()},
+    extra_files=_extra_files(info),
   )
+
+
+def save_adapters_export(
+  out_dir: str | os.PathLike,
+  model: Decoder,
+  tokenizer: Any,
+  info: ScoringInfo,
+  *,
+  base_model_name_or_path: str | None,
+  dtype: str | None = None,
+) -> None:
+  """Writes a peft adapter directory (:func:`jaxrm.hf.export.save_peft_adapters`) with jaxrm's
+  own files for scoring (a verifier's question and answers); never into a training output directory."""
+  check_export_dir(out_dir)
+  hf_export.save_peft_adapters(
+    out_dir,
+    model,
+    tokenizer,
+    base_model_name_or_path=base_model_name_or_path,
+    dtype=dtype,
+    extra_files=_extra_files(info),
+  )
+
+
+def _extra_files(info: ScoringInfo) -> dict[str, Any] | None:
+  return None if info.verifier is None else {verifiers.FILE: info.verifier.to_json()}
 
 
 def check_export_dir(out_dir: str | os.PathLike) -> None:

@@ -10,6 +10,7 @@ import sys
 
 import hf_tiny
 import numpy as np
+import peft
 import pytest
 import tiny_run
 import torch
@@ -320,7 +321,8 @@ def test_untied_export_writes_the_lm_head(smollm2_tokenizer, tmp_path):
 
 
 def test_lora_verifier_trains_and_exports_merged(causal_dir, smollm2_tokenizer, tmp_path):
-  """LoRA adapters over the frozen causal LM (its LM head frozen too); the export merges them."""
+  """LoRA adapters over the frozen causal LM (its LM head frozen too); the export merges them, or
+  writes the adapters alone for peft."""
   out = tmp_path / "lora"
   c = tiny_run.config(
     causal_dir,
@@ -339,6 +341,18 @@ def test_lora_verifier_trains_and_exports_merged(causal_dir, smollm2_tokenizer, 
   expected = transformers_log_odds(
     torch_model.eval(), smollm2_tokenizer, CONVERSATIONS, verifier.DEFAULT_QUESTION
   )
+  np.testing.assert_allclose(rm.score(CONVERSATIONS), expected, atol=PARITY_ATOL, rtol=0)
+  # Adapters only: a CAUSAL_LM peft directory (no head saved: the base's LM head is frozen) that
+  # peft applies over the base causal LM, scoring as jaxrm does; the question and answers beside it.
+  export(str(out), str(tmp_path / "adapters"), adapters_only=True, base_model=causal_dir)
+  with open(tmp_path / "adapters" / "adapter_config.json") as f:
+    adapter_config = json.load(f)
+  assert adapter_config["task_type"] == "CAUSAL_LM" and adapter_config["modules_to_save"] is None
+  with open(tmp_path / "adapters" / verifier.FILE) as f:
+    assert json.load(f) == rm.verifier.to_json()
+  base_lm = transformers.AutoModelForCausalLM.from_pretrained(causal_dir, dtype=torch.float32)
+  adapted = peft.PeftModel.from_pretrained(base_lm, tmp_path / "adapters").eval()
+  expected = transformers_log_odds(adapted, smollm2_tokenizer, CONVERSATIONS, verifier.DEFAULT_QUESTION)
   np.testing.assert_allclose(rm.score(CONVERSATIONS), expected, atol=PARITY_ATOL, rtol=0)
 
 

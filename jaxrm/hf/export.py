@@ -75,12 +75,8 @@ def hf_tensors(model: Decoder, dtype: str = "float32") -> dict[str, np.ndarray]:
 
 
 def peft_tensors(model: Decoder, dtype: str = "float32") -> dict[str, np.ndarray]:
-  """peft name -> host array: each layer's ``lora_A`` [r, in] and ``lora_B`` [out, r], and the head."""
-  if model.config.head == "lm":
-    raise ConfigError(
-      "a verifier's LoRA adapters are not written as a peft adapter directory yet: export it whole "
-      "(without adapters_only), a causal LM with the adapters merged"
-    )
+  """peft name -> host array: each layer's ``lora_A`` [r, in] and ``lora_B`` [out, r], and the
+  reward head (a verifier's LM head is the base's, frozen: not among them)."""
   if not model.config.lora.enabled:
     raise ConfigError(
       "the model has no LoRA adapters (lora.rank is 0): export it whole (without "
@@ -94,7 +90,7 @@ def peft_config(cfg: ModelConfig, base_model_name_or_path: str | None) -> dict:
   alpha = cfg.lora.alpha
   return {
     "peft_type": "LORA",
-    "task_type": "TOKEN_CLS" if cfg.head == "token" else "SEQ_CLS",
+    "task_type": {"token": "TOKEN_CLS", "lm": "CAUSAL_LM"}.get(cfg.head, "SEQ_CLS"),
     "base_model_name_or_path": base_model_name_or_path,
     "revision": None,
     "r": cfg.lora.rank,
@@ -102,7 +98,7 @@ def peft_config(cfg: ModelConfig, base_model_name_or_path: str | None) -> dict:
     "lora_dropout": cfg.lora.dropout,
     "target_modules": list(cfg.lora.targets),
     "bias": "none",
-    "modules_to_save": [PEFT_HEAD],
+    "modules_to_save": None if cfg.head == "lm" else [PEFT_HEAD],
     "fan_in_fan_out": False,
     "inference_mode": True,
     "init_lora_weights": True,
@@ -249,10 +245,7 @@ def save_pretrained(
   """
   out_dir = os.fspath(out_dir)
   dtype = _check_dtype(dtype or model.config.param_dtype)
-  extra_files = dict(extra_files or {})
-  for name in extra_files:
-    if not re.fullmatch(r"jaxrm_[a-z_]+\.json", name):
-      raise ValueError(f"extra file {name!r}: jaxrm's own files beside an export are jaxrm_<name>.json")
+  extra_files = _checked_extra_files(extra_files)
   earlier = _earlier_export(out_dir)
   save_safetensors(os.path.join(out_dir, "model.safetensors"), hf_tensors(model, dtype))
   config = hf_config(
@@ -261,13 +254,25 @@ def save_pretrained(
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(config, f, indent=2)
   written = ["model.safetensors", "config.json", *_save_tokenizer(out_dir, tokenizer)]
-  for name, content in extra_files.items():
-    with open(os.path.join(out_dir, name), "w") as f:
-      json.dump(content, f, indent=2)
-    written.append(name)
+  written += _write_extra_files(out_dir, extra_files)
   if tokenizer is None:
     log.warning("the model has no tokenizer: %s holds no tokenizer files", out_dir)
   _remove_unwritten(out_dir, earlier, written)
+
+
+def _checked_extra_files(extra_files: dict[str, Any] | None) -> dict[str, Any]:
+  extra_files = dict(extra_files or {})
+  for name in extra_files:
+    if not re.fullmatch(r"jaxrm_[a-z_]+\.json", name):
+      raise ValueError(f"extra file {name!r}: jaxrm's own files beside an export are jaxrm_<name>.json")
+  return extra_files
+
+
+def _write_extra_files(out_dir: str, extra_files: dict[str, Any]) -> list[str]:
+  for name, content in extra_files.items():
+    with open(os.path.join(out_dir, name), "w") as f:
+      json.dump(content, f, indent=2)
+  return list(extra_files)
 
 
 def save_peft_adapters(
@@ -277,12 +282,14 @@ def save_peft_adapters(
   *,
   base_model_name_or_path: str | None,
   dtype: str | None = None,
+  extra_files: dict[str, Any] | None = None,
 ) -> None:
   """Writes ``model``'s LoRA adapters and head to ``out_dir`` as a peft adapter directory.
 
   ``peft.PeftModel.from_pretrained(base, out_dir)`` then scores like ``model``, ``base`` being the
   checkpoint the adapters were trained over loaded as ``*ForSequenceClassification`` /
-  ``*ForTokenClassification`` (its head, if any, is replaced by the saved one).
+  ``*ForTokenClassification`` (its head, if any, is replaced by the saved one), or for a verifier
+  as ``*ForCausalLM`` (its LM head kept: a verifier trains adapters only).
 
   Args:
     out_dir: created if missing; the files of an earlier export in it are replaced or removed,
@@ -292,9 +299,11 @@ def save_peft_adapters(
     base_model_name_or_path: the base checkpoint (an HF directory or hub name), recorded in
       adapter_config.json for ``AutoPeftModel*`` loaders; None records none.
     dtype: tensor dtype, "float32" or "bfloat16" (default: the model's parameter dtype).
+    extra_files: as :func:`save_pretrained`'s.
   """
   out_dir = os.fspath(out_dir)
   dtype = _check_dtype(dtype or model.config.param_dtype)
+  extra_files = _checked_extra_files(extra_files)
   tensors = peft_tensors(model, dtype)
   earlier = _earlier_export(out_dir)
   save_safetensors(os.path.join(out_dir, "adapter_model.safetensors"), tensors)
@@ -308,4 +317,5 @@ def save_peft_adapters(
       model.config.lora.base_dtype,
     )
   written = ["adapter_model.safetensors", "adapter_config.json", *_save_tokenizer(out_dir, tokenizer)]
+  written += _write_extra_files(out_dir, extra_files)
   _remove_unwritten(out_dir, earlier, written)
