@@ -98,17 +98,15 @@ def find_chromium() -> str | None:
   return None
 
 
-def build_site(site_dir: str) -> None:
-  """``mkdocs build --strict`` into ``site_dir``; a warning fails it."""
-  result = subprocess.run(
+def build_site(site_dir: str) -> subprocess.CompletedProcess:
+  """``mkdocs build --strict`` into ``site_dir`` (a warning fails it): the finished process."""
+  return subprocess.run(
     [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", site_dir],
     cwd=ROOT,
     capture_output=True,
     text=True,
     env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},  # Material's notice about its successor
   )
-  if result.returncode:
-    raise SystemExit(f"mkdocs build --strict failed:\n{result.stdout}{result.stderr}")
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
@@ -269,7 +267,10 @@ def main(argv=None) -> int:
     site = args.site
     if not site:
       site = os.path.join(tmp, "site")
-      build_site(site)
+      built = build_site(site)
+      if built.returncode:
+        print(f"mkdocs build --strict failed:\n{built.stdout}{built.stderr}", file=sys.stderr)
+        return 1
     failures = run(site, args.out, args.chromium)
   for failure in failures:
     print("FAILED:", failure, file=sys.stderr)

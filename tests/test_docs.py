@@ -289,14 +289,7 @@ def test_readme_python_blocks_run(tiny_rm, tiny_prm, monkeypatch):
 def site(tmp_path_factory):
   """``mkdocs build --strict`` of docs/, once: (its result, the site's directory)."""
   site_dir = str(tmp_path_factory.mktemp("site"))
-  result = subprocess.run(
-    [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", site_dir],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},  # Material's notice about its successor
-  )
-  return result, site_dir
+  return docs_screenshots.build_site(site_dir), site_dir
 
 
 @pytest.mark.slow
