@@ -8,9 +8,11 @@ event per XLA operation that XLA:CPU runs). Each event is joined with the compil
 instruction of that name: its opcode, its FLOPs (2 x output x contracted size for every dot it
 holds) and the Python stack that made it (the program's stack-frame table), whose innermost
 frame in jaxrm or optax names the bucket. Printed per bucket, forward and backward apart:
-core-seconds (operation time summed over threads), share, GFLOP, and GFLOP per core-second against
-a plain 2048^3 float32 matmul's in the same process; then the step's wall time, the part of it in
-which no operation ran (dispatch, allocation, waiting), and the source lines that cost most.
+operation seconds (each operation's duration on the thread that ran it, its products spread over
+every core; operations that overlap add up past the wall time), share, GFLOP, and FLOP/s against a
+plain 2048^3 float32 matmul's in the same process; then the step's wall time, the part of it in
+which no operation ran (dispatch, loop control, waiting), credited to the operation before each
+gap, and the source lines that cost most.
 """
 
 from __future__ import annotations
@@ -237,7 +239,7 @@ def table(program, events, wall, args, matmul_tflops, cores, batch) -> dict:
   seconds = collections.defaultdict(float)
   flops = collections.defaultdict(float)
   lines = collections.defaultdict(float)
-  intervals = []
+  intervals = []  # (start, end, bucket)
   for e in events:
     name = e.get("name", "")
     if e.get("ph") != "X" or name not in program.ops:
@@ -248,22 +250,22 @@ def table(program, events, wall, args, matmul_tflops, cores, batch) -> dict:
     flops[label] += program.ops[name]["flops"]
     if where:
       lines[where] += dur
-    intervals.append((e["ts"] / 1e6, e["ts"] / 1e6 + dur))
-  busy = _union(intervals)
+    intervals.append((e["ts"] / 1e6, e["ts"] / 1e6 + dur, label))
+  busy, gaps = _union(intervals)
   total = sum(seconds.values())
-  per_core = matmul_tflops * 1e12 / cores
+  rate = matmul_tflops * 1e12  # an operation's products run on every core, as the plain matmul's
   rows = [
     dict(
       bucket=k,
-      core_seconds=round(v / args.steps, 3),
+      seconds=round(v / args.steps, 3),
       share=round(v / total, 3),
       gflop=round(flops[k] / args.steps / 1e9, 1),
-      of_matmul=round(flops[k] / v / per_core, 3) if flops[k] else None,
+      of_matmul=round(flops[k] / v / rate, 3) if flops[k] else None,
     )
     for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])
   ]
   top = [
-    dict(where=f"{os.path.relpath(f)}:{ln}", core_seconds=round(s / args.steps, 3), code=_source(f, ln))
+    dict(where=f"{os.path.relpath(f)}:{ln}", seconds=round(s / args.steps, 3), code=_source(f, ln))
     for (f, ln), s in sorted(lines.items(), key=lambda kv: -kv[1])[: args.top]
   ]
   return dict(
@@ -273,20 +275,29 @@ def table(program, events, wall, args, matmul_tflops, cores, batch) -> dict:
     matmul_tflops=round(matmul_tflops, 4),
     step_wall_s=round(wall / args.steps, 3),
     no_operation_running_s=round((wall - busy) / args.steps, 3),
-    operation_core_s=round(total / args.steps, 3),
+    idle_after=[
+      dict(bucket=k, seconds=round(v / args.steps, 3))
+      for k, v in sorted(gaps.items(), key=lambda kv: -kv[1])[:6]
+    ],
+    operation_s=round(total / args.steps, 3),
     step_gflop=round(sum(flops.values()) / args.steps / 1e9, 1),
     buckets=rows,
     top_lines=top,
   )
 
 
-def _union(intervals) -> float:
-  covered, end = 0.0, float("-inf")
-  for a, b in sorted(intervals):
-    if b > end:
-      covered += b - max(a, end)
-      end = b
-  return covered
+def _union(intervals) -> tuple[float, dict[str, float]]:
+  """Seconds in which some operation ran, and each gap between them (inside the traced steps)
+  credited to the bucket of the operation that ended last before it."""
+  covered, end, last = 0.0, None, None
+  gaps = collections.defaultdict(float)
+  for a, b, label in sorted(intervals):
+    if end is not None and a > end:
+      gaps[last] += a - end
+    if end is None or b > end:
+      covered += b - max(a, end if end is not None else a)
+      end, last = b, label
+  return covered, gaps
 
 
 def _source(file: str, line: int) -> str:
@@ -297,16 +308,19 @@ def show(result: dict) -> None:
   print(
     f"input_ids {result['input_ids']}, {result['cores']} cores; plain 2048^3 matmul "
     f"{result['matmul_tflops']:.3f} TFLOP/s; step {result['step_wall_s']:.2f} s wall, "
-    f"{result['operation_core_s']:.2f} core-s in operations, {result['no_operation_running_s']:.2f} s "
-    f"with none running; {result['step_gflop']:.0f} GFLOP of dots"
+    f"{result['operation_s']:.2f} s of operations, {result['no_operation_running_s']:.2f} s with none "
+    f"running; {result['step_gflop']:.0f} GFLOP of dots"
   )
-  print(f"{'bucket':58} {'core-s':>7} {'share':>6} {'GFLOP':>7} {'of matmul':>9}")
+  print(f"{'bucket':58} {'op s':>7} {'share':>6} {'GFLOP':>7} {'of matmul':>9}")
   for r in result["buckets"]:
     rate = f"{r['of_matmul']:.0%}" if r["of_matmul"] is not None else "-"
-    print(f"{r['bucket']:58} {r['core_seconds']:7.3f} {r['share']:6.1%} {r['gflop']:7.1f} {rate:>9}")
-  print("\nsource lines that cost most (core-seconds per step):")
+    print(f"{r['bucket']:58} {r['seconds']:7.3f} {r['share']:6.1%} {r['gflop']:7.1f} {rate:>9}")
+  print("\nnone running, after an operation of (seconds per step):")
+  for r in result["idle_after"]:
+    print(f"  {r['seconds']:7.3f}  {r['bucket']}")
+  print("\nsource lines that cost most (operation seconds per step):")
   for r in result["top_lines"]:
-    print(f"  {r['core_seconds']:7.3f}  {r['where']:34} {r['code']}")
+    print(f"  {r['seconds']:7.3f}  {r['where']:34} {r['code']}")
 
 
 def main(argv=None) -> None:
