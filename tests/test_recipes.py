@@ -30,7 +30,7 @@ def test_skywork_recipe_is_the_reported_setting_on_one_8_gpu_host():
   assert run.model.name_or_path == "meta-llama/Llama-3.1-8B-Instruct"
   assert run.reward.type == "bradley_terry"
   assert run.data.max_length == 16384
-  assert (run.train.learning_rate, run.train.lr_scheduler) == (3e-6, "constant")
+  assert (run.train.learning_rate, run.train.lr_scheduler) == (3e-6, "constant_with_warmup")
   assert run.train.warmup_steps > 0 and run.train.global_batch_size == 256
   mesh = run.mesh
   assert mesh.data * mesh.fsdp * mesh.tensor * mesh.context == 8 and mesh.context > 1
