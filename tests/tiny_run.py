@@ -131,18 +131,23 @@ def _xla_knows(flag: str) -> bool:
 # float64, 7.6e-6 of the largest gradient at XLA's defaults, 6.6e-6 at these flags; the bound
 # each test checks is derived for float32, not for one setting: tests/test_context_parallel.py).
 # The trainer, the benchmarks and the plan command compile at XLA's defaults.
+_OLDER_EMITTERS = ["--xla_cpu_use_fusion_emitters=false"] if _xla_knows("xla_cpu_use_fusion_emitters") else []
 TEST_XLA_FLAGS = " ".join(
-  ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
-  + (["--xla_cpu_use_fusion_emitters=false"] if _xla_knows("xla_cpu_use_fusion_emitters") else [])
+  ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"] + _OLDER_EMITTERS
 )
+# XLA flags of a process that trains the real SmolLM2-135M (30 layers) rather than compiling many
+# small programs: its few programs run for seconds, and unoptimised machine code costs more there
+# than LLVM's optimisation saves (measured on notebooks/quickstart.ipynb, one process, cold cache:
+# 89 CPU-s at TEST_XLA_FLAGS, 70 at XLA's defaults, 65 with the older fusion emitters alone).
+REAL_MODEL_XLA_FLAGS = " ".join(_OLDER_EMITTERS)
 
 
-def subprocess_env(**extra) -> dict[str, str]:
+def subprocess_env(xla_flags: str = TEST_XLA_FLAGS, **extra) -> dict[str, str]:
   """Environment of a subprocess: the repository importable, one CPU device (unless ``extra``'s
-  XLA_FLAGS say more), :data:`TEST_XLA_FLAGS`, the shared compile cache."""
+  XLA_FLAGS say more), ``xla_flags``, the shared compile cache."""
   env = dict(os.environ)
   env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false")
-  env["XLA_FLAGS"] = " ".join([TEST_XLA_FLAGS] + ([extra.pop("XLA_FLAGS")] if "XLA_FLAGS" in extra else []))
+  env["XLA_FLAGS"] = " ".join([xla_flags] + ([extra.pop("XLA_FLAGS")] if "XLA_FLAGS" in extra else []))
   if _compile_cache:
     env.update(
       JAX_COMPILATION_CACHE_DIR=_compile_cache,
