@@ -70,8 +70,9 @@ def test_quickstart_runs(tmp_path, request, tmp_path_factory):
   )
   scratch = tmp_path / "tmp"  # the notebook's run directory, with a 1.2 GB checkpoint
   scratch.mkdir()
+  env = tiny_run.subprocess_env(tiny_run.REAL_MODEL_XLA_FLAGS, TMPDIR=str(scratch))
   try:
-    client.execute(env=tiny_run.subprocess_env(TMPDIR=str(scratch)))  # raises CellExecutionError
+    client.execute(env=env)  # raises CellExecutionError
   finally:
     shutil.rmtree(scratch, ignore_errors=True)
 
