@@ -4,7 +4,8 @@ XLA:CPU allocates a compiled program's temporaries (for a training step, gigabyt
 activations) at each run and frees them at its end; glibc serves blocks that large with a mapping
 of their own and unmaps them when freed, so every step maps and faults in its temporaries anew,
 one 4 KiB page at a time: for SmolLM2-135M at two pairs a step, 3.2 GB and ~778,000 minor page
-faults a step, 22 times TRL's (docs/benchmarks.md, "CPU: where the step's time goes").
+faults a step, 22 times TRL's (docs/benchmarks.md, "Page faults: a step's temporaries on huge
+pages").
 
 glibc 2.35 and later can back those mappings with transparent huge pages (the tunable
 ``glibc.malloc.hugetlb=1``): 2 MiB a fault, ~1/500th of the faults, the same memory. glibc reads
