@@ -8,6 +8,10 @@ same step: there JAX's preemption sync manager (the one Orbax's ``CheckpointMana
 asks) receives SIGTERM on any host and names the step at which all of them save; a SIGINT is
 passed on to it as a SIGTERM. A second Ctrl-C stops at once, as Python does; further SIGTERMs
 are ignored (launchers often send one per process group).
+
+A command whose run is over has nothing left that a SIGTERM could save or lose: it calls
+:func:`ignore_sigterm_after_watch` first, and the watch's end then hands SIGTERM straight to
+``SIG_IGN``, with no moment between in which the default action would kill the exiting process.
 """
 
 from __future__ import annotations
@@ -23,6 +27,16 @@ import jax
 log = logging.getLogger("jaxrm.train")
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+# What SIGTERM becomes when a watch ends: None restores the handler it had (a library call).
+_sigterm_after_watch: object = None
+
+
+def ignore_sigterm_after_watch() -> None:
+  """From the end of every later :func:`watch` on, SIGTERM is ignored rather than restored: for a
+  command, whose process only saves, reports and exits once its run is over."""
+  global _sigterm_after_watch
+  _sigterm_after_watch = signal.SIG_IGN
 
 
 class Stopped(Exception):
@@ -54,6 +68,9 @@ class Watch:
       self._previous[signum] = signal.signal(signum, self._handle)
 
   def uninstall(self) -> None:
+    if self._previous and _sigterm_after_watch is not None:  # JAX's notifier's SIGTERM too
+      signal.signal(signal.SIGTERM, _sigterm_after_watch)
+      self._previous.pop(signal.SIGTERM, None)
     for signum, previous in self._previous.items():
       signal.signal(signum, previous)
     self._previous.clear()

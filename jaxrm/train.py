@@ -21,7 +21,6 @@ Multi-host: under Slurm ``jax.distributed`` is initialised from the environment 
 from __future__ import annotations
 
 import os
-import signal
 import sys
 
 from jaxrm import host_memory
@@ -96,6 +95,9 @@ def main() -> None:
     config = _foreign_config()
   from jaxrm import preemption, trainer
 
+  # Once the run is saved and over (or stopped), a scheduler's SIGTERM while the process exits
+  # changes nothing, and the exit code says how the run ended.
+  preemption.ignore_sigterm_after_watch()
   try:
     trainer.train_and_evaluate(config)
   except preemption.Stopped as e:  # SIGTERM/SIGINT: a checkpoint saved; one line says where
@@ -104,9 +106,6 @@ def main() -> None:
     if jax.process_index() == 0:
       print(e, file=sys.stderr, flush=True)
     sys.exit(e.exit_code)
-  # The run is saved and over: a scheduler's SIGTERM while the process exits changes nothing, and
-  # the exit code says the run ended.
-  signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _foreign_config():

@@ -113,6 +113,38 @@ def test_a_signal_after_the_last_step_lets_the_run_end_as_it_would_have(
   assert "5" in os.listdir(os.path.join(out, "checkpoints"))
 
 
+def test_the_command_hands_sigterm_from_its_watch_straight_to_ignored(monkeypatch):
+  """The command's watch ends (its run over or stopped) by setting SIGTERM to SIG_IGN: at no
+  moment in between may the default action kill the exiting process (a SIGTERM just after the
+  last step once ended the command with -15 and no message). A library call gets its handler back."""
+  from jaxrm import preemption
+
+  calls = []
+  real = signal.signal
+
+  def recorded(signum, handler):
+    calls.append((signum, handler))
+    return real(signum, handler)
+
+  before = signal.getsignal(signal.SIGTERM)
+  monkeypatch.setattr(preemption.signal, "signal", recorded)
+  try:
+    with preemption.watch():
+      pass
+    assert signal.getsignal(signal.SIGTERM) == before  # a library call: restored
+    monkeypatch.setattr(preemption, "_sigterm_after_watch", None)
+    preemption.ignore_sigterm_after_watch()
+    calls.clear()
+    with preemption.watch():
+      pass
+    handed = [h for s, h in calls if s == signal.SIGTERM]
+    assert len(handed) == 2 and handed[0].__self__.__class__ is preemption.Watch, handed
+    assert handed[1] is signal.SIG_IGN  # from the watch's handler straight to ignored
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+  finally:
+    real(signal.SIGTERM, before)
+
+
 # ------------------------------------------------------------------ damaged files
 
 
