@@ -15,6 +15,13 @@ and ``<!-- end of generated part -->``; the prose around it is written by hand. 
 - ``trl``: every flag of TRL's reward script that :mod:`jaxrm.compat.trl_args` declares, with
   TRL's default and what it becomes, into ``docs/coming-from-trl.md``.
 - ``api``: the names :mod:`jaxrm` exports, for mkdocstrings, into ``docs/reference/api.md``.
+- ``benchmarks``: the "Current figures" table of ``docs/benchmarks.md``, a row per record of
+  ``benchmarks/figures.json`` (:func:`figure_records`); a record whose result a script wrote under
+  ``benchmarks/`` has its numbers computed from that file's fields, so a re-run changes the page.
+- ``vs_trl``: the runs and ratios of ``benchmarks/cpu_smollm2_vs_trl.json`` (``scripts/bench.py
+  --vs-trl``), into ``docs/benchmarks.md``.
+- ``malloc_variants``: the allocator variants of ``benchmarks/cpu_smollm2_malloc_variants.json``
+  (``scripts/bench.py --vs-variant=malloc=...``), into ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -23,7 +30,10 @@ import ast
 import dataclasses
 import inspect
 import io
+import json
+import math
 import os
+import re
 import sys
 import textwrap
 import tokenize
@@ -303,6 +313,156 @@ def api_part() -> str:
   return "\n".join(out)
 
 
+# ------------------------------------------------------------------ benchmarks
+
+FIGURES = "figures.json"  # in benchmarks/: the records of the "Current figures" table
+FIGURE_FIELDS = ("question", "figure", "machine", "commit", "details", "link", "commands")
+_KEY, _PICK = r"[^.\[\]]+", r"\[[^=\]]+=[^\]]*\]"
+_PATH = re.compile(rf"(?:{_KEY}|{_PICK})(?:\.{_KEY}|{_PICK})*")
+_STEP = re.compile(rf"({_KEY})|\[([^=\]]+)=([^\]]*)\]")
+_OPS: dict[str, Callable[[list[float]], float]] = {
+  "sum": sum,
+  "difference": lambda xs: xs[0] - xs[1],
+  "ratio": lambda xs: xs[0] / xs[1],
+  "product": math.prod,
+}
+
+
+def raw_result(name: str) -> Any:
+  """The result a script wrote into ``benchmarks/<name>``."""
+  with open(os.path.join(ROOT, "benchmarks", name)) as f:
+    return json.load(f)
+
+
+def figure_records() -> list[dict[str, Any]]:
+  """The records of ``benchmarks/figures.json``, one per question, in the table's order.
+
+  Each holds the ``question``; the ``figure`` shown; the ``machine`` and the ``commit`` it was
+  measured on and at; ``details``, the heading of ``docs/benchmarks.md`` whose section gives the
+  measurement, and ``link``, the words that link to it; ``commands``, the exact commands that
+  produced it. A figure measured since scripts write their results also names the ``raw`` file in
+  ``benchmarks/`` and its ``values``: each a field of that file (:func:`field`), a number, or
+  ``{"sum" | "difference" | "ratio" | "product": [values]}``; ``figure`` and ``commit`` are then
+  ``str.format`` templates over them (``{median:.2f}x``). ``note`` says what a reader of the record
+  should know that the rest does not.
+  """
+  with open(os.path.join(ROOT, "benchmarks", FIGURES)) as f:
+    return json.load(f)
+
+
+def field(raw: Any, path: str) -> Any:
+  """The value at ``path`` in a raw result: keys joined by dots, ``[key=value]`` picking the one
+  element of a list whose ``key`` is ``value`` (``results[name=jaxrm unpacked].vs_ratio.median``)."""
+  if not _PATH.fullmatch(path):
+    raise ValueError(f"{path!r} is not a path: keys joined by dots, [key=value] to pick from a list")
+  node = raw
+  for key, match_key, match_value in _STEP.findall(path):
+    if key:
+      if not isinstance(node, dict) or key not in node:
+        raise ValueError(f"{path!r}: no {key!r} there")
+      node = node[key]
+      continue
+    found = [x for x in node if isinstance(x, dict) and str(x.get(match_key)) == match_value]
+    if len(found) != 1:
+      raise ValueError(f"{path!r}: [{match_key}={match_value}] picks {len(found)} entries, not one")
+    node = found[0]
+  return node
+
+
+def _value(raw: Any, spec: Any) -> Any:
+  if isinstance(spec, str):
+    return field(raw, spec)
+  if isinstance(spec, int | float):
+    return spec
+  ((op, args),) = spec.items()
+  return _OPS[op]([_value(raw, arg) for arg in args])
+
+
+def figure_values(record: dict[str, Any]) -> dict[str, Any]:
+  """The values a record's ``figure`` and ``commit`` are formatted with, read from its raw result."""
+  if "raw" not in record:
+    return {}
+  raw = raw_result(record["raw"])
+  try:
+    return {name: _value(raw, spec) for name, spec in record["values"].items()}
+  except (ValueError, KeyError, TypeError) as e:
+    raise ValueError(f"benchmarks/{FIGURES}, {record['question']!r}: benchmarks/{record['raw']}: {e}") from e
+
+
+def anchor(heading: str) -> str:
+  """The id mkdocs gives a heading of the page (the toc extension's slug of its text)."""
+  from markdown.extensions.toc import slugify
+
+  return slugify(heading.replace("`", ""), "-")
+
+
+def benchmarks_part() -> str:
+  out = ["| question | current figure | machine | commit | details |", "|---|---|---|---|---|"]
+  for record in figure_records():
+    values = figure_values(record)
+    figure, commit = record["figure"].format(**values), record["commit"].format(**values)
+    link = f"[{record['link']}](#{anchor(record['details'])})"
+    out.append(f"| {record['question']} | {figure} | {record['machine']} | {commit} | {link} |")
+  return "\n".join(out) + "\n"
+
+
+_RUN_COLUMNS = (  # a run's field, its column, its format
+  ("pairs_per_s", "pairs/s", "{:.4f}"),
+  ("pairs_per_cpu_s", "pairs/CPU-s", "{:.4f}"),
+  ("real_tokens_per_s", "real tok/s", "{:.0f}"),
+  ("fed_tokens_per_s", "fed tok/s", "{:.0f}"),
+  ("packing_efficiency", "packing eff.", "{:.1%}"),
+  ("peak_memory_gib", "peak GiB", "{:.2f}"),
+  ("model_tflops", "model TFLOP/s", "{:.3f}"),
+  ("faults_per_step", "faults/step", "{:,.0f}"),
+)
+
+
+def vs_trl_part() -> str:
+  runs = [run for run in raw_result("cpu_smollm2_vs_trl.json")["results"] if "vs" in run]  # with TRL's
+  out = [f"| run | {' | '.join(h for _, h, _ in _RUN_COLUMNS)} |", "|---" * (len(_RUN_COLUMNS) + 1) + "|"]
+  for run in runs:
+    for name, r in ((run["name"], run), (f"{run['vs']['name']} (lockstep)", run["vs"])):
+      out.append(f"| {name} | {' | '.join(fmt.format(r[k]) for k, _, fmt in _RUN_COLUMNS)} |")
+  ratios = "| jaxrm vs TRL | total pairs/s | per CPU-second | per step: median | quartiles | range | steps |"
+  out += ["", ratios, "|---" * 7 + "|"]
+  for run in runs:
+    other, ratio = run["vs"], run["vs_ratio"]
+    out.append(
+      f"| {run['name'].removeprefix('jaxrm ')} | {run['pairs_per_s'] / other['pairs_per_s']:.2f}x | "
+      f"{run['pairs_per_cpu_s'] / other['pairs_per_cpu_s']:.2f}x | **{ratio['median']:.2f}x** | "
+      f"{'-'.join(f'{x:.2f}' for x in ratio['quartiles'])} | {'-'.join(f'{x:.2f}' for x in ratio['range'])} | "
+      f"{ratio['steps']} |"
+    )
+  return "\n".join(out) + "\n"
+
+
+# What each allocator variant of scripts/bench.py is, beside its name in the table.
+MALLOC_VARIANTS = {"malloc=system": "glibc's defaults", "malloc=one_heap": "one heap, nothing trimmed"}
+
+
+def malloc_variants_part() -> str:
+  raw = raw_result("cpu_smollm2_malloc_variants.json")
+  modes = raw["args"]["modes"]
+  out = [
+    f"| run ({' / '.join(modes)}) | faults/step | peak GiB | pairs per CPU-second vs default | "
+    "per-step median vs default |",
+    "|---|---|---|---|---|",
+  ]
+  for variant in ("", *raw["args"]["vs_variant"]):
+    runs = [field(raw, f"results[name={f'jaxrm {mode} {variant}'.strip()}]") for mode in modes]
+    faults = " / ".join(f"{r['faults_per_step']:,.0f}" for r in runs)
+    peak = " / ".join(f"{r['peak_memory_gib']:.2f}" for r in runs)
+    if not variant:
+      out.append(f"| default: huge pages | {faults} | {peak} | 1 | 1 |")
+      continue
+    per_cpu = " / ".join(f"{r['pairs_per_cpu_s'] / r['vs']['pairs_per_cpu_s']:.2f}x" for r in runs)
+    median = " / ".join(f"{r['vs_ratio']['median']:.2f}x" for r in runs)
+    words = f" ({MALLOC_VARIANTS[variant]})" if variant in MALLOC_VARIANTS else ""
+    out.append(f"| `{variant}`{words} | {faults} | {peak} | {per_cpu} | {median} |")
+  return "\n".join(out) + "\n"
+
+
 # ------------------------------------------------------------------ pages
 
 PARTS: dict[str, tuple[str, Callable[[], str]]] = {
@@ -310,6 +470,9 @@ PARTS: dict[str, tuple[str, Callable[[], str]]] = {
   "nemo": ("docs/coming-from-nemo.md", nemo_part),
   "trl": ("docs/coming-from-trl.md", trl_part),
   "api": ("docs/reference/api.md", api_part),
+  "benchmarks": ("docs/benchmarks.md", benchmarks_part),
+  "vs_trl": ("docs/benchmarks.md", vs_trl_part),
+  "malloc_variants": ("docs/benchmarks.md", malloc_variants_part),
 }
 
 
@@ -328,7 +491,7 @@ def stale() -> list[str]:
   for name, (path, make) in PARTS.items():
     with open(os.path.join(ROOT, path)) as f:
       page = f.read()
-    if render(page, name, make()) != page:
+    if render(page, name, make()) != page and path not in out:
       out.append(path)
   return out
 
