@@ -16,6 +16,10 @@ from collections.abc import Callable, Sequence
 
 from jaxrm.errors import ConfigError, UserError
 
+# The commands never use PyTorch, which need not be installed: where it is not, transformers'
+# advice as it is imported ("PyTorch was not found. Models won't be available...") would mislead.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
 # Libraries that log every compile, restore or file at INFO.
 NOISY_LOGGERS = ("absl", "orbax", "jax._src", "tensorstore")
 

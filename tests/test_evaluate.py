@@ -410,6 +410,7 @@ def test_cli_prints_and_writes_report(tiny_rm, model_dir, data_file, tmp_path):
     f"--model={model_dir}", f"--data={data_file}", "--max_length=96", "--batch_size=4", f"--output={out}"
   )
   assert proc.returncode == 0, proc.stderr
+  assert "PyTorch" not in proc.stderr, proc.stderr  # transformers' advice: the commands never need it
   report = json.loads((out / "eval.json").read_text())
   assert report["model"] == model_dir and report["data"] == data_file
   assert report["num_examples"] == 5 and report["dropped"]["total"] == 2

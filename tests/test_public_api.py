@@ -63,7 +63,8 @@ def test_the_commands_import_as_modules_and_jaxrm_stays_light():
     [
       sys.executable,
       "-c",
-      "import sys\n"
+      "import importlib.util, sys\n"
+      "assert importlib.util.find_spec('torch') is None, 'the commands are tested without torch'\n"
       "import jaxrm\n"
       "assert 'jax' not in sys.modules, 'import jaxrm alone should stay light'\n"
       "import jaxrm.evaluate\n"

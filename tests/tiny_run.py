@@ -23,6 +23,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NO_TORCH = os.path.join(ROOT, "tests", "no_torch")  # its sitecustomize hides torch from a subprocess
 TOKENIZER_CACHE = "smollm2_135m_instruct_tokenizer"
 MODEL_CACHE = "jaxrm_tiny_llama_smollm2_vocab_v1"
 
@@ -142,11 +143,13 @@ TEST_XLA_FLAGS = " ".join(
 REAL_MODEL_XLA_FLAGS = " ".join(_OLDER_EMITTERS)
 
 
-def subprocess_env(xla_flags: str = TEST_XLA_FLAGS, **extra) -> dict[str, str]:
+def subprocess_env(xla_flags: str = TEST_XLA_FLAGS, *, torch: bool = False, **extra) -> dict[str, str]:
   """Environment of a subprocess: the repository importable, one CPU device (unless ``extra``'s
-  XLA_FLAGS say more), ``xla_flags``, the shared compile cache."""
+  XLA_FLAGS say more), ``xla_flags``, the shared compile cache; torch hidden (as where users run
+  jaxrm: ``tests/no_torch``) unless ``torch``."""
   env = dict(os.environ)
-  env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false")
+  path = ROOT if torch else os.pathsep.join([NO_TORCH, ROOT])
+  env.update(PYTHONPATH=path, JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false")
   env["XLA_FLAGS"] = " ".join([xla_flags] + ([extra.pop("XLA_FLAGS")] if "XLA_FLAGS" in extra else []))
   if _compile_cache:
     env.update(
