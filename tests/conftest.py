@@ -11,6 +11,35 @@ import tiny_run  # noqa: E402
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), tiny_run.TEST_XLA_FLAGS]))
 
 
+# The modules that take longest in a whole run (measured, longest first), started first so that
+# the two workers of `make test` (pytest-xdist, --dist loadscope, which hands out modules in their
+# collected order) end together instead of one waiting for the other's last long module. Only the
+# order changes; a stale list costs seconds, not correctness.
+SLOWEST_FIRST = (
+  "test_bench.py",
+  "test_gpu_compile.py",
+  "test_context_parallel.py",
+  "test_gguf.py",
+  "test_notebook.py",
+  "test_docs.py",
+  "test_first_use.py",
+  "test_verifier.py",
+  "test_train.py",
+  "test_shared_scoring.py",
+  "test_plan.py",
+  "test_precision.py",
+  "test_serve.py",
+  "test_packed_training.py",
+  "test_qlora.py",
+  "test_sharding.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a module keeps its order
+
+
 def pytest_runtest_setup(item):
   """``@pytest.mark.gpu`` tests run only where JAX's default backend is a GPU."""
   if item.get_closest_marker("gpu") is not None:
