@@ -208,6 +208,22 @@ def test_tiny_llama_layout_untied_head_and_rope_scaling(tmp_path, caplog):
     ckpt.get_tensor("model.layers.1.mlp.up_proj.weight")
 
 
+def test_a_process_reads_a_files_metadata_once_per_version(tmp_path, monkeypatch):
+  """The metadata (seconds for a real vocabulary) is read once per file and version: a model
+  loaded again reads none; the file rewritten in place is read again."""
+  reads = []
+  real = gguf.GGUFReader
+  monkeypatch.setattr(gguf_ckpt.gguf, "GGUFReader", lambda *a: reads.append(a) or real(*a))
+  gguf_ckpt._cached_reader.cache_clear()
+  path = _tiny_llama(tmp_path / "tiny.gguf")
+  first = gguf_ckpt.GGUFCheckpoint(path)
+  again = gguf_ckpt.GGUFCheckpoint(os.path.join(str(tmp_path), ".", "tiny.gguf"))  # the same file
+  assert len(reads) == 1 and again.config == first.config
+  os.utime(path, ns=(0, os.stat(path).st_mtime_ns + 1))  # rewritten
+  gguf_ckpt.GGUFCheckpoint(path)
+  assert len(reads) == 2
+
+
 def test_missing_file(tmp_path):
   missing = tmp_path / "missing.gguf"
   with pytest.raises(CheckpointError, match=re.escape(f"GGUF file not found: {missing}")):

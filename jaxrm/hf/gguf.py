@@ -10,6 +10,7 @@ memory-mapped file.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -46,6 +47,20 @@ def embedded_model_path() -> str:
   return path
 
 
+def _reader(path: str) -> gguf.GGUFReader:
+  """The file's reader, made once per process for each version of the file: reading the metadata
+  takes seconds (SmolLM2's 49,152 tokens and 48,900 merges are read one by one), and a process
+  often loads a model more than once (its tokenizer, then its weights; a notebook's cells)."""
+  stat = os.stat(path)
+  return _cached_reader(os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_reader(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
+  del size, mtime_ns  # the key: a file rewritten in place is read again
+  return gguf.GGUFReader(path, "r")
+
+
 def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
   """Undoes llama.cpp's q/k row permutation (interleaved rotary pairs -> HF's rotate-half halves).
 
@@ -71,7 +86,7 @@ class GGUFCheckpoint:
       raise CheckpointError(f"GGUF file not found: {path}")
     self.path = path
     try:
-      self._reader = gguf.GGUFReader(path)
+      self._reader = _reader(path)
     except ValueError as e:  # the reader's messages ("GGUF magic invalid") omit the path
       raise CheckpointError(f"{path}: not a readable GGUF file: {e}") from e
     arch = self._field("general.architecture")
