@@ -153,6 +153,27 @@ class PackedPreferenceBatch:
     lengths = np.take_along_axis(np.asarray(self.positions), np.maximum(ends, 0), axis=-1) + 1
     return int(lengths[ends >= 0].sum()), float(mask.sum()) / mask.size
 
+  def padded(self, num_rows: int, length: int, num_rewards: int, pad_id: int) -> PackedPreferenceBatch:
+    """This batch (numpy) in ``num_rows`` rows of ``length`` tokens with ``num_rewards`` reward
+    slots each: empty rows, right padding and unused slots added. Padding is segment 0, which no
+    token attends to, so every completion's outputs are unchanged."""
+    b, t = self.input_ids.shape
+    r = self.reward_positions.shape[1]
+
+    def grown(x, value, columns):  # [B, T] or [B, R] -> [num_rows, T or R + columns]
+      return np.pad(np.asarray(x), ((0, num_rows - b), (0, columns)), constant_values=value)
+
+    index = np.asarray(self.reward_index)  # row * R + slot -> row * num_rewards + slot
+    return self.replace(
+      input_ids=grown(self.input_ids, pad_id, length - t),
+      attention_mask=grown(self.attention_mask, 0, length - t),
+      positions=grown(self.positions, 0, length - t),
+      segment_ids=grown(self.segment_ids, 0, length - t),
+      branch_ids=grown(self.branch_ids, 0, length - t),
+      reward_positions=grown(self.reward_positions, -1, num_rewards - r),
+      reward_index=(index // r * num_rewards + index % r).astype(np.int32),
+    )
+
 
 @struct.dataclass
 class PackedStepwiseBatch:

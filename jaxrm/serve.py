@@ -25,11 +25,11 @@ the cause):
   reward the solution's step probabilities aggregated by ``--step_aggregation`` (min, last,
   product, mean; a request's ``"aggregation"`` overrides it). Such a model's ``/score`` answers
   those rewards; its other endpoints refuse it.
-* ``GET /health`` -- ``{"status": "ok"}``; 503 ``"starting"`` while the batch shapes compile, 500
-  ``"failed"`` if they could not (the log says why). With ``--api_key``, a request bearing it also
-  gets the model's name (``--served_model_name``).
+* ``GET /health`` -- ``{"status": "ok"}``; 503 ``"starting"`` while the batch shapes needed first
+  compile (``--warm_up``), 500 ``"failed"`` if they could not (the log says why). With
+  ``--api_key``, a request bearing it also gets the model's name (``--served_model_name``).
 * ``GET /metrics`` -- Prometheus text: requests, items, tokens, batch sizes, queue depth, bytes held,
-  latency.
+  latency, batch shapes compiled.
 
 Limits and timeouts are flags (``--help``); see :class:`jaxrm.server.ServerConfig`. The server
 binds 127.0.0.1 unless told otherwise; ``--api_key`` (or ``$JAXRM_API_KEY``) makes every endpoint
@@ -102,8 +102,13 @@ def _define_flags() -> None:
   flags.DEFINE_integer(
     "batch_tokens", None, "Padded tokens per forward pass (default: batch_size x max_length)."
   )
-  flags.DEFINE_list(
-    "buckets", None, "Padded lengths, each compiled at start (default: 64, 128, ... up to max_length)."
+  flags.DEFINE_list("buckets", None, "Padded lengths (default: 64, 128, ... up to max_length).")
+  flags.DEFINE_string(
+    "warm_up",
+    d.warm_up,
+    "Batch shapes (rows x length) compiled before the server is ready: cover, the fewest that "
+    "hold every other, the rest compiled in the background when no request waits (a batch is "
+    "padded to a compiled shape holding it meanwhile: same rewards); all, every shape.",
   )
   flags.DEFINE_float("batch_wait_ms", d.batch_wait_ms, "How long to wait for more requests to join a batch.")
   flags.DEFINE_bool(
@@ -206,6 +211,7 @@ def server_config(f) -> ServerConfig:
     combine=f.combine,
     step_aggregation=f.step_aggregation,
     access_log=f.access_log,
+    warm_up=f.warm_up,
     api_key=f.api_key or os.environ.get(API_KEY_ENV) or None,
   )
 

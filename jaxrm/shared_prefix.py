@@ -175,6 +175,12 @@ class SharedRows:
     """Each row's logits [T_i, C] from the model's [B, T, C]: its prefix's, then its branch's."""
     return [logits_btc[row, tokens] for row, tokens in self._tokens()]
 
+  def padded(self, num_rows: int, length: int, pad_id: int) -> SharedRows:
+    """These rows in a pass of ``num_rows`` rows of ``length`` tokens, one reward slot per token
+    (as :func:`shared_batches` with ``slot_per_token`` gives them): empty rows and right padding
+    added, every row's outputs unchanged."""
+    return dataclasses.replace(self, batch=self.batch.padded(num_rows, length, length, pad_id))
+
   def _tokens(self) -> Iterator[tuple[int, np.ndarray]]:
     """(packed row, indices in it) of each row's tokens: its group's prefix and its own branch."""
     b = self.batch

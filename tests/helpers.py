@@ -291,11 +291,12 @@ def approx(rewards):
 
 
 @contextlib.contextmanager
-def serving(rm, config=SERVER_CONFIG):
-  """A ready server on a free loopback port, run in a thread."""
+def serving(rm, config=SERVER_CONFIG, *, all_shapes=False):
+  """A ready server on a free loopback port, run in a thread; ``all_shapes``: once every batch
+  shape is compiled (a test that counts padded tokens or compiled programs)."""
   server = make_server(rm, "127.0.0.1", 0, config=config, model_name="tiny").start()
   try:
-    server.wait_ready(timeout=300)
+    server.wait_ready(timeout=300, all_shapes=all_shapes)
     yield server
   finally:
     server.shutdown()

@@ -252,7 +252,7 @@ GRPO_COMPLETIONS = [
 
 @pytest.fixture(scope="module")
 def sharing_server(tiny_rm):
-  with serving(tiny_rm, SHARING_CONFIG) as s:
+  with serving(tiny_rm, SHARING_CONFIG, all_shapes=True) as s:  # its tests count padded tokens
     yield s
 
 
@@ -309,7 +309,7 @@ def test_share_prefix_off_scores_every_row_alone(tiny_rm):
   assert config.resolved(128).packed_buckets() == ()
   assert SHARING_CONFIG.resolved(128).packed_buckets() == (128, 256, 512)  # up to batch_tokens, 4 x 128
   assert SERVER_CONFIG.resolved(128).packed_buckets() == ()  # no row of 64 tokens shares 64 tokens
-  with serving(tiny_rm, config) as s:
+  with serving(tiny_rm, config, all_shapes=True) as s:  # it counts padded tokens
     assert s.batcher.packed_shapes() == []
     real, fed = computed_tokens(
       s.url, lambda: call(s.url, "/score", {"prompts": [GRPO_PROMPT] * 6, "completions": GRPO_COMPLETIONS})
@@ -325,7 +325,8 @@ SOLUTIONS = [["3 * 4 = 12", "12 + 2 = 14", "The answer is 14."], ["3 * 2 = 6", "
 
 @pytest.fixture(scope="module")
 def prm_url(tiny_prm):
-  with serving(tiny_prm, dataclasses.replace(SERVER_CONFIG, max_length=128, buckets=(64, 128))) as s:
+  config = dataclasses.replace(SERVER_CONFIG, max_length=128, buckets=(64, 128))
+  with serving(tiny_prm, config, all_shapes=True) as s:  # its tests count padded tokens
     yield s.url
 
 
@@ -595,7 +596,7 @@ def test_queue_overflow_503_then_timeout_504_then_recovery(tiny_rm):
   tokens = [sum(len(tiny_rm.encode(t)) for t in texts) for texts in (first, second)]
   # Room for the first request alone; the scoring worker is held while it is in, so it stays queued.
   config = dataclasses.replace(SERVER_CONFIG, max_queued_tokens=tokens[0] + tokens[1] - 1, request_timeout=4)
-  with serving(tiny_rm, config) as s:
+  with serving(tiny_rm, config, all_shapes=True) as s:  # it swaps score_fn: every compile done first
     gate, score = threading.Event(), s.batcher.score_fn
     s.batcher.score_fn = lambda ids, mask: (gate.wait(SOCKET_TIMEOUT), score(ids, mask))[1]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:

@@ -76,7 +76,7 @@ def timed(fn, *args, **kwargs):
 
 
 def test_internal_errors_reach_the_log_not_the_client(tiny_rm, caplog):
-  with serving(tiny_rm) as s:
+  with serving(tiny_rm, all_shapes=True) as s:  # it swaps score_fn: every compile done first
 
     def broken(ids, mask):
       raise RuntimeError("disk full writing /srv/secret/model.safetensors")
@@ -229,7 +229,7 @@ def test_scoring_queue_is_bounded_and_given_up_requests_are_not_scored(tiny_rm):
   # another. Their places stay taken until the worker drops them, up to max_connections places:
   # then new requests get 503 at once, and the dropped requests' rows are never scored.
   config = dataclasses.replace(SERVER_CONFIG, max_connections=3, request_timeout=0.5)
-  with serving(tiny_rm, config) as s:
+  with serving(tiny_rm, config, all_shapes=True) as s:  # it swaps score_fn: every compile done first
     entered, gate, score = threading.Event(), threading.Event(), s.batcher.score_fn
     hung = _hung(score, entered, gate)
     items_before = metric(s.url, "jaxrm_items_total")
@@ -259,7 +259,7 @@ def test_a_client_that_leaves_gives_up_its_place_and_is_not_scored(tiny_rm):
   # A request queued behind a hung forward pass; its client closes the connection: its tokens leave
   # the queue at once (not at its request_timeout), and its rows are never scored.
   config = dataclasses.replace(SERVER_CONFIG, request_timeout=SOCKET_TIMEOUT)
-  with serving(tiny_rm, config) as s:
+  with serving(tiny_rm, config, all_shapes=True) as s:  # it swaps score_fn: every compile done first
     entered, gate, score = threading.Event(), threading.Event(), s.batcher.score_fn
     hung = _hung(score, entered, gate)
     first = SERVER_TEXTS[:2]

@@ -523,7 +523,8 @@ class RewardServer:
 
   def serve_forever(self) -> None:
     """Compiles the batch shapes in the scoring worker and answers requests meanwhile (``/health``
-    says "starting" until the worker is ready)."""
+    says "starting" until the worker is ready, its covering shapes compiled; see
+    ``ServerConfig.warm_up``)."""
     self.batcher.start()
     try:
       self._uvicorn.run(sockets=[self._socket])
@@ -536,10 +537,13 @@ class RewardServer:
     self._thread.start()
     return self
 
-  def wait_ready(self, timeout: float = 600) -> None:
-    """Blocks until the batch shapes are compiled (or raises why they could not be)."""
+  def wait_ready(self, timeout: float = 600, *, all_shapes: bool = False) -> None:
+    """Blocks until the server is ready, its covering batch shapes compiled (every one with
+    ``warm_up="all"``), or raises why it could not be. ``all_shapes``: until every batch shape is
+    compiled, those compiled after ready too."""
     deadline = time.monotonic() + timeout
-    while not self.batcher.ready.wait(0.05):
+    event = self.batcher.all_compiled if all_shapes else self.batcher.ready
+    while not event.wait(0.05):
       if self.batcher.failed or time.monotonic() > deadline:
         raise RuntimeError(f"the server did not get ready: {self.batcher.failed or 'timed out'}")
 

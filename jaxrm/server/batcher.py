@@ -5,9 +5,16 @@ The worker takes what is queued (waiting up to ``batch_wait_ms`` for a batch to 
 those requests that share a token prefix (a prompt's completions, in one request or many) are
 scored as shared-prompt packed rows, the prefix once (:mod:`jaxrm.shared_prefix`, unless
 ``share_prefix`` is off); the others are sorted by length and cut into batches of at most
-``batch_size`` rows and ``batch_tokens`` padded tokens, each padded to a compiled bucket length.
-Every request gets back its own rewards, in its own order. All batch shapes, packed ones included,
-are compiled before the first request is taken.
+``batch_size`` rows and ``batch_tokens`` padded tokens, each padded to a bucket length.
+Every request gets back its own rewards, in its own order.
+
+Before the first request is taken the worker compiles batch shapes (rows x length, of plain and of
+packed rows): with ``warm_up="all"`` every one, with ``"cover"`` (the default) only the covering
+shapes (:func:`covering`), which hold every other. It then compiles the others one at a time
+whenever its queue is empty. A batch whose own shape is not compiled yet is padded to the smallest
+compiled shape that holds it: empty rows, whose outputs are dropped, and right padding, which
+leaves every row's outputs as they are (a sequence head reads a row's last real token; a packed
+row's padding is a segment no token attends to).
 
 The queue holds at most ``max_connections`` requests. A request given up (timed out, its client
 gone) keeps its place, without its rows, until the worker takes it and drops it unscored; its tokens
@@ -43,6 +50,8 @@ ScoreFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
 PackedFn = Callable[[shared_prefix.SharedRows], Sequence]
 # Token rows -> the groups of row indices scored together (shared_prefix.scoring_groups).
 GroupFn = Callable[[list[list[int]]], list[list[int]]]
+# A plain batch of right-padded rows, or one of shared-prompt packed rows: each compiles its own shapes.
+ROWS, PACKED = "rows", "packed"
 # How many full batches of rows the worker takes from the queue at once: enough to sort
 # requests of many lengths into buckets, few enough that new arrivals are not kept waiting long.
 DRAIN_BATCHES = 8
@@ -76,6 +85,19 @@ def row_sizes(batch_size: int) -> list[int]:
   return sizes + [batch_size]
 
 
+def covering(shapes: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+  """The (rows, length) of ``shapes`` that no other holds (one with as many rows or more and as
+  long or longer): for each length the most rows, less those a longer length has as many of.
+  Padded with empty rows and to a longer length, every shape fits one of them."""
+  return [s for s in shapes if not any(o != s and o[0] >= s[0] and o[1] >= s[1] for o in shapes)]
+
+
+def fullest(shapes: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+  """The (rows, length) of ``shapes`` with the most rows of their length: the batches a busy server
+  forms."""
+  return [s for s in shapes if not any(o[1] == s[1] and o[0] > s[0] for o in shapes)]
+
+
 class Batcher:
   """The scoring worker and its queue."""
 
@@ -100,6 +122,11 @@ class Batcher:
     self.pad_id = pad_id
     self.metrics = metrics
     self.ready = threading.Event()
+    self.all_compiled = threading.Event()  # every batch shape, those compiled after ready too
+    self._compiled: dict[str, set[tuple[int, int]]] = {ROWS: set(), PACKED: set()}
+    self._to_compile: list[tuple[str, tuple[int, int]]] = []  # after ready, in this order
+    self._background = 0  # shapes left to compile after ready
+    self._compile_s = 0.0  # seconds spent compiling them
     self.failed: str | None = None  # why warm-up failed, if it did: for wait_ready, never for clients
     self._queue: queue.Queue[Job] = queue.Queue(maxsize=config.max_connections)
     self._lock = threading.Lock()
@@ -160,6 +187,9 @@ class Batcher:
       return
     self.ready.set()
     while not self._stop.is_set():
+      if self._to_compile and self._queue.empty():
+        self._compile_next()
+        continue
       jobs = self._collect()
       try:
         self._score_jobs(jobs)
@@ -181,26 +211,88 @@ class Batcher:
     return [(b, t) for t in lengths for b in row_sizes(cfg.batch_size) if b == 1 or b * t <= cfg.batch_tokens]
 
   def _warm_up(self) -> None:
+    """Compiles the shapes needed before ready: the covering ones (or all), plain rows first."""
     start = time.perf_counter()
-    shapes, packed = self.shapes(), self.packed_shapes()
-    for b, t in shapes:
+    cover, later = self._compile_order()
+    if self.config.warm_up == "all":
+      cover, later = cover + later, []
+    for kind, shape in cover:
+      self._compile(kind, shape)
+    self._to_compile, self._background = later, len(later)
+    seconds, packed = time.perf_counter() - start, len(self._compiled[PACKED])
+    if later:
+      log.info(
+        "compiled %d of %d batch shapes (%d of them of packed rows) in %.1f s; the other %d "
+        "compile in the background, their batches padded to a compiled shape meanwhile",
+        len(cover),
+        len(cover) + len(later),
+        packed,
+        seconds,
+        len(later),
+      )
+    else:
+      log.info("compiled %d batch shapes (%d of them of packed rows) in %.1f s", len(cover), packed, seconds)
+      self.all_compiled.set()
+
+  def _compile_order(self) -> tuple[list, list]:
+    """Every (kind, shape): the covering shapes, then the others, those of full batches (what a
+    busy server forms) first; plain rows before packed ones in each."""
+    shapes = {ROWS: self.shapes(), PACKED: self.packed_shapes()}
+    cover = [(kind, s) for kind in shapes for s in covering(shapes[kind])]
+    later = [(kind, s) for kind in shapes for s in fullest(shapes[kind]) if (kind, s) not in cover]
+    return cover, later + [
+      (kind, s) for kind in shapes for s in shapes[kind] if (kind, s) not in cover + later
+    ]
+
+  def _compile(self, kind: str, shape: tuple[int, int]) -> None:
+    """Runs the model once on a dummy batch of ``shape``: its program compiles."""
+    b, t = shape
+    if kind == ROWS:
       ids = np.full((b, t), self.pad_id, np.int32)
       mask = np.zeros((b, t), np.int32)
       mask[:, 0] = 1
       self.score_fn(ids, mask)
-    for b, t in packed:
+    else:
       # b groups of two rows whose packed length is t: t - 2 shared tokens and one of each's own.
       rows = [[self.pad_id] * (t - 1) for _ in range(2 * b)]
       groups = [[2 * g, 2 * g + 1] for g in range(b)]
       for shared in self._packed(rows, groups, max_tokens=b * t):
         assert shared.batch.input_ids.shape == (b, t), (shared.batch.input_ids.shape, b, t)
         self.packed_fn(shared)
-    log.info(
-      "compiled %d batch shapes (%d of them of packed rows) in %.1f s",
-      len(shapes) + len(packed),
-      len(packed),
-      time.perf_counter() - start,
-    )
+    self._compiled[kind].add(shape)
+    self.metrics.shapes(compiled=self._compiled_count(), total=len(self.shapes()) + len(self.packed_shapes()))
+
+  def _compiled_count(self) -> int:
+    return sum(map(len, self._compiled.values()))
+
+  def _compile_next(self) -> None:
+    """Compiles the next shape not compiled yet (the worker's queue being empty). One that fails
+    is left out: its batches keep the larger compiled shape they are padded to."""
+    kind, shape = self._to_compile.pop(0)
+    start = time.perf_counter()
+    try:
+      self._compile(kind, shape)
+    except Exception:  # pylint: disable=broad-except  # the covering shapes still score every batch
+      log.exception("compiling the batch shape %s of %s failed; its batches stay padded", shape, kind)
+    self._compile_s += time.perf_counter() - start
+    if not self._to_compile:
+      log.info(
+        "compiling in the background done: %d of %d batch shapes compiled, %d of them after ready in %.1f s",
+        self._compiled_count(),
+        len(self.shapes()) + len(self.packed_shapes()),
+        self._background,
+        self._compile_s,
+      )
+      self.all_compiled.set()
+
+  def _shape(self, kind: str, rows: int, length: int) -> tuple[int, int]:
+    """The compiled shape a batch of ``rows`` rows of ``length`` tokens is scored in: its own, else
+    the smallest that holds it (fewest token slots, then shortest); its own if none does."""
+    compiled = self._compiled[kind]
+    if (rows, length) in compiled:
+      return rows, length
+    holding = [(b, t) for b, t in compiled if b >= rows and t >= length]
+    return min(holding, key=lambda s: (s[0] * s[1], s[1]), default=(rows, length))
 
   def _packed(self, rows: list[list[int]], groups: list[list[int]], max_tokens: int | None = None):
     return shared_prefix.shared_batches(
@@ -307,19 +399,20 @@ class Batcher:
     return bucket_length(length, self.config.buckets)
 
   def _forward(self, rows: list[list[int]]) -> np.ndarray:
-    """Rewards of rows (at most one batch), right-padded to a compiled shape."""
-    ids, mask = right_padded(
-      rows,
-      length=self._bucket(max(map(len, rows))),
-      pad_id=self.pad_id,
-      num_rows=scoring_rows(len(rows), self.config.batch_size),
+    """Rewards of rows (at most one batch), right-padded to their shape or a compiled one holding it."""
+    b, t = self._shape(
+      ROWS, scoring_rows(len(rows), self.config.batch_size), self._bucket(max(map(len, rows)))
     )
+    ids, mask = right_padded(rows, length=t, pad_id=self.pad_id, num_rows=b)
     self.metrics.tokens(real=sum(map(len, rows)), padded=ids.size)
     out = np.asarray(self.score_fn(ids, mask))
     return out[: len(rows)] if out.ndim == 1 else [out[j, : len(r)] for j, r in enumerate(rows)]
 
   def _forward_packed(self, packed: shared_prefix.SharedRows, batch: list[tuple[Job, int]]) -> np.ndarray:
     """Rewards of the rows packed in ``packed`` (``batch``, in its order)."""
+    b, t = self._shape(PACKED, *packed.batch.input_ids.shape)
+    if (b, t) != packed.batch.input_ids.shape:
+      packed = packed.padded(b, t, self.pad_id)
     self.metrics.tokens(real=sum(len(job.rows[i]) for job, i in batch), padded=packed.batch.input_ids.size)
     return self.packed_fn(packed)
 

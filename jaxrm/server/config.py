@@ -12,6 +12,9 @@ from jaxrm.shared_prefix import Sharing
 # most RL rollouts, short enough that a batch of them is not a model's whole context per row.
 DEFAULT_MAX_LENGTH = 2048
 SMALLEST_BUCKET = 64
+# How much the server compiles before it answers: the covering shapes (then the rest in the
+# background), or every shape.
+WARM_UPS = ("cover", "all")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,13 +34,20 @@ class ServerConfig:
       context, if shorter) unless the model records its training run's ``data.max_length``.
     batch_size: rows per forward pass.
     batch_tokens: padded tokens per forward pass (rows x bucket length); None: batch_size x max_length.
-    buckets: padded lengths a batch may have, each compiled at start; None: powers of two from 64
-      up to max_length, and max_length.
+    buckets: padded lengths a batch may have; None: powers of two from 64 up to max_length, and
+      max_length.
     batch_wait_ms: how long the scoring worker waits for more requests to join a batch.
     share_prefix: rows that share a token prefix of at least 64 tokens (a prompt's completions,
       sent in one request or in many at once) are scored as shared-prompt packed rows, the prefix
       once (:mod:`jaxrm.shared_prefix`); their rewards are those of rows scored alone, up to float
-      rounding. Packed rows have lengths of their own (``packed_buckets``), compiled at start too.
+      rounding. Packed rows have lengths of their own (``packed_buckets``).
+    warm_up: which batch shapes (rows x bucket length, of plain and of packed rows) are compiled
+      before the server is ready. ``"cover"``: the fewest that hold every other (the most rows of
+      each length, less those a longer length has as many rows of); the others compile one at a
+      time in the scoring worker whenever its queue is empty (a request arriving meanwhile waits
+      for that one), and until a batch's own shape is compiled it is padded (empty rows and right
+      padding, which leave its outputs as they are) to the smallest compiled one that holds it.
+      ``"all"``: every shape.
     max_queued_tokens: tokens waiting or being scored, all requests together; past it, 503.
     request_timeout: seconds from a request's headers to its answer -- reading its body, waiting
       for the tokenizer, tokenizing, queueing and scoring -- before 504. A request past it stops
@@ -84,6 +94,7 @@ class ServerConfig:
   step_aggregation: str = step_rewards.DEFAULT_AGGREGATION
   api_key: str | None = dataclasses.field(default=None, repr=False)
   access_log: bool = False
+  warm_up: str = "cover"
 
   def __post_init__(self):
     for name in (
@@ -113,6 +124,11 @@ class ServerConfig:
       step_rewards.check_aggregation(self.step_aggregation)
     except ValueError as e:
       raise ConfigError(f"{e} (--step_aggregation)") from None
+    if self.warm_up not in WARM_UPS:
+      raise ConfigError(
+        f"warm_up={self.warm_up!r}: give cover (the server is ready once the shapes that hold all "
+        "others are compiled) or all (once every shape is) (--warm_up)"
+      )
     if self.buckets is not None and (not self.buckets or min(self.buckets) < 1):
       raise ConfigError(f"buckets={self.buckets}: give positive lengths, e.g. --buckets=128,512,2048")
 

@@ -10,7 +10,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 
 class Metrics:
-  """Requests, items, tokens, batch sizes, queue depth, bytes held and latency; ``text()`` is /metrics."""
+  """Requests, items, tokens, batch sizes, queue depth, bytes held, latency and compiled batch
+  shapes; ``text()`` is /metrics."""
 
   def __init__(self):
     self.registry = prom.CollectorRegistry()
@@ -46,6 +47,12 @@ class Metrics:
     self._pending_bytes = prom.Gauge(
       "jaxrm_pending_bytes", "Bytes of request bodies being read or waiting to be tokenized.", registry=r
     )
+    self._compiled_shapes = prom.Gauge(
+      "jaxrm_compiled_shapes", "Batch shapes compiled (of jaxrm_batch_shapes).", registry=r
+    )
+    self._batch_shapes = prom.Gauge(
+      "jaxrm_batch_shapes", "Batch shapes the server may form, plain and packed rows.", registry=r
+    )
 
   def request(self, endpoint: str, status: int, seconds: float) -> None:
     self._requests.labels(endpoint, str(status)).inc()
@@ -67,6 +74,10 @@ class Metrics:
 
   def pending(self, size: int) -> None:
     self._pending_bytes.set(size)
+
+  def shapes(self, compiled: int, total: int) -> None:
+    self._compiled_shapes.set(compiled)
+    self._batch_shapes.set(total)
 
   def text(self) -> bytes:
     return prom.generate_latest(self.registry)
