@@ -307,7 +307,7 @@ def test_completions_of_one_prompt_share_it_across_requests(sharing_server, tiny
 def test_share_prefix_off_scores_every_row_alone(tiny_rm):
   config = dataclasses.replace(SHARING_CONFIG, share_prefix=False)
   assert config.resolved(128).packed_buckets() == ()
-  assert SHARING_CONFIG.resolved(128).packed_buckets() == (128, 256, 512)  # up to batch_tokens, 4 x 128
+  assert SHARING_CONFIG.resolved(128).packed_buckets() == (128, 192, 256, 384, 512)  # up to 4 x 128
   assert SERVER_CONFIG.resolved(128).packed_buckets() == ()  # no row of 64 tokens shares 64 tokens
   with serving(tiny_rm, config, all_shapes=True) as s:  # it counts padded tokens
     assert s.batcher.packed_shapes() == []

@@ -21,7 +21,7 @@ from jaxrm.server.metrics import Metrics
 # 8 rows of 64 tokens, 4 of 128 or 2 of 256 in 512 tokens; packed rows of 128, 256 and 512.
 SMALL = ServerConfig(batch_size=8, max_length=256, buckets=(64, 128, 256), batch_tokens=512).resolved(8192)
 SHAPES = [(1, 64), (2, 64), (4, 64), (8, 64), (1, 128), (2, 128), (4, 128), (1, 256), (2, 256)]
-PACKED_SHAPES = [(1, 128), (2, 128), (4, 128), (1, 256), (2, 256), (1, 512)]
+PACKED_SHAPES = [(1, 128), (2, 128), (4, 128), (1, 256), (2, 256), (1, 384), (1, 512)]
 # By hand: each length's most rows; none is held by a longer length's (each has fewer rows).
 COVER = [(8, 64), (4, 128), (2, 256)]
 PACKED_COVER = [(4, 128), (2, 256), (1, 512)]
@@ -55,7 +55,7 @@ def recording_batcher(config: ServerConfig) -> tuple[Batcher, list]:
 
 def test_the_covering_shapes_hold_every_shape():
   batcher, _ = recording_batcher(SMALL)
-  assert SMALL.packed_buckets() == (128, 256, 512)
+  assert SMALL.packed_buckets() == (128, 256, 384, 512)  # 384: between two powers of two
   assert batcher.shapes() == SHAPES and batcher.packed_shapes() == PACKED_SHAPES
   assert covering(batcher.shapes()) == COVER
   assert covering(batcher.packed_shapes()) == PACKED_COVER
@@ -88,11 +88,13 @@ def test_cover_is_ready_after_the_covering_shapes_then_compiles_the_others(caplo
     + [(PACKED, s) for s in PACKED_SHAPES if s not in PACKED_COVER]
   )
   log = caplog.text
-  assert "compiled 6 of 15 batch shapes (3 of them of packed rows) in" in log, log
-  assert "the other 9 compile in the background" in log, log
-  assert "compiling in the background done: 15 of 15 batch shapes compiled, 9 of them after ready" in log, log
+  assert "compiled 6 of 16 batch shapes (3 of them of packed rows) in" in log, log
+  assert "the other 10 compile in the background" in log, log
+  assert "compiling in the background done: 16 of 16 batch shapes compiled, 10 of them after ready" in log, (
+    log
+  )
   metrics = batcher.metrics.text().decode()
-  assert "jaxrm_compiled_shapes 15.0" in metrics and "jaxrm_batch_shapes 15.0" in metrics
+  assert "jaxrm_compiled_shapes 16.0" in metrics and "jaxrm_batch_shapes 16.0" in metrics
 
 
 def test_after_ready_full_batches_compile_first():
@@ -112,7 +114,7 @@ def test_all_compiles_every_shape_before_ready(caplog):
   assert sorted((kind, shape) for kind, shape, _ in calls) == sorted(
     [(ROWS, s) for s in SHAPES] + [(PACKED, s) for s in PACKED_SHAPES]
   )
-  assert "compiled 15 batch shapes (6 of them of packed rows) in" in caplog.text
+  assert "compiled 16 batch shapes (7 of them of packed rows) in" in caplog.text
   assert "background" not in caplog.text
 
 
