@@ -407,14 +407,21 @@ def grpo_workload(rm, args) -> list[dict]:
   server.wait_ready()
   ready = time.perf_counter() - start
   server.wait_ready(3600, all_shapes=True)  # throughput is timed without compiles beside it
+  warm_up = dict(
+    name="server warm-up",
+    warm_up=config.warm_up,
+    ready_s=ready,
+    all_compiled_s=time.perf_counter() - start,
+    shapes=len(server.batcher.shapes()),
+    packed_shapes=len(server.batcher.packed_shapes()),
+  )
   print(
-    f"server: ready in {ready:.0f} s (--warm_up={config.warm_up}); its {len(server.batcher.shapes())} "
-    f"padded and {len(server.batcher.packed_shapes())} packed batch shapes all compiled in "
-    f"{time.perf_counter() - start:.0f} s",
+    f"server: ready in {ready:.0f} s (--warm_up={config.warm_up}); its {warm_up['shapes']} padded and "
+    f"{warm_up['packed_shapes']} packed batch shapes all compiled in {warm_up['all_compiled_s']:.0f} s",
     flush=True,
   )
   try:
-    return _grpo_runs(rm, hf_model, hf_tok, device, server.url, args)
+    return [warm_up, *_grpo_runs(rm, hf_model, hf_tok, device, server.url, args)]
   finally:
     server.shutdown()
 

@@ -22,6 +22,9 @@ and ``<!-- end of generated part -->``; the prose around it is written by hand. 
   --vs-trl``), into ``docs/benchmarks.md``.
 - ``malloc_variants``: the allocator variants of ``benchmarks/cpu_smollm2_malloc_variants.json``
   (``scripts/bench.py --vs-variant=malloc=...``), into ``docs/benchmarks.md``.
+- ``grpo_server``: the scorers of GRPO groups, the server's among them, of
+  ``benchmarks/cpu_smollm2_score_grpo_server.json`` (``scripts/bench_score.py --workload=grpo``),
+  into ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -463,6 +466,25 @@ def malloc_variants_part() -> str:
   return "\n".join(out) + "\n"
 
 
+def grpo_server_part() -> str:
+  """The scorers of ``benchmarks/cpu_smollm2_score_grpo_server.json`` (``scripts/bench_score.py
+  --workload=grpo --clients=...``): items/s (median and range of the repeats) against transformers'."""
+  raw = raw_result("cpu_smollm2_score_grpo_server.json")
+  runs = [r for r in raw["results"] if "items_per_s" in r]  # not the warm-up's row
+  hf = field(raw, "results[name=transformers].items_per_s")
+  p, g = raw["args"]["prompts"], runs[0]["group_size"]
+  out = [
+    f"| scorer (P={p}, G={g}) | items/s (median) | range | tokens/s | vs transformers |",
+    "|---|---:|---:|---:|---:|",
+  ]
+  for r in runs:
+    out.append(
+      f"| {r['name']} | {r['items_per_s']:.2f} | {min(r['repeats']):.2f}-{max(r['repeats']):.2f} | "
+      f"{r['tokens_per_s']:.0f} | {r['items_per_s'] / hf:.2f}x |"
+    )
+  return "\n".join(out) + "\n"
+
+
 # ------------------------------------------------------------------ pages
 
 PARTS: dict[str, tuple[str, Callable[[], str]]] = {
@@ -473,6 +495,7 @@ PARTS: dict[str, tuple[str, Callable[[], str]]] = {
   "benchmarks": ("docs/benchmarks.md", benchmarks_part),
   "vs_trl": ("docs/benchmarks.md", vs_trl_part),
   "malloc_variants": ("docs/benchmarks.md", malloc_variants_part),
+  "grpo_server": ("docs/benchmarks.md", grpo_server_part),
 }
 
 
