@@ -201,6 +201,7 @@ def shared_batches(
   max_tokens: int,
   pad_id: int,
   slot_per_token: bool = False,
+  shapes: Sequence[tuple[int, int]] | None = None,
 ) -> Iterator[SharedRows]:
   """``groups`` of ``rows`` as forward passes of packed rows, shortest first.
 
@@ -210,6 +211,11 @@ def shared_batches(
   scoring batches; few programs compile); shorter groups may share a row. Reward slots per row:
   the power of two (at least 8) that holds them, or with ``slot_per_token`` one per token (T: a
   pass's shape is then its rows and T alone, so every shape can be compiled ahead).
+
+  ``shapes``: the (rows, T) a pass may have (a server's compiled programs). A pass then takes,
+  of those that hold its groups (first-fit, longest first), the one of fewest token slots, then
+  the shortest: three groups of 1,450 to 1,900 tokens fill two rows of 3,072 (6,144 slots), not
+  four of 2,048 (8,192).
   """
   examples = [_example(rows, g) for g in groups]
   lengths = [packed_length(rows, g) for g in groups]
@@ -222,6 +228,9 @@ def shared_batches(
       n += 1
     members, order = order[:n], order[n:]
     length = bucket_length(lengths[members[-1]], buckets)
+    num_rows = None
+    if shapes:
+      num_rows, length = _fewest_slots([lengths[i] for i in members], shapes, (None, length))
     yield _pack(
       [examples[i] for i in members],
       tuple(tuple(groups[i]) for i in members),
@@ -229,7 +238,19 @@ def shared_batches(
       batch_size,
       pad_id,
       length if slot_per_token else None,
+      num_rows,
     )
+
+
+def _fewest_slots(lengths: list[int], shapes, default: tuple) -> tuple:
+  """The (rows, T) of ``shapes`` with the fewest token slots (then the shortest) whose rows hold
+  groups of ``lengths`` as :func:`jaxrm.data.packing.plan_rows` places them; ``default`` if none."""
+  fits = [
+    (b, t)
+    for b, t in shapes
+    if t >= max(lengths) and len(packing.plan_rows(lengths, t, [""] * len(lengths))) <= b
+  ]
+  return min(fits, key=lambda s: (s[0] * s[1], s[1]), default=default)
 
 
 def _example(rows: Sequence[Sequence[int]], group: Sequence[int]) -> PreferenceExample:
@@ -245,9 +266,11 @@ def _pack(
   batch_size: int,
   pad_id: int,
   slots: int | None,
+  num_rows: int | None = None,
 ) -> SharedRows:
   """``examples`` in rows of ``length`` tokens with ``slots`` reward slots per row (None: the
-  power of two, at least 8, that holds them, so that few shapes compile)."""
+  power of two, at least 8, that holds them, so that few shapes compile), in ``num_rows`` rows
+  (None: as :func:`jaxrm.data.pipeline.scoring_rows` gives for the rows they fill)."""
   spec = packing.PackSpec(row_length=length, shared_prompt=True, pad_id=pad_id)
   plan = packing.plan_rows(
     [packing.packed_length(e, shared_prompt=True) for e in examples], length, [e.source for e in examples]
@@ -255,6 +278,6 @@ def _pack(
   if slots is None:
     slots = max(8, 1 << (packing.rewards_per_row(examples, plan) - 1).bit_length())
   batch = packing.pack_preference(
-    examples, spec, num_rows=scoring_rows(len(plan), batch_size), num_rewards=slots
+    examples, spec, num_rows=num_rows or scoring_rows(len(plan), batch_size), num_rewards=slots
   )
   return SharedRows(batch, groups)

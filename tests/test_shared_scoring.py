@@ -333,6 +333,27 @@ def test_shared_batches_fill_rows_and_passes():
     assert [t[:, 0].tolist() for t in tokens] == [rows[i] for i in p.rows]
 
 
+def test_shared_batches_take_the_allowed_shape_of_fewest_slots():
+  """Given the shapes a pass may have, a pass takes the one of fewest token slots that holds its
+  groups as first-fit places them, then the shortest; without them, rows of its bucket."""
+  rows, groups = grpo_rows(seed=12, prompts=(8, 9, 10, 60, 12), completions=2, alone=())
+  passes = lambda shapes: list(
+    shared_prefix.shared_batches(
+      rows, groups, batch_size=8, buckets=range(16, 641, 16), max_tokens=640, pad_id=0, shapes=shapes
+    )
+  )
+  # Groups of 71, 32, 28, 24 and 15 tokens (170): by hand, first-fit longest first fills two rows
+  # of 96 (71 + 24; 32 + 28 + 15) and one of 176; four rows of 80 is the bucket's default.
+  assert [p.batch.input_ids.shape for p in passes(None)] == [(4, 80)]
+  assert [p.batch.input_ids.shape for p in passes([(4, 80), (2, 96), (2, 128)])] == [(2, 96)]
+  assert [p.batch.input_ids.shape for p in passes([(4, 80), (2, 96), (1, 176)])] == [(1, 176)]
+  assert [p.batch.input_ids.shape for p in passes([(4, 80), (2, 88), (1, 192)])] == [(2, 88)]  # 176 < 192
+  assert [p.batch.input_ids.shape for p in passes([(1, 64)])] == [(4, 80)]  # none holds them
+  for p in passes([(2, 96)]) + passes([(1, 176)]):  # every row's tokens come back in order
+    tokens = p.logits(p.batch.input_ids[..., None])
+    assert [t[:, 0].tolist() for t in tokens] == [rows[i] for i in p.rows]
+
+
 def test_share_prefix_values():
   assert shared_prefix.as_sharing(True) == Sharing() and shared_prefix.as_sharing(False) is None
   assert shared_prefix.as_sharing(Sharing(min_prefix=4)).min_prefix == 4

@@ -303,6 +303,7 @@ class Batcher:
       max_tokens=max_tokens or self.config.batch_tokens,
       pad_id=self.pad_id,
       slot_per_token=True,
+      shapes=self.packed_shapes(),  # a pass takes the one of fewest token slots
     )
 
   def _collect(self) -> list[Job]:
