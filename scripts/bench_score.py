@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import json
 import os
 import statistics
@@ -84,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--max_length", type=int, default=384, help="Longest text, in tokens.")
   p.add_argument("--median_length", type=int, default=96, help="Median text length, in tokens.")
   p.add_argument("--clients", type=int, default=16, help="Concurrent server clients.")
+  p.add_argument(
+    "--batch_wait_ms", type=float, default=None, help="grpo: the server's --batch_wait_ms (default: its own)."
+  )
   p.add_argument("--items_per_request", type=int, default=4, help="Texts per server request.")
   p.add_argument("--prompts", type=int, default=4, help="grpo: prompts P.")
   p.add_argument("--group_sizes", default="8,16", help="grpo: completions G per prompt, one run each.")
@@ -402,6 +406,8 @@ def grpo_workload(rm, args) -> list[dict]:
   config = ServerConfig(
     max_length=args.max_length, batch_size=args.batch_size, max_batch=256, request_timeout=600
   )
+  if args.batch_wait_ms is not None:
+    config = dataclasses.replace(config, batch_wait_ms=args.batch_wait_ms)
   server = make_server(rm, "127.0.0.1", 0, config=config).start()
   start = time.perf_counter()
   server.wait_ready()

@@ -6,6 +6,8 @@ import asyncio
 import dataclasses
 import logging
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -243,3 +245,33 @@ def test_a_process_models_steps_through_a_covering_shape(tiny_prm):
   assert shape == (2, 64)
   for p, o, w, (_, labels) in zip(padded, own, want, encoded):
     assert list(p) == approx(o) and list(p[labels]) == approx(w)
+
+
+def _job(rows: int, length: int) -> Job:
+  return Job([[7] * length] * rows, None, None, [None] * rows, rows, rows * length)
+
+
+@pytest.mark.parametrize("sharing", [True, False])
+def test_the_worker_waits_for_requests_while_its_rows_would_not_fill_a_pass(sharing):
+  """A GRPO group's 8 completions are batch_size rows but pack into one row: with prefixes
+  shared, the worker waits (batch_wait_ms) for more requests until batch_tokens tokens are taken;
+  without, batch_size rows fill a pass and it does not wait."""
+  config = ServerConfig(batch_size=8, max_length=256, batch_wait_ms=5000, share_prefix=sharing).resolved(8192)
+  batcher, _ = recording_batcher(config)
+  if not sharing:
+    batcher.packed_fn = None
+  first, second = _job(8, 200), _job(8, 200)  # 1,600 tokens each, of batch_tokens 2,048
+  batcher._queue.put(first)
+  taken = []
+  worker = threading.Thread(target=lambda: taken.append((batcher._collect(), time.monotonic())))
+  start = time.monotonic()
+  worker.start()
+  time.sleep(1.0)  # the second request arrives 1 s after the first, well within 5 s
+  batcher._queue.put(second)
+  worker.join(10)
+  [(jobs, end)] = taken
+  if sharing:
+    assert jobs == [first, second]
+    assert end - start < 3.5  # 3,200 tokens taken fill a pass: no waiting out the 5 s
+  else:
+    assert jobs == [first] and end - start < 1.0

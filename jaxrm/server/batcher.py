@@ -307,20 +307,29 @@ class Batcher:
     )
 
   def _collect(self) -> list[Job]:
-    """The jobs to score next: the first to arrive, those arriving within batch_wait_ms, and any
-    already queued, up to DRAIN_BATCHES batches' worth of rows."""
+    """The jobs to score next: the first to arrive, those arriving within batch_wait_ms while
+    what is taken would not fill a forward pass, and any already queued, up to DRAIN_BATCHES
+    batches' worth of rows."""
     first = self._take(0.1)
     if first is None:
       return []
-    jobs, rows = [first], len(first.rows)
+    jobs, rows, tokens = [first], len(first.rows), first.tokens
     deadline = time.monotonic() + self.config.batch_wait_ms / 1000
     while rows < self.config.batch_size * DRAIN_BATCHES:
-      job = self._take(deadline - time.monotonic() if rows < self.config.batch_size else 0)
+      job = self._take(0 if self._fills_a_pass(rows, tokens) else deadline - time.monotonic())
       if job is None:
         break
       jobs.append(job)
-      rows += len(job.rows)
+      rows, tokens = rows + len(job.rows), tokens + job.tokens
     return jobs
+
+  def _fills_a_pass(self, rows: int, tokens: int) -> bool:
+    """Whether rows taken so far fill a forward pass: ``batch_size`` of them or, where rows that
+    share a prefix are packed together (a GRPO group's completions fill one packed row, not
+    ``batch_size`` rows), ``batch_tokens`` tokens."""
+    if self.packed_fn is not None:
+      return tokens >= self.config.batch_tokens
+    return rows >= self.config.batch_size
 
   def _take(self, wait: float) -> Job | None:
     """The next job still waited for, within ``wait`` seconds (0: only one already queued), or None;

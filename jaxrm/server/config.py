@@ -36,7 +36,9 @@ class ServerConfig:
     batch_tokens: padded tokens per forward pass (rows x bucket length); None: batch_size x max_length.
     buckets: padded lengths a batch may have; None: powers of two from 64 up to max_length, and
       max_length.
-    batch_wait_ms: how long the scoring worker waits for more requests to join a batch.
+    batch_wait_ms: how long the scoring worker waits for more requests to join a batch, while
+      what it has taken would not fill one (``batch_size`` rows; with ``share_prefix``,
+      ``batch_tokens`` tokens).
     share_prefix: rows that share a token prefix of at least 64 tokens (a prompt's completions,
       sent in one request or in many at once) are scored as shared-prompt packed rows, the prefix
       once (:mod:`jaxrm.shared_prefix`); their rewards are those of rows scored alone, up to float
