@@ -22,9 +22,10 @@ and ``<!-- end of generated part -->``; the prose around it is written by hand. 
   --vs-trl``), into ``docs/benchmarks.md``.
 - ``malloc_variants``: the allocator variants of ``benchmarks/cpu_smollm2_malloc_variants.json``
   (``scripts/bench.py --vs-variant=malloc=...``), into ``docs/benchmarks.md``.
-- ``grpo_server``: the scorers of GRPO groups, the server's among them, of
-  ``benchmarks/cpu_smollm2_score_grpo_server.json`` (``scripts/bench_score.py --workload=grpo``),
-  into ``docs/benchmarks.md``.
+- ``grpo_server``, ``grpo_server_wait``: the scorers of GRPO groups, the server's among them, of
+  ``benchmarks/cpu_smollm2_score_grpo_server.json`` and ``..._wait50.json`` (``scripts/bench_score.py
+  --workload=grpo``, the server at its default ``--batch_wait_ms`` and at 50 ms), into
+  ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -466,10 +467,10 @@ def malloc_variants_part() -> str:
   return "\n".join(out) + "\n"
 
 
-def grpo_server_part() -> str:
-  """The scorers of ``benchmarks/cpu_smollm2_score_grpo_server.json`` (``scripts/bench_score.py
-  --workload=grpo --clients=...``): items/s (median and range of the repeats) against transformers'."""
-  raw = raw_result("cpu_smollm2_score_grpo_server.json")
+def grpo_server_part(name: str = "cpu_smollm2_score_grpo_server.json") -> str:
+  """The scorers of ``benchmarks/<name>`` (``scripts/bench_score.py --workload=grpo
+  --clients=...``): items/s (median and range of the repeats) against transformers'."""
+  raw = raw_result(name)
   runs = [r for r in raw["results"] if "items_per_s" in r]  # not the warm-up's row
   hf = field(raw, "results[name=transformers].items_per_s")
   p, g = raw["args"]["prompts"], runs[0]["group_size"]
@@ -496,6 +497,10 @@ PARTS: dict[str, tuple[str, Callable[[], str]]] = {
   "vs_trl": ("docs/benchmarks.md", vs_trl_part),
   "malloc_variants": ("docs/benchmarks.md", malloc_variants_part),
   "grpo_server": ("docs/benchmarks.md", grpo_server_part),
+  "grpo_server_wait": (
+    "docs/benchmarks.md",
+    lambda: grpo_server_part("cpu_smollm2_score_grpo_server_wait50.json"),
+  ),
 }
 
 
