@@ -270,6 +270,25 @@ SERVER_CONFIG = ServerConfig(
   header_timeout=1,
   body_timeout=1,
 )
+# A prompt and six replies of it: rows long enough to share a prefix of 64 tokens (the server's GRPO tests).
+GRPO_PROMPT = [
+  user(
+    "Name three colours that go well with a deep shade of green, for the walls of a small "
+    "north-facing room with old oak floors, white window frames and a brass lamp; say why "
+    "each works, and which one you would choose yourself."
+  )
+]
+GRPO_COMPLETIONS = [
+  [assistant(text)]
+  for text in (
+    "Cream, terracotta and ochre.",
+    "Grey.",
+    "White, because it is bright.",
+    "Pink and gold, to warm the room.",
+    "Blue.",
+    "Mustard yellow, for contrast with the oak.",
+  )
+]
 
 # Proxies from the environment must not see loopback requests.
 OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))

@@ -14,6 +14,8 @@ import types
 import pytest
 import tiny_run
 from helpers import (
+  GRPO_COMPLETIONS,
+  GRPO_PROMPT,
   REBATCHED,
   SERVER_CONFIG,
   SERVER_TEXTS,
@@ -230,24 +232,6 @@ SHARING_CONFIG = dataclasses.replace(
   batch_wait_ms=200,
   access_log=True,
 )
-GRPO_PROMPT = [
-  user(
-    "Name three colours that go well with a deep shade of green, for the walls of a small "
-    "north-facing room with old oak floors, white window frames and a brass lamp; say why "
-    "each works, and which one you would choose yourself."
-  )
-]
-GRPO_COMPLETIONS = [
-  [assistant(text)]
-  for text in (
-    "Cream, terracotta and ochre.",
-    "Grey.",
-    "White, because it is bright.",
-    "Pink and gold, to warm the room.",
-    "Blue.",
-    "Mustard yellow, for contrast with the oak.",
-  )
-]
 
 
 @pytest.fixture(scope="module")

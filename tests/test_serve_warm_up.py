@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 import tiny_run
-from helpers import SERVER_CONFIG, approx, user
+from helpers import GRPO_COMPLETIONS, GRPO_PROMPT, SERVER_CONFIG, approx, user
 
 from jaxrm import shared_prefix
 from jaxrm.errors import ConfigError
@@ -192,7 +192,6 @@ def test_a_batch_is_padded_to_a_covering_shape_with_the_same_rewards(tiny_rm):
 
 
 def test_packed_rows_are_padded_to_a_covering_shape_with_the_same_rewards(tiny_rm):
-  from test_serve import GRPO_COMPLETIONS, GRPO_PROMPT
 
   batcher, shapes = model_batcher(tiny_rm, MODEL_CONFIG)
   assert covering(batcher.packed_shapes()) == [(4, 128), (2, 256), (1, 512)]
