@@ -93,7 +93,17 @@ import tempfile
 import time
 
 import numpy as np
-from bench_common import IM_END, IM_START, NEWLINE, PAD, SHAPES, make_groups, make_pairs, one_device_mesh
+from bench_common import (
+  IM_END,
+  IM_START,
+  NEWLINE,
+  PAD,
+  SHAPES,
+  commit,
+  make_groups,
+  make_pairs,
+  one_device_mesh,
+)
 
 from jaxrm import host_memory
 from jaxrm.data.tokenize import PreferenceExample
@@ -1032,7 +1042,11 @@ def main(argv=None) -> None:
   print_table(results)
   if args.json:
     with open(args.json, "w") as f:
-      json.dump({"args": vars(args), "data": data_summary(examples), "results": results}, f, indent=1)
+      json.dump(
+        {"args": vars(args), "commit": commit(), "data": data_summary(examples), "results": results},
+        f,
+        indent=1,
+      )
   if failed:
     sys.exit(f"failed: {', '.join(failed)} (their output is above)")
 
@@ -1091,7 +1105,7 @@ def run_ranked(args, argv: list[str]) -> None:
         )
   if args.json:
     with open(args.json, "w") as f:
-      json.dump({"args": vars(args), "results": results}, f, indent=1)
+      json.dump({"args": vars(args), "commit": commit(), "results": results}, f, indent=1)
   if failed:
     sys.exit(f"failed: {', '.join(failed)} (their output is above)")
 

@@ -9,10 +9,15 @@ starts a backend.
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import numpy as np
 
 from jaxrm.data.tokenize import PreferenceExample
 from jaxrm.models.config import ModelConfig, from_hf_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Public shapes: the values of each model's config.json on the Hugging Face hub (the repository
 # named), as ``models.config.from_hf_config`` reads them. Only the architecture matters here.
@@ -154,3 +159,15 @@ def one_device_mesh():
   from jaxrm import sharding
 
   return sharding.make_mesh(sharding.MeshConfig(1, 1, 1), devices=jax.devices()[:1])
+
+
+def commit() -> str:
+  """The checkout the figures come from: ``git describe --always --dirty`` (``-dirty``: with
+  uncommitted changes), or ``unknown`` outside a git checkout."""
+  try:
+    out = subprocess.run(
+      ["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True, timeout=20
+    )
+  except (OSError, subprocess.TimeoutExpired):
+    return "unknown"
+  return out.stdout.strip() or "unknown"

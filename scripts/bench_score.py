@@ -61,6 +61,7 @@ import time
 import urllib.request
 
 import numpy as np
+from bench_common import commit
 
 EMBEDDED = "embedded:SmolLM2-135M-Instruct"
 WORDS = (
@@ -271,7 +272,7 @@ def main(argv=None) -> None:
   )
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(dict(args=vars(args), results=results), f, indent=1)
+      json.dump(dict(args=vars(args), commit=commit(), results=results), f, indent=1)
 
 
 def chats_workload(rm, args) -> list[dict]:

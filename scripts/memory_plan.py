@@ -40,12 +40,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
 import numpy as np
-from bench_common import PAD, SHAPES, full_pairs, one_device_mesh
+from bench_common import PAD, SHAPES, commit, full_pairs, one_device_mesh
 
 from jaxrm.models.config import ModelConfig
 
@@ -175,18 +174,6 @@ def mesh_sizes(spec: str) -> tuple[int, ...]:
   if len(sizes) not in (3, 4) or min(sizes) < 1:
     raise ValueError(f"mesh {spec!r} is not data x fsdp x tensor [x context], e.g. 1x8x1 or 1x2x1x4")
   return sizes
-
-
-def commit() -> str:
-  """The checkout the figures come from: ``git describe --always --dirty`` (``-dirty``: with
-  uncommitted changes), or ``unknown`` outside a git checkout."""
-  try:
-    out = subprocess.run(
-      ["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True, timeout=20
-    )
-  except (OSError, subprocess.TimeoutExpired):
-    return "unknown"
-  return out.stdout.strip() or "unknown"
 
 
 # --------------------------------------------------------------------------- the planned step

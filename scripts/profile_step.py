@@ -330,7 +330,7 @@ def main(argv=None) -> None:
   show(result)
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(result, f, indent=1)
+      json.dump({**result, "commit": bench.commit()}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -270,7 +270,9 @@ def test_vs_lora_runs_full_and_lora_training_in_lockstep(tmp_path):
     f"--json={out}",
   )
   with open(out) as f:
-    full, adapted = json.load(f)["results"]
+    report = json.load(f)
+  full, adapted = report["results"]
+  assert report["commit"] == bench_common.commit()  # the checkout its figures come from
   assert (full["name"], adapted["name"]) == ("jaxrm unpacked", "jaxrm unpacked LoRA r4")
   assert full["trained_params_m"] == full["params_m"]
   # Rank 4 on 7 projections of 2 layers (hidden 64, heads 4 x 16, kv 2 x 16, mlp 128), and the head.
