@@ -28,15 +28,15 @@ log = logging.getLogger("jaxrm.train")
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-# What SIGTERM becomes when a watch ends: None restores the handler it had (a library call).
-_sigterm_after_watch: object = None
+# Whether a watch's end ignores SIGTERM (a command) rather than restoring its handler (a library call).
+_ignore_sigterm_after_watch = False
 
 
 def ignore_sigterm_after_watch() -> None:
   """From the end of every later :func:`watch` on, SIGTERM is ignored rather than restored: for a
   command, whose process only saves, reports and exits once its run is over."""
-  global _sigterm_after_watch
-  _sigterm_after_watch = signal.SIG_IGN
+  global _ignore_sigterm_after_watch
+  _ignore_sigterm_after_watch = True
 
 
 class Stopped(Exception):
@@ -68,8 +68,8 @@ class Watch:
       self._previous[signum] = signal.signal(signum, self._handle)
 
   def uninstall(self) -> None:
-    if self._previous and _sigterm_after_watch is not None:  # JAX's notifier's SIGTERM too
-      signal.signal(signal.SIGTERM, _sigterm_after_watch)
+    if self._previous and _ignore_sigterm_after_watch:  # JAX's notifier's SIGTERM too
+      signal.signal(signal.SIGTERM, signal.SIG_IGN)
       self._previous.pop(signal.SIGTERM, None)
     for signum, previous in self._previous.items():
       signal.signal(signum, previous)

@@ -242,15 +242,23 @@ def shared_batches(
     )
 
 
+def fewest_slots(shapes: Sequence[tuple[int, int]], default: tuple) -> tuple:
+  """The (rows, T) of ``shapes`` with the fewest token slots, then the shortest; ``default`` if
+  there is none."""
+  return min(shapes, key=lambda s: (s[0] * s[1], s[1]), default=default)
+
+
 def _fewest_slots(lengths: list[int], shapes, default: tuple) -> tuple:
-  """The (rows, T) of ``shapes`` with the fewest token slots (then the shortest) whose rows hold
-  groups of ``lengths`` as :func:`jaxrm.data.packing.plan_rows` places them; ``default`` if none."""
-  fits = [
-    (b, t)
-    for b, t in shapes
-    if t >= max(lengths) and len(packing.plan_rows(lengths, t, [""] * len(lengths))) <= b
-  ]
-  return min(fits, key=lambda s: (s[0] * s[1], s[1]), default=default)
+  """:func:`fewest_slots` of the ``shapes`` whose rows hold groups of ``lengths`` as
+  :func:`jaxrm.data.packing.plan_rows` places them."""
+  return fewest_slots(
+    [
+      (b, t)
+      for b, t in shapes
+      if t >= max(lengths) and len(packing.plan_rows(lengths, t, [""] * len(lengths))) <= b
+    ],
+    default,
+  )
 
 
 def _example(rows: Sequence[Sequence[int]], group: Sequence[int]) -> PreferenceExample:

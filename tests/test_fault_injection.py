@@ -132,7 +132,7 @@ def test_the_command_hands_sigterm_from_its_watch_straight_to_ignored(monkeypatc
     with preemption.watch():
       pass
     assert signal.getsignal(signal.SIGTERM) == before  # a library call: restored
-    monkeypatch.setattr(preemption, "_sigterm_after_watch", None)
+    monkeypatch.setattr(preemption, "_ignore_sigterm_after_watch", False)
     preemption.ignore_sigterm_after_watch()
     calls.clear()
     with preemption.watch():

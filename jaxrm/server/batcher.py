@@ -292,7 +292,7 @@ class Batcher:
     if (rows, length) in compiled:
       return rows, length
     holding = [(b, t) for b, t in compiled if b >= rows and t >= length]
-    return min(holding, key=lambda s: (s[0] * s[1], s[1]), default=(rows, length))
+    return shared_prefix.fewest_slots(holding, default=(rows, length))
 
   def _packed(self, rows: list[list[int]], groups: list[list[int]], max_tokens: int | None = None):
     return shared_prefix.shared_batches(
