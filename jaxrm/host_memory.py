@@ -11,9 +11,12 @@ glibc 2.35 and later can back those mappings with transparent huge pages (the tu
 ``glibc.malloc.hugetlb=1``): 2 MiB a fault, ~1/500th of the faults, the same memory. glibc reads
 tunables only when a process starts, so the commands (``python -m jaxrm.train``, ``evaluate``,
 ``serve``) restart themselves once, at their very start, with it set: :func:`restart_with_huge_pages`.
-Nothing changes where glibc is older or absent, where the kernel's transparent huge pages are off,
-or where ``GLIBC_TUNABLES`` is already set (the user's choice, kept as it is: setting it, even
-empty, turns this off).
+glibc marks its large mappings for huge pages (``madvise(MADV_HUGEPAGE)``) only where the kernel's
+transparent huge pages are in ``madvise`` mode; in ``always`` mode the kernel backs them so already,
+and where they are ``never``, not at all: nothing is restarted in either. Nothing changes where
+glibc is older or absent, or where ``GLIBC_TUNABLES`` is already set (the user's choice, kept as it
+is: setting it, even empty, turns this off). Whether the kernel finds a free 2 MiB page at each
+fault is its own affair (memory fragmented by other processes falls back to 4 KiB pages).
 
 Kept from one step to the next instead (glibc's main heap for every thread, nothing trimmed), the
 temporaries fault once, but blocks of differently shaped steps pin each other in the heap: the
@@ -45,8 +48,8 @@ def huge_pages_env() -> dict[str, str]:
     return {}
   try:
     with open(_THP) as f:
-      if "[never]" in f.read():
-        return {}
+      if "[madvise]" not in f.read():
+        return {}  # "always": the kernel needs no advice; "never": none is taken
   except OSError:
     return {}
   return {"GLIBC_TUNABLES": TUNABLE}

@@ -1,9 +1,12 @@
 """Host memory of jaxrm's commands (jaxrm/host_memory.py): a compiled program's large temporaries
 on huge pages, the command restarted once with glibc's tunable.
 
-Each case runs in a process of its own, since glibc reads its tunables when a process starts: a
-jitted function whose temporaries are four 64 MiB blocks (buffer assignment's figure, read in the
-process) runs twice to warm up, then twice counted.
+Each case runs in a process of its own, since glibc reads its tunables when a process starts. The
+probe allocates a 64 MiB block as XLA:CPU allocates its temporaries (``posix_memalign``) and reads
+the flags of the mapping that holds it from ``/proc/self/smaps``: ``hg`` is the kernel's record of
+``madvise(MADV_HUGEPAGE)``, what jaxrm arranges. How many faults a step then takes depends on
+whether the kernel finds free 2 MiB pages at that moment (a fragmented host falls back to 4 KiB
+pages), so that is measured in docs/benchmarks.md ("Page faults"), not asserted here.
 """
 
 import ast
@@ -17,31 +20,30 @@ import tiny_run
 from jaxrm import host_memory
 
 PROBE = r"""
-import json, os, resource
+import ctypes, json, os
 from jaxrm import host_memory
 host_memory.restart_with_huge_pages()
-import jax, jax.numpy as jnp
-
-@jax.jit
-def f(x):  # 64 MiB intermediates that XLA cannot fuse into one loop: a transpose, a product, a scan
-  y = jnp.exp(x) @ jnp.ones((4096, 8))
-  t = jnp.sin(x).T.copy()
-  return (jnp.cos(t) * jnp.sin(x)).sum() + y.sum() + jnp.cumsum(x, axis=0)[-1].sum()
-
-x = jnp.ones((4096, 4096))
-temp = f.lower(x).compile().memory_analysis().temp_size_in_bytes
-faults = []
-for _ in range(4):
-  before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-  f(x).block_until_ready()
-  faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(json.dumps(dict(tunables=os.environ.get("GLIBC_TUNABLES"), temp_pages=temp // 4096, faults=faults[2:])))
+libc = ctypes.CDLL(None)
+block = ctypes.c_void_p()
+assert libc.posix_memalign(ctypes.byref(block), 64, ctypes.c_size_t(64 << 20)) == 0
+flags = None
+with open("/proc/self/smaps") as f:
+  inside = False
+  for line in f:
+    head = line.split()[0]
+    if "-" in head and not head.endswith(":"):
+      lo, hi = (int(x, 16) for x in head.split("-"))
+      inside = lo <= block.value < hi
+    elif inside and head == "VmFlags:":
+      flags = line.split()[1:]
+libc.free(block)
+print(json.dumps(dict(tunables=os.environ.get("GLIBC_TUNABLES"), flags=flags)))
 """
 
 on_huge_pages = pytest.mark.skipif(
   not host_memory.huge_pages_env(),
-  reason="glibc older than 2.35, another C library, the kernel's transparent huge pages off, or "
-  "GLIBC_TUNABLES set in this environment",
+  reason="glibc older than 2.35, another C library, the kernel's transparent huge pages not in "
+  "madvise mode, or GLIBC_TUNABLES set in this environment",
 )
 
 
@@ -52,21 +54,37 @@ def _probe(**env) -> dict:
 
 
 @on_huge_pages
-def test_a_restarted_process_faults_its_temporaries_in_huge_pages():
-  """Measured: 1,184-1,497 faults per run (the temporaries' 65,536 pages in 2 MiB pages are 128;
-  the rest are smaller blocks), against ~82,000 with glibc's defaults. The bound, a sixteenth of
-  the temporaries' pages, is 2.7x the most measured and far below one 64 MiB block's 16,384."""
+def test_a_restarted_process_maps_its_large_blocks_for_huge_pages():
+  """The command restarts with glibc's tunable, and a block the size of a step's temporaries lands
+  in a mapping advised for huge pages. Measured on its own (docs/benchmarks.md): ~1/500th of the
+  page faults of glibc's defaults for SmolLM2's step, where the kernel has free huge pages."""
   huge = _probe()
-  assert huge["tunables"] == host_memory.TUNABLE and huge["temp_pages"] >= 4 * 16384
-  assert max(huge["faults"]) < huge["temp_pages"] // 16, huge
+  assert huge["tunables"] == host_memory.TUNABLE
+  assert huge["flags"] is not None and "hg" in huge["flags"], huge
 
 
+@on_huge_pages
 def test_glibcs_tunables_set_by_the_user_are_kept():
-  """A ``GLIBC_TUNABLES`` already set, even empty, is kept: no restart, and every run maps and
-  faults in its temporaries page by page again (what the test above would see without it)."""
+  """A ``GLIBC_TUNABLES`` already set, even empty, is kept: no restart, and glibc's large blocks
+  are mapped without the advice (what the test above would see without the tunable)."""
   system = _probe(GLIBC_TUNABLES="")
   assert system["tunables"] == ""
-  assert min(system["faults"]) >= system["temp_pages"], system
+  assert system["flags"] is not None and "hg" not in system["flags"], system
+
+
+def test_only_madvise_mode_restarts(tmp_path, monkeypatch):
+  """Transparent huge pages ``always`` on need no advice and ``never`` take none: no restart."""
+  if not host_memory.huge_pages_env():
+    pytest.skip("this host's C library or kernel takes no tunable (the tests above say which)")
+  thp = tmp_path / "enabled"
+  monkeypatch.setattr(host_memory, "_THP", str(thp))
+  for mode, env in [
+    ("always madvise [never]", {}),
+    ("[always] madvise never", {}),
+    ("always [madvise] never", {"GLIBC_TUNABLES": host_memory.TUNABLE}),
+  ]:
+    thp.write_text(mode + "\n")
+    assert host_memory.huge_pages_env() == env, mode
 
 
 @pytest.mark.parametrize("command", ["train", "evaluate", "serve"])
