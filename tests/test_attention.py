@@ -12,6 +12,7 @@ from helpers import REORDERED_ATOL, jitted, pref, random_groups, tiny_config, ti
 
 from jaxrm.data import packing
 from jaxrm.errors import ConfigError
+from jaxrm.models import decoder
 from jaxrm.models import layers as L
 from jaxrm.models.decoder import attention_fn, attention_route, attention_summary
 from jaxrm.models.flash_attention import flash_attention
@@ -178,6 +179,56 @@ def test_attention_summary_names_the_route_and_its_features():
   assert attention_summary(plain.replace(attention_impl="cudnn", dtype="bfloat16"), "gpu") == (
     "attention: cuDNN (jax.nn.dot_product_attention) on all 2 layers"
   )
+
+
+def long_packed_batch(rng, length):
+  """Shared-prompt rows of ``length`` tokens holding groups of 60-270 tokens (segments, branches,
+  padding at the rows' ends)."""
+  groups = []
+  for _ in range(14):
+    prompt = list(rng.integers(3, 100, rng.integers(20, 120)))
+    groups.append(pref(*(prompt + list(rng.integers(3, 100, rng.integers(10, 50))) for _ in range(3))))
+  return packing.pack_preference(groups, packing.PackSpec(length, shared_prompt=True))
+
+
+def rewards_and_grads(model, batch):
+  """The rewards and the parameter gradients of a fixed weighted sum of the real ones, and whether
+  the compiled program branches (the block loops' skips)."""
+  from flax import nnx
+
+  graphdef, state = nnx.split(model)
+  real = np.asarray(batch.ranks) >= 0
+  w = jnp.asarray(np.random.default_rng(7).standard_normal(real.shape) * real, jnp.float32)
+
+  def weighted(s):
+    out = batch.outputs(nnx.merge(graphdef, s))
+    return jnp.sum(out * w), out
+
+  step = jax.jit(jax.grad(weighted, has_aux=True)).lower(state).compile()
+  grads, out = step(state)
+  return (
+    np.asarray(out)[real],
+    np.concatenate([np.ravel(g) for g in jax.tree.leaves(grads)]),
+    "conditional" in step.as_text(),
+  )
+
+
+def test_long_rows_on_a_cpu_take_the_block_loops_and_equal_the_dense_mask(monkeypatch):
+  """Rows of LOOP_MIN_TOKENS tokens or more take the block loops on a CPU (blocks of 256: padding,
+  other segments' and sibling branches' blocks skipped), with the window on one layer of two: the
+  rewards and parameter gradients of the dense mask's chunks, up to float32 sums taken in other
+  blocks (the gradients ~10-40, float32 spacing ~4e-6: a key seen or hidden wrongly, or a block
+  skipped that holds a visible key, moves them by O(1))."""
+  batch = long_packed_batch(np.random.default_rng(4), decoder.LOOP_MIN_TOKENS)
+  assert batch.input_ids.shape[0] >= 2 and not np.asarray(batch.attention_mask).all()
+  model = tiny_model(tiny_config(attention_impl="reference"))
+  got, got_grads, looped = rewards_and_grads(model, batch)
+  monkeypatch.setattr(decoder, "LOOP_MIN_TOKENS", decoder.LOOP_MIN_TOKENS + 1)
+  want, want_grads, dense_looped = rewards_and_grads(model, batch)
+  assert looped and not dense_looped
+  assert np.ptp(want) > 0.1 and np.abs(want_grads).max() > 1
+  np.testing.assert_allclose(got, want, rtol=0, atol=REORDERED_ATOL * np.abs(want).max())
+  np.testing.assert_allclose(got_grads, want_grads, rtol=0, atol=2e-5 * np.abs(want_grads).max())
 
 
 def test_cudnn_setting_equals_xla_setting_on_packed_rows():

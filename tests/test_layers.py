@@ -119,6 +119,51 @@ def test_loop_form_id_mask_attention_equals_the_dense_mask(keys_in_row_order):
     np.testing.assert_allclose(g, w, rtol=0, atol=LOOP_ATOL, err_msg=name)
 
 
+@pytest.mark.parametrize("keys_in_row_order", [True, False])
+def test_loop_form_never_multiplies_a_block_the_mask_hides(keys_in_row_order):
+  """Two rows of two packed segments of 32 tokens (the second row's second is padding), blocks of
+  16: NaN in the first segment's q, k and v reaches none of the second segment's outputs or
+  gradients, because no block that mixes the two is multiplied (a multiplied hidden block adds
+  0 * NaN = NaN, as the dense path does). Those outputs and gradients equal the dense path's on
+  the same rows with the NaNs replaced."""
+  rng = np.random.default_rng(3)
+  q = rng.standard_normal((2, 64, 4, 8)).astype(np.float32)
+  k, v = rng.standard_normal((2, 2, 64, 2, 8)).astype(np.float32)
+  segment = np.repeat([[1, 2], [1, 2]], 32, axis=1).astype(np.int32)
+  real = np.ones((2, 64), np.int32)
+  real[1, 32:] = 0
+  ids = L.token_ids(real, np.tile(np.arange(32), 2)[None].repeat(2, 0), segment)
+  first = segment == 1
+  poisoned = [np.where(first[:, :, None, None], np.nan, x).astype(np.float32) for x in (q, k, v)]
+  perm = np.arange(64)
+  if (
+    not keys_in_row_order
+  ):  # key blocks in another order, keys shuffled within each: none skipped by causality
+    shuffle = np.random.default_rng(1).permutation
+    perm = np.concatenate([shuffle(np.arange(16 * i, 16 * i + 16)) for i in (2, 0, 3, 1)])
+  keys = L.TokenIds(*(x[:, perm] for x in ids))
+  mask = L.IdMask(ids, keys, offset=0 if keys_in_row_order else None, blocks=(16, 16))
+  d_out = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+
+  def run(mask, q, k, v, perm):
+    out, vjp = jax.vjp(
+      lambda q, k, v: L.dot_product_attention(q, k[:, perm], v[:, perm], mask, 0.5, None), q, k, v
+    )
+    return out, *vjp(d_out)
+
+  got = run(mask, *map(jnp.asarray, poisoned), perm)
+  want = run(L.mask_from_ids(ids, ids), *map(jnp.asarray, (q, k, v)), np.arange(64))
+  second = ~first & (real > 0)
+  # Padding sees no key, so all of its blocks are skipped: its output is 0, finite, as the keys and
+  # values that a next layer makes of it must be (hidden there, but multiplied by 0 in a block).
+  assert (np.asarray(got[0])[real == 0] == 0).all()
+  for name, g, w in zip(["out", "dq", "dk", "dv"], got, want):
+    assert np.isnan(np.asarray(g)[first]).any(), name  # the poison is there
+    np.testing.assert_allclose(
+      np.asarray(g)[second], np.asarray(w)[second], rtol=0, atol=LOOP_ATOL, err_msg=name
+    )
+
+
 def test_loop_form_compiles_one_block_body_whatever_the_length():
   """The IdMask path's forward and backward hold the same products at 64 and 256 tokens (its
   loops' bodies), where the dense mask's unrolled blocks grow with the length."""

@@ -347,6 +347,17 @@ def attention_summary(
   return f"attention: {what} on all {cfg.num_layers} layers" + "".join(f"; {f}" for f in features)
 
 
+# Rows of this many tokens or more take the reference attention on a CPU as loops over blocks of
+# CPU_LOOP_BLOCKS (queries, keys), each row on its own, skipping the blocks the mask hides entirely
+# (another segment's or branch's keys, padding, later tokens): for SmolLM2's heads, 3.8x faster
+# forward and 4.0x forward and backward on two shared-prompt rows of 3,072 tokens holding GRPO
+# groups, 1.9x / 1.2x on full unpacked rows of 1,024, against the dense mask's unrolled chunks.
+# Shorter rows keep those chunks (at 512 tokens the loops are 0.64x forward). Measured on a 2-core
+# CPU (docs/benchmarks.md, "Attention on a CPU").
+LOOP_MIN_TOKENS = 1024
+CPU_LOOP_BLOCKS = (256, 256)
+
+
 def _layer_attention(
   cfg: ModelConfig, placement, attention_mask, positions, segment_ids, branch_ids, order=None
 ) -> Callable:
@@ -393,6 +404,17 @@ def _layer_attention(
       return _per_shard(attend, placement, q, k, v, kernel_ids, window)
 
     return fused
+  if (
+    attention_route(cfg, platform) == "reference"
+    and platform == "cpu"
+    and ids.real.shape[1] >= LOOP_MIN_TOKENS
+  ):
+
+    def looped(q, k, v, *, is_sliding):
+      window = jnp.where(is_sliding, cfg.sliding_window, NO_WINDOW) if windowed else None
+      return attend(q, k, v, L.IdMask(ids, ids, window, offset=0, blocks=CPU_LOOP_BLOCKS))
+
+    return looped
   full = L.mask_from_ids(ids, ids)
   window = L.mask_from_ids(ids, ids, cfg.sliding_window) if windowed else None
 

@@ -284,14 +284,33 @@ def _padded(x, length: int):
   return x if not extra else jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2))
 
 
-def _ids_block(ids: TokenIds, start, size: int) -> TokenIds:
-  """Tokens ``start`` to ``start + size`` of each id, ``start`` traced."""
-  return TokenIds(*(jax.lax.dynamic_slice_in_dim(x, start, size, axis=1) for x in ids))
+def _ids_block(ids: TokenIds, row, start, size: int) -> TokenIds:
+  """Tokens ``start`` to ``start + size`` of row ``row`` of each id, [1, size]; both may be traced."""
+  return TokenIds(*(jax.lax.dynamic_slice(x, (row, start), (1, size)) for x in ids))
 
 
-def _rows_block(x_bkrd, start, size: int):
-  """[B, K, size, ...]: rows (or keys) ``start`` on, ``start`` traced."""
-  return jax.lax.dynamic_slice_in_dim(x_bkrd, start, size, axis=2)
+def _rows_block(x_bkrd, row, start, size: int):
+  """[1, K, size, ...]: row ``row``'s rows (or keys) ``start`` on; both may be traced."""
+  at = (row, 0, start) + (0,) * (x_bkrd.ndim - 3)
+  return jax.lax.dynamic_slice(x_bkrd, at, (1, x_bkrd.shape[1], size, *x_bkrd.shape[3:]))
+
+
+def _update_block(x_bkrd, block, row, start):
+  """``x_bkrd`` with ``block`` [1, K, size, ...] written at row ``row``, rows ``start`` on."""
+  at = (row, 0, start) + (0,) * (x_bkrd.ndim - 3)
+  return jax.lax.dynamic_update_slice(x_bkrd, block.astype(x_bkrd.dtype), at)
+
+
+def _row_and_block(n, blocks: int):
+  """The (row, block) of loop step ``n`` over every row's ``blocks`` blocks."""
+  return divmod(n, blocks) if isinstance(n, int) else (n // blocks, n % blocks)
+
+
+def _if_any(visible, body, state):
+  """``body(state)`` where any of ``visible`` is true, else ``state``: a block of queries and keys
+  that the mask hides entirely (another segment's or branch's, padding, outside the window) is
+  never multiplied. It would add exactly 0 to every sum, so skipping it changes no result."""
+  return jax.lax.cond(jnp.any(visible), body, lambda state: state, state)
 
 
 def _ceil_div(a, b):
@@ -319,11 +338,12 @@ def _max(a, b):
 
 
 def _loop_attention(q_bthd, k_bskd, v_bskd, mask: IdMask, scale, softcap):
-  """:func:`_attention` of an :class:`IdMask` as ``lax`` loops over fixed-size blocks: for each
-  block of queries, the key blocks up to its last query (all, without an ``offset``) with an
-  online softmax (running peak, sum and weighted values, as flash attention). The output and lse
-  are :func:`_attention`'s (+inf lse for a query that sees no key); the compiled program holds
-  one block body, so its size and temporaries do not grow with T or S."""
+  """:func:`_attention` of an :class:`IdMask` as ``lax`` loops over fixed-size blocks, row by row:
+  for each row's block of queries, the key blocks up to its last query (all, without an
+  ``offset``) with an online softmax (running peak, sum and weighted values, as flash attention);
+  a block the mask hides entirely is skipped. The output and lse are :func:`_attention`'s (+inf
+  lse for a query that sees no key); the compiled program holds one block body, so its size and
+  temporaries do not grow with B, T or S."""
   b, t, h, dh = q_bthd.shape
   s, kv = k_bskd.shape[1], k_bskd.shape[2]
   g = h // kv
@@ -335,49 +355,54 @@ def _loop_attention(q_bthd, k_bskd, v_bskd, mask: IdMask, scale, softcap):
     TokenIds(*(_padded(x, sp) for x in mask.keys)),
   )
 
-  def query_block(i, carry):
+  def query_block(n, carry):
     out, lse = carry
-    q_c, q_ids_c = _rows_block(q, i * bq * g, bq * g), _ids_block(q_ids, i * bq, bq)
+    r, i = _row_and_block(n, tp // bq)
+    q_c, q_ids_c = _rows_block(q, r, i * bq * g, bq * g), _ids_block(q_ids, r, i * bq, bq)
 
     def key_block(j, state):
-      peak, total, acc = state
-      k_c, v_c = _rows_block(k, j * bk, bk), _rows_block(v, j * bk, bk)
-      logits = jnp.einsum("bkrd,bksd->bkrs", q_c, k_c, preferred_element_type=jnp.float32) * scale
-      logits = _capped(logits, softcap).reshape(b, kv, bq, g, bk)
-      visible = mask_from_ids(q_ids_c, _ids_block(k_ids, j * bk, bk), mask.window)
-      logits = jnp.where(visible[:, None, :, None, :], logits, NEG_INF).reshape(b, kv, bq * g, bk)
-      new_peak = jnp.maximum(peak, jnp.max(logits, axis=-1))
-      # While every key so far is hidden the peak is NEG_INF and the hidden keys add weights of
-      # exp(0): the first visible key's peak then rescales them by exp(NEG_INF - peak) = 0.
-      rescale = jnp.exp(peak - new_peak)
-      unnormalized = jnp.exp(logits - new_peak[..., None])
-      total = total * rescale + jnp.sum(unnormalized, axis=-1)
-      acc = acc * rescale[..., None] + jnp.einsum(
-        "bkrs,bksd->bkrd", unnormalized.astype(v.dtype), v_c, preferred_element_type=jnp.float32
-      )
-      return new_peak, total, acc
+      visible = mask_from_ids(q_ids_c, _ids_block(k_ids, r, j * bk, bk), mask.window)
+
+      def attend(state):
+        peak, total, acc = state
+        k_c, v_c = _rows_block(k, r, j * bk, bk), _rows_block(v, r, j * bk, bk)
+        logits = jnp.einsum("bkrd,bksd->bkrs", q_c, k_c, preferred_element_type=jnp.float32) * scale
+        logits = _capped(logits, softcap).reshape(1, kv, bq, g, bk)
+        logits = jnp.where(visible[:, None, :, None, :], logits, NEG_INF).reshape(1, kv, bq * g, bk)
+        new_peak = jnp.maximum(peak, jnp.max(logits, axis=-1))
+        # While every key so far is hidden the peak is NEG_INF and the hidden keys add weights of
+        # exp(0): the first visible key's peak then rescales them by exp(NEG_INF - peak) = 0.
+        rescale = jnp.exp(peak - new_peak)
+        unnormalized = jnp.exp(logits - new_peak[..., None])
+        total = total * rescale + jnp.sum(unnormalized, axis=-1)
+        acc = acc * rescale[..., None] + jnp.einsum(
+          "bkrs,bksd->bkrd", unnormalized.astype(v.dtype), v_c, preferred_element_type=jnp.float32
+        )
+        return new_peak, total, acc
+
+      return _if_any(visible, attend, state)
 
     # The key blocks this block's queries may see: up to its last query's row index.
     stop = sp // bk if mask.offset is None else _min(_ceil_div(mask.offset + (i + 1) * bq, bk), sp // bk)
-    zeros = jnp.zeros((b, kv, bq * g), jnp.float32)
-    init = (jnp.full(zeros.shape, NEG_INF, jnp.float32), zeros, jnp.zeros((b, kv, bq * g, dh), jnp.float32))
+    zeros = jnp.zeros((1, kv, bq * g), jnp.float32)
+    init = (jnp.full(zeros.shape, NEG_INF, jnp.float32), zeros, jnp.zeros((1, kv, bq * g, dh), jnp.float32))
     peak, total, acc = _fori(0, stop, key_block, init)
-    out = jax.lax.dynamic_update_slice_in_dim(
-      out, (acc / total[..., None]).astype(out.dtype), i * bq * g, axis=2
-    )
+    # A query whose blocks were all skipped (it sees no key: padding) has a total of 0: its output
+    # is 0, finite, as the keys and values that later layers read from it must be.
+    out = _update_block(out, acc / jnp.where(total > 0, total, 1.0)[..., None], r, i * bq * g)
     lse_c = jnp.where(peak > NEG_INF, peak + jnp.log(total), jnp.inf)
-    return out, jax.lax.dynamic_update_slice_in_dim(lse, lse_c, i * bq * g, axis=2)
+    return out, _update_block(lse, lse_c, r, i * bq * g)
 
   out = jnp.zeros((b, kv, tp * g, dh), v.dtype)
-  out, lse = _fori(0, tp // bq, query_block, (out, jnp.zeros((b, kv, tp * g), jnp.float32)))
+  out, lse = _fori(0, b * (tp // bq), query_block, (out, jnp.zeros((b, kv, tp * g), jnp.float32)))
   return _unrows(out, tp)[:, :t], lse[:, :, : t * g]
 
 
 def _loop_attention_bwd(scale, softcap, residuals, d_out_bthd):
-  """:func:`_attention_bwd` of an :class:`IdMask` as ``lax`` loops over fixed-size blocks (the
-  same arithmetic): for each block of keys, the query blocks from the first that may see it (all,
-  without an ``offset``); dK and dV of a key block are complete after its loop, dQ accumulates
-  in a float32 buffer over the key blocks."""
+  """:func:`_attention_bwd` of an :class:`IdMask` as ``lax`` loops over fixed-size blocks, row by
+  row (the same arithmetic): for each row's block of keys, the query blocks from the first that
+  may see it (all, without an ``offset``), a block the mask hides entirely skipped; dK and dV of a
+  key block are complete after its loop, dQ accumulates in a float32 buffer over the key blocks."""
   q_bthd, k_bskd, v_bskd, mask, out_bthd, lse = residuals
   b, t, h, dh = q_bthd.shape
   s, kv = k_bskd.shape[1], k_bskd.shape[2]
@@ -394,42 +419,50 @@ def _loop_attention_bwd(scale, softcap, residuals, d_out_bthd):
   lse = jnp.pad(lse, [(0, 0), (0, 0), (0, (tp - t) * g)], constant_values=jnp.inf)
   d_lse = jnp.sum(d_out.astype(jnp.float32) * _rows(_padded(out_bthd, tp), kv).astype(jnp.float32), axis=-1)
 
-  def key_block(j, carry):
+  def key_block(n, carry):
     d_q, d_k, d_v = carry
-    k_c, v_c, k_ids_c = _rows_block(k, j * bk, bk), _rows_block(v, j * bk, bk), _ids_block(k_ids, j * bk, bk)
+    r, j = _row_and_block(n, sp // bk)
+    k_c, v_c, k_ids_c = (
+      _rows_block(k, r, j * bk, bk),
+      _rows_block(v, r, j * bk, bk),
+      _ids_block(k_ids, r, j * bk, bk),
+    )
 
     def query_block(i, state):
-      d_q, d_k_c, d_v_c = state
       rows = i * bq * g
-      q_c, d_out_c = _rows_block(q, rows, bq * g), _rows_block(d_out, rows, bq * g)
-      logits = jnp.einsum("bksd,bkrd->bksr", k_c, q_c, preferred_element_type=jnp.float32) * scale
-      masked = _capped(logits, softcap).reshape(b, kv, bk, bq, g)
-      visible = mask_from_ids(_ids_block(q_ids, i * bq, bq), k_ids_c, mask.window).transpose(0, 2, 1)
-      masked = jnp.where(visible[:, None, :, :, None], masked, NEG_INF).reshape(logits.shape)
-      probs = jnp.exp(masked - _rows_block(lse, rows, bq * g)[:, :, None])
-      d_v_c += jnp.einsum(
-        "bksr,bkrd->bksd", probs.astype(v.dtype), d_out_c, preferred_element_type=jnp.float32
-      )
-      d_probs = jnp.einsum("bksd,bkrd->bksr", v_c, d_out_c, preferred_element_type=jnp.float32)
-      d_logits = probs * (d_probs - _rows_block(d_lse, rows, bq * g)[:, :, None])
-      if softcap is not None:
-        d_logits = d_logits * (1.0 - jnp.tanh(logits / softcap) ** 2)
-      d_logits = d_logits * scale
-      d_k_c += jnp.einsum("bksr,bkrd->bksd", d_logits, q_c, preferred_element_type=jnp.float32)
-      d_q_c = _rows_block(d_q, rows, bq * g) + jnp.einsum(
-        "bksr,bksd->bkrd", d_logits, k_c, preferred_element_type=jnp.float32
-      )
-      return jax.lax.dynamic_update_slice_in_dim(d_q, d_q_c, rows, axis=2), d_k_c, d_v_c
+      visible = mask_from_ids(_ids_block(q_ids, r, i * bq, bq), k_ids_c, mask.window).transpose(0, 2, 1)
+
+      def attend(state):
+        d_q, d_k_c, d_v_c = state
+        q_c, d_out_c = _rows_block(q, r, rows, bq * g), _rows_block(d_out, r, rows, bq * g)
+        logits = jnp.einsum("bksd,bkrd->bksr", k_c, q_c, preferred_element_type=jnp.float32) * scale
+        masked = _capped(logits, softcap).reshape(1, kv, bk, bq, g)
+        masked = jnp.where(visible[:, None, :, :, None], masked, NEG_INF).reshape(logits.shape)
+        probs = jnp.exp(masked - _rows_block(lse, r, rows, bq * g)[:, :, None])
+        d_v_c += jnp.einsum(
+          "bksr,bkrd->bksd", probs.astype(v.dtype), d_out_c, preferred_element_type=jnp.float32
+        )
+        d_probs = jnp.einsum("bksd,bkrd->bksr", v_c, d_out_c, preferred_element_type=jnp.float32)
+        d_logits = probs * (d_probs - _rows_block(d_lse, r, rows, bq * g)[:, :, None])
+        if softcap is not None:
+          d_logits = d_logits * (1.0 - jnp.tanh(logits / softcap) ** 2)
+        d_logits = d_logits * scale
+        d_k_c += jnp.einsum("bksr,bkrd->bksd", d_logits, q_c, preferred_element_type=jnp.float32)
+        d_q_c = _rows_block(d_q, r, rows, bq * g) + jnp.einsum(
+          "bksr,bksd->bkrd", d_logits, k_c, preferred_element_type=jnp.float32
+        )
+        return _update_block(d_q, d_q_c, r, rows), d_k_c, d_v_c
+
+      return _if_any(visible, attend, state)
 
     # The first query block that may see these keys: from the first query at or after them.
     first = 0 if mask.offset is None else _max(0, j * bk - mask.offset) // bq
-    zeros = jnp.zeros((b, kv, bk, dh), jnp.float32)
+    zeros = jnp.zeros((1, kv, bk, dh), jnp.float32)
     d_q, d_k_c, d_v_c = _fori(first, tp // bq, query_block, (d_q, zeros, zeros))
-    update = lambda x, x_c: jax.lax.dynamic_update_slice_in_dim(x, x_c.astype(x.dtype), j * bk, axis=2)
-    return d_q, update(d_k, d_k_c), update(d_v, d_v_c)
+    return d_q, _update_block(d_k, d_k_c, r, j * bk), _update_block(d_v, d_v_c, r, j * bk)
 
   init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype))
-  d_q, d_k, d_v = _fori(0, sp // bk, key_block, init)
+  d_q, d_k, d_v = _fori(0, b * (sp // bk), key_block, init)
   return (_unrows(d_q, tp)[:, :t].astype(q_bthd.dtype), _heads(d_k)[:, :s], _heads(d_v)[:, :s], None)
 
 
