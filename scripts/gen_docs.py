@@ -26,6 +26,8 @@ and ``<!-- end of generated part -->``; the prose around it is written by hand. 
   ``benchmarks/cpu_smollm2_score_grpo_server.json`` and ``..._wait50.json`` (``scripts/bench_score.py
   --workload=grpo``, the server at its default ``--batch_wait_ms`` and at 50 ms), into
   ``docs/benchmarks.md``.
+- ``attention_blocks``: the CPU attention's two routes per row layout, of
+  ``benchmarks/cpu_attention_blocks.json`` (``scripts/bench_attention.py``), into ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -486,6 +488,31 @@ def grpo_server_part(name: str = "cpu_smollm2_score_grpo_server.json") -> str:
   return "\n".join(out) + "\n"
 
 
+def attention_blocks_part() -> str:
+  """The routes of ``benchmarks/cpu_attention_blocks.json`` (``scripts/bench_attention.py``) per
+  row layout: milliseconds (median and range) and the loops' speed-up, forward and both passes."""
+  raw = raw_result("cpu_attention_blocks.json")
+  out = [
+    "| rows | real tokens | forward: dense, loops (ms) | speed-up | forward + backward: dense, loops (ms) "
+    "| speed-up | largest difference (outputs / gradients) |",
+    "|---|---:|---|---:|---|---:|---|",
+  ]
+  for name, r in raw["cases"].items():
+    times = []
+    for part in ("forward", "forward_backward"):
+      t = r[part]
+      ranges = [
+        f"{t[route + '_ms']:.1f} ({t[route + '_range_ms'][0]:.1f}-{t[route + '_range_ms'][1]:.1f})"
+        for route in ("dense", "loops")
+      ]
+      times += [", ".join(ranges), f"**{t['speedup']:.2f}x**"]
+    diffs = f"{r['largest_output_difference']:.1e} / {r['largest_gradient_difference']:.1e}"
+    out.append(
+      f"| `{name}` ({r['rows']} x {r['length']}) | {r['real_tokens']:,} | {' | '.join(times)} | {diffs} |"
+    )
+  return "\n".join(out) + "\n"
+
+
 # ------------------------------------------------------------------ pages
 
 PARTS: dict[str, tuple[str, Callable[[], str]]] = {
@@ -497,6 +524,7 @@ PARTS: dict[str, tuple[str, Callable[[], str]]] = {
   "vs_trl": ("docs/benchmarks.md", vs_trl_part),
   "malloc_variants": ("docs/benchmarks.md", malloc_variants_part),
   "grpo_server": ("docs/benchmarks.md", grpo_server_part),
+  "attention_blocks": ("docs/benchmarks.md", attention_blocks_part),
   "grpo_server_wait": (
     "docs/benchmarks.md",
     lambda: grpo_server_part("cpu_smollm2_score_grpo_server_wait50.json"),

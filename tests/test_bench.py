@@ -382,3 +382,24 @@ def test_the_step_profile_counts_each_operations_flops_and_names_its_bucket():
   assert by_bucket["layer projections (q, k, v, o, MLP) (forward)"] == 2 * m * k * n
   assert by_bucket["layer projections (q, k, v, o, MLP) (backward)"] == 2 * 2 * m * k * n
   assert "norms and rope (forward)" in by_bucket and "norms and rope (backward)" in by_bucket, by_bucket
+
+
+def test_attention_bench_shows_both_routes_equal_before_timing_them():
+  """scripts/bench_attention.py on its shortest case: the GRPO rows' ids as written (branches see
+  their prompt), and the two routes' outputs and gradients equal up to float32 sums in other
+  blocks (values ~10-100: a wrong mask moves them by O(1)) before the timing it reports."""
+  import bench_attention
+
+  real, positions, segments, branches = bench_attention.grpo_row(3072, 2)
+  assert real.sum() == 2 * (256 + 8 * 128) and segments.max() == 2 and branches.max() == 8
+  assert (
+    positions[256 + 128] == 256 and positions[2 * 1280 - 1] == 256 + 127
+  )  # each branch follows its prompt
+  record = bench_attention.run_case("unpacked_2x512_full", repeats=1)
+  assert record["length"] == 512 and record["real_tokens"] == 992
+  assert record["largest_output_difference"] < 1e-4 and record["largest_gradient_difference"] < 1e-3, record
+  assert record["forward"]["dense_ms"] > 0 and record["forward_backward"]["speedup"] > 0
+  out = subprocess.run(
+    [sys.executable, "scripts/bench_attention.py", "--cases=padded"], cwd=ROOT, capture_output=True, text=True
+  )
+  assert out.returncode == 2 and "unknown case 'padded': choose among grpo_shared_2x3072" in out.stderr

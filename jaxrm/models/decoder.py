@@ -349,11 +349,11 @@ def attention_summary(
 
 # Rows of this many tokens or more take the reference attention on a CPU as loops over blocks of
 # CPU_LOOP_BLOCKS (queries, keys), each row on its own, skipping the blocks the mask hides entirely
-# (another segment's or branch's keys, padding, later tokens): for SmolLM2's heads, 3.8x faster
-# forward and 4.0x forward and backward on two shared-prompt rows of 3,072 tokens holding GRPO
-# groups, 1.9x / 1.2x on full unpacked rows of 1,024, against the dense mask's unrolled chunks.
-# Shorter rows keep those chunks (at 512 tokens the loops are 0.64x forward). Measured on a 2-core
-# CPU (docs/benchmarks.md, "Attention on a CPU").
+# (another segment's or branch's keys, padding, later tokens). For SmolLM2's heads, against the
+# dense mask's unrolled chunks: 2.2x forward and 5.2x forward and backward on two shared-prompt
+# rows of 3,072 tokens holding GRPO groups, 1.1x / 1.5x on full unpacked rows of 1,024; at 512
+# tokens the loops are 0.56x forward (1.29x forward and backward). Measured on a 2-core CPU
+# (scripts/bench_attention.py; docs/benchmarks.md, "Attention on a CPU").
 LOOP_MIN_TOKENS = 1024
 CPU_LOOP_BLOCKS = (256, 256)
 
