@@ -272,6 +272,8 @@ VARIANT_KEYS = {
   "(an optimization barrier), and what follows waits for both",
   "xla": "XLA_FLAGS preset: " + ", ".join(f"{k} ({v})" for k, v in XLA_PRESETS.items()),
   "malloc": "glibc allocator preset: " + ", ".join(MALLOC_PRESETS),
+  "attention_loops": "rows of at least this many tokens take the CPU attention's block loops "
+  "(decoder.LOOP_MIN_TOKENS; the dense mask below)",
 }
 
 
@@ -289,8 +291,9 @@ def parse_variant(spec: str) -> dict[str, str]:
       "xla": tuple(XLA_PRESETS),
       "malloc": tuple(MALLOC_PRESETS),
     }.get(key)
-    if (allowed and value not in allowed) or (key == "layers" and not value.isdigit()):
-      raise ValueError(f"{item!r}: {key} takes {'/'.join(allowed) if allowed else 'a number of layers'}")
+    counted = {"layers": "a number of layers", "attention_loops": "a number of tokens"}
+    if (allowed and value not in allowed) or (key in counted and not value.isdigit()):
+      raise ValueError(f"{item!r}: {key} takes {'/'.join(allowed) if allowed else counted[key]}")
     out[key] = value
   return out
 
@@ -316,6 +319,10 @@ def apply_variant(cfg: ModelConfig, variant: dict[str, str]) -> ModelConfig:
     cfg = cfg.replace(scan_layers=variant["scan"] == "on")
   if "remat" in variant:
     cfg = cfg.replace(remat=variant["remat"])
+  if "attention_loops" in variant:
+    from jaxrm.models import decoder
+
+    decoder.LOOP_MIN_TOKENS = int(variant["attention_loops"])  # read when the step is traced
   if variant.get("serial_dots") == "on":
     from jaxrm.models import layers
 

@@ -403,3 +403,17 @@ def test_attention_bench_shows_both_routes_equal_before_timing_them():
     [sys.executable, "scripts/bench_attention.py", "--cases=padded"], cwd=ROOT, capture_output=True, text=True
   )
   assert out.returncode == 2 and "unknown case 'padded': choose among grpo_shared_2x3072" in out.stderr
+
+
+def test_attention_loops_variant_sets_the_decoders_threshold(monkeypatch):
+  """``--vs-variant=attention_loops=N`` compares the CPU attention's block loops from N tokens on
+  with the default threshold; a value that is not a number of tokens is refused by name."""
+  from jaxrm.models import decoder
+
+  monkeypatch.setattr(decoder, "LOOP_MIN_TOKENS", decoder.LOOP_MIN_TOKENS)
+  variant = bench.parse_variant("attention_loops=512")
+  assert variant == {"attention_loops": "512"}
+  bench.apply_variant(bench.SHAPES["smollm2-135m"], variant)
+  assert decoder.LOOP_MIN_TOKENS == 512
+  with pytest.raises(ValueError, match="'attention_loops=many': attention_loops takes a number of tokens"):
+    bench.parse_variant("attention_loops=many")
