@@ -284,19 +284,21 @@ def _padded(x, length: int):
   return x if not extra else jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2))
 
 
-def _ids_block(ids: TokenIds, row, start, size: int) -> TokenIds:
-  """Tokens ``start`` to ``start + size`` of row ``row`` of each id, [1, size]; both may be traced."""
-  return TokenIds(*(jax.lax.dynamic_slice(x, (row, start), (1, size)) for x in ids))
+def _ids_block(ids: TokenIds, row, start, size: int, rows: int = 1) -> TokenIds:
+  """Tokens ``start`` to ``start + size`` of rows ``row`` to ``row + rows`` of each id,
+  [rows, size]; ``row`` and ``start`` may be traced."""
+  return TokenIds(*(jax.lax.dynamic_slice(x, (row, start), (rows, size)) for x in ids))
 
 
-def _rows_block(x_bkrd, row, start, size: int):
-  """[1, K, size, ...]: row ``row``'s rows (or keys) ``start`` on; both may be traced."""
+def _rows_block(x_bkrd, row, start, size: int, rows: int = 1):
+  """[rows, K, size, ...]: rows (or keys) ``start`` on of batch rows ``row`` to ``row + rows``;
+  ``row`` and ``start`` may be traced."""
   at = (row, 0, start) + (0,) * (x_bkrd.ndim - 3)
-  return jax.lax.dynamic_slice(x_bkrd, at, (1, x_bkrd.shape[1], size, *x_bkrd.shape[3:]))
+  return jax.lax.dynamic_slice(x_bkrd, at, (rows, x_bkrd.shape[1], size, *x_bkrd.shape[3:]))
 
 
 def _update_block(x_bkrd, block, row, start):
-  """``x_bkrd`` with ``block`` [1, K, size, ...] written at row ``row``, rows ``start`` on."""
+  """``x_bkrd`` with ``block`` [rows, K, size, ...] written at batch row ``row``, rows ``start`` on."""
   at = (row, 0, start) + (0,) * (x_bkrd.ndim - 3)
   return jax.lax.dynamic_update_slice(x_bkrd, block.astype(x_bkrd.dtype), at)
 
@@ -306,10 +308,20 @@ def _row_and_block(n, blocks: int):
   return divmod(n, blocks) if isinstance(n, int) else (n // blocks, n % blocks)
 
 
-def _if_any(visible, body, state):
-  """``body(state)`` where any of ``visible`` is true, else ``state``: a block of queries and keys
-  that the mask hides entirely (another segment's or branch's, padding, outside the window) is
-  never multiplied. It would add exactly 0 to every sum, so skipping it changes no result."""
+def _rows_per_step(b: int, query_blocks: int, key_blocks: int) -> int:
+  """The batch rows each loop step takes: one, so that a block hidden in one row is skipped there
+  whatever the others hold; all of them where each row is a single block (nothing to skip, and
+  one straight-line step compiles faster than a loop over rows)."""
+  return b if query_blocks == key_blocks == 1 else 1
+
+
+def _if_any(visible, body, state, always: bool = False):
+  """``body(state)`` where any of ``visible`` is true (or ``always``), else ``state``: a block of
+  queries and keys that the mask hides entirely (another segment's or branch's, padding, outside
+  the window) is never multiplied. It would add exactly 0 to every sum, so skipping it changes no
+  result."""
+  if always:
+    return body(state)
   return jax.lax.cond(jnp.any(visible), body, lambda state: state, state)
 
 
@@ -355,20 +367,23 @@ def _loop_attention(q_bthd, k_bskd, v_bskd, mask: IdMask, scale, softcap):
     TokenIds(*(_padded(x, sp) for x in mask.keys)),
   )
 
+  rb = _rows_per_step(b, tp // bq, sp // bk)
+
   def query_block(n, carry):
     out, lse = carry
     r, i = _row_and_block(n, tp // bq)
-    q_c, q_ids_c = _rows_block(q, r, i * bq * g, bq * g), _ids_block(q_ids, r, i * bq, bq)
+    r = r * rb
+    q_c, q_ids_c = _rows_block(q, r, i * bq * g, bq * g, rb), _ids_block(q_ids, r, i * bq, bq, rb)
 
     def key_block(j, state):
-      visible = mask_from_ids(q_ids_c, _ids_block(k_ids, r, j * bk, bk), mask.window)
+      visible = mask_from_ids(q_ids_c, _ids_block(k_ids, r, j * bk, bk, rb), mask.window)
 
       def attend(state):
         peak, total, acc = state
-        k_c, v_c = _rows_block(k, r, j * bk, bk), _rows_block(v, r, j * bk, bk)
+        k_c, v_c = _rows_block(k, r, j * bk, bk, rb), _rows_block(v, r, j * bk, bk, rb)
         logits = jnp.einsum("bkrd,bksd->bkrs", q_c, k_c, preferred_element_type=jnp.float32) * scale
-        logits = _capped(logits, softcap).reshape(1, kv, bq, g, bk)
-        logits = jnp.where(visible[:, None, :, None, :], logits, NEG_INF).reshape(1, kv, bq * g, bk)
+        logits = _capped(logits, softcap).reshape(rb, kv, bq, g, bk)
+        logits = jnp.where(visible[:, None, :, None, :], logits, NEG_INF).reshape(rb, kv, bq * g, bk)
         new_peak = jnp.maximum(peak, jnp.max(logits, axis=-1))
         # While every key so far is hidden the peak is NEG_INF and the hidden keys add weights of
         # exp(0): the first visible key's peak then rescales them by exp(NEG_INF - peak) = 0.
@@ -380,12 +395,12 @@ def _loop_attention(q_bthd, k_bskd, v_bskd, mask: IdMask, scale, softcap):
         )
         return new_peak, total, acc
 
-      return _if_any(visible, attend, state)
+      return _if_any(visible, attend, state, rb == b)
 
     # The key blocks this block's queries may see: up to its last query's row index.
     stop = sp // bk if mask.offset is None else _min(_ceil_div(mask.offset + (i + 1) * bq, bk), sp // bk)
-    zeros = jnp.zeros((1, kv, bq * g), jnp.float32)
-    init = (jnp.full(zeros.shape, NEG_INF, jnp.float32), zeros, jnp.zeros((1, kv, bq * g, dh), jnp.float32))
+    zeros = jnp.zeros((rb, kv, bq * g), jnp.float32)
+    init = (jnp.full(zeros.shape, NEG_INF, jnp.float32), zeros, jnp.zeros((rb, kv, bq * g, dh), jnp.float32))
     peak, total, acc = _fori(0, stop, key_block, init)
     # A query whose blocks were all skipped (it sees no key: padding) has a total of 0: its output
     # is 0, finite, as the keys and values that later layers read from it must be.
@@ -394,7 +409,7 @@ def _loop_attention(q_bthd, k_bskd, v_bskd, mask: IdMask, scale, softcap):
     return out, _update_block(lse, lse_c, r, i * bq * g)
 
   out = jnp.zeros((b, kv, tp * g, dh), v.dtype)
-  out, lse = _fori(0, b * (tp // bq), query_block, (out, jnp.zeros((b, kv, tp * g), jnp.float32)))
+  out, lse = _fori(0, b // rb * (tp // bq), query_block, (out, jnp.zeros((b, kv, tp * g), jnp.float32)))
   return _unrows(out, tp)[:, :t], lse[:, :, : t * g]
 
 
@@ -419,50 +434,53 @@ def _loop_attention_bwd(scale, softcap, residuals, d_out_bthd):
   lse = jnp.pad(lse, [(0, 0), (0, 0), (0, (tp - t) * g)], constant_values=jnp.inf)
   d_lse = jnp.sum(d_out.astype(jnp.float32) * _rows(_padded(out_bthd, tp), kv).astype(jnp.float32), axis=-1)
 
+  rb = _rows_per_step(b, tp // bq, sp // bk)
+
   def key_block(n, carry):
     d_q, d_k, d_v = carry
     r, j = _row_and_block(n, sp // bk)
+    r = r * rb
     k_c, v_c, k_ids_c = (
-      _rows_block(k, r, j * bk, bk),
-      _rows_block(v, r, j * bk, bk),
-      _ids_block(k_ids, r, j * bk, bk),
+      _rows_block(k, r, j * bk, bk, rb),
+      _rows_block(v, r, j * bk, bk, rb),
+      _ids_block(k_ids, r, j * bk, bk, rb),
     )
 
     def query_block(i, state):
       rows = i * bq * g
-      visible = mask_from_ids(_ids_block(q_ids, r, i * bq, bq), k_ids_c, mask.window).transpose(0, 2, 1)
+      visible = mask_from_ids(_ids_block(q_ids, r, i * bq, bq, rb), k_ids_c, mask.window).transpose(0, 2, 1)
 
       def attend(state):
         d_q, d_k_c, d_v_c = state
-        q_c, d_out_c = _rows_block(q, r, rows, bq * g), _rows_block(d_out, r, rows, bq * g)
+        q_c, d_out_c = _rows_block(q, r, rows, bq * g, rb), _rows_block(d_out, r, rows, bq * g, rb)
         logits = jnp.einsum("bksd,bkrd->bksr", k_c, q_c, preferred_element_type=jnp.float32) * scale
-        masked = _capped(logits, softcap).reshape(1, kv, bk, bq, g)
+        masked = _capped(logits, softcap).reshape(rb, kv, bk, bq, g)
         masked = jnp.where(visible[:, None, :, :, None], masked, NEG_INF).reshape(logits.shape)
-        probs = jnp.exp(masked - _rows_block(lse, r, rows, bq * g)[:, :, None])
+        probs = jnp.exp(masked - _rows_block(lse, r, rows, bq * g, rb)[:, :, None])
         d_v_c += jnp.einsum(
           "bksr,bkrd->bksd", probs.astype(v.dtype), d_out_c, preferred_element_type=jnp.float32
         )
         d_probs = jnp.einsum("bksd,bkrd->bksr", v_c, d_out_c, preferred_element_type=jnp.float32)
-        d_logits = probs * (d_probs - _rows_block(d_lse, r, rows, bq * g)[:, :, None])
+        d_logits = probs * (d_probs - _rows_block(d_lse, r, rows, bq * g, rb)[:, :, None])
         if softcap is not None:
           d_logits = d_logits * (1.0 - jnp.tanh(logits / softcap) ** 2)
         d_logits = d_logits * scale
         d_k_c += jnp.einsum("bksr,bkrd->bksd", d_logits, q_c, preferred_element_type=jnp.float32)
-        d_q_c = _rows_block(d_q, r, rows, bq * g) + jnp.einsum(
+        d_q_c = _rows_block(d_q, r, rows, bq * g, rb) + jnp.einsum(
           "bksr,bksd->bkrd", d_logits, k_c, preferred_element_type=jnp.float32
         )
         return _update_block(d_q, d_q_c, r, rows), d_k_c, d_v_c
 
-      return _if_any(visible, attend, state)
+      return _if_any(visible, attend, state, rb == b)
 
     # The first query block that may see these keys: from the first query at or after them.
     first = 0 if mask.offset is None else _max(0, j * bk - mask.offset) // bq
-    zeros = jnp.zeros((1, kv, bk, dh), jnp.float32)
+    zeros = jnp.zeros((rb, kv, bk, dh), jnp.float32)
     d_q, d_k_c, d_v_c = _fori(first, tp // bq, query_block, (d_q, zeros, zeros))
     return d_q, _update_block(d_k, d_k_c, r, j * bk), _update_block(d_v, d_v_c, r, j * bk)
 
   init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype))
-  d_q, d_k, d_v = _fori(0, b * (sp // bk), key_block, init)
+  d_q, d_k, d_v = _fori(0, b // rb * (sp // bk), key_block, init)
   return (_unrows(d_q, tp)[:, :t].astype(q_bthd.dtype), _heads(d_k)[:, :s], _heads(d_v)[:, :s], None)
 
 
