@@ -387,7 +387,8 @@ def test_the_step_profile_counts_each_operations_flops_and_names_its_bucket():
 def test_attention_bench_shows_both_routes_equal_before_timing_them():
   """scripts/bench_attention.py on its shortest case: the GRPO rows' ids as written (branches see
   their prompt), and the two routes' outputs and gradients equal up to float32 sums in other
-  blocks (values ~10-100: a wrong mask moves them by O(1)) before the timing it reports."""
+  blocks before the timing it reports: outputs ~1 and gradients ~10, float32 sums of up to 512
+  terms in other orders (measured: 8e-7 and 3e-6); a wrong mask moves them by O(1)."""
   import bench_attention
 
   real, positions, segments, branches = bench_attention.grpo_row(3072, 2)
@@ -397,7 +398,7 @@ def test_attention_bench_shows_both_routes_equal_before_timing_them():
   )  # each branch follows its prompt
   record = bench_attention.run_case("unpacked_2x512_full", repeats=1)
   assert record["length"] == 512 and record["real_tokens"] == 992
-  assert record["largest_output_difference"] < 1e-4 and record["largest_gradient_difference"] < 1e-3, record
+  assert record["largest_output_difference"] < 1e-5 and record["largest_gradient_difference"] < 1e-4, record
   assert record["forward"]["dense_ms"] > 0 and record["forward_backward"]["speedup"] > 0
   out = subprocess.run(
     [sys.executable, "scripts/bench_attention.py", "--cases=padded"], cwd=ROOT, capture_output=True, text=True

@@ -119,10 +119,11 @@ def test_loop_form_id_mask_attention_equals_the_dense_mask(keys_in_row_order):
     np.testing.assert_allclose(g, w, rtol=0, atol=LOOP_ATOL, err_msg=name)
 
 
+@pytest.mark.parametrize("rows", [2, 1])
 @pytest.mark.parametrize("keys_in_row_order", [True, False])
-def test_loop_form_never_multiplies_a_block_the_mask_hides(keys_in_row_order):
-  """Two rows of two packed segments of 32 tokens (the second row's second is padding), blocks of
-  16: NaN in the first segment's q, k and v reaches none of the second segment's outputs or
+def test_loop_form_never_multiplies_a_block_the_mask_hides(keys_in_row_order, rows):
+  """Two rows (or the first alone) of two packed segments of 32 tokens (the second row's second is
+  padding), blocks of 16: NaN in the first segment's q, k and v reaches none of the second segment's outputs or
   gradients, because no block that mixes the two is multiplied (a multiplied hidden block adds
   0 * NaN = NaN, as the dense path does). Those outputs and gradients equal the dense path's on
   the same rows with the NaNs replaced."""
@@ -132,7 +133,8 @@ def test_loop_form_never_multiplies_a_block_the_mask_hides(keys_in_row_order):
   segment = np.repeat([[1, 2], [1, 2]], 32, axis=1).astype(np.int32)
   real = np.ones((2, 64), np.int32)
   real[1, 32:] = 0
-  ids = L.token_ids(real, np.tile(np.arange(32), 2)[None].repeat(2, 0), segment)
+  q, k, v, segment, real = (x[:rows] for x in (q, k, v, segment, real))
+  ids = L.token_ids(real, np.tile(np.arange(32), 2)[None].repeat(rows, 0), segment)
   first = segment == 1
   poisoned = [np.where(first[:, :, None, None], np.nan, x).astype(np.float32) for x in (q, k, v)]
   perm = np.arange(64)

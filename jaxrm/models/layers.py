@@ -308,19 +308,21 @@ def _row_and_block(n, blocks: int):
   return divmod(n, blocks) if isinstance(n, int) else (n // blocks, n % blocks)
 
 
-def _rows_per_step(b: int, query_blocks: int, key_blocks: int) -> int:
-  """The batch rows each loop step takes: one, so that a block hidden in one row is skipped there
-  whatever the others hold; all of them where each row is a single block (nothing to skip, and
-  one straight-line step compiles faster than a loop over rows)."""
-  return b if query_blocks == key_blocks == 1 else 1
+def _rows_per_step(b: int, query_blocks: int, key_blocks: int) -> tuple[int, bool]:
+  """The batch rows each loop step takes, and whether it skips hidden blocks: one row, skipping,
+  so that a block hidden in one row is skipped there whatever the others hold; all rows, not
+  skipping, where each row is a single block (nothing to skip, and one straight-line step
+  compiles faster than a loop over rows)."""
+  single = query_blocks == key_blocks == 1
+  return (b, False) if single else (1, True)
 
 
-def _if_any(visible, body, state, always: bool = False):
-  """``body(state)`` where any of ``visible`` is true (or ``always``), else ``state``: a block of
-  queries and keys that the mask hides entirely (another segment's or branch's, padding, outside
-  the window) is never multiplied. It would add exactly 0 to every sum, so skipping it changes no
-  result."""
-  if always:
+def _if_any(visible, body, state, skip: bool):
+  """``body(state)`` where any of ``visible`` is true (or without ``skip``), else ``state``: a
+  block of queries and keys that the mask hides entirely (another segment's or branch's, padding,
+  outside the window) is never multiplied. It would add exactly 0 to every sum, so skipping it
+  changes no result."""
+  if not skip:
     return body(state)
   return jax.lax.cond(jnp.any(visible), body, lambda state: state, state)
 
@@ -367,7 +369,7 @@ def _loop_attention(q_bthd, k_bskd, v_bskd, mask: IdMask, scale, softcap):
     TokenIds(*(_padded(x, sp) for x in mask.keys)),
   )
 
-  rb = _rows_per_step(b, tp // bq, sp // bk)
+  rb, skip = _rows_per_step(b, tp // bq, sp // bk)
 
   def query_block(n, carry):
     out, lse = carry
@@ -395,7 +397,7 @@ def _loop_attention(q_bthd, k_bskd, v_bskd, mask: IdMask, scale, softcap):
         )
         return new_peak, total, acc
 
-      return _if_any(visible, attend, state, rb == b)
+      return _if_any(visible, attend, state, skip)
 
     # The key blocks this block's queries may see: up to its last query's row index.
     stop = sp // bk if mask.offset is None else _min(_ceil_div(mask.offset + (i + 1) * bq, bk), sp // bk)
@@ -434,7 +436,7 @@ def _loop_attention_bwd(scale, softcap, residuals, d_out_bthd):
   lse = jnp.pad(lse, [(0, 0), (0, 0), (0, (tp - t) * g)], constant_values=jnp.inf)
   d_lse = jnp.sum(d_out.astype(jnp.float32) * _rows(_padded(out_bthd, tp), kv).astype(jnp.float32), axis=-1)
 
-  rb = _rows_per_step(b, tp // bq, sp // bk)
+  rb, skip = _rows_per_step(b, tp // bq, sp // bk)
 
   def key_block(n, carry):
     d_q, d_k, d_v = carry
@@ -471,7 +473,7 @@ def _loop_attention_bwd(scale, softcap, residuals, d_out_bthd):
         )
         return _update_block(d_q, d_q_c, r, rows), d_k_c, d_v_c
 
-      return _if_any(visible, attend, state, rb == b)
+      return _if_any(visible, attend, state, skip)
 
     # The first query block that may see these keys: from the first query at or after them.
     first = 0 if mask.offset is None else _max(0, j * bk - mask.offset) // bq
