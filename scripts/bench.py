@@ -25,7 +25,9 @@ CPU step experiments: each mode in lockstep against itself changed by a variant,
 process (``serial_dots=on``: each projection's two backward products in turn; ``xla=<preset>``:
 XLA:CPU thread and scheduling flags; ``malloc=<preset>``: glibc's allocator, ``system`` for its
 defaults where jaxrm's workers otherwise start with huge-page temporaries as the commands do
-(:mod:`jaxrm.host_memory`); ``layers``, ``scan``, ``remat``: the model's; joined by ``+``)::
+(:mod:`jaxrm.host_memory`); ``layers``, ``scan``, ``remat``: the model's; ``head=lm``: a
+verifier, ``reward.type=verifier`` reading its log-odds from the LM head's two answer rows at the
+scored position, on the same rows; joined by ``+``)::
 
   python scripts/bench.py --modes=unpacked --batch_size=2 --steps=10 \
       --vs-variant=serial_dots=on,xla=eigen_single,scan=off+remat=full
@@ -223,6 +225,8 @@ def parse_args(argv=None) -> argparse.Namespace:
       parse_variant(v)
     except ValueError as e:
       p.error(f"--vs-variant: {e}")
+  if args.weights_dir and any(parse_variant(v).get("head") for v in args.vs_variant):
+    p.error("--vs-variant=head=lm trains random weights; leave out --weights_dir")
   if args.vs_variant and (args.vs_trl or args.vs_lora or args.ranked):
     p.error("--vs-variant compares jaxrm with itself: leave out --vs-trl, --vs-lora and --ranked")
   if args.ranked and (args.vs_trl or args.vs_lora):
@@ -274,7 +278,10 @@ VARIANT_KEYS = {
   "malloc": "glibc allocator preset: " + ", ".join(MALLOC_PRESETS),
   "attention_loops": "rows of at least this many tokens take the CPU attention's block loops "
   "(decoder.LOOP_MIN_TOKENS; the dense mask below)",
+  "head": "lm: a verifier (reward.type=verifier: the LM head's log-odds of two answers) on the same rows",
 }
+# head=lm's answers (yes, no): two ids of the vocabulary; random weights make any two alike.
+VERIFIER_TOKENS = (1, 2)
 
 
 def parse_variant(spec: str) -> dict[str, str]:
@@ -290,6 +297,7 @@ def parse_variant(spec: str) -> dict[str, str]:
       "remat": ("none", "dots", "full"),
       "xla": tuple(XLA_PRESETS),
       "malloc": tuple(MALLOC_PRESETS),
+      "head": ("lm",),
     }.get(key)
     counted = {"layers": "a number of layers", "attention_loops": "a number of tokens"}
     if (allowed and value not in allowed) or (key in counted and not value.isdigit()):
@@ -319,6 +327,8 @@ def apply_variant(cfg: ModelConfig, variant: dict[str, str]) -> ModelConfig:
     cfg = cfg.replace(scan_layers=variant["scan"] == "on")
   if "remat" in variant:
     cfg = cfg.replace(remat=variant["remat"])
+  if variant.get("head") == "lm":
+    cfg = cfg.replace(head="lm", verifier_tokens=VERIFIER_TOKENS)
   if "attention_loops" in variant:
     from jaxrm.models import decoder
 
@@ -559,7 +569,8 @@ def run_jaxrm(worker: str, args, channel: _Channel) -> dict:
     cfg = apply_variant(cfg, parse_variant(variant)) if variant else cfg
     if lora_on:
       cfg = dataclasses.replace(cfg, lora=lora_config(args))
-    built, num_params = _jaxrm_update(cfg, args.seed, args.warmup + args.steps)
+    reward = RewardSpec(type="verifier") if cfg.head == "lm" else None
+    built, num_params = _jaxrm_update(cfg, args.seed, args.warmup + args.steps, reward)
     examples = bench_pairs(args)
   train_step, state = built.train_step, built.state
   collate = collator(mode, args, k)

@@ -9,6 +9,16 @@ Both routes first show that they compute the same outputs and gradients; then th
 reported with the range of each.
 
   .venv/bin/python scripts/bench_attention.py --repeats=7 --json=benchmarks/cpu_attention_blocks.json
+
+``--shard_lengths`` measures instead what context parallelism's reference route compiles per shard
+(``layers.IdMask`` with an offset, ``layers.LOOP_BLOCKS``): one layer's forward + backward for T
+local queries, the last T of a row of 4T tokens, against the row's 4T keys, Llama-3.1-8B's heads
+(32 query heads over 8 key heads of 128), bfloat16, batch 1, a traced window; compiled ahead of
+time on XLA:CPU, nothing run. For each T: the compile's seconds, its temporaries
+(``memory_analysis()``) and the optimised program's size:
+
+  .venv/bin/python scripts/bench_attention.py --shard_lengths=4096,8192,16384 \
+      --json=benchmarks/cpu_attention_shard_compile.json
 """
 
 from __future__ import annotations
@@ -135,28 +145,80 @@ def run_case(name: str, repeats: int) -> dict:
   return record
 
 
+SHARD_HEADS, SHARD_KV_HEADS, SHARD_HEAD_DIM = 32, 8, 128  # Llama-3.1-8B
+
+
+def compile_shard(t: int) -> dict:
+  """One context-parallel shard's attention, forward + backward, compiled for T = ``t`` local
+  queries (the last T of a row of 4T tokens) against the row's 4T keys."""
+  s, first = 4 * t, 3 * t
+
+  def step(q, k, v, d_out, index, real, segment, branch, position):
+    keys = L.TokenIds(index, real, segment, branch, position)
+    queries = L.TokenIds(*(x[:, first:] for x in keys))
+    mask = L.IdMask(queries, keys, jnp.int32(4096), offset=first)
+    attend = lambda q, k, v: L.dot_product_attention(q, k, v, mask, SHARD_HEAD_DIM**-0.5, None)
+    out, vjp = jax.vjp(attend, q, k, v)
+    return out, vjp(d_out)
+
+  query = jax.ShapeDtypeStruct((1, t, SHARD_HEADS, SHARD_HEAD_DIM), jnp.bfloat16)
+  key = jax.ShapeDtypeStruct((1, s, SHARD_KV_HEADS, SHARD_HEAD_DIM), jnp.bfloat16)
+  ids = jax.ShapeDtypeStruct((1, s), jnp.int32)
+  start = time.perf_counter()
+  compiled = jax.jit(step).lower(query, key, key, query, *(ids,) * 5).compile()
+  seconds = time.perf_counter() - start
+  return {
+    "queries": t,
+    "keys": s,
+    "compile_s": round(seconds, 2),
+    "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+    "hlo_chars": len(compiled.as_text()),
+  }
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
   parser.add_argument("--repeats", type=int, default=7, help="timed turns of each route")
   parser.add_argument("--json", help="write the results here")
+  parser.add_argument(
+    "--shard_lengths",
+    help="comma-separated T: compile a context-parallel shard's attention instead (T queries, 4T keys)",
+  )
   args = parser.parse_args()
-  names = args.cases.split(",")
-  unknown = [n for n in names if n not in CASES]
-  if unknown:
-    parser.error(f"unknown case {unknown[0]!r}: choose among {', '.join(CASES)}")
-  if args.repeats < 1:
-    parser.error("--repeats must be at least 1")
-  results = {"commit": commit(), "blocks": list(decoder.CPU_LOOP_BLOCKS), "cases": {}}
-  for name in names:
-    r = results["cases"][name] = run_case(name, args.repeats)
-    print(
-      f"{name:24s} forward {r['forward']['dense_ms']:7.1f} -> {r['forward']['loops_ms']:7.1f} ms "
-      f"({r['forward']['speedup']:.2f}x); forward+backward {r['forward_backward']['dense_ms']:7.1f} -> "
-      f"{r['forward_backward']['loops_ms']:7.1f} ms ({r['forward_backward']['speedup']:.2f}x); "
-      f"largest differences {r['largest_output_difference']:.1e} / {r['largest_gradient_difference']:.1e}",
-      flush=True,
-    )
+  if args.shard_lengths:
+    try:
+      lengths = [int(x) for x in args.shard_lengths.split(",")]
+    except ValueError:
+      parser.error(f"--shard_lengths={args.shard_lengths}: comma-separated whole numbers, e.g. 4096,16384")
+    if any(t < 1 for t in lengths):
+      parser.error(f"--shard_lengths={args.shard_lengths}: each length must be at least 1")
+    results = {"commit": commit(), "blocks": list(L.LOOP_BLOCKS), "shards": []}
+    for t in lengths:
+      r = compile_shard(t)
+      results["shards"].append(r)
+      print(
+        f"T={t:6d} S={r['keys']:6d}: compile {r['compile_s']:.1f} s, temp {r['temp_bytes'] / 2**20:.0f} MiB, "
+        f"program {r['hlo_chars'] / 1e3:.0f} k chars",
+        flush=True,
+      )
+  else:
+    names = args.cases.split(",")
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+      parser.error(f"unknown case {unknown[0]!r}: choose among {', '.join(CASES)}")
+    if args.repeats < 1:
+      parser.error("--repeats must be at least 1")
+    results = {"commit": commit(), "blocks": list(decoder.CPU_LOOP_BLOCKS), "cases": {}}
+    for name in names:
+      r = results["cases"][name] = run_case(name, args.repeats)
+      print(
+        f"{name:24s} forward {r['forward']['dense_ms']:7.1f} -> {r['forward']['loops_ms']:7.1f} ms "
+        f"({r['forward']['speedup']:.2f}x); forward+backward {r['forward_backward']['dense_ms']:7.1f} -> "
+        f"{r['forward_backward']['loops_ms']:7.1f} ms ({r['forward_backward']['speedup']:.2f}x); "
+        f"largest differences {r['largest_output_difference']:.1e} / {r['largest_gradient_difference']:.1e}",
+        flush=True,
+      )
   if args.json:
     with open(args.json, "w") as f:
       json.dump(results, f, indent=1)

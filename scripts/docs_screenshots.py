@@ -13,11 +13,11 @@ search without the page, a missing asset, a JavaScript error), and 2 where no Ch
 playwright is found. ``--out`` receives one PNG per step
 (``NN-name.png``) and ``searches.txt``: each query's first results, as a reader sees them.
 
-It needs the ``playwright`` Python package and a Chromium; playwright's own browser download is
-not used. On Debian::
+It needs the ``playwright`` Python package (in the ``test`` extra) and a Chromium; playwright's own
+browser download is not used (do not run ``playwright install``: the system's Chromium is). On
+Debian::
 
   apt-get install -y chromium
-  .venv/bin/pip install playwright       # do not run `playwright install`: the system's Chromium is used
 
 ``--chromium`` names the browser (default: ``$CHROMIUM``, else ``chromium`` or ``chromium-browser``
 on the PATH). ``tests/test_docs.py`` runs this on the site it builds where both are installed, and

@@ -324,8 +324,9 @@ def api_part() -> str:
 FIGURES = "figures.json"  # in benchmarks/: the records of the "Current figures" table
 FIGURE_FIELDS = ("question", "figure", "machine", "commit", "details", "link", "commands")
 _KEY, _PICK = r"[^.\[\]]+", r"\[[^=\]]+=[^\]]*\]"
+_AND = re.compile(r",(?=[^=,\]]+=)")  # between a pick's conditions: a comma before the next key=
 _PATH = re.compile(rf"(?:{_KEY}|{_PICK})(?:\.{_KEY}|{_PICK})*")
-_STEP = re.compile(rf"({_KEY})|\[([^=\]]+)=([^\]]*)\]")
+_STEP = re.compile(rf"({_KEY})|\[([^\]]*)\]")
 _OPS: dict[str, Callable[[list[float]], float]] = {
   "sum": sum,
   "difference": lambda xs: xs[0] - xs[1],
@@ -358,19 +359,21 @@ def figure_records() -> list[dict[str, Any]]:
 
 def field(raw: Any, path: str) -> Any:
   """The value at ``path`` in a raw result: keys joined by dots, ``[key=value]`` picking the one
-  element of a list whose ``key`` is ``value`` (``results[name=jaxrm unpacked].vs_ratio.median``)."""
+  element of a list whose ``key`` is ``value`` (``results[name=jaxrm unpacked].vs_ratio.median``),
+  ``[key=value,key=value]`` the one matching every condition (``rows[model=tiny,length=64]``)."""
   if not _PATH.fullmatch(path):
     raise ValueError(f"{path!r} is not a path: keys joined by dots, [key=value] to pick from a list")
   node = raw
-  for key, match_key, match_value in _STEP.findall(path):
+  for key, conditions in _STEP.findall(path):
     if key:
       if not isinstance(node, dict) or key not in node:
         raise ValueError(f"{path!r}: no {key!r} there")
       node = node[key]
       continue
-    found = [x for x in node if isinstance(x, dict) and str(x.get(match_key)) == match_value]
+    pairs = [condition.split("=", 1) for condition in _AND.split(conditions)]
+    found = [x for x in node if isinstance(x, dict) and all(str(x.get(k)) == v for k, v in pairs)]
     if len(found) != 1:
-      raise ValueError(f"{path!r}: [{match_key}={match_value}] picks {len(found)} entries, not one")
+      raise ValueError(f"{path!r}: [{conditions}] picks {len(found)} entries, not one")
     node = found[0]
   return node
 

@@ -50,7 +50,7 @@ from jaxrm.memory import gib  # no JAX at import: the parent never imports it
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "scripts", "bench.py")
 MEMORY_PLAN = os.path.join(ROOT, "scripts", "memory_plan.py")
-PLAN = os.path.join(ROOT, "scripts", "memory_plan.json")
+PLAN = os.path.join(ROOT, "benchmarks", "memory_plan.json")
 # The share of the GPU that gpu_check.sh lets JAX take (XLA_PYTHON_CLIENT_MEM_FRACTION): what step
 # 5's settings must fit in when the GPU cannot be asked (a compile-only run).
 MEM_FRACTION = 0.99

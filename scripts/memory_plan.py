@@ -8,10 +8,10 @@ optimizer-state and temporary bytes against an 80 GB and a 141 GB GPU, each card
 compile for its own GPU (``--gpu``: compile-only H100 and H200 devices of ``jaxrm.gpu_targets``,
 one host of as many as the mesh needs; results and caveats: docs/benchmarks.md)::
 
-  python scripts/memory_plan.py --json=scripts/memory_plan.json
+  python scripts/memory_plan.py --json=benchmarks/memory_plan.json
   python scripts/memory_plan.py --plan_models=llama3.1-8b --plan_lengths=8192 --plan_meshes=1x8x1
   python scripts/memory_plan.py --plan_models=llama3.1-8b --plan_lengths=4096 --plan_meshes=1x1x1 \
-      --plan_lora=16 --plan_base_dtype=nf4 --json=scripts/memory_plan_lora.json
+      --plan_lora=16 --plan_base_dtype=nf4 --json=benchmarks/memory_plan_lora.json
 
 A GPU compile cannot tell speed, numerics on the device, or what a compile on the GPU would
 autotune (it may pick cuBLAS or cuDNN where this one keeps a Triton fusion); cuBLAS, cuDNN and
@@ -20,8 +20,8 @@ fake CPU devices instead (XLA:CPU's figures, for comparison), and ``--compare`` 
 rows of the same settings side by side::
 
   python scripts/memory_plan.py --plan_backend=cpu --plan_models=qwen2.5-1.5b --plan_lengths=2048 \
-      --plan_meshes=1x1x1 --json=scripts/memory_plan_cpu.json
-  python scripts/memory_plan.py --compare=scripts/memory_plan_cpu.json,scripts/memory_plan.json
+      --plan_meshes=1x1x1 --json=benchmarks/memory_plan_cpu.json
+  python scripts/memory_plan.py --compare=benchmarks/memory_plan_cpu.json,benchmarks/memory_plan.json
 
 With ``--plan_grad_accum`` above 1, a batch comes as that many unpacked micro-batches, each padded
 to its own length, and the step is the trainer's ``steps.MicroBatchedStep``: one gradient program

@@ -149,7 +149,7 @@ def test_plan_by_xla_cpu_beside_the_gpus(tiny_plan):
 def test_stored_plans_still_read():
   """The committed plans' rows make their tables: a line per setting."""
   for name in ("memory_plan.json", "memory_plan_lora.json", "memory_plan_context.json"):
-    with open(os.path.join(ROOT, "scripts", name)) as f:
+    with open(os.path.join(ROOT, "benchmarks", name)) as f:
       rows = json.load(f)["rows"]
     table = memory_plan.plan_table(rows).splitlines()
     settings = {(r["model"], r["length"], r["remat"], r["mesh"], r.get("grad_accum", 1)) for r in rows}
@@ -418,3 +418,20 @@ def test_attention_loops_variant_sets_the_decoders_threshold(monkeypatch):
   assert decoder.LOOP_MIN_TOKENS == 512
   with pytest.raises(ValueError, match="'attention_loops=many': attention_loops takes a number of tokens"):
     bench.parse_variant("attention_loops=many")
+
+
+def test_head_variant_trains_a_verifier_on_the_same_rows():
+  """``--vs-variant=head=lm`` makes the model a verifier (the LM head's two answer rows at the
+  scored position); only ``lm`` is a head to compare with, and random weights only."""
+  variant = bench.parse_variant("head=lm")
+  cfg = bench.apply_variant(bench.SHAPES["tiny"], variant)
+  assert (cfg.head, cfg.verifier_tokens) == ("lm", bench.VERIFIER_TOKENS)
+  with pytest.raises(ValueError, match="'head=sequence': head takes lm"):
+    bench.parse_variant("head=sequence")
+  out = subprocess.run(
+    [sys.executable, "scripts/bench.py", "--vs-variant=head=lm", "--weights_dir=/tmp/x"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+  )
+  assert out.returncode == 2 and "--vs-variant=head=lm trains random weights" in out.stderr

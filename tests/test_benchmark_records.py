@@ -155,3 +155,13 @@ def test_a_field_that_names_no_entry_is_an_error_naming_it():
     gen_docs.field(raw, "results[name=TRL RewardTrainer].pairs_per_s")
   with pytest.raises(ValueError, match="not a path"):
     gen_docs.field(raw, "results..name")
+
+
+def test_a_field_picks_by_several_conditions():
+  """A memory plan's row is one model at one length, mesh and card: all four pick it."""
+  raw = gen_docs.raw_result("memory_plan_context.json")
+  row = "rows[model=llama3.1-8b,length=131072,mesh=1x2x1x4,target=h100-80gb]"
+  assert gen_docs.field(raw, f"{row}.fits.80 GB") is True
+  assert gen_docs.field(raw, f"{row}.mesh") == "1x2x1x4"
+  with pytest.raises(ValueError, match=r"\[model=llama3.1-8b,length=131072\] picks 8 entries"):
+    gen_docs.field(raw, "rows[model=llama3.1-8b,length=131072].total_bytes")
