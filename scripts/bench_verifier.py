@@ -107,7 +107,21 @@ def train(name: str, args, *extra: str) -> dict:
 
 def accuracy(result: dict) -> float:
   """The share of held-out pairs whose chosen response scored above the rejected one."""
-  return result["eval"]["accuracy"]
+  return result["eval"]["metrics"]["accuracy"]
+
+
+def stage(name: str, args, work):
+  """``work()``'s record, kept in ``<work_dir>/<name>.json``; with ``--reuse``, the record an
+  earlier run of this script left there, where there is one."""
+  path = os.path.join(args.work_dir, name + ".json")
+  if args.reuse and os.path.exists(path):
+    print(f"reusing {path}", flush=True)
+    with open(path) as f:
+      return json.load(f)
+  record = work()
+  with open(path, "w") as f:
+    json.dump(record, f, indent=1)
+  return record
 
 
 def main():
@@ -119,21 +133,36 @@ def main():
   p.add_argument("--max_length", type=int, default=128, help="as the config's data.max_length")
   p.add_argument("--extra", default="", help="more --config.key=value for both trainings, space-separated")
   p.add_argument("--json", default=None, help="write the results here")
+  p.add_argument(
+    "--reuse",
+    action="store_true",
+    help="keep --work_dir and take each step's record an earlier run left there (e.g. after it "
+    "stopped), running only the steps without one",
+  )
   args = p.parse_args()
   args.extra = args.extra.split()
   bad = [x for x in args.extra if not x.startswith("--config.")]
   if bad:
     p.error(f"--extra takes --config.key=value settings; got {bad[0]!r}")
-  if os.path.exists(args.work_dir):
+  if os.path.exists(args.work_dir) and not args.reuse:
     shutil.rmtree(args.work_dir)
-  os.makedirs(args.work_dir)
+  os.makedirs(args.work_dir, exist_ok=True)
   w = args.work_dir
   results = {"commit": commit(), "args": vars(args)}
-  results["zero_shot"] = evaluate(ZERO_SHOT_MODEL, os.path.join(w, "eval_zero_shot"), args, "--verifier")
-  results["scalar"] = train("scalar", args)
-  results["verifier"] = train("verifier", args, "--config.reward.type=verifier")
+  results["zero_shot"] = stage(
+    "eval_zero_shot",
+    args,
+    lambda: evaluate(ZERO_SHOT_MODEL, os.path.join(w, "eval_zero_shot"), args, "--verifier"),
+  )
+  results["scalar"] = stage("scalar", args, lambda: train("scalar", args))
+  results["verifier"] = stage(
+    "verifier", args, lambda: train("verifier", args, "--config.reward.type=verifier")
+  )
   for name in ("scalar", "verifier"):
-    results[name]["held_out"] = evaluate(results[name]["output_dir"], os.path.join(w, f"eval_{name}"), args)
+    out = results[name]["output_dir"]
+    results[name]["held_out"] = stage(
+      f"eval_{name}", args, lambda out=out, name=name: evaluate(out, os.path.join(w, f"eval_{name}"), args)
+    )
   s, v = results["scalar"], results["verifier"]
   results["summary"] = {
     "zero_shot_accuracy": accuracy(results["zero_shot"]),

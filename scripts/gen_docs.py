@@ -28,6 +28,9 @@ and ``<!-- end of generated part -->``; the prose around it is written by hand. 
   ``docs/benchmarks.md``.
 - ``attention_blocks``: the CPU attention's two routes per row layout, of
   ``benchmarks/cpu_attention_blocks.json`` (``scripts/bench_attention.py``), into ``docs/benchmarks.md``.
+- ``attention_shards``: context parallelism's per-shard attention compiled per length, of
+  ``benchmarks/cpu_attention_shard_compile.json`` (``bench_attention.py --shard_lengths``), into
+  ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -329,6 +332,8 @@ _PATH = re.compile(rf"(?:{_KEY}|{_PICK})(?:\.{_KEY}|{_PICK})*")
 _STEP = re.compile(rf"({_KEY})|\[([^\]]*)\]")
 _OPS: dict[str, Callable[[list[float]], float]] = {
   "sum": sum,
+  "min": min,
+  "max": max,
   "difference": lambda xs: xs[0] - xs[1],
   "ratio": lambda xs: xs[0] / xs[1],
   "product": math.prod,
@@ -349,7 +354,7 @@ def figure_records() -> list[dict[str, Any]]:
   measurement, and ``link``, the words that link to it; ``commands``, the exact commands that
   produced it. A figure measured since scripts write their results also names the ``raw`` file in
   ``benchmarks/`` and its ``values``: each a field of that file (:func:`field`), a number, or
-  ``{"sum" | "difference" | "ratio" | "product": [values]}``; ``figure`` and ``commit`` are then
+  ``{"sum" | "min" | "max" | "difference" | "ratio" | "product": [values]}``; ``figure`` and ``commit`` are then
   ``str.format`` templates over them (``{median:.2f}x``). ``note`` says what a reader of the record
   should know that the rest does not.
   """
@@ -516,6 +521,19 @@ def attention_blocks_part() -> str:
   return "\n".join(out) + "\n"
 
 
+def attention_shards_part() -> str:
+  """The per-shard compiles of ``benchmarks/cpu_attention_shard_compile.json``
+  (``scripts/bench_attention.py --shard_lengths``): seconds, temporaries and program size per T."""
+  raw = raw_result("cpu_attention_shard_compile.json")
+  out = ["| T (queries) | S (keys) | compile s | temp | program |", "| --- | --- | --- | --- | --- |"]
+  for r in raw["shards"]:
+    out.append(
+      f"| {r['queries']} | {r['keys']} | {r['compile_s']:.1f} | {r['temp_bytes'] / 2**20:.0f} MiB "
+      f"| {r['hlo_chars'] / 1e3:.0f} k chars |"
+    )
+  return "\n".join(out) + "\n"
+
+
 # ------------------------------------------------------------------ pages
 
 PARTS: dict[str, tuple[str, Callable[[], str]]] = {
@@ -528,6 +546,7 @@ PARTS: dict[str, tuple[str, Callable[[], str]]] = {
   "malloc_variants": ("docs/benchmarks.md", malloc_variants_part),
   "grpo_server": ("docs/benchmarks.md", grpo_server_part),
   "attention_blocks": ("docs/benchmarks.md", attention_blocks_part),
+  "attention_shards": ("docs/benchmarks.md", attention_shards_part),
   "grpo_server_wait": (
     "docs/benchmarks.md",
     lambda: grpo_server_part("cpu_smollm2_score_grpo_server_wait50.json"),

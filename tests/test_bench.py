@@ -406,6 +406,18 @@ def test_attention_bench_shows_both_routes_equal_before_timing_them():
   assert out.returncode == 2 and "unknown case 'padded': choose among grpo_shared_2x3072" in out.stderr
 
 
+def test_attention_bench_compiles_a_context_parallel_shard():
+  """``--shard_lengths``: T queries, the last T of a row of 4T tokens, against its 4T keys; the
+  temporaries are at least the float32 dQ, dK and dV it accumulates."""
+  import bench_attention
+
+  r = bench_attention.compile_shard(256)
+  assert (r["queries"], r["keys"]) == (256, 1024)
+  dq = 256 * bench_attention.SHARD_HEADS * bench_attention.SHARD_HEAD_DIM * 4
+  dkv = 2 * 1024 * bench_attention.SHARD_KV_HEADS * bench_attention.SHARD_HEAD_DIM * 4
+  assert r["temp_bytes"] >= dq + dkv and r["compile_s"] > 0 and r["hlo_chars"] > 0
+
+
 def test_attention_loops_variant_sets_the_decoders_threshold(monkeypatch):
   """``--vs-variant=attention_loops=N`` compares the CPU attention's block loops from N tokens on
   with the default threshold; a value that is not a number of tokens is refused by name."""
