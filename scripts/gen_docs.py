@@ -28,6 +28,9 @@ and ``<!-- end of generated part -->``; the prose around it is written by hand. 
   ``docs/benchmarks.md``.
 - ``attention_blocks``: the CPU attention's two routes per row layout, of
   ``benchmarks/cpu_attention_blocks.json`` (``scripts/bench_attention.py``), into ``docs/benchmarks.md``.
+- ``verifier``: a verifier zero-shot, and a scalar head and a verifier trained alike, of
+  ``benchmarks/cpu_smollm2_verifier_vs_scalar.json`` (``scripts/bench_verifier.py``), into
+  ``docs/benchmarks.md``.
 - ``attention_shards``: context parallelism's per-shard attention compiled per length, of
   ``benchmarks/cpu_attention_shard_compile.json`` (``bench_attention.py --shard_lengths``), into
   ``docs/benchmarks.md``.
@@ -411,12 +414,16 @@ def anchor(heading: str) -> str:
 
 
 def benchmarks_part() -> str:
-  out = ["| question | current figure | machine | commit | details |", "|---|---|---|---|---|"]
+  out = [
+    "| question | current figure | machine | commit | result in `benchmarks/` | details |",
+    "|---|---|---|---|---|---|",
+  ]
   for record in figure_records():
     values = figure_values(record)
     figure, commit = record["figure"].format(**values), record["commit"].format(**values)
     link = f"[{record['link']}](#{anchor(record['details'])})"
-    out.append(f"| {record['question']} | {figure} | {record['machine']} | {commit} | {link} |")
+    raw = f"`{record['raw']}`" if "raw" in record else "as written"
+    out.append(f"| {record['question']} | {figure} | {record['machine']} | {commit} | {raw} | {link} |")
   return "\n".join(out) + "\n"
 
 
@@ -534,6 +541,35 @@ def attention_shards_part() -> str:
   return "\n".join(out) + "\n"
 
 
+def verifier_part() -> str:
+  """``benchmarks/cpu_smollm2_verifier_vs_scalar.json`` (``scripts/bench_verifier.py``): the
+  verifier zero-shot, a scalar head and a verifier trained alike, on the same held-out pairs."""
+  raw = raw_result("cpu_smollm2_verifier_vs_scalar.json")
+  rows = (
+    ("verifier, zero-shot (the instruct model as is)", raw["zero_shot"], None),
+    ("scalar head (`reward.type=bradley_terry`), trained", raw["scalar"]["held_out"], raw["scalar"]),
+    ("verifier (`reward.type=verifier`), trained", raw["verifier"]["held_out"], raw["verifier"]),
+  )
+  subsets = sorted(raw["zero_shot"]["eval"]["subsets"])
+  out = [
+    "| model | held-out accuracy | "
+    + " | ".join(subsets)
+    + " | training step, median (quartiles) | training, whole command |",
+    "|---|---:|" + "---:|" * len(subsets) + "---|---:|",
+  ]
+  for name, held_out, run in rows:
+    ev = held_out["eval"]
+    cells = [f"**{ev['metrics']['accuracy']:.1%}**"]
+    cells += [f"{ev['subsets'][k]['accuracy']:.1%}" for k in subsets]
+    if run:
+      q1, q3 = run["step_time_quartiles_s"]
+      cells += [f"{run['step_time_median_s']:.2f} s ({q1:.2f}-{q3:.2f})", f"{run['seconds']:.0f} s"]
+    else:
+      cells += ["-", "-"]
+    out.append(f"| {name} | {' | '.join(cells)} |")
+  return "\n".join(out) + "\n"
+
+
 # ------------------------------------------------------------------ pages
 
 PARTS: dict[str, tuple[str, Callable[[], str]]] = {
@@ -547,6 +583,7 @@ PARTS: dict[str, tuple[str, Callable[[], str]]] = {
   "grpo_server": ("docs/benchmarks.md", grpo_server_part),
   "attention_blocks": ("docs/benchmarks.md", attention_blocks_part),
   "attention_shards": ("docs/benchmarks.md", attention_shards_part),
+  "verifier": ("docs/benchmarks.md", verifier_part),
   "grpo_server_wait": (
     "docs/benchmarks.md",
     lambda: grpo_server_part("cpu_smollm2_score_grpo_server_wait50.json"),

@@ -447,3 +447,28 @@ def test_head_variant_trains_a_verifier_on_the_same_rows():
     text=True,
   )
   assert out.returncode == 2 and "--vs-variant=head=lm trains random weights" in out.stderr
+
+
+def test_verifier_bench_reuses_the_records_of_an_earlier_run(tmp_path):
+  """scripts/bench_verifier.py keeps each step's record in its work folder; ``--reuse`` takes them
+  instead of running the step again, and a setting that is not --config.key=value is refused."""
+  import argparse
+
+  import bench_verifier
+
+  args = argparse.Namespace(work_dir=str(tmp_path), reuse=False)
+  runs = []
+  work = lambda: runs.append(1) or {"seconds": 1.5}
+  assert bench_verifier.stage("scalar", args, work) == {"seconds": 1.5} and len(runs) == 1
+  args.reuse = True
+  assert bench_verifier.stage("scalar", args, work) == {"seconds": 1.5} and len(runs) == 1
+  assert bench_verifier.stage("verifier", args, work) == {"seconds": 1.5} and len(runs) == 2
+  out = subprocess.run(
+    [sys.executable, "scripts/bench_verifier.py", "--extra=train.max_steps=5"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+  )
+  assert (
+    out.returncode == 2 and "--extra takes --config.key=value settings; got 'train.max_steps=5'" in out.stderr
+  )
