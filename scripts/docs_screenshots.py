@@ -258,6 +258,12 @@ def main(argv=None) -> int:
   if not args.chromium:
     print("no Chromium found: install it (apt-get install chromium) or pass --chromium", file=sys.stderr)
     return 2
+  if not shutil.which(args.chromium):
+    print(
+      f"--chromium={args.chromium}: no such executable (found on this PATH: {find_chromium()})",
+      file=sys.stderr,
+    )
+    return 2
   try:
     import playwright  # noqa: F401
   except ImportError:

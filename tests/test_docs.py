@@ -308,3 +308,11 @@ def test_site_navigates_and_searches_in_a_browser(site, tmp_path):
   result, site_dir = site
   assert result.returncode == 0, result.stdout + result.stderr
   assert docs_screenshots.run(site_dir, str(tmp_path), docs_screenshots.find_chromium()) == []
+
+
+def test_a_chromium_that_is_not_there_is_named(monkeypatch, capsys, tmp_path):
+  """``--chromium`` naming no executable stops before the site is built, naming it."""
+  missing = str(tmp_path / "chromium-nope")
+  monkeypatch.setattr(sys, "argv", ["docs_screenshots.py", f"--out={tmp_path}", f"--chromium={missing}"])
+  assert docs_screenshots.main() == 2
+  assert f"--chromium={missing}: no such executable" in capsys.readouterr().err
