@@ -84,12 +84,11 @@ def train(name: str, args, *extra: str) -> dict:
     *args.extra,
   ]
   seconds = run(cmd, out + ".log")
-  rows = []
   with open(os.path.join(out, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
+  # The steps the trainer logged (every logger period's), "steps" below. The few that compiled a
+  # new batch shape take seconds more; the median and quartiles are not moved by them.
   train_rows = [r for r in rows if "timing/train/step_time" in r]
-  # The steps that compiled a new batch shape (one per shape, a few of the run's) take seconds
-  # more: the median and quartiles are those of the many that did not.
   times = [r["timing/train/step_time"] for r in train_rows]
   validation = [r for r in rows if any(k.startswith("validation") for k in r)]
   return {

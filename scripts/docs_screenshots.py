@@ -260,7 +260,7 @@ def main(argv=None) -> int:
     return 2
   if not shutil.which(args.chromium):
     print(
-      f"--chromium={args.chromium}: no such executable (found on this PATH: {find_chromium()})",
+      f"--chromium={args.chromium}: no such executable (on this PATH: {find_chromium() or 'no Chromium'})",
       file=sys.stderr,
     )
     return 2

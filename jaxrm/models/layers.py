@@ -304,8 +304,8 @@ def _update_block(x_bkrd, block, row, start):
 
 
 def _row_and_block(n, blocks: int):
-  """The (row, block) of loop step ``n`` over every row's ``blocks`` blocks."""
-  return divmod(n, blocks) if isinstance(n, int) else (n // blocks, n % blocks)
+  """The (row, block) of loop step ``n`` over every row's ``blocks`` blocks (``n`` may be traced)."""
+  return divmod(n, blocks)
 
 
 def _rows_per_step(b: int, query_blocks: int, key_blocks: int) -> tuple[int, bool]:
