@@ -1,9 +1,9 @@
 """The batch layouts that the data pipeline builds and the train and eval steps consume.
 
-Six frozen pytrees, one per layout: :class:`PreferenceBatch`, :class:`StepwiseBatch`,
+Eight frozen pytrees, one per layout: :class:`PreferenceBatch`, :class:`StepwiseBatch`,
 :class:`RegressionBatch` and :class:`LabelledBatch` hold one sequence per row (built by ``data.pipeline.Collator``),
-:class:`PackedPreferenceBatch` and :class:`PackedStepwiseBatch` several (built by
-``data.packing``). Their arrays are numpy on the
+:class:`PackedPreferenceBatch`, :class:`PackedStepwiseBatch`, :class:`PackedRegressionBatch` and
+:class:`PackedLabelledBatch` several (built by ``data.packing``). Their arrays are numpy on the
 host that collated them and ``jax.Array`` once ``pipeline.to_global_batch`` has placed them. Where
 n micro-batches are stacked for gradient accumulation, every array gets a leading ``[n]`` axis and
 the batch is still one object.
@@ -201,6 +201,51 @@ class PackedStepwiseBatch:
     return int(mask.sum()), float(mask.sum()) / mask.size
 
 
+@struct.dataclass
+class _PackedOneEach:
+  """Items of one sequence each packed into B rows, each a sequence of its own (block-diagonal
+  attention) read at its last token; filler items take no room (``reward_index`` 0)."""
+
+  input_ids: Array  # [B, T] int32, pad_id after a row's last sequence
+  attention_mask: Array  # [B, T] int32
+  positions: Array  # [B, T] int32: from 0 in each sequence
+  segment_ids: Array  # [B, T] int32: 1, 2, ... per sequence, 0 = padding
+  branch_ids: Array  # [B, T] int32: all 0
+  reward_positions: Array  # [B, R] int32: index in its row of each item's last token, -1 = unused
+  reward_index: Array  # [G] int32: where item g's outputs sit in outputs.reshape(B * R, ...)
+  example_mask: Array  # [G] float32
+
+  packed: ClassVar[bool] = True
+
+  def outputs(self, model) -> jax.Array:
+    """The model's outputs shaped as ``labels`` (as the unpacked batch gives them): predictions
+    [G, A] or log-odds [G], read at ``reward_positions``."""
+    outputs = model(*_rows(self), reward_positions=self.reward_positions)  # [B, R] or [B, R, A]
+    return group_rewards(outputs, self.reward_index).reshape(self.labels.shape)
+
+  def token_counts(self) -> tuple[int, float]:
+    """(real tokens, their share of the token slots): fillers take no room, so every attended
+    token is real."""
+    mask = np.asarray(self.attention_mask)
+    return int(mask.sum()), float(mask.sum()) / mask.size
+
+
+@struct.dataclass
+class PackedRegressionBatch(_PackedOneEach):
+  """G rated responses packed into B rows (the rows as in the other packed layouts)."""
+
+  labels: Array  # [G, A] float32: as in RegressionBatch, 0 for fillers
+  label_mask: Array  # [G, A] float32: as in RegressionBatch, 0 for fillers
+  group: Array  # [G] int32: as in RegressionBatch
+
+
+@struct.dataclass
+class PackedLabelledBatch(_PackedOneEach):
+  """G labelled items packed into B rows (the rows as in the other packed layouts)."""
+
+  labels: Array  # [G] float32: as in LabelledBatch, 0 for fillers
+
+
 Batch = (
   PreferenceBatch
   | StepwiseBatch
@@ -208,12 +253,18 @@ Batch = (
   | LabelledBatch
   | PackedPreferenceBatch
   | PackedStepwiseBatch
+  | PackedRegressionBatch
+  | PackedLabelledBatch
 )
 
 
 def group_rewards(rewards_br, reward_index_gk):
-  """Packed rewards [B, R] -> the [G, K] layout of the unpacked batch (jax or numpy arrays)."""
-  return rewards_br.reshape(-1)[reward_index_gk]
+  """Packed rewards [B, R] -> the [G, K] layout of the unpacked batch (jax or numpy arrays).
+
+  Several outputs per reward slot, [B, R, A], give [G, K, A]; an index [G] of one slot per item
+  gives [G] ([G, A]).
+  """
+  return rewards_br.reshape(-1, *rewards_br.shape[2:])[reward_index_gk]
 
 
 def group_logits(logits_btc, token_index_gt):
@@ -221,7 +272,7 @@ def group_logits(logits_btc, token_index_gt):
   return logits_btc.reshape(-1, logits_btc.shape[-1])[token_index_gt]
 
 
-def _rows(batch: PackedPreferenceBatch | PackedStepwiseBatch) -> tuple[Array, ...]:
+def _rows(batch: PackedPreferenceBatch | PackedStepwiseBatch | _PackedOneEach) -> tuple[Array, ...]:
   """The model's row inputs, in the order it takes them."""
   return (batch.input_ids, batch.attention_mask, batch.positions, batch.segment_ids, batch.branch_ids)
 

@@ -27,7 +27,9 @@ import numpy as np
 from jaxrm import losses
 from jaxrm.batches import (
   LabelledBatch,
+  PackedLabelledBatch,
   PackedPreferenceBatch,
+  PackedRegressionBatch,
   PackedStepwiseBatch,
   PreferenceBatch,
   RegressionBatch,
@@ -155,8 +157,9 @@ REGRESSION = Task(
   reward_types=("regression",),
   data="rated",
   evaluation="regression",
-  batches={"none": RegressionBatch},
-  packing_refused="data.packing={packing!r}: regression rows are not packed yet; use data.packing='none'",
+  batches={"none": RegressionBatch, "packed": PackedRegressionBatch},
+  packing_refused="data.packing={packing!r} writes a preference group's prompt once; rated responses "
+  "are one sequence each, with no group to share it: use data.packing='packed'",
   head="sequence",
   num_labels=None,
   losses={("regression", None): losses.regression},
@@ -174,16 +177,20 @@ def _or_labelled(pairwise: losses.SpecLoss) -> losses.SpecLoss:
   on labelled items."""
 
   def loss(spec, outputs, batch):
-    if isinstance(batch, LabelledBatch):
+    if isinstance(batch, LABELLED_BATCHES):
       return losses.labelled(spec, outputs, batch)
     return pairwise(spec, outputs, batch)
 
   return loss
 
 
+# A verifier's batches of labelled items, unpacked or packed: their outputs are alike, log-odds [G].
+LABELLED_BATCHES = (LabelledBatch, PackedLabelledBatch)
+
+
 def _labelled_scores(spec, outputs, batch):
   """Validation's scores of labelled items (their AUROC); none of preference batches."""
-  return losses.labelled_scores(spec, outputs, batch) if isinstance(batch, LabelledBatch) else {}
+  return losses.labelled_scores(spec, outputs, batch) if isinstance(batch, LABELLED_BATCHES) else {}
 
 
 VERIFIER = Task(
@@ -191,6 +198,8 @@ VERIFIER = Task(
   reward_types=("verifier",),
   data="preference",
   evaluation="preference",
+  # Labelled items become LABELLED_BATCHES instead; data.packing='shared_prompt' is refused for
+  # them once their rows are read (jaxrm.data.packing.check_packable).
   batches=PREFERENCE.batches,
   packing_refused="",
   head="lm",

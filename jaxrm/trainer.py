@@ -365,10 +365,6 @@ def _resume(ckpt: checkpointing.Checkpointer, step: int, state, train_iter):
 
 def _make_input(config: RunConfig, mesh, data: RunData, pad: int) -> _Input:
   plan = batching(config, mesh, data.num_completions, jax.process_count())
-  if plan.pack is not None:
-    _check_row_length(
-      plan.pack, {"train": data.train, **{f"validation set {n!r}": v for n, v in data.validation.items()}}
-    )
   hosts = dict(
     pad_id=pad,
     num_completions=data.num_completions,
@@ -376,7 +372,12 @@ def _make_input(config: RunConfig, mesh, data: RunData, pad: int) -> _Input:
     process_count=plan.process_count,
     pack=plan.pack,
   )
+  # A packing the examples cannot take (packing.check_packable) is the config's to change.
   with _config_errors():
+    if plan.pack is not None:
+      _check_row_length(
+        plan.pack, {"train": data.train, **{f"validation set {n!r}": v for n, v in data.validation.items()}}
+      )
     train_iter, stream = pipeline.make_train_iterator(
       data.train,
       batch_size=plan.per_host,
@@ -387,10 +388,10 @@ def _make_input(config: RunConfig, mesh, data: RunData, pad: int) -> _Input:
       group_by_length=config.data.group_by_length,
       **hosts,
     )
-  validation = {
-    name: pipeline.make_eval_batches(ex, batch_size=plan.eval_per_host, buckets=plan.buckets, **hosts)
-    for name, ex in data.validation.items()
-  }
+    validation = {
+      name: pipeline.make_eval_batches(ex, batch_size=plan.eval_per_host, buckets=plan.buckets, **hosts)
+      for name, ex in data.validation.items()
+    }
   return _Input(train_iter, stream, validation, plan.pack, plan.grad_accum)
 
 

@@ -8,7 +8,8 @@ dotted with the difference of the two answers' rows of the LM head
 (:func:`jaxrm.models.heads.verifier_log_odds`), and no other logit is computed.
 
 This module holds what names a verifier (its question and answers), the check that each answer is
-one token, and the file an export records them in (:data:`FILE`).
+one token, the conversation it reads (:func:`conversation`, :meth:`Verifier.render`), and the file
+an export records them in (:data:`FILE`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxrm.errors import CheckpointError, ConfigError
@@ -78,9 +79,23 @@ class Verifier:
       ids.append(int(encoded[0]))
     return ids[0], ids[1]
 
+  def render(self, tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> str:
+    """The text this verifier scores of the conversation ``messages``, before any truncation:
+    :func:`conversation` rendered by the tokenizer's chat template with the generation prompt.
+    Tokenized without added special tokens (the template writes them), it gives the ids
+    ``RewardModel.encode`` scores."""
+    return tokenizer.apply_chat_template(
+      conversation(messages, self.question), tokenize=False, add_generation_prompt=True
+    )
+
   def to_json(self) -> dict[str, Any]:
     """What :data:`FILE` holds."""
     return {"question": self.question, "answers": list(self.answers)}
+
+
+def conversation(messages: Sequence[Mapping[str, Any]], question: str) -> list[Mapping[str, Any]]:
+  """``messages`` followed by the user turn that asks ``question``: what a verifier reads."""
+  return [*messages, {"role": "user", "content": question}]
 
 
 def read(directory: str | os.PathLike) -> Verifier | None:

@@ -12,6 +12,12 @@ GRPO-shaped scoring: P prompts with G completions each, for each G of ``--group_
 
   python scripts/bench_score.py --workload=grpo --prompts=2 --group_sizes=8,16 --max_length=1024
 
+A generative verifier (the same GGUF, zero-shot: ``log p(Yes) - log p(No)`` after its question)
+against transformers' causal LM, on either workload::
+
+  python scripts/bench_score.py --workload=grpo --verifier --prompts=2 --group_sizes=8,16 --max_length=1024
+  python scripts/bench_score.py --verifier --items=128 --clients=16
+
 Padding buckets: ``rm.score`` on the chats with rows padded to multiples of each of ``--buckets``,
 cold (JAX's caches cleared: every shape compiles) and warm, in turns::
 
@@ -40,6 +46,22 @@ sharing), transformers as above, and the server (its default buckets, sharing pr
 requests it batches) under ``--clients`` concurrent clients, each request one group's texts to
 ``/get_reward`` (OpenRLHF's flat strings: the server finds the shared prompt in the token ids).
 
+``--verifier``: the model is loaded with ``RewardModel.from_pretrained(..., verifier=True)`` and
+the items are conversations (message lists) instead of their rendered texts, so that each ends with
+the verifier's question (a user turn) and the generation prompt; the generated chats leave room for
+them within ``--max_length``. ``rm.score`` takes the conversations (rendering them is timed), the
+server takes them at ``/score`` (``{"conversations": [...]}``), and transformers runs
+``AutoModelForCausalLM`` on the jaxrm export, a causal LM of the same weights, given the texts
+jaxrm renders (:meth:`jaxrm.verifier.Verifier.render`, untimed), whose ids must equal the ids jaxrm
+scores. Its batches are length-sorted as above, left-padded to the batch's longest row with the
+matching position ids, so that the last position is every row's last real token: it computes the
+logits there only (``logits_to_keep=1``, no KV cache) and scores ``log_softmax(logits)[yes] -
+[no]``. jaxrm computes the two answers' logits alone. The results and tables are marked as a
+verifier's.
+
+Both sides' scores of one batch are printed; in float32 on a CPU they must agree within
+:data:`AGREE_ATOL` (the run stops otherwise); in bfloat16, or on a GPU, the difference is only shown.
+
 Compiling (jaxrm) and a first pass (transformers) happen before timing. The scorers then run in
 turns, ``--repeats`` times (ABC ABC...), so that they meet the same machine load; each figure is
 the median over repeats (grpo: with the spread). Latency (chats): per ``rm.score``/transformers
@@ -51,6 +73,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import inspect
 import json
 import os
 import statistics
@@ -59,6 +82,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from typing import Any
 
 import numpy as np
 from bench_common import commit
@@ -68,6 +92,10 @@ WORDS = (
   "the model reads each answer and gives it a score so that training can prefer better "
   "replies over worse ones while rollouts keep arriving from many workers at once"
 ).split()
+# The largest |jaxrm - transformers| score on a batch, in float32 on a CPU: both sum in float32, in
+# different orders (~1e-5 apart on SmolLM2-135M, rewards and log-odds alike), while a wrong weight,
+# token or position moves a score by far more. bfloat16 or a GPU's float32 dots (TF32) round more.
+AGREE_ATOL = 1e-3
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -80,8 +108,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     help="One completion per prompt (chats), P prompts x G completions (grpo), or rm.score's "
     "padding buckets (buckets).",
   )
+  p.add_argument(
+    "--verifier",
+    action="store_true",
+    help="Score with the model as a zero-shot generative verifier (verifier=True), against "
+    "transformers' AutoModelForCausalLM.",
+  )
   p.add_argument("--buckets", default="16,32,64,128", help="buckets: the length multiples to compare.")
-  p.add_argument("--items", type=int, default=128, help="Texts scored per repeat.")
+  p.add_argument("--items", type=int, default=128, help="Chats scored per repeat.")
   p.add_argument("--batch_size", type=int, default=8, help="Rows per forward pass, for all three.")
   p.add_argument("--max_length", type=int, default=384, help="Longest text, in tokens.")
   p.add_argument("--median_length", type=int, default=96, help="Median text length, in tokens.")
@@ -101,37 +135,47 @@ def parse_args(argv=None) -> argparse.Namespace:
   return p.parse_args(argv)
 
 
-def make_texts(n: int, median: int, cap: int, tokenizer, seed: int) -> list[str]:
-  """Rendered one-turn chats of lognormal lengths in tokens (at most ``cap``), ending in "\\n"."""
+def chatml(messages: list[dict]) -> str:
+  """``messages`` as SmolLM2's chat template writes them (without the system turn it adds)."""
+  return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+
+
+def make_chats(n: int, median: int, cap: int, tokenizer, seed: int) -> list[list[dict]]:
+  """One-turn chats (a question, an answer) of lognormal lengths in tokens once rendered by
+  :func:`chatml` (at most ``cap``)."""
   rng = np.random.default_rng(seed)
-  texts = []
+  chats = []
   for i in range(n):
     target = int(min(cap, max(16, rng.lognormal(np.log(median), 0.6))))
     words = [WORDS[(i + k) % len(WORDS)] for k in range(target)]
     q = max(4, target // 4)
-    text = (
-      f"<|im_start|>user\n{' '.join(words[:q])}?<|im_end|>\n<|im_start|>assistant\n"
-      f"{' '.join(words[q:])}.<|im_end|>\n"
-    )
-    ids = tokenizer(text)["input_ids"]
+    ids = tokenizer(chatml(question_and_answer(words, q)))["input_ids"]
     while len(ids) > cap:  # cut words until it fits; the words are 1-2 tokens each
       words = words[: -max(1, (len(ids) - cap) // 2)]
-      text = (
-        f"<|im_start|>user\n{' '.join(words[:q])}?<|im_end|>\n<|im_start|>assistant\n"
-        f"{' '.join(words[q:])}.<|im_end|>\n"
-      )
-      ids = tokenizer(text)["input_ids"]
-    texts.append(text)
-  return texts
+      ids = tokenizer(chatml(question_and_answer(words, q)))["input_ids"]
+    chats.append(question_and_answer(words, q))
+  return chats
 
 
-def make_groups(num_prompts: int, group_size: int, args, tokenizer, seed: int) -> list[list[str]]:
-  """``num_prompts`` groups of ``group_size`` texts: a rendered prompt (a system turn and a
-  question, about ``args.prompt_median`` tokens, lognormal) and one completion of its own (about
-  ``args.completion_median``), ending in "\n". Words are drawn at random, so the prompts share
-  only their template's opening and the completions nothing."""
+def question_and_answer(words: list[str], q: int) -> list[dict]:
+  """A user turn asking the first ``q`` words, an assistant turn answering with the rest."""
+  return [
+    {"role": "user", "content": " ".join(words[:q]) + "?"},
+    {"role": "assistant", "content": " ".join(words[q:]) + "."},
+  ]
+
+
+def make_groups(
+  num_prompts: int, group_size: int, args, tokenizer, seed: int, room: int = 0
+) -> list[list[list[dict]]]:
+  """``num_prompts`` groups of ``group_size`` chats: a prompt (a system turn and a question, about
+  ``args.prompt_median`` tokens, lognormal) and one answer of its own (about
+  ``args.completion_median``), at most ``args.max_length - room`` tokens once rendered by
+  :func:`chatml`. Words are drawn at random, so the prompts share only their template's opening
+  and the completions nothing."""
   rng = np.random.default_rng(seed)
   count = lambda text: len(tokenizer(text)["input_ids"])
+  max_length = args.max_length - room
 
   def words(target: int) -> str:  # random words of at most ``target`` tokens (each is 1-2)
     out = list(rng.choice(WORDS, max(1, target)))
@@ -142,16 +186,35 @@ def make_groups(num_prompts: int, group_size: int, args, tokenizer, seed: int) -
   lognormal = lambda median, cap: int(min(cap, max(8, rng.lognormal(np.log(median), 0.6))))
   groups = []
   for _ in range(num_prompts):
-    n = lognormal(args.prompt_median, args.max_length // 2)
-    prompt = (
-      f"<|im_start|>system\n{words(n // 4)}.<|im_end|>\n<|im_start|>user\n{words(n - n // 4 - 12)}?"
-      f"<|im_end|>\n<|im_start|>assistant\n"
-    )
-    room = args.max_length - count(prompt) - 4  # for ".<|im_end|>\n"
+    n = lognormal(args.prompt_median, max_length // 2)
+    prompt = [
+      {"role": "system", "content": words(n // 4) + "."},
+      {"role": "user", "content": words(n - n // 4 - 12) + "?"},
+    ]
+    left = max_length - count(chatml(prompt) + "<|im_start|>assistant\n") - 4  # for ".<|im_end|>\n"
     groups.append(
-      [prompt + words(lognormal(args.completion_median, room)) + ".<|im_end|>\n" for _ in range(group_size)]
+      [
+        [*prompt, {"role": "assistant", "content": words(lognormal(args.completion_median, left)) + "."}]
+        for _ in range(group_size)
+      ]
     )
   return groups
+
+
+def items_of(rm, chats: list[list[dict]]) -> list:
+  """What jaxrm scores of each chat: its :func:`chatml` text, or a verifier's the conversation
+  itself (which it renders with its question)."""
+  return chats if rm.verifier is not None else [chatml(c) for c in chats]
+
+
+def question_room(rm, roles: tuple[str, ...]) -> int:
+  """Tokens a verifier adds to the :func:`chatml` text of a chat of ``roles`` (its question turn,
+  the generation prompt, a system turn the chat template adds): what generated chats leave free,
+  so that no row is cut to ``--max_length``. 0 for a reward model."""
+  if rm.verifier is None:
+    return 0
+  stub = [{"role": role, "content": "x"} for role in roles]
+  return len(rm.encode(stub)) - len(rm.tokenizer(chatml(stub))["input_ids"])
 
 
 def length_sorted_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
@@ -179,8 +242,8 @@ def summary(name: str, seconds: list[float], latencies: list[list[float]], items
 # ---------------------------------------------------------------------------------- the three runs
 
 
-def run_rm_score(rm, texts, args):
-  """(seconds, per-batch latencies): one rm.score call over all texts."""
+def run_rm_score(rm, items, args):
+  """(seconds, per-batch latencies): one rm.score call over all items."""
   latencies = []
   score_tokens = rm.score_tokens
 
@@ -193,38 +256,31 @@ def run_rm_score(rm, texts, args):
   rm.score_tokens = timed  # the batches' own latency; the call's total time is measured outside
   try:
     start = time.perf_counter()
-    rm.score(texts, batch_size=args.batch_size, max_length=args.max_length)
+    rm.score(items, batch_size=args.batch_size, max_length=args.max_length)
     return time.perf_counter() - start, latencies
   finally:
     del rm.score_tokens
 
 
-def run_transformers(model, tokenizer, texts, batches, device):
-  import torch
-
+def run_transformers(hf, texts, batches):
   latencies = []
   start = time.perf_counter()
-  with torch.no_grad():
-    for rows in batches:
-      t0 = time.perf_counter()
-      batch = tokenizer([texts[i] for i in rows], padding=True, return_tensors="pt").to(device)
-      model(**batch).logits.float().cpu()
-      latencies.append(time.perf_counter() - t0)
+  for rows in batches:
+    t0 = time.perf_counter()
+    hf.score([texts[i] for i in rows])
+    latencies.append(time.perf_counter() - t0)
   return time.perf_counter() - start, latencies
 
 
-def run_server(url, texts, args):
+def run_server(url, items, args):
   opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
   k = args.items_per_request
-  requests = [texts[i : i + k] for i in range(0, len(texts), k)]
+  requests = [items[i : i + k] for i in range(0, len(items), k)]
   latencies, lock = [], threading.Lock()
 
   def post(chunk):
-    body = json.dumps({"query": chunk}).encode()
     t0 = time.perf_counter()
-    req = urllib.request.Request(url + "/get_reward", data=body, headers={"Content-Type": "application/json"})
-    with opener.open(req, timeout=600) as reply:
-      rewards = json.loads(reply.read())["rewards"]
+    rewards = post_items(url, chunk, opener)
     with lock:
       latencies.append(time.perf_counter() - t0)
     return rewards
@@ -235,23 +291,119 @@ def run_server(url, texts, args):
   return time.perf_counter() - start, latencies
 
 
+def post_items(url: str, items: list, opener=None) -> list[float]:
+  """The server's rewards of ``items``: texts in OpenRLHF's ``/get_reward`` request,
+  conversations (a verifier's) in jaxrm's ``/score`` request."""
+  opener = opener or urllib.request.build_opener(urllib.request.ProxyHandler({}))
+  chats = bool(items) and isinstance(items[0], list)
+  path, body = ("/score", {"conversations": items}) if chats else ("/get_reward", {"query": items})
+  req = urllib.request.Request(
+    url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+  )
+  with opener.open(req, timeout=600) as reply:
+    return json.loads(reply.read())["rewards"]
+
+
 # ---------------------------------------------------------------------------------- set-up
 
 
-def load_transformers(rm, dtype: str):
-  """transformers' AutoModelForSequenceClassification on the jaxrm model's own weights (an HF export)."""
+@dataclasses.dataclass(frozen=True)
+class Transformers:
+  """transformers' model of the jaxrm model's weights, scoring texts: a sequence classifier's
+  reward, or a causal LM's ``log p(yes) - log p(no)`` of the token after each text (a verifier's)."""
+
+  model: Any
+  tokenizer: Any
+  device: str
+  answers: tuple[int, int] | None = None  # a verifier's yes and no token ids
+  keep: dict = dataclasses.field(default_factory=dict)  # the one position whose logits it needs
+
+  def ids(self, text: str) -> list[int]:
+    """``text``'s ids as :meth:`score` tokenizes it (a verifier's text holds its special tokens)."""
+    return self.tokenizer(text, add_special_tokens=self.answers is None)["input_ids"]
+
+  def score(self, texts: list[str]) -> np.ndarray:
+    """Scores float32 [B] of ``texts``: one forward pass, padded to the longest."""
+    import torch
+
+    batch = self.tokenizer(
+      texts, padding=True, return_tensors="pt", add_special_tokens=self.answers is None
+    ).to(self.device)
+    with torch.no_grad():
+      if self.answers is None:
+        return self.model(**batch).logits[:, 0].float().cpu().numpy()
+      # Left-padded: the last position is each row's last real token, the only one scored.
+      positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # [B, T]
+      logits = self.model(**batch, position_ids=positions, use_cache=False, **self.keep).logits[:, -1]
+      log_probs = torch.log_softmax(logits.float(), -1)  # [B, V]
+      yes, no = self.answers
+      return (log_probs[:, yes] - log_probs[:, no]).cpu().numpy()
+
+
+def load_transformers(rm, dtype: str) -> Transformers:
+  """transformers on the jaxrm model's own weights (an HF export): its
+  AutoModelForSequenceClassification, or a verifier's AutoModelForCausalLM."""
   import torch
   import transformers
 
   device = "cuda" if torch.cuda.is_available() else "cpu"
   torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+  auto = transformers.AutoModelForCausalLM if rm.verifier else transformers.AutoModelForSequenceClassification
   with tempfile.TemporaryDirectory() as out:
     rm.save_pretrained(out, dtype="float32")
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(out, dtype=torch_dtype)
+    model = auto.from_pretrained(out, dtype=torch_dtype).to(device).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+  hf, logits = Transformers(model, tokenizer, device), ""
   tokenizer.padding_side = "right"
-  print(f"transformers on {device}, attention {model.config._attn_implementation}", flush=True)
-  return model.to(device).eval(), tokenizer, device
+  if rm.verifier is not None:
+    tokenizer.padding_side = "left"
+    takes = inspect.signature(model.forward).parameters  # older versions: num_logits_to_keep
+    keep = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in takes), None)
+    answers = rm.verifier.token_ids(tokenizer)
+    hf = dataclasses.replace(hf, answers=answers, keep={keep: 1} if keep else {})
+    logits = f", logits of the last position ({keep}=1)" if keep else ", logits of every position"
+  print(
+    f"transformers on {device}, {type(model).__name__}, attention {model.config._attn_implementation}{logits}",
+    flush=True,
+  )
+  return hf
+
+
+def transformers_texts(
+  rm, hf: Transformers, items: list, encoded: list[list[int]], max_length: int
+) -> tuple[list[str], int]:
+  """What transformers scores of each of ``items`` (texts as they are; a verifier's conversations
+  rendered as jaxrm renders them), and how many of them it tokenizes as jaxrm does (``encoded``).
+  A verifier's must all be: else a row was cut to ``--max_length``."""
+  texts = items if rm.verifier is None else [rm.verifier.render(rm.tokenizer, c) for c in items]
+  same = sum(e == hf.ids(t) for e, t in zip(encoded, texts))
+  if rm.verifier is not None and same < len(texts):
+    raise SystemExit(
+      f"{len(texts) - same} of {len(texts)} verifier texts give transformers other ids than jaxrm "
+      f"scores: jaxrm cuts rows longer than --max_length={max_length}; raise it"
+    )
+  return texts, same
+
+
+def check_agreement(ours: np.ndarray, theirs: np.ndarray, rm, hf: Transformers, args) -> None:
+  """Prints jaxrm's and transformers' scores of the same rows and their largest difference; in
+  float32 on CPUs, stops the run where it is over :data:`AGREE_ATOL`."""
+  import jax
+  from flax import nnx
+
+  what = "log-odds (verifier)" if rm.verifier is not None else "rewards"
+  print(f"jaxrm's {what} on a batch:        " + " ".join(f"{x:.5f}" for x in ours), flush=True)
+  print(f"transformers' {what} on a batch: " + " ".join(f"{x:.5f}" for x in theirs), flush=True)
+  diff = float(np.abs(ours - theirs).max())
+  platforms = {d.platform for x in jax.tree.leaves(nnx.state(rm.model)) for d in x.devices()}
+  checked = args.dtype == "float32" and hf.device == "cpu" and platforms == {"cpu"}
+  bound = f"at most {AGREE_ATOL:g} in float32 on a CPU" if checked else "not checked: bfloat16 or a GPU"
+  print(f"max |jaxrm - transformers| {what} on a batch: {diff:.2e} ({bound})", flush=True)
+  if checked and not diff <= AGREE_ATOL:
+    raise SystemExit(
+      f"jaxrm's and transformers' {what} differ by {diff:.2e} > {AGREE_ATOL:g}: they do not score "
+      "the same model, tokens or position"
+    )
 
 
 def main(argv=None) -> None:
@@ -262,9 +414,15 @@ def main(argv=None) -> None:
 
   from jaxrm import RewardModel
 
-  rm = RewardModel.from_pretrained(args.model, dtype=args.dtype)
+  rm = RewardModel.from_pretrained(args.model, dtype=args.dtype, verifier=args.verifier)
+  if args.verifier:
+    print(
+      f"verifier, zero-shot: log p({rm.verifier.answers[0]}) - log p({rm.verifier.answers[1]}) after "
+      f"{rm.verifier.question!r}",
+      flush=True,
+    )
   workload = {"chats": chats_workload, "grpo": grpo_workload, "buckets": buckets_workload}[args.workload]
-  results = workload(rm, args)
+  results = [dict(r, verifier=args.verifier) for r in workload(rm, args)]
   print(
     f"jax {jax.__version__} ({jax.default_backend()}), transformers {transformers.__version__}, "
     f"torch {torch.__version__}, {os.cpu_count()} CPUs",
@@ -277,35 +435,30 @@ def main(argv=None) -> None:
 
 def chats_workload(rm, args) -> list[dict]:
   """One completion per prompt: rm.score, the server and transformers, in turns."""
-  import torch
-
   from jaxrm.data.pipeline import length_buckets
   from jaxrm.server import ServerConfig, make_server
 
-  hf_model, hf_tok, device = load_transformers(rm, args.dtype)
+  hf = load_transformers(rm, args.dtype)
 
-  texts = make_texts(args.items, args.median_length, args.max_length, rm.tokenizer, args.seed)
-  encoded = [rm.encode(t, max_length=args.max_length) for t in texts]
-  same_tokens = sum(e == hf_tok(t)["input_ids"] for e, t in zip(encoded, texts))
+  cap = args.max_length - question_room(rm, ("user", "assistant"))
+  items = items_of(rm, make_chats(args.items, args.median_length, cap, rm.tokenizer, args.seed))
+  encoded = [rm.encode(x, max_length=args.max_length) for x in items]
+  texts, same_tokens = transformers_texts(rm, hf, items, encoded, args.max_length)
   lengths = [len(e) for e in encoded]
   tokens = sum(lengths)
   batches = length_sorted_batches(lengths, args.batch_size)
   print(
-    f"{args.items} texts, {tokens} tokens (median {int(np.median(lengths))}, max {max(lengths)}); "
-    f"rm.score computes {shared_tokens(rm, encoded, args)} of them once prefixes are shared; "
-    f"jaxrm and transformers tokenize {same_tokens}/{args.items} identically",
+    f"{args.items} {'conversations' if rm.verifier else 'texts'}, {tokens} tokens (median "
+    f"{int(np.median(lengths))}, max {max(lengths)}); rm.score computes {shared_tokens(rm, encoded, args)} "
+    f"of them once prefixes are shared; jaxrm and transformers tokenize {same_tokens}/{args.items} identically",
     flush=True,
   )
 
   # Untimed: jaxrm compiles each batch shape; transformers' first pass; a check that both score alike.
-  ours = rm.score(texts, batch_size=args.batch_size, max_length=args.max_length)
-  with torch.no_grad():
-    first = hf_tok([texts[i] for i in batches[0]], padding=True, return_tensors="pt").to(device)
-    theirs = hf_model(**first).logits[:, 0].float().cpu().numpy()
-  run_transformers(hf_model, hf_tok, texts, batches[:2], device)
-  print(
-    f"max |jaxrm - transformers| reward on a batch: {np.abs(ours[batches[0]] - theirs).max():.2e}", flush=True
-  )
+  ours = rm.score(items, batch_size=args.batch_size, max_length=args.max_length)
+  theirs = hf.score([texts[i] for i in batches[0]])
+  run_transformers(hf, texts, batches[:2])
+  check_agreement(ours[batches[0]], theirs, rm, hf, args)
 
   buckets = length_buckets(max(args.max_length, 64), 64)  # rm.score's
   config = ServerConfig(
@@ -318,13 +471,13 @@ def chats_workload(rm, args) -> list[dict]:
   server = make_server(rm, "127.0.0.1", 0, config=config).start()
   try:
     server.wait_ready()
-    run_server(server.url, texts[: 2 * args.batch_size], args)  # untimed: the first connections and batches
+    run_server(server.url, items[: 2 * args.batch_size], args)  # untimed: the first connections and batches
     runs = {"rm.score": ([], []), "server": ([], []), "transformers": ([], [])}
     for _ in range(args.repeats):
       for name, fn in (
-        ("rm.score", lambda: run_rm_score(rm, texts, args)),
-        ("server", lambda: run_server(server.url, texts, args)),
-        ("transformers", lambda: run_transformers(hf_model, hf_tok, texts, batches, device)),
+        ("rm.score", lambda: run_rm_score(rm, items, args)),
+        ("server", lambda: run_server(server.url, items, args)),
+        ("transformers", lambda: run_transformers(hf, texts, batches)),
       ):
         seconds, latencies = fn()
         runs[name][0].append(seconds)
@@ -346,62 +499,45 @@ def chats_workload(rm, args) -> list[dict]:
 # ---------------------------------------------------------------------------------- grpo
 
 
-def grpo_scorers(
-  rm, hf_model, hf_tok, device, texts, batches, args, server_url=None, group_size=None
-) -> dict:
-  """Name -> a function that scores ``texts`` once and returns (seconds, rewards [N]); with
-  ``server_url``, also the server, each request one group of ``group_size`` texts."""
+def grpo_scorers(rm, hf, items, texts, batches, args, server_url=None, group_size=None) -> dict:
+  """Name -> a function that scores ``items`` once and returns (seconds, rewards [N]); transformers
+  scores ``texts``, theirs. With ``server_url``, also the server, each request one group of
+  ``group_size`` items."""
 
   def rm_score(share_prefix):
     start = time.perf_counter()
     rewards = rm.score(
-      texts, batch_size=args.batch_size, max_length=args.max_length, share_prefix=share_prefix
+      items, batch_size=args.batch_size, max_length=args.max_length, share_prefix=share_prefix
     )
     return time.perf_counter() - start, rewards
 
-  def hf():
-    import torch
-
+  def transformers():
     rewards = np.zeros(len(texts), np.float32)
     start = time.perf_counter()
-    with torch.no_grad():
-      for rows in batches:
-        batch = hf_tok([texts[i] for i in rows], padding=True, return_tensors="pt").to(device)
-        rewards[rows] = hf_model(**batch).logits[:, 0].float().cpu().numpy()
+    for rows in batches:
+      rewards[rows] = hf.score([texts[i] for i in rows])
     return time.perf_counter() - start, rewards
 
   def server():
-    groups = [texts[i : i + group_size] for i in range(0, len(texts), group_size)]
+    groups = [items[i : i + group_size] for i in range(0, len(items), group_size)]
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(min(args.clients, len(groups))) as pool:
-      rewards = [r for group in pool.map(lambda g: post_texts(server_url, g), groups) for r in group]
+      rewards = [r for group in pool.map(lambda g: post_items(server_url, g), groups) for r in group]
     return time.perf_counter() - start, np.asarray(rewards, np.float32)
 
   scorers = {
     "rm.score shared": lambda: rm_score(True),
     "rm.score unshared": lambda: rm_score(False),
-    "transformers": hf,
+    "transformers": transformers,
   }
   return {**scorers, "server": server} if server_url else scorers
-
-
-def post_texts(url: str, texts: list[str]) -> list[float]:
-  """OpenRLHF's /get_reward request of ``texts``: their rewards."""
-  opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-  req = urllib.request.Request(
-    url + "/get_reward",
-    data=json.dumps({"query": texts}).encode(),
-    headers={"Content-Type": "application/json"},
-  )
-  with opener.open(req, timeout=600) as reply:
-    return json.loads(reply.read())["rewards"]
 
 
 def grpo_workload(rm, args) -> list[dict]:
   """For each G: P prompts x G completions, scored by each of :func:`grpo_scorers` in turns."""
   from jaxrm.server import ServerConfig, make_server
 
-  hf_model, hf_tok, device = load_transformers(rm, args.dtype)
+  hf = load_transformers(rm, args.dtype)
   # The server as `python -m jaxrm.serve --max_length=... --batch_size=...` runs it: its own
   # buckets (powers of two), sharing prefixes across the rows of all requests it batches.
   config = ServerConfig(
@@ -428,40 +564,33 @@ def grpo_workload(rm, args) -> list[dict]:
     flush=True,
   )
   try:
-    return [warm_up, *_grpo_runs(rm, hf_model, hf_tok, device, server.url, args)]
+    return [warm_up, *_grpo_runs(rm, hf, server.url, args)]
   finally:
     server.shutdown()
 
 
-def _grpo_runs(rm, hf_model, hf_tok, device, server_url, args) -> list[dict]:
+def _grpo_runs(rm, hf, server_url, args) -> list[dict]:
   results = []
+  room = question_room(rm, ("system", "user", "assistant"))
   for g in (int(x) for x in args.group_sizes.split(",")):
-    groups = make_groups(args.prompts, g, args, rm.tokenizer, args.seed)
-    texts = [t for group in groups for t in group]
-    encoded = [rm.encode(t, max_length=args.max_length) for t in texts]
+    groups = make_groups(args.prompts, g, args, rm.tokenizer, args.seed, room)
+    items = items_of(rm, [chat for group in groups for chat in group])
+    encoded = [rm.encode(x, max_length=args.max_length) for x in items]
+    texts, same = transformers_texts(rm, hf, items, encoded, args.max_length)
     lengths = [len(e) for e in encoded]
     tokens = sum(lengths)
-    same = sum(e == hf_tok(t)["input_ids"] for e, t in zip(encoded, texts))
     print(
-      f"\nP={args.prompts} prompts x G={g}: {len(texts)} texts, {tokens} tokens "
-      f"(median {int(np.median(lengths))}, max {max(lengths)}); the groups' rows share "
+      f"\nP={args.prompts} prompts x G={g}: {len(items)} {'conversations' if rm.verifier else 'texts'}, "
+      f"{tokens} tokens (median {int(np.median(lengths))}, max {max(lengths)}); the groups' rows share "
       f"{prompt_lengths(encoded, g)} tokens; shared scoring computes {shared_tokens(rm, encoded, args)} "
-      f"tokens; jaxrm and transformers tokenize {same}/{len(texts)} identically",
+      f"tokens; jaxrm and transformers tokenize {same}/{len(items)} identically",
       flush=True,
     )
-    scorers = grpo_scorers(
-      rm,
-      hf_model,
-      hf_tok,
-      device,
-      texts,
-      length_sorted_batches(lengths, args.batch_size),
-      args,
-      server_url,
-      g,
-    )
+    batches = length_sorted_batches(lengths, args.batch_size)
+    scorers = grpo_scorers(rm, hf, items, texts, batches, args, server_url, g)
     rewards = {name: fn()[1] for name, fn in scorers.items()}  # untimed: compiling, first passes
     want = rewards.pop("rm.score unshared")
+    check_agreement(want[batches[0]], rewards["transformers"][batches[0]], rm, hf, args)
     print(
       "max |reward - rm.score unshared|: "
       + ", ".join(f"{name} {np.abs(r - want).max():.1e}" for name, r in rewards.items()),
@@ -471,8 +600,8 @@ def _grpo_runs(rm, hf_model, hf_tok, device, server_url, args) -> list[dict]:
     for _ in range(args.repeats):
       for name, fn in scorers.items():
         seconds[name].append(fn()[0])
-        print(f"  {name}: {len(texts) / seconds[name][-1]:.2f} items/s", flush=True)
-    rows = [dict(summary(name, s, [], len(texts), tokens), group_size=g) for name, s in seconds.items()]
+        print(f"  {name}: {len(items) / seconds[name][-1]:.2f} items/s", flush=True)
+    rows = [dict(summary(name, s, [], len(items), tokens), group_size=g) for name, s in seconds.items()]
     print_grpo_table(rows, g, args)
     by = {r["name"]: r["items_per_s"] for r in rows}
     print(f"server / rm.score shared: {by['server'] / by['rm.score shared']:.0%}", flush=True)
@@ -489,9 +618,10 @@ def buckets_workload(rm, args) -> list[dict]:
 
   from jaxrm.data.pipeline import bucket_length, length_buckets, scoring_rows
 
-  texts = make_texts(args.items, args.median_length, args.max_length, rm.tokenizer, args.seed)
-  lengths = sorted(len(rm.encode(t, max_length=args.max_length)) for t in texts)
-  print(f"{args.items} texts, {sum(lengths)} tokens (median {lengths[len(lengths) // 2]}, max {lengths[-1]})")
+  cap = args.max_length - question_room(rm, ("user", "assistant"))
+  items = items_of(rm, make_chats(args.items, args.median_length, cap, rm.tokenizer, args.seed))
+  lengths = sorted(len(rm.encode(x, max_length=args.max_length)) for x in items)
+  print(f"{args.items} items, {sum(lengths)} tokens (median {lengths[len(lengths) // 2]}, max {lengths[-1]})")
   multiples = [int(b) for b in args.buckets.split(",")]
   runs = {b: ([], []) for b in multiples}
   for _ in range(args.repeats):
@@ -499,7 +629,7 @@ def buckets_workload(rm, args) -> list[dict]:
       jax.clear_caches()
       for times in runs[b]:  # cold, then warm
         start = time.perf_counter()
-        rm.score(texts, batch_size=args.batch_size, bucket=b, max_length=args.max_length, share_prefix=False)
+        rm.score(items, batch_size=args.batch_size, bucket=b, max_length=args.max_length, share_prefix=False)
         times.append(time.perf_counter() - start)
       print(f"  bucket {b}: cold {runs[b][0][-1]:.1f} s, warm {runs[b][1][-1]:.1f} s", flush=True)
   print(
@@ -535,8 +665,15 @@ def shared_tokens(rm, encoded: list[list[int]], args) -> int:
   return sum(shared_prefix.packed_length(encoded, g) for g in groups)
 
 
+def scorer_column(args) -> str:
+  """The tables' first header: a verifier's runs say so."""
+  return "scorer (verifier, zero-shot)" if args.verifier else "scorer"
+
+
 def print_table(results: list[dict], args) -> None:
-  print("\n| scorer | items/s | tokens/s | p50 latency | p99 latency |\n|---|---:|---:|---:|---:|")
+  print(
+    f"\n| {scorer_column(args)} | items/s | tokens/s | p50 latency | p99 latency |\n|---|---:|---:|---:|---:|"
+  )
   unit = {
     "rm.score": f"per batch of {args.batch_size}",
     "transformers": f"per batch of {args.batch_size}",
@@ -552,7 +689,7 @@ def print_table(results: list[dict], args) -> None:
 def print_grpo_table(rows: list[dict], g: int, args) -> None:
   transformers = next(r for r in rows if r["name"] == "transformers")["items_per_s"]
   print(
-    f"\n| scorer (P={args.prompts}, G={g}) | items/s (median) | spread over {args.repeats} repeats | tokens/s "
+    f"\n| {scorer_column(args)} (P={args.prompts}, G={g}) | items/s (median) | spread over {args.repeats} repeats | tokens/s "
     "| vs transformers |\n|---|---:|---:|---:|---:|"
   )
   for r in rows:

@@ -260,9 +260,13 @@ def test_an_attribute_no_row_rates_is_refused_before_the_model_loads(
   )
 
 
-def test_regression_refuses_packing(model_dir, tmp_path):
-  c = regression_config(model_dir, str(tmp_path / "run"), tmp_path, data__packing="packed")
-  with pytest.raises(ConfigError, match="regression rows are not packed yet; use data.packing='none'"):
+def test_regression_refuses_shared_prompt_packing(model_dir, tmp_path):
+  c = regression_config(model_dir, str(tmp_path / "run"), tmp_path, data__packing="shared_prompt")
+  with pytest.raises(
+    ConfigError,
+    match=r"^data.packing='shared_prompt' writes a preference group's prompt once; rated responses are "
+    r"one sequence each, with no group to share it: use data.packing='packed'$",
+  ):
     tiny_run.train(c)
 
 

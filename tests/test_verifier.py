@@ -127,6 +127,19 @@ def test_default_question_and_plain_text(smollm2_tokenizer, tmp_path):
   np.testing.assert_allclose(got, expected, atol=PARITY_ATOL, rtol=0)
 
 
+def test_render_is_the_text_of_the_ids_scored(causal_dir, smollm2_tokenizer):
+  """``Verifier.render``: the conversation and the question's turn, rendered with the generation
+  prompt; tokenized, exactly the ids ``rm.encode`` lays out (what other frameworks are given)."""
+  rm = RewardModel.from_pretrained(causal_dir, verifier={"question": QUESTION})
+  for conversation in CONVERSATIONS:
+    text = rm.verifier.render(smollm2_tokenizer, conversation)
+    assert text == smollm2_tokenizer.apply_chat_template(
+      conversation + [user(QUESTION)], tokenize=False, add_generation_prompt=True
+    )
+    assert text.endswith(f"{QUESTION}<|im_end|>\n<|im_start|>assistant\n")
+    assert smollm2_tokenizer(text, add_special_tokens=False)["input_ids"] == rm.encode(conversation)
+
+
 def test_answers_must_be_one_token_each(smollm2_tokenizer, tmp_path):
   causal_lm(smollm2_tokenizer, tmp_path, tie=True)
   with pytest.raises(

@@ -4,9 +4,11 @@ A packed preference batch (:class:`~jaxrm.batches.PackedPreferenceBatch`) holds 
 K completions in B rows of T tokens, every completion of a group in the same row: each as a
 sequence of its own (plain packing), or with the prompt they share written once and each
 completion's own tokens branching off it (shared-prompt packing). A packed stepwise batch
-(:class:`~jaxrm.batches.PackedStepwiseBatch`) holds G sequences. The layouts, and how the model's
-outputs are gathered back into the unpacked ``[G, K]`` / ``[G, T, C]`` layout, are documented in
-:mod:`jaxrm.batches`.
+(:class:`~jaxrm.batches.PackedStepwiseBatch`) holds G sequences, a packed regression or labelled
+batch (:class:`~jaxrm.batches.PackedRegressionBatch`, :class:`~jaxrm.batches.PackedLabelledBatch`)
+G items of one sequence each, every one read at its last token. The layouts, and how the model's
+outputs are gathered back into the unpacked ``[G, K]`` / ``[G, T, C]`` / ``[G, A]`` / ``[G]``
+layout, are documented in :mod:`jaxrm.batches`.
 
 Rows are filled first-fit in order of decreasing length. A row that holds no sequence is all
 padding; attention masks every key of it with a finite logit, so it stays NaN-free.
@@ -20,7 +22,13 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from jaxrm.batches import IGNORE_INDEX, PackedPreferenceBatch, PackedStepwiseBatch
+from jaxrm.batches import (
+  IGNORE_INDEX,
+  PackedLabelledBatch,
+  PackedPreferenceBatch,
+  PackedRegressionBatch,
+  PackedStepwiseBatch,
+)
 
 # Re-exported: whoever packs rows reads the model's outputs back with these.
 from jaxrm.batches import group_logits as group_logits
@@ -84,23 +92,45 @@ def _preference_unit(group: PreferenceExample, shared_prompt: bool) -> list[_Pie
   return pieces + [_Piece(ids[shared:], 0, j + 1, shared, True) for j, ids in enumerate(group.input_ids)]
 
 
-def _stepwise_unit(example: StepwiseExample) -> list[_Piece]:
-  return [_Piece(example.input_ids, 0, 0, 0, False)]
+Example = PreferenceExample | StepwiseExample | RatedExample | LabelledExample  # a tokenized row
+Item = RatedExample | LabelledExample  # one sequence, one output read at its last token
+
+
+def check_packable(example: Example, shared_prompt: bool) -> None:
+  """Raises a ValueError that says what to use instead where examples of ``example``'s kind cannot
+  be packed with ``shared_prompt``: a rated or labelled item is one sequence, with no group whose
+  prompt a row could write once."""
+  if shared_prompt and isinstance(example, (RatedExample, LabelledExample)):
+    what = (
+      "labelled items (prompt, completion, label)"
+      if isinstance(example, LabelledExample)
+      else "rated responses (reward.type='regression')"
+    )
+    raise ValueError(
+      f"data.packing='shared_prompt' writes a preference group's prompt once; {what} are one "
+      "sequence each, with no group to share it: use data.packing='packed'"
+    )
+
+
+def _unit(example: Example, shared_prompt: bool) -> list[_Piece]:
+  """The pieces ``example`` is written as in a row."""
+  if isinstance(example, PreferenceExample):
+    return _preference_unit(example, shared_prompt)
+  if isinstance(example, StepwiseExample):
+    return [_Piece(example.input_ids, 0, 0, 0, False)]
+  check_packable(example, shared_prompt)
+  return [_Piece(example.input_ids, 0, 0, 0, True)]
 
 
 def _length(unit: list[_Piece]) -> int:
   return sum(len(p.ids) for p in unit)
 
 
-def packed_length(
-  example: PreferenceExample | StepwiseExample | RatedExample | LabelledExample, shared_prompt: bool = False
-) -> int:
+def packed_length(example: Example, shared_prompt: bool = False) -> int:
   """Tokens ``example`` takes in a packed row: every completion's, or with ``shared_prompt`` the
   prompt's once and then each completion's own (one sequence of a stepwise, rated or labelled
-  example)."""
-  if isinstance(example, (StepwiseExample, RatedExample, LabelledExample)):
-    return len(example.input_ids)
-  return _length(_preference_unit(example, shared_prompt))
+  example, which is not packed with ``shared_prompt``: :func:`check_packable`)."""
+  return _length(_unit(example, shared_prompt))
 
 
 def plan_rows(lengths: Sequence[int], row_length: int, sources: Sequence[str]) -> list[list[int]]:
@@ -204,9 +234,16 @@ def _fill(units: list[list[_Piece]], plan: list[list[int]], rows: _Rows):
       segment += 1 + max(p.segment for p in units[i])
 
 
-def rewards_per_row(groups: Sequence[PreferenceExample], plan: list[list[int]]) -> int:
-  """The most completions any row of ``plan`` holds."""
-  return max((sum(len(groups[i].input_ids) for i in members) for members in plan), default=0)
+def rewards_per_row(groups: Sequence[Example], plan: list[list[int]]) -> int:
+  """The most rewards any row of ``plan`` reads: completions of preference groups, one per
+  rated or labelled item, none of stepwise sequences."""
+  return max((sum(_rewards(groups[i]) for i in members) for members in plan), default=0)
+
+
+def _rewards(example: Example) -> int:
+  if isinstance(example, PreferenceExample):
+    return len(example.input_ids)
+  return 0 if isinstance(example, StepwiseExample) else 1
 
 
 def pack_preference(
@@ -235,7 +272,7 @@ def pack_preference(
     raise ValueError("no groups to pack: pass num_completions to build an all-filler batch")
   if len(groups) > g:
     raise ValueError(f"{len(groups)} groups given for num_groups={g}")
-  units = [_preference_unit(e, spec.shared_prompt) for e in groups]
+  units = [_unit(e, spec.shared_prompt) for e in groups]
   t, plan = _plan(units, spec, [e.source for e in groups])
   b = _rows_needed(plan, t, spec, num_rows)
   r = num_rewards or _round_up(rewards_per_row(groups, plan), spec.rewards_multiple)
@@ -310,7 +347,7 @@ def pack_stepwise(
   g = len(examples) if num_examples is None else num_examples
   if len(examples) > g:
     raise ValueError(f"{len(examples)} examples given for num_examples={g}")
-  units = [_stepwise_unit(e) for e in examples]
+  units = [_unit(e, False) for e in examples]
   t, plan = _plan(units, spec, [e.source for e in examples])
   rows = _Rows(_rows_needed(plan, t, spec, num_rows), t, spec.pad_id)
   return _fill_stepwise(examples, units, plan, rows, g)
@@ -340,6 +377,80 @@ def _fill_stepwise(
   )
 
 
+def pack_items(
+  examples: Sequence[Item],
+  spec: PackSpec,
+  *,
+  num_examples: int | None = None,
+  num_rows: int | None = None,
+  num_rewards: int | None = None,
+) -> PackedRegressionBatch | PackedLabelledBatch:
+  """Packs rated responses or labelled items into rows, each a sequence of its own (the layouts are
+  :class:`~jaxrm.batches.PackedRegressionBatch` and :class:`~jaxrm.batches.PackedLabelledBatch`).
+
+  Args:
+    examples: the items of this batch, all of one kind.
+    spec: row length, padding and rounding (``shared_prompt`` is refused: :func:`check_packable`).
+    num_examples: G; missing items become fillers (default: ``len(examples)``).
+    num_rows: B (default: as many as needed, rounded up to ``spec.rows_multiple``).
+    num_rewards: R (default: the most items in a row, rounded up to ``spec.rewards_multiple``).
+  """
+  g = len(examples) if num_examples is None else num_examples
+  if not examples:
+    raise ValueError("no items to pack: an all-filler batch needs an item of its kind")
+  if len(examples) > g:
+    raise ValueError(f"{len(examples)} items given for num_examples={g}")
+  units = [_unit(e, spec.shared_prompt) for e in examples]
+  t, plan = _plan(units, spec, [e.source for e in examples])
+  b = _rows_needed(plan, t, spec, num_rows)
+  r = num_rewards or _round_up(rewards_per_row(examples, plan), spec.rewards_multiple)
+  return _fill_items(examples, units, plan, _Rows(b, t, spec.pad_id), g, r, examples[0])
+
+
+def _fill_items(
+  examples: Sequence[Item],
+  units: list[list[_Piece]],
+  plan: list[list[int]],
+  rows: _Rows,
+  g: int,
+  r: int,
+  like: Item,
+  first_row: int = 0,
+) -> PackedRegressionBatch | PackedLabelledBatch:
+  """The packed batch of ``examples``, placed as ``plan`` says into ``rows``; item g is read at
+  ``reward_index[g]``.
+
+  ``like``: an item of the global batch, whose kind (and number of rated attributes) the batch
+  takes even where this host's ``examples`` are none (the last validation batch).
+  ``first_row``: the global index of ``rows``' first row, where ``reward_index`` starts counting.
+  """
+  reward_positions = np.full((rows.num_rows, r), -1, np.int32)
+  reward_index = np.zeros((g,), np.int32)
+  used = np.zeros((rows.num_rows,), np.int32)
+  for i, row, [(_, end)] in _fill(units, plan, rows):
+    if used[row] == r:
+      raise ValueError(f"row {row} holds more than num_rewards={r} items; raise num_rewards")
+    reward_positions[row, used[row]] = end - 1
+    reward_index[i] = (first_row + row) * r + used[row]
+    used[row] += 1
+  n = len(examples)
+  placed = dict(
+    **rows.arrays(),
+    reward_positions=reward_positions,
+    reward_index=reward_index,
+    example_mask=(np.arange(g) < n).astype(np.float32),
+  )
+  if isinstance(like, LabelledExample):
+    labels = np.zeros((g,), np.float32)
+    labels[:n] = [float(e.label) for e in examples]
+    return PackedLabelledBatch(**placed, labels=labels)
+  labels, label_mask = (np.zeros((g, len(like.labels)), np.float32) for _ in range(2))
+  group = np.zeros((g,), np.int32)
+  for i, e in enumerate(examples):
+    labels[i], label_mask[i], group[i] = e.labels, e.label_mask, e.group
+  return PackedRegressionBatch(**placed, labels=labels, label_mask=label_mask, group=group)
+
+
 @dataclasses.dataclass(frozen=True)
 class PackedCollator:
   """Packs this host's groups of one global batch, with the same shapes on every host.
@@ -355,9 +466,10 @@ class PackedCollator:
   of micro-batch m point into micro-batch m of the global batch.
 
   Attributes:
-    batch_size: groups (or stepwise sequences) per host, G; a multiple of ``micro_batches``.
+    batch_size: groups (or stepwise sequences, rated or labelled items) per host, G; a multiple of
+      ``micro_batches``.
     spec: how rows are packed.
-    num_completions: K for preference batches; None for stepwise ones.
+    num_completions: K for preference batches; None for the others.
     process_index, process_count: this host's slice of the global batch.
     micro_batches: packed apart and stacked, n.
   """
@@ -377,8 +489,8 @@ class PackedCollator:
       )
 
   def __call__(
-    self, groups: Sequence[PreferenceExample | StepwiseExample]
-  ) -> PackedPreferenceBatch | PackedStepwiseBatch:
+    self, groups: Sequence[Example]
+  ) -> PackedPreferenceBatch | PackedStepwiseBatch | PackedRegressionBatch | PackedLabelledBatch:
     n = self.micro_batches
     # slices[p][m]: host p's micro-batch m.
     slices = [
@@ -386,35 +498,29 @@ class PackedCollator:
       for p in range(self.process_count)
     ]
     parts = [part for host in slices for part in host]
-    stepwise = isinstance(groups[0], StepwiseExample)
-    k = None if stepwise else self.num_completions or max(len(e.input_ids) for e in groups)
-    units = [
-      [_stepwise_unit(e) if stepwise else _preference_unit(e, self.spec.shared_prompt) for e in part]
-      for part in parts
-    ]
+    units = [[_unit(e, self.spec.shared_prompt) for e in part] for part in parts]
     # Every host's rows are as long as the longest any host needs.
     row_length = _row_length([u for part in units for u in part], self.spec)
     spec = dataclasses.replace(self.spec, row_length=row_length, length_multiple=0)
     plans = [_plan(u, spec, [e.source for e in part])[1] for u, part in zip(units, parts)]
     num_rows = _round_up(max(map(len, plans)), spec.rows_multiple)
-    num_rewards = (
-      None
-      if stepwise
-      else _round_up(
-        max(rewards_per_row(part, plan) for part, plan in zip(parts, plans)), spec.rewards_multiple
-      )
+    num_rewards = _round_up(
+      max(rewards_per_row(part, plan) for part, plan in zip(parts, plans)), spec.rewards_multiple
     )
     micro = []
     first_row = self.process_index * num_rows  # this host's rows follow the lower hosts'
+    g = self.batch_size // n
     for m, local in enumerate(slices[self.process_index]):
       part = self.process_index * n + m
       rows = _Rows(num_rows, row_length, spec.pad_id)
-      if stepwise:
-        batch = _fill_stepwise(local, units[part], plans[part], rows, self.batch_size // n, first_row)
+      placed = (local, units[part], plans[part], rows, g)
+      if isinstance(groups[0], StepwiseExample):
+        batch = _fill_stepwise(*placed, first_row)
+      elif isinstance(groups[0], PreferenceExample):
+        k = self.num_completions or max(len(e.input_ids) for e in groups)
+        batch = _fill_preference(*placed, k, num_rewards, first_row)
       else:
-        batch = _fill_preference(
-          local, units[part], plans[part], rows, self.batch_size // n, k, num_rewards, first_row
-        )
+        batch = _fill_items(*placed, num_rewards, groups[0], first_row)
       micro.append(batch)
     if n == 1:
       return micro[0]

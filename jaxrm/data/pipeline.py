@@ -2,17 +2,19 @@
 
 Preference examples are collated into a :class:`~jaxrm.batches.PreferenceBatch`, stepwise ones
 into a :class:`~jaxrm.batches.StepwiseBatch`, rated ones into a
-:class:`~jaxrm.batches.RegressionBatch` (the layouts are in :mod:`jaxrm.batches`). T is the
-smallest length bucket that holds the longest sequence of the *global* batch, so every host builds
-the same shapes. Length is bucketed per batch. The training order is a seeded shuffle, or with
-``group_by_length`` Hugging Face's length-grouped order (:class:`~jaxrm.data.grouping.GroupedEpochs`).
+:class:`~jaxrm.batches.RegressionBatch`, labelled items into a :class:`~jaxrm.batches.LabelledBatch`
+(the layouts are in :mod:`jaxrm.batches`). T is the smallest length bucket that holds the longest
+sequence of the *global* batch, so every host builds the same shapes. Length is bucketed per batch.
+The training order is a seeded shuffle, or with ``group_by_length`` Hugging Face's length-grouped
+order (:class:`~jaxrm.data.grouping.GroupedEpochs`).
 
 With gradient accumulation, a global batch is split into micro-batches of similar lengths
 (:func:`~jaxrm.data.grouping.micro_batch_groups`), each padded to its own bucket: a training batch
 is then a tuple of micro-batches (:class:`MicroBatchCollator`).
 
 With a :class:`~jaxrm.data.packing.PackSpec`, batches are packed instead (several sequences per
-row: a :class:`~jaxrm.batches.PackedPreferenceBatch` or :class:`~jaxrm.batches.PackedStepwiseBatch`),
+row: a :class:`~jaxrm.batches.PackedPreferenceBatch`, :class:`~jaxrm.batches.PackedStepwiseBatch`,
+:class:`~jaxrm.batches.PackedRegressionBatch` or :class:`~jaxrm.batches.PackedLabelledBatch`),
 with the same shuffling, per-host split and resume state. A packed training batch split into n
 micro-batches carries a leading ``[n]`` axis on every array, its batch dimension second.
 """
@@ -29,12 +31,10 @@ from absl import flags
 
 from jaxrm import sharding
 from jaxrm.batches import IGNORE_INDEX, Batch, LabelledBatch, PreferenceBatch, RegressionBatch, StepwiseBatch
-from jaxrm.data import grouping
-from jaxrm.data.packing import PackedCollator, PackSpec
+from jaxrm.data import grouping, packing
+from jaxrm.data.packing import Example, PackedCollator, PackSpec
 from jaxrm.data.tokenize import LabelledExample, PreferenceExample, RatedExample, StepwiseExample
 from jaxrm.errors import DataError
-
-Example = PreferenceExample | StepwiseExample | RatedExample | LabelledExample
 
 
 def length_buckets(max_length: int, multiple: int = 64) -> tuple[int, ...]:
@@ -205,7 +205,7 @@ def make_train_iterator(
   Grain's Orbax checkpoint handler saves it.
 
   Args:
-    examples: tokenized examples, all preference or all stepwise.
+    examples: tokenized examples, all of one kind (preference, stepwise, rated or labelled).
     batch_size: groups per host per step.
     seed: shuffle seed (a non-negative integer).
     buckets: allowed sequence lengths, ascending (see :func:`length_buckets`).
@@ -348,11 +348,8 @@ def _collator(
     raise DataError("no examples left to batch (every row was dropped, or the data is empty)")
   if isinstance(examples[0], PreferenceExample) and num_completions is None:
     num_completions = max_completions(examples)
-  if pack is not None and isinstance(examples[0], RatedExample):
-    raise ValueError("rated examples are not packed: use data.packing='none' for reward.type='regression'")
-  if pack is not None and isinstance(examples[0], LabelledExample):
-    raise ValueError("labelled items (prompt, completion, label) are not packed yet: use data.packing='none'")
   if pack is not None:
+    packing.check_packable(examples[0], pack.shared_prompt)
     return PackedCollator(
       batch_size=batch_size,
       spec=dataclasses.replace(pack, pad_id=pad_id),

@@ -57,6 +57,7 @@ from typing import Any, TypeVar
 import jinja2
 import numpy as np
 
+from jaxrm import verifier
 from jaxrm.batches import IGNORE_INDEX
 from jaxrm.data.drops import DropReport, row_error
 from jaxrm.data.records import LabelledRecord, Message, PreferenceRecord, RatedRecord, StepwiseRecord, Text
@@ -346,7 +347,6 @@ def _asked(
   context = record.context
   if isinstance(context, str):
     context = [{"role": "user", "content": context}] if context else []
-  turn = {"role": "user", "content": question}
   asked = []
   for i, completion in enumerate(completions):
     if record.context and isinstance(record.context, list) != isinstance(completion, list):
@@ -359,7 +359,7 @@ def _asked(
       )
     if isinstance(completion, str):
       completion = [{"role": "assistant", "content": completion}]
-    asked.append([*completion, turn])
+    asked.append(verifier.conversation(completion, question))
   return dataclasses.replace(record, context=context), asked
 
 
