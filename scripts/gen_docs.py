@@ -503,6 +503,33 @@ def grpo_server_part(name: str = "cpu_smollm2_score_grpo_server.json") -> str:
   return "\n".join(out) + "\n"
 
 
+def grpo_groups_part(name: str) -> str:
+  """The scorers of ``benchmarks/<name>`` (``scripts/bench_score.py --workload=grpo``) per group
+  size G: items/s (median and range of the repeats), each against transformers' at that G, and the
+  server against shared ``rm.score``."""
+  raw = raw_result(name)
+  runs = [r for r in raw["results"] if "items_per_s" in r]  # not the warm-up's row
+  names = list(dict.fromkeys(r["name"] for r in runs))
+  out = [
+    f"| G (P={raw['args']['prompts']}) | " + " | ".join(names) + " |",
+    "|---|" + "---:|" * len(names),
+  ]
+  for g in sorted({r["group_size"] for r in runs}):
+    at = {r["name"]: r for r in runs if r["group_size"] == g}
+    hf, shared = at["transformers"]["items_per_s"], at["rm.score shared"]["items_per_s"]
+    cells = []
+    for n in names:
+      r = at[n]
+      cell = f"{r['items_per_s']:.2f} ({min(r['repeats']):.2f}-{max(r['repeats']):.2f})"
+      if n == "server":
+        cell += f", {r['items_per_s'] / shared:.0%} of rm.score shared"
+      elif n != "transformers":
+        cell += f", {r['items_per_s'] / hf:.2f}x"
+      cells.append(cell)
+    out.append(f"| {g} | " + " | ".join(cells) + " |")
+  return "\n".join(out) + "\n"
+
+
 def attention_blocks_part() -> str:
   """The routes of ``benchmarks/cpu_attention_blocks.json`` (``scripts/bench_attention.py``) per
   row layout: milliseconds (median and range) and the loops' speed-up, forward and both passes."""
@@ -584,6 +611,7 @@ PARTS: dict[str, tuple[str, Callable[[], str]]] = {
   "attention_blocks": ("docs/benchmarks.md", attention_blocks_part),
   "attention_shards": ("docs/benchmarks.md", attention_shards_part),
   "verifier": ("docs/benchmarks.md", verifier_part),
+  "grpo_verifier": ("docs/benchmarks.md", lambda: grpo_groups_part("cpu_smollm2_score_grpo_verifier.json")),
   "grpo_server_wait": (
     "docs/benchmarks.md",
     lambda: grpo_server_part("cpu_smollm2_score_grpo_server_wait50.json"),
