@@ -253,6 +253,10 @@ XLA_PRESETS = {  # XLA:CPU's thread and scheduling options, set in the variant's
   "eigen_single": "--xla_cpu_multi_thread_eigen=false",  # each matrix product on one thread
   "sched_concurrency": "--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_CONCURRENCY_OPTIMIZED",
   "sched_memory": "--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
+  # Dots handed to a matrix library instead of XLA:CPU's own (Eigen) kernels.
+  "ynn_dot": "--xla_cpu_experimental_ynn_fusion_type=dot",
+  "xnn_dot": "--xla_cpu_experimental_xnn_fusion_type=dot",
+  "onednn_dot": "--xla_cpu_experimental_onednn_fusion_type=dot",
 }
 # The C library's allocator. jaxrm's workers start as the commands restart, with glibc's huge-page
 # tunable where it changes something (jaxrm.host_memory); a preset sets the variant's environment
