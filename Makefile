@@ -41,7 +41,7 @@ train: $(STAMP)
 test: $(STAMP) $(GPU_COMPILER)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q -n 2 --dist loadscope --durations=10 tests
+	$(PY) -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder --durations=10 tests
 
 # Builds the documentation into site/ (mkdocs.yml; a broken link fails it) and serves it at
 # http://127.0.0.1:8000, rebuilding on every edit.

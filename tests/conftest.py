@@ -12,26 +12,32 @@ os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), ti
 
 
 # The modules that take longest in a whole run (measured, longest first), started first so that
-# the two workers of `make test` (pytest-xdist, --dist loadscope, which hands out modules in their
-# collected order) end together instead of one waiting for the other's last long module. Only the
-# order changes; a stale list costs seconds, not correctness.
+# the two workers of `make test` (pytest-xdist, --dist loadscope --no-loadscope-reorder: modules
+# handed out in their collected order; xdist's default reorders them by their number of tests)
+# end together instead of one waiting for the other's last long module. Only the order changes; a
+# stale list costs seconds, not correctness.
 SLOWEST_FIRST = (
   "test_bench.py",
   "test_gpu_compile.py",
-  "test_context_parallel.py",
   "test_gguf.py",
-  "test_notebook.py",
-  "test_docs.py",
-  "test_first_use.py",
   "test_verifier.py",
   "test_train.py",
-  "test_shared_scoring.py",
+  "test_notebook.py",
+  "test_context_parallel.py",
   "test_plan.py",
   "test_precision.py",
-  "test_serve.py",
+  "test_first_use.py",
+  "test_docs.py",
   "test_packed_training.py",
-  "test_qlora.py",
+  "test_serve.py",
+  "test_shared_scoring.py",
   "test_sharding.py",
+  "test_evaluate.py",
+  "test_fault_injection.py",
+  "test_export.py",
+  "test_regression_training.py",
+  "test_packed_items.py",
+  "test_micro_batches.py",
 )
 
 
