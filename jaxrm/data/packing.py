@@ -272,11 +272,20 @@ def pack_preference(
     raise ValueError("no groups to pack: pass num_completions to build an all-filler batch")
   if len(groups) > g:
     raise ValueError(f"{len(groups)} groups given for num_groups={g}")
-  units = [_unit(e, spec.shared_prompt) for e in groups]
-  t, plan = _plan(units, spec, [e.source for e in groups])
-  b = _rows_needed(plan, t, spec, num_rows)
-  r = num_rewards or _round_up(rewards_per_row(groups, plan), spec.rewards_multiple)
-  return _fill_preference(groups, units, plan, _Rows(b, t, spec.pad_id), g, k, r)
+  units, plan, rows, r = _laid_out(groups, spec, num_rows, num_rewards)
+  return _fill_preference(groups, units, plan, rows, g, k, r)
+
+
+def _laid_out(
+  examples: Sequence[Example], spec: PackSpec, num_rows: int | None, num_rewards: int | None
+) -> tuple[list[list[_Piece]], list[list[int]], _Rows, int]:
+  """What one batch's ``pack_*`` fills: each example's pieces, the rows' plan, the empty rows
+  (``num_rows``, or as many as the plan needs) and the reward slots per row (``num_rewards``, or
+  the most any row reads, rounded up to ``spec.rewards_multiple``)."""
+  units = [_unit(e, spec.shared_prompt) for e in examples]
+  t, plan = _plan(units, spec, [e.source for e in examples])
+  rows = _Rows(_rows_needed(plan, t, spec, num_rows), t, spec.pad_id)
+  return units, plan, rows, num_rewards or _round_up(rewards_per_row(examples, plan), spec.rewards_multiple)
 
 
 def _fill_preference(
@@ -347,9 +356,7 @@ def pack_stepwise(
   g = len(examples) if num_examples is None else num_examples
   if len(examples) > g:
     raise ValueError(f"{len(examples)} examples given for num_examples={g}")
-  units = [_unit(e, False) for e in examples]
-  t, plan = _plan(units, spec, [e.source for e in examples])
-  rows = _Rows(_rows_needed(plan, t, spec, num_rows), t, spec.pad_id)
+  units, plan, rows, _ = _laid_out(examples, spec, num_rows, None)  # one piece each, whatever shared_prompt
   return _fill_stepwise(examples, units, plan, rows, g)
 
 
@@ -400,11 +407,8 @@ def pack_items(
     raise ValueError("no items to pack: an all-filler batch needs an item of its kind")
   if len(examples) > g:
     raise ValueError(f"{len(examples)} items given for num_examples={g}")
-  units = [_unit(e, spec.shared_prompt) for e in examples]
-  t, plan = _plan(units, spec, [e.source for e in examples])
-  b = _rows_needed(plan, t, spec, num_rows)
-  r = num_rewards or _round_up(rewards_per_row(examples, plan), spec.rewards_multiple)
-  return _fill_items(examples, units, plan, _Rows(b, t, spec.pad_id), g, r, examples[0])
+  units, plan, rows, r = _laid_out(examples, spec, num_rows, num_rewards)
+  return _fill_items(examples, units, plan, rows, g, r, examples[0])
 
 
 def _fill_items(
