@@ -125,7 +125,9 @@ class ModelSpec:
   name_or_path: str = EMBEDDED_MODEL  # HF dir, .gguf file, hub name, or a jaxrm run/checkpoint dir
   dtype: str = "float32"  # compute dtype: float32 | bfloat16
   param_dtype: str = "float32"  # master weights (and optimizer state)
-  remat: str = "none"  # none | full | dots
+  # What the backward pass recomputes: none | elementwise (norms, rope, activations from the kept
+  # products' outputs; the reference attention route only, else as none) | dots | full
+  remat: str = "elementwise"
   # True: the layers are one lax.scan (one layer compiled); False: written out one by one (longer
   # compiles, no stacking of each layer's activations for the backward pass)
   scan_layers: bool = True

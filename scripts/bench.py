@@ -185,8 +185,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   )
   p.add_argument(
     "--remat",
-    default="none",
-    choices=("none", "dots", "full"),
+    default="elementwise",
+    choices=("none", "elementwise", "dots", "full"),
     help="jaxrm rematerialization; TRL checkpoints gradients only with 'full' (it has "
     "nothing like 'dots', which keeps the matmul outputs)",
   )
@@ -275,7 +275,7 @@ MALLOC_PRESETS = {
 VARIANT_KEYS = {
   "layers": "decoder layers",
   "scan": "on/off (model.scan_layers)",
-  "remat": "none/dots/full (model.remat)",
+  "remat": "none/elementwise/dots/full (model.remat)",
   "serial_dots": "on: each projection's weight gradient waits for its data gradient "
   "(an optimization barrier), and what follows waits for both",
   "xla": "XLA_FLAGS preset: " + ", ".join(f"{k} ({v})" for k, v in XLA_PRESETS.items()),
@@ -298,7 +298,7 @@ def parse_variant(spec: str) -> dict[str, str]:
     allowed = {
       "scan": ("on", "off"),
       "serial_dots": ("on", "off"),
-      "remat": ("none", "dots", "full"),
+      "remat": ("none", "elementwise", "dots", "full"),
       "xla": tuple(XLA_PRESETS),
       "malloc": tuple(MALLOC_PRESETS),
       "head": ("lm",),

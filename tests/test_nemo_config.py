@@ -48,7 +48,7 @@ def test_every_key_is_mapped_or_reported():
     1,
   )  # max_num_steps -1: epochs decide
   assert run.eval.val_batches == 0  # val_batches -1: all
-  assert (run.model.dtype, run.model.param_dtype, run.model.remat) == ("bfloat16", "float32", "none")
+  assert (run.model.dtype, run.model.param_dtype, run.model.remat) == ("bfloat16", "float32", "elementwise")
   assert (run.mesh.tensor, run.data.packing) == (1, "none")
   assert (run.train.learning_rate, run.train.weight_decay) == (2e-6, 0.1)
   assert (run.train.adam_beta1, run.train.adam_beta2, run.train.adam_epsilon) == (0.9, 0.98, 1e-5)

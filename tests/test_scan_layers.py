@@ -20,7 +20,7 @@ from jaxrm.reward_model import RewardModel
 RTOL = 1e-5
 
 
-@pytest.mark.parametrize("remat", ["none", "full"])
+@pytest.mark.parametrize("remat", ["none", "elementwise", "full"])
 def test_unrolled_layers_equal_the_scan(model_dir, remat):
   rm = RewardModel.from_pretrained(model_dir, lora=LoraConfig(rank=4, dropout=0.5, targets="all-linear"))
   cfg = dataclasses.replace(rm.config, remat=remat)

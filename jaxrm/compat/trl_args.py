@@ -331,7 +331,7 @@ def _model(args: dict, tr: Translation) -> None:
   tr.set(
     "--bf16 / --dtype", model__dtype="bfloat16" if args["bf16"] else "float32", model__param_dtype=param_dtype
   )
-  tr.set("--gradient_checkpointing", model__remat="full" if args["gradient_checkpointing"] else "none")
+  tr.set("--gradient_checkpointing", model__remat="full" if args["gradient_checkpointing"] else "elementwise")
   tr.set(
     "--seed --data_seed",
     train__seed=args["seed"],

@@ -22,7 +22,9 @@ from jaxrm.models.lora import LoraConfig
 
 HEADS = ("sequence", "token", "lm")
 ROPE_TYPES = ("default", "linear", "llama3")
-REMAT_POLICIES = ("none", "full", "dots")
+# What a layer's backward pass recomputes, least first: nothing; what only adds or scales (norms,
+# rope, activations) from the kept products' outputs; all but the projections; all but its input.
+REMAT_POLICIES = ("none", "elementwise", "dots", "full")
 # auto: the Pallas flash kernel on a GPU, the reference einsum elsewhere (see decoder.attention_route)
 ATTENTION_IMPLS = ("auto", "reference", "pallas", "cudnn")
 
@@ -125,7 +127,7 @@ class ModelConfig:
   eos_token_id: int | tuple[int, ...] | None = None
   dtype: str = "float32"  # compute dtype
   param_dtype: str = "float32"
-  remat: str = "none"  # none | full | dots
+  remat: str = "elementwise"  # none | elementwise | dots | full (REMAT_POLICIES)
   # True: the layers run as one lax.scan over stacked weights (one compiled layer, fast compiles);
   # False: written out one after another (no per-step stacking of activations; compiles L layers).
   scan_layers: bool = True

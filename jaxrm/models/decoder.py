@@ -184,9 +184,7 @@ class Decoder(nnx.Module):
       cos, sin = rope(is_sliding)
       return _block(cfg, functools.partial(attend, is_sliding=is_sliding), x_btd, p, cos, sin, key), None
 
-    if cfg.remat != "none":
-      policy = None if cfg.remat == "full" else jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-      block = jax.checkpoint(block, policy=policy, prevent_cse=False)
+    block = checkpointed(block, cfg, sharding.platform(placement), context_parallel=order is not None)
     params = {k: v[...] for k, v in vars(self.layers).items() if isinstance(v, nnx.Variable)}
     keys = None  # one dropout key per layer, or none
     if dropout_rng is not None and cfg.lora.enabled and cfg.lora.dropout > 0:
@@ -262,6 +260,29 @@ def _unstacked(params: dict[str, jax.Array], n: int) -> list[dict[str, jax.Array
   concatenation, rather than L slices, whose gradients would be L padded copies summed."""
   pieces = {k: [x[0] for x in jax.lax.split(v, [1] * n, axis=0)] for k, v in params.items()}
   return [{k: v[i] for k, v in pieces.items()} for i in range(n)]
+
+
+def checkpointed(
+  block: Callable, cfg: ModelConfig, platform: str | None, *, context_parallel: bool
+) -> Callable:
+  """``block`` (one layer) as ``cfg.remat`` checkpoints it for the backward pass: ``full`` keeps
+  its input only, ``dots`` the projections' outputs too, ``elementwise`` every product's output
+  (``layers.ELEMENTWISE_REMAT``), ``none`` everything (``block`` itself).
+
+  ``elementwise`` needs the attention to name its residuals (``layers.ATTENTION_RESIDUALS``), as
+  the reference route does; on the other routes (the Pallas and cuDNN kernels, context
+  parallelism) they would be recomputed, the attention run twice, so there it keeps everything,
+  as ``none``.
+  """
+  if cfg.remat == "full":
+    return jax.checkpoint(block, prevent_cse=False)
+  if cfg.remat == "dots":
+    return jax.checkpoint(
+      block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable, prevent_cse=False
+    )
+  if cfg.remat == "elementwise" and not context_parallel and attention_route(cfg, platform) == "reference":
+    return jax.checkpoint(block, policy=L.ELEMENTWISE_REMAT, prevent_cse=False)
+  return block
 
 
 def attention_route(cfg: ModelConfig, platform: str | None = None) -> str:

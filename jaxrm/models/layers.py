@@ -13,8 +13,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.ad_checkpoint import checkpoint_name
 
 NEG_INF = -1e30  # finite: fully-masked (padding) query rows stay NaN-free
+
+ATTENTION_RESIDUALS = "attention_residuals"  # the name of what the attention's backward pass reads
+# remat "elementwise": a layer's backward pass keeps the outputs of its products (the projections,
+# the attention's output and log-sum-exp) and recomputes from them what only adds or scales (norms,
+# rope, the MLP's activation, the residual sums), instead of holding each of those for every layer.
+ELEMENTWISE_REMAT = jax.checkpoint_policies.save_from_both_policies(
+  jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  jax.checkpoint_policies.save_only_these_names(ATTENTION_RESIDUALS),
+)
 
 
 def rms_norm(x, scale, eps: float, gemma: bool):
@@ -209,13 +219,20 @@ def _attention(q_bthd, k_bskd, v_bskd, mask, scale, softcap):
     peak = jnp.max(logits, axis=-1, keepdims=True)
     unnormalized = jnp.exp(logits - peak)
     total = jnp.sum(unnormalized, axis=-1, keepdims=True)
-    out.append(jnp.einsum("bkrs,bksd->bkrd", (unnormalized / total).astype(v.dtype), v[:, :, :end]))
+    # Normalised after the product: a pass over [rows, Dh] instead of over [rows, keys].
+    values = jnp.einsum(
+      "bkrs,bksd->bkrd", unnormalized.astype(v.dtype), v[:, :, :end], preferred_element_type=jnp.float32
+    )
+    out.append((values / total).astype(v.dtype))
     lse.append(jnp.where(peak > NEG_INF, peak + jnp.log(total), jnp.inf)[..., 0])
   return _unrows(jnp.concatenate(out, axis=2), t), jnp.concatenate(lse, axis=2)
 
 
 def _attention_fwd(q_bthd, k_bskd, v_bskd, mask, scale, softcap):
   out, lse = _attention(q_bthd, k_bskd, v_bskd, mask, scale, softcap)
+  # Named, so that a layer checkpointed under ``ELEMENTWISE_REMAT`` keeps them: recomputing them
+  # would run the attention twice.
+  out, lse = checkpoint_name(out, ATTENTION_RESIDUALS), checkpoint_name(lse, ATTENTION_RESIDUALS)
   return out, (q_bthd, k_bskd, v_bskd, mask, out, lse)
 
 
