@@ -10,7 +10,9 @@ holds) and the Python stack that made it (the program's stack-frame table), whos
 frame in jaxrm or optax names the bucket. Printed per bucket, forward and backward apart:
 operation seconds (each operation's duration on the thread that ran it, its products spread over
 every core; operations that overlap add up past the wall time), share, GFLOP, and FLOP/s against a
-plain 2048^3 float32 matmul's in the same process; then the step's wall time, the part of it in
+plain 2048^3 float32 matmul's in the same process; the same over the bucket's share of the wall
+time (an instant in which n operations run is split evenly among them: the shares add up to the
+time in which any ran); then the step's wall time, the part of it in
 which no operation ran (dispatch, loop control, waiting), credited to the operation before each
 gap, and the source lines that cost most.
 """
@@ -252,6 +254,7 @@ def table(program, events, wall, args, matmul_tflops, cores, batch) -> dict:
       lines[where] += dur
     intervals.append((e["ts"] / 1e6, e["ts"] / 1e6 + dur, label))
   busy, gaps = _union(intervals)
+  wall = _wall_shares(intervals)
   total = sum(seconds.values())
   rate = matmul_tflops * 1e12  # an operation's products run on every core, as the plain matmul's
   rows = [
@@ -261,6 +264,8 @@ def table(program, events, wall, args, matmul_tflops, cores, batch) -> dict:
       share=round(v / total, 3),
       gflop=round(flops[k] / args.steps / 1e9, 1),
       of_matmul=round(flops[k] / v / rate, 3) if flops[k] else None,
+      wall_seconds=round(wall[k] / args.steps, 3),
+      wall_of_matmul=round(flops[k] / wall[k] / rate, 3) if flops[k] and wall[k] else None,
     )
     for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])
   ]
@@ -300,6 +305,29 @@ def _union(intervals) -> tuple[float, dict[str, float]]:
   return covered, gaps
 
 
+def _wall_shares(intervals) -> dict[str, float]:
+  """Each bucket's share of the wall time: every instant in which n operations run is split
+  evenly among them, so that the shares add up to the time in which any ran (where independent
+  operations run at once on the cores, each alone seems slow by its own duration)."""
+  edges = sorted({t for a, b, _ in intervals for t in (a, b)})
+  starts = collections.defaultdict(list)
+  ends = collections.defaultdict(list)
+  for i, (a, b, label) in enumerate(intervals):
+    starts[a].append((i, label))
+    ends[b].append((i, label))
+  running: dict[int, str] = {}
+  out = collections.defaultdict(float)
+  for t0, t1 in zip(edges, edges[1:]):
+    for i, _ in ends[t0]:
+      running.pop(i, None)
+    for i, label in starts[t0]:
+      if t1 > t0:
+        running[i] = label
+    for label in running.values():
+      out[label] += (t1 - t0) / len(running)
+  return out
+
+
 def _source(file: str, line: int) -> str:
   return linecache.getline(file, line).strip()[:70]
 
@@ -311,10 +339,16 @@ def show(result: dict) -> None:
     f"{result['operation_s']:.2f} s of operations, {result['no_operation_running_s']:.2f} s with none "
     f"running; {result['step_gflop']:.0f} GFLOP of dots"
   )
-  print(f"{'bucket':58} {'op s':>7} {'share':>6} {'GFLOP':>7} {'of matmul':>9}")
+  print(
+    f"{'bucket':58} {'op s':>7} {'share':>6} {'GFLOP':>7} {'of matmul':>9} {'wall s':>7} {'of matmul':>9}"
+  )
   for r in result["buckets"]:
     rate = f"{r['of_matmul']:.0%}" if r["of_matmul"] is not None else "-"
-    print(f"{r['bucket']:58} {r['seconds']:7.3f} {r['share']:6.1%} {r['gflop']:7.1f} {rate:>9}")
+    wall = f"{r['wall_of_matmul']:.0%}" if r["wall_of_matmul"] is not None else "-"
+    print(
+      f"{r['bucket']:58} {r['seconds']:7.3f} {r['share']:6.1%} {r['gflop']:7.1f} {rate:>9} "
+      f"{r['wall_seconds']:7.3f} {wall:>9}"
+    )
   print("\nnone running, after an operation of (seconds per step):")
   for r in result["idle_after"]:
     print(f"  {r['seconds']:7.3f}  {r['bucket']}")

@@ -384,6 +384,15 @@ def test_the_step_profile_counts_each_operations_flops_and_names_its_bucket():
   assert "norms and rope (forward)" in by_bucket and "norms and rope (backward)" in by_bucket, by_bucket
 
 
+def test_the_step_profile_splits_the_wall_time_among_operations_that_overlap():
+  """Two operations that overlap share the instants in which both run, one that runs alone has
+  its instants to itself, and a gap is nobody's (by hand: a 0-2, b 1-3, c 5-6)."""
+  import profile_step
+
+  shares = profile_step._wall_shares([(0.0, 2.0, "a"), (1.0, 3.0, "b"), (5.0, 6.0, "c")])
+  assert dict(shares) == {"a": 1.5, "b": 1.5, "c": 1.0}
+
+
 def test_attention_bench_shows_both_routes_equal_before_timing_them():
   """scripts/bench_attention.py on its shortest case: the GRPO rows' ids as written (branches see
   their prompt), and the two routes' outputs and gradients equal up to float32 sums in other
