@@ -254,7 +254,7 @@ def table(program, events, wall, args, matmul_tflops, cores, batch) -> dict:
       lines[where] += dur
     intervals.append((e["ts"] / 1e6, e["ts"] / 1e6 + dur, label))
   busy, gaps = _union(intervals)
-  wall = _wall_shares(intervals)
+  shares = _wall_shares(intervals)
   total = sum(seconds.values())
   rate = matmul_tflops * 1e12  # an operation's products run on every core, as the plain matmul's
   rows = [
@@ -264,8 +264,8 @@ def table(program, events, wall, args, matmul_tflops, cores, batch) -> dict:
       share=round(v / total, 3),
       gflop=round(flops[k] / args.steps / 1e9, 1),
       of_matmul=round(flops[k] / v / rate, 3) if flops[k] else None,
-      wall_seconds=round(wall[k] / args.steps, 3),
-      wall_of_matmul=round(flops[k] / wall[k] / rate, 3) if flops[k] and wall[k] else None,
+      wall_seconds=round(shares[k] / args.steps, 3),
+      wall_of_matmul=round(flops[k] / shares[k] / rate, 3) if flops[k] and shares[k] else None,
     )
     for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])
   ]
