@@ -5,7 +5,7 @@ r"""Where one training step's time goes on the CPU: XLA's operations, timed, aga
 Builds the step as ``scripts/bench.py`` does (the trainer's update on the bench's rows), runs
 ``--warmup`` steps, then traces ``--steps`` steps with ``jax.profiler`` (host tracer level 3: one
 event per XLA operation that XLA:CPU runs). Each event is joined with the compiled program's
-instruction of that name: its opcode, its FLOPs (2 x output x contracted size for every dot it
+instruction of that name (an asynchronous one's up to its ``end:`` marker): its opcode, its FLOPs (2 x output x contracted size for every dot it
 holds) and the Python stack that made it (the program's stack-frame table), whose innermost
 frame in jaxrm or optax names the bucket. Printed per bucket, forward and backward apart:
 operation seconds (each operation's duration on the thread that ran it, its products spread over
@@ -168,6 +168,7 @@ BUCKETS = (  # (bucket, a function or file of the stack that puts an operation t
   ("norms and rope", ("rms_norm", "apply_rope", "rope_tables", "_rope_tables")),
   ("layer projections (q, k, v, o, MLP)", ("linear",)),
 )
+CONTAINERS = ("while", "conditional", "call")  # what runs other operations, each traced itself
 COPIES = ("copy", "transpose", "dynamic-slice", "dynamic-update-slice", "slice", "concatenate", "pad")
 
 
@@ -242,11 +243,8 @@ def table(program, events, wall, args, matmul_tflops, cores, batch) -> dict:
   flops = collections.defaultdict(float)
   lines = collections.defaultdict(float)
   intervals = []  # (start, end, bucket)
-  for e in events:
-    name = e.get("name", "")
-    if e.get("ph") != "X" or name not in program.ops:
-      continue
-    dur = e["dur"] / 1e6
+  for e, dur in operations(events, program):
+    name = e["name"]
     label, where = bucket_of(program, name)
     seconds[label] += dur
     flops[label] += program.ops[name]["flops"]
@@ -303,6 +301,34 @@ def _union(intervals) -> tuple[float, dict[str, float]]:
       covered += b - max(a, end if end is not None else a)
       end, last = b, label
   return covered, gaps
+
+
+def operations(events, program) -> list[tuple[dict, float]]:
+  """(event, seconds) of each operation the trace shows running. An operation that XLA:CPU runs
+  asynchronously (a product handed to the thread pool, a large copy) has an event that ends when
+  it is dispatched and an ``end: <name>`` marker when it completes: its seconds run to the marker
+  (the n-th start of a name with its n-th marker). Loops and calls are left out: their operations
+  are counted themselves."""
+  starts, ends = collections.defaultdict(list), collections.defaultdict(list)
+  for e in events:
+    name = e.get("name", "")
+    if e.get("ph") != "X":
+      continue
+    if name in program.ops and program.ops[name]["opcode"] in CONTAINERS:
+      continue
+    if name in program.ops:
+      starts[name].append(e)
+    elif name.startswith("end: ") and name[5:] in program.ops:
+      ends[name[5:]].append(e["ts"])
+  out = []
+  for name, started in starts.items():
+    started.sort(key=lambda e: e["ts"])
+    done = sorted(ends.get(name, []))
+    paired = len(done) == len(started)
+    for i, e in enumerate(started):
+      end = max(e["ts"] + e["dur"], done[i] if paired else 0.0)
+      out.append((e, (end - e["ts"]) / 1e6))
+  return out
 
 
 def _wall_shares(intervals) -> dict[str, float]:
