@@ -126,7 +126,7 @@ class ModelSpec:
   dtype: str = "float32"  # compute dtype: float32 | bfloat16
   param_dtype: str = "float32"  # master weights (and optimizer state)
   # What the backward pass recomputes: none | elementwise (norms, rope, activations from the kept
-  # products' outputs; the reference attention route only, else as none) | dots | full
+  # products' outputs; with cuDNN's kernel or context parallelism, as none) | dots | full
   remat: str = "elementwise"
   # True: the layers are one lax.scan (one layer compiled); False: written out one by one (longer
   # compiles, no stacking of each layer's activations for the backward pass)

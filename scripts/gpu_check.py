@@ -60,7 +60,7 @@ LIMITS = {"machine": 60, "compile": 150, "gpu_tests": 150, "bench": 210, "fit": 
 COMPILE_ONLY_S = 900
 MIN_START_S = 45  # a step is not started with less than this left
 FIT_TRIES = 3  # settings the fit step tries, largest first, while they run out of memory
-RECOMPUTE = ("full", "dots", "none")  # most recompute (least memory) first
+RECOMPUTE = ("full", "dots", "elementwise", "none")  # most recompute (least memory) first
 MEMORY = "argument_bytes, output_bytes, alias_bytes, temp_bytes, held_bytes, total_bytes"
 JSON_KEYS = {
   "machine": "backend, devices, device_kind, bytes_limit, nvidia_smi, jax, python",

@@ -50,7 +50,8 @@ from jaxrm.models.config import ModelConfig
 
 PLAN_MODELS = ("qwen2.5-1.5b", "llama3.1-8b", "qwen3-8b")
 PLAN_LENGTHS = (2048, 8192)
-PLAN_REMATS = ("none", "dots", "full")
+PLAN_REMATS = ("none", "dots", "full")  # the plan's default set
+REMATS = ("none", "elementwise", "dots", "full")  # model.remat's values
 PLAN_MESHES = ("1x1x1", "1x8x1", "1x4x2")  # data x fsdp x tensor [x context]
 PLAN_BACKENDS = ("gpu", "cpu")
 # Memory of one GPU as nvidia-smi reports it (MiB): an 80 GB H100 and a 141 GB H200.
@@ -127,7 +128,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   )
   p.add_argument("--model", choices=sorted(SHAPES), default="smollm2-135m", help="--fit's shape")
   p.add_argument("--max_length", type=int, default=512, help="--fit's tokens per sequence")
-  p.add_argument("--remat", default="none", choices=PLAN_REMATS, help="--fit's remat policy")
+  p.add_argument("--remat", default="none", choices=REMATS, help="--fit's remat policy")
   p.add_argument(
     "--attention",
     default="auto",
@@ -142,7 +143,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   )
   args = p.parse_args(argv)
   args.plan_models = _names(p, "--plan_models", args.plan_models, SHAPES)
-  args.plan_remat = _names(p, "--plan_remat", args.plan_remat, PLAN_REMATS)
+  args.plan_remat = _names(p, "--plan_remat", args.plan_remat, REMATS)
   try:
     args.plan_lengths = [int(n) for n in args.plan_lengths.split(",") if n]
     args.plan_grad_accum = [int(n) for n in args.plan_grad_accum.split(",") if n]
@@ -422,7 +423,7 @@ def _order(r: dict) -> tuple:
     r["devices"],
     r["mesh"],
     _grad_accum(r),
-    PLAN_REMATS.index(r["remat"]),
+    REMATS.index(r["remat"]),
   )
 
 

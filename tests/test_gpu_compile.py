@@ -292,6 +292,18 @@ def test_train_step_of_each_family_compiles_with_the_kernel_and_fits_its_arithme
   assert m.argument_bytes + m.temp_bytes <= m.total_bytes <= bound, (m.as_dict(), bound)
 
 
+def test_elementwise_remat_runs_the_kernel_once_and_holds_less():
+  """The default ``elementwise`` on the Pallas route keeps the forward kernel's output and
+  log-sum-exp by name: the step calls each kernel as often as under ``none`` (``dots`` would run
+  the forward again), and holds less than ``none``, which keeps every layer's norms, rope and
+  activation too."""
+  default = tiny_step("llama")
+  assert default.cfg.remat == "elementwise"
+  kept = Step(default.cfg.replace(remat="none"), one_gpu(H100), TINY_LENGTH)
+  assert fit_check.triton_kernels(default.text) == fit_check.triton_kernels(kept.text)
+  assert default.memory.temp_bytes < kept.memory.temp_bytes, (default.memory.as_dict(), kept.memory.as_dict())
+
+
 def test_the_attention_route_follows_the_mesh_devices_not_the_process():
   """In one process, whatever its backend: a mesh of compile-only GPUs takes the Pallas kernel
   through Triton, and a CPU mesh the reference einsum, for the same config (``auto``)."""

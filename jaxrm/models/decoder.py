@@ -262,6 +262,9 @@ def _unstacked(params: dict[str, jax.Array], n: int) -> list[dict[str, jax.Array
   return [{k: v[i] for k, v in pieces.items()} for i in range(n)]
 
 
+NAMED_RESIDUALS = ("reference", "pallas")  # the attention routes whose residuals elementwise keeps
+
+
 def checkpointed(
   block: Callable, cfg: ModelConfig, platform: str | None, *, context_parallel: bool
 ) -> Callable:
@@ -270,9 +273,9 @@ def checkpointed(
   (``layers.ELEMENTWISE_REMAT``), ``none`` everything (``block`` itself).
 
   ``elementwise`` needs the attention to name its residuals (``layers.ATTENTION_RESIDUALS``), as
-  the reference route does; on the other routes (the Pallas and cuDNN kernels, context
-  parallelism) they would be recomputed, the attention run twice, so there it keeps everything,
-  as ``none``.
+  the reference route and the Pallas kernel do; cuDNN's kernel (whose residuals are its own) and
+  context parallelism (whose gathered keys and values are residuals too) would run theirs again,
+  so there it keeps everything, as ``none``.
   """
   if cfg.remat == "full":
     return jax.checkpoint(block, prevent_cse=False)
@@ -280,7 +283,9 @@ def checkpointed(
     return jax.checkpoint(
       block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable, prevent_cse=False
     )
-  if cfg.remat == "elementwise" and not context_parallel and attention_route(cfg, platform) == "reference":
+  if (
+    cfg.remat == "elementwise" and not context_parallel and attention_route(cfg, platform) in NAMED_RESIDUALS
+  ):
     return jax.checkpoint(block, policy=L.ELEMENTWISE_REMAT, prevent_cse=False)
   return block
 

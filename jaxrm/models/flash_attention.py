@@ -25,6 +25,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -184,6 +185,9 @@ def _attention(q, k, v, ids, static: _Static):
 
 def _attention_fwd(q, k, v, ids, static):
   out, lse = _forward(q, k, v, ids, static)
+  # Named, as the reference route's: a layer checkpointed under ``layers.ELEMENTWISE_REMAT`` keeps
+  # them instead of running the kernel again.
+  out, lse = checkpoint_name(out, L.ATTENTION_RESIDUALS), checkpoint_name(lse, L.ATTENTION_RESIDUALS)
   return out, (q, k, v, ids, out, lse)
 
 
