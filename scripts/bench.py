@@ -187,8 +187,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     "--remat",
     default="elementwise",
     choices=("none", "elementwise", "dots", "full"),
-    help="jaxrm rematerialization; TRL checkpoints gradients only with 'full' (it has "
-    "nothing like 'dots', which keeps the matmul outputs)",
+    help="jaxrm rematerialization (model.remat); TRL checkpoints gradients only with 'full' (it "
+    "has nothing like 'elementwise' or 'dots', which keep the products' outputs)",
   )
   p.add_argument("--peak_tflops", type=float, default=989.0, help="accelerator peak (H200 bf16 dense)")
   p.add_argument("--seed", type=int, default=0)
