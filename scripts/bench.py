@@ -271,6 +271,13 @@ MALLOC_PRESETS = {
     "MALLOC_MMAP_MAX_": "0",
     "MALLOC_TRIM_THRESHOLD_": str(1 << 40),
   },
+  # The same heap in 2 MiB pages: nothing faulted in again, and the pages of the default.
+  "one_heap_huge": {
+    "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",
+    "MALLOC_ARENA_MAX": "1",
+    "MALLOC_MMAP_MAX_": "0",
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 40),
+  },
 }
 VARIANT_KEYS = {
   "layers": "decoder layers",
