@@ -29,7 +29,7 @@ from jaxrm.data.cache import DEFAULT_CACHE_DIR
 from jaxrm.data.tokenize import TokenizeOptions
 from jaxrm.errors import ConfigError, UserError
 from jaxrm.metrics import normalize_metric_name
-from jaxrm.models.config import ATTENTION_IMPLS
+from jaxrm.models.config import ATTENTION_IMPLS, REMAT_POLICIES
 from jaxrm.models.lora import ALL_LINEAR, LoraConfig
 from jaxrm.sharding import MeshConfig
 
@@ -145,6 +145,8 @@ class ModelSpec:
       raise ConfigError(
         f"model.attention must be one of {', '.join(ATTENTION_IMPLS)}; got {self.attention!r}"
       )
+    if self.remat not in REMAT_POLICIES:
+      raise ConfigError(f"model.remat must be one of {', '.join(REMAT_POLICIES)}; got {self.remat!r}")
 
 
 @dataclasses.dataclass(frozen=True)

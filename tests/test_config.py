@@ -69,6 +69,10 @@ def test_a_notebook_sets_only_what_it_changes():
       lambda: ModelSpec(attention="flash"),
       "model.attention must be one of auto, reference, pallas, cudnn; got 'flash'",
     ),
+    (
+      lambda: ModelSpec(remat="elementwize"),
+      "model.remat must be one of none, elementwise, dots, full; got 'elementwize'",
+    ),
     (lambda: DataSpec(packing="pack"), "data.packing must be one of none, packed, shared_prompt; got 'pack'"),
     (lambda: DataSpec(packed_row_length=-1), "data.packed_row_length=-1: use a number of tokens per row"),
     (
