@@ -109,7 +109,7 @@ from bench_common import (
 
 from jaxrm import host_memory
 from jaxrm.data.tokenize import PreferenceExample
-from jaxrm.models.config import ModelConfig
+from jaxrm.models.config import REMAT_POLICIES, ModelConfig
 
 JAXRM_MODES = ("unpacked", "packed", "shared_prompt")
 BUCKET = 64  # sequence and row lengths are multiples of this
@@ -186,7 +186,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument(
     "--remat",
     default="elementwise",
-    choices=("none", "elementwise", "dots", "full"),
+    choices=REMAT_POLICIES,
     help="jaxrm rematerialization (model.remat); TRL checkpoints gradients only with 'full' (it "
     "has nothing like 'elementwise' or 'dots', which keep the products' outputs)",
   )
@@ -305,7 +305,7 @@ def parse_variant(spec: str) -> dict[str, str]:
     allowed = {
       "scan": ("on", "off"),
       "serial_dots": ("on", "off"),
-      "remat": ("none", "elementwise", "dots", "full"),
+      "remat": REMAT_POLICIES,
       "xla": tuple(XLA_PRESETS),
       "malloc": tuple(MALLOC_PRESETS),
       "head": ("lm",),

@@ -46,12 +46,11 @@ import time
 import numpy as np
 from bench_common import PAD, SHAPES, commit, full_pairs, one_device_mesh
 
-from jaxrm.models.config import ModelConfig
+from jaxrm.models.config import REMAT_POLICIES, ModelConfig
 
 PLAN_MODELS = ("qwen2.5-1.5b", "llama3.1-8b", "qwen3-8b")
 PLAN_LENGTHS = (2048, 8192)
-PLAN_REMATS = ("none", "dots", "full")  # the plan's default set
-REMATS = ("none", "elementwise", "dots", "full")  # model.remat's values
+PLAN_REMATS = ("none", "dots", "full")  # the plan's default set, of REMAT_POLICIES
 PLAN_MESHES = ("1x1x1", "1x8x1", "1x4x2")  # data x fsdp x tensor [x context]
 PLAN_BACKENDS = ("gpu", "cpu")
 # Memory of one GPU as nvidia-smi reports it (MiB): an 80 GB H100 and a 141 GB H200.
@@ -128,7 +127,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   )
   p.add_argument("--model", choices=sorted(SHAPES), default="smollm2-135m", help="--fit's shape")
   p.add_argument("--max_length", type=int, default=512, help="--fit's tokens per sequence")
-  p.add_argument("--remat", default="none", choices=REMATS, help="--fit's remat policy")
+  p.add_argument("--remat", default="none", choices=REMAT_POLICIES, help="--fit's remat policy")
   p.add_argument(
     "--attention",
     default="auto",
@@ -143,7 +142,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   )
   args = p.parse_args(argv)
   args.plan_models = _names(p, "--plan_models", args.plan_models, SHAPES)
-  args.plan_remat = _names(p, "--plan_remat", args.plan_remat, REMATS)
+  args.plan_remat = _names(p, "--plan_remat", args.plan_remat, REMAT_POLICIES)
   try:
     args.plan_lengths = [int(n) for n in args.plan_lengths.split(",") if n]
     args.plan_grad_accum = [int(n) for n in args.plan_grad_accum.split(",") if n]
@@ -423,7 +422,7 @@ def _order(r: dict) -> tuple:
     r["devices"],
     r["mesh"],
     _grad_accum(r),
-    REMATS.index(r["remat"]),
+    REMAT_POLICIES.index(r["remat"]),
   )
 
 

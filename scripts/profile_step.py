@@ -5,8 +5,8 @@ r"""Where one training step's time goes on the CPU: XLA's operations, timed, aga
 Builds the step as ``scripts/bench.py`` does (the trainer's update on the bench's rows), runs
 ``--warmup`` steps, then traces ``--steps`` steps with ``jax.profiler`` (host tracer level 3: one
 event per XLA operation that XLA:CPU runs). Each event is joined with the compiled program's
-instruction of that name (an asynchronous one's up to its ``end:`` marker): its opcode, its FLOPs (2 x output x contracted size for every dot it
-holds) and the Python stack that made it (the program's stack-frame table), whose innermost
+instruction of that name (an asynchronous one's up to its ``end:`` marker): its opcode, its FLOPs
+(2 x output x contracted size for every dot it holds) and the Python stack that made it (the program's stack-frame table), whose innermost
 frame in jaxrm or optax names the bucket. Printed per bucket, forward and backward apart:
 operation seconds (each operation's duration on the thread that ran it, its products spread over
 every core; operations that overlap add up past the wall time), share, GFLOP, and FLOP/s against a
@@ -314,10 +314,9 @@ def operations(events, program) -> list[tuple[dict, float]]:
     name = e.get("name", "")
     if e.get("ph") != "X":
       continue
-    if name in program.ops and program.ops[name]["opcode"] in CONTAINERS:
-      continue
     if name in program.ops:
-      starts[name].append(e)
+      if program.ops[name]["opcode"] not in CONTAINERS:
+        starts[name].append(e)
     elif name.startswith("end: ") and name[5:] in program.ops:
       ends[name[5:]].append(e["ts"])
   out = []
@@ -340,11 +339,11 @@ def _wall_shares(intervals) -> dict[str, float]:
   ends = collections.defaultdict(list)
   for i, (a, b, label) in enumerate(intervals):
     starts[a].append((i, label))
-    ends[b].append((i, label))
+    ends[b].append(i)
   running: dict[int, str] = {}
   out = collections.defaultdict(float)
   for t0, t1 in zip(edges, edges[1:]):
-    for i, _ in ends[t0]:
+    for i in ends[t0]:
       running.pop(i, None)
     for i, label in starts[t0]:
       if t1 > t0:
