@@ -45,7 +45,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from jaxrm import kinds, step_rewards
+from jaxrm import kinds, reward_health, step_rewards
 from jaxrm.data.records import Text
 from jaxrm.models.config import ModelConfig
 
@@ -174,15 +174,20 @@ def as_reward_func(
   """
   how = _check_scorer(rm, combine, normalize, step_aggregation)
   extra = {} if combine is None else {"combine": combine}
+  reward_range = None if how is not None else reward_health.validation_range(rm, normalize=normalize)
 
-  def reward_func(prompts: Sequence[Text], completions: Sequence[Text], **kwargs: Any) -> list[float | None]:
-    del kwargs  # dataset columns and trainer state: the model needs only the text
+  def rewards_of(prompts: Sequence[Text], completions: Sequence[Text]) -> list[float | None]:
     if how is not None:
       solutions = [_solution_text(c, f"completions[{i}]") for i, c in enumerate(completions)]
       return _step_scores(rm, prompts, solutions, how, batch_size)
     return rm.score(
       prompts=prompts, completions=completions, normalize=normalize, batch_size=batch_size, **extra
     ).tolist()
+
+  def reward_func(prompts: Sequence[Text], completions: Sequence[Text], **kwargs: Any) -> list[float | None]:
+    rewards = rewards_of(prompts, completions)
+    log_health(kwargs, name, rewards, completions, reward_range)
+    return rewards
 
   return _named(reward_func, name)
 
@@ -208,8 +213,9 @@ def as_reward_funcs(
 
   def attribute_func(i: int) -> Callable[..., list[float]]:
     def reward_func(prompts: Sequence[Text], completions: Sequence[Text], **kwargs: Any) -> list[float]:
-      del kwargs  # dataset columns and trainer state: the model needs only the text
-      return outputs(prompts, completions)[:, i].tolist()
+      rewards = outputs(prompts, completions)[:, i].tolist()
+      log_health(kwargs, f"{name}_{attributes[i]}", rewards, completions)
+      return rewards
 
     return reward_func
 
@@ -257,6 +263,41 @@ def _batch_key(prompts: Sequence[Text], completions: Sequence[Text]) -> bytes:
   """A digest of the batch's texts (strings or message lists): equal batches, equal keys."""
   text = json.dumps([list(prompts), list(completions)], sort_keys=True, ensure_ascii=False, default=repr)
   return hashlib.blake2b(text.encode(errors="surrogatepass"), digest_size=16).digest()
+
+
+HEALTH_PREFIX = "reward_health/"  # TRL's metric names: reward_health/<function name>/<signal>
+
+
+def log_health(
+  trl_kwargs: dict[str, Any],
+  name: str,
+  rewards: Sequence[float | None],
+  completions: Sequence[Text],
+  reward_range: reward_health.Range | None = None,
+) -> None:
+  """Reports the batch's health (:func:`jaxrm.reward_health.batch_health`) through the
+  ``log_metric`` that TRL (1.16 on) passes a reward function, as ``reward_health/<name>/<signal>``,
+  and with a validation range each completion's ``<name>_out_of_range`` through ``log_extra`` (a
+  column of TRL's completions table). Nothing without them (another trainer). The lengths are
+  TRL's ``completion_ids`` in tokens, else the completions' characters."""
+  log_metric, log_extra = trl_kwargs.get("log_metric"), trl_kwargs.get("log_extra")
+  if log_metric is None and log_extra is None:
+    return
+  ids = trl_kwargs.get("completion_ids")
+  lengths = [len(x) for x in ids] if ids is not None else [_text_length(c) for c in completions]
+  if log_metric is not None:
+    health = reward_health.batch_health(rewards, lengths, reward_range=reward_range)
+    for signal, value in health.items():
+      log_metric(f"{HEALTH_PREFIX}{name}/{signal}", value)
+  if log_extra is not None and reward_range is not None:
+    real = [float("nan") if r is None else r for r in rewards]
+    log_extra(f"{name}_out_of_range", reward_health.out_of_range(real, reward_range).tolist())
+
+
+def _text_length(completion: Text) -> int:
+  if isinstance(completion, str):
+    return len(completion)
+  return sum(len(m.get("content") or "") for m in completion if isinstance(m, dict))
 
 
 def as_multi_agent_reward_func(
@@ -391,17 +432,19 @@ def remote_reward_func(
     async def reward_func(
       prompts: Sequence[Text], completions: Sequence[Text], **kwargs: Any
     ) -> list[float | None]:
-      del kwargs  # dataset columns and trainer state: the model needs only the text
       # The blocking request, and its waits on a busy server, hold a worker thread, not the loop.
-      return await asyncio.to_thread(rewards, list(prompts), list(completions))
+      scored = await asyncio.to_thread(rewards, list(prompts), list(completions))
+      log_health(kwargs, name, scored, completions)
+      return scored
 
   else:
 
     def reward_func(
       prompts: Sequence[Text], completions: Sequence[Text], **kwargs: Any
     ) -> list[float | None]:
-      del kwargs  # dataset columns and trainer state: the model needs only the text
-      return rewards(prompts, completions)
+      scored = rewards(prompts, completions)
+      log_health(kwargs, name, scored, completions)
+      return scored
 
   return _named(reward_func, name)
 

@@ -207,3 +207,27 @@ def test_verl_reward_loop_disrm_classify_body(url, tiny_rm):
   # conversation (docs/verl.md), which compute_score sends as messages instead.
   assert [rm_score] == approx(tiny_rm.score([rm_prompt]))
   assert not rm_prompt.startswith("<|im_start|>")
+
+
+def test_verl_reward_loop_disrm_sglang_embeddings_body(url, tiny_rm):
+  """The same worker with SGLang as the engine (compute_score_disrm, verl 0.9.1): ``{"model",
+  "input"}`` to ``/v1/embeddings``, read at ``data[-1].embedding[-1]``, posted with aiohttp and
+  checked as _post_request does (raise_for_status, then the JSON)."""
+  aiohttp = pytest.importorskip("aiohttp", reason="verl's HTTP client: pip install aiohttp")
+  tokenizer = tiny_rm.tokenizer
+  chat = conversation(QUESTIONS[1], RESPONSES[1][1])
+  disrm_prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=False, tokenize=False)
+  if tokenizer.bos_token is not None and disrm_prompt.startswith(tokenizer.bos_token):
+    disrm_prompt = disrm_prompt[len(tokenizer.bos_token) :]
+
+  async def post(payload, endpoint):
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+      async with session.post(f"{url}/{endpoint}", json=payload) as resp:
+        resp.raise_for_status()
+        return await resp.json()
+
+  payloads = {"model": "/models/reward", "input": disrm_prompt}
+  output = asyncio.run(post(payloads, "v1/embeddings"))
+  rm_score = output["data"][-1]["embedding"][-1]
+  # Tokenized as SGLang tokenizes the text: special tokens added as the tokenizer adds them.
+  assert [rm_score] == approx(tiny_rm.score_ids([tokenizer(disrm_prompt)["input_ids"]]))

@@ -4,7 +4,8 @@ A parser turns a request body into a :class:`Scoring`: the token rows to score a
 answer from their rewards (one float per row, as the server serves them: normalized or combined if
 so configured). :data:`ROUTES` gives each POST path its parser.
 
-* ``/get_reward``: OpenRLHF's ``{"query": [text, ...]}`` -> ``{"rewards": [...]}``.
+* ``/get_reward``: OpenRLHF's ``{"query": [text, ...], "prompts", "labels"}`` -> ``{"rewards",
+  "scores", "extra_logs"}``, as its ``serve_rm`` answers (extra_logs: the reward's health).
 * ``/score``: jaxrm's ``{"conversations"}`` or ``{"prompts", "completions"}`` -> ``{"rewards"}``;
   a body with vLLM's pair fields instead (``text_1``/``text_2``, or ``queries`` with ``documents``
   or ``items``, or ``data_1``/``data_2``; jaxrm's fields share no name with them) is vLLM's score
@@ -14,6 +15,9 @@ so configured). :data:`ROUTES` gives each POST path its parser.
   ``{"text"}`` or ``{"input_ids"}`` (its native reward endpoint) -> ``{"embedding": [reward],
   "meta_info"}`` per item. ``/v1/classify`` takes vLLM's only.
 * ``/pooling``: vLLM's ``{"input"}`` or ``{"messages"}`` -> its PoolingResponse.
+* ``/v1/embeddings``: SGLang's ``{"model", "input"}`` -> its EmbeddingResponse, ``embedding``
+  ``[reward]`` per item (verl's reward loop with SGLang as the engine).
+* ``/reward``: slime's ``{"prompt", "response", "label"}`` -> the reward, a bare JSON number.
 * ``/score_steps`` (a process reward model): ``{"prompts", "completions"}`` (each completion cut
   into steps at the model's step separator) or ``{"prompts", "steps"}`` (lists of step texts) ->
   ``{"step_rewards": [[P(step correct), ...], ...], "rewards": [...]}``, each reward its solution's
@@ -50,6 +54,7 @@ SCORE_PAIRS = (("queries", "documents"), ("queries", "items"), ("data_1", "data_
 JAXRM_SCORE_FIELDS = ("conversations", "prompts", "completions")
 VLLM_INPUTS, SGLANG_INPUTS = ("input", "messages"), ("text", "input_ids")
 VLLM_INPUT = "a text, a list of texts, or token ids"
+HEALTH_PREFIX = "reward_health/"  # OpenRLHF's extra_logs keys: reward_health/reward_mean, ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +64,9 @@ class Meta:
   request_id: str
   model: str  # the served model's name, when the request names none
   created: int  # unix seconds
+  # The reward's health over the server's last rewards, this request's included
+  # (jaxrm.reward_health; the server's /metrics reports the same values).
+  health: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +81,16 @@ class Scoring:
 
 
 def parse_get_reward(enc: Encoder, body: Body) -> Scoring:
-  return Scoring(enc.get_reward(body), _rewards)
+  """OpenRLHF's request -> the answer its ``serve_rm`` gives: ``rewards`` (what PPO trains on),
+  ``scores`` (what its dynamic filtering reads; the same values) and ``extra_logs`` (logged as
+  they are: the reward's health, ``reward_health/<signal>``, one value per query)."""
+  rows = enc.get_reward(body)
+
+  def write(rewards: list[float], meta: Meta) -> Body:
+    logs = {f"{HEALTH_PREFIX}{name}": [value] * len(rewards) for name, value in meta.health.items()}
+    return {"rewards": rewards, "scores": rewards, "extra_logs": logs}
+
+  return Scoring(rows, write)
 
 
 def parse_jaxrm_score(enc: Encoder, body: Body) -> Scoring:
@@ -202,7 +219,13 @@ def _vllm_rows(enc: Encoder, body: Body) -> list[list[int]]:
   if given == ["messages"]:
     ids = enc.encode("messages", enc.messages(_text_parts_joined(body["messages"]), "messages"))
     return [enc.fitted("messages", ids, truncate, side)]
-  special = _flag(body, "add_special_tokens", True)
+  rows = _input_rows(enc, body, _flag(body, "add_special_tokens", True))
+  return [enc.fitted(where, ids, truncate, side) for where, ids in rows]
+
+
+def _input_rows(enc: Encoder, body: Body, special: bool) -> list[tuple[str, list[int]]]:
+  """(where, ids) of each item of an OpenAI-style ``input``: a text, a list of texts, token ids,
+  or a list of token-id lists; texts tokenized with special tokens if ``special``."""
   value = body["input"]
   if isinstance(value, str):
     items = [("input", enc.text_ids("input", value, special=special))]
@@ -221,7 +244,7 @@ def _vllm_rows(enc: Encoder, body: Body) -> list[list[int]]:
     ]
   else:
     raise RequestError(400, f"'input' is {kind(value)}; expected {VLLM_INPUT} (not empty)")
-  return [enc.fitted(where, ids, truncate, side) for where, ids in items]
+  return items
 
 
 def _text_parts_joined(messages: Any) -> Any:
@@ -374,6 +397,26 @@ def parse_sglang_classify(enc: Encoder, body: Body) -> Scoring:
   return Scoring(rows, write)
 
 
+def parse_sglang_embeddings(enc: Encoder, body: Body) -> Scoring:
+  """SGLang's OpenAI-compatible ``/v1/embeddings`` (its ``EmbeddingRequest``) of a reward model:
+  ``input`` a text, a list of texts, token ids or a list of them -> an ``EmbeddingResponse`` whose
+  item ``embedding`` is ``[reward]``, as SGLang answers for a reward model (verl's reward loop, SGLang
+  engine, reads ``data[-1].embedding[-1]``). Texts are tokenized with special tokens, as SGLang
+  tokenizes them."""
+  if "input" not in body:
+    raise RequestError(400, f"the body has no 'input'; send {{\"input\": {VLLM_INPUT}}}")
+  rows = [enc.fitted(where, ids) for where, ids in _input_rows(enc, body, special=True)]
+  model = _model(body)
+
+  def write(rewards: list[float], meta: Meta) -> Body:
+    data = [{"object": "embedding", "embedding": [r], "index": i} for i, r in enumerate(rewards)]
+    tokens = sum(map(len, rows))
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+    return {"object": "list", "data": data, "model": model or meta.model, "usage": usage}
+
+  return Scoring(rows, write)
+
+
 def _rid(rids: Any, i: int, single: bool, meta: Meta) -> str:
   """The request's own ``rid`` for item ``i`` if it sent one, else one made of the request id."""
   if single and isinstance(rids, str):
@@ -381,6 +424,29 @@ def _rid(rids: Any, i: int, single: bool, meta: Meta) -> str:
   if not single and isinstance(rids, list) and i < len(rids) and isinstance(rids[i], str):
     return rids[i]
   return meta.request_id if single else f"{meta.request_id}-{i}"
+
+
+# ------------------------------------------------------------------ slime
+
+
+def parse_slime_reward(enc: Encoder, body: Body) -> Scoring:
+  """slime's ``remote_rm`` (``--rm-type remote_rm --rm-url``): ``{"prompt", "response", "label"}``
+  -> the reward as the whole body, a bare number. The prompt is text (slime's, chat template
+  applied or not) joined with the response as it is, or a conversation the response answers as
+  the assistant. A process model's is the solution's reward (its steps' probabilities aggregated by
+  --step_aggregation; null for a response with no step). The label is not read: the model judges
+  the response alone."""
+  for key in ("prompt", "response"):
+    if key not in body:
+      raise RequestError(400, f'the body has no \'{key}\'; send slime\'s {{"prompt", "response", "label"}}')
+  prompt, response = body["prompt"], body["response"]
+  if not isinstance(response, str):
+    raise RequestError(400, f"'response' is {kind(response)}; expected a string")
+  if isinstance(prompt, list) and enc.rm.kind != kinds.PROCESS:
+    response = [{"role": "assistant", "content": response}]
+  pair = {"prompts": [prompt], "completions": [response]}
+  scoring = parse_score_steps(enc, pair) if enc.rm.kind == kinds.PROCESS else parse_jaxrm_score(enc, pair)
+  return Scoring(scoring.rows, lambda outputs, meta: scoring.write(outputs, meta)["rewards"][0])
 
 
 # ------------------------------------------------------------------ process reward models
@@ -486,4 +552,6 @@ ROUTES: dict[str, Callable[[Encoder, Body], Scoring]] = {
   "/v1/score": _sequences_only("/v1/score", parse_vllm_score),
   "/v1/classify": _sequences_only("/v1/classify", parse_vllm_classify),
   "/score_steps": parse_score_steps,
+  "/v1/embeddings": _sequences_only("/v1/embeddings", parse_sglang_embeddings),
+  "/reward": parse_slime_reward,
 }

@@ -2,18 +2,32 @@
 
 from __future__ import annotations
 
+import numbers
+
 import prometheus_client as prom
+
+from jaxrm import reward_health
 
 # Powers of two: batches have 1, 2, 4... rows (row_sizes), and requests per batch grow alike.
 COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# The rewards the health gauges are read over: the last this many scored, whichever requests sent
+# them (RL loops send one completion per request).
+HEALTH_WINDOW = 256
+HEALTH_GAUGES = {
+  reward_health.MEAN: f"Mean of the last {HEALTH_WINDOW} rewards",
+  reward_health.STD: f"Standard deviation of the last {HEALTH_WINDOW} rewards",
+  reward_health.LENGTH_CORR: f"Pearson's r of the last {HEALTH_WINDOW} rewards with their rows' lengths",
+  reward_health.OUT_OF_RANGE: f"Share of the last {HEALTH_WINDOW} rewards outside the validation range",
+}
 
 
 class Metrics:
-  """Requests, items, tokens, batch sizes, queue depth, bytes held, latency and compiled batch
-  shapes; ``text()`` is /metrics."""
+  """Requests, items, tokens, batch sizes, queue depth, bytes held, latency, compiled batch
+  shapes, and the reward's health over the last rewards scored (:mod:`jaxrm.reward_health`);
+  ``text()`` is /metrics."""
 
-  def __init__(self):
+  def __init__(self, reward_range: reward_health.Range | None = None):
     self.registry = prom.CollectorRegistry()
     r = self.registry
     self._requests = prom.Counter(
@@ -53,6 +67,11 @@ class Metrics:
     self._batch_shapes = prom.Gauge(
       "jaxrm_batch_shapes", "Batch shapes the server may form, plain and packed rows.", registry=r
     )
+    self._window = reward_health.Window(HEALTH_WINDOW, reward_range)
+    self._health = {
+      name: prom.Gauge(f"jaxrm_{name}", f"{what} (jaxrm.reward_health).", registry=r)
+      for name, what in HEALTH_GAUGES.items()
+    }
 
   def request(self, endpoint: str, status: int, seconds: float) -> None:
     self._requests.labels(endpoint, str(status)).inc()
@@ -78,6 +97,16 @@ class Metrics:
   def shapes(self, compiled: int, total: int) -> None:
     self._compiled_shapes.set(compiled)
     self._batch_shapes.set(total)
+
+  def scored(self, rewards: list, rows: list[list[int]]) -> dict[str, float]:
+    """Adds one request's rewards (with its rows' lengths in tokens) to the health window; the
+    window's health after it. A process model's per-token outputs are not rewards: left out."""
+    if not all(isinstance(x, numbers.Real) for x in rewards):
+      return {}
+    health = self._window.add([float(x) for x in rewards], [len(row) for row in rows])
+    for name, value in health.items():
+      self._health[name].set(value)
+    return health
 
   def text(self) -> bytes:
     return prom.generate_latest(self.registry)
