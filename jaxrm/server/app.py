@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from jaxrm import kinds, shared_prefix
+from jaxrm import kinds, reward_health, shared_prefix
 from jaxrm.data.tokenize import pad_id
 from jaxrm.errors import ConfigError
 from jaxrm.models.heads import correct_probability
@@ -349,7 +349,8 @@ class App:
       lambda: self._tokenized(raw, parse, held, encoder), limiter=self._tokenizing
     )
     rewards = await self._scored(scoring.rows, request_id) if scoring.rows else []
-    return scoring.write(rewards, Meta(request_id, self.model_name, int(time.time())))
+    health = self.metrics.scored(rewards, scoring.rows)
+    return scoring.write(rewards, Meta(request_id, self.model_name, int(time.time()), health))
 
   def _tokenized(self, raw: bytes, parse: Callable, held: HeldBody, encoder: Encoder) -> Scoring | None:
     """In the tokenizing thread; None if the request gave up before its turn came (its work is
@@ -494,7 +495,7 @@ class RewardServer:
   ):
     check_model(rm, config)
     self.config = config.resolved(rm.config.max_position_embeddings, rm.training_max_length)
-    self.metrics = Metrics()
+    self.metrics = Metrics(reward_health.validation_range(rm, normalize=self.config.normalize))
     self.batcher = batcher(rm, self.config, self.metrics)
     app = App(rm, self.config, self.batcher, self.metrics, model_name).asgi()
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
