@@ -1,6 +1,7 @@
 """Reward functions called exactly as TRL's GRPOTrainer and CoMLRL's multi-agent trainers call them."""
 
 import asyncio
+import collections
 import contextlib
 import http.server
 import inspect
@@ -14,7 +15,7 @@ import pytest
 import torch
 from helpers import REBATCHED, serving
 
-from jaxrm import RewardModel, reward_funcs, step_rewards
+from jaxrm import RewardModel, reward_funcs, reward_health, step_rewards
 from jaxrm.loading import ScoringInfo
 from jaxrm.server import ServerConfig
 
@@ -29,19 +30,40 @@ def validated_rm(tiny_rm):
   return RewardModel(tiny_rm.model, tiny_rm.tokenizer, ScoringInfo(reward_stats=STATS))
 
 
-def trl_call(reward_func, prompts, completions, **columns):
+class TrlLogs:
+  """GRPOTrainer's _log_metric and _log_completion_extra (TRL 1.16): what reward functions logged."""
+
+  def __init__(self):
+    self.metrics = collections.defaultdict(list)
+    self.extra = collections.defaultdict(list)
+
+  def log_metric(self, name, value):
+    self.metrics[name].append(value)
+
+  def log_extra(self, column, values):
+    self.extra[column].extend(values)
+
+
+def trl_call(reward_func, prompts, completions, logs=None, **columns):
   """What GRPOTrainer does with a plain-function reward: keyword call (awaited for an async
-  function), None -> NaN, float32 tensor."""
+  function) with its log_metric and log_extra, None -> NaN, float32 tensor."""
+  logs = logs or TrlLogs()
   out = called(
     reward_func,
     prompts=prompts,
     completions=completions,
-    completion_ids=[[7] * len(str(c)) for c in completions],
+    completion_ids=completion_ids(completions),
     trainer_state=None,
+    log_extra=logs.log_extra,
+    log_metric=logs.log_metric,
     **columns,
   )
   out = [r if r is not None else torch.nan for r in out]
   return torch.tensor(out, dtype=torch.float32).numpy()
+
+
+def completion_ids(completions):
+  return [[7] * len(str(c)) for c in completions]
 
 
 def called(reward_func, **kwargs):
@@ -91,6 +113,40 @@ def test_normalized_rewards(validated_rm):
   raw = trl_call(validated_rm.as_reward_func(), prompts, completions)
   normalized = trl_call(validated_rm.as_reward_func(normalize=True), prompts, completions)
   np.testing.assert_allclose(normalized, (raw - 0.25) / 2.0, rtol=NORMALIZED_RTOL)
+
+
+def test_trl_reward_funcs_log_the_reward_health(tiny_rm):
+  """Through TRL's log_metric, the batch's health (jaxrm.reward_health) under the function's name;
+  through log_extra, whether each reward left the validation range, raw or normalized alike."""
+  prompts, completions = ["Q: 1 + 1?"] * 4, [" A: 2", " A: 11", " A: 2 or 3", " A: it is 23"]
+  raw = sorted(tiny_rm.score(prompts=prompts, completions=completions).tolist())
+  # The lowest and highest rewards fall outside, the others well inside.
+  low, high = (raw[0] + raw[1]) / 2, (raw[2] + raw[3]) / 2
+  stats = {**STATS, "min": low, "max": high}
+  ranged = RewardModel(tiny_rm.model, tiny_rm.tokenizer, ScoringInfo(reward_stats=stats))
+  for normalize in (False, True):
+    logs = TrlLogs()
+    got = trl_call(ranged.as_reward_func(normalize=normalize, name="rm"), prompts, completions, logs)
+    served = ((low - 0.25) / 2, (high - 0.25) / 2) if normalize else (low, high)
+    want = reward_health.batch_health(
+      got.tolist(), [len(x) for x in completion_ids(completions)], reward_range=served
+    )
+    assert set(want) == {"reward_mean", "reward_std", "reward_length_corr", "reward_out_of_range"}
+    assert logs.metrics == {f"reward_health/rm/{k}": [pytest.approx(v)] for k, v in want.items()}
+    assert logs.metrics["reward_health/rm/reward_out_of_range"] == [0.5]
+    assert logs.extra == {"rm_out_of_range": [not served[0] <= r <= served[1] for r in got]}
+    assert sum(logs.extra["rm_out_of_range"]) == 2
+  # A remote function logs what it can know: no validation range.
+  with serving(tiny_rm) as server:
+    logs = TrlLogs()
+    got = trl_call(reward_funcs.remote_reward_func(server.url, name="far"), prompts, completions, logs)
+  assert sorted(logs.metrics) == [
+    "reward_health/far/reward_length_corr",
+    "reward_health/far/reward_mean",
+    "reward_health/far/reward_std",
+  ]
+  assert logs.metrics["reward_health/far/reward_mean"] == [pytest.approx(float(np.mean(got)))]
+  assert not logs.extra
 
 
 def test_comlrl_multi_agent_text_formatter(validated_rm):

@@ -6,7 +6,7 @@ import dataclasses
 import math
 
 import pytest
-from helpers import SERVER_CONFIG, SERVER_TEXTS, approx, assistant, call, serving, user
+from helpers import SERVER_CONFIG, SERVER_TEXTS, approx, assistant, call, metric, serving, user
 
 from jaxrm import RewardModel
 from jaxrm.loading import ScoringInfo
@@ -221,6 +221,37 @@ def test_sglang_reward_classify(url, tiny_rm):
   assert [r["embedding"][0] for r in responses] == approx(tiny_rm.score_ids(ids))
 
 
+def test_sglang_openai_embeddings(url, tiny_rm):
+  # sgl-project/sglang, python/sglang/srt/entrypoints/openai/protocol.py: EmbeddingRequest {model,
+  # input: str | list[str] | list[int] | list[list[int]]} -> EmbeddingResponse {data[{embedding,
+  # index, object "embedding"}], model, object "list", usage}; a reward model's embedding is its score.
+  status, reply, _ = call(url, "/v1/embeddings", {"model": MODEL, "input": SERVER_TEXTS})
+  assert status == 200, reply
+  assert (reply["object"], reply["model"]) == ("list", MODEL)
+  assert [(d["object"], d["index"]) for d in reply["data"]] == [("embedding", i) for i in range(3)]
+  assert [d["embedding"][-1] for d in reply["data"]] == approx(tiny_rm.score(SERVER_TEXTS))
+  n = tokens(tiny_rm, SERVER_TEXTS)
+  assert reply["usage"] == {"prompt_tokens": n, "total_tokens": n}
+  ids = tiny_rm.tokenizer(SERVER_TEXTS[2])["input_ids"]
+  status, reply, _ = call(url, "/v1/embeddings", {"input": ids})
+  assert reply["data"][0]["embedding"] == approx(tiny_rm.score_ids([ids])) and reply["model"] == "tiny"
+
+
+def test_openrlhf_get_reward_answers_as_its_serve_rm(url, tiny_rm):
+  # OpenRLHF 0.11.2, openrlhf/utils/agent.py (SingleTurnAgentExecutor._fetch_rewards_via_http):
+  # {"query", "prompts", "labels"}, labels null without --data.label_key; its serve_rm answers
+  # {"rewards", "scores", "extra_logs"}. tests/test_rl_clients.py runs the executor itself.
+  body = {"query": SERVER_TEXTS[:2], "prompts": ["What is 2 + 2?"] * 2, "labels": [None, None]}
+  status, reply, _ = call(url, "/get_reward", body)
+  assert status == 200, reply
+  ids = [tiny_rm.tokenizer(t, add_special_tokens=False)["input_ids"] for t in SERVER_TEXTS[:2]]
+  assert reply["rewards"] == approx(tiny_rm.score_ids(ids)) and reply["scores"] == reply["rewards"]
+  logs = reply["extra_logs"]
+  assert {len(v) for v in logs.values()} == {2}  # a value per query, as OpenRLHF logs them
+  assert logs["reward_health/reward_mean"][0] == metric(url, "jaxrm_reward_mean")
+  assert logs["reward_health/reward_std"][0] == metric(url, "jaxrm_reward_std")
+
+
 # ------------------------------------------------------------------ what is refused, and why
 
 
@@ -263,6 +294,11 @@ def test_sglang_reward_classify(url, tiny_rm):
       "text_2[0] is an object; this server scores texts",
     ),
     ("/v1/classify", {"text": ["a"]}, "the body has neither 'input' nor 'messages'"),
+    ("/v1/embeddings", {"text": "a"}, "the body has no 'input'; send {\"input\": a text"),
+    ("/v1/embeddings", {"input": ["a"] * 5}, "'input' has 5 items; this server scores at most 4"),
+    ("/reward", {"prompt": "a", "label": None}, "the body has no 'response'; send slime's"),
+    ("/reward", {"prompt": "a", "response": ["b"]}, "'response' is a list; expected a string"),
+    ("/reward", {"prompt": 7, "response": "b"}, "prompts[0]"),
   ],
 )
 def test_malformed_format_requests_say_why(url, path, body, message):

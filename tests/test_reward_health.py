@@ -1,0 +1,49 @@
+"""The reward's health signals (jaxrm.reward_health), each against its definition in numpy."""
+
+import math
+
+import numpy as np
+import pytest
+
+from jaxrm import RewardModel, reward_health
+from jaxrm.loading import ScoringInfo
+
+
+def test_batch_health_by_its_definitions():
+  rewards, lengths = [1.0, None, 3.0, math.nan, -2.0, 6.0], [10, 99, 30, 99, 5, 50]
+  health = reward_health.batch_health(
+    rewards, lengths, reward_range=(-1.0, 4.0), truncated=[False, False, True, False, False, True]
+  )
+  real = np.array([1.0, 3.0, -2.0, 6.0])  # None and NaN are no reward: left out
+  assert health == {
+    "reward_mean": pytest.approx(real.mean()),
+    "reward_std": pytest.approx(real.std()),
+    "reward_length_corr": pytest.approx(np.corrcoef(real, [10, 30, 5, 50])[0, 1]),
+    "reward_out_of_range": 0.5,  # -2 and 6
+    "truncated": pytest.approx(2 / 6),
+  }
+
+
+def test_what_cannot_be_measured_is_left_out():
+  assert reward_health.batch_health([None, math.nan]) == {}
+  # One reward, or lengths that do not vary: no correlation; no range, no share outside it.
+  assert set(reward_health.batch_health([1.0], [3])) == {"reward_mean", "reward_std"}
+  assert set(reward_health.batch_health([1.0, 2.0], [3, 3])) == {"reward_mean", "reward_std"}
+
+
+def test_the_window_keeps_the_last_rewards():
+  window = reward_health.Window(size=3, reward_range=(0.0, 1.0))
+  window.add([5.0, 0.5], [1, 2])
+  health = window.add([0.25, 0.75], [3, 4])  # 5.0 has left the window
+  assert health["reward_mean"] == pytest.approx(0.5)
+  assert health["reward_out_of_range"] == 0.0
+  assert health["reward_length_corr"] == pytest.approx(np.corrcoef([0.5, 0.25, 0.75], [2, 3, 4])[0, 1])
+
+
+def test_validation_range_is_the_runs_normalized_as_served(tiny_rm):
+  stats = {"mean": 1.0, "std": 2.0, "min": -3.0, "max": 5.0, "from": "validation-default"}
+  rm = RewardModel(tiny_rm.model, tiny_rm.tokenizer, ScoringInfo(reward_stats=stats))
+  assert reward_health.validation_range(rm) == (-3.0, 5.0)
+  assert reward_health.validation_range(rm, normalize=True) == (-2.0, 2.0)
+  # A run that recorded no range (before min and max were kept) has none.
+  assert reward_health.validation_range(tiny_rm) is None
