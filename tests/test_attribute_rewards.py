@@ -174,3 +174,7 @@ def test_grpo_trainer_weighs_attribute_rewards_beside_an_async_remote_reward(
   assert logged, f"TRL logged no rewards: {trainer.state.log_history}"
   for name in ("rm_helpfulness", "rm_verbosity", "remote_rm"):
     assert f"rewards/{name}/mean" in logged[-1], logged[-1]
+    # The reward's health, through TRL's log_metric: an attribute's reward_mean is its mean.
+    assert logged[-1][f"reward_health/{name}/reward_mean"] == pytest.approx(
+      logged[-1][f"rewards/{name}/mean"]
+    )
