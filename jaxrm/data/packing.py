@@ -10,14 +10,19 @@ G items of one sequence each, every one read at its last token. The layouts, and
 outputs are gathered back into the unpacked ``[G, K]`` / ``[G, T, C]`` / ``[G, A]`` / ``[G]``
 layout, are documented in :mod:`jaxrm.batches`.
 
-Rows are filled first-fit in order of decreasing length. A row that holds no sequence is all
-padding; attention masks every key of it with a finite logit, so it stays NaN-free.
+Rows are filled first-fit in order of decreasing length. With ``PackSpec.fit_multiple``, each
+batch's row length and row count are chosen together, as the pair that holds the batch in the
+fewest token slots (:func:`fitted_shape`). Padding lies at the end of each row (and in whole empty
+rows), after every real token: causal attention never reads it, so the flash kernel skips its
+blocks for every real query. A row that holds no sequence is all padding; attention masks every
+key of it with a finite logit, so it stays NaN-free. :func:`fill` is the share of the fed token
+slots that hold a real token, as the packer plans them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import jax
 import numpy as np
@@ -51,6 +56,13 @@ class PackSpec:
     rows_multiple: the row count B is rounded up to a multiple of this (fewer distinct shapes to
       compile).
     rewards_multiple: R, the reward slots per row, is rounded up to a multiple of this.
+    fit_multiple: when > 0, each batch's shape is fitted to it (:func:`fitted_shape`): its rows'
+      length T, a multiple of this up to ``row_length``, and their count B, a multiple of
+      ``rows_multiple``, are the pair with the fewest token slots B x T that holds every group
+      (``length_multiple`` then does not apply). A batch then takes one of at most
+      ``row_length / fit_multiple`` row lengths times ``groups / rows_multiple`` row counts; the
+      row count a caller fixes (``num_rows``) keeps rows ``row_length`` long. 0: rows are
+      ``row_length`` long (or as ``length_multiple`` says), as many as first-fit needs.
   """
 
   row_length: int
@@ -59,12 +71,19 @@ class PackSpec:
   pad_id: int = 0
   rows_multiple: int = 1
   rewards_multiple: int = 8
+  fit_multiple: int = 0
 
   def __post_init__(self):
-    if self.row_length < 1 or self.length_multiple < 0 or self.rows_multiple < 1 or self.rewards_multiple < 1:
+    if (
+      self.row_length < 1
+      or min(self.length_multiple, self.fit_multiple) < 0
+      or self.rows_multiple < 1
+      or self.rewards_multiple < 1
+    ):
       raise ValueError(
         f"PackSpec needs positive sizes, got row_length={self.row_length}, "
-        f"rows_multiple={self.rows_multiple}, rewards_multiple={self.rewards_multiple}"
+        f"rows_multiple={self.rows_multiple}, rewards_multiple={self.rewards_multiple} (and "
+        f"length_multiple={self.length_multiple}, fit_multiple={self.fit_multiple} of 0 or more)"
       )
 
 
@@ -153,27 +172,110 @@ def plan_rows(lengths: Sequence[int], row_length: int, sources: Sequence[str]) -
   return rows
 
 
+# Placements a search for fewer rows than first-fit found may try, per batch part and row length:
+# the work per batch stays bounded (and the result deterministic) whatever the groups' lengths.
+SEARCH_STEPS = 2_000
+
+
+def fit_rows(lengths: Sequence[int], row_length: int, num_rows: int) -> list[list[int]] | None:
+  """Unit indices per row placing every one of ``lengths`` in ``num_rows`` rows of
+  ``row_length`` tokens, each row's units in placement order (longest first); None where a
+  depth-first search of at most :data:`SEARCH_STEPS` placements finds none."""
+  order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+  free = [row_length] * num_rows
+  choice = [-1] * len(order)  # the row of each unit placed so far, in ``order``
+  i = steps = 0
+  while 0 <= i < len(order):
+    n = lengths[order[i]]
+    if choice[i] >= 0:  # back here: take the unit out of its row, to try the next
+      free[choice[i]] += n
+    # Rows with equal room are alike to the units left: try the first of each.
+    row = next((r for r in range(choice[i] + 1, num_rows) if free[r] >= n and free[r] not in free[:r]), None)
+    steps += 1
+    if steps > SEARCH_STEPS:
+      return None
+    if row is None:
+      choice[i], i = -1, i - 1
+      continue
+    free[row] -= n
+    choice[i], i = row, i + 1
+  if i < 0:
+    return None
+  rows = [[] for _ in range(num_rows)]
+  for k, r in enumerate(choice):
+    rows[r].append(order[k])
+  return [r for r in rows if r]
+
+
+def fitted_shape(
+  parts: Sequence[Sequence[int]], spec: PackSpec, sources: Sequence[Sequence[str]] | None = None
+) -> tuple[int, int, list[list[list[int]]]]:
+  """The rows of one batch packed as ``spec`` says: (row length T, rows per part B, each part's
+  unit indices per row).
+
+  ``parts`` are the lengths of the units of every part of the batch (every host's micro-batches,
+  each packed into rows of its own, all of one shape). With ``spec.fit_multiple``, T (a multiple
+  of it, at most ``spec.row_length``) and B (a multiple of ``spec.rows_multiple``) are the pair
+  with the fewest token slots B x T that holds every part, shorter rows first among equals; each
+  part's rows are filled first-fit decreasing, or where that needs more rows than the slots
+  allow, by :func:`fit_rows`. Without, T is as ``spec.row_length`` and ``spec.length_multiple``
+  say and B as many rows as first-fit needs.
+  """
+  sources = sources or [[f"unit {i}" for i in range(len(p))] for p in parts]
+  longest = max((n for p in parts for n in p), default=1)
+  if not spec.fit_multiple:
+    t = spec.row_length
+    if spec.length_multiple:
+      t = min(spec.row_length, _round_up(longest, spec.length_multiple))
+    plans = [plan_rows(p, t, s) for p, s in zip(parts, sources)]
+    return t, _round_up(max(map(len, plans), default=0), spec.rows_multiple), plans
+  if longest > spec.row_length:
+    plan_rows([longest], spec.row_length, [_longest_source(parts, sources)])  # raises, naming it
+  best = None
+  for slots, t, b in _candidate_shapes(parts, spec, longest):
+    if best is not None and (slots, t) >= (best[1] * best[0], best[0]):
+      break  # no shape left can beat the best one found
+    plans = [plan_rows(p, t, s) for p, s in zip(parts, sources)]
+    if _round_up(max(map(len, plans)), spec.rows_multiple) > b:
+      searched = [fit_rows(p, t, b) if len(plan) > b else plan for p, plan in zip(parts, plans)]
+      plans = searched if all(plan is not None for plan in searched) else plans
+    rows = _round_up(max(map(len, plans)), spec.rows_multiple)
+    if best is None or (rows * t, t) < (best[1] * best[0], best[0]):
+      best = (t, rows, plans)
+  return best
+
+
+def _candidate_shapes(
+  parts: Sequence[Sequence[int]], spec: PackSpec, longest: int
+) -> list[tuple[int, int, int]]:
+  """(the fewest slots, row length, rows) of every row length a fitted batch may take, the fewest
+  slots first: each part's tokens over the row length, rounded up to ``spec.rows_multiple``."""
+  m = spec.fit_multiple
+  lengths = [t for t in range(_round_up(longest, m), spec.row_length + 1, m)] or [spec.row_length]
+  shapes = []
+  for t in lengths:
+    b = _round_up(max((-(-sum(p) // t) for p in parts), default=1), spec.rows_multiple)
+    shapes.append((b * t, t, b))
+  return sorted(shapes)
+
+
+def _longest_source(parts: Sequence[Sequence[int]], sources: Sequence[Sequence[str]]) -> str:
+  return max((n, s) for p, ss in zip(parts, sources) for n, s in zip(p, ss))[1]
+
+
 def _row_length(units: list[list[_Piece]], spec: PackSpec) -> int:
-  """The length of this batch's rows: see ``PackSpec.length_multiple``."""
+  """The length of this batch's rows without fitting: see ``PackSpec.length_multiple``."""
   if not spec.length_multiple:
     return spec.row_length
   longest = max((_length(u) for u in units), default=1)
   return min(spec.row_length, _round_up(longest, spec.length_multiple))
 
 
-def _plan(units: list[list[_Piece]], spec: PackSpec, sources: Sequence[str]) -> tuple[int, list[list[int]]]:
-  """The batch's row length, and which units go in each row."""
-  row_length = _row_length(units, spec)
-  return row_length, plan_rows([_length(u) for u in units], row_length, sources)
-
-
 def _round_up(n: int, multiple: int) -> int:
   return -(-max(n, 1) // multiple) * multiple
 
 
-def _rows_needed(plan: list[list[int]], row_length: int, spec: PackSpec, num_rows: int | None) -> int:
-  if num_rows is None:
-    return _round_up(len(plan), spec.rows_multiple)
+def _rows_needed(plan: list[list[int]], row_length: int, num_rows: int) -> int:
   if len(plan) > num_rows:
     raise ValueError(
       f"packing needs {len(plan)} rows of {row_length} tokens but "
@@ -283,8 +385,14 @@ def _laid_out(
   (``num_rows``, or as many as the plan needs) and the reward slots per row (``num_rewards``, or
   the most any row reads, rounded up to ``spec.rewards_multiple``)."""
   units = [_unit(e, spec.shared_prompt) for e in examples]
-  t, plan = _plan(units, spec, [e.source for e in examples])
-  rows = _Rows(_rows_needed(plan, t, spec, num_rows), t, spec.pad_id)
+  lengths, sources = [_length(u) for u in units], [e.source for e in examples]
+  if num_rows is None:
+    t, b, [plan] = fitted_shape([lengths], spec, [sources])
+  else:
+    t = _row_length(units, spec)
+    plan = plan_rows(lengths, t, sources)
+    b = _rows_needed(plan, t, num_rows)
+  rows = _Rows(b, t, spec.pad_id)
   return units, plan, rows, num_rewards or _round_up(rewards_per_row(examples, plan), spec.rewards_multiple)
 
 
@@ -496,28 +604,17 @@ class PackedCollator:
     self, groups: Sequence[Example]
   ) -> PackedPreferenceBatch | PackedStepwiseBatch | PackedRegressionBatch | PackedLabelledBatch:
     n = self.micro_batches
-    # slices[p][m]: host p's micro-batch m.
-    slices = [
-      [list(groups[p * self.batch_size : (p + 1) * self.batch_size])[m::n] for m in range(n)]
-      for p in range(self.process_count)
-    ]
-    parts = [part for host in slices for part in host]
-    units = [[_unit(e, self.spec.shared_prompt) for e in part] for part in parts]
-    # Every host's rows are as long as the longest any host needs.
-    row_length = _row_length([u for part in units for u in part], self.spec)
-    spec = dataclasses.replace(self.spec, row_length=row_length, length_multiple=0)
-    plans = [_plan(u, spec, [e.source for e in part])[1] for u, part in zip(units, parts)]
-    num_rows = _round_up(max(map(len, plans)), spec.rows_multiple)
+    parts, units, row_length, num_rows, plans = self._layout(groups)
     num_rewards = _round_up(
-      max(rewards_per_row(part, plan) for part, plan in zip(parts, plans)), spec.rewards_multiple
+      max(rewards_per_row(part, plan) for part, plan in zip(parts, plans)), self.spec.rewards_multiple
     )
     micro = []
     first_row = self.process_index * num_rows  # this host's rows follow the lower hosts'
     g = self.batch_size // n
-    for m, local in enumerate(slices[self.process_index]):
+    for m in range(n):
       part = self.process_index * n + m
-      rows = _Rows(num_rows, row_length, spec.pad_id)
-      placed = (local, units[part], plans[part], rows, g)
+      rows = _Rows(num_rows, row_length, self.spec.pad_id)
+      placed = (parts[part], units[part], plans[part], rows, g)
       if isinstance(groups[0], StepwiseExample):
         batch = _fill_stepwise(*placed, first_row)
       elif isinstance(groups[0], PreferenceExample):
@@ -529,3 +626,37 @@ class PackedCollator:
     if n == 1:
       return micro[0]
     return jax.tree.map(lambda *arrays: np.stack(arrays), *micro)
+
+  def fill(self, groups: Sequence[Example]) -> tuple[int, int]:
+    """(tokens written, token slots fed) of the global batch ``groups`` over every host and
+    micro-batch, as :meth:`__call__` packs it (a shared prompt written once), without building
+    its arrays."""
+    parts, units, row_length, num_rows, _ = self._layout(groups)
+    written = sum(_length(u) for part in units for u in part)
+    return written, len(parts) * num_rows * row_length
+
+  def _layout(self, groups: Sequence[Example]):
+    """Every part's examples (host p's micro-batch m at ``p * micro_batches + m``), their units,
+    the row length and count all parts share, and each part's plan."""
+    n = self.micro_batches
+    # Micro-batch m of a host takes every n-th of its groups from the m-th on.
+    parts = [
+      list(groups[p * self.batch_size : (p + 1) * self.batch_size])[m::n]
+      for p in range(self.process_count)
+      for m in range(n)
+    ]
+    units = [[_unit(e, self.spec.shared_prompt) for e in part] for part in parts]
+    lengths = [[_length(u) for u in part] for part in units]
+    row_length, num_rows, plans = fitted_shape(lengths, self.spec, [[e.source for e in p] for p in parts])
+    return parts, units, row_length, num_rows, plans
+
+
+def fill(batches: Iterable[Sequence[Example]], collate: PackedCollator) -> float:
+  """The share of the fed token slots that hold a real token (a shared prompt counted once, as
+  written) over the global batches ``batches``, as ``collate`` packs them: what
+  ``train/packing_efficiency`` will read for those batches, planned without building them."""
+  written = fed = 0
+  for groups in batches:
+    w, f = collate.fill(groups)
+    written, fed = written + w, fed + f
+  return written / fed if fed else 0.0

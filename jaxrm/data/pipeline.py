@@ -22,6 +22,7 @@ micro-batches carries a leading ``[n]`` axis on every array, its batch dimension
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 
 import grain
@@ -35,6 +36,8 @@ from jaxrm.data import grouping, packing
 from jaxrm.data.packing import Example, PackedCollator, PackSpec
 from jaxrm.data.tokenize import LabelledExample, PreferenceExample, RatedExample, StepwiseExample
 from jaxrm.errors import DataError
+
+log = logging.getLogger(__name__)
 
 
 def length_buckets(max_length: int, multiple: int = 64) -> tuple[int, ...]:
@@ -162,16 +165,22 @@ def token_counts(batch: Batch | Sequence[Batch]) -> tuple[int, float]:
   return real, real / fed if fed else 0.0
 
 
+FILL_BATCHES = 64  # packed runs: the first batches whose fill the packer plans at the start
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainStream:
   """How a training iterator walks the data.
 
   An epoch is ``steps_per_epoch`` global batches; the examples left over after the last full
   global batch are skipped for that epoch (a different few each epoch, as the order is reshuffled).
+  ``fill``: with packed rows, the share of the fed token slots that hold a real token over the
+  first :data:`FILL_BATCHES` batches, as the packer plans them (``packing.fill``); None unpacked.
   """
 
   num_examples: int
   global_batch_size: int
+  fill: float | None = None
 
   @property
   def steps_per_epoch(self) -> int:
@@ -237,6 +246,14 @@ def make_train_iterator(
   collate = train_collator(
     examples, batch_size, buckets, pad_id, num_completions, process_index, process_count, pack, micro_batches
   )
+  if isinstance(collate, PackedCollator):
+    first = first_batches(examples, stream.global_batch_size, seed, FILL_BATCHES)
+    stream = dataclasses.replace(stream, fill=packing.fill(first, collate))
+    log.info(
+      "packed rows: %.1f%% of the fed token slots hold a real token over the first %d batches (planned)",
+      100 * stream.fill,
+      len(first),
+    )
   if group_by_length:
     # Epoch e's order is drawn from (seed, e) alone; batches never straddle two epochs, as each
     # epoch holds a whole number of global batches.
@@ -244,10 +261,7 @@ def make_train_iterator(
     ds = grain.MapDataset.source(grouping.GroupedEpochs(examples, lengths, stream.global_batch_size, seed))
     ds = ds.batch(stream.global_batch_size, drop_remainder=True, batch_fn=list).map(collate)
   else:
-    # Grain shuffles epoch e with seed + e; mixing the seed first keeps runs with seeds s and s + 1
-    # from seeing the same orders one epoch apart.
-    shuffle_seed = int(np.random.SeedSequence(seed).generate_state(1)[0])
-    ds = grain.MapDataset.source(examples).shuffle(seed=shuffle_seed)
+    ds = grain.MapDataset.source(examples).shuffle(seed=_shuffle_seed(seed))
     # MapDataset.batch keeps epochs apart and drops each epoch's remainder; repeat() then reads
     # epoch e through the shuffle seeded for epoch e.
     ds = ds.batch(stream.global_batch_size, drop_remainder=True, batch_fn=list)
@@ -260,6 +274,23 @@ def make_train_iterator(
       flags.FLAGS.mark_as_parsed()
     it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
   return iter(it), stream
+
+
+def _shuffle_seed(seed: int) -> int:
+  # Grain shuffles epoch e with seed + e; mixing the seed first keeps runs with seeds s and s + 1
+  # from seeing the same orders one epoch apart.
+  return int(np.random.SeedSequence(seed).generate_state(1)[0])
+
+
+def first_batches(
+  examples: Sequence[Example], global_batch_size: int, seed: int, num_batches: int
+) -> list[list]:
+  """The first ``num_batches`` global batches (of at most one epoch) that a training iterator of
+  ``seed`` collates, in order, as lists of examples (the shuffled order without
+  ``group_by_length``)."""
+  order = grain.MapDataset.source(range(len(examples))).shuffle(seed=_shuffle_seed(seed))
+  n = min(num_batches, len(examples) // global_batch_size)
+  return [[examples[order[b * global_batch_size + i]] for i in range(global_batch_size)] for b in range(n)]
 
 
 def make_eval_batches(
