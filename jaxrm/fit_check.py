@@ -12,7 +12,12 @@ The compile does not see everything a device holds. Its verdict keeps a margin
 (:data:`MARGIN_FRACTION` of the memory JAX may use, at least :data:`MARGIN_MIN_BYTES`) for what lies
 outside ``memory_analysis()``: cuBLAS, cuDNN and NCCL workspaces, and the different kernels an
 on-device compile may autotune to (this one cannot autotune, and keeps Triton fusions where a GPU
-might pick cuBLAS). It says nothing of speed or of numerics on the device.
+might pick cuBLAS). It says nothing of numerics on the device. Its speed is an estimate from the
+compiled program (:mod:`jaxrm.step_time`: a roofline per kernel, scaled by the measured GPU steps of
+its calibration), printed with its error against those steps.
+
+:func:`choose` compiles a run again at other settings to fill the card: the cheapest remat policy
+that fits, then the largest micro-batch that fits.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrm import gpu_targets, loading, sharding
+from jaxrm import gpu_targets, loading, sharding, step_time
 from jaxrm.config import RunConfig
 from jaxrm.data import pipeline
 from jaxrm.data.run_data import Batching, batching
@@ -55,8 +60,8 @@ class FitReport:
   opt_state_bytes: int
   train: ProgramMemory  # the train step's program with the larger total (micro-batched: two)
   train_programs: dict[str, ProgramMemory]
-  eval: ProgramMemory
-  eval_peak_bytes: int  # the validation step's total with the train state alive beside it
+  eval: ProgramMemory | None  # None: the run has no validation set, nothing compiled for one
+  eval_peak_bytes: int  # the validation step's total with the train state alive beside it (0: none)
   budget_bytes: int  # what JAX may use of the card
   mem_fraction: float
   margin_bytes: int
@@ -67,11 +72,28 @@ class FitReport:
   collectives: dict[str, int]  # kind -> instructions in the train step
   model_flops: float  # per step: 6 N per token + 12 L H Dh per attended (query, key) pair
   compile_s: float
+  estimate: step_time.StepEstimate  # one train step (every micro-batch and the update), uncalibrated
+  tokens: int  # fed token slots per step, all devices together
+  max_steps: int
   advice: tuple[str, ...] = ()
 
   @property
+  def devices(self) -> int:
+    return math.prod(self.mesh_shape.values())
+
+  @property
+  def step_s(self) -> float:
+    """The estimated seconds of one train step, calibrated (:func:`jaxrm.step_time.calibrated`)."""
+    return step_time.calibrated(self.estimate.seconds)
+
+  @property
+  def mfu(self) -> float:
+    """Model FLOPs (recomputation not counted) per second over the devices' dense bf16 peak."""
+    return self.model_flops / (self.step_s * self.devices * self.target.peak_bf16_flops)
+
+  @property
   def peak_bytes(self) -> int:
-    return max(self.train.total_bytes, self.eval_peak_bytes)
+    return max(self.train.total_bytes, self.eval_peak_bytes)  # no validation: eval_peak_bytes 0
 
   @property
   def fits(self) -> bool:
@@ -95,14 +117,20 @@ class FitReport:
       f"model FLOPs per step: {self.model_flops / 1e12:.2f} TFLOP (6 N per token + 12 L H Dh per "
       "attended key)",
       f"compile: {self.compile_s:.1f} s",
+      *self.time_lines(),
       "per device:",
       f"  parameters      {gib(self.param_bytes)} ({self.params:,} parameters, {self.trainable:,} trained)",
       f"  optimizer state {gib(self.opt_state_bytes)}",
     ]
     for name, program in self.train_programs.items():
       out.append(f"  train {name + ':':9} {program.line()}")
+    if self.eval is None:
+      out.append("  eval step:      none (no validation set: data.val_data_paths is empty)")
+    else:
+      out.append(
+        f"  eval step:      {self.eval.line()}; with the train state beside it {gib(self.eval_peak_bytes)}"
+      )
     out += [
-      f"  eval step:      {self.eval.line()}; with the train state beside it {gib(self.eval_peak_bytes)}",
       f"  peak            {gib(self.peak_bytes)}",
       f"  margin          {gib(self.margin_bytes)} (workspaces, NCCL buffers and autotuned kernels "
       "lie outside the compiler's figures)",
@@ -113,6 +141,34 @@ class FitReport:
     if not self.fits:
       out += ["to fit, change one of:", *(f"  {a}" for a in self.advice)]
     return out
+
+  def time_lines(self) -> list[str]:
+    """The step time estimated from the compiled program, with its calibration's error."""
+    e, t = self.estimate, self.target
+    recomputed = max(e.flops - self.model_flops / self.devices, 0.0) / max(e.flops, 1.0)
+    gpus = f"{self.devices} GPU{'s' if self.devices > 1 else ''}"
+    return [
+      f"time (estimated from the compiled program, not measured): {self.step_s:.3f} s a step on {t.name}, "
+      f"{self.tokens:,} token slots a step, {self.tokens / self.step_s:,.0f} tokens/s, "
+      f"MFU {self.mfu:.1%} of {t.peak_bf16_flops / 1e12:.0f} TFLOP/s a GPU",
+      f"  per device the program computes {e.flops / 1e12:.2f} TFLOP, {recomputed:.0%} of it beyond the "
+      f"model's FLOPs (recomputation; MFU counts model FLOPs only), and moves {e.bytes / 1e9:.1f} GB in "
+      f"{e.launches:,} kernels: matmuls {e.share('gemm'):.0%}, attention kernels {e.share('pallas'):.0%}, "
+      f"other fusions {e.share('fusion') + e.share('other'):.0%}, collectives {e.share('collective'):.0%} "
+      "of the time",
+      f"  a run of {self.max_steps:,} steps (train.max_steps) takes about "
+      f"{duration(self.max_steps * self.step_s)} on {gpus} (training steps only)",
+      f"  {step_time.calibration_line()}",
+    ]
+
+
+def duration(seconds: float) -> str:
+  """``seconds`` in the unit a person reads it in: seconds, minutes or hours."""
+  if seconds < 90:
+    return f"{seconds:.0f} s"
+  if seconds < 5400:
+    return f"{seconds / 60:.0f} minutes"
+  return f"{seconds / 3600:.1f} hours"
 
 
 def _counts(counts: dict[str, int]) -> str:
@@ -182,22 +238,25 @@ def check(
     micro_batched=plan.micro_batched,
   )
   state = built.state
-  examples = _largest_examples(config, cfg, k, max(plan.per_host, plan.eval_per_host) * hosts)
-  train_batch = _abstract(
-    _train_batch(examples, plan, cfg), mesh, hosts, stacked=plan.pack is not None and plan.grad_accum > 1
-  )
-  eval_batch = _abstract(_eval_batch(examples, plan, cfg), mesh, hosts)
+  validates = validates_during(config)
+  eval_n = plan.eval_per_host if validates else 0
+  examples = _largest_examples(config, cfg, k, max(plan.per_host, eval_n) * hosts)
+  stacked = plan.pack is not None and plan.grad_accum > 1
+  train_batch = _abstract(_train_batch(examples, plan, cfg), mesh, hosts, stacked=stacked)
+  eval_batch = _abstract(_eval_batch(examples, plan, cfg), mesh, hosts) if validates else None
   start = time.perf_counter()
   with gpu_targets.uncached():
     if plan.micro_batched:
       programs = built.train_step.compile_programs(state, train_batch)
     else:
       programs = {"step": built.train_step.compile(state, train_batch)}
-    eval_compiled = built.eval_step.compile(_model_params(state), eval_batch)
+    eval_compiled = built.eval_step.compile(_model_params(state), eval_batch) if validates else None
   compile_s = time.perf_counter() - start
   train, each = step_memory(programs, resident_bytes=bytes_per_device(state["opt_state"]))
-  evaluation = ProgramMemory.of(eval_compiled)
+  evaluation = ProgramMemory.of(eval_compiled) if validates else None
   state_bytes = bytes_per_device(state)
+  sequences = config.train.global_batch_size * (k or 1)
+  estimate = _estimate(programs, target, plan, _attended(config, sequences, train_batch, plan, stacked))
   fraction = mem_fraction() if fraction is None else fraction
   budget = int(target.memory_bytes * fraction)
   text = "\n".join(p.as_text() for p in programs.values())
@@ -213,10 +272,9 @@ def check(
     train=train,
     train_programs=each,
     eval=evaluation,
-    eval_peak_bytes=state_bytes
-    + evaluation.temp_bytes
-    + evaluation.output_bytes
-    + bytes_per_device(eval_batch),
+    eval_peak_bytes=0
+    if evaluation is None
+    else state_bytes + evaluation.temp_bytes + evaluation.output_bytes + bytes_per_device(eval_batch),
     budget_bytes=budget,
     mem_fraction=fraction,
     margin_bytes=max(int(budget * MARGIN_FRACTION), MARGIN_MIN_BYTES),
@@ -227,8 +285,175 @@ def check(
     collectives=collectives(text),
     model_flops=_model_flops(cfg, config, k, hosts),
     compile_s=compile_s,
+    estimate=estimate,
+    tokens=int(np.prod(train_batch.input_ids.shape)) * (1 if stacked else plan.grad_accum),
+    max_steps=config.train.max_steps,
   )
   return dataclasses.replace(report, advice=tuple(advice(report, config)))
+
+
+def validates_during(config: RunConfig) -> bool:
+  """Whether the run validates at all: a validation set, and a round at some point."""
+  e = config.eval
+  return bool(config.data.val_data_paths) and (e.val_period > 0 or e.val_at_start or e.val_at_end)
+
+
+# ------------------------------------------------------------------ the time
+
+
+def _estimate(programs: dict, target: gpu_targets.GpuTarget, plan: Batching, attended: float):
+  """One train step's estimate: the single program, or every micro-batch's gradient program and
+  the update."""
+  each = {name: step_time.estimate(p.as_text(), target, attended=attended) for name, p in programs.items()}
+  if "step" in each:
+    return each["step"]
+  return each["gradient"].times(plan.grad_accum) + each["update"]
+
+
+def _attended(config: RunConfig, sequences: int, batch, plan: Batching, stacked: bool) -> float:
+  """The share of the fed rows' causal (query, key) pairs that the step's sequences attend: 1 for
+  one sequence per row; less where a packed row holds several (the kernel skips the rest)."""
+  t = config.data.max_length
+  shape = batch.input_ids.shape
+  rows, length = int(np.prod(shape[:-1])), shape[-1]
+  programs = 1 if stacked else plan.grad_accum
+  causal = rows * programs * length * (length + 1) / 2
+  return min(sequences * t * (t + 1) / 2 / causal, 1.0)
+
+
+# ------------------------------------------------------------------ the choice
+
+# The remat policies the choice tries, least recomputation first: `elementwise` recomputes no
+# product; `dots` and `full` recompute products and are taken only where the cheaper do not fit.
+REMAT_ORDER = ("elementwise", "dots", "full")
+MAX_GROWTH = 8  # the choice grows the micro-batch at most this many times over the config's
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """The settings :func:`choose` picked, the report of the run with them, and why."""
+
+  remat: str
+  micro_batch_size: int
+  global_batch_size: int
+  report: FitReport | None  # None: nothing tried fits
+  why: tuple[str, ...]
+
+  @property
+  def exit_status(self) -> int:
+    """``python -m jaxrm.plan --choose``'s: 0 when the choice fits, 1 when nothing tried does."""
+    return 1 if self.report is None else 0
+
+  def overrides(self) -> str:
+    """The choice as the command line's overrides."""
+    return (
+      f"--config.model.remat={self.remat} --config.train.micro_batch_size={self.micro_batch_size} "
+      f"--config.train.global_batch_size={self.global_batch_size}"
+    )
+
+  def lines(self) -> list[str]:
+    if self.report is None:
+      return ["choice: nothing tried fits", *(f"  {w}" for w in self.why)]
+    return ["choice: " + self.overrides(), *(f"  {w}" for w in self.why)]
+
+
+def with_settings(config: RunConfig, remat: str, micro: int, global_batch: int) -> RunConfig:
+  """``config`` with another remat policy, micro-batch and global batch."""
+  return dataclasses.replace(
+    config,
+    model=dataclasses.replace(config.model, remat=remat),
+    train=dataclasses.replace(config.train, micro_batch_size=micro, global_batch_size=global_batch),
+  )
+
+
+def choose(
+  config: RunConfig,
+  target: str | gpu_targets.GpuTarget,
+  topology: str = "1x1",
+  *,
+  completions: int = 2,
+  fraction: float | None = None,
+  max_growth: int = MAX_GROWTH,
+  check_fn=None,
+) -> Choice:
+  """The remat policy and micro-batch that fill the card: the first policy of :data:`REMAT_ORDER`
+  that fits at the config's micro-batch (halved until one fits), then that micro-batch doubled
+  while it fits, up to ``max_growth`` times the config's. The global batch grows with the
+  micro-batch where it would fall below one micro-batch per data-parallel device (more tokens a
+  step), and is kept otherwise (more micro-batches fill the same card). Each try is a compile.
+
+  ``check_fn`` stands in for :func:`check` (same arguments).
+  """
+  check_fn = check_fn or check
+  run = lambda remat, micro: check_fn(
+    with_settings(config, remat, micro, _global_batch(config, micro, dp[0])),
+    target,
+    topology,
+    completions=completions,
+    fraction=fraction,
+  )
+  micro = config.train.micro_batch_size
+  dp = [1]  # data-parallel devices, known from the first report's mesh
+  why: list[str] = []
+  for remat in REMAT_ORDER:
+    report = run(remat, micro)
+    dp[0] = report.mesh_shape.get("data", 1) * report.mesh_shape.get("fsdp", 1)
+    if report.fits:
+      why.append(f"model.remat={remat}: {_remat_why(remat)}")
+      break
+    why.append(
+      f"model.remat={remat} does not fit at micro_batch_size={micro} ({gib(report.peak_bytes)} a device)"
+    )
+  while not report.fits and micro > 1:  # the last policy, on smaller micro-batches
+    micro //= 2
+    report = run(remat, micro)
+    why.append(
+      f"micro_batch_size={micro} {'fits' if report.fits else 'does not fit'} with model.remat={remat}"
+    )
+    if report.fits:
+      why.append(f"model.remat={remat}: {_remat_why(remat)}")
+  if not report.fits:
+    return Choice(remat, micro, _global_batch(config, micro, dp[0]), None, tuple(why + list(report.advice)))
+  best = (micro, report)
+  while micro * 2 <= config.train.micro_batch_size * max_growth:
+    micro *= 2
+    trial = run(remat, micro)
+    if not trial.fits:
+      why.append(f"micro_batch_size={micro} does not fit ({gib(trial.peak_bytes)} a device)")
+      break
+    best = (micro, trial)
+  micro, report = best
+  gbs = _global_batch(config, micro, dp[0])
+  if micro != config.train.micro_batch_size:
+    why.append(
+      f"train.micro_batch_size={micro} (was {config.train.micro_batch_size}): the largest that fits "
+      f"with the margin (tried up to {max_growth}x)"
+    )
+  if gbs != config.train.global_batch_size:
+    why.append(
+      f"train.global_batch_size={gbs} (was {config.train.global_batch_size}): a whole micro-batch on "
+      "each data-parallel device; an update sees more groups (revisit the learning rate)"
+    )
+  why.append(
+    f"{report.tokens:,} token slots a step, estimated {report.step_s:.3f} s a step, "
+    f"{report.tokens / report.step_s:,.0f} tokens/s, MFU {report.mfu:.1%}"
+  )
+  return Choice(remat, micro, gbs, report, tuple(why))
+
+
+def _global_batch(config: RunConfig, micro: int, data_parallel: int) -> int:
+  """The config's global batch, rounded up to whole micro-batches of ``micro`` on every
+  data-parallel device."""
+  per_update = micro * data_parallel
+  return -(-config.train.global_batch_size // per_update) * per_update
+
+
+def _remat_why(remat: str) -> str:
+  return {
+    "elementwise": "recomputes no product (norms, rope and activations only)",
+    "dots": "keeps only the products' outputs: the cheaper policy does not fit",
+    "full": "keeps only each layer's input: the cheaper policies do not fit",
+  }[remat]
 
 
 # ------------------------------------------------------------------ the model

@@ -53,6 +53,19 @@ class GpuTarget:
   compute_capability: tuple[int, int]
   accelerated_features: bool  # sm_90a/sm_100a: Hopper's and Blackwell's arch-specific instructions
   dnn_version: tuple[int, int, int]
+  # Dense bfloat16 tensor-core peak in FLOP/s, from NVIDIA's data sheet (not XLA's spec files):
+  # what MFU is measured against and the time estimate (jaxrm.step_time) divides by.
+  peak_bf16_flops: float = 0.0
+
+  def peak_flops(self, dtype: str) -> float:
+    """The card's dense tensor-core peak for products of ``dtype`` (HLO's name): bfloat16 and
+    float16 at :attr:`peak_bf16_flops`, 8-bit floats at twice it, float32 as TF32 at half (JAX's
+    default precision on these cards)."""
+    if dtype.startswith("f8"):
+      return 2 * self.peak_bf16_flops
+    if dtype in ("f32", "f64"):
+      return self.peak_bf16_flops / 2
+    return self.peak_bf16_flops
 
   def spec(self) -> str:
     """This GPU as ``GpuTargetConfigProto`` text."""
@@ -126,6 +139,7 @@ TARGETS: dict[str, GpuTarget] = {
       memory_bytes=84942979072,
       memory_bandwidth=3352320000000,
       dnn_version=(8, 9, 4),
+      peak_bf16_flops=989e12,
       **_HOPPER,
     ),
     GpuTarget(
@@ -135,6 +149,7 @@ TARGETS: dict[str, GpuTarget] = {
       memory_bytes=151397597184,
       memory_bandwidth=4800000000000,
       dnn_version=(9, 10, 0),
+      peak_bf16_flops=989e12,
       **_HOPPER,
     ),
     GpuTarget(
@@ -152,6 +167,7 @@ TARGETS: dict[str, GpuTarget] = {
       compute_capability=(8, 0),
       accelerated_features=False,
       dnn_version=(8, 9, 4),
+      peak_bf16_flops=312e12,
     ),
     GpuTarget(
       "b200",
@@ -168,6 +184,7 @@ TARGETS: dict[str, GpuTarget] = {
       compute_capability=(10, 0),
       accelerated_features=True,
       dnn_version=(9, 7, 0),
+      peak_bf16_flops=2250e12,
     ),
   )
 }
