@@ -56,13 +56,13 @@ class PackSpec:
     rows_multiple: the row count B is rounded up to a multiple of this (fewer distinct shapes to
       compile).
     rewards_multiple: R, the reward slots per row, is rounded up to a multiple of this.
-    fit_multiple: when > 0, each batch's shape is fitted to it (:func:`fitted_shape`): its rows'
-      length T, a multiple of this up to ``row_length``, and their count B, a multiple of
-      ``rows_multiple``, are the pair with the fewest token slots B x T that holds every group
-      (``length_multiple`` then does not apply). A batch then takes one of at most
-      ``row_length / fit_multiple`` row lengths times ``groups / rows_multiple`` row counts; the
-      row count a caller fixes (``num_rows``) keeps rows ``row_length`` long. 0: rows are
-      ``row_length`` long (or as ``length_multiple`` says), as many as first-fit needs.
+    fit_multiple: when > 0, each batch's shape is fitted (:func:`fitted_shape`): its rows'
+      length T (a multiple of this up to ``row_length``, or ``row_length``) and their count B (a
+      multiple of ``rows_multiple``) are the pair with the fewest token slots B x T that holds
+      every group (``length_multiple`` then does not apply). A batch then takes one of at most
+      ``row_length / fit_multiple + 1`` row lengths times ``groups / rows_multiple`` row counts.
+      The row count a caller fixes (``num_rows``) keeps rows unfitted. 0: rows are ``row_length``
+      long (or as ``length_multiple`` says), as many as first-fit needs.
   """
 
   row_length: int
@@ -215,8 +215,9 @@ def fitted_shape(
 
   ``parts`` are the lengths of the units of every part of the batch (every host's micro-batches,
   each packed into rows of its own, all of one shape). With ``spec.fit_multiple``, T (a multiple
-  of it, at most ``spec.row_length``) and B (a multiple of ``spec.rows_multiple``) are the pair
-  with the fewest token slots B x T that holds every part, shorter rows first among equals; each
+  of it up to ``spec.row_length``, or ``spec.row_length``) and B (a multiple of
+  ``spec.rows_multiple``) are the pair with the fewest token slots B x T that holds every part
+  (never more than rows of ``spec.row_length`` take), shorter rows first among equals; each
   part's rows are filled first-fit decreasing, or where that needs more rows than the slots
   allow, by :func:`fit_rows`. Without, T is as ``spec.row_length`` and ``spec.length_multiple``
   say and B as many rows as first-fit needs.
@@ -248,10 +249,13 @@ def fitted_shape(
 def _candidate_shapes(
   parts: Sequence[Sequence[int]], spec: PackSpec, longest: int
 ) -> list[tuple[int, int, int]]:
-  """(the fewest slots, row length, rows) of every row length a fitted batch may take, the fewest
-  slots first: each part's tokens over the row length, rounded up to ``spec.rows_multiple``."""
+  """(the fewest slots, row length, rows) of every row length a fitted batch may take (the
+  multiples of ``spec.fit_multiple`` that hold its longest unit, and ``spec.row_length``), the
+  fewest slots first: each part's tokens over the row length, rounded up to
+  ``spec.rows_multiple``."""
   m = spec.fit_multiple
-  lengths = [t for t in range(_round_up(longest, m), spec.row_length + 1, m)] or [spec.row_length]
+  # row_length itself too: fitted rows never take more slots than rows of row_length would.
+  lengths = sorted(set(range(_round_up(longest, m), spec.row_length + 1, m)) | {spec.row_length})
   shapes = []
   for t in lengths:
     b = _round_up(max((-(-sum(p) // t) for p in parts), default=1), spec.rows_multiple)
