@@ -456,8 +456,8 @@ def _own_data(spec: DataSpec) -> None:
 class TrainSpec:
   global_batch_size: int = 16  # groups (pairs, ranked lists or stepwise rows) per update
   micro_batch_size: int = 16  # groups per device per forward pass (gradient accumulation)
-  max_steps: int = 100  # optimizer updates; the run ends here or after max_epochs, whichever is first
-  max_epochs: int = 1  # the run ends at max_steps or after this many epochs, whichever is first
+  max_steps: int = 100  # optimizer updates, the data repeated as needed (as TRL's max_steps)
+  max_epochs: int = 0  # 0: max_steps alone ends the run; else whichever of the two comes first (NeMo RL)
   learning_rate: float = 1e-5  # peak learning rate, after warmup
   # transformers' get_scheduler names (TRL's lr_scheduler_type): cosine | cosine_with_min_lr | linear
   # | constant (no warmup) | constant_with_warmup | inverse_sqrt ("inverse-square-root" too)
@@ -515,6 +515,12 @@ class TrainSpec:
       )
     if self.warmup_steps < 0:
       raise ConfigError(f"train.warmup_steps={self.warmup_steps}: use a number of steps, or 0 for no warmup")
+    if self.max_steps < 1:
+      raise ConfigError(f"train.max_steps={self.max_steps}: use a positive number of optimizer updates")
+    if self.max_epochs < 0:
+      raise ConfigError(
+        f"train.max_epochs={self.max_epochs}: use a number of epochs, or 0 for train.max_steps alone"
+      )
     self.check_steps(self.max_steps, f"train.max_steps={self.max_steps}")
     if self.lr_scheduler == "constant" and self.warmup_steps:
       log.warning(

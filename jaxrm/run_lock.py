@@ -1,7 +1,8 @@
 """One run at a time in an output directory: a lock file held by the run that writes there.
 
 The lock is ``<output_dir>/run.lock``, a JSON object naming its holder (host, pid, start time and
-command line). A second run into the same directory is refused, naming the holder. A lock left by
+command line); a checkpoint directory outside the output directory holds one too. A second run
+into the same directory is refused, naming the holder, and removes nothing. A lock left by
 a run that died without releasing it (``kill -9``, a lost node) is recognised and taken over with
 a warning: on this host, by its process being gone; on another host (a shared file system), by its
 age, which the holder refreshes every :data:`HEARTBEAT_SECONDS` while it runs. A multi-host run
@@ -31,9 +32,10 @@ STALE_SECONDS = 10 * HEARTBEAT_SECONDS
 WRITE_SECONDS = 5.0  # a lock younger than this that does not read yet is being written
 
 
-def hold(output_dir: str) -> RunLock:
-  """``output_dir``'s lock, taken (see :meth:`RunLock.acquire`)."""
-  lock = RunLock(output_dir)
+def hold(output_dir: str, key: str = "output_dir") -> RunLock:
+  """``output_dir``'s lock, taken (see :meth:`RunLock.acquire`); ``key`` is the setting that names
+  the directory, which a refusal says to change."""
+  lock = RunLock(output_dir, key)
   lock.acquire()
   return lock
 
@@ -41,16 +43,26 @@ def hold(output_dir: str) -> RunLock:
 class RunLock:
   """The lock of ``output_dir``, taken by :meth:`acquire` and given back by :meth:`release`."""
 
-  def __init__(self, output_dir: str):
+  def __init__(self, output_dir: str, key: str = "output_dir"):
     if not isinstance(output_dir, str) or not output_dir:
-      raise ValueError(f"RunLock: output_dir must be a directory path, got {output_dir!r}")
+      raise ValueError(f"RunLock: {key} must be a directory path, got {output_dir!r}")
     self.path = os.path.join(output_dir, FILE)
+    self.key = key
+    # Whether the directory was absent when acquire began: a run that stops during its set-up
+    # removes such a directory, and only while it holds the lock.
+    self.made_directory = False
     self._mine: dict | None = None
     self._stop = threading.Event()
     self._beat: threading.Thread | None = None
 
+  @property
+  def directory(self) -> str:
+    return os.path.dirname(self.path)
+
   def acquire(self) -> None:
-    """Takes the lock (making ``output_dir``), or raises a ConfigError naming the run that holds it."""
+    """Takes the lock (making ``output_dir``), or raises a ConfigError naming the run that holds it.
+    Making the directory is all it does before the lock is held."""
+    self.made_directory = not os.path.isdir(os.path.dirname(self.path))
     os.makedirs(os.path.dirname(self.path), exist_ok=True)
     me = {
       "host": socket.gethostname(),
@@ -114,7 +126,7 @@ class RunLock:
       if alive:
         raise ConfigError(
           f"{os.path.dirname(self.path)} is in use by another run: {_describe(holder)} ({why}; "
-          f"{self.path}). Wait for it to end or stop it, or train into another output_dir"
+          f"{self.path}). Wait for it to end or stop it, or train into another {self.key}"
         )
       reason = f"a lock left by {_describe(holder)}, which {why}"
     if self._set_aside(holder):

@@ -107,7 +107,7 @@ def train_and_evaluate(config: RunConfig, *, stop_after_steps: int | None = None
     preemption.Stopped: a signal stopped the run; its message says where the checkpoint is.
   """
   started = time.time()
-  run, lock = _prepare(config)
+  run, locks = _prepare(config)
   # From here on a signal stops the run at a step boundary; during the set-up, with nothing
   # trained to save, it stops the process at once, as it would any program. After the last step
   # it lets the run end as it would have: its last checkpoint may still be being written.
@@ -120,7 +120,7 @@ def train_and_evaluate(config: RunConfig, *, stop_after_steps: int | None = None
       run.writer.close()
       if run.ckpt is not None:
         run.ckpt.close()
-      if lock is not None:
+      for lock in reversed(locks):
         lock.release()
     if signals.received is not None:
       log.warning(
@@ -129,23 +129,65 @@ def train_and_evaluate(config: RunConfig, *, stop_after_steps: int | None = None
   return last_val
 
 
-def _prepare(config: RunConfig) -> tuple[_Run, run_lock.RunLock | None]:
-  """The run set up, holding its output directory's lock (process 0); a new run that stops with a
-  UserError leaves no directory behind."""
-  out_dirs = [os.path.abspath(config.output_dir), _checkpoint_dir(config, os.path.abspath(config.output_dir))]
-  new = [d for d in out_dirs if not os.path.exists(d)]
-  is_main = jax.process_index() == 0
-  lock = None
+def _prepare(config: RunConfig) -> tuple[_Run, list[run_lock.RunLock]]:
+  """The run set up, holding the locks of its output directory and of a checkpoint directory
+  outside it (process 0). Nothing but the lock's own directory is made before a lock is held; a
+  run a lock refuses removes nothing, and a new run that stops with a UserError leaves no directory
+  behind."""
+  locks = _hold_directories(config) if jax.process_index() == 0 else []
+  new = _new_directories(config, locks)
   try:
-    lock = run_lock.hold(out_dirs[0]) if is_main else None
-    return _set_up(config), lock
+    return _set_up(config), locks
   except BaseException as e:
-    if lock is not None:
-      lock.release()
-    if isinstance(e, UserError) and is_main:
-      for d in new:
-        shutil.rmtree(d, ignore_errors=True)
+    _give_back(locks, new if isinstance(e, UserError) else [])
     raise
+
+
+def _hold_directories(config: RunConfig) -> list[run_lock.RunLock]:
+  """The output directory's lock, then an outside checkpoint directory's (where it is used)."""
+  out = os.path.abspath(config.output_dir)
+  ckpt = os.path.abspath(_checkpoint_dir(config, out))
+  locks = [run_lock.hold(out)]
+  if not rerun.inside(ckpt, out) and (config.checkpointing.enabled or os.path.isdir(ckpt)):
+    try:
+      locks.append(run_lock.hold(ckpt, "checkpointing.checkpoint_dir"))
+    except BaseException:
+      _give_back(locks, [out] if locks[0].made_directory else [])
+      raise
+  return locks
+
+
+def _new_directories(config: RunConfig, locks: list[run_lock.RunLock]) -> list[str]:
+  """The directories this run made (judged while it holds their locks): those its locks made, and
+  a checkpoint directory inside the output directory that is not there yet."""
+  if not locks:
+    return []
+  new = [lock.directory for lock in locks if lock.made_directory]
+  ckpt = os.path.abspath(_checkpoint_dir(config, os.path.abspath(config.output_dir)))
+  if rerun.inside(ckpt, os.path.abspath(config.output_dir)) and not os.path.exists(ckpt):
+    new.append(ckpt)
+  return new
+
+
+def _give_back(locks: list[run_lock.RunLock], new: list[str]) -> None:
+  """Empties the directories ``new`` (made by this run) while the locks are held, releases the
+  locks, then removes those directories where they are still empty: another run may hold one by
+  then."""
+  for directory in new:
+    if os.path.isdir(directory):
+      for name in os.listdir(directory):
+        if name != run_lock.FILE:
+          path = os.path.join(directory, name)
+          if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+          else:
+            with contextlib.suppress(OSError):
+              os.remove(path)
+  for lock in reversed(locks):
+    lock.release()
+  for directory in new:
+    with contextlib.suppress(OSError):
+      os.rmdir(directory)
 
 
 def _set_up(config: RunConfig) -> _Run:
@@ -160,7 +202,8 @@ def _set_up(config: RunConfig) -> _Run:
   # A new run's directories are made only once its input has been read without error.
   lora_cfg = config.model.lora.lora_config
   source = _locate_model(config, lora_cfg)
-  ckpt, resume_step = _existing_run(config, out_dir)
+  rerun.check_checkpoint_owner(out_dir, _checkpoint_dir(config, out_dir))
+  ckpt, resume_step = _existing_run(config, out_dir, _model_path(source))
   if resume_step is not None:
     _check_same_lora(out_dir, lora_cfg)
   check_data(config)  # what needs no model fails before one loads
@@ -189,7 +232,10 @@ def _set_up(config: RunConfig) -> _Run:
   state, start_step, last_val = built.state, 0, {}
   if resume_step is not None:
     state, last_val, start_step = _resume(ckpt, resume_step, state, inputs.train_iter)
-  if ckpt is not None and is_main and start_step < total_steps:  # a finished run's files stay as they are
+  if is_main and start_step < total_steps:  # a finished run's files stay as they are
+    rerun.record(config, out_dir, _model_path(source))
+  if ckpt is not None and is_main and start_step < total_steps:
+    rerun.claim_checkpoint_dir(out_dir, ckpt.directory)
     base = loading.base_reference(config.model.name_or_path) if lora_cfg.enabled else None
     loading.RunFiles(out_dir, rm.config, config, base).write(rm.tokenizer)
   # ------------------------------------------------------------------ summary
@@ -219,14 +265,21 @@ def _set_up(config: RunConfig) -> _Run:
 
 
 def _total_steps(config: RunConfig, stream: pipeline.TrainStream) -> tuple[int, str]:
-  """``train.max_steps``, or fewer where ``train.max_epochs`` ends the run first; and which of the
-  two ends it, as the run's start says."""
-  spec = config.train
-  epochs = spec.max_epochs * stream.steps_per_epoch
-  if epochs >= spec.max_steps:
-    return spec.max_steps, "train.max_steps"
+  """``train.max_steps`` (the data repeated as needed, as TRL's max_steps), or fewer where
+  ``train.max_epochs`` is set and ends the run first (as NeMo RL's); and which of the two ends it,
+  as the run's start says."""
+  spec, per_epoch = config.train, stream.steps_per_epoch
+  if not spec.max_epochs or spec.max_epochs * per_epoch >= spec.max_steps:
+    # Said where max_steps alone sets the length (max_epochs unset, or TRL's --max_steps).
+    if spec.max_epochs not in (0, compat.UNTIL_EPOCHS) or spec.max_steps <= per_epoch:
+      return spec.max_steps, "train.max_steps"
+    return spec.max_steps, (
+      f"train.max_steps={spec.max_steps}: {spec.max_steps / per_epoch:.1f} epochs of {per_epoch} "
+      "steps, the data repeated (train.max_epochs=N would end it after N)"
+    )
+  epochs = spec.max_epochs * per_epoch
   why = (
-    f"train.max_epochs={spec.max_epochs} of {stream.steps_per_epoch} steps each "
+    f"train.max_epochs={spec.max_epochs} of {per_epoch} steps each "
     f"({stream.num_examples} train examples, train.global_batch_size={stream.global_batch_size})"
   )
   spec.check_steps(epochs, why)
@@ -239,16 +292,28 @@ def _checkpoint_dir(config: RunConfig, out_dir: str) -> str:
   return config.checkpointing.checkpoint_dir or os.path.join(out_dir, "checkpoints")
 
 
-def _existing_run(config: RunConfig, out_dir: str) -> tuple[checkpointing.Checkpointer | None, int | None]:
-  """The checkpointer of the run already in ``out_dir`` and the step it resumes from, when this
-  run resumes it (:func:`jaxrm.rerun.resumes`); (None, None) for a new run."""
+def _existing_run(
+  config: RunConfig, out_dir: str, model_path: str | None
+) -> tuple[checkpointing.Checkpointer | None, int | None]:
+  """The checkpointer of the run already in ``out_dir`` and the step it resumes from (None: it
+  has no checkpoint), when this run resumes it (:func:`jaxrm.rerun.resumes`, asked whenever the
+  folder holds a run or checkpoints); (None, None) for a new run."""
   ckpt_dir = _checkpoint_dir(config, out_dir)
   ckpt = _checkpointer(config, out_dir) if os.path.isdir(ckpt_dir) else None
   step = ckpt.latest_step() if ckpt is not None else None
-  if step is None or rerun.resumes(config, out_dir, step, ckpt_dir):
+  if (step is None and not rerun.holds_run(out_dir)) or rerun.resumes(
+    config, out_dir, step, ckpt_dir, model_path
+  ):
     return ckpt, step
-  ckpt.close()
+  if ckpt is not None:
+    ckpt.close()
   return None, None
+
+
+def _model_path(source: loading.Source) -> str | None:
+  """The local file or folder of the model a run starts from, whose files the run records; None
+  for a jaxrm run (its checkpoints are its own record)."""
+  return None if isinstance(source, loading.RunSource) else source.path
 
 
 def _checkpointer(config: RunConfig, out_dir: str) -> checkpointing.Checkpointer | None:
@@ -690,10 +755,13 @@ def _final_summary(run: _Run, wall_seconds: float) -> str:
 
 
 def _reward_stats(val: dict[str, float]) -> dict[str, float]:
-  """Reward mean/std of the first validation set: scoring can normalise with them."""
+  """Reward mean/std of the first validation set: scoring can normalise with them; and its min/max,
+  the range a policy's rewards are watched against (jaxrm.reward_health)."""
   for key, value in val.items():
     if key.endswith("_reward_mean"):
-      return {"mean": value, "std": val[key[: -len("mean")] + "std"], "from": key[: -len("_reward_mean")]}
+      stem = key[: -len("mean")]
+      extremes = {k: val[stem + k] for k in ("min", "max") if stem + k in val}
+      return {"mean": value, "std": val[stem + "std"], **extremes, "from": key[: -len("_reward_mean")]}
   return {}
 
 

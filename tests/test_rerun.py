@@ -11,12 +11,65 @@ import pytest
 import tiny_run
 
 from jaxrm import loading, rerun
+from jaxrm.config import RunConfig
 from jaxrm.errors import ConfigError
+
+# Every config key, as a rerun may change it and resume (free) or not. A key added to the config
+# must be listed here: whether changing it changes what a run computes is decided on purpose.
+FREE = {
+  *("output_dir", "changed_settings"),
+  *("model.remat", "model.scan_layers", "model.attention"),
+  *("train.max_steps", "train.max_epochs", "train.micro_batch_size", "train.log_period"),
+  *("eval.val_period", "eval.val_at_start", "eval.val_at_end", "eval.batch_size"),
+  *("checkpointing.save_period", "checkpointing.keep_top_k"),
+  *("data.num_workers", "data.num_proc", "data.cache", "data.cache_dir", "data.bucket_multiple"),
+  *("mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.context", "mesh.context_balance"),
+  *("logger.tensorboard", "logger.log_dir", "logger.progress_bar", "logger.monitor_gpus"),
+  *("logger.wandb_enabled", "logger.wandb.project", "logger.wandb.name"),
+  *("logger.mlflow_enabled", "logger.mlflow.experiment_name", "logger.mlflow.run_name"),
+  "logger.mlflow.tracking_uri",
+}
+NOT_FREE = {
+  *("model.name_or_path", "model.dtype", "model.param_dtype", "model.seed", "model.chat_template"),
+  *("model.lora.rank", "model.lora.alpha", "model.lora.dropout", "model.lora.target_modules"),
+  "model.lora.base_dtype",
+  *("reward.type", "reward.ranking_loss", "reward.center_rewards_coefficient"),
+  *("reward.preference_strength_scaling", "reward.attributes", "reward.attribute_weights"),
+  *("reward.attribute_range", "reward.combine", "reward.verifier_question", "reward.verifier_answers"),
+  "reward.verifier_loss",
+  *("data.dataset_name", "data.train_data_path", "data.val_data_paths", "data.max_length"),
+  *("data.truncation", "data.step_separator", "data.train_on_last_step_only", "data.packing"),
+  *("data.packed_row_length", "data.shuffle_seed", "data.max_train_rows", "data.max_val_rows"),
+  "data.group_by_length",
+  *("train.global_batch_size", "train.learning_rate", "train.lr_scheduler", "train.min_lr_ratio"),
+  *("train.warmup_steps", "train.weight_decay", "train.max_grad_norm", "train.adam_beta1"),
+  *("train.adam_beta2", "train.adam_epsilon", "train.seed"),
+  "eval.val_batches",
+  *("checkpointing.enabled", "checkpointing.checkpoint_dir", "checkpointing.metric_name"),
+  "checkpointing.higher_is_better",
+}
 
 
 def saved_config(out):
   with open(os.path.join(out, loading.RUN_CONFIG)) as f:
     return f.read()
+
+
+def config_keys(tree, prefix=""):
+  """The dotted keys of a config dict (a validation set's paths are one key)."""
+  for key, value in tree.items():
+    if isinstance(value, dict) and key != "val_data_paths":
+      yield from config_keys(value, f"{prefix}{key}.")
+    else:
+      yield f"{prefix}{key}"
+
+
+def test_every_config_key_is_free_or_not_on_purpose():
+  keys = set(config_keys(RunConfig().to_dict()))
+  assert not FREE & NOT_FREE
+  assert keys - FREE - NOT_FREE == set(), "new config keys: list each in FREE or NOT_FREE above"
+  assert FREE | NOT_FREE <= keys, "keys no longer in the config: remove them above"
+  assert {k for k in keys if rerun.is_free(k)} == FREE
 
 
 @pytest.fixture
@@ -90,7 +143,7 @@ def test_changed_settings_start_fresh_keeping_the_old_run(finished, model_dir):
 
 def test_changed_settings_start_fresh_removing_the_old_run(tmp_path):
   """What the run finds to remove (its lock and earlier old-* folders stay); an outside checkpoint
-  folder too, or renamed beside itself when kept."""
+  folder's files too (the folder stays, with its lock), or moved into a folder beside it when kept."""
   run, outside = tmp_path / "run", tmp_path / "ckpts"
   for path in (run / "checkpoints" / "4", run / "tensorboard", run / "old-20260101-000000", outside / "4"):
     path.mkdir(parents=True)
@@ -98,12 +151,14 @@ def test_changed_settings_start_fresh_removing_the_old_run(tmp_path):
     (run / name).write_text("{}")
   rerun._start_fresh("start_fresh_remove_old", str(run), str(run / "checkpoints"))
   assert sorted(os.listdir(run)) == ["old-20260101-000000", "run.lock"]
+  (outside / "run.lock").write_text("{}")
   rerun._start_fresh("start_fresh_remove_old", str(run), str(outside))
-  assert not outside.exists()
+  assert os.listdir(outside) == ["run.lock"]
   (outside / "4").mkdir(parents=True)
   rerun._start_fresh("start_fresh_keep_old", str(run), str(outside))
-  assert len([p for p in tmp_path.iterdir() if p.name.startswith("ckpts-old-")]) == 1
-  assert not outside.exists()
+  (kept,) = [p for p in tmp_path.iterdir() if p.name.startswith("ckpts-old-")]
+  assert os.listdir(kept) == ["4"]
+  assert os.listdir(outside) == ["run.lock"]
 
 
 def test_changed_settings_takes_only_its_three_values(model_dir, tmp_path):

@@ -137,3 +137,17 @@ def test_a_run_into_a_locked_directory_stops_before_the_model_loads(model_dir, t
     assert os.listdir(out) == ["run.lock"]  # nothing written, nothing removed
   finally:
     lock.release()
+
+
+def test_two_runs_racing_for_a_new_folder_leave_the_winner_its_folder(model_dir, tmp_path):
+  """20 trials of two ``python -m jaxrm.train`` runs let go together into a new folder (forks of one
+  process, tests/lock_race.py): each time one is refused and exits 2 while the other still runs,
+  its folder and lock in place (the refused run removes nothing)."""
+  trials = 20
+  result = tiny_run.run([sys.executable, "tests/lock_race.py", model_dir, str(tmp_path), str(trials)])
+  assert result.returncode == 0, tiny_run.describe(result)
+  rows = [json.loads(line) for line in result.stdout.splitlines()]
+  assert len(rows) == trials, tiny_run.describe(result)
+  for row in rows:
+    assert row["first_exit"] == 2 and "is in use by another run" in row["first_said"][0], row
+    assert row["other_running"] and row["lock_pid"] == row["other"], row

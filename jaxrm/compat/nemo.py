@@ -289,6 +289,8 @@ def _rm(values: dict, tr: Translation, config) -> None:
       "seed": seed,
     },
   )
+  if "max_num_epochs" not in values:  # NeMo RL ends at whichever of its two limits comes first
+    tr.set("rm.max_num_epochs (not given: NeMo RL's recipes' 1)", train__max_epochs=1)
 
 
 def _checkpointing(values: dict, tr: Translation, config) -> None:

@@ -202,6 +202,55 @@ def _lock(path: str):
       fcntl.flock(f, fcntl.LOCK_UN)
 
 
+# ------------------------------------------------------------------ file hashes
+
+HASHES = "-file_hashes"  # <cache_dir>-file_hashes/<hash of the file's real path>.json
+
+
+def file_hash(path: str, cache_dir: str | None) -> dict[str, Any]:
+  """``{"size", "mtime_ns", "xxh3_128"}`` of the file at ``path``: its size and modification time,
+  and a hash of its content, computed once for a size, time and inode and kept beside
+  ``cache_dir``, the tokenized entries' folder (in ``<cache_dir>-file_hashes``; None: computed each
+  time).
+
+  Raises:
+    OSError: the file cannot be read.
+  """
+  stat = os.stat(path)
+  known = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "inode": stat.st_ino}
+  record = None
+  if cache_dir is not None:
+    real = os.path.realpath(path)
+    name = hashlib.sha256(real.encode("utf-8")).hexdigest()[:32] + ".json"
+    record = os.path.join(os.path.expanduser(cache_dir).rstrip(os.sep) + HASHES, name)
+    try:
+      with open(record) as f:
+        kept = json.load(f)
+      if isinstance(kept, dict) and kept.get("path") == real and {**kept, **known} == kept:
+        return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "xxh3_128": kept["xxh3_128"]}
+    except (OSError, ValueError, KeyError):
+      pass  # not hashed yet, or by another file at this path: hashed again
+  digest = file_fingerprint(path)["xxh3_128"]
+  if record is not None:
+    _write_json_atomically(record, {"path": real, **known, "xxh3_128": digest})
+  return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "xxh3_128": digest}
+
+
+def _write_json_atomically(path: str, value: Any) -> None:
+  """Writes ``value`` where ``path`` is, or nothing where the folder cannot be written (the hash
+  is computed again next time)."""
+  tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(tmp, "w") as f:
+      json.dump(value, f)
+    os.replace(tmp, path)
+  except OSError as e:
+    log.info("the hash of a file is not kept (%s): it is computed again at the next start", e)
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+
+
 # ------------------------------------------------------------------ tokenizing in chunks
 
 
