@@ -119,7 +119,7 @@ def _foreign_config():
   if FLAGS.nemo_config:  # read (and its errors shown) before the processes wait on each other
     recipe, translate = nemo.load(FLAGS.nemo_config, _FOREIGN["nemo"]), nemo.translate
   else:
-    recipe, translate = trl_args.parse(_FOREIGN["trl"]), trl_args.translate
+    recipe, translate = trl_args.parse(_FOREIGN["trl"]), _trl_translate
   initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   import jax
 
@@ -127,6 +127,40 @@ def _foreign_config():
   if jax.process_index() == 0:
     print(translation.table(), flush=True)
   return translation.run_config()
+
+
+def _trl_translate(recipe, *, device_count: int):
+  """TRL's flags translated, ``--bf16``'s default decided by the run's devices, as TRL decides it."""
+  import jax
+
+  from jaxrm.compat import trl_args
+
+  devices = jax.devices()
+  return trl_args.translate(
+    recipe,
+    device_count=device_count,
+    bf16_supported=trl_args.computes_bf16(devices),
+    platform=devices[0].platform,
+  )
+
+
+def _without_trl_args(argv: list[str]) -> None:
+  """Stops at a flag of TRL's reward script given without ``--trl_args`` before it (absl would
+  call it unknown), saying where it goes."""
+  from jaxrm.compat import trl_args
+
+  for arg in argv[1:]:
+    name = arg[2:].partition("=")[0]
+    if not arg.startswith("--") or name in FLAGS or name.startswith(("config.", "noconfig.")):
+      continue
+    if name.startswith("no") and name[2:] in FLAGS:  # absl's --noflag
+      continue
+    if trl_args.is_flag(arg):
+      cli.exit_usage(
+        f"{arg.partition('=')[0]} is a flag of TRL's reward script: give TRL's flags after "
+        f"--trl_args, e.g. python -m jaxrm.train --trl_args {arg} ... (jaxrm's own keys are "
+        "--config.<section>.<key>, with --config=configs/rm.py)"
+      )
 
 
 def _parse(argv: list[str]) -> list[str]:
@@ -143,6 +177,8 @@ def _parse(argv: list[str]) -> list[str]:
       else:
         _FOREIGN["nemo"].append(arg)
     argv = ours
+  else:
+    _without_trl_args(argv)
   return cli.config_flags_parser(FLAGS)(argv)
 
 

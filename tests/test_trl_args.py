@@ -5,6 +5,7 @@ import json
 import os
 import sys
 
+import jax
 import pytest
 import tiny_run
 
@@ -35,8 +36,8 @@ DOCUMENTED_LORA = ["--use_peft", "--lora_r", "32", "--lora_alpha", "16"]
 MODEL_AND_DATA = ["--model_name_or_path", "/models/qwen", "--dataset_name", "trl-lib/ultrafeedback_binarized"]
 
 
-def translate(*flags, device_count=1):
-  return trl_args.translate(trl_args.parse(list(flags)), device_count=device_count)
+def translate(*flags, device_count=1, **hardware):
+  return trl_args.translate(trl_args.parse(list(flags)), device_count=device_count, **hardware)
 
 
 def test_flags_match_trl_dataclasses():
@@ -310,6 +311,10 @@ def test_documented_command_runs_on_the_tiny_model(model_dir, tmp_path, lora):
   )
   assert result.returncode == 0, tiny_run.describe(result)
   assert (
+    "(--bf16 not given: TRL turns it on only where the hardware computes in bfloat16, and these devices (cpu) do not"
+    in (result.stdout)
+  )  # a CPU run stays in float32, as TRL's would
+  assert (
     "--per_device_train_batch_size x devices x --gradient_accumulation_steps  -> "
     "train.global_batch_size=8, train.micro_batch_size=8" in result.stdout
   )
@@ -332,6 +337,33 @@ def test_documented_command_runs_on_the_tiny_model(model_dir, tmp_path, lora):
       if "lora_b" in "/".join(map(str, path))
     ]
     assert lora_b and any(np.abs(b).max() > 0 for b in lora_b)  # B starts at 0: the adapters trained
+
+
+def test_bf16_is_on_by_default_only_where_the_hardware_computes_in_it():
+  """TRL turns --bf16 on unless told, where the hardware supports bfloat16; a CPU run stays in
+  float32 and the start line says why."""
+  on_gpu = translate(*MODEL_AND_DATA)
+  assert on_gpu.run_config().model.dtype == "bfloat16"
+  on_cpu = translate(*MODEL_AND_DATA, bf16_supported=False, platform="cpu")
+  assert (on_cpu.run_config().model.dtype, on_cpu.run_config().model.param_dtype) == ("float32", "float32")
+  assert dict(on_cpu.fates)["--bf16 / --dtype"] == (
+    "model.dtype='float32', model.param_dtype='float32' (--bf16 not given: TRL turns it on only "
+    "where the hardware computes in bfloat16, and these devices (cpu) do not; --bf16 to use it anyway)"
+  )
+  assert "(cpu) do not; --bf16 to use it anyway)" in on_cpu.table()
+  asked = translate(*MODEL_AND_DATA, "--bf16", bf16_supported=False, platform="cpu")
+  assert asked.run_config().model.dtype == "bfloat16"
+  assert not trl_args.computes_bf16(jax.devices("cpu"))
+
+
+def test_trl_flags_without_trl_args_say_where_they_go():
+  result = tiny_run.run([sys.executable, "-m", "jaxrm.train", "--model_name_or_path", "Qwen/Qwen2-0.5B"])
+  assert result.returncode == 2, tiny_run.describe(result)
+  assert result.stderr.strip() == (
+    "error: --model_name_or_path is a flag of TRL's reward script: give TRL's flags after --trl_args, "
+    "e.g. python -m jaxrm.train --trl_args --model_name_or_path ... (jaxrm's own keys are "
+    "--config.<section>.<key>, with --config=configs/rm.py)"
+  )
 
 
 @pytest.mark.parametrize("flag", ["--dataset_test_split", "--dataset_train_split"])

@@ -199,6 +199,15 @@ def _typed(name: str, values: list[str]) -> tuple[str, Any]:
   return name, _value(name, kind, values[0])
 
 
+def is_flag(token: str) -> bool:
+  """Whether ``token`` (``--name``, ``--name=value``, ``--no_name``) is a flag of TRL's reward
+  script that this module declares (transformers' other ``TrainingArguments`` are not asked: that
+  needs transformers imported)."""
+  name = token[2:].partition("=")[0].replace("-", "_") if token.startswith("--") else ""
+  declared = {**FLAGS, **dict.fromkeys(_HARMLESS, (str, None))}
+  return name in declared or (name.startswith("no_") and declared.get(name[3:], (None,))[0] is bool)
+
+
 def _kind(name: str):
   if name in FLAGS:
     return FLAGS[name][0]
@@ -231,8 +240,13 @@ def _training_arguments() -> dict[str, dataclasses.Field]:
 # ------------------------------------------------------------------ mapping
 
 
-def translate(given: dict[str, Any], *, device_count: int) -> Translation:
+def translate(
+  given: dict[str, Any], *, device_count: int, bf16_supported: bool = True, platform: str = "gpu"
+) -> Translation:
   """Maps parsed flags (:func:`parse`) onto jaxrm's keys; ``device_count`` is TRL's world size.
+
+  ``bf16_supported``: whether the run's devices (``platform``) compute in bfloat16
+  (:func:`computes_bf16`): TRL's ``--bf16`` is on there unless given, and off elsewhere.
 
   Raises:
     ConfigError: a flag jaxrm cannot honour whose value would change the result, named.
@@ -241,13 +255,16 @@ def translate(given: dict[str, Any], *, device_count: int) -> Translation:
     raise ValueError(f"device_count={device_count}")
   args = {name: default for name, (_, default) in FLAGS.items()}
   args.update(given)
-  if args["bf16"] is None:
-    args["bf16"] = not args["fp16"]  # RewardConfig's rule
+  bf16_default = args["bf16"] is None
+  if bf16_default:
+    args["bf16"] = not args["fp16"] and bf16_supported  # RewardConfig's rule, where bfloat16 runs
   tr = Translation("TRL")
   for name in given:
     if name not in FLAGS:
       _other_flag(name, given[name], tr)
   _model(args, tr)
+  if bf16_default and not args["fp16"] and not bf16_supported:
+    _say_bf16_is_off(tr, platform)
   _lora(args, tr)
   _evaluation(args, tr, device_count)
   _data(args, tr)
@@ -284,6 +301,32 @@ _QUIET = {
   "load_in_4bit": "false",
   "push_to_hub": "false",
 }
+
+
+def _say_bf16_is_off(tr: Translation, platform: str) -> None:
+  at = next(i for i, (key, _) in enumerate(tr.fates) if key == "--bf16 / --dtype")
+  key, fate = tr.fates[at]
+  tr.fates[at] = (
+    key,
+    f"{fate} (--bf16 not given: TRL turns it on only where the hardware computes in bfloat16, "
+    f"and these devices ({platform}) do not; --bf16 to use it anyway)",
+  )
+
+
+def computes_bf16(devices) -> bool:
+  """Whether ``devices`` (JAX devices) compute in bfloat16, as TRL asks of the hardware before
+  turning ``--bf16`` on by default: a TPU, or an NVIDIA GPU from Ampere on (compute capability 8),
+  not a CPU."""
+  device = devices[0]
+  if device.platform == "tpu":
+    return True
+  if device.platform != "gpu":
+    return False
+  capability = getattr(device, "compute_capability", None)  # "8.0"; absent on ROCm
+  try:
+    return capability is None or float(capability) >= 8.0
+  except ValueError:
+    return True
 
 
 def _quantized_without_peft(args: dict) -> None:
