@@ -207,6 +207,34 @@ def verifier_request(f) -> dict | None:
   return {"question": f.verifier_question, "answers": f.verifier_answers}
 
 
+def located_model(model: str, step: int | None):
+  """``--model`` located (:func:`jaxrm.loading.locate`) with ``--step``; a training run's
+  checkpoint is chosen here, and which one and why printed before anything loads."""
+  import dataclasses
+
+  from jaxrm import loading
+
+  source = loading.locate(model, step)
+  if isinstance(source, loading.RunSource):
+    choice = loading.choose_checkpoint(source)
+    print(choice.describe("--step=N"), flush=True)
+    source = dataclasses.replace(source, step=choice.step)
+  return source
+
+
+def define_step_flag() -> None:
+  """``--step``: which checkpoint of a training output directory ``--model`` loads."""
+  from absl import flags
+
+  flags.DEFINE_integer(
+    "step",
+    None,
+    "Checkpoint step of a training output dir --model (default: the best by the run's metric, "
+    "else the latest).",
+    module_name=sys.argv[0],
+  )
+
+
 def run_config(config_dict):
   """The :class:`jaxrm.config.RunConfig` of a parsed ``--config`` (a ``ConfigDict``)."""
   from jaxrm.config import from_config_dict

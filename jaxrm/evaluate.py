@@ -36,8 +36,9 @@ them. With ``--output`` it writes ``eval.json``, ``rewards.png``, a histogram of
 rejected rewards (of the probability that a step is correct, for stepwise models; for regression
 models, predictions plotted against ratings), and for preference data ``length_bias.png``.
 ``--max_length`` defaults to the model's training length (the run's ``data.max_length``, which a
-run and an export of it record), as ``serve`` does. It says how many examples it scores, and how
-fast.
+run and an export of it record), as ``serve`` does. A training run is scored at its best
+checkpoint (``--step`` for another); the step and why it was taken are printed first. It says how
+many examples it scores, and how fast.
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ def _define_flags() -> None:
     "Directory for eval.json, rewards.png (not with --benchmark) and, for "
     "preference data, length_bias.png (default: print only).",
   )
+  cli.define_step_flag()
   cli.define_verifier_flags()
 
 
@@ -177,7 +179,10 @@ def _model(f):
   from jaxrm.reward_model import RewardModel
 
   return RewardModel.from_pretrained(
-    f.model, dtype=f.dtype, attention_impl=f.attention, verifier=cli.verifier_request(f)
+    cli.located_model(f.model, f.step),
+    dtype=f.dtype,
+    attention_impl=f.attention,
+    verifier=cli.verifier_request(f),
   )
 
 

@@ -4,7 +4,7 @@ r"""Exports a reward model as a Hugging Face checkpoint directory.
   python -m jaxrm.export --model=runs/rm-lora --out=exported/adapters --adapters_only
 
 ``--model`` (as ``evaluate`` and ``serve`` name it) is a training output directory (its best
-checkpoint unless ``--step``), one training checkpoint (``runs/rm/checkpoints/200``), an HF
+checkpoint unless ``--step``; the step taken and why is printed first), one training checkpoint (``runs/rm/checkpoints/200``), an HF
 directory or a ``.gguf`` file. The output loads with transformers'
 ``AutoModelForSequenceClassification`` (sequence heads) or ``AutoModelForTokenClassification``
 (token heads, process reward models), a verifier's with ``AutoModelForCausalLM``; what it holds
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 def export(
-  checkpoint: str,
+  checkpoint: str | loading.Source,
   out_dir: str,
   *,
   dtype: str = "float32",
@@ -37,14 +37,16 @@ def export(
   adapters_only: bool = False,
   base_model: str | None = None,
 ) -> RewardModel:
-  """Loads ``checkpoint`` (any path ``RewardModel.from_pretrained`` takes) and exports it.
+  """Loads ``checkpoint`` (any path ``RewardModel.from_pretrained`` takes, or a located source)
+  and exports it; never into a training output directory, the directory it reads, or a LoRA run's
+  base (:func:`jaxrm.loading.check_export_dir`).
 
   ``adapters_only`` writes its LoRA adapters and head as a peft adapter directory instead, naming
   ``base_model`` (default: the base the training run trained over, a local path made absolute)
   as their base.
   """
-  loading.check_export_dir(out_dir)
-  source = loading.locate(checkpoint, step)
+  source = loading.as_source(checkpoint, step)
+  loading.check_export_dir(out_dir, source)
   rm = RewardModel.from_pretrained(source, dtype=dtype)
   if not adapters_only:
     rm.save_pretrained(out_dir, dtype=dtype)
@@ -71,7 +73,7 @@ def define_flags() -> None:
   flags.DEFINE_string("model", None, "Training output dir, training checkpoint, HF dir or .gguf file.")
   flags.DEFINE_string("out", None, "Directory to write the HF checkpoint into.")
   flags.DEFINE_enum("dtype", "float32", list(DTYPES), "Dtype of the exported tensors.")
-  flags.DEFINE_integer("step", None, "Checkpoint step of a training output dir (default: the best).")
+  cli.define_step_flag()
   flags.DEFINE_bool(
     "adapters_only",
     False,
@@ -90,10 +92,9 @@ def main() -> None:
     raise app.UsageError("--model and --out are required")
   cli.setup_logging(logging.WARNING)
   rm = export(
-    FLAGS.model,
+    cli.located_model(FLAGS.model, FLAGS.step),
     FLAGS.out,
     dtype=FLAGS.dtype,
-    step=FLAGS.step,
     adapters_only=FLAGS.adapters_only,
     base_model=FLAGS.base_model,
   )

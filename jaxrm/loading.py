@@ -47,6 +47,7 @@ RUN_TOKENIZER_DIR = "tokenizer"
 # Key of an export's config.json holding its ScoringInfo (transformers ignores it).
 SCORING_KEY = "jaxrm"
 _HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
+_HUB_TIMEOUT_S = 10  # the hub's question whether a model exists, before falling back to the cache
 
 
 # ------------------------------------------------------------------ what scoring needs besides weights
@@ -299,10 +300,8 @@ def _resolve(name: str) -> str:
 
     return embedded_model_path()
   if not os.path.exists(name) and name.count("/") == 1 and not name.startswith((".", "/")):
-    from huggingface_hub import snapshot_download
-
     try:
-      return snapshot_download(name, allow_patterns=_HUB_FILES)
+      return _hub_snapshot(name)
     except Exception as e:  # offline, unknown repo, gated...
       raise CheckpointError(
         f"{name}: no such file or folder ({os.path.abspath(name)}), and as a hub model name it "
@@ -311,19 +310,44 @@ def _resolve(name: str) -> str:
   return name
 
 
+def _hub_snapshot(name: str) -> str:
+  """The local snapshot of hub model ``name``, downloaded when the hub has it.
+
+  The hub is asked once, without retries (its client retries a network error, with a warning
+  each time); when it gives no answer, the local hub cache does, else the question's error is
+  raised. The hub client's own warnings stay quiet: the error says what went wrong.
+  """
+  from huggingface_hub import HfApi, snapshot_download
+
+  with _quiet("huggingface_hub"):
+    try:
+      HfApi().model_info(name, timeout=_HUB_TIMEOUT_S)
+    except Exception as asked:  # noqa: BLE001 -- offline, unknown, gated: the cache may still hold it
+      try:
+        return snapshot_download(name, allow_patterns=_HUB_FILES, local_files_only=True)
+      except Exception:  # noqa: BLE001 -- not cached: the hub's answer says why
+        raise asked from None
+    return snapshot_download(name, allow_patterns=_HUB_FILES)
+
+
 def _hub_failure(e: Exception) -> str:
-  """Why the hub gave no model, in a few words."""
+  """Why the hub gave no model, in a few words (one line)."""
   from huggingface_hub import errors
 
   if isinstance(e, errors.GatedRepoError):
     return "the repository is gated; log in with an account that has access (hf auth login)"
   if isinstance(e, errors.RepositoryNotFoundError):
     return "the hub has no such repository (or it is private; log in with hf auth login)"
-  if isinstance(e, errors.LocalEntryNotFoundError):
-    cause = e.__cause__ or e.__context__
-    why = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
-    return f"the hub is unreachable from here{why}, and the model is not in the local hub cache"
-  return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+  status = getattr(getattr(e, "response", None), "status_code", None)
+  if isinstance(e, errors.HfHubHTTPError) and status is not None:
+    return f"the hub answered HTTP {status}, and the model is not in the local hub cache"
+  cause = (e.__cause__ or e.__context__) if isinstance(e, errors.LocalEntryNotFoundError) else e
+  why = f" ({type(cause).__name__}: {_first_line(str(cause))})" if cause is not None else ""
+  return f"the hub is unreachable from here{why}, and the model is not in the local hub cache"
+
+
+def _first_line(text: str) -> str:
+  return text.strip().splitlines()[0] if text.strip() else ""
 
 
 def _locate_run(path: str, step: int | None) -> RunSource | None:
@@ -523,49 +547,117 @@ def _restore(source: RunSource, model: Decoder) -> tuple[Decoder, dict]:
 
 def _restore_params(source: RunSource, target: dict) -> tuple[dict, dict]:
   directory = source.checkpoints
+  ckpt = _checkpointer(source)
+  try:
+    choice = _choose(ckpt, source)
+    if source.step is None:  # chosen here: say which
+      log.info("%s", choice.describe())
+    try:
+      return ckpt.restore_params(choice.step, target)
+    except checkpointing.DamagedCheckpointError as e:
+      others = [s for s in choice.steps if s != choice.step]
+      raise CheckpointError(
+        f"{e}. Load another checkpoint with step=N ({'available: ' + ', '.join(map(str, others)) if others else 'there is no other'}), "
+        f"or remove {os.path.join(directory, str(choice.step))}"
+      ) from None
+  finally:
+    ckpt.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointChoice:
+  """The checkpoint of a training run that loading takes, and why.
+
+  Attributes:
+    run_dir: the run's output directory.
+    step: the step loaded.
+    why: why this one ("the best by validation-default_loss = 0.41 (lowest)", "the latest...",
+      "as asked").
+    steps: every complete checkpoint's step, in order.
+  """
+
+  run_dir: str
+  step: int
+  why: str
+  steps: tuple[int, ...]
+
+  def describe(self, how: str = "step=N") -> str:
+    """One line: the step, why, and the other steps (chosen with ``how``)."""
+    others = [s for s in self.steps if s != self.step]
+    rest = f"; other steps: {', '.join(map(str, others))} (choose one with {how})" if others else ""
+    return f"checkpoint: step {self.step} of {self.run_dir}, {self.why}{rest}"
+
+
+def choose_checkpoint(source: RunSource) -> CheckpointChoice:
+  """The checkpoint of ``source`` that :func:`load` takes: its step (asked for, or named by the
+  path), else the best by the run's metric, else the latest.
+
+  Raises:
+    CheckpointError: no checkpoint, or none for the step asked for (the message lists the steps).
+  """
+  ckpt = _checkpointer(source)
+  try:
+    return _choose(ckpt, source)
+  finally:
+    ckpt.close()
+
+
+def _checkpointer(source: RunSource) -> checkpointing.Checkpointer:
+  directory = source.checkpoints
   if not os.path.isdir(directory):
     raise CheckpointError(
       f"{source.files.run_dir}: no checkpoint directory {directory} "
       "(training writes checkpoints there when checkpointing.enabled is true)"
     )
   spec = source.files.run_config.checkpointing if source.files.run_config is not None else None
-  ckpt = checkpointing.Checkpointer(
+  return checkpointing.Checkpointer(
     directory,
     metric_name=spec.metric if spec else None,
     higher_is_better=spec.higher_is_better if spec else False,
   )
-  try:
-    step = _pick_step(ckpt, source)
-    try:
-      return ckpt.restore_params(step, target)
-    except checkpointing.DamagedCheckpointError as e:
-      others = [s for s in ckpt.all_steps() if s != step]
-      raise CheckpointError(
-        f"{e}. Load another checkpoint with step=N ({'available: ' + ', '.join(map(str, others)) if others else 'there is no other'}), "
-        f"or remove {os.path.join(directory, str(step))}"
-      ) from None
-  finally:
-    ckpt.close()
 
 
-def _pick_step(ckpt: checkpointing.Checkpointer, source: RunSource) -> int:
-  steps = ckpt.all_steps()
+def _choose(ckpt: checkpointing.Checkpointer, source: RunSource) -> CheckpointChoice:
+  steps = tuple(ckpt.all_steps())
   if not steps:
     raise CheckpointError(
       f"{ckpt.directory}: no complete checkpoint yet (training saves one every "
       "checkpointing.save_period steps and at the end)"
     )
-  step = source.step
-  if step is None:
-    best = checkpointing.read_best(ckpt.directory)
-    # Without the file: Orbax's best by the run's metric, or the latest when none has it.
-    step = int(best["step"]) if best is not None else ckpt.best_step()
-    log.info("loading the best checkpoint of %s: step %s", source.files.run_dir, step)
+  if source.step is not None:
+    step, why = source.step, "as asked"
+  else:
+    step, why = _best(ckpt)
   if step not in steps:
     raise CheckpointError(
       f"{ckpt.directory}: no checkpoint for step {step}; available steps: {', '.join(map(str, steps))}"
     )
-  return step
+  if step == steps[-1] and source.step is None and not why.startswith("the latest"):
+    why += ", also the latest"
+  return CheckpointChoice(source.files.run_dir, step, why, steps)
+
+
+def _best(ckpt: checkpointing.Checkpointer) -> tuple[int, str]:
+  """The best step and why: as ``best_checkpoint.json`` records it, else Orbax's best by the run's
+  metric, else the latest."""
+  best = checkpointing.read_best(ckpt.directory)
+  if best is not None:
+    metric, value = best.get("metric_name"), best.get("value")
+    ranked = (metric, value, bool(best.get("higher_is_better"))) if metric and value is not None else None
+    return int(best["step"]), _why(ranked, metric)
+  ranked = ckpt.best_by_metric()
+  if ranked is not None:
+    return ranked[0], _why((ckpt.metric_name, ranked[1], ckpt.higher_is_better), ckpt.metric_name)
+  return ckpt.latest_step(), _why(None, ckpt.metric_name)
+
+
+def _why(ranked: tuple[str, float, bool] | None, metric: str | None) -> str:
+  if ranked is not None:
+    name, value, higher = ranked
+    return f"the best by {name} = {value:.4g} ({'highest' if higher else 'lowest'})"
+  if metric:
+    return f"the latest (no checkpoint has a {metric} to rank it by)"
+  return "the latest (the run ranks checkpoints by no metric: checkpointing.metric_name is empty)"
 
 
 def _tokenizer_from_dir(path: str):
@@ -626,8 +718,22 @@ def _extra_files(info: ScoringInfo) -> dict[str, Any] | None:
   return None if info.verifier is None else {verifiers.FILE: info.verifier.to_json()}
 
 
-def check_export_dir(out_dir: str | os.PathLike) -> None:
-  if is_run_dir(os.fspath(out_dir)):
+def check_export_dir(out_dir: str | os.PathLike, source: Source | None = None) -> None:
+  """Refuses an export into a training output directory, or into a directory ``source`` reads:
+  its own (an HF directory), or the base a LoRA run's adapters are loaded over, which the export
+  would change under the run."""
+  out_dir = os.fspath(out_dir)
+  if is_run_dir(out_dir):
+    raise CheckpointError(f"{out_dir} is a training output directory; export into another directory")
+  if isinstance(source, HFSource) and _same_dir(out_dir, source.path):
+    raise CheckpointError(f"{out_dir} is the directory the model is read from; export into another directory")
+  base = source.files.base_model if isinstance(source, RunSource) else None
+  if base and _same_dir(out_dir, base):
     raise CheckpointError(
-      f"{os.fspath(out_dir)} is a training output directory; export into another directory"
+      f"{out_dir} holds the base model that {source.files.run_dir} loads its LoRA adapters over; "
+      "exporting into it would change that run's scores: export into another directory"
     )
+
+
+def _same_dir(a: str, b: str) -> bool:
+  return os.path.isdir(a) and os.path.isdir(b) and os.path.samefile(a, b)

@@ -1,6 +1,9 @@
 r"""Serves a reward model over HTTP, batching concurrent requests together.
 
-  python -m jaxrm.serve --model=runs/rm [--host=127.0.0.1] [--port=8000] [--api_key=...]
+  python -m jaxrm.serve --model=runs/rm [--step=N] [--host=127.0.0.1] [--port=8000] [--api_key=...]
+
+A training run is served at its best checkpoint unless ``--step`` names another; the step and why
+it was taken are printed before the model loads, and the port is checked free before that.
 
 Endpoints (JSON in and out; errors are ``{"error": message}`` with a 4xx/5xx status; every answer
 carries an ``X-Request-ID`` header, which a 500's message names and the server's log records with
@@ -176,7 +179,29 @@ def _define_flags() -> None:
     "Attention implementation: auto (a fused kernel on GPU, the "
     "reference path elsewhere) | reference | pallas | cudnn.",
   )
+  cli.define_step_flag()
   cli.define_verifier_flags()
+
+
+def check_port(host: str, port: int) -> None:
+  """Refuses an address the server could not listen on (a port in use), before the model loads."""
+  import errno
+  import socket
+
+  from jaxrm.errors import UserError
+
+  if port == 0:
+    return
+  family = socket.AF_INET6 if ":" in host else socket.AF_INET
+  try:
+    socket.create_server((host, port), family=family).close()  # as the server binds it
+  except OSError as e:
+    if e.errno == errno.EADDRINUSE:
+      raise UserError(
+        f"--port={port}: {host}:{port} is in use (another server?); stop what listens there, or "
+        "choose another --port (--port=0: any free port)"
+      ) from None
+    raise UserError(f"--host={host} --port={port}: cannot listen there: {e.strerror or e}") from None
 
 
 def server_config(f) -> ServerConfig:
@@ -229,8 +254,12 @@ def main() -> None:
   cli.setup_logging(logging.INFO, timestamps=True)
   f = flags.FLAGS
   config = server_config(f)
+  check_port(f.host, f.port)
   rm = RewardModel.from_pretrained(
-    f.model, dtype=f.dtype, attention_impl=f.attention, verifier=cli.verifier_request(f)
+    cli.located_model(f.model, f.step),
+    dtype=f.dtype,
+    attention_impl=f.attention,
+    verifier=cli.verifier_request(f),
   )
   server = make_server(rm, f.host, f.port, config=config, model_name=served_model_name(f))
   host = server.address[0]

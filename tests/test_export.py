@@ -18,7 +18,9 @@ from jaxrm import RewardModel
 from jaxrm.errors import CheckpointError
 from jaxrm.export import export
 from jaxrm.hf import gguf
-from jaxrm.models import families
+from jaxrm.hf.export import MANIFEST
+from jaxrm.loading import RunFiles
+from jaxrm.models import families, lora
 
 
 def safetensors_header(path):
@@ -156,7 +158,7 @@ def test_cli(tmp_path):
   )
   assert ok.returncode == 0, tiny_run.describe(ok)
   assert f"to {tmp_path / 'out'} as MistralForSequenceClassification in bfloat16" in ok.stdout
-  assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
+  assert sorted(os.listdir(tmp_path / "out")) == ["config.json", MANIFEST, "model.safetensors"]
 
   missing = tmp_path / "missing"
   bad = tiny_run.run(
@@ -185,28 +187,93 @@ def sharded(model, out):
   return sorted(names)
 
 
-def test_export_over_an_earlier_export_removes_the_files_it_does_not_rewrite(tmp_path):
-  """An earlier sharded export (with a tokenizer) in the folder: its shards and index would
-  otherwise sit beside the new weights and be read back instead of them."""
+def test_export_over_an_earlier_export_removes_the_files_it_does_not_rewrite(tiny_rm, tmp_path):
+  """An earlier export with a tokenizer: its files that this one does not write are removed, and
+  the manifest lists what is there now."""
   out = tmp_path / "out"
-  earlier = sharded(hf_tiny.build("llama", seed=1), out)
-  (out / "tokenizer.json").write_text("{}")
-  hf_tiny.build("llama", seed=2).save_pretrained(tmp_path / "src")
+  tiny_rm.save_pretrained(out)
+  assert "tokenizer.json" in json.loads((out / MANIFEST).read_text())["files"]
+  hf_tiny.build("llama", seed=2).save_pretrained(tmp_path / "src")  # no tokenizer
   export(str(tmp_path / "src"), str(out))
-  assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"], earlier
+  assert sorted(os.listdir(out)) == ["config.json", MANIFEST, "model.safetensors"]
+  assert json.loads((out / MANIFEST).read_text()) == {"files": ["config.json", "model.safetensors"]}
   assert_same_params(RewardModel.from_pretrained(out), RewardModel.from_pretrained(tmp_path / "src"))
+
+
+def listing(directory):
+  return {n: os.stat(directory / n, follow_symlinks=False).st_mtime_ns for n in os.listdir(directory)}
+
+
+def test_a_model_folder_without_a_manifest_is_refused_naming_its_files(tmp_path):
+  """A user's sharded checkpoint is not an earlier export: nothing in it is written or removed."""
+  out = tmp_path / "out"
+  names = sharded(hf_tiny.build("llama", seed=1), out)
+  before = listing(out)
+  hf_tiny.build("llama", seed=2).save_pretrained(tmp_path / "src")
+  with pytest.raises(CheckpointError) as e:
+    export(str(tmp_path / "src"), str(out))
+  assert str(e.value) == (
+    f"{out} holds {', '.join(names)}, a model's files that no jaxrm export wrote (no {MANIFEST} "
+    "lists them): an export replaces only the files of an earlier export; export into a new or "
+    "empty directory, or move them out of it"
+  )
+  assert listing(out) == before
 
 
 def test_export_refuses_a_folder_holding_other_files(tmp_path):
   out = tmp_path / "out"
-  hf_tiny.build("llama", seed=1).save_pretrained(out)
+  hf_tiny.build("llama", seed=2).save_pretrained(tmp_path / "src")
+  export(str(tmp_path / "src"), str(out))
   (out / "notes.txt").write_text("mine")
   (out / "eval").mkdir()
-  before = {n: os.path.getmtime(out / n) for n in os.listdir(out)}
-  hf_tiny.build("llama", seed=2).save_pretrained(tmp_path / "src")
-  with pytest.raises(CheckpointError, match=f"^{out} holds eval, notes.txt, which no export writes"):
+  before = listing(out)
+  with pytest.raises(
+    CheckpointError, match=f"^{out} holds eval, notes.txt, which no earlier export there wrote"
+  ):
     export(str(tmp_path / "src"), str(out))
-  assert {n: os.path.getmtime(out / n) for n in os.listdir(out)} == before  # nothing written
+  assert listing(out) == before  # nothing written
+
+
+def test_links_in_the_output_folder_are_replaced_not_written_through(tmp_path):
+  hf_tiny.build("llama", seed=2).save_pretrained(tmp_path / "src")
+  target = tmp_path / "elsewhere.json"
+  target.write_text("theirs")
+  fresh = tmp_path / "fresh"
+  fresh.mkdir()
+  (fresh / "config.json").symlink_to(target)  # not an export's: refused
+  with pytest.raises(CheckpointError, match=r"holds config\.json \(a link\), a model's files"):
+    export(str(tmp_path / "src"), str(fresh))
+  out = tmp_path / "out"
+  export(str(tmp_path / "src"), str(out))
+  (out / "config.json").unlink()
+  (out / "config.json").symlink_to(target)  # an export's file, now a link: replaced
+  export(str(tmp_path / "src"), str(out))
+  assert target.read_text() == "theirs"
+  assert not (out / "config.json").is_symlink()
+  assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForSequenceClassification"]
+
+
+def test_export_into_the_folder_a_run_loads_its_base_from_is_refused(tmp_path):
+  """A LoRA run's base, exported over by the run itself, would change what the run scores."""
+  base = tmp_path / "base"
+  hf_tiny.build("llama", seed=1).save_pretrained(base)
+  export(str(base), str(tmp_path / "base_export"))  # an export: the manifest would allow it
+  run = tmp_path / "run"
+  (run / "tokenizer").mkdir(parents=True)
+  cfg = RewardModel.from_pretrained(base, load_weights=False).config
+  RunFiles(
+    str(run), cfg.replace(lora=lora.LoraConfig(rank=2)), base_model=str(tmp_path / "base_export")
+  ).write(None)
+  before = listing(tmp_path / "base_export")
+  with pytest.raises(CheckpointError) as e:
+    export(str(run), str(tmp_path / "base_export"))
+  assert str(e.value) == (
+    f"{tmp_path / 'base_export'} holds the base model that {run} loads its LoRA adapters over; "
+    "exporting into it would change that run's scores: export into another directory"
+  )
+  with pytest.raises(CheckpointError, match="is the directory the model is read from"):
+    export(str(tmp_path / "base_export"), str(tmp_path / "base_export"))
+  assert listing(tmp_path / "base_export") == before
 
 
 def test_an_index_beside_a_single_weights_file_is_read_as_transformers_reads_it(tmp_path, caplog):

@@ -1,10 +1,14 @@
 """A new user's first runs: own files with the obvious flags, short runs, mistakes found before the
 model loads, and the messages each run prints (resumed, already finished, rows not used)."""
 
+import http.server
 import os
 import re
+import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import tiny_run
@@ -176,13 +180,21 @@ def test_export_takes_model_as_evaluate_and_serve_do(runs, tmp_path):
     "length_bias.png (default: print only)."
   ) in help_text
   assert "default: the training run's data.max_length" in help_text
-  assert f"exported {run} (llama, sequence head) to {tmp_path / 'model'}" in ok(results["model"])
+  # Which checkpoint each command takes, and why, before anything loads.
+  chosen = re.compile(
+    rf"checkpoint: step 2 of {re.escape(str(run))}, the best by validation-held_out_loss = "
+    r"[0-9.e-]+ \(lowest\), also the latest\n"
+  )
+  exported = ok(results["model"])
+  assert chosen.match(exported), exported
+  assert f"exported {run} (llama, sequence head) to {tmp_path / 'model'}" in exported
   refused = results["checkpoint"]
   assert refused.returncode == 1 and "Traceback" not in refused.stderr
   assert "FATAL Flags parsing error: Unknown command line flag 'checkpoint'" in refused.stderr
   out = ok(results["evaluate"])
+  assert chosen.match(out), out
   # The run's data.max_length (configs/rm.py: 128), and how fast scoring went.
-  assert out.startswith(f"jaxrm evaluate: model {run}, data {runs['dir'] / 'val.jsonl'}, max_length 128\n")
+  assert f"\njaxrm evaluate: model {run}, data {runs['dir'] / 'val.jsonl'}, max_length 128\n" in out
   assert "\nscored 8 examples in " in out and " examples/s, compiles included)\n" in out
   log = results["evaluate"].stderr
   assert "INFO jaxrm.evaluation.core: scoring 8 preference examples in 4 batches of 2\n" in log
@@ -191,6 +203,81 @@ def test_export_takes_model_as_evaluate_and_serve_do(runs, tmp_path):
     f"INFO jaxrm.evaluation.core: scored {i} of 4 batches" for i in (1, 2, 3)
   ]
   assert len(progress) == 4 and progress[3].startswith("INFO jaxrm.evaluation.core: scored 8 examples in ")
+
+
+def test_a_missing_step_names_the_steps_and_a_busy_port_is_found_before_the_model_loads(runs, tmp_path):
+  ok(runs["two_sets"])
+  run = runs["dir"] / "two_sets"
+  with socket.socket() as busy:
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    results = finish(
+      {
+        "export": start(
+          [sys.executable, "-m", "jaxrm.export", f"--model={run}", "--step=1", f"--out={tmp_path / 'out'}"]
+        ),
+        # Before the model (which would load: the step exists) and before the checkpoint is chosen.
+        "serve": start([sys.executable, "-m", "jaxrm.serve", f"--model={run}", "--step=2", f"--port={port}"]),
+      }
+    )
+  assert error_line(results["export"]) == (
+    f"error: {run}/checkpoints: no checkpoint for step 1; available steps: 2"
+  )
+  assert not os.path.exists(tmp_path / "out")
+  assert error_line(results["serve"]) == (
+    f"error: --port={port}: 127.0.0.1:{port} is in use (another server?); stop what listens there, "
+    "or choose another --port (--port=0: any free port)"
+  )
+  assert "checkpoint:" not in results["serve"].stdout
+
+
+@pytest.fixture
+def hub(monkeypatch):
+  """A hub that answers every request 503, counting them."""
+  from huggingface_hub import constants
+
+  asked = []
+
+  class Unavailable(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+      asked.append(self.path)
+      self.send_response(503)
+      self.send_header("Content-Length", "0")
+      self.end_headers()
+
+    do_HEAD = do_GET
+
+    def log_message(self, *args):
+      pass
+
+  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Unavailable)
+  threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+  monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+  yield asked
+  server.shutdown()
+  server.server_close()
+
+
+def test_a_hub_name_the_hub_cannot_give_is_one_line_at_once(hub, tmp_path, monkeypatch, caplog):
+  from huggingface_hub import constants
+
+  from jaxrm import RewardModel
+  from jaxrm.errors import CheckpointError
+
+  monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+  monkeypatch.chdir(tmp_path)
+  started = time.monotonic()
+  with pytest.raises(CheckpointError) as e:
+    RewardModel.from_pretrained("jaxrm-tests/no-such-model")
+  assert time.monotonic() - started < 5  # no retries with growing waits
+  assert str(e.value) == (
+    f"jaxrm-tests/no-such-model: no such file or folder ({tmp_path / 'jaxrm-tests/no-such-model'}), "
+    "and as a hub model name it could not be fetched: the hub answered HTTP 503, and the model is "
+    "not in the local hub cache"
+  )
+  assert [p for p in hub if "no-such-model" in p] == ["/api/models/jaxrm-tests/no-such-model"]  # asked once
+  assert "huggingface_hub" not in caplog.text  # its warnings stay quiet
 
 
 # ------------------------------------------------------------------ in process, on the tiny run

@@ -668,7 +668,7 @@ def test_cli_serves_until_stopped(model_dir):
 
 
 def test_cli_error_without_traceback():
-  proc = tiny_run.run([sys.executable, "-m", "jaxrm.serve", "--model=/nonexistent/model"])
+  proc = tiny_run.run([sys.executable, "-m", "jaxrm.serve", "--model=/nonexistent/model", "--port=0"])
   assert proc.returncode == 1
   assert proc.stderr.startswith("error: /nonexistent/model: no such file or directory"), proc.stderr
   assert "Traceback" not in proc.stderr

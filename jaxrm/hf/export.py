@@ -13,18 +13,24 @@ A model with LoRA adapters is written with the adapters merged into its weights 
 checkpoint, no peft needed), or, by :func:`save_peft_adapters`, as a peft adapter directory
 (``adapter_config.json`` + ``adapter_model.safetensors``) to apply over its base checkpoint.
 
-A directory that holds an earlier export (jaxrm's or transformers' ``save_pretrained``: weights,
-shards and their index, config, tokenizer and adapter files) is written over, and the files of the
-earlier export that this one does not rewrite are removed, so that no loader reads stale shards
-beside the new weights. Any other file in it makes the export refuse before writing, naming it.
+An export lists the files it wrote in ``jaxrm_export.json`` (:data:`MANIFEST`). Exporting again
+into that directory replaces them, and removes those of the earlier export that this one does not
+rewrite, so that no loader reads stale shards beside the new weights; it removes nothing else. A
+directory holding any file that no manifest there lists (another tool's checkpoint, notes, a link)
+is refused before anything is written, the files named. The files are written beside the
+directory's entries and then renamed over them: a link in the directory is replaced, never written
+through.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Iterable
 from typing import Any
 
@@ -111,11 +117,11 @@ def peft_config(cfg: ModelConfig, base_model_name_or_path: str | None) -> dict:
   }
 
 
-# The files an HF export writes (jaxrm's, or transformers' and peft's save_pretrained): an export
-# removes those of an earlier one that it does not rewrite, and refuses a directory holding others.
+# The files an HF export writes (jaxrm's, or transformers' and peft's save_pretrained): those a
+# manifest may list, and those named when a directory without one is refused as a model's.
 EXPORT_FILES = re.compile(
   r"config\.json|generation_config\.json"
-  r"|(model|adapter_model)\.safetensors(\.tmp)?|model\.safetensors\.index\.json"
+  r"|(model|adapter_model)\.safetensors|model\.safetensors\.index\.json"
   r"|model-\d{5}-of-\d{5}\.safetensors|adapter_config\.json"
   r"|(pytorch_model|adapter_model)\.bin|pytorch_model\.bin\.index\.json|pytorch_model-\d{5}-of-\d{5}\.bin"
   r"|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|added_tokens\.json"
@@ -123,34 +129,115 @@ EXPORT_FILES = re.compile(
   r"|chat_template\.jinja|chat_template\.json"
   r"|jaxrm_[a-z_]+\.json"  # jaxrm's own files beside the model (extra_files)
 )
+# The list of the files an export wrote, beside them: the only files a later export removes.
+MANIFEST = "jaxrm_export.json"
+_STAGING = ".jaxrm_export_"  # prefix of the folder an export writes into before renaming
 
 
 def _earlier_export(out_dir: str) -> list[str]:
-  """The files of an earlier export in ``out_dir`` (created if missing); any other entry in it is
-  refused, named, before anything is written."""
+  """The files an earlier export in ``out_dir`` (created if missing) lists; any other entry in it
+  is refused, named, before anything is written."""
   os.makedirs(out_dir, exist_ok=True)
-  names = sorted(os.listdir(out_dir))
-  other = [n for n in names if not (EXPORT_FILES.fullmatch(n) and os.path.isfile(os.path.join(out_dir, n)))]
+  for name in os.listdir(out_dir):  # what an interrupted export left of its own
+    path = os.path.join(out_dir, name)
+    if name.startswith(_STAGING):
+      shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+  listed = _read_manifest(out_dir)
+  names = sorted(n for n in os.listdir(out_dir) if n != MANIFEST)
+  # A listed file that is now a link is the export's to replace (the link, not its target).
+  other = [n for n in names if n not in listed or os.path.isdir(os.path.join(out_dir, n))]
   if other:
-    raise CheckpointError(
-      f"{out_dir} holds {', '.join(other)}, which no export writes; export into a new or empty "
-      "directory, or remove them (an earlier export's own files are replaced)"
-    )
+    raise CheckpointError(_refusal(out_dir, other, manifest=bool(listed)))
   return names
 
 
-def _remove_unwritten(out_dir: str, earlier: Iterable[str], written: Iterable[str]) -> None:
-  """Removes the files of the earlier export that this one did not rewrite."""
-  stale = sorted(set(earlier) - {os.path.basename(w) for w in written})
+def _plain_file(path: str) -> bool:
+  return os.path.isfile(path) and not os.path.islink(path)
+
+
+def _refusal(out_dir: str, other: list[str], *, manifest: bool) -> str:
+  named = ", ".join(n + (" (a link)" if os.path.islink(os.path.join(out_dir, n)) else "") for n in other)
+  models = [n for n in other if EXPORT_FILES.fullmatch(n)]
+  if models and not manifest:
+    why = (
+      f"a model's files that no jaxrm export wrote (no {MANIFEST} lists them): an export replaces "
+      "only the files of an earlier export"
+    )
+  else:
+    why = f"which no earlier export there wrote ({MANIFEST} lists the files an export replaces)"
+  return f"{out_dir} holds {named}, {why}; export into a new or empty directory, or move them out of it"
+
+
+def _read_manifest(out_dir: str) -> set[str]:
+  """The file names the manifest in ``out_dir`` lists; none without one."""
+  path = os.path.join(out_dir, MANIFEST)
+  if not os.path.lexists(path):
+    return set()
+  try:
+    if not _plain_file(path):
+      raise ValueError("it is not a plain file")
+    with open(path) as f:
+      files = json.load(f)["files"]
+    if not all(isinstance(n, str) and _plain_name(n) and n != MANIFEST for n in files):
+      raise ValueError("it lists names that are not files of the directory")
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise CheckpointError(
+      f"{path} is damaged ({e}): export into a new or empty directory, or remove {out_dir}'s "
+      "files of the earlier export and the manifest"
+    ) from None
+  return set(files)
+
+
+def _plain_name(name: str) -> bool:
+  return bool(name) and os.path.basename(name) == name and not name.startswith(".") and "\\" not in name
+
+
+def _write_manifest(out_dir: str, names: Iterable[str]) -> None:
+  """Writes the manifest whole or not at all (renamed over the earlier one, never written through)."""
+  fd, tmp = tempfile.mkstemp(prefix=_STAGING, dir=out_dir)
+  with os.fdopen(fd, "w") as f:
+    json.dump({"files": sorted(set(names))}, f, indent=2)
+  os.replace(tmp, os.path.join(out_dir, MANIFEST))
+
+
+@contextlib.contextmanager
+def _staged(out_dir: str, earlier: list[str]):
+  """A folder in ``out_dir`` to write the export into; published (:func:`_published`) when the
+  block ends, removed if it fails."""
+  staging = tempfile.mkdtemp(prefix=_STAGING, dir=out_dir)
+  try:
+    yield staging
+  except BaseException:
+    shutil.rmtree(staging, ignore_errors=True)
+    raise
+  _published(out_dir, staging, earlier)
+
+
+def _published(out_dir: str, staging: str, earlier: list[str]) -> None:
+  """Moves the files written into ``staging`` into ``out_dir``, removes the earlier export's files
+  that were not rewritten, and lists the new ones in the manifest.
+
+  The manifest lists both exports' files while the files move, so that an export stopped part way
+  leaves no file unlisted; each file is renamed over the entry of its name, which replaces a link
+  instead of writing through it.
+  """
+  written = sorted(os.listdir(staging))
+  _write_manifest(out_dir, [*earlier, *written])
+  for name in written:
+    os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
+  stale = sorted(set(earlier) - set(written))
   for name in stale:
     os.remove(os.path.join(out_dir, name))
+  _write_manifest(out_dir, written)
+  os.rmdir(staging)
   if stale:
     log.info("removed the files of an earlier export in %s: %s", out_dir, ", ".join(stale))
 
 
-def _save_tokenizer(out_dir: str, tokenizer: Any) -> list[str]:
+def _save_tokenizer(out_dir: str, tokenizer: Any) -> None:
   """The tokenizer's files written into ``out_dir`` (none without a tokenizer)."""
-  return [] if tokenizer is None else [os.fspath(p) for p in tokenizer.save_pretrained(out_dir)]
+  if tokenizer is not None:
+    tokenizer.save_pretrained(out_dir)
 
 
 REGRESSION = "regression"  # transformers' problem_type of a regression head
@@ -241,38 +328,37 @@ def save_pretrained(
       model (a verifier's question and answers, :mod:`jaxrm.verifier`), or None.
 
   Raises:
-    CheckpointError: ``out_dir`` holds files that no export writes.
+    CheckpointError: ``out_dir`` holds files that no earlier export there lists.
   """
   out_dir = os.fspath(out_dir)
   dtype = _check_dtype(dtype or model.config.param_dtype)
   extra_files = _checked_extra_files(extra_files)
   earlier = _earlier_export(out_dir)
-  save_safetensors(os.path.join(out_dir, "model.safetensors"), hf_tensors(model, dtype))
   config = hf_config(
     model.config, dtype, tokenizer=tokenizer, attributes=attributes, extra_config=extra_config
   )
-  with open(os.path.join(out_dir, "config.json"), "w") as f:
-    json.dump(config, f, indent=2)
-  written = ["model.safetensors", "config.json", *_save_tokenizer(out_dir, tokenizer)]
-  written += _write_extra_files(out_dir, extra_files)
+  with _staged(out_dir, earlier) as staging:
+    save_safetensors(os.path.join(staging, "model.safetensors"), hf_tensors(model, dtype))
+    with open(os.path.join(staging, "config.json"), "w") as f:
+      json.dump(config, f, indent=2)
+    _save_tokenizer(staging, tokenizer)
+    _write_extra_files(staging, extra_files)
   if tokenizer is None:
     log.warning("the model has no tokenizer: %s holds no tokenizer files", out_dir)
-  _remove_unwritten(out_dir, earlier, written)
 
 
 def _checked_extra_files(extra_files: dict[str, Any] | None) -> dict[str, Any]:
   extra_files = dict(extra_files or {})
   for name in extra_files:
-    if not re.fullmatch(r"jaxrm_[a-z_]+\.json", name):
+    if not re.fullmatch(r"jaxrm_[a-z_]+\.json", name) or name == MANIFEST:
       raise ValueError(f"extra file {name!r}: jaxrm's own files beside an export are jaxrm_<name>.json")
   return extra_files
 
 
-def _write_extra_files(out_dir: str, extra_files: dict[str, Any]) -> list[str]:
+def _write_extra_files(out_dir: str, extra_files: dict[str, Any]) -> None:
   for name, content in extra_files.items():
     with open(os.path.join(out_dir, name), "w") as f:
       json.dump(content, f, indent=2)
-  return list(extra_files)
 
 
 def save_peft_adapters(
@@ -305,10 +391,12 @@ def save_peft_adapters(
   dtype = _check_dtype(dtype or model.config.param_dtype)
   extra_files = _checked_extra_files(extra_files)
   tensors = peft_tensors(model, dtype)
-  earlier = _earlier_export(out_dir)
-  save_safetensors(os.path.join(out_dir, "adapter_model.safetensors"), tensors)
-  with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
-    json.dump(peft_config(model.config, base_model_name_or_path), f, indent=2)
+  with _staged(out_dir, _earlier_export(out_dir)) as staging:
+    save_safetensors(os.path.join(staging, "adapter_model.safetensors"), tensors)
+    with open(os.path.join(staging, "adapter_config.json"), "w") as f:
+      json.dump(peft_config(model.config, base_model_name_or_path), f, indent=2)
+    _save_tokenizer(staging, tokenizer)
+    _write_extra_files(staging, extra_files)
   if model.config.lora.base_dtype is not None:
     log.warning(
       "the adapters were trained over a %s base; peft applies them over the base checkpoint "
@@ -316,6 +404,3 @@ def save_peft_adapters(
       "keeps jaxrm's)",
       model.config.lora.base_dtype,
     )
-  written = ["adapter_model.safetensors", "adapter_config.json", *_save_tokenizer(out_dir, tokenizer)]
-  written += _write_extra_files(out_dir, extra_files)
-  _remove_unwritten(out_dir, earlier, written)
