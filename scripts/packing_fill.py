@@ -10,8 +10,9 @@ prompt counts once: it is written once). Each mix is packed ``packed`` and ``sha
 * ``first-fit``: rows as packing did before fitting: ``row_length`` long (or, where the mix's
   rows are sized automatically, as long as the batch's longest group, in steps of the bucket),
   filled first-fit decreasing, as many as needed.
-* ``fitted /M up to T``: ``PackSpec(fit_multiple=M)``: each batch's row length (a multiple of M,
-  at most T) and row count chosen together, the pair with the fewest slots that holds the batch.
+* ``fitted /M up to T``: ``PackSpec(fit_multiple=M)``: each batch's row length (a multiple of M
+  up to T, or the length first-fit rows of at most T would have) and row count chosen together,
+  the pair with the fewest slots that holds the batch.
 
 The mixes:
 
@@ -139,9 +140,7 @@ def packings(mix: Mix, shared_prompt: bool) -> dict[str, packing.PackSpec]:
   ]
   out = {"first-fit": base}
   for m, cap in fitted:
-    out[f"fitted /{m} up to {cap}"] = dataclasses.replace(
-      base, row_length=cap, length_multiple=0, fit_multiple=m
-    )
+    out[f"fitted /{m} up to {cap}"] = dataclasses.replace(base, row_length=cap, fit_multiple=m)
   return out
 
 

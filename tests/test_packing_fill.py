@@ -72,8 +72,10 @@ def test_fitting_finds_rows_that_first_fit_misses():
   # Shorter rows, more of them, where they hold the batch in fewer slots; equal slots: shorter rows.
   assert packing.fitted_shape([[5, 5, 5]], packing.PackSpec(20, fit_multiple=5))[:2] == (5, 3)
   assert packing.fitted_shape([[6, 5, 5]], packing.PackSpec(20, fit_multiple=2))[:2] == (16, 1)
-  # row_length is a candidate too, multiple or not: never more slots than unfitted rows take.
+  # The unfitted rows' length is a candidate too, multiple or not: never more slots than unfitted.
   assert packing.fitted_shape([[6, 5, 5]], packing.PackSpec(20, fit_multiple=7))[:2] == (20, 1)
+  spec = packing.PackSpec(64, length_multiple=5, fit_multiple=16)
+  assert packing.fitted_shape([[5, 5, 5]], spec)[:2] == (5, 3)
 
 
 def test_fitted_hosts_and_micro_batches_share_one_shape_and_place_every_group():

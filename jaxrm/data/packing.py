@@ -57,10 +57,11 @@ class PackSpec:
       compile).
     rewards_multiple: R, the reward slots per row, is rounded up to a multiple of this.
     fit_multiple: when > 0, each batch's shape is fitted (:func:`fitted_shape`): its rows'
-      length T (a multiple of this up to ``row_length``, or ``row_length``) and their count B (a
-      multiple of ``rows_multiple``) are the pair with the fewest token slots B x T that holds
-      every group (``length_multiple`` then does not apply). A batch then takes one of at most
-      ``row_length / fit_multiple + 1`` row lengths times ``groups / rows_multiple`` row counts.
+      length T (a multiple of this up to ``row_length``, or the length it would have unfitted)
+      and their count B (a multiple of ``rows_multiple``) are the pair with the fewest token
+      slots B x T that holds every group: never more than unfitted rows take. A batch then takes
+      one of at most ``row_length / fit_multiple`` (+ the unfitted lengths) row lengths times
+      ``groups / rows_multiple`` row counts.
       The row count a caller fixes (``num_rows``) keeps rows unfitted. 0: rows are ``row_length``
       long (or as ``length_multiple`` says), as many as first-fit needs.
   """
@@ -215,9 +216,9 @@ def fitted_shape(
 
   ``parts`` are the lengths of the units of every part of the batch (every host's micro-batches,
   each packed into rows of its own, all of one shape). With ``spec.fit_multiple``, T (a multiple
-  of it up to ``spec.row_length``, or ``spec.row_length``) and B (a multiple of
+  of it up to ``spec.row_length``, or the length unfitted rows would have) and B (a multiple of
   ``spec.rows_multiple``) are the pair with the fewest token slots B x T that holds every part
-  (never more than rows of ``spec.row_length`` take), shorter rows first among equals; each
+  (never more than unfitted rows take), shorter rows first among equals; each
   part's rows are filled first-fit decreasing, or where that needs more rows than the slots
   allow, by :func:`fit_rows`. Without, T is as ``spec.row_length`` and ``spec.length_multiple``
   say and B as many rows as first-fit needs.
@@ -250,12 +251,13 @@ def _candidate_shapes(
   parts: Sequence[Sequence[int]], spec: PackSpec, longest: int
 ) -> list[tuple[int, int, int]]:
   """(the fewest slots, row length, rows) of every row length a fitted batch may take (the
-  multiples of ``spec.fit_multiple`` that hold its longest unit, and ``spec.row_length``), the
-  fewest slots first: each part's tokens over the row length, rounded up to
+  multiples of ``spec.fit_multiple`` that hold its longest unit, and the length its rows would
+  have unfitted), the fewest slots first: each part's tokens over the row length, rounded up to
   ``spec.rows_multiple``."""
   m = spec.fit_multiple
-  # row_length itself too: fitted rows never take more slots than rows of row_length would.
-  lengths = sorted(set(range(_round_up(longest, m), spec.row_length + 1, m)) | {spec.row_length})
+  # And the unfitted rows' length: fitted rows never take more slots than unfitted ones would.
+  unfitted = min(spec.row_length, _round_up(longest, spec.length_multiple or spec.row_length))
+  lengths = sorted(set(range(_round_up(longest, m), spec.row_length + 1, m)) | {unfitted})
   shapes = []
   for t in lengths:
     b = _round_up(max((-(-sum(p) // t) for p in parts), default=1), spec.rows_multiple)
