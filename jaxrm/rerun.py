@@ -15,6 +15,7 @@ A checkpoint directory outside the output directory names its output directory
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -131,15 +132,30 @@ def record(config: RunConfig, run_dir: str, model_path: str | None) -> None:
   """Writes :data:`RECORD` into ``run_dir``: the run's settings and, by the key that names it,
   each local file it reads (a data folder's files each, the model's files: ``model_path``) with
   its size, modification time and content hash (computed once per file version and kept beside
-  the tokenized cache, :func:`jaxrm.data.cache.file_hash`)."""
+  the tokenized cache, :func:`jaxrm.data.cache.file_hash`; a file whose size and time are those
+  the folder's record holds keeps its hash from there, so a resumed run hashes nothing)."""
+  before = {}
+  with contextlib.suppress(OSError, ValueError, AttributeError, KeyError, TypeError):  # none yet, or odd
+    with open(os.path.join(run_dir, RECORD)) as f:
+      before = {name: v for was in json.load(f)["inputs"].values() for name, v in was["files"].items()}
   hashed = {
-    key: {"path": given, "files": {f: cache.file_hash(f, config.data.cache_directory) for f in names}}
+    key: {"path": given, "files": {f: _hash(f, before.get(f), config.data.cache_directory) for f in names}}
     for key, (given, names) in _input_files(config, model_path).items()
   }
   tmp = os.path.join(run_dir, f".{RECORD}.tmp")
   with open(tmp, "w") as f:
     json.dump({"config": config.to_dict(), "inputs": hashed}, f, indent=1)
   os.replace(tmp, os.path.join(run_dir, RECORD))
+
+
+def _hash(path: str, recorded: dict | None, cache_dir: str | None) -> dict[str, Any]:
+  stat = os.stat(path)
+  if isinstance(recorded, dict) and (recorded.get("size"), recorded.get("mtime_ns")) == (
+    stat.st_size,
+    stat.st_mtime_ns,
+  ):
+    return recorded
+  return cache.file_hash(path, cache_dir)
 
 
 def _input_files(config: RunConfig, model_path: str | None) -> dict[str, tuple[str, list[str]]]:
