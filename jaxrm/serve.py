@@ -95,6 +95,22 @@ def _define_flags() -> None:
     "to be tokenized, all requests together, before new requests get 503 + Retry-After.",
   )
   flags.DEFINE_integer(
+    "max_client_pending_bytes",
+    None,
+    "One client's share of --max_pending_bytes (a peer address, with the API key it sends), "
+    "before its new requests get 429 (default: half, and at least --max_request_bytes).",
+  )
+  flags.DEFINE_integer(
+    "max_tokenize_chars",
+    d.max_tokenize_chars,
+    "Characters one request may have tokenized, each distinct text once (413 past them).",
+  )
+  flags.DEFINE_integer(
+    "tokenizers",
+    d.tokenizers,
+    "Tokenizers at work at once, taking requests' items fairly; one keeps to short items.",
+  )
+  flags.DEFINE_integer(
     "max_length",
     None,
     "Most tokens per item (default: the training run's data.max_length, "
@@ -142,7 +158,13 @@ def _define_flags() -> None:
   flags.DEFINE_integer(
     "max_connections",
     d.max_connections,
-    "Open connections before new requests get 503; also the most requests waiting to be scored.",
+    "Open connections; past them an idle one is closed, or new ones get 503 if none is idle; "
+    "also the most requests waiting to be scored.",
+  )
+  flags.DEFINE_integer(
+    "max_client_connections",
+    None,
+    "One peer address's share of --max_connections, before its new ones get 429 (default: half).",
   )
   flags.DEFINE_bool(
     "openrlhf_text",
@@ -218,6 +240,10 @@ def server_config(f) -> ServerConfig:
     max_batch=f.max_batch,
     max_request_bytes=f.max_request_bytes,
     max_pending_bytes=f.max_pending_bytes,
+    max_client_pending_bytes=f.max_client_pending_bytes,
+    max_tokenize_chars=f.max_tokenize_chars,
+    tokenizers=f.tokenizers,
+    max_client_connections=f.max_client_connections,
     max_messages=f.max_messages,
     max_length=f.max_length,
     batch_size=f.batch_size,

@@ -609,14 +609,23 @@ def test_request_larger_than_the_queue_is_refused(tiny_rm):
 
 
 def test_connections_past_the_limit_get_503(tiny_rm):
-  # Headers may take long here: the idle connections below hold their places for the whole test.
-  config = dataclasses.replace(SERVER_CONFIG, max_connections=2, header_timeout=SOCKET_TIMEOUT)
+  # Bodies may take long here: the connections below, each in a request, hold their places for
+  # the whole test (an idle one would be closed for a new one).
+  config = dataclasses.replace(
+    SERVER_CONFIG, max_connections=2, max_client_connections=2, body_timeout=SOCKET_TIMEOUT
+  )
   with serving(tiny_rm, config) as s:
     idle = [raw_connection(s.url) for _ in range(2)]
     try:
+      for sock in idle:
+        sock.sendall(
+          b"POST /get_reward HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+          b"Content-Length: 10\r\n\r\n{"
+        )
+      threading.Event().wait(0.2)  # their headers are read
       status, reply, headers = call(s.url, "/get_reward", {"query": SERVER_TEXTS})
       assert (status, headers["Retry-After"]) == (503, "1")
-      assert "2 open connections, its most (--max_connections)" in reply["error"]
+      assert "2 open connections, none of them idle, its most (--max_connections)" in reply["error"]
     finally:
       for sock in idle:
         sock.close()

@@ -3,6 +3,7 @@ request, bodies waiting to be tokenized are bounded in bytes, and the scoring qu
 given-up requests dropped unscored. Real requests on 127.0.0.1, every wait bounded."""
 
 import concurrent.futures
+import copy
 import dataclasses
 import json
 import logging
@@ -30,23 +31,35 @@ MARK = "HOLD"  # texts holding it make GatedTokenizer wait
 
 class GatedTokenizer:
   """The model's tokenizer, except that a text holding MARK waits for ``gate`` (or ``delay`` s) first:
-  a tokenizer slow or stuck on one request, while the others behave."""
+  a tokenizer slow or stuck on one request, while the others behave. The server's copies of it
+  share its gate and its count."""
 
   def __init__(self, tokenizer, *, gate: threading.Event | None = None, delay: float = 0.0):
     self._tokenizer = tokenizer
     self._gate = gate
     self._delay = delay
-    self.marked = 0  # texts holding MARK tokenized so far
+    self._marks: list[str] = []  # texts holding MARK tokenized so far
+
+  @property
+  def marked(self) -> int:
+    return len(self._marks)
 
   def __getattr__(self, name):
+    if name.startswith("__") or name == "_tokenizer":
+      raise AttributeError(name)
     return getattr(self._tokenizer, name)
+
+  def __deepcopy__(self, memo):
+    twin = copy.copy(self)
+    twin._tokenizer = copy.deepcopy(self._tokenizer, memo)
+    return twin
 
   def __len__(self):
     return len(self._tokenizer)
 
   def __call__(self, text, *args, **kwargs):
     if MARK in str(text):
-      self.marked += 1
+      self._marks.append(str(text)[:20])
       if self._gate is not None:
         self._gate.wait(SOCKET_TIMEOUT)
       else:
@@ -169,7 +182,10 @@ def padded_body(texts, size: int) -> bytes:
 
 def test_bodies_waiting_to_be_tokenized_are_bounded_in_bytes(tiny_rm):
   gate = threading.Event()
-  config = dataclasses.replace(SERVER_CONFIG, max_pending_bytes=3000)  # max_request_bytes is 2048
+  # max_request_bytes is 2048; one tokenizer, so that the second body waits for the first.
+  config = dataclasses.replace(
+    SERVER_CONFIG, max_pending_bytes=3000, max_client_pending_bytes=3000, tokenizers=1
+  )
   with serving(gated(tiny_rm, gate=gate), config) as s:
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
       # One body stuck in the tokenizer, one waiting for it: 2600 of the 3000 bytes held.
@@ -228,7 +244,9 @@ def test_scoring_queue_is_bounded_and_given_up_requests_are_not_scored(tiny_rm):
   # The scoring worker hangs in a forward pass; requests queued behind it time out one after
   # another. Their places stay taken until the worker drops them, up to max_connections places:
   # then new requests get 503 at once, and the dropped requests' rows are never scored.
-  config = dataclasses.replace(SERVER_CONFIG, max_connections=3, request_timeout=0.5)
+  config = dataclasses.replace(
+    SERVER_CONFIG, max_connections=3, max_client_connections=3, request_timeout=0.5
+  )
   with serving(tiny_rm, config, all_shapes=True) as s:  # it swaps score_fn: every compile done first
     entered, gate, score = threading.Event(), threading.Event(), s.batcher.score_fn
     hung = _hung(score, entered, gate)

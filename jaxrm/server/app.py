@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import json
 import logging
@@ -29,8 +30,9 @@ from jaxrm.server.batcher import Batcher, PackedFn, QueueFull, ScoreFn
 from jaxrm.server.bodies import RETRY_AFTER, Encoder, RequestError, parse_json, timed_out
 from jaxrm.server.config import ServerConfig
 from jaxrm.server.formats import ROUTES, Meta, Scoring
-from jaxrm.server.limits import HeldBody, PendingBytes
+from jaxrm.server.limits import CLIENT, HeldBody, PendingBytes
 from jaxrm.server.metrics import CONTENT_TYPE, Metrics
+from jaxrm.server.tokenizing import Tokenizers
 
 log = logging.getLogger("jaxrm.server")
 
@@ -39,6 +41,8 @@ CLOSE = {"Connection": "close"}
 REQUEST_ID = "X-Request-ID"
 CLIENT_GONE = 499  # nginx's status for a client that closed its connection before the answer
 DEFAULT_CONFIG = ServerConfig()
+# Requests parsed at once, each in a thread of its own; their items share the tokenizers fairly.
+PARSING_THREADS = 64
 
 
 def score_fn(rm, normalize: bool, combine: str | None = None) -> ScoreFn:
@@ -132,6 +136,20 @@ def _too_many(limit: int) -> RequestError:
   )
 
 
+def _client_too_many(limit: int) -> RequestError:
+  return RequestError(
+    429,
+    f"this client holds {limit} bytes of request bodies waiting to be tokenized, its share "
+    "(--max_client_pending_bytes): retry after the Retry-After seconds",
+    {**RETRY_AFTER, **CLOSE},
+  )
+
+
+def _client(request: Request) -> tuple[str, str]:
+  """Whose share a request's bytes count in: its peer address, and the API key it sends."""
+  return (request.client.host if request.client else "", request.headers.get("authorization", ""))
+
+
 def _declared_size(request: Request, config: ServerConfig) -> None:
   """Refuses a Content-Length that is not a number, or over max_request_bytes. It holds nothing
   in max_pending_bytes: the bytes count as they arrive, so headers alone hold none."""
@@ -157,7 +175,10 @@ async def _read_body(request: Request, held: HeldBody, config: ServerConfig, dea
         n += len(chunk)
         if n > config.max_request_bytes:
           raise _too_large(config.max_request_bytes)
-        if not held.take(len(chunk)):
+        refused = held.take(len(chunk))
+        if refused == CLIENT:
+          raise _client_too_many(config.client_pending_bytes)
+        if refused:
           raise _too_many(config.max_pending_bytes)
         chunks.append(chunk)
   except TimeoutError:
@@ -202,8 +223,9 @@ def _with_request_id(app: Callable) -> Callable:
 
 
 class App:
-  """The endpoints. A scoring request is read, then tokenized (one request at a time, in a worker
-  thread), then scored by the batcher, all within its request_timeout."""
+  """The endpoints. A scoring request is read, then tokenized (in a worker thread, its items sharing
+  the tokenizers with other requests': :mod:`jaxrm.server.tokenizing`), then scored by the batcher,
+  all within its request_timeout."""
 
   def __init__(self, rm, config: ServerConfig, batcher: Batcher, metrics: Metrics, model_name: str):
     self.config = config
@@ -211,10 +233,9 @@ class App:
     self.metrics = metrics
     self.model_name = model_name
     self.encoder = Encoder(rm, config)
-    self.pending = PendingBytes(config.max_pending_bytes, metrics.pending)
-    # The tokenizer runs in worker threads, one at a time: a fast tokenizer is not safe to share
-    # across threads that may change its truncation settings.
-    self._tokenizing = anyio.CapacityLimiter(1)
+    self.pending = PendingBytes(config.max_pending_bytes, metrics.pending, config.client_pending_bytes)
+    self.tokenizers = Tokenizers(rm, config.tokenizers, config.max_tokenize_chars, config.request_timeout)
+    self._tokenizing = anyio.CapacityLimiter(PARSING_THREADS)
 
   def asgi(self) -> Callable:
     routes = [
@@ -282,9 +303,11 @@ class App:
     """The answer's JSON; reading, tokenizing and scoring all end by the request's deadline."""
     deadline = asyncio.get_running_loop().time() + self.config.request_timeout
     # The same instant on the tokenizing thread's clock: it stops there, between two items.
-    encoder = self.encoder.for_request(time.monotonic() + self.config.request_timeout, self._gave_up(request))
+    until, gave_up = time.monotonic() + self.config.request_timeout, self._gave_up(request)
+    encoder = self.encoder.for_request(until, gave_up)
+    encoder.rm = self.tokenizers.for_request(until, gave_up)
     self._check_scoring(request)
-    held = HeldBody(self.pending)
+    held = HeldBody(self.pending, _client(request))
     try:
       raw = await _read_body(request, held, self.config, deadline)
       work = asyncio.ensure_future(
@@ -401,43 +424,78 @@ class App:
     return _error(e.status_code, str(e.detail), e.headers)
 
 
-def _busy_reply(max_connections: int) -> bytes:
-  body = json.dumps(
-    {
-      "error": f"the server has {max_connections} open connections, its most "
-      "(--max_connections): retry after the Retry-After seconds"
-    }
-  ).encode()
+def _refusal(status: str, message: str) -> bytes:
+  body = json.dumps({"error": message}).encode()
   head = (
-    "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+    f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
     f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n"
   )
   return head.encode() + body
 
 
-def _protocol(header_timeout: float, max_connections: int) -> type[H11Protocol]:
-  """uvicorn's HTTP/1.1 protocol, refusing connections past ``max_connections`` with a JSON 503,
-  and dropping a connection whose request headers take longer than ``header_timeout`` seconds
-  from its opening or its previous answer (uvicorn would wait forever)."""
-  busy = _busy_reply(max_connections)
+def _protocol(config: ServerConfig) -> type[H11Protocol]:
+  """uvicorn's HTTP/1.1 protocol: a new connection past ``max_connections`` closes an idle one
+  (waiting for a request's headers) of the peer holding the most idle ones, or is refused with a
+  JSON 503 if none is idle; past its peer's share (``max_client_connections``), it closes the
+  peer's own idle one, or is refused with a JSON 429; and dropping a connection whose request headers take longer
+  than ``header_timeout`` seconds from its opening or its previous answer (uvicorn would wait
+  forever)."""
+  header_timeout, most, share = config.header_timeout, config.max_connections, config.client_connections
+  busy = _refusal(
+    "503 Service Unavailable",
+    f"the server has {most} open connections, none of them idle, its most (--max_connections): "
+    "retry after the Retry-After seconds",
+  )
+  peers: dict[str, set] = {}  # each peer address's open connections
 
   class Protocol(H11Protocol):
     _header_timer: asyncio.TimerHandle | None = None
     _refused = False
+    _idle_since = 0.0
+    _peer = ""
 
     def connection_made(self, transport):
       super().connection_made(transport)
-      if len(self.connections) > max_connections:
-        self._refuse(transport)
+      peer = transport.get_extra_info("peername")
+      self._peer = peer[0] if peer else ""
+      mine = peers.setdefault(self._peer, set())
+      if len(self.connections) > most and not self._close_an_idle_one(self.connections):
+        self._refuse(transport, busy)
         return
+      if len(mine) >= share and not self._close_an_idle_one(mine):
+        self._refuse(transport, _refusal("429 Too Many Requests", _over_share(self._peer, share)))
+        return
+      mine.add(self)
       self._arm()
 
-    def _refuse(self, transport):
+    def _close_an_idle_one(self, among) -> bool:
+      """Closes the connection idle longest ``among`` those of the peer holding the most idle ones,
+      if any is idle (waiting for a request's headers)."""
+      idle = [c for c in among if c is not self and c._header_timer is not None]
+      if not idle:
+        return False
+      counts = collections.Counter(c._peer for c in idle)
+      victim = min(idle, key=lambda c: (-counts[c._peer], c._idle_since))
+      victim._forget()
+      victim.transport.close()
+      return True
+
+    def _forget(self):
+      self.connections.discard(self)
+      mine = peers.get(self._peer)
+      if mine is not None:
+        mine.discard(self)
+        if not mine:
+          del peers[self._peer]
+
+    def _refuse(self, transport, reply: bytes):
       # Answer, then read and drop what the client sends until it closes (or header_timeout):
       # closing with its request unread would reset the connection, and the answer with it.
       self._refused = True
       self.connections.discard(self)
-      transport.write(busy)
+      if not peers.get(self._peer):
+        peers.pop(self._peer, None)
+      transport.write(reply)
       transport.write_eof()
       self._header_timer = self.loop.call_later(header_timeout, self._drop)
 
@@ -457,11 +515,14 @@ def _protocol(header_timeout: float, max_connections: int) -> type[H11Protocol]:
 
     def connection_lost(self, exc):
       self._disarm()
+      if not self._refused:
+        self._forget()
       super().connection_lost(exc)
 
     def _arm(self):
       self._disarm()
       if not self.transport.is_closing():
+        self._idle_since = self.loop.time()
         self._header_timer = self.loop.call_later(header_timeout, self._drop)
 
     def _disarm(self):
@@ -475,6 +536,13 @@ def _protocol(header_timeout: float, max_connections: int) -> type[H11Protocol]:
         self.transport.close()
 
   return Protocol
+
+
+def _over_share(peer: str, share: int) -> str:
+  return (
+    f"the server holds {share} open connections of {peer}, none of them idle, its share "
+    "(--max_client_connections): retry after the Retry-After seconds"
+  )
 
 
 class RewardServer:
@@ -503,7 +571,7 @@ class RewardServer:
     self._uvicorn = uvicorn.Server(
       uvicorn.Config(
         app,
-        http=_protocol(self.config.header_timeout, self.config.max_connections),
+        http=_protocol(self.config),
         ws="none",
         lifespan="off",
         log_config=None,

@@ -27,8 +27,18 @@ class ServerConfig:
       max_length loses its oldest turns, which takes time in proportion to its length).
     max_request_bytes: size of a request body.
     max_pending_bytes: bytes of request bodies being read or waiting to be tokenized, all requests
-      together (the tokenizer takes one at a time), counted as they arrive; past it, 503. At least
-      max_request_bytes.
+      together, counted as they arrive; past it, 503. At least max_request_bytes.
+    max_client_pending_bytes: the share of max_pending_bytes one client may hold (a client: a
+      peer address, and the API key it sends); past it, 429 while the others keep theirs. None:
+      half of max_pending_bytes, and at least max_request_bytes.
+    max_tokenize_chars: characters one request may have tokenized, each distinct text once (a
+      text that extends one already tokenized, as vLLM's score pairs share ``text_1``, only past
+      their shared part; a chat message counts 64 more for its template); past it,
+      413 before the text is tokenized.
+    tokenizers: tokenizers working at once, each a copy of the model's, taking requests' items
+      one at a time, the request that has had the fewest characters tokenized first. With two or
+      more, one only takes items under 64 Ki characters, so a short request never
+      waits for a long item.
     max_length: tokens per item. A longer conversation loses its oldest turns (as in training),
       a longer text or last message is refused. None: ``DEFAULT_MAX_LENGTH`` (or the model's
       context, if shorter) unless the model records its training run's ``data.max_length``.
@@ -57,9 +67,13 @@ class ServerConfig:
     header_timeout: seconds a connection may take to send a request's headers before it is dropped.
     body_timeout: seconds a request may take to send its body before 408.
     keep_alive: seconds an idle keep-alive connection is kept.
-    max_connections: open connections; past it, new requests get 503. It also bounds the scoring
-      queue: at most as many requests wait to be scored, those given up (timed out, disconnected)
-      keeping their places, without their rows, until the scoring worker drops them unscored.
+    max_connections: open connections; past it, an idle one (waiting for a request's headers),
+      of the client holding the most, is closed for the new one, and if none is idle the new one
+      gets 503. It also bounds the scoring queue: at most as many requests wait to be scored, those
+      given up (timed out, disconnected) keeping their places, without their rows, until the
+      scoring worker drops them unscored.
+    max_client_connections: the share of max_connections one peer address may hold; past it,
+      its new connections get 429. None: half of max_connections (at least 1).
     openrlhf_text: strip pad/eos tokens from each ``/get_reward`` text, append one eos and
       tokenize without adding special tokens, as OpenRLHF's ``serve_rm`` does, so a model trained
       by OpenRLHF scores what it was trained on (a text over max_length is refused, not cut).
@@ -78,6 +92,11 @@ class ServerConfig:
   # Four bodies of the largest size: the tokenizer takes one body at a time, so more waiting would
   # only wait longer, while max_connections such bodies would be 16 GiB.
   max_pending_bytes: int = 64 * 2**20
+  max_client_pending_bytes: int | None = None
+  # About 4 Mi characters: a few seconds of one tokenizer on a loaded CPU, and a batch of 256
+  # items of 2048 tokens in English text.
+  max_tokenize_chars: int = 2**22
+  tokenizers: int = 2
   max_length: int | None = None
   batch_size: int = 8
   batch_tokens: int | None = None
@@ -90,6 +109,7 @@ class ServerConfig:
   body_timeout: float = 30.0
   keep_alive: float = 5.0
   max_connections: int = 1024
+  max_client_connections: int | None = None
   openrlhf_text: bool = False
   normalize: bool = False
   combine: str | None = None  # a regression model's outputs combined into one reward
@@ -109,6 +129,10 @@ class ServerConfig:
       "batch_tokens",
       "max_queued_tokens",
       "max_connections",
+      "max_client_connections",
+      "max_client_pending_bytes",
+      "max_tokenize_chars",
+      "tokenizers",
     ):
       value = getattr(self, name)
       if value is not None and value < 1:
@@ -122,6 +146,12 @@ class ServerConfig:
         "a body of max_request_bytes could never be read; raise --max_pending_bytes or lower "
         "--max_request_bytes"
       )
+    if self.max_client_pending_bytes is not None and self.max_client_pending_bytes < self.max_request_bytes:
+      raise ConfigError(
+        f"max_client_pending_bytes={self.max_client_pending_bytes} < max_request_bytes="
+        f"{self.max_request_bytes}: a body of max_request_bytes could never be read; raise "
+        "--max_client_pending_bytes or lower --max_request_bytes"
+      )
     try:
       step_rewards.check_aggregation(self.step_aggregation)
     except ValueError as e:
@@ -133,6 +163,20 @@ class ServerConfig:
       )
     if self.buckets is not None and (not self.buckets or min(self.buckets) < 1):
       raise ConfigError(f"buckets={self.buckets}: give positive lengths, e.g. --buckets=128,512,2048")
+
+  @property
+  def client_pending_bytes(self) -> int:
+    """The bytes of pending bodies one client may hold."""
+    if self.max_client_pending_bytes is not None:
+      return min(self.max_client_pending_bytes, self.max_pending_bytes)
+    return max(self.max_request_bytes, self.max_pending_bytes // 2)
+
+  @property
+  def client_connections(self) -> int:
+    """The open connections one peer address may hold."""
+    if self.max_client_connections is not None:
+      return min(self.max_client_connections, self.max_connections)
+    return max(1, self.max_connections // 2)
 
   def resolved(self, context_length: int, training_max_length: int | None = None) -> ServerConfig:
     """This config with max_length, batch_tokens and buckets filled in for a model's context and,
