@@ -97,7 +97,11 @@ def resumes(
   refused = {k: v for k, v in changed.items() if not is_free(k)}
   files = _changed_files(inputs, _input_files(config, model_path), config.data.cache_directory)
   if (refused or files) and config.changed_settings == "refuse":
-    raise ConfigError(_refusal(run_dir, step, checkpoint_dir, refused, files))
+    if step is not None:
+      where = f" (checkpoint at step {step})"
+    else:
+      where = f" (no checkpoint in {checkpoint_dir})" if config.checkpointing.enabled else ""
+    raise ConfigError(_refusal(run_dir, where, refused, files))
   if refused or files:
     if jax.process_index() == 0:
       _start_fresh(config.changed_settings, run_dir, checkpoint_dir)
@@ -401,17 +405,14 @@ _WAYS = (
 )
 
 
-def _refusal(
-  run_dir: str, step: int | None, checkpoint_dir: str, refused: dict[str, tuple[str, str]], files: list[str]
-) -> str:
-  where = f"checkpoint at step {step}" if step is not None else f"no checkpoint in {checkpoint_dir}"
+def _refusal(run_dir: str, where: str, refused: dict[str, tuple[str, str]], files: list[str]) -> str:
   parts = []
   if refused:
     width = max(map(len, refused))
     lines = "\n".join(f"  {k.ljust(width)}  {was} when saved, {now} now" for k, (was, now) in refused.items())
-    parts.append(f"{run_dir} holds a run ({where}) trained with other settings than this one's:\n{lines}\n")
+    parts.append(f"{run_dir} holds a run{where} trained with other settings than this one's:\n{lines}\n")
   if files:
     lines = "\n".join(f"  {line}" for line in files)
-    parts.append(f"{run_dir} holds a run ({where}) that read files which have changed since:\n{lines}\n")
+    parts.append(f"{run_dir} holds a run{where} that read files which have changed since:\n{lines}\n")
   back = "run with its settings (they are in {run_dir}/config.json)" if refused else "put its files back"
   return "".join(parts) + f"To resume it, {back.format(run_dir=run_dir)}; " + _WAYS.format(run_dir=run_dir)

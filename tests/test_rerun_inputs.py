@@ -130,9 +130,23 @@ def test_a_new_checkpoint_folder_with_a_new_rate_is_refused(finished, model_dir,
 
 def test_checkpointing_turned_off_over_a_finished_run_is_refused(finished, model_dir):
   before = saved_files(finished)
-  with pytest.raises(ConfigError, match="checkpointing.enabled  true when saved, false now"):
+  with pytest.raises(
+    ConfigError,
+    match=rf"^{finished} holds a run trained with other settings than this one's:\n"
+    r"  checkpointing.enabled  true when saved, false now\n",
+  ):
     tiny_run.train(tiny_run.config(model_dir, finished, checkpointing__enabled=False))
   assert saved_files(finished) == before
+
+
+def test_a_run_whose_checkpoints_were_set_aside_as_damaged_is_still_compared(finished, model_dir):
+  checkpoints = os.path.join(finished, "checkpoints")
+  for step in [d for d in os.listdir(checkpoints) if d.isdigit()]:
+    os.rename(os.path.join(checkpoints, step), os.path.join(checkpoints, f"{step}.damaged"))
+  with pytest.raises(
+    ConfigError, match=r"\(no checkpoint in .*\n  train.learning_rate  0.001 when saved, 0.01 now"
+  ):
+    tiny_run.train(tiny_run.config(model_dir, finished, train__learning_rate=0.01))
 
 
 def test_a_checkpoint_folder_of_another_output_folder_is_refused(finished, model_dir, tmp_path):
