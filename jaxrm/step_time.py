@@ -264,8 +264,10 @@ class _Program:
         for c in called:
           self.walk(c, runs)
       elif ins.opcode == "conditional":
-        branches = re.findall(r"%([\w\.\-]+)", ins.attrs.split("branch_computations=")[-1].split("}")[0])
-        costs = [self._sub(b) for b in branches]
+        listed = re.search(r"branch_computations=\{([^}]*)\}", ins.attrs)
+        branches = re.findall(r"%([\w\.\-]+)", listed.group(1)) if listed else []
+        branches += re.findall(r"(?:true|false)_computation=%([\w\.\-]+)", ins.attrs)
+        costs = [self._sub(b) for b in branches]  # the costliest branch, as if it always ran
         if costs:
           self.kernels.extend(max(costs, key=lambda ks: sum(k.total_s for k in ks)))
       else:

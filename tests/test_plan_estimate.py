@@ -126,11 +126,10 @@ def test_the_calibration_is_every_measured_step_and_fits_each_within_20_percent(
 
 def test_the_choice_fills_the_card_without_validation_in_the_peak(model_dir):
   """On the tiny model, without a validation set: elementwise remat fits at once and the
-  micro-batch doubles to the global batch; nothing is compiled for validation, whose step is
-  neither in the peak nor printed as if it ran."""
-  c = tiny_run.set_keys(
-    tiny_run.get_config(model_dir), {"data.val_data_paths": {}, "train.micro_batch_size": 4}
-  )
+  micro-batch doubles (to 2x here, to keep the test short), the global batch with it; nothing is
+  compiled for validation, whose step is neither in the peak nor printed as if it ran."""
+  keys = {"data.val_data_paths": {}, "train.micro_batch_size": 4, "train.global_batch_size": 4}
+  c = tiny_run.set_keys(tiny_run.get_config(model_dir), keys)
   config = cli.run_config(c)
   assert not fit_check.validates_during(config)
   choice = fit_check.choose(config, "h100-80gb", "1x1", max_growth=2)
