@@ -176,6 +176,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     "shapes to compile); 0: as long as each batch's longest group, in multiples "
     "of 64",
   )
+  p.add_argument(
+    "--fit_multiple",
+    type=int,
+    default=0,
+    help="packed modes: each batch's row length (a multiple of this, at most --row_length) and "
+    "row count fitted to it, the fewest token slots that hold it (PackSpec.fit_multiple); 0: "
+    "rows as --row_length says",
+  )
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   p.add_argument(
     "--attention",
@@ -482,6 +490,7 @@ def collator(mode: str, args, k: int = 2):
     length_multiple=0 if args.row_length else BUCKET,
     shared_prompt=mode == "shared_prompt",
     pad_id=PAD,
+    fit_multiple=args.fit_multiple,
   )
   return packing.PackedCollator(args.batch_size, spec, num_completions=k)
 
