@@ -14,10 +14,12 @@ saying how to install it.
 """
 
 import collections
+import dataclasses
 import functools
 import os
 import re
 import sys
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -151,6 +153,52 @@ def test_an_oversized_tile_is_refused_for_shared_memory():
     match=f"Shared memory size limit exceeded: requested \\d+, available: {available}",
   ):
     compile_for_gpu(attend, q, kv, kv, sds((1, 512), jnp.int32))
+
+
+def device_of(target: str):
+  return gpu_targets.devices(target)[0]
+
+
+def test_tiles_are_chosen_per_gpu_from_shared_memory_and_registers():
+  """The largest tiles that fit each GPU: a Hopper's 227 KiB of shared memory a block holds the
+  dk/dv kernel's 128 x 64 tiles at head dim 128, an A100's 163 KiB does not; each choice fits its
+  GPU, and doubling any of its tiles would not (or passes 128 rows)."""
+  chosen = {(t, d): F.blocks_for(device_of(t), d) for t in (H100, H200, "a100-80gb") for d in (64, 128, 256)}
+  assert chosen[H100, 128] == chosen[H200, 128] == F.BlockSizes(q=128, k=64, q_dkv=128, k_dkv=64)
+  assert chosen["a100-80gb", 128] == F.BlockSizes(q=128, k=64, q_dkv=64, k_dkv=64)
+  assert chosen[H100, 256] != chosen["a100-80gb", 256]
+  for (t, d), blocks in chosen.items():
+    smem = gpu_targets.TARGETS[t].shared_memory_per_block_optin
+    assert blocks.fits(smem, d), (t, d, blocks)
+    for field in ("q", "k", "q_dkv", "k_dkv"):
+      doubled = dataclasses.replace(blocks, **{field: 2 * getattr(blocks, field)})
+      assert 2 * getattr(blocks, field) > 128 or not doubled.fits(smem, d), (t, d, field)
+  # Off a GPU (interpret mode) the generic tiles.
+  assert F.blocks_for(jax.devices("cpu")[0], 128) == F.GENERIC
+
+
+def test_the_tiles_shared_memory_is_the_compilers_count():
+  """On a GPU offering one byte less than the estimate of the H100's largest kernel at head dim
+  128 (dk/dv), Triton refuses, asking for exactly the estimate (``BlockSizes.shared_memory``). The
+  tiles themselves compile in the 1.5B step below."""
+  blocks = F.blocks_for(device_of(H100), 128)
+  need = blocks.shared_memory(128)
+  assert max(need, key=need.get) == "dkv"
+  short = dataclasses.replace(
+    gpu_targets.TARGETS[H100], name="h100-short", shared_memory_per_block_optin=need["dkv"] - 1
+  )
+  sds = abstract_on(sharding.make_mesh(sharding.MeshConfig(1, 1, 1), devices=gpu_targets.devices(short)))
+  q, kv = sds((1, 256, 4, 128), jnp.bfloat16), sds((1, 256, 2, 128), jnp.bfloat16)
+
+  def loss(q, k, v, segment_ids):
+    return jnp.sum(
+      F.flash_attention(q, k, v, F.layout(segment_ids), scale=0.1, blocks=blocks).astype(jnp.float32)
+    )
+
+  with pytest.raises(
+    jax.errors.JaxRuntimeError, match=f"requested {need['dkv']}, available: {need['dkv'] - 1}"
+  ):
+    compile_for_gpu(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, kv, kv, sds((1, 256), jnp.int32))
 
 
 # ------------------------------------------------------------------ the trainer's step
@@ -334,11 +382,16 @@ def qwen2_count(hf: dict) -> int:
   return hf["vocab_size"] * d + hf["num_hidden_layers"] * layer + d + d
 
 
-def test_a_15b_step_on_an_h200_holds_its_state_exactly_and_one_layer_at_a_time():
+@functools.cache
+def step_15b() -> Step:
   """Qwen2.5-1.5B, bf16 compute, remat full, one pair of 2048-token completions (as
-  ``scripts/memory_plan.py --plan_models=qwen2.5-1.5b --plan_remat=full`` plans it)."""
-  cfg = plan_config("qwen2.5-1.5b", "full", "auto")
-  step = Step(cfg, one_gpu(H200), 2048)
+  ``scripts/memory_plan.py --plan_models=qwen2.5-1.5b --plan_remat=full`` plans it), on an H200."""
+  return Step(plan_config("qwen2.5-1.5b", "full", "auto"), one_gpu(H200), 2048)
+
+
+def test_a_15b_step_on_an_h200_holds_its_state_exactly_and_one_layer_at_a_time():
+  step = step_15b()
+  cfg = step.cfg
   m, n = step.memory, step.count("params")
   assert n == qwen2_count(HF_CONFIGS["qwen2.5-1.5b"]) == 1_543_715_840
   assert fit_check.triton_kernels(step.text) == {  # remat full recomputes the forward in the backward
@@ -359,6 +412,166 @@ def test_a_15b_step_on_an_h200_holds_its_state_exactly_and_one_layer_at_a_time()
   saved = cfg.num_layers * tokens * cfg.hidden_size * 2
   one_layer = activation_bytes(cfg, tokens, 2)
   assert 2 * n <= m.temp_bytes <= 4 * n + saved + 4 * one_layer, m.as_dict()
+  # The kernels' tiles are the H200's (flash_attention.blocks_for): a forward program holds 128
+  # queries at head dim 128, twice the generic tiles.
+  blocks = F.blocks_for(step.mesh.devices.flat[0], cfg.head_dim)
+  assert blocks.q == 128 and blocks != F.GENERIC
+  assert kernel_grids(step.text)["jaxrm_flash_forward"] == (2048 // blocks.q, 2, cfg.num_heads)
+  assert kernel_grids(step.text)["jaxrm_flash_dkv"] == (2048 // blocks.k_dkv, 2, cfg.num_kv_heads)
+
+
+def kernel_grids(hlo_text: str) -> dict[str, tuple[int, int, int]]:
+  """Each flash kernel's Triton grid (x, y, z), read from its custom call's backend config."""
+  grids = {}
+  for line in hlo_text.splitlines():
+    if TRITON in line and (name := re.search(r'name = "(jaxrm_flash_\w+)"', line)):
+      grid = tuple(int(re.search(rf"grid_{a} = (\d+)", line).group(1)) for a in "xyz")
+      grids[name.group(1)] = grid
+  return grids
+
+
+# ------------------------------------------------------------------ the compiled step, read
+# What the GPU compiler made of the train step, read from its optimized HLO: the tiny shapes of
+# every family on an H100 (LoRA and QLoRA among them) and the 1.5B shape on an H200, each
+# compiled once for the tests above.
+
+INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.-]+) = (.*?) ([a-z][\w-]*)\((.*)$")
+# A float32 dot may stay where its reason is written here, by the jaxrm function it comes from.
+# None does today: the reward head (heads.sequence_rewards) reads one hidden state a completion
+# in float32, a matrix-vector product that XLA compiles to a multiply and a reduction, not a dot.
+FLOAT32_DOTS: dict[str, str] = {}
+# XLA:GPU's GEMMs here are Triton's (no autotuning without a GPU; on one, cuBLAS may take some),
+# whose accumulator for bfloat16 operands is float32: a bf16 result only says where it is rounded.
+GEMM_FUSION = '"kind":"__triton_nested_gemm_fusion"'
+# The custom calls a step may make: the flash kernels (Triton) and, on a device, cuBLAS / cuDNN.
+DEVICE_CALLS = re.compile(r"__gpu\$xla\.gpu\.triton|__cublas\$|__cudnn\$")
+HOST_OPS = {"send", "recv", "send-done", "recv-done", "infeed", "outfeed"}
+
+
+class Instruction(NamedTuple):
+  type: str
+  op: str
+  operands: list[str]
+  line: str
+
+
+def instructions(lines) -> dict[str, Instruction]:
+  found = {}
+  for line in lines:
+    if m := INSTRUCTION.match(line):
+      name, type_, op, rest = m.groups()
+      found[name] = Instruction(type_, op, re.findall(r"%([\w.-]+)", rest.split("), ")[0]), line)
+  return found
+
+
+def source(hlo_text: str, line: str) -> list[str]:
+  """The jaxrm functions an instruction comes from, innermost first, read from the module's
+  stack frames (``stack_frame_id``; a frame's parent is ``parent_frame_id - 1``, 0 for none)."""
+
+  def table(name):
+    rows = re.search(rf"^{name}\n((?:\d+ .*\n)+)", hlo_text, re.M).group(1).splitlines()
+    return {int(r.split(" ", 1)[0]): r.split(" ", 1)[1] for r in rows}
+
+  files, functions, locations, frames = (
+    table(n) for n in ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+  )
+  fields = lambda row: {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", row)}
+  found, frame = [], int(re.search(r"stack_frame_id=(\d+)", line).group(1))
+  while frame:
+    row = fields(frames[frame])
+    where = fields(locations[row["file_location_id"]])
+    if "/jaxrm/" in files[where["file_name_id"]]:
+      found.append(functions[where["function_name_id"]].strip('"'))
+    frame = row["parent_frame_id"] - 1
+  return found
+
+
+def dots(hlo_text: str) -> list[tuple[str, list[str], str]]:
+  """(result dtype, operand dtypes, line) of every dot in the program."""
+  found = instructions(hlo_text.splitlines())
+  dtype = lambda t: t.split("[")[0]
+  return [
+    (dtype(i.type), [dtype(found[o].type) for o in i.operands], i.line)
+    for i in found.values()
+    if i.op == "dot"
+  ]
+
+
+STEPS = {
+  **{f"{case} on an H100": functools.partial(tiny_step, case) for case in STEP_CASES},
+  "qwen2.5-1.5b on an H200": step_15b,
+}
+
+
+@pytest.mark.parametrize("name", STEPS)
+def test_every_dot_of_the_step_is_bfloat16_accumulated_in_float32(name):
+  step = STEPS[name]()
+  found = dots(step.text)
+  assert found and len(found) == step.text.count(GEMM_FUSION), name
+  for result, operands, line in found:
+    if operands != ["bf16", "bf16"]:
+      where = source(step.text, line)
+      assert set(where) & set(FLOAT32_DOTS), f"{name}: a {operands} dot from {where}"
+    assert result in ("f32", "bf16"), line
+
+
+@pytest.mark.parametrize("name", STEPS)
+def test_the_step_makes_no_host_transfer_callback_or_synchronisation(name):
+  """Nothing in the step goes to or waits on the host: no send/recv, infeed/outfeed, host
+  callback (a custom call of its own), host memory space (S(5)) or transfer to it."""
+  text = STEPS[name]().text
+  ops = {i.op for i in instructions(text.splitlines()).values()}
+  assert not ops & HOST_OPS, ops & HOST_OPS
+  calls = set(re.findall(r'custom_call_target="([^"]*)"', text))
+  assert calls and all(DEVICE_CALLS.match(c) for c in calls), calls
+  assert "S(5)" not in text and "MoveToHost" not in text
+
+
+def update_writers(hlo_text: str) -> dict[str, dict[str, str]]:
+  """For each trained array, the kernels of the step that write its new value and its two AdamW
+  moments: ``{array: {"params": kernel, "mu": kernel, "nu": kernel}}``. The step's outputs alias
+  its donated arguments (``input_output_alias``), whose names are the state's paths."""
+  body = re.search(r"^ENTRY .*?\n((?:.*\n)*?)}", hlo_text, re.M).group(1).splitlines()
+  found = instructions(body)
+  arguments = {
+    int(a): n
+    for n, i in found.items()
+    if i.op == "parameter"
+    for a in re.findall(r"parameter\((\d+)\)", i.line)
+  }
+  outputs = next(i for i in found.values() if i.line.lstrip().startswith("ROOT")).operands
+  aliases = re.findall(r"\{(\d+)\}: \((\d+), \{\}", hlo_text.split("\n", 1)[0])
+
+  def writer(name):  # through tuples, their elements, bitcasts and copies to the kernel
+    while found[name].op in ("get-tuple-element", "bitcast", "copy"):
+      inner = found[found[name].operands[0]]
+      if found[name].op == "get-tuple-element" and inner.op == "tuple":
+        name = inner.operands[int(re.search(r"index=(\d+)", found[name].line).group(1))]
+      else:
+        name = found[name].operands[0]
+    return name
+
+  writers = collections.defaultdict(dict)
+  for out, arg in aliases:
+    path = re.match(r"state__(?:params_|opt_state_\w*?_(mu|nu))_+(\w+?)_*(?:\.\d+)?$", arguments[int(arg)])
+    if path:
+      writers[path.group(2)][path.group(1) or "params"] = writer(outputs[int(out)])
+  return dict(writers)
+
+
+@pytest.mark.parametrize("name", STEPS)
+def test_the_optimizer_update_is_one_kernel_per_trained_array(name):
+  """AdamW's update of an array (clip scale, moments, bias correction, weight decay, the step)
+  is a dozen elementwise operations; the compiler fuses them into one kernel that writes the
+  array and both moments: at most one kernel per trained array (small arrays of one shape may
+  share one: the tiny models' norms do). The global norm's sums are reductions of their own (two
+  or three an array) and not counted here."""
+  step = STEPS[name]()
+  writers = update_writers(step.text)
+  assert len(writers) == len(jax.tree.leaves(step.state["params"])), sorted(writers)
+  for array, written in writers.items():
+    assert sorted(written) == ["mu", "nu", "params"] and len(set(written.values())) == 1, (array, written)
+    assert written["params"].startswith("loop_"), written  # a fusion, not a copy
 
 
 # ------------------------------------------------------------------ several GPUs

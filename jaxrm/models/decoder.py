@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrm import sharding
 from jaxrm.models import context_parallel, heads, lora, quantize
+from jaxrm.models import flash_attention as F
 from jaxrm.models import layers as L
 from jaxrm.models.config import ModelConfig
 from jaxrm.models.flash_attention import NO_WINDOW, flash_attention, layout_of
@@ -296,14 +297,21 @@ def attention_route(cfg: ModelConfig, platform: str | None = None) -> str:
   (``jax.nn.dot_product_attention``) or ``"reference"`` (``layers.dot_product_attention``).
 
   ``auto`` takes the Pallas kernel on a GPU and the reference elsewhere. ``cudnn`` has no logit
-  soft-capping, so soft-capped models (Gemma 2) take the reference instead.
+  soft-capping, so soft-capped models (Gemma 2) take the reference instead. On a GPU whose JAX
+  lacks Pallas's Triton lowering (``flash_attention.triton_missing``, said once), the Pallas
+  kernel's place goes to cuDNN where it runs (bfloat16/float16, no soft-capping), else the reference.
   """
   platform = platform or sharding.platform()
-  if cfg.attention_impl == "auto":
-    return "pallas" if platform == "gpu" else "reference"
-  if cfg.attention_impl == "cudnn" and cfg.attn_logit_softcapping is not None:
+  impl = cfg.attention_impl
+  if impl == "auto":
+    impl = "pallas" if platform == "gpu" else "reference"
+  if impl == "pallas" and platform == "gpu" and F.triton_missing():
+    # cuDNN's fused kernel takes head dims up to 128 (256 on Hopper only), multiples of 8.
+    fused = cfg.head_dim % 8 == 0 and cfg.head_dim <= 128
+    impl = "cudnn" if fused and _cudnn_runs(cfg, platform) else "reference"
+  if impl == "cudnn" and cfg.attn_logit_softcapping is not None:
     return "reference"
-  return cfg.attention_impl
+  return impl
 
 
 def attention_fn(cfg: ModelConfig, platform: str | None = None) -> Callable:
@@ -360,10 +368,12 @@ def attention_summary(
     )
   else:
     what = "reference einsum"
-    if cfg.attention_impl == "auto":
+    if cfg.attention_impl == "auto" and platform != "gpu":
       what += f" (auto: the pallas kernel needs a GPU; these devices are {platform})"
     elif cfg.attention_impl == "cudnn":
       what += " (cudnn has no logit soft-capping)"
+  if platform == "gpu" and route != "pallas" and cfg.attention_impl in ("auto", "pallas"):
+    what += f" instead of the pallas flash kernel: {F.triton_missing()}"
   features = [] if context is None else [context]
   if sliding := int(cfg.sliding_layers.sum()):
     rope = "" if cfg.sliding_rope is None else f" (rotary base {cfg.sliding_rope.theta:g} there)"
@@ -424,6 +434,8 @@ def _layer_attention(
   attend = attention_fn(cfg, platform)
   if attention_route(cfg, platform) == "pallas":
     kernel_ids = layout_of(ids)
+    device = placement.mesh.devices.flat[0] if placement is not None else jax.devices()[0]
+    attend = functools.partial(attend, blocks=F.blocks_for(device, cfg.head_dim, cfg.dtype))
 
     def fused(q, k, v, *, is_sliding):
       window = jnp.where(is_sliding, cfg.sliding_window, NO_WINDOW) if windowed else None

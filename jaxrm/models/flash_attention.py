@@ -13,13 +13,20 @@ device slices of a row's queries and gathers the row's keys, and the shards shar
 The design follows ``jax.experimental.pallas.ops.gpu.attention`` (forward with a log-sum-exp
 residual, backward recomputing the weights block by block), with separate dq and dk/dv kernels so
 that grouped-query heads can sum their dk/dv inside the kernel. On a GPU the kernels lower through
-Triton; elsewhere ``interpret=True`` runs them as ordinary XLA ops (slow: for tests).
+Triton; elsewhere ``interpret=True`` runs them as ordinary XLA ops (slow: for tests). JAX has
+announced the removal of Pallas's Triton lowering: :func:`triton_missing` says whether this JAX
+still has it, and the attention route (``decoder.attention_route``) takes the next one where not.
+
+The tiles are chosen per GPU (:func:`blocks_for`) from each kernel's shared memory and registers,
+as the GPU compiler counts them, against what the GPU offers a block.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
+import logging
 from typing import NamedTuple
 
 import jax
@@ -27,13 +34,17 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from jaxrm.models import layers as L
 from jaxrm.models.layers import NEG_INF
 
 LENGTH_MULTIPLE = 16  # rows are padded to this; Triton's matrix products need blocks of >= 16
 NO_WINDOW = 2**30  # a window wider than any row: the full-attention layers of a sliding model
+# What a GPU lowering of the kernels imports: the public Triton API (its CompilerParams) and the
+# module JAX's own pallas_call lowering takes for Triton.
+TRITON_MODULES = ("jax.experimental.pallas.triton", "jax._src.pallas.triton.pallas_call_registration")
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +60,104 @@ class BlockSizes:
   k: int = 64
   q_dkv: int = 32
   k_dkv: int = 32
+
+  def shared_memory(self, head_dim: int, itemsize: int = 2) -> dict[str, int]:
+    """Bytes of shared memory each kernel asks per program, as Triton counts them for sm90 at
+    ``NUM_STAGES`` (measured by compiling for a GPU offering too little, whose refusal names the
+    bytes): exact for tiles of 64 rows and more, above the count for smaller ones. The forward
+    and dq kernels hold their queries (dq: and their output's gradient) and stage keys and values
+    per stage; the dk/dv kernel holds its keys and values, stages queries, output gradients and
+    their rows' log-sum-exp and delta, and keeps its weights as an operand of the second product.
+    """
+    d = _head_dim(head_dim)
+    keys = 2 * NUM_STAGES * self.k * d * itemsize + 8 * self.k  # + the keys' int32 ids
+    return {
+      "forward": self.q * d * itemsize + keys,
+      "dq": 2 * self.q * d * itemsize + keys,
+      "dkv": self.q_dkv * (2 * NUM_STAGES * d * itemsize + 16)
+      + 2 * self.k_dkv * d * itemsize
+      + self.q_dkv * self.k_dkv * itemsize,
+    }
+
+  def registers(self, head_dim: int) -> dict[str, int]:
+    """float32 values each thread of a program keeps live: its accumulators (forward: the output;
+    dq: dq; dk/dv: both) and the block's logits and weights."""
+    d = _head_dim(head_dim)
+    threads = 32 * _num_warps(d)
+    return {
+      "forward": (self.q * d + 2 * self.q * self.k) // threads,
+      "dq": (self.q * d + 2 * self.q * self.k) // threads,
+      "dkv": (2 * self.k_dkv * d + 2 * self.q_dkv * self.k_dkv) // threads,
+    }
+
+  def fits(self, shared_memory_per_block: int, head_dim: int, itemsize: int = 2) -> bool:
+    """Whether every kernel's tiles fit a GPU that gives a block ``shared_memory_per_block``
+    bytes, with at most ``REGISTERS_PER_THREAD`` live float32 values a thread."""
+    smem, regs = self.shared_memory(head_dim, itemsize), self.registers(head_dim)
+    return max(smem.values()) <= shared_memory_per_block and max(regs.values()) <= REGISTERS_PER_THREAD
+
+
+NUM_STAGES = 2  # Triton's software pipelining depth: keys (or queries) in flight per loop
+# Half of a thread's 255 registers for live float32 values; the rest hold the operands, addresses
+# and ids. A tile past it spills to local memory, which the shared-memory check does not see.
+REGISTERS_PER_THREAD = 128
+TILE_ROWS = (128, 64, 32, 16)
+# Shared memory a block may opt into, by compute capability (CUDA's programming guide, "Technical
+# Specifications"), for GPUs that ``jaxrm.gpu_targets`` does not list.
+SHARED_MEMORY_BY_CAPABILITY = {(9, 0): 232448, (10, 0): 232448, (8, 0): 166912, (8, 7): 166912}
+SHARED_MEMORY_DEFAULT = 101376  # sm86 / sm89 and later consumer GPUs: 99 KiB
+GENERIC = BlockSizes()  # interpret mode's (off a GPU), and the tiles of a direct call
+
+
+def blocks_for(device, head_dim: int, dtype=jnp.bfloat16) -> BlockSizes:
+  """The tiles for the kernels of ``head_dim`` on ``device`` (a JAX device, possibly a compile-only
+  GPU of :mod:`jaxrm.gpu_targets`): the largest that fit its shared memory and registers
+  (:meth:`BlockSizes.fits`). Forward and dq share theirs; of equal areas, more resident rows.
+  Anything but a GPU (interpret mode) gets :data:`GENERIC`."""
+  smem = shared_memory_per_block(device)
+  if smem is None:
+    return GENERIC
+  itemsize = jnp.dtype(dtype).itemsize
+  by_area = sorted(((q, k) for q in TILE_ROWS for k in TILE_ROWS), key=lambda qk: (-qk[0] * qk[1], -qk[0]))
+  fits = lambda **tiles: dataclasses.replace(GENERIC, **tiles).fits(smem, head_dim, itemsize)
+  q, k = next(((q, k) for q, k in by_area if fits(q=q, k=k, q_dkv=16, k_dkv=16)), (16, 16))
+  q_dkv, k_dkv = next(((a, b) for b, a in by_area if fits(q=16, k=16, q_dkv=a, k_dkv=b)), (16, 16))
+  return BlockSizes(q, k, q_dkv, k_dkv)
+
+
+def shared_memory_per_block(device) -> int | None:
+  """Bytes of shared memory a block may opt into on ``device``; None off a GPU."""
+  if getattr(device, "platform", None) not in ("cuda", "rocm", "gpu"):
+    return None
+  from jaxrm import gpu_targets
+
+  for target in gpu_targets.TARGETS.values():
+    if target.description == device.device_kind:
+      return target.shared_memory_per_block_optin
+  capability = getattr(device, "compute_capability", None)  # "9.0" on a CUDA device
+  if capability:
+    major, minor = (int(x) for x in str(capability).split(".")[:2])
+    return SHARED_MEMORY_BY_CAPABILITY.get((major, minor), SHARED_MEMORY_DEFAULT)
+  return SHARED_MEMORY_DEFAULT
+
+
+def triton_missing() -> str | None:
+  """None where this JAX lowers Pallas kernels through Triton (the kernels' GPU lowering); else
+  why not, which is also logged, once per reason, as a warning."""
+  for name in TRITON_MODULES:
+    try:
+      importlib.import_module(name)
+    except ImportError as e:
+      reason = f"this JAX ({jax.__version__}) has no Pallas Triton lowering ({name}: {e})"
+      say_once(reason)
+      return reason
+  return None
+
+
+@functools.cache
+def say_once(reason: str) -> None:
+  """Logs ``reason`` the first time only (``say_once.cache_clear()`` forgets what was said)."""
+  log.warning("%s: the flash kernel cannot run on a GPU here; attention takes the next route", reason)
 
 
 class Layout(NamedTuple):
@@ -148,7 +257,7 @@ def flash_attention(
   # Triton loads power-of-two tiles and multiplies matrices of >= 16: zero-padded queries, keys and
   # head dims add nothing to the logits (padding ids hide them), and their outputs are cut off.
   t_pad, s_pad = _round_up(t, LENGTH_MULTIPLE), _round_up(s, LENGTH_MULTIPLE)
-  d_pad = max(16, pl.next_power_of_2(d))
+  d_pad = _head_dim(d)
   pad = lambda x, n: jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, d_pad - d)))
   q_ids, k_ids = _tokens(ids, q_offset, t, t_pad, s_pad), _tokens(ids, 0, s, s_pad, s_pad)
   scalars = jnp.stack(
@@ -224,7 +333,7 @@ def _forward(q, k, v, ids, static):
       jax.ShapeDtypeStruct(q.shape, q.dtype),
       jax.ShapeDtypeStruct((b, h, t), jnp.float32),
     ],  # log-sum-exp of each query's logits
-    compiler_params=_compiler_params(d),
+    compiler_params=_compiler_params(d, static.interpret),
     interpret=static.interpret,
     name="jaxrm_flash_forward",
   )(q, k, v, *ids)
@@ -246,7 +355,7 @@ def _backward_dq(q, k, v, d_out, lse, delta, ids, static):
     in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *_id_specs(t, s, lambda i, b, h: b)],
     out_specs=q_spec,
     out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-    compiler_params=_compiler_params(d),
+    compiler_params=_compiler_params(d, static.interpret),
     interpret=static.interpret,
     name="jaxrm_flash_dq",
   )(q, k, v, d_out, lse, delta, *ids)
@@ -282,7 +391,7 @@ def _backward_dkv(q, k, v, d_out, lse, delta, ids, static):
     ],
     out_specs=[kv_spec, kv_spec],
     out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-    compiler_params=_compiler_params(d),
+    compiler_params=_compiler_params(d, static.interpret),
     interpret=static.interpret,
     name="jaxrm_flash_dkv",
   )(q, k, v, d_out, lse, delta, *ids)
@@ -314,9 +423,22 @@ def _round_up(n: int, multiple: int) -> int:
   return -(-n // multiple) * multiple
 
 
-def _compiler_params(head_dim: int):
-  # Used by the Triton lowering only; interpret mode ignores them.
-  return plgpu.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+def _compiler_params(head_dim: int, interpret: bool):
+  """Triton's (for the GPU lowering only; interpret mode takes none, and needs no Triton)."""
+  if interpret:
+    return None
+  from jax.experimental.pallas import triton as plgpu
+
+  return plgpu.CompilerParams(num_warps=_num_warps(head_dim), num_stages=NUM_STAGES)
+
+
+def _num_warps(head_dim: int) -> int:
+  return 4 if head_dim <= 64 else 8
+
+
+def _head_dim(head_dim: int) -> int:
+  """The head dim as the kernels take it: padded to a power of two, at least 16."""
+  return max(16, pl.next_power_of_2(head_dim))
 
 
 # ------------------------------------------------------------------ kernels
