@@ -38,6 +38,13 @@ def _count(mask: jax.Array) -> jax.Array:
   return jnp.sum(mask, dtype=jnp.float32)
 
 
+def _moments(values: jax.Array, mask: jax.Array) -> Moments:
+  """The masked values' moments and extremes: validation records the reward range a policy is
+  later watched against (jaxrm.reward_health)."""
+  low, high = jnp.min(jnp.where(mask, values, jnp.inf)), jnp.max(jnp.where(mask, values, -jnp.inf))
+  return Moments(_masked_sum(values, mask), _masked_sum(values * values, mask), _count(mask), low, high)
+
+
 def _mean(values: jax.Array, mask: jax.Array) -> Ratio:
   return Ratio(_masked_sum(values, mask), _count(mask))
 
@@ -95,7 +102,7 @@ def _preference_metrics(rewards, real, best_worst, ordered) -> Metrics:
     "chosen_reward": _mean(jnp.broadcast_to(chosen, diff.shape), best_worst),
     "rejected_reward": _mean(jnp.broadcast_to(rejected, diff.shape), best_worst),
     "margin": _mean(diff, best_worst),
-    "reward": Moments(_masked_sum(rewards, real), _masked_sum(rewards * rewards, real), _count(real)),
+    "reward": _moments(rewards, real),
   }
 
 
@@ -357,7 +364,7 @@ def labelled_loss(
       jnp.sum(jnp.where(in_bin, p[:, None], 0.0), axis=0),
       jnp.sum(jnp.where(in_bin, y[:, None], 0.0), axis=0),
     ),
-    "reward": Moments(_masked_sum(s, real), _masked_sum(s * s, real), _count(real)),
+    "reward": _moments(s, real),
   }
   return _value(loss), metrics
 

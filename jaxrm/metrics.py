@@ -30,11 +30,15 @@ class Ratio(NamedTuple):
 
 
 class Moments(NamedTuple):
-  """A quantity's sum, sum of squares and count; finalizes to ``<name>_mean`` and ``<name>_std``."""
+  """A quantity's sum, sum of squares and count; finalizes to ``<name>_mean`` and ``<name>_std``,
+  and with its smallest and largest values (``low``, ``high``: +inf and -inf for none counted,
+  reduced by min and max) to ``<name>_min`` and ``<name>_max`` too."""
 
   total: jax.Array  # [] float32
   total_sq: jax.Array  # [] float32
   count: jax.Array  # [] float32
+  low: jax.Array | None = None  # [] float32
+  high: jax.Array | None = None  # [] float32
 
 
 class Correlation(NamedTuple):
@@ -93,12 +97,30 @@ _WHOLE = (Samples, Scores)  # kept whole: concatenated, not added
 
 def accumulate(a: Metrics, b: Metrics) -> Metrics:
   """Combines the metrics of two batches (device arrays or host numpy alike)."""
-  return {
-    name: _concatenate(a[name], b[name])
-    if isinstance(a[name], _WHOLE)
-    else jax.tree.map(operator.add, a[name], b[name])
-    for name in a
-  }
+  return {name: _combined(a[name], b[name]) for name in a}
+
+
+def empty(shapes: Metrics) -> Metrics:
+  """Metrics of nothing, shaped as ``shapes`` (``jax.eval_shape`` of a loss's): what
+  :func:`accumulate` starts from -- zero sums, and extremes that any value replaces."""
+
+  def of(shape):
+    if isinstance(shape, Moments) and shape.low is not None:
+      zeros = [jnp.zeros(s.shape, s.dtype) for s in shape[:3]]
+      return Moments(*zeros, jnp.full(shape.low.shape, jnp.inf), jnp.full(shape.high.shape, -jnp.inf))
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape)
+
+  return {name: of(shape) for name, shape in shapes.items()}
+
+
+def _combined(a, b):
+  if isinstance(a, _WHOLE):
+    return _concatenate(a, b)
+  if isinstance(a, Moments) and a.low is not None:
+    xp = np if isinstance(a.low, np.ndarray | np.generic) else jnp
+    sums = jax.tree.map(operator.add, a[:3], b[:3])
+    return Moments(*sums, xp.minimum(a.low, b.low), xp.maximum(a.high, b.high))
+  return jax.tree.map(operator.add, a, b)
 
 
 def _concatenate(a: Samples | Scores, b: Samples | Scores) -> Samples | Scores:
@@ -129,6 +151,10 @@ def finalize_metrics(metrics: Metrics) -> dict[str, float]:
       out[f"{name}_mean"] = mean
       # The float32 sums can make a zero variance come out slightly negative; NaN stays NaN.
       out[f"{name}_std"] = math.sqrt(max(variance, 0.0))
+      if acc.low is not None:
+        counted = float(acc.count) > 0
+        out[f"{name}_min"] = float(acc.low) if counted else math.nan
+        out[f"{name}_max"] = float(acc.high) if counted else math.nan
     else:
       out[name] = _divide(acc.total, acc.count)
   return out

@@ -28,7 +28,7 @@ from jaxrm import sharding, tasks
 from jaxrm.batches import Batch
 from jaxrm.config import RewardSpec
 from jaxrm.memory import ProgramMemory
-from jaxrm.metrics import accumulate
+from jaxrm.metrics import accumulate, empty
 from jaxrm.models.decoder import Decoder
 
 log = logging.getLogger("jaxrm.steps")
@@ -197,7 +197,7 @@ def make_train_step(
     else:
       micro = batch if batch.packed else _microbatches(batch, grad_accum_steps)
       first = jax.tree.map(lambda x: x[0], micro)
-      zero_metrics = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: loss_fn(params, first, frozen)[1]))
+      zero_metrics = empty(jax.eval_shape(lambda: loss_fn(params, first, frozen)[1]))
       zero_grads = jax.tree.map(jnp.zeros_like, params)
 
       def body(carry, mb_and_index):

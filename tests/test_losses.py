@@ -59,6 +59,8 @@ def test_bradley_terry_pairs_by_hand():
       "margin": -1.0,  # mean(1, -3)
       "reward_mean": 1.5,
       "reward_std": float(np.std([2, 1, 0, 3])),
+      "reward_min": 0.0,
+      "reward_max": 3.0,
     },
   )
 

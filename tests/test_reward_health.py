@@ -1,6 +1,7 @@
 """The reward's health signals (jaxrm.reward_health), each against its definition in numpy."""
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -47,3 +48,48 @@ def test_validation_range_is_the_runs_normalized_as_served(tiny_rm):
   assert reward_health.validation_range(rm, normalize=True) == (-2.0, 2.0)
   # A run that recorded no range (before min and max were kept) has none.
   assert reward_health.validation_range(tiny_rm) is None
+
+
+def test_extremes_accumulate_by_min_and_max():
+  """The reward range that validation records: kept through micro-batches and batches (from
+  metrics.empty, which any value replaces), NaN where nothing was counted."""
+  import jax.numpy as jnp
+
+  from jaxrm.metrics import Moments, accumulate, empty, finalize_metrics
+
+  def batch(values, real):
+    v, m = jnp.asarray(values), jnp.asarray(real)
+    low, high = jnp.min(jnp.where(m, v, jnp.inf)), jnp.max(jnp.where(m, v, -jnp.inf))
+    return {"reward": Moments(jnp.sum(v * m), jnp.sum(v * v * m), jnp.sum(m, dtype=jnp.float32), low, high)}
+
+  a, b = batch([1.0, -9.0, 2.0], [True, False, True]), batch([0.5, 7.0], [True, True])
+  total = accumulate(accumulate(empty(jax_shapes(a)), a), b)
+  out = finalize_metrics(total)
+  assert (out["reward_min"], out["reward_max"]) == (0.5, 7.0)
+  none = finalize_metrics(empty(jax_shapes(a)))
+  assert math.isnan(none["reward_min"]) and math.isnan(none["reward_max"])
+
+
+def jax_shapes(metrics):
+  import jax
+
+  return jax.eval_shape(lambda: metrics)
+
+
+def test_a_run_records_its_validation_range(baseline):
+  rm = RewardModel.from_pretrained(baseline)
+  stats = rm.reward_stats
+  assert stats["min"] < stats["mean"] < stats["max"]
+  assert reward_health.validation_range(rm) == (stats["min"], stats["max"])
+
+
+def test_the_docs_page_names_every_signal_as_reported():
+  from jaxrm import reward_funcs
+  from jaxrm.server import formats
+
+  with open(os.path.join(os.path.dirname(__file__), "..", "docs", "rl", "reward-health.md")) as f:
+    page = f.read()
+  for name in reward_health.NAMES:
+    assert f"| `{name}` |" in page, name
+  for prefix in (reward_funcs.HEALTH_PREFIX, formats.HEALTH_PREFIX, "jaxrm_"):
+    assert f"`{prefix}" in page, prefix

@@ -11,6 +11,7 @@ Each score is checked against ``rm.score`` of the same text or conversation; the
 
 import asyncio
 import dataclasses
+import functools
 import os
 import re
 import types
@@ -166,3 +167,40 @@ def test_slime_remote_rm_of_a_prm_is_its_solution_reward(tiny_prm):
   local = reward_funcs.as_reward_func(tiny_prm, step_aggregation="min")
   want = local(prompts=[x.prompt for x in samples], completions=[x.response for x in samples])
   assert rewards == approx(want)
+
+
+# ------------------------------------------------------------------ TRL
+
+
+def python_blocks(page):
+  with open(os.path.join(DOCS, page)) as f:
+    return re.findall(r"```python\n(.*?)```", f.read(), re.S)
+
+
+def test_trl_page_blocks_run(tiny_rm, monkeypatch):
+  """docs/rl/trl.md's blocks: its reward functions (runs/rm standing in by the tiny model) called as
+  GRPOTrainer calls them, and its GRPOConfig lines, which TRL takes."""
+  trl = pytest.importorskip("trl", minversion="1.16", reason="pip install trl==1.16.0")
+  from jaxrm import RewardModel
+
+  # This machine has no GPU: TRL's config asks to be told so.
+  monkeypatch.setattr(trl, "GRPOConfig", functools.partial(trl.GRPOConfig, use_cpu=True))
+
+  functions, config = python_blocks("trl.md")
+  monkeypatch.setattr(RewardModel, "from_pretrained", lambda path, **kwargs: tiny_rm)
+  namespace = {}
+  exec(functions, namespace)
+  (f,) = namespace["reward_funcs"]
+  assert namespace["remote"].__name__ == f.__name__ == "rm"
+  logged = {}
+  rewards = f(
+    prompts=["Q: 1 + 1?"] * 2,
+    completions=[" 2", " 11"],
+    completion_ids=[[1], [2, 3]],
+    log_metric=logged.__setitem__,
+    log_extra=lambda column, values: None,
+  )
+  assert rewards == approx(tiny_rm.score(["Q: 1 + 1? 2", "Q: 1 + 1? 11"]))
+  assert set(logged) == {f"reward_health/rm/{n}" for n in reward_health.NAMES[:3]}
+  exec(config, namespace)
+  assert len(namespace["args"].reward_weights) == len(namespace["reward_funcs"])

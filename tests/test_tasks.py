@@ -104,7 +104,8 @@ def test_a_misspelled_checkpoint_metric_is_refused_before_the_model_loads(model_
     "checkpointing.metric_name='val:validation-default_acuracy' is not a validation metric; available: "
     "validation-default_loss, validation-default_accuracy, validation-default_margin, "
     "validation-default_chosen_reward, validation-default_pairwise_accuracy, "
-    "validation-default_rejected_reward, validation-default_reward_mean, validation-default_reward_std, "
+    "validation-default_rejected_reward, validation-default_reward_max, validation-default_reward_mean, "
+    "validation-default_reward_min, validation-default_reward_std, "
     "validation-default_tie_rate (did you mean 'validation-default_accuracy'?)"
   )
   # A set whose name holds '_' is told apart from the metric that follows it.

@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import inspect
 import os
+import re
 from functools import partial
 
 import pytest
@@ -231,3 +232,17 @@ def test_verl_reward_loop_disrm_sglang_embeddings_body(url, tiny_rm):
   rm_score = output["data"][-1]["embedding"][-1]
   # Tokenized as SGLang tokenizes the text: special tokens added as the tokenizer adds them.
   assert [rm_score] == approx(tiny_rm.score_ids([tokenizer(disrm_prompt)["input_ids"]]))
+
+
+def test_docs_page_lines_are_those_verl_loads(url, tiny_rm):
+  """docs/verl.md's config lines, read as verl's hydra overrides: its custom function, found at
+  its pkg:// path, scores with the reward_kwargs the page sets."""
+  with open(os.path.join(os.path.dirname(__file__), "..", "docs", "verl.md")) as f:
+    lines = dict(re.findall(r"^\+?reward\.custom_reward_function\.([\w.]+)=(\S+)", f.read(), re.M))
+  assert lines["path"] == "pkg://jaxrm.integrations.verl" and lines["name"] == "compute_score"
+  module_file = importlib.util.find_spec(lines["path"].removeprefix("pkg://")).origin
+  kwargs = {k.removeprefix("reward_kwargs."): v for k, v in lines.items() if k.startswith("reward_kwargs.")}
+  assert kwargs == {"url": "http://RM_HOST:8000", "api_key": "$JAXRM_API_KEY"}
+  compute_score = get_custom_reward_fn(module_file, lines["name"], {"url": url})
+  got = asyncio.run(run_single(compute_score, "gsm8k", "4", "4", {"question": QUESTIONS[0]}))
+  assert [got["reward_score"]] == approx(tiny_rm.score([conversation(QUESTIONS[0], "4")]))
