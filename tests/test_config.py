@@ -124,6 +124,11 @@ def test_a_notebook_sets_only_what_it_changes():
     (lambda: TrainSpec(adam_beta2=1.0), "train.adam_beta2=1.0: use a number in [0, 1)"),
     (lambda: TrainSpec(max_steps=2.5), "train.max_steps=2.5: expected int, got float"),
     (lambda: TrainSpec(max_steps=True), "train.max_steps=True: expected int, got bool"),
+    (lambda: TrainSpec(max_steps=0), "train.max_steps=0: use a positive number of optimizer updates"),
+    (
+      lambda: TrainSpec(max_epochs=-1),
+      "train.max_epochs=-1: use a number of epochs, or 0 for train.max_steps alone",
+    ),
     (lambda: DataSpec(max_length="512"), "data.max_length='512': expected int, got str"),
     (lambda: RunConfig(eval=EvalSpec(val_at_start="yes")), "eval.val_at_start='yes': expected bool, got str"),
     (
