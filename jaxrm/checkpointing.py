@@ -5,11 +5,15 @@ Each checkpoint holds four items: ``params`` (the trained parameters), ``opt_sta
 A LoRA run trains, and so saves, only its adapters and reward head (:mod:`jaxrm.loading` reads
 its base from where it trained).
 Orbax writes into a temporary directory and renames it when complete, so a crash mid-save leaves
-the previous checkpoints intact; a save the disk has no room for raises :class:`NoRoomError` and
-leaves nothing of itself. Each step's :data:`CHECKSUMS` file, written last, holds every other file's
-size and CRC32: a checkpoint damaged afterwards (a truncated file, a flipped byte, an emptied value,
-as a full disk or a bad copy leaves it) raises :class:`DamagedCheckpointError` naming its step and
-the file, instead of loading wrong values.
+the previous checkpoints intact; a save the file system refuses (no room, too many open files, no
+permission) raises :class:`SaveRefusedError` (:class:`NoRoomError` for room) and leaves nothing of
+itself. Each step's :data:`CHECKSUMS` file, written last, holds every other file's size and CRC32:
+a checkpoint damaged afterwards (a truncated file, a flipped byte, an emptied value, as a full disk
+or a bad copy leaves it) raises :class:`DamagedCheckpointError` naming its step and the file,
+instead of loading wrong values. The checksums are never optional: a step's ``meta`` says it was
+saved with them (:data:`WITH_CHECKSUMS`), so a step without its list (a process killed between
+Orbax's commit and the list, or a copy that left it out) is damaged too. Only a checkpoint whose
+``meta`` lacks that mark, saved before jaxrm wrote checksums, is read unverified.
 ``best_checkpoint.json`` names the best step. What the run's other files say is
 :mod:`jaxrm.loading`'s to read.
 """
@@ -18,14 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import glob
 import json
 import logging
 import math
 import os
-import re
 import shutil
+import tempfile
 import time
 import zlib
 from typing import Any
@@ -33,6 +36,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from jaxrm import refused_writes
 from jaxrm.errors import CheckpointError
 from jaxrm.metrics import normalize_metric_name
 
@@ -42,6 +46,9 @@ BEST_FILE = "best_checkpoint.json"
 # In each step's directory, written last: every other file's size and CRC32, checked before a
 # restore (Orbax's files carry no checksum: a flipped byte in an array would load as a wrong value).
 CHECKSUMS = "jaxrm_checksums.json"
+# In each step's ``meta`` item (committed by Orbax with the step): the step has a CHECKSUMS list. A
+# step whose meta has it and whose list is missing is damaged, never read unverified.
+WITH_CHECKSUMS = "jaxrm_files_listed_in"
 ITEMS = ("params", "opt_state", "data", "meta")
 
 
@@ -62,28 +69,13 @@ class DamagedCheckpointError(CheckpointError):
     self.step = step
 
 
-class NoRoomError(CheckpointError):
+class SaveRefusedError(CheckpointError):
+  """A checkpoint the file system refused: too many open files, no permission (or no room:
+  :class:`NoRoomError`). The message names the folder and what is needed."""
+
+
+class NoRoomError(SaveRefusedError):
   """A checkpoint that the file system had no room for (a full disk, a quota, a file size limit)."""
-
-
-# What a write refused for want of room raises: an OSError, or tensorstore's text of one.
-_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
-
-
-def _no_room(e: BaseException) -> int | None:
-  """The errno of ``e`` (or of an exception it came from) when it says a write found no room."""
-  seen: BaseException | None = e
-  for _ in range(16):  # a chain of causes, not a cycle
-    if seen is None:
-      return None
-    if isinstance(seen, OSError) and seen.errno in _NO_ROOM:
-      return seen.errno
-    code = _OS_ERROR_CODE.search(str(seen))
-    if code and int(code.group(1)) in _NO_ROOM:
-      return int(code.group(1))
-    seen = seen.__cause__ or seen.__context__
-  return None
 
 
 class _Held(logging.Filter):
@@ -155,17 +147,12 @@ def _remove_when_still(partial: str, quiet_seconds: float = 0.5, at_most: float 
   shutil.rmtree(partial, ignore_errors=True)
 
 
-def _bytes(n: int) -> str:
-  for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-    if n >= size:
-      return f"{n / size:.1f} {unit} ({n:,} bytes)"
-  return f"{n} bytes"
-
-
 class _SettlingLoop(asyncio.SelectorEventLoop):
   """An event loop that, closed with tasks still pending, lets them finish first."""
 
   def close(self) -> None:
+    if not hasattr(self, "_ssock"):  # never built (no file descriptor left for its self-pipe)
+      return
     pending = asyncio.all_tasks(self)
     if pending and not self.is_running():
       self.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
@@ -207,7 +194,9 @@ class Checkpointer:
   unless ``higher_is_better``); without a metric, the ``keep_top_k`` latest. A checkpoint saved
   without metrics is kept only while it is the latest. ``metric_name`` is the metric's key in the
   validation results (``validation-default_loss``; NeMo RL's ``val:`` form too), which the
-  trainer checks before each save.
+  trainer checks before each save. ``check_writable`` (a training run's) tries a write into
+  ``directory`` at once, so that a folder no checkpoint can be saved in stops the run at its start,
+  not at its first save; it also removes what saves interrupted by a kill left behind.
   """
 
   def __init__(
@@ -217,6 +206,7 @@ class Checkpointer:
     metric_name: str | None = None,
     higher_is_better: bool = False,
     keep_top_k: int = 3,
+    check_writable: bool = False,
   ):
     if keep_top_k < 1:
       raise ValueError(f"checkpointing.keep_top_k={keep_top_k} must be at least 1")
@@ -244,7 +234,10 @@ class Checkpointer:
       best_mode="max" if higher_is_better else "min",
       enable_async_checkpointing=False,
       create=True,
+      cleanup_tmp_directories=check_writable,
     )
+    if check_writable and jax.process_index() == 0:
+      _check_writable(self.directory)
     self._check_read_at_start()
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
 
@@ -298,8 +291,9 @@ class Checkpointer:
       params=ocp.args.StandardSave(params),
       opt_state=ocp.args.StandardSave(state["opt_state"]),
       data=ocp.args.JsonSave(data_state),
-      meta=ocp.args.JsonSave(meta),
+      meta=ocp.args.JsonSave({**meta, WITH_CHECKSUMS: CHECKSUMS}),
     )
+    existed = os.path.isdir(self._step_dir(step))
     with _held_errors() as held, _loops_settled():
       try:
         self.manager.save(step, args=args, metrics=metrics, force=True)
@@ -307,38 +301,56 @@ class Checkpointer:
         if jax.process_index() == 0:
           _write_json(os.path.join(self._step_dir(step), CHECKSUMS), _checksums(self._step_dir(step)))
           self._write_best()
-      except Exception as e:
-        code = _no_room(e)
+      except BaseException as e:  # a refused write, a bug, or a second Ctrl-C: nothing half-saved kept
+        self._discard_unfinished(step, existed)
+        code = refused_writes.refusal(e) if isinstance(e, Exception) else None
         if code is None:
           raise
         held.dropped = True  # the one message below says it all
-        raise self._no_room_error(step, code, params, state["opt_state"]) from None
+        raise self._refused(step, code, params, state["opt_state"]) from None
 
-  def _no_room_error(self, step: int, code: int, params, opt_state) -> NoRoomError:
-    """What a save that found no room tells, once its partial files are gone."""
+  def _discard_unfinished(self, step: int, existed: bool) -> None:
+    """Removes what a failed save of ``step`` left: Orbax's temporary folders, the step itself when
+    Orbax committed it but its checksums were not written (it would never be used), and the JSON
+    files' temporaries."""
     if jax.process_index() == 0:
       for partial in glob.glob(os.path.join(self.directory, f"{step}.orbax-checkpoint-tmp*")):
         _remove_when_still(partial)
-      for tmp in (os.path.join(self.directory, BEST_FILE), os.path.join(self._step_dir(step), CHECKSUMS)):
+      listed = os.path.join(self._step_dir(step), CHECKSUMS)
+      if not existed and os.path.isdir(self._step_dir(step)) and not os.path.exists(listed):
+        shutil.rmtree(self._step_dir(step), ignore_errors=True)
+      for tmp in (os.path.join(self.directory, BEST_FILE), listed):
         with contextlib.suppress(OSError):
           os.remove(tmp + ".tmp")
-    self.manager.reload()
-    size = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes"))
-    need_params, need_opt = size(params), size(opt_state)
-    free = shutil.disk_usage(self.directory).free
+    with contextlib.suppress(Exception):  # the save's own error is the one to see
+      self.manager.reload()
+
+  def _refused(self, step: int, code: int, params, opt_state) -> SaveRefusedError:
+    """What a save that the file system refused tells, once its partial files are gone."""
     steps = self.all_steps()
-    if step in steps:  # Orbax committed it; what followed (checksums, the best step's file) found no room
-      what = f"the checkpoint of step {step} was saved, but not its {CHECKSUMS} or {BEST_FILE}"
+    if step in steps:  # verified and kept; only the best step's file was refused
+      what = f"the checkpoint of step {step} was saved, but not {BEST_FILE}"
       after = f"continues from step {step}"
     else:
-      what = f"no room to save the checkpoint of step {step}; nothing of it was kept"
+      what = (
+        f"no room to save the checkpoint of step {step}"
+        if code in refused_writes.NO_ROOM
+        else f"the checkpoint of step {step} could not be saved"
+      ) + "; nothing of it was kept"
       after = f"continues from step {steps[-1]}" if steps else "starts from the beginning (no checkpoint yet)"
-    return NoRoomError(
-      f"{self.directory}: {what} ({os.strerror(code)}). A checkpoint needs about "
-      f"{_bytes(need_params + need_opt)} (parameters {_bytes(need_params)}, optimizer state "
-      f"{_bytes(need_opt)}); {_bytes(free)} are free there. Free some space, or set "
-      "checkpointing.checkpoint_dir to a disk with room; then run the same command again: it "
-      f"{after}"
+    need = refused_writes.what_is_needed(code, self.directory, "checkpointing.checkpoint_dir")
+    if code in refused_writes.NO_ROOM:
+      size = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes"))
+      need_params, need_opt = size(params), size(opt_state)
+      text = refused_writes.size_text
+      need = (
+        f"A checkpoint needs about {text(need_params + need_opt)} (parameters {text(need_params)}, "
+        f"optimizer state {text(need_opt)}); {need}"
+      )
+    error = NoRoomError if code in refused_writes.NO_ROOM else SaveRefusedError
+    return error(
+      f"{self.directory}: {what} ({os.strerror(code)}). {need[0].upper()}{need[1:]}; then run the "
+      f"same command again: it {after}"
     )
 
   def _write_best(self) -> None:
@@ -374,14 +386,14 @@ class Checkpointer:
     )
     params = state["params"]
     nnx.replace_by_pure_dict(params, restored["params"])
-    return dict(state, params=params, opt_state=restored["opt_state"]), restored["data"], restored["meta"]
+    return dict(state, params=params, opt_state=restored["opt_state"]), restored["data"], _meta(restored)
 
   def restore_params(self, step: int, abstract_params: dict) -> tuple[dict, dict]:
     """Only the parameters (a pure dict shaped like ``abstract_params``) and ``meta``, for scoring."""
     restored = self._restore(
       step, params=ocp.args.StandardRestore(abstract_params), meta=ocp.args.JsonRestore()
     )
-    return restored["params"], restored["meta"]
+    return restored["params"], _meta(restored)
 
   def _restore(self, step: int, **items):
     damage = self._damage(step)
@@ -434,6 +446,11 @@ class Checkpointer:
 
   def close(self) -> None:
     self.manager.close()
+
+
+def _meta(restored) -> dict:
+  """The ``meta`` that was saved, without jaxrm's own mark."""
+  return {k: v for k, v in restored["meta"].items() if k != WITH_CHECKSUMS}
 
 
 def read_best(directory: str) -> dict | None:
@@ -493,11 +510,11 @@ _READ_AT_START = ("_CHECKPOINT_METADATA", os.path.join("metrics", "metrics"))
 
 def _damage(step_dir: str, only: tuple[str, ...] | None = None) -> str | None:
   """The first file of ``step_dir`` (of ``only`` those) that differs from its :data:`CHECKSUMS`
-  entry, said how; None when all agree, or when the checkpoint has no checksums (saved before jaxrm
-  wrote them)."""
+  entry, said how; None when all agree, or when the checkpoint was saved before jaxrm wrote
+  checksums. Without ``only``, a missing list is damage unless the step's meta predates it."""
   listed = os.path.join(step_dir, CHECKSUMS)
   if not os.path.exists(listed):
-    return None
+    return None if only is not None else _missing_list(step_dir)
   try:
     with open(listed) as f:
       saved = json.load(f)
@@ -519,6 +536,41 @@ def _damage(step_dir: str, only: tuple[str, ...] | None = None) -> str | None:
     if _crc32(path) != crc:
       return f"{path} differs from what was written (its CRC32)"
   return None
+
+
+def _missing_list(step_dir: str) -> str | None:
+  """Why a step without its :data:`CHECKSUMS` cannot be used; None when its meta says it was saved
+  before jaxrm wrote them (it lacks :data:`WITH_CHECKSUMS`), and so is read unverified."""
+  listed, meta = os.path.join(step_dir, CHECKSUMS), os.path.join(step_dir, "meta", "metadata")
+  try:
+    with open(meta) as f:
+      marked = WITH_CHECKSUMS in json.load(f)
+  except (OSError, ValueError, TypeError, UnicodeDecodeError) as e:
+    return f"{listed}, its files' checksums, is missing, and {meta} cannot be read ({_first_sentence(e)})"
+  if not marked:
+    return None
+  return (
+    f"{listed}, its files' checksums, is missing: it is written as the step's save ends, so a "
+    "process killed at that moment, or a copy that left it out, leaves the files unverifiable"
+  )
+
+
+def _check_writable(directory: str) -> None:
+  """A file created and removed in ``directory`` (made if need be), as a save will."""
+  try:
+    os.makedirs(directory, exist_ok=True)
+    fd, probe = tempfile.mkstemp(prefix=".jaxrm-write-check-", dir=directory)
+    os.close(fd)
+    os.remove(probe)
+  except OSError as e:
+    code = refused_writes.refusal(e)
+    if code is None:
+      raise
+    need = refused_writes.what_is_needed(code, directory, "checkpointing.checkpoint_dir")
+    raise SaveRefusedError(
+      f"{directory}: checkpoints cannot be written there ({os.strerror(code)}); {need} "
+      "(or checkpointing.enabled=false to train without checkpoints)"
+    ) from None
 
 
 def _abstract(tree):

@@ -8,7 +8,9 @@ unless given a tracking URI.
 A tracker that fails (to start, to log a row, to close) is reported in one warning line and left
 out for the rest of the run: training goes on and ``metrics.jsonl`` keeps every row. A missing
 package or a tracking URI this MLflow cannot use is refused before anything starts
-(:func:`check_loggers`).
+(:func:`check_loggers`). A ``metrics.jsonl`` the file system refuses (no room, no permission, too
+many open files) stops the run with one :class:`MetricsWriteError` naming the folder and what is
+needed.
 """
 
 from __future__ import annotations
@@ -21,13 +23,18 @@ import os
 from typing import Any
 from urllib.parse import urlparse
 
-from jaxrm.errors import ConfigError
+from jaxrm import refused_writes
+from jaxrm.errors import ConfigError, UserError
 
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 MLFLOW_DIR = "mlruns"  # MLflow's file store under the output directory, where no URI is given
 _GOES_ON = "the run goes on without it ({key}); metrics.jsonl has every row"
+
+
+class MetricsWriteError(UserError):
+  """``metrics.jsonl`` could not be written: no room, no permission or too many open files."""
 
 
 class MetricsWriter:
@@ -62,10 +69,11 @@ class MetricsWriter:
       return
     if logger is not None:  # before any file is touched: a missing extra stops the run at once
       check_loggers(logger)
-    os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, METRICS_FILE)
-    _keep_rows_up_to(path, resume_step)
-    self._jsonl = open(path, "a")
+    with _refused(path, "opening it"):
+      os.makedirs(output_dir, exist_ok=True)
+      _keep_rows_up_to(path, resume_step)
+      self._jsonl = open(path, "a")
     if logger is not None:
       name = os.path.basename(os.path.abspath(output_dir))
       if logger.wandb_enabled:
@@ -98,17 +106,46 @@ class MetricsWriter:
       metrics = {**metrics, **device_memory()}
     row = {"step": int(step)}
     row.update({k: (float(v) if math.isfinite(float(v)) else None) for k, v in metrics.items()})
-    self._jsonl.write(json.dumps(row) + "\n")
-    self._jsonl.flush()
+    with _refused(self._jsonl.name, f"writing the metrics of step {step}", self._give_up):
+      self._jsonl.write(json.dumps(row) + "\n")
+      self._jsonl.flush()
     values = {k: float(v) for k, v in metrics.items()}
     for tracker in self._trackers:
       tracker.call("log", int(step), values)
 
   def close(self) -> None:
     if self.enabled:
-      self._jsonl.close()
       for tracker in self._trackers:
         tracker.call("close")
+      if not self._jsonl.closed:
+        with _refused(self._jsonl.name, "closing it", self._give_up):
+          self._jsonl.close()
+
+  def _give_up(self) -> None:
+    """After a refused write: the file closed without another try at its buffered rows, and the
+    trackers stopped, so that nothing tries again as the process exits."""
+    with contextlib.suppress(OSError):
+      self._jsonl.close()  # closes the file even when its last flush fails
+    for tracker in self._trackers:
+      tracker.abandon()
+
+
+@contextlib.contextmanager
+def _refused(path: str, doing: str, give_up=None):
+  """A write to ``path`` that the file system refuses becomes one :class:`MetricsWriteError`."""
+  try:
+    yield
+  except OSError as e:
+    code = refused_writes.refusal(e)
+    if code is None:
+      raise
+    if give_up is not None:
+      give_up()
+    need = refused_writes.what_is_needed(code, os.path.dirname(path), None)
+    raise MetricsWriteError(
+      f"{path}: {os.strerror(code)} ({doing}); {need}. Then run the same command again: it "
+      "continues from the run's last checkpoint"
+    ) from None
 
 
 def device_memory() -> dict[str, float]:
@@ -175,7 +212,14 @@ class _Tracker:
     except Exception as e:  # pylint: disable=broad-except  (a tracker never stops the run)
       what = f"step {args[0]}" if method == "log" else "closing"
       log.warning("%s failed at %s (%s); %s", self.name, what, _one_line(e), _GOES_ON.format(key=self.key))
-      self._impl = None
+      self.abandon()
+
+  def abandon(self) -> None:
+    """Left out for the rest of the run, without another write (see :meth:`_TensorBoard.abandon`)."""
+    impl, self._impl = self._impl, None
+    if hasattr(impl, "abandon"):
+      with contextlib.suppress(Exception):
+        impl.abandon()
 
 
 class _TensorBoard:
@@ -196,6 +240,22 @@ class _TensorBoard:
 
   def close(self) -> None:
     self._writer.close()
+
+  def abandon(self) -> None:
+    """After a failed write (a full disk): tensorboardX's events writer stopped without flushing
+    again. Its exit handler would flush what is still buffered, its thread would read a queue
+    closed at exit, and its file would flush as it is collected: each would print a traceback
+    after the run's own message."""
+    events = getattr(getattr(self._writer, "file_writer", None), "event_writer", None)
+    if events is None or getattr(events, "_closed", True):
+      return
+    events._closed = True  # its exit handler then does nothing
+    worker = getattr(events, "_worker", None)
+    if worker is not None:
+      worker.stop()
+    records = getattr(getattr(events, "_ev_writer", None), "_py_recordio_writer", None)
+    with contextlib.suppress(OSError):
+      records.close()  # the file is closed even when its flush fails
 
 
 class _WandbRun:

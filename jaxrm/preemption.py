@@ -6,8 +6,9 @@ training loop asks :meth:`Watch.reached` after each step and, where it says so, 
 checkpoint of that step and raises :class:`Stopped`. Every process of a multi-host run stops at the
 same step: there JAX's preemption sync manager (the one Orbax's ``CheckpointManager.should_save``
 asks) receives SIGTERM on any host and names the step at which all of them save; a SIGINT is
-passed on to it as a SIGTERM. A second Ctrl-C stops at once, as Python does; further SIGTERMs
-are ignored (launchers often send one per process group).
+passed on to it as a SIGTERM. A second Ctrl-C stops at once, as Python does (a save it interrupts
+is removed: :mod:`jaxrm.checkpointing`); a Ctrl-C after a SIGTERM is a first Ctrl-C, and the run
+still saves and stops. Further SIGTERMs are ignored (launchers often send one per process group).
 
 A command whose run is over has nothing left that a SIGTERM could save or lose: it calls
 :func:`ignore_sigterm_after_watch` first, and the watch's end then hands SIGTERM straight to
@@ -56,6 +57,7 @@ class Watch:
 
   def __init__(self):
     self.received: int | None = None
+    self._interrupts = 0  # Ctrl-Cs received: the second stops at once
     self._previous: dict[int, object] = {}
     self._jax_sync = jax.process_count() > 1 and _jax_sync_available()
 
@@ -77,11 +79,18 @@ class Watch:
 
   def _handle(self, signum: int, frame) -> None:
     name = signal.Signals(signum).name
-    if self.received is not None:
-      if signum == signal.SIGINT:  # Ctrl-C twice: stop now, as Python would have at the first
+    if signum == signal.SIGINT:
+      self._interrupts += 1
+      if self._interrupts > 1:  # Ctrl-C twice: stop now, as Python would have at the first
         signal.signal(signum, self._previous.pop(signum))
         raise KeyboardInterrupt
-      log.warning("%s received again: still saving at the end of the current step", name)
+    if self.received is not None:
+      log.warning(
+        "%s received%s: still saving at the end of the current step, then stopping%s",
+        name,
+        " again" if signum == self.received else f" after {self.name}",
+        " (Ctrl-C again to stop at once, without saving)" if signum == signal.SIGINT else "",
+      )
       return
     self.received = signum
     log.warning(

@@ -8,6 +8,7 @@ full disk, ``File too large`` instead of ``No space left on device``).
 """
 
 import errno
+import gc
 import logging
 import os
 import re
@@ -122,3 +123,109 @@ def test_another_save_failure_keeps_its_traceback(tmp_path, monkeypatch, caplog)
   with caplog.at_level(logging.ERROR), pytest.raises(ValueError, match=r"os_error_code='5'"):
     ckpt.save(1, _state(1.0), {}, {})
   assert any(r.levelno >= logging.ERROR for r in caplog.records)
+
+
+# ------------------------------------------------------------------ other refused writes
+
+
+# The coroutines of event loops that could not be built are collected unawaited.
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
+def test_too_few_file_descriptors_is_one_message_and_leaves_no_partial_checkpoint(tmp_path, caplog):
+  """A save that runs out of file descriptors (once an AttributeError traceback from an event loop
+  that could not be built, and a temporary folder left behind) says what the process needs."""
+  directory = str(tmp_path / "checkpoints")
+  ckpt = checkpointing.Checkpointer(directory)
+  ckpt.save(1, _state(1.0), {"position": 1}, {"step": 1})
+  limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+  allowed = len(os.listdir("/proc/self/fd")) + 2  # a save opens tens of files; these two are taken at once
+  resource.setrlimit(resource.RLIMIT_NOFILE, (allowed, limits[1]))
+  try:
+    with caplog.at_level(logging.ERROR), pytest.raises(checkpointing.SaveRefusedError) as e:
+      ckpt.save(2, _state(2.0), {"position": 2}, {"step": 2})
+  finally:
+    resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+  assert str(e.value).startswith(
+    f"{directory}: the checkpoint of step 2 could not be saved; nothing of it was kept (Too many "
+    f"open files). This process may open {allowed} files at once (ulimit -n; "
+  )
+  assert str(e.value).endswith("then run the same command again: it continues from step 1")
+  assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+  assert sorted(os.listdir(directory)) == ["1", checkpointing.BEST_FILE]
+  ckpt.save(2, _state(2.0), {"position": 2}, {"step": 2})  # descriptors again
+  assert ckpt.all_steps() == [1, 2]
+  del e
+  gc.collect()  # those coroutines, here, where their warning is expected
+
+
+def test_a_folder_no_checkpoint_can_be_written_in_is_refused_at_start(tmp_path, monkeypatch):
+  """A training run's checkpointer tries a write into its folder as it is made, before anything
+  trains (before, a read-only folder was found at the first save). Root writes whatever a folder's
+  mode says, so the refusal is made where the file system is asked: creating a file there."""
+  import tempfile
+
+  directory = str(tmp_path / "checkpoints")
+
+  def refused(*args, dir=None, **kwargs):
+    raise PermissionError(errno.EROFS, os.strerror(errno.EROFS), dir)
+
+  monkeypatch.setattr(tempfile, "mkstemp", refused)
+  with pytest.raises(checkpointing.SaveRefusedError) as e:
+    checkpointing.Checkpointer(directory, check_writable=True)
+  assert str(e.value) == (
+    f"{directory}: checkpoints cannot be written there (Read-only file system); the folder must be "
+    "writable: make it so, or set checkpointing.checkpoint_dir to a folder this user can write (or "
+    "checkpointing.enabled=false to train without checkpoints)"
+  )
+  checkpointing.Checkpointer(directory).close()  # reading needs no write
+
+
+def test_a_second_ctrl_c_during_a_save_leaves_no_temporary_folder(tmp_path, monkeypatch):
+  """Ctrl-C twice stops at once, as Python does, even in a save: what the save had written is
+  removed, the earlier checkpoints stay."""
+  directory = str(tmp_path / "checkpoints")
+  ckpt = checkpointing.Checkpointer(directory)
+  ckpt.save(1, _state(1.0), {"position": 1}, {"step": 1})
+  write = serialization.async_serialize_from_host
+  sent = []
+
+  async def interrupted(*args, **kwargs):
+    await write(*args, **kwargs)
+    if not sent:  # once, after the first array: others are still being written
+      sent.append(os.kill(os.getpid(), signal.SIGINT))
+
+  monkeypatch.setattr(serialization, "async_serialize_from_host", interrupted)
+  handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    with pytest.raises(KeyboardInterrupt):
+      ckpt.save(2, _state(2.0), {"position": 2}, {"step": 2})
+  finally:
+    signal.signal(signal.SIGINT, handler)
+  assert sorted(os.listdir(directory)) == ["1", checkpointing.BEST_FILE]
+  assert ckpt.all_steps() == [1]
+
+
+def test_a_full_disk_for_the_metrics_is_one_message(tmp_path):
+  """metrics.jsonl refused (a file size limit: the same refusal as a full disk): one message
+  naming the file and what is needed, and closing the writer tries nothing more (before, the
+  OSError's text alone, then tracebacks from the writers flushing again at exit)."""
+  from jaxrm.metrics_writer import MetricsWriteError, MetricsWriter
+
+  writer = MetricsWriter(str(tmp_path), tensorboard=False)
+  writer.write(1, {"train/loss": 0.5})
+  path = str(tmp_path / "metrics.jsonl")
+  limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+  handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+  resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(path) + 8, limits[1]))
+  try:
+    with pytest.raises(MetricsWriteError) as e:
+      writer.write(2, {"train/loss": 0.25})
+    writer.close()
+  finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    signal.signal(signal.SIGXFSZ, handler)
+  assert re.fullmatch(
+    re.escape(f"{path}: File too large (writing the metrics of step 2); ")
+    + r".+ are free there\. Free some space\. Then run the same command again: it "
+    r"continues from the run's last checkpoint",
+    str(e.value),
+  ), str(e.value)
