@@ -18,8 +18,9 @@ TRL's ``log_metric`` (:mod:`jaxrm.reward_funcs`), OpenRLHF's ``extra_logs`` and 
   last validation (recorded in the run, ``reward_stats``). A policy finding inputs the model never
   saw pushes rewards out of that range; more than a few percent means the rewards are extrapolated.
   Left out when the model has no recorded range.
-* ``truncated``: the share of inputs cut to fit the model's max_length before scoring. A truncated
-  input is scored without its start; a rising share means completions are outgrowing the model.
+* ``truncated``: the share of inputs cut to fit before scoring (on the server: as their requests
+  asked; an over-long input is otherwise refused). A cut input is scored without its start; a
+  rising share means completions are outgrowing the length the loop allows them.
 * A regression model's mean of each attribute: ``reward_mean`` of each attribute's reward
   function (:func:`jaxrm.reward_funcs.as_reward_funcs`), before the loop weighs them into one
   reward: which attribute the policy is pushing.
@@ -112,10 +113,14 @@ class Window:
 
   def __init__(self, size: int = 256, reward_range: Range | None = None):
     self.reward_range = reward_range
-    self._items: deque[tuple[float, int]] = deque(maxlen=size)
+    self._items: deque[tuple[float, int, bool]] = deque(maxlen=size)
 
-  def add(self, rewards: Sequence[float], lengths: Sequence[int]) -> dict[str, float]:
-    """Adds one request's rewards; the window's health after it."""
-    self._items.extend(zip(rewards, lengths))
-    rewards, lengths = zip(*self._items) if self._items else ((), ())
-    return batch_health(rewards, lengths, reward_range=self.reward_range)
+  def add(self, rewards: Sequence[float], lengths: Sequence[int], truncated: int = 0) -> dict[str, float]:
+    """Adds one request's rewards, ``truncated`` of its inputs cut to fit; the window's health
+    after it."""
+    cut = [i < truncated for i in range(len(rewards))]  # which ones were cut does not matter here
+    self._items.extend(zip(rewards, lengths, cut))
+    if not self._items:
+      return {}
+    rewards, lengths, cut = zip(*self._items)
+    return batch_health(rewards, lengths, reward_range=self.reward_range, truncated=cut)

@@ -34,10 +34,12 @@ def test_what_cannot_be_measured_is_left_out():
 
 def test_the_window_keeps_the_last_rewards():
   window = reward_health.Window(size=3, reward_range=(0.0, 1.0))
-  window.add([5.0, 0.5], [1, 2])
+  window.add([5.0, 0.5], [1, 2], truncated=1)
   health = window.add([0.25, 0.75], [3, 4])  # 5.0 has left the window
   assert health["reward_mean"] == pytest.approx(0.5)
   assert health["reward_out_of_range"] == 0.0
+  assert health["truncated"] == 0.0  # 5.0's request counted one cut; it has left too
+  assert window.add([0.5], [5], truncated=1)["truncated"] == pytest.approx(1 / 3)
   assert health["reward_length_corr"] == pytest.approx(np.corrcoef([0.5, 0.25, 0.75], [2, 3, 4])[0, 1])
 
 

@@ -92,6 +92,7 @@ def test_vllm_token_ids_and_truncation(url, tiny_rm):
     url, "/classify", {"input": SERVER_TEXTS[0], "truncate_prompt_tokens": 5, "use_activation": False}
   )
   assert [d["probs"][0] for d in reply["data"]] == approx(tiny_rm.score_ids([ids[0][-5:]]))
+  assert metric(url, "jaxrm_truncated") > 0  # the reward's health counts the rows cut
   status, reply, _ = call(
     url,
     "/classify",

@@ -77,6 +77,7 @@ class Encoder:
     self._until: float | None = None
     self._gave_up: Callable[[], bool] = lambda: False
     self._messages = 0
+    self.truncated = 0  # the request's items cut by fitted(), as the client asked (truncate_prompt_tokens)
 
   def for_request(self, until: float, gave_up: Callable[[], bool]) -> Encoder:
     """This encoder for one request: it counts the request's messages against max_messages, and
@@ -84,6 +85,7 @@ class Encoder:
     (its handler answered already): the tokenizer then goes to the requests behind it."""
     enc = copy.copy(self)
     enc._until, enc._gave_up, enc._messages = until, gave_up, 0
+    enc.truncated = 0
     return enc
 
   def check_time(self) -> None:
@@ -275,6 +277,7 @@ class Encoder:
     against max_length."""
     if truncate is not None and len(ids) > truncate:
       ids = ids[len(ids) - truncate :] if side == "left" else ids[:truncate]
+      self.truncated += 1
     if len(ids) > self.config.max_length:
       raise RequestError(
         400,

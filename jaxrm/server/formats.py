@@ -75,6 +75,7 @@ class Scoring:
 
   rows: list[list[int]]
   write: Callable[[list[float], Meta], Any]
+  truncated: int = 0  # rows cut to fit, as the request asked (vLLM's truncate_prompt_tokens)
 
 
 # ------------------------------------------------------------------ jaxrm and OpenRLHF
@@ -544,14 +545,27 @@ def _is_int(x: Any) -> bool:
   return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _counted(parse: Callable[[Encoder, Body], Scoring]) -> Callable[[Encoder, Body], Scoring]:
+  """``parse``, its Scoring counting the rows the encoder cut (the reward's health reports them)."""
+
+  def counted(enc: Encoder, body: Body) -> Scoring:
+    scoring = parse(enc, body)
+    return dataclasses.replace(scoring, truncated=enc.truncated) if enc.truncated else scoring
+
+  return counted
+
+
 ROUTES: dict[str, Callable[[Encoder, Body], Scoring]] = {
-  "/get_reward": _sequences_only("/get_reward", parse_get_reward),
-  "/score": parse_score,
-  "/classify": _sequences_only("/classify", parse_classify),
-  "/pooling": _sequences_only("/pooling", parse_vllm_pooling),
-  "/v1/score": _sequences_only("/v1/score", parse_vllm_score),
-  "/v1/classify": _sequences_only("/v1/classify", parse_vllm_classify),
-  "/score_steps": parse_score_steps,
-  "/v1/embeddings": _sequences_only("/v1/embeddings", parse_sglang_embeddings),
-  "/reward": parse_slime_reward,
+  path: _counted(parse)
+  for path, parse in {
+    "/get_reward": _sequences_only("/get_reward", parse_get_reward),
+    "/score": parse_score,
+    "/classify": _sequences_only("/classify", parse_classify),
+    "/pooling": _sequences_only("/pooling", parse_vllm_pooling),
+    "/v1/score": _sequences_only("/v1/score", parse_vllm_score),
+    "/v1/classify": _sequences_only("/v1/classify", parse_vllm_classify),
+    "/score_steps": parse_score_steps,
+    "/v1/embeddings": _sequences_only("/v1/embeddings", parse_sglang_embeddings),
+    "/reward": parse_slime_reward,
+  }.items()
 }

@@ -19,6 +19,7 @@ HEALTH_GAUGES = {
   reward_health.STD: f"Standard deviation of the last {HEALTH_WINDOW} rewards",
   reward_health.LENGTH_CORR: f"Pearson's r of the last {HEALTH_WINDOW} rewards with their rows' lengths",
   reward_health.OUT_OF_RANGE: f"Share of the last {HEALTH_WINDOW} rewards outside the validation range",
+  reward_health.TRUNCATED: f"Share of the last {HEALTH_WINDOW} rows cut to fit, as their requests asked",
 }
 
 
@@ -98,12 +99,13 @@ class Metrics:
     self._compiled_shapes.set(compiled)
     self._batch_shapes.set(total)
 
-  def scored(self, rewards: list, rows: list[list[int]]) -> dict[str, float]:
-    """Adds one request's rewards (with its rows' lengths in tokens) to the health window; the
-    window's health after it. A process model's per-token outputs are not rewards: left out."""
+  def scored(self, rewards: list, rows: list[list[int]], truncated: int = 0) -> dict[str, float]:
+    """Adds one request's rewards (with its rows' lengths in tokens, ``truncated`` of them cut to
+    fit) to the health window; the window's health after it. A process model's per-token outputs
+    are not rewards: left out."""
     if not all(isinstance(x, numbers.Real) for x in rewards):
       return {}
-    health = self._window.add([float(x) for x in rewards], [len(row) for row in rows])
+    health = self._window.add([float(x) for x in rewards], [len(row) for row in rows], truncated)
     for name, value in health.items():
       self._health[name].set(value)
     return health
