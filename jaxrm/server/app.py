@@ -372,7 +372,7 @@ class App:
       lambda: self._tokenized(raw, parse, held, encoder), limiter=self._tokenizing
     )
     rewards = await self._scored(scoring.rows, request_id) if scoring.rows else []
-    health = self.metrics.scored(rewards, scoring.rows)
+    health = self.metrics.scored(rewards, scoring.rows, scoring.truncated)
     return scoring.write(rewards, Meta(request_id, self.model_name, int(time.time()), health))
 
   def _tokenized(self, raw: bytes, parse: Callable, held: HeldBody, encoder: Encoder) -> Scoring | None:
