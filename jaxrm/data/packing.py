@@ -659,8 +659,9 @@ class PackedCollator:
 
 def fill(batches: Iterable[Sequence[Example]], collate: PackedCollator) -> float:
   """The share of the fed token slots that hold a real token (a shared prompt counted once, as
-  written) over the global batches ``batches``, as ``collate`` packs them: what
-  ``train/packing_efficiency`` will read for those batches, planned without building them."""
+  written) over the global batches ``batches``, as ``collate`` packs them on every host, planned
+  without building them: what ``train/packing_efficiency`` reads for those batches on one host
+  (on several, each reads its own rows')."""
   written = fed = 0
   for groups in batches:
     w, f = collate.fill(groups)
