@@ -326,6 +326,7 @@ def _checkpointer(config: RunConfig, out_dir: str) -> checkpointing.Checkpointer
       metric_name=spec.metric,
       higher_is_better=spec.higher_is_better,
       keep_top_k=spec.keep_top_k,
+      check_writable=True,
     )
 
 
