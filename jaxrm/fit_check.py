@@ -256,7 +256,8 @@ def check(
   evaluation = ProgramMemory.of(eval_compiled) if validates else None
   state_bytes = bytes_per_device(state)
   sequences = config.train.global_batch_size * (k or 1)
-  estimate = _estimate(programs, target, plan, _attended(config, sequences, train_batch, plan, stacked))
+  attended = _attended(config, sequences, train_batch, plan, stacked)
+  estimate = step_time.estimate_step(programs, target, grad_accum=plan.grad_accum, attended=attended)
   fraction = mem_fraction() if fraction is None else fraction
   budget = int(target.memory_bytes * fraction)
   text = "\n".join(p.as_text() for p in programs.values())
@@ -299,15 +300,6 @@ def validates_during(config: RunConfig) -> bool:
 
 
 # ------------------------------------------------------------------ the time
-
-
-def _estimate(programs: dict, target: gpu_targets.GpuTarget, plan: Batching, attended: float):
-  """One train step's estimate: the single program, or every micro-batch's gradient program and
-  the update."""
-  each = {name: step_time.estimate(p.as_text(), target, attended=attended) for name, p in programs.items()}
-  if "step" in each:
-    return each["step"]
-  return each["gradient"].times(plan.grad_accum) + each["update"]
 
 
 def _attended(config: RunConfig, sequences: int, batch, plan: Batching, stacked: bool) -> float:
@@ -376,58 +368,63 @@ def choose(
   max_growth: int = MAX_GROWTH,
   check_fn=None,
 ) -> Choice:
-  """The remat policy and micro-batch that fill the card: the first policy of :data:`REMAT_ORDER`
-  that fits at the config's micro-batch (halved until one fits), then that micro-batch doubled
-  while it fits, up to ``max_growth`` times the config's. The global batch grows with the
-  micro-batch where it would fall below one micro-batch per data-parallel device (more tokens a
-  step), and is kept otherwise (more micro-batches fill the same card). Each try is a compile.
+  """The remat policy and micro-batch that fill the card.
+
+  The policies of :data:`REMAT_ORDER` are tried at the config's micro-batch, least recomputation
+  first. The first that fits is taken, its micro-batch doubled while it fits (up to ``max_growth``
+  times the config's); the costlier policies are not tried. Each policy before it, which does not
+  fit, is tried again on halved micro-batches; of all that fit, the one with the most estimated
+  tokens/s wins (a smaller micro-batch that recomputes nothing against a larger one that recomputes
+  the forward pass). The global batch grows where a whole micro-batch on each data-parallel device
+  needs it, and is kept otherwise. Each try is a compile.
 
   ``check_fn`` stands in for :func:`check` (same arguments).
   """
   check_fn = check_fn or check
-  run = lambda remat, micro: check_fn(
-    with_settings(config, remat, micro, _global_batch(config, micro, dp[0])),
-    target,
-    topology,
-    completions=completions,
-    fraction=fraction,
-  )
   micro = config.train.micro_batch_size
   dp = [1]  # data-parallel devices, known from the first report's mesh
   why: list[str] = []
-  for remat in REMAT_ORDER:
-    report = run(remat, micro)
+
+  def run(remat: str, size: int):
+    report = check_fn(
+      with_settings(config, remat, size, _global_batch(config, size, dp[0])),
+      target,
+      topology,
+      completions=completions,
+      fraction=fraction,
+    )
     dp[0] = report.mesh_shape.get("data", 1) * report.mesh_shape.get("fsdp", 1)
+    return report
+
+  found: list[tuple[str, int, Any]] = []  # (remat, micro-batch, report) of each policy's best fit
+  last = None
+  for remat in REMAT_ORDER:
+    last = report = run(remat, micro)
     if report.fits:
-      why.append(f"model.remat={remat}: {_remat_why(remat)}")
+      found.append((remat, *_grown(run, remat, micro, report, micro * max_growth, why)))
       break
     why.append(
       f"model.remat={remat} does not fit at micro_batch_size={micro} ({gib(report.peak_bytes)} a device)"
     )
-  while not report.fits and micro > 1:  # the last policy, on smaller micro-batches
-    micro //= 2
-    report = run(remat, micro)
-    why.append(
-      f"micro_batch_size={micro} {'fits' if report.fits else 'does not fit'} with model.remat={remat}"
-    )
+    size = micro
+    while size > 1 and not report.fits:
+      size //= 2
+      report = run(remat, size)
     if report.fits:
-      why.append(f"model.remat={remat}: {_remat_why(remat)}")
-  if not report.fits:
-    return Choice(remat, micro, _global_batch(config, micro, dp[0]), None, tuple(why + list(report.advice)))
-  best = (micro, report)
-  while micro * 2 <= config.train.micro_batch_size * max_growth:
-    micro *= 2
-    trial = run(remat, micro)
-    if not trial.fits:
-      why.append(f"micro_batch_size={micro} does not fit ({gib(trial.peak_bytes)} a device)")
-      break
-    best = (micro, trial)
-  micro, report = best
+      why.append(f"model.remat={remat} fits at micro_batch_size={size}")
+      found.append((remat, size, report))
+  if not found:
+    return Choice(REMAT_ORDER[-1], 1, _global_batch(config, 1, dp[0]), None, tuple(why + list(last.advice)))
+  remat, micro, report = max(found, key=lambda f: f[2].tokens / f[2].step_s)  # the first of equals
+  why.append(f"model.remat={remat}: {_remat_why(remat)}")
+  if len(found) > 1:
+    rates = ", ".join(f"{r} at {m}: {rep.tokens / rep.step_s:,.0f}" for r, m, rep in found)
+    why.append(f"estimated tokens/s of each policy's largest micro-batch that fits: {rates}")
   gbs = _global_batch(config, micro, dp[0])
   if micro != config.train.micro_batch_size:
     why.append(
       f"train.micro_batch_size={micro} (was {config.train.micro_batch_size}): the largest that fits "
-      f"with the margin (tried up to {max_growth}x)"
+      f"with the margin{f' (tried up to {max_growth}x)' if micro > config.train.micro_batch_size else ''}"
     )
   if gbs != config.train.global_batch_size:
     why.append(
@@ -439,6 +436,21 @@ def choose(
     f"{report.tokens / report.step_s:,.0f} tokens/s, MFU {report.mfu:.1%}"
   )
   return Choice(remat, micro, gbs, report, tuple(why))
+
+
+def _grown(run, remat: str, micro: int, report, limit: int, why: list[str]) -> tuple[int, Any]:
+  """``remat``'s micro-batch doubled from ``micro`` (which fits) while it fits, up to ``limit``."""
+  best = (micro, report)
+  while micro * 2 <= limit:
+    micro *= 2
+    trial = run(remat, micro)
+    if not trial.fits:
+      why.append(
+        f"micro_batch_size={micro} does not fit with model.remat={remat} ({gib(trial.peak_bytes)} a device)"
+      )
+      break
+    best = (micro, trial)
+  return best
 
 
 def _global_batch(config: RunConfig, micro: int, data_parallel: int) -> int:

@@ -397,6 +397,17 @@ def estimate(
   return StepEstimate(target.name, tuple(program.kernels))
 
 
+def estimate_step(
+  programs: dict, target: str | gpu_targets.GpuTarget, *, grad_accum: int = 1, attended: float = 1.0
+) -> StepEstimate:
+  """One train step's estimate from its compiled programs: ``{"step": c}``, or a micro-batched
+  step's ``{"gradient": c, "update": c}``, the gradient program run ``grad_accum`` times."""
+  each = {name: estimate(p.as_text(), target, attended=attended) for name, p in programs.items()}
+  if "step" in each:
+    return each["step"]
+  return each["gradient"].times(grad_accum) + each["update"]
+
+
 # ------------------------------------------------------------------ calibration
 
 

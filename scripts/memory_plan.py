@@ -349,8 +349,18 @@ def plan_one(
     "triton_kernels": fit_check.triton_kernels(text),
     "triton_fusions": text.count('"kind":"__triton'),
     "compile_s": round(compile_s, 1),
+    **(_estimated(programs, target, grad_accum) if backend == "gpu" else {}),
     "commit": commit(),
   }
+
+
+def _estimated(programs: dict, target: str, grad_accum: int) -> dict:
+  """The step's time estimated from its compiled programs (jaxrm.step_time; every sequence fills its
+  row, so every causal pair is attended), calibrated, and the FLOPs the program computes."""
+  from jaxrm import step_time
+
+  e = step_time.estimate_step(programs, target, grad_accum=grad_accum)
+  return {"estimated_step_s": round(step_time.calibrated(e.seconds), 4), "program_flops": e.flops}
 
 
 def _cards(backend: str, target: str) -> list[str]:

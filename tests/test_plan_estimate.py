@@ -147,7 +147,8 @@ def test_the_choice_fills_the_card_without_validation_in_the_peak(model_dir):
 
 
 def fake_check(fits):
-  """A stand-in for ``fit_check.check`` whose verdict is ``fits(remat, micro_batch_size)``."""
+  """A stand-in for ``fit_check.check`` whose verdict is ``fits(remat, micro_batch_size)``, and
+  whose step takes longer the more its remat policy recomputes."""
 
   def check(config, target, topology, **kwargs):
     ok = fits(config.model.remat, config.train.micro_batch_size)
@@ -155,8 +156,8 @@ def fake_check(fits):
       fits=ok,
       peak_bytes=2**30,
       mesh_shape={"data": 1, "fsdp": 2},
-      tokens=1024 * config.train.micro_batch_size,
-      step_s=1.0,
+      tokens=8192,
+      step_s={"elementwise": 1.0, "dots": 1.2, "full": 1.4}[config.model.remat],
       mfu=0.3,
       advice=("model.lora.rank=16",),
       config=config,
@@ -173,6 +174,13 @@ def fake_check(fits):
     (lambda remat, micro: remat != "elementwise" and micro <= 16, ("dots", 16, 32)),
     # only full fits, and only at 1 group a micro-batch: the global batch is kept.
     (lambda remat, micro: remat == "full" and micro == 1, ("full", 1, 8)),
+    # elementwise fits on micro-batches of 2, full on up to 16: the faster estimate wins.
+    (
+      lambda remat, micro: (
+        (remat, micro) in {("elementwise", 2), ("elementwise", 1)} or (remat == "full" and micro <= 16)
+      ),
+      ("elementwise", 2, 8),
+    ),
   ],
 )
 def test_dots_or_full_only_where_the_cheaper_policy_does_not_fit(model_dir, fits, chosen):
@@ -181,6 +189,8 @@ def test_dots_or_full_only_where_the_cheaper_policy_does_not_fit(model_dir, fits
   assert (choice.remat, choice.micro_batch_size, choice.global_batch_size) == chosen
   assert choice.report.config.model.remat == chosen[0]
   assert any(w.startswith(f"model.remat={chosen[0]}: ") for w in choice.why)
+  compared = "estimated tokens/s of each policy's largest micro-batch that fits" in "\n".join(choice.why)
+  assert compared == (chosen[0] == "elementwise")  # only the third case has two policies that fit
 
 
 def test_nothing_that_fits_is_said_with_what_to_change(model_dir):
