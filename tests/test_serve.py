@@ -122,7 +122,7 @@ def test_normalized_rewards(tiny_rm):
 
 
 def test_empty_batches_health_and_metrics(url):
-  assert call(url, "/get_reward", {"query": []})[:2] == (200, {"rewards": []})
+  assert call(url, "/get_reward", {"query": []})[:2] == (200, {"rewards": [], "scores": [], "extra_logs": {}})
   assert call(url, "/score", {"conversations": []})[:2] == (200, {"rewards": []})
   assert call(url, "/health")[:2] == (200, {"status": "ok"})  # the model's name only to key holders
   assert metric(url, 'jaxrm_requests_total{endpoint="/get_reward",status="200"}') >= 1

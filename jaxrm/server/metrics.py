@@ -102,8 +102,8 @@ class Metrics:
   def scored(self, rewards: list, rows: list[list[int]], truncated: int = 0) -> dict[str, float]:
     """Adds one request's rewards (with its rows' lengths in tokens, ``truncated`` of them cut to
     fit) to the health window; the window's health after it. A process model's per-token outputs
-    are not rewards: left out."""
-    if not all(isinstance(x, numbers.Real) for x in rewards):
+    are not rewards, and an empty request adds none: for both, no health."""
+    if not rewards or not all(isinstance(x, numbers.Real) for x in rewards):
       return {}
     health = self._window.add([float(x) for x in rewards], [len(row) for row in rows], truncated)
     for name, value in health.items():
