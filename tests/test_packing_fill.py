@@ -69,7 +69,8 @@ def test_fitting_finds_rows_that_first_fit_misses():
   assert (t, b) == (10, 2)
   assert sorted(i for row in plan for i in row) == list(range(6))
   assert all(sum(lengths[0][i] for i in row) == 10 for row in plan)
-  # Shorter rows, more of them, where they hold the batch in fewer slots; equal slots: shorter rows.
+  # Among equal slots, the row length with more factors of two (fewer shapes), then the shorter.
+  assert packing.fitted_shape([[3, 3, 3, 3]], packing.PackSpec(12, fit_multiple=3))[:2] == (12, 1)
   assert packing.fitted_shape([[5, 5, 5]], packing.PackSpec(20, fit_multiple=5))[:2] == (5, 3)
   assert packing.fitted_shape([[6, 5, 5]], packing.PackSpec(20, fit_multiple=2))[:2] == (16, 1)
   # The unfitted rows' length is a candidate too, multiple or not: never more slots than unfitted.
