@@ -27,6 +27,9 @@ this function", which GRPOTrainer leaves out of its group statistics instead of 
 :func:`remote_reward_func` is the TRL function of a model served by ``python -m jaxrm.serve`` on
 another host: the same call, scored by the server's ``/score`` (``/score_steps`` for a process
 reward model).
+
+Every TRL function reports the reward's health of each batch (:mod:`jaxrm.reward_health`) through
+the ``log_metric`` and ``log_extra`` that TRL 1.16 passes it (:func:`log_health`).
 """
 
 from __future__ import annotations
