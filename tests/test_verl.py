@@ -16,7 +16,7 @@ import re
 from functools import partial
 
 import pytest
-from helpers import SERVER_CONFIG, approx, call, serving
+from helpers import PARITY_ATOL, SERVER_CONFIG, approx, call, serving
 
 from jaxrm import reward_funcs, step_rewards
 from jaxrm.integrations import verl
@@ -210,7 +210,7 @@ def test_verl_reward_loop_disrm_classify_body(url, tiny_rm):
   assert not rm_prompt.startswith("<|im_start|>")
 
 
-def test_verl_reward_loop_disrm_sglang_embeddings_body(url, tiny_rm):
+def test_verl_reward_loop_disrm_sglang_embeddings_body(url, tiny_rm, model_dir):
   """The same worker with SGLang as the engine (compute_score_disrm, verl 0.9.1): ``{"model",
   "input"}`` to ``/v1/embeddings``, read at ``data[-1].embedding[-1]``, posted with aiohttp and
   checked as _post_request does (raise_for_status, then the JSON)."""
@@ -230,8 +230,14 @@ def test_verl_reward_loop_disrm_sglang_embeddings_body(url, tiny_rm):
   payloads = {"model": "/models/reward", "input": disrm_prompt}
   output = asyncio.run(post(payloads, "v1/embeddings"))
   rm_score = output["data"][-1]["embedding"][-1]
-  # Tokenized as SGLang tokenizes the text: special tokens added as the tokenizer adds them.
-  assert [rm_score] == approx(tiny_rm.score_ids([tokenizer(disrm_prompt)["input_ids"]]))
+  # Tokenized as SGLang tokenizes the text: special tokens added as the tokenizer adds them; the
+  # score is transformers' on that text.
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  hf = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32)
+  with torch.no_grad():
+    want = hf(**tokenizer(disrm_prompt, return_tensors="pt")).logits[0, 0].item()
+  assert rm_score == pytest.approx(want, abs=PARITY_ATOL)
 
 
 def test_docs_page_lines_are_those_verl_loads(url, tiny_rm):
