@@ -356,6 +356,9 @@ class DataSpec:
   # Tokens per packed row; 0: each batch's rows as long as its longest group (at most
   # max_length x completions per group), rounded up to bucket_multiple.
   packed_row_length: int = 0
+  # > 0: each batch's packed rows fitted, their length (a multiple of this, at most the rows'
+  # length above) and count chosen together for the fewest fed token slots; more compiled shapes.
+  packed_fit_multiple: int = 0
   num_workers: int = 0  # Grain worker processes reading batches (0: in the training process)
   shuffle_seed: int = 0  # seed of the order of training rows, reshuffled every epoch
   max_train_rows: int = 0  # 0: all
@@ -380,6 +383,11 @@ class DataSpec:
       raise ConfigError(
         f"data.packed_row_length={self.packed_row_length}: use a number of tokens per "
         "row, or 0 to size rows from each batch's longest group"
+      )
+    if self.packed_fit_multiple < 0:
+      raise ConfigError(
+        f"data.packed_fit_multiple={self.packed_fit_multiple}: use a number of tokens that fitted "
+        "row lengths are multiples of (512 on a GPU), or 0 for rows of one length per batch"
       )
     if self.group_by_length and self.packing != "none":
       # Packed rows are filled from many groups and carry no per-batch padding to save.
@@ -633,6 +641,8 @@ class RunConfig:
       raise ConfigError(task.packing_refused.format(packing=self.data.packing))
     if self.data.packing == "none" and self.data.packed_row_length:
       log.warning("data.packed_row_length=%d is ignored: data.packing is 'none'", self.data.packed_row_length)
+    if self.data.packing == "none" and self.data.packed_fit_multiple:
+      log.warning("data.packed_fit_multiple=%d is ignored: data.packing is 'none'", self.data.packed_fit_multiple)
     _check_context_lengths(self)
     if self.checkpointing.metric == DEFAULT_METRIC_NAME and "default" not in self.data.val_data_paths:
       _rank_by_first_set(self)

@@ -56,12 +56,20 @@ def runs(cache_root, tmp_path_factory):
   """
   done = {}
 
-  def get(head, packing, micro_batch_size=8):
-    key = (head, packing, micro_batch_size)
+  def get(head, packing, micro_batch_size=8, fit_multiple=0):
+    key = (head, packing, micro_batch_size, fit_multiple)
     if key not in done:
       out = str(tmp_path_factory.mktemp("runs") / "-".join(map(str, key)))
       tiny_run.train(
-        config(cache_root, head, out, packing, micro_batch_size, eval__val_at_end=head == "sequence")
+        config(
+          cache_root,
+          head,
+          out,
+          packing,
+          micro_batch_size,
+          eval__val_at_end=head == "sequence",
+          data__packed_fit_multiple=fit_multiple,
+        )
       )
       done[key] = out
     return done[key]
@@ -115,7 +123,8 @@ def test_shared_prompt_training_equals_unpacked(runs):
 
 
 def test_packed_stepwise_training_equals_unpacked(runs):
-  assert_same_training(runs("token", "packed"), runs("token", "none"), STEP_KEYS)
+  # Fitted rows (data.packed_fit_multiple): each batch's row length and count chosen for it.
+  assert_same_training(runs("token", "packed", fit_multiple=16), runs("token", "none"), STEP_KEYS)
 
 
 def test_packed_run_resumes_exactly(runs, cache_root, tmp_path):
@@ -287,6 +296,8 @@ def test_bad_packing_values_name_the_key(cache_root, tmp_path):
     tiny_run.train(config(cache_root, "sequence", out, "pack"))
   with pytest.raises(UserError, match=r"^data.packed_row_length=-1: use a number of tokens"):
     tiny_run.train(config(cache_root, "sequence", out, "packed", data__packed_row_length=-1))
+  with pytest.raises(UserError, match=r"^data.packed_fit_multiple=-16: use a number of tokens"):
+    tiny_run.train(config(cache_root, "sequence", out, "packed", data__packed_fit_multiple=-16))
   with pytest.raises(
     UserError,
     match=r"^data.packing='shared_prompt' writes a preference "

@@ -40,7 +40,7 @@ NOT_FREE = {
   *("data.dataset_name", "data.train_data_path", "data.val_data_paths", "data.max_length"),
   *("data.truncation", "data.step_separator", "data.train_on_last_step_only", "data.packing"),
   *("data.packed_row_length", "data.shuffle_seed", "data.max_train_rows", "data.max_val_rows"),
-  "data.group_by_length",
+  *("data.group_by_length", "data.packed_fit_multiple"),
   *("train.global_batch_size", "train.learning_rate", "train.lr_scheduler", "train.min_lr_ratio"),
   *("train.warmup_steps", "train.weight_decay", "train.max_grad_norm", "train.adam_beta1"),
   *("train.adam_beta2", "train.adam_epsilon", "train.seed"),

@@ -115,6 +115,7 @@ def _pack_spec(config: RunConfig, num_completions: int | None, rows_multiple: in
     length_multiple=0 if spec.packed_row_length else spec.bucket_multiple,
     shared_prompt=spec.packing == "shared_prompt",
     rows_multiple=rows_multiple,
+    fit_multiple=spec.packed_fit_multiple,
   )
 
 
