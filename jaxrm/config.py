@@ -642,7 +642,9 @@ class RunConfig:
     if self.data.packing == "none" and self.data.packed_row_length:
       log.warning("data.packed_row_length=%d is ignored: data.packing is 'none'", self.data.packed_row_length)
     if self.data.packing == "none" and self.data.packed_fit_multiple:
-      log.warning("data.packed_fit_multiple=%d is ignored: data.packing is 'none'", self.data.packed_fit_multiple)
+      log.warning(
+        "data.packed_fit_multiple=%d is ignored: data.packing is 'none'", self.data.packed_fit_multiple
+      )
     _check_context_lengths(self)
     if self.checkpointing.metric == DEFAULT_METRIC_NAME and "default" not in self.data.val_data_paths:
       _rank_by_first_set(self)
