@@ -373,6 +373,25 @@ def test_a_checkpoint_without_its_checksum_list_is_not_loaded(damaged_copy):
         f.write(data)
 
 
+def test_a_checkpoint_from_before_checksums_is_read_unverified(damaged_copy):
+  """A step whose meta lacks the mark (saved before jaxrm wrote checksum lists) loads without one."""
+  step_dir = os.path.join(damaged_copy, "checkpoints", "4")
+  listed, meta = os.path.join(step_dir, checkpointing.CHECKSUMS), os.path.join(step_dir, "meta", "metadata")
+  kept = {p: open(p, "rb").read() for p in (listed, meta)}
+  try:
+    os.remove(listed)
+    with open(meta) as f:
+      older = {k: v for k, v in json.load(f).items() if k != checkpointing.WITH_CHECKSUMS}
+    with open(meta, "w") as f:
+      json.dump(older, f)
+    _, reward_stats = _load_checkpoint(damaged_copy, 4)
+  finally:
+    for p, data in kept.items():
+      with open(p, "wb") as f:
+        f.write(data)
+  assert reward_stats["std"] > 0  # the step's own meta, read
+
+
 def test_resume_from_a_flipped_byte_stops_naming_the_file(baseline, model_dir, tmp_path):
   """A byte flipped in the only checkpoint's parameters: the run stops, naming the file, rather
   than train on from wrong values."""
