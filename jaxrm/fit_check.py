@@ -16,8 +16,8 @@ might pick cuBLAS). It says nothing of numerics on the device. Its speed is an e
 compiled program (:mod:`jaxrm.step_time`: a roofline per kernel, scaled by the measured GPU steps of
 its calibration), printed with its error against those steps.
 
-:func:`choose` compiles a run again at other settings to fill the card: the cheapest remat policy
-that fits, then the largest micro-batch that fits.
+:func:`choose` compiles a run again at other settings to fill the card: the remat policy that
+recomputes least where it fits, and the largest micro-batch that fits, weighed by estimated tokens/s.
 """
 
 from __future__ import annotations
@@ -125,7 +125,9 @@ class FitReport:
     for name, program in self.train_programs.items():
       out.append(f"  train {name + ':':9} {program.line()}")
     if self.eval is None:
-      out.append("  eval step:      none (no validation set: data.val_data_paths is empty)")
+      out.append(
+        "  eval step:      none (the run does not validate: no data.val_data_paths, or no round in eval.*)"
+      )
     else:
       out.append(
         f"  eval step:      {self.eval.line()}; with the train state beside it {gib(self.eval_peak_bytes)}"

@@ -137,13 +137,24 @@ def test_the_choice_fills_the_card_without_validation_in_the_peak(model_dir):
   r = choice.report
   assert r.fits and r.eval is None and r.eval_peak_bytes == 0 and r.peak_bytes == r.train.total_bytes
   lines = r.lines()
-  assert "  eval step:      none (no validation set: data.val_data_paths is empty)" in lines
+  assert (
+    "  eval step:      none (the run does not validate: no data.val_data_paths, or no round in eval.*)"
+    in lines
+  )
   timing = next(line for line in lines if line.startswith("time (estimated"))
   assert "tokens/s" in timing and "MFU" in timing and r.tokens == 8 * 2 * 96
   assert r.step_s == step_time.calibrated(r.estimate.seconds) > 0
   assert any(line.startswith("  a run of 4 steps (train.max_steps) takes about") for line in lines)
   assert any("calibration:" in line for line in lines)
   assert choice.lines()[0] == "choice: " + choice.overrides() and choice.exit_status == 0
+
+
+def test_a_run_validates_only_with_a_set_and_a_round(model_dir):
+  keys = lambda **k: cli.run_config(tiny_run.set_keys(tiny_run.get_config(model_dir), k))
+  assert fit_check.validates_during(keys())
+  assert not fit_check.validates_during(keys(**{"data.val_data_paths": {}}))
+  rounds = {"eval.val_period": 0, "eval.val_at_end": False, "eval.val_at_start": False}
+  assert not fit_check.validates_during(keys(**rounds))
 
 
 def fake_check(fits):
