@@ -34,9 +34,16 @@ def doc_flag(page, flag):
   return value
 
 
+# The reward range a validation would have recorded: the tiny model's rewards fall either side of it.
+STATS = {"mean": -0.9, "std": 0.1, "min": -0.95, "max": -0.85, "from": "validation-default"}
+
+
 @pytest.fixture(scope="module")
 def url(tiny_rm):
-  with serving(tiny_rm) as s:
+  from jaxrm import RewardModel
+  from jaxrm.loading import ScoringInfo
+
+  with serving(RewardModel(tiny_rm.model, tiny_rm.tokenizer, ScoringInfo(reward_stats=STATS))) as s:
     yield s.url
 
 
@@ -85,7 +92,7 @@ def test_openrlhf_executor_gets_rewards_scores_and_health(url, tiny_rm):
     assert out["reward"] == approx(want), out
     assert out["scores"] == out["reward"]
   health = outputs[-1]["extra_logs"]
-  signals = {"reward_mean", "reward_std", "reward_length_corr", "truncated"}  # no range recorded
+  signals = {"reward_mean", "reward_std", "reward_length_corr", "reward_out_of_range", "truncated"}
   assert set(health) == {f"reward_health/{n}" for n in signals}
   # The server's health over its last rewards, as its /metrics reports it.
   for name in signals:

@@ -6,7 +6,7 @@ import dataclasses
 import math
 
 import pytest
-from helpers import SERVER_CONFIG, SERVER_TEXTS, approx, assistant, call, metric, serving, user
+from helpers import OPENER, SERVER_CONFIG, SERVER_TEXTS, approx, assistant, call, metric, serving, user
 
 from jaxrm import RewardModel
 from jaxrm.loading import ScoringInfo
@@ -251,6 +251,10 @@ def test_openrlhf_get_reward_answers_as_its_serve_rm(url, tiny_rm):
   assert {len(v) for v in logs.values()} == {2}  # a value per query, as OpenRLHF logs them
   assert logs["reward_health/reward_mean"][0] == metric(url, "jaxrm_reward_mean")
   assert logs["reward_health/reward_std"][0] == metric(url, "jaxrm_reward_std")
+  # The tiny model's run recorded no reward range: no share outside it, in either place.
+  assert "reward_health/reward_out_of_range" not in logs
+  with OPENER.open(url + "/metrics") as reply:
+    assert b"jaxrm_reward_out_of_range" not in reply.read()
 
 
 # ------------------------------------------------------------------ what is refused, and why

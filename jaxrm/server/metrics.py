@@ -69,10 +69,9 @@ class Metrics:
       "jaxrm_batch_shapes", "Batch shapes the server may form, plain and packed rows.", registry=r
     )
     self._window = reward_health.Window(HEALTH_WINDOW, reward_range)
-    self._health = {
-      name: prom.Gauge(f"jaxrm_{name}", f"{what} (jaxrm.reward_health).", registry=r)
-      for name, what in HEALTH_GAUGES.items()
-    }
+    # Made at their first value: a gauge never set would read 0 (a share outside a range that the
+    # model does not have, a mean before any reward).
+    self._health: dict[str, prom.Gauge] = {}
 
   def request(self, endpoint: str, status: int, seconds: float) -> None:
     self._requests.labels(endpoint, str(status)).inc()
@@ -107,6 +106,9 @@ class Metrics:
       return {}
     health = self._window.add([float(x) for x in rewards], [len(row) for row in rows], truncated)
     for name, value in health.items():
+      if name not in self._health:
+        what = f"{HEALTH_GAUGES[name]} (jaxrm.reward_health)."
+        self._health[name] = prom.Gauge(f"jaxrm_{name}", what, registry=self.registry)
       self._health[name].set(value)
     return health
 
