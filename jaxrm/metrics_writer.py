@@ -123,11 +123,13 @@ class MetricsWriter:
 
   def _give_up(self) -> None:
     """After a refused write: the file closed without another try at its buffered rows, and the
-    trackers stopped, so that nothing tries again as the process exits."""
+    trackers that write beside it (TensorBoard) stopped, so that nothing tries again as the process
+    exits; W&B and MLflow still close their runs."""
     with contextlib.suppress(OSError):
       self._jsonl.close()  # closes the file even when its last flush fails
     for tracker in self._trackers:
-      tracker.abandon()
+      if tracker.writes_files:
+        tracker.abandon()
 
 
 @contextlib.contextmanager
@@ -203,6 +205,7 @@ class _Tracker:
 
   def __init__(self, name: str, key: str, impl):
     self.name, self.key, self._impl = name, key, impl
+    self.writes_files = hasattr(impl, "abandon")  # local files, which a full disk refuses too
 
   def call(self, method: str, *args) -> None:
     if self._impl is None:
