@@ -128,15 +128,15 @@ def test_the_calibration_is_every_measured_step_and_fits_each_within_20_percent(
   )
 
 
-def test_the_choice_fills_the_card_without_validation_in_the_peak(model_dir):
-  """On the tiny model, without a validation set: elementwise remat fits at once and the
-  micro-batch doubles (to 2x here, to keep the test short), the global batch with it; nothing is
-  compiled for validation, whose step is neither in the peak nor printed as if it ran."""
-  keys = {"data.val_data_paths": {}, "train.micro_batch_size": 4, "train.global_batch_size": 4}
-  c = tiny_run.set_keys(tiny_run.get_config(model_dir), keys)
+def test_the_choice_on_the_tiny_model_without_validation_in_the_peak(model_dir):
+  """On the tiny model, without a validation set: elementwise remat fits at once (growing the
+  micro-batch is the fake checks' below: each try is a compile); nothing is compiled for
+  validation, whose step is neither in the peak nor printed as if it ran; the estimate reads the
+  real program's products and flash kernels."""
+  c = tiny_run.set_keys(tiny_run.get_config(model_dir), {"data.val_data_paths": {}})
   config = cli.run_config(c)
   assert not fit_check.validates_during(config)
-  choice = fit_check.choose(config, "h100-80gb", "1x1", max_growth=2)
+  choice = fit_check.choose(config, "h100-80gb", "1x1", max_growth=1)
   assert (choice.remat, choice.micro_batch_size, choice.global_batch_size) == ("elementwise", 8, 8)
   r = choice.report
   assert r.fits and r.eval is None and r.eval_peak_bytes == 0 and r.peak_bytes == r.train.total_bytes
@@ -151,6 +151,12 @@ def test_the_choice_fills_the_card_without_validation_in_the_peak(model_dir):
   assert any(line.startswith("  a run of 4 steps (train.max_steps) takes about") for line in lines)
   assert any("calibration:" in line for line in lines)
   assert choice.lines()[0] == "choice: " + choice.overrides() and choice.exit_status == 0
+  # The program computes at least the model's FLOPs (the rest is recomputation), in products and
+  # in the three flash kernels of each of the 2 layers.
+  e = r.estimate
+  assert e.flops >= r.model_flops and {"gemm", "pallas", "fusion"} <= {k.kind for k in e.kernels}
+  flash = {k.name: k.runs for k in e.kernels if k.kind == "pallas" and k.flops > 0}
+  assert set(flash) == set(step_time.FLASH_FLOPS) and sum(flash.values()) >= 3 * 2
 
 
 def test_a_run_validates_only_with_a_set_and_a_round(model_dir):
