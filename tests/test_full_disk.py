@@ -130,6 +130,7 @@ def test_another_save_failure_keeps_its_traceback(tmp_path, monkeypatch, caplog)
 
 # The coroutines of event loops that could not be built are collected unawaited.
 @pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts its open files in /proc (Linux)")
 def test_too_few_file_descriptors_is_one_message_and_leaves_no_partial_checkpoint(tmp_path, caplog):
   """A save that runs out of file descriptors (once an AttributeError traceback from an event loop
   that could not be built, and a temporary folder left behind) says what the process needs."""
