@@ -6,7 +6,9 @@ XLA's GPU compiler, per named shape (``scripts/bench_common.py``: their config.j
 sequence length, remat policy, mesh and gradient accumulation, with each device's parameter,
 optimizer-state and temporary bytes against an 80 GB and a 141 GB GPU, each card's verdict from a
 compile for its own GPU (``--gpu``: compile-only H100 and H200 devices of ``jaxrm.gpu_targets``,
-one host of as many as the mesh needs; results and caveats: docs/benchmarks.md)::
+one host of as many as the mesh needs; results and caveats: docs/benchmarks.md). A GPU row also
+holds the step's time estimated from its program (``estimated_step_s``, ``jaxrm.step_time``,
+calibrated) and the FLOPs the program computes, recomputation included::
 
   python scripts/memory_plan.py --json=benchmarks/memory_plan.json
   python scripts/memory_plan.py --plan_models=llama3.1-8b --plan_lengths=8192 --plan_meshes=1x8x1

@@ -106,6 +106,16 @@ def test_targets_carry_xla_specs():
     assert t.source.startswith("xla/backends/gpu/target_config/specs/") and name in gpu_targets.TARGETS
     assert f'device_description_str: "{t.description}"' in t.spec()
   assert math.isclose(gpu_targets.TARGETS["h200"].memory_gib, 141, rel_tol=0.01)
+  # Dense bf16 peaks from NVIDIA's data sheets, what MFU and the time estimate divide by; float32
+  # products run as TF32 at half, 8-bit floats at twice.
+  peaks = {name: t.peak_bf16_flops for name, t in gpu_targets.TARGETS.items()}
+  assert peaks == {"h100-80gb": 989e12, "h200": 989e12, "a100-80gb": 312e12, "b200": 2250e12}
+  h100 = gpu_targets.TARGETS["h100-80gb"]
+  assert (h100.peak_flops("f32"), h100.peak_flops("bf16"), h100.peak_flops("f8e4m3fn")) == (
+    494.5e12,
+    989e12,
+    1978e12,
+  )
   with pytest.raises(ValueError, match="hosts x GPUs per host"):
     gpu_targets.parse_topology("2x")
   assert gpu_targets.parse_topology("8") == (1, 8)
