@@ -89,6 +89,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -101,10 +102,13 @@ from bench_common import (
   NEWLINE,
   PAD,
   SHAPES,
+  TOP_KERNELS,
   commit,
+  kernel_table,
   make_groups,
   make_pairs,
   one_device_mesh,
+  read_trace,
 )
 
 from jaxrm import host_memory
@@ -149,7 +153,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     help="run each mode in lockstep with the same mode training LoRA adapters "
     "(--lora_rank on every linear layer, over a frozen base)",
   )
-  p.add_argument("--lora_rank", type=int, default=16, help="rank of the adapters of --vs-lora")
+  p.add_argument("--lora_rank", type=int, default=16, help="rank of the adapters of --vs-lora and --lora")
+  p.add_argument(
+    "--lora",
+    action="store_true",
+    help="train LoRA adapters only (--lora_rank on every linear layer, over a frozen base in "
+    "--dtype), without a partner: a shape whose full training does not fit",
+  )
+  p.add_argument(
+    "--profile",
+    default="",
+    help="a folder: trace the timed steps with jax.profiler there, keep in the result the "
+    f"{TOP_KERNELS} longest GPU kernels with their share of the steps' wall time, and delete "
+    "the trace (profiled steps run slower: time them in another run)",
+  )
   p.add_argument(
     "--ranked",
     default="",
@@ -221,6 +238,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   args.modes = [m for m in args.modes.split(",") if m]
   if args.vs_trl and args.vs_lora:
     p.error("--vs-trl and --vs-lora: choose one partner per run")
+  if args.lora and (args.vs_trl or args.vs_lora or args.ranked):
+    p.error("--lora trains adapters alone: leave out --vs-trl, --vs-lora and --ranked")
   try:
     args.ranked = [int(k) for k in args.ranked.split(",") if k]
   except ValueError:
@@ -541,10 +560,12 @@ VARIANT_SEP = "~"  # a worker "<mode>~<variant>" runs --vs-variant's variant
 
 
 def lora_config(args):
-  """The adapters of ``--vs-lora``: rank ``--lora_rank`` on every linear layer, OpenRLHF's alpha."""
+  """The adapters of ``--vs-lora`` and ``--lora``: rank ``--lora_rank`` on every linear layer,
+  OpenRLHF's alpha; ``--lora`` keeps the frozen base in ``--dtype`` (bfloat16: 2 bytes a weight)."""
   from jaxrm.models.lora import LoraConfig
 
-  return LoraConfig(rank=args.lora_rank, alpha=16.0, targets="all-linear")
+  base = args.dtype if args.lora and args.dtype != "float32" else None
+  return LoraConfig(rank=args.lora_rank, alpha=16.0, targets="all-linear", base_dtype=base)
 
 
 def ranked_worker(worker: str) -> tuple[str, int] | None:
@@ -608,6 +629,8 @@ def run_jaxrm(worker: str, args, channel: _Channel) -> dict:
   losses = []
   for i, batch in enumerate(batches):
     channel.wait_for("step")
+    if args.profile and i == args.warmup:
+      jax.profiler.start_trace(args.profile, create_perfetto_trace=True)
     clock = _Clock()
     state, (metrics, _) = train_step(state, batch)
     jax.block_until_ready(state)
@@ -628,6 +651,10 @@ def run_jaxrm(worker: str, args, channel: _Channel) -> dict:
   channel.wait_for("finish")
   trained = sum(x.size for x in jax.tree.leaves(state["params"]))
   extra = {"losses": losses, "completions": k} if ranked else {}
+  if args.profile:
+    jax.profiler.stop_trace()
+    extra["profile"] = kernel_table(read_trace(args.profile), totals["seconds"])
+    shutil.rmtree(args.profile, ignore_errors=True)
   return _result(
     name,
     args,
@@ -1067,7 +1094,8 @@ def main(argv=None) -> None:
       failed += [] if session else [mode]
       continue
     partner = "trl" if args.vs_trl else mode + LORA_SUFFIX if args.vs_lora else None
-    session = run_lockstep([mode] + ([partner] if partner else []), argv, args.warmup + args.steps)
+    first = mode + LORA_SUFFIX if args.lora else mode
+    session = run_lockstep([first] + ([partner] if partner else []), argv, args.warmup + args.steps)
     if not session:
       failed.append(mode)
     elif partner:

@@ -171,3 +171,68 @@ def commit() -> str:
   except (OSError, subprocess.TimeoutExpired):
     return "unknown"
   return out.stdout.strip() or "unknown"
+
+
+# ------------------------------------------------------------------ a profile, summarised
+
+TOP_KERNELS = 15
+
+
+def kernel_table(trace: dict, wall_s: float, top: int = TOP_KERNELS) -> dict:
+  """The ``top`` longest GPU kernels of a ``jax.profiler`` trace (its Perfetto JSON: ``traceEvents``),
+  each with its total time and share of ``wall_s``, the traced steps' wall time.
+
+  Kernels are the complete events ("ph": "X", durations in microseconds) of the processes the
+  trace names as GPU devices ("/device:GPU:..."); a kernel launched many times counts once, its
+  launches summed. ``busy_share`` is the union of all kernels' intervals over the wall: what is
+  left of it the GPU waited (on launches, the host, or a transfer).
+  """
+  events = trace.get("traceEvents", [])
+  gpus = {
+    e["pid"]
+    for e in events
+    if e.get("ph") == "M" and e.get("name") == "process_name" and "GPU" in str(e.get("args", {}).get("name"))
+  }
+  kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpus and e.get("dur")]
+  if not kernels:
+    return {"kernels": [], "note": "no GPU kernel events in the trace (is CUPTI installed?)"}
+  totals: dict[str, list[float]] = {}
+  for e in kernels:
+    entry = totals.setdefault(e["name"], [0.0, 0])
+    entry[0] += e["dur"] / 1e6
+    entry[1] += 1
+  ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+  rows = [
+    {"kernel": name, "seconds": round(s, 6), "launches": n, "share": round(s / wall_s, 4)}
+    for name, (s, n) in ranked[:top]
+  ]
+  return {
+    "wall_s": round(wall_s, 4),
+    "kernel_s": round(sum(s for s, _ in totals.values()), 6),
+    "busy_share": round(_union_s(kernels) / wall_s, 4),
+    "distinct_kernels": len(totals),
+    "kernels": rows,
+  }
+
+
+def _union_s(events) -> float:
+  """Seconds covered by at least one of ``events`` (overlapping streams counted once)."""
+  covered, end = 0.0, float("-inf")
+  for start, stop in sorted((e["ts"], e["ts"] + e["dur"]) for e in events):
+    if stop > end:
+      covered += stop - max(start, end)
+      end = stop
+  return covered / 1e6
+
+
+def read_trace(directory: str) -> dict:
+  """The Perfetto JSON ``jax.profiler`` wrote under ``directory`` (``perfetto_trace.json.gz``)."""
+  import glob
+  import gzip
+  import json
+
+  found = sorted(glob.glob(os.path.join(directory, "**", "perfetto_trace.json.gz"), recursive=True))
+  if not found:
+    return {}
+  with gzip.open(found[-1], "rt") as f:
+    return json.load(f)

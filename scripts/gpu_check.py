@@ -28,6 +28,16 @@ Steps, each in its own process with its own time limit, within one overall ``--b
    sequences; of one shape, the remat policy with the smallest planned total) whose planned
    total fits the GPU's usable memory; out of memory, the next shape, while time is left.
 
+6. ``sweep``: the Qwen2.5-1.5B shape over remat (elementwise, dots) x pairs per step (16, 8) on
+   the Pallas kernel, each a ``bench.py`` run with its own limit (``SWEEP_LIMITS``); then a
+   ``jax.profiler`` trace of the fastest, kept as the table of its 15 longest kernels with their
+   share of the step (the trace is deleted); TRL's RewardTrainer in lockstep with that setting
+   (same model shape, rows and batch); Qwen3-8B training LoRA adapters over a bfloat16 base at
+   rows of 8192 tokens; and the cuDNN route at both sizes. While the budget lasts, in that order;
+   ``--sweep_only`` runs it alone (after the machine step), ``--no_sweep`` leaves it out. The
+   dry run sizes each of its shapes (``bench.py --dry_run``); ``--compile_only`` compiles its
+   Pallas settings and the 8B one for ``--gpu``.
+
 The parent process never imports JAX, so each step has the whole GPU to itself.
 """
 
@@ -75,6 +85,12 @@ JSON_KEYS = {
   "model_tflops, mfu, peak_tflops, flop_formula, peak_memory_gib, compile_s, "
   "compiled_shapes, attention, params_m, totals}, planned_total_gib (the compile step's "
   "largest program, beside peak_memory_gib)",
+  "sweep": "plan {runs {name: limit_s}, total_s}, settings {name: {rc, wall_s, pairs_per_s, "
+  "real_tokens_per_s, fed_tokens_per_s, fed_tokens_per_step, model_tflops, mfu, packing_efficiency, "
+  "peak_memory_gib, compile_s}}, fastest, profile {..., profile {wall_s, kernel_s, busy_share, "
+  "kernels [{kernel, seconds, launches, share}]}}, trl {..., vs_ratio, vs}, lora_8b {...}, "
+  "full_8b {...}; the "
+  "dry run: sized {shape: {rc, dry_run_output}}",
   "fit": f"capacity_gib, candidates, attempts [{{setting, attention, rc, wall_s}}], result {{model, "
   f"length, remat, params, param_bytes, opt_state_bytes, {MEMORY} (the compile on the GPU), "
   f"peak_bytes_in_use, bytes_limit, compile_s, step_s, loss, grad_norm}}, planned (the "
@@ -102,7 +118,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     default="",
     help="on the GPU: the file of an earlier --compile_only run (default: --out itself)",
   )
-  p.add_argument("--budget_s", type=float, default=450, help="time for all steps together")
+  p.add_argument("--budget_s", type=float, default=480, help="time for all steps together")
+  p.add_argument(
+    "--no_sweep",
+    action="store_true",
+    help="leave out step 6 (the sweep, its profile, TRL beside it and the 8B LoRA setting)",
+  )
+  p.add_argument(
+    "--sweep_only",
+    action="store_true",
+    help="on the GPU: the machine step and the sweep alone (a second lent device's run)",
+  )
   p.add_argument(
     "--dry_run",
     action="store_true",
@@ -118,6 +144,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.error(f"--gpu={args.gpu!r}: unknown GPU; choose one of {', '.join(gpu_targets.TARGETS)}")
   if args.compile_only and args.dry_run:
     p.error("--compile_only and --dry_run: choose one (a dry run compiles nothing)")
+  if args.no_sweep and args.sweep_only:
+    p.error("--no_sweep and --sweep_only: choose one")
   return args
 
 
@@ -404,6 +432,186 @@ def planned_fit(row: dict, compiled: dict | None) -> dict:
   return {"planned": row, "planned_by": f"the memory plan, {by}"}
 
 
+# ---------------------------------------------------------------------- the sweep
+
+# Step 6, after the others: the Qwen2.5-1.5B shape over remat x pairs per step x attention route,
+# an 8B setting training LoRA over a bfloat16 base at rows of 8192 tokens, a jax.profiler trace of
+# the fastest 1.5B setting (its 15 longest kernels), and TRL's RewardTrainer beside that setting on
+# the same rows and batch. Each is a bench.py run of its own process, in this order, while the
+# budget lasts: the settings most likely fastest first.
+SWEEP_1P5B = [
+  "--model=qwen2.5-1.5b",
+  "--modes=shared_prompt",
+  "--max_length=2048",
+  "--row_length=4096",
+  "--dtype=bfloat16",
+  "--steps=6",
+  "--warmup=1",
+]
+SWEEP_REMATS = ("elementwise", "dots")  # elementwise recomputes no product; dots the MLP's input
+SWEEP_PAIRS = (16, 8)  # pairs per step: about 24k and 12k fed tokens (rows of 4096)
+# cuDNN's route keeps every activation under elementwise (its residuals are its own: the decoder's
+# checkpointed), so it runs at dots only.
+CUDNN_REMAT = "dots"
+LORA_8B = [
+  "--model=qwen3-8b",
+  "--modes=shared_prompt",
+  "--max_length=4096",
+  "--row_length=8192",
+  "--dtype=bfloat16",
+  "--batch_size=4",
+  "--steps=4",
+  "--warmup=1",
+  "--remat=dots",
+  "--lora",
+]
+# Full fine-tuning of the 8B shape: float32 weights, gradients and two moments are 16 bytes a
+# parameter (131 GB), so it runs only where that fits (an H200: the fit step trained it at 8192
+# tokens in 3.3 s at remat full); remat full at the H200's measured length.
+FULL_8B = [
+  "--model=qwen3-8b",
+  "--modes=shared_prompt",
+  "--max_length=4096",
+  "--row_length=8192",
+  "--dtype=bfloat16",
+  "--batch_size=2",
+  "--steps=3",
+  "--warmup=1",
+  "--remat=full",
+  "--attention=auto",
+]
+FULL_8B_NAME = "qwen3-8b full fine-tuning, remat full, rows of 8192"
+FULL_8B_MIN_GIB = 135  # 8.19e9 parameters x 16 bytes = 122 GiB of state, and its activations
+SWEEP_LIMITS = {"setting": 60, "profile": 45, "trl": 120, "lora_8b": 100, "full_8b": 90}
+PROFILE_STEPS = 3
+
+
+def sweep_settings(attention: str = "auto") -> dict[str, list[str]]:
+  """Name -> bench.py arguments of each 1.5B setting of the sweep on the ``attention`` route
+  (``auto``: the Pallas kernel; ``cudnn``), in the order they run."""
+  remats = SWEEP_REMATS if attention == "auto" else (CUDNN_REMAT,)
+  return {
+    f"qwen2.5-1.5b remat={remat} pairs={pairs} attention={attention}": SWEEP_1P5B
+    + [f"--remat={remat}", f"--batch_size={pairs}", f"--attention={attention}"]
+    for pairs in SWEEP_PAIRS
+    for remat in remats
+  }
+
+
+LORA_8B_NAME = "qwen3-8b LoRA r16 over a bf16 base, rows of 8192"
+
+
+def sweep_plan(budget_s: float) -> dict:
+  """What the sweep runs, in order, each with its limit in seconds; whether all of it fits
+  ``budget_s`` if every run took its whole limit, and which runs start even then (the others
+  start if the earlier ones finish sooner): the dry run's record of it."""
+  runs = {name: SWEEP_LIMITS["setting"] for name in sweep_settings("auto")}
+  runs["profile of the fastest"] = SWEEP_LIMITS["profile"]
+  runs["TRL beside the fastest"] = SWEEP_LIMITS["trl"]
+  runs[LORA_8B_NAME] = SWEEP_LIMITS["lora_8b"]
+  runs[FULL_8B_NAME + f" (GPUs of {FULL_8B_MIN_GIB} GiB or more)"] = SWEEP_LIMITS["full_8b"]
+  runs.update({name: SWEEP_LIMITS["setting"] for name in sweep_settings("cudnn")})
+  total, elapsed, sure = sum(runs.values()), 0, []
+  for name, limit in runs.items():
+    elapsed += limit
+    if elapsed <= budget_s:
+      sure.append(name)
+  return {
+    "runs": runs,
+    "total_s": total,
+    "budget_s": round(budget_s),
+    "fits_budget": total <= budget_s,
+    "sure_to_start": sure,  # even if each run before it took its whole limit
+  }
+
+
+def sweep_dry_run(tmp: str, budget_s: float) -> dict:
+  """Each distinct shape of the sweep sized by bench.py --dry_run (remat and the attention route
+  change no batch shape): its parameters, FLOPs and batches, nothing compiled."""
+  shapes = {f"qwen2.5-1.5b pairs={p}": SWEEP_1P5B + [f"--batch_size={p}"] for p in SWEEP_PAIRS}
+  shapes["qwen3-8b LoRA"] = LORA_8B
+  shapes["qwen3-8b full"] = FULL_8B
+  sized = {}
+  for name, argv in shapes.items():
+    out = run([sys.executable, BENCH, *argv, "--dry_run"], 120, os.path.join(tmp, "sweep_dry.log"))
+    sized[name] = {"rc": out["rc"], "dry_run_output": out["tail"]}
+  return {**sweep_plan(budget_s), "sized": sized}
+
+
+def compile_sweep(target: str) -> dict:
+  """The sweep's Pallas settings and the 8B LoRA setting compiled for ``target`` (``compile_bench``):
+  each program's memory beside the GPU's. cuDNN's settings are not compiled here: JAX asks for the
+  cuDNN library while tracing, which a machine without a GPU lacks."""
+  argvs = {**sweep_settings("auto"), LORA_8B_NAME: LORA_8B + ["--attention=auto"]}
+  compiled = {}
+  for name, argv in argvs.items():
+    try:
+      compiled[name] = compile_bench(target, argv)
+    except Exception as e:  # noqa: BLE001  (a setting that does not compile is the finding)
+      compiled[name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+    print(name, gib(compiled[name].get("total_bytes", 0)), flush=True)
+  skipped = dict.fromkeys(sweep_settings("cudnn"), "cuDNN: compiled on the GPU only")
+  return {"settings": compiled, "not_compiled": skipped}
+
+
+def _bench_summary(found: dict | None) -> dict:
+  """The figures of a bench.py result that the sweep compares."""
+  r = ((found or {}).get("results") or [{}])[0]
+  keys = ("pairs_per_s", "real_tokens_per_s", "fed_tokens_per_s", "model_tflops", "mfu", "packing_efficiency")
+  summary = {k: r[k] for k in keys if k in r}
+  summary.update({k: r[k] for k in ("peak_memory_gib", "compile_s", "compiled_shapes", "profile") if k in r})
+  if r.get("fed_tokens_per_s") and r.get("pairs_per_s"):
+    summary["fed_tokens_per_step"] = round(r["fed_tokens_per_s"] / r["pairs_per_s"] * _pairs(found), 1)
+  if "vs_ratio" in r:
+    summary.update(vs_ratio=r["vs_ratio"], vs=_bench_summary({"results": [r["vs"]]}))
+  return summary
+
+
+def _pairs(found: dict) -> int:
+  return int((found.get("args") or {}).get("batch_size", 1))
+
+
+def sweep(deadline: Deadline, tmp: str, capacity_gib: float) -> dict:
+  """Step 6 on the GPU, in ``sweep_plan``'s order while time lasts: the Pallas settings, the
+  profile of the fastest and TRL beside it (its rows and batch), the 8B LoRA setting, the 8B
+  full fine-tuning where ``capacity_gib`` holds it, the cuDNN settings."""
+  result = {"plan": sweep_plan(deadline.left()), "settings": {}}
+
+  def bench_run(argv: list[str], limit: float) -> dict:
+    if deadline.left() < MIN_START_S:
+      return {"skipped": f"{deadline.left():.0f}s left"}
+    path = os.path.join(tmp, "sweep.json")
+    if os.path.exists(path):
+      os.remove(path)
+    log = os.path.join(tmp, "sweep.log")
+    out = run([sys.executable, BENCH, *argv, f"--json={path}"], min(limit, deadline.left()), log)
+    found = _read_json(path)
+    return {
+      "rc": out["rc"],
+      "wall_s": out["wall_s"],
+      **(_bench_summary(found) if found else {"tail": out["tail"]}),
+    }
+
+  pallas = sweep_settings("auto")
+  for name, argv in pallas.items():
+    result["settings"][name] = bench_run(argv, SWEEP_LIMITS["setting"])
+  timed = {n: r for n, r in result["settings"].items() if r.get("pairs_per_s")}
+  if timed:
+    fastest = result["fastest"] = max(timed, key=lambda n: timed[n]["pairs_per_s"])
+    trace = os.path.join(tmp, "trace")
+    profiled = pallas[fastest] + [f"--profile={trace}", f"--steps={PROFILE_STEPS}"]
+    result["profile"] = bench_run(profiled, SWEEP_LIMITS["profile"])
+    result["trl"] = bench_run(pallas[fastest] + ["--vs-trl"], SWEEP_LIMITS["trl"])
+  result["lora_8b"] = bench_run(LORA_8B + ["--attention=auto"], SWEEP_LIMITS["lora_8b"])
+  if capacity_gib >= FULL_8B_MIN_GIB:
+    result["full_8b"] = bench_run(FULL_8B, SWEEP_LIMITS["full_8b"])
+  else:
+    result["full_8b"] = {"skipped": f"{capacity_gib:.0f} GiB usable: under {FULL_8B_MIN_GIB}"}
+  for name, argv in sweep_settings("cudnn").items():
+    result["settings"][name] = bench_run(argv, SWEEP_LIMITS["setting"])
+  return result
+
+
 # ---------------------------------------------------------------------- the compile step
 
 
@@ -419,6 +627,7 @@ def compile_step(deadline: Deadline, tmp: str, args, capacity_gib: float) -> dic
       f"--plan={os.path.abspath(args.plan)}",
       f"--capacity_gib={capacity_gib}",
       f"--out={path}",
+      *(["--no_sweep"] if args.no_sweep else []),
     ],
     deadline.limit("compile"),
     os.path.join(tmp, "compile.log"),
@@ -463,14 +672,19 @@ def compile_worker(args) -> None:
     )
     print(_setting(rows[-1]), gib(rows[-1]["total_bytes"]), flush=True)
   result["fit"] = {"capacity_gib": round(args.capacity_gib, 2), "candidates": rows}
+  if not args.no_sweep:
+    result["sweep"] = compile_sweep(target.name)
   result["compile_wall_s"] = round(time.perf_counter() - start, 1)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=1)
 
 
-def compile_bench(target: str) -> dict:
-  """The benchmark's step (``BENCH_ARGS``, ``--attention=auto``), as ``bench.py`` builds it on one
-  device but over abstract weights, compiled for each of its batch shapes for ``target``."""
+def compile_bench(target: str, argv: list[str] | None = None) -> dict:
+  """The benchmark's step (``argv``; default ``BENCH_ARGS``, ``--attention=auto``), as
+  ``bench.py`` builds it on one device but over abstract weights, compiled for each of its batch
+  shapes for ``target``."""
+  import dataclasses
+
   import bench
   import jax
 
@@ -480,8 +694,11 @@ def compile_bench(target: str) -> dict:
   from jaxrm.memory import ProgramMemory
   from jaxrm.models.decoder import attention_summary
 
-  args = bench.parse_args(BENCH_ARGS + ["--attention=auto"])
+  argv = argv or BENCH_ARGS + ["--attention=auto"]
+  args = bench.parse_args(argv)
   cfg = bench.model_config(args)
+  if args.lora:
+    cfg = dataclasses.replace(cfg, lora=bench.lora_config(args))
   mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), devices=gpu_targets.devices(target, "1x1"))
   built = update.build_update(
     placed_abstract_model(cfg, mesh),
@@ -513,7 +730,7 @@ def compile_bench(target: str) -> dict:
     text.append(compiled.as_text())
     print(f"bench input_ids {shapes[-1]['input_ids']}: {gib(shapes[-1]['total_bytes'])}", flush=True)
   return {
-    "command": f"bench.py {' '.join(BENCH_ARGS)} --attention=auto",
+    "command": f"bench.py {' '.join(argv)}",
     "attention_route": attention_summary(cfg, placement=sharding.Placement(mesh)),
     "triton_kernels": fit_check.triton_kernels("\n".join(text)),
     "compile_s": round(sum(s["compile_s"] for s in shapes), 1),
@@ -558,12 +775,12 @@ def main(argv=None) -> None:
     "steps": {},
   }
   if args.dry_run:
-    report["json_keys"] = JSON_KEYS
+    report["json_keys"] = {k: v for k, v in JSON_KEYS.items() if k != "sweep" or not args.no_sweep}
     print(
       f"steps, each with its limit, within {args.budget_s:.0f}s: "
       + ", ".join(f"{k} ({v}s)" for k, v in LIMITS.items())
     )
-    print("planned JSON keys per step:\n" + "\n".join(f"  {k}: {v}" for k, v in JSON_KEYS.items()))
+    print("planned JSON keys per step:\n" + "\n".join(f"  {k}: {v}" for k, v in report["json_keys"].items()))
 
   def save():
     report["wall_s"] = round(time.time() - started, 1)
@@ -595,14 +812,17 @@ def main(argv=None) -> None:
         "pending": "no --compile_only run for this GPU: compiled last, if time is left"
       }
     save()
-    if not args.compile_only:
+    if not args.compile_only and not args.sweep_only:
       steps["gpu_tests"] = gpu_tests(deadline, tmp, args.dry_run)
       save()
       steps["bench"] = bench(deadline, tmp, args.dry_run)
       save()
       steps["fit"] = fit(deadline, tmp, args.dry_run, plan, capacity, args.gpu, earlier)
       save()
-    if not (args.dry_run or args.compile_only or earlier):
+    if not args.compile_only and not args.no_sweep:
+      steps["sweep"] = sweep_dry_run(tmp, deadline.left()) if args.dry_run else sweep(deadline, tmp, capacity)
+      save()
+    if not (args.dry_run or args.compile_only or earlier or args.sweep_only):
       steps["compile"] = (
         compile_step(deadline, tmp, args, capacity)
         if deadline.left() >= MIN_START_S
@@ -621,6 +841,7 @@ def main(argv=None) -> None:
     if s.get("rc") not in (None, 0)
     or "error" in s
     or (not args.dry_run and name in ("bench", "fit") and "result" not in s)
+    or (name == "sweep" and args.dry_run and any(r["rc"] != 0 for r in s["sized"].values()))
   ]
   if failed:
     sys.exit(f"gpu check: {', '.join(failed)} failed (see {args.out})")

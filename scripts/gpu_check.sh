@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The GPU check (scripts/gpu_check.py) on a machine with one NVIDIA GPU and no package index, in
 # under 8 minutes: GPU tests, the Qwen2.5-1.5B benchmark, the largest planned shape that trains
-# one step; one JSON file with everything, each measured peak beside its compile-time plan.
+# one step, then as much of the sweep as the budget leaves (the 1.5B shape over remat x pairs per
+# step x attention route, its fastest setting profiled and beside TRL, the 8B settings); one JSON
+# file with everything, each measured peak beside its compile-time plan.
+#
+#   bash scripts/gpu_check.sh --sweep_only --out=sweep.json  # the sweep alone, in its own 8 minutes
 #
 #   bash scripts/gpu_wheels.sh                        # first, where PyPI is reachable: .wheels/
 #   bash scripts/gpu_check.sh --compile_only --out=gpu_check.json  # then anywhere: compiled for

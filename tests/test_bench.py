@@ -188,7 +188,10 @@ def test_full_pairs_is_the_plan_batch():
 def test_gpu_check_dry_run(tiny_plan, tmp_path):
   _, _, plan_path = tiny_plan
   out = str(tmp_path / "gpu_check.json")
-  stdout = run_script("scripts/gpu_check.py", "--dry_run", f"--plan={plan_path}", f"--out={out}")
+  # The sweep's dry run sizes 1.5B and 8B shapes (bench.py --dry_run each): its plan is tested below.
+  stdout = run_script(
+    "scripts/gpu_check.py", "--dry_run", "--no_sweep", f"--plan={plan_path}", f"--out={out}"
+  )
   with open(out) as f:
     report = json.load(f)
   assert report["dry_run"] is True
@@ -211,6 +214,47 @@ def test_gpu_check_dry_run(tiny_plan, tmp_path):
   assert fit["planned"]["target"] == "h200"
   assert steps["compile"]["target"] == "h200"
   assert steps["compile"]["would_compile"]["fit"] == [f"tiny T={TINY_LENGTH} remat=none"]
+
+
+def test_gpu_check_sweep_plan():
+  """The sweep: the 1.5B shape over remat x pairs per step on the Pallas route, then (after the
+  profile, TRL and the 8B settings) cuDNN at dots; each setting's bench.py arguments say what its
+  name says, and the plan runs them in that order within its budget."""
+  import gpu_check
+
+  pallas, cudnn = gpu_check.sweep_settings("auto"), gpu_check.sweep_settings("cudnn")
+  parsed = {name: bench.parse_args(argv) for name, argv in {**pallas, **cudnn}.items()}
+  for name, a in parsed.items():
+    assert (a.model, a.modes, a.row_length, a.dtype) == ("qwen2.5-1.5b", ["shared_prompt"], 4096, "bfloat16")
+    assert name == f"qwen2.5-1.5b remat={a.remat} pairs={a.batch_size} attention={a.attention}"
+  assert {(parsed[n].remat, parsed[n].batch_size) for n in pallas} == {
+    (r, p) for r in ("elementwise", "dots") for p in (8, 16)
+  }
+  assert {(parsed[n].remat, parsed[n].batch_size) for n in cudnn} == {("dots", 8), ("dots", 16)}
+  lora = bench.parse_args(gpu_check.LORA_8B)
+  assert lora.lora and lora.row_length == 8192 and bench.lora_config(lora).base_dtype == "bfloat16"
+  with pytest.raises(SystemExit):
+    bench.parse_args(gpu_check.LORA_8B + ["--vs-trl"])
+  plan = gpu_check.sweep_plan(480)
+  runs = list(plan["runs"])
+  assert runs[: len(pallas)] == list(pallas) and runs[-len(cudnn) :] == list(cudnn)
+  assert plan["total_s"] == sum(plan["runs"].values())
+  sure = plan["sure_to_start"]
+  assert sure == runs[: len(sure)] and sum(plan["runs"][n] for n in sure) <= 480 < plan["total_s"]
+
+
+def test_a_profile_is_summarised_as_its_longest_gpu_kernels():
+  gpu = {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}}
+  host = {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}}
+  kernel = lambda name, ts, dur, pid=1: {"ph": "X", "pid": pid, "name": name, "ts": ts, "dur": dur}
+  events = [gpu, host, *(kernel("gemm", 100 * i, 60) for i in range(3)), kernel("flash", 30, 50)]
+  events.append(kernel("host op", 0, 1000, pid=2))  # not a GPU's: left out
+  summary = bench_common.kernel_table({"traceEvents": events}, wall_s=400e-6, top=1)
+  assert summary["kernels"] == [{"kernel": "gemm", "seconds": 180e-6, "launches": 3, "share": 0.45}]
+  assert summary["distinct_kernels"] == 2 and summary["kernel_s"] == 230e-6
+  # The GPU was busy over [0, 80), [100, 160) and [200, 260) of the 400 us: flash ran beside gemm.
+  assert summary["busy_share"] == 0.5
+  assert bench_common.kernel_table({"traceEvents": [host]}, wall_s=1.0)["kernels"] == []
 
 
 def test_gpu_check_on_the_gpu_reuses_a_compile_only_run_for_the_same_gpu(tmp_path):
