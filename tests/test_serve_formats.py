@@ -303,7 +303,12 @@ def test_openrlhf_get_reward_answers_as_its_serve_rm(url, tiny_rm):
     ("/v1/embeddings", {"input": ["a"] * 5}, "'input' has 5 items; this server scores at most 4"),
     ("/reward", {"prompt": "a", "label": None}, "the body has no 'response'; send slime's"),
     ("/reward", {"prompt": "a", "response": ["b"]}, "'response' is a list; expected a string"),
-    ("/reward", {"prompt": 7, "response": "b"}, "prompts[0]"),
+    (
+      "/reward",
+      {"prompt": 7, "response": "b"},
+      "'prompt' is an integer; expected a text or a list of messages",
+    ),
+    ("/reward", {"prompt": [], "response": "b"}, "prompts[0] has no messages"),
   ],
 )
 def test_malformed_format_requests_say_why(url, path, body, message):

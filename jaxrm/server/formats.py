@@ -441,6 +441,8 @@ def parse_slime_reward(enc: Encoder, body: Body) -> Scoring:
     if key not in body:
       raise RequestError(400, f'the body has no \'{key}\'; send slime\'s {{"prompt", "response", "label"}}')
   prompt, response = body["prompt"], body["response"]
+  if not isinstance(prompt, str | list):
+    raise RequestError(400, f"'prompt' is {kind(prompt)}; expected a text or a list of messages")
   if not isinstance(response, str):
     raise RequestError(400, f"'response' is {kind(response)}; expected a string")
   if isinstance(prompt, list) and enc.rm.kind != kinds.PROCESS:
