@@ -436,8 +436,8 @@ def _refusal(status: str, message: str) -> bytes:
 def _protocol(config: ServerConfig) -> type[H11Protocol]:
   """uvicorn's HTTP/1.1 protocol: a new connection past ``max_connections`` closes an idle one
   (waiting for a request's headers) of the peer holding the most idle ones, or is refused with a
-  JSON 503 if none is idle; past its peer's share (``max_client_connections``), it closes the
-  peer's own idle one, or is refused with a JSON 429; and dropping a connection whose request headers take longer
+  JSON 503 if none is idle; one past its peer's share (``max_client_connections``) is refused
+  with a JSON 429; and dropping a connection whose request headers take longer
   than ``header_timeout`` seconds from its opening or its previous answer (uvicorn would wait
   forever)."""
   header_timeout, most, share = config.header_timeout, config.max_connections, config.client_connections
@@ -459,19 +459,20 @@ def _protocol(config: ServerConfig) -> type[H11Protocol]:
       peer = transport.get_extra_info("peername")
       self._peer = peer[0] if peer else ""
       mine = peers.setdefault(self._peer, set())
-      if len(self.connections) > most and not self._close_an_idle_one(self.connections):
+      over_share = len(mine) >= share
+      if len(self.connections) > most and (over_share or not self._close_an_idle_one()):
         self._refuse(transport, busy)
         return
-      if len(mine) >= share and not self._close_an_idle_one(mine):
+      if over_share:
         self._refuse(transport, _refusal("429 Too Many Requests", _over_share(self._peer, share)))
         return
       mine.add(self)
       self._arm()
 
-    def _close_an_idle_one(self, among) -> bool:
-      """Closes the connection idle longest ``among`` those of the peer holding the most idle ones,
-      if any is idle (waiting for a request's headers)."""
-      idle = [c for c in among if c is not self and c._header_timer is not None]
+    def _close_an_idle_one(self) -> bool:
+      """Closes the connection idle longest of the peer holding the most idle ones, if any is
+      idle (waiting for a request's headers)."""
+      idle = [c for c in self.connections if c is not self and c._header_timer is not None]
       if not idle:
         return False
       counts = collections.Counter(c._peer for c in idle)
@@ -540,8 +541,8 @@ def _protocol(config: ServerConfig) -> type[H11Protocol]:
 
 def _over_share(peer: str, share: int) -> str:
   return (
-    f"the server holds {share} open connections of {peer}, none of them idle, its share "
-    "(--max_client_connections): retry after the Retry-After seconds"
+    f"the server holds {share} open connections of {peer}, its share (--max_client_connections): "
+    "close idle ones, or retry after the Retry-After seconds"
   )
 
 
