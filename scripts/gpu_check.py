@@ -746,6 +746,7 @@ def would_compile(args, plan: dict | None, capacity_gib: float) -> dict:
     "would_compile": {
       "bench": f"bench.py {' '.join(BENCH_ARGS)} --attention=auto, each batch shape",
       "fit": [_setting(r) for r in fit_candidates(plan, capacity_gib, args.gpu)[:FIT_TRIES]],
+      **({} if args.no_sweep else {"sweep": [*sweep_settings("auto"), LORA_8B_NAME]}),
     },
   }
 
