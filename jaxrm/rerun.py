@@ -27,6 +27,7 @@ from typing import Any
 import jax
 from jax.experimental import multihost_utils
 
+from jaxrm import run_lock
 from jaxrm.config import RunConfig
 from jaxrm.data import cache, registry
 from jaxrm.errors import ConfigError
@@ -84,12 +85,16 @@ def resumes(
   resumes the saved run: yes when no key that changes what it computes differs (the free keys that
   changed are said) and no file it read has changed (``model_path``: the local file or folder of
   the model it starts from, as :func:`record` is given it); else it stops, or starts afresh there
-  as ``changed_settings`` says (process 0 clears the old run's files, the others wait).
+  as ``changed_settings`` says (process 0 clears the old run's files, the others wait). A checkpoint
+  directory that is another run's is refused first (:func:`check_checkpoint_owner`).
 
   Raises:
     ConfigError: ``changed_settings="refuse"`` and a key or a file differs: naming each, with both
-      values, and the ways on.
+      values, and the ways on; or ``checkpoint_dir`` is another run's.
   """
+  check_checkpoint_owner(run_dir, checkpoint_dir)
+  if step is None and not holds_run(run_dir):
+    return True  # a new run
   saved, inputs = _saved(run_dir)
   if saved is None:
     return True
@@ -248,7 +253,7 @@ def check_checkpoint_owner(run_dir: str, checkpoint_dir: str) -> None:
   Raises:
     ConfigError: naming both directories, and what to do.
   """
-  if inside(checkpoint_dir, run_dir):
+  if run_lock.inside(checkpoint_dir, run_dir):
     return
   parent = os.path.dirname(os.path.abspath(checkpoint_dir))
   owner = _owner(checkpoint_dir) or (parent if holds_run(parent) else None)
@@ -272,7 +277,7 @@ def check_checkpoint_owner(run_dir: str, checkpoint_dir: str) -> None:
 
 def claim_checkpoint_dir(run_dir: str, checkpoint_dir: str) -> None:
   """Writes :data:`OWNER` into a checkpoint directory outside ``run_dir``, naming ``run_dir``."""
-  if inside(checkpoint_dir, run_dir) or _owner(checkpoint_dir) == os.path.abspath(run_dir):
+  if run_lock.inside(checkpoint_dir, run_dir) or _owner(checkpoint_dir) == os.path.abspath(run_dir):
     return
   os.makedirs(checkpoint_dir, exist_ok=True)
   tmp = os.path.join(checkpoint_dir, f".{OWNER}.tmp")
@@ -290,12 +295,6 @@ def _owner(checkpoint_dir: str) -> str | None:
   return owner if isinstance(owner, str) else None
 
 
-def inside(path: str, run_dir: str) -> bool:
-  """Whether ``path`` is ``run_dir`` or lies under it."""
-  run_dir = os.path.abspath(run_dir)
-  return os.path.commonpath([run_dir, os.path.abspath(path)]) == run_dir
-
-
 # ------------------------------------------------------------------ starting afresh
 
 
@@ -308,7 +307,7 @@ def _start_fresh(how: str, run_dir: str, checkpoint_dir: str) -> None:
   keep = how == "start_fresh_keep_old"
   stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
   aside = os.path.join(run_dir, f"old-{stamp}")
-  if not inside(checkpoint_dir, run_dir) and os.path.isdir(checkpoint_dir):
+  if not run_lock.inside(checkpoint_dir, run_dir) and os.path.isdir(checkpoint_dir):
     beside = f"{checkpoint_dir.rstrip(os.sep)}-old-{stamp}"
     for name in sorted(os.listdir(checkpoint_dir)):
       if name != LOCK:

@@ -12,15 +12,18 @@ holds it once, from process 0.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import shlex
+import shutil
 import socket
 import sys
 import threading
 import time
 
+from jaxrm import refused_writes
 from jaxrm.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -36,7 +39,17 @@ def hold(output_dir: str, key: str = "output_dir") -> RunLock:
   """``output_dir``'s lock, taken (see :meth:`RunLock.acquire`); ``key`` is the setting that names
   the directory, which a refusal says to change."""
   lock = RunLock(output_dir, key)
-  lock.acquire()
+  try:
+    lock.acquire()
+  except OSError as e:
+    code = refused_writes.refusal(e)
+    if code is None:
+      raise
+    folder = os.path.abspath(output_dir)
+    raise ConfigError(
+      f"{key}={folder}: the run cannot write its lock there ({os.strerror(code)}); "
+      f"{refused_writes.what_is_needed(code, folder, key)}"
+    ) from None
   return lock
 
 
@@ -185,3 +198,74 @@ def _describe(holder: dict) -> str:
   started = f", started {holder['started']}" if holder.get("started") else ""
   command = f": {holder['command']}" if holder.get("command") else ""
   return f"pid {holder['pid']} on {holder['host']}{started}{command}"
+
+
+# ------------------------------------------------------------------ a run's directories
+
+
+@dataclasses.dataclass
+class Held:
+  """The locks this process holds on a run's directories (none on a process other than 0) and
+  the directories the run made, judged while it held their locks."""
+
+  locks: list[RunLock]
+  made: list[str]
+
+  def release(self) -> None:
+    for lock in reversed(self.locks):
+      lock.release()
+
+  def give_back(self, remove_made: bool) -> None:
+    """Releases the locks; with ``remove_made`` (a set-up that failed), first empties the
+    directories this run made while the locks are still held, then removes those that are still
+    empty once released: another run may hold one by then."""
+    made = self.made if remove_made else []
+    for directory in made:
+      if os.path.isdir(directory):
+        for name in os.listdir(directory):
+          if name != FILE:
+            _remove(os.path.join(directory, name))
+    self.release()
+    for directory in made:
+      with contextlib.suppress(OSError):
+        os.rmdir(directory)
+
+
+def hold_run(run_dir: str, checkpoint_dir: str, checkpointing: bool, *, main: bool) -> Held:
+  """The main process takes the lock of ``run_dir``, then that of ``checkpoint_dir`` where it lies
+  outside and is used (``checkpointing``) or exists; the others hold nothing. Nothing but a lock's
+  own directory is made before that lock is held, and a run a lock refuses removes nothing.
+
+  Raises:
+    ConfigError: another run holds a lock, or a lock cannot be written.
+  """
+  run_dir, checkpoint_dir = os.path.abspath(run_dir), os.path.abspath(checkpoint_dir)
+  held = Held([], [])
+  if not main:
+    return held
+  held.locks.append(hold(run_dir))
+  try:
+    if not inside(checkpoint_dir, run_dir) and (checkpointing or os.path.isdir(checkpoint_dir)):
+      held.locks.append(hold(checkpoint_dir, "checkpointing.checkpoint_dir"))
+  except BaseException:
+    held.made = [run_dir] if held.locks[0].made_directory else []
+    held.give_back(remove_made=True)
+    raise
+  held.made = [lock.directory for lock in held.locks if lock.made_directory]
+  if inside(checkpoint_dir, run_dir) and not os.path.exists(checkpoint_dir):
+    held.made.append(checkpoint_dir)
+  return held
+
+
+def inside(path: str, run_dir: str) -> bool:
+  """Whether ``path`` is ``run_dir`` or lies under it."""
+  run_dir = os.path.abspath(run_dir)
+  return os.path.commonpath([run_dir, os.path.abspath(path)]) == run_dir
+
+
+def _remove(path: str) -> None:
+  if os.path.isdir(path) and not os.path.islink(path):
+    shutil.rmtree(path, ignore_errors=True)
+  else:
+    with contextlib.suppress(OSError):
+      os.remove(path)

@@ -16,7 +16,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import sys
 import time
 from typing import Any
@@ -107,7 +106,7 @@ def train_and_evaluate(config: RunConfig, *, stop_after_steps: int | None = None
     preemption.Stopped: a signal stopped the run; its message says where the checkpoint is.
   """
   started = time.time()
-  run, locks = _prepare(config)
+  run, held = _prepare(config)
   # From here on a signal stops the run at a step boundary; during the set-up, with nothing
   # trained to save, it stops the process at once, as it would any program. After the last step
   # it lets the run end as it would have: its last checkpoint may still be being written.
@@ -120,8 +119,7 @@ def train_and_evaluate(config: RunConfig, *, stop_after_steps: int | None = None
       run.writer.close()
       if run.ckpt is not None:
         run.ckpt.close()
-      for lock in reversed(locks):
-        lock.release()
+      held.release()
     if signals.received is not None:
       log.warning(
         "%s received after the last step: the run ended as it would have, its checkpoints saved", signals.name
@@ -129,65 +127,18 @@ def train_and_evaluate(config: RunConfig, *, stop_after_steps: int | None = None
   return last_val
 
 
-def _prepare(config: RunConfig) -> tuple[_Run, list[run_lock.RunLock]]:
+def _prepare(config: RunConfig) -> tuple[_Run, run_lock.Held]:
   """The run set up, holding the locks of its output directory and of a checkpoint directory
-  outside it (process 0). Nothing but the lock's own directory is made before a lock is held; a
-  run a lock refuses removes nothing, and a new run that stops with a UserError leaves no directory
-  behind."""
-  locks = _hold_directories(config) if jax.process_index() == 0 else []
-  new = _new_directories(config, locks)
-  try:
-    return _set_up(config), locks
-  except BaseException as e:
-    _give_back(locks, new if isinstance(e, UserError) else [])
-    raise
-
-
-def _hold_directories(config: RunConfig) -> list[run_lock.RunLock]:
-  """The output directory's lock, then an outside checkpoint directory's (where it is used)."""
+  outside it (process 0; :func:`jaxrm.run_lock.hold_run`). A new run that stops with a UserError
+  leaves no directory behind."""
   out = os.path.abspath(config.output_dir)
-  ckpt = os.path.abspath(_checkpoint_dir(config, out))
-  locks = [run_lock.hold(out)]
-  if not rerun.inside(ckpt, out) and (config.checkpointing.enabled or os.path.isdir(ckpt)):
-    try:
-      locks.append(run_lock.hold(ckpt, "checkpointing.checkpoint_dir"))
-    except BaseException:
-      _give_back(locks, [out] if locks[0].made_directory else [])
-      raise
-  return locks
-
-
-def _new_directories(config: RunConfig, locks: list[run_lock.RunLock]) -> list[str]:
-  """The directories this run made (judged while it holds their locks): those its locks made, and
-  a checkpoint directory inside the output directory that is not there yet."""
-  if not locks:
-    return []
-  new = [lock.directory for lock in locks if lock.made_directory]
-  ckpt = os.path.abspath(_checkpoint_dir(config, os.path.abspath(config.output_dir)))
-  if rerun.inside(ckpt, os.path.abspath(config.output_dir)) and not os.path.exists(ckpt):
-    new.append(ckpt)
-  return new
-
-
-def _give_back(locks: list[run_lock.RunLock], new: list[str]) -> None:
-  """Empties the directories ``new`` (made by this run) while the locks are held, releases the
-  locks, then removes those directories where they are still empty: another run may hold one by
-  then."""
-  for directory in new:
-    if os.path.isdir(directory):
-      for name in os.listdir(directory):
-        if name != run_lock.FILE:
-          path = os.path.join(directory, name)
-          if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-          else:
-            with contextlib.suppress(OSError):
-              os.remove(path)
-  for lock in reversed(locks):
-    lock.release()
-  for directory in new:
-    with contextlib.suppress(OSError):
-      os.rmdir(directory)
+  main = jax.process_index() == 0
+  held = run_lock.hold_run(out, _checkpoint_dir(config, out), config.checkpointing.enabled, main=main)
+  try:
+    return _set_up(config), held
+  except BaseException as e:
+    held.give_back(remove_made=isinstance(e, UserError))
+    raise
 
 
 def _set_up(config: RunConfig) -> _Run:
@@ -202,7 +153,6 @@ def _set_up(config: RunConfig) -> _Run:
   # A new run's directories are made only once its input has been read without error.
   lora_cfg = config.model.lora.lora_config
   source = _locate_model(config, lora_cfg)
-  rerun.check_checkpoint_owner(out_dir, _checkpoint_dir(config, out_dir))
   ckpt, resume_step = _existing_run(config, out_dir, _model_path(source))
   if resume_step is not None:
     _check_same_lora(out_dir, lora_cfg)
@@ -301,9 +251,7 @@ def _existing_run(
   ckpt_dir = _checkpoint_dir(config, out_dir)
   ckpt = _checkpointer(config, out_dir) if os.path.isdir(ckpt_dir) else None
   step = ckpt.latest_step() if ckpt is not None else None
-  if (step is None and not rerun.holds_run(out_dir)) or rerun.resumes(
-    config, out_dir, step, ckpt_dir, model_path
-  ):
+  if rerun.resumes(config, out_dir, step, ckpt_dir, model_path):
     return ckpt, step
   if ckpt is not None:
     ckpt.close()

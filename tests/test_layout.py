@@ -146,8 +146,10 @@ LAYERS = {
   # Family specs are data that the model config asks: they import no model code.
   "jaxrm.models.families": {"jaxrm.errors", "jaxrm.models.families"},
   "jaxrm.hf": {"jaxrm.errors", "jaxrm.sharding", "jaxrm.models", "jaxrm.hf"},
-  "jaxrm.checkpointing": {"jaxrm.errors", "jaxrm.metrics"},
-  "jaxrm.run_lock": {"jaxrm.errors"},
+  # Which writes the file system refused, and what the user needs: the standard library only.
+  "jaxrm.refused_writes": set(),
+  "jaxrm.checkpointing": {"jaxrm.errors", "jaxrm.metrics", "jaxrm.refused_writes"},
+  "jaxrm.run_lock": {"jaxrm.errors", "jaxrm.refused_writes"},
   "jaxrm.batches": set(),
   "jaxrm.losses": {"jaxrm.batches", "jaxrm.metrics"},
   # A verifier's question and answers: data the config, loading and scoring ask.
@@ -185,12 +187,14 @@ class _Enough(BaseException):
   """Stops the run being followed (no ``except Exception`` in it catches this)."""
 
 
-def test_the_run_config_goes_back_up_the_layers_fewer_than_8_times(model_dir, tmp_path):
+def test_the_run_config_goes_back_up_the_layers_fewer_than_10_times(model_dir, tmp_path):
   """Following the run config from ``trainer.train_and_evaluate`` through its first 400 calls into
   the package: a call that returns into a module of a higher import layer is a step back up.
-  Fewer than 8: the set-up asks each layer once (the config parses its keys once, the data
+  Fewer than 10: the set-up asks each layer once (the config parses its keys once, the data
   modules take what the config parsed) instead of bouncing between trainer, config, loading and
-  the data modules (14 such returns before)."""
+  the data modules (14 such returns before). Seven were left once that was mended; two more are
+  asks a run must make: whether the folder holds a run to compare with, whatever its checkpoints,
+  and whether an outside checkpoint folder is another run's."""
   from jaxrm import cli, trainer
 
   depth = _depth(_graph())
@@ -222,7 +226,7 @@ def test_the_run_config_goes_back_up_the_layers_fewer_than_8_times(model_dir, tm
   finally:
     sys.setprofile(None)
   assert calls > 400  # the set-up ran that far: the count covers the whole window
-  assert len(ups) < 8, "\n".join(ups)
+  assert len(ups) < 10, "\n".join(ups)
 
 
 def test_the_commands_are_the_modules_run_as_scripts():

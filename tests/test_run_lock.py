@@ -1,6 +1,7 @@
 """One run at a time in an output directory (jaxrm.run_lock): a second run is refused naming the
 holder; a lock whose holder is gone is taken over with a warning."""
 
+import errno
 import json
 import logging
 import os
@@ -151,3 +152,22 @@ def test_two_runs_racing_for_a_new_folder_leave_the_winner_its_folder(model_dir,
   for row in rows:
     assert row["first_exit"] == 2 and "is in use by another run" in row["first_said"][0], row
     assert row["other_running"] and row["lock_pid"] == row["other"], row
+
+
+def test_a_folder_where_no_lock_can_be_written_is_refused_naming_what_is_needed(tmp_path, monkeypatch):
+  """A read-only checkpoint folder is found by its lock, the first write of a run: one line naming
+  the setting, the folder and what is needed (before, a bare ``[Errno 30]``). Root writes whatever
+  a folder's mode says, so the refusal is made where the file system is asked."""
+  folder = str(tmp_path / "ro" / "checkpoints")
+
+  def refused(path, *args, **kwargs):
+    raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+
+  monkeypatch.setattr(os, "makedirs", refused)
+  with pytest.raises(ConfigError) as e:
+    run_lock.hold(folder, "checkpointing.checkpoint_dir")
+  assert str(e.value) == (
+    f"checkpointing.checkpoint_dir={folder}: the run cannot write its lock there (Read-only file "
+    "system); the folder must be writable: make it so, or set checkpointing.checkpoint_dir to a "
+    "folder this user can write"
+  )
