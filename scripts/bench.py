@@ -461,17 +461,26 @@ def dense_params(cfg: ModelConfig, num_params: int) -> int:
   return num_params - cfg.vocab_size * cfg.hidden_size
 
 
+def per_token(cfg: ModelConfig) -> int:
+  """FLOPs per real token per parameter: 6 (forward 2, the inputs' gradients 2, the weights'
+  gradients 2), or 4 under LoRA, whose frozen weights get no gradient (the adapters' own FLOPs,
+  under 1% of them at rank 16, are left out)."""
+  return 4 if cfg.lora.enabled else 6
+
+
 def step_flops(cfg: ModelConfig, n_dense: int, tokens: int, keys: int) -> float:
-  """6 N per real token, plus 12 L d per attended (query, key) pair."""
-  return 6 * n_dense * tokens + 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * keys
+  """6 N (LoRA: 4 N) per real token, plus 12 L d per attended (query, key) pair."""
+  return per_token(cfg) * n_dense * tokens + 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * keys
 
 
 def flop_formula(cfg: ModelConfig, n_dense: int) -> str:
   """:func:`step_flops` in words, with this model's numbers."""
   per_key = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim
+  k = per_token(cfg)
+  lora = " (LoRA: the frozen weights get no gradient)" if cfg.lora.enabled else ""
   return (
-    f"FLOPs per step = 6 * N * real_tokens + 12 * L * H * Dh * attended_keys, with N = "
-    f"{n_dense:,} non-embedding parameters (6N = {6 * n_dense / 1e9:.2f} GFLOP per token) and "
+    f"FLOPs per step = {k} * N * real_tokens + 12 * L * H * Dh * attended_keys{lora}, with N = "
+    f"{n_dense:,} non-embedding parameters ({k}N = {k * n_dense / 1e9:.2f} GFLOP per token) and "
     f"12 * {cfg.num_layers} * {cfg.num_heads} * {cfg.head_dim} = {per_key / 1e6:.2f} MFLOP per "
     f"attended (query, key) pair; attended_keys = sum over real tokens of position + 1"
   )
@@ -1029,6 +1038,7 @@ def dry_run(args) -> None:
   from jaxrm.models.decoder import Decoder
 
   cfg = model_config(args)
+  cfg = cfg.replace(lora=lora_config(args)) if args.lora else cfg
   abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
   num_params = sum(x.size for x in jax.tree.leaves(nnx.state(abstract)))
   n_dense = dense_params(cfg, num_params)

@@ -323,6 +323,9 @@ def test_vs_lora_runs_full_and_lora_training_in_lockstep(tmp_path):
   per_layer = 4 * ((64 + 64) + (64 + 32) * 2 + (64 + 64) + (64 + 128) * 2 + (128 + 64))
   assert adapted["trained_params_m"] * 1e6 == pytest.approx(2 * per_layer + 64)
   assert len(adapted["vs_ratio"]["per_step"]) == 2 and adapted["vs"]["name"] == "jaxrm unpacked"
+  # The frozen weights get no gradient: 4 FLOPs per parameter and token instead of 6.
+  assert full["flop_formula"].startswith("FLOPs per step = 6 * N * real_tokens")
+  assert adapted["flop_formula"].startswith("FLOPs per step = 4 * N * real_tokens")
   assert "jaxrm unpacked LoRA r4 vs jaxrm unpacked:" in stdout
 
 
