@@ -76,11 +76,13 @@ def test_one_peer_over_its_share_is_refused_while_another_is_served(tiny_rm):
   with serving(tiny_rm, config) as s:
     held = [connection_from(s.url, OTHER_PEER) for _ in range(2)]
     try:
-      # The peer's first body stalls after 1,500 bytes; its next would bring it past its share.
+      # The peer's first body stalls after 1,500 bytes; its next would bring it past its share,
+      # whatever Authorization header it sends (the server has no keys).
       held[0].sendall(HEAD + b"Content-Length: 2000\r\n\r\n" + b" " * 1500)
       wait_until(lambda: metric(s.url, "jaxrm_pending_bytes") == 1500, "the stalled bytes are held")
       body = json.dumps({"query": ["two"]}).encode() + b" " * 900
-      held[1].sendall(HEAD + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+      head = HEAD + b"Authorization: Bearer another\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode()
+      held[1].sendall(head + body)
       refused = read_all(held[1])
       assert refused.startswith(b"HTTP/1.1 429 ") and b"(--max_client_pending_bytes)" in refused, refused
       # Two connections in requests, none idle: the peer's third is refused.

@@ -145,9 +145,11 @@ def _client_too_many(limit: int) -> RequestError:
   )
 
 
-def _client(request: Request) -> tuple[str, str]:
-  """Whose share a request's bytes count in: its peer address, and the API key it sends."""
-  return (request.client.host if request.client else "", request.headers.get("authorization", ""))
+def _client(request: Request, config: ServerConfig) -> tuple[str, str]:
+  """Whose share a request's bytes count in: its peer address, and the API key it sends where the
+  server has keys (without, any header would do, and a client could take share after share)."""
+  key = request.headers.get("authorization", "") if config.api_key is not None else ""
+  return (request.client.host if request.client else "", key)
 
 
 def _declared_size(request: Request, config: ServerConfig) -> None:
@@ -307,7 +309,7 @@ class App:
     encoder = self.encoder.for_request(until, gave_up)
     encoder.rm = self.tokenizers.for_request(until, gave_up)
     self._check_scoring(request)
-    held = HeldBody(self.pending, _client(request))
+    held = HeldBody(self.pending, _client(request, self.config))
     try:
       raw = await _read_body(request, held, self.config, deadline)
       work = asyncio.ensure_future(
