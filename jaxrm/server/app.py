@@ -439,9 +439,8 @@ def _protocol(config: ServerConfig) -> type[H11Protocol]:
   """uvicorn's HTTP/1.1 protocol: a new connection past ``max_connections`` closes an idle one
   (waiting for a request's headers) of the peer holding the most idle ones, or is refused with a
   JSON 503 if none is idle; one past its peer's share (``max_client_connections``) is refused
-  with a JSON 429; and dropping a connection whose request headers take longer
-  than ``header_timeout`` seconds from its opening or its previous answer (uvicorn would wait
-  forever)."""
+  with a JSON 429. A connection whose request headers take longer than ``header_timeout`` seconds
+  from its opening or its previous answer is dropped (uvicorn would wait forever)."""
   header_timeout, most, share = config.header_timeout, config.max_connections, config.client_connections
   busy = _refusal(
     "503 Service Unavailable",

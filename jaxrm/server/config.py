@@ -33,12 +33,12 @@ class ServerConfig:
       half of max_pending_bytes, and at least max_request_bytes.
     max_tokenize_chars: characters one request may have tokenized, each distinct text once (a
       text that extends one already tokenized, as vLLM's score pairs share ``text_1``, only past
-      their shared part; a chat message counts 64 more for its template); past it,
-      413 before the text is tokenized.
+      their shared part; a chat message counts 64 more for its template); past it, 413 before
+      the text is tokenized (:mod:`jaxrm.server.tokenizing`).
     tokenizers: tokenizers working at once, each a copy of the model's, taking requests' items
       one at a time, the request that has had the fewest characters tokenized first. With two or
-      more, one only takes items under 64 Ki characters, so a short request never
-      waits for a long item.
+      more, one only takes items under 64 Ki characters, so a short request never waits for a
+      long item.
     max_length: tokens per item. A longer conversation loses its oldest turns (as in training),
       a longer text or last message is refused. None: ``DEFAULT_MAX_LENGTH`` (or the model's
       context, if shorter) unless the model records its training run's ``data.max_length``.
@@ -68,8 +68,8 @@ class ServerConfig:
     body_timeout: seconds a request may take to send its body before 408.
     keep_alive: seconds an idle keep-alive connection is kept.
     max_connections: open connections; past it, an idle one (waiting for a request's headers),
-      of the client holding the most, is closed for the new one, and if none is idle the new one
-      gets 503. It also bounds the scoring queue: at most as many requests wait to be scored, those
+      of the peer holding the most idle ones, is closed for the new one, and if none is idle the
+      new one gets 503. It also bounds the scoring queue: at most as many requests wait to be scored, those
       given up (timed out, disconnected) keeping their places, without their rows, until the
       scoring worker drops them unscored.
     max_client_connections: the share of max_connections one peer address may hold; past it,
@@ -89,8 +89,8 @@ class ServerConfig:
   max_batch: int = 256
   max_messages: int = 4096
   max_request_bytes: int = 16 * 2**20
-  # Four bodies of the largest size: the tokenizer takes one body at a time, so more waiting would
-  # only wait longer, while max_connections such bodies would be 16 GiB.
+  # Four bodies of the largest size: more would only wait longer for the tokenizers, while
+  # max_connections such bodies would be 16 GiB.
   max_pending_bytes: int = 64 * 2**20
   max_client_pending_bytes: int | None = None
   # About 4 Mi characters: a few seconds of one tokenizer on a loaded CPU, and a batch of 256

@@ -2,9 +2,9 @@
 tokenized, all requests together, and ``max_client_pending_bytes``, one client's share of them.
 
 A body's bytes count as they arrive, chunk by chunk, until its tokenizing ends, or until its
-request gives up before tokenizing began. A Content-Length reserves nothing: a client that sends headers and
-no body holds no more than what the connection buffers (uvicorn stops reading a connection past
-64 KiB unread), so a few such clients cannot lock the others out.
+request gives up before tokenizing began. A Content-Length reserves nothing: a client that sends
+headers and no body holds no more than what the connection buffers (uvicorn stops reading a
+connection past 64 KiB unread), so a few such clients cannot lock the others out.
 """
 
 from __future__ import annotations
