@@ -87,7 +87,7 @@ def test_unsupported_architecture(tmp_path):
   )
   with pytest.raises(
     UnsupportedModelError,
-    match=r"model_type 'gpt2' \(architectures: GPT2LMHeadModel\) is not supported; jaxrm supports: llama, mistral, qwen2, qwen3, gemma2, gemma3",
+    match=r"model_type 'gpt2' \(architectures: GPT2LMHeadModel\) is not supported; jaxrm supports: llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3",
   ):
     RewardModel.from_pretrained(tmp_path)
 

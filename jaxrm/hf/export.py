@@ -40,7 +40,7 @@ from flax import nnx
 
 from jaxrm.errors import CheckpointError, ConfigError
 from jaxrm.hf.safetensors_io import save_safetensors
-from jaxrm.hf.weight_map import PEFT_HEAD, peft_names, to_hf_names
+from jaxrm.hf.weight_map import PEFT_HEAD, gather, peft_names, peft_targets, to_hf_names
 from jaxrm.models import lora
 from jaxrm.models.config import ModelConfig, to_hf_config
 from jaxrm.models.decoder import Decoder
@@ -65,11 +65,7 @@ def _host_params(model: Decoder, *, merge: bool) -> dict[str, np.ndarray]:
 
 
 def _named_tensors(params: dict[str, np.ndarray], names, dtype: str) -> dict[str, np.ndarray]:
-  out = {}
-  for key, param, layer, transpose in names:
-    host = params[param] if layer is None else params[param][layer]  # un-stacks the layers
-    out[key] = np.ascontiguousarray((host.T if transpose else host).astype(DTYPES[dtype], copy=False))
-  return out
+  return gather(params, names, DTYPES[dtype])
 
 
 def hf_tensors(model: Decoder, dtype: str = "float32") -> dict[str, np.ndarray]:
@@ -102,7 +98,7 @@ def peft_config(cfg: ModelConfig, base_model_name_or_path: str | None) -> dict:
     "r": cfg.lora.rank,
     "lora_alpha": int(alpha) if alpha.is_integer() else alpha,
     "lora_dropout": cfg.lora.dropout,
-    "target_modules": list(cfg.lora.targets),
+    **peft_targets(cfg),  # target_modules, rank_pattern, alpha_pattern
     "bias": "none",
     "modules_to_save": None if cfg.head == "lm" else [PEFT_HEAD],
     "fan_in_fan_out": False,
@@ -112,8 +108,6 @@ def peft_config(cfg: ModelConfig, base_model_name_or_path: str | None) -> dict:
     "use_dora": False,
     "layers_to_transform": None,
     "layers_pattern": None,
-    "rank_pattern": {},
-    "alpha_pattern": {},
   }
 
 

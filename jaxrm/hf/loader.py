@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxrm import sharding
 from jaxrm.errors import CheckpointError
-from jaxrm.hf.weight_map import HEAD_PARAMS, plan
+from jaxrm.hf.weight_map import HEAD_PARAMS, Slot, plan
 from jaxrm.models import lora, quantize
 from jaxrm.models.config import ModelConfig
 from jaxrm.models.decoder import Decoder
@@ -62,15 +62,17 @@ def placed_abstract_model(cfg: ModelConfig, mesh: Mesh | None = None) -> Decoder
   return nnx.merge(graphdef, state)
 
 
-def _tensor(name: str, want, slot, source: TensorSource) -> np.ndarray:
-  """The checkpoint tensor of ``slot``, transposed as the parameter holds it, its shape checked."""
-  t = source.get_tensor(slot.key)
+def _tensor(name: str, want, slot: Slot, source: TensorSource) -> np.ndarray:
+  """The checkpoint tensor of ``slot`` (its part of a fused tensor), transposed as the parameter
+  holds it, its shape checked."""
+  t = slot.take(source.get_tensor(slot.key))
   if slot.transpose:
     t = t.T
   if tuple(t.shape) != tuple(want):
     raw = tuple(t.T.shape) if slot.transpose else tuple(t.shape)
+    part = "" if slot.part is None else " as its part"
     raise CheckpointError(
-      f"tensor {slot.key!r} has shape {raw}, but parameter {name} expects "
+      f"tensor {slot.key!r} has shape {raw}{part}, but parameter {name} expects "
       f"{tuple(want[::-1]) if slot.transpose else tuple(want)} (check config.json against the weights)"
     )
   return t

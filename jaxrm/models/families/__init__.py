@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from jaxrm.errors import UnsupportedModelError
-from jaxrm.models.families import gemma2, gemma3, llama, mistral, qwen2, qwen3
+from jaxrm.models.families import gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3
 from jaxrm.models.families.base import Family
 
-FAMILIES: tuple[Family, ...] = tuple(m.FAMILY for m in (llama, mistral, qwen2, qwen3, gemma2, gemma3))
+FAMILIES: tuple[Family, ...] = tuple(m.FAMILY for m in (llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3))
 
 
 def names() -> tuple[str, ...]:

@@ -27,10 +27,26 @@ class Rule:
   hf: str  # e.g. "model.layers.{i}.self_attn.q_proj.weight"
   param: str  # e.g. "layers.q"
   transpose: bool = False
+  # A tensor that holds several parameters side by side (Phi-3's qkv_proj): all of them, in the
+  # tensor's order, concatenated along ``axis`` of the HF tensor. Loading splits it, export fuses.
+  fused: tuple[str, ...] = ()
+  axis: int = 0
 
   @property
   def pattern(self) -> re.Pattern:
     return template_pattern(self.hf)
+
+
+def fused(hf: str, params: tuple[str, ...], transpose: bool = False, axis: int = 0) -> tuple[Rule, ...]:
+  """The rules of one HF tensor that concatenates ``params`` along its ``axis`` (each parameter's
+  size is its own shape's, so the table holds no sizes)."""
+  return tuple(Rule(hf, p, transpose, fused=params, axis=axis) for p in params)
+
+
+def replacing(rules: tuple[Rule, ...], *new: Rule) -> tuple[Rule, ...]:
+  """``rules`` with those of the parameters ``new`` covers dropped, then ``new``."""
+  covered = {r.param for r in new}
+  return tuple(r for r in rules if r.param not in covered) + new
 
 
 def template_pattern(template: str) -> re.Pattern:
