@@ -175,6 +175,9 @@ def test_tiles_are_chosen_per_gpu_from_shared_memory_and_registers():
       assert 2 * getattr(blocks, field) > 128 or not doubled.fits(smem, d), (t, d, field)
   # Off a GPU (interpret mode) the generic tiles.
   assert F.blocks_for(jax.devices("cpu")[0], 128) == F.GENERIC
+  # The kernel's table of GPUs by name agrees with the compiler's specs of each target.
+  for name, target in gpu_targets.TARGETS.items():
+    assert F.shared_memory_per_block(device_of(name)) == target.shared_memory_per_block_optin, name
 
 
 def test_the_tiles_shared_memory_is_the_compilers_count():

@@ -103,9 +103,15 @@ NUM_STAGES = 2  # Triton's software pipelining depth: keys (or queries) in fligh
 REGISTERS_PER_THREAD = 128
 TILE_ROWS = (128, 64, 32, 16)
 # Shared memory a block may opt into, by compute capability (CUDA's programming guide, "Technical
-# Specifications"), for GPUs that ``jaxrm.gpu_targets`` does not list.
+# Specifications"); and the capability of the GPUs known by name, for devices that report their
+# kind but no capability (the compile-only ones of jaxrm.gpu_targets, whose specs agree: tested).
 SHARED_MEMORY_BY_CAPABILITY = {(9, 0): 232448, (10, 0): 232448, (8, 0): 166912, (8, 7): 166912}
 SHARED_MEMORY_DEFAULT = 101376  # sm86 / sm89 and later consumer GPUs: 99 KiB
+CAPABILITY_BY_NAME = {
+  **dict.fromkeys(("H100", "H200", "H800", "GH200"), (9, 0)),
+  **dict.fromkeys(("B100", "B200", "GB200"), (10, 0)),
+  **dict.fromkeys(("A100", "A800", "A30"), (8, 0)),
+}
 GENERIC = BlockSizes()  # interpret mode's (off a GPU), and the tiles of a direct call
 
 
@@ -129,16 +135,13 @@ def shared_memory_per_block(device) -> int | None:
   """Bytes of shared memory a block may opt into on ``device``; None off a GPU."""
   if getattr(device, "platform", None) not in ("cuda", "rocm", "gpu"):
     return None
-  from jaxrm import gpu_targets
-
-  for target in gpu_targets.TARGETS.values():
-    if target.description == device.device_kind:
-      return target.shared_memory_per_block_optin
   capability = getattr(device, "compute_capability", None)  # "9.0" on a CUDA device
   if capability:
     major, minor = (int(x) for x in str(capability).split(".")[:2])
-    return SHARED_MEMORY_BY_CAPABILITY.get((major, minor), SHARED_MEMORY_DEFAULT)
-  return SHARED_MEMORY_DEFAULT
+  else:
+    names = {word.split("-")[0] for word in device.device_kind.split()}  # "NVIDIA A100-SXM4-80GB"
+    major, minor = next((CAPABILITY_BY_NAME[n] for n in names if n in CAPABILITY_BY_NAME), (0, 0))
+  return SHARED_MEMORY_BY_CAPABILITY.get((major, minor), SHARED_MEMORY_DEFAULT)
 
 
 def triton_missing() -> str | None:
