@@ -28,7 +28,8 @@ question and its answer), wait for the answer, and send the next. Hostile client
   its last ``max_length`` tokens (``truncate_prompt_tokens: -1``);
 * ``many_pairs``: vLLM's ``/v1/score`` of one ``text_1`` of half ``max_request_bytes`` with 64
   short ``text_2``, each pair cut likewise;
-* ``many_turns``: one conversation of 3,000 turns, whose oldest turns are cut to fit.
+* ``many_turns``: one conversation of 3,000 turns (fewer where ``max_request_bytes`` is under
+  300 KB), whose oldest turns are cut to fit.
 
 ``--hog`` adds one client, from another loopback address (127.0.0.2: a peer of its own), that keeps
 ``--hog_connections`` connections open and idle, reopening each as it drops, and ``--hog_bodies``
@@ -92,7 +93,8 @@ def costly_body(kind: str, max_request_bytes: int) -> bytes:
     first = words[: max_request_bytes // 2]
     return json.dumps({"text_1": first, "text_2": answers, "truncate_prompt_tokens": -1}).encode()
   roles = ("user", "assistant")
-  conversation = [{"role": roles[i % 2], "content": f"turn {i}: {words[:40]}"} for i in range(COSTLY_TURNS)]
+  turns = min(COSTLY_TURNS, max_request_bytes // 100)  # each about 90 bytes
+  conversation = [{"role": roles[i % 2], "content": f"turn {i}: {words[:40]}"} for i in range(turns)]
   return json.dumps({"conversations": [conversation]}).encode()
 
 

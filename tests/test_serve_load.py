@@ -1,6 +1,8 @@
 """scripts/load_server.py, small: a quarter of the clients hostile (slow headers, headers without a
-body, 10,000-turn conversations, oversized and malformed bodies), and the honest ones are all
-answered, within request_timeout. The full run (64 clients, 60 s) is the script's."""
+body, 10,000-turn conversations, oversized and malformed bodies), one sending valid but costly
+requests (a long text, many pairs sharing a text, many turns), and one client of another address
+holding connections and stalled bodies past its shares; the honest ones are all answered, within
+request_timeout. The full run (64 clients, 60 s) is the script's."""
 
 import dataclasses
 import os
@@ -20,13 +22,19 @@ EXPECTED = {
   "oversized": {"413", "dropped"},
   "malformed": {"400", "415", "dropped"},
 }
+# Costly requests break no limit; the bodies waiting to be tokenized may fill the server's bytes.
+COSTLY_EXPECTED = {"200", "429", "503"}
+HOG_EXPECTED = {"429", "408", "dropped"}
 
 
-def test_honest_clients_are_answered_in_time_beside_hostile_ones(tiny_rm):
+def test_honest_clients_are_answered_in_time_beside_hostile_and_costly_ones(tiny_rm):
   config = dataclasses.replace(
     SERVER_CONFIG,
-    max_request_bytes=2**20,
-    max_pending_bytes=2**22,
+    # Small bodies keep the costly requests cheap here: a few tenths of a second each.
+    max_request_bytes=2**17,
+    max_batch=64,  # the costly client's 64 pairs
+    max_pending_bytes=2**19,  # the hog's share: 2**18, two stalled bodies, the third refused
+    max_connections=64,  # the hog's share: 32 connections
     request_timeout=10,
     header_timeout=1,
     # The clients share this process and 2 cores with the suite's other worker: an honest client's
@@ -36,10 +44,18 @@ def test_honest_clients_are_answered_in_time_beside_hostile_ones(tiny_rm):
   )
   limits = {"request_timeout": config.request_timeout, "max_request_bytes": config.max_request_bytes}
   with serving(tiny_rm, config) as s:
-    result = load_server.run_load(s.url, clients=8, hostile=2, seconds=6, items=4, limits=limits)
+    host, port = s.address
+    hog = load_server.Hog(host, port, limits, connections=40, bodies=3)
+    result = load_server.run_load(
+      s.url, clients=9, hostile=2, costly=1, seconds=6, items=4, limits=limits, hog=hog
+    )
   honest = result["honest"]
   assert honest["requests"] >= 8 and honest["errors"] == 0, result
   assert honest["max_s"] < config.request_timeout, result
   for kind, statuses in result["hostile"].items():
     assert set(statuses) <= EXPECTED[kind], (kind, statuses)
   assert sum(sum(v.values()) for v in result["hostile"].values()) >= 4, result
+  costly = result["costly"]
+  assert all(set(statuses) <= COSTLY_EXPECTED for statuses in costly.values()), costly
+  assert sum(v.get("200", 0) for v in costly.values()) >= 1, costly
+  assert set(result["hog"]["answers"]) <= HOG_EXPECTED and result["hog"]["answers"]["429"] >= 1, result["hog"]
