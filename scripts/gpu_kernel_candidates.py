@@ -5,8 +5,13 @@ CPU, and the candidate's forward and backward pass is compiled for an H100 (sm90
 compiler (``jaxrm.gpu_targets``). Nothing runs on a GPU: speed and on-device numerics are left
 to a lent one.
 
-  PYTHONPATH=/path/to/tokamax .venv/bin/python scripts/gpu_kernel_candidates.py \
+  .venv/bin/python -m pip install --no-deps --target /tmp/tokamax tokamax==0.0.12 einshape==1.0 \
+      immutabledict==4.3.1 jaxtyping==0.3.11 qwix==0.1.8 typeguard==2.13.3 wadler_lindig==0.1.8
+  PYTHONPATH=/tmp/tokamax .venv/bin/python scripts/gpu_kernel_candidates.py \
       --json=benchmarks/gpu_kernel_candidates.json
+
+tokamax is kept out of .venv and pyproject.toml: what it adds beside jaxrm's own (the list above,
+typeguard pinned to 2.13.3 among them) is for this comparison only.
 
 Candidates: jaxrm's kernel (``jaxrm.models.flash_attention``, Pallas on Triton); cuDNN through
 ``jax.nn.dot_product_attention``; JAX's Pallas Mosaic GPU attention
