@@ -90,6 +90,7 @@ def test_a_gguf_file_splits_alike(causal_dir, tmp_path):
     rope_dimension_count=16,
     rope_freq_base=10000.0,
     vocab_size=hf_tiny.VOCAB,
+    sliding_window=8,
   ).items():
     getattr(writer, f"add_{add}")(value)
   for key in hf.keys():
@@ -102,7 +103,7 @@ def test_a_gguf_file_splits_alike(causal_dir, tmp_path):
   ckpt = GGUFCheckpoint(path)
   assert QKV.format(i=0) in ckpt.keys() and GATE_UP.format(i=2) in ckpt.keys()
   cfg = from_hf_config(ckpt.config)
-  assert (cfg.family, cfg.num_kv_heads, cfg.head_dim) == ("phi3", 2, 16)
+  assert (cfg.family, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window) == ("phi3", 2, 16, 8)
   ours, theirs = (flat_params(nnx.state(load_model(cfg, source))) for source in (ckpt, hf))
   assert ours.keys() == theirs.keys()
   for name in ours:

@@ -245,7 +245,7 @@ def test_unsupported_architecture(tmp_path):
   with pytest.raises(CheckpointError) as error:
     gguf_ckpt.GGUFCheckpoint(path)
   assert str(error.value) == (
-    f"{path}: GGUF architecture 'gpt2' is not supported; supported architectures: llama"
+    f"{path}: GGUF architecture 'gpt2' is not supported; supported architectures: llama, phi3"
   )
 
 

@@ -1,10 +1,11 @@
 """Reads a GGUF file as if it were a Hugging Face checkpoint, for the families whose spec has a
-GGUF layout (:func:`jaxrm.models.families.gguf_architectures`: Llama).
+GGUF layout (:func:`jaxrm.models.families.gguf_architectures`: Llama, Phi-3).
 
 `GGUFCheckpoint` offers what an HF checkpoint offers -- a `config.json`-style dict, HF tensor
 names, float32 tensors in HF layout and a transformers tokenizer -- so the HF weight-mapping tables
 load a GGUF file unchanged (the GGUF -> HF names are the family's
-:class:`~jaxrm.models.families.base.GgufLayout`). Tensors are dequantized one at a time from the
+:class:`~jaxrm.models.families.base.GgufLayout`; a fused tensor such as Phi-3's ``attn_qkv`` reads
+as the fused HF tensor, which the family's rules split). Tensors are dequantized one at a time from the
 memory-mapped file.
 """
 
@@ -143,6 +144,7 @@ class GGUFCheckpoint:
       "rms_norm_eps": need("attention.layer_norm_rms_epsilon"),
       "rope_theta": f("rope.freq_base", 10000.0),
       "max_position_embeddings": need("context_length"),
+      "sliding_window": f("attention.sliding_window"),  # Phi-3's; a family without one ignores it
       "tie_word_embeddings": weight_map.LM_HEAD not in self._tensors,
       "bos_token_id": self._field("tokenizer.ggml.bos_token_id"),
       "eos_token_id": self._field("tokenizer.ggml.eos_token_id"),
