@@ -3,8 +3,8 @@ r"""Evaluates a reward model on preference, stepwise or rated data, or on a publ
   python -m jaxrm.evaluate --model=runs/rm --data=demo_arithmetic
   python -m jaxrm.evaluate --model=model.gguf --data=rewardbench.jsonl --subset_field=subset \
       --output=eval/
-  python -m jaxrm.evaluate --model=runs/prm --data=steps.jsonl --dataset_name=StepwiseDataset
-  python -m jaxrm.evaluate --model=runs/helpsteer2 --data=rated.jsonl --dataset_name=RatedDataset
+  python -m jaxrm.evaluate --model=runs/prm --data=steps.jsonl
+  python -m jaxrm.evaluate --model=runs/helpsteer2 --data=rated.jsonl
   python -m jaxrm.evaluate --model=runs/rm --benchmark=rewardbench --output=eval/
   python -m jaxrm.evaluate --model=runs/prm --benchmark=processbench --data=ProcessBench/ --output=eval/
 
@@ -19,9 +19,11 @@ benchmark's own dataset), ``--max_length`` defaults to the official harness's (2
 rewardbench, rewardbench2 and rmbench; the model's context for processbench, whose harness cuts
 no solution), and ``--output`` gets ``eval.json`` and ``length_bias.png``.
 
-``--data`` is a file or directory in the format ``--dataset_name`` names (PreferenceDataset by
-default), or the name of a dataset itself (``demo_arithmetic``, ``HelpSteer3``...), read from its
-usual place.
+``--data`` is a file or directory in the format ``--dataset_name`` names (by default the format of
+the model's task, which a run and an export record: RatedDataset for a regression model,
+StepwiseDataset for a process reward model, PreferenceDataset for the others), or the name of a
+dataset itself (``demo_arithmetic``, ``HelpSteer3``...), read from its usual place. Rows are
+rendered as the model's training rendered its own (the chat template, or plain text).
 
 Preference data (sequence-head models): accuracy (the best completion scored above the worst),
 overall and per subset (a RewardBench-style column, ``--subset_field``), the loss, the reward
@@ -77,8 +79,8 @@ def _define_flags() -> None:
   flags.DEFINE_string(
     "dataset_name",
     None,
-    "Format of --data: PreferenceDataset (default), StepwiseDataset, "
-    "RatedDataset, or a public/demo dataset name.",
+    "Format of --data: PreferenceDataset, StepwiseDataset, RatedDataset "
+    "(default: the model's task's), or a public/demo dataset name.",
   )
   flags.DEFINE_string(
     "combine",
@@ -150,7 +152,7 @@ def main() -> None:
   rm, records = evaluation.read_data(
     f.data,
     lambda: _model(f),
-    dataset_name=f.dataset_name,
+    dataset_name=f.dataset_name or _format_of_model(f),
     split=f.split,
     subset_field=f.subset_field,
     max_rows=f.max_rows,
@@ -184,6 +186,21 @@ def _model(f):
     attention_impl=f.attention,
     verifier=cli.verifier_request(f),
   )
+
+
+def _format_of_model(f) -> str:
+  """What ``--data`` is read as when no ``--dataset_name`` says: the format of the data the
+  model's task trains on, as its files record it (read without its weights). A model that cannot
+  be read gives the default format: its error comes when it loads, after the data's."""
+  from jaxrm import evaluation, loading
+  from jaxrm.reward_model import RewardModel
+
+  try:
+    source = loading.locate(f.model, f.step)
+    task = RewardModel.from_pretrained(source, load_weights=False, verifier=cli.verifier_request(f)).task
+  except Exception:  # noqa: BLE001 -- said when the model loads
+    task = None
+  return evaluation.dataset_source(f.data, None, task)[0]
 
 
 def _benchmark_main(f) -> None:

@@ -1,9 +1,10 @@
-"""Whether a model fits its use, told once from its head: the one owner of "does this model fit?".
+"""Whether a model fits its use, told once from its task: the one owner of "does this model fit?".
 
 Every scoring path (``RewardModel.score`` and ``score_steps``, the reward functions, the server,
 ``jaxrm.evaluate`` and the benchmarks) asks :func:`check_kind`, so a model of the wrong kind gets
 the same message everywhere: what the use needs, what the model is, and what to do. A model's kind
-is the name of the :mod:`jaxrm.tasks` task its head serves, whose words the message uses:
+is the name of its :mod:`jaxrm.tasks` task, whose words the message uses: the one its files record
+(:func:`task_of`), or for a model saved before they recorded one, the one its head serves:
 
 * ``preference``: a sequence head with one output, one reward per row (Bradley-Terry, ranking);
 * ``regression``: a sequence head with one output per named attribute (``reward.type=regression``);
@@ -34,6 +35,19 @@ def model_kind(config: Any, attributes: Sequence[str] | None = None) -> str:
   """``preference`` | ``regression`` | ``process`` | ``verifier`` | ``other`` of a model config and
   its attribute names."""
   task = tasks.of_head(config, attributes)
+  return OTHER if task is None else task.name
+
+
+def task_of(rm: Any) -> tasks.Task | None:
+  """The task of ``rm`` (anything with ``config`` and ``attributes``): the one its files record
+  (``rm.info.task``, a :class:`jaxrm.loading.ScoringInfo`'s), else the one its head serves."""
+  recorded = getattr(getattr(rm, "info", None), "task", None)
+  return tasks.of_model(rm.config, getattr(rm, "attributes", None), recorded)
+
+
+def kind_of(rm: Any) -> str:
+  """The kind of ``rm`` (:func:`task_of`'s name, or ``other``)."""
+  task = task_of(rm)
   return OTHER if task is None else task.name
 
 
@@ -69,7 +83,7 @@ def check_kind(
     error: the exception type raised (a subclass of UserError).
   """
   attributes = getattr(rm, "attributes", None)
-  task = tasks.of_head(rm.config, attributes)
+  task = task_of(rm)
   kind = OTHER if task is None else task.name
   # `use` takes one reward per row: a model of one output per attribute needs `combine`
   combines = one_reward and task is not None and task.per_attribute

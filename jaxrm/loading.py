@@ -26,10 +26,10 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrm import checkpointing
+from jaxrm import checkpointing, tasks
 from jaxrm import verifier as verifiers
 from jaxrm.config import RunConfig
-from jaxrm.data.tokenize import TokenizeOptions
+from jaxrm.data.tokenize import TokenizeOptions, record_rendering
 from jaxrm.errors import CheckpointError, ConfigError, UserError
 from jaxrm.hf import export as hf_export
 from jaxrm.hf.loader import load_model, placed_abstract_model
@@ -65,6 +65,12 @@ class ScoringInfo:
     training_max_length: the training run's data.max_length, else None (the reward server's
       default limit per item).
     verifier: a verifier's question and answers (:mod:`jaxrm.verifier`), else None.
+    task: the name of the model's :mod:`jaxrm.tasks` task, as its files record it; None: not
+      known yet (:meth:`with_task` tells it once, from the head, for a model saved before files
+      recorded it), or a head that serves no task.
+    rendering: how training rendered its rows (:data:`jaxrm.data.tokenize.RENDERINGS`: the chat
+      template or plain text), which scoring then renders every input as; None: not recorded (each
+      input is rendered as its form says).
   """
 
   reward_stats: dict[str, Any] | None = None
@@ -72,20 +78,57 @@ class ScoringInfo:
   attributes: tuple[str, ...] | None = None
   training_max_length: int | None = None
   verifier: Verifier | None = None
+  task: str | None = None
+  rendering: str | None = None
 
   @classmethod
-  def of_run(cls, config: RunConfig | None, meta: dict[str, Any]) -> ScoringInfo:
-    """Of a training run: its config (None when config.json is missing) and a checkpoint's meta."""
+  def of_run(
+    cls, config: RunConfig | None, meta: dict[str, Any], files: RunFiles | None = None
+  ) -> ScoringInfo:
+    """Of a training run: its config (None when config.json is missing), a checkpoint's meta and
+    what ``model_config.json`` records (``files``)."""
     stats = meta.get("reward_stats") or None
+    task = files.task if files is not None else None
+    rendering = files.rendering if files is not None else None
     if config is None:
-      return cls(reward_stats=stats)
+      attributes = task.get("attributes") if task else None
+      return cls(
+        reward_stats=stats,
+        attributes=None if attributes is None else tuple(attributes),
+        verifier=_recorded_verifier(task),
+        task=task.get("name") if task else None,
+        rendering=rendering,
+      )
     return cls(
       reward_stats=stats,
       step_separator=config.data.step_separator,
       attributes=config.reward.attribute_names if config.reward.task.per_attribute else None,
       training_max_length=config.data.max_length,
       verifier=config.reward.verifier,
+      task=config.reward.task.name,
+      rendering=rendering,
     )
+
+  def with_task(self, config: ModelConfig) -> ScoringInfo:
+    """This info with its model's task checked against the head ``config``, or, where no file
+    recorded one, told from the head once (:func:`jaxrm.tasks.of_model`)."""
+    try:
+      task = tasks.of_model(config, self.attributes, self.task)
+    except ValueError as e:
+      raise CheckpointError(str(e)) from None
+    return dataclasses.replace(self, task=None if task is None else task.name)
+
+  def task_record(self) -> dict[str, Any] | None:
+    """The task as a model's files record it: its name, with a regression model's attribute
+    names or a verifier's question and answers; None for a model of no task."""
+    if self.task is None:
+      return None
+    record: dict[str, Any] = {"name": self.task}
+    if self.attributes is not None:
+      record["attributes"] = list(self.attributes)
+    if self.verifier is not None:
+      record["verifier"] = self.verifier.to_json()
+    return record
 
   @classmethod
   def of_export(
@@ -94,12 +137,21 @@ class ScoringInfo:
     """Of an HF config.json: what an export recorded under :data:`SCORING_KEY`, and the attribute
     names of a regression head (``problem_type``, ``id2label``); ``verifier`` is a verifier head's."""
     saved = hf_config.get(SCORING_KEY) or {}
+    task = saved.get("task")
+    if task and (cfg.head, cfg.num_labels) != _saved_head(hf_config):
+      task = None  # a new head in place of the saved one: the record is of another model
+    if task:
+      attributes = tuple(task["attributes"]) if "attributes" in task else None
+    else:  # an export written before exports recorded the task
+      attributes = hf_export.regression_attributes(hf_config, cfg)
     return cls(
       reward_stats=saved.get("reward_stats") or None,
       step_separator=saved.get("step_separator", TokenizeOptions.step_separator),
-      attributes=hf_export.regression_attributes(hf_config, cfg),
+      attributes=attributes,
       training_max_length=saved.get("training_max_length"),
       verifier=verifier,
+      task=task.get("name") if task else None,
+      rendering=saved.get("rendering"),
     )
 
   def export_entry(self) -> dict[str, Any]:
@@ -107,7 +159,22 @@ class ScoringInfo:
     entry = {"reward_stats": self.reward_stats, "step_separator": self.step_separator}
     if self.training_max_length is not None:
       entry["training_max_length"] = int(self.training_max_length)
+    if self.task is not None:
+      entry["task"] = self.task_record()
+    if self.rendering is not None:
+      entry["rendering"] = self.rendering
     return entry
+
+
+def _saved_head(hf_config: dict[str, Any]) -> tuple[str, int]:
+  saved = from_hf_config(hf_config)
+  return saved.head, saved.num_labels
+
+
+def _recorded_verifier(task: dict[str, Any] | None) -> Verifier | None:
+  """The verifier a task record holds (:meth:`ScoringInfo.task_record`), else None."""
+  saved = (task or {}).get("verifier")
+  return None if saved is None else Verifier(question=saved["question"], answers=tuple(saved["answers"]))
 
 
 # ------------------------------------------------------------------ a run's files
@@ -128,12 +195,19 @@ class RunFiles:
     run_config: the training config (``config.json``); None when that file is missing.
     base_model: a LoRA run's frozen base (an absolute local path, or a hub or embedded name),
       whose weights its checkpoints leave out; None for other runs.
+    task: the task trained (:meth:`ScoringInfo.task_record`: its name, attribute names or
+      question and answers); None: not recorded (a run written before runs recorded it).
+      :meth:`write` records the run config's.
+    rendering: how training rendered its rows (:data:`jaxrm.data.tokenize.RENDERINGS`); None:
+      not recorded. :meth:`write` records that of the first training row.
   """
 
   run_dir: str
   model_config: ModelConfig
   run_config: RunConfig | None = None
   base_model: str | None = None
+  task: dict[str, Any] | None = None
+  rendering: str | None = None
 
   @property
   def checkpoint_dir(self) -> str:
@@ -159,7 +233,7 @@ class RunFiles:
     model_config = config_from_dict(saved["jaxrm"], path)
     if model_config.lora.enabled and not base:
       base = run_config.model.name_or_path if run_config is not None else None
-    return cls(run_dir, model_config, run_config, base)
+    return cls(run_dir, model_config, run_config, base, saved.get("task"), saved.get("rendering"))
 
   def write(self, tokenizer: Any) -> None:
     """Writes ``config.json``, ``model_config.json`` and (unless a resumed run already saved it)
@@ -170,10 +244,37 @@ class RunFiles:
     saved = {"jaxrm": dataclasses.asdict(self.model_config), "hf": to_hf_config(self.model_config)}
     if self.base_model is not None:
       saved["base_model"] = self.base_model
+    task, rendering = self.task, self.rendering
+    if self.run_config is not None:
+      task = task or ScoringInfo.of_run(self.run_config, {}).task_record()
+      rendering = rendering or training_rendering(self.run_config)
+    saved.update({k: v for k, v in (("task", task), ("rendering", rendering)) if v is not None})
     with open(os.path.join(self.run_dir, RUN_MODEL_CONFIG), "w") as f:
       json.dump(saved, f, indent=2)
     if not os.path.isdir(self.tokenizer_dir):
       tokenizer.save_pretrained(self.tokenizer_dir)
+
+
+def training_rendering(config: RunConfig) -> str | None:
+  """How a run renders its rows (:func:`jaxrm.data.tokenize.record_rendering`): as its first
+  training record's form says; None when that record cannot be read here."""
+  from jaxrm.data import registry
+  from jaxrm.data.drops import DropReport
+
+  spec = config.data
+  options = {}
+  if registry.takes_option(spec.dataset_name, "attributes"):
+    options["attributes"] = config.reward.attribute_names
+  records = registry.iter_records(
+    spec.dataset_name, spec.train_data_path or None, drops=DropReport(), **options
+  )
+  try:
+    return record_rendering(next(records))
+  except Exception as e:  # noqa: BLE001 -- the run reads its data itself and says what is wrong
+    log.warning("the run's rendering is not recorded: its first training row could not be read (%s)", e)
+    return None
+  finally:
+    records.close()
 
 
 def _read_run_config(run_dir: str) -> RunConfig | None:
@@ -434,7 +535,10 @@ def load(
     return _load_run(source, overrides, head, num_labels, mesh, tokenizer, weights, verifier)
   tensors = tensors_of(source)
   if verifier is None and head in (None, "lm") and isinstance(source, HFSource):
-    verifier = verifiers.read(source.path)  # an export of a verifier asks what it recorded
+    # an export of a verifier asks what it recorded
+    verifier = verifiers.read(source.path) or _recorded_verifier(
+      (tensors.config.get(SCORING_KEY) or {}).get("task")
+    )
   if verifier is None and head == "lm":
     verifier = Verifier()
   if tokenizer is None:
@@ -448,7 +552,8 @@ def load(
   model = _model(cfg, tensors, saved, mesh, seed) if weights else placed_abstract_model(cfg, mesh)
   if tokenizer is not None and cfg.pad_token_id is None and tokenizer.pad_token_id is not None:
     model.config = cfg.replace(pad_token_id=tokenizer.pad_token_id)
-  return Loaded(model, tokenizer, ScoringInfo.of_export(tensors.config, model.config, verifier))
+  info = ScoringInfo.of_export(tensors.config, model.config, verifier)
+  return Loaded(model, tokenizer, info.with_task(model.config))
 
 
 def _verifier_overrides(verifier: Verifier, tokenizer, num_labels: int | None, name: str) -> dict[str, Any]:
@@ -499,7 +604,7 @@ def _load_run(
     )
   if tokenizer is None:
     tokenizer = _tokenizer_from_dir(files.tokenizer_dir)
-  info = ScoringInfo.of_run(files.run_config, meta)
+  info = ScoringInfo.of_run(files.run_config, meta, files)
   if verifier is not None:  # the run's answers, another question
     if info.verifier is not None and verifier.answers != info.verifier.answers:
       raise CheckpointError(
@@ -507,7 +612,7 @@ def _load_run(
         f"it cannot be loaded answering {'/'.join(verifier.answers)}"
       )
     info = dataclasses.replace(info, verifier=verifier)
-  return Loaded(model, tokenizer, info)
+  return Loaded(model, tokenizer, info.with_task(model.config))
 
 
 def _lora_base(files: RunFiles, cfg: ModelConfig, mesh: Mesh | None) -> Decoder:

@@ -228,7 +228,7 @@ def as_reward_funcs(
 def _check_attributes(rm: Scorer) -> tuple[str, ...]:
   """A regression model's attribute names, or an error saying which reward function fits ``rm``."""
   attributes = getattr(rm, "attributes", None)
-  if kinds.model_kind(rm.config, attributes) in (kinds.PREFERENCE, kinds.PROCESS):
+  if kinds.kind_of(rm) in (kinds.PREFERENCE, kinds.PROCESS):
     raise kinds.ModelKindError(
       f"as_reward_funcs gives one reward function per attribute of a regression model; this "
       f"model has {kinds.describe(rm.config, attributes)}, one reward per row: use as_reward_func"

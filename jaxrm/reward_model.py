@@ -20,14 +20,22 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrm import kinds, loading, reward_funcs, shared_prefix, step_rewards
+from jaxrm import kinds, loading, reward_funcs, shared_prefix, step_rewards, tasks
 from jaxrm.batches import IGNORE_INDEX
 from jaxrm.config import combination_weights
 from jaxrm.data.drops import DropReport
 from jaxrm.data.formats import kind, parse_text
 from jaxrm.data.pipeline import bucket_length, length_buckets, right_padded, scoring_rows
 from jaxrm.data.records import PreferenceRecord, StepwiseRecord, Text
-from jaxrm.data.tokenize import TokenizeOptions, pad_id, tokenize_preference, tokenize_stepwise
+from jaxrm.data.tokenize import (
+  PLAIN_TEXT,
+  TokenizeOptions,
+  pad_id,
+  rendered_as,
+  rendering,
+  tokenize_preference,
+  tokenize_stepwise,
+)
 from jaxrm.errors import DataError
 from jaxrm.loading import ScoringInfo
 from jaxrm.models.config import ModelConfig
@@ -117,7 +125,8 @@ class RewardModel:
       )
     self.model = model
     self.tokenizer = tokenizer
-    self.info = info
+    self.info = info.with_task(model.config)
+    self._told: set[str] = set()  # the forms of input already said to be rendered otherwise
 
   @property
   def config(self) -> ModelConfig:
@@ -144,9 +153,22 @@ class RewardModel:
     return self.info.verifier
 
   @property
+  def task(self) -> tasks.Task | None:
+    """The model's :mod:`jaxrm.tasks` task, as its files record it (told from its head only for a
+    model saved before they did); None for a head of no task."""
+    return None if self.info.task is None else tasks.TASKS[self.info.task]
+
+  @property
   def kind(self) -> str:
     """``preference``, ``regression``, ``process``, ``verifier`` or ``other`` (see :mod:`jaxrm.kinds`)."""
-    return kinds.model_kind(self.config, self.attributes)
+    return self.info.task or kinds.OTHER
+
+  @property
+  def rendering(self) -> str | None:
+    """How training rendered its rows, and so how every input is scored: ``"chat_template"`` or
+    ``"plain_text"`` (:func:`jaxrm.data.tokenize.rendered_as`); None when the model does not
+    record it (each input is rendered as its form says)."""
+    return self.info.rendering
 
   def check_kind(self, *wanted: str, use: str, **kwargs) -> str:
     """This model's kind if it is one of ``wanted``, else a :class:`jaxrm.kinds.ModelKindError`
@@ -257,7 +279,11 @@ class RewardModel:
     With ``completion``, ``item`` is its prompt: prompt + completion, as training joins them. A
     row longer than ``max_length`` (default: the model's context) loses its oldest context turns
     or tokens, as training's ``truncation="left"`` does. A verifier's row ends with its question
-    and the generation prompt (:mod:`jaxrm.verifier`).
+    and the generation prompt (:mod:`jaxrm.verifier`). Whatever form it is given in, the row is
+    rendered as training rendered its rows (:attr:`rendering`): a conversation given to a model
+    trained on plain text is scored as its turns' contents joined; strings given to a model trained
+    on conversations are scored as sent (they may be texts the template rendered). The log says
+    so the first time.
     """
     item = parse_text(item, "encode", where)
     if completion is None:
@@ -271,6 +297,7 @@ class RewardModel:
         f"{where}: the prompt is {kinds[isinstance(context, list)]} but the completion is "
         f"{kinds[isinstance(completion, list)]}; give both as message lists or both as strings"
       )
+    context, completion = self._rendered(context, completion)
     if isinstance(completion, list) and not self._tokenizer().chat_template:
       raise ValueError("the tokenizer has no chat template; score plain strings instead of message lists")
     record = PreferenceRecord(context=context, completions=(completion,), ranks=(0,), source=where)
@@ -283,6 +310,26 @@ class RewardModel:
     if not len(example.input_ids[0]):
       raise DataError(f"{where}: no tokens to score (empty text)")
     return example.input_ids[0].tolist()
+
+  def _rendered(self, context: Text, completion: Text) -> tuple[Text, Text]:
+    """``context`` and ``completion`` as training rendered its rows (:attr:`rendering`); the first
+    input of each form rendered otherwise is said in the log."""
+    given = rendering(completion)
+    context, completion = rendered_as(context, completion, self.rendering)
+    if self.rendering in (None, given) or given in self._told:
+      return context, completion
+    self._told.add(given)
+    if self.rendering == PLAIN_TEXT:
+      log.info(
+        "this model was trained on plain-text rows: conversations are scored as their turns' "
+        "contents joined, as training joined its rows"
+      )
+    else:
+      log.info(
+        "this model was trained on conversations rendered by the chat template; plain text is "
+        "scored as sent: send conversations, or texts the template rendered, to score as training did"
+      )
+    return context, completion
 
   def score(
     self,

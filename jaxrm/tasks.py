@@ -232,9 +232,42 @@ def of_reward_type(reward_type: str) -> Task:
   raise ValueError(f"reward.type must be one of {', '.join(REWARD_TYPES)}; got {reward_type!r}")
 
 
+def named(name: str, where: str = "the model's files") -> Task:
+  """The task called ``name`` (a :attr:`Task.name`); a ValueError for a name no task has."""
+  if name not in TASKS:
+    raise ValueError(
+      f"{where} record the task {name!r}, which this version of jaxrm does not know ({', '.join(TASKS)})"
+    )
+  return TASKS[name]
+
+
+def of_model(
+  config: Any, attributes: Sequence[str] | None = None, recorded: str | None = None
+) -> Task | None:
+  """The task of a model: the one its files record by name (``recorded``), checked against its head;
+  for a model saved before they recorded one (``recorded`` None), the one its head serves
+  (:func:`of_head`, the only place a task is told from a head).
+
+  Raises:
+    ValueError: the recorded task is unknown, or needs another head than the model has.
+  """
+  if recorded is None:
+    return of_head(config, attributes)
+  task = named(recorded)
+  sized = task.num_labels in (None, config.num_labels)
+  if task.head != config.head or not sized or task.per_attribute != (attributes is not None):
+    raise ValueError(
+      f"the model's files record it as a {task.name} model, which needs {task.needs}; the model "
+      f"has a {config.head} head with {config.num_labels} outputs"
+      + ("" if attributes is None else f" named {', '.join(attributes)}")
+    )
+  return task
+
+
 def of_head(config: Any, attributes: Sequence[str] | None = None) -> Task | None:
   """The task a model serves, told from its head (``config.head``, ``config.num_labels``) and its
-  attribute names; None for a head that serves none (e.g. several unnamed outputs).
+  attribute names; None for a head that serves none (e.g. several unnamed outputs). Only a model
+  whose files record no task is told this way (:func:`of_model`).
 
   A head with attribute names is one per attribute whatever its size, so those tasks come first.
   """

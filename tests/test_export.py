@@ -43,7 +43,8 @@ def test_transformers_loads_export_and_scores_like_jaxrm(family, head, tmp_path)
   )
   assert config["architectures"] == [arch]
   assert (config["num_labels"], config["pad_token_id"]) == ((1 if head == "sequence" else 2), hf_tiny.PAD)
-  assert config["jaxrm"] == {"reward_stats": None, "step_separator": "\n"}
+  task = {"name": "preference" if head == "sequence" else "process"}  # an HF model's, told from its head
+  assert config["jaxrm"] == {"reward_stats": None, "step_separator": "\n", "task": task}
   cls = (
     transformers.AutoModelForSequenceClassification
     if head == "sequence"

@@ -73,6 +73,12 @@ LAST_STEP_CUT = "last step cut by truncation (train_on_last_step_only)"
 
 T = TypeVar("T")
 
+# How a row's texts become one sequence: a conversation rendered by the tokenizer's chat template,
+# or strings joined as they are (as TRL joins a string prompt and completion).
+CHAT_TEMPLATE = "chat_template"
+PLAIN_TEXT = "plain_text"
+RENDERINGS = (CHAT_TEMPLATE, PLAIN_TEXT)
+
 
 @dataclasses.dataclass(frozen=True)
 class TokenizeOptions:
@@ -86,6 +92,9 @@ class TokenizeOptions:
     train_on_last_step_only: keep only the last step's label (outcome supervision).
     verifier_question: a verifier's question (:mod:`jaxrm.verifier`): each preference completion
       is then followed by a user turn holding it and the generation prompt; None: no question.
+    rendering: render every preference, rated or labelled row this way (:data:`RENDERINGS`,
+      see :func:`rendered_as`) whatever form it is given in; None: each as its form says
+      (:func:`rendering`), as training does.
   """
 
   max_length: int = 1024
@@ -93,8 +102,11 @@ class TokenizeOptions:
   step_separator: str = "\n"
   train_on_last_step_only: bool = False
   verifier_question: str | None = None
+  rendering: str | None = None
 
   def __post_init__(self):
+    if self.rendering not in (None, *RENDERINGS):
+      raise ValueError(f"rendering={self.rendering!r}; use one of {', '.join(RENDERINGS)} or None")
     if self.truncation not in ("drop", "left"):
       raise ValueError(f"truncation={self.truncation!r}; use 'drop' or 'left'")
     if self.max_length < 2:
@@ -146,12 +158,52 @@ class StepwiseExample:
   meta: dict[str, Any]
 
 
+def rendering(text: Text) -> str:
+  """How training renders ``text``: a conversation by the chat template, a string as it is."""
+  return CHAT_TEMPLATE if isinstance(text, list) else PLAIN_TEXT
+
+
+def record_rendering(record: PreferenceRecord | RatedRecord | LabelledRecord | StepwiseRecord) -> str:
+  """How training renders ``record``: as its (first) completion's form says, a stepwise row as its
+  prompt's."""
+  if isinstance(record, StepwiseRecord):
+    return rendering(record.prompt)
+  return rendering(record.completions[0] if isinstance(record, PreferenceRecord) else record.completion)
+
+
+def rendered_as(context: Text, completion: Text, how: str | None) -> tuple[Text, Text]:
+  """``context`` and ``completion`` in the form that renders ``how`` (:data:`RENDERINGS`).
+
+  For plain text a conversation becomes its turns' contents, one turn per line, and the completion
+  is joined to the context as it is, as TRL joins a string prompt and completion. Strings stay as
+  they are for the chat template too: they may be texts the template already rendered (as
+  OpenRLHF sends them), and no turn says who wrote them. ``how`` None: as they are.
+  """
+  if how == PLAIN_TEXT:
+    return _plain(context), _plain(completion)
+  return context, completion
+
+
+def _plain(text: Text) -> str:
+  return text if isinstance(text, str) else "\n".join(str(m.get("content", "")) for m in text)
+
+
+def _rendered(record: PreferenceRecord, completions: list[Text], how: str | None):
+  """``record`` and its ``completions`` (best first) rendered ``how`` (:func:`rendered_as`)."""
+  if how is None:
+    return record, completions
+  pairs = [rendered_as(record.context, c, how) for c in completions]
+  context = pairs[0][0] if pairs else record.context
+  return dataclasses.replace(record, context=context), [c for _, c in pairs]
+
+
 def tokenize_preference(
   record: PreferenceRecord, tokenizer, opts: TokenizeOptions, drops: DropReport
 ) -> PreferenceExample | None:
   """Tokenizes one preference row, or returns None after counting it in ``drops``."""
   order = sorted(range(len(record.ranks)), key=lambda i: record.ranks[i])
   completions = [record.completions[i] for i in order]
+  record, completions = _rendered(record, completions, opts.rendering)
   if opts.verifier_question is not None:
     record, completions = _asked(tokenizer, record, completions, opts.verifier_question)
   asks = opts.verifier_question is not None

@@ -102,6 +102,9 @@ def evaluate(
   verifier = getattr(rm, "verifier", None)
   if verifier is not None:  # records are laid out as the verifier reads them: its question asked
     options = dataclasses.replace(options, verifier_question=verifier.question)
+  rendering = getattr(rm, "rendering", None)
+  if rendering is not None and options.rendering is None:  # rows rendered as training rendered its own
+    options = dataclasses.replace(options, rendering=rendering)
   examples = _examples(rm, data, options, drops)
   name = kind_of(examples[0])
   kind = KINDS[name]
@@ -225,14 +228,19 @@ def load_dataset(
   return records[:max_rows] if max_rows else records
 
 
-def dataset_source(data: str, dataset_name: str | None = None) -> tuple[str, str | None]:
-  """(dataset name, path or None) of ``data``: a dataset's name, or a path in ``dataset_name``'s format."""
+def dataset_source(
+  data: str, dataset_name: str | None = None, task: tasks.Task | None = None
+) -> tuple[str, str | None]:
+  """(dataset name, path or None) of ``data``: a dataset's name, or a path in ``dataset_name``'s
+  format, else in the format of the data ``task`` (the model's) trains on, else preference rows."""
   if data in registry.DATASET_NAMES:
     if dataset_name not in (None, data):
       raise EvaluationError(
         f"data={data} names a dataset, which dataset_name={dataset_name} contradicts; give one of them"
       )
     return data, None
+  if dataset_name is None and task is not None:
+    return registry.FILE_FORMATS[task.data], data
   return dataset_name or DEFAULT_FORMAT, data
 
 
@@ -248,10 +256,16 @@ def read_data(
 ) -> tuple[Any, list]:
   """(model, records) of a dataset named by ``data`` (see :func:`evaluate`), the model from ``load_model()``.
 
-  Rated rows are read for the model's attributes, so its model is loaded first; other data is
-  read first, so that a bad row fails before a model loads.
+  Rated rows are read for the model's attributes, and a path given without ``dataset_name`` in
+  the format of the model's task (rated rows for a regression model, stepwise rows for a process
+  model...), so the model is then loaded first; other data is read first, so that a bad row
+  fails before a model loads.
   """
-  name, path = dataset_source(data, dataset_name)
+  rm = None
+  if dataset_name is None and data not in registry.DATASET_NAMES:
+    rm = load_model()
+    load_model = lambda: rm  # noqa: E731 -- loaded once
+  name, path = dataset_source(data, dataset_name, None if rm is None else kinds.task_of(rm))
   options = {} if subset_field is None else {"subset_field": subset_field}
   read = functools.partial(load_dataset, name, path, split=split, max_rows=max_rows, drops=drops, **options)
   task = registry.task(name)
