@@ -224,12 +224,20 @@ def test_gpu_check_sweep_plan():
 
   pallas, cudnn = gpu_check.sweep_settings("auto"), gpu_check.sweep_settings("cudnn")
   parsed = {name: bench.parse_args(argv) for name, argv in {**pallas, **cudnn}.items()}
+  fitted = parsed.pop(gpu_check.FITTED_NAME)
   for name, a in parsed.items():
     assert (a.model, a.modes, a.row_length, a.dtype) == ("qwen2.5-1.5b", ["shared_prompt"], 4096, "bfloat16")
-    assert name == f"qwen2.5-1.5b remat={a.remat} pairs={a.batch_size} attention={a.attention}"
-  assert {(parsed[n].remat, parsed[n].batch_size) for n in pallas} == {
-    (r, p) for r in ("elementwise", "dots") for p in (8, 16)
+    assert (a.fit_multiple, name) == (
+      0,
+      f"qwen2.5-1.5b remat={a.remat} pairs={a.batch_size} attention={a.attention}",
+    )
+  assert {(parsed[n].remat, parsed[n].batch_size) for n in pallas if n in parsed} == {
+    ("elementwise", 8),
+    ("elementwise", 16),
+    ("dots", 16),
   }
+  assert (fitted.remat, fitted.batch_size, fitted.attention) == ("elementwise", 16, "auto")
+  assert (fitted.row_length, fitted.fit_multiple) == (8192, 512)
   assert {(parsed[n].remat, parsed[n].batch_size) for n in cudnn} == {("dots", 8), ("dots", 16)}
   lora = bench.parse_args(gpu_check.LORA_8B)
   assert lora.lora and lora.row_length == 8192 and bench.lora_config(lora).base_dtype == "bfloat16"
