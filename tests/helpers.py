@@ -2,9 +2,12 @@
 tiny random decoder, and the tolerances they share."""
 
 import contextlib
+import copy
 import json
 import re
 import socket
+import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -14,6 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxrm import RewardModel
 from jaxrm.batches import IGNORE_INDEX
 from jaxrm.data.records import PreferenceRecord
 from jaxrm.data.tokenize import PreferenceExample, StepwiseExample
@@ -410,3 +414,64 @@ def grpo_trainer(cache_root, tmp_path, reward_funcs, prompts, **config):
     train_dataset=datasets.Dataset.from_dict({"prompt": list(prompts)}),
     processing_class=tokenizer,
   )
+
+
+# ------------------------------------------------------------------ a tokenizer held on purpose
+
+MARK = "HOLD"  # texts holding it make GatedTokenizer wait
+
+
+class GatedTokenizer:
+  """The model's tokenizer, except that a text holding MARK waits for ``gate`` (or ``delay`` s) first:
+  a tokenizer slow or stuck on one request, while the others behave. The server's copies of it
+  share its gate and its count."""
+
+  def __init__(self, tokenizer, *, gate: threading.Event | None = None, delay: float = 0.0):
+    self._tokenizer = tokenizer
+    self._gate = gate
+    self._delay = delay
+    self._marks: list[str] = []  # texts holding MARK tokenized so far
+
+  @property
+  def marked(self) -> int:
+    return len(self._marks)
+
+  def __getattr__(self, name):
+    if name.startswith("__") or name == "_tokenizer":
+      raise AttributeError(name)
+    return getattr(self._tokenizer, name)
+
+  def __deepcopy__(self, memo):
+    twin = copy.copy(self)
+    twin._tokenizer = copy.deepcopy(self._tokenizer, memo)
+    return twin
+
+  def __len__(self):
+    return len(self._tokenizer)
+
+  def __call__(self, text, *args, **kwargs):
+    if MARK in str(text):
+      self._marks.append(str(text)[:20])
+      if self._gate is not None:
+        self._gate.wait(SOCKET_TIMEOUT)
+      else:
+        time.sleep(self._delay)
+    return self._tokenizer(text, *args, **kwargs)
+
+
+def gated(rm, **kwargs) -> RewardModel:
+  return RewardModel(rm.model, GatedTokenizer(rm.tokenizer, **kwargs), rm.info)
+
+
+def wait_until(condition, what: str, tries: int = 1000) -> None:
+  for _ in range(tries):
+    if condition():
+      return
+    time.sleep(0.01)
+  raise AssertionError(f"timed out waiting until {what}")
+
+
+def timed(fn, *args, **kwargs):
+  start = time.monotonic()
+  result = fn(*args, **kwargs)
+  return result, time.monotonic() - start

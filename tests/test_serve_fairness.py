@@ -11,8 +11,20 @@ import socket
 import threading
 import time
 
-from helpers import SERVER_CONFIG, SOCKET_TIMEOUT, approx, call, metric, raw_connection, read_all, serving
-from test_serve_limits import MARK, gated, timed, wait_until
+from helpers import (
+  MARK,
+  SERVER_CONFIG,
+  SOCKET_TIMEOUT,
+  approx,
+  call,
+  gated,
+  metric,
+  raw_connection,
+  read_all,
+  serving,
+  timed,
+  wait_until,
+)
 
 # A second loopback address: requests from it come from another peer.
 OTHER_PEER = "127.0.0.2"

@@ -3,7 +3,6 @@ request, bodies waiting to be tokenized are bounded in bytes, and the scoring qu
 given-up requests dropped unscored. Real requests on 127.0.0.1, every wait bounded."""
 
 import concurrent.futures
-import copy
 import dataclasses
 import json
 import logging
@@ -12,78 +11,22 @@ import time
 
 import pytest
 from helpers import (
+  MARK,
   SERVER_CONFIG,
   SERVER_TEXTS,
   SOCKET_TIMEOUT,
   approx,
   call,
+  gated,
   metric,
   raw_connection,
   read_all,
   serving,
+  timed,
+  wait_until,
 )
 
-from jaxrm import RewardModel
 from jaxrm.server import ServerConfig, make_server
-
-MARK = "HOLD"  # texts holding it make GatedTokenizer wait
-
-
-class GatedTokenizer:
-  """The model's tokenizer, except that a text holding MARK waits for ``gate`` (or ``delay`` s) first:
-  a tokenizer slow or stuck on one request, while the others behave. The server's copies of it
-  share its gate and its count."""
-
-  def __init__(self, tokenizer, *, gate: threading.Event | None = None, delay: float = 0.0):
-    self._tokenizer = tokenizer
-    self._gate = gate
-    self._delay = delay
-    self._marks: list[str] = []  # texts holding MARK tokenized so far
-
-  @property
-  def marked(self) -> int:
-    return len(self._marks)
-
-  def __getattr__(self, name):
-    if name.startswith("__") or name == "_tokenizer":
-      raise AttributeError(name)
-    return getattr(self._tokenizer, name)
-
-  def __deepcopy__(self, memo):
-    twin = copy.copy(self)
-    twin._tokenizer = copy.deepcopy(self._tokenizer, memo)
-    return twin
-
-  def __len__(self):
-    return len(self._tokenizer)
-
-  def __call__(self, text, *args, **kwargs):
-    if MARK in str(text):
-      self._marks.append(str(text)[:20])
-      if self._gate is not None:
-        self._gate.wait(SOCKET_TIMEOUT)
-      else:
-        time.sleep(self._delay)
-    return self._tokenizer(text, *args, **kwargs)
-
-
-def gated(rm, **kwargs) -> RewardModel:
-  return RewardModel(rm.model, GatedTokenizer(rm.tokenizer, **kwargs), rm.info)
-
-
-def wait_until(condition, what: str, tries: int = 1000) -> None:
-  for _ in range(tries):
-    if condition():
-      return
-    time.sleep(0.01)
-  raise AssertionError(f"timed out waiting until {what}")
-
-
-def timed(fn, *args, **kwargs):
-  start = time.monotonic()
-  result = fn(*args, **kwargs)
-  return result, time.monotonic() - start
-
 
 # ------------------------------------------------------------------ what reaches clients
 
