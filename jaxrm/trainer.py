@@ -75,6 +75,7 @@ class _Run:
   shown_val_step: int | None = None  # the step of the last validation table this process printed
   steps_done: int = 0  # by this process, since it started
   train_seconds: float = 0.0  # in train steps
+  last_step_done: float | None = None  # when the last step's metrics were read (time.time())
   train_tokens: float = 0.0  # real tokens, all processes together
   finished: bool = False  # the loop reached total_steps
   ends_by: str = "train.max_steps"  # the key that sets total_steps, with what it says
@@ -556,19 +557,24 @@ def _loop(run: _Run, stop_after_steps: int | None, signals: preemption.Watch) ->
   try:
     if config.eval.val_at_start and step == 0 and run.input.validation:
       run.last_val = _evaluate(run, 0)
+    # Step N+1 is launched before step N's metrics are read, so the host reads and sends the next
+    # batch while the device computes. A step after which the state is read (validated, saved,
+    # the last, stopped at) is finished before the next one starts: that one would consume it.
+    pending = None
     while step < run.total_steps:
       step += 1
-      metrics = _train_step(run, step)
-      run.steps_done += 1
-      run.train_seconds += metrics["timing/train/step_time"]
-      run.train_tokens += metrics["train/tokens_per_second"] * metrics["timing/train/step_time"]
-      logged = step % config.train.log_period == 0 or step == run.total_steps or step == run.start_step + 1
-      _show_progress(run, progress, step, metrics, logged)
-      if logged:
-        run.writer.write(step, metrics)
+      launched = _dispatch(run, step)
+      if pending is not None:
+        _record(run, progress, pending)
+      pending = launched
       signalled = signals.reached(step)
       stopping = signalled or (stop_after_steps is not None and step >= run.start_step + stop_after_steps)
-      _validate_and_save(run, step, stopping)
+      validate, save = _due(run, step, stopping)
+      if not (stopping or validate or save or step == run.total_steps):
+        continue
+      _record(run, progress, pending)
+      pending = None
+      _validate_and_save(run, step, validate, save)
       if signalled and step < run.total_steps:
         raise _stopped(run, step, signals)
       if stopping:
@@ -613,22 +619,57 @@ def _show_progress(run: _Run, progress, step: int, metrics: dict[str, float], lo
     )
 
 
-def _train_step(run: _Run, step: int) -> dict[str, float]:
-  """Runs update number ``step`` on the next batch; returns its ``train/...`` metrics.
+@dataclasses.dataclass
+class _Launched:
+  """A training step sent to the devices, its metrics not read yet."""
 
-  Raises:
-    UserError: a non-finite loss or gradient norm (the last good checkpoint stays).
-  """
-  t0 = time.time()
+  step: int
+  started: float
+  real_tokens: int
+  efficiency: float
+  metrics: Any
+  extra: Any
+
+
+def _dispatch(run: _Run, step: int) -> _Launched:
+  """Sends update number ``step`` on the next batch to the devices, without waiting for it."""
+  started = time.time()
   local = next(run.input.train_iter)
   real_tokens, efficiency = pipeline.token_counts(local)
   stacked = run.input.pack is not None and run.input.grad_accum > 1  # [grad_accum, rows, ...]
   run.state, (metrics, extra) = run.train_step(
     run.state, pipeline.to_global_batch(local, run.mesh, stacked=stacked)
   )
-  m = finalize_metrics(jax.device_get(metrics))
+  return _Launched(step, started, real_tokens, efficiency, metrics, extra)
+
+
+def _record(run: _Run, progress, launched: _Launched) -> None:
+  """Reads a launched step's metrics (waiting for it), counts, shows and logs them."""
+  metrics = _finish(run, launched)
+  step = launched.step
+  run.steps_done += 1
+  run.train_seconds += metrics["timing/train/step_time"]
+  run.train_tokens += metrics["train/tokens_per_second"] * metrics["timing/train/step_time"]
+  logged = step % run.config.train.log_period == 0 or step == run.total_steps or step == run.start_step + 1
+  _show_progress(run, progress, step, metrics, logged)
+  if logged:
+    run.writer.write(step, metrics)
+
+
+def _finish(run: _Run, launched: _Launched) -> dict[str, float]:
+  """The ``train/...`` metrics of a launched step, once it is done. Its time runs from its launch,
+  or from the end of the step before where that ended later (the device's time on it).
+
+  Raises:
+    UserError: a non-finite loss or gradient norm (the last good checkpoint stays).
+  """
+  m = finalize_metrics(jax.device_get(launched.metrics))
+  extra = launched.extra
   grad_norm, lr = (float(x) for x in jax.device_get((extra["grad_norm"], extra["learning_rate"])))
-  step_time = time.time() - t0
+  done = time.time()
+  step_time = done - max(launched.started, run.last_step_done or 0.0)
+  run.last_step_done = done
+  step = launched.step
   if not (math.isfinite(m["loss"]) and math.isfinite(grad_norm)):
     good = run.ckpt.latest_step() if run.ckpt is not None else None
     kept = f"step {good} in {run.ckpt.directory}" if good is not None else "none"
@@ -642,26 +683,36 @@ def _train_step(run: _Run, step: int) -> dict[str, float]:
       "train/grad_norm": grad_norm,
       "train/learning_rate": lr,
       "timing/train/step_time": step_time,
-      "train/tokens_per_second": real_tokens * jax.process_count() / max(step_time, 1e-9),
-      "train/packing_efficiency": efficiency,
+      "train/tokens_per_second": launched.real_tokens * jax.process_count() / max(step_time, 1e-9),
+      "train/packing_efficiency": launched.efficiency,
       "train/epoch": step / run.input.stream.steps_per_epoch,
     }
   )
   return row
 
 
-def _validate_and_save(run: _Run, step: int, stopping: bool) -> None:
-  """Validates and checkpoints at ``step`` when their periods (or the run's end) say so."""
+def _due(run: _Run, step: int, stopping: bool) -> tuple[bool, bool]:
+  """Whether ``step`` is validated, and whether it is checkpointed: at their periods, at the
+  run's end, and (a checkpoint) where the run stops."""
   config, is_last = run.config, step == run.total_steps
-  fresh_val = None
-  due = (config.eval.val_period and step % config.eval.val_period == 0) or (
-    is_last and config.eval.val_at_end
+  validate = bool(
+    run.input.validation
+    and (
+      (config.eval.val_period and step % config.eval.val_period == 0) or (is_last and config.eval.val_at_end)
+    )
   )
-  if due and run.input.validation:
+  save_period = config.checkpointing.save_period
+  save = run.ckpt is not None and bool((save_period and step % save_period == 0) or is_last or stopping)
+  return validate, save
+
+
+def _validate_and_save(run: _Run, step: int, validate: bool, save: bool) -> None:
+  """Validates and checkpoints at ``step`` as :func:`_due` says."""
+  fresh_val = None
+  if validate:
     run.last_val = fresh_val = _evaluate(run, step)
     run.last_val_step = step
-  save_period = config.checkpointing.save_period
-  if run.ckpt is not None and ((save_period and step % save_period == 0) or is_last or stopping):
+  if save:
     meta = {
       "step": step,
       "rng": jax.device_get(run.state["rng"]).tolist(),
@@ -670,7 +721,7 @@ def _validate_and_save(run: _Run, step: int, stopping: bool) -> None:
       # What a run resumed from here reads as its latest validation (a checkpoint between two
       # validations, such as a signal's, has no metrics of its own).
       "last_validation": run.last_val,
-      "config": config.to_dict(),
+      "config": run.config.to_dict(),
     }
     run.ckpt.save(step, run.state, run.input.train_iter.get_state(), meta, metrics=fresh_val)
 

@@ -49,15 +49,15 @@ def sigtermed(model_dir, tmp_path_factory):
   from jaxrm import preemption, trainer
 
   out = str(tmp_path_factory.mktemp("sigtermed") / "run")
-  train_step = trainer._train_step
+  dispatch = trainer._dispatch
 
   def signalled(run, step):
     if step == 3:  # the signal arrives while the step is under way
       os.kill(os.getpid(), signal.SIGTERM)
-    return train_step(run, step)
+    return dispatch(run, step)
 
   with pytest.MonkeyPatch.context() as m:
-    m.setattr(trainer, "_train_step", signalled)
+    m.setattr(trainer, "_dispatch", signalled)
     with pytest.raises(preemption.Stopped) as e:
       tiny_run.train(tiny_run.config(model_dir, out))
   assert str(e.value) == (
@@ -259,6 +259,26 @@ def test_non_finite_loss_stops_naming_the_step(stopped, model_dir, tmp_path, mon
     tiny_run.train(tiny_run.config(model_dir, out))
   assert checkpoint_steps(out) == [2]
   assert list(tiny_run.train_losses(out)) == [1, 2]
+
+
+def test_a_step_is_launched_before_the_last_ones_metrics_are_read(model_dir, tmp_path, monkeypatch):
+  """The host reads and sends step N+1's batch while the devices compute step N: N's metrics are
+  read once N+1 is launched, except where the state after N is read (saved at 3, the last step)."""
+  from jaxrm import trainer
+  from jaxrm.data import pipeline
+
+  events, to_global, finalize = [], pipeline.to_global_batch, trainer.finalize_metrics
+  monkeypatch.setattr(
+    pipeline, "to_global_batch", lambda *a, **k: events.append("launch") or to_global(*a, **k)
+  )
+  monkeypatch.setattr(trainer, "finalize_metrics", lambda *a, **k: events.append("read") or finalize(*a, **k))
+  out = str(tmp_path / "run")
+  c = tiny_run.config(
+    model_dir, out, eval__val_period=0, eval__val_at_end=False, checkpointing__save_period=3
+  )
+  tiny_run.train(c)
+  assert events == ["launch", "launch", "read", "launch", "read", "read", "launch", "read"]
+  assert list(tiny_run.train_losses(out)) == [1, 2, 3, 4]
 
 
 def test_gradient_accumulation_equals_one_big_batch(baseline, model_dir, tmp_path):
