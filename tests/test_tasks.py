@@ -54,6 +54,17 @@ def test_the_head_a_task_trains_is_told_as_that_task():
     assert kinds.model_kind(head, attributes) == task.name
 
 
+def test_a_recorded_task_is_read_and_checked_against_the_head():
+  assert tasks.of_model(_head("sequence", 1), ("a",), "regression") is tasks.REGRESSION
+  assert tasks.of_model(_head("sequence", 1), None, None) is tasks.PREFERENCE  # unrecorded: the head's
+  with pytest.raises(
+    ValueError, match=r"record it as a process model, which needs a token-head .* has a sequence head"
+  ):
+    tasks.of_model(_head("sequence", 1), None, "process")
+  with pytest.raises(ValueError, match=r"record the task 'judge', which this version of jaxrm does not know"):
+    tasks.of_model(_head("sequence", 1), None, "judge")
+
+
 def test_every_task_has_datasets_an_evaluation_and_unpacked_batches():
   # A verifier trains on a preference model's datasets and is evaluated as one, whose uses it serves.
   own = {t.name for t in tasks.TASKS.values() if not t.serves}
