@@ -222,19 +222,23 @@ TINY_HF = dict(
 
 def family_hf(name: str) -> dict:
   family = families.get(name)
-  return {"model_type": family.model_type, **family.tiny_hf_config["kw"]}
+  kw = family.tiny_hf_config["kw"]
+  # A family whose layers differ (Gemma 3's sliding and global layers) sets one type per layer.
+  layers = {"num_hidden_layers": len(kw["layer_types"])} if "layer_types" in kw else {}
+  return {"model_type": family.model_type, **kw, **layers}
 
 
 TINY_LENGTH = 64  # tokens per completion: one pair is input_ids [2, 64]
 # Every family's train step, two of them training adapters: the backward pass still runs through
 # each of their layers' ops, only which weights get gradients differs (a full-training step of
 # each would add 6 s of compiling apiece).
+ADAPTED = {
+  "qwen3": ("+lora", LoraConfig(rank=8)),
+  "gemma2": ("+qlora-nf4", LoraConfig(rank=8, base_dtype="nf4")),
+}
 STEP_CASES = {
-  "llama": ("llama", LoraConfig()),
-  "mistral": ("mistral", LoraConfig()),
-  "qwen2": ("qwen2", LoraConfig()),
-  "qwen3+lora": ("qwen3", LoraConfig(rank=8)),
-  "gemma2+qlora-nf4": ("gemma2", LoraConfig(rank=8, base_dtype="nf4")),
+  name + ADAPTED.get(name, ("",))[0]: (name, ADAPTED.get(name, ("", LoraConfig()))[1])
+  for name in families.names()
 }
 
 
