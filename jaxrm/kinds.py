@@ -33,8 +33,8 @@ class ModelKindError(UserError):
 
 def model_kind(config: Any, attributes: Sequence[str] | None = None) -> str:
   """``preference`` | ``regression`` | ``process`` | ``verifier`` | ``other`` of a model config and
-  its attribute names."""
-  task = tasks.of_head(config, attributes)
+  its attribute names, for a model whose files record no task (else :func:`kind_of`)."""
+  task = tasks.of_model(config, attributes)
   return OTHER if task is None else task.name
 
 

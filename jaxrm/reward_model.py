@@ -109,6 +109,8 @@ class RewardModel:
     training_max_length: the training run's ``data.max_length`` (from the run, or recorded in an
       export of one), else None; the reward server's default limit per item.
     verifier: a verifier's question and answers (:class:`jaxrm.verifier.Verifier`), else None.
+    task, kind: the model's task as its files record it (:attr:`task`), and its name.
+    rendering: how training rendered its rows, and so how every input is scored.
   """
 
   def __init__(self, model: Decoder, tokenizer=None, info: ScoringInfo = ScoringInfo()):

@@ -11,8 +11,9 @@
 Each task says which reward types train it, what data it reads, how its batches are laid out, the
 head it needs, its losses, and what to say when a model of another kind is used for it. The config,
 the data checks, the trainer, the losses, scoring, the server and evaluation ask a task (found from
-a reward type with :func:`of_reward_type`, from a model's head with :func:`of_head`) instead of
-comparing names; :mod:`jaxrm.kinds` says whether a model fits a use, in these tasks' words.
+a reward type with :func:`of_reward_type`, of a model with :func:`of_model`: the task its files
+record, told from its head by :func:`of_head` only where they record none) instead of comparing
+names; :mod:`jaxrm.kinds` says whether a model fits a use, in these tasks' words.
 """
 
 from __future__ import annotations
