@@ -7,10 +7,11 @@ tokenizer and the :class:`ScoringInfo` saved with it; a LoRA run loads its base 
 ``load(locate(base))`` and restores the adapters over it.
 
 A run's output directory holds ``config.json`` (its :class:`~jaxrm.config.RunConfig`),
-``model_config.json`` (the :class:`~jaxrm.models.config.ModelConfig`, its HF form, and a LoRA run's
-frozen base), ``tokenizer/`` and the Orbax checkpoint directory (``checkpoints/`` unless
-``checkpointing.checkpoint_dir``); it is read and written through :class:`RunFiles` alone. A LoRA
-run's checkpoints hold only its adapters and head: its base stays where it trained from.
+``model_config.json`` (the :class:`~jaxrm.models.config.ModelConfig`, its HF form, a LoRA run's
+frozen base, the task trained and how training rendered its rows), ``tokenizer/`` and the Orbax
+checkpoint directory (``checkpoints/`` unless ``checkpointing.checkpoint_dir``); it is read and
+written through :class:`RunFiles` alone. A LoRA run's checkpoints hold only its adapters and head:
+its base stays where it trained from.
 """
 
 from __future__ import annotations
