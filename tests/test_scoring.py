@@ -486,6 +486,8 @@ def test_a_hub_refusal_is_named(monkeypatch, tmp_path, error, why):
     response = httpx.Response(401, request=httpx.Request("GET", "https://huggingface.co/api/models/org/x"))
     raise getattr(errors, error)("401 Client Error.\nlong details", response=response)
 
+  # The hub is asked whether the model exists before anything downloads: it answers the refusal.
+  monkeypatch.setattr(huggingface_hub.HfApi, "model_info", refuse)
   monkeypatch.setattr(huggingface_hub, "snapshot_download", refuse)
   monkeypatch.chdir(tmp_path)
   with pytest.raises(CheckpointError, match=rf"could not be fetched: {re.escape(why)}$"):
