@@ -222,6 +222,21 @@ def located_model(model: str, step: int | None):
   return source
 
 
+def define_compute_flags() -> None:
+  """``--dtype`` and ``--attention``: how the model a command loads computes."""
+  from absl import flags
+
+  main = sys.argv[0]  # listed by --help with the command's own flags, not only by --helpfull
+  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.", module_name=main)
+  flags.DEFINE_string(
+    "attention",
+    "auto",
+    "Attention implementation: auto (a fused kernel on GPU, the "
+    "reference path elsewhere) | reference | pallas | cudnn.",
+    module_name=main,
+  )
+
+
 def define_step_flag() -> None:
   """``--step``: which checkpoint of a training output directory ``--model`` loads."""
   from absl import flags

@@ -113,13 +113,7 @@ def _define_flags() -> None:
   )
   flags.DEFINE_string("step_separator", "\n", "Text after each step of a stepwise row.")
   flags.DEFINE_integer("batch_size", 8, "Examples per forward pass.")
-  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
-  flags.DEFINE_string(
-    "attention",
-    "auto",
-    "Attention implementation: auto (a fused kernel on GPU, the "
-    "reference path elsewhere) | reference | pallas | cudnn.",
-  )
+  cli.define_compute_flags()
   flags.DEFINE_string(
     "output",
     None,

@@ -194,13 +194,7 @@ def _define_flags() -> None:
     "model's step probabilities made one reward per solution (/score, and /score_steps' "
     '"rewards"), unless a request sends its own "aggregation".',
   )
-  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
-  flags.DEFINE_string(
-    "attention",
-    "auto",
-    "Attention implementation: auto (a fused kernel on GPU, the "
-    "reference path elsewhere) | reference | pallas | cudnn.",
-  )
+  cli.define_compute_flags()
   cli.define_step_flag()
   cli.define_verifier_flags()
 
