@@ -21,14 +21,17 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxrm import optim, tasks
+import jax
+import numpy as np
+
+from jaxrm import metrics_writer, optim, report, tasks
 from jaxrm import verifier as verifiers
 from jaxrm.data import demo, registry
 from jaxrm.data.adapters import HELPSTEER2_ATTRIBUTES
 from jaxrm.data.cache import DEFAULT_CACHE_DIR
 from jaxrm.data.tokenize import TokenizeOptions
-from jaxrm.errors import ConfigError, UserError
-from jaxrm.metrics import normalize_metric_name
+from jaxrm.errors import ConfigError, UserError, did_you_mean
+from jaxrm.metrics import finalize_metrics, normalize_metric_name
 from jaxrm.models.config import ATTENTION_IMPLS, REMAT_POLICIES
 from jaxrm.models.lora import ALL_LINEAR, LoraConfig
 from jaxrm.sharding import MeshConfig
@@ -650,6 +653,7 @@ class RunConfig:
       _rank_by_first_set(self)
     if self.checkpointing.enabled:
       _check_checkpoint_metric(self)
+      _warn_of_unranked_saves(self)
 
   @property
   def stepwise(self) -> bool:
@@ -797,17 +801,59 @@ def _check_context_lengths(config: RunConfig) -> None:
       raise ConfigError(f"{key}={value}: {why}; set {key} to a multiple of {chunks}")
 
 
-def _check_checkpoint_metric(config: RunConfig) -> None:
+def check_run_settings(config: RunConfig) -> None:
+  """Checks the settings that parsing ``config`` leaves to the run, as they cost a trace or an
+  import, so that a run that cannot work stops before its model loads: that
+  ``checkpointing.metric_name`` is a metric validation reports, the loggers' packages and MLflow's URI.
+
+  Raises:
+    ConfigError: a metric validation does not report, a logger that cannot start.
+  """
+  _check_checkpoint_metric(config, validation_metrics(config.reward))
+  metrics_writer.check_loggers(config.logger)
+
+
+def validation_metrics(reward: RewardSpec) -> tuple[str, ...]:
+  """The metrics validation reports for each set of a run trained with ``reward`` (the ``<name>``
+  of ``validation-<set>_<name>``): what ``checkpointing.metric_name`` can rank by.
+
+  Read from the loss itself, traced on a tiny batch of its task (nothing is computed on a device),
+  and named as :func:`jaxrm.metrics.finalize_metrics` names them.
+  """
+  outputs, batch = reward.task.example(reward)
+  _, shapes = jax.eval_shape(tasks.batch_loss(reward, samples=True), outputs, batch)
+  return tuple(finalize_metrics(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)))
+
+
+def _check_checkpoint_metric(config: RunConfig, reported: Sequence[str] | None = None) -> None:
+  """``checkpointing.metric_name`` names a validation set and, given the metrics validation
+  ``reported`` (:func:`validation_metrics`), one of those."""
   metric = config.checkpointing.metric
-  if not metric:
+  if not (config.checkpointing.enabled and metric):
     return
   sets = list(config.data.val_data_paths)
-  if not any(metric.startswith(f"validation-{n}_") for n in sets):
+  per_set = report.split_validation_metrics({metric: 0.0}, sets)
+  if not per_set:
     raise ConfigError(
       f"checkpointing.metric_name={config.checkpointing.metric_name!r} names no validation set; use "
       f"'validation-<set>_<metric>' with <set> one of {', '.join(sets) or '(none: data.val_data_paths is empty)'}, "
       "e.g. 'validation-default_loss' (or set it to '' to keep the latest checkpoints)"
     )
+  for val_set, metrics in per_set.items():  # one set: the longest name the metric starts with
+    (name,) = metrics
+    if reported is not None and name not in reported:
+      full = lambda n, val_set=val_set: f"validation-{val_set}_{n}"
+      raise ConfigError(
+        f"checkpointing.metric_name={config.checkpointing.metric_name!r} is not a validation metric; "
+        f"available: {', '.join(map(full, report.metric_order(reported)))}"
+        f"{did_you_mean([name], reported, spelled=full)}"
+      )
+
+
+def _warn_of_unranked_saves(config: RunConfig) -> None:
+  """Checkpoints saved between validations have no metric to rank them by."""
+  if not config.checkpointing.metric:
+    return
   val_period, save_period = config.eval.val_period, config.checkpointing.save_period
   if save_period and (not val_period or save_period % val_period):
     log.warning(

@@ -6,6 +6,9 @@ Every error that a config value, a data row, a checkpoint or a request can cause
 ``ValueError``, which is what they are to Python code that calls the library.
 """
 
+import difflib
+from collections.abc import Sequence
+
 
 class UserError(ValueError):
   """A problem with the user's config, data, model or request; the message says what to do."""
@@ -29,3 +32,10 @@ class UnsupportedModelError(UserError):
 
 class EvaluationError(UserError):
   """The model and the data do not fit together."""
+
+
+def did_you_mean(names: Sequence[str], known: Sequence[str], spelled=lambda name: name) -> str:
+  """`` (did you mean 'x'?)`` where ``names`` are close to some of ``known`` (each as ``spelled``
+  gives it); else empty: the end of a message refusing a misspelled name."""
+  close = [spelled(m[0]) for name in names if (m := difflib.get_close_matches(name, known, n=1))]
+  return f" (did you mean {' and '.join(map(repr, close))}?)" if close else ""

@@ -24,7 +24,7 @@ import jax
 from flax import nnx
 
 from jaxrm import checkpointing, compat, loading, preemption, report, rerun, run_lock, sharding, steps, update
-from jaxrm.config import RunConfig
+from jaxrm.config import RunConfig, check_run_settings
 from jaxrm.data import packing, pipeline, registry
 from jaxrm.data.packing import PackSpec
 from jaxrm.data.run_data import RunData, batching, check_data, load_run_data
@@ -158,6 +158,7 @@ def _set_up(config: RunConfig) -> _Run:
   if resume_step is not None:
     _check_same_lora(out_dir, lora_cfg)
   check_data(config)  # what needs no model fails before one loads
+  check_run_settings(config)
   # ------------------------------------------------------------------ model
   rm = _load_model(config, source, mesh, lora_cfg, weights=resume_step is None or lora_cfg.enabled)
   # ------------------------------------------------------------------ input

@@ -16,8 +16,7 @@ import transformers
 from helpers import PARITY_ATOL, right_padded, write_jsonl
 
 from jaxrm import RewardModel
-from jaxrm.config import RewardSpec
-from jaxrm.data import run_data
+from jaxrm.config import RewardSpec, validation_metrics
 from jaxrm.errors import ConfigError
 
 ATTRIBUTES = ("quality", "polish")
@@ -93,10 +92,7 @@ def test_regression_learns_the_hidden_attribute(run):
   assert val["validation-default_pairwise_accuracy"] > 0.8
   # What checkpointing.metric_name is checked against before a run starts is what validation reports.
   reported = {k.removeprefix("validation-default_") for k in val if k.startswith("validation-default_")}
-  assert (
-    set(run_data.validation_metrics(RewardSpec(type="regression", attributes=",".join(ATTRIBUTES))))
-    == reported
-  )
+  assert set(validation_metrics(RewardSpec(type="regression", attributes=",".join(ATTRIBUTES)))) == reported
 
 
 def test_run_scores_attributes_and_combinations(run):

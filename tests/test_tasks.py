@@ -7,7 +7,8 @@ import start_checks
 import tiny_run
 
 from jaxrm import kinds, tasks
-from jaxrm.data import registry, run_data
+from jaxrm.config import validation_metrics
+from jaxrm.data import registry
 from jaxrm.evaluation import data_kinds
 
 
@@ -89,7 +90,7 @@ def test_validation_metrics_are_those_a_run_reports(baseline):
 
   (row,) = [r for r in tiny_run.read_metrics(baseline) if r["step"] == 4 and "validation-default_loss" in r]
   reported = {k.removeprefix("validation-default_") for k in row if k.startswith("validation-default_")}
-  assert set(run_data.validation_metrics(RewardSpec())) == reported
+  assert set(validation_metrics(RewardSpec())) == reported
 
 
 @pytest.mark.parametrize(
@@ -103,7 +104,7 @@ def test_validation_metrics_of_each_task(reward_type, metrics):
   from jaxrm.config import RewardSpec
 
   spec = RewardSpec(type=reward_type, attributes="q" if reward_type == "regression" else "")
-  names = run_data.validation_metrics(spec)
+  names = validation_metrics(spec)
   assert metrics <= set(names) and "accuracy" not in names
 
 

@@ -8,23 +8,18 @@ tokenizer)`` what it reads before it batches anything.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import itertools
 import logging
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import jax
-import numpy as np
-
-from jaxrm import metrics_writer, report, sharding, tasks
+from jaxrm import sharding, tasks
 from jaxrm.data import cache, packing, pipeline, registry
 from jaxrm.data.drops import DropReport
 from jaxrm.data.packing import PackSpec
 from jaxrm.data.tokenize import LabelledExample, PreferenceExample
-from jaxrm.errors import ConfigError
-from jaxrm.metrics import finalize_metrics
+from jaxrm.errors import ConfigError, did_you_mean
 
 if TYPE_CHECKING:
   from jaxrm.config import RewardSpec, RunConfig
@@ -196,15 +191,13 @@ def _check_kind_of_items(where: str, examples: Sequence, task: tasks.Task, rewar
 
 
 def check_data(config: RunConfig, first_rows: int = FIRST_ROWS) -> None:
-  """Checks what needs no model, so that a run that cannot work stops before one loads: the
+  """Checks the data without a model, so that a run that cannot work stops before one loads: the
   dataset's name and kind against ``reward.type``, that each of ``reward.attributes`` is rated in
-  the training set, that ``checkpointing.metric_name`` is a metric validation reports, the
-  loggers' packages, and each set's path and first ``first_rows`` records (``config.data`` has
-  checked the validation set names).
+  the training set, and each set's path and first ``first_rows`` records (``config.data`` has
+  checked the validation set names; :func:`jaxrm.config.check_run_settings` checks the rest).
 
   Raises:
-    ConfigError: the data does not fit ``config.reward``, an attribute no training row rates, a
-      metric validation does not report, a logger that cannot start.
+    ConfigError: the data does not fit ``config.reward``, an attribute no training row rates.
     DataError: an unknown dataset, a missing path, an unknown file type, a bad row among the first.
   """
   spec = config.data
@@ -222,40 +215,6 @@ def check_data(config: RunConfig, first_rows: int = FIRST_ROWS) -> None:
         pass
     finally:
       records.close()
-  _check_checkpoint_metric(config)
-  # Not data, but what needs no model either: the loggers' packages and MLflow's URI.
-  metrics_writer.check_loggers(config.logger)
-
-
-def validation_metrics(reward: RewardSpec) -> tuple[str, ...]:
-  """The metrics validation reports for each set of a run trained with ``reward`` (the ``<name>``
-  of ``validation-<set>_<name>``): what ``checkpointing.metric_name`` can rank by.
-
-  Read from the loss itself, traced on a tiny batch of its task (nothing is computed on a device),
-  and named as :func:`jaxrm.metrics.finalize_metrics` names them.
-  """
-  outputs, batch = reward.task.example(reward)
-  _, shapes = jax.eval_shape(tasks.batch_loss(reward, samples=True), outputs, batch)
-  return tuple(finalize_metrics(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)))
-
-
-def _check_checkpoint_metric(config: RunConfig) -> None:
-  """``checkpointing.metric_name`` is a metric validation reports (``config`` has checked that it
-  names a validation set)."""
-  metric = config.checkpointing.metric
-  if not (config.checkpointing.enabled and metric):
-    return
-  names = validation_metrics(config.reward)
-  per_set = report.split_validation_metrics({metric: 0.0}, list(config.data.val_data_paths))
-  for val_set, metrics in per_set.items():  # one set: config has checked that metric names it
-    (name,) = metrics
-    if name not in names:
-      full = lambda n, val_set=val_set: f"validation-{val_set}_{n}"
-      raise ConfigError(
-        f"checkpointing.metric_name={config.checkpointing.metric_name!r} is not a validation metric; "
-        f"available: {', '.join(map(full, report.metric_order(names)))}"
-        f"{_did_you_mean([name], names, spelled=full)}"
-      )
 
 
 def _check_attributes_rated(config: RunConfig) -> None:
@@ -268,16 +227,9 @@ def _check_attributes_rated(config: RunConfig) -> None:
   if unrated:
     raise ConfigError(
       f"reward.attributes={config.reward.attributes!r}: no row of {where} rates "
-      f"{', '.join(map(repr, unrated))}{_did_you_mean(unrated, columns)}; its rows have the columns "
+      f"{', '.join(map(repr, unrated))}{did_you_mean(unrated, columns)}; its rows have the columns "
       f"{', '.join(columns)}"
     )
-
-
-def _did_you_mean(names: Sequence[str], known: Sequence[str], spelled=lambda name: name) -> str:
-  """`` (did you mean 'x'?)`` where ``names`` are close to some of ``known`` (each as ``spelled``
-  gives it); else empty."""
-  close = [spelled(m[0]) for name in names if (m := difflib.get_close_matches(name, known, n=1))]
-  return f" (did you mean {' and '.join(map(repr, close))}?)" if close else ""
 
 
 def _checked_task(config: RunConfig) -> tasks.Task:
