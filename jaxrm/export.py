@@ -20,7 +20,7 @@ import logging
 
 from absl import app, flags
 
-from jaxrm import cli, loading
+from jaxrm import cli, export_files, loading
 from jaxrm.hf.export import DTYPES
 from jaxrm.models.config import to_hf_config
 from jaxrm.reward_model import RewardModel
@@ -39,20 +39,20 @@ def export(
 ) -> RewardModel:
   """Loads ``checkpoint`` (any path ``RewardModel.from_pretrained`` takes, or a located source)
   and exports it; never into a training output directory, the directory it reads, or a LoRA run's
-  base (:func:`jaxrm.loading.check_export_dir`).
+  base (:func:`jaxrm.export_files.check_export_dir`).
 
   ``adapters_only`` writes its LoRA adapters and head as a peft adapter directory instead, naming
   ``base_model`` (default: the base the training run trained over, a local path made absolute)
   as their base.
   """
   source = loading.as_source(checkpoint, step)
-  loading.check_export_dir(out_dir, source)
+  export_files.check_export_dir(out_dir, source)
   rm = RewardModel.from_pretrained(source, dtype=dtype)
   if not adapters_only:
     rm.save_pretrained(out_dir, dtype=dtype)
     return rm
   base = base_model or (source.files.base_model if isinstance(source, loading.RunSource) else None)
-  loading.save_adapters_export(
+  export_files.save_adapters_export(
     out_dir, rm.model, rm.tokenizer, rm.info, base_model_name_or_path=base, dtype=dtype
   )
   if base is None or loading.names_gguf(base):

@@ -6,19 +6,14 @@ output directory or one of its checkpoints) — as a typed source. :func:`load` 
 tokenizer and the :class:`ScoringInfo` saved with it; a LoRA run loads its base by
 ``load(locate(base))`` and restores the adapters over it.
 
-A run's output directory holds ``config.json`` (its :class:`~jaxrm.config.RunConfig`),
-``model_config.json`` (the :class:`~jaxrm.models.config.ModelConfig`, its HF form, a LoRA run's
-frozen base, the task trained and how training rendered its rows), ``tokenizer/`` and the Orbax
-checkpoint directory (``checkpoints/`` unless ``checkpointing.checkpoint_dir``); it is read and
-written through :class:`RunFiles` alone. A LoRA run's checkpoints hold only its adapters and head:
-its base stays where it trained from.
+A run's output directory is read through :class:`jaxrm.run_files.RunFiles`; an export is written
+by :mod:`jaxrm.export_files`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 from typing import Any, NamedTuple
@@ -30,21 +25,19 @@ from jax.sharding import Mesh
 from jaxrm import checkpointing, tasks
 from jaxrm import verifier as verifiers
 from jaxrm.config import RunConfig
-from jaxrm.data.tokenize import TokenizeOptions, record_rendering
-from jaxrm.errors import CheckpointError, ConfigError, UserError
+from jaxrm.data.tokenize import TokenizeOptions
+from jaxrm.errors import CheckpointError, ConfigError
 from jaxrm.hf import export as hf_export
 from jaxrm.hf.loader import load_model, placed_abstract_model
 from jaxrm.models import lora
-from jaxrm.models.config import ModelConfig, config_from_dict, from_hf_config, to_hf_config
+from jaxrm.models.config import ModelConfig, from_hf_config
 from jaxrm.models.decoder import Decoder
+from jaxrm.run_files import RUN_MODEL_CONFIG, RunFiles, is_run_dir, task_record
 from jaxrm.verifier import Verifier
 
 log = logging.getLogger(__name__)
 
 EMBEDDED_PREFIX = "embedded:"
-RUN_CONFIG = "config.json"
-RUN_MODEL_CONFIG = "model_config.json"
-RUN_TOKENIZER_DIR = "tokenizer"
 # Key of an export's config.json holding its ScoringInfo (transformers ignores it).
 SCORING_KEY = "jaxrm"
 _HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
@@ -120,16 +113,8 @@ class ScoringInfo:
     return dataclasses.replace(self, task=None if task is None else task.name)
 
   def task_record(self) -> dict[str, Any] | None:
-    """The task as a model's files record it: its name, with a regression model's attribute
-    names or a verifier's question and answers; None for a model of no task."""
-    if self.task is None:
-      return None
-    record: dict[str, Any] = {"name": self.task}
-    if self.attributes is not None:
-      record["attributes"] = list(self.attributes)
-    if self.verifier is not None:
-      record["verifier"] = self.verifier.to_json()
-    return record
+    """The task as a model's files record it (:func:`jaxrm.run_files.task_record`)."""
+    return task_record(self.task, self.attributes, self.verifier)
 
   @classmethod
   def of_export(
@@ -178,119 +163,6 @@ def _recorded_verifier(task: dict[str, Any] | None) -> Verifier | None:
   return None if saved is None else Verifier(question=saved["question"], answers=tuple(saved["answers"]))
 
 
-# ------------------------------------------------------------------ a run's files
-
-
-def is_run_dir(path: str) -> bool:
-  """Whether ``path`` is a training output directory (it holds ``model_config.json``)."""
-  return os.path.isfile(os.path.join(path, RUN_MODEL_CONFIG))
-
-
-@dataclasses.dataclass(frozen=True)
-class RunFiles:
-  """A training run's output directory and what its files say.
-
-  Attributes:
-    run_dir: the output directory.
-    model_config: the model trained (``model_config.json``).
-    run_config: the training config (``config.json``); None when that file is missing.
-    base_model: a LoRA run's frozen base (an absolute local path, or a hub or embedded name),
-      whose weights its checkpoints leave out; None for other runs.
-    task: the task trained (:meth:`ScoringInfo.task_record`: its name, attribute names or
-      question and answers); None: not recorded (a run written before runs recorded it).
-      :meth:`write` records the run config's.
-    rendering: how training rendered its rows (:data:`jaxrm.data.tokenize.RENDERINGS`); None:
-      not recorded. :meth:`write` records that of the first training row.
-  """
-
-  run_dir: str
-  model_config: ModelConfig
-  run_config: RunConfig | None = None
-  base_model: str | None = None
-  task: dict[str, Any] | None = None
-  rendering: str | None = None
-
-  @property
-  def checkpoint_dir(self) -> str:
-    custom = self.run_config.checkpointing.checkpoint_dir if self.run_config is not None else ""
-    return custom or os.path.join(self.run_dir, "checkpoints")
-
-  @property
-  def tokenizer_dir(self) -> str:
-    return os.path.join(self.run_dir, RUN_TOKENIZER_DIR)
-
-  @classmethod
-  def find(cls, run_dir: str) -> RunFiles | None:
-    """The files of the run in ``run_dir``; None when no run is there (yet)."""
-    return cls.read(run_dir) if is_run_dir(run_dir) else None
-
-  @classmethod
-  def read(cls, run_dir: str) -> RunFiles:
-    path = os.path.join(run_dir, RUN_MODEL_CONFIG)
-    with open(path) as f:
-      saved = json.load(f)
-    base = saved.get("base_model")
-    run_config = _read_run_config(run_dir)
-    model_config = config_from_dict(saved["jaxrm"], path)
-    if model_config.lora.enabled and not base:
-      base = run_config.model.name_or_path if run_config is not None else None
-    return cls(run_dir, model_config, run_config, base, saved.get("task"), saved.get("rendering"))
-
-  def write(self, tokenizer: Any) -> None:
-    """Writes ``config.json``, ``model_config.json`` and (unless a resumed run already saved it)
-    ``tokenizer/``."""
-    if self.run_config is not None:
-      with open(os.path.join(self.run_dir, RUN_CONFIG), "w") as f:
-        json.dump(self.run_config.to_dict(), f, indent=2)
-    saved = {"jaxrm": dataclasses.asdict(self.model_config), "hf": to_hf_config(self.model_config)}
-    if self.base_model is not None:
-      saved["base_model"] = self.base_model
-    task, rendering = self.task, self.rendering
-    if self.run_config is not None:
-      task = task or ScoringInfo.of_run(self.run_config, {}).task_record()
-      rendering = rendering or training_rendering(self.run_config)
-    saved.update({k: v for k, v in (("task", task), ("rendering", rendering)) if v is not None})
-    with open(os.path.join(self.run_dir, RUN_MODEL_CONFIG), "w") as f:
-      json.dump(saved, f, indent=2)
-    if not os.path.isdir(self.tokenizer_dir):
-      tokenizer.save_pretrained(self.tokenizer_dir)
-
-
-def training_rendering(config: RunConfig) -> str | None:
-  """How a run renders its rows (:func:`jaxrm.data.tokenize.record_rendering`): as its first
-  training record's form says; None when that record cannot be read here."""
-  from jaxrm.data import registry
-  from jaxrm.data.drops import DropReport
-
-  spec = config.data
-  options = {}
-  if registry.takes_option(spec.dataset_name, "attributes"):
-    options["attributes"] = config.reward.attribute_names
-  records = registry.iter_records(
-    spec.dataset_name, spec.train_data_path or None, drops=DropReport(), **options
-  )
-  try:
-    return record_rendering(next(records))
-  except Exception as e:  # noqa: BLE001 -- the run reads its data itself and says what is wrong
-    log.warning("the run's rendering is not recorded: its first training row could not be read (%s)", e)
-    return None
-  finally:
-    records.close()
-
-
-def _read_run_config(run_dir: str) -> RunConfig | None:
-  path = os.path.join(run_dir, RUN_CONFIG)
-  if not os.path.isfile(path):
-    return None
-  with open(path) as f:
-    settings = json.load(f)
-  try:
-    with _quiet("jaxrm.config"):  # its warnings were said when the run started
-      return RunConfig.from_dict(settings)
-  except (UserError, TypeError) as e:
-    raise CheckpointError(f"{path}: not a training config this version of jaxrm reads: {e}") from None
-
-
 @contextlib.contextmanager
 def _quiet(logger: str):
   target = logging.getLogger(logger)
@@ -305,11 +177,6 @@ def _quiet(logger: str):
 def names_gguf(name_or_path: str) -> bool:
   """Whether a model name or path is a GGUF file (or the embedded model, which is one)."""
   return name_or_path.startswith(EMBEDDED_PREFIX) or name_or_path.endswith(".gguf")
-
-
-def base_reference(name_or_path: str) -> str:
-  """How a LoRA run names its base: a local path made absolute, a hub or embedded name as given."""
-  return os.path.abspath(name_or_path) if os.path.exists(name_or_path) else name_or_path
 
 
 # ------------------------------------------------------------------ sources
@@ -776,70 +643,3 @@ def _tokenizer_from_dir(path: str):
     log.warning("%s has no tokenizer files; rm.tokenizer is None", path)
     return None
   return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-
-
-# ------------------------------------------------------------------ saving
-
-
-def save_export(
-  out_dir: str | os.PathLike, model: Decoder, tokenizer: Any, info: ScoringInfo, *, dtype: str | None = None
-) -> None:
-  """Writes an HF checkpoint directory (:func:`jaxrm.hf.export.save_pretrained`) that records
-  ``info`` for scoring; never into a training output directory."""
-  check_export_dir(out_dir)
-  hf_export.save_pretrained(
-    out_dir,
-    model,
-    tokenizer,
-    dtype=dtype,
-    attributes=info.attributes,
-    extra_config={SCORING_KEY: info.export_entry()},
-    extra_files=_extra_files(info),
-  )
-
-
-def save_adapters_export(
-  out_dir: str | os.PathLike,
-  model: Decoder,
-  tokenizer: Any,
-  info: ScoringInfo,
-  *,
-  base_model_name_or_path: str | None,
-  dtype: str | None = None,
-) -> None:
-  """Writes a peft adapter directory (:func:`jaxrm.hf.export.save_peft_adapters`) with jaxrm's
-  own files for scoring (a verifier's question and answers); never into a training output directory."""
-  check_export_dir(out_dir)
-  hf_export.save_peft_adapters(
-    out_dir,
-    model,
-    tokenizer,
-    base_model_name_or_path=base_model_name_or_path,
-    dtype=dtype,
-    extra_files=_extra_files(info),
-  )
-
-
-def _extra_files(info: ScoringInfo) -> dict[str, Any] | None:
-  return None if info.verifier is None else {verifiers.FILE: info.verifier.to_json()}
-
-
-def check_export_dir(out_dir: str | os.PathLike, source: Source | None = None) -> None:
-  """Refuses an export into a training output directory, or into a directory ``source`` reads:
-  its own (an HF directory), or the base a LoRA run's adapters are loaded over, which the export
-  would change under the run."""
-  out_dir = os.fspath(out_dir)
-  if is_run_dir(out_dir):
-    raise CheckpointError(f"{out_dir} is a training output directory; export into another directory")
-  if isinstance(source, HFSource) and _same_dir(out_dir, source.path):
-    raise CheckpointError(f"{out_dir} is the directory the model is read from; export into another directory")
-  base = source.files.base_model if isinstance(source, RunSource) else None
-  if base and _same_dir(out_dir, base):
-    raise CheckpointError(
-      f"{out_dir} holds the base model that {source.files.run_dir} loads its LoRA adapters over; "
-      "exporting into it would change that run's scores: export into another directory"
-    )
-
-
-def _same_dir(a: str, b: str) -> bool:
-  return os.path.isdir(a) and os.path.isdir(b) and os.path.samefile(a, b)

@@ -73,7 +73,7 @@ _ABSENT = "(not set)"
 
 def holds_run(run_dir: str) -> bool:
   """Whether a run has written its settings or its metrics into ``run_dir``."""
-  from jaxrm.loading import RUN_CONFIG
+  from jaxrm.run_files import RUN_CONFIG
 
   return any(os.path.exists(os.path.join(run_dir, name)) for name in (RUN_CONFIG, RECORD, METRICS))
 
@@ -340,7 +340,7 @@ def _clear(path: str, to: str | None) -> None:
 def _saved(run_dir: str) -> tuple[dict[str, Any] | None, dict[str, Any]]:
   """The saved run's settings (its ``config.json``, else its :data:`RECORD`'s) and its files'
   fingerprints; (None, {}), said so, when there are no settings to read."""
-  from jaxrm.loading import RUN_CONFIG
+  from jaxrm.run_files import RUN_CONFIG
 
   record_path = os.path.join(run_dir, RECORD)
   kept = _read_json(record_path, run_dir) if os.path.exists(record_path) else {}

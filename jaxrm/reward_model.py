@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrm import kinds, loading, reward_funcs, shared_prefix, step_rewards, tasks
+from jaxrm import export_files, kinds, loading, reward_funcs, shared_prefix, step_rewards, tasks
 from jaxrm.batches import IGNORE_INDEX
 from jaxrm.config import combination_weights
 from jaxrm.data.drops import DropReport
@@ -246,7 +246,7 @@ class RewardModel:
   def save_pretrained(self, out_dir: str | os.PathLike, *, dtype: str | None = None) -> None:
     """Writes an HF checkpoint directory that records this model's :class:`ScoringInfo`
     (see :func:`jaxrm.hf.export.save_pretrained`)."""
-    loading.save_export(out_dir, self.model, self.tokenizer, self.info, dtype=dtype)
+    export_files.save_export(out_dir, self.model, self.tokenizer, self.info, dtype=dtype)
 
   # ---------------------------------------------------------------- scoring
 

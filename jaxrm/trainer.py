@@ -23,7 +23,19 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxrm import checkpointing, compat, loading, preemption, report, rerun, run_lock, sharding, steps, update
+from jaxrm import (
+  checkpointing,
+  compat,
+  loading,
+  preemption,
+  report,
+  rerun,
+  run_files,
+  run_lock,
+  sharding,
+  steps,
+  update,
+)
 from jaxrm.config import RunConfig, check_run_settings
 from jaxrm.data import packing, pipeline, registry
 from jaxrm.data.packing import PackSpec
@@ -188,8 +200,8 @@ def _set_up(config: RunConfig) -> _Run:
     rerun.record(config, out_dir, _model_path(source))
   if ckpt is not None and is_main and start_step < total_steps:
     rerun.claim_checkpoint_dir(out_dir, ckpt.directory)
-    base = loading.base_reference(config.model.name_or_path) if lora_cfg.enabled else None
-    loading.RunFiles(out_dir, rm.config, config, base).write(rm.tokenizer)
+    base = run_files.base_reference(config.model.name_or_path) if lora_cfg.enabled else None
+    run_files.RunFiles(out_dir, rm.config, config, base).write(rm.tokenizer)
   # ------------------------------------------------------------------ summary
   writer = MetricsWriter(
     out_dir, logger=config.logger, run_config=config.to_dict(), enabled=is_main, resume_step=start_step
@@ -324,7 +336,7 @@ def _locate_model(config: RunConfig, lora_cfg: lora.LoraConfig) -> loading.Sourc
   path = config.model.name_or_path
   with _config_errors():
     source = loading.locate(path)
-  if lora_cfg.enabled and isinstance(source, loading.RunSource):
+  if isinstance(source, loading.RunSource) and lora_cfg.enabled:
     raise ConfigError(
       f"model.lora.rank={lora_cfg.rank} needs an HF checkpoint or .gguf file as model.name_or_path, "
       f"but {path!r} is a jaxrm training run: export it first (python -m jaxrm.export) and "
@@ -335,7 +347,7 @@ def _locate_model(config: RunConfig, lora_cfg: lora.LoraConfig) -> loading.Sourc
 
 def _check_same_lora(out_dir: str, lora_cfg: lora.LoraConfig) -> None:
   """A run resumes with the adapters it was saved with (its checkpoint holds exactly those)."""
-  files = loading.RunFiles.find(out_dir)
+  files = run_files.RunFiles.find(out_dir)
   if files is None:
     return
   saved = files.model_config.lora

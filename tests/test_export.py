@@ -19,8 +19,8 @@ from jaxrm.errors import CheckpointError
 from jaxrm.export import export
 from jaxrm.hf import gguf
 from jaxrm.hf.export import MANIFEST
-from jaxrm.loading import RunFiles
 from jaxrm.models import families, lora
+from jaxrm.run_files import RunFiles
 
 
 def safetensors_header(path):

@@ -192,9 +192,11 @@ def test_the_run_config_goes_back_up_the_layers_fewer_than_10_times(model_dir, t
   the package: a call that returns into a module of a higher import layer is a step back up.
   Fewer than 10: the set-up asks each layer once (the config parses its keys once, the data
   modules take what the config parsed) instead of bouncing between trainer, config, loading and
-  the data modules (14 such returns before). Seven were left once that was mended; two more are
-  asks a run must make: whether the folder holds a run to compare with, whatever its checkpoints,
-  and whether an outside checkpoint folder is another run's."""
+  the data modules (14 such returns before). Seven were left once that was mended, six once the LoRA
+  check asked first whether the model is a run's; three more are asks a run must make: whether the
+  folder holds a run to compare with, whatever its checkpoints,
+  whether an outside checkpoint folder is another run's, and whether the model path is a run's
+  folder (loading asks the run folder's module, which owns its layout)."""
   from jaxrm import cli, trainer
 
   depth = _depth(_graph())
@@ -313,10 +315,17 @@ def test_only_the_tasks_module_compares_task_names():
   assert {"regression", "stepwise", "rated"} <= spellings and not found, found
 
 
-# What interprets a model path: only jaxrm.loading says what a path names.
+# What interprets a model path: only jaxrm.loading says what a path names, and whether a folder
+# is a run's only the run folder's module (which owns its layout) and those refusing to write into one.
 PATH_CALLS = {"snapshot_download", "is_run_dir", "embedded_model_path", "HFCheckpoint", "GGUFCheckpoint"}
 PATH_STRINGS = ("model_config.json", "embedded:", ".gguf")
-PATH_OWNERS = {"jaxrm.loading", "jaxrm.hf.gguf", "jaxrm.hf.safetensors_io"}
+PATH_OWNERS = {
+  "jaxrm.loading",
+  "jaxrm.run_files",
+  "jaxrm.export_files",
+  "jaxrm.hf.gguf",
+  "jaxrm.hf.safetensors_io",
+}
 
 
 def _path_interpretations(path: str) -> list[str]:

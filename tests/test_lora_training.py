@@ -12,7 +12,7 @@ import tiny_run
 from flax import nnx
 from helpers import flat_params
 
-from jaxrm import checkpointing, loading
+from jaxrm import checkpointing, run_files
 from jaxrm.data import registry
 from jaxrm.data.drops import DropReport
 from jaxrm.data.tokenize import TokenizeOptions
@@ -85,7 +85,7 @@ def _paths(tree, prefix=()):
 
 def test_restored_base_is_the_hf_checkpoint_and_scores_like_the_live_model(lora_run, tiny_rm, model_dir):
   rm = RewardModel.from_pretrained(lora_run, step=4)
-  assert loading.RunFiles.read(lora_run).base_model == os.path.abspath(model_dir)
+  assert run_files.RunFiles.read(lora_run).base_model == os.path.abspath(model_dir)
   assert rm.config.lora == lora.LoraConfig(rank=4, dropout=0.1, targets=("q_proj", "v_proj"))
   state = nnx.state(rm.model)
   trained, base = nnx.split_state(state, lora.trainable_filter(rm.config.lora), ...)

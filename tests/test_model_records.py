@@ -13,7 +13,8 @@ from jaxrm import RewardModel, evaluation
 from jaxrm.data.drops import DropReport
 from jaxrm.data.records import PreferenceRecord, RatedRecord
 from jaxrm.data.tokenize import PLAIN_TEXT, TokenizeOptions, tokenize_preference
-from jaxrm.loading import RunFiles, ScoringInfo
+from jaxrm.loading import ScoringInfo
+from jaxrm.run_files import RunFiles
 
 RATED = [
   {"prompt": "Item 1:", "response": " good", "LABEL_0": 3, "helpfulness": 3},

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import tiny_run
 
-from jaxrm import loading, rerun
+from jaxrm import rerun, run_files
 from jaxrm.config import RunConfig
 from jaxrm.errors import ConfigError
 
@@ -51,7 +51,7 @@ NOT_FREE = {
 
 
 def saved_config(out):
-  with open(os.path.join(out, loading.RUN_CONFIG)) as f:
+  with open(os.path.join(out, run_files.RUN_CONFIG)) as f:
     return f.read()
 
 

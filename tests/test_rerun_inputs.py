@@ -12,7 +12,7 @@ import pytest
 import tiny_run
 from helpers import write_jsonl
 
-from jaxrm import loading, rerun, run_lock
+from jaxrm import rerun, run_files, run_lock
 from jaxrm.config import TrainSpec
 from jaxrm.data import cache
 from jaxrm.errors import ConfigError
@@ -199,7 +199,7 @@ def test_max_steps_given_alone_trains_past_an_epoch(model_dir, tmp_path, capsys)
     "steps: 0 -> 20 (train.max_steps=20: 2.9 epochs of 7 steps, the data repeated" in capsys.readouterr().out
   )
   assert json.loads(open(os.path.join(out, rerun.RECORD)).read())["config"]["train"]["max_steps"] == 20
-  assert not os.path.exists(os.path.join(out, loading.RUN_CONFIG))  # checkpointing off: the record holds it
+  assert not os.path.exists(os.path.join(out, run_files.RUN_CONFIG))  # checkpointing off: the record holds it
 
 
 def test_a_files_hash_is_computed_once_per_version_and_kept_beside_the_cache(tmp_path, monkeypatch):

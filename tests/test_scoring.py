@@ -15,7 +15,7 @@ import transformers
 from flax import nnx
 from helpers import NL, PARITY_ATOL, assert_same_params, params, right_padded
 
-from jaxrm import RewardModel, checkpointing, loading
+from jaxrm import RewardModel, checkpointing, loading, run_files
 from jaxrm.data import registry
 from jaxrm.data.drops import DropReport
 from jaxrm.data.tokenize import TokenizeOptions, tokenize_all
@@ -439,7 +439,7 @@ def test_run_export_scores_like_jaxrm_in_transformers(rm, run_dir, tmp_path):
   assert_same_params(rm, back)
   assert back.reward_stats == rm.reward_stats and back.step_separator == rm.step_separator
   # The run's data.max_length travels with the export: the server's default limit per item.
-  trained = loading.RunFiles.read(str(run_dir)).run_config.data.max_length
+  trained = run_files.RunFiles.read(str(run_dir)).run_config.data.max_length
   assert rm.training_max_length == back.training_max_length == trained
   assert json.loads((tmp_path / "config.json").read_text())["jaxrm"]["training_max_length"] == trained
   for model in (rm, back):  # the server's default limit per item

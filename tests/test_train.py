@@ -18,7 +18,7 @@ import pytest
 import tiny_run
 from flax import nnx
 
-from jaxrm import checkpointing, loading, steps, update
+from jaxrm import checkpointing, run_files, steps, update
 from jaxrm.config import TrainSpec, normalize_metric_name
 from jaxrm.errors import UserError
 from jaxrm.hf.safetensors_io import HFCheckpoint
@@ -127,7 +127,7 @@ def test_run_directory_files(baseline):
     assert json.load(f)["train"]["max_steps"] == 4
   assert os.path.exists(os.path.join(baseline, "tokenizer", "tokenizer.json"))
   assert not os.path.exists(os.path.join(baseline, "run.lock"))  # the finished run gave it back
-  assert os.path.exists(os.path.join(baseline, loading.RUN_MODEL_CONFIG))
+  assert os.path.exists(os.path.join(baseline, run_files.RUN_MODEL_CONFIG))
 
 
 # ------------------------------------------------------------------ checkpoints
@@ -372,7 +372,7 @@ def test_stepwise_run_reports_step_metrics(cache_root, tmp_path):
   ):
     assert key in val
   assert checkpointing.read_best(os.path.join(out, "checkpoints"))["step"] == 2
-  with open(os.path.join(out, loading.RUN_MODEL_CONFIG)) as f:
+  with open(os.path.join(out, run_files.RUN_MODEL_CONFIG)) as f:
     assert json.load(f)["jaxrm"]["head"] == "token"
 
 
