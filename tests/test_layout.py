@@ -154,6 +154,17 @@ LAYERS = {
   "jaxrm.losses": {"jaxrm.batches", "jaxrm.metrics"},
   # A verifier's question and answers: data the config, loading and scoring ask.
   "jaxrm.verifier": {"jaxrm.errors"},
+  # Reading, tokenizing and batching rows: the settings are checked where they live (jaxrm.config,
+  # named here for run_data's type annotations only), not by the data modules.
+  "jaxrm.data": {
+    "jaxrm.data",
+    "jaxrm.batches",
+    "jaxrm.config",
+    "jaxrm.errors",
+    "jaxrm.sharding",
+    "jaxrm.tasks",
+    "jaxrm.verifier",
+  },
 }
 
 
