@@ -109,7 +109,7 @@ def resumes(
     raise ConfigError(_refusal(run_dir, where, refused, files))
   if refused or files:
     if jax.process_index() == 0:
-      _start_fresh(config.changed_settings, run_dir, checkpoint_dir)
+      start_fresh(config.changed_settings, run_dir, checkpoint_dir)
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices("jaxrm: the old run's files cleared")
     return False
@@ -298,7 +298,7 @@ def _owner(checkpoint_dir: str) -> str | None:
 # ------------------------------------------------------------------ starting afresh
 
 
-def _start_fresh(how: str, run_dir: str, checkpoint_dir: str) -> None:
+def start_fresh(how: str, run_dir: str, checkpoint_dir: str) -> None:
   """Clears the way for a new run in ``run_dir``, as ``how`` (a ``changed_settings``) says: the
   old run's files moved into ``run_dir/old-<time>/`` (an outside checkpoint directory's into a
   folder beside it, ``<checkpoint_dir>-old-<time>``), or removed. The runs' locks stay."""

@@ -60,6 +60,12 @@ def _forward_packed(graphdef, state, rows, reward_positions):
   return nnx.merge(graphdef, state)(*rows, reward_positions=reward_positions)
 
 
+def packed_programs() -> int:
+  """How many programs the packed forward has compiled in this process: one per shape of batch
+  (the server compiles its shapes as it starts, and a request should compile none)."""
+  return _forward_packed._cache_size()
+
+
 def _texts(values: Any, name: str, call: str) -> list[Text]:
   """``values`` checked as a list of texts or conversations (each a list of messages)."""
   one = (

@@ -21,11 +21,13 @@ from jaxrm import RewardModel
 from jaxrm.batches import IGNORE_INDEX
 from jaxrm.data.records import PreferenceRecord
 from jaxrm.data.tokenize import PreferenceExample, StepwiseExample
-from jaxrm.models.config import ModelConfig
+from jaxrm.models import families
+from jaxrm.models.config import ModelConfig, from_hf_config
 from jaxrm.models.decoder import Decoder
 from jaxrm.server import ServerConfig, make_server
 
-VOCAB = 128  # of the tiny decoder below
+VOCAB = 128  # of the tiny models below
+PAD = 0
 # SmolLM2's <|im_start|>, <|im_end|> (also its eos and pad token) and "\n".
 IM_START, IM_END, NL = 1, 2, 198
 
@@ -152,23 +154,46 @@ def random_groups(rng, num_groups, k, prefix_case=True):
 # ------------------------------------------------------------------ models
 
 
-def tiny_config(**overrides):
-  # A window on one layer of two exercises the window mask on packed rows.
+def tiny_config(family: str, num_labels: int = 1, **overrides):
+  """transformers' config of a tiny random ``family`` model (its spec's ``tiny_hf_config`` over
+  sizes that run in seconds), with ``overrides``: hf_tiny builds models of it."""
+  import transformers
+
+  spec = families.get(family).tiny_hf_config
   kw = dict(
-    family="mistral",
     vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    pad_token_id=PAD,
+    bos_token_id=1,
+    eos_token_id=2,
+    num_labels=num_labels,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-5,
+  )
+  kw.update(copy.deepcopy(spec["kw"]))  # transformers may fill in the dicts it is given
+  kw.update(overrides)
+  return getattr(transformers, spec["cls"])(**kw)
+
+
+def tiny_decoder_config(**overrides):
+  """jaxrm's config of tiny_config's Mistral, made smaller still for the tests of
+  the decoder alone, with ``overrides`` of its fields. A window on one layer of two exercises the
+  window mask on packed rows."""
+  hf = tiny_config(
+    "mistral",
     hidden_size=32,
     intermediate_size=48,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
+    num_hidden_layers=2,
     head_dim=8,
-    rms_norm_eps=1e-5,
     sliding_window=6,
-    layer_types=("sliding_attention", "full_attention"),
+    layer_types=["sliding_attention", "full_attention"],
   )
-  kw.update(overrides)
-  return ModelConfig(**kw)
+  return from_hf_config(hf.to_dict(), **overrides)
 
 
 def tiny_model(cfg, seed=0):
@@ -475,3 +500,14 @@ def timed(fn, *args, **kwargs):
   start = time.monotonic()
   result = fn(*args, **kwargs)
   return result, time.monotonic() - start
+
+
+# ------------------------------------------------------------------ faults injected into the library
+
+
+def around(monkeypatch, owner, name: str, wrapper) -> None:
+  """``owner.name`` (a module's private function, named by string) replaced for the test by
+  ``wrapper(real, *args, **kwargs)``: a fault or a signal injected at one moment of the real work.
+  The one sanctioned way for a test to reach a private name (tests/test_layout.py)."""
+  real = getattr(owner, name)
+  monkeypatch.setattr(owner, name, lambda *args, **kwargs: wrapper(real, *args, **kwargs))

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import torch
 import transformers
+from helpers import PAD, VOCAB, tiny_config
 from transformers.modeling_layers import GenericForTokenClassification
 
 from jaxrm.models import families
-
-VOCAB = 128
-PAD = 0
 
 # Each family's tiny config lives in its spec (jaxrm.models.families): small enough to run in
 # seconds; GQA everywhere, windows shorter than the test sequences.
@@ -22,28 +18,6 @@ FAMILIES = families.names()
 # Phi-3's (a window on every layer) is Mistral's; its fused tensors are split before the kernel.
 KERNEL_FAMILIES = tuple(f for f in FAMILIES if f not in ("gemma3", "phi3"))
 LENGTHS = [24, 17, 9]  # rows of a parity batch: longer than the sliding windows (8)
-
-
-def tiny_config(family: str, num_labels: int = 1, **overrides):
-  spec = families.get(family).tiny_hf_config
-  kw = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    pad_token_id=PAD,
-    bos_token_id=1,
-    eos_token_id=2,
-    num_labels=num_labels,
-    tie_word_embeddings=False,
-    rms_norm_eps=1e-5,
-  )
-  kw.update(copy.deepcopy(spec["kw"]))  # transformers may fill in the dicts it is given
-  kw.update(overrides)
-  return getattr(transformers, spec["cls"])(**kw)
 
 
 def build(family: str, head: str = "sequence", seed: int = 0, **overrides):

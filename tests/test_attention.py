@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import REORDERED_ATOL, jitted, pref, random_groups, tiny_config, tiny_model
+from helpers import REORDERED_ATOL, jitted, pref, random_groups, tiny_decoder_config, tiny_model
 
 from jaxrm.data import packing
 from jaxrm.errors import ConfigError
@@ -113,17 +113,17 @@ def test_backward_keeps_no_weights_and_ignores_queries_that_see_no_key():
 @pytest.mark.parametrize("backend, fused", [("gpu", "cudnn"), ("cpu", "xla"), ("tpu", "xla")])
 def test_attention_route_per_config(backend, fused):
   for dtype in ("bfloat16", "float16"):
-    route = attention_fn(tiny_config(attention_impl="cudnn", dtype=dtype), backend)
+    route = attention_fn(tiny_decoder_config(attention_impl="cudnn", dtype=dtype), backend)
     assert route.func is L.fused_attention
     assert route.keywords["implementation"] == fused
   for dtype in ("float32", "bfloat16"):
     assert (
-      attention_fn(tiny_config(attention_impl="reference", dtype=dtype), backend).func
+      attention_fn(tiny_decoder_config(attention_impl="reference", dtype=dtype), backend).func
       is L.dot_product_attention
     )
     # jax.nn.dot_product_attention has no soft-capping: Gemma 2 keeps the einsum path.
     capped = attention_fn(
-      tiny_config(attention_impl="cudnn", dtype=dtype, attn_logit_softcapping=50.0), backend
+      tiny_decoder_config(attention_impl="cudnn", dtype=dtype, attn_logit_softcapping=50.0), backend
     )
     assert capped.func is L.dot_product_attention and capped.keywords["softcap"] == 50.0
 
@@ -131,7 +131,7 @@ def test_attention_route_per_config(backend, fused):
 @pytest.mark.parametrize("backend", ["gpu", "cpu", "tpu"])
 def test_auto_takes_the_pallas_kernel_on_a_gpu_only(backend):
   for softcap in (None, 50.0):  # the kernel soft-caps: Gemma 2 takes it too
-    cfg = tiny_config(dtype="bfloat16", attn_logit_softcapping=softcap)
+    cfg = tiny_decoder_config(dtype="bfloat16", attn_logit_softcapping=softcap)
     route = attention_fn(cfg, backend)
     if backend == "gpu":
       assert attention_route(cfg, backend) == "pallas"
@@ -143,25 +143,25 @@ def test_auto_takes_the_pallas_kernel_on_a_gpu_only(backend):
 
 @pytest.mark.parametrize("backend", ["gpu", "cpu"])
 def test_pallas_setting_interprets_the_kernel_off_a_gpu(backend):
-  route = attention_fn(tiny_config(attention_impl="pallas"), backend)
+  route = attention_fn(tiny_decoder_config(attention_impl="pallas"), backend)
   assert route.func is flash_attention and route.keywords["interpret"] == (backend != "gpu")
-  assert route.keywords["scale"] == tiny_config().attn_scale
+  assert route.keywords["scale"] == tiny_decoder_config().attn_scale
 
 
 def test_attention_route_on_this_machine():
-  route = attention_fn(tiny_config(attention_impl="cudnn", dtype="bfloat16"))
+  route = attention_fn(tiny_decoder_config(attention_impl="cudnn", dtype="bfloat16"))
   assert route.func is L.fused_attention
   assert route.keywords["implementation"] == ("cudnn" if jax.default_backend() == "gpu" else "xla")
 
 
 @pytest.mark.parametrize("backend", ["gpu", "cpu"])
 def test_float32_never_takes_cudnn(backend):
-  route = attention_fn(tiny_config(attention_impl="cudnn", dtype="float32"), backend)
+  route = attention_fn(tiny_decoder_config(attention_impl="cudnn", dtype="float32"), backend)
   assert route.func is L.fused_attention and route.keywords["implementation"] == "xla"
 
 
 def test_attention_summary_names_the_route_and_its_features():
-  gemma = tiny_config(attn_logit_softcapping=50.0)  # and tiny_config's window on layer 0 of 2
+  gemma = tiny_decoder_config(attn_logit_softcapping=50.0)  # and tiny_decoder_config's window on layer 0 of 2
   assert attention_summary(gemma, "gpu") == (
     "attention: pallas flash kernel on all 2 layers; sliding window of 6 positions on 1 of them; "
     "logit soft-capping at 50"
@@ -172,7 +172,7 @@ def test_attention_summary_names_the_route_and_its_features():
   assert attention_summary(gemma.replace(attention_impl="cudnn"), "gpu").startswith(
     "attention: reference einsum (cudnn has no logit soft-capping) on all 2 layers"
   )
-  plain = tiny_config(sliding_window=None, layer_types=())
+  plain = tiny_decoder_config(sliding_window=None, layer_types=())
   assert attention_summary(plain, "cpu") == (
     "attention: reference einsum (auto: the pallas kernel needs a GPU; these devices are cpu) on all 2 layers"
   )
@@ -221,7 +221,7 @@ def test_long_rows_on_a_cpu_take_the_block_loops_and_equal_the_dense_mask(monkey
   skipped that holds a visible key, moves them by O(1))."""
   batch = long_packed_batch(np.random.default_rng(4), decoder.LOOP_MIN_TOKENS)
   assert batch.input_ids.shape[0] >= 2 and not np.asarray(batch.attention_mask).all()
-  model = tiny_model(tiny_config(attention_impl="reference"))
+  model = tiny_model(tiny_decoder_config(attention_impl="reference"))
   got, got_grads, looped = rewards_and_grads(model, batch)
   monkeypatch.setattr(decoder, "LOOP_MIN_TOKENS", decoder.LOOP_MIN_TOKENS + 1)
   want, want_grads, dense_looped = rewards_and_grads(model, batch)
@@ -237,8 +237,8 @@ def test_cudnn_setting_equals_xla_setting_on_packed_rows():
   model, on any machine. cuDNN's kernel itself is test_cudnn_kernel_matches_einsum."""
   groups = random_groups(np.random.default_rng(5), 3, 3)
   batch = packing.pack_preference(groups, packing.PackSpec(64, shared_prompt=True))
-  xla = jitted(tiny_model(tiny_config(attention_impl="reference")))(batch)
-  fused = jitted(tiny_model(tiny_config(attention_impl="cudnn")))(batch)
+  xla = jitted(tiny_model(tiny_decoder_config(attention_impl="reference")))(batch)
+  fused = jitted(tiny_model(tiny_decoder_config(attention_impl="cudnn")))(batch)
   real = batch.ranks >= 0
   np.testing.assert_allclose(np.asarray(fused)[real], np.asarray(xla)[real], atol=REORDERED_ATOL, rtol=0)
 
@@ -265,11 +265,11 @@ def test_cudnn_kernel_matches_einsum():
 
 def test_unknown_attention_impl_is_an_error():
   with pytest.raises(ConfigError, match=r"attention_impl='flash'; use one of auto, reference, pallas, cudnn"):
-    tiny_config(attention_impl="flash")
+    tiny_decoder_config(attention_impl="flash")
 
 
 def test_reward_positions_need_a_sequence_head():
-  model = tiny_model(tiny_config(head="token", num_labels=2))
+  model = tiny_model(tiny_decoder_config(head="token", num_labels=2))
   ids = np.ones((1, 4), np.int32)
   with pytest.raises(ValueError, match="reward_positions needs a sequence head"):
     model(ids, ids, reward_positions=np.zeros((1, 1), np.int32))

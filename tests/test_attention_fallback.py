@@ -10,7 +10,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import tiny_config
+from helpers import tiny_decoder_config
 
 from jaxrm.models import flash_attention as F
 from jaxrm.models import layers as L
@@ -32,7 +32,7 @@ def hide(monkeypatch, name: str, why: str) -> None:
 
 @pytest.mark.parametrize("module", F.TRITON_MODULES)
 def test_without_triton_a_gpu_takes_cudnn_where_it_runs_else_the_reference(monkeypatch, module):
-  plain = tiny_config(sliding_window=None, layer_types=(), dtype="bfloat16")
+  plain = tiny_decoder_config(sliding_window=None, layer_types=(), dtype="bfloat16")
   assert F.triton_missing() is None and attention_route(plain, "gpu") == "pallas"
   hide(monkeypatch, module, f"{module} removed")
   assert module in F.triton_missing()
@@ -61,7 +61,7 @@ def test_without_triton_a_gpu_takes_cudnn_where_it_runs_else_the_reference(monke
 def test_the_missing_lowering_is_said_once(monkeypatch, caplog):
   hide(monkeypatch, F.TRITON_MODULES[0], "gone for good")
   F.say_once.cache_clear()
-  cfg = tiny_config(dtype="bfloat16")
+  cfg = tiny_decoder_config(dtype="bfloat16")
   with caplog.at_level(logging.WARNING, logger=F.__name__):
     routes = {attention_route(cfg, "gpu") for _ in range(3)} | {attention_fn(cfg, "gpu").func}
   said = [r.getMessage() for r in caplog.records if "Pallas Triton lowering" in r.getMessage()]

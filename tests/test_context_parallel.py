@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import tiny_run
 from flax import nnx
-from helpers import REORDERED_ATOL, random_groups, stepwise, tiny_config, tiny_model
+from helpers import REORDERED_ATOL, random_groups, stepwise, tiny_decoder_config, tiny_model
 
 from jaxrm import sharding
 from jaxrm.config import RunConfig
@@ -63,7 +63,7 @@ KERNEL_ATOL = 1e-5
 LEAK_ATOL = 1e-4
 
 # name -> (batch layout, mesh, model overrides); every model has 4 query heads over 2 key heads
-# and a window of 6 positions on its first layer (helpers.tiny_config).
+# and a window of 6 positions on its first layer (helpers.tiny_decoder_config).
 CASES = {
   "padded_c2_zigzag": ("padded", dict(context=2), {}),
   "packed_c4_zigzag_softcap": ("packed", dict(context=4), dict(attn_logit_softcapping=3.0)),
@@ -163,7 +163,7 @@ def placement_of(**sizes):
 
 def case_report(kind, mesh_sizes, overrides):
   batch = batch_of(kind)
-  cfg = tiny_config(**{"attention_impl": "reference", **overrides})
+  cfg = tiny_decoder_config(**{"attention_impl": "reference", **overrides})
   placement = placement_of(**mesh_sizes)
   want, want_grads, _ = outputs_and_grads(cfg, batch)
   got, got_grads, gathered = outputs_and_grads(cfg, batch, placement)
@@ -196,7 +196,7 @@ def training_losses(mesh_sizes=None, steps_n=3):
   from jaxrm.config import RewardSpec
   from jaxrm.data import pipeline
 
-  cfg = tiny_config(attention_impl="reference", head="token", num_labels=2)
+  cfg = tiny_decoder_config(attention_impl="reference", head="token", num_labels=2)
   model = tiny_model(cfg)
   placement = placement_of(**(mesh_sizes or {}))
   mesh = placement.mesh
@@ -413,7 +413,7 @@ def error_report():
   batch = Collator(batch_size=2, buckets=(30,), num_completions=2)(
     random_groups(np.random.default_rng(0), 2, 2)
   )
-  model = tiny_model(tiny_config(attention_impl="reference"))
+  model = tiny_model(tiny_decoder_config(attention_impl="reference"))
   try:
     batch.outputs(functools.partial(model, placement=placement_of(context=2)))
   except ValueError as e:

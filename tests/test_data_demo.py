@@ -71,7 +71,7 @@ def test_facts():
   for row in rows:
     by_subset.setdefault(row["subset"], []).append(row)
   assert set(by_subset) == {"arithmetic", "capitals"}
-  capitals = dict(demo._CAPITALS)
+  capitals = dict(demo.CAPITALS)
   for row in by_subset["capitals"]:
     country = re.fullmatch(r"What is the capital of (.+)\?", question(row)).group(1)
     right, wrong = answers(row)

@@ -42,7 +42,7 @@ def test_a_changed_compat_table_makes_its_page_stale(monkeypatch):
   monkeypatch.setitem(trl_args.FLAGS, "new_flag", (int, 3))
   assert gen_docs.stale() == ["docs/coming-from-trl.md"]
   monkeypatch.delitem(trl_args.FLAGS, "new_flag")
-  monkeypatch.setitem(nemo._SECTIONS, "cluster", lambda values, tr, config: tr.ignore("cluster", "changed"))
+  monkeypatch.setitem(nemo.SECTIONS, "cluster", lambda values, tr, config: tr.ignore("cluster", "changed"))
   assert gen_docs.stale() == ["docs/coming-from-nemo.md"]
 
 

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import tiny_run
 from flax import nnx
+from helpers import around
 
 from jaxrm import RewardModel, checkpointing, preemption
 from jaxrm.errors import CheckpointError
@@ -174,13 +175,12 @@ def test_a_signal_after_the_last_step_lets_the_run_end_as_it_would_have(
 
   out = str(tmp_path / "run")
   shutil.copytree(baseline, out)
-  summary = trainer._final_summary
 
-  def terminated_meanwhile(run, seconds):
+  def terminated_meanwhile(summary, run, seconds):
     os.kill(os.getpid(), signal.SIGTERM)
     return summary(run, seconds)
 
-  monkeypatch.setattr(trainer, "_final_summary", terminated_meanwhile)
+  around(monkeypatch, trainer, "_final_summary", terminated_meanwhile)
   with caplog.at_level("WARNING", logger="jaxrm.train"):
     tiny_run.train(tiny_run.config(model_dir, out, train__max_steps=5))
   assert "SIGTERM received after the last step: the run ended as it would have" in caplog.text

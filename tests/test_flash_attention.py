@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import tiny_run
 from flax import nnx
-from helpers import REORDERED_ATOL, jitted, random_groups, right_padded, tiny_config, tiny_model
+from helpers import REORDERED_ATOL, jitted, random_groups, right_padded, tiny_decoder_config, tiny_model
 
 from jaxrm.data import packing
 from jaxrm.data.pipeline import Collator
@@ -264,10 +264,10 @@ def batches():
 
 @pytest.mark.parametrize("kind", LAYOUTS)
 def test_decoder_with_the_kernel_equals_the_reference(batches, kind):
-  """tiny_config's layers are one sliding (window 6) and one full: one traced window serves both."""
+  """tiny_decoder_config's layers are one sliding (window 6) and one full: one traced window serves both."""
   batch = batches[kind]
-  want = jitted(tiny_model(tiny_config(attention_impl="reference")))(batch)
-  got = jitted(tiny_model(tiny_config(attention_impl="pallas")))(batch)
+  want = jitted(tiny_model(tiny_decoder_config(attention_impl="reference")))(batch)
+  got = jitted(tiny_model(tiny_decoder_config(attention_impl="pallas")))(batch)
   real = batch.ranks >= 0
   assert np.ptp(np.asarray(want)[real]) > 0.1
   np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=REORDERED_ATOL, rtol=0)
@@ -284,7 +284,7 @@ def reward_grads(cfg, batch):
 def test_decoder_gradients_with_the_kernel_equal_the_reference(batches):
   """Shared-prompt rows, Gemma-2 soft-capping, and rematerialised layers (the kernel's backward
   inside jax.checkpoint inside the layer scan)."""
-  cfg = tiny_config(attn_logit_softcapping=3.0, remat="full")
+  cfg = tiny_decoder_config(attn_logit_softcapping=3.0, remat="full")
   want = reward_grads(cfg.replace(attention_impl="reference"), batches["tree"])
   got = reward_grads(cfg.replace(attention_impl="pallas"), batches["tree"])
   # The float32 sums of two layers' backward passes, in other orders and summed over parameter
@@ -301,7 +301,7 @@ def sharded_report():
   batch = packing.pack_preference(
     random_groups(np.random.default_rng(5), 4, 3), packing.PackSpec(64, shared_prompt=True), num_rows=4
   )
-  graphdef, state = nnx.split(tiny_model(tiny_config(attention_impl="pallas")))
+  graphdef, state = nnx.split(tiny_model(tiny_decoder_config(attention_impl="pallas")))
   mesh = sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=2, tensor=2))
 
   def loss(s, placement=None):
@@ -411,8 +411,8 @@ def test_bf16_training_step_with_the_kernel_is_as_close_to_float32_as_the_refere
     value, grads = jax.jit(jax.value_and_grad(loss))(state)
     return float(value), np.concatenate([np.ravel(g) for g in jax.tree.leaves(grads)])
 
-  exact_loss, exact = loss_and_grads(tiny_config(attention_impl="reference"))
-  bf16 = tiny_config(dtype="bfloat16", param_dtype="float32")
+  exact_loss, exact = loss_and_grads(tiny_decoder_config(attention_impl="reference"))
+  bf16 = tiny_decoder_config(dtype="bfloat16", param_dtype="float32")
   ref_loss, ref = loss_and_grads(bf16.replace(attention_impl="reference"))
   got_loss, got = loss_and_grads(bf16.replace(attention_impl="pallas"))
   assert abs(got_loss - exact_loss) <= 2 * abs(ref_loss - exact_loss) + 1e-6

@@ -17,7 +17,7 @@ import safetensors.numpy
 import torch
 import transformers
 from flax import nnx
-from helpers import PARITY_ATOL, flat_params
+from helpers import PARITY_ATOL, VOCAB, flat_params
 
 from jaxrm import RewardModel
 from jaxrm.errors import CheckpointError, UnsupportedModelError
@@ -89,7 +89,7 @@ def test_a_gguf_file_splits_alike(causal_dir, tmp_path):
     layer_norm_rms_eps=1e-5,
     rope_dimension_count=16,
     rope_freq_base=10000.0,
-    vocab_size=hf_tiny.VOCAB,
+    vocab_size=VOCAB,
     sliding_window=8,
   ).items():
     getattr(writer, f"add_{add}")(value)

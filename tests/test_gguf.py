@@ -214,7 +214,6 @@ def test_a_process_reads_a_files_metadata_once_per_version(tmp_path, monkeypatch
   reads = []
   real = gguf.GGUFReader
   monkeypatch.setattr(gguf_ckpt.gguf, "GGUFReader", lambda *a: reads.append(a) or real(*a))
-  gguf_ckpt._cached_reader.cache_clear()
   path = _tiny_llama(tmp_path / "tiny.gguf")
   first = gguf_ckpt.GGUFCheckpoint(path)
   again = gguf_ckpt.GGUFCheckpoint(os.path.join(str(tmp_path), ".", "tiny.gguf"))  # the same file

@@ -184,7 +184,7 @@ def test_a_failing_logger_is_one_line_and_the_run_goes_on(tmp_path, monkeypatch,
   def fail(self, step, metrics):
     raise MlflowException("API request to http://tracking/api failed\nTraceback (most recent call last): ...")
 
-  monkeypatch.setattr(metrics_writer._MlflowRun, "log", fail)
+  monkeypatch.setattr("jaxrm.metrics_writer._MlflowRun.log", fail)  # a tracking server that fails
   spec = LoggerSpec(mlflow_enabled=True, mlflow=MlflowSpec(tracking_uri=str(tmp_path / "store")))
   out = tmp_path / "run"
   with caplog.at_level(logging.WARNING):

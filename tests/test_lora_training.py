@@ -113,16 +113,7 @@ def test_resume_equals_uninterrupted_run(lora_run, model_dir, tmp_path):
   stopped = str(tmp_path / "stopped")
   shutil.copytree(out, stopped)
   tiny_run.train(tiny_run.config(model_dir, out, **LORA))  # the base is read again; adapters from step 2
-  resumed, uninterrupted = _rows(out, "train/loss"), _rows(lora_run, "train/loss")
-  assert list(resumed) == [1, 2, 3, 4]
-  for key in ("train/loss", "train/accuracy", "train/grad_norm", "train/learning_rate"):
-    np.testing.assert_allclose(
-      [resumed[s][key] for s in (1, 2, 3, 4)],
-      [uninterrupted[s][key] for s in (1, 2, 3, 4)],
-      rtol=0,
-      atol=1e-6,
-      err_msg=key,
-    )
+  tiny_run.assert_resumed_equals_uninterrupted(out, lora_run, steps=[1, 2, 3, 4])
   assert _rows(out, "validation-default_loss")[4]["validation-default_loss"] == pytest.approx(
     _rows(lora_run, "validation-default_loss")[4]["validation-default_loss"], abs=1e-6
   )

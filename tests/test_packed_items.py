@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tiny_run
 from flax import nnx
-from helpers import REORDERED_ATOL, VOCAB, jitted, tiny_config, tiny_model, write_jsonl
+from helpers import REORDERED_ATOL, VOCAB, jitted, tiny_decoder_config, tiny_model, write_jsonl
 
 from jaxrm import steps
 from jaxrm.batches import LabelledBatch, PackedLabelledBatch, PackedRegressionBatch, RegressionBatch
@@ -129,7 +129,7 @@ MODELS = {
 @pytest.mark.parametrize("kind", MODELS)
 def test_packed_outputs_loss_and_gradients_equal_unpacked(kind):
   overrides, spec = MODELS[kind]
-  model = tiny_model(tiny_config(**overrides), seed=1)
+  model = tiny_model(tiny_decoder_config(**overrides), seed=1)
   items = random_items(kind)
   # 8 items of which 2 fillers: repeated rows unpacked, no room packed.
   unpacked = pipeline.Collator(batch_size=8, buckets=(UNPACKED,))(items)

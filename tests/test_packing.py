@@ -7,7 +7,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import REORDERED_ATOL, VOCAB, jitted, pref, random_groups, stepwise, tiny_config, tiny_model
+from helpers import (
+  REORDERED_ATOL,
+  VOCAB,
+  jitted,
+  pref,
+  random_groups,
+  stepwise,
+  tiny_decoder_config,
+  tiny_model,
+)
 
 from jaxrm import losses, steps
 from jaxrm.batches import IGNORE_INDEX, PackedPreferenceBatch, PackedStepwiseBatch
@@ -180,7 +189,7 @@ def test_tokens_see_exactly_their_own_sequence(shared_prompt):
 
 @pytest.fixture(scope="module")
 def seq_forward():
-  return jitted(tiny_model(tiny_config()))
+  return jitted(tiny_model(tiny_decoder_config()))
 
 
 def unpacked_rewards(forward, groups):
@@ -248,7 +257,7 @@ def test_other_segments_cannot_change_a_reward(seq_forward, shared_prompt):
 
 
 def test_packed_stepwise_logits_and_loss_equal_unpacked():
-  cfg = tiny_config(head="token", num_labels=2, head_bias=True)
+  cfg = tiny_decoder_config(head="token", num_labels=2, head_bias=True)
   forward = jitted(tiny_model(cfg, seed=3))
   rng = np.random.default_rng(3)
   examples = []

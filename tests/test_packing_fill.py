@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import REORDERED_ATOL, jitted, pref, random_groups, tiny_config, tiny_model
+from helpers import REORDERED_ATOL, jitted, pref, random_groups, tiny_decoder_config, tiny_model
 
 from jaxrm.data import packing, pipeline
 from jaxrm.data.pipeline import Collator
@@ -107,7 +107,7 @@ def test_fitted_hosts_and_micro_batches_share_one_shape_and_place_every_group():
 
 @pytest.mark.parametrize("shared_prompt", [False, True])
 def test_fitted_rewards_equal_unpacked(shared_prompt):
-  forward = jitted(tiny_model(tiny_config()))
+  forward = jitted(tiny_model(tiny_decoder_config()))
   groups = random_groups(np.random.default_rng(11), 4, 3)
   ref = Collator(batch_size=4, buckets=(32,), num_completions=3)(groups)
   expected = np.asarray(forward(ref))

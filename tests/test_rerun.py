@@ -149,13 +149,13 @@ def test_changed_settings_start_fresh_removing_the_old_run(tmp_path):
     path.mkdir(parents=True)
   for name in ("config.json", "metrics.jsonl", "run.lock"):
     (run / name).write_text("{}")
-  rerun._start_fresh("start_fresh_remove_old", str(run), str(run / "checkpoints"))
+  rerun.start_fresh("start_fresh_remove_old", str(run), str(run / "checkpoints"))
   assert sorted(os.listdir(run)) == ["old-20260101-000000", "run.lock"]
   (outside / "run.lock").write_text("{}")
-  rerun._start_fresh("start_fresh_remove_old", str(run), str(outside))
+  rerun.start_fresh("start_fresh_remove_old", str(run), str(outside))
   assert os.listdir(outside) == ["run.lock"]
   (outside / "4").mkdir(parents=True)
-  rerun._start_fresh("start_fresh_keep_old", str(run), str(outside))
+  rerun.start_fresh("start_fresh_keep_old", str(run), str(outside))
   (kept,) = [p for p in tmp_path.iterdir() if p.name.startswith("ckpts-old-")]
   assert os.listdir(kept) == ["4"]
   assert os.listdir(outside) == ["run.lock"]

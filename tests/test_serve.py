@@ -253,7 +253,7 @@ def test_a_prompts_completions_are_scored_with_the_prompt_once(sharing_server, t
   url = sharing_server.url
   want = tiny_rm.score(prompts=[GRPO_PROMPT] * 6, completions=GRPO_COMPLETIONS, share_prefix=False)
   assert len(tiny_rm.encode(GRPO_PROMPT, GRPO_COMPLETIONS[0])) > 64  # long enough to share
-  compiled = reward_model._forward_packed._cache_size()
+  compiled = reward_model.packed_programs()
   replies = []
   real, fed = computed_tokens(
     url,
@@ -267,7 +267,7 @@ def test_a_prompts_completions_are_scored_with_the_prompt_once(sharing_server, t
   # One packed row holds the prompt once and the six replies: fewer positions than the six rows'
   # own tokens.
   assert fed in sharing_server.batcher.packed_buckets and fed < real
-  assert reward_model._forward_packed._cache_size() == compiled  # its shape was compiled at start
+  assert reward_model.packed_programs() == compiled  # its shape was compiled at start
 
 
 def test_completions_of_one_prompt_share_it_across_requests(sharing_server, tiny_rm):

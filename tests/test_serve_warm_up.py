@@ -102,7 +102,7 @@ def test_cover_is_ready_after_the_covering_shapes_then_compiles_the_others(caplo
 def test_after_ready_full_batches_compile_first():
   # 4 rows of 64 or of 128 tokens: (4, 128) covers all; a busy server's full batches of 64 come next.
   batcher, _ = recording_batcher(MODEL_CONFIG.resolved(128))
-  cover, later = batcher._compile_order()
+  cover, later = batcher.compile_order()
   assert cover == [(ROWS, (4, 128)), (PACKED, (4, 128)), (PACKED, (2, 256)), (PACKED, (1, 512))]
   assert later[:1] == [(ROWS, (4, 64))]
   assert sorted(cover + later) == sorted(
@@ -159,17 +159,18 @@ def scored(batcher: Batcher, rows: list[list[int]]) -> list:
   loop = asyncio.new_event_loop()
   try:
     job = Job(rows, loop, loop.create_future(), [None] * len(rows), len(rows), sum(map(len, rows)))
-    batcher._score_jobs([job])
+    batcher.score_jobs([job])
     return loop.run_until_complete(job.future)
   finally:
     loop.close()
 
 
-def scored_in(batcher: Batcher, shapes: list, compiled: list, rows: list[list[int]], kind: str) -> tuple:
-  """(outputs, the shape they were scored in) with ``compiled`` the only compiled shapes."""
-  batcher._compiled = {ROWS: set(), PACKED: set()}
+def scored_in(rm, compiled: list, rows: list[list[int]], kind: str) -> tuple:
+  """(outputs, the shape they were scored in) by a new batcher of ``rm`` with ``compiled`` its only
+  compiled shapes."""
+  batcher, shapes = model_batcher(rm, MODEL_CONFIG)
   for shape in compiled:
-    batcher._compile(kind, shape)
+    batcher.compile(kind, shape)
   shapes.clear()
   out = scored(batcher, rows)
   [(used_kind, shape)] = shapes
@@ -178,30 +179,30 @@ def scored_in(batcher: Batcher, shapes: list, compiled: list, rows: list[list[in
 
 
 def test_a_batch_is_padded_to_a_covering_shape_with_the_same_rewards(tiny_rm):
-  batcher, shapes = model_batcher(tiny_rm, MODEL_CONFIG)
+  batcher, _ = model_batcher(tiny_rm, MODEL_CONFIG)
   assert covering(batcher.shapes()) == [(4, 128)]
   texts = ["Short.", "A little longer, but still short."]
   rows = [tiny_rm.encode(t) for t in texts]
   assert max(map(len, rows)) < 64
   want = tiny_rm.score(texts)
-  padded, shape = scored_in(batcher, shapes, [(4, 128)], rows, ROWS)
+  padded, shape = scored_in(tiny_rm, [(4, 128)], rows, ROWS)
   assert shape == (4, 128)  # 2 empty rows and 64 tokens of right padding
-  own, shape = scored_in(batcher, shapes, [(4, 128), (2, 64)], rows, ROWS)
+  own, shape = scored_in(tiny_rm, [(4, 128), (2, 64)], rows, ROWS)
   assert shape == (2, 64)
   assert padded == approx(own) and padded == approx(want)
 
 
 def test_packed_rows_are_padded_to_a_covering_shape_with_the_same_rewards(tiny_rm):
 
-  batcher, shapes = model_batcher(tiny_rm, MODEL_CONFIG)
+  batcher, _ = model_batcher(tiny_rm, MODEL_CONFIG)
   assert covering(batcher.packed_shapes()) == [(4, 128), (2, 256), (1, 512)]
   rows = [tiny_rm.encode(GRPO_PROMPT, c) for c in GRPO_COMPLETIONS]
   want = tiny_rm.score(prompts=[GRPO_PROMPT] * 6, completions=GRPO_COMPLETIONS, share_prefix=False)
-  own, shape = scored_in(batcher, shapes, [(1, 256)], rows, PACKED)
+  own, shape = scored_in(tiny_rm, [(1, 256)], rows, PACKED)
   assert shape == (1, 256)  # one packed row: the prompt once, then the six replies
-  in_rows, shape = scored_in(batcher, shapes, [(2, 256), (1, 512)], rows, PACKED)
+  in_rows, shape = scored_in(tiny_rm, [(2, 256), (1, 512)], rows, PACKED)
   assert shape == (2, 256)  # as few slots as (1, 512), and shorter: one empty row
-  longer, shape = scored_in(batcher, shapes, [(1, 512)], rows, PACKED)
+  longer, shape = scored_in(tiny_rm, [(1, 512)], rows, PACKED)
   assert shape == (1, 512)  # 256 tokens of right padding, and a reward slot for each
   for out in (in_rows, longer):
     assert out == approx(own) and out == approx(want)
@@ -231,16 +232,15 @@ def test_padded_packed_rows_keep_each_rows_place():
 
 
 def test_a_process_models_steps_through_a_covering_shape(tiny_prm):
-  batcher, shapes = model_batcher(tiny_prm, MODEL_CONFIG)
   problems = ["What is 3 * 4 + 2?", [user("What is 10 - 3 * 2?")]]
   solutions = [["3 * 4 = 12", "12 + 2 = 14", "The answer is 14."], ["3 * 2 = 6", "10 - 6 = 4"]]
   encoded = [tiny_prm.encode_steps(p, s) for p, s in zip(problems, solutions)]
   rows = [ids for ids, _ in encoded]
   assert max(map(len, rows)) < 64
   want = tiny_prm.score_steps_batch(problems, solutions, share_prefix=False)
-  padded, shape = scored_in(batcher, shapes, [(4, 128)], rows, ROWS)
+  padded, shape = scored_in(tiny_prm, [(4, 128)], rows, ROWS)
   assert shape == (4, 128)
-  own, shape = scored_in(batcher, shapes, [(2, 64)], rows, ROWS)
+  own, shape = scored_in(tiny_prm, [(2, 64)], rows, ROWS)
   assert shape == (2, 64)
   for p, o, w, (_, labels) in zip(padded, own, want, encoded):
     assert list(p) == approx(o) and list(p[labels]) == approx(w)
@@ -260,13 +260,13 @@ def test_the_worker_waits_for_requests_while_its_rows_would_not_fill_a_pass(shar
   if not sharing:
     batcher.packed_fn = None
   first, second = _job(8, 200), _job(8, 200)  # 1,600 tokens each, of batch_tokens 2,048
-  batcher._queue.put(first)
+  batcher.put(first)
   taken = []
-  worker = threading.Thread(target=lambda: taken.append((batcher._collect(), time.monotonic())))
+  worker = threading.Thread(target=lambda: taken.append((batcher.collect(), time.monotonic())))
   start = time.monotonic()
   worker.start()
   time.sleep(1.0)  # the second request arrives 1 s after the first, well within 5 s
-  batcher._queue.put(second)
+  batcher.put(second)
   worker.join(10)
   [(jobs, end)] = taken
   if sharing:

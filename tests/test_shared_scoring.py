@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import REBATCHED
+from helpers import REBATCHED, VOCAB
 
 from jaxrm import RewardModel, shared_prefix
 from jaxrm.models import decoder
@@ -44,14 +44,10 @@ def grpo_rows(seed=0, prompts=(64, 72, 81), completions=4, alone=(5, 23, 38)):
   rng = np.random.default_rng(seed)
   rows, groups = [], []
   for p, length in enumerate(prompts):
-    prompt = [3 + p] + rng.integers(3, hf_tiny.VOCAB, length - 1).tolist()  # distinct first tokens
+    prompt = [3 + p] + rng.integers(3, VOCAB, length - 1).tolist()  # distinct first tokens
     groups.append(list(range(len(rows), len(rows) + completions)))
-    rows += [
-      prompt + rng.integers(3, hf_tiny.VOCAB, rng.integers(1, 15)).tolist() for _ in range(completions)
-    ]
-  rows += [
-    [3 + len(prompts) + i] + rng.integers(3, hf_tiny.VOCAB, n - 1).tolist() for i, n in enumerate(alone)
-  ]
+    rows += [prompt + rng.integers(3, VOCAB, rng.integers(1, 15)).tolist() for _ in range(completions)]
+  rows += [[3 + len(prompts) + i] + rng.integers(3, VOCAB, n - 1).tolist() for i, n in enumerate(alone)]
   perm = rng.permutation(len(rows))
   where = np.argsort(perm)  # new index of each old row
   return [rows[i] for i in perm], sorted(sorted(int(where[i]) for i in g) for g in groups)
@@ -173,7 +169,7 @@ def changed_outputs(rm, rows, prompt_length, seed=0):
   want = rm.score_ids(rows)
   moved = []
   for target in range(len(rows)):
-    own = lambda r: rng.integers(3, hf_tiny.VOCAB, len(r) - prompt_length - 1).tolist()
+    own = lambda r: rng.integers(3, VOCAB, len(r) - prompt_length - 1).tolist()
     changed = [r if i == target else r[: prompt_length + 1] + own(r) for i, r in enumerate(rows)]
     if rm.score_ids(changed)[target] != want[target]:
       moved.append(target)
@@ -191,8 +187,8 @@ def broken_mask(monkeypatch, route):
 def test_no_branch_sees_a_sibling(route, tmp_path, monkeypatch):
   rm = load(tmp_path, hf_tiny.build("mistral", "sequence"), attention_impl=route)
   rng = np.random.default_rng(4)
-  prompt = rng.integers(3, hf_tiny.VOCAB, 64).tolist()
-  rows = [prompt + [10 + k] + rng.integers(3, hf_tiny.VOCAB, n).tolist() for k, n in enumerate((9, 3, 12, 6))]
+  prompt = rng.integers(3, VOCAB, 64).tolist()
+  rows = [prompt + [10 + k] + rng.integers(3, VOCAB, n).tolist() for k, n in enumerate((9, 3, 12, 6))]
   assert shared_groups(rows) == [[0, 1, 2, 3]]
   assert changed_outputs(rm, rows, len(prompt)) == []
   # The check catches a mask that lets branches see each other: every branch but the first moves.
@@ -297,7 +293,7 @@ def test_duplicates_and_rows_that_extend_another(tmp_path):
   branch of its own, where its reward is read."""
   rm = load(tmp_path, hf_tiny.build("gemma2", "token"))
   rng = np.random.default_rng(11)
-  prompt = rng.integers(3, hf_tiny.VOCAB, 70).tolist()
+  prompt = rng.integers(3, VOCAB, 70).tolist()
   rows = [prompt, prompt + [5, 6, 7], prompt + [5, 6, 7], prompt + [5]]
   assert shared_groups(rows) == [[0, 1, 2, 3]]
   shared = rm.outputs_of_ids(rows, bucket=16)

@@ -80,8 +80,7 @@ def test_a_split_name_reads_that_split_of_a_public_dataset():
 
   # The demo configs' data.val_data_paths={"default": "validation"} on UltraFeedback: its test_prefs,
   # not a hub dataset named "validation".
-  spec = registry._SPECS["UltraFeedback"]  # pylint: disable=protected-access
-  key = registry._resolve(spec, "UltraFeedback", "validation", "validation", {})  # pylint: disable=protected-access
+  key = registry.resolve("UltraFeedback", "validation", split="validation")
   assert key == ("HuggingFaceH4/ultrafeedback_binarized", "test_prefs", {"config": None})
 
 

@@ -1,7 +1,7 @@
 """A preference row's prompt is tokenized once: every completion's ids equal the whole text's.
 
 The reference is the encoding every completion got before: its whole rendered conversation
-tokenized at once (``_continued_ids`` replaced by that). The five families' chat templates are
+tokenized at once (``continued_ids`` replaced by that). The five families' chat templates are
 written here around SmolLM2's byte-level vocabulary with each family's turn tokens added, and
 around a SentencePiece-style tokenizer trained here (Metaspace, "first" prepend scheme: the one
 pre-tokenizer that looks at where a piece starts).
@@ -152,7 +152,7 @@ def _records(k, contexts=CONTEXTS):
 
 def _whole(tok, prefix_text, prefix_ids, text):
   """Before: every completion's conversation tokenized whole."""
-  return tk._text_ids(tok, text, special=False)
+  return tk.text_ids(tok, text, special=False)
 
 
 def _tokenized(records, tok, opts):
@@ -196,15 +196,15 @@ def test_ids_and_drops_equal_whole_encoding(tokenizers_by_family, family, kind, 
     ]
   )
   tried = []
-  real_splits_at = tk._splits_at
+  real_splits_at = tk.splits_at
 
   def recording(t, prefix, rest):
     tried.append((rest, real_splits_at(t, prefix, rest)))
     return tried[-1][1]
 
-  monkeypatch.setattr(tk, "_splits_at", recording)
+  monkeypatch.setattr(tk, "splits_at", recording)
   ids, drops = _tokenized(records, tok, opts)
-  monkeypatch.setattr(tk, "_continued_ids", _whole)
+  monkeypatch.setattr(tk, "continued_ids", _whole)
   assert (ids, drops) == _tokenized(records, tok, opts)
   added = tuple(t.content for t in tok.added_tokens_decoder.values())
   if family in SPLIT_ALWAYS:
@@ -226,9 +226,9 @@ def test_a_pair_encodes_the_prompt_once(smollm2_tokenizer, monkeypatch):
     context=context, completions=([assistant("yes")], [assistant("no")]), ranks=(0, 1), source="row"
   )
   encoded = []
-  real = tk._text_ids
+  real = tk.text_ids
   monkeypatch.setattr(
-    tk, "_text_ids", lambda t, text, special: encoded.append(text) or real(t, text, special=special)
+    tk, "text_ids", lambda t, text, special: encoded.append(text) or real(t, text, special=special)
   )
   ex = tk.tokenize_preference(record, tok, tk.TokenizeOptions(), DropReport())
   prompt = tok.apply_chat_template(context, tokenize=False)
@@ -243,7 +243,7 @@ def test_a_pair_encodes_the_prompt_once(smollm2_tokenizer, monkeypatch):
 
 
 def _naive(tok, prefix, rest):
-  return tk._text_ids(tok, prefix, special=False) + tk._text_ids(tok, rest, special=False)
+  return tk.text_ids(tok, prefix, special=False) + tk.text_ids(tok, rest, special=False)
 
 
 @pytest.mark.parametrize(
@@ -264,10 +264,10 @@ def test_boundaries_that_do_not_split_are_encoded_whole(smollm2_tokenizer, token
   tok.add_tokens([token], special_tokens=True)
   if token.content == " <|x|>":
     tok.add_tokens([tokenizers.AddedToken("<|y|>", rstrip=True, normalized=False)], special_tokens=True)
-  whole = tk._text_ids(tok, prefix + rest, special=False)
-  assert not tk._splits_at(tok, prefix, rest)
-  prefix_ids = tk._text_ids(tok, prefix, special=False)
-  assert tk._continued_ids(tok, prefix, prefix_ids, prefix + rest) == whole
+  whole = tk.text_ids(tok, prefix + rest, special=False)
+  assert not tk.splits_at(tok, prefix, rest)
+  prefix_ids = tk.text_ids(tok, prefix, special=False)
+  assert tk.continued_ids(tok, prefix, prefix_ids, prefix + rest) == whole
   if token.content != " <|x|>":  # the halves would differ from the whole: the rule is needed
     assert _naive(tok, prefix, rest) != whole
 
@@ -275,12 +275,12 @@ def test_boundaries_that_do_not_split_are_encoded_whole(smollm2_tokenizer, token
 def test_a_token_added_later_is_seen(smollm2_tokenizer):
   tok = copy.deepcopy(smollm2_tokenizer)
   prefix, rest = "a<|im_end|>\n", "<|im_start|>b"
-  assert tk._splits_at(tok, prefix, rest)
+  assert tk.splits_at(tok, prefix, rest)
   tok.add_tokens([tokenizers.AddedToken("\n<|im_start|>", normalized=False)], special_tokens=True)
-  assert not tk._splits_at(tok, prefix, rest)
+  assert not tk.splits_at(tok, prefix, rest)
 
 
 def test_a_slow_tokenizer_or_split_special_tokens_is_encoded_whole(smollm2_tokenizer):
   tok = copy.deepcopy(smollm2_tokenizer)
   tok.split_special_tokens = True
-  assert not tk._splits_at(tok, "a<|im_end|>\n", "<|im_start|>b")
+  assert not tk.splits_at(tok, "a<|im_end|>\n", "<|im_start|>b")

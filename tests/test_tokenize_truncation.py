@@ -42,7 +42,7 @@ def conversation(rng, turns, system=True):
 def reference_pair(tok, record, max_length):
   """Cutting one turn more at a time until the row fits (or only the last turn is left, whose
   oldest tokens are then cut): the rule the truncation keeps."""
-  context, (head, starts) = record.context, tk._turn_starts(record.context)
+  context, (head, starts) = record.context, tk.turn_starts(record.context)
   for k in [None, *range(len(starts))]:
     shorter = context if k is None else context[:head] + context[starts[k] :]
     candidate = dataclasses.replace(record, context=shorter)
@@ -53,7 +53,7 @@ def reference_pair(tok, record, max_length):
 
 
 def reference_steps(tok, record, max_length):
-  head, starts = tk._turn_starts(record.prompt)
+  head, starts = tk.turn_starts(record.prompt)
   prompts = [record.prompt] + [record.prompt[:head] + record.prompt[s:] for s in starts]
   for k, shorter in enumerate(prompts):
     candidate = StepwiseRecord(prompt=shorter, steps=record.steps, labels=record.labels, source="s")

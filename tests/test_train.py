@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import tiny_run
 from flax import nnx
+from helpers import around
 
 from jaxrm import checkpointing, run_files, steps, update
 from jaxrm.config import TrainSpec, normalize_metric_name
@@ -49,15 +50,14 @@ def sigtermed(model_dir, tmp_path_factory):
   from jaxrm import preemption, trainer
 
   out = str(tmp_path_factory.mktemp("sigtermed") / "run")
-  dispatch = trainer._dispatch
 
-  def signalled(run, step):
+  def signalled(dispatch, run, step):
     if step == 3:  # the signal arrives while the step is under way
       os.kill(os.getpid(), signal.SIGTERM)
     return dispatch(run, step)
 
   with pytest.MonkeyPatch.context() as m:
-    m.setattr(trainer, "_dispatch", signalled)
+    around(m, trainer, "_dispatch", signalled)
     with pytest.raises(preemption.Stopped) as e:
       tiny_run.train(tiny_run.config(model_dir, out))
   assert str(e.value) == (
@@ -219,16 +219,7 @@ def test_resume_equals_uninterrupted_run(
   monkeypatch.setattr(HFCheckpoint, "get_tensor", unread)
   tiny_run.train(tiny_run.config(model_dir, out))
 
-  resumed, uninterrupted = rows_with(out, "train/loss"), rows_with(baseline, "train/loss")
-  assert list(resumed) == [1, 2, 3, 4]
-  for key in ("train/loss", "train/accuracy", "train/grad_norm", "train/learning_rate"):
-    np.testing.assert_allclose(
-      [resumed[s][key] for s in (1, 2, 3, 4)],
-      [uninterrupted[s][key] for s in (1, 2, 3, 4)],
-      rtol=0,
-      atol=1e-6,
-      err_msg=key,
-    )
+  tiny_run.assert_resumed_equals_uninterrupted(out, baseline, steps=[1, 2, 3, 4])
   val_resumed, val_uninterrupted = (
     rows_with(out, "validation-default_loss"),
     rows_with(baseline, "validation-default_loss"),
@@ -443,9 +434,10 @@ def test_sigkilled_run_resumes_from_latest_checkpoint(model_dir, tmp_path, caplo
     stderr=subprocess.PIPE,
     text=True,
   )
-  first_checkpoint = os.path.join(out, "checkpoints", "5")
+  # The first checkpoint whole: its checksum list is the last file a save writes.
+  first_checkpoint = os.path.join(out, "checkpoints", "5", checkpointing.CHECKSUMS)
   deadline = time.time() + 240
-  while not os.path.isdir(first_checkpoint) and killed.poll() is None and time.time() < deadline:
+  while not os.path.exists(first_checkpoint) and killed.poll() is None and time.time() < deadline:
     time.sleep(0.02)
   killed.send_signal(signal.SIGKILL)
   _, stderr = killed.communicate()

@@ -183,6 +183,27 @@ def train_losses(output_dir: str) -> dict[int, float]:
   return {r["step"]: r["train/loss"] for r in read_metrics(output_dir) if "train/loss" in r}
 
 
+RESUMED_KEYS = ("train/loss", "train/accuracy", "train/grad_norm", "train/learning_rate")
+
+
+def assert_resumed_equals_uninterrupted(
+  resumed: str, uninterrupted: str, steps, keys=RESUMED_KEYS, atol=1e-6
+):
+  """A run stopped and run again (in ``resumed``) logged what the run never stopped logged: the same
+  training ``steps``, once each, and every one of ``keys`` within ``atol`` (0: equal to the bit)."""
+  import numpy as np
+
+  got, want = ([r for r in read_metrics(out) if "train/loss" in r] for out in (resumed, uninterrupted))
+  assert [r["step"] for r in got] == [r["step"] for r in want] == list(steps)
+  for key in keys:
+    if atol:
+      np.testing.assert_allclose(
+        [r[key] for r in got], [r[key] for r in want], rtol=0, atol=atol, err_msg=key
+      )
+    else:
+      assert [r[key] for r in got] == [r[key] for r in want], key
+
+
 # ------------------------------------------------------------------ shared state of a test session
 
 _compile_cache: str | None = None

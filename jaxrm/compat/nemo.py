@@ -232,7 +232,7 @@ def translate(config: Mapping[str, Any], *, device_count: int) -> Translation:
   # What NeMo RL does where the YAML says nothing: no lr scheduler (a constant learning rate), and
   # training metrics logged at every step.
   tr.keys.update({"train.lr_scheduler": "constant", "train.warmup_steps": 0, "train.log_period": 1})
-  for section, handler in _SECTIONS.items():
+  for section, handler in SECTIONS.items():
     values = config.get(section)
     if values is None:
       continue
@@ -240,10 +240,9 @@ def translate(config: Mapping[str, Any], *, device_count: int) -> Translation:
       raise ConfigError(f"{section}: a NeMo RL section (a mapping of keys); got {values!r}")
     handler(dict(values), tr, config)
   for section in config:
-    if section not in _SECTIONS:
+    if section not in SECTIONS:
       raise ConfigError(
-        f"{section}: not a section of NeMo RL's RM config that jaxrm knows "
-        f"({', '.join(_SECTIONS)}); remove it"
+        f"{section}: not a section of NeMo RL's RM config that jaxrm knows ({', '.join(SECTIONS)}); remove it"
       )
   if config.get("cluster"):
     _check_cluster(config["cluster"], device_count)
@@ -725,7 +724,7 @@ def _check_cluster(cluster: Mapping[str, Any], device_count: int) -> None:
     )
 
 
-_SECTIONS = {
+SECTIONS = {
   "rm": _rm,
   "checkpointing": _checkpointing,
   "policy": _policy,

@@ -82,7 +82,7 @@ SYSTEM = {"role": "system", "content": "Answer briefly."}
 # them as often as not, so no reward model built on it can learn them from other countries. The
 # same holds for "which day/month/letter comes after X" with a neighbour as the wrong answer
 # (65% preferred right), which is why there are no such questions.
-_CAPITALS = (
+CAPITALS = (
   ("France", "Paris"),
   ("Germany", "Berlin"),
   ("Italy", "Rome"),
@@ -143,7 +143,7 @@ def _arithmetic_items() -> list[Item]:
 
 
 def _capital_items() -> list[Item]:
-  capitals = [capital for _, capital in _CAPITALS]
+  capitals = [capital for _, capital in CAPITALS]
   return [
     (
       "capitals",
@@ -151,7 +151,7 @@ def _capital_items() -> list[Item]:
       f"The capital of {country} is {capital}.",
       tuple(f"The capital of {country} is {other}." for other in capitals if other != capital),
     )
-    for country, capital in _CAPITALS
+    for country, capital in CAPITALS
   ]
 
 

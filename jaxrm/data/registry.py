@@ -259,6 +259,11 @@ def source_key(dataset_name: str, path: str | None, *, split: str = "train", **o
   }
 
 
+def resolve(dataset_name: str, path: str | None, split: str = "train") -> tuple[str, str, dict]:
+  """Where a dataset read from files or the hub is read: its path, split and read options."""
+  return _resolve(_spec(dataset_name), dataset_name, path, split, {})
+
+
 def _check_read_options(spec: _Spec, name: str, options: dict) -> None:
   allowed = ("num_rows", "seed") if spec.make else ("config",)
   unknown = sorted(set(options) - set(allowed))

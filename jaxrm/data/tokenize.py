@@ -275,13 +275,13 @@ def tokenize_stepwise(
   record: StepwiseRecord, tokenizer, opts: TokenizeOptions, drops: DropReport
 ) -> StepwiseExample | None:
   """Tokenizes one stepwise row, or returns None after counting it in ``drops``."""
-  sep = _text_ids(tokenizer, opts.step_separator, special=False)
+  sep = text_ids(tokenizer, opts.step_separator, special=False)
   if not sep:
     raise ValueError(
       f"step_separator={opts.step_separator!r} tokenizes to no tokens; "
       "choose a separator that is at least one token"
     )
-  steps = [_text_ids(tokenizer, s, special=False) + sep for s in record.steps]
+  steps = [text_ids(tokenizer, s, special=False) + sep for s in record.steps]
   prefix = _stepwise_prefix(tokenizer, record.prompt, sep, record.source)
   if len(prefix) + sum(map(len, steps)) > opts.max_length:
     if opts.truncation == "drop":
@@ -357,9 +357,9 @@ def _encode_group(
   generation prompt."""
   if isinstance(context, list):
     prompt_text = _chat_text(tokenizer, context, False, source, "context") if context else ""
-    prompt = _text_ids(tokenizer, prompt_text, special=False) if context else []
+    prompt = text_ids(tokenizer, prompt_text, special=False) if context else []
   else:
-    prompt = _text_ids(tokenizer, context, special=True) if context else []
+    prompt = text_ids(tokenizer, context, special=True) if context else []
   encoded = []
   for i, completion in enumerate(completions):
     field = f"completions[{i}]"
@@ -374,9 +374,9 @@ def _encode_group(
       )
     if isinstance(completion, list):
       text = _chat_text(tokenizer, list(context or []) + completion, asks, source, field)
-      full = _continued_ids(tokenizer, prompt_text if context else "", prompt, text)
+      full = continued_ids(tokenizer, prompt_text if context else "", prompt, text)
     else:
-      full = _text_ids(tokenizer, (context or "") + completion, special=True)
+      full = text_ids(tokenizer, (context or "") + completion, special=True)
     # A template or BPE merge may change tokens at the boundary; what is shared is the prompt.
     encoded.append((full, _common_prefix(full, prompt)))
   return encoded
@@ -415,7 +415,7 @@ def _asked(
   return dataclasses.replace(record, context=context), asked
 
 
-def _continued_ids(tokenizer, prefix_text: str, prefix_ids: list[int], text: str) -> list[int]:
+def continued_ids(tokenizer, prefix_text: str, prefix_ids: list[int], text: str) -> list[int]:
   """``text``'s ids (no special tokens added), reusing ``prefix_ids`` (``prefix_text``'s) where
   ``text`` continues ``prefix_text`` at a boundary the tokenizer provably splits at.
 
@@ -424,9 +424,9 @@ def _continued_ids(tokenizer, prefix_text: str, prefix_ids: list[int], text: str
   """
   if prefix_text and text.startswith(prefix_text):
     rest = text[len(prefix_text) :]
-    if _splits_at(tokenizer, prefix_text, rest):
-      return prefix_ids + _text_ids(tokenizer, rest, special=False)
-  return _text_ids(tokenizer, text, special=False)
+    if splits_at(tokenizer, prefix_text, rest):
+      return prefix_ids + text_ids(tokenizer, rest, special=False)
+  return text_ids(tokenizer, text, special=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,7 +434,7 @@ class _AddedTokens:
   """A fast tokenizer's added tokens, as far as splitting a text in two depends on them."""
 
   size: int  # len(tokenizer) when read: a token added since makes these stale
-  openers: tuple[str, ...]  # tokens a second half may start with (see _splits_at)
+  openers: tuple[str, ...]  # tokens a second half may start with (see splits_at)
   any_token: re.Pattern | None  # every added token, longest first, as a lookahead
   longest: int
 
@@ -442,7 +442,7 @@ class _AddedTokens:
 _ADDED_TOKENS: weakref.WeakKeyDictionary[Any, _AddedTokens] = weakref.WeakKeyDictionary()
 
 
-def _splits_at(tokenizer, prefix: str, rest: str) -> bool:
+def splits_at(tokenizer, prefix: str, rest: str) -> bool:
   """Whether encoding ``prefix + rest`` gives ``prefix``'s ids followed by ``rest``'s.
 
   A fast (``tokenizers``) tokenizer first cuts a text at its added tokens, then normalizes,
@@ -521,7 +521,7 @@ def _fewest_turns_cut(
   messages: list[Message], whole: T, encode: Callable[[list[Message]], T], fits: Callable[[T], bool]
 ) -> T:
   """``encode(shorter)`` of the conversation with the fewest oldest turns cut for ``fits`` to hold
-  (see :func:`_turn_starts`), else with every turn but the last cut; ``whole`` (the whole
+  (see :func:`turn_starts`), else with every turn but the last cut; ``whole`` (the whole
   conversation's encoding, which does not fit) when there is no turn to cut.
 
   Cutting a turn never lengthens a conversation, so the first cut that fits is found by galloping
@@ -529,7 +529,7 @@ def _fewest_turns_cut(
   O(log n) encodings, each at most about twice as long as what is kept, where trying one cut more
   at a time was quadratic in the conversation. The result is the same.
   """
-  head, starts = _turn_starts(messages)
+  head, starts = turn_starts(messages)
   if not starts:
     return whole
   done: dict[int, T] = {}
@@ -557,7 +557,7 @@ def _fewest_turns_cut(
   return encoded(fit)
 
 
-def _turn_starts(messages: list[Message]) -> tuple[int, list[int]]:
+def turn_starts(messages: list[Message]) -> tuple[int, list[int]]:
   """(messages always kept at the start, where each later turn starts): the conversation with its
   oldest turns cut, one turn more each time, is ``messages[:head] + messages[start:]`` for each
   start, in order.
@@ -571,7 +571,7 @@ def _turn_starts(messages: list[Message]) -> tuple[int, list[int]]:
 def _stepwise_prefix(tokenizer, prompt: Text, sep: list[int], source: str) -> list[int]:
   if isinstance(prompt, list):
     return _chat_ids(tokenizer, prompt, True, source, "prompt")
-  return _text_ids(tokenizer, prompt, special=True) + sep
+  return text_ids(tokenizer, prompt, special=True) + sep
 
 
 def _steps_kept(prefix_len: int, steps: list[list[int]], opts: TokenizeOptions) -> tuple[int, str | None]:
@@ -594,7 +594,7 @@ def _chat_ids(
 ) -> list[int]:
   text = _chat_text(tokenizer, messages, add_generation_prompt, source, field)
   # The template writes its own special tokens (BOS included); adding them again would double BOS.
-  return _text_ids(tokenizer, text, special=False)
+  return text_ids(tokenizer, text, special=False)
 
 
 def _chat_text(
@@ -608,7 +608,8 @@ def _chat_text(
     raise row_error(source, field, f"the tokenizer's chat template rejected it: {e}") from e
 
 
-def _text_ids(tokenizer, text: str, *, special: bool) -> list[int]:
+def text_ids(tokenizer, text: str, *, special: bool) -> list[int]:
+  """``text``'s ids, with the tokenizer's special tokens added when ``special``."""
   return list(tokenizer(text, add_special_tokens=special)["input_ids"])
 
 

@@ -619,9 +619,11 @@ class RewardServer:
         raise RuntimeError(f"the server did not get ready: {self.batcher.failed or 'timed out'}")
 
   def shutdown(self) -> None:
+    """Stops the server, started or never started, and lets go of its port."""
     self._uvicorn.should_exit = True
     if self._thread is not None:
       self._thread.join(timeout=60)
+    self._socket.close()
 
 
 def make_server(

@@ -162,6 +162,11 @@ class Batcher:
       self._update_gauges()
     return job
 
+  def put(self, job: Job) -> None:
+    """Queues a job made by the caller, as it is (:meth:`submit` makes one of a request's rows): a
+    caller driving the worker's steps (:meth:`collect`, :meth:`score_jobs`) itself feeds them so."""
+    self._queue.put(job)
+
   def give_up(self, job: Job) -> None:
     """The handler no longer waits (timeout, disconnect): its rows are not scored. Still queued, it
     lets go of them now; the worker drops it when it comes to it."""
@@ -190,9 +195,9 @@ class Batcher:
       if self._to_compile and self._queue.empty():
         self._compile_next()
         continue
-      jobs = self._collect()
+      jobs = self.collect()
       try:
-        self._score_jobs(jobs)
+        self.score_jobs(jobs)
       except Exception as e:  # pylint: disable=broad-except  # fail these requests, keep serving
         log.exception("scoring failed (requests %s)", _ids(jobs))
         for job in jobs:
@@ -213,11 +218,11 @@ class Batcher:
   def _warm_up(self) -> None:
     """Compiles the shapes needed before ready: the covering ones (or all), plain rows first."""
     start = time.perf_counter()
-    cover, later = self._compile_order()
+    cover, later = self.compile_order()
     if self.config.warm_up == "all":
       cover, later = cover + later, []
     for kind, shape in cover:
-      self._compile(kind, shape)
+      self.compile(kind, shape)
     self._to_compile, self._background = later, len(later)
     seconds, packed = time.perf_counter() - start, len(self._compiled[PACKED])
     if later:
@@ -234,7 +239,7 @@ class Batcher:
       log.info("compiled %d batch shapes (%d of them of packed rows) in %.1f s", len(cover), packed, seconds)
       self.all_compiled.set()
 
-  def _compile_order(self) -> tuple[list, list]:
+  def compile_order(self) -> tuple[list, list]:
     """Every (kind, shape): the covering shapes, then the others, those of full batches (what a
     busy server forms) first; plain rows before packed ones in each."""
     shapes = {ROWS: self.shapes(), PACKED: self.packed_shapes()}
@@ -244,7 +249,7 @@ class Batcher:
       (kind, s) for kind in shapes for s in shapes[kind] if (kind, s) not in cover + later
     ]
 
-  def _compile(self, kind: str, shape: tuple[int, int]) -> None:
+  def compile(self, kind: str, shape: tuple[int, int]) -> None:
     """Runs the model once on a dummy batch of ``shape``: its program compiles."""
     b, t = shape
     if kind == ROWS:
@@ -271,7 +276,7 @@ class Batcher:
     kind, shape = self._to_compile.pop(0)
     start = time.perf_counter()
     try:
-      self._compile(kind, shape)
+      self.compile(kind, shape)
     except Exception:  # pylint: disable=broad-except  # the covering shapes still score every batch
       log.exception("compiling the batch shape %s of %s failed; its batches stay padded", shape, kind)
     self._compile_s += time.perf_counter() - start
@@ -306,10 +311,10 @@ class Batcher:
       shapes=self.packed_shapes(),  # a pass takes the one of fewest token slots
     )
 
-  def _collect(self) -> list[Job]:
-    """The jobs to score next: the first to arrive, those arriving within batch_wait_ms while
-    what is taken would not fill a forward pass, and any already queued, up to DRAIN_BATCHES
-    batches' worth of rows."""
+  def collect(self) -> list[Job]:
+    """The worker's first step, the jobs to score next: the first to arrive, those arriving
+    within batch_wait_ms while what is taken would not fill a forward pass, and any already queued,
+    up to DRAIN_BATCHES batches' worth of rows."""
     first = self._take(0.1)
     if first is None:
       return []
@@ -347,7 +352,8 @@ class Batcher:
         if not job.done:
           return job
 
-  def _score_jobs(self, jobs: list[Job]) -> None:
+  def score_jobs(self, jobs: list[Job]) -> None:
+    """Scores ``jobs`` (as collected) and answers each: the worker's second step."""
     rows = [(job, i) for job in jobs if not job.done for i in range(len(job.rows))]
     groups = self._groups(rows)
     alone = sorted((rows[g[0]] for g in groups if len(g) == 1), key=lambda r: len(r[0].rows[r[1]]))
