@@ -67,8 +67,8 @@ def initialize_distributed(
     jax.distributed.initialize()  # Slurm cluster auto-detection
 
 
-# What follows --trl_args, and the section.key=value words after --nemo_config (set by _parse).
-_FOREIGN: dict[str, list[str]] = {"trl": [], "nemo": []}
+# What follows --trl_args, and the section.key=value words after --nemo_config (set by parse_flags).
+FOREIGN: dict[str, list[str]] = {"trl": [], "nemo": []}
 
 
 def main() -> None:
@@ -117,9 +117,9 @@ def _foreign_config():
   from jaxrm.compat import nemo, trl_args
 
   if FLAGS.nemo_config:  # read (and its errors shown) before the processes wait on each other
-    recipe, translate = nemo.load(FLAGS.nemo_config, _FOREIGN["nemo"]), nemo.translate
+    recipe, translate = nemo.load(FLAGS.nemo_config, FOREIGN["nemo"]), nemo.translate
   else:
-    recipe, translate = trl_args.parse(_FOREIGN["trl"]), _trl_translate
+    recipe, translate = trl_args.parse(FOREIGN["trl"]), _trl_translate
   initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   import jax
 
@@ -163,19 +163,19 @@ def _without_trl_args(argv: list[str]) -> None:
       )
 
 
-def _parse(argv: list[str]) -> list[str]:
+def parse_flags(argv: list[str]) -> list[str]:
   """absl's parsing of jaxrm's own flags; TRL's flags and NeMo RL's overrides are set aside."""
-  _FOREIGN.update(trl=[], nemo=[])  # this command line's only
+  FOREIGN.update(trl=[], nemo=[])  # this command line's only
   if "--trl_args" in argv:
     at = argv.index("--trl_args")
-    argv, _FOREIGN["trl"] = argv[: at + 1], argv[at + 1 :]
+    argv, FOREIGN["trl"] = argv[: at + 1], argv[at + 1 :]
   elif any(a.startswith("--nemo_config") for a in argv):
     ours = [argv[0]]
     for i, arg in enumerate(argv[1:], 1):
       if arg.startswith("-") or argv[i - 1] == "--nemo_config":  # a flag, or --nemo_config's own value
         ours.append(arg)
       else:
-        _FOREIGN["nemo"].append(arg)
+        FOREIGN["nemo"].append(arg)
     argv = ours
   else:
     _without_trl_args(argv)
@@ -183,4 +183,4 @@ def _parse(argv: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
-  cli.run(main, flags_parser=_parse)
+  cli.run(main, flags_parser=parse_flags)

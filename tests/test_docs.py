@@ -220,13 +220,13 @@ for argv in commands:
   if module != "jaxrm.train":
     F(sys.argv)
     continue
-  train._parse(sys.argv)
+  train.parse_flags(sys.argv)
   if F.config is not None:
     cli.run_config(F.config)
   elif F.nemo_config:
-    nemo.translate(nemo.load(F.nemo_config, train._FOREIGN["nemo"]), device_count=1).run_config()
+    nemo.translate(nemo.load(F.nemo_config, train.FOREIGN["nemo"]), device_count=1).run_config()
   else:
-    trl_args.translate(trl_args.parse(train._FOREIGN["trl"]), device_count=1).run_config()
+    trl_args.translate(trl_args.parse(train.FOREIGN["trl"]), device_count=1).run_config()
 """
 
 
