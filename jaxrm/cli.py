@@ -140,6 +140,12 @@ def config_flags_parser(flag_values):
 OPEN_DICTS = ("data.val_data_paths",)
 
 
+def added_entries(argv: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
+  """``argv`` without the overrides that add a name to an :data:`OPEN_DICTS` dict of its
+  ``--config`` file's config, and those ``(key, value)`` pairs."""
+  return _added_entries(_config_of(argv), argv)
+
+
 def _added_entries(config, argv: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
   """``argv`` without the overrides that add a name to an :data:`OPEN_DICTS` dict of ``config``
   (config_flags refuses a key the config lacks), and those ``(key, value)`` pairs."""

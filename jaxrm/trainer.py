@@ -177,7 +177,7 @@ def _set_up(config: RunConfig) -> _Run:
   data = load_run_data(config, rm.tokenizer)
   inputs = _make_input(config, mesh, data, pad_id(rm.tokenizer, rm.config.pad_token_id))
   _count_unused(config, data, inputs)
-  total_steps, ends_by = _total_steps(config, inputs.stream)
+  total_steps, ends_by = planned_steps(config, inputs.stream)
   # ------------------------------------------------------------------ update
   built = update.build_update(
     rm.model,
@@ -228,7 +228,7 @@ def _set_up(config: RunConfig) -> _Run:
   return run
 
 
-def _total_steps(config: RunConfig, stream: pipeline.TrainStream) -> tuple[int, str]:
+def planned_steps(config: RunConfig, stream: pipeline.TrainStream) -> tuple[int, str]:
   """``train.max_steps`` (the data repeated as needed, as TRL's max_steps), or fewer where
   ``train.max_epochs`` is set and ends the run first (as NeMo RL's); and which of the two ends it,
   as the run's start says."""

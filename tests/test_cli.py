@@ -141,7 +141,7 @@ def test_a_new_validation_set_is_a_key_the_config_gains(capsys):
     "--config.data.val_data_paths.default=x",
   ]
   cli.check_config_keys(argv)  # no exit
-  assert cli._added_entries(cli._config_of(argv), argv) == (  # pylint: disable=protected-access
+  assert cli.added_entries(argv) == (
     ["train", f"--config={tiny_run.__file__}", "--config.data.val_data_paths.default=x"],
     [("data.val_data_paths.second", "v.jsonl")],
   )

@@ -376,14 +376,9 @@ def test_only_the_loading_module_interprets_model_paths():
 
 # ------------------------------------------------------------------ tests use the front door
 
-# Test modules that still read a private name, each with its reason. A fault injected into a private
+# Test modules allowed to read a private name, each with its reason (none now). A fault injected into a private
 # function goes through helpers.around or monkeypatch.setattr by name, which this check allows.
-PRIVATE_READS = {
-  # cli's added-entries rule is asserted on its own; it needs a public seam in cli.py.
-  "test_cli.py": {"jaxrm.cli._added_entries", "jaxrm.cli._config_of"},
-  # How the run's length is chosen and named, without a run; it needs a public seam in trainer.py.
-  "test_settings_errors.py": {"jaxrm.trainer._total_steps"},
-}
+PRIVATE_READS: dict[str, set[str]] = {}
 
 
 def _is_private(name: str) -> bool:

@@ -70,7 +70,7 @@ def test_the_start_says_which_of_max_steps_and_max_epochs_ends_the_run():
   from jaxrm.config import RunConfig, TrainSpec
 
   stream = SimpleNamespace(steps_per_epoch=8, num_examples=64, global_batch_size=8)
-  run = lambda **train: trainer._total_steps(RunConfig(train=TrainSpec(warmup_steps=1, **train)), stream)
+  run = lambda **train: trainer.planned_steps(RunConfig(train=TrainSpec(warmup_steps=1, **train)), stream)
   assert run(max_steps=10, max_epochs=2) == (10, "train.max_steps")
   assert run(max_steps=100, max_epochs=2) == (
     16,
