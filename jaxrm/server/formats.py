@@ -230,7 +230,7 @@ def _input_rows(enc: Encoder, body: Body, special: bool) -> list[tuple[str, list
   value = body["input"]
   if isinstance(value, str):
     items = [("input", enc.text_ids("input", value, special=special))]
-  elif isinstance(value, list) and value and all(map(_is_int, value)):  # one row of token ids
+  elif _token_ids(value):  # one row of token ids
     items = [("input", enc.given_ids("input", value))]
   elif isinstance(value, list) and value:
     enc.check_count("input", len(value))
@@ -382,7 +382,7 @@ def parse_sglang_classify(enc: Encoder, body: Body) -> Scoring:
     rows = [enc.fitted(w, enc.text_ids(w, t, special=True)) for w, t in zip(wheres, texts)]
   else:
     value = body["input_ids"]
-    single = isinstance(value, list) and bool(value) and all(map(_is_int, value))
+    single = _token_ids(value)
     items = [value] if single else enc.items(body, "input_ids", "token ids, or a list of them")
     wheres = ["input_ids"] if single else [f"input_ids[{i}]" for i in range(len(items))]
     rows = [enc.fitted(w, enc.given_ids(w, ids)) for w, ids in zip(wheres, items)]
@@ -545,6 +545,11 @@ def _flag(body: Body, name: str, default: bool) -> bool:
 
 def _is_int(x: Any) -> bool:
   return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _token_ids(value: Any) -> bool:
+  """Whether ``value`` is one row of token ids: a non-empty list of integers (checked at C speed)."""
+  return isinstance(value, list) and bool(value) and set(map(type, value)) == {int}
 
 
 def _counted(parse: Callable[[Encoder, Body], Scoring]) -> Callable[[Encoder, Body], Scoring]:
