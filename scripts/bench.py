@@ -568,6 +568,30 @@ LORA_SUFFIX = "+lora"  # a worker "<mode>+lora" trains adapters (--vs-lora)
 VARIANT_SEP = "~"  # a worker "<mode>~<variant>" runs --vs-variant's variant
 
 
+def compile_only_update(args, target: str):
+  """The bench's update for ``args`` built over abstract weights on one compile-only GPU of
+  ``target`` (``jaxrm.gpu_targets``), with its collator, mesh and model config: what
+  ``gpu_check.py --compile_only`` and ``step_time_calibration.py`` compile for each batch shape."""
+  import dataclasses
+
+  from jaxrm import gpu_targets, sharding, update
+  from jaxrm.config import RewardSpec, TrainSpec
+  from jaxrm.hf.loader import placed_abstract_model
+
+  cfg = model_config(args)
+  if args.lora:
+    cfg = dataclasses.replace(cfg, lora=lora_config(args))
+  mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), devices=gpu_targets.devices(target, "1x1"))
+  built = update.build_update(
+    placed_abstract_model(cfg, mesh),
+    RewardSpec(),
+    TrainSpec(**TRAIN, seed=args.seed),
+    total_steps=args.warmup + args.steps,
+    mesh=mesh,
+  )
+  return built, collator(args.modes[0], args), mesh, cfg
+
+
 def lora_config(args):
   """The adapters of ``--vs-lora`` and ``--lora``: rank ``--lora_rank`` on every linear layer,
   OpenRLHF's alpha; ``--lora`` keeps the frozen base in ``--dtype`` (bfloat16: 2 bytes a weight)."""

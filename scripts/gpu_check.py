@@ -699,31 +699,17 @@ def compile_bench(target: str, argv: list[str] | None = None) -> dict:
   """The benchmark's step (``argv``; default ``BENCH_ARGS``, ``--attention=auto``), as
   ``bench.py`` builds it on one device but over abstract weights, compiled for each of its batch
   shapes for ``target``."""
-  import dataclasses
 
   import bench
   import jax
 
-  from jaxrm import fit_check, sharding, update
-  from jaxrm.config import RewardSpec, TrainSpec
-  from jaxrm.hf.loader import placed_abstract_model
+  from jaxrm import fit_check, sharding
   from jaxrm.memory import ProgramMemory
   from jaxrm.models.decoder import attention_summary
 
   argv = argv or BENCH_ARGS + ["--attention=auto"]
   args = bench.parse_args(argv)
-  cfg = bench.model_config(args)
-  if args.lora:
-    cfg = dataclasses.replace(cfg, lora=bench.lora_config(args))
-  mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), devices=gpu_targets.devices(target, "1x1"))
-  built = update.build_update(
-    placed_abstract_model(cfg, mesh),
-    RewardSpec(),
-    TrainSpec(**bench.TRAIN, seed=args.seed),
-    total_steps=args.warmup + args.steps,
-    mesh=mesh,
-  )
-  collate = bench.collator(args.modes[0], args)
+  built, collate, mesh, cfg = bench.compile_only_update(args, target)
   batches = {}
   for group in bench.batches_of(bench.bench_pairs(args), args):
     batch = collate(group)

@@ -38,21 +38,10 @@ def bench_point(target: str, measured: dict) -> dict:
   import jax
   import numpy as np
 
-  from jaxrm import gpu_targets, sharding, step_time, update
-  from jaxrm.config import RewardSpec, TrainSpec
-  from jaxrm.hf.loader import placed_abstract_model
+  from jaxrm import gpu_targets, sharding, step_time
 
   args = bench.parse_args(BENCH_ARGS)
-  cfg = bench.model_config(args)
-  mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), devices=gpu_targets.devices(target, "1x1"))
-  built = update.build_update(
-    placed_abstract_model(cfg, mesh),
-    RewardSpec(),
-    TrainSpec(**bench.TRAIN, seed=args.seed),
-    total_steps=args.warmup + args.steps,
-    mesh=mesh,
-  )
-  collate = bench.collator(args.modes[0], args)
+  built, collate, mesh, _ = bench.compile_only_update(args, target)
   shapes: dict[tuple, dict] = {}
   for i, group in enumerate(bench.batches_of(bench.bench_pairs(args), args)):
     if i < args.warmup:
