@@ -280,7 +280,13 @@ class RewardModel:
     return max_length or self.config.max_position_embeddings
 
   def encode(
-    self, item: Text, completion: Text | None = None, *, max_length: int | None = None, where: str = "item"
+    self,
+    item: Text,
+    completion: Text | None = None,
+    *,
+    max_length: int | None = None,
+    where: str = "item",
+    drops: DropReport | None = None,
   ) -> list[int]:
     """Token ids of a chat (message list) or plain text, laid out as in preference training.
 
@@ -291,7 +297,7 @@ class RewardModel:
     rendered as training rendered its rows (:attr:`rendering`): a conversation given to a model
     trained on plain text is scored as its turns' contents joined; strings given to a model trained
     on conversations are scored as sent (they may be texts the template rendered). The log says
-    so the first time.
+    so the first time. ``drops``, if given, counts the row in ``drops.cut`` where it lost context.
     """
     item = parse_text(item, "encode", where)
     if completion is None:
@@ -312,7 +318,9 @@ class RewardModel:
     limit = self._max_length(max_length)
     question = None if self.verifier is None else self.verifier.question
     options = TokenizeOptions(limit, "left", verifier_question=question)
-    example = tokenize_preference(record, self._tokenizer(), options, DropReport())
+    example = tokenize_preference(
+      record, self._tokenizer(), options, drops if drops is not None else DropReport()
+    )
     if example is None:
       raise DataError(f"{where}: the completion alone is longer than max_length={limit} tokens")
     if not len(example.input_ids[0]):

@@ -95,3 +95,16 @@ def test_the_docs_page_names_every_signal_as_reported():
     assert f"| `{name}` |" in page, name
   for prefix in (reward_funcs.HEALTH_PREFIX, formats.HEALTH_PREFIX, "jaxrm_"):
     assert f"`{prefix}" in page, prefix
+
+
+def test_one_request_moves_the_servers_window_by_its_share_only():
+  """A request of as many rows as the window holds adds HEALTH_SHARE of them, evenly spaced: the
+  others' health is not replaced by one client's request."""
+  from jaxrm.server.metrics import HEALTH_SHARE, HEALTH_WINDOW, Metrics
+
+  metrics = Metrics()
+  for _ in range(HEALTH_WINDOW):
+    metrics.scored([0.0], [[1, 2]])
+  health = metrics.scored([5.0] * HEALTH_WINDOW, [[1, 2]] * HEALTH_WINDOW, truncated=HEALTH_WINDOW)
+  assert health["reward_mean"] == pytest.approx(5.0 * HEALTH_SHARE / HEALTH_WINDOW)
+  assert health["truncated"] == pytest.approx(HEALTH_SHARE / HEALTH_WINDOW)

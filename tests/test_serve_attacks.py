@@ -54,3 +54,13 @@ def test_token_ids_checked_at_the_vocabulary_bounds(enc, tiny_rm):
     refused(enc.given_ids, "input", [1, True]) == "input[1] is a boolean; expected a token id (an integer)"
   )
   assert refused(enc.given_ids, "input", [1, 2.0]) == "input[1] is a number; expected a token id (an integer)"
+
+
+def test_a_prompt_cut_to_fit_is_counted_as_truncated(enc, tiny_rm):
+  """A prompt over max_length loses its oldest context, as training's truncation="left" does: the
+  reward's health counts it (before, only cuts a request asked for were counted)."""
+  request = enc.for_request(float("inf"), lambda: False)
+  long_prompt = " ".join(["word"] * 400)  # far over the tiny model's 128 tokens
+  rows = request.score({"prompts": [long_prompt, "2 + 2?"], "completions": ["4", "4"]})
+  assert len(rows[0]) <= SERVER_CONFIG.resolved(tiny_rm.config.max_position_embeddings).max_length
+  assert request.truncated == 1

@@ -30,6 +30,7 @@ class DropReport:
   def __init__(self):
     self.counts: collections.Counter[str] = collections.Counter()
     self.examples: dict[str, list[str]] = collections.defaultdict(list)
+    self.cut = 0  # rows kept with their oldest context cut to fit (truncation="left"): not dropped
 
   def drop(self, reason: str, source: str, count: int = 1) -> None:
     """Counts ``count`` rows dropped for ``reason``; ``source`` names the row, or all of them when
@@ -43,6 +44,7 @@ class DropReport:
     self.drop(UNUSED + reason, source, count)
 
   def merge(self, other: DropReport) -> None:
+    self.cut += other.cut
     for reason, n in other.counts.items():
       self.counts[reason] += n
       room = self.max_examples - len(self.examples[reason])

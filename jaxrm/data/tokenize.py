@@ -217,6 +217,7 @@ def tokenize_preference(
     if encoded is None:
       drops.drop(COMPLETION_TOO_LONG, record.source)
       return None
+    drops.cut += 1
   if len({tuple(ids) for ids, _ in encoded}) < len(encoded):
     drops.drop(IDENTICAL_COMPLETIONS, record.source)
     return None

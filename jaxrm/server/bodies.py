@@ -14,6 +14,7 @@ from typing import Any
 import jinja2
 
 from jaxrm import step_rewards
+from jaxrm.data.drops import DropReport
 from jaxrm.data.formats import kind, validate_messages
 from jaxrm.errors import ConfigError, DataError
 from jaxrm.server.config import ServerConfig
@@ -127,7 +128,7 @@ class Encoder:
     self._until: float | None = None
     self._gave_up: Callable[[], bool] = lambda: False
     self._messages = 0
-    self.truncated = 0  # the request's items cut by fitted(), as the client asked (truncate_prompt_tokens)
+    self.truncated = 0  # the request's items cut to fit: as the client asked, or their oldest context
 
   def for_request(self, until: float, gave_up: Callable[[], bool]) -> Encoder:
     """This encoder for one request: it counts the request's messages against max_messages, and
@@ -279,10 +280,15 @@ class Encoder:
     return value if isinstance(value, str) else self.messages(value, field)
 
   def encode(self, where: str, item, completion=None) -> list[int]:
-    """A conversation or text (with its completion, if given) laid out as training lays it out."""
-    return self._encoded(
-      where, lambda: self.rm.encode(item, completion, max_length=self.config.max_length, where=where)
+    """A conversation or text (with its completion, if given) laid out as training lays it out:
+    over max_length, its oldest context is cut (counted in :attr:`truncated`)."""
+    drops = DropReport()
+    ids = self._encoded(
+      where,
+      lambda: self.rm.encode(item, completion, max_length=self.config.max_length, where=where, drops=drops),
     )
+    self.truncated += drops.cut
+    return ids
 
   def _encoded(self, where: str, encode):
     """``encode()``, its refusal (over-long or empty, or a template refusing it) a 400 naming ``where``."""

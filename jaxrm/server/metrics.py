@@ -14,12 +14,15 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 # The rewards the health gauges are read over: the last this many scored, whichever requests sent
 # them (RL loops send one completion per request).
 HEALTH_WINDOW = 256
+# One request adds at most this many of its rewards (evenly spaced through it) to the window: no
+# single request, however large, replaces the window every client's health is read from.
+HEALTH_SHARE = HEALTH_WINDOW // 8
 HEALTH_GAUGES = {
   reward_health.MEAN: f"Mean of the last {HEALTH_WINDOW} rewards",
   reward_health.STD: f"Standard deviation of the last {HEALTH_WINDOW} rewards",
   reward_health.LENGTH_CORR: f"Pearson's r of the last {HEALTH_WINDOW} rewards with their rows' lengths",
   reward_health.OUT_OF_RANGE: f"Share of the last {HEALTH_WINDOW} rewards outside the validation range",
-  reward_health.TRUNCATED: f"Share of the last {HEALTH_WINDOW} rows cut to fit, as their requests asked",
+  reward_health.TRUNCATED: f"Share of the last {HEALTH_WINDOW} rows cut to fit",
 }
 
 
@@ -100,11 +103,15 @@ class Metrics:
 
   def scored(self, rewards: list, rows: list[list[int]], truncated: int = 0) -> dict[str, float]:
     """Adds one request's rewards (with its rows' lengths in tokens, ``truncated`` of them cut to
-    fit) to the health window; the window's health after it. A process model's per-token outputs
-    are not rewards, and an empty request adds none: for both, no health."""
+    fit) to the health window, at most :data:`HEALTH_SHARE` of them; the window's health after it.
+    A process model's per-token outputs are not rewards, and an empty request adds none: for both,
+    no health."""
     if not rewards or not all(isinstance(x, numbers.Real) for x in rewards):
       return {}
-    health = self._window.add([float(x) for x in rewards], [len(row) for row in rows], truncated)
+    n = len(rewards)
+    kept = range(n) if n <= HEALTH_SHARE else [i * n // HEALTH_SHARE for i in range(HEALTH_SHARE)]
+    truncated = round(truncated * len(kept) / n)
+    health = self._window.add([float(rewards[i]) for i in kept], [len(rows[i]) for i in kept], truncated)
     for name, value in health.items():
       if name not in self._health:
         what = f"{HEALTH_GAUGES[name]} (jaxrm.reward_health)."

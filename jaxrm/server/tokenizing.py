@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from jaxrm.data.drops import DropReport
 from jaxrm.server.bodies import GaveUp, RequestError, timed_out
 
 log = logging.getLogger("jaxrm.server")
@@ -151,13 +152,23 @@ class RequestModel:
   def __getattr__(self, name: str):
     return getattr(self._tokenizers.rm, name)
 
-  def encode(self, item, completion=None, *, max_length: int | None = None, where: str = "item") -> list[int]:
+  def encode(
+    self, item, completion=None, *, max_length: int | None = None, where: str = "item", drops=None
+  ) -> list[int]:
+    """``rm.encode``, once per distinct item of the request; ``drops.cut`` counts a cut item each
+    time it is asked for."""
     key = ("encode", _key(item), _key(completion), max_length)
-    return self._once(
-      key,
-      _chars(item) + _chars(completion),
-      lambda rm: rm.encode(item, completion, max_length=max_length, where=where),
-    )
+    if key not in self._done:
+      report = DropReport()
+      ids = self.work(
+        _chars(item) + _chars(completion),
+        lambda rm: rm.encode(item, completion, max_length=max_length, where=where, drops=report),
+      )
+      self._done[key] = (ids, report.cut)
+    ids, cut = self._done[key]
+    if drops is not None:
+      drops.cut += cut
+    return list(ids)
 
   def encode_steps(self, prompt, steps, **kwargs):
     chars = _chars(prompt) + sum(len(s) for s in steps if isinstance(s, str))
