@@ -198,10 +198,10 @@ def _set_up(config: RunConfig) -> _Run:
     state, last_val, start_step = _resume(ckpt, resume_step, state, inputs.train_iter)
   if is_main and start_step < total_steps:  # a finished run's files stay as they are
     rerun.record(config, out_dir, _model_path(source))
-  if ckpt is not None and is_main and start_step < total_steps:
-    rerun.claim_checkpoint_dir(out_dir, ckpt.directory)
-    base = run_files.base_reference(config.model.name_or_path) if lora_cfg.enabled else None
-    run_files.RunFiles(out_dir, rm.config, config, base).write(rm.tokenizer)
+    if ckpt is not None:
+      rerun.claim_checkpoint_dir(out_dir, ckpt.directory)
+      base = run_files.base_reference(config.model.name_or_path) if lora_cfg.enabled else None
+      run_files.RunFiles(out_dir, rm.config, config, base).write(rm.tokenizer)
   # ------------------------------------------------------------------ summary
   writer = MetricsWriter(
     out_dir, logger=config.logger, run_config=config.to_dict(), enabled=is_main, resume_step=start_step
