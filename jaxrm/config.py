@@ -35,6 +35,7 @@ from jaxrm.metrics import finalize_metrics, normalize_metric_name
 from jaxrm.models.config import ATTENTION_IMPLS, REMAT_POLICIES
 from jaxrm.models.lora import ALL_LINEAR, LoraConfig
 from jaxrm.sharding import MeshConfig
+from jaxrm.tasks import pairwise
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +181,10 @@ class RewardSpec:
   verifier_answers: str = ",".join(verifiers.DEFAULT_ANSWERS)
   # verifier: the loss on its log-odds: bradley_terry | plackett_luce | all_pairs
   verifier_loss: str = "bradley_terry"
+  # pairwise: the question asked after the conversation and the two responses (jaxrm.tasks.pairwise)
+  judge_question: str = pairwise.DEFAULT_QUESTION
+  # pairwise: its two answers, "A is better,B is better"; each must be one token of the tokenizer
+  judge_answers: str = ",".join(pairwise.DEFAULT_ANSWERS)
 
   def __post_init__(self):
     _check_types(self, "reward.")
@@ -208,17 +213,10 @@ class RewardSpec:
     return tasks.of_reward_type(self.type)
 
   @functools.cached_property
-  def verifier(self) -> verifiers.Verifier | None:
-    """The question and answers of a verifier run (``reward.type='verifier'``); None for others."""
-    if self.task is not tasks.VERIFIER:
-      return None
-    try:
-      return verifiers.Verifier(self.verifier_question, self.verifier_answers)
-    except ConfigError as e:
-      raise ConfigError(
-        f"reward.verifier_question={self.verifier_question!r}, reward.verifier_answers="
-        f"{self.verifier_answers!r}: {e}"
-      ) from None
+  def verifier(self) -> verifiers.Verifier | pairwise.Judge | None:
+    """What a run of an LM-head task asks (its task's ``asker``: a verifier's question and answers,
+    ``reward.type='verifier'``; a pairwise judge's, ``pairwise``); None for others."""
+    return None if self.task.asker is None else self.task.asker.of_spec(self)
 
   @functools.cached_property
   def attribute_names(self) -> tuple[str, ...]:
@@ -661,11 +659,10 @@ class RunConfig:
 
   @property
   def tokenize_options(self) -> TokenizeOptions:
-    """How the run's records are tokenized: ``data``'s options, and a verifier's question."""
-    verifier = self.reward.verifier
-    return dataclasses.replace(
-      self.data.tokenize_options, verifier_question=None if verifier is None else verifier.question
-    )
+    """How the run's records are tokenized: ``data``'s options, as the task's asker reads them (a verifier's
+    question after each completion, a judge's pairs in both orders)."""
+    asker = self.reward.verifier
+    return self.data.tokenize_options if asker is None else asker.tokenize_options(self.data.tokenize_options)
 
   def to_dict(self) -> dict[str, Any]:
     """The nested dict of every key (what ``config.json`` holds)."""

@@ -63,6 +63,27 @@ class Verifier:
       f"jaxrm.verifier.Verifier; got {value!r}"
     )
 
+  @classmethod
+  def of_spec(cls, spec: Any) -> Verifier:
+    """The verifier of a run's ``reward`` section (``verifier_question``, ``verifier_answers``)."""
+    try:
+      return cls(spec.verifier_question, spec.verifier_answers)
+    except ConfigError as e:
+      raise ConfigError(
+        f"reward.verifier_question={spec.verifier_question!r}, reward.verifier_answers="
+        f"{spec.verifier_answers!r}: {e}"
+      ) from None
+
+  @classmethod
+  def from_json(cls, saved: Mapping[str, Any]) -> Verifier:
+    """The verifier a file records (:meth:`to_json`)."""
+    return cls(question=saved["question"], answers=tuple(saved["answers"]))
+
+  def tokenize_options(self, options: Any) -> Any:
+    """``options`` (:class:`jaxrm.data.tokenize.TokenizeOptions`) with each completion followed by
+    this verifier's question."""
+    return dataclasses.replace(options, verifier_question=self.question)
+
   def token_ids(self, tokenizer: Any) -> tuple[int, int]:
     """The ids of the two answers; each must be one token as
     ``tokenizer.encode(answer, add_special_tokens=False)`` gives it."""

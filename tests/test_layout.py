@@ -140,8 +140,17 @@ LAYERS = {
   "jaxrm.metrics": set(),
   "jaxrm.host_memory": set(),
   "jaxrm.kinds": {"jaxrm.errors", "jaxrm.tasks"},
-  # A task is data the library asks: it names its batches and losses, and imports nothing above them.
-  "jaxrm.tasks": {"jaxrm.batches", "jaxrm.losses"},
+  # A task is what the library asks: it names its batches and losses and reads its rows (jaxrm.data),
+  # and imports nothing above them.
+  "jaxrm.tasks": {
+    "jaxrm.tasks",
+    "jaxrm.batches",
+    "jaxrm.losses",
+    "jaxrm.metrics",
+    "jaxrm.errors",
+    "jaxrm.verifier",
+    "jaxrm.data",
+  },
   "jaxrm.models": {"jaxrm.errors", "jaxrm.sharding", "jaxrm.models"},
   # Family specs are data that the model config asks: they import no model code.
   "jaxrm.models.families": {"jaxrm.errors", "jaxrm.models.families"},

@@ -17,20 +17,21 @@ def _head(head: str, num_labels: int):
 
 
 def test_each_reward_type_trains_one_task():
-  assert tasks.REWARD_TYPES == ("bradley_terry", "ranking", "stepwise", "regression", "verifier")
+  assert tasks.REWARD_TYPES == ("bradley_terry", "ranking", "stepwise", "regression", "verifier", "pairwise")
   assert [tasks.of_reward_type(t).name for t in tasks.REWARD_TYPES] == [
     "preference",
     "preference",
     "process",
     "regression",
     "verifier",
+    "pairwise",
   ]
 
 
 def test_an_unknown_reward_type_names_the_known_ones():
   with pytest.raises(
     ValueError,
-    match=r"^reward.type must be one of bradley_terry, ranking, stepwise, regression, verifier; got 'pairs'$",
+    match=r"^reward.type must be one of bradley_terry, ranking, stepwise, regression, verifier, pairwise; got 'pairs'$",
   ):
     tasks.of_reward_type("pairs")
 
@@ -48,7 +49,13 @@ def test_a_head_tells_its_task():
 
 
 def test_the_head_a_task_trains_is_told_as_that_task():
+  """Of the tasks that train one head, the first is told from it: the others (a pairwise judge's LM
+  head is a verifier's) exist only since models record their task, so none is ever told so."""
+  told = {}
   for task in tasks.TASKS.values():
+    told.setdefault((task.head, task.num_labels), task)
+  assert told[("lm", 1)] is tasks.VERIFIER and tasks.PAIRWISE not in told.values()
+  for task in told.values():
     attributes = ("a", "b") if task.per_attribute else None
     head = _head(task.head, len(attributes) if attributes else task.num_labels)
     assert tasks.of_head(head, attributes) is task
@@ -67,9 +74,12 @@ def test_a_recorded_task_is_read_and_checked_against_the_head():
 
 
 def test_every_task_has_datasets_an_evaluation_and_unpacked_batches():
-  # A verifier trains on a preference model's datasets and is evaluated as one, whose uses it serves.
-  own = {t.name for t in tasks.TASKS.values() if not t.serves}
-  assert {registry.task(n).name for n in registry.DATASET_NAMES} == own
+  # A verifier and a pairwise judge train on a preference model's datasets: the first task of a
+  # data kind owns its datasets.
+  owners = {}
+  for t in tasks.TASKS.values():
+    owners.setdefault(t.data, t.name)
+  assert {registry.task(n).name for n in registry.DATASET_NAMES} == set(owners.values())
   assert {registry.kind(n) for n in registry.DATASET_NAMES} == {t.data for t in tasks.TASKS.values()}
   # A verifier's labelled items are the one kind of evaluation data besides the tasks' own.
   assert set(data_kinds.KINDS) == {t.evaluation for t in tasks.TASKS.values()} | {"labelled"}

@@ -95,6 +95,10 @@ class TokenizeOptions:
     rendering: render every preference, rated or labelled row this way (:data:`RENDERINGS`,
       see :func:`rendered_as`) whatever form it is given in; None: each as its form says
       (:func:`rendering`), as training does.
+    reads: a task's own reading of preference rows (a pairwise judge's,
+      :class:`jaxrm.tasks.pairwise.Judge`): an object whose ``examples(record, tokenizer,
+      options, drops)`` gives the examples of one row (several, or none when it drops it); None:
+      each row is one example, read as above.
   """
 
   max_length: int = 1024
@@ -103,6 +107,7 @@ class TokenizeOptions:
   train_on_last_step_only: bool = False
   verifier_question: str | None = None
   rendering: str | None = None
+  reads: Any = None
 
   def __post_init__(self):
     if self.rendering not in (None, *RENDERINGS):
@@ -333,6 +338,9 @@ def tokenize_all(
   """Tokenizes every record; dropped rows are counted in ``drops`` and left out."""
   out = []
   for record in records:
+    if isinstance(record, PreferenceRecord) and opts.reads is not None:
+      out += opts.reads.examples(record, tokenizer, opts, drops)
+      continue
     if isinstance(record, PreferenceRecord):
       example = tokenize_preference(record, tokenizer, opts, drops)
     elif isinstance(record, RatedRecord):

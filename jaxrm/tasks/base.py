@@ -1,0 +1,68 @@
+"""The shape of a reward task: what every task in this package says of itself (:class:`Task`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from jaxrm import losses
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # one object per task, compared by identity
+class Task:
+  """One kind of reward model: how it is trained, and what its head is."""
+
+  name: str  # the model kind: RewardModel.kind, and what jaxrm.kinds.check_kind is asked for
+  reward_types: tuple[str, ...]  # the reward.type values that train it
+  data: str  # the kind of the datasets it trains on (jaxrm.data.registry.kind)
+  evaluation: str  # its key in jaxrm.evaluation.data_kinds.KINDS (an evaluation result's "kind")
+  # data.packing -> the batch class its rows are collated into; a mode left out is refused
+  batches: Mapping[str, type]
+  packing_refused: str  # why a data.packing left out of `batches` is refused ({packing}: the mode)
+  # "sequence" (one output vector per row) | "token" (one per token) | "lm" (a verifier's: one
+  # log-odds per row, from the LM head)
+  head: str
+  num_labels: int | None  # the head's outputs; None: one per rated attribute (reward.attributes)
+  # RewardSpec.loss_key -> fn(spec, outputs, batch) -> (loss, metrics)
+  losses: Mapping[tuple[str, str | None], losses.SpecLoss]
+  # validation's metrics that need the whole set: fn(spec, outputs, batch) -> {"samples": ...}
+  samples: losses.SpecMetrics | None
+  # fn(spec) -> (outputs, batch) of one tiny unpacked batch: what the loss's metrics are named
+  example: Callable[[Any], tuple[np.ndarray, Any]]
+  # The wrong-model message (jaxrm.kinds.check_kind): what a use of this task needs, how to train
+  # a model of it, and what a model of it is used for instead (None: the message says how to train
+  # the model the use wants).
+  needs: str
+  train: str
+  use_instead: str | None = None
+  # The RewardSpec key that picks one of several losses (its value is the second part of the
+  # loss key), or None.
+  loss_choice: str | None = None
+  # The other tasks' uses (their names) that a model of this task serves too: a verifier's one
+  # reward per row serves wherever a preference model's does.
+  serves: tuple[str, ...] = ()
+  # Also trains on labelled items (prompt, completion, good or bad: a LabelledBatch), which a
+  # preference file may hold instead of pairs.
+  labelled: bool = False
+  # The LM-head asker of a model of this task (a verifier's question and answers, a judge's): a
+  # class with of_spec(reward spec), from_json(record), to_json(), token_ids(tokenizer) and
+  # tokenize_options(options); None: the task's head is not the LM head.
+  asker: type | None = None
+
+  @property
+  def per_attribute(self) -> bool:
+    """Whether the head has one output per rated attribute (``reward.attributes``)."""
+    return self.num_labels is None
+
+  def loss_key(self, reward_type: str, choice: str) -> tuple[str, str | None]:
+    """The key in :attr:`losses` of a reward spec: ``choice`` (the value of its
+    :attr:`loss_choice` key) counts where it names one."""
+    return (reward_type, choice) if (reward_type, choice) in self.losses else (reward_type, None)
+
+
+def ones(n: int) -> np.ndarray:
+  """float32 [n] of ones: the masks of a task's example batch."""
+  return np.ones(n, np.float32)
