@@ -384,7 +384,7 @@ def bradley_terry(log_odds: np.ndarray, *, tol: float = 1e-10, max_iter: int = 1
   ``sum_{i<j compared} p_ij log sigmoid(t_i - t_j) + (1 - p_ij) log sigmoid(t_j - t_i)``.
   The solver is Newton's method on this concave function (its Hessian a weighted graph
   Laplacian; the mean fixed at 0), halving a step until the likelihood does not fall; it stops
-  when the largest gradient entry is below ``tol`` or after ``max_iter`` steps. Soft labels are
+  when the largest entry of a Newton step is below ``tol`` or after ``max_iter`` steps. Soft labels are
   never exactly 0 or 1 here (``p_ij - sigmoid(x)`` is computed from the nearer side), so the
   strengths are finite for any finite log-odds; two responses get exactly ``t_i - t_j = d_ij``.
 
@@ -409,17 +409,26 @@ def bradley_terry(log_odds: np.ndarray, *, tol: float = 1e-10, max_iter: int = 1
   if not _connected(compared):
     raise ValueError("some responses were never compared, directly or through others: strengths undefined")
   dc = np.where(compared, d, 0.0)
-  t = np.zeros(n)
+  # Started from the least-squares strengths (t_i - t_j as near d_ij as can be): exact where the
+  # comparisons form no cycle, and a start Newton's method converges from in a few steps, where
+  # from 0 it crawls about one unit a step towards large log-odds.
+  laplacian = np.diag(compared.sum(1)) - compared
+  t = np.append(np.linalg.solve(laplacian[:-1, :-1], dc.sum(1)[:-1]), 0.0)
   value = _bt_likelihood(t, dc, compared)
   for _ in range(max_iter):
     x = t[:, None] - t[None, :]
     grad = np.where(compared, _label_minus_sigmoid(dc, x), 0.0).sum(1)
-    if np.max(np.abs(grad)) < tol:
-      break
     w = np.where(compared, _sigmoid(x) * _sigmoid(-x), 0.0)
     hess = np.diag(w.sum(1)) - w  # the negative Hessian: a Laplacian, singular along ones
-    step = np.linalg.lstsq(hess + np.ones((n, n)) / n, grad, rcond=None)[0]
+    # The last strength held fixed: the Laplacian's minor of a connected graph is positive
+    # definite at any scale (its entries are ~1e-17 near probabilities of 0 or 1, where a solver
+    # that cuts small singular values would take no step at all).
+    step = np.append(np.linalg.solve(hess[:-1, :-1], grad[:-1]), 0.0)
     step -= step.mean()
+    # The Newton step, not the gradient: near probabilities of 0 or 1 the gradient is tiny long
+    # before the strengths are found (it scales with sigmoid(-|d|)), the step does not.
+    if np.max(np.abs(step)) < tol:
+      break
     scale = 1.0
     while scale > 1e-12:
       candidate = t + scale * step
