@@ -28,11 +28,18 @@ the cause):
   reward the solution's step probabilities aggregated by ``--step_aggregation`` (min, last,
   product, mean; a request's ``"aggregation"`` overrides it). Such a model's ``/score`` answers
   those rewards; its other endpoints refuse it.
+* ``POST /compare`` -- a pairwise judge (``reward.type=pairwise``) ranks one prompt's responses:
+  ``{"prompt": text or messages, "responses": [text or messages, ...], "strategy": "round_robin" |
+  "circular" | "reference", "aggregate": "bradley_terry" | "win_rate", "reference": text}`` ->
+  ``{"rewards": [one per response], "log_odds": [[row i better than column j, or null]]}``, as
+  ``RewardModel.score_groups`` gives them. A group of G costs G(G-1) judge texts under
+  round_robin, 2G otherwise, counted against ``--max_batch``. A judge's other endpoints answer 400
+  naming /compare; a reward model's /compare answers 400 naming /score.
 * ``GET /health`` -- ``{"status": "ok"}``; 503 ``"starting"`` while the batch shapes needed first
   compile (``--warm_up``), 500 ``"failed"`` if they could not (the log says why). With
   ``--api_key``, a request bearing it also gets the model's name (``--served_model_name``).
 * ``GET /metrics`` -- Prometheus text: requests, items, tokens, batch sizes, queue depth, bytes held,
-  latency, batch shapes compiled.
+  latency, batch shapes compiled, responses ranked and judge texts scored by /compare.
 
 Limits and timeouts are flags (``--help``); see :class:`jaxrm.server.ServerConfig`. The server
 binds 127.0.0.1 unless told otherwise; ``--api_key`` (or ``$JAXRM_API_KEY``) makes every endpoint

@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from jaxrm import kinds, reward_health, shared_prefix
+from jaxrm import kinds, reward_health, shared_prefix, tasks
 from jaxrm.data.tokenize import pad_id
 from jaxrm.errors import ConfigError
 from jaxrm.models.heads import correct_probability
@@ -84,12 +84,18 @@ def check_model(rm, config: ServerConfig) -> None:
     kinds.PREFERENCE,
     kinds.REGRESSION,
     kinds.PROCESS,
+    tasks.PAIRWISE.name,
     use="the server",
     one_reward=True,
     combine=config.combine,
     combine_hint="--combine",
     error=ConfigError,
   )
+  if kind == tasks.PAIRWISE.name and (config.combine is not None or config.normalize):
+    raise ConfigError(
+      f"--{'combine' if config.combine is not None else 'normalize'} applies to rewards scored one "
+      "per response; a pairwise judge's rewards come from its comparisons (POST /compare)"
+    )
   if kind == kinds.PROCESS and (config.combine is not None or config.normalize):
     raise ConfigError(
       f"--{'combine' if config.combine is not None else 'normalize'} applies to sequence rewards; "
@@ -374,7 +380,10 @@ class App:
       lambda: self._tokenized(raw, parse, held, encoder), limiter=self._tokenizing
     )
     rewards = await self._scored(scoring.rows, request_id) if scoring.rows else []
-    health = self.metrics.scored(rewards, scoring.rows, scoring.truncated)
+    if scoring.ranked:  # judge texts' log-odds: not rewards, so no reward health
+      health = self.metrics.compared(scoring.ranked, len(scoring.rows))
+    else:
+      health = self.metrics.scored(rewards, scoring.rows, scoring.truncated)
     return scoring.write(rewards, Meta(request_id, self.model_name, int(time.time()), health))
 
   def _tokenized(self, raw: bytes, parse: Callable, held: HeldBody, encoder: Encoder) -> Scoring | None:
@@ -548,7 +557,8 @@ def _over_share(peer: str, share: int) -> str:
 
 
 class RewardServer:
-  """An HTTP server scoring with a sequence-head RewardModel, bound on construction.
+  """An HTTP server scoring with a sequence-head RewardModel (or ranking with a pairwise judge's,
+  on /compare), bound on construction.
 
   ``serve_forever()`` runs it in this thread, ``start()`` in another (``shutdown()`` stops it).
   ``port=0`` picks a free port: read ``url``.

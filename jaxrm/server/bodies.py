@@ -290,6 +290,31 @@ class Encoder:
     self.truncated += drops.cut
     return ids
 
+  def judged(self, where: str, judge, prompt, response_a, response_b) -> list[int]:
+    """A pairwise judge's text of (A, B) after ``prompt`` (:meth:`jaxrm.tasks.pairwise.Judge.encode`),
+    tokenized on one of the server's tokenizers in its turn and counted against
+    max_tokenize_chars; over max_length, the conversation's oldest turns are cut (counted in
+    :attr:`truncated`), or, when no cut fits, it is refused naming ``where``."""
+    self.check_time()
+    max_length = self.config.max_length
+    chars = len(judge.content(prompt, response_a, response_b))
+
+    def encode(model):
+      return judge.encode(model.tokenizer, prompt, response_a, response_b, max_length, where)
+
+    try:
+      out = self.rm.work(chars, encode) if hasattr(self.rm, "work") else encode(self.rm)
+    except (ValueError, jinja2.TemplateError) as e:
+      raise RequestError(400, f"cannot score {where}: {e}") from None
+    if out is None:
+      raise RequestError(
+        400,
+        f"cannot score {where}: the judge text (conversation, both responses and the question) is "
+        f"longer than max_length={max_length} tokens even with every earlier turn cut (--max_length)",
+      )
+    self.truncated += out[1]
+    return out[0]
+
   def _encoded(self, where: str, encode):
     """``encode()``, its refusal (over-long or empty, or a template refusing it) a 400 naming ``where``."""
     self.check_time()

@@ -18,6 +18,10 @@ so configured). :data:`ROUTES` gives each POST path its parser.
 * ``/v1/embeddings``: SGLang's ``{"model", "input"}`` -> its EmbeddingResponse, ``embedding``
   ``[reward]`` per item (verl's reward loop with SGLang as the engine).
 * ``/reward``: slime's ``{"prompt", "response", "label"}`` -> the reward, a bare JSON number.
+* ``/compare`` (a pairwise judge): ``{"prompt", "responses", "strategy", "aggregate",
+  "reference"}`` -> ``{"rewards", "log_odds"}``, one reward per response from the judge's
+  comparisons (:func:`parse_compare`). A judge's other endpoints refuse it, naming ``/compare``:
+  it gives no reward per response alone.
 * ``/score_steps`` (a process reward model): ``{"prompts", "completions"}`` (each completion cut
   into steps at the model's step separator) or ``{"prompts", "steps"}`` (lists of step texts) ->
   ``{"step_rewards": [[P(step correct), ...], ...], "rewards": [...]}``, each reward its solution's
@@ -43,9 +47,12 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from jaxrm import kinds, step_rewards
+import numpy as np
+
+from jaxrm import kinds, step_rewards, tasks
 from jaxrm.data.formats import kind
 from jaxrm.server.bodies import Encoder, RequestError
+from jaxrm.tasks import pairwise
 
 Body = dict[str, Any]
 
@@ -76,6 +83,8 @@ class Scoring:
   rows: list[list[int]]
   write: Callable[[list[float], Meta], Any]
   truncated: int = 0  # rows cut to fit, as the request asked (vLLM's truncate_prompt_tokens)
+  # /compare: the responses its rows (judge texts, not one reward each) rank; 0 for a reward per row
+  ranked: int = 0
 
 
 # ------------------------------------------------------------------ jaxrm and OpenRLHF
@@ -499,6 +508,169 @@ def _sequences_only(
   return checked
 
 
+# ------------------------------------------------------------------ pairwise judges
+
+COMPARE_BODY = (
+  '{"prompt": a text or messages, "responses": [two or more texts or messages], "strategy": '
+  '"round_robin" | "circular" | "reference", "aggregate": "bradley_terry" | "win_rate", "reference": '
+  "a text (strategy reference only)}"
+)
+
+
+def parse_compare(enc: Encoder, body: Body) -> Scoring:
+  """``POST /compare``: a pairwise judge ranks a group of responses to one prompt.
+
+  Body: ``prompt`` (a text, the user's turn, or the conversation's messages), ``responses`` (two or
+  more, each a text or the assistant's messages), ``strategy`` (``round_robin``, the default: every
+  ordered pair; ``circular``: each response against the next, both orders; ``reference``: each
+  against ``reference``, both orders), ``aggregate`` (``bradley_terry``, the default, or
+  ``win_rate``) and an optional ``model`` (not read: the server serves one). Answer:
+  ``{"rewards": [float per response], "log_odds": [[float | null]]}`` -- the log-odds that row i's
+  response is better than column j's (both orders averaged, null where not compared; a reference's
+  row and column last), as ``RewardModel.score_groups`` gives them
+  (:class:`jaxrm.tasks.pairwise.GroupScores`).
+
+  Each ordered pair is one judge text, the prompt in each: a group of G responses costs G(G-1)
+  texts under round_robin, 2G under circular and reference, counted against max_batch (a group
+  over it is refused, 400) and their tokens against max_queued_tokens; they are scored by the
+  batcher with every other request's rows, those sharing the prompt with it written once.
+  """
+  judge = _judge(enc)
+  prompt = _compare_prompt(enc, body)
+  strategy = _choice(body, "strategy", pairwise.STRATEGIES)
+  aggregate = _choice(body, "aggregate", pairwise.AGGREGATES)
+  responses = _compare_responses(enc, body, strategy, aggregate)
+  players = responses + _reference(enc, body, strategy)
+  pairs = pairwise.comparisons(len(responses), strategy)
+  rows = [
+    enc.judged(_pair_name(i, j, len(responses)), judge, prompt, players[i], players[j]) for i, j in pairs
+  ]
+  n, reference = len(players), strategy == "reference"
+
+  def write(outputs: list[float], meta: Meta) -> Body:
+    raw = np.full((n, n), np.nan, np.float32)
+    for (i, j), s in zip(pairs, outputs):
+      raw[i, j] = s
+    log_odds = ((raw - raw.T) / np.float32(2)).astype(np.float32)
+    rewards = pairwise.aggregate_rewards(log_odds, aggregate, reference=reference)
+    return pairwise.GroupScores(rewards, log_odds).to_json()
+
+  return Scoring(rows, write, ranked=len(responses))
+
+
+def _pair_name(i: int, j: int, n: int) -> str:
+  """How an error names the judge text of (i, j); index ``n`` is the reference."""
+  name = lambda k: "reference" if k == n else f"responses[{k}]"  # noqa: E731
+  return f"{name(i)} as A, {name(j)} as B"
+
+
+def _judge(enc: Encoder) -> pairwise.Judge:
+  if enc.rm.kind != tasks.PAIRWISE.name:
+    raise RequestError(
+      400,
+      "/compare ranks responses with a pairwise judge; this server's model has "
+      f"{kinds.describe(enc.rm.config, enc.rm.attributes)} ({enc.rm.kind}), which scores each "
+      "response alone: POST /score with 'prompts' and 'completions'"
+      + (" (or /score_steps)" if enc.rm.kind == kinds.PROCESS else ""),
+    )
+  return enc.rm.verifier
+
+
+def _compare_prompt(enc: Encoder, body: Body):
+  if "prompt" not in body:
+    raise RequestError(400, f"the body has no 'prompt'; send {COMPARE_BODY}")
+  prompt = body["prompt"]
+  if isinstance(prompt, str):
+    return prompt
+  if isinstance(prompt, list):
+    return enc.messages(prompt, "prompt")
+  raise RequestError(400, f"'prompt' is {kind(prompt)}; expected a text or a list of messages")
+
+
+def _compare_responses(enc: Encoder, body: Body, strategy: str, aggregate: str) -> list:
+  """The responses, checked: as many as ``strategy`` needs, and no more judge texts than max_batch."""
+  if "responses" not in body:
+    raise RequestError(400, f"the body has no 'responses'; send {COMPARE_BODY}")
+  value = body["responses"]
+  if not isinstance(value, list):
+    raise RequestError(400, f"'responses' is {kind(value)}; expected a list of texts or message lists")
+  try:
+    pairwise.check_strategy(strategy, len(value), aggregate)
+  except ValueError as e:
+    raise RequestError(400, f"'responses': {e}") from None
+  _check_texts(enc, strategy, len(value))
+  return [_response(enc, r, f"responses[{i}]") for i, r in enumerate(value)]
+
+
+def _response(enc: Encoder, value: Any, field: str):
+  if isinstance(value, str):
+    return value
+  if isinstance(value, list):
+    return enc.messages(value, field)
+  raise RequestError(400, f"{field} is {kind(value)}; expected a text or a list of messages")
+
+
+def _choice(body: Body, name: str, choices: tuple[str, ...]) -> str:
+  value = body.get(name, choices[0])
+  if value not in choices:
+    shown = repr(value) if isinstance(value, str) else kind(value)
+    raise RequestError(400, f"'{name}' is {shown}; expected one of {', '.join(choices)}")
+  return value
+
+
+def _reference(enc: Encoder, body: Body, strategy: str) -> list:
+  """``[reference]`` under strategy reference (which needs one), else ``[]`` (which takes none)."""
+  given = body.get("reference") is not None
+  if strategy != "reference":
+    if given:
+      raise RequestError(
+        400,
+        f'\'reference\' is compared with only under "strategy": "reference"; this body asks for {strategy!r}',
+      )
+    return []
+  if not given:
+    raise RequestError(
+      400, "strategy 'reference' compares each response with 'reference', and the body has none: send it"
+    )
+  return [_response(enc, body["reference"], "reference")]
+
+
+def judge_texts(strategy: str, n: int) -> int:
+  """How many judge texts a group of ``n`` responses costs (:func:`pairwise.comparisons`)."""
+  if strategy == "round_robin" or (strategy == "circular" and n <= 2):
+    return n * (n - 1)
+  return 2 * n
+
+
+def _check_texts(enc: Encoder, strategy: str, n: int) -> None:
+  """Refuses a group whose judge texts are more than max_batch, the items one request may score."""
+  texts, limit = judge_texts(strategy, n), enc.config.max_batch
+  if texts <= limit:
+    return
+  most = max(m for m in range(1, limit + 2) if m == 1 or judge_texts(strategy, m) <= limit)
+  raise RequestError(
+    400,
+    f"'responses' has {n} responses, which strategy {strategy!r} compares in {texts} judge texts; "
+    f"this server scores at most {limit} per request (--max_batch): send at most {most} responses"
+    + ("" if strategy != "round_robin" else ", or strategy 'circular' (2 judge texts per response)"),
+  )
+
+
+def _one_reward(path: str, parse: Callable[[Encoder, Body], Scoring]) -> Callable[[Encoder, Body], Scoring]:
+  """``parse``, refusing a pairwise judge: it gives no reward per response alone."""
+
+  def checked(enc: Encoder, body: Body) -> Scoring:
+    if enc.rm.kind == tasks.PAIRWISE.name:
+      raise RequestError(
+        400,
+        f"{path} gives one reward per item, and this server's model is a pairwise judge, which "
+        f"compares responses: POST /compare with {COMPARE_BODY}",
+      )
+    return parse(enc, body)
+
+  return checked
+
+
 # ------------------------------------------------------------------ paths shared by formats
 
 
@@ -563,7 +735,7 @@ def _counted(parse: Callable[[Encoder, Body], Scoring]) -> Callable[[Encoder, Bo
 
 
 ROUTES: dict[str, Callable[[Encoder, Body], Scoring]] = {
-  path: _counted(parse)
+  path: _counted(parse if path == "/compare" else _one_reward(path, parse))
   for path, parse in {
     "/get_reward": _sequences_only("/get_reward", parse_get_reward),
     "/score": parse_score,
@@ -574,5 +746,6 @@ ROUTES: dict[str, Callable[[Encoder, Body], Scoring]] = {
     "/score_steps": parse_score_steps,
     "/v1/embeddings": _sequences_only("/v1/embeddings", parse_sglang_embeddings),
     "/reward": parse_slime_reward,
+    "/compare": parse_compare,
   }.items()
 }

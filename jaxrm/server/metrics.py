@@ -28,7 +28,7 @@ HEALTH_GAUGES = {
 
 class Metrics:
   """Requests, items, tokens, batch sizes, queue depth, bytes held, latency, compiled batch
-  shapes, and the reward's health over the last rewards scored (:mod:`jaxrm.reward_health`);
+  shapes, the responses a pairwise judge ranked and its judge texts, and the reward's health over the last rewards scored (:mod:`jaxrm.reward_health`);
   ``text()`` is /metrics."""
 
   def __init__(self, reward_range: reward_health.Range | None = None):
@@ -71,6 +71,12 @@ class Metrics:
     self._batch_shapes = prom.Gauge(
       "jaxrm_batch_shapes", "Batch shapes the server may form, plain and packed rows.", registry=r
     )
+    self._ranked = prom.Counter(
+      "jaxrm_compared_responses", "Responses ranked by a pairwise judge (/compare).", registry=r
+    )
+    self._judge_texts = prom.Counter(
+      "jaxrm_judge_texts", "Judge texts (ordered comparisons) scored for /compare.", registry=r
+    )
     self._window = reward_health.Window(HEALTH_WINDOW, reward_range)
     # Made at their first value: a gauge never set would read 0 (a share outside a range that the
     # model does not have, a mean before any reward).
@@ -100,6 +106,13 @@ class Metrics:
   def shapes(self, compiled: int, total: int) -> None:
     self._compiled_shapes.set(compiled)
     self._batch_shapes.set(total)
+
+  def compared(self, responses: int, texts: int) -> dict[str, float]:
+    """Counts one /compare request's responses and judge texts; its log-odds are no rewards, so
+    they leave the health window alone (the empty health returned)."""
+    self._ranked.inc(responses)
+    self._judge_texts.inc(texts)
+    return {}
 
   def scored(self, rewards: list, rows: list[list[int]], truncated: int = 0) -> dict[str, float]:
     """Adds one request's rewards (with its rows' lengths in tokens, ``truncated`` of them cut to
