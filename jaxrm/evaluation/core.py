@@ -100,13 +100,13 @@ def evaluate(
   if max_length is not None:
     options = dataclasses.replace(options, max_length=max_length)
   verifier = getattr(rm, "verifier", None)
-  if verifier is not None:  # records are laid out as the verifier reads them: its question asked
-    options = dataclasses.replace(options, verifier_question=verifier.question)
+  if verifier is not None:  # records laid out as the verifier or judge reads them
+    options = verifier.tokenize_options(options)
   rendering = getattr(rm, "rendering", None)
   if rendering is not None and options.rendering is None:  # rows rendered as training rendered its own
     options = dataclasses.replace(options, rendering=rendering)
   examples = _examples(rm, data, options, drops)
-  name = kind_of(examples[0])
+  name = kind_of(examples[0], kinds.task_of(rm))
   kind = KINDS[name]
   kinds.check_kind(rm, kind.task.name, use=kind.use, error=EvaluationError)
   extra = kind.prepare(rm, examples, combine)

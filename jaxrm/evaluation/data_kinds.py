@@ -48,8 +48,13 @@ class Kind:
     return self.name or self.task.evaluation
 
 
-def kind_of(example: Any) -> str:
-  """The name in :data:`KINDS` of a tokenized example's kind."""
+def kind_of(example: Any, task: tasks.Task | None = None) -> str:
+  """The name in :data:`KINDS` of a tokenized example's kind: for a model of ``task``, its own
+  evaluation where the example is of its layout (a judge's pairs in both orders are preference
+  examples), else the first kind of the example's type."""
+  own = KINDS.get(task.evaluation) if task is not None else None
+  if own is not None and isinstance(example, own.example):
+    return own.key
   return next(name for name, k in KINDS.items() if isinstance(example, k.example))
 
 
@@ -169,6 +174,36 @@ def _labelled_plot(result: dict[str, Any], ax) -> None:
   )
 
 
+# ------------------------------------------------------------------------------------ pairwise judges
+
+
+def _judge_score(rm, batches, examples, extra):
+  del extra
+  return scores.judge_arrays(rm, batches, len(examples))
+
+
+def _judge_lines(result: dict[str, Any]) -> list[str]:
+  m = result["metrics"]
+  return [
+    f"accuracy           {m['accuracy']:.4f}  (both orders; better shown as A {m['accuracy_first']:.4f}, "
+    f"as B {m['accuracy_second']:.4f})",
+    f"consistency        {m['consistency']:.4f}  (pairs both orders judge alike)",
+    f"position bias      {m['position_bias']:.4f}  (mean P(A) over both orders; 0.5: none)",
+    f"loss               {m['loss']:.4f}",
+    f"log-odds           {m['reward_mean']:.4f} ± {m['reward_std']:.4f}",
+  ]
+
+
+def _judge_plot(result: dict[str, Any], ax) -> None:
+  s = result["scores"]
+  _histograms(
+    ax,
+    (("better response shown as A", s["better_as_a"]), ("better response shown as B", s["better_as_b"])),
+    "log p(A) - log p(B)",
+    "A judge's log-odds that A is better, in each order",
+  )
+
+
 # ---------------------------------------------------------------------------------------- regression
 
 
@@ -275,6 +310,19 @@ _KINDS = (
     lines=_regression_lines,
     columns=_regression_columns,
     plot=_regression_plot,
+  ),
+  Kind(
+    task=tasks.PAIRWISE,
+    record=PreferenceRecord,
+    example=PreferenceExample,
+    use="a pairwise judge's pairs",
+    sequences=lambda e: e.input_ids,
+    prepare=_takes_no_combine(tasks.PAIRWISE.data),
+    score=_judge_score,
+    metrics=scores.judge_metrics,
+    lines=_judge_lines,
+    columns=lambda result: ("accuracy", "accuracy_first", "accuracy_second", "consistency", "position_bias"),
+    plot=_judge_plot,
   ),
   Kind(
     task=tasks.VERIFIER,

@@ -24,6 +24,7 @@ from jaxrm.errors import EvaluationError
 from jaxrm.metrics import Scores as ScoreSamples
 from jaxrm.metrics import finalize_metrics
 from jaxrm.models.heads import correct_probability
+from jaxrm.tasks import pairwise
 
 NO_SUBSET = "(none)"  # the subset of rows that have no subset column
 
@@ -146,6 +147,30 @@ def labelled_metrics(a: LabelledArrays, mask: np.ndarray) -> dict[str, float]:
   """The labelled items' validation metrics: loss, accuracy, positive rate, ECE and AUROC."""
   metrics = finalize_metrics(_labelled_sums(a.log_odds, a.labels, mask))
   return {**metrics, **finalize_metrics({"auroc": ScoreSamples(a.log_odds, a.labels, mask > 0)})}
+
+
+# ------------------------------------------------------------------------------------ pairwise judges
+
+
+class JudgeArrays(NamedTuple):
+  log_odds: np.ndarray  # [N, 2] float32: s(better as A, worse as B), s(worse as A, better as B)
+
+
+def judge_arrays(rm, batches: list[PreferenceBatch], n: int) -> tuple[JudgeArrays, Scores]:
+  """A judge's log-odds that A is better (``log p(A) - log p(B)``) of each pair in both orders
+  (:meth:`jaxrm.tasks.pairwise.Judge.examples` lays the better response out as A, then as B);
+  scores ``better_as_a`` and ``better_as_b`` [N]: each order's."""
+  log_odds = _rewards(rm, batches, 1).reshape(-1, 2)[:n]
+  return JudgeArrays(log_odds), {"better_as_a": log_odds[:, 0], "better_as_b": log_odds[:, 1]}
+
+
+_judge_sums = jax.jit(lambda *args: pairwise.judge_loss(*args)[1])
+
+
+def judge_metrics(a: JudgeArrays, mask: np.ndarray) -> dict[str, float]:
+  """A judge's validation metrics: accuracy in each order and in both, consistency, position bias,
+  loss and the log-odds' moments (:func:`jaxrm.tasks.pairwise.judge_loss`)."""
+  return finalize_metrics(_judge_sums(a.log_odds, mask))
 
 
 # ------------------------------------------------------------------------------------------ stepwise

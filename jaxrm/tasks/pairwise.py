@@ -323,7 +323,7 @@ PAIRWISE = Task(
   name=NAME,
   reward_types=(NAME,),
   data="preference",
-  evaluation="preference",
+  evaluation="pairwise",
   # An example is a pair in both orders, two rows of one group: the preference layouts hold it,
   # and shared-prompt packing writes the judge's opening and conversation once for both.
   batches=PREFERENCE.batches,
