@@ -11,6 +11,8 @@ is the name of its :mod:`jaxrm.tasks` task, whose words the message uses: the on
 * ``process``: a token head with 2 labels, a probability per step (``reward.type=stepwise``);
 * ``verifier``: a causal LM's log-odds of two answers, one reward per row (``reward.type=verifier``,
   or a causal LM loaded with ``verifier=True``); it serves every use a preference model serves;
+* ``pairwise``: a causal LM judging which of two responses is better (``reward.type=pairwise``, or
+  a causal LM loaded with ``judge=True``); it compares, and serves no use of one reward per row;
 * ``other``: any other head (e.g. a sequence head with several unnamed outputs).
 """
 
@@ -23,7 +25,7 @@ from jaxrm import tasks
 from jaxrm.errors import UserError
 
 PREFERENCE, REGRESSION, PROCESS = tasks.PREFERENCE.name, tasks.REGRESSION.name, tasks.PROCESS.name
-VERIFIER = tasks.VERIFIER.name
+VERIFIER, PAIRWISE = tasks.VERIFIER.name, tasks.PAIRWISE.name
 OTHER = "other"
 
 
@@ -51,10 +53,13 @@ def kind_of(rm: Any) -> str:
   return OTHER if task is None else task.name
 
 
-def describe(config: Any, attributes: Sequence[str] | None = None) -> str:
-  """``a sequence head with 2 outputs (quality, polish)``: the head as messages name it."""
+def describe(config: Any, attributes: Sequence[str] | None = None, task: tasks.Task | None = None) -> str:
+  """``a sequence head with 2 outputs (quality, polish)``: the head as messages name it; an LM
+  head by the model's ``task`` (a verifier's, a pairwise judge's: the first words of what its
+  task's uses need)."""
   if config.head == "lm":
-    return "an LM head (a verifier: the log-odds of two answer tokens)"
+    what = tasks.VERIFIER.needs if task is None else task.needs
+    return f"an LM head ({what.split(' (')[0]}: the log-odds of two answer tokens)"
   n = config.num_labels
   noun = ("label" if config.head == "token" else "output") + ("" if n == 1 else "s")
   names = f" ({', '.join(attributes)})" if attributes else ""
@@ -94,7 +99,7 @@ def check_kind(
   wanted = " or ".join(
     t.needs for t in map(tasks.TASKS.get, (*kinds, *serving)) if not (one_reward and t.per_attribute)
   )
-  message = f"{use} needs {wanted}; this model has {describe(rm.config, attributes)}"
+  message = f"{use} needs {wanted}; this model has {describe(rm.config, attributes, task)}"
   if combines:
     message += (
       f": it scores one output per attribute, and {use} takes one reward per row: pass "

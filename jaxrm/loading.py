@@ -33,6 +33,7 @@ from jaxrm.models import lora
 from jaxrm.models.config import ModelConfig, from_hf_config
 from jaxrm.models.decoder import Decoder
 from jaxrm.run_files import RUN_MODEL_CONFIG, RunFiles, is_run_dir, task_record
+from jaxrm.tasks.pairwise import Judge
 from jaxrm.verifier import Verifier
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,9 @@ class ScoringInfo:
     attributes: a regression model's attribute names, one per output, else None.
     training_max_length: the training run's data.max_length, else None (the reward server's
       default limit per item).
-    verifier: a verifier's question and answers (:mod:`jaxrm.verifier`), else None.
+    verifier: what an LM head asks (its task's asker): a verifier's question and answers
+      (:class:`jaxrm.verifier.Verifier`) or a pairwise judge's (:class:`jaxrm.tasks.pairwise.Judge`),
+      else None.
     task: the name of the model's :mod:`jaxrm.tasks` task, as its files record it; None: not
       known yet (:meth:`with_task` tells it once, from the head, for a model saved before files
       recorded it), or a head that serves no task.
@@ -71,7 +74,7 @@ class ScoringInfo:
   step_separator: str = TokenizeOptions.step_separator
   attributes: tuple[str, ...] | None = None
   training_max_length: int | None = None
-  verifier: Verifier | None = None
+  verifier: Verifier | Judge | None = None
   task: str | None = None
   rendering: str | None = None
 
@@ -89,7 +92,7 @@ class ScoringInfo:
       return cls(
         reward_stats=stats,
         attributes=None if attributes is None else tuple(attributes),
-        verifier=_recorded_verifier(task),
+        verifier=recorded_asker(task),
         task=task.get("name") if task else None,
         rendering=rendering,
       )
@@ -98,16 +101,18 @@ class ScoringInfo:
       step_separator=config.data.step_separator,
       attributes=config.reward.attribute_names if config.reward.task.per_attribute else None,
       training_max_length=config.data.max_length,
-      verifier=config.reward.verifier,
+      # what the run recorded (a judge's template too), else what its config asks
+      verifier=recorded_asker(task) or config.reward.verifier,
       task=config.reward.task.name,
       rendering=rendering,
     )
 
   def with_task(self, config: ModelConfig) -> ScoringInfo:
-    """This info with its model's task checked against the head ``config``, or, where no file
-    recorded one, told from the head once (:func:`jaxrm.tasks.of_model`)."""
+    """This info with its model's task checked against the head ``config``: the task of its asker
+    (a judge's, a verifier's) where it has one, else the one its files record, else told from the
+    head once (:func:`jaxrm.tasks.of_model`)."""
     try:
-      task = tasks.of_model(config, self.attributes, self.task)
+      task = tasks.of_model(config, self.attributes, asker_task(self.verifier) or self.task)
     except ValueError as e:
       raise CheckpointError(str(e)) from None
     return dataclasses.replace(self, task=None if task is None else task.name)
@@ -118,10 +123,10 @@ class ScoringInfo:
 
   @classmethod
   def of_export(
-    cls, hf_config: dict[str, Any], cfg: ModelConfig, verifier: Verifier | None = None
+    cls, hf_config: dict[str, Any], cfg: ModelConfig, verifier: Verifier | Judge | None = None
   ) -> ScoringInfo:
     """Of an HF config.json: what an export recorded under :data:`SCORING_KEY`, and the attribute
-    names of a regression head (``problem_type``, ``id2label``); ``verifier`` is a verifier head's."""
+    names of a regression head (``problem_type``, ``id2label``); ``verifier`` is an LM head's asker."""
     saved = hf_config.get(SCORING_KEY) or {}
     task = saved.get("task")
     if task and (cfg.head, cfg.num_labels) != _saved_head(hf_config):
@@ -157,10 +162,33 @@ def _saved_head(hf_config: dict[str, Any]) -> tuple[str, int]:
   return saved.head, saved.num_labels
 
 
-def _recorded_verifier(task: dict[str, Any] | None) -> Verifier | None:
-  """The verifier a task record holds (:meth:`ScoringInfo.task_record`), else None."""
-  saved = (task or {}).get("verifier")
-  return None if saved is None else Verifier(question=saved["question"], answers=tuple(saved["answers"]))
+def recorded_asker(
+  task: dict[str, Any] | None, where: str = "the model's task record"
+) -> Verifier | Judge | None:
+  """The asker a task record holds (:meth:`ScoringInfo.task_record`: a verifier's or a judge's
+  question and answers), else None."""
+  return asker_of((task or {}).get("verifier"), where)
+
+
+def asker_of(saved: dict[str, Any] | None, where: str) -> Verifier | Judge | None:
+  """The asker ``saved`` records (its ``to_json``): of the task it names under ``"task"``, a
+  verifier's where it names none (files written before judges); None for None."""
+  if saved is None:
+    return None
+  try:
+    task = tasks.named(saved.get("task", tasks.VERIFIER.name), where)
+    if task.asker is None:
+      raise ValueError(f"a {task.name} model asks no question")
+    return task.asker.from_json(saved)
+  except (ValueError, KeyError, TypeError, AttributeError) as e:
+    raise CheckpointError(f"{where}: not a verifier's or a judge's question and answers ({e})") from None
+
+
+def asker_task(asker: Any) -> str | None:
+  """The name of the task whose asker ``asker`` (or its class) is: a verifier's, a judge's; None
+  for None."""
+  kind = asker if isinstance(asker, type) else type(asker)
+  return next((t.name for t in tasks.TASKS.values() if t.asker and issubclass(kind, t.asker)), None)
 
 
 @contextlib.contextmanager
@@ -379,7 +407,8 @@ def load(
   seed: int = 0,
   tokenizer: Any = None,
   weights: bool = True,
-  verifier: Verifier | None = None,
+  verifier: Verifier | Judge | None = None,
+  asks: type | None = None,
 ) -> Loaded:
   """The model ``source`` holds, with its tokenizer and scoring info.
 
@@ -394,19 +423,25 @@ def load(
     tokenizer: use this tokenizer instead of the source's.
     weights: False reads no tensors and opens no checkpoint: the model's parameters are
       ``jax.ShapeDtypeStruct``s with the shardings they would have on ``mesh``.
-    verifier: load a causal LM as a verifier asking this question (:mod:`jaxrm.verifier`); an
-      export of a verifier (its ``jaxrm_verifier.json``) and a training run of one are verifiers
-      without it, asking theirs. ``head="lm"`` alone: a verifier asking theirs, else the defaults.
+    verifier: load a causal LM as a verifier asking this question (:mod:`jaxrm.verifier`), or as
+      the pairwise judge a :class:`~jaxrm.tasks.pairwise.Judge` is; an export of either (its
+      ``jaxrm_verifier.json``) and a training run of one are one without it, asking theirs.
+      ``head="lm"`` alone: whatever the files record, else a verifier's defaults.
+    asks: with ``head="lm"`` and no ``verifier``, the kind of asker wanted (``Verifier`` or
+      ``Judge``): the one the files record if it is of this kind, else its defaults.
   """
   overrides = dict(overrides or {})
   if isinstance(source, RunSource):
-    return _load_run(source, overrides, head, num_labels, mesh, tokenizer, weights, verifier)
+    return _load_run(source, overrides, head, num_labels, mesh, tokenizer, weights, verifier, asks)
   tensors = tensors_of(source)
   if verifier is None and head in (None, "lm") and isinstance(source, HFSource):
-    # an export of a verifier asks what it recorded
-    verifier = verifiers.read(source.path) or _recorded_verifier(
+    # an export of a verifier or a judge asks what it recorded
+    path = os.path.join(source.path, verifiers.FILE)
+    verifier = asker_of(verifiers.read_record(source.path), path) or recorded_asker(
       (tensors.config.get(SCORING_KEY) or {}).get("task")
     )
+  if head == "lm" and asks is not None and not isinstance(verifier, asks):
+    verifier = asks()
   if verifier is None and head == "lm":
     verifier = Verifier()
   if tokenizer is None:
@@ -424,15 +459,18 @@ def load(
   return Loaded(model, tokenizer, info.with_task(model.config))
 
 
-def _verifier_overrides(verifier: Verifier, tokenizer, num_labels: int | None, name: str) -> dict[str, Any]:
-  """Config changes that make a causal LM a verifier of ``verifier``'s answers."""
+def _verifier_overrides(
+  verifier: Verifier | Judge, tokenizer, num_labels: int | None, name: str
+) -> dict[str, Any]:
+  """Config changes that make a causal LM a verifier (or a judge) of ``verifier``'s answers."""
+  what = "a judge" if isinstance(verifier, Judge) else "a verifier"
   if tokenizer is None:
     raise CheckpointError(
-      f"{name} has no tokenizer: a verifier needs one to find its answers' tokens and to lay out "
+      f"{name} has no tokenizer: {what} needs one to find its answers' tokens and to lay out "
       "its question (pass tokenizer=)"
     )
   if num_labels not in (None, 1):
-    raise ConfigError(f"num_labels={num_labels}: a verifier gives one score per row (its answers' log-odds)")
+    raise ConfigError(f"num_labels={num_labels}: {what} gives one score per row (its answers' log-odds)")
   return dict(head="lm", head_bias=False, num_labels=1, verifier_tokens=verifier.token_ids(tokenizer))
 
 
@@ -450,12 +488,21 @@ def _model(cfg: ModelConfig, tensors, saved: ModelConfig, mesh: Mesh | None, see
 
 
 def _load_run(
-  source: RunSource, overrides, head, num_labels, mesh, tokenizer, weights: bool, verifier: Verifier | None
+  source: RunSource,
+  overrides,
+  head,
+  num_labels,
+  mesh,
+  tokenizer,
+  weights: bool,
+  verifier: Verifier | Judge | None,
+  asks: type | None = None,
 ) -> Loaded:
   files = source.files
   cfg = files.model_config
   if verifier is not None:
     head = "lm"
+    asks = type(verifier)
   for name, wanted in (("head", head), ("num_labels", num_labels), ("lora", overrides.get("lora"))):
     if wanted is not None and wanted != getattr(cfg, name):
       raise CheckpointError(
@@ -473,10 +520,15 @@ def _load_run(
   if tokenizer is None:
     tokenizer = _tokenizer_from_dir(files.tokenizer_dir)
   info = ScoringInfo.of_run(files.run_config, meta, files)
+  if asks is not None and info.verifier is not None and not isinstance(info.verifier, asks):
+    raise CheckpointError(
+      f"{files.run_dir} was trained as a {info.task} model; it cannot be loaded as a "
+      f"{asker_task(asks)} model (leave verifier= and judge= out: it asks what it was trained to)"
+    )
   if verifier is not None:  # the run's answers, another question
     if info.verifier is not None and verifier.answers != info.verifier.answers:
       raise CheckpointError(
-        f"{files.run_dir} was trained as a verifier answering {'/'.join(info.verifier.answers)}; "
+        f"{files.run_dir} was trained as a {info.task} answering {'/'.join(info.verifier.answers)}; "
         f"it cannot be loaded answering {'/'.join(verifier.answers)}"
       )
     info = dataclasses.replace(info, verifier=verifier)

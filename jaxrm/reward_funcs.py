@@ -21,6 +21,14 @@ steps: the completion is cut at the model's step separator, as its training rows
 reward. A completion with no steps (empty, or only separators) gets ``None``: TRL's "no reward from
 this function", which GRPOTrainer leaves out of its group statistics instead of reading it as 0.
 
+A pairwise judge (``reward.type=pairwise``, or a causal LM loaded with ``judge=True``) rewards a
+completion by comparing it with the other completions of its prompt: the batch's completions are
+grouped by equal prompts (GRPO's G completions of a prompt, wherever they stand in the batch) and
+each group's rewards are its comparisons aggregated (``RewardModel.score_groups``, every group in
+one pass). A prompt with a single completion has nothing to be compared with: it gets the
+reward of a group's average response (0.0 under ``bradley_terry``, whose strengths are centred;
+0.5 under ``win_rate``).
+
 :func:`as_reward_funcs` gives a regression model's attributes one reward function each, for TRL's
 ``reward_weights`` and ``multi_objective_aggregation``; the functions share one forward pass per batch.
 
@@ -51,6 +59,7 @@ import numpy as np
 from jaxrm import kinds, reward_health, step_rewards
 from jaxrm.data.records import Text
 from jaxrm.models.config import ModelConfig
+from jaxrm.tasks import pairwise
 
 
 class Scorer(Protocol):
@@ -145,6 +154,103 @@ def _step_scores(
   return [step_rewards.aggregate(p, how) if p else None for p in probabilities]
 
 
+def _check_judge(rm: Scorer, options: dict[str, Any], strategy: str | None, aggregate: str | None) -> bool:
+  """Whether ``rm`` is a pairwise judge, whose reward function compares a prompt's completions;
+  an error for options that do not fit the model (``options``: the other options given)."""
+  judge = getattr(rm, "judge", None) is not None
+  if judge:
+    given = [k for k, v in options.items() if v not in (None, False)]
+    if given:
+      raise ValueError(
+        f"{', '.join(f'{k}=' for k in given)}: a pairwise judge's rewards are its comparisons of each "
+        "prompt's completions (strategy=, aggregate=): leave it out"
+      )
+    pairwise.check_strategy(strategy or DEFAULT_STRATEGY, 2, aggregate or DEFAULT_AGGREGATE)
+  elif strategy is not None or aggregate is not None:
+    head = kinds.describe(rm.config, getattr(rm, "attributes", None), kinds.task_of(rm))
+    raise ValueError(
+      f"strategy= and aggregate= are for a pairwise judge (its comparisons of a prompt's "
+      f"completions); this model has {head}: leave them out"
+    )
+  return judge
+
+
+DEFAULT_STRATEGY, DEFAULT_AGGREGATE = "round_robin", "bradley_terry"  # a judge's, in a reward function
+REFERENCE_COLUMN = "reference"  # under strategy="reference": the batch's column each completion meets
+
+
+class Groups:
+  """A batch's completions grouped for a pairwise judge: by equal prompt (and, under
+  ``strategy="reference"``, equal reference: ``references[i]`` of row i), each group a list of row
+  indices in batch order; ``lone`` rows (alone with their prompt, no reference) are compared with
+  nothing and get ``default``, the reward of a group's average completion."""
+
+  def __init__(
+    self,
+    prompts: Sequence[Text],
+    completions: Sequence[Text],
+    strategy: str,
+    aggregate: str,
+    references: Sequence[Text] | None = None,
+  ):
+    if len(prompts) != len(completions):
+      raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+    reference = strategy == "reference"
+    if reference and references is None:
+      raise ValueError(
+        f"strategy='reference' compares each completion with its row's {REFERENCE_COLUMN!r} column "
+        f"(a reference response), and the batch has none: add that column to the dataset"
+      )
+    if references is not None and len(references) != len(prompts):
+      raise ValueError(f"{len(references)} references for {len(prompts)} completions")
+    by_key: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+      key = _text_key([prompt, references[i]] if reference else prompt)
+      by_key.setdefault(key, []).append(i)
+    self.rows = [rows for rows in by_key.values() if reference or len(rows) > 1]
+    self.prompts = [prompts[rows[0]] for rows in self.rows]
+    self.groups = [[completions[i] for i in rows] for rows in self.rows]
+    self.references = [references[rows[0]] for rows in self.rows] if reference else None
+    self.default = 0.5 if aggregate == "win_rate" else 0.0  # the mean of a group's rewards
+    self.size = len(prompts)
+
+  def rewards(self, group_rewards: Sequence[Sequence[float]]) -> list[float]:
+    """One reward per row of the batch, from each group's rewards (in :attr:`rows` order)."""
+    out = [self.default] * self.size
+    for rows, rewards in zip(self.rows, group_rewards):
+      for i, r in zip(rows, rewards):
+        out[i] = float(r)
+    return out
+
+
+def _group_rewards(
+  rm: Scorer,
+  prompts: Sequence[Text],
+  completions: Sequence[Text],
+  references: Sequence[Text] | None,
+  strategy: str,
+  aggregate: str,
+  batch_size: int,
+) -> list[float]:
+  """Each completion's reward among the completions of an equal prompt (a judge's
+  ``score_groups``, one pass over every group); a lone completion gets a group's average reward."""
+  groups = Groups(prompts, completions, strategy, aggregate, references)
+  scored = rm.score_groups(
+    groups.prompts,
+    groups.groups,
+    strategy=strategy,
+    aggregate=aggregate,
+    references=groups.references,
+    batch_size=batch_size,
+  )
+  return groups.rewards([g.rewards for g in scored])
+
+
+def _text_key(text: Text) -> str:
+  """``text`` (a string or a message list) as a key: equal texts, equal keys."""
+  return json.dumps(text, sort_keys=True, ensure_ascii=False, default=repr)
+
+
 def _named(f: Callable, name: str) -> Callable:
   f.__name__ = f.__qualname__ = name
   return f
@@ -158,13 +264,18 @@ def as_reward_func(
   name: str = "jaxrm_reward",
   combine: Combine = None,
   step_aggregation: str | None = None,
+  strategy: str | None = None,
+  aggregate: str | None = None,
 ) -> Callable[..., list[float | None]]:
   """``f(prompts, completions, **kwargs) -> list[float]`` for TRL's GRPOTrainer.
 
   Each reward scores prompt + completion laid out as in training: a conversation rendered by the
   chat template, or the two strings joined. A process reward model scores the completion's steps
   (see the module docstring): the reward is ``step_rewards.aggregate(rm.score_steps(prompt,
-  split_steps(completion, rm.step_separator)), step_aggregation)``, None for no steps.
+  split_steps(completion, rm.step_separator)), step_aggregation)``, None for no steps. A pairwise
+  judge rewards each completion by its comparisons with the other completions of an equal prompt
+  (see the module docstring): a completion alone with its prompt in the batch gets 0.0 under
+  ``bradley_terry``, 0.5 under ``win_rate``.
 
   Args:
     rm: a reward model with a tokenizer: a sequence head, or a process reward model's token head.
@@ -174,7 +285,24 @@ def as_reward_func(
     combine: a regression model's outputs combined into one reward (required for one).
     step_aggregation: how a process reward model's step probabilities become one reward: ``"min"``
       (the default), ``"last"``, ``"product"`` or ``"mean"``; only for a process reward model.
+    strategy: a pairwise judge's comparisons within a prompt's group: ``"round_robin"`` (the
+      default: every pair, both orders), ``"circular"`` (each completion with the next, both
+      orders) or ``"reference"`` (each completion with its row's ``reference`` column, a dataset
+      column TRL passes); only for a judge.
+    aggregate: how a judge's comparisons become rewards: ``"bradley_terry"`` (the default: the
+      maximum-likelihood strengths, centred in each group) or ``"win_rate"``; only for a judge.
   """
+  options = dict(normalize=normalize, combine=combine, step_aggregation=step_aggregation)
+  if _check_judge(rm, options, strategy, aggregate):
+    strategy, aggregate = strategy or DEFAULT_STRATEGY, aggregate or DEFAULT_AGGREGATE
+
+    def judged(prompts: Sequence[Text], completions: Sequence[Text], **kwargs: Any) -> list[float]:
+      references = kwargs.get(REFERENCE_COLUMN)
+      rewards = _group_rewards(rm, prompts, completions, references, strategy, aggregate, batch_size)
+      log_health(kwargs, name, rewards, completions)
+      return rewards
+
+    return _named(judged, name)
   how = _check_scorer(rm, combine, normalize, step_aggregation)
   extra = {} if combine is None else {"combine": combine}
   reward_range = None if how is not None else reward_health.validation_range(rm, normalize=normalize)
@@ -393,6 +521,8 @@ def remote_reward_func(
   name: str = "jaxrm_reward",
   steps: bool = False,
   step_aggregation: str | None = None,
+  strategy: str | None = None,
+  aggregate: str | None = None,
   asynchronous: bool = False,
 ) -> Callable[..., Any]:
   """``f(prompts, completions, **kwargs) -> list[float]`` for TRL's GRPOTrainer, scored by a server.
@@ -416,6 +546,11 @@ def remote_reward_func(
       ``--step_aggregation``.
     step_aggregation: ``"min"``, ``"last"``, ``"product"`` or ``"mean"``: the aggregation asked of
       ``/score_steps`` (implies ``steps``).
+    strategy, aggregate: a pairwise judge's server (either implies it): the batch's completions
+      are grouped by prompt as :func:`as_reward_func` groups them for a judge, and each group is
+      sent to ``/compare`` (``strategy`` default ``round_robin``, ``aggregate`` default
+      ``bradley_terry``; ``reference`` compares each completion with its row's ``reference``
+      column).
     asynchronous: ``f`` is an ``async def`` function, which TRL awaits beside its other async
       reward functions: the same request, retries and errors, sent from a worker thread.
   """
@@ -423,9 +558,20 @@ def remote_reward_func(
   if step_aggregation is not None:
     step_aggregation = step_rewards.check_aggregation(step_aggregation)
   steps = steps or step_aggregation is not None
-  post = _poster(url, "/score_steps" if steps else "/score", api_key, timeout, retries, name)
+  judge = strategy is not None or aggregate is not None
+  if judge:
+    if steps:
+      raise ValueError(
+        f"{name}: steps= and step_aggregation= are a process reward model's; strategy= and aggregate= a judge's: pass one"
+      )
+    strategy, aggregate = strategy or DEFAULT_STRATEGY, aggregate or DEFAULT_AGGREGATE
+    pairwise.check_strategy(strategy, 2, aggregate)
+  path = "/compare" if judge else "/score_steps" if steps else "/score"
+  post = _poster(url, path, api_key, timeout, retries, name)
 
-  def rewards(prompts: Sequence[Text], completions: Sequence[Text]) -> list[float | None]:
+  def rewards(prompts: Sequence[Text], completions: Sequence[Text], references=None) -> list[float | None]:
+    if judge:
+      return _remote_group_rewards(post, prompts, completions, references, strategy, aggregate)
     if not steps:
       return post({"prompts": list(prompts), "completions": list(completions)})
     return _remote_step_rewards(post, prompts, completions, step_aggregation, name)
@@ -436,7 +582,8 @@ def remote_reward_func(
       prompts: Sequence[Text], completions: Sequence[Text], **kwargs: Any
     ) -> list[float | None]:
       # The blocking request, and its waits on a busy server, hold a worker thread, not the loop.
-      scored = await asyncio.to_thread(rewards, list(prompts), list(completions))
+      references = kwargs.get(REFERENCE_COLUMN)
+      scored = await asyncio.to_thread(rewards, list(prompts), list(completions), references)
       log_health(kwargs, name, scored, completions)
       return scored
 
@@ -445,7 +592,7 @@ def remote_reward_func(
     def reward_func(
       prompts: Sequence[Text], completions: Sequence[Text], **kwargs: Any
     ) -> list[float | None]:
-      scored = rewards(prompts, completions)
+      scored = rewards(prompts, completions, kwargs.get(REFERENCE_COLUMN))
       log_health(kwargs, name, scored, completions)
       return scored
 
@@ -498,6 +645,25 @@ def _poster(
       attempt += 1
 
   return post
+
+
+def _remote_group_rewards(
+  post: Callable[[dict], list],
+  prompts: Sequence[Text],
+  completions: Sequence[Text],
+  references: Sequence[Text] | None,
+  strategy: str,
+  aggregate: str,
+) -> list[float]:
+  """A judge server's rewards: one ``/compare`` request per group of the batch (:class:`Groups`)."""
+  groups = Groups(prompts, completions, strategy, aggregate, references)
+  scored = []
+  for g, (prompt, responses) in enumerate(zip(groups.prompts, groups.groups)):
+    body = {"prompt": prompt, "responses": responses, "strategy": strategy, "aggregate": aggregate}
+    if groups.references is not None:
+      body["reference"] = groups.references[g]
+    scored.append(post(body))
+  return groups.rewards(scored)
 
 
 def _remote_step_rewards(

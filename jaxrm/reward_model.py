@@ -36,12 +36,14 @@ from jaxrm.data.tokenize import (
   tokenize_preference,
   tokenize_stepwise,
 )
-from jaxrm.errors import DataError
+from jaxrm.errors import ConfigError, DataError
 from jaxrm.loading import ScoringInfo
 from jaxrm.models.config import ModelConfig
 from jaxrm.models.decoder import Decoder
 from jaxrm.models.heads import correct_probability
 from jaxrm.shared_prefix import Sharing
+from jaxrm.tasks import pairwise
+from jaxrm.tasks.pairwise import GroupScores, Judge
 from jaxrm.verifier import Verifier
 
 log = logging.getLogger(__name__)
@@ -114,7 +116,8 @@ class RewardModel:
     attributes: a regression model's attribute names, one per output of ``score``, else None.
     training_max_length: the training run's ``data.max_length`` (from the run, or recorded in an
       export of one), else None; the reward server's default limit per item.
-    verifier: a verifier's question and answers (:class:`jaxrm.verifier.Verifier`), else None.
+    verifier: what an LM head asks: a verifier's question and answers
+      (:class:`jaxrm.verifier.Verifier`), or a pairwise judge's (then also :attr:`judge`), else None.
     task, kind: the model's task as its files record it (:attr:`task`), and its name.
     rendering: how training rendered its rows, and so how every input is scored.
   """
@@ -124,8 +127,8 @@ class RewardModel:
       raise TypeError(f"info must be a jaxrm.loading.ScoringInfo, got {type(info).__name__}")
     if (info.verifier is None) != (model.config.head != "lm"):
       raise ValueError(
-        f"a {model.config.head} head with info.verifier={info.verifier!r}: an LM head (a verifier's) needs "
-        "its question and answers, and no other head has them"
+        f"a {model.config.head} head with info.verifier={info.verifier!r}: an LM head (a verifier's, a "
+        "judge's) needs its question and answers, and no other head has them"
       )
     if info.attributes is not None and len(info.attributes) != model.config.num_labels:
       raise ValueError(
@@ -157,8 +160,15 @@ class RewardModel:
     return self.info.training_max_length
 
   @property
-  def verifier(self) -> Verifier | None:
+  def verifier(self) -> Verifier | Judge | None:
     return self.info.verifier
+
+  @property
+  def judge(self) -> Judge | None:
+    """A pairwise judge's question, answers and template (:class:`jaxrm.tasks.pairwise.Judge`);
+    None for any other model."""
+    asker = self.info.verifier
+    return asker if isinstance(asker, Judge) else None
 
   @property
   def task(self) -> tasks.Task | None:
@@ -168,7 +178,8 @@ class RewardModel:
 
   @property
   def kind(self) -> str:
-    """``preference``, ``regression``, ``process``, ``verifier`` or ``other`` (see :mod:`jaxrm.kinds`)."""
+    """``preference``, ``regression``, ``process``, ``verifier``, ``pairwise`` or ``other`` (see
+    :mod:`jaxrm.kinds`)."""
     return self.info.task or kinds.OTHER
 
   @property
@@ -198,6 +209,7 @@ class RewardModel:
     step: int | None = None,
     load_weights: bool = True,
     verifier: bool | dict | Verifier | None = None,
+    judge: bool | dict | Judge | None = None,
     **config_overrides,
   ) -> RewardModel:
     """Loads a checkpoint (through :func:`jaxrm.loading.locate` and :func:`jaxrm.loading.load`).
@@ -226,11 +238,27 @@ class RewardModel:
         "answers": ["Yes", "No"]}``; the score of a conversation is then ``log p(yes) - log p(no)``
         of the answer to the question asked after it. An export of a verifier, or a training run
         of one, is a verifier without it (True keeps its question; a dict asks another).
+      judge: score with a causal LM (HF directory or .gguf file) as a pairwise judge
+        (:mod:`jaxrm.tasks.pairwise`): True (its default question and answers ``A``/``B``), a
+        dict ``{"question": ..., "answers": ["A", "B"]}`` or a
+        :class:`~jaxrm.tasks.pairwise.Judge`; it then compares responses (:meth:`compare`,
+        :meth:`score_group`) instead of scoring one. An export or training run of a judge is one
+        without it (True keeps what it recorded).
     """
-    if verifier is True:  # a verifier asking what an export or run of one recorded, else the defaults
+    asks = None
+    if judge not in (None, False):
+      if verifier not in (None, False):
+        raise ConfigError(
+          "verifier= and judge= both given: a causal LM is loaded as a verifier (one reward per "
+          "response) or as a pairwise judge (which of two responses is better); pass one"
+        )
+      if head not in (None, "lm"):
+        raise ConfigError(f"judge= with head={head!r}: a judge's head is the LM head ('lm'); leave head out")
+      head, asks, verifier = "lm", Judge, None if judge is True else Judge.of(judge)
+    elif verifier is True:  # a verifier asking what an export or run of one recorded, else the defaults
       if head not in (None, "lm"):
         raise ValueError(f"verifier=True with head={head!r}: a verifier's head is the LM head ('lm')")
-      verifier, head = None, "lm"
+      verifier, head, asks = None, "lm", Verifier
     elif verifier is False:
       verifier = None
     elif verifier is not None:
@@ -246,6 +274,7 @@ class RewardModel:
       tokenizer=tokenizer,
       weights=load_weights,
       verifier=verifier,
+      asks=asks,
     )
     return cls(loaded.model, loaded.tokenizer, loaded.info)
 
@@ -298,7 +327,9 @@ class RewardModel:
     trained on plain text is scored as its turns' contents joined; strings given to a model trained
     on conversations are scored as sent (they may be texts the template rendered). The log says
     so the first time. ``drops``, if given, counts the row in ``drops.cut`` where it lost context.
+    A pairwise judge lays out no row of one response: it compares two (:meth:`judge_text`).
     """
+    self._check_one_reward("encode()")
     item = parse_text(item, "encode", where)
     if completion is None:
       context, completion = (item[:-1], item[-1:]) if isinstance(item, list) else ("", item)
@@ -379,14 +410,20 @@ class RewardModel:
         :class:`jaxrm.shared_prefix.Sharing`, or False (every row alone). The rewards are the
         same either way, up to float rounding.
     """
-    if self.config.per_token:  # any sequence or verifier head scores; a token head scores steps
-      self.check_kind(kinds.PREFERENCE, kinds.REGRESSION, use="score()")
+    self._check_one_reward("score()")
     weights = None if combine is None else self.combination(combine)
     encoded = self._encode_items(items, prompts, completions, max_length)
     rewards = self.score_ids(
       encoded, batch_size=batch_size, bucket=bucket, max_length=max_length, share_prefix=share_prefix
     )
     return self.reduce(rewards, combine=weights, normalize=normalize)
+
+  def _check_one_reward(self, use: str) -> None:
+    """Refuses ``use``, one reward per row, of a model that gives none: a process reward model
+    (a token head, scored by its steps) or a pairwise judge (it compares two responses). Any
+    sequence or verifier head gives one."""
+    if self.config.per_token or self.judge is not None:
+      self.check_kind(kinds.PREFERENCE, kinds.REGRESSION, use=use)
 
   def reduce(
     self,
@@ -662,6 +699,133 @@ class RewardModel:
       for logits_tc, (_, positions) in zip(logits, encoded)
     ]
 
+  # ---------------------------------------------------------------- comparisons (a pairwise judge)
+
+  def _judge(self, use: str) -> Judge:
+    self.check_kind(kinds.PAIRWISE, use=use)
+    return self.judge
+
+  def judge_text(self, prompt: Text, response_a: Text, response_b: Text) -> str:
+    """The text a pairwise judge scores for ``response_a`` (shown as A) against ``response_b``
+    after ``prompt`` (:meth:`jaxrm.tasks.pairwise.Judge.render`): tokenized without added special
+    tokens, the ids whose next-token log-odds ``log p(A) - log p(B)`` is ``compare(..., orders="ab")``
+    (before any cut of the conversation's oldest turns to fit ``max_length``)."""
+    judge = self._judge("judge_text()")
+    return judge.render(
+      self._tokenizer(),
+      parse_text(prompt, "judge_text", "prompt"),
+      parse_text(response_a, "judge_text", "response_a"),
+      parse_text(response_b, "judge_text", "response_b"),
+    )
+
+  def compare(
+    self,
+    prompts: Sequence[Text],
+    responses_a: Sequence[Text],
+    responses_b: Sequence[Text],
+    *,
+    orders: str = "both",
+    batch_size: int = 8,
+    max_length: int | None = None,
+    share_prefix: bool | Sharing = True,
+  ) -> np.ndarray:
+    """float32 [N]: a pairwise judge's log-odds that ``responses_a[i]`` is better than
+    ``responses_b[i]`` after ``prompts[i]`` (:func:`jaxrm.tasks.pairwise.compare`).
+
+    Args:
+      prompts: conversations up to the responses (message lists), or strings (a user's turn).
+      responses_a, responses_b: the responses, strings or assistant messages.
+      orders: ``"both"`` averages the two orders, ``(s(A, B) - s(B, A)) / 2``, so that swapping
+        the responses negates the result exactly; ``"ab"`` gives ``s(A, B)`` alone.
+      batch_size, max_length, share_prefix: as :meth:`score` takes them; a conversation too long
+        for ``max_length`` loses its oldest turns.
+    """
+    self._judge("compare()")
+    return pairwise.compare(
+      self,
+      _texts(prompts, "prompts", "compare"),
+      _texts(responses_a, "responses_a", "compare"),
+      _texts(responses_b, "responses_b", "compare"),
+      orders=orders,
+      batch_size=batch_size,
+      max_length=max_length,
+      share_prefix=share_prefix,
+    )
+
+  def score_group(
+    self,
+    prompt: Text,
+    responses: Sequence[Text],
+    *,
+    strategy: str = "round_robin",
+    aggregate: str = "bradley_terry",
+    reference: Text | None = None,
+    batch_size: int = 8,
+    max_length: int | None = None,
+    share_prefix: bool | Sharing = True,
+  ) -> np.ndarray:
+    """float32 [n]: one reward per response to ``prompt``, from a pairwise judge's comparisons of
+    them (:meth:`score_groups` of one group; its ``rewards``)."""
+    self._judge("score_group()")
+    return self.score_groups(
+      [parse_text(prompt, "score_group", "prompt")],
+      [_texts(responses, "responses", "score_group")],
+      strategy=strategy,
+      aggregate=aggregate,
+      references=None if reference is None else [reference],
+      batch_size=batch_size,
+      max_length=max_length,
+      share_prefix=share_prefix,
+    )[0].rewards
+
+  def score_groups(
+    self,
+    prompts: Sequence[Text],
+    groups: Sequence[Sequence[Text]],
+    *,
+    strategy: str = "round_robin",
+    aggregate: str = "bradley_terry",
+    references: Sequence[Text] | None = None,
+    batch_size: int = 8,
+    max_length: int | None = None,
+    share_prefix: bool | Sharing = True,
+  ) -> list[GroupScores]:
+    """Each group's rewards and the log-odds of its compared pairs, from a pairwise judge
+    (:func:`jaxrm.tasks.pairwise.score_groups`; every group scored in one pass, the texts sharing
+    a prefix with it written once).
+
+    Args:
+      prompts: one per group.
+      groups: ``groups[g]``, the responses to ``prompts[g]``.
+      strategy: the pairs compared: ``"round_robin"`` (every pair, both orders), ``"circular"``
+        (each response with the next, both orders) or ``"reference"`` (each with
+        ``references[g]``).
+      aggregate: ``"bradley_terry"`` (the maximum-likelihood strengths, centred; measured from the
+        reference under ``"reference"``) or ``"win_rate"`` (the mean probability of winning).
+      references: one response per group, under ``strategy="reference"`` only.
+      batch_size, max_length, share_prefix: as :meth:`compare` takes them.
+    """
+    self._judge("score_groups()")
+    prompts = _texts(prompts, "prompts", "score_groups")
+    if isinstance(groups, str) or not isinstance(groups, (list, tuple)):
+      raise DataError(
+        f"score_groups: groups is {kind(groups)}; expected a list of groups (lists of responses)"
+      )
+    groups = [_texts(g, f"groups[{i}]", "score_groups") for i, g in enumerate(groups)]
+    if references is not None:
+      references = _texts(references, "references", "score_groups")
+    return pairwise.score_groups(
+      self,
+      prompts,
+      groups,
+      strategy=strategy,
+      aggregate=aggregate,
+      references=references,
+      batch_size=batch_size,
+      max_length=max_length,
+      share_prefix=share_prefix,
+    )
+
   # ---------------------------------------------------------------- reward functions
 
   def as_reward_func(
@@ -672,9 +836,12 @@ class RewardModel:
     name: str = "jaxrm_reward",
     combine=None,
     step_aggregation: str | None = None,
+    strategy: str | None = None,
+    aggregate: str | None = None,
   ) -> Callable[..., list[float | None]]:
     """A TRL GRPOTrainer reward function; see :func:`jaxrm.reward_funcs.as_reward_func` (a process
-    model's steps made one reward by ``step_aggregation``, default min)."""
+    model's steps made one reward by ``step_aggregation``, default min; a pairwise judge's group
+    rewards by ``strategy`` and ``aggregate``, default round_robin and bradley_terry)."""
     return reward_funcs.as_reward_func(
       self,
       normalize=normalize,
@@ -682,6 +849,8 @@ class RewardModel:
       name=name,
       combine=combine,
       step_aggregation=step_aggregation,
+      strategy=strategy,
+      aggregate=aggregate,
     )
 
   def as_multi_agent_reward_func(

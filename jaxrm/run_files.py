@@ -20,7 +20,6 @@ from jaxrm.config import RunConfig
 from jaxrm.data.tokenize import record_rendering
 from jaxrm.errors import CheckpointError, UserError
 from jaxrm.models.config import ModelConfig, config_from_dict, to_hf_config
-from jaxrm.verifier import Verifier
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +43,7 @@ class RunFiles:
     run_config: the training config (``config.json``); None when that file is missing.
     base_model: a LoRA run's frozen base (an absolute local path, or a hub or embedded name),
       whose weights its checkpoints leave out; None for other runs.
-    task: the task trained (:func:`task_record`: its name, attribute names or
+    task: the task trained (:func:`task_record`: its name, attribute names or an LM head's
       question and answers); None: not recorded (a run written before runs recorded it).
       :meth:`write` records the run config's.
     rendering: how training rendered its rows (:data:`jaxrm.data.tokenize.RENDERINGS`); None:
@@ -151,11 +150,12 @@ def base_reference(name_or_path: str) -> str:
 
 
 def task_record(
-  name: str | None, attributes: tuple[str, ...] | None = None, verifier: Verifier | None = None
+  name: str | None, attributes: tuple[str, ...] | None = None, verifier: Any = None
 ) -> dict[str, Any] | None:
   """The task as a model's files (a run's ``model_config.json``, an export's config.json) record
-  it: its name, with a regression model's attribute names or a verifier's question and answers;
-  None for a model of no task."""
+  it: its name, with a regression model's attribute names or what an LM head asks (``verifier``,
+  the task's asker: a verifier's question and answers, a pairwise judge's with its template) under
+  ``"verifier"``, as the asker's ``to_json`` gives it; None for a model of no task."""
   if name is None:
     return None
   record: dict[str, Any] = {"name": name}

@@ -9,7 +9,8 @@ dotted with the difference of the two answers' rows of the LM head
 
 This module holds what names a verifier (its question and answers), the check that each answer is
 one token, the conversation it reads (:func:`conversation`, :meth:`Verifier.render`), and the file
-an export records them in (:data:`FILE`).
+an export records them in (:data:`FILE`; a pairwise judge's export records its own asker there,
+with the task's name).
 """
 
 from __future__ import annotations
@@ -119,14 +120,17 @@ def conversation(messages: Sequence[Mapping[str, Any]], question: str) -> list[M
   return [*messages, {"role": "user", "content": question}]
 
 
-def read(directory: str | os.PathLike) -> Verifier | None:
-  """The verifier an export in ``directory`` records (:data:`FILE`), or None when it has none."""
+def read_record(directory: str | os.PathLike) -> dict[str, Any] | None:
+  """What an export in ``directory`` records in :data:`FILE` (an asker's ``to_json``: a verifier's
+  question and answers, or a pairwise judge's with its ``"task"``), or None when it has none."""
   path = os.path.join(os.fspath(directory), FILE)
   if not os.path.isfile(path):
     return None
   try:
     with open(path) as f:
       saved = json.load(f)
-    return Verifier(question=saved["question"], answers=tuple(saved["answers"]))
-  except (OSError, ValueError, KeyError, TypeError, ConfigError) as e:
-    raise CheckpointError(f"{path}: not a verifier's question and answers ({e})") from None
+  except (OSError, ValueError) as e:
+    raise CheckpointError(f"{path}: not a verifier's or a judge's question and answers ({e})") from None
+  if not isinstance(saved, dict):
+    raise CheckpointError(f"{path}: not a verifier's or a judge's question and answers (a JSON object)")
+  return saved

@@ -10,6 +10,13 @@ it reads the answer's ``"score"`` as the reward (docs/verl.md has the config lin
   +reward.custom_reward_function.reward_kwargs.url=http://HOST:8000
 
 The request is :func:`jaxrm.reward_funcs.remote_reward_func`'s, with its retries and errors.
+
+A pairwise judge's server (``judge=True``: ``+reward.custom_reward_function.reward_kwargs.judge=true``)
+is asked to compare the response with verl's reference answer (``ground_truth``): ``POST /compare``
+with ``strategy="reference"``, the response the one of ``responses`` and the reference answer
+``reference``; the reward is the response's, the log-odds that it is better than the reference
+under ``aggregate="bradley_terry"`` (0 where the judge finds them alike), its probability of winning
+under ``win_rate``.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ async def compute_score(
   prompt_key: str | None = None,
   chat: bool = True,
   no_steps_score: float | None = None,
+  judge: bool = False,
+  aggregate: str | None = None,
   timeout: float = 300.0,
   retries: int = 8,
   **kwargs: Any,
@@ -47,7 +56,10 @@ async def compute_score(
   """``{"score": reward}`` of one response, scored with its prompt by a jaxrm server.
 
   Args:
-    data_source, ground_truth: verl's; a reward model reads the prompt and the response only.
+    data_source: verl's; unused.
+    ground_truth: verl's reference answer: a reward model reads the prompt and the response only,
+      a judge (``judge``) compares the response with it (a string, or any value as ``str`` writes
+      it).
     solution_str: the response, as verl decoded it.
     extra_info: the row's ``extra_info``, which holds its prompt under ``prompt_key``.
     url: the server, ``http://HOST:PORT``; default ``$JAXRM_REWARD_URL``.
@@ -62,17 +74,37 @@ async def compute_score(
     no_steps_score: the reward of a response a process reward model finds no step in (empty or
       only step separators). verl needs a number for every response; without this, such a
       response is an error.
+    judge: the server holds a pairwise judge: the response is compared with ``ground_truth``
+      (``/compare``, ``strategy="reference"``).
+    aggregate: with ``judge``, ``"bradley_terry"`` (the default) or ``"win_rate"``.
     timeout, retries: as :func:`remote_reward_func` takes them.
     kwargs: verl's ``reward_router_address`` and ``reward_model_tokenizer`` (for reward models
       verl serves itself), unused.
   """
-  del data_source, ground_truth, kwargs
+  del data_source, kwargs
+  if judge and (steps or step_aggregation is not None):
+    raise ValueError(
+      f"{NAME}: judge= compares with the reference answer; steps= and step_aggregation= score a process reward model's steps: pass one"
+    )
+  if aggregate is not None and not judge:
+    raise ValueError(f"{NAME}: aggregate= is a judge's (with judge=true); leave it out")
+  comparing = ("reference", aggregate or "bradley_terry") if judge else (None, None)
   reward = _reward_func(
-    _url(url), api_key or os.environ.get(API_KEY_ENV) or None, steps, step_aggregation, timeout, retries
+    _url(url),
+    api_key or os.environ.get(API_KEY_ENV) or None,
+    steps,
+    step_aggregation,
+    *comparing,
+    timeout,
+    retries,
   )
   prompt = _prompt(extra_info, prompt_key)
   if chat and isinstance(prompt, str):
     prompt = [{"role": "user", "content": prompt}]
+  if judge:
+    reference = ground_truth if isinstance(ground_truth, str) else str(ground_truth)
+    (score,) = await reward(prompts=[prompt], completions=[solution_str], reference=[reference])
+    return {"score": score}
   # After a conversation, the response is the assistant's next message.
   response = [{"role": "assistant", "content": solution_str}] if isinstance(prompt, list) else solution_str
   (score,) = await reward(prompts=[prompt], completions=[response])
@@ -100,7 +132,14 @@ def _url(url: str | None) -> str:
 
 @functools.lru_cache(maxsize=8)
 def _reward_func(
-  url: str, api_key: str | None, steps: bool, step_aggregation: str | None, timeout: float, retries: int
+  url: str,
+  api_key: str | None,
+  steps: bool,
+  step_aggregation: str | None,
+  strategy: str | None,
+  aggregate: str | None,
+  timeout: float,
+  retries: int,
 ) -> Callable[..., Any]:
   """One asynchronous remote reward function per server and settings, made on first use."""
   return reward_funcs.remote_reward_func(
@@ -111,6 +150,8 @@ def _reward_func(
     name=NAME,
     steps=steps,
     step_aggregation=step_aggregation,
+    strategy=strategy,
+    aggregate=aggregate,
     asynchronous=True,
   )
 
