@@ -1,6 +1,7 @@
 """Row sources and the NeMo RL / TRL row formats: what they accept, and what they refuse."""
 
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -387,9 +388,40 @@ def test_row_of_neither_format():
     parse({"question": "Q", "answer": "A"})
   assert str(e.value) == (
     f"{SRC}: not a preference row: expected NeMo RL keys ('context', 'completions'), TRL keys "
-    "('prompt', 'chosen', 'rejected') or a labelled item's ('prompt', 'completion', 'label'); got "
-    "['answer', 'question']"
+    "('prompt', 'chosen', 'rejected'), a judgment's ('prompt', 'response_a', 'response_b', 'label') "
+    "or a labelled item's ('prompt', 'completion', 'label'); got ['answer', 'question']"
   )
+
+
+def judgment(**changes):
+  return {"prompt": "2 + 2?", "response_a": "5", "response_b": "4", "label": "B", **changes}
+
+
+def test_a_judgment_is_a_preference_with_the_better_response_first():
+  b_better = parse(judgment())
+  assert (b_better.context, b_better.completions, b_better.ranks) == ("2 + 2?", ("5", "4"), (1, 0))
+  for label in ("A", " a ", "A>B"):
+    assert parse(judgment(label=label)).ranks == (0, 1)
+  assert parse(judgment(label="b>a")).ranks == (1, 0)
+  chat = parse(judgment(prompt=[{"role": "user", "content": "2 + 2?"}]))
+  assert chat.completions[1] == [{"role": "assistant", "content": "4"}]
+
+
+def test_a_judged_tie_is_dropped_and_a_bad_label_refused():
+  drops = DropReport()
+  assert parse(judgment(label="tie"), drops=drops) is None
+  assert dict(drops.counts) == {formats.DROP_TIE: 1}
+  with pytest.raises(
+    DataError,
+    match=rf"^{re.escape(SRC)}: field 'label': expected 'A' or 'B' \(the better response\), got 1 \(an integer\); a number is ambiguous",
+  ):
+    parse(judgment(label=1))
+  with pytest.raises(
+    DataError, match=rf"^{re.escape(SRC)}: field 'label': expected 'A' or 'B'.*got 'C' \(a string\)$"
+  ):
+    parse(judgment(label="C"))
+  with pytest.raises(DataError, match="field 'response_b'"):
+    parse({k: v for k, v in judgment().items() if k != "response_b"})
 
 
 # --- Stepwise rows --------------------------------------------------------------------------------

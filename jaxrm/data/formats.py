@@ -11,6 +11,12 @@ Preference rows come in two layouts, told apart by their keys:
   messages that ``chosen`` and ``rejected`` share; for strings it is empty, the whole text being
   scored. An optional number ``margin`` is kept.
 
+Explicit judgments: ``prompt`` / ``response_a`` / ``response_b`` / ``label``, the label naming the
+better response, ``"A"`` or ``"B"`` (any case; JudgeBench's ``"A>B"`` and ``"B>A"`` too). They are
+read as a preference with the better response ranked first, so every preference task trains on
+them (a pairwise judge in both orders). A tie (``"tie"``, ``"A=B"``) is dropped and counted. A
+number is refused: 0/1 read as an index (0 is A) and as a yes/no (1: A is better) disagree.
+
 A preference file may hold labelled items instead (TRL's unpaired preference rows): ``prompt`` /
 ``completion`` / ``label`` (true: a good completion, false: a bad one), which only a generative
 verifier trains on (:class:`~jaxrm.data.records.LabelledRecord`).
@@ -44,6 +50,9 @@ from jaxrm.data.records import LabelledRecord, Message, PreferenceRecord, RatedR
 ROLES = ("system", "user", "assistant", "tool")
 DROP_IDENTICAL = "identical completions (chosen == rejected)"
 DROP_UNRATED = "no rating for any of the attributes"
+DROP_TIE = "judged a tie (label 'tie' or 'A=B')"
+_BETTER = {"a": 0, "a>b": 0, "b": 1, "b>a": 1}
+_TIES = ("tie", "a=b", "b=a")
 
 _KINDS = {
   bool: "a boolean",
@@ -237,13 +246,55 @@ def parse_preference(
     return _nemo_preference(row, source, drops, subset_field)
   if "chosen" in row or "rejected" in row:
     return _trl_preference(row, source, drops, subset_field)
+  if "response_a" in row or "response_b" in row:
+    return _judgment(row, source, drops, subset_field)
   if "label" in row and "completion" in row:
     return _trl_labelled(row, source, subset_field)
   raise row_error(
     source,
     None,
     f"not a preference row: expected NeMo RL keys ('context', 'completions'), TRL keys ('prompt', "
-    f"'chosen', 'rejected') or a labelled item's ('prompt', 'completion', 'label'); got {sorted(row)}",
+    f"'chosen', 'rejected'), a judgment's ('prompt', 'response_a', 'response_b', 'label') or a "
+    f"labelled item's ('prompt', 'completion', 'label'); got {sorted(row)}",
+  )
+
+
+def _judgment(row, source, drops, subset_field):
+  """A judgment of two responses as a preference, the better one ranked first."""
+  context = parse_text(required(row, "prompt", source), source, "prompt")
+  responses = [parse_completion(required(row, f, source), source, f) for f in ("response_a", "response_b")]
+  better = _better(required(row, "label", source), source, drops)
+  if better is None:
+    return None
+  return preference_record(
+    context,
+    responses,
+    (better, 1 - better),
+    source,
+    drops,
+    margin=_margin(row, source),
+    meta=row_meta(row, subset_field),
+    strength=_strength(row, source),
+  )
+
+
+def _better(label: Any, source: str, drops: DropReport) -> int | None:
+  """0 (response A is better) or 1 (B is); None for a tie, dropped and counted."""
+  key = label.strip().lower() if isinstance(label, str) else None
+  if key in _BETTER:
+    return _BETTER[key]
+  if key in _TIES:
+    drops.drop(DROP_TIE, source)
+    return None
+  raise row_error(
+    source,
+    "label",
+    f"expected 'A' or 'B' (the better response), got {label!r} ({kind(label)})"
+    + (
+      "; a number is ambiguous (an index, 0 for A, or a yes/no, 1 for A?): write the letter"
+      if isinstance(label, (int, float))
+      else ""
+    ),
   )
 
 
