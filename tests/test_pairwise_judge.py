@@ -4,6 +4,8 @@ log_softmax[B]`` after ``rm.judge_text``; ``compare`` reads both orders antisymm
 rewards are the Bradley-Terry strengths of its comparisons; the export is a causal LM that jaxrm
 reads back as a judge; its reward function groups a batch by prompt; bad input is refused by name."""
 
+import asyncio
+import dataclasses
 import json
 
 import hf_tiny
@@ -12,10 +14,11 @@ import pytest
 import tiny_run
 import torch
 import transformers
-from helpers import PARITY_ATOL, REBATCHED, assistant, user
+from helpers import PARITY_ATOL, REBATCHED, SERVER_CONFIG, approx, assistant, serving, user
 
-from jaxrm import RewardModel, cli
+from jaxrm import RewardModel, cli, reward_funcs
 from jaxrm.errors import CheckpointError, ConfigError
+from jaxrm.integrations import verl
 from jaxrm.kinds import ModelKindError
 from jaxrm.run_files import RunFiles
 from jaxrm.tasks import pairwise
@@ -178,6 +181,24 @@ def test_trl_grpo_trainer_takes_the_group_rewards(judge, cache_root, tmp_path):
       want = judge.score_group(prompt, [completions[i] for i in rows], strategy="circular")
       np.testing.assert_allclose([rewards[i] for i in rows], want, **REBATCHED)
   assert [h for h in trainer.state.log_history if "rewards/judge/mean" in h]
+
+
+def test_a_judge_server_gives_the_remote_and_verl_rewards(judge):
+  """remote_reward_func(strategy=...) sends each prompt's group to /compare; verl's compute_score
+  compares the solution with its reference answer there (strategy reference)."""
+  prompts = ["What is 2 + 2?", "Name a colour.", "What is 2 + 2?", "What is 2 + 2?"]
+  completions = ["4", "Blue.", "5", "Four."]
+  config = dataclasses.replace(SERVER_CONFIG, max_batch=8, max_length=128, buckets=(128,))
+  with serving(judge, config) as server:
+    remote = reward_funcs.remote_reward_func(server.url, strategy="round_robin")
+    got = remote(prompts=prompts, completions=completions)
+    scored = asyncio.run(
+      verl.compute_score("gsm8k", "5", 4, {"question": "What is 2 + 2?"}, url=server.url, judge=True)
+    )
+  local = judge.as_reward_func()(prompts=prompts, completions=completions)
+  assert got == approx(local) and got[1] == 0.0
+  want = judge.score_group([user("What is 2 + 2?")], ["5"], strategy="reference", reference="4")
+  assert [scored["score"]] == approx(want)
 
 
 # ------------------------------------------------------------------ saved and read back
