@@ -174,7 +174,9 @@ def _add_entries(config, added: list[tuple[str, str]]) -> None:
 
 def define_verifier_flags() -> None:
   """``--verifier``, ``--verifier_question``, ``--verifier_answers``: a causal LM scored as a
-  generative verifier (:mod:`jaxrm.verifier`), as ``RewardModel.from_pretrained(verifier=...)``."""
+  generative verifier (:mod:`jaxrm.verifier`), as ``RewardModel.from_pretrained(verifier=...)``;
+  and ``--judge``, ``--judge_question``, ``--judge_answers``: one loaded as a pairwise judge, as
+  ``RewardModel.from_pretrained(judge=...)`` (:func:`judge_request`)."""
   from absl import flags
 
   from jaxrm import verifier
@@ -201,6 +203,27 @@ def define_verifier_flags() -> None:
     "With --verifier: its two answers, yes then no, comma-separated; each must be one token.",
     module_name=main,
   )
+  flags.DEFINE_bool(
+    "judge",
+    False,
+    "Load --model, a causal LM, as a pairwise judge: log p(A) - log p(B) of its answer to "
+    "--judge_question after a conversation and two responses (an export or training run of a judge "
+    "is one without it). A judge compares responses; it gives no reward of one.",
+    module_name=main,
+  )
+  flags.DEFINE_string(
+    "judge_question",
+    None,
+    "With --judge: the question asked after the two responses (default: the judge's own).",
+    module_name=main,
+  )
+  flags.DEFINE_string(
+    "judge_answers",
+    None,
+    "With --judge: its two answers, A is better then B is better, comma-separated; each must be "
+    "one token (default: A,B).",
+    module_name=main,
+  )
 
 
 def verifier_request(f) -> dict | None:
@@ -211,6 +234,17 @@ def verifier_request(f) -> dict | None:
         raise ConfigError(f"--{name} applies with --verifier")
     return None
   return {"question": f.verifier_question, "answers": f.verifier_answers}
+
+
+def judge_request(f) -> dict | bool | None:
+  """``RewardModel.from_pretrained``'s ``judge=`` of the flags :func:`define_verifier_flags` defines."""
+  if not f.judge:
+    for name in ("judge_question", "judge_answers"):
+      if f[name].present:
+        raise ConfigError(f"--{name} applies with --judge")
+    return None
+  asked = {"question": f.judge_question, "answers": f.judge_answers}
+  return {k: v for k, v in asked.items() if v is not None} or True
 
 
 def located_model(model: str, step: int | None):
