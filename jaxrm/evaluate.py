@@ -7,13 +7,21 @@ r"""Evaluates a reward model on preference, stepwise or rated data, or on a publ
   python -m jaxrm.evaluate --model=runs/helpsteer2 --data=rated.jsonl
   python -m jaxrm.evaluate --model=runs/rm --benchmark=rewardbench --output=eval/
   python -m jaxrm.evaluate --model=runs/prm --benchmark=processbench --data=ProcessBench/ --output=eval/
+  python -m jaxrm.evaluate --model=runs/judge --data=pairs.jsonl
+  python -m jaxrm.evaluate --model=runs/judge --benchmark=judgebench --data=judgebench_gpt.jsonl
 
 This module is the command line only; the library is :mod:`jaxrm.evaluation` (in Python:
 :func:`jaxrm.evaluation.evaluate`).
 
-``--benchmark`` (rewardbench, rewardbench2, rmbench, processbench) scores by that benchmark's
-official rules (see :mod:`jaxrm.benchmarks`) and reports its official figures under their official
-names, with a length-bias report for the preference benchmarks; ``--data`` is then a file or
+``--benchmark`` (rewardbench, rewardbench2, rmbench, processbench, judgebench) scores by that
+benchmark's official rules (see :mod:`jaxrm.benchmarks`) and reports its official figures under
+their official names, with a length-bias report for the preference benchmarks. A pairwise judge
+(``reward.type=pairwise``) is asked each pair of rewardbench and rmbench in both orders (their mean
+log-odds decides), ranks each rewardbench2 prompt's completions by the Bradley-Terry strengths of
+a round robin (the report says this is a judge's path), and runs judgebench (local ``.jsonl``
+files in JudgeBench's format, or its hub dataset) by JudgeBench's own rule for the two orders;
+its reports add its accuracy in each order, consistency and position bias, and its texts default
+to the model's context. ``--data`` is then a file or
 ``save_to_disk`` directory in the benchmark's public schema, or a hub name (default: the
 benchmark's own dataset), ``--max_length`` defaults to the official harness's (2048 tokens for
 rewardbench, rewardbench2 and rmbench; the model's context for processbench, whose harness cuts
@@ -25,7 +33,10 @@ StepwiseDataset for a process reward model, PreferenceDataset for the others), o
 dataset itself (``demo_arithmetic``, ``HelpSteer3``...), read from its usual place. Rows are
 rendered as the model's training rendered its own (the chat template, or plain text).
 
-Preference data (sequence-head models): accuracy (the best completion scored above the worst),
+Preference data judged by a pairwise judge: each pair in both orders, the accuracy in each order
+and in both, the consistency (both orders agree), the position bias (the mean P(A) over both
+orders; 0.5: none), the loss and the log-odds, as validation reports them; ``rewards.png`` is the
+histogram of each order's log-odds. Preference data (sequence-head models): accuracy (the best completion scored above the worst),
 overall and per subset (a RewardBench-style column, ``--subset_field``), the loss, the reward
 statistics and the length bias (reward against completion length in tokens, and
 ``length_bias.png``). Stepwise data (token-head models): step accuracy, recall of each class, F1

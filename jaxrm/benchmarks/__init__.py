@@ -1,10 +1,13 @@
 """The public reward-model benchmarks, each scored by its official rules.
 
-One module per benchmark (``rewardbench``, ``rewardbench2``, ``rmbench``, ``processbench``) reads
-rows of its public schema (``parse``), scores them through a :class:`~jaxrm.benchmarks.scoring.Scorer`
-(``evaluate``) and lays the figures out as its leaderboard does (``format_table``). It also names
-the kind of model it scores (``MODEL_KIND``, see :mod:`jaxrm.kinds`) and the longest row in tokens
-its official harness scores by default (``MAX_LENGTH``; None: the model's context).
+One module per benchmark (``rewardbench``, ``rewardbench2``, ``rmbench``, ``processbench``,
+``judgebench``) reads rows of its public schema (``parse``), scores them through a
+:class:`~jaxrm.benchmarks.scoring.Scorer` (``evaluate``) and lays the figures out as its leaderboard
+does (``format_table``). It also names the kind of model it scores (``MODEL_KIND``, see
+:mod:`jaxrm.kinds`), whether a pairwise judge has a path through it (``JUDGED``: its pairs asked
+in both orders, or its groups ranked by round robin), and the longest row in tokens its official
+harness scores by default (``MAX_LENGTH``; None: the model's context; a judge's texts hold two
+responses, and default to the model's context).
 :func:`load` reads and checks a benchmark's rows; :func:`score` scores them and adds the
 length-bias report; :func:`run` does both.
 """
@@ -15,13 +18,13 @@ import json
 import os
 from typing import Any
 
-from jaxrm.benchmarks import length_bias, processbench, rewardbench, rewardbench2, rmbench
+from jaxrm.benchmarks import judgebench, length_bias, processbench, rewardbench, rewardbench2, rmbench
 from jaxrm.benchmarks.scoring import Scorer
 from jaxrm.data.drops import DropReport
 from jaxrm.data.sources import read_rows
 from jaxrm.errors import EvaluationError
 
-BENCHMARKS = {m.NAME: m for m in (rewardbench, rewardbench2, rmbench, processbench)}
+BENCHMARKS = {m.NAME: m for m in (rewardbench, rewardbench2, rmbench, processbench, judgebench)}
 # Keys of a result that hold per-row data: kept for the plot and the caller, not for eval.json.
 ROW_KEYS = ("comparisons", "predictions", "drop_report")
 

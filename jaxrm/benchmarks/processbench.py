@@ -51,6 +51,7 @@ HUB_NAME = "Qwen/ProcessBench"
 SPLITS = ("gsm8k", "math", "olympiadbench", "omnimath")
 DEFAULT_SPLIT = ",".join(SPLITS)
 MODEL_KIND = kinds.PROCESS
+JUDGED = False  # no pairwise judge's path: it scores steps
 MAX_LENGTH = None  # the model's context: the official code cuts and drops nothing for its length
 DROP_TOO_LONG = "problem + steps longer than max_length (ProcessBench solutions are never cut)"
 

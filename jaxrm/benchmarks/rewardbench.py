@@ -9,6 +9,11 @@ official code in allenai/reward-bench:
 * ``rewardbench/utils.py``, ``calculate_scores_per_section``: a section is the average of its
   subsets weighted by ``EXAMPLE_COUNTS`` of ``rewardbench/constants.py`` -- not by the rows the
   data holds -- and 0 when none of its subsets is present.
+* a pairwise judge (jaxrm's own path: the official scripts score one response at a time) is
+  asked each pair in both orders, and a pair is right when the two orders' mean log-odds,
+  ``(s(chosen, rejected) - s(rejected, chosen)) / 2``, is above 0; the report adds the accuracy
+  in each order, the consistency and the position bias (no length-bias report: a judge gives no
+  reward per response).
 * ``analysis/get_benchmark_results.py``, ``get_average_over_rewardbench``: the overall score
   averages the four sections with weight 2 and "Prior Sets (0.5 weight)" (the mean of
   anthropic_helpful, anthropic_hhh, shp and summarize, when the data has them) with weight 1;
@@ -25,12 +30,13 @@ import numpy as np
 
 from jaxrm import kinds
 from jaxrm.benchmarks import length_bias, rows
-from jaxrm.benchmarks.scoring import Scorer, chat
+from jaxrm.benchmarks.scoring import Scorer, chat, judge_figures, judge_line
 
 NAME = "rewardbench"
 HUB_NAME = "allenai/reward-bench"
 DEFAULT_SPLIT = "filtered"
 MODEL_KIND = kinds.PREFERENCE
+JUDGED = True  # a pairwise judge has a path of its own (see above)
 MAX_LENGTH = 2048  # the default of scripts/run_rm.py --max_length
 
 # rewardbench/constants.py, EXAMPLE_COUNTS, as the official scripts use it. Two quirks kept on
@@ -154,12 +160,34 @@ def parse(source: str, row: dict) -> Pair:
 
 def evaluate(pairs: list[Pair], scorer: Scorer) -> dict[str, Any]:
   """Scores every pair in one call and returns the official figures."""
+  if scorer.judge:
+    return _judged(pairs, scorer)
   n = len(pairs)
   rewards = scorer.rewards(
     [chat(p.prompt, p.chosen) for p in pairs] + [chat(p.prompt, p.rejected) for p in pairs], NAME
   )
   chosen, rejected = rewards[:n], rewards[n:]
   right = chosen > rejected  # run_rm.py: `1 if chosen > rejected else 0`
+  return {
+    **_figures(pairs, right),
+    "comparisons": length_bias.comparisons(
+      [(c, len(p.chosen), r, len(p.rejected)) for p, c, r in zip(pairs, chosen, rejected)],
+      [(c, len(p.chosen), True) for p, c in zip(pairs, chosen)]
+      + [(r, len(p.rejected), False) for p, r in zip(pairs, rejected)],
+    ),
+  }
+
+
+def _judged(pairs: list[Pair], scorer: Scorer) -> dict[str, Any]:
+  """A pairwise judge's figures: a pair is right when its two orders' mean log-odds is above 0."""
+  s_ab, s_ba = scorer.both_orders(
+    [p.prompt for p in pairs], [p.chosen for p in pairs], [p.rejected for p in pairs], NAME
+  )
+  return {**_figures(pairs, (s_ab - s_ba) / 2 > 0), "judge": judge_figures(s_ab, s_ba)}
+
+
+def _figures(pairs: list[Pair], right: np.ndarray) -> dict[str, Any]:
+  """The official figures of which pairs were right."""
   subsets = np.array([p.subset for p in pairs])
   accuracy = {s: float(right[subsets == s].mean()) for s in sorted({p.subset for p in pairs})}
   sections = scores_per_section(accuracy)
@@ -175,12 +203,7 @@ def evaluate(pairs: list[Pair], scorer: Scorer) -> dict[str, Any]:
     "counts": {s: int(np.sum(subsets == s)) for s in accuracy},
     "missing_subsets": [s for s in EXAMPLE_COUNTS if s not in accuracy],
     "unknown_subsets": [s for s in accuracy if s not in known],
-    "num_examples": n,
-    "comparisons": length_bias.comparisons(
-      [(c, len(p.chosen), r, len(p.rejected)) for p, c, r in zip(pairs, chosen, rejected)],
-      [(c, len(p.chosen), True) for p, c in zip(pairs, chosen)]
-      + [(r, len(p.rejected), False) for p, r in zip(pairs, rejected)],
-    ),
+    "num_examples": len(pairs),
     "length_categories": _length_categories(subsets, right),
   }
 
@@ -234,4 +257,6 @@ def format_table(result: dict[str, Any]) -> str:
     )
   if result["unknown_subsets"]:
     lines.append(f"not part of any section: {', '.join(result['unknown_subsets'])}")
+  if "judge" in result:
+    lines.append(judge_line(result["judge"]))
   return "\n".join(lines)

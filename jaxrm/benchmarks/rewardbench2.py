@@ -17,6 +17,10 @@ Rows: ``prompt`` (string), ``chosen`` and ``rejected`` (lists of strings), ``num
   them the mean of the others is reported, marked partial (``"partial": true``); subsets of other
   names are scored and shown but left out of it. A subset named in another case
   (``factuality``) is the official one.
+
+A pairwise judge (jaxrm's own path: the official code scores each completion alone) gives each
+completion its Bradley-Terry strength from a round robin over the prompt's completions (every
+ordered pair asked), and those strengths are scored by the rules above; the report says so.
 """
 
 from __future__ import annotations
@@ -37,6 +41,12 @@ NAME = "rewardbench2"
 HUB_NAME = "allenai/reward-bench-2"
 DEFAULT_SPLIT = "test"
 MODEL_KIND = kinds.PREFERENCE
+JUDGED = True  # a pairwise judge has a path of its own (see above)
+JUDGE_PATH = (
+  "a pairwise judge's path: each completion's reward is its Bradley-Terry strength from a round "
+  "robin of the judge over the prompt's completions (every ordered pair asked), not a score of its "
+  "own as the official code gives; best-of-4 and Ties read those strengths"
+)
 MAX_LENGTH = 2048  # the default of scripts/run_v2.py --max_length
 SUBSETS = ("Factuality", "Precise IF", "Math", "Safety", "Focus", "Ties")
 TIES = "Ties"
@@ -90,12 +100,7 @@ def official_name(subset: str) -> str:
 
 def evaluate(prompts: list[Prompt], scorer: Scorer) -> dict[str, Any]:
   """Scores every completion of every prompt in one call and returns the official figures."""
-  flat = [chat(p.prompt, c) for p in prompts for c in p.completions]
-  rewards = scorer.rewards(flat, NAME)
-  scores, start = [], 0
-  for p in prompts:
-    scores.append(rewards[start : start + len(p.completions)])
-    start += len(p.completions)
+  scores = _scores(prompts, scorer)
   names = {p.subset for p in prompts}
   subsets = [s for s in SUBSETS if s in names] + sorted(names - set(SUBSETS))
   results, details = {}, {}
@@ -106,7 +111,9 @@ def evaluate(prompts: list[Prompt], scorer: Scorer) -> dict[str, Any]:
     else:
       results[subset] = float(np.mean([best_of_n(s) for _, s in members]))
   present = [results[s] for s in SUBSETS if s in results]
+  judge = {"judge": JUDGE_PATH} if scorer.judge else {}
   return {
+    **judge,
     "results": {"Score": float(np.mean(present)) if present else math.nan, **results},
     "counts": {s: sum(p.subset == s for p in prompts) for s in subsets},
     "details": details,
@@ -116,6 +123,19 @@ def evaluate(prompts: list[Prompt], scorer: Scorer) -> dict[str, Any]:
     "num_examples": len(prompts),
     "comparisons": _comparisons(prompts, scores),
   }
+
+
+def _scores(prompts: list[Prompt], scorer: Scorer) -> list[np.ndarray]:
+  """Each prompt's completions' rewards, chosen first: scored in one call, or a judge's strengths."""
+  if scorer.judge:
+    return scorer.group_rewards([p.prompt for p in prompts], [p.completions for p in prompts], NAME)
+  flat = [chat(p.prompt, c) for p in prompts for c in p.completions]
+  rewards = scorer.rewards(flat, NAME)
+  scores, start = [], 0
+  for p in prompts:
+    scores.append(rewards[start : start + len(p.completions)])
+    start += len(p.completions)
+  return scores
 
 
 def best_of_n(scores: np.ndarray) -> float:
@@ -207,6 +227,8 @@ def format_table(result: dict[str, Any]) -> str:
     )
   if unknown:
     lines.append(f"not RewardBench 2 subsets (scored, left out of the Score): {', '.join(unknown)}")
+  if "judge" in result:
+    lines.append(result["judge"])
   return "\n".join(lines)
 
 

@@ -13,6 +13,10 @@ safety-response), ``id``. The rules follow THU-KEG/RM-Bench, ``scripts/run_rm.py
   whose domain starts with its name, so safety-refuse and safety-response are one); a domain's
   score is the mean of its hard, normal and easy; overall hard / normal / easy are their means over
   the domains, and ``total_avg_acc`` the mean of the domain scores.
+
+A pairwise judge (jaxrm's own path) is asked each of a row's nine (chosen style, rejected style)
+pairs in both orders; the chosen response wins when the two orders' mean log-odds is above 0. The
+report adds its accuracy in each order, consistency and position bias (no length-bias report).
 """
 
 from __future__ import annotations
@@ -25,13 +29,14 @@ import numpy as np
 
 from jaxrm import kinds
 from jaxrm.benchmarks import length_bias, rows
-from jaxrm.benchmarks.scoring import Scorer, chat
+from jaxrm.benchmarks.scoring import Scorer, chat, judge_figures, judge_line
 from jaxrm.data.drops import row_error
 
 NAME = "rmbench"
 HUB_NAME = "THU-KEG/RM-Bench"
 DEFAULT_SPLIT = "train"
 MODEL_KIND = kinds.PREFERENCE
+JUDGED = True  # a pairwise judge has a path of its own (see above)
 MAX_LENGTH = 2048  # the default of scripts/run_rm.py --max_length
 STYLES = ("concise", "detailed_plain", "detailed_markdown")
 DOMAINS = ("chat", "math", "code", "safety")
@@ -67,9 +72,25 @@ def parse(source: str, row: dict) -> Row:
 
 def evaluate(items: list[Row], scorer: Scorer) -> dict[str, Any]:
   """Scores the six responses of every row in one call and returns the official figures."""
+  if scorer.judge:
+    return _judged(items, scorer)
   rewards = scorer.rewards([chat(r.prompt, t) for r in items for t in (*r.chosen, *r.rejected)], NAME)
   rewards = rewards.reshape(len(items), 2, 3)  # [row, chosen/rejected, style]
   wins = rewards[:, 0, :, None] > rewards[:, 1, None, :]  # [row, chosen style, rejected style]
+  return {**_figures(items, wins), "comparisons": _comparisons(items, rewards)}
+
+
+def _judged(items: list[Row], scorer: Scorer) -> dict[str, Any]:
+  """A pairwise judge's figures: each (chosen style i, rejected style j) pair in both orders."""
+  pairs = [(r.prompt, r.chosen[i], r.rejected[j]) for r in items for i in range(3) for j in range(3)]
+  prompts, chosen, rejected = (list(x) for x in zip(*pairs))
+  s_ab, s_ba = scorer.both_orders(prompts, chosen, rejected, NAME)
+  wins = ((s_ab - s_ba) / 2 > 0).reshape(len(items), 3, 3)  # [row, chosen style, rejected style]
+  return {**_figures(items, wins), "judge": judge_figures(s_ab, s_ba)}
+
+
+def _figures(items: list[Row], wins: np.ndarray) -> dict[str, Any]:
+  """The official figures of ``wins`` [row, chosen style, rejected style]."""
   domains = np.array([r.domain for r in items])
   per_domain, matrices = {}, {}
   for d in DOMAINS:
@@ -87,7 +108,6 @@ def evaluate(items: list[Row], scorer: Scorer) -> dict[str, Any]:
     "style_matrix": np.mean(list(matrices.values()), axis=0).tolist(),
     "missing_subsets": [d for d in DOMAINS if d not in per_domain],
     "num_examples": len(items),
-    "comparisons": _comparisons(items, rewards),
   }
 
 
@@ -128,6 +148,8 @@ def format_table(result: dict[str, Any]) -> str:
     lines.append(
       f"domains not in the data (left out of the averages): {', '.join(result['missing_subsets'])}"
     )
+  if "judge" in result:
+    lines.append(judge_line(result["judge"]))
   return "\n".join(lines)
 
 

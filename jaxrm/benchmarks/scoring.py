@@ -1,9 +1,11 @@
-"""What a benchmark scores through: one function for rewards, one for step probabilities.
+"""What a benchmark scores through: one function for rewards, one for step probabilities, and a
+pairwise judge's two: its log-odds of pairs, and a group's rewards from its comparisons.
 
 Benchmarks never see a model. They hand every conversation of the benchmark to
 :meth:`Scorer.rewards` in one call (the model side sorts them by length into padded buckets), and
-every solution to :meth:`Scorer.step_probabilities`. Tests pass stub functions; the CLI passes
-:func:`model_scorer`.
+every solution to :meth:`Scorer.step_probabilities`; a judge is asked every pair in both orders by
+:meth:`Scorer.both_orders`, and every group by :meth:`Scorer.group_rewards`. Tests pass stub
+functions; the CLI passes :func:`model_scorer`.
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
-from jaxrm import kinds
+from jaxrm import kinds, tasks
 from jaxrm.data.records import Message, Text
 from jaxrm.errors import DataError, EvaluationError
+from jaxrm.metrics import finalize_metrics
+from jaxrm.tasks import pairwise
 
 Conversation = list[Message]
 # Conversations (user turn, assistant reply) -> rewards float [N].
@@ -24,6 +29,12 @@ RewardFn = Callable[[Sequence[Conversation]], Sequence[float]]
 # (problems, steps of each solution) -> P(step correct) per step, or None for a solution that
 # could not be scored (too long); it is then dropped and counted.
 StepFn = Callable[[Sequence[str], Sequence[Sequence[str]]], Sequence[Sequence[float] | None]]
+
+# (prompts, responses A, responses B) -> a pairwise judge's log-odds that A is better,
+# log p(A) - log p(B) [N], each pair in the order given.
+JudgeFn = Callable[[Sequence[str], Sequence[str], Sequence[str]], Sequence[float]]
+# (prompts, each prompt's responses) -> each group's rewards from the judge's round robin.
+GroupFn = Callable[[Sequence[str], Sequence[Sequence[str]]], Sequence[Sequence[float]]]
 
 # No limit when encoding: rows are cut to max_length afterwards, from the left, as the scripts/run_rm.py
 # of RewardBench and RM-Bench set their tokenizers (truncation_side="left"). RewardBench 2's run_v2.py
@@ -49,12 +60,19 @@ class Scorer:
 
   rewards_fn: RewardFn | None = None
   steps_fn: StepFn | None = None
+  judge_fn: JudgeFn | None = None
+  groups_fn: GroupFn | None = None
   items: int = 0
   seconds: float = 0.0
   truncated: int = 0  # conversations cut to max_length by the model's reward function
 
   def rewards(self, conversations: Sequence[Conversation], benchmark: str) -> np.ndarray:
     """Rewards float64 [N], one per conversation."""
+    if self.rewards_fn is None and self.judge:
+      raise EvaluationError(
+        f"{benchmark} scores each response alone, and a pairwise judge compares two: run it on "
+        "rewardbench, rewardbench2, rmbench or judgebench, whose judge's paths compare"
+      )
     if self.rewards_fn is None:
       raise EvaluationError(
         f"{benchmark} scores whole responses and needs a sequence-head reward model; "
@@ -85,6 +103,42 @@ class Scorer:
       raise EvaluationError(f"the step function returned {len(out)} results for {len(problems)} solutions")
     return [None if p is None else np.asarray(p, np.float64) for p in out]
 
+  @property
+  def judge(self) -> bool:
+    """Whether this scores with a pairwise judge (its pairs compared, not its responses scored)."""
+    return self.judge_fn is not None
+
+  def both_orders(
+    self, prompts: Sequence[str], responses_a: Sequence[str], responses_b: Sequence[str], benchmark: str
+  ) -> tuple[np.ndarray, np.ndarray]:
+    """A judge's log-odds float64 of each pair in both orders, ``s(A, B)`` [N] and ``s(B, A)`` [N]
+    (asked in one call: the model side scores them together)."""
+    self._needs_judge(benchmark)
+    n = len(prompts)
+    start = time.perf_counter()
+    a, b = list(responses_a), list(responses_b)
+    out = np.asarray(self.judge_fn(list(prompts) * 2, a + b, b + a), np.float64).reshape(-1)
+    self._count(2 * n, start)
+    if len(out) != 2 * n:
+      raise EvaluationError(f"the judge's function returned {len(out)} log-odds for {2 * n} pairs")
+    return out[:n], out[n:]
+
+  def group_rewards(
+    self, prompts: Sequence[str], groups: Sequence[Sequence[str]], benchmark: str
+  ) -> list[np.ndarray]:
+    """Each group's rewards float64 [n_g] from the judge's round robin over it."""
+    self._needs_judge(benchmark)
+    start = time.perf_counter()
+    out = [np.asarray(r, np.float64) for r in self.groups_fn(list(prompts), [list(g) for g in groups])]
+    self._count(sum(len(g) for g in groups), start)
+    if [len(r) for r in out] != [len(g) for g in groups]:
+      raise EvaluationError("the judge's group function returned other sizes of groups than it was given")
+    return out
+
+  def _needs_judge(self, benchmark: str) -> None:
+    if not self.judge:
+      raise EvaluationError(f"{benchmark}'s judge's path needs a pairwise judge; this scorer has none")
+
   def _count(self, n: int, start: float) -> None:
     self.items += n
     self.seconds += time.perf_counter() - start
@@ -109,7 +163,8 @@ def model_scorer(
   max_length: int | None = 2048,
 ) -> Scorer:
   """A :class:`Scorer` over a :class:`jaxrm.RewardModel`: rewards for a preference reward model,
-  step probabilities for a process reward model.
+  step probabilities for a process reward model, log-odds of pairs and groups' rewards for a
+  pairwise judge.
 
   The model must be of a kind in ``needs`` (:func:`jaxrm.kinds.check_kind`; ``use`` names what
   needs it, e.g. the benchmark). Rows longer than ``max_length`` tokens (None: the model's
@@ -118,6 +173,8 @@ def model_scorer(
   """
   kind = kinds.check_kind(rm, *needs, use=use, error=EvaluationError)
   max_length = max_length or rm.config.max_position_embeddings
+  if kind == tasks.PAIRWISE.name:
+    return _judge_scorer(rm, batch_size, max_length)
   if kind == kinds.PROCESS:
     return Scorer(
       steps_fn=lambda problems, steps: _model_steps(rm, problems, steps, batch_size, bucket, max_length)
@@ -125,6 +182,49 @@ def model_scorer(
   scorer = Scorer()
   scorer.rewards_fn = lambda convs: _model_rewards(rm, convs, batch_size, bucket, max_length, scorer)
   return scorer
+
+
+def _judge_scorer(rm, batch_size: int, max_length: int) -> Scorer:
+  """A judge's :class:`Scorer`: its pairs and groups through :mod:`jaxrm.tasks.pairwise` (a judge
+  text longer than ``max_length`` is an error naming it: cut, it would lose a response)."""
+
+  def judged(prompts, a, b):
+    return pairwise.compare(rm, prompts, a, b, orders="ab", batch_size=batch_size, max_length=max_length)
+
+  def groups(prompts, groups_):
+    scored = pairwise.score_groups(rm, prompts, groups_, batch_size=batch_size, max_length=max_length)
+    return [g.rewards for g in scored]
+
+  return Scorer(judge_fn=_refusing_long(judged), groups_fn=_refusing_long(groups))
+
+
+def _refusing_long(fn: Callable) -> Callable:
+  def checked(*args):
+    try:
+      return fn(*args)
+    except DataError as e:
+      raise EvaluationError(f"{e}: raise --max_length (default the model's context for a judge)") from None
+
+  return checked
+
+
+def judge_figures(s_ab: np.ndarray, s_ba: np.ndarray) -> dict[str, float]:
+  """A judge's figures over pairs asked in both orders, the better response shown as A (``s_ab``
+  [N], its log-odds) and as B (``s_ba``): accuracy in each order, consistency and position bias,
+  as its validation reports them (:func:`jaxrm.tasks.pairwise.judge_loss`)."""
+  log_odds = jnp.stack([jnp.asarray(s_ab, jnp.float32), jnp.asarray(s_ba, jnp.float32)], axis=1)
+  metrics = finalize_metrics(pairwise.judge_loss(log_odds, jnp.ones(len(s_ab), jnp.float32))[1])
+  return {k: metrics[k] for k in ("accuracy_first", "accuracy_second", "consistency", "position_bias")}
+
+
+def judge_line(figures: dict[str, float]) -> str:
+  """:func:`judge_figures` as a report's line."""
+  return (
+    "a pairwise judge, each pair asked in both orders (their mean log-odds decides): accuracy with "
+    f"the better response shown as A {100 * figures['accuracy_first']:.1f}, as B "
+    f"{100 * figures['accuracy_second']:.1f}; consistency {100 * figures['consistency']:.1f}; "
+    f"position bias (mean P(A), 50: none) {100 * figures['position_bias']:.1f}"
+  )
 
 
 def _model_rewards(rm, conversations, batch_size, bucket, max_length, scorer: Scorer) -> np.ndarray:

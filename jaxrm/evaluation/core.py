@@ -296,10 +296,10 @@ def run_benchmark(
   """Runs a public benchmark by its official rules (see :mod:`jaxrm.benchmarks`).
 
   Args:
-    name: rewardbench, rewardbench2, rmbench or processbench.
-    model: a :class:`jaxrm.RewardModel` (a preference reward model for the preference benchmarks,
-      a process reward model for processbench), or a :class:`~jaxrm.benchmarks.scoring.Scorer` of
-      reward / step functions.
+    name: rewardbench, rewardbench2, rmbench, processbench or judgebench.
+    model: a :class:`jaxrm.RewardModel` (a preference reward model or a pairwise judge for the
+      preference benchmarks, a process reward model for processbench, a pairwise judge for
+      judgebench), or a :class:`~jaxrm.benchmarks.scoring.Scorer` of reward / step / judge functions.
     data: a file or ``save_to_disk`` directory in the benchmark's schema, or a hub name (default
       the benchmark's hub dataset); or rows already read by :func:`jaxrm.benchmarks.load`.
     split: the split (processbench: comma-separated splits); default the benchmark's.
@@ -308,7 +308,8 @@ def run_benchmark(
     batch_size: rows per forward pass.
     max_length: the longest row in tokens; default the benchmark's official length (``MAX_LENGTH``):
       2048 for the preference benchmarks (a longer row loses its oldest tokens), the model's
-      context for processbench, whose official harness cuts nothing (a longer solution is dropped).
+      context for processbench, whose official harness cuts nothing (a longer solution is dropped),
+      and for a pairwise judge (a judge text that does not fit is an error naming it).
     output_dir: where to write ``eval.json`` and ``length_bias.png``; the paths go in ``"files"``.
     info: more keys for ``eval.json`` (the CLI gives the model).
 
@@ -319,12 +320,14 @@ def run_benchmark(
   if isinstance(model, Scorer):
     scorer = model
   else:
+    judge = kinds.task_of(model) is tasks.PAIRWISE
     scorer = model_scorer(
       model,
-      needs=(bench.MODEL_KIND,),
+      needs=(tasks.PAIRWISE.name,) if judge and bench.JUDGED else (bench.MODEL_KIND,),
       use=name,
       batch_size=batch_size,
-      max_length=bench.MAX_LENGTH if max_length is None else max_length,
+      # a judge's text holds both responses: the official length, for one, would cut most
+      max_length=bench.MAX_LENGTH if max_length is None and not judge else max_length,
     )
   loaded = data if isinstance(data, dict) else benchmarks.load(name, data, split=split, max_rows=max_rows)
   result = benchmarks.score(loaded, scorer, threshold=threshold)
