@@ -7,8 +7,10 @@ r"""Exports a reward model as a Hugging Face checkpoint directory.
 checkpoint unless ``--step``; the step taken and why is printed first), one training checkpoint (``runs/rm/checkpoints/200``), an HF
 directory or a ``.gguf`` file. The output loads with transformers'
 ``AutoModelForSequenceClassification`` (sequence heads) or ``AutoModelForTokenClassification``
-(token heads, process reward models), a verifier's with ``AutoModelForCausalLM``; what it holds
-is described in :mod:`jaxrm.hf.export`. A
+(token heads, process reward models), a verifier's or a pairwise judge's with
+``AutoModelForCausalLM`` (its question, answers and, for a judge, its task and template in
+``jaxrm_verifier.json``, so that jaxrm loads it back as what it is); what it holds is described in
+:mod:`jaxrm.hf.export`. A
 model trained with LoRA is exported with its adapters merged into the weights, or with
 ``--adapters_only`` as a peft adapter directory over its base checkpoint (``--base_model``;
 default: the base the run trained over, as its ``model_config.json`` names it).

@@ -43,7 +43,7 @@ def save_adapters_export(
   dtype: str | None = None,
 ) -> None:
   """Writes a peft adapter directory (:func:`jaxrm.hf.export.save_peft_adapters`) with jaxrm's
-  own files for scoring (a verifier's question and answers); never into a training output directory."""
+  own files for scoring (a verifier's or a judge's question and answers); never into a training output directory."""
   check_export_dir(out_dir)
   hf_export.save_peft_adapters(
     out_dir,
@@ -56,6 +56,8 @@ def save_adapters_export(
 
 
 def _extra_files(info: ScoringInfo) -> dict[str, Any] | None:
+  """What an LM head asks (a verifier's question and answers; a judge's, with its task's name and
+  template), in :data:`jaxrm.verifier.FILE`; None for other heads."""
   return None if info.verifier is None else {verifiers.FILE: info.verifier.to_json()}
 
 

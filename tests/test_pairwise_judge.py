@@ -18,6 +18,7 @@ from helpers import PARITY_ATOL, REBATCHED, SERVER_CONFIG, approx, assistant, se
 
 from jaxrm import RewardModel, cli, reward_funcs
 from jaxrm.errors import CheckpointError, ConfigError
+from jaxrm.export import export
 from jaxrm.integrations import verl
 from jaxrm.kinds import ModelKindError
 from jaxrm.run_files import RunFiles
@@ -205,8 +206,10 @@ def test_a_judge_server_gives_the_remote_and_verl_rewards(judge):
 
 
 def test_export_is_a_causal_lm_read_back_as_the_judge(judge, smollm2_tokenizer, tmp_path):
+  judge.save_pretrained(tmp_path / "first")
+  # jaxrm.export reads the first export back as the judge it is, not told, and exports it again.
+  back = export(str(tmp_path / "first"), str(tmp_path / "export"))
   out = tmp_path / "export"
-  judge.save_pretrained(out)
   with open(out / "config.json") as f:
     config = json.load(f)
   assert config["architectures"] == ["LlamaForCausalLM"]
@@ -224,7 +227,6 @@ def test_export_is_a_causal_lm_read_back_as_the_judge(judge, smollm2_tokenizer, 
   np.testing.assert_allclose(
     got, transformers_log_odds(torch_model, smollm2_tokenizer, texts), atol=PARITY_ATOL, rtol=0
   )
-  back = RewardModel.from_pretrained(out)  # not told it is a judge
   assert back.kind == "pairwise" and back.judge == judge.judge
   np.testing.assert_array_equal(back.compare(PROMPTS, RESPONSES_A, RESPONSES_B, orders="ab"), got)
   # judge=True keeps what it recorded; verifier=True makes it a verifier with its defaults.

@@ -1,7 +1,8 @@
 """Writes a model as a Hugging Face checkpoint directory that transformers loads.
 
 * ``config.json``: the ``*ForSequenceClassification`` / ``*ForTokenClassification`` architecture
-  (a verifier's: ``*ForCausalLM``, its question and answers in a ``jaxrm_verifier.json`` beside it),
+  (a verifier's or a pairwise judge's: ``*ForCausalLM``, what it asks in a ``jaxrm_verifier.json``
+  beside it),
   ``num_labels``, ``pad_token_id`` (a regression model: ``problem_type="regression"`` and its
   attribute names as ``id2label``; a process reward model's two classes named by
   :data:`STEP_LABELS`), and any ``extra_config`` entries the caller records (transformers
@@ -319,7 +320,7 @@ def save_pretrained(
     attributes, extra_config: see :func:`hf_config`.
     dtype: tensor dtype, "float32" or "bfloat16" (default: the model's parameter dtype).
     extra_files: ``jaxrm_<name>.json`` -> its JSON content: jaxrm's own files written beside the
-      model (a verifier's question and answers, :mod:`jaxrm.verifier`), or None.
+      model (a verifier's or a judge's question and answers, :mod:`jaxrm.verifier`), or None.
 
   Raises:
     CheckpointError: ``out_dir`` holds files that no earlier export there lists.
