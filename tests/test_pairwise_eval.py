@@ -1,6 +1,6 @@
 """Evaluating a pairwise judge: on preference pairs, each judged in both orders (accuracy in each
 order and in both, consistency, position bias), equal to a hand computation from
-``pairwise.compare``'s single orders."""
+``rm.compare``'s single orders; the benchmarks' judge paths, JudgeBench's rule for the two orders."""
 
 import json
 
@@ -13,7 +13,6 @@ from jaxrm import benchmarks
 from jaxrm.benchmarks import judgebench
 from jaxrm.benchmarks.scoring import Scorer
 from jaxrm.evaluation import evaluate, format_report, run_benchmark
-from jaxrm.tasks import pairwise
 
 PAIRS = [
   {"prompt": [user("What is 2 + 2?")], "chosen": [assistant("4")], "rejected": [assistant("5")]},
@@ -38,8 +37,8 @@ def test_a_judges_pairs_are_scored_in_both_orders(judge, tmp_path):
   result = evaluate(judge, str(path), max_length=128)
   prompts = [r["prompt"] for r in PAIRS]
   chosen, rejected = [r["chosen"] for r in PAIRS], [r["rejected"] for r in PAIRS]
-  ab = pairwise.compare(judge, prompts, chosen, rejected, orders="ab")  # the better shown as A
-  ba = pairwise.compare(judge, prompts, rejected, chosen, orders="ab")  # ... as B
+  ab = judge.compare(prompts, chosen, rejected, orders="ab")  # the better shown as A
+  ba = judge.compare(prompts, rejected, chosen, orders="ab")  # ... as B
   assert result["kind"] == "pairwise" and result["num_examples"] == len(PAIRS)
   np.testing.assert_allclose(result["scores"]["better_as_a"], ab, **REBATCHED)
   np.testing.assert_allclose(result["scores"]["better_as_b"], ba, **REBATCHED)
@@ -130,8 +129,8 @@ def test_judgebench_with_a_judge_model_reads_its_log_odds(judge, tmp_path):
   path.write_text("".join(json.dumps(row) + "\n" for row in rows))
   report = run_benchmark("judgebench", judge, str(path))
   prompts, a, b = ([r[k] for r in rows] for k in ("question", "response_A", "response_B"))
-  s_ab = pairwise.compare(judge, prompts, a, b, orders="ab")
-  s_ba = pairwise.compare(judge, prompts, b, a, orders="ab")
+  s_ab = judge.compare(prompts, a, b, orders="ab")
+  s_ba = judge.compare(prompts, b, a, orders="ab")
   verdicts = [
     judgebench.outcome(r["label"], judgebench.decision(x), judgebench.decision(y)) > 0
     for r, x, y in zip(rows, s_ab, s_ba)

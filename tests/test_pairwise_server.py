@@ -1,5 +1,5 @@
 """POST /compare: a pairwise judge's group rewards and log-odds over HTTP, equal to
-``pairwise.score_groups``; a judge refused on the one-reward routes and a reward model on
+``rm.score_groups``; a judge refused on the one-reward routes and a reward model on
 /compare, each naming what to use; a bad group refused by field."""
 
 import dataclasses
@@ -12,7 +12,6 @@ from tiny_judge import tiny_judge
 from jaxrm import RewardModel
 from jaxrm.server.bodies import Encoder, RequestError
 from jaxrm.server.formats import parse_compare
-from jaxrm.tasks import pairwise
 
 PROMPT = [user("What is 2 + 2?")]
 RESPONSES = ["4", "It is 5.", "Four."]
@@ -55,7 +54,7 @@ def _nulls(matrix):
   ids=["round_robin", "win_rate", "reference"],
 )
 def test_compare_answers_score_groups(judge, server, body, groups):
-  (want,) = pairwise.score_groups(judge, [body["prompt"]], [body["responses"]], **groups)
+  (want,) = judge.score_groups([body["prompt"]], [body["responses"]], **groups)
   want = want.to_json()
   status, reply, _ = call(server.url, "/compare", body)
   assert status == 200, reply

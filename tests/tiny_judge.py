@@ -21,11 +21,4 @@ def tiny_judge(tokenizer, path) -> RewardModel:
   )
   model.save_pretrained(path)
   tokenizer.save_pretrained(path)
-  try:
-    return RewardModel.from_pretrained(path, judge=True)
-  except TypeError:  # TEMPORARY until from_pretrained(judge=) lands
-    from jaxrm.loading import ScoringInfo
-    from jaxrm.tasks.pairwise import Judge
-
-    rm = RewardModel.from_pretrained(path, verifier={"answers": ["A", "B"]})
-    return RewardModel(rm.model, rm.tokenizer, ScoringInfo(verifier=Judge(), task="pairwise"))
+  return RewardModel.from_pretrained(path, judge=True)
