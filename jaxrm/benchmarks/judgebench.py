@@ -147,6 +147,6 @@ def format_table(result: dict[str, Any]) -> str:
     "",
     f"both orders right on {c['both_right']} of {n} pairs, both wrong on {c['both_wrong']}; "
     f"the two orders disagree on {c['orders_disagree']} (a tie: not right)",
-    judge_line(result["judge"]),
+    judge_line(result["judge"], "JudgeBench's rule decides"),
   ]
   return "\n".join(lines)

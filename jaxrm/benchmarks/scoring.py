@@ -217,10 +217,10 @@ def judge_figures(s_ab: np.ndarray, s_ba: np.ndarray) -> dict[str, float]:
   return {k: metrics[k] for k in ("accuracy_first", "accuracy_second", "consistency", "position_bias")}
 
 
-def judge_line(figures: dict[str, float]) -> str:
-  """:func:`judge_figures` as a report's line."""
+def judge_line(figures: dict[str, float], decides: str = "their mean log-odds decides") -> str:
+  """:func:`judge_figures` as a report's line; ``decides``: what the benchmark counts as right."""
   return (
-    "a pairwise judge, each pair asked in both orders (their mean log-odds decides): accuracy with "
+    f"a pairwise judge, each pair asked in both orders ({decides}): accuracy with "
     f"the better response shown as A {100 * figures['accuracy_first']:.1f}, as B "
     f"{100 * figures['accuracy_second']:.1f}; consistency {100 * figures['consistency']:.1f}; "
     f"position bias (mean P(A), 50: none) {100 * figures['position_bias']:.1f}"
