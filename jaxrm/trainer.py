@@ -34,6 +34,7 @@ from jaxrm import (
   run_lock,
   sharding,
   steps,
+  tasks,
   update,
 )
 from jaxrm.config import RunConfig, check_run_settings
@@ -298,15 +299,31 @@ def _load_model(
   """The reward model on ``mesh``, with adapters as ``lora_cfg`` says; without ``weights`` (a
   resumed full run) its parameters stay abstract until the checkpoint fills them, and the
   checkpoint's weights are never read."""
+  request = model_request(config, lora_cfg)
   with _config_errors():
-    loaded = loading.load(
-      source, mesh=mesh, seed=config.model.seed, weights=weights, **model_request(config, lora_cfg)
-    )
-  if loaded.tokenizer is None:
+    if config.reward.task is tasks.PAIRWISE:
+      request["tokenizer"] = _judge_tokenizer(config, source, mesh, request)
+    loaded = loading.load(source, mesh=mesh, seed=config.model.seed, weights=weights, **request)
+  _with_chat_template(config, loaded.tokenizer)
+  return loaded
+
+
+def _with_chat_template(config: RunConfig, tokenizer: Any) -> Any:
+  """``tokenizer`` with ``model.chat_template`` set on it, if given; refused if there is none."""
+  if tokenizer is None:
     raise ConfigError(f"model.name_or_path={config.model.name_or_path!r} has no tokenizer files")
   if config.model.chat_template:
-    loaded.tokenizer.chat_template = config.model.chat_template
-  return loaded
+    tokenizer.chat_template = config.model.chat_template
+  return tokenizer
+
+
+def _judge_tokenizer(config: RunConfig, source: loading.Source, mesh, request: dict[str, Any]) -> Any:
+  """The tokenizer of a judge's run, checked (a chat template, one-token answers) before any
+  weight is read: the model is loaded abstract for it."""
+  abstract = loading.load(source, mesh=mesh, weights=False, **request)
+  tokenizer = _with_chat_template(config, abstract.tokenizer)
+  config.reward.verifier.check_tokenizer(tokenizer)
+  return tokenizer
 
 
 def model_request(config: RunConfig, lora_cfg: lora.LoraConfig) -> dict[str, Any]:

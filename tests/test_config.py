@@ -20,6 +20,7 @@ from jaxrm.config import (
 )
 from jaxrm.errors import ConfigError
 from jaxrm.models.lora import LoraConfig
+from jaxrm.tasks import pairwise
 
 
 def test_base_config_is_the_dataclass_defaults():
@@ -193,7 +194,7 @@ def test_lora_is_a_nested_section_set_from_the_command_line():
 
 def test_section_checks_become_config_errors():
   c = base_config()
-  c.reward.type = "pairwise"
+  c.reward.type = "pairs"
   with pytest.raises(ConfigError, match=r"^reward.type must be one of bradley_terry, ranking, stepwise"):
     from_config_dict(c)
 
@@ -242,6 +243,8 @@ def test_reward_keys_are_parsed_once_and_stay_out_of_the_dict():
     "verifier_question": "Is the last response correct and helpful? Answer Yes or No.",
     "verifier_answers": "Yes,No",
     "verifier_loss": "bradley_terry",
+    "judge_question": pairwise.DEFAULT_QUESTION,
+    "judge_answers": "A,B",
   }
   assert (spec.attribute_names, spec.weights, spec.value_range, spec.combination) == (
     ("a", "b"),

@@ -1,13 +1,28 @@
 """Training a pairwise judge (reward.type=pairwise): its rows, its runs, what it learns, what is
 refused before a model loads; and the Bradley-Terry strengths and win rates its comparisons give."""
 
+import contextlib
+import io
+import json
 import math
+import random
+import re
+import shutil
 
 import mpmath
 import numpy as np
 import pytest
 import scipy.optimize
+import tiny_run
+from helpers import REBATCHED
 
+from jaxrm import RewardModel, tasks
+from jaxrm.config import RewardSpec, validation_metrics
+from jaxrm.data import packing, pipeline, registry
+from jaxrm.data.drops import DropReport
+from jaxrm.data.tokenize import TokenizeOptions, pad_id, tokenize_all
+from jaxrm.errors import ConfigError
+from jaxrm.metrics import finalize_metrics
 from jaxrm.tasks import pairwise
 
 # ------------------------------------------------------------------ Bradley-Terry and win rates
@@ -143,3 +158,195 @@ def test_win_rates_against_the_definition():
   np.testing.assert_allclose(
     pairwise.win_rates(np.array([[0, -40.0], [40.0, 0]])), [4.248354255291589e-18, 1.0], rtol=1e-12
   )
+
+
+# ------------------------------------------------------------------ training a judge
+
+# The rule a judge learns: the better response ends with "yes", the worse with "no"; the words
+# before are random, so held-out pairs are new texts. Written as explicit judgments.
+_WORDS = "red blue green cat dog sun moon tree fish bird stone river cloud apple bread".split()
+
+
+def _judgments(n: int, seed: int) -> list[dict]:
+  rng = random.Random(seed)
+  rows = []
+  for _ in range(n):
+    good, bad = (" ".join(rng.sample(_WORDS, 2)) + end for end in (" yes", " no"))
+    a_better = rng.random() < 0.5
+    a, b = (good, bad) if a_better else (bad, good)
+    rows.append({"prompt": "Answer.", "response_a": a, "response_b": b, "label": "A" if a_better else "B"})
+  return rows
+
+
+def _write_jsonl(path, rows):
+  with open(path, "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+  return str(path)
+
+
+@pytest.fixture(scope="module")
+def causal_dir(cache_root):
+  return tiny_run.tiny_model_dir(cache_root, head="causal")
+
+
+@pytest.fixture(scope="module")
+def rule_run(causal_dir, tmp_path_factory):
+  """A judge trained 40 steps on the rule, its pairs packed with each pair's prompt once; validated
+  on held-out pairs before (zero-shot) and after. (Learnt by step ~25 at this learning rate over
+  shuffle seeds 0-3; the loss sits at log 2 until then.) Returns (run dir, console output)."""
+  root = tmp_path_factory.mktemp("judge")
+  train = _write_jsonl(root / "train.jsonl", _judgments(256, seed=0))
+  heldout = _write_jsonl(root / "heldout.jsonl", _judgments(32, seed=1))
+  config = tiny_run.config(
+    causal_dir,
+    str(root / "run"),
+    reward__type="pairwise",
+    reward__judge_question="A or B?",
+    data__dataset_name="PreferenceDataset",
+    data__train_data_path=train,
+    data__val_data_paths={"heldout": heldout},
+    data__max_train_rows=256,
+    data__max_val_rows=32,
+    data__max_length=128,
+    data__bucket_multiple=128,
+    data__packing="shared_prompt",
+    train__max_steps=40,
+    train__learning_rate=5e-3,
+    train__warmup_steps=10,
+    eval__val_at_start=True,
+    eval__val_period=40,
+    checkpointing__save_period=40,
+    checkpointing__metric_name="val:validation-heldout_consistency",
+    checkpointing__higher_is_better=True,
+  )
+  console = io.StringIO()
+  with contextlib.redirect_stdout(console):
+    tiny_run.train(config)
+  return str(root / "run"), console.getvalue()
+
+
+def test_a_judge_learns_a_rule_in_both_orders(rule_run):
+  run, console = rule_run
+  val = {r["step"]: r for r in tiny_run.read_metrics(run) if "validation-heldout_accuracy" in r}
+  zero_shot, trained = (
+    {k.removeprefix("validation-heldout_"): v for k, v in val[s].items()} for s in (0, 40)
+  )
+  # The random model answers by position alone: one order always right, the other always wrong.
+  assert zero_shot["accuracy"] == 0.5 and zero_shot["consistency"] == 0.0
+  for order in ("accuracy_first", "accuracy_second"):
+    assert trained[order] >= 0.9, trained
+  assert trained["consistency"] >= 0.9 and abs(trained["position_bias"] - 0.5) < 0.1, trained
+  # The console's table holds the judge's metrics; the best checkpoint is ranked by one of them.
+  for name in ("accuracy_first", "accuracy_second", "consistency", "position_bias"):
+    assert re.search(rf"^  {name} +\d\.\d{{4}}$", console, re.M), name
+  assert "best checkpoint: step 40, validation-heldout_consistency = 1.0000" in console
+  rm = RewardModel.from_pretrained(run)
+  assert rm.kind == "pairwise" and rm.judge == pairwise.Judge(question="A or B?")
+  pairs = _judgments(8, seed=2)
+  log_odds = rm.compare(
+    [r["prompt"] for r in pairs], [r["response_a"] for r in pairs], [r["response_b"] for r in pairs]
+  )
+  assert [r["label"] for r in pairs] == ["A" if x > 0 else "B" for x in log_odds]
+
+
+def test_validation_names_the_judge_metrics():
+  assert set(validation_metrics(RewardSpec("pairwise"))) >= {
+    "loss",
+    "accuracy",
+    "accuracy_first",
+    "accuracy_second",
+    "consistency",
+    "position_bias",
+  }
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["packed", "shared_prompt"])
+def test_packed_judge_batches_give_the_unpacked_loss(rule_run, shared):
+  """Each pair's two orders are one group of two rows; packed, or with their common prefix (the
+  template's opening and the conversation) written once, their log-odds, loss and metrics are the
+  unpacked batch's."""
+  rm = RewardModel.from_pretrained(rule_run[0])
+  records = registry.load_records("demo_arithmetic", None, split="train", drops=DropReport())[:6]
+  spec = RewardSpec("pairwise", judge_question="A or B?")
+  options = rm.judge.tokenize_options(TokenizeOptions(max_length=160))
+  examples = tokenize_all(records, rm.tokenizer, options, DropReport())
+  assert len(examples) == 6 and all(len(e.input_ids) == 2 for e in examples)
+  batch = dict(batch_size=6, buckets=(160,), pad_id=pad_id(rm.tokenizer), num_completions=2)
+  (unpacked,) = pipeline.make_eval_batches(examples, **batch)
+  pack = packing.PackSpec(row_length=320, length_multiple=16, shared_prompt=shared)
+  (packed,) = pipeline.make_eval_batches(examples, **batch, pack=pack)
+  assert packed.input_ids.size < unpacked.input_ids.size
+  loss = tasks.batch_loss(spec)
+  want_loss, want = loss(unpacked.outputs(rm.model), unpacked)
+  got_loss, got = loss(packed.outputs(rm.model), packed)
+  # The same float32 sums over other padded lengths and orders (REBATCHED's reason); the accuracy,
+  # consistency and counts are read from the log-odds' signs, equal unless one sits at 0.
+  np.testing.assert_allclose(got_loss, want_loss, **REBATCHED)
+  got, want = finalize_metrics(got), finalize_metrics(want)
+  assert got.keys() == want.keys()
+  np.testing.assert_allclose([got[k] for k in want], list(want.values()), **REBATCHED)
+
+
+# ------------------------------------------------------------------ refused before the model loads
+
+
+@pytest.fixture
+def weightless_dir(causal_dir, tmp_path):
+  """The tiny causal LM's config and tokenizer with an empty weights file: a run that reads its
+  weights fails, so a judge's error shows it came first."""
+  out = tmp_path / "lm"
+  shutil.copytree(causal_dir, out, ignore=shutil.ignore_patterns("model.safetensors"))
+  (out / "model.safetensors").write_bytes(b"")
+  return out
+
+
+def _train_judge(model_dir, out, **overrides):
+  tiny_run.train(tiny_run.config(str(model_dir), str(out), reward__type="pairwise", **overrides))
+
+
+def test_answers_of_several_tokens_are_refused_before_the_weights_are_read(weightless_dir, tmp_path):
+  with pytest.raises(ConfigError) as e:
+    _train_judge(weightless_dir, tmp_path / "run", reward__judge_answers="Apple pie,B")
+  assert str(e.value) == (
+    "the judge's answer 'Apple pie' is 2 tokens for this tokenizer ('Apple', 'Ġpie'); each answer "
+    "must be one token: choose others (reward.judge_answers, or judge={'answers': [...]})"
+  )
+  assert not (tmp_path / "run").exists()
+
+
+def test_a_tokenizer_without_chat_template_is_refused_before_the_weights_are_read(weightless_dir, tmp_path):
+  template = (weightless_dir / "chat_template.jinja").read_text()
+  (weightless_dir / "chat_template.jinja").unlink()
+  with pytest.raises(ConfigError) as e:
+    _train_judge(weightless_dir, tmp_path / "run")
+  assert str(e.value) == (
+    "a judge asks its question in a chat turn, and the tokenizer has no chat template; give one "
+    "(model.chat_template)"
+  )
+  assert not (tmp_path / "run").exists()
+  # model.chat_template gives it one: the run goes on to read the (empty) weights.
+  with pytest.raises(Exception) as e:
+    _train_judge(weightless_dir, tmp_path / "run", model__chat_template=template)
+  assert "chat template" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+  "answers, message",
+  [
+    ("A;B", "a judge's answers are two (A is better, then B is better), e.g. 'A,B'; got 'A;B'"),
+    ("A,B,C", "a judge's answers are two (A is better, then B is better), e.g. 'A,B'; got 'A,B,C'"),
+    ("A,A", "a judge's answers must be two different non-empty strings; got 'A,A'"),
+    ("A,", "a judge's answers must be two different non-empty strings; got 'A,'"),
+  ],
+)
+def test_malformed_judge_answers_are_refused_with_the_config(answers, message, tmp_path):
+  with pytest.raises(ConfigError) as e:
+    _train_judge(tmp_path / "no_model", tmp_path / "run", reward__judge_answers=answers)
+  assert str(e.value) == f"reward.judge_answers={answers!r}: {message}"
+
+
+def test_an_empty_judge_question_is_refused():
+  with pytest.raises(
+    ConfigError, match=r"^reward.judge_question='  ': a judge's question must be a non-empty"
+  ):
+    RewardSpec("pairwise", judge_question="  ")

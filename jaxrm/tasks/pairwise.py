@@ -113,13 +113,16 @@ class Judge:
 
   @classmethod
   def of_spec(cls, spec: Any) -> Judge:
-    """The judge of a run's ``reward`` section (``judge_question``, ``judge_answers``)."""
+    """The judge of a run's ``reward`` section (``judge_question``, ``judge_answers``); an error
+    names the key at fault."""
+    try:
+      cls(spec.judge_question)
+    except ConfigError as e:
+      raise ConfigError(f"reward.judge_question={spec.judge_question!r}: {e}") from None
     try:
       return cls(spec.judge_question, spec.judge_answers)
     except ConfigError as e:
-      raise ConfigError(
-        f"reward.judge_question={spec.judge_question!r}, reward.judge_answers={spec.judge_answers!r}: {e}"
-      ) from None
+      raise ConfigError(f"reward.judge_answers={spec.judge_answers!r}: {e}") from None
 
   @classmethod
   def from_json(cls, saved: Mapping[str, Any]) -> Judge:
@@ -158,15 +161,17 @@ class Judge:
       question=self.question,
     )
 
+  def check_tokenizer(self, tokenizer: Any) -> tuple[int, int]:
+    """What a judge needs of ``tokenizer``, checked before a model is read: a chat template (its
+    text is a chat turn) and answers of one token each. Returns the answers' ids."""
+    _check_chat_template(tokenizer)
+    return self.token_ids(tokenizer)
+
   def render(self, tokenizer: Any, prompt: Text, response_a: Text, response_b: Text) -> str:
     """The text this judge scores: :meth:`content` as one user turn, rendered by the tokenizer's
     chat template with the generation prompt. Tokenized without added special tokens (the
     template writes them), it gives the ids scored (``rm.judge_text`` returns it)."""
-    if not getattr(tokenizer, "chat_template", None):
-      raise ConfigError(
-        "a judge asks its question in a chat turn, and the tokenizer has no chat template; give one "
-        "(model.chat_template)"
-      )
+    _check_chat_template(tokenizer)
     turn = [{"role": "user", "content": self.content(prompt, response_a, response_b)}]
     return tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
 
@@ -237,6 +242,14 @@ class Judge:
         )
       )
     return out
+
+
+def _check_chat_template(tokenizer: Any) -> None:
+  if not getattr(tokenizer, "chat_template", None):
+    raise ConfigError(
+      "a judge asks its question in a chat turn, and the tokenizer has no chat template; give one "
+      "(model.chat_template)"
+    )
 
 
 def conversation_text(prompt: Text) -> str:
