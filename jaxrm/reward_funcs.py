@@ -181,9 +181,9 @@ REFERENCE_COLUMN = "reference"  # under strategy="reference": the batch's column
 
 class Groups:
   """A batch's completions grouped for a pairwise judge: by equal prompt (and, under
-  ``strategy="reference"``, equal reference: ``references[i]`` of row i), each group a list of row
-  indices in batch order; ``lone`` rows (alone with their prompt, no reference) are compared with
-  nothing and get ``default``, the reward of a group's average completion."""
+  ``strategy="reference"``, equal reference: ``references[i]`` of row i), each group's row indices
+  in batch order (:attr:`rows`). A row alone with its prompt (without a reference) is in no group:
+  compared with nothing, it gets :attr:`default`, the reward of a group's average completion."""
 
   def __init__(
     self,
