@@ -18,6 +18,14 @@ against transformers' causal LM, on either workload::
   python scripts/bench_score.py --workload=grpo --verifier --prompts=2 --group_sizes=8,16 --max_length=1024
   python scripts/bench_score.py --verifier --items=128 --clients=16
 
+A pairwise judge (zero-shot: ``log p(A) - log p(B)`` after its question) scoring each GRPO group's
+comparisons, for each strategy of ``--strategies``, against transformers' causal LM on the same
+judge texts one by one; ``--random_shape`` scores with a random Llama of that shape and SmolLM2's
+tokenizer instead of ``--model``::
+
+  python scripts/bench_score.py --workload=grpo --judge --random_shape=8,384,1024,6,2 --prompts=2 \
+      --group_sizes=8,16 --strategies=round_robin,circular --max_length=2048
+
 Padding buckets: ``rm.score`` on the chats with rows padded to multiples of each of ``--buckets``,
 cold (JAX's caches cleared: every shape compiles) and warm, in turns::
 
@@ -59,6 +67,20 @@ logits there only (``logits_to_keep=1``, no KV cache) and scores ``log_softmax(l
 [no]``. jaxrm computes the two answers' logits alone. The results and tables are marked as a
 verifier's.
 
+``--judge``: the model is loaded as a zero-shot pairwise judge (``judge=True``) and each group is
+scored by :func:`jaxrm.tasks.pairwise.score_groups` (``rm.score_group`` for one group): its judge
+texts (:meth:`~jaxrm.tasks.pairwise.Judge.render`: the conversation, responses A and B and the
+question in one user turn), both orders of each compared pair, scored with shared prefixes, then
+unshared (``share_prefix=False``); transformers' causal LM scores the same texts one by one as for
+a verifier (length-sorted batches, left-padded, ``log_softmax`` at the last position of answer A
+minus answer B), and the same Bradley-Terry strengths are computed from its log-odds; the server,
+where it has ``/compare``, gets one group per request. Besides items/s (an item is one response
+of a group: G per group) the run counts the tokens: all judge texts one by one, the layouts the
+decoder's two-level tree mask allows (one shared prefix per packed row and a branch per row: the
+conversation once per group, or the conversation and response A once per response A), and the
+tokens jaxrm's grouping actually feeds; it reports the speedup over transformers as a share of
+the token reduction of the best allowed layout.
+
 Both sides' scores of one batch are printed; in float32 on a CPU they must agree within
 :data:`AGREE_ATOL` (the run stops otherwise); in bfloat16, or on a GPU, the difference is only shown.
 
@@ -81,6 +103,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from typing import Any
 
@@ -113,6 +136,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     action="store_true",
     help="Score with the model as a zero-shot generative verifier (verifier=True), against "
     "transformers' AutoModelForCausalLM.",
+  )
+  p.add_argument(
+    "--judge",
+    action="store_true",
+    help="grpo: score each group's comparisons with the model as a zero-shot pairwise judge "
+    "(judge=True), against transformers' AutoModelForCausalLM on the same judge texts.",
+  )
+  p.add_argument(
+    "--strategies", default="round_robin,circular", help="--judge: the comparison strategies, one run each."
+  )
+  p.add_argument(
+    "--random_shape",
+    default=None,
+    help="Score with a random LlamaForCausalLM of this shape (layers,hidden,intermediate,heads,kv_heads) "
+    "and SmolLM2's tokenizer, in place of --model.",
   )
   p.add_argument("--buckets", default="16,32,64,128", help="buckets: the length multiples to compare.")
   p.add_argument("--items", type=int, default=128, help="Chats scored per repeat.")
@@ -391,7 +429,8 @@ def check_agreement(ours: np.ndarray, theirs: np.ndarray, rm, hf: Transformers, 
   import jax
   from flax import nnx
 
-  what = "log-odds (verifier)" if rm.verifier is not None else "rewards"
+  asks = "judge" if rm.kind == "pairwise" else "verifier"
+  what = f"log-odds ({asks})" if rm.verifier is not None else "rewards"
   print(f"jaxrm's {what} on a batch:        " + " ".join(f"{x:.5f}" for x in ours), flush=True)
   print(f"transformers' {what} on a batch: " + " ".join(f"{x:.5f}" for x in theirs), flush=True)
   diff = float(np.abs(ours - theirs).max())
@@ -414,7 +453,18 @@ def main(argv=None) -> None:
 
   from jaxrm import RewardModel
 
-  rm = RewardModel.from_pretrained(args.model, dtype=args.dtype, verifier=args.verifier)
+  if args.judge and args.workload != "grpo":
+    raise SystemExit("--judge scores groups: give --workload=grpo")
+  model = random_model(args.random_shape, args.seed) if args.random_shape else args.model
+  if args.judge:
+    rm = load_judge(model, args.dtype)
+    print(
+      f"pairwise judge, zero-shot: log p({rm.verifier.answers[0]}) - log p({rm.verifier.answers[1]}) "
+      f"after {rm.verifier.question!r}",
+      flush=True,
+    )
+  else:
+    rm = RewardModel.from_pretrained(model, dtype=args.dtype, verifier=args.verifier)
   if args.verifier:
     print(
       f"verifier, zero-shot: log p({rm.verifier.answers[0]}) - log p({rm.verifier.answers[1]}) after "
@@ -422,7 +472,9 @@ def main(argv=None) -> None:
       flush=True,
     )
   workload = {"chats": chats_workload, "grpo": grpo_workload, "buckets": buckets_workload}[args.workload]
-  results = [dict(r, verifier=args.verifier) for r in workload(rm, args)]
+  if args.judge:
+    workload = judge_workload
+  results = [dict(r, verifier=args.verifier, judge=args.judge) for r in workload(rm, args)]
   print(
     f"jax {jax.__version__} ({jax.default_backend()}), transformers {transformers.__version__}, "
     f"torch {torch.__version__}, {os.cpu_count()} CPUs",
@@ -607,6 +659,360 @@ def _grpo_runs(rm, hf, server_url, args) -> list[dict]:
     print(f"server / rm.score shared: {by['server'] / by['rm.score shared']:.0%}", flush=True)
     results += rows
   return results
+
+
+# ---------------------------------------------------------------------------------- judge
+
+
+# Tokens a judge text adds to a prompt and two responses (its headings and question, a default system
+# turn and the generation prompt: 78 with SmolLM2's template), with some to spare.
+JUDGE_WORDS = 96
+
+
+def random_model(shape: str, seed: int) -> str:
+  """A directory holding a random LlamaForCausalLM of ``shape`` ("layers,hidden,intermediate,heads,
+  kv_heads", tied embeddings as SmolLM2's) with SmolLM2's tokenizer (from the embedded GGUF)."""
+  import torch
+  import transformers
+
+  from jaxrm.hf import gguf
+
+  layers, hidden, intermediate, heads, kv_heads = (int(x) for x in shape.split(","))
+  path = gguf.embedded_model_path()
+  tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+  config = transformers.LlamaConfig(
+    vocab_size=len(tok),
+    hidden_size=hidden,
+    intermediate_size=intermediate,
+    num_hidden_layers=layers,
+    num_attention_heads=heads,
+    num_key_value_heads=kv_heads,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+    # wider than transformers' 0.02, so that log-odds are of order 1 and the two sides' agreement
+    # on them says something
+    initializer_range=0.1,
+    pad_token_id=tok.pad_token_id,
+    bos_token_id=tok.bos_token_id,
+    eos_token_id=tok.eos_token_id,
+  )
+  torch.manual_seed(seed)
+  model = transformers.LlamaForCausalLM(config)
+  out = tempfile.mkdtemp(prefix="bench_judge_")
+  model.save_pretrained(out)
+  tok.save_pretrained(out)
+  print(
+    f"random LlamaForCausalLM: {layers} layers, hidden {hidden}, MLP {intermediate}, {heads} heads "
+    f"({kv_heads} key/value), SmolLM2's tokenizer ({len(tok)} tokens), in {out}",
+    flush=True,
+  )
+  return out
+
+
+def load_judge(model: str, dtype: str):
+  """``RewardModel.from_pretrained(model, judge=True)``; where from_pretrained does not take
+  ``judge`` yet, a verifier's LM head on the judge's answers, asking as the judge."""
+  from jaxrm import RewardModel
+  from jaxrm.tasks import pairwise
+
+  if "judge" in inspect.signature(RewardModel.from_pretrained).parameters:
+    return RewardModel.from_pretrained(model, dtype=dtype, judge=True)
+  judge = pairwise.Judge()
+  rm = RewardModel.from_pretrained(model, dtype=dtype, verifier={"answers": list(judge.answers)})
+  return RewardModel(rm.model, rm.tokenizer, dataclasses.replace(rm.info, verifier=judge, task=pairwise.NAME))
+
+
+@dataclasses.dataclass(frozen=True)
+class JudgeGroups:
+  """One draw of groups as a judge compares them under one strategy.
+
+  Attributes:
+    prompts, groups: the conversations (system and user turns) and each one's G responses.
+    pairs: per group, the ordered comparisons (A, B) (:func:`jaxrm.tasks.pairwise.comparisons`).
+    texts: the judge text of every comparison, group after group (what transformers scores).
+    ids: jaxrm's ids of each text (:meth:`jaxrm.tasks.pairwise.Judge.encode`).
+  """
+
+  prompts: list
+  groups: list
+  pairs: list
+  texts: list
+  ids: list
+
+  def log_odds(self, scores: np.ndarray) -> list[np.ndarray]:
+    """Each group's log-odds [G, G] from the scores of :attr:`texts`, both orders averaged, as
+    :func:`jaxrm.tasks.pairwise.score_groups` computes them."""
+    out, k = [], 0
+    for group, pairs in zip(self.groups, self.pairs):
+      raw = np.full((len(group), len(group)), np.nan, np.float32)
+      for i, j in pairs:
+        raw[i, j], k = scores[k], k + 1
+      out.append(((raw - raw.T) / np.float32(2)).astype(np.float32))
+    return out
+
+
+def judge_groups(rm, args, g: int, strategy: str) -> JudgeGroups:
+  """``--prompts`` GRPO groups of ``g`` responses and their judge texts under ``strategy``. A judge
+  text holds the prompt and two responses, so the groups are drawn (:func:`make_groups`) for half
+  of ``--max_length`` less the judge's own words (:data:`JUDGE_WORDS`)."""
+  from jaxrm.tasks import pairwise
+
+  drawn = make_groups(args.prompts, g, args, rm.tokenizer, args.seed, room=args.max_length // 2 + JUDGE_WORDS)
+  prompts = [group[0][:-1] for group in drawn]
+  groups = [[chat[-1]["content"] for chat in group] for group in drawn]
+  judge, pairs, texts, ids = rm.verifier, [], [], []
+  for prompt, responses in zip(prompts, groups):
+    pairs.append(pairwise.comparisons(len(responses), strategy))
+    for i, j in pairs[-1]:
+      texts.append(judge.render(rm.tokenizer, prompt, responses[i], responses[j]))
+      encoded = judge.encode(rm.tokenizer, prompt, responses[i], responses[j], args.max_length, "bench")
+      if encoded is None or encoded[1]:
+        raise SystemExit(f"a judge text is longer than --max_length={args.max_length}: raise it")
+      ids.append(encoded[0])
+  return JudgeGroups(prompts, groups, pairs, texts, ids)
+
+
+def judge_tokens(rm, drawn: JudgeGroups, args) -> dict:
+  """Tokens of the judge texts: one by one; in the layouts the decoder's two-level tree mask allows
+  (one shared prefix per packed row, a branch per text): the conversation once per group, or the
+  conversation and response A once per response A; and as jaxrm's grouping feeds them (its real
+  tokens, and the token slots of its passes, padding included)."""
+  from jaxrm import shared_prefix
+
+  ids, k = drawn.ids, 0
+  per_group, per_a = [], []
+  for pairs in drawn.pairs:
+    rows = list(range(k, k + len(pairs)))
+    per_group.append(rows)
+    by_a: dict[int, list[int]] = {}
+    for r, (i, _) in zip(rows, pairs):
+      by_a.setdefault(i, []).append(r)
+    per_a += by_a.values()
+    k += len(pairs)
+  packed = lambda groups: sum(shared_prefix.packed_length(ids, grp) for grp in groups)
+  fed = rm.prefix_groups(ids, batch_size=args.batch_size, max_length=args.max_length)
+  return dict(
+    one_by_one=sum(map(len, ids)),
+    conversation_shared=packed(per_group),
+    conversation_and_a_shared=packed(per_a),
+    fed=packed(fed),
+    packed_rows=sum(len(grp) > 1 for grp in fed),
+    rows_alone=sum(len(grp) == 1 for grp in fed),
+  )
+
+
+def fed_shapes(rm, call) -> tuple[object, list[tuple[int, int]]]:
+  """(what ``call()`` returns, the [rows, tokens] of every forward pass rm ran in it)."""
+  shapes = []
+  score_tokens, score_shared = rm.score_tokens, rm.score_shared
+
+  def plain(ids, mask):
+    shapes.append(tuple(np.shape(ids)))
+    return score_tokens(ids, mask)
+
+  def shared(rows):
+    shapes.append(tuple(rows.batch.input_ids.shape))
+    return score_shared(rows)
+
+  rm.score_tokens, rm.score_shared = plain, shared
+  try:
+    return call(), shapes
+  finally:
+    del rm.score_tokens, rm.score_shared
+
+
+def judge_scorers(rm, hf, drawn: JudgeGroups, strategy: str, args, server_url=None) -> dict:
+  """Name -> a function that scores every group once and returns (seconds, log-odds [G, G] per
+  group): jaxrm's score_group shared and unshared, transformers on the judge texts, the server's
+  /compare (with ``server_url``)."""
+  from jaxrm.tasks import pairwise
+
+  def score_group(share_prefix):
+    start = time.perf_counter()
+    out = pairwise.score_groups(
+      rm,
+      drawn.prompts,
+      drawn.groups,
+      strategy=strategy,
+      batch_size=args.batch_size,
+      max_length=args.max_length,
+      share_prefix=share_prefix,
+    )
+    return time.perf_counter() - start, [s.log_odds for s in out]
+
+  lengths = [len(x) for x in drawn.ids]
+  batches = length_sorted_batches(lengths, args.batch_size)
+
+  def transformers():
+    scores = np.zeros(len(drawn.texts), np.float32)
+    start = time.perf_counter()
+    for rows in batches:
+      scores[rows] = hf.score([drawn.texts[i] for i in rows])
+    log_odds = drawn.log_odds(scores)
+    for d in log_odds:  # the rewards too, as score_group gives them
+      pairwise.aggregate_rewards(d, "bradley_terry")
+    return time.perf_counter() - start, log_odds
+
+  def server():
+    def post(g):
+      body = {"prompt": drawn.prompts[g], "responses": drawn.groups[g], "strategy": strategy}
+      req = urllib.request.Request(
+        server_url + "/compare", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+      )
+      opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+      with opener.open(req, timeout=600) as reply:
+        return np.asarray(json.loads(reply.read())["log_odds"], np.float64).astype(np.float32)
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(min(args.clients, len(drawn.groups))) as pool:
+      log_odds = list(pool.map(post, range(len(drawn.groups))))
+    return time.perf_counter() - start, log_odds
+
+  scorers = {
+    "score_group shared": lambda: score_group(True),
+    "score_group unshared": lambda: score_group(False),
+    "transformers": transformers,
+  }
+  return {**scorers, "server /compare": server} if server_url else scorers
+
+
+def judge_server(rm, args):
+  """The reward server on the judge, started, if it serves ``/compare``; else (None, why not)."""
+  from jaxrm.server import ServerConfig, make_server
+
+  config = ServerConfig(
+    max_length=args.max_length, batch_size=args.batch_size, max_batch=1024, request_timeout=600
+  )
+  try:
+    server = make_server(rm, "127.0.0.1", 0, config=config).start()
+  except Exception as e:  # a server that does not take a judge yet
+    return None, f"the server does not take a judge: {e}"
+  server.wait_ready(3600, all_shapes=True)
+  probe = {"prompt": "2 + 2?", "responses": ["4", "5"]}
+  req = urllib.request.Request(
+    server.url + "/compare", data=json.dumps(probe).encode(), headers={"Content-Type": "application/json"}
+  )
+  try:
+    urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=600).read()
+  except urllib.error.HTTPError as e:
+    server.shutdown()
+    return None, f"POST /compare answers {e.code}"
+  return server, ""
+
+
+def judge_workload(rm, args) -> list[dict]:
+  """For each G and strategy: a judge's score_group (shared, unshared), transformers on the same
+  judge texts and the server's /compare, in turns, with the tokens each layout computes."""
+  hf = load_transformers(rm, args.dtype)
+  server, why = judge_server(rm, args)
+  if server is None:
+    print(f"server: not measured ({why})", flush=True)
+  results = []
+  try:
+    for g in (int(x) for x in args.group_sizes.split(",")):
+      for strategy in args.strategies.split(","):
+        results += _judge_run(rm, hf, server and server.url, args, g, strategy)
+  finally:
+    if server is not None:
+      server.shutdown()
+  if server is None:
+    results.append(dict(name="server /compare", measured=False, why=why))
+  return results
+
+
+def _judge_run(rm, hf, server_url, args, g: int, strategy: str) -> list[dict]:
+  drawn = judge_groups(rm, args, g, strategy)
+  same = sum(e == hf.ids(t) for e, t in zip(drawn.ids, drawn.texts))
+  if same < len(drawn.texts):
+    raise SystemExit(f"{len(drawn.texts) - same} judge texts give transformers other ids than jaxrm scores")
+  tokens = judge_tokens(rm, drawn, args)
+  allowed = min(tokens["conversation_shared"], tokens["conversation_and_a_shared"])
+  reduction = tokens["one_by_one"] / allowed
+  lengths = [len(x) for x in drawn.ids]
+  items = args.prompts * g
+  print(
+    f"\n{strategy}, P={args.prompts} x G={g}: {len(drawn.texts)} judge texts, {tokens['one_by_one']} tokens "
+    f"(median {int(np.median(lengths))}, max {max(lengths)}), identical ids {same}/{len(drawn.texts)}; "
+    f"shared layouts: the conversation once per group {tokens['conversation_shared']}, conversation and "
+    f"response A once per A {tokens['conversation_and_a_shared']} ({reduction:.2f}x fewer than one by one); "
+    f"jaxrm feeds {tokens['fed']} ({tokens['packed_rows']} packed rows, {tokens['rows_alone']} alone)",
+    flush=True,
+  )
+  scorers = judge_scorers(rm, hf, drawn, strategy, args, server_url)
+  # Untimed: compiling, first passes; the forward passes of jaxrm's scorers and the server counted.
+  log_odds, passes = {}, {}
+  for name, fn in scorers.items():
+    (_, log_odds[name]), passes[name] = fed_shapes(rm, fn)
+  tokens.update(
+    {f"{name} passes": [list(shape) for shape in shapes] for name, shapes in passes.items() if shapes}
+  )
+  want = log_odds.pop("score_group unshared")
+  # each group's compared pairs above the diagonal (those below are their negatives); one group checked
+  upper = lambda d: d[np.triu_indices_from(d, 1)]
+  flat = lambda ds: np.concatenate([upper(d)[~np.isnan(upper(d))] for d in ds])
+  check_agreement(flat(want[:1]), flat(log_odds["transformers"][:1]), rm, hf, args)
+  print(
+    "max |log-odds - score_group unshared|: "
+    + ", ".join(f"{name} {np.abs(flat(d) - flat(want)).max():.1e}" for name, d in log_odds.items()),
+    flush=True,
+  )
+  seconds = {name: [] for name in scorers}
+  for _ in range(args.repeats):
+    for name, fn in scorers.items():
+      seconds[name].append(fn()[0])
+      print(f"  {name}: {items / seconds[name][-1]:.2f} items/s", flush=True)
+  rows = [
+    dict(
+      summary(name, s, [], items, tokens["one_by_one"]),
+      group_size=g,
+      strategy=strategy,
+      texts=len(drawn.texts),
+      tokens=tokens,
+    )
+    for name, s in seconds.items()
+  ]
+  by = {r["name"]: r["items_per_s"] for r in rows}
+  speedup = by["score_group shared"] / by["transformers"]
+  sharing = by["score_group shared"] / by["score_group unshared"]
+  for r in rows:
+    r["vs_transformers"] = r["items_per_s"] / by["transformers"]
+  rows[0].update(
+    token_reduction=reduction, of_reduction=speedup / reduction, of_reduction_vs_unshared=sharing / reduction
+  )
+  for name in ("score_group shared", "server /compare"):
+    shapes = tokens.get(f"{name} passes")
+    if shapes:
+      print(
+        f"{name}: {len(shapes)} forward passes, {sum(b * t for b, t in shapes)} token slots with padding "
+        f"({', '.join(f'{b}x{t}' for b, t in shapes)})",
+        flush=True,
+      )
+  print_judge_table(rows, args)
+  print(
+    f"score_group shared / transformers: {speedup:.2f}x, {speedup / reduction:.0%} of the {reduction:.2f}x "
+    f"token reduction (target 85%); over jaxrm unshared: {sharing:.2f}x, {sharing / reduction:.0%}"
+    + (
+      f"; server / score_group shared: {by['server /compare'] / by['score_group shared']:.0%}"
+      if server_url
+      else ""
+    ),
+    flush=True,
+  )
+  return rows
+
+
+def print_judge_table(rows: list[dict], args) -> None:
+  r0 = rows[0]
+  print(
+    f"\n| scorer (judge, {r0['strategy']}, P={args.prompts}, G={r0['group_size']}) | items/s (median) | spread "
+    f"over {args.repeats} repeats | vs transformers |\n|---|---:|---:|---:|"
+  )
+  for r in rows:
+    print(
+      f"| {r['name']} | {r['items_per_s']:.2f} | {min(r['repeats']):.2f}-{max(r['repeats']):.2f} | "
+      f"{r['vs_transformers']:.2f}x |",
+      flush=True,
+    )
 
 
 # ---------------------------------------------------------------------------------- buckets

@@ -89,6 +89,80 @@ def test_example_rows_are_read_as_their_format_reads_them(tmp_path):
     assert (len(records), drops.total) == (1, 0), (name, row)
 
 
+# ------------------------------------------------------------------ the task guide
+
+TASK_GUIDE = os.path.join(ROOT, "docs", "adding-a-task.md")
+
+
+def section(text: str, heading: str) -> str:
+  """The text under ``heading`` (a ``## `` line) down to the next heading of its level."""
+  return text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def task_definitions() -> dict[str, list[str]]:
+  """Each file of jaxrm/tasks/ -> the names it assigns a ``Task(...)`` to."""
+  import ast
+
+  folder = os.path.join(ROOT, "jaxrm", "tasks")
+  out = {}
+  for name in sorted(os.listdir(folder)):
+    if name.endswith(".py"):
+      with open(os.path.join(folder, name)) as f:
+        tree = ast.parse(f.read())
+      out[name] = [
+        node.targets[0].id
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Call)
+        and getattr(node.value.func, "id", None) == "Task"
+      ]
+  return out
+
+
+def test_the_task_guide_says_what_the_code_does():
+  """docs/adding-a-task.md: the files it names exist; its table of fields lists each field of
+  ``Task``; its worked example sets the fields the judge's own spec sets; each task in ``TASKS`` is
+  defined in a file of its own under jaxrm/tasks/, as it says; and the reward tasks' table
+  (docs/training/tasks.md) names every reward type."""
+  import ast
+  import dataclasses
+  import importlib
+
+  from jaxrm import tasks
+  from jaxrm.tasks.base import Task
+
+  with open(TASK_GUIDE) as f:
+    guide = f.read()
+  paths = re.findall(r"`((?:jaxrm|tests)/[\w/.]+)`", guide)
+  assert len(paths) > 10 and [p for p in paths if not os.path.exists(os.path.join(ROOT, p))] == []
+  fields = section(guide, "The spec")
+  listed = {
+    name for cell in re.findall(r"^\| (`[^|]+) \|", fields, re.M) for name in re.findall(r"`(\w+)`", cell)
+  }
+  assert listed == {f.name for f in dataclasses.fields(Task)}
+
+  (example,) = re.findall(r"```python\n(.*?)```", fields, re.S)
+  with open(os.path.join(ROOT, "jaxrm", "tasks", "pairwise.py")) as f:
+    (spec,) = [
+      n.value for n in ast.parse(f.read()).body if isinstance(n, ast.Assign) and n.targets[0].id == "PAIRWISE"
+    ]
+  assert [k.arg for k in ast.parse(example).body[0].value.keywords] == [k.arg for k in spec.keywords]
+
+  defined = {
+    id(getattr(importlib.import_module(f"jaxrm.tasks.{file[:-3]}"), name)): file
+    for file, names in task_definitions().items()
+    for name in names
+  }
+  files = [defined.get(id(task)) for task in tasks.TASKS.values()]
+  assert None not in files and len(set(files)) == len(files), files
+  with open(os.path.join(ROOT, "docs", "training", "tasks.md")) as f:
+    table = section(f.read(), "Reward tasks")
+  typed = {
+    t for row in re.findall(r"^\|[^|]+\| ([^|]+) \|", table, re.M) for t in re.findall(r"`(\w+)`", row)
+  }
+  assert set(tasks.REWARD_TYPES) <= typed, set(tasks.REWARD_TYPES) - typed
+
+
 # ------------------------------------------------------------------ README.md's commands
 
 PARSED = "test_readme_command_lines_parse"  # this file's: the command line read as the program reads it
