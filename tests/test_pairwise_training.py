@@ -18,9 +18,9 @@ from helpers import REBATCHED
 
 from jaxrm import RewardModel, report, tasks
 from jaxrm.config import RewardSpec, validation_metrics
-from jaxrm.data import packing, pipeline, registry
+from jaxrm.data import formats, packing, pipeline, registry
 from jaxrm.data.drops import DropReport
-from jaxrm.data.tokenize import TokenizeOptions, pad_id, tokenize_all
+from jaxrm.data.tokenize import TokenizeOptions, pad_id, text_ids, tokenize_all
 from jaxrm.errors import ConfigError
 from jaxrm.metrics import finalize_metrics
 from jaxrm.tasks import pairwise
@@ -158,6 +158,42 @@ def test_win_rates_against_the_definition():
   np.testing.assert_allclose(
     pairwise.win_rates(np.array([[0, -40.0], [40.0, 0]])), [4.248354255291589e-18, 1.0], rtol=1e-12
   )
+
+
+# ------------------------------------------------------------------ a judge's rows
+
+
+def test_a_ranked_list_gives_each_pair_in_both_orders(smollm2_tokenizer):
+  judge = pairwise.Judge(question="A or B?")
+  drops = DropReport()
+  ranked = {
+    "context": "Best fruit?",
+    "completions": [{"rank": r, "completion": c} for r, c in ((2, "fig"), (0, "kiwi"), (1, "plum"))],
+  }
+  long = {"prompt": "Best fruit? " + "really " * 200, "response_a": "fig", "response_b": "kiwi", "label": "B"}
+  turns = [
+    {"role": r, "content": c}
+    for r, c in (("user", "old " * 100), ("assistant", "ok"), ("user", "Best fruit?"))
+  ]
+  cut = {"prompt": turns, "response_a": "fig", "response_b": "kiwi", "label": "A"}
+  records = [formats.parse_preference(row, f"row {i}", drops) for i, row in enumerate((ranked, long, cut))]
+  options = judge.tokenize_options(TokenizeOptions(max_length=128, truncation="left"))
+  examples = tokenize_all(records, smollm2_tokenizer, options, drops)
+  ids = lambda context, a, b: text_ids(
+    smollm2_tokenizer, judge.render(smollm2_tokenizer, context, a, b), special=False
+  )
+  # Better first: kiwi (rank 0) > plum > fig; row 0 shows the better as A, row 1 as B.
+  pairs = [("kiwi", "plum"), ("kiwi", "fig"), ("plum", "fig")]
+  assert [[list(r) for r in e.input_ids] for e in examples[:3]] == [
+    [ids("Best fruit?", better, worse), ids("Best fruit?", worse, better)] for better, worse in pairs
+  ]
+  # The long prompt has no earlier turn to lose: dropped and counted; the conversation loses its
+  # oldest turns to fit, counted as cut.
+  assert dict(drops.counts) == {pairwise.JUDGE_TOO_LONG: 1} and drops.cut == 1
+  assert [list(r) for r in examples[3].input_ids] == [
+    ids(turns[2:], "fig", "kiwi"),
+    ids(turns[2:], "kiwi", "fig"),
+  ]
 
 
 # ------------------------------------------------------------------ training a judge
