@@ -185,8 +185,9 @@ def _check_complete(cfg: ModelConfig, rules: list[Rule], slots: dict[str, list[S
       why = ""
       if rule.param == VERIFIER_HEAD:
         why = (
-          ": a verifier reads its answers' logits from the LM head, and config.json does not tie it "
-          "to the embedding (tie_word_embeddings); load a causal LM (*ForCausalLM) as a verifier"
+          ": a verifier or a pairwise judge reads its answers' logits from the LM head, and "
+          "config.json does not tie it to the embedding (tie_word_embeddings); load a causal LM "
+          "(*ForCausalLM)"
         )
       raise CheckpointError(f"missing tensor {rule.hf.format(i=layer)!r} in the checkpoint{why}")
 
