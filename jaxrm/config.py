@@ -201,6 +201,9 @@ class RewardSpec:
       raise ValueError(
         f"reward.preference_strength_scaling applies to reward.type='bradley_terry', not {self.type!r}"
       )
+    for key in ("judge_question", "judge_answers"):
+      if self.task is not tasks.PAIRWISE and getattr(self, key) != getattr(RewardSpec, key):
+        raise ValueError(f"reward.{key} applies to reward.type='pairwise', not {self.type!r}")
     _ = self.verifier  # refuses a bad question or answers
     if self.task.per_attribute:
       # Parsed here, once: each property refuses a bad value of its key (attributes through all

@@ -382,8 +382,13 @@ def test_malformed_judge_answers_are_refused_with_the_config(answers, message, t
   assert str(e.value) == f"reward.judge_answers={answers!r}: {message}"
 
 
-def test_an_empty_judge_question_is_refused():
+def test_an_empty_judge_question_and_judge_keys_of_another_task_are_refused(tmp_path):
   with pytest.raises(
     ConfigError, match=r"^reward.judge_question='  ': a judge's question must be a non-empty"
   ):
     RewardSpec("pairwise", judge_question="  ")
+  # A question set for a judge with reward.type left at its default would train no judge.
+  with pytest.raises(
+    ConfigError, match=r"^reward.judge_question applies to reward.type='pairwise', not 'bradley_terry'$"
+  ):
+    tiny_run.train(tiny_run.config(str(tmp_path), str(tmp_path / "run"), reward__judge_question="A or B?"))
