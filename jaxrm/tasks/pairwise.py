@@ -12,7 +12,8 @@ A judge's preference moves with position, so everything here reads both orders:
 * **training** presents every pair both ways (:meth:`Judge.examples`): a two-row preference
   example whose first row shows the better response as A (label A) and second as B (label B),
   trained with the cross-entropy over the two answers (:func:`judge_loss`); a ranked list gives
-  each of its pairs. Validation reports the accuracy in each order, the consistency of the two
+  each of its pairs, and an explicit judgment (``response_a``, ``response_b``, ``label`` "A" or
+  "B") is read as the pair it ranks (:mod:`jaxrm.data.formats`). Validation reports the accuracy in each order, the consistency of the two
   orders and the position bias (the mean P(A) over both orders; 0.5 is none).
 * **comparing** (:func:`compare`) averages the orders: ``(s(A, B) - s(B, A)) / 2``, the log-odds
   that A is better, antisymmetric exactly.
