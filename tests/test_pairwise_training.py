@@ -313,11 +313,14 @@ def test_packed_judge_batches_give_the_unpacked_loss(rule_run, shared):
   pack = packing.PackSpec(row_length=320, length_multiple=16, shared_prompt=shared)
   (packed,) = pipeline.make_eval_batches(examples, **batch, pack=pack)
   assert packed.input_ids.size < unpacked.input_ids.size
+  want_odds, got_odds = unpacked.outputs(rm.model), packed.outputs(rm.model)  # [6, 2] each
+  assert want_odds.shape == (6, 2) and np.ptp(np.asarray(want_odds)) > 0.1
   loss = tasks.batch_loss(spec)
-  want_loss, want = loss(unpacked.outputs(rm.model), unpacked)
-  got_loss, got = loss(packed.outputs(rm.model), packed)
+  want_loss, want = loss(want_odds, unpacked)
+  got_loss, got = loss(got_odds, packed)
   # The same float32 sums over other padded lengths and orders (REBATCHED's reason); the accuracy,
   # consistency and counts are read from the log-odds' signs, equal unless one sits at 0.
+  np.testing.assert_allclose(np.asarray(got_odds), np.asarray(want_odds), **REBATCHED)
   np.testing.assert_allclose(got_loss, want_loss, **REBATCHED)
   got, want = finalize_metrics(got), finalize_metrics(want)
   assert got.keys() == want.keys()
