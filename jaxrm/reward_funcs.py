@@ -546,11 +546,12 @@ def remote_reward_func(
       ``--step_aggregation``.
     step_aggregation: ``"min"``, ``"last"``, ``"product"`` or ``"mean"``: the aggregation asked of
       ``/score_steps`` (implies ``steps``).
-    strategy, aggregate: a pairwise judge's server (either implies it): the batch's completions
-      are grouped by prompt as :func:`as_reward_func` groups them for a judge, and each group is
-      sent to ``/compare`` (``strategy`` default ``round_robin``, ``aggregate`` default
-      ``bradley_terry``; ``reference`` compares each completion with its row's ``reference``
-      column).
+    strategy: a pairwise judge's server (``strategy`` or ``aggregate`` implies it): the batch's
+      completions are grouped by prompt as :func:`as_reward_func` groups them for a judge, and
+      each group is sent to ``/compare`` with this strategy (default ``round_robin``;
+      ``reference`` compares each completion with its row's ``reference`` column).
+    aggregate: a judge server's aggregate of each group's comparisons (default
+      ``bradley_terry``).
     asynchronous: ``f`` is an ``async def`` function, which TRL awaits beside its other async
       reward functions: the same request, retries and errors, sent from a worker thread.
   """

@@ -734,11 +734,14 @@ class RewardModel:
 
     Args:
       prompts: conversations up to the responses (message lists), or strings (a user's turn).
-      responses_a, responses_b: the responses, strings or assistant messages.
+      responses_a: the responses shown as A, strings or assistant messages.
+      responses_b: the responses shown as B, alike.
       orders: ``"both"`` averages the two orders, ``(s(A, B) - s(B, A)) / 2``, so that swapping
         the responses negates the result exactly; ``"ab"`` gives ``s(A, B)`` alone.
-      batch_size, max_length, share_prefix: as :meth:`score` takes them; a conversation too long
-        for ``max_length`` loses its oldest turns.
+      batch_size: rows per forward pass, as :meth:`score` takes it.
+      max_length: the longest judge text in tokens (default: the model's context); a conversation
+        too long for it loses its oldest turns.
+      share_prefix: as :meth:`score` takes it: judge texts sharing a prefix are scored together.
     """
     self._judge("compare()")
     return pairwise.compare(
@@ -803,7 +806,9 @@ class RewardModel:
       aggregate: ``"bradley_terry"`` (the maximum-likelihood strengths, centred; measured from the
         reference under ``"reference"``) or ``"win_rate"`` (the mean probability of winning).
       references: one response per group, under ``strategy="reference"`` only.
-      batch_size, max_length, share_prefix: as :meth:`compare` takes them.
+      batch_size: as :meth:`compare` takes it.
+      max_length: as :meth:`compare` takes it.
+      share_prefix: as :meth:`compare` takes it.
     """
     self._judge("score_groups()")
     prompts = _texts(prompts, "prompts", "score_groups")
