@@ -710,16 +710,10 @@ def random_model(shape: str, seed: int) -> str:
 
 
 def load_judge(model: str, dtype: str):
-  """``RewardModel.from_pretrained(model, judge=True)``; where from_pretrained does not take
-  ``judge`` yet, a verifier's LM head on the judge's answers, asking as the judge."""
+  """``model`` as a zero-shot pairwise judge (``RewardModel.from_pretrained(model, judge=True)``)."""
   from jaxrm import RewardModel
-  from jaxrm.tasks import pairwise
 
-  if "judge" in inspect.signature(RewardModel.from_pretrained).parameters:
-    return RewardModel.from_pretrained(model, dtype=dtype, judge=True)
-  judge = pairwise.Judge()
-  rm = RewardModel.from_pretrained(model, dtype=dtype, verifier={"answers": list(judge.answers)})
-  return RewardModel(rm.model, rm.tokenizer, dataclasses.replace(rm.info, verifier=judge, task=pairwise.NAME))
+  return RewardModel.from_pretrained(model, dtype=dtype, judge=True)
 
 
 @dataclasses.dataclass(frozen=True)

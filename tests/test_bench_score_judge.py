@@ -27,7 +27,7 @@ def test_a_groups_texts_are_counted_and_scored_as_transformers_scores_them(judge
   )
   drawn = bench_score.judge_groups(judge, args, 3, "round_robin")
   assert drawn.pairs == [[(0, 1), (1, 0), (0, 2), (2, 0), (1, 2), (2, 1)]]
-  assert drawn.texts[0] == judge.verifier.render(judge.tokenizer, drawn.prompts[0], *drawn.groups[0][:2])
+  assert drawn.texts[0] == judge.judge_text(drawn.prompts[0], *drawn.groups[0][:2])
 
   tokens = bench_score.judge_tokens(judge, drawn, args)
   ids = drawn.ids

@@ -69,13 +69,13 @@ def test_readme_links_name_pages_that_exist():
 
 
 def test_example_rows_are_read_as_their_format_reads_them(tmp_path):
-  """Every example row on the reward tasks and getting started pages, and the README's, is one
-  record of the format it names, none dropped."""
+  """Every example row on the reward tasks, getting started and pairwise judges pages, and the
+  README's, is one record of the format it names, none dropped."""
   from jaxrm import load_dataset
   from jaxrm.data.drops import DropReport
 
   rows = []
-  for page in ("training/tasks.md", "getting-started.md"):
+  for page in ("training/tasks.md", "getting-started.md", "pairwise-judges.md"):
     with open(os.path.join(ROOT, "docs", page)) as f:
       rows += re.findall(r"<!-- row: (\w+) -->\n```json\n(.*?)\n```", f.read())
   assert {name for name, _ in rows} == {"PreferenceDataset", "StepwiseDataset", "RatedDataset"}
