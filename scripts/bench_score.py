@@ -23,7 +23,7 @@ comparisons, for each strategy of ``--strategies``, against transformers' causal
 judge texts one by one; ``--random_shape`` scores with a random Llama of that shape and SmolLM2's
 tokenizer instead of ``--model``::
 
-  python scripts/bench_score.py --workload=grpo --judge --random_shape=8,384,1024,6,2 --prompts=2 \
+  python scripts/bench_score.py --workload=grpo --judge --random_shape=4,256,768,4,2 --prompts=2 \
       --group_sizes=8,16 --strategies=round_robin,circular --max_length=2048
 
 Padding buckets: ``rm.score`` on the chats with rows padded to multiples of each of ``--buckets``,
@@ -93,11 +93,13 @@ batch, per server request.
 from __future__ import annotations
 
 import argparse
+import atexit
 import concurrent.futures
 import dataclasses
 import inspect
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -429,7 +431,7 @@ def check_agreement(ours: np.ndarray, theirs: np.ndarray, rm, hf: Transformers, 
   import jax
   from flax import nnx
 
-  asks = "judge" if rm.kind == "pairwise" else "verifier"
+  asks = "judge" if rm.judge is not None else "verifier"
   what = f"log-odds ({asks})" if rm.verifier is not None else "rewards"
   print(f"jaxrm's {what} on a batch:        " + " ".join(f"{x:.5f}" for x in ours), flush=True)
   print(f"transformers' {what} on a batch: " + " ".join(f"{x:.5f}" for x in theirs), flush=True)
@@ -459,8 +461,8 @@ def main(argv=None) -> None:
   if args.judge:
     rm = load_judge(model, args.dtype)
     print(
-      f"pairwise judge, zero-shot: log p({rm.verifier.answers[0]}) - log p({rm.verifier.answers[1]}) "
-      f"after {rm.verifier.question!r}",
+      f"pairwise judge, zero-shot: log p({rm.judge.answers[0]}) - log p({rm.judge.answers[1]}) "
+      f"after {rm.judge.question!r}",
       flush=True,
     )
   else:
@@ -699,6 +701,7 @@ def random_model(shape: str, seed: int) -> str:
   torch.manual_seed(seed)
   model = transformers.LlamaForCausalLM(config)
   out = tempfile.mkdtemp(prefix="bench_judge_")
+  atexit.register(shutil.rmtree, out, True)
   model.save_pretrained(out)
   tok.save_pretrained(out)
   print(
@@ -754,7 +757,7 @@ def judge_groups(rm, args, g: int, strategy: str) -> JudgeGroups:
   drawn = make_groups(args.prompts, g, args, rm.tokenizer, args.seed, room=args.max_length // 2 + JUDGE_WORDS)
   prompts = [group[0][:-1] for group in drawn]
   groups = [[chat[-1]["content"] for chat in group] for group in drawn]
-  judge, pairs, texts, ids = rm.verifier, [], [], []
+  judge, pairs, texts, ids = rm.judge, [], [], []
   for prompt, responses in zip(prompts, groups):
     pairs.append(pairwise.comparisons(len(responses), strategy))
     for i, j in pairs[-1]:
