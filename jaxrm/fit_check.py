@@ -34,8 +34,8 @@ import numpy as np
 from jaxrm import gpu_targets, loading, sharding, step_time
 from jaxrm.config import RunConfig
 from jaxrm.data import pipeline
+from jaxrm.data.example_types import of_example
 from jaxrm.data.run_data import Batching, batching
-from jaxrm.data.tokenize import PreferenceExample, RatedExample, StepwiseExample
 from jaxrm.errors import ConfigError
 from jaxrm.memory import ProgramMemory, bytes_per_device, gib, step_memory
 
@@ -513,24 +513,13 @@ def _largest_examples(config: RunConfig, cfg, k: int | None, n: int) -> list:
   tokens any batch of the run can hold."""
   length = config.data.max_length
   ids = lambda j: np.full(length, 1 + j % max(cfg.vocab_size - 1, 1), np.int32)
-  if config.stepwise:
-    labels = np.full(length, -100, np.int32)
-    labels[-1] = 1
-    return [StepwiseExample(ids(0), labels, "plan", {}) for _ in range(n)]
-  if config.reward.task.per_attribute:
-    a = len(config.reward.attribute_names)
-    return [
-      RatedExample(ids(0), np.zeros(a, np.float32), np.ones(a, np.float32), i, "plan", {}) for i in range(n)
-    ]
-  # Completions that differ from their first token share no prompt to write once.
-  return [
-    PreferenceExample(tuple(ids(j) for j in range(k)), tuple(range(k)), 0.0, "plan", {}) for _ in range(n)
-  ]
+  kind = config.reward.task.example_types[0]
+  return kind.largest(ids, n, k, config.reward.attribute_names if config.reward.task.per_attribute else None)
 
 
 def _train_batch(examples: list, plan: Batching, cfg):
   """Host 0's training batch of the largest global batch (one micro-batch, if micro-batched)."""
-  k = len(examples[0].input_ids) if isinstance(examples[0], PreferenceExample) else None
+  k = of_example(examples[0]).num_completions(examples)
   collate = pipeline.train_collator(
     examples,
     plan.per_host,
@@ -547,7 +536,7 @@ def _train_batch(examples: list, plan: Batching, cfg):
 
 
 def _eval_batch(examples: list, plan: Batching, cfg):
-  k = len(examples[0].input_ids) if isinstance(examples[0], PreferenceExample) else None
+  k = of_example(examples[0]).num_completions(examples)
   return pipeline.make_eval_batches(
     examples[: plan.eval_per_host * plan.process_count],
     batch_size=plan.eval_per_host,

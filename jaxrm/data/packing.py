@@ -28,7 +28,6 @@ import jax
 import numpy as np
 
 from jaxrm.batches import (
-  IGNORE_INDEX,
   PackedLabelledBatch,
   PackedPreferenceBatch,
   PackedRegressionBatch,
@@ -38,6 +37,8 @@ from jaxrm.batches import (
 # Re-exported: whoever packs rows reads the model's outputs back with these.
 from jaxrm.batches import group_logits as group_logits
 from jaxrm.batches import group_rewards as group_rewards
+from jaxrm.data import example_types
+from jaxrm.data.example_types import ExampleType, Piece, of_example
 from jaxrm.data.tokenize import LabelledExample, PreferenceExample, RatedExample, StepwiseExample
 
 
@@ -88,30 +89,6 @@ class PackSpec:
       )
 
 
-@dataclasses.dataclass(frozen=True)
-class _Piece:
-  """Consecutive tokens of one unit: its own segment and branch, positions from ``start``."""
-
-  ids: np.ndarray  # int32 [n]
-  segment: int  # 0-based within the unit
-  branch: int
-  start: int
-  rewarded: bool  # a reward is read at its last token
-
-
-def _preference_unit(group: PreferenceExample, shared_prompt: bool) -> list[_Piece]:
-  if not shared_prompt:
-    return [_Piece(ids, j, 0, 0, True) for j, ids in enumerate(group.input_ids)]
-  # Every completion keeps at least its last token, where its reward is read.
-  shared = min(len(ids) for ids in group.input_ids) - 1
-  first = group.input_ids[0]
-  for ids in group.input_ids[1:]:
-    differs = np.flatnonzero(ids[:shared] != first[:shared])
-    shared = int(differs[0]) if differs.size else shared
-  pieces = [_Piece(first[:shared], 0, 0, 0, False)] if shared else []
-  return pieces + [_Piece(ids[shared:], 0, j + 1, shared, True) for j, ids in enumerate(group.input_ids)]
-
-
 Example = PreferenceExample | StepwiseExample | RatedExample | LabelledExample  # a tokenized row
 Item = RatedExample | LabelledExample  # one sequence, one output read at its last token
 
@@ -120,29 +97,15 @@ def check_packable(example: Example, shared_prompt: bool) -> None:
   """Raises a ValueError that says what to use instead where examples of ``example``'s kind cannot
   be packed with ``shared_prompt``: a rated or labelled item is one sequence, with no group whose
   prompt a row could write once."""
-  if shared_prompt and isinstance(example, (RatedExample, LabelledExample)):
-    what = (
-      "labelled items (prompt, completion, label)"
-      if isinstance(example, LabelledExample)
-      else "rated responses (reward.type='regression')"
-    )
-    raise ValueError(
-      f"data.packing='shared_prompt' writes a preference group's prompt once; {what} are one "
-      "sequence each, with no group to share it: use data.packing='packed'"
-    )
+  of_example(example).check_packable(shared_prompt)
 
 
-def _unit(example: Example, shared_prompt: bool) -> list[_Piece]:
+def _unit(example: Example, shared_prompt: bool) -> list[Piece]:
   """The pieces ``example`` is written as in a row."""
-  if isinstance(example, PreferenceExample):
-    return _preference_unit(example, shared_prompt)
-  if isinstance(example, StepwiseExample):
-    return [_Piece(example.input_ids, 0, 0, 0, False)]
-  check_packable(example, shared_prompt)
-  return [_Piece(example.input_ids, 0, 0, 0, True)]
+  return of_example(example).unit(example, shared_prompt)
 
 
-def _length(unit: list[_Piece]) -> int:
+def _length(unit: list[Piece]) -> int:
   return sum(len(p.ids) for p in unit)
 
 
@@ -276,7 +239,7 @@ def _longest_source(parts: Sequence[Sequence[int]], sources: Sequence[Sequence[s
   return max((n, s) for p, ss in zip(parts, sources) for n, s in zip(p, ss))[1]
 
 
-def _row_length(units: list[list[_Piece]], spec: PackSpec) -> int:
+def _row_length(units: list[list[Piece]], spec: PackSpec) -> int:
   """The length of this batch's rows without fitting: see ``PackSpec.length_multiple``."""
   if not spec.length_multiple:
     return spec.row_length
@@ -313,7 +276,7 @@ class _Rows:
     self.segment_ids = np.zeros(shape, np.int32)
     self.branch_ids = np.zeros(shape, np.int32)
 
-  def place(self, unit: list[_Piece], row: int, cursor: int, first_segment: int) -> list[tuple[int, int]]:
+  def place(self, unit: list[Piece], row: int, cursor: int, first_segment: int) -> list[tuple[int, int]]:
     """Writes ``unit`` at ``cursor``; returns (start, end) of each piece within the row."""
     spans = []
     for p in unit:
@@ -338,7 +301,7 @@ class _Rows:
     }
 
 
-def _fill(units: list[list[_Piece]], plan: list[list[int]], rows: _Rows):
+def _fill(units: list[list[Piece]], plan: list[list[int]], rows: _Rows):
   """Places every unit as ``plan`` says; yields (unit index, row, per-piece (start, end))."""
   for r, members in enumerate(plan):
     cursor, segment = 0, 1
@@ -356,9 +319,7 @@ def rewards_per_row(groups: Sequence[Example], plan: list[list[int]]) -> int:
 
 
 def _rewards(example: Example) -> int:
-  if isinstance(example, PreferenceExample):
-    return len(example.input_ids)
-  return 0 if isinstance(example, StepwiseExample) else 1
+  return of_example(example).rewards(example)
 
 
 def pack_preference(
@@ -388,12 +349,12 @@ def pack_preference(
   if len(groups) > g:
     raise ValueError(f"{len(groups)} groups given for num_groups={g}")
   units, plan, rows, r = _laid_out(groups, spec, num_rows, num_rewards)
-  return _fill_preference(groups, units, plan, rows, g, k, r)
+  return _filled(groups, units, plan, rows, g, k, r, example_types.PREFERENCE)
 
 
 def _laid_out(
   examples: Sequence[Example], spec: PackSpec, num_rows: int | None, num_rewards: int | None
-) -> tuple[list[list[_Piece]], list[list[int]], _Rows, int]:
+) -> tuple[list[list[Piece]], list[list[int]], _Rows, int]:
   """What one batch's ``pack_*`` fills: each example's pieces, the rows' plan, the empty rows
   (``num_rows``, or as many as the plan needs) and the reward slots per row (``num_rewards``, or
   the most any row reads, rounded up to ``spec.rewards_multiple``)."""
@@ -409,54 +370,26 @@ def _laid_out(
   return units, plan, rows, num_rewards or _round_up(rewards_per_row(examples, plan), spec.rewards_multiple)
 
 
-def _fill_preference(
-  groups: Sequence[PreferenceExample],
-  units: list[list[_Piece]],
+def _filled(
+  examples: Sequence[Example],
+  units: list[list[Piece]],
   plan: list[list[int]],
   rows: _Rows,
   g: int,
-  k: int,
+  k: int | None,
   r: int,
+  kind: ExampleType,
+  like: Example | None = None,
   first_row: int = 0,
-) -> PackedPreferenceBatch:
-  """The packed preference batch of ``groups``, placed as ``plan`` says into ``rows``.
+):
+  """The packed batch of ``examples`` (of ``kind``), placed as ``plan`` says into ``rows``.
 
-  ``first_row``: the global index of ``rows``' first row, where ``reward_index`` starts counting.
+  ``like``: an example of the global batch, whose shape (a rated item's attributes) the batch
+  takes even where this host's ``examples`` are none (the last validation batch).
+  ``first_row``: the global index of ``rows``' first row, where the batch's indices start counting.
   """
-  b = rows.num_rows
-  reward_positions = np.full((b, r), -1, np.int32)
-  reward_index = np.zeros((g, k), np.int32)
-  ranks = np.full((g, k), -1, np.int32)
-  margin = np.zeros((g,), np.float32)
-  strength = np.ones((g,), np.float32)
-  used = np.zeros((b,), np.int32)
-  for i, row, spans in _fill(units, plan, rows):
-    n = len(groups[i].input_ids)
-    if n > k:
-      raise ValueError(
-        f"{groups[i].source} has {n} completions but batches hold "
-        f"num_completions={k}; pass num_completions >= {n}"
-      )
-    if used[row] + n > r:
-      raise ValueError(f"row {row} holds more than num_rewards={r} completions; raise num_rewards")
-    ends = [end - 1 for (_, end), p in zip(spans, units[i]) if p.rewarded]
-    slots = used[row] + np.arange(n)
-    reward_positions[row, slots] = ends
-    reward_index[i, :n] = (first_row + row) * r + slots
-    used[row] += n
-    ranks[i, :n] = np.arange(n)
-    margin[i] = groups[i].margin
-    strength[i] = 1.0 if groups[i].strength is None else groups[i].strength
-  example_mask = (np.arange(g) < len(groups)).astype(np.float32)
-  return PackedPreferenceBatch(
-    **rows.arrays(),
-    reward_positions=reward_positions,
-    reward_index=reward_index,
-    ranks=ranks,
-    margin=margin,
-    example_mask=example_mask,
-    strength=strength,
-  )
+  placed = list(_fill(units, plan, rows))
+  return kind.pack(examples, units, placed, rows, g, k, r, like, first_row)
 
 
 def pack_stepwise(
@@ -478,31 +411,7 @@ def pack_stepwise(
   if len(examples) > g:
     raise ValueError(f"{len(examples)} examples given for num_examples={g}")
   units, plan, rows, _ = _laid_out(examples, spec, num_rows, None)  # one piece each, whatever shared_prompt
-  return _fill_stepwise(examples, units, plan, rows, g)
-
-
-def _fill_stepwise(
-  examples: Sequence[StepwiseExample],
-  units: list[list[_Piece]],
-  plan: list[list[int]],
-  rows: _Rows,
-  g: int,
-  first_row: int = 0,
-) -> PackedStepwiseBatch:
-  """The packed stepwise batch of ``examples``, placed as ``plan`` says into ``rows``.
-
-  ``first_row``: the global index of ``rows``' first row, where ``token_index`` starts counting.
-  """
-  t = rows.row_length
-  token_index = np.zeros((g, t), np.int32)
-  labels = np.full((g, t), IGNORE_INDEX, np.int32)
-  for i, row, [(start, end)] in _fill(units, plan, rows):
-    token_index[i, : end - start] = (first_row + row) * t + np.arange(start, end)
-    labels[i, : end - start] = examples[i].labels
-  example_mask = (np.arange(g) < len(examples)).astype(np.float32)
-  return PackedStepwiseBatch(
-    **rows.arrays(), token_index=token_index, labels=labels, example_mask=example_mask
-  )
+  return _filled(examples, units, plan, rows, g, None, 0, example_types.STEPWISE)
 
 
 def pack_items(
@@ -529,51 +438,7 @@ def pack_items(
   if len(examples) > g:
     raise ValueError(f"{len(examples)} items given for num_examples={g}")
   units, plan, rows, r = _laid_out(examples, spec, num_rows, num_rewards)
-  return _fill_items(examples, units, plan, rows, g, r, examples[0])
-
-
-def _fill_items(
-  examples: Sequence[Item],
-  units: list[list[_Piece]],
-  plan: list[list[int]],
-  rows: _Rows,
-  g: int,
-  r: int,
-  like: Item,
-  first_row: int = 0,
-) -> PackedRegressionBatch | PackedLabelledBatch:
-  """The packed batch of ``examples``, placed as ``plan`` says into ``rows``; item g is read at
-  ``reward_index[g]``.
-
-  ``like``: an item of the global batch, whose kind (and number of rated attributes) the batch
-  takes even where this host's ``examples`` are none (the last validation batch).
-  ``first_row``: the global index of ``rows``' first row, where ``reward_index`` starts counting.
-  """
-  reward_positions = np.full((rows.num_rows, r), -1, np.int32)
-  reward_index = np.zeros((g,), np.int32)
-  used = np.zeros((rows.num_rows,), np.int32)
-  for i, row, [(_, end)] in _fill(units, plan, rows):
-    if used[row] == r:
-      raise ValueError(f"row {row} holds more than num_rewards={r} items; raise num_rewards")
-    reward_positions[row, used[row]] = end - 1
-    reward_index[i] = (first_row + row) * r + used[row]
-    used[row] += 1
-  n = len(examples)
-  placed = dict(
-    **rows.arrays(),
-    reward_positions=reward_positions,
-    reward_index=reward_index,
-    example_mask=(np.arange(g) < n).astype(np.float32),
-  )
-  if isinstance(like, LabelledExample):
-    labels = np.zeros((g,), np.float32)
-    labels[:n] = [float(e.label) for e in examples]
-    return PackedLabelledBatch(**placed, labels=labels)
-  labels, label_mask = (np.zeros((g, len(like.labels)), np.float32) for _ in range(2))
-  group = np.zeros((g,), np.int32)
-  for i, e in enumerate(examples):
-    labels[i], label_mask[i], group[i] = e.labels, e.label_mask, e.group
-  return PackedRegressionBatch(**placed, labels=labels, label_mask=label_mask, group=group)
+  return _filled(examples, units, plan, rows, g, None, r, of_example(examples[0]), examples[0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -624,18 +489,13 @@ class PackedCollator:
     micro = []
     first_row = self.process_index * num_rows  # this host's rows follow the lower hosts'
     g = self.batch_size // n
+    kind = of_example(groups[0])
+    k = (self.num_completions or kind.num_completions(groups)) if kind.grouped else None
     for m in range(n):
       part = self.process_index * n + m
       rows = _Rows(num_rows, row_length, self.spec.pad_id)
       placed = (parts[part], units[part], plans[part], rows, g)
-      if isinstance(groups[0], StepwiseExample):
-        batch = _fill_stepwise(*placed, first_row)
-      elif isinstance(groups[0], PreferenceExample):
-        k = self.num_completions or max(len(e.input_ids) for e in groups)
-        batch = _fill_preference(*placed, k, num_rewards, first_row)
-      else:
-        batch = _fill_items(*placed, num_rewards, groups[0], first_row)
-      micro.append(batch)
+      micro.append(_filled(*placed, k, num_rewards, kind, groups[0], first_row))
     if n == 1:
       return micro[0]
     return jax.tree.map(lambda *arrays: np.stack(arrays), *micro)

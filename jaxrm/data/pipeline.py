@@ -31,10 +31,11 @@ import numpy as np
 from absl import flags
 
 from jaxrm import sharding
-from jaxrm.batches import IGNORE_INDEX, Batch, LabelledBatch, PreferenceBatch, RegressionBatch, StepwiseBatch
+from jaxrm.batches import Batch, PreferenceBatch, RegressionBatch, StepwiseBatch
 from jaxrm.data import grouping, packing
+from jaxrm.data.example_types import of_example
+from jaxrm.data.example_types import right_padded as right_padded  # re-exported: scoring pads rows with it
 from jaxrm.data.packing import Example, PackedCollator, PackSpec
-from jaxrm.data.tokenize import LabelledExample, PreferenceExample, RatedExample, StepwiseExample
 from jaxrm.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -54,20 +55,6 @@ def scoring_rows(n: int, batch_size: int) -> int:
   """Rows of a scoring batch holding ``n`` rows: ``batch_size``, or the next power of two when
   fewer remain (few compiled shapes)."""
   return min(batch_size, 1 << (n - 1).bit_length())
-
-
-def right_padded(
-  rows: Sequence[Sequence[int]], *, length: int, num_rows: int, pad_id: int
-) -> tuple[np.ndarray, np.ndarray]:
-  """``rows`` as input_ids and attention_mask, int32 [num_rows, length], right-padded; filler rows
-  past ``len(rows)`` attend to one token (their outputs are to be dropped)."""
-  ids = np.full((num_rows, length), pad_id, np.int32)
-  mask = np.zeros((num_rows, length), np.int32)
-  for j, r in enumerate(rows):
-    ids[j, : len(r)] = r
-    mask[j, : len(r)] = 1
-  mask[len(rows) :, 0] = 1
-  return ids, mask
 
 
 def max_completions(examples: Sequence[Example]) -> int:
@@ -103,13 +90,7 @@ class Collator:
     n_real = len(local)
     # Fillers repeat a real example of the global batch; their mask entries then zero them out.
     local += [groups[0]] * (self.batch_size - n_real)
-    if isinstance(groups[0], StepwiseExample):
-      return _collate_stepwise(local, n_real, length, self.pad_id)
-    if isinstance(groups[0], RatedExample):
-      return _collate_rated(local, n_real, length, self.pad_id)
-    if isinstance(groups[0], LabelledExample):
-      return _collate_labelled(local, n_real, length, self.pad_id)
-    return _collate_preference(local, n_real, self.num_completions, length, self.pad_id)
+    return of_example(groups[0]).collate(local, n_real, self.num_completions, length, self.pad_id)
 
   def _bucket(self, groups: Sequence[Example]) -> int:
     longest, source = max((len(ids), e.source) for e in groups for ids in _sequences(e))
@@ -377,8 +358,8 @@ def _collator(
 ) -> Collator | PackedCollator:
   if not examples:
     raise DataError("no examples left to batch (every row was dropped, or the data is empty)")
-  if isinstance(examples[0], PreferenceExample) and num_completions is None:
-    num_completions = max_completions(examples)
+  if num_completions is None:
+    num_completions = of_example(examples[0]).num_completions(examples)
   if pack is not None:
     packing.check_packable(examples[0], pack.shared_prompt)
     return PackedCollator(
@@ -399,98 +380,5 @@ def _collator(
   )
 
 
-def _collate_preference(
-  groups: Sequence[PreferenceExample], n_real: int, k: int, length: int, pad_id: int
-) -> PreferenceBatch:
-  """The first ``n_real`` of ``groups`` are real, the rest fillers."""
-  b = len(groups)
-  input_ids = np.full((b * k, length), pad_id, np.int32)
-  attention_mask = np.zeros((b * k, length), np.int32)
-  ranks = np.full((b, k), -1, np.int32)
-  margin = np.zeros((b,), np.float32)
-  strength = np.ones((b,), np.float32)
-  for i, group in enumerate(groups):
-    n = len(group.input_ids)
-    if n > k:
-      raise ValueError(
-        f"{group.source} has {n} completions but batches hold "
-        f"num_completions={k}; pass num_completions >= {n}"
-      )
-    for j in range(k):
-      # Absent slots repeat the best completion (never an all-padding row); rank -1 hides them.
-      ids = group.input_ids[j if j < n else 0]
-      input_ids[i * k + j, : len(ids)] = ids
-      attention_mask[i * k + j, : len(ids)] = 1
-    ranks[i, :n] = np.arange(n)
-    margin[i] = group.margin
-    strength[i] = 1.0 if group.strength is None else group.strength
-  ranks[n_real:] = -1
-  margin[n_real:] = 0.0
-  strength[n_real:] = 1.0
-  return PreferenceBatch(
-    input_ids=input_ids,
-    attention_mask=attention_mask,
-    ranks=ranks,
-    margin=margin,
-    example_mask=_example_mask(b, n_real),
-    strength=strength,
-  )
-
-
-def _collate_stepwise(
-  examples: Sequence[StepwiseExample], n_real: int, length: int, pad_id: int
-) -> StepwiseBatch:
-  """The first ``n_real`` of ``examples`` are real, the rest fillers."""
-  b = len(examples)
-  input_ids, attention_mask = _one_row_each(examples, length, pad_id)
-  labels = np.full((b, length), IGNORE_INDEX, np.int32)
-  for i, e in enumerate(examples):
-    labels[i, : len(e.labels)] = e.labels
-  labels[n_real:] = IGNORE_INDEX
-  return StepwiseBatch(
-    input_ids=input_ids, attention_mask=attention_mask, labels=labels, example_mask=_example_mask(b, n_real)
-  )
-
-
-def _collate_rated(
-  examples: Sequence[RatedExample], n_real: int, length: int, pad_id: int
-) -> RegressionBatch:
-  """The first ``n_real`` of ``examples`` are real, the rest fillers (their ratings masked)."""
-  b = len(examples)
-  input_ids, attention_mask = _one_row_each(examples, length, pad_id)
-  label_mask = np.stack([e.label_mask for e in examples])
-  label_mask[n_real:] = 0.0
-  return RegressionBatch(
-    input_ids=input_ids,
-    attention_mask=attention_mask,
-    labels=np.stack([e.labels for e in examples]),
-    label_mask=label_mask,
-    group=np.array([e.group for e in examples], np.int32),
-    example_mask=_example_mask(b, n_real),
-  )
-
-
-def _collate_labelled(
-  examples: Sequence[LabelledExample], n_real: int, length: int, pad_id: int
-) -> LabelledBatch:
-  """The first ``n_real`` of ``examples`` are real, the rest fillers."""
-  b = len(examples)
-  input_ids, attention_mask = _one_row_each(examples, length, pad_id)
-  labels = np.array([float(e.label) for e in examples], np.float32)
-  return LabelledBatch(input_ids, attention_mask, labels, _example_mask(b, n_real))
-
-
-def _one_row_each(examples: Sequence[Example], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-  """Each example's one sequence as a right-padded row: input_ids and attention_mask [len, length]."""
-  return right_padded([e.input_ids for e in examples], length=length, num_rows=len(examples), pad_id=pad_id)
-
-
-def _example_mask(size: int, n_real: int) -> np.ndarray:
-  """[size] float32: 1 for the first ``n_real`` entries, 0 for the fillers after them."""
-  return (np.arange(size) < n_real).astype(np.float32)
-
-
 def _sequences(example: Example) -> Sequence[np.ndarray]:
-  if isinstance(example, (StepwiseExample, RatedExample, LabelledExample)):
-    return (example.input_ids,)
-  return example.input_ids
+  return of_example(example).sequences(example)

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 from jaxrm import sharding, tasks
 from jaxrm.data import cache, packing, pipeline, registry
 from jaxrm.data.drops import DropReport
+from jaxrm.data.example_types import of_example
 from jaxrm.data.packing import PackSpec
-from jaxrm.data.tokenize import LabelledExample, PreferenceExample
 from jaxrm.errors import ConfigError, did_you_mean
 
 if TYPE_CHECKING:
@@ -162,8 +162,8 @@ def load_run_data(config: RunConfig, tokenizer) -> RunData:
       f"training row of {spec.dataset_name} has one: give rows a 'strength' (HelpSteer3 has "
       "overall_preference), or set reward.preference_strength_scaling=False"
     )
-  grouped = [e for e in sets.values() if e and isinstance(e[0], PreferenceExample)]
-  num_completions = max(map(pipeline.max_completions, grouped)) if grouped else None
+  counts = [of_example(e[0]).num_completions(e) for e in sets.values() if e]
+  num_completions = max((k for k in counts if k is not None), default=None)
   return RunData(train, validation, drops, num_completions)
 
 
@@ -173,20 +173,20 @@ def _check_kind_of_items(where: str, examples: Sequence, task: tasks.Task, rewar
   if not examples:
     return
   first = examples[0]
-  if isinstance(first, LabelledExample) and not task.labelled:
-    takes = [r for t in tasks.TASKS.values() if t.labelled for r in t.reward_types]
+  kind = of_example(first)
+  if kind not in task.example_types:
+    takes = [r for t in tasks.TASKS.values() if kind in t.example_types for r in t.reward_types]
     raise ConfigError(
-      f"{where} holds labelled items (prompt, completion, label; {first.source}), which train "
-      f"reward.type={' or '.join(takes)} only, not {reward_type!r}: give preference pairs, or "
-      f"set reward.type={takes[0]!r}"
+      f"{where} holds {kind.name} ({kind.fields}; {first.source}), which train "
+      f"reward.type={' or '.join(takes)} only, not {reward_type!r}: give "
+      f"{task.example_types[0].name}, or set reward.type={takes[0]!r}"
     )
   if isinstance(examples, list):
     odd = next((e for e in examples if type(e) is not type(first)), None)
     if odd is not None:
-      names = {LabelledExample: "labelled items", PreferenceExample: "preference pairs"}
       raise ConfigError(
-        f"{where} mixes {names.get(type(first), type(first).__name__)} ({first.source}) with "
-        f"{names.get(type(odd), type(odd).__name__)} ({odd.source}); give one kind of row per file"
+        f"{where} mixes {kind.name} ({first.source}) with {of_example(odd).name} ({odd.source}); "
+        "give one kind of row per file"
       )
 
 

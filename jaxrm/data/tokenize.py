@@ -171,9 +171,16 @@ def rendering(text: Text) -> str:
 def record_rendering(record: PreferenceRecord | RatedRecord | LabelledRecord | StepwiseRecord) -> str:
   """How training renders ``record``: as its (first) completion's form says, a stepwise row as its
   prompt's."""
-  if isinstance(record, StepwiseRecord):
-    return rendering(record.prompt)
-  return rendering(record.completions[0] if isinstance(record, PreferenceRecord) else record.completion)
+  return rendering(_RENDERED[type(record)](record))
+
+
+# The text of each kind of row whose form says how it is rendered.
+_RENDERED = {
+  PreferenceRecord: lambda record: record.completions[0],
+  RatedRecord: lambda record: record.completion,
+  LabelledRecord: lambda record: record.completion,
+  StepwiseRecord: lambda record: record.prompt,
+}
 
 
 def rendered_as(context: Text, completion: Text, how: str | None) -> tuple[Text, Text]:
@@ -341,17 +348,19 @@ def tokenize_all(
     if isinstance(record, PreferenceRecord) and opts.reads is not None:
       out += opts.reads.examples(record, tokenizer, opts, drops)
       continue
-    if isinstance(record, PreferenceRecord):
-      example = tokenize_preference(record, tokenizer, opts, drops)
-    elif isinstance(record, RatedRecord):
-      example = tokenize_rated(record, tokenizer, opts, drops)
-    elif isinstance(record, LabelledRecord):
-      example = tokenize_labelled(record, tokenizer, opts, drops)
-    else:
-      example = tokenize_stepwise(record, tokenizer, opts, drops)
+    example = _TOKENIZERS[type(record)](record, tokenizer, opts, drops)
     if example is not None:
       out.append(example)
   return out
+
+
+# Each kind of row's tokenizer: record -> example, or None once it is counted as dropped.
+_TOKENIZERS = {
+  PreferenceRecord: tokenize_preference,
+  RatedRecord: tokenize_rated,
+  LabelledRecord: tokenize_labelled,
+  StepwiseRecord: tokenize_stepwise,
+}
 
 
 # A completion's encoding: (full sequence ids, number of leading ids that are the prompt's).

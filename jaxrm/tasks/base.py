@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 
 from jaxrm import losses
+from jaxrm.data import example_types
+from jaxrm.data.example_types import ExampleType
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # one object per task, compared by identity
@@ -18,6 +20,9 @@ class Task:
   name: str  # the model kind: RewardModel.kind, and what jaxrm.kinds.check_kind is asked for
   reward_types: tuple[str, ...]  # the reward.type values that train it
   data: str  # the kind of the datasets it trains on (jaxrm.data.registry.kind)
+  # The tokenized rows it trains on (how each is batched and packed): its data's first; a
+  # verifier's preference files may hold labelled items instead of pairs.
+  example_types: tuple[ExampleType, ...]
   evaluation: str  # its key in jaxrm.evaluation.data_kinds.KINDS (an evaluation result's "kind")
   # data.packing -> the batch class its rows are collated into; a mode left out is refused
   batches: Mapping[str, type]
@@ -44,13 +49,16 @@ class Task:
   # The other tasks' uses (their names) that a model of this task serves too: a verifier's one
   # reward per row serves wherever a preference model's does.
   serves: tuple[str, ...] = ()
-  # Also trains on labelled items (prompt, completion, good or bad: a LabelledBatch), which a
-  # preference file may hold instead of pairs.
-  labelled: bool = False
   # The LM-head asker of a model of this task (a verifier's question and answers, a judge's): a
   # class with of_spec(reward spec), from_json(record), to_json(), token_ids(tokenizer) and
   # tokenize_options(options); None: the task's head is not the LM head.
   asker: type | None = None
+
+  @property
+  def labelled(self) -> bool:
+    """Whether it also trains on labelled items (prompt, completion, good or bad: a
+    LabelledBatch), which a preference file may hold instead of pairs."""
+    return example_types.LABELLED in self.example_types
 
   @property
   def per_attribute(self) -> bool:

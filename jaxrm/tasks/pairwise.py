@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrm.batches import PreferenceBatch
-from jaxrm.data import tokenize
+from jaxrm.data import example_types, tokenize
 from jaxrm.data.drops import DropReport, row_error
 from jaxrm.data.records import PreferenceRecord, Text
 from jaxrm.errors import ConfigError, DataError
@@ -337,6 +337,7 @@ PAIRWISE = Task(
   name=NAME,
   reward_types=(NAME,),
   data="preference",
+  example_types=(example_types.PREFERENCE,),
   evaluation="pairwise",
   # An example is a pair in both orders, two rows of one group: the preference layouts hold it,
   # and shared-prompt packing writes the judge's opening and conversation once for both.

@@ -7,6 +7,7 @@ import numpy as np
 
 from jaxrm import losses
 from jaxrm.batches import PackedPreferenceBatch, PreferenceBatch
+from jaxrm.data import example_types
 from jaxrm.tasks.base import Task, ones
 
 
@@ -23,6 +24,7 @@ PREFERENCE = Task(
   name="preference",
   reward_types=("bradley_terry", "ranking"),
   data="preference",
+  example_types=(example_types.PREFERENCE,),
   evaluation="preference",
   batches={"none": PreferenceBatch, "packed": PackedPreferenceBatch, "shared_prompt": PackedPreferenceBatch},
   packing_refused="",

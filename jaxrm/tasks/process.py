@@ -6,6 +6,7 @@ import numpy as np
 
 from jaxrm import losses
 from jaxrm.batches import PackedStepwiseBatch, StepwiseBatch
+from jaxrm.data import example_types
 from jaxrm.tasks.base import Task, ones
 
 
@@ -20,6 +21,7 @@ PROCESS = Task(
   name="process",
   reward_types=("stepwise",),
   data="stepwise",
+  example_types=(example_types.STEPWISE,),
   evaluation="stepwise",
   batches={"none": StepwiseBatch, "packed": PackedStepwiseBatch},
   packing_refused="data.packing={packing!r} writes a preference group's prompt once; stepwise "

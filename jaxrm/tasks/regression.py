@@ -6,6 +6,7 @@ import numpy as np
 
 from jaxrm import losses
 from jaxrm.batches import PackedRegressionBatch, RegressionBatch
+from jaxrm.data import example_types
 from jaxrm.tasks.base import Task, ones
 
 
@@ -20,6 +21,7 @@ REGRESSION = Task(
   name="regression",
   reward_types=("regression",),
   data="rated",
+  example_types=(example_types.RATED,),
   evaluation="regression",
   batches={"none": RegressionBatch, "packed": PackedRegressionBatch},
   packing_refused="data.packing={packing!r} writes a preference group's prompt once; rated responses "

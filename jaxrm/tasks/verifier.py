@@ -7,6 +7,7 @@ from __future__ import annotations
 from jaxrm import losses
 from jaxrm import verifier as verifiers
 from jaxrm.batches import LabelledBatch, PackedLabelledBatch
+from jaxrm.data import example_types
 from jaxrm.tasks import preference
 from jaxrm.tasks.base import Task
 from jaxrm.tasks.preference import PREFERENCE
@@ -37,6 +38,7 @@ VERIFIER = Task(
   name="verifier",
   reward_types=("verifier",),
   data="preference",
+  example_types=(example_types.PREFERENCE, example_types.LABELLED),
   evaluation="preference",
   # Labelled items become LABELLED_BATCHES instead; data.packing='shared_prompt' is refused for
   # them once their rows are read (jaxrm.data.packing.check_packable).
@@ -57,6 +59,5 @@ VERIFIER = Task(
   use_instead="a verifier scores conversations: rm.score, or preference data",
   loss_choice="verifier_loss",
   serves=(PREFERENCE.name,),
-  labelled=True,
   asker=verifiers.Verifier,
 )
