@@ -8,7 +8,7 @@ import tiny_run
 
 from jaxrm import kinds, tasks
 from jaxrm.config import validation_metrics
-from jaxrm.data import registry
+from jaxrm.data import example_types, registry
 from jaxrm.evaluation import data_kinds
 
 
@@ -85,6 +85,24 @@ def test_every_task_has_datasets_an_evaluation_and_unpacked_batches():
   assert set(data_kinds.KINDS) == {t.evaluation for t in tasks.TASKS.values()} | {"labelled"}
   assert all(data_kinds.KINDS[t.evaluation].task.name in (t.name, *t.serves) for t in tasks.TASKS.values())
   assert all("none" in t.batches for t in tasks.TASKS.values())
+
+
+def test_each_task_names_its_dataset_rows_and_evaluation_kinds_and_the_tables_follow():
+  """The dataset table's file formats and the evaluation table are built from what the tasks
+  declare: a task without a dataset of its data kind, or an evaluation kind nothing scores, fails."""
+  for t in tasks.TASKS.values():
+    assert registry.task(t.dataset).data == t.data and registry.reads_paths_only(t.dataset), t.name
+    assert registry.FILE_FORMATS[t.data] == t.dataset
+    assert t.evaluations[t.evaluation] is t.example_types[0]
+    for name, rows in t.evaluations.items():
+      kind = data_kinds.KINDS[name]
+      assert kind.rows is rows and kind.example is rows.example and kind.record is rows.record
+      assert kind.task is t or kind.task.name in t.serves, (t.name, name)
+  assert list(data_kinds.KINDS) == ["preference", "stepwise", "regression", "pairwise", "labelled"]
+  assert data_kinds.KINDS["labelled"].task is tasks.VERIFIER
+  # Every kind of tokenized row is trained by a task, and is one of the data path's.
+  trained = {rows for t in tasks.TASKS.values() for rows in t.example_types}
+  assert trained == set(example_types.TYPES)
 
 
 def test_ranking_loss_counts_for_ranking_only():

@@ -28,6 +28,7 @@ from jaxrm.batches import (
   RegressionBatch,
   StepwiseBatch,
 )
+from jaxrm.data.records import LabelledRecord, PreferenceRecord, RatedRecord, StepwiseRecord
 from jaxrm.data.tokenize import LabelledExample, PreferenceExample, RatedExample, StepwiseExample
 
 
@@ -51,6 +52,9 @@ class ExampleType:
   """One kind of tokenized row, and how the data path batches it.
 
   Attributes:
+    key: its short name ("labelled"): an evaluation kind's where a task reads it besides its own
+      data (:attr:`jaxrm.tasks.Task.evaluations`).
+    record: the record class its rows are read into (:mod:`jaxrm.data.records`).
     example: the example class (:mod:`jaxrm.data.tokenize`).
     name: its rows in messages, plural ("labelled items").
     fields: what one holds, in messages ("prompt, completion, label").
@@ -67,6 +71,8 @@ class ExampleType:
       them (one sequence each, no group whose prompt a row writes once); None where it can.
   """
 
+  key: str
+  record: type
   example: type
   name: str
   fields: str
@@ -231,6 +237,8 @@ def _largest_groups(ids, n: int, k: int, attributes) -> list[PreferenceExample]:
 
 
 PREFERENCE = ExampleType(
+  key="preference",
+  record=PreferenceRecord,
   example=PreferenceExample,
   name="preference pairs",
   fields="prompt, ranked completions",
@@ -285,6 +293,8 @@ def _largest_sequences(ids, n: int, k, attributes) -> list[StepwiseExample]:
 
 
 STEPWISE = ExampleType(
+  key="stepwise",
+  record=StepwiseRecord,
   example=StepwiseExample,
   name="stepwise sequences",
   fields="prompt, steps labelled correct or not",
@@ -367,6 +377,8 @@ def _largest_rated(ids, n: int, k, attributes) -> list[RatedExample]:
 
 
 RATED = ExampleType(
+  key="rated",
+  record=RatedRecord,
   example=RatedExample,
   name="rated responses",
   fields="prompt, response, ratings",
@@ -407,6 +419,8 @@ def _largest_labelled(ids, n: int, k, attributes) -> list[LabelledExample]:
 
 
 LABELLED = ExampleType(
+  key="labelled",
+  record=LabelledRecord,
   example=LabelledExample,
   name="labelled items",
   fields="prompt, completion, label",

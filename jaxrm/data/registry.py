@@ -77,12 +77,8 @@ _SPECS = {
   ),
 }
 DATASET_NAMES = tuple(_SPECS)
-# The dataset that reads a user's own files of each kind.
-FILE_FORMATS = {
-  tasks.PREFERENCE.data: "PreferenceDataset",
-  tasks.PROCESS.data: "StepwiseDataset",
-  tasks.REGRESSION.data: "RatedDataset",
-}
+# The dataset that reads a user's own files of each kind, as the tasks that train on it name it.
+FILE_FORMATS = {t.data: t.dataset for t in tasks.TASKS.values()}
 # Values of a validation path that name a split of a dataset read by name, not a file.
 SPLIT_NAMES = ("train", "validation", "test")
 

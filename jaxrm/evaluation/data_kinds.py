@@ -3,8 +3,11 @@ what each is: its records and examples, the model it needs, how it is scored
 (:mod:`jaxrm.evaluation.scores`) and what its report shows (headline lines, the columns of the
 subset table, the plot). Evaluation, report and plot look a kind up here instead of testing it.
 
-Each kind is the evaluation of one :mod:`jaxrm.tasks` task, named by the task's ``evaluation``
-(``"regression"`` for rated rows); the model it needs is the task's.
+The tasks declare the kinds (:attr:`jaxrm.tasks.Task.evaluations`: a task's ``evaluation`` for
+its data, ``"regression"`` for rated rows, and a verifier's ``"labelled"`` items): :data:`KINDS` is
+built from them, each with the rows and the task (the model it needs) of the first task that
+declares it, and how it is scored here. A kind a task declares and nothing here scores, or the
+reverse, stops the import with both lists.
 """
 
 from __future__ import annotations
@@ -16,8 +19,7 @@ from typing import Any
 import numpy as np
 
 from jaxrm import tasks
-from jaxrm.data.records import LabelledRecord, PreferenceRecord, RatedRecord, StepwiseRecord
-from jaxrm.data.tokenize import LabelledExample, PreferenceExample, RatedExample, StepwiseExample
+from jaxrm.data.example_types import ExampleType
 from jaxrm.errors import EvaluationError
 from jaxrm.evaluation import scores
 
@@ -26,11 +28,10 @@ from jaxrm.evaluation import scores
 class Kind:
   """One kind of evaluation data. ``result`` below is what :func:`jaxrm.evaluation.evaluate` returns."""
 
-  record: type  # its records
-  example: type  # its tokenized examples
-  task: tasks.Task  # the task whose models it evaluates
+  task: tasks.Task  # the task whose models it evaluates: the first to declare it (Task.evaluations)
+  rows: ExampleType  # its tokenized rows and their records, as the task declares them
+  name: str  # its key in KINDS (a result's "kind")
   use: str  # what needs the model, as the wrong-model message names it
-  sequences: Callable[[Any], Sequence[np.ndarray]]  # example -> its token sequences
   # (rm, examples, combine) -> the result's extra keys; raises when the data does not fit the model
   prepare: Callable[[Any, list, str | None], dict[str, Any]]
   # (rm, batches, examples, extra keys) -> (arrays for `metrics`, scores for the result)
@@ -39,13 +40,24 @@ class Kind:
   lines: Callable[[dict[str, Any]], list[str]]  # result -> the report's headline lines
   columns: Callable[[dict[str, Any]], tuple[str, ...]]  # result -> the subset table's metrics
   plot: Callable[[dict[str, Any], Any], None]  # (result, matplotlib axes): the scores' plot
-  # Its key in KINDS (a result's "kind"); None: its task's ``evaluation``. A task with data of two
-  # layouts (a verifier's pairs and labelled items) names the other one here.
-  name: str | None = None
 
   @property
   def key(self) -> str:
-    return self.name or self.task.evaluation
+    return self.name
+
+  @property
+  def record(self) -> type:
+    """Its records' class."""
+    return self.rows.record
+
+  @property
+  def example(self) -> type:
+    """Its tokenized examples' class."""
+    return self.rows.example
+
+  def sequences(self, example) -> Sequence[np.ndarray]:
+    """The token sequences of ``example``."""
+    return self.rows.sequences(example)
 
 
 def kind_of(example: Any, task: tasks.Task | None = None) -> str:
@@ -271,13 +283,10 @@ def _regression_plot(result: dict[str, Any], ax) -> None:
   fig.suptitle("Predictions against ratings (dashed: prediction = rating)")
 
 
-_KINDS = (
-  Kind(
-    task=tasks.PREFERENCE,
-    record=PreferenceRecord,
-    example=PreferenceExample,
+# How each kind of evaluation data is scored and reported, by its name in KINDS, in KINDS' order.
+_SCORING = {
+  "preference": dict(
     use="preference data",
-    sequences=lambda e: e.input_ids,
     prepare=_takes_no_combine(tasks.PREFERENCE.data),
     score=_preference_score,
     metrics=scores.preference_metrics,
@@ -285,12 +294,8 @@ _KINDS = (
     columns=lambda result: ("accuracy", "margin", "chosen_reward", "rejected_reward"),
     plot=_preference_plot,
   ),
-  Kind(
-    task=tasks.PROCESS,
-    record=StepwiseRecord,
-    example=StepwiseExample,
+  "stepwise": dict(
     use="stepwise data",
-    sequences=lambda e: (e.input_ids,),
     prepare=_takes_no_combine(tasks.PROCESS.data),
     score=_stepwise_score,
     metrics=scores.stepwise_metrics,
@@ -298,12 +303,8 @@ _KINDS = (
     columns=lambda result: ("step_accuracy", "f1_error", "first_error_found", "positive_rate"),
     plot=_stepwise_plot,
   ),
-  Kind(
-    task=tasks.REGRESSION,
-    record=RatedRecord,
-    example=RatedExample,
+  "regression": dict(
     use="rated data",
-    sequences=lambda e: (e.input_ids,),
     prepare=_regression_prepare,
     score=_regression_score,
     metrics=scores.regression_metrics,
@@ -311,12 +312,8 @@ _KINDS = (
     columns=_regression_columns,
     plot=_regression_plot,
   ),
-  Kind(
-    task=tasks.PAIRWISE,
-    record=PreferenceRecord,
-    example=PreferenceExample,
+  "pairwise": dict(
     use="a pairwise judge's pairs",
-    sequences=lambda e: e.input_ids,
     prepare=_takes_no_combine(tasks.PAIRWISE.data),
     score=_judge_score,
     metrics=scores.judge_metrics,
@@ -324,13 +321,8 @@ _KINDS = (
     columns=lambda result: ("accuracy", "accuracy_first", "accuracy_second", "consistency", "position_bias"),
     plot=_judge_plot,
   ),
-  Kind(
-    task=tasks.VERIFIER,
-    name="labelled",
-    record=LabelledRecord,
-    example=LabelledExample,
+  "labelled": dict(
     use="labelled items",
-    sequences=lambda e: (e.input_ids,),
     prepare=_takes_no_combine("labelled"),
     score=_labelled_score,
     metrics=scores.labelled_metrics,
@@ -338,6 +330,25 @@ _KINDS = (
     columns=lambda result: ("accuracy", "auroc", "ece", "positive_rate"),
     plot=_labelled_plot,
   ),
-)
+}
+
+
+def _kinds() -> dict[str, Kind]:
+  """Every kind of evaluation data the tasks declare (:attr:`jaxrm.tasks.Task.evaluations`), each
+  owned by the first task that declares it, with how :data:`_SCORING` scores it."""
+  owners = {}
+  for task in tasks.TASKS.values():
+    for name, rows in task.evaluations.items():
+      owners.setdefault(name, (task, rows))
+  if set(owners) != set(_SCORING):
+    raise LookupError(
+      f"the tasks declare the evaluation kinds {sorted(owners)} and jaxrm.evaluation.data_kinds "
+      f"scores {sorted(_SCORING)}: give each kind a task and a scoring"
+    )
+  return {
+    name: Kind(task=owners[name][0], rows=owners[name][1], name=name, **how) for name, how in _SCORING.items()
+  }
+
+
 # An evaluation result's "kind" -> its Kind
-KINDS: dict[str, Kind] = {k.key: k for k in _KINDS}
+KINDS: dict[str, Kind] = _kinds()

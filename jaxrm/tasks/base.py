@@ -20,6 +20,7 @@ class Task:
   name: str  # the model kind: RewardModel.kind, and what jaxrm.kinds.check_kind is asked for
   reward_types: tuple[str, ...]  # the reward.type values that train it
   data: str  # the kind of the datasets it trains on (jaxrm.data.registry.kind)
+  dataset: str  # the dataset (data.dataset_name) that reads a user's own files of its rows
   # The tokenized rows it trains on (how each is batched and packed): its data's first; a
   # verifier's preference files may hold labelled items instead of pairs.
   example_types: tuple[ExampleType, ...]
@@ -59,6 +60,14 @@ class Task:
     """Whether it also trains on labelled items (prompt, completion, good or bad: a
     LabelledBatch), which a preference file may hold instead of pairs."""
     return example_types.LABELLED in self.example_types
+
+  @property
+  def evaluations(self) -> dict[str, ExampleType]:
+    """Its kinds of evaluation data (keys of :data:`jaxrm.evaluation.data_kinds.KINDS`) -> the
+    rows each reads: its data under :attr:`evaluation`, and each other kind of row it trains on (a
+    verifier's labelled items) under that kind's own key."""
+    first, *others = self.example_types
+    return {self.evaluation: first, **{rows.key: rows for rows in others}}
 
   @property
   def per_attribute(self) -> bool:

@@ -337,6 +337,7 @@ PAIRWISE = Task(
   name=NAME,
   reward_types=(NAME,),
   data="preference",
+  dataset="PreferenceDataset",
   example_types=(example_types.PREFERENCE,),
   evaluation="pairwise",
   # An example is a pair in both orders, two rows of one group: the preference layouts hold it,

@@ -24,6 +24,7 @@ PREFERENCE = Task(
   name="preference",
   reward_types=("bradley_terry", "ranking"),
   data="preference",
+  dataset="PreferenceDataset",
   example_types=(example_types.PREFERENCE,),
   evaluation="preference",
   batches={"none": PreferenceBatch, "packed": PackedPreferenceBatch, "shared_prompt": PackedPreferenceBatch},

@@ -21,6 +21,7 @@ PROCESS = Task(
   name="process",
   reward_types=("stepwise",),
   data="stepwise",
+  dataset="StepwiseDataset",
   example_types=(example_types.STEPWISE,),
   evaluation="stepwise",
   batches={"none": StepwiseBatch, "packed": PackedStepwiseBatch},

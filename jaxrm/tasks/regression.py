@@ -21,6 +21,7 @@ REGRESSION = Task(
   name="regression",
   reward_types=("regression",),
   data="rated",
+  dataset="RatedDataset",
   example_types=(example_types.RATED,),
   evaluation="regression",
   batches={"none": RegressionBatch, "packed": PackedRegressionBatch},

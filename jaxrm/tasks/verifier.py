@@ -38,6 +38,7 @@ VERIFIER = Task(
   name="verifier",
   reward_types=("verifier",),
   data="preference",
+  dataset="PreferenceDataset",
   example_types=(example_types.PREFERENCE, example_types.LABELLED),
   evaluation="preference",
   # Labelled items become LABELLED_BATCHES instead; data.packing='shared_prompt' is refused for
