@@ -8,6 +8,7 @@ import tiny_run
 
 import jaxrm
 from jaxrm import tasks
+from jaxrm.data import example_types
 from jaxrm.models import families
 
 PACKAGE = "jaxrm"
@@ -333,6 +334,46 @@ def test_only_the_tasks_module_compares_task_names():
           if isinstance(v, ast.Constant) and v.value in spellings
         ]
   assert {"regression", "stepwise", "rated"} <= spellings and not found, found
+
+
+# The modules that say what each kind of row is: the records, their tokenizers, the kinds' own table
+# (how each is batched and packed) and the tasks. Everything else asks example_types.of_example.
+ROW_OWNERS = ("jaxrm.data.records", "jaxrm.data.tokenize", "jaxrm.data.example_types", "jaxrm.tasks")
+
+
+def _named(node) -> str | None:
+  return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+
+
+def _row_class_tests(path: str, classes: set[str]) -> list[tuple[int, str]]:
+  """(line, class) of every isinstance / issubclass / comparison of ``path`` that names one of ``classes``."""
+  with open(path) as f:
+    tree = ast.parse(f.read(), path)
+  found = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Call) and _named(node.func) in ("isinstance", "issubclass"):
+      operands = node.args[1:]
+    elif isinstance(node, ast.Compare):
+      operands = [node.left, *node.comparators]
+    else:
+      continue
+    flat = [e for o in operands for e in (o.elts if isinstance(o, (ast.Tuple, ast.Set, ast.List)) else [o])]
+    found += [(node.lineno, n) for n in map(_named, flat) if n in classes]
+  return found
+
+
+def test_only_the_row_owners_branch_on_a_kind_of_row():
+  """No module outside ROW_OWNERS tests a value against a particular record or example class
+  (isinstance, issubclass, ``type(x) is``): the pipeline, the packer, the run's data checks, the fit
+  check and evaluation ask the row's kind (jaxrm.data.example_types.of_example, Task.example_types)."""
+  classes = {c.__name__ for t in example_types.TYPES for c in (t.record, t.example)}
+  owned, found = [], []
+  for module, path in _modules().items():
+    hits = [f"{module} line {line}: {name}" for line, name in _row_class_tests(path, classes)]
+    owner = any(module == o or module.startswith(o + ".") for o in ROW_OWNERS)
+    (owned if owner else found).extend(hits)
+  assert len(classes) == 8 and any("jaxrm.data.tokenize" in h for h in owned)  # the scan sees them
+  assert not found, found
 
 
 # What interprets a model path: only jaxrm.loading says what a path names, and whether a folder
