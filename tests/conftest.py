@@ -29,6 +29,8 @@ SLOWEST_FIRST = (
   "test_first_use.py",
   "test_precision.py",
   "test_shared_scoring.py",
+  "test_pairwise_judge.py",
+  "test_pairwise_training.py",
   "test_packed_training.py",
   "test_serve.py",
   "test_sharding.py",

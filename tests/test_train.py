@@ -396,11 +396,11 @@ def test_metric_name_must_be_a_validation_metric(model_dir, tmp_path):
 
 
 def test_bad_reward_type_and_batch_sizes(model_dir, tmp_path):
-  c = tiny_run.config(model_dir, str(tmp_path / "run"), reward__type="pairwise")
+  c = tiny_run.config(model_dir, str(tmp_path / "run"), reward__type="pairs")
   with pytest.raises(
     UserError,
     match=r"reward.type must be one of bradley_terry, ranking, stepwise, regression, "
-    r"verifier; got 'pairwise'",
+    r"verifier, pairwise; got 'pairs'",
   ):
     tiny_run.train(c)
   c = tiny_run.config(model_dir, str(tmp_path / "run"), train__micro_batch_size=3)
