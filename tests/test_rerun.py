@@ -36,7 +36,7 @@ NOT_FREE = {
   *("reward.type", "reward.ranking_loss", "reward.center_rewards_coefficient"),
   *("reward.preference_strength_scaling", "reward.attributes", "reward.attribute_weights"),
   *("reward.attribute_range", "reward.combine", "reward.verifier_question", "reward.verifier_answers"),
-  "reward.verifier_loss",
+  *("reward.verifier_loss", "reward.judge_question", "reward.judge_answers"),
   *("data.dataset_name", "data.train_data_path", "data.val_data_paths", "data.max_length"),
   *("data.truncation", "data.step_separator", "data.train_on_last_step_only", "data.packing"),
   *("data.packed_row_length", "data.shuffle_seed", "data.max_train_rows", "data.max_val_rows"),
