@@ -202,7 +202,7 @@ class RewardSpec:
         f"reward.preference_strength_scaling applies to reward.type='bradley_terry', not {self.type!r}"
       )
     for key in ("judge_question", "judge_answers"):
-      if self.task is not tasks.PAIRWISE and getattr(self, key) != getattr(RewardSpec, key):
+      if self.task.scores != "comparisons" and getattr(self, key) != getattr(RewardSpec, key):
         raise ValueError(f"reward.{key} applies to reward.type='pairwise', not {self.type!r}")
     _ = self.verifier  # refuses a bad question or answers
     if self.task.per_attribute:
@@ -658,7 +658,7 @@ class RunConfig:
 
   @property
   def stepwise(self) -> bool:
-    return self.reward.task is tasks.PROCESS
+    return self.reward.task.scores == "steps"
 
   @property
   def tokenize_options(self) -> TokenizeOptions:
@@ -700,12 +700,18 @@ _SECTIONS = {
 }
 
 
+def _rates_attributes(reward_type: Any) -> bool:
+  """Whether ``reward_type`` trains one output per rated attribute; False for a type no task trains
+  (RewardSpec refuses it, naming the known ones)."""
+  return any(t.per_attribute for t in tasks.TASKS.values() if reward_type in t.reward_types)
+
+
 def _with_default_attributes(d: dict[str, Any]) -> dict[str, Any]:
   """``d`` with ``reward.attributes`` filled in from its dataset's, where it has none and may."""
   reward, data = d.get("reward"), d.get("data")
   if (
     not isinstance(reward, dict)
-    or reward.get("type", RewardSpec.type) not in tasks.REGRESSION.reward_types
+    or not _rates_attributes(reward.get("type", RewardSpec.type))
     or str(reward.get("attributes", "")).strip()
   ):
     return d

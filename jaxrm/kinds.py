@@ -24,8 +24,6 @@ from typing import Any
 from jaxrm import tasks
 from jaxrm.errors import UserError
 
-PREFERENCE, REGRESSION, PROCESS = tasks.PREFERENCE.name, tasks.REGRESSION.name, tasks.PROCESS.name
-VERIFIER, PAIRWISE = tasks.VERIFIER.name, tasks.PAIRWISE.name
 OTHER = "other"
 
 
@@ -56,9 +54,10 @@ def kind_of(rm: Any) -> str:
 def describe(config: Any, attributes: Sequence[str] | None = None, task: tasks.Task | None = None) -> str:
   """``a sequence head with 2 outputs (quality, polish)``: the head as messages name it; an LM
   head by the model's ``task`` (a verifier's, a pairwise judge's: the first words of what its
-  task's uses need)."""
+  task's uses need); an LM head of no known task by the first task of an LM head's."""
   if config.head == "lm":
-    what = tasks.VERIFIER.needs if task is None else task.needs
+    task = task or next(t for t in tasks.TASKS.values() if t.head == "lm")
+    what = task.needs
     return f"an LM head ({what.split(' (')[0]}: the log-odds of two answer tokens)"
   n = config.num_labels
   noun = ("label" if config.head == "token" else "output") + ("" if n == 1 else "s")

@@ -170,13 +170,19 @@ def recorded_asker(
   return asker_of((task or {}).get("verifier"), where)
 
 
+def _first_asker() -> tasks.Task:
+  """The task of an asker recorded without one (files written before judges): the verifier, the first
+  task with an asker."""
+  return next(t for t in tasks.TASKS.values() if t.asker is not None)
+
+
 def asker_of(saved: dict[str, Any] | None, where: str) -> Verifier | Judge | None:
   """The asker ``saved`` records (its ``to_json``): of the task it names under ``"task"``, a
   verifier's where it names none (files written before judges); None for None."""
   if saved is None:
     return None
   try:
-    task = tasks.named(saved.get("task", tasks.VERIFIER.name), where)
+    task = tasks.named(saved["task"], where) if "task" in saved else _first_asker()
     if task.asker is None:
       raise ValueError(f"a {task.name} model asks no question")
     return task.asker.from_json(saved)

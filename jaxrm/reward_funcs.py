@@ -56,7 +56,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from jaxrm import kinds, reward_health, step_rewards
+from jaxrm import kinds, reward_health, step_rewards, tasks
 from jaxrm.data.records import Text
 from jaxrm.models.config import ModelConfig
 from jaxrm.tasks import pairwise
@@ -101,14 +101,12 @@ def _check_scorer(rm: Scorer, combine: Combine, normalize: bool, step_aggregatio
   an error saying why ``rm`` and these options do not make a reward function."""
   kind = kinds.check_kind(
     rm,
-    kinds.PREFERENCE,
-    kinds.REGRESSION,
-    kinds.PROCESS,
+    *tasks.scoring("reward", "attributes", "steps"),
     use="a reward function",
     one_reward=True,
     combine=combine,
   )
-  if kind != kinds.PROCESS:
+  if tasks.scores_of(kind) != "steps":
     if step_aggregation is not None:
       head = kinds.describe(rm.config, getattr(rm, "attributes", None))
       raise ValueError(
@@ -356,12 +354,12 @@ def as_reward_funcs(
 def _check_attributes(rm: Scorer) -> tuple[str, ...]:
   """A regression model's attribute names, or an error saying which reward function fits ``rm``."""
   attributes = getattr(rm, "attributes", None)
-  if kinds.kind_of(rm) in (kinds.PREFERENCE, kinds.PROCESS):
+  if kinds.kind_of(rm) in tasks.scoring("reward", "steps"):
     raise kinds.ModelKindError(
       f"as_reward_funcs gives one reward function per attribute of a regression model; this "
       f"model has {kinds.describe(rm.config, attributes)}, one reward per row: use as_reward_func"
     )
-  kinds.check_kind(rm, kinds.REGRESSION, use="as_reward_funcs")
+  kinds.check_kind(rm, *tasks.scoring("attributes"), use="as_reward_funcs")
   return tuple(attributes)
 
 

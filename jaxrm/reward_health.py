@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxrm import kinds
+from jaxrm import tasks
 
 MEAN, STD, LENGTH_CORR = "reward_mean", "reward_std", "reward_length_corr"
 OUT_OF_RANGE, TRUNCATED = "reward_out_of_range", "truncated"
@@ -98,7 +98,7 @@ def validation_range(rm, *, normalize: bool = False) -> Range | None:
   if ``normalize``; None where the run recorded none, or for a regression model (whose served
   reward combines several outputs)."""
   stats = getattr(rm, "reward_stats", None) or {}
-  if "min" not in stats or "max" not in stats or getattr(rm, "kind", None) == kinds.REGRESSION:
+  if "min" not in stats or "max" not in stats or tasks.scores_of(getattr(rm, "kind", None)) == "attributes":
     return None
   low, high = float(stats["min"]), float(stats["max"])
   if normalize:

@@ -423,7 +423,7 @@ class RewardModel:
     (a token head, scored by its steps) or a pairwise judge (it compares two responses). Any
     sequence or verifier head gives one."""
     if self.config.per_token or self.judge is not None:
-      self.check_kind(kinds.PREFERENCE, kinds.REGRESSION, use=use)
+      self.check_kind(*tasks.scoring("reward", "attributes"), use=use)
 
   def reduce(
     self,
@@ -648,7 +648,7 @@ class RewardModel:
   ) -> list[list[float]]:
     """:meth:`score_steps` for many solutions, batched by length and shared (solutions of one
     problem share its tokens) like :meth:`score`."""
-    self.check_kind(kinds.PROCESS, use="score_steps")
+    self.check_kind(*tasks.scoring("steps"), use="score_steps")
     if (
       isinstance(prompts, str)
       or isinstance(steps_lists, str)
@@ -702,7 +702,7 @@ class RewardModel:
   # ---------------------------------------------------------------- comparisons (a pairwise judge)
 
   def _judge(self, use: str) -> Judge:
-    self.check_kind(kinds.PAIRWISE, use=use)
+    self.check_kind(*tasks.scoring("comparisons"), use=use)
     return self.judge
 
   def judge_text(self, prompt: Text, response_a: Text, response_b: Text) -> str:

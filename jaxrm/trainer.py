@@ -34,7 +34,6 @@ from jaxrm import (
   run_lock,
   sharding,
   steps,
-  tasks,
   update,
 )
 from jaxrm.config import RunConfig, check_run_settings
@@ -301,7 +300,7 @@ def _load_model(
   checkpoint's weights are never read."""
   request = model_request(config, lora_cfg)
   with _config_errors():
-    if config.reward.task is tasks.PAIRWISE:
+    if config.reward.task.scores == "comparisons":
       request["tokenizer"] = _judge_tokenizer(config, source, mesh, request)
     loaded = loading.load(source, mesh=mesh, seed=config.model.seed, weights=weights, **request)
   _with_chat_template(config, loaded.tokenizer)
@@ -781,7 +780,7 @@ def _final_summary(run: _Run, wall_seconds: float) -> str:
     start_step=run.start_step,
     final_shown=run.last_val_step is not None and run.last_val_step == run.shown_val_step,
     ends_by=run.ends_by,
-    judge=config.reward.task is tasks.PAIRWISE,
+    judge=config.reward.task.scores == "comparisons",
   )
 
 

@@ -39,7 +39,7 @@ from jaxrm.data.drops import row_error
 NAME = "judgebench"
 HUB_NAME = "ScalerLab/JudgeBench"
 DEFAULT_SPLIT = "gpt"
-MODEL_KIND = tasks.PAIRWISE.name
+(MODEL_KIND,) = tasks.scoring("comparisons")
 JUDGED = True
 MAX_LENGTH = None  # a judge reads both responses at once: the model's context
 LABELS = ("A>B", "B>A")

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrm import kinds
+from jaxrm import tasks
 from jaxrm.benchmarks import rows
 from jaxrm.benchmarks.scoring import Scorer
 from jaxrm.data.drops import DropReport, row_error
@@ -50,7 +50,7 @@ NAME = "processbench"
 HUB_NAME = "Qwen/ProcessBench"
 SPLITS = ("gsm8k", "math", "olympiadbench", "omnimath")
 DEFAULT_SPLIT = ",".join(SPLITS)
-MODEL_KIND = kinds.PROCESS
+(MODEL_KIND,) = tasks.scoring("steps")
 JUDGED = False  # no pairwise judge's path: it scores steps
 MAX_LENGTH = None  # the model's context: the official code cuts and drops nothing for its length
 DROP_TOO_LONG = "problem + steps longer than max_length (ProcessBench solutions are never cut)"

@@ -28,14 +28,14 @@ from typing import Any
 
 import numpy as np
 
-from jaxrm import kinds
+from jaxrm import tasks
 from jaxrm.benchmarks import length_bias, rows
 from jaxrm.benchmarks.scoring import Scorer, chat, judge_figures, judge_line
 
 NAME = "rewardbench"
 HUB_NAME = "allenai/reward-bench"
 DEFAULT_SPLIT = "filtered"
-MODEL_KIND = kinds.PREFERENCE
+(MODEL_KIND,) = tasks.scoring("reward")
 JUDGED = True  # a pairwise judge has a path of its own (see above)
 MAX_LENGTH = 2048  # the default of scripts/run_rm.py --max_length
 

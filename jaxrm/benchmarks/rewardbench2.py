@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrm import kinds
+from jaxrm import tasks
 from jaxrm.benchmarks import length_bias, rows
 from jaxrm.benchmarks.scoring import Scorer, chat
 from jaxrm.data.drops import row_error
@@ -40,7 +40,7 @@ from jaxrm.data.drops import row_error
 NAME = "rewardbench2"
 HUB_NAME = "allenai/reward-bench-2"
 DEFAULT_SPLIT = "test"
-MODEL_KIND = kinds.PREFERENCE
+(MODEL_KIND,) = tasks.scoring("reward")
 JUDGED = True  # a pairwise judge has a path of its own (see above)
 JUDGE_PATH = (
   "a pairwise judge's path: each completion's reward is its Bradley-Terry strength from a round "

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrm import kinds
+from jaxrm import tasks
 from jaxrm.benchmarks import length_bias, rows
 from jaxrm.benchmarks.scoring import Scorer, chat, judge_figures, judge_line
 from jaxrm.data.drops import row_error
@@ -35,7 +35,7 @@ from jaxrm.data.drops import row_error
 NAME = "rmbench"
 HUB_NAME = "THU-KEG/RM-Bench"
 DEFAULT_SPLIT = "train"
-MODEL_KIND = kinds.PREFERENCE
+(MODEL_KIND,) = tasks.scoring("reward")
 JUDGED = True  # a pairwise judge has a path of its own (see above)
 MAX_LENGTH = 2048  # the default of scripts/run_rm.py --max_length
 STYLES = ("concise", "detailed_plain", "detailed_markdown")

@@ -156,7 +156,7 @@ class Scorer:
 def model_scorer(
   rm,
   *,
-  needs: Sequence[str] = (kinds.PREFERENCE, kinds.PROCESS),
+  needs: Sequence[str] = tasks.scoring("reward", "steps"),
   use: str = "a benchmark",
   batch_size: int = 32,
   bucket: int = 64,
@@ -173,9 +173,9 @@ def model_scorer(
   """
   kind = kinds.check_kind(rm, *needs, use=use, error=EvaluationError)
   max_length = max_length or rm.config.max_position_embeddings
-  if kind == tasks.PAIRWISE.name:
+  if tasks.scores_of(kind) == "comparisons":
     return _judge_scorer(rm, batch_size, max_length)
-  if kind == kinds.PROCESS:
+  if tasks.scores_of(kind) == "steps":
     return Scorer(
       steps_fn=lambda problems, steps: _model_steps(rm, problems, steps, batch_size, bucket, max_length)
     )

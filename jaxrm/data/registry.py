@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from jaxrm import tasks
-from jaxrm.data import adapters, demo, formats, sources
+from jaxrm.data import adapters, demo, example_types, formats, sources
 from jaxrm.data.drops import DropReport
 from jaxrm.data.records import PreferenceRecord, RatedRecord, StepwiseRecord
 from jaxrm.errors import DataError
@@ -26,7 +26,7 @@ class _Spec:
   """How one dataset name is read."""
 
   parse: Callable  # (row, source, drops, *, subset_field, **options) -> record | None
-  task: tasks.Task  # the task its records train (their kind is the task's `data`)
+  rows: example_types.ExampleType  # the kind of its records (the task they train: `task`)
   default: str | None = None  # read when no path is given: a hub name or a URL ({split})
   config: str | None = None  # the hub configuration
   splits: Mapping[str, str] = dataclasses.field(default_factory=dict)  # ours -> the hub's
@@ -34,43 +34,54 @@ class _Spec:
   options: tuple[str, ...] = ()  # options passed to `parse`
   make: Callable[..., list[dict]] | None = None  # a demo set's row maker
   attribute_columns: bool = False  # rated rows hold each attribute in a column of its name
+  # the task its records train: the one whose own data they are (its `data` their kind)
+  task: tasks.Task = dataclasses.field(init=False)
+
+  def __post_init__(self):
+    object.__setattr__(self, "task", tasks.reading(self.rows))
 
 
 _RATED_OPTIONS = ("attributes", "value_range")
 
 _SPECS = {
-  "PreferenceDataset": _Spec(formats.parse_preference, tasks.PREFERENCE),
+  "PreferenceDataset": _Spec(formats.parse_preference, example_types.PREFERENCE),
   "HelpSteer3": _Spec(
     adapters.helpsteer3,
-    tasks.PREFERENCE,
+    example_types.PREFERENCE,
     default="nvidia/HelpSteer3",
     config="preference",
     subset_field="domain",
   ),
   "UltraFeedback": _Spec(
     adapters.ultrafeedback,
-    tasks.PREFERENCE,
+    example_types.PREFERENCE,
     default="HuggingFaceH4/ultrafeedback_binarized",
     splits={"train": "train_prefs", "validation": "test_prefs", "test": "test_prefs"},
   ),
   "PRM800K": _Spec(
-    adapters.prm800k, tasks.PROCESS, default=_PRM800K_URL, splits={"validation": "test"}, options=("neutral",)
+    adapters.prm800k,
+    example_types.STEPWISE,
+    default=_PRM800K_URL,
+    splits={"validation": "test"},
+    options=("neutral",),
   ),
   "MathShepherd": _Spec(
-    adapters.math_shepherd, tasks.PROCESS, default="peiyi9979/Math-Shepherd", subset_field="task"
+    adapters.math_shepherd, example_types.STEPWISE, default="peiyi9979/Math-Shepherd", subset_field="task"
   ),
-  "StepwiseDataset": _Spec(formats.parse_stepwise, tasks.PROCESS),
+  "StepwiseDataset": _Spec(formats.parse_stepwise, example_types.STEPWISE),
   "RatedDataset": _Spec(
-    formats.parse_rated, tasks.REGRESSION, options=_RATED_OPTIONS, attribute_columns=True
+    formats.parse_rated, example_types.RATED, options=_RATED_OPTIONS, attribute_columns=True
   ),
   "HelpSteer2": _Spec(
-    adapters.helpsteer2, tasks.REGRESSION, default="nvidia/HelpSteer2", options=("attributes",)
+    adapters.helpsteer2, example_types.RATED, default="nvidia/HelpSteer2", options=("attributes",)
   ),
-  "demo_arithmetic": _Spec(formats.parse_preference, tasks.PREFERENCE, make=demo.demo_arithmetic),
-  "demo_arithmetic_steps": _Spec(formats.parse_stepwise, tasks.PROCESS, make=demo.demo_arithmetic_steps),
+  "demo_arithmetic": _Spec(formats.parse_preference, example_types.PREFERENCE, make=demo.demo_arithmetic),
+  "demo_arithmetic_steps": _Spec(
+    formats.parse_stepwise, example_types.STEPWISE, make=demo.demo_arithmetic_steps
+  ),
   "demo_attributes": _Spec(
     formats.parse_rated,
-    tasks.REGRESSION,
+    example_types.RATED,
     make=demo.demo_attributes,
     options=_RATED_OPTIONS,
     attribute_columns=True,
@@ -115,7 +126,7 @@ def reads_paths_only(dataset_name: str) -> bool:
 
 def is_stepwise(dataset_name: str) -> bool:
   """Whether the dataset holds stepwise (process) labels rather than preferences."""
-  return _spec(dataset_name).task is tasks.PROCESS
+  return _spec(dataset_name).task.scores == "steps"
 
 
 def kind(dataset_name: str) -> str:

@@ -132,7 +132,7 @@ def evaluate(
   note = benchmarks.plain_evaluation_note(
     {str(s) for e in examples if (s := e.meta.get("subset")) is not None}
   )
-  if note is not None and kind.task is tasks.PREFERENCE:
+  if note is not None and kind.task.name in tasks.scoring("reward"):
     result["note"] = note
   return result
 
@@ -320,10 +320,10 @@ def run_benchmark(
   if isinstance(model, Scorer):
     scorer = model
   else:
-    judge = kinds.task_of(model) is tasks.PAIRWISE
+    judge = tasks.scores_of(kinds.kind_of(model)) == "comparisons"
     scorer = model_scorer(
       model,
-      needs=(tasks.PAIRWISE.name,) if judge and bench.JUDGED else (bench.MODEL_KIND,),
+      needs=tasks.scoring("comparisons") if judge and bench.JUDGED else (bench.MODEL_KIND,),
       use=name,
       batch_size=batch_size,
       # a judge's text holds both responses: the official length, for one, would cut most

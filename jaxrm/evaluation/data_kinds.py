@@ -287,7 +287,6 @@ def _regression_plot(result: dict[str, Any], ax) -> None:
 _SCORING = {
   "preference": dict(
     use="preference data",
-    prepare=_takes_no_combine(tasks.PREFERENCE.data),
     score=_preference_score,
     metrics=scores.preference_metrics,
     lines=_preference_lines,
@@ -296,7 +295,6 @@ _SCORING = {
   ),
   "stepwise": dict(
     use="stepwise data",
-    prepare=_takes_no_combine(tasks.PROCESS.data),
     score=_stepwise_score,
     metrics=scores.stepwise_metrics,
     lines=_stepwise_lines,
@@ -314,7 +312,6 @@ _SCORING = {
   ),
   "pairwise": dict(
     use="a pairwise judge's pairs",
-    prepare=_takes_no_combine(tasks.PAIRWISE.data),
     score=_judge_score,
     metrics=scores.judge_metrics,
     lines=_judge_lines,
@@ -323,7 +320,6 @@ _SCORING = {
   ),
   "labelled": dict(
     use="labelled items",
-    prepare=_takes_no_combine("labelled"),
     score=_labelled_score,
     metrics=scores.labelled_metrics,
     lines=_labelled_lines,
@@ -345,8 +341,11 @@ def _kinds() -> dict[str, Kind]:
       f"the tasks declare the evaluation kinds {sorted(owners)} and jaxrm.evaluation.data_kinds "
       f"scores {sorted(_SCORING)}: give each kind a task and a scoring"
     )
+  # a kind whose scoring prepares nothing refuses combine, naming its rows
   return {
-    name: Kind(task=owners[name][0], rows=owners[name][1], name=name, **how) for name, how in _SCORING.items()
+    name: Kind(task=task, rows=rows, name=name, **{"prepare": _takes_no_combine(rows.key), **how})
+    for name, how in _SCORING.items()
+    for task, rows in [owners[name]]
   }
 
 

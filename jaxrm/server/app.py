@@ -49,7 +49,7 @@ def score_fn(rm, normalize: bool, combine: str | None = None) -> ScoreFn:
   """``(ids [B, T], mask [B, T]) -> rewards [B]``: the model's one scoring call; a regression
   model's outputs [B, A] are combined by ``combine`` (see ``RewardModel.score``). A process
   model's: P(step correct) [B, T] at every token, read at the step labels by the endpoint."""
-  if rm.kind == kinds.PROCESS:
+  if tasks.scores_of(rm.kind) == "steps":
     return lambda ids, mask: correct_probability(rm.score_tokens(ids, mask))
   weights = None if combine is None else rm.combination(combine)
   return lambda ids, mask: rm.reduce(rm.score_tokens(ids, mask), combine=weights, normalize=normalize)
@@ -58,7 +58,7 @@ def score_fn(rm, normalize: bool, combine: str | None = None) -> ScoreFn:
 def packed_fn(rm, normalize: bool, combine: str | None = None) -> PackedFn:
   """``SharedRows -> rewards [N]``: :func:`score_fn` for rows packed with a shared prefix (a
   process model's: each row's P(step correct) [T_i] at every token)."""
-  if rm.kind == kinds.PROCESS:
+  if tasks.scores_of(rm.kind) == "steps":
     return lambda shared: [correct_probability(logits) for logits in rm.score_shared(shared)]
   weights = None if combine is None else rm.combination(combine)
   return lambda shared: rm.reduce(rm.score_shared(shared), combine=weights, normalize=normalize)
@@ -81,22 +81,19 @@ def batcher(rm, config: ServerConfig, metrics: Metrics) -> Batcher:
 def check_model(rm, config: ServerConfig) -> None:
   kind = kinds.check_kind(
     rm,
-    kinds.PREFERENCE,
-    kinds.REGRESSION,
-    kinds.PROCESS,
-    tasks.PAIRWISE.name,
+    *tasks.scoring("reward", "attributes", "steps", "comparisons"),
     use="the server",
     one_reward=True,
     combine=config.combine,
     combine_hint="--combine",
     error=ConfigError,
   )
-  if kind == tasks.PAIRWISE.name and (config.combine is not None or config.normalize):
+  if tasks.scores_of(kind) == "comparisons" and (config.combine is not None or config.normalize):
     raise ConfigError(
       f"--{'combine' if config.combine is not None else 'normalize'} applies to rewards scored one "
       "per response; a pairwise judge's rewards come from its comparisons (POST /compare)"
     )
-  if kind == kinds.PROCESS and (config.combine is not None or config.normalize):
+  if tasks.scores_of(kind) == "steps" and (config.combine is not None or config.normalize):
     raise ConfigError(
       f"--{'combine' if config.combine is not None else 'normalize'} applies to sequence rewards; "
       "a process reward model's rewards are step probabilities, made one per solution by "

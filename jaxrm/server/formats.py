@@ -104,7 +104,7 @@ def parse_get_reward(enc: Encoder, body: Body) -> Scoring:
 
 
 def parse_jaxrm_score(enc: Encoder, body: Body) -> Scoring:
-  if enc.rm.kind == kinds.PROCESS:
+  if tasks.scores_of(enc.rm.kind) == "steps":
     if "conversations" in body:
       raise RequestError(
         400,
@@ -127,7 +127,7 @@ def parse_vllm_classify(enc: Encoder, body: Body) -> Scoring:
   """ClassificationRequest -> ClassificationResponse: one ``probs`` entry per item, the served
   output's (``num_classes`` 1); a verifier's: its two answers' probabilities (``num_classes`` 2),
   labelled by the likelier answer."""
-  if enc.rm.kind == kinds.VERIFIER:
+  if enc.rm.verifier is not None:  # a verifier's asker (a judge's never gets here: _one_reward)
     return _verifier_classify(enc, body)
   rows, act, label, model = _vllm_rows(enc, body), _activation(enc, body), _label(enc), _model(body)
 
@@ -332,7 +332,7 @@ def _activation(enc: Encoder, body: Body) -> Callable[[float], float]:
       raise RequestError(400, f"'{name}' is {kind(value)}; expected true, false or null")
   if len(set(given.values())) > 1:
     raise RequestError(400, "'use_activation' and 'activation' disagree; send one")
-  on = next(iter(given.values()), enc.rm.kind != kinds.REGRESSION)
+  on = next(iter(given.values()), tasks.scores_of(enc.rm.kind) != "attributes")
   return _sigmoid if on else float
 
 
@@ -454,10 +454,12 @@ def parse_slime_reward(enc: Encoder, body: Body) -> Scoring:
     raise RequestError(400, f"'prompt' is {kind(prompt)}; expected a text or a list of messages")
   if not isinstance(response, str):
     raise RequestError(400, f"'response' is {kind(response)}; expected a string")
-  if isinstance(prompt, list) and enc.rm.kind != kinds.PROCESS:
+  if isinstance(prompt, list) and tasks.scores_of(enc.rm.kind) != "steps":
     response = [{"role": "assistant", "content": response}]
   pair = {"prompts": [prompt], "completions": [response]}
-  scoring = parse_score_steps(enc, pair) if enc.rm.kind == kinds.PROCESS else parse_jaxrm_score(enc, pair)
+  scoring = (
+    parse_score_steps(enc, pair) if tasks.scores_of(enc.rm.kind) == "steps" else parse_jaxrm_score(enc, pair)
+  )
   return Scoring(scoring.rows, lambda outputs, meta: scoring.write(outputs, meta)["rewards"][0])
 
 
@@ -467,7 +469,7 @@ def parse_slime_reward(enc: Encoder, body: Body) -> Scoring:
 def parse_score_steps(enc: Encoder, body: Body) -> Scoring:
   """Each solution's step probabilities (class 1 at its step labels, as ``RewardModel.score_steps``)
   and their aggregate."""
-  if enc.rm.kind != kinds.PROCESS:
+  if tasks.scores_of(enc.rm.kind) != "steps":
     raise RequestError(
       400,
       "/score_steps scores the steps of solutions with a process reward model (a token "
@@ -496,7 +498,7 @@ def _sequences_only(
   """``parse``, refusing a process reward model (its rewards are per step)."""
 
   def checked(enc: Encoder, body: Body) -> Scoring:
-    if enc.rm.kind == kinds.PROCESS:
+    if tasks.scores_of(enc.rm.kind) == "steps":
       raise RequestError(
         400,
         f"{path} scores whole sequences, and this server's model is a process reward "
@@ -565,13 +567,13 @@ def _pair_name(i: int, j: int, n: int) -> str:
 
 
 def _judge(enc: Encoder) -> pairwise.Judge:
-  if enc.rm.kind != tasks.PAIRWISE.name:
+  if tasks.scores_of(enc.rm.kind) != "comparisons":
     raise RequestError(
       400,
       "/compare ranks responses with a pairwise judge; this server's model has "
       f"{kinds.describe(enc.rm.config, enc.rm.attributes)} ({enc.rm.kind}), which scores each "
       "response alone: POST /score with 'prompts' and 'completions'"
-      + (" (or /score_steps)" if enc.rm.kind == kinds.PROCESS else ""),
+      + (" (or /score_steps)" if tasks.scores_of(enc.rm.kind) == "steps" else ""),
     )
   return enc.rm.verifier
 
@@ -660,7 +662,7 @@ def _one_reward(path: str, parse: Callable[[Encoder, Body], Scoring]) -> Callabl
   """``parse``, refusing a pairwise judge: it gives no reward per response alone."""
 
   def checked(enc: Encoder, body: Body) -> Scoring:
-    if enc.rm.kind == tasks.PAIRWISE.name:
+    if tasks.scores_of(enc.rm.kind) == "comparisons":
       raise RequestError(
         400,
         f"{path} gives one reward per item, and this server's model is a pairwise judge, which "

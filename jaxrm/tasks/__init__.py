@@ -27,7 +27,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxrm import losses
-from jaxrm.tasks.base import Task
+from jaxrm.data.example_types import ExampleType
+from jaxrm.tasks.base import SCORES, Task
 from jaxrm.tasks.pairwise import PAIRWISE
 from jaxrm.tasks.preference import PREFERENCE
 from jaxrm.tasks.process import PROCESS
@@ -49,6 +50,9 @@ __all__ = [
   "of_head",
   "of_model",
   "of_reward_type",
+  "reading",
+  "scores_of",
+  "scoring",
 ]
 
 TASKS = {t.name: t for t in (PREFERENCE, PROCESS, REGRESSION, VERIFIER, PAIRWISE)}
@@ -61,6 +65,28 @@ def of_reward_type(reward_type: str) -> Task:
     if reward_type in task.reward_types:
       return task
   raise ValueError(f"reward.type must be one of {', '.join(REWARD_TYPES)}; got {reward_type!r}")
+
+
+def scoring(*what: str) -> tuple[str, ...]:
+  """The names of the tasks whose models score ``what`` (values of :attr:`Task.scores`), in the order
+  of ``what``: the kinds a use that takes those scores asks :func:`jaxrm.kinds.check_kind` for. A
+  task that serves another's uses (a verifier) is left out: it fits through the task it serves."""
+  unknown = [w for w in what if w not in SCORES]
+  if unknown:
+    raise ValueError(f"a task scores one of {', '.join(SCORES)}; got {', '.join(map(repr, unknown))}")
+  return tuple(t.name for w in what for t in TASKS.values() if t.scores == w and not t.serves)
+
+
+def scores_of(kind: str | None) -> str | None:
+  """What a model of ``kind`` (a task's name) scores (its :attr:`Task.scores`); None for a kind that
+  is no task's (``other``, None)."""
+  task = TASKS.get(kind) if isinstance(kind, str) else None
+  return None if task is None else task.scores
+
+
+def reading(rows: ExampleType) -> Task:
+  """The task a dataset of ``rows`` trains: the first whose own data they are."""
+  return next(t for t in TASKS.values() if t.example_types[0] is rows)
 
 
 def named(name: str, where: str = "the model's files") -> Task:

@@ -31,6 +31,10 @@ class Task:
   # "sequence" (one output vector per row) | "token" (one per token) | "lm" (a verifier's: one
   # log-odds per row, from the LM head)
   head: str
+  # What scoring a model of it returns (one of SCORES): "reward" (one per row), "steps" (a
+  # probability per step), "attributes" (one prediction per rated attribute), "comparisons" (which
+  # of two responses is better; a group's rewards come from them).
+  scores: str
   num_labels: int | None  # the head's outputs; None: one per rated attribute (reward.attributes)
   # RewardSpec.loss_key -> fn(spec, outputs, batch) -> (loss, metrics)
   losses: Mapping[tuple[str, str | None], losses.SpecLoss]
@@ -78,6 +82,9 @@ class Task:
     """The key in :attr:`losses` of a reward spec: ``choice`` (the value of its
     :attr:`loss_choice` key) counts where it names one."""
     return (reward_type, choice) if (reward_type, choice) in self.losses else (reward_type, None)
+
+
+SCORES = ("reward", "steps", "attributes", "comparisons")
 
 
 def ones(n: int) -> np.ndarray:

@@ -345,6 +345,7 @@ PAIRWISE = Task(
   batches=PREFERENCE.batches,
   packing_refused="",
   head="lm",
+  scores="comparisons",
   num_labels=1,
   losses={(NAME, None): _loss},
   samples=None,

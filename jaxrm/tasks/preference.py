@@ -30,6 +30,7 @@ PREFERENCE = Task(
   batches={"none": PreferenceBatch, "packed": PackedPreferenceBatch, "shared_prompt": PackedPreferenceBatch},
   packing_refused="",
   head="sequence",
+  scores="reward",
   num_labels=1,
   losses={
     ("bradley_terry", None): losses.bradley_terry,

@@ -28,6 +28,7 @@ PROCESS = Task(
   packing_refused="data.packing={packing!r} writes a preference group's prompt once; stepwise "
   "sequences have no group to share it: use data.packing='packed'",
   head="token",
+  scores="steps",
   num_labels=2,  # step in error, step correct
   losses={("stepwise", None): losses.stepwise},
   samples=None,

@@ -28,6 +28,7 @@ REGRESSION = Task(
   packing_refused="data.packing={packing!r} writes a preference group's prompt once; rated responses "
   "are one sequence each, with no group to share it: use data.packing='packed'",
   head="sequence",
+  scores="attributes",
   num_labels=None,
   losses={("regression", None): losses.regression},
   samples=losses.regression_pair_samples,

@@ -46,6 +46,7 @@ VERIFIER = Task(
   batches=PREFERENCE.batches,
   packing_refused="",
   head="lm",
+  scores="reward",
   num_labels=1,
   losses={
     ("verifier", None): _or_labelled(losses.bradley_terry),
