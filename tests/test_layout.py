@@ -336,6 +336,75 @@ def test_only_the_tasks_module_compares_task_names():
   assert {"regression", "stepwise", "rated"} <= spellings and not found, found
 
 
+# The modules a particular task's object is read from: the tasks package, and jaxrm.kinds (which
+# once kept a name per task).
+TASK_HOMES = ("jaxrm.tasks", "jaxrm.kinds")
+
+
+def _task_names() -> set[str]:
+  """The names the tasks package binds to a task object (PAIRWISE, VERIFIER...)."""
+  homes = [m for name, m in sys.modules.items() if name == "jaxrm.tasks" or name.startswith("jaxrm.tasks.")]
+  return {n for m in homes for n, v in vars(m).items() if any(v is t for t in tasks.TASKS.values())}
+
+
+def _task_references(source: str, names: set[str]) -> list[str]:
+  """Where ``source`` reads a task object by its name (``names``) from TASK_HOMES: ``tasks.PAIRWISE``,
+  ``kinds.PROCESS``, ``pairwise.PAIRWISE``, ``jaxrm.tasks.VERIFIER`` or ``from jaxrm.tasks import
+  PREFERENCE``."""
+  tree = ast.parse(source)
+  homes = {}  # a name bound in the module -> the module it stands for
+  found = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      for a in node.names:
+        homes[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      for a in node.names:
+        homes[a.asname or a.name] = f"{node.module}.{a.name}"
+        home = node.module.startswith(TASK_HOMES[0]) or node.module == TASK_HOMES[1]
+        if home and a.name in names:
+          found.append(f"line {node.lineno}: from {node.module} import {a.name}")
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Attribute) and node.attr in names:
+      first, *rest = ast.unparse(node.value).split(".")
+      module = ".".join([homes.get(first, first), *rest])
+      if module == TASK_HOMES[1] or module == TASK_HOMES[0] or module.startswith(TASK_HOMES[0] + "."):
+        found.append(f"line {node.lineno}: {ast.unparse(node)}")
+  return found
+
+
+def test_no_module_outside_the_tasks_package_names_a_task():
+  """A task is asked, never named: outside jaxrm.tasks no module reads a particular task's object
+  (``tasks.PROCESS``, ``kinds.PREFERENCE``, ``from jaxrm.tasks.pairwise import PAIRWISE``); it asks
+  what a task declares (Task.scores through tasks.scoring and tasks.scores_of, its head, its asker)."""
+  names = _task_names()
+  found = []
+  for module, path in _modules().items():
+    if module == "jaxrm.tasks" or module.startswith("jaxrm.tasks."):
+      continue
+    with open(path) as f:
+      found += [f"{module} {hit}" for hit in _task_references(f.read(), names)]
+  assert {"PAIRWISE", "PREFERENCE", "PROCESS", "REGRESSION", "VERIFIER"} <= names  # the scan knows them
+  assert not found, found
+
+
+def test_the_task_reference_finder_finds_them():
+  source = (
+    "import jaxrm.tasks as t\nfrom jaxrm import kinds, tasks\nfrom jaxrm.tasks import pairwise, PROCESS\n"
+    "import jaxrm\nfrom jaxrm.data import example_types\n"
+    "t.VERIFIER; kinds.PREFERENCE; tasks.PAIRWISE.name; pairwise.PAIRWISE; jaxrm.tasks.REGRESSION\n"
+    "example_types.PREFERENCE; tasks.TASKS; other.PROCESS\n"
+  )
+  assert sorted(_task_references(source, _task_names())) == [
+    "line 3: from jaxrm.tasks import PROCESS",
+    "line 6: jaxrm.tasks.REGRESSION",
+    "line 6: kinds.PREFERENCE",
+    "line 6: pairwise.PAIRWISE",
+    "line 6: t.VERIFIER",
+    "line 6: tasks.PAIRWISE",
+  ]
+
+
 # The modules that say what each kind of row is: the records, their tokenizers, the kinds' own table
 # (how each is batched and packed) and the tasks. Everything else asks example_types.of_example.
 ROW_OWNERS = ("jaxrm.data.records", "jaxrm.data.tokenize", "jaxrm.data.example_types", "jaxrm.tasks")
