@@ -73,6 +73,28 @@ def test_a_recorded_task_is_read_and_checked_against_the_head():
     tasks.of_model(_head("sequence", 1), None, "judge")
 
 
+def test_a_use_asks_for_the_tasks_whose_models_score_what_it_takes():
+  """tasks.scoring lists, in the order asked, the tasks giving each kind of score (a verifier fits
+  through the preference model it serves); tasks.scores_of says what a model of a kind gives."""
+  assert tasks.scoring("reward", "attributes", "steps", "comparisons") == (
+    "preference",
+    "regression",
+    "process",
+    "pairwise",
+  )
+  assert tasks.scoring("steps", "reward") == ("process", "preference")
+  assert [tasks.scores_of(name) for name in tasks.TASKS] == [
+    "reward",
+    "steps",
+    "attributes",
+    "reward",
+    "comparisons",
+  ]
+  assert tasks.scores_of(kinds.OTHER) is None and tasks.scores_of(None) is None
+  with pytest.raises(ValueError, match="one of reward, steps, attributes, comparisons; got 'rewards'"):
+    tasks.scoring("rewards")
+
+
 def test_every_task_has_datasets_an_evaluation_and_unpacked_batches():
   # A verifier and a pairwise judge train on a preference model's datasets: the first task of a
   # data kind owns its datasets.
