@@ -218,7 +218,7 @@ def run_summary(
   start_step: int = 0,
   final_shown: bool = False,
   ends_by: str = "train.max_steps",
-  judge: bool = False,
+  uses: Sequence[str] = (),
 ) -> str:
   """What a run did and how to use it.
 
@@ -242,7 +242,8 @@ def run_summary(
     final_shown: the run printed the final validation's table already; the summary points at it
       instead of printing it again.
     ends_by: the key that set the run's length (as :func:`run_start` takes it).
-    judge: the run trained a pairwise judge (the Python lines compare responses).
+    uses: the Python lines its task adds to the loading line (:attr:`jaxrm.tasks.Task.uses`: a
+      pairwise judge's compare responses).
   """
   rate = f", {_count(train_tokens / train_seconds)} tokens/s in train steps" if train_seconds > 0 else ""
   ended = "run finished" if finished else "run stopped early (run again to continue)"
@@ -272,18 +273,11 @@ def run_summary(
         files_only=files_only,
         truncation=truncation,
         lora=lora,
-        judge=judge,
+        uses=uses,
       )
     ),
   ]
   return "\n".join(lines)
-
-
-# How a pairwise judge is used once loaded (jaxrm.tasks.pairwise): each pair judged in both orders.
-JUDGE_USE = (
-  "rm.compare([prompt], [response_a], [response_b])  # log-odds that A is the better response",
-  "rm.score_group(prompt, [response, ...])  # a reward per response, from their comparisons",
-)
 
 
 def usage_commands(
@@ -294,10 +288,11 @@ def usage_commands(
   files_only: bool = False,
   truncation: str = "drop",
   lora: bool = False,
-  judge: bool = False,
+  uses: Sequence[str] = (),
 ) -> list[str]:
-  """Python and shell lines that load, evaluate and export the run in ``output_dir``; for a
-  pairwise ``judge``, the Python lines that compare responses with it too.
+  """Python and shell lines that load, evaluate and export the run in ``output_dir``, with the
+  Python lines that ``uses`` it after loading (its task's, :attr:`jaxrm.tasks.Task.uses`: a pairwise
+  judge's compare responses).
 
   The evaluation takes the run's own ``data.max_length`` (its default for a model jaxrm trained).
   Without ``val_path``, a dataset that reads only given paths (``files_only``) is evaluated on
@@ -316,7 +311,7 @@ def usage_commands(
   exported = shlex.quote(output_dir.rstrip("/") + "-hf")
   lines = [
     f"from jaxrm import RewardModel; rm = RewardModel.from_pretrained({output_dir!r})  # the best checkpoint",
-    *(JUDGE_USE if judge else ()),
+    *uses,
     " ".join(evaluate),
     f"python -m jaxrm.export --model={run} --out={exported}",
   ]

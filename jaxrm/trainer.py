@@ -780,7 +780,7 @@ def _final_summary(run: _Run, wall_seconds: float) -> str:
     start_step=run.start_step,
     final_shown=run.last_val_step is not None and run.last_val_step == run.shown_val_step,
     ends_by=run.ends_by,
-    judge=config.reward.task.scores == "comparisons",
+    uses=config.reward.task.uses,
   )
 
 

@@ -16,7 +16,7 @@ import scipy.optimize
 import tiny_run
 from helpers import REBATCHED
 
-from jaxrm import RewardModel, report, tasks
+from jaxrm import RewardModel, tasks
 from jaxrm.config import RewardSpec, validation_metrics
 from jaxrm.data import formats, packing, pipeline, registry
 from jaxrm.data.drops import DropReport
@@ -276,7 +276,7 @@ def test_a_judge_learns_a_rule_in_both_orders(rule_run):
   for name in ("accuracy_first", "accuracy_second", "consistency", "position_bias"):
     assert re.search(rf"^  {name} +\d\.\d{{4}}$", console, re.M), name
   assert f"best checkpoint: step 40, validation-heldout_consistency = {trained['consistency']:.4f}" in console
-  assert all(f"\n  {line}\n" in console for line in report.JUDGE_USE)  # how to use it, under "use it:"
+  assert all(f"\n  {line}\n" in console for line in pairwise.USES)  # how to use it, under "use it:"
   rm = RewardModel.from_pretrained(run)
   assert rm.kind == "pairwise" and rm.judge == pairwise.Judge(question="A or B?")
   pairs = _judgments(8, seed=2)

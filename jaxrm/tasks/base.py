@@ -58,6 +58,9 @@ class Task:
   # class with of_spec(reward spec), from_json(record), to_json(), token_ids(tokenizer) and
   # tokenize_options(options); None: the task's head is not the LM head.
   asker: type | None = None
+  # The Python lines that use a loaded model of it besides what scores one reward per row (a
+  # judge's comparisons): a run's end-of-run "use it" lines hold them (jaxrm.report.usage_commands).
+  uses: tuple[str, ...] = ()
 
   @property
   def labelled(self) -> bool:

@@ -333,6 +333,13 @@ def _example(spec) -> tuple[np.ndarray, PreferenceBatch]:
   return np.zeros((1, 2), np.float32), batch
 
 
+# How a judge is used once loaded: each pair judged in both orders.
+USES = (
+  "rm.compare([prompt], [response_a], [response_b])  # log-odds that A is the better response",
+  "rm.score_group(prompt, [response, ...])  # a reward per response, from their comparisons",
+)
+
+
 PAIRWISE = Task(
   name=NAME,
   reward_types=(NAME,),
@@ -356,6 +363,7 @@ PAIRWISE = Task(
   use_instead="a pairwise judge compares responses: rm.compare or rm.score_group, POST /compare, or "
   "jaxrm.evaluate on preference pairs",
   asker=Judge,
+  uses=USES,
 )
 
 
