@@ -469,7 +469,7 @@ def _verifier_overrides(
   verifier: Verifier | Judge, tokenizer, num_labels: int | None, name: str
 ) -> dict[str, Any]:
   """Config changes that make a causal LM a verifier (or a judge) of ``verifier``'s answers."""
-  what = "a judge" if isinstance(verifier, Judge) else "a verifier"
+  what = verifier.NOUN
   if tokenizer is None:
     raise CheckpointError(
       f"{name} has no tokenizer: {what} needs one to find its answers' tokens and to lay out "

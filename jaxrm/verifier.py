@@ -19,7 +19,7 @@ import dataclasses
 import json
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from jaxrm.errors import CheckpointError, ConfigError
 
@@ -32,6 +32,7 @@ FILE = "jaxrm_verifier.json"  # beside an export's config.json: its question and
 class Verifier:
   """What a verifier asks (``question``) and the two answers it weighs (``answers``: yes, no)."""
 
+  NOUN: ClassVar[str] = "a verifier"  # what messages call a model that asks it
   question: str = DEFAULT_QUESTION
   answers: tuple[str, str] = DEFAULT_ANSWERS
 

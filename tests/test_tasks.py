@@ -6,9 +6,10 @@ import pytest
 import start_checks
 import tiny_run
 
-from jaxrm import kinds, tasks
+from jaxrm import RewardModel, kinds, tasks
 from jaxrm.config import validation_metrics
 from jaxrm.data import example_types, registry
+from jaxrm.errors import ConfigError
 from jaxrm.evaluation import data_kinds
 
 
@@ -177,3 +178,9 @@ def test_a_misspelled_checkpoint_metric_is_refused_before_the_model_loads(model_
   assert start_checks.refusal(c, monkeypatch).endswith(
     "validation-train_sample_tie_rate (did you mean 'validation-train_sample_loss'?)"
   )
+
+
+@pytest.mark.parametrize("asker, noun", [("verifier", "a verifier"), ("judge", "a judge")])
+def test_an_lm_head_task_is_named_by_its_asker_in_load_messages(model_dir, asker, noun):
+  with pytest.raises(ConfigError, match=f"^num_labels=2: {noun} gives one score per row"):
+    RewardModel.from_pretrained(model_dir, **{asker: True}, num_labels=2, load_weights=False)

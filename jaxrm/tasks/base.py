@@ -55,8 +55,9 @@ class Task:
   # reward per row serves wherever a preference model's does.
   serves: tuple[str, ...] = ()
   # The LM-head asker of a model of this task (a verifier's question and answers, a judge's): a
-  # class with of_spec(reward spec), from_json(record), to_json(), token_ids(tokenizer) and
-  # tokenize_options(options); None: the task's head is not the LM head.
+  # class with of_spec(reward spec), from_json(record), to_json(), token_ids(tokenizer),
+  # tokenize_options(options) and NOUN (what messages call its model: "a judge"); None: the task's
+  # head is not the LM head.
   asker: type | None = None
   # The Python lines that use a loaded model of it besides what scores one reward per row (a
   # judge's comparisons): a run's end-of-run "use it" lines hold them (jaxrm.report.usage_commands).

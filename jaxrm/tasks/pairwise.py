@@ -30,7 +30,7 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +71,7 @@ class Judge:
   better, B is better) and the layout of its one user turn (``template``, with the fields
   ``{conversation}``, ``{response_a}``, ``{response_b}`` and ``{question}``)."""
 
+  NOUN: ClassVar[str] = "a judge"  # what messages call a model that asks it
   question: str = DEFAULT_QUESTION
   answers: tuple[str, str] = DEFAULT_ANSWERS
   template: str = TEMPLATE
