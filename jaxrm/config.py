@@ -340,7 +340,7 @@ class DataSpec:
   """``data``: what is trained and validated on, and how it is tokenized and batched.
 
   Own data needs only ``train_data_path``: a demo ``dataset_name`` then reads it in the file format
-  of its kind (``PreferenceDataset`` for ``demo_arithmetic``), and the demo's validation split
+  of its rows (``PreferenceDataset`` for ``demo_arithmetic``), and the demo's validation split
   (``val_data_paths={"default": "validation"}``) is left out, as is any set whose path is empty or
   a split name, which a file format has none of. ``val_data_paths`` maps set names to paths; on the
   command line ``--config.data.val_data_paths.<name>=<path>`` sets or adds one.
@@ -424,7 +424,7 @@ class DataSpec:
 
 
 def _own_data(spec: DataSpec) -> None:
-  """Reads ``train_data_path`` in its kind's file format where ``dataset_name`` is a demo set (which
+  """Reads ``train_data_path`` in its rows' file format where ``dataset_name`` is a demo set (which
   makes its own rows), and keeps only the validation sets a file format can read."""
   if not isinstance(spec.dataset_name, str):
     raise ConfigError(
@@ -433,7 +433,7 @@ def _own_data(spec: DataSpec) -> None:
   known = spec.dataset_name in registry.DATASET_NAMES  # an unknown name is refused with the data's checks
   path = spec.train_data_path
   if known and path and path not in demo.SPLITS and registry.is_demo(spec.dataset_name):
-    own = registry.FILE_FORMATS[registry.kind(spec.dataset_name)]
+    own = registry.FILE_FORMATS[registry.rows_of(spec.dataset_name)]
     log.info(
       "data.train_data_path=%r is read as %s rows (data.dataset_name=%r makes its own rows)",
       path,

@@ -24,7 +24,7 @@ from jaxrm import export_files, kinds, loading, reward_funcs, shared_prefix, ste
 from jaxrm.batches import IGNORE_INDEX
 from jaxrm.config import combination_weights
 from jaxrm.data.drops import DropReport
-from jaxrm.data.formats import kind, parse_text
+from jaxrm.data.formats import json_type, parse_text
 from jaxrm.data.pipeline import bucket_length, length_buckets, right_padded, scoring_rows
 from jaxrm.data.records import PreferenceRecord, StepwiseRecord, Text
 from jaxrm.data.tokenize import (
@@ -86,7 +86,7 @@ def _texts(values: Any, name: str, call: str) -> list[Text]:
       "messages"
     )
   if not isinstance(values, (list, tuple)):
-    raise DataError(f"{call}: {name} is {kind(values)}; expected a list of texts or conversations")
+    raise DataError(f"{call}: {name} is {json_type(values)}; expected a list of texts or conversations")
   return [parse_text(v, call, f"{name}[{i}]") for i, v in enumerate(values)]
 
 
@@ -656,7 +656,7 @@ class RewardModel:
     ):
       raise DataError(
         "score_steps_batch takes a list of prompts and a list of step lists (one per prompt); "
-        f"got {kind(prompts)} and {kind(steps_lists)}: for one solution use score_steps(prompt, steps)"
+        f"got {json_type(prompts)} and {json_type(steps_lists)}: for one solution use score_steps(prompt, steps)"
       )
     steps_lists = [_steps(s, f"steps_lists[{i}]", self.step_separator) for i, s in enumerate(steps_lists)]
     if len(prompts) != len(steps_lists):
@@ -814,7 +814,7 @@ class RewardModel:
     prompts = _texts(prompts, "prompts", "score_groups")
     if isinstance(groups, str) or not isinstance(groups, (list, tuple)):
       raise DataError(
-        f"score_groups: groups is {kind(groups)}; expected a list of groups (lists of responses)"
+        f"score_groups: groups is {json_type(groups)}; expected a list of groups (lists of responses)"
       )
     groups = [_texts(g, f"groups[{i}]", "score_groups") for i, g in enumerate(groups)]
     if references is not None:

@@ -20,7 +20,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from jaxrm.data.formats import kind
+from jaxrm.data.formats import json_type
 
 AGGREGATIONS = ("min", "last", "product", "mean")
 DEFAULT_AGGREGATION = "min"
@@ -57,10 +57,10 @@ def check_steps(steps: Any, field: str, one_string: str) -> list[str]:
   if isinstance(steps, str):
     raise ValueError(f"{field} is one string; pass a list of steps ({one_string})")
   if not isinstance(steps, (list, tuple)):
-    raise ValueError(f"{field} is {kind(steps)}; expected a list of step texts (strings)")
+    raise ValueError(f"{field} is {json_type(steps)}; expected a list of step texts (strings)")
   for x in steps:
     if not isinstance(x, str):
-      raise ValueError(f"{field} holds {kind(x)}; expected a list of step texts (strings)")
+      raise ValueError(f"{field} holds {json_type(x)}; expected a list of step texts (strings)")
   return list(steps)
 
 

@@ -364,7 +364,7 @@ def test_names_and_kinds():
     "StepwiseDataset",
     "demo_arithmetic_steps",
   ]
-  assert [n for n in registry.DATASET_NAMES if registry.kind(n) == "rated"] == [
+  assert [n for n in registry.DATASET_NAMES if registry.rows_of(n) == "rated"] == [
     "RatedDataset",
     "HelpSteer2",
     "demo_attributes",

@@ -315,7 +315,7 @@ def test_only_the_families_package_names_a_family():
 
 def test_only_the_tasks_module_compares_task_names():
   """A task is one object in jaxrm.tasks: no module elsewhere compares a value against a task's name,
-  its data kind or its evaluation kind; it asks the task (config.reward.task, registry.task,
+  the rows it reads or its evaluation reading; it asks the task (config.reward.task, registry.task,
   tasks.of_head)."""
   spellings = {s for t in tasks.TASKS.values() for s in (t.name, t.data, t.evaluation)}
   found = []

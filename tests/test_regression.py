@@ -392,7 +392,7 @@ def test_helpsteer2_bad_rows(changes, message):
 
 
 def test_registry_knows_the_rated_datasets():
-  assert [registry.kind(n) for n in ("HelpSteer2", "RatedDataset", "demo_attributes", "HelpSteer3")] == [
+  assert [registry.rows_of(n) for n in ("HelpSteer2", "RatedDataset", "demo_attributes", "HelpSteer3")] == [
     "rated",
     "rated",
     "rated",

@@ -10,7 +10,7 @@ from jaxrm import RewardModel, kinds, tasks
 from jaxrm.config import validation_metrics
 from jaxrm.data import example_types, registry
 from jaxrm.errors import ConfigError
-from jaxrm.evaluation import data_kinds
+from jaxrm.evaluation import readings
 
 
 def _head(head: str, num_labels: int):
@@ -98,31 +98,31 @@ def test_a_use_asks_for_the_tasks_whose_models_score_what_it_takes():
 
 def test_every_task_has_datasets_an_evaluation_and_unpacked_batches():
   # A verifier and a pairwise judge train on a preference model's datasets: the first task of a
-  # data kind owns its datasets.
+  # given sort of rows owns its datasets.
   owners = {}
   for t in tasks.TASKS.values():
     owners.setdefault(t.data, t.name)
   assert {registry.task(n).name for n in registry.DATASET_NAMES} == set(owners.values())
-  assert {registry.kind(n) for n in registry.DATASET_NAMES} == {t.data for t in tasks.TASKS.values()}
-  # A verifier's labelled items are the one kind of evaluation data besides the tasks' own.
-  assert set(data_kinds.KINDS) == {t.evaluation for t in tasks.TASKS.values()} | {"labelled"}
-  assert all(data_kinds.KINDS[t.evaluation].task.name in (t.name, *t.serves) for t in tasks.TASKS.values())
+  assert {registry.rows_of(n) for n in registry.DATASET_NAMES} == {t.data for t in tasks.TASKS.values()}
+  # A verifier's labelled items are the one reading of evaluation data besides the tasks' own.
+  assert set(readings.READINGS) == {t.evaluation for t in tasks.TASKS.values()} | {"labelled"}
+  assert all(readings.READINGS[t.evaluation].task.name in (t.name, *t.serves) for t in tasks.TASKS.values())
   assert all("none" in t.batches for t in tasks.TASKS.values())
 
 
 def test_each_task_names_its_dataset_rows_and_evaluation_kinds_and_the_tables_follow():
   """The dataset table's file formats and the evaluation table are built from what the tasks
-  declare: a task without a dataset of its data kind, or an evaluation kind nothing scores, fails."""
+  declare: a task without a dataset of its rows, or an evaluation reading nothing scores, fails."""
   for t in tasks.TASKS.values():
     assert registry.task(t.dataset).data == t.data and registry.reads_paths_only(t.dataset), t.name
     assert registry.FILE_FORMATS[t.data] == t.dataset
     assert t.evaluations[t.evaluation] is t.example_types[0]
     for name, rows in t.evaluations.items():
-      kind = data_kinds.KINDS[name]
-      assert kind.rows is rows and kind.example is rows.example and kind.record is rows.record
-      assert kind.task is t or kind.task.name in t.serves, (t.name, name)
-  assert list(data_kinds.KINDS) == ["preference", "stepwise", "regression", "pairwise", "labelled"]
-  assert data_kinds.KINDS["labelled"].task is tasks.VERIFIER
+      reading = readings.READINGS[name]
+      assert reading.rows is rows and reading.example is rows.example and reading.record is rows.record
+      assert reading.task is t or reading.task.name in t.serves, (t.name, name)
+  assert list(readings.READINGS) == ["preference", "stepwise", "regression", "pairwise", "labelled"]
+  assert readings.READINGS["labelled"].task is tasks.VERIFIER
   # Every kind of tokenized row is trained by a task, and is one of the data path's.
   trained = {rows for t in tasks.TASKS.values() for rows in t.example_types}
   assert trained == set(example_types.TYPES)

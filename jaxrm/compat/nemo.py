@@ -23,7 +23,7 @@ from typing import Any
 
 from jaxrm import compat
 from jaxrm.compat import Translation, refuse
-from jaxrm.data.formats import kind
+from jaxrm.data.formats import json_type
 from jaxrm.errors import ConfigError
 
 # NeMo RL's preference datasets that jaxrm reads under the same name.
@@ -191,7 +191,7 @@ def _check_numbers(config: dict, files: list[tuple[str, Any]], overrides: list[s
           files[-1][0],
         )
       raise ConfigError(
-        f"{key}={value!r} (in {where}): expected {'an integer' if integer else 'a number'}, got {kind(value)}"
+        f"{key}={value!r} (in {where}): expected {'an integer' if integer else 'a number'}, got {json_type(value)}"
       )
 
 

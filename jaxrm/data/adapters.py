@@ -38,7 +38,7 @@ def helpsteer3(
     raise row_error(
       source,
       "overall_preference",
-      f"expected an integer in -3..3, got {preference!r} ({formats.kind(preference)})",
+      f"expected an integer in -3..3, got {preference!r} ({formats.json_type(preference)})",
     )
   context = formats.parse_text(required(row, "context", source), source, "context")
   first, second = (
@@ -90,7 +90,7 @@ def helpsteer2(
     )
   prompt = required(row, "prompt", source)
   if not isinstance(prompt, str):
-    raise row_error(source, "prompt", f"expected a string, got {formats.kind(prompt)}")
+    raise row_error(source, "prompt", f"expected a string, got {formats.json_type(prompt)}")
   response = formats.parse_completion(required(row, "response", source), source, "response")
   ratings = tuple(_helpsteer2_rating(row.get(a), source, a) for a in attributes)
   return formats.rated_record(
@@ -109,7 +109,7 @@ def _helpsteer2_rating(value: Any, source: str, field: str) -> float | None:
     return None
   if not formats.is_int(value) or not low <= value <= high:
     raise row_error(
-      source, field, f"expected an integer in {low}..{high}, got {value!r} ({formats.kind(value)})"
+      source, field, f"expected an integer in {low}..{high}, got {value!r} ({formats.json_type(value)})"
     )
   return float(value)
 
@@ -215,11 +215,11 @@ def _field(row: dict, path: str, type_: type, source: str) -> Any:
   value, done = row, []
   for key in path.split("."):
     if not isinstance(value, dict):
-      raise row_error(source, ".".join(done), f"expected an object, got {formats.kind(value)}")
+      raise row_error(source, ".".join(done), f"expected an object, got {formats.json_type(value)}")
     value = required(value, key, source, ".".join(done))
     done.append(key)
   if not isinstance(value, type_):
-    raise row_error(source, path, f"expected {formats.kind(type_())}, got {formats.kind(value)}")
+    raise row_error(source, path, f"expected {formats.json_type(type_())}, got {formats.json_type(value)}")
   return value
 
 
@@ -229,7 +229,7 @@ def _prm800k_solution(steps: list, source: str) -> list[tuple[str, int]]:
   for i, step in enumerate(steps):
     field = f"label.steps[{i}]"
     if not isinstance(step, dict):
-      raise row_error(source, field, f"expected an object, got {formats.kind(step)}")
+      raise row_error(source, field, f"expected an object, got {formats.json_type(step)}")
     completions = step.get("completions") or []
     chosen = step.get("chosen_completion")
     if chosen is not None:
@@ -255,7 +255,7 @@ def _prm800k_solution(steps: list, source: str) -> list[tuple[str, int]]:
 
 def _prm800k_step(completion: Any, source: str, field: str) -> tuple[str, int]:
   if not isinstance(completion, dict):
-    raise row_error(source, field, f"expected an object, got {formats.kind(completion)}")
+    raise row_error(source, field, f"expected an object, got {formats.json_type(completion)}")
   rating = required(completion, "rating", source, field)
   if not formats.is_int(rating) or rating not in (-1, 0, 1):
     raise row_error(source, f"{field}.rating", f"expected -1, 0 or 1, got {rating!r}")
@@ -287,7 +287,7 @@ def math_shepherd(
   text, label = (required(row, f, source) for f in ("input", "label"))
   for value, field in ((text, "input"), (label, "label")):
     if not isinstance(value, str):
-      raise row_error(source, field, f"expected a string, got {formats.kind(value)}")
+      raise row_error(source, field, f"expected a string, got {formats.json_type(value)}")
   pieces = text.split(STEP_TAG)
   if len(pieces) < 2:
     raise row_error(source, "input", f"has no '{STEP_TAG}' step tag")

@@ -52,7 +52,7 @@ class ExampleType:
   """One kind of tokenized row, and how the data path batches it.
 
   Attributes:
-    key: its short name ("labelled"): an evaluation kind's where a task reads it besides its own
+    key: its short name ("labelled"): an evaluation reading's where a task reads it besides its own
       data (:attr:`jaxrm.tasks.Task.evaluations`).
     record: the record class its rows are read into (:mod:`jaxrm.data.records`).
     example: the example class (:mod:`jaxrm.data.tokenize`).

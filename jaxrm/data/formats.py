@@ -54,7 +54,7 @@ DROP_TIE = "judged a tie (label 'tie' or 'A=B')"
 _BETTER = {"a": 0, "a>b": 0, "b": 1, "b>a": 1}
 _TIES = ("tie", "a=b", "b=a")
 
-_KINDS = {
+_JSON_TYPES = {
   bool: "a boolean",
   int: "an integer",
   float: "a number",
@@ -65,9 +65,9 @@ _KINDS = {
 }
 
 
-def kind(value: Any) -> str:
+def json_type(value: Any) -> str:
   """Names a value's type the way a JSON user would, for error messages."""
-  return _KINDS.get(type(value), type(value).__name__)
+  return _JSON_TYPES.get(type(value), type(value).__name__)
 
 
 LONE_SURROGATE = "holds a lone surrogate (a JSON escape in \\ud800-\\udfff alone), which is not text"
@@ -120,7 +120,7 @@ def is_int(value: Any) -> bool:
 def number(value: Any, source: str, field: str) -> float:
   """A finite int or float (not a boolean) as a float."""
   if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-    raise row_error(source, field, f"expected a finite number, got {value!r} ({kind(value)})")
+    raise row_error(source, field, f"expected a finite number, got {value!r} ({json_type(value)})")
   return float(value)
 
 
@@ -130,14 +130,14 @@ def validate_messages(messages: Any, source: str, field: str) -> list[Message]:
   Roles are ``system``, ``user``, ``assistant`` and ``tool``; ``content`` is a string.
   """
   if not isinstance(messages, list):
-    raise row_error(source, field, f"expected a list of messages, got {kind(messages)}")
+    raise row_error(source, field, f"expected a list of messages, got {json_type(messages)}")
   return [_message(m, source, f"{field}[{i}]") for i, m in enumerate(messages)]
 
 
 def _message(message: Any, source: str, field: str) -> Message:
   if not isinstance(message, dict):
     raise row_error(
-      source, field, f"expected a message object with 'role' and 'content', got {kind(message)}"
+      source, field, f"expected a message object with 'role' and 'content', got {json_type(message)}"
     )
   for key in ("role", "content"):
     if message.get(key) is None:
@@ -146,7 +146,7 @@ def _message(message: Any, source: str, field: str) -> Message:
   if role not in ROLES:
     raise row_error(source, f"{field}.role", f"unknown role {role!r}; use one of {', '.join(ROLES)}")
   if not isinstance(content, str):
-    raise row_error(source, f"{field}.content", f"expected a string, got {kind(content)}")
+    raise row_error(source, f"{field}.content", f"expected a string, got {json_type(content)}")
   return {"role": role, "content": content}
 
 
@@ -156,7 +156,7 @@ def parse_text(value: Any, source: str, field: str) -> Text:
     return value
   if isinstance(value, list):
     return validate_messages(value, source, field)
-  raise row_error(source, field, f"expected a string or a list of messages, got {kind(value)}")
+  raise row_error(source, field, f"expected a string or a list of messages, got {json_type(value)}")
 
 
 def parse_completion(value: Any, source: str, field: str) -> Text:
@@ -289,7 +289,7 @@ def _better(label: Any, source: str, drops: DropReport) -> int | None:
   raise row_error(
     source,
     "label",
-    f"expected 'A' or 'B' (the better response), got {label!r} ({kind(label)})"
+    f"expected 'A' or 'B' (the better response), got {label!r} ({json_type(label)})"
     + (
       "; a number is ambiguous (an index, 0 for A, or a yes/no, 1 for A?): write the letter"
       if isinstance(label, (int, float))
@@ -312,7 +312,7 @@ def _nemo_preference(row, source, drops, subset_field):
   entries = required(row, "completions", source)
   if not isinstance(entries, list):
     raise row_error(
-      source, "completions", f"expected a list of {{'rank', 'completion'}} objects, got {kind(entries)}"
+      source, "completions", f"expected a list of {{'rank', 'completion'}} objects, got {json_type(entries)}"
     )
   if len(entries) < 2:
     raise row_error(
@@ -324,7 +324,9 @@ def _nemo_preference(row, source, drops, subset_field):
   for i, entry in enumerate(entries):
     field = f"completions[{i}]"
     if not isinstance(entry, dict):
-      raise row_error(source, field, f"expected an object with 'rank' and 'completion', got {kind(entry)}")
+      raise row_error(
+        source, field, f"expected an object with 'rank' and 'completion', got {json_type(entry)}"
+      )
     ranks.append(_rank(required(entry, "rank", source, field), ranks, source, f"{field}.rank"))
     completion = required(entry, "completion", source, field)
     completions.append(parse_completion(completion, source, f"{field}.completion"))
@@ -342,7 +344,7 @@ def _nemo_preference(row, source, drops, subset_field):
 
 def _rank(rank: Any, previous: list[int], source: str, field: str) -> int:
   if not is_int(rank):
-    raise row_error(source, field, f"expected an integer rank, got {rank!r} ({kind(rank)})")
+    raise row_error(source, field, f"expected an integer rank, got {rank!r} ({json_type(rank)})")
   if rank in previous:
     raise row_error(
       source,
@@ -474,7 +476,7 @@ def parse_stepwise(
   steps = _steps(required(row, "completions", source), source)
   labels = required(row, "labels", source)
   if not isinstance(labels, list):
-    raise row_error(source, "labels", f"expected a list of booleans, got {kind(labels)}")
+    raise row_error(source, "labels", f"expected a list of booleans, got {json_type(labels)}")
   if len(labels) != len(steps):
     raise row_error(
       source,
@@ -489,12 +491,12 @@ def parse_stepwise(
 
 def _steps(steps: Any, source: str) -> tuple[str, ...]:
   if not isinstance(steps, list):
-    raise row_error(source, "completions", f"expected a list of step strings, got {kind(steps)}")
+    raise row_error(source, "completions", f"expected a list of step strings, got {json_type(steps)}")
   if not steps:
     raise row_error(source, "completions", "has no steps; a stepwise row needs at least one")
   for i, step in enumerate(steps):
     if not isinstance(step, str):
-      raise row_error(source, f"completions[{i}]", f"expected a step string, got {kind(step)}")
+      raise row_error(source, f"completions[{i}]", f"expected a step string, got {json_type(step)}")
     if not step.strip():
       raise row_error(source, f"completions[{i}]", "step text is empty")
   return tuple(steps)
@@ -505,4 +507,4 @@ def _label(label: Any, source: str, field: str) -> bool:
     return label
   if is_int(label) and label in (0, 1):
     return bool(label)
-  raise row_error(source, field, f"expected true/false or 0/1, got {label!r} ({kind(label)})")
+  raise row_error(source, field, f"expected true/false or 0/1, got {label!r} ({json_type(label)})")

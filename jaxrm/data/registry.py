@@ -26,7 +26,7 @@ class _Spec:
   """How one dataset name is read."""
 
   parse: Callable  # (row, source, drops, *, subset_field, **options) -> record | None
-  rows: example_types.ExampleType  # the kind of its records (the task they train: `task`)
+  rows: example_types.ExampleType  # its records' layout (the task they train: `task`)
   default: str | None = None  # read when no path is given: a hub name or a URL ({split})
   config: str | None = None  # the hub configuration
   splits: Mapping[str, str] = dataclasses.field(default_factory=dict)  # ours -> the hub's
@@ -34,7 +34,7 @@ class _Spec:
   options: tuple[str, ...] = ()  # options passed to `parse`
   make: Callable[..., list[dict]] | None = None  # a demo set's row maker
   attribute_columns: bool = False  # rated rows hold each attribute in a column of its name
-  # the task its records train: the one whose own data they are (its `data` their kind)
+  # the task its records train: the one whose own data they are (its `data` the rows they are)
   task: tasks.Task = dataclasses.field(init=False)
 
   def __post_init__(self):
@@ -88,7 +88,7 @@ _SPECS = {
   ),
 }
 DATASET_NAMES = tuple(_SPECS)
-# The dataset that reads a user's own files of each kind, as the tasks that train on it name it.
+# The dataset that reads a user's own files of each sort of rows, as the tasks that train on it name it.
 FILE_FORMATS = {t.data: t.dataset for t in tasks.TASKS.values()}
 # Values of a validation path that name a split of a dataset read by name, not a file.
 SPLIT_NAMES = ("train", "validation", "test")
@@ -129,8 +129,8 @@ def is_stepwise(dataset_name: str) -> bool:
   return _spec(dataset_name).task.scores == "steps"
 
 
-def kind(dataset_name: str) -> str:
-  """What the dataset's records are: "preference", "stepwise" or "rated" (its task's ``data``)."""
+def rows_of(dataset_name: str) -> str:
+  """The rows the dataset holds: "preference", "stepwise" or "rated" (its task's ``data``)."""
   return _spec(dataset_name).task.data
 
 

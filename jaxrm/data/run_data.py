@@ -192,7 +192,7 @@ def _check_kind_of_items(where: str, examples: Sequence, task: tasks.Task, rewar
 
 def check_data(config: RunConfig, first_rows: int = FIRST_ROWS) -> None:
   """Checks the data without a model, so that a run that cannot work stops before one loads: the
-  dataset's name and kind against ``reward.type``, that each of ``reward.attributes`` is rated in
+  dataset's name and rows against ``reward.type``, that each of ``reward.attributes`` is rated in
   the training set, and each set's path and first ``first_rows`` records (``config.data`` has
   checked the validation set names; :func:`jaxrm.config.check_run_settings` checks the rest).
 

@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable, Iterator
 
 from jaxrm.data.drops import row_error
-from jaxrm.data.formats import LONE_SURROGATE, kind, not_text
+from jaxrm.data.formats import LONE_SURROGATE, json_type, not_text
 from jaxrm.errors import DataError
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
@@ -111,7 +111,7 @@ def _objects(name: str, rows: Iterable[tuple[str, object]]) -> Iterator[tuple[st
   empty = True
   for source, row in rows:
     if not isinstance(row, dict):
-      raise row_error(source, None, f"a row must be a JSON object, got {kind(row)}")
+      raise row_error(source, None, f"a row must be a JSON object, got {json_type(row)}")
     empty = False
     yield source, row
   if empty:

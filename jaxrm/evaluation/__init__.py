@@ -1,8 +1,8 @@
 """Evaluating a reward model: on preference, stepwise or rated data, or on a public benchmark.
 
 * :mod:`~jaxrm.evaluation.core`: :func:`evaluate`, :func:`load_dataset`, :func:`run_benchmark`;
-* :mod:`~jaxrm.evaluation.data_kinds`: the kinds of data, and what each needs, scores and shows;
-* :mod:`~jaxrm.evaluation.scores`: each kind's scores and metrics;
+* :mod:`~jaxrm.evaluation.readings`: how each sort of data is read, and what it needs, scores and shows;
+* :mod:`~jaxrm.evaluation.scores`: each reading's scores and metrics;
 * :mod:`~jaxrm.evaluation.report`: the text report, the plot and the files written.
 
 The command line is ``python -m jaxrm.evaluate`` (:mod:`jaxrm.evaluate`).

@@ -21,7 +21,7 @@ from jaxrm.data.drops import DropReport
 from jaxrm.data.tokenize import TokenizeOptions, pad_id, tokenize_all
 from jaxrm.errors import EvaluationError
 from jaxrm.evaluation import report
-from jaxrm.evaluation.data_kinds import KINDS, Kind, kind_of
+from jaxrm.evaluation.readings import READINGS, Reading, reading_of
 from jaxrm.evaluation.scores import per_subset
 from jaxrm.report import DEFAULT_FORMAT  # what a data path holds when no dataset_name says otherwise
 
@@ -70,7 +70,8 @@ def evaluate(
       ``reward.combine`` takes it (an attribute, or ``"name=weight,..."``; default: the first).
 
   Returns:
-    ``{"kind": "preference" | "stepwise" | "regression", "num_examples", "timing", "metrics",
+    ``{"kind": "preference" | "stepwise" | "regression" | ... (how the data was read:
+    :data:`jaxrm.evaluation.readings.READINGS`), "num_examples", "timing", "metrics",
     "subsets", "dropped", "scores"}``; ``timing`` is ``{"seconds", "examples_per_second"}`` of the
     scoring (compiles included). ``metrics`` uses the names of the training loss's validation metrics;
     ``subsets`` maps each subset to ``{"num_examples", **metrics}`` (empty when no row has one);
@@ -106,14 +107,14 @@ def evaluate(
   if rendering is not None and options.rendering is None:  # rows rendered as training rendered its own
     options = dataclasses.replace(options, rendering=rendering)
   examples = _examples(rm, data, options, drops)
-  name = kind_of(examples[0], kinds.task_of(rm))
-  kind = KINDS[name]
-  kinds.check_kind(rm, kind.task.name, use=kind.use, error=EvaluationError)
-  extra = kind.prepare(rm, examples, combine)
-  batches = _batches(rm, examples, kind, batch_size, bucket_multiple)
+  name = reading_of(examples[0], kinds.task_of(rm))
+  reading = READINGS[name]
+  kinds.check_kind(rm, reading.task.name, use=reading.use, error=EvaluationError)
+  extra = reading.prepare(rm, examples, combine)
+  batches = _batches(rm, examples, reading, batch_size, bucket_multiple)
   log.info("scoring %d %s examples in %d batches of %d", len(examples), name, len(batches), batch_size)
   t0 = time.perf_counter()
-  arrays, scores = kind.score(rm, _Progress(batches, t0), examples, extra)
+  arrays, scores = reading.score(rm, _Progress(batches, t0), examples, extra)
   seconds = max(time.perf_counter() - t0, 1e-9)
   log.info("scored %d examples in %.1f s (%.1f examples/s)", len(examples), seconds, len(examples) / seconds)
   result = {
@@ -122,8 +123,10 @@ def evaluate(
     "num_examples": len(examples),
     # compiling each batch shape is counted in: the time a user waits
     "timing": {"seconds": seconds, "examples_per_second": len(examples) / seconds},
-    "metrics": kind.metrics(arrays, np.ones(len(examples), np.float32)),
-    "subsets": per_subset([e.meta.get("subset") for e in examples], functools.partial(kind.metrics, arrays)),
+    "metrics": reading.metrics(arrays, np.ones(len(examples), np.float32)),
+    "subsets": per_subset(
+      [e.meta.get("subset") for e in examples], functools.partial(reading.metrics, arrays)
+    ),
     "dropped": drops.as_dict(),
     "scores": scores,
   }
@@ -132,7 +135,7 @@ def evaluate(
   note = benchmarks.plain_evaluation_note(
     {str(s) for e in examples if (s := e.meta.get("subset")) is not None}
   )
-  if note is not None and kind.task.name in tasks.scoring("reward"):
+  if note is not None and reading.task.name in tasks.scoring("reward"):
     result["note"] = note
   return result
 
@@ -140,9 +143,9 @@ def evaluate(
 def _examples(rm, data: Sequence[Any], options: TokenizeOptions, drops: DropReport) -> list:
   if not data:
     raise EvaluationError("there is nothing to evaluate: the data has no rows")
-  if all(isinstance(x, tuple(k.example for k in KINDS.values())) for x in data):
+  if all(isinstance(x, tuple(r.example for r in READINGS.values())) for x in data):
     examples = list(data)
-  elif all(isinstance(x, tuple(k.record for k in KINDS.values())) for x in data):
+  elif all(isinstance(x, tuple(r.record for r in READINGS.values())) for x in data):
     if rm.tokenizer is None:
       raise EvaluationError(
         "the model has no tokenizer to tokenize records with; pass tokenizer= to "
@@ -150,22 +153,22 @@ def _examples(rm, data: Sequence[Any], options: TokenizeOptions, drops: DropRepo
       )
     examples = tokenize_all(data, rm.tokenizer, options, drops)
   else:
-    records = " / ".join(k.record.__name__ for k in KINDS.values())
+    records = " / ".join(r.record.__name__ for r in READINGS.values())
     raise EvaluationError(
       f"data must be all records ({records}) or all tokenized examples; got "
       f"{sorted({type(x).__name__ for x in data})}"
     )
   if not examples:
     raise EvaluationError(f"every row was dropped\n{drops.summary('data')}")
-  if len({kind_of(e) for e in examples}) > 1:
-    mixed = " and ".join(sorted({kind_of(e) for e in examples}))
+  if len({reading_of(e) for e in examples}) > 1:
+    mixed = " and ".join(sorted({reading_of(e) for e in examples}))
     raise EvaluationError(f"data mixes {mixed} rows; evaluate them separately")
   return examples
 
 
-def _batches(rm, examples: list, kind: Kind, batch_size: int, bucket_multiple: int) -> list:
+def _batches(rm, examples: list, reading: Reading, batch_size: int, bucket_multiple: int) -> list:
   """The eval batches, padded to the multiples of ``bucket_multiple`` the longest sequence needs."""
-  longest = max(len(ids) for e in examples for ids in kind.sequences(e))
+  longest = max(len(ids) for e in examples for ids in reading.sequences(e))
   buckets = pipeline.length_buckets(-(-longest // bucket_multiple) * bucket_multiple, bucket_multiple)
   return pipeline.make_eval_batches(
     examples, batch_size=batch_size, buckets=buckets, pad_id=pad_id(rm.tokenizer, rm.config.pad_token_id)
@@ -173,7 +176,7 @@ def _batches(rm, examples: list, kind: Kind, batch_size: int, bucket_multiple: i
 
 
 class _Progress(list):
-  """Eval batches whose first walk -- the scoring, in every kind's ``score`` -- logs how far it has
+  """Eval batches whose first walk -- the scoring, in every reading's ``score`` -- logs how far it has
   got, at each tenth of the batches; later walks (reading labels) log nothing."""
 
   def __init__(self, batches: list, t0: float):

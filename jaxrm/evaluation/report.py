@@ -10,7 +10,7 @@ from typing import Any
 
 from jaxrm import benchmarks
 from jaxrm.benchmarks import length_bias
-from jaxrm.evaluation.data_kinds import KINDS
+from jaxrm.evaluation.readings import READINGS
 
 REPORT_FILE = "eval.json"
 HISTOGRAM_FILE = "rewards.png"
@@ -19,10 +19,10 @@ HISTOGRAM_FILE = "rewards.png"
 def format_report(result: dict[str, Any]) -> str:
   """The overall and per-subset metrics of :func:`jaxrm.evaluation.evaluate`'s result, as the CLI
   prints them."""
-  kind = KINDS[result["kind"]]
-  lines = [f"{result['num_examples']} examples", *kind.lines(result)]
+  reading = READINGS[result["kind"]]
+  lines = [f"{result['num_examples']} examples", *reading.lines(result)]
   if result["subsets"]:
-    lines += ["", *_subset_table(result["subsets"], kind.columns(result))]
+    lines += ["", *_subset_table(result["subsets"], reading.columns(result))]
   if "length_bias" in result:
     lines += ["", length_bias.format_report(result["length_bias"])]
   if "note" in result:
@@ -59,12 +59,12 @@ def plot_scores(result: dict[str, Any], ax) -> None:
   """Draws the histogram of chosen vs rejected rewards (step probabilities for PRMs) on ``ax``;
   for a regression model, one panel per attribute of its predictions against its ratings, in
   the place of ``ax`` (an axes of a grid: ``fig.add_subplot()``, ``plt.subplots()``)."""
-  KINDS[result["kind"]].plot(result, ax)
+  READINGS[result["kind"]].plot(result, ax)
 
 
 def _figure_size(result: dict[str, Any]) -> tuple[float, float]:
   """Inches (width, height) of ``rewards.png``: wider for a regression model's panels."""
-  panels = len(result["attributes"]) if KINDS[result["kind"]].task.per_attribute else 1
+  panels = len(result["attributes"]) if READINGS[result["kind"]].task.per_attribute else 1
   return max(7.0, 3.2 * panels), 4.0
 
 

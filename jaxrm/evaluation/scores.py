@@ -1,8 +1,8 @@
-"""What each kind of evaluation data is scored into, and its metrics over any subset of the rows.
+"""What each reading of evaluation data is scored into, and its metrics over any subset of the rows.
 
-Per kind, ``<kind>_arrays(rm, batches, n, ...)`` runs the model over the eval batches and returns
+Per reading, ``<reading>_arrays(rm, batches, n, ...)`` runs the model over the eval batches and returns
 the per-example arrays the metrics take (with the ``scores`` an evaluation result keeps), and
-``<kind>_metrics(arrays, mask)`` computes the metrics of the examples where ``mask`` [N] is 1 from
+``<reading>_metrics(arrays, mask)`` computes the metrics of the examples where ``mask`` [N] is 1 from
 the training loss's own metric sums, so that evaluation and validation report the same figures.
 """
 

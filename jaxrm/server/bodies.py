@@ -15,7 +15,7 @@ import jinja2
 
 from jaxrm import step_rewards
 from jaxrm.data.drops import DropReport
-from jaxrm.data.formats import kind, validate_messages
+from jaxrm.data.formats import json_type, validate_messages
 from jaxrm.errors import ConfigError, DataError
 from jaxrm.server.config import ServerConfig
 
@@ -58,7 +58,7 @@ def parse_json(raw: bytes) -> dict[str, Any]:
   except RecursionError:
     raise RequestError(400, "the body is not valid JSON: it nests too deeply") from None
   if not isinstance(body, dict):
-    raise RequestError(400, f"the body is {kind(body)}; expected a JSON object")
+    raise RequestError(400, f"the body is {json_type(body)}; expected a JSON object")
   if (where := _lone_surrogate(body)) is not None:
     raise RequestError(
       400,
@@ -150,7 +150,7 @@ class Encoder:
     texts = self.items(body, "query", QUERY)
     for i, text in enumerate(texts):
       if not isinstance(text, str):
-        raise RequestError(400, f"query[{i}] is {kind(text)}; expected a string")
+        raise RequestError(400, f"query[{i}] is {json_type(text)}; expected a string")
     if self._openrlhf is not None:
       return [self._openrlhf_ids(f"query[{i}]", self._openrlhf(t)) for i, t in enumerate(texts)]
     return [self.encode(f"query[{i}]", t) for i, t in enumerate(texts)]
@@ -227,7 +227,7 @@ class Encoder:
     steps has no reward (null), as the Python reward functions give None."""
     if where.startswith("completions"):
       if not isinstance(value, str):
-        raise RequestError(400, f"{where} is {kind(value)}; expected a string")
+        raise RequestError(400, f"{where} is {json_type(value)}; expected a string")
       return step_rewards.split_steps(value, separator)
     try:
       return step_rewards.check_steps(
@@ -244,7 +244,7 @@ class Encoder:
       raise RequestError(400, f"the body has no '{key}'; send {{\"{key}\": {expected}}}")
     items = body[key]
     if not isinstance(items, list):
-      raise RequestError(400, f"'{key}' is {kind(items)}; expected {expected}")
+      raise RequestError(400, f"'{key}' is {json_type(items)}; expected {expected}")
     self.check_count(key, len(items))
     return items
 
@@ -334,7 +334,7 @@ class Encoder:
     """A plain text's token ids as the tokenizer gives them, special tokens (BOS) added if
     ``special`` -- as vLLM and SGLang tokenize a prompt -- not yet checked against max_length."""
     if not isinstance(text, str):
-      raise RequestError(400, f"{where} is {kind(text)}; expected a string")
+      raise RequestError(400, f"{where} is {json_type(text)}; expected a string")
     self.check_time()
     ids = list(self.rm.tokenizer(text, add_special_tokens=special)["input_ids"])
     if not ids:
@@ -344,13 +344,13 @@ class Encoder:
   def given_ids(self, where: str, ids: Any) -> list[int]:
     """Token ids sent as such: a non-empty list of ids of the model's vocabulary."""
     if not isinstance(ids, list) or not ids:
-      raise RequestError(400, f"{where} is {kind(ids)}; expected a non-empty list of token ids")
+      raise RequestError(400, f"{where} is {json_type(ids)}; expected a non-empty list of token ids")
     vocab = self.rm.config.vocab_size
     if set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < vocab:
       return ids  # checked at C speed: a body may hold millions of ids
     for j, t in enumerate(ids):
       if isinstance(t, bool) or not isinstance(t, int):
-        raise RequestError(400, f"{where}[{j}] is {kind(t)}; expected a token id (an integer)")
+        raise RequestError(400, f"{where}[{j}] is {json_type(t)}; expected a token id (an integer)")
       if not 0 <= t < vocab:
         raise RequestError(400, f"{where}[{j}] is {t}, not a token id of this model (0 to {vocab - 1})")
     return ids

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from jaxrm import kinds, step_rewards, tasks
-from jaxrm.data.formats import kind
+from jaxrm.data.formats import json_type
 from jaxrm.server.bodies import Encoder, RequestError
 from jaxrm.tasks import pairwise
 
@@ -253,7 +253,7 @@ def _input_rows(enc: Encoder, body: Body, special: bool) -> list[tuple[str, list
       for i, x in enumerate(value)
     ]
   else:
-    raise RequestError(400, f"'input' is {kind(value)}; expected {VLLM_INPUT} (not empty)")
+    raise RequestError(400, f"'input' is {json_type(value)}; expected {VLLM_INPUT} (not empty)")
   return items
 
 
@@ -300,7 +300,9 @@ def _score_texts(body: Body, field: str) -> list[str]:
   texts = value if isinstance(value, list) else [value]
   for i, text in enumerate(texts):
     if not isinstance(text, str):
-      raise RequestError(400, f"{field}[{i}] is {kind(text)}; this server scores texts: expected a string")
+      raise RequestError(
+        400, f"{field}[{i}] is {json_type(text)}; this server scores texts: expected a string"
+      )
   return texts
 
 
@@ -329,7 +331,7 @@ def _activation(enc: Encoder, body: Body) -> Callable[[float], float]:
   given = {k: body[k] for k in ("use_activation", "activation") if body.get(k) is not None}
   for name, value in given.items():
     if not isinstance(value, bool):
-      raise RequestError(400, f"'{name}' is {kind(value)}; expected true, false or null")
+      raise RequestError(400, f"'{name}' is {json_type(value)}; expected true, false or null")
   if len(set(given.values())) > 1:
     raise RequestError(400, "'use_activation' and 'activation' disagree; send one")
   on = next(iter(given.values()), tasks.scores_of(enc.rm.kind) != "attributes")
@@ -451,9 +453,9 @@ def parse_slime_reward(enc: Encoder, body: Body) -> Scoring:
       raise RequestError(400, f'the body has no \'{key}\'; send slime\'s {{"prompt", "response", "label"}}')
   prompt, response = body["prompt"], body["response"]
   if not isinstance(prompt, str | list):
-    raise RequestError(400, f"'prompt' is {kind(prompt)}; expected a text or a list of messages")
+    raise RequestError(400, f"'prompt' is {json_type(prompt)}; expected a text or a list of messages")
   if not isinstance(response, str):
-    raise RequestError(400, f"'response' is {kind(response)}; expected a string")
+    raise RequestError(400, f"'response' is {json_type(response)}; expected a string")
   if isinstance(prompt, list) and tasks.scores_of(enc.rm.kind) != "steps":
     response = [{"role": "assistant", "content": response}]
   pair = {"prompts": [prompt], "completions": [response]}
@@ -586,7 +588,7 @@ def _compare_prompt(enc: Encoder, body: Body):
     return prompt
   if isinstance(prompt, list):
     return enc.messages(prompt, "prompt")
-  raise RequestError(400, f"'prompt' is {kind(prompt)}; expected a text or a list of messages")
+  raise RequestError(400, f"'prompt' is {json_type(prompt)}; expected a text or a list of messages")
 
 
 def _compare_responses(enc: Encoder, body: Body, strategy: str, aggregate: str) -> list:
@@ -595,7 +597,7 @@ def _compare_responses(enc: Encoder, body: Body, strategy: str, aggregate: str) 
     raise RequestError(400, f"the body has no 'responses'; send {COMPARE_BODY}")
   value = body["responses"]
   if not isinstance(value, list):
-    raise RequestError(400, f"'responses' is {kind(value)}; expected a list of texts or message lists")
+    raise RequestError(400, f"'responses' is {json_type(value)}; expected a list of texts or message lists")
   try:
     pairwise.check_strategy(strategy, len(value), aggregate)
   except ValueError as e:
@@ -609,13 +611,13 @@ def _response(enc: Encoder, value: Any, field: str):
     return value
   if isinstance(value, list):
     return enc.messages(value, field)
-  raise RequestError(400, f"{field} is {kind(value)}; expected a text or a list of messages")
+  raise RequestError(400, f"{field} is {json_type(value)}; expected a text or a list of messages")
 
 
 def _choice(body: Body, name: str, choices: tuple[str, ...]) -> str:
   value = body.get(name, choices[0])
   if value not in choices:
-    shown = repr(value) if isinstance(value, str) else kind(value)
+    shown = repr(value) if isinstance(value, str) else json_type(value)
     raise RequestError(400, f"'{name}' is {shown}; expected one of {', '.join(choices)}")
   return value
 
@@ -713,7 +715,7 @@ def _flag(body: Body, name: str, default: bool) -> bool:
   if value is None:
     return default
   if not isinstance(value, bool):
-    raise RequestError(400, f"'{name}' is {kind(value)}; expected true or false")
+    raise RequestError(400, f"'{name}' is {json_type(value)}; expected true or false")
   return value
 
 

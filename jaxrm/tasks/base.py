@@ -19,12 +19,14 @@ class Task:
 
   name: str  # the model kind: RewardModel.kind, and what jaxrm.kinds.check_kind is asked for
   reward_types: tuple[str, ...]  # the reward.type values that train it
-  data: str  # the kind of the datasets it trains on (jaxrm.data.registry.kind)
+  data: str  # the rows it reads, as its datasets hold them (jaxrm.data.registry.rows_of)
   dataset: str  # the dataset (data.dataset_name) that reads a user's own files of its rows
   # The tokenized rows it trains on (how each is batched and packed): its data's first; a
   # verifier's preference files may hold labelled items instead of pairs.
   example_types: tuple[ExampleType, ...]
-  evaluation: str  # its key in jaxrm.evaluation.data_kinds.KINDS (an evaluation result's "kind")
+  # how jaxrm.evaluate reads and scores its data: its key in jaxrm.evaluation.readings.READINGS (an
+  # evaluation result's "kind")
+  evaluation: str
   # data.packing -> the batch class its rows are collated into; a mode left out is refused
   batches: Mapping[str, type]
   packing_refused: str  # why a data.packing left out of `batches` is refused ({packing}: the mode)
@@ -71,9 +73,9 @@ class Task:
 
   @property
   def evaluations(self) -> dict[str, ExampleType]:
-    """Its kinds of evaluation data (keys of :data:`jaxrm.evaluation.data_kinds.KINDS`) -> the
-    rows each reads: its data under :attr:`evaluation`, and each other kind of row it trains on (a
-    verifier's labelled items) under that kind's own key."""
+    """Its readings of evaluation data (keys of :data:`jaxrm.evaluation.readings.READINGS`) -> the
+    rows each reads: its data under :attr:`evaluation`, and each other sort of row it trains on (a
+    verifier's labelled items) under that row's own key."""
     first, *others = self.example_types
     return {self.evaluation: first, **{rows.key: rows for rows in others}}
 

@@ -1,12 +1,13 @@
-"""The kinds of evaluation data (preference, stepwise, rated) and :data:`KINDS`, the one table of
-what each is: its records and examples, the model it needs, how it is scored
-(:mod:`jaxrm.evaluation.scores`) and what its report shows (headline lines, the columns of the
-subset table, the plot). Evaluation, report and plot look a kind up here instead of testing it.
+"""How :func:`jaxrm.evaluation.evaluate` reads and scores evaluation data (preference, stepwise,
+rated, a judge's pairs, labelled items) and :data:`READINGS`, the one table of what each reading is:
+its records and examples, the model it needs, how it is scored (:mod:`jaxrm.evaluation.scores`) and
+what its report shows (headline lines, the columns of the subset table, the plot). Evaluation,
+report and plot look a reading up here instead of testing the data.
 
-The tasks declare the kinds (:attr:`jaxrm.tasks.Task.evaluations`: a task's ``evaluation`` for
-its data, ``"regression"`` for rated rows, and a verifier's ``"labelled"`` items): :data:`KINDS` is
-built from them, each with the rows and the task (the model it needs) of the first task that
-declares it, and how it is scored here. A kind a task declares and nothing here scores, or the
+The tasks declare the readings (:attr:`jaxrm.tasks.Task.evaluations`: a task's ``evaluation`` for
+its data, ``"regression"`` for rated rows, and a verifier's ``"labelled"`` items): :data:`READINGS`
+is built from them, each with the rows and the task (the model it needs) of the first task that
+declares it, and how it is scored here. A reading a task declares and nothing here scores, or the
 reverse, stops the import with both lists.
 """
 
@@ -25,12 +26,12 @@ from jaxrm.evaluation import scores
 
 
 @dataclasses.dataclass(frozen=True)
-class Kind:
-  """One kind of evaluation data. ``result`` below is what :func:`jaxrm.evaluation.evaluate` returns."""
+class Reading:
+  """One way of reading and scoring evaluation data. ``result`` below is what :func:`jaxrm.evaluation.evaluate` returns."""
 
   task: tasks.Task  # the task whose models it evaluates: the first to declare it (Task.evaluations)
   rows: ExampleType  # its tokenized rows and their records, as the task declares them
-  name: str  # its key in KINDS (a result's "kind")
+  name: str  # its key in READINGS (a result's "kind")
   use: str  # what needs the model, as the wrong-model message names it
   # (rm, examples, combine) -> the result's extra keys; raises when the data does not fit the model
   prepare: Callable[[Any, list, str | None], dict[str, Any]]
@@ -60,14 +61,14 @@ class Kind:
     return self.rows.sequences(example)
 
 
-def kind_of(example: Any, task: tasks.Task | None = None) -> str:
-  """The name in :data:`KINDS` of a tokenized example's kind: for a model of ``task``, its own
-  evaluation where the example is of its layout (a judge's pairs in both orders are preference
-  examples), else the first kind of the example's type."""
-  own = KINDS.get(task.evaluation) if task is not None else None
+def reading_of(example: Any, task: tasks.Task | None = None) -> str:
+  """The name in :data:`READINGS` of how a tokenized example is read: for a model of ``task``, its
+  own evaluation where the example is of its layout (a judge's pairs in both orders are preference
+  examples), else the first reading of the example's type."""
+  own = READINGS.get(task.evaluation) if task is not None else None
   if own is not None and isinstance(example, own.example):
     return own.key
-  return next(name for name, k in KINDS.items() if isinstance(example, k.example))
+  return next(name for name, r in READINGS.items() if isinstance(example, r.example))
 
 
 def _takes_no_combine(name: str) -> Callable[[Any, list, str | None], dict[str, Any]]:
@@ -283,7 +284,7 @@ def _regression_plot(result: dict[str, Any], ax) -> None:
   fig.suptitle("Predictions against ratings (dashed: prediction = rating)")
 
 
-# How each kind of evaluation data is scored and reported, by its name in KINDS, in KINDS' order.
+# How each reading of evaluation data is scored and reported, by its name in READINGS, in READINGS' order.
 _SCORING = {
   "preference": dict(
     use="preference data",
@@ -329,8 +330,8 @@ _SCORING = {
 }
 
 
-def _kinds() -> dict[str, Kind]:
-  """Every kind of evaluation data the tasks declare (:attr:`jaxrm.tasks.Task.evaluations`), each
+def _readings() -> dict[str, Reading]:
+  """Every reading of evaluation data the tasks declare (:attr:`jaxrm.tasks.Task.evaluations`), each
   owned by the first task that declares it, with how :data:`_SCORING` scores it."""
   owners = {}
   for task in tasks.TASKS.values():
@@ -338,16 +339,17 @@ def _kinds() -> dict[str, Kind]:
       owners.setdefault(name, (task, rows))
   if set(owners) != set(_SCORING):
     raise LookupError(
-      f"the tasks declare the evaluation kinds {sorted(owners)} and jaxrm.evaluation.data_kinds "
-      f"scores {sorted(_SCORING)}: give each kind a task and a scoring"
+      f"the tasks declare the evaluation readings {sorted(owners)} and jaxrm.evaluation.readings "
+      f"scores {sorted(_SCORING)}: give each reading a task and a scoring"
     )
-  # a kind whose scoring prepares nothing refuses combine, naming its rows
+  # a reading whose scoring prepares nothing refuses combine, naming its rows
   return {
-    name: Kind(task=task, rows=rows, name=name, **{"prepare": _takes_no_combine(rows.key), **how})
+    name: Reading(task=task, rows=rows, name=name, **{"prepare": _takes_no_combine(rows.key), **how})
     for name, how in _SCORING.items()
     for task, rows in [owners[name]]
   }
 
 
-# An evaluation result's "kind" -> its Kind
-KINDS: dict[str, Kind] = _kinds()
+# An evaluation result's "kind" (the name of its reading; the key keeps result files as they were)
+# -> its Reading
+READINGS: dict[str, Reading] = _readings()
