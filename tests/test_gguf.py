@@ -312,3 +312,27 @@ def test_smollm2_verifier_log_odds_match_transformers(path, hf_model):
       log_probs = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0, -1], -1)
     expected.append(float(log_probs[yes] - log_probs[no]))
   np.testing.assert_allclose(rm.score(chats), expected, atol=PARITY_ATOL, rtol=0)
+
+
+def test_smollm2_judge_log_odds_match_transformers(path, hf_model):
+  """SmolLM2-Instruct from the GGUF as a zero-shot pairwise judge: its score of (A, B) is
+  transformers' log_softmax(logits)[A] - [B] at the end of ``rm.judge_text``, and both orders
+  average to (s(A, B) - s(B, A)) / 2."""
+  from jaxrm import RewardModel
+
+  rm = RewardModel.from_pretrained(path, dtype="float32", judge=True)
+  assert rm.kind == "pairwise"
+  prompt, a, b = CHATML_CONVERSATION[:-1], "4", "5"
+  answer_a, answer_b = rm.config.verifier_tokens
+  expected = []
+  for first, second in ((a, b), (b, a)):
+    ids = rm.tokenizer(rm.judge_text(prompt, first, second), add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+      log_probs = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0, -1], -1)
+    expected.append(float(log_probs[answer_a] - log_probs[answer_b]))
+  np.testing.assert_allclose(
+    rm.compare([prompt, prompt], [a, b], [b, a], orders="ab"), expected, atol=PARITY_ATOL, rtol=0
+  )
+  # The two orders' mean, from jaxrm's own scores of each order: float32 arithmetic, exact.
+  ab, ba = rm.compare([prompt, prompt], [a, b], [b, a], orders="ab")
+  assert rm.compare([prompt], [a], [b])[0] == (ab - ba) / np.float32(2)
