@@ -29,41 +29,78 @@ FILE = "jaxrm_verifier.json"  # beside an export's config.json: its question and
 
 
 @dataclasses.dataclass(frozen=True)
-class Verifier:
-  """What a verifier asks (``question``) and the two answers it weighs (``answers``: yes, no)."""
+class Asker:
+  """A causal LM's question (``question``) and the two answers it weighs (``answers``), each one
+  token: what a verifier and a pairwise judge (:class:`jaxrm.tasks.pairwise.Judge`) share. A
+  subclass names itself in messages by its class words."""
 
-  NOUN: ClassVar[str] = "a verifier"  # what messages call a model that asks it
+  NOUN: ClassVar[str] = "an asker"  # what messages call a model that asks it
+  WORD: ClassVar[str] = "asker"  # its keyword in from_pretrained (verifier=...) and reward keys
+  ROLES: ClassVar[str] = "first, then second"  # what its two answers mean, in order
+  EXAMPLE: ClassVar[tuple[str, str]] = ("Yes", "No")  # the answers its messages show
+  PATH: ClassVar[str] = "jaxrm.verifier.Asker"  # where users import it from
   question: str = DEFAULT_QUESTION
   answers: tuple[str, str] = DEFAULT_ANSWERS
 
   def __post_init__(self):
     if not isinstance(self.question, str) or not self.question.strip():
-      raise ConfigError(f"a verifier's question must be a non-empty string; got {self.question!r}")
+      raise ConfigError(f"a {self.WORD}'s question must be a non-empty string; got {self.question!r}")
     answers = self.answers
     if isinstance(answers, str):
       answers = tuple(a.strip() for a in answers.split(","))
     if not isinstance(answers, (tuple, list)) or len(answers) != 2:
-      raise ConfigError(f"a verifier's answers are two (yes, then no), e.g. 'Yes,No'; got {self.answers!r}")
+      raise ConfigError(
+        f"a {self.WORD}'s answers are two ({self.ROLES}), e.g. '{','.join(self.EXAMPLE)}'; got {self.answers!r}"
+      )
     if not all(isinstance(a, str) and a for a in answers) or answers[0] == answers[1]:
-      raise ConfigError(f"a verifier's answers must be two different non-empty strings; got {self.answers!r}")
+      raise ConfigError(
+        f"a {self.WORD}'s answers must be two different non-empty strings; got {self.answers!r}"
+      )
     object.__setattr__(self, "answers", tuple(answers))
 
   @classmethod
-  def of(cls, value: bool | Mapping[str, Any] | Verifier) -> Verifier:
-    """``True`` (the defaults), a dict with ``question`` and/or ``answers``, or a Verifier."""
-    if isinstance(value, Verifier):
+  def of(cls, value: Any) -> Any:
+    """``True`` (the defaults), a dict with ``question`` and/or ``answers``, or one of these."""
+    if isinstance(value, cls):
       return value
     if value is True:
       return cls()
     if isinstance(value, Mapping):
       unknown = sorted(set(value) - {"question", "answers"})
       if unknown:
-        raise ConfigError(f"verifier= takes 'question' and 'answers'; got {', '.join(map(repr, unknown))}")
+        raise ConfigError(f"{cls.WORD}= takes 'question' and 'answers'; got {', '.join(map(repr, unknown))}")
       return cls(**value)
     raise ConfigError(
-      f"verifier= takes True, a dict {{'question': ..., 'answers': ['Yes', 'No']}} or a "
-      f"jaxrm.verifier.Verifier; got {value!r}"
+      f"{cls.WORD}= takes True, a dict {{'question': ..., 'answers': {list(cls.EXAMPLE)!r}}} or a "
+      f"{cls.PATH}; got {value!r}"
     )
+
+  def token_ids(self, tokenizer: Any) -> tuple[int, int]:
+    """The ids of the two answers; each must be one token as
+    ``tokenizer.encode(answer, add_special_tokens=False)`` gives it."""
+    ids = []
+    for answer in self.answers:
+      encoded = list(tokenizer.encode(answer, add_special_tokens=False))
+      if len(encoded) != 1:
+        pieces = tokenizer.convert_ids_to_tokens(encoded)
+        raise ConfigError(
+          f"the {self.WORD}'s answer {answer!r} is {len(encoded)} tokens for this tokenizer "
+          f"({', '.join(map(repr, pieces)) or 'none'}); each answer must be one token: choose "
+          f"others (reward.{self.WORD}_answers, or {self.WORD}={{'answers': [...]}})"
+        )
+      ids.append(int(encoded[0]))
+    return ids[0], ids[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Verifier(Asker):
+  """What a verifier asks (``question``) and the two answers it weighs (``answers``: yes, no)."""
+
+  NOUN: ClassVar[str] = "a verifier"
+  WORD: ClassVar[str] = "verifier"
+  ROLES: ClassVar[str] = "yes, then no"
+  EXAMPLE: ClassVar[tuple[str, str]] = DEFAULT_ANSWERS
+  PATH: ClassVar[str] = "jaxrm.verifier.Verifier"
 
   @classmethod
   def of_spec(cls, spec: Any) -> Verifier:
@@ -85,22 +122,6 @@ class Verifier:
     """``options`` (:class:`jaxrm.data.tokenize.TokenizeOptions`) with each completion followed by
     this verifier's question."""
     return dataclasses.replace(options, verifier_question=self.question)
-
-  def token_ids(self, tokenizer: Any) -> tuple[int, int]:
-    """The ids of the two answers; each must be one token as
-    ``tokenizer.encode(answer, add_special_tokens=False)`` gives it."""
-    ids = []
-    for answer in self.answers:
-      encoded = list(tokenizer.encode(answer, add_special_tokens=False))
-      if len(encoded) != 1:
-        pieces = tokenizer.convert_ids_to_tokens(encoded)
-        raise ConfigError(
-          f"the verifier's answer {answer!r} is {len(encoded)} tokens for this tokenizer "
-          f"({', '.join(map(repr, pieces)) or 'none'}); each answer must be one token: choose "
-          "others (reward.verifier_answers, or verifier={'answers': [...]})"
-        )
-      ids.append(int(encoded[0]))
-    return ids[0], ids[1]
 
   def render(self, tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> str:
     """The text this verifier scores of the conversation ``messages``, before any truncation:

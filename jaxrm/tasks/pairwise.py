@@ -44,6 +44,7 @@ from jaxrm.errors import ConfigError, DataError
 from jaxrm.metrics import Moments, Ratio
 from jaxrm.tasks.base import Task, ones
 from jaxrm.tasks.preference import PREFERENCE
+from jaxrm.verifier import Asker
 
 NAME = "pairwise"
 DEFAULT_QUESTION = (
@@ -66,52 +67,28 @@ JUDGE_TOO_LONG = "judge text (conversation + both responses + question) longer t
 
 
 @dataclasses.dataclass(frozen=True)
-class Judge:
+class Judge(Asker):
   """What a pairwise judge asks (``question``), the two answers it weighs (``answers``: A is
   better, B is better) and the layout of its one user turn (``template``, with the fields
   ``{conversation}``, ``{response_a}``, ``{response_b}`` and ``{question}``)."""
 
-  NOUN: ClassVar[str] = "a judge"  # what messages call a model that asks it
+  NOUN: ClassVar[str] = "a judge"
+  WORD: ClassVar[str] = "judge"
+  ROLES: ClassVar[str] = "A is better, then B is better"
+  EXAMPLE: ClassVar[tuple[str, str]] = DEFAULT_ANSWERS
+  PATH: ClassVar[str] = "jaxrm.tasks.pairwise.Judge"
   question: str = DEFAULT_QUESTION
   answers: tuple[str, str] = DEFAULT_ANSWERS
   template: str = TEMPLATE
 
   def __post_init__(self):
-    if not isinstance(self.question, str) or not self.question.strip():
-      raise ConfigError(f"a judge's question must be a non-empty string; got {self.question!r}")
-    answers = self.answers
-    if isinstance(answers, str):
-      answers = tuple(a.strip() for a in answers.split(","))
-    if not isinstance(answers, (tuple, list)) or len(answers) != 2:
-      raise ConfigError(
-        f"a judge's answers are two (A is better, then B is better), e.g. 'A,B'; got {self.answers!r}"
-      )
-    if not all(isinstance(a, str) and a for a in answers) or answers[0] == answers[1]:
-      raise ConfigError(f"a judge's answers must be two different non-empty strings; got {self.answers!r}")
-    object.__setattr__(self, "answers", tuple(answers))
+    super().__post_init__()
     if not isinstance(self.template, str) or any("{" + f + "}" not in self.template for f in _FIELDS):
       raise ConfigError(
         f"a judge's template must hold {', '.join('{' + f + '}' for f in _FIELDS)}; got {self.template!r}"
       )
 
   # ------------------------------------------------------------------ made from
-
-  @classmethod
-  def of(cls, value: bool | Mapping[str, Any] | Judge) -> Judge:
-    """``True`` (the defaults), a dict with ``question`` and/or ``answers``, or a Judge."""
-    if isinstance(value, Judge):
-      return value
-    if value is True:
-      return cls()
-    if isinstance(value, Mapping):
-      unknown = sorted(set(value) - {"question", "answers"})
-      if unknown:
-        raise ConfigError(f"judge= takes 'question' and 'answers'; got {', '.join(map(repr, unknown))}")
-      return cls(**value)
-    raise ConfigError(
-      f"judge= takes True, a dict {{'question': ..., 'answers': ['A', 'B']}} or a "
-      f"jaxrm.tasks.pairwise.Judge; got {value!r}"
-    )
 
   @classmethod
   def of_spec(cls, spec: Any) -> Judge:
@@ -136,22 +113,6 @@ class Judge:
     return {"task": NAME, "question": self.question, "answers": list(self.answers), "template": self.template}
 
   # ------------------------------------------------------------------ what it reads
-
-  def token_ids(self, tokenizer: Any) -> tuple[int, int]:
-    """The ids of the two answers; each must be one token as
-    ``tokenizer.encode(answer, add_special_tokens=False)`` gives it."""
-    ids = []
-    for answer in self.answers:
-      encoded = list(tokenizer.encode(answer, add_special_tokens=False))
-      if len(encoded) != 1:
-        pieces = tokenizer.convert_ids_to_tokens(encoded)
-        raise ConfigError(
-          f"the judge's answer {answer!r} is {len(encoded)} tokens for this tokenizer "
-          f"({', '.join(map(repr, pieces)) or 'none'}); each answer must be one token: choose "
-          "others (reward.judge_answers, or judge={'answers': [...]})"
-        )
-      ids.append(int(encoded[0]))
-    return ids[0], ids[1]
 
   def content(self, prompt: Text, response_a: Text, response_b: Text) -> str:
     """The judge's one user turn: the conversation up to the responses, the two responses and the
