@@ -80,6 +80,13 @@ def model_dir(cache_root):
 
 
 @pytest.fixture(scope="session")
+def causal_dir(cache_root):
+  """A tiny random LlamaForCausalLM (tied embeddings) with SmolLM2's tokenizer: a verifier or a
+  pairwise judge loads it."""
+  return tiny_run.tiny_model_dir(cache_root, head="causal")
+
+
+@pytest.fixture(scope="session")
 def tiny_rm(model_dir):
   """The model of ``model_dir``, loaded once; tests read it and never change it."""
   from jaxrm import RewardModel

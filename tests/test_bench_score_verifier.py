@@ -8,7 +8,6 @@ import sys
 
 import numpy as np
 import pytest
-import tiny_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -16,11 +15,6 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import bench_score  # noqa: E402
 
 from jaxrm import RewardModel  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def causal_dir(cache_root):
-  return tiny_run.tiny_model_dir(cache_root, head="causal")
 
 
 def test_verifier_run_checks_transformers_and_is_marked(causal_dir, tmp_path, capsys):

@@ -7,9 +7,8 @@ import json
 import numpy as np
 import pytest
 from helpers import REBATCHED, assistant, user
-from tiny_judge import tiny_judge
 
-from jaxrm import benchmarks
+from jaxrm import RewardModel, benchmarks
 from jaxrm.benchmarks import judgebench
 from jaxrm.benchmarks.scoring import Scorer
 from jaxrm.evaluation import evaluate, format_report, run_benchmark
@@ -23,8 +22,8 @@ PAIRS = [
 
 
 @pytest.fixture(scope="module")
-def judge(smollm2_tokenizer, tmp_path_factory):
-  return tiny_judge(smollm2_tokenizer, tmp_path_factory.mktemp("judge"))
+def judge(causal_dir):
+  return RewardModel.from_pretrained(causal_dir, judge=True)
 
 
 def _sigmoid(x):

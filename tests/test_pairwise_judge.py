@@ -49,12 +49,6 @@ def transformers_log_odds(model, tokenizer, texts, answers=("A", "B")):
 
 
 @pytest.fixture(scope="module")
-def causal_dir(cache_root):
-  """A tiny random LlamaForCausalLM (tied embeddings) with SmolLM2's tokenizer."""
-  return tiny_run.tiny_model_dir(cache_root, head="causal")
-
-
-@pytest.fixture(scope="module")
 def judge(causal_dir):
   return RewardModel.from_pretrained(causal_dir, judge={"question": QUESTION})
 

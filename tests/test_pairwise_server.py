@@ -7,7 +7,6 @@ import urllib.request
 
 import pytest
 from helpers import SERVER_CONFIG, approx, call, serving, user
-from tiny_judge import tiny_judge
 
 from jaxrm import RewardModel
 from jaxrm.server.bodies import Encoder, RequestError
@@ -20,8 +19,8 @@ CONFIG = dataclasses.replace(SERVER_CONFIG, max_batch=8, max_length=128, buckets
 
 
 @pytest.fixture(scope="module")
-def judge(smollm2_tokenizer, tmp_path_factory):
-  return tiny_judge(smollm2_tokenizer, tmp_path_factory.mktemp("judge"))
+def judge(causal_dir):
+  return RewardModel.from_pretrained(causal_dir, judge=True)
 
 
 @pytest.fixture(scope="module")

@@ -221,11 +221,6 @@ def _write_jsonl(path, rows):
 
 
 @pytest.fixture(scope="module")
-def causal_dir(cache_root):
-  return tiny_run.tiny_model_dir(cache_root, head="causal")
-
-
-@pytest.fixture(scope="module")
 def rule_run(causal_dir, tmp_path_factory):
   """A judge trained 40 steps on the rule, its pairs packed with each pair's prompt once; validated
   on held-out pairs before (zero-shot) and after. (Learnt by step ~25 at this learning rate over

@@ -233,11 +233,6 @@ def test_evaluate_command_line_takes_a_causal_lm_as_verifier(causal_dir, tmp_pat
 
 
 @pytest.fixture(scope="module")
-def causal_dir(cache_root):
-  return tiny_run.tiny_model_dir(cache_root, head="causal")
-
-
-@pytest.fixture(scope="module")
 def verifier_run(causal_dir, tmp_path_factory):
   """The tiny run with reward.type=verifier; validation at the start and at steps 2 and 4."""
   out = str(tmp_path_factory.mktemp("verifier") / "run")
