@@ -47,8 +47,6 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from jaxrm import kinds, step_rewards, tasks
 from jaxrm.data.formats import json_type
 from jaxrm.server.bodies import Encoder, RequestError
@@ -552,12 +550,7 @@ def parse_compare(enc: Encoder, body: Body) -> Scoring:
   n, reference = len(players), strategy == "reference"
 
   def write(outputs: list[float], meta: Meta) -> Body:
-    raw = np.full((n, n), np.nan, np.float32)
-    for (i, j), s in zip(pairs, outputs):
-      raw[i, j] = s
-    log_odds = ((raw - raw.T) / np.float32(2)).astype(np.float32)
-    rewards = pairwise.aggregate_rewards(log_odds, aggregate, reference=reference)
-    return pairwise.GroupScores(rewards, log_odds).to_json()
+    return pairwise.group_scores(n, pairs, outputs, aggregate, reference=reference).to_json()
 
   return Scoring(rows, write, ranked=len(responses))
 

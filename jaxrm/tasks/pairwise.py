@@ -622,12 +622,21 @@ def score_groups(
   s = rm.score_ids(rows, batch_size=batch_size, max_length=limit, share_prefix=share_prefix).astype(
     np.float32
   )
-  out = []
-  for n, slots in plans:
-    raw = np.full((n, n), np.nan, np.float32)
-    for i, j, r in slots:
-      raw[i, j] = s[r]
-    d = ((raw - raw.T) / np.float32(2)).astype(np.float32)
-    rewards = aggregate_rewards(d, aggregate, reference=references is not None)
-    out.append(GroupScores(rewards, d))
-  return out
+  reference = references is not None
+  return [
+    group_scores(n, [(i, j) for i, j, _ in slots], [s[r] for *_, r in slots], aggregate, reference=reference)
+    for n, slots in plans
+  ]
+
+
+def group_scores(
+  n: int, pairs: Sequence[tuple[int, int]], scores: Sequence[float], aggregate: str, *, reference: bool
+) -> GroupScores:
+  """A group's :class:`GroupScores` from the judge's score ``scores[k]`` of each ordered pair
+  ``pairs[k]`` (A, B) of its ``n`` players (with ``reference``, the last is the reference): each
+  pair's log-odds its two orders' mean, then the rewards aggregated."""
+  raw = np.full((n, n), np.nan, np.float32)
+  for (i, j), score in zip(pairs, scores):
+    raw[i, j] = score
+  log_odds = ((raw - raw.T) / np.float32(2)).astype(np.float32)
+  return GroupScores(aggregate_rewards(log_odds, aggregate, reference=reference), log_odds)
