@@ -151,7 +151,10 @@ LAYERS = {
     "jaxrm.errors",
     "jaxrm.verifier",
     "jaxrm.data",
+    "jaxrm.routes",
   },
+  # What a server route reads and answers (a task's routes are written with it): no server code.
+  "jaxrm.routes": {"jaxrm.data"},
   "jaxrm.models": {"jaxrm.errors", "jaxrm.sharding", "jaxrm.models"},
   # Family specs are data that the model config asks: they import no model code.
   "jaxrm.models.families": {"jaxrm.errors", "jaxrm.models.families"},

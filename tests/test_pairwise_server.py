@@ -8,9 +8,10 @@ import urllib.request
 import pytest
 from helpers import SERVER_CONFIG, approx, call, serving, user
 
-from jaxrm import RewardModel
+from jaxrm import RewardModel, tasks
+from jaxrm.server.app import ENDPOINTS
 from jaxrm.server.bodies import Encoder, RequestError
-from jaxrm.server.formats import parse_compare
+from jaxrm.server.formats import ROUTES
 
 PROMPT = [user("What is 2 + 2?")]
 RESPONSES = ["4", "It is 5.", "Four."]
@@ -150,9 +151,21 @@ def test_bad_groups_are_refused_by_field(server, body, message):
 def test_a_reward_model_on_compare_is_told_to_score(model_dir):
   rm = RewardModel.from_pretrained(model_dir)
   with pytest.raises(RequestError) as e:
-    parse_compare(Encoder(rm, CONFIG), {"prompt": PROMPT, "responses": RESPONSES})
+    ROUTES["/compare"](Encoder(rm, CONFIG), {"prompt": PROMPT, "responses": RESPONSES})
   assert e.value.status == 400 and str(e.value) == (
     "/compare ranks responses with a pairwise judge; this server's model has a sequence head with "
     "1 output (preference), which scores each response alone: POST /score with 'prompts' and "
     "'completions'"
   )
+
+
+def test_the_server_serves_each_tasks_routes_after_its_own():
+  """A task's routes come from its spec (Task.routes): the server lists them after its own."""
+  added = [path for task in tasks.TASKS.values() for path in task.routes]
+  assert "/compare" in added and list(ROUTES)[-len(added) :] == added
+  assert ENDPOINTS.endswith(", ".join(f"POST {path}" for path in added))
+
+
+def test_each_task_giving_no_reward_per_row_names_the_route_to_use_instead():
+  for task in tasks.TASKS.values():
+    assert (task.route_instead is not None) == (task.scores == "comparisons"), task.name

@@ -26,10 +26,11 @@ from jaxrm import kinds, reward_health, shared_prefix, tasks
 from jaxrm.data.tokenize import pad_id
 from jaxrm.errors import ConfigError
 from jaxrm.models.heads import correct_probability
+from jaxrm.routes import Meta, Scoring
 from jaxrm.server.batcher import Batcher, PackedFn, QueueFull, ScoreFn
 from jaxrm.server.bodies import RETRY_AFTER, Encoder, RequestError, parse_json, timed_out
 from jaxrm.server.config import ServerConfig
-from jaxrm.server.formats import ROUTES, Meta, Scoring
+from jaxrm.server.formats import COUNTERS, ROUTES
 from jaxrm.server.limits import CLIENT, HeldBody, PendingBytes
 from jaxrm.server.metrics import CONTENT_TYPE, Metrics
 from jaxrm.server.tokenizing import Tokenizers
@@ -377,10 +378,9 @@ class App:
       lambda: self._tokenized(raw, parse, held, encoder), limiter=self._tokenizing
     )
     rewards = await self._scored(scoring.rows, request_id) if scoring.rows else []
-    if scoring.ranked:  # judge texts' log-odds: not rewards, so no reward health
-      health = self.metrics.compared(scoring.ranked, len(scoring.rows))
-    else:
-      health = self.metrics.scored(rewards, scoring.rows, scoring.truncated)
+    self.metrics.count(scoring.counts)
+    # Outputs that are no rewards (a judge's log-odds) leave the reward's health alone.
+    health = self.metrics.scored(rewards, scoring.rows, scoring.truncated) if scoring.reward_rows else {}
     return scoring.write(rewards, Meta(request_id, self.model_name, int(time.time()), health))
 
   def _tokenized(self, raw: bytes, parse: Callable, held: HeldBody, encoder: Encoder) -> Scoring | None:
@@ -572,7 +572,7 @@ class RewardServer:
   ):
     check_model(rm, config)
     self.config = config.resolved(rm.config.max_position_embeddings, rm.training_max_length)
-    self.metrics = Metrics(reward_health.validation_range(rm, normalize=self.config.normalize))
+    self.metrics = Metrics(reward_health.validation_range(rm, normalize=self.config.normalize), COUNTERS)
     self.batcher = batcher(rm, self.config, self.metrics)
     app = App(rm, self.config, self.batcher, self.metrics, model_name).asgi()
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

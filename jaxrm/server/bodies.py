@@ -17,19 +17,11 @@ from jaxrm import step_rewards
 from jaxrm.data.drops import DropReport
 from jaxrm.data.formats import json_type, validate_messages
 from jaxrm.errors import ConfigError, DataError
+from jaxrm.routes import RequestError
 from jaxrm.server.config import ServerConfig
 
 QUERY = "a list of strings (prompt + response texts)"
 CONVERSATIONS = 'a list of conversations (lists of {"role", "content"} messages)'
-
-
-class RequestError(Exception):
-  """A request the server refuses, with the HTTP status and headers to answer."""
-
-  def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
-    super().__init__(message)
-    self.status = status
-    self.headers = headers or {}
 
 
 RETRY_AFTER = {"Retry-After": "1"}
@@ -290,17 +282,18 @@ class Encoder:
     self.truncated += drops.cut
     return ids
 
-  def judged(self, where: str, judge, prompt, response_a, response_b) -> list[int]:
-    """A pairwise judge's text of (A, B) after ``prompt`` (:meth:`jaxrm.tasks.pairwise.Judge.encode`),
-    tokenized on one of the server's tokenizers in its turn and counted against
-    max_tokenize_chars; over max_length, the conversation's oldest turns are cut (counted in
-    :attr:`truncated`), or, when no cut fits, it is refused naming ``where``."""
+  def asked(self, where: str, what: str, *parts) -> list[int]:
+    """The text the served model's asker lays out of ``parts`` (``rm.verifier.encode(tokenizer,
+    *parts, max_length, where)``: a pairwise judge's prompt and two responses), tokenized on one of
+    the server's tokenizers in its turn and counted against max_tokenize_chars; over max_length,
+    the conversation's oldest turns are cut (counted in :attr:`truncated`), or, when no cut fits, it
+    is refused naming ``where`` and ``what`` (what the text holds)."""
     self.check_time()
-    max_length = self.config.max_length
-    chars = len(judge.content(prompt, response_a, response_b))
+    asker, max_length = self.rm.verifier, self.config.max_length
+    chars = len(asker.content(*parts))
 
     def encode(model):
-      return judge.encode(model.tokenizer, prompt, response_a, response_b, max_length, where)
+      return asker.encode(model.tokenizer, *parts, max_length, where)
 
     try:
       out = self.rm.work(chars, encode) if hasattr(self.rm, "work") else encode(self.rm)
@@ -309,8 +302,8 @@ class Encoder:
     if out is None:
       raise RequestError(
         400,
-        f"cannot score {where}: the judge text (conversation, both responses and the question) is "
-        f"longer than max_length={max_length} tokens even with every earlier turn cut (--max_length)",
+        f"cannot score {where}: {what} is longer than max_length={max_length} tokens even with every "
+        "earlier turn cut (--max_length)",
       )
     self.truncated += out[1]
     return out[0]

@@ -1,8 +1,10 @@
 """The JSON each scoring endpoint reads and writes: jaxrm's, OpenRLHF's, vLLM's and SGLang's.
 
-A parser turns a request body into a :class:`Scoring`: the token rows to score and how to write the
-answer from their rewards (one float per row, as the server serves them: normalized or combined if
-so configured). :data:`ROUTES` gives each POST path its parser.
+A parser turns a request body into a :class:`~jaxrm.routes.Scoring`: the token rows to score and how
+to write the answer from their rewards (one float per row, as the server serves them: normalized or
+combined if so configured). :data:`ROUTES` gives each POST path its parser: the server's own here,
+then the routes each task adds (:attr:`jaxrm.tasks.Task.routes`), each refusing a model of another
+task.
 
 * ``/get_reward``: OpenRLHF's ``{"query": [text, ...], "prompts", "labels"}`` -> ``{"rewards",
   "scores", "extra_logs"}``, as its ``serve_rm`` answers (extra_logs: the reward's health).
@@ -18,10 +20,10 @@ so configured). :data:`ROUTES` gives each POST path its parser.
 * ``/v1/embeddings``: SGLang's ``{"model", "input"}`` -> its EmbeddingResponse, ``embedding``
   ``[reward]`` per item (verl's reward loop with SGLang as the engine).
 * ``/reward``: slime's ``{"prompt", "response", "label"}`` -> the reward, a bare JSON number.
-* ``/compare`` (a pairwise judge): ``{"prompt", "responses", "strategy", "aggregate",
-  "reference"}`` -> ``{"rewards", "log_odds"}``, one reward per response from the judge's
-  comparisons (:func:`parse_compare`). A judge's other endpoints refuse it, naming ``/compare``:
-  it gives no reward per response alone.
+* ``/compare``, a pairwise judge's route (:func:`jaxrm.tasks.pairwise.parse_compare`): ``{"prompt",
+  "responses", "strategy", "aggregate", "reference"}`` -> ``{"rewards", "log_odds"}``, one reward
+  per response from the judge's comparisons. The other endpoints refuse a model whose task gives no
+  reward per row alone, naming the route to use instead (:attr:`jaxrm.tasks.Task.route_instead`).
 * ``/score_steps`` (a process reward model): ``{"prompts", "completions"}`` (each completion cut
   into steps at the model's step separator) or ``{"prompts", "steps"}`` (lists of step texts) ->
   ``{"step_rewards": [[P(step correct), ...], ...], "rewards": [...]}``, each reward its solution's
@@ -49,10 +51,8 @@ from typing import Any
 
 from jaxrm import kinds, step_rewards, tasks
 from jaxrm.data.formats import json_type
-from jaxrm.server.bodies import Encoder, RequestError
-from jaxrm.tasks import pairwise
-
-Body = dict[str, Any]
+from jaxrm.routes import Body, Meta, RequestError, Route, Scoring
+from jaxrm.server.bodies import Encoder
 
 # vLLM's score request: (first, second) field names, in the order vLLM's ScoreRequest tries them.
 SCORE_PAIRS = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
@@ -60,29 +60,6 @@ JAXRM_SCORE_FIELDS = ("conversations", "prompts", "completions")
 VLLM_INPUTS, SGLANG_INPUTS = ("input", "messages"), ("text", "input_ids")
 VLLM_INPUT = "a text, a list of texts, or token ids"
 HEALTH_PREFIX = "reward_health/"  # OpenRLHF's extra_logs keys: reward_health/reward_mean, ...
-
-
-@dataclasses.dataclass(frozen=True)
-class Meta:
-  """What an answer names besides its rewards."""
-
-  request_id: str
-  model: str  # the served model's name, when the request names none
-  created: int  # unix seconds
-  # The reward's health over the server's last rewards, this request's included
-  # (jaxrm.reward_health; the server's /metrics reports the same values).
-  health: dict[str, float] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(frozen=True)
-class Scoring:
-  """One request's token rows, and how its answer is written from their rewards."""
-
-  rows: list[list[int]]
-  write: Callable[[list[float], Meta], Any]
-  truncated: int = 0  # rows cut to fit, as the request asked (vLLM's truncate_prompt_tokens)
-  # /compare: the responses its rows (judge texts, not one reward each) rank; 0 for a reward per row
-  ranked: int = 0
 
 
 # ------------------------------------------------------------------ jaxrm and OpenRLHF
@@ -125,7 +102,7 @@ def parse_vllm_classify(enc: Encoder, body: Body) -> Scoring:
   """ClassificationRequest -> ClassificationResponse: one ``probs`` entry per item, the served
   output's (``num_classes`` 1); a verifier's: its two answers' probabilities (``num_classes`` 2),
   labelled by the likelier answer."""
-  if enc.rm.verifier is not None:  # a verifier's asker (a judge's never gets here: _one_reward)
+  if enc.rm.verifier is not None:  # a verifier's asker (one giving no reward per row is refused first)
     return _verifier_classify(enc, body)
   rows, act, label, model = _vllm_rows(enc, body), _activation(enc, body), _label(enc), _model(body)
 
@@ -510,162 +487,42 @@ def _sequences_only(
   return checked
 
 
-# ------------------------------------------------------------------ pairwise judges
-
-COMPARE_BODY = (
-  '{"prompt": a text or messages, "responses": [two or more texts or messages], "strategy": '
-  '"round_robin" | "circular" | "reference", "aggregate": "bradley_terry" | "win_rate", "reference": '
-  "a text (strategy reference only)}"
-)
-
-
-def parse_compare(enc: Encoder, body: Body) -> Scoring:
-  """``POST /compare``: a pairwise judge ranks a group of responses to one prompt.
-
-  Body: ``prompt`` (a text, the user's turn, or the conversation's messages), ``responses`` (two or
-  more, each a text or the assistant's messages), ``strategy`` (``round_robin``, the default: every
-  ordered pair; ``circular``: each response against the next, both orders; ``reference``: each
-  against ``reference``, both orders), ``aggregate`` (``bradley_terry``, the default, or
-  ``win_rate``) and an optional ``model`` (not read: the server serves one). Answer:
-  ``{"rewards": [float per response], "log_odds": [[float | null]]}`` -- the log-odds that row i's
-  response is better than column j's (both orders averaged, null where not compared; a reference's
-  row and column last), as ``RewardModel.score_groups`` gives them
-  (:class:`jaxrm.tasks.pairwise.GroupScores`).
-
-  Each ordered pair is one judge text, the prompt in each: a group of G responses costs G(G-1)
-  texts under round_robin, 2G under circular and reference, counted against max_batch (a group
-  over it is refused, 400) and their tokens against max_queued_tokens; they are scored by the
-  batcher with every other request's rows, those sharing the prompt with it written once.
-  """
-  judge = _judge(enc)
-  prompt = _compare_prompt(enc, body)
-  strategy = _choice(body, "strategy", pairwise.STRATEGIES)
-  aggregate = _choice(body, "aggregate", pairwise.AGGREGATES)
-  responses = _compare_responses(enc, body, strategy, aggregate)
-  players = responses + _reference(enc, body, strategy)
-  pairs = pairwise.comparisons(len(responses), strategy)
-  rows = [
-    enc.judged(_pair_name(i, j, len(responses)), judge, prompt, players[i], players[j]) for i, j in pairs
-  ]
-  n, reference = len(players), strategy == "reference"
-
-  def write(outputs: list[float], meta: Meta) -> Body:
-    return pairwise.group_scores(n, pairs, outputs, aggregate, reference=reference).to_json()
-
-  return Scoring(rows, write, ranked=len(responses))
-
-
-def _pair_name(i: int, j: int, n: int) -> str:
-  """How an error names the judge text of (i, j); index ``n`` is the reference."""
-  name = lambda k: "reference" if k == n else f"responses[{k}]"  # noqa: E731
-  return f"{name(i)} as A, {name(j)} as B"
-
-
-def _judge(enc: Encoder) -> pairwise.Judge:
-  if tasks.scores_of(enc.rm.kind) != "comparisons":
-    raise RequestError(
-      400,
-      "/compare ranks responses with a pairwise judge; this server's model has "
-      f"{kinds.describe(enc.rm.config, enc.rm.attributes)} ({enc.rm.kind}), which scores each "
-      "response alone: POST /score with 'prompts' and 'completions'"
-      + (" (or /score_steps)" if tasks.scores_of(enc.rm.kind) == "steps" else ""),
-    )
-  return enc.rm.verifier
-
-
-def _compare_prompt(enc: Encoder, body: Body):
-  if "prompt" not in body:
-    raise RequestError(400, f"the body has no 'prompt'; send {COMPARE_BODY}")
-  prompt = body["prompt"]
-  if isinstance(prompt, str):
-    return prompt
-  if isinstance(prompt, list):
-    return enc.messages(prompt, "prompt")
-  raise RequestError(400, f"'prompt' is {json_type(prompt)}; expected a text or a list of messages")
-
-
-def _compare_responses(enc: Encoder, body: Body, strategy: str, aggregate: str) -> list:
-  """The responses, checked: as many as ``strategy`` needs, and no more judge texts than max_batch."""
-  if "responses" not in body:
-    raise RequestError(400, f"the body has no 'responses'; send {COMPARE_BODY}")
-  value = body["responses"]
-  if not isinstance(value, list):
-    raise RequestError(400, f"'responses' is {json_type(value)}; expected a list of texts or message lists")
-  try:
-    pairwise.check_strategy(strategy, len(value), aggregate)
-  except ValueError as e:
-    raise RequestError(400, f"'responses': {e}") from None
-  _check_texts(enc, strategy, len(value))
-  return [_response(enc, r, f"responses[{i}]") for i, r in enumerate(value)]
-
-
-def _response(enc: Encoder, value: Any, field: str):
-  if isinstance(value, str):
-    return value
-  if isinstance(value, list):
-    return enc.messages(value, field)
-  raise RequestError(400, f"{field} is {json_type(value)}; expected a text or a list of messages")
-
-
-def _choice(body: Body, name: str, choices: tuple[str, ...]) -> str:
-  value = body.get(name, choices[0])
-  if value not in choices:
-    shown = repr(value) if isinstance(value, str) else json_type(value)
-    raise RequestError(400, f"'{name}' is {shown}; expected one of {', '.join(choices)}")
-  return value
-
-
-def _reference(enc: Encoder, body: Body, strategy: str) -> list:
-  """``[reference]`` under strategy reference (which needs one), else ``[]`` (which takes none)."""
-  given = body.get("reference") is not None
-  if strategy != "reference":
-    if given:
-      raise RequestError(
-        400,
-        f'\'reference\' is compared with only under "strategy": "reference"; this body asks for {strategy!r}',
-      )
-    return []
-  if not given:
-    raise RequestError(
-      400, "strategy 'reference' compares each response with 'reference', and the body has none: send it"
-    )
-  return [_response(enc, body["reference"], "reference")]
-
-
-def judge_texts(strategy: str, n: int) -> int:
-  """How many judge texts a group of ``n`` responses costs (:func:`pairwise.comparisons`)."""
-  if strategy == "round_robin" or (strategy == "circular" and n <= 2):
-    return n * (n - 1)
-  return 2 * n
-
-
-def _check_texts(enc: Encoder, strategy: str, n: int) -> None:
-  """Refuses a group whose judge texts are more than max_batch, the items one request may score."""
-  texts, limit = judge_texts(strategy, n), enc.config.max_batch
-  if texts <= limit:
-    return
-  most = max(m for m in range(1, limit + 2) if m == 1 or judge_texts(strategy, m) <= limit)
-  raise RequestError(
-    400,
-    f"'responses' has {n} responses, which strategy {strategy!r} compares in {texts} judge texts; "
-    f"this server scores at most {limit} per request (--max_batch): send at most {most} responses"
-    + ("" if strategy != "round_robin" else ", or strategy 'circular' (2 judge texts per response)"),
-  )
+# ------------------------------------------------------------------ every task's routes
 
 
 def _one_reward(path: str, parse: Callable[[Encoder, Body], Scoring]) -> Callable[[Encoder, Body], Scoring]:
-  """``parse``, refusing a pairwise judge: it gives no reward per response alone."""
+  """``parse``, refusing a model whose task gives no reward per row (a pairwise judge's compares
+  responses), in its task's words (:attr:`jaxrm.tasks.Task.route_instead`)."""
 
   def checked(enc: Encoder, body: Body) -> Scoring:
-    if tasks.scores_of(enc.rm.kind) == "comparisons":
-      raise RequestError(
-        400,
-        f"{path} gives one reward per item, and this server's model is a pairwise judge, which "
-        f"compares responses: POST /compare with {COMPARE_BODY}",
-      )
+    instead = _task_of(enc).route_instead
+    if instead is not None:
+      raise RequestError(400, f"{path} gives one reward per item, and this server's model is {instead}")
     return parse(enc, body)
 
   return checked
+
+
+def _of_task(task: tasks.Task, path: str, route: Route) -> Callable[[Encoder, Body], Scoring]:
+  """``route.parse``, refusing a model of another task than ``task``, whose route it is."""
+
+  def checked(enc: Encoder, body: Body) -> Scoring:
+    if _task_of(enc) is not task:
+      raise RequestError(
+        400,
+        f"{path} {route.does}; this server's model has "
+        f"{kinds.describe(enc.rm.config, enc.rm.attributes)} ({enc.rm.kind}), which scores each "
+        "response alone: POST /score with 'prompts' and 'completions'"
+        + (" (or /score_steps)" if tasks.scores_of(enc.rm.kind) == "steps" else ""),
+      )
+    return route.parse(enc, body)
+
+  return checked
+
+
+def _task_of(enc: Encoder) -> tasks.Task:
+  """The served model's task (every served model has one: the server checks it first)."""
+  return tasks.named(enc.rm.kind)
 
 
 # ------------------------------------------------------------------ paths shared by formats
@@ -731,18 +588,24 @@ def _counted(parse: Callable[[Encoder, Body], Scoring]) -> Callable[[Encoder, Bo
   return counted
 
 
-ROUTES: dict[str, Callable[[Encoder, Body], Scoring]] = {
-  path: _counted(parse if path == "/compare" else _one_reward(path, parse))
-  for path, parse in {
-    "/get_reward": _sequences_only("/get_reward", parse_get_reward),
-    "/score": parse_score,
-    "/classify": _sequences_only("/classify", parse_classify),
-    "/pooling": _sequences_only("/pooling", parse_vllm_pooling),
-    "/v1/score": _sequences_only("/v1/score", parse_vllm_score),
-    "/v1/classify": _sequences_only("/v1/classify", parse_vllm_classify),
-    "/score_steps": parse_score_steps,
-    "/v1/embeddings": _sequences_only("/v1/embeddings", parse_sglang_embeddings),
-    "/reward": parse_slime_reward,
-    "/compare": parse_compare,
-  }.items()
+# The server's own routes, each giving one reward (or a process model's steps) per item.
+_ONE_REWARD: dict[str, Callable[[Encoder, Body], Scoring]] = {
+  "/get_reward": _sequences_only("/get_reward", parse_get_reward),
+  "/score": parse_score,
+  "/classify": _sequences_only("/classify", parse_classify),
+  "/pooling": _sequences_only("/pooling", parse_vllm_pooling),
+  "/v1/score": _sequences_only("/v1/score", parse_vllm_score),
+  "/v1/classify": _sequences_only("/v1/classify", parse_vllm_classify),
+  "/score_steps": parse_score_steps,
+  "/v1/embeddings": _sequences_only("/v1/embeddings", parse_sglang_embeddings),
+  "/reward": parse_slime_reward,
 }
+# The routes the tasks add (Task.routes), after the server's own.
+TASK_ROUTES = {path: (task, route) for task in tasks.TASKS.values() for path, route in task.routes.items()}
+# Every POST path -> its parser.
+ROUTES: dict[str, Callable[[Encoder, Body], Scoring]] = {
+  **{path: _counted(_one_reward(path, parse)) for path, parse in _ONE_REWARD.items()},
+  **{path: _counted(_of_task(task, path, route)) for path, (task, route) in TASK_ROUTES.items()},
+}
+# The counters /metrics keeps of the tasks' routes: name -> help.
+COUNTERS = {name: what for _, route in TASK_ROUTES.values() for name, what in route.counters.items()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Mapping
 
 import prometheus_client as prom
 
@@ -28,10 +29,13 @@ HEALTH_GAUGES = {
 
 class Metrics:
   """Requests, items, tokens, batch sizes, queue depth, bytes held, latency, compiled batch
-  shapes, the responses a pairwise judge ranked and its judge texts, and the reward's health over the last rewards scored (:mod:`jaxrm.reward_health`);
-  ``text()`` is /metrics."""
+  shapes, the counters the tasks' routes keep (``counters``: name -> help; a pairwise judge's
+  responses ranked and judge texts), and the reward's health over the last rewards scored
+  (:mod:`jaxrm.reward_health`); ``text()`` is /metrics."""
 
-  def __init__(self, reward_range: reward_health.Range | None = None):
+  def __init__(
+    self, reward_range: reward_health.Range | None = None, counters: Mapping[str, str] | None = None
+  ):
     self.registry = prom.CollectorRegistry()
     r = self.registry
     self._requests = prom.Counter(
@@ -71,12 +75,7 @@ class Metrics:
     self._batch_shapes = prom.Gauge(
       "jaxrm_batch_shapes", "Batch shapes the server may form, plain and packed rows.", registry=r
     )
-    self._ranked = prom.Counter(
-      "jaxrm_compared_responses", "Responses ranked by a pairwise judge (/compare).", registry=r
-    )
-    self._judge_texts = prom.Counter(
-      "jaxrm_judge_texts", "Judge texts (ordered comparisons) scored for /compare.", registry=r
-    )
+    self._counters = {name: prom.Counter(name, what, registry=r) for name, what in (counters or {}).items()}
     self._window = reward_health.Window(HEALTH_WINDOW, reward_range)
     # Made at their first value: a gauge never set would read 0 (a share outside a range that the
     # model does not have, a mean before any reward).
@@ -107,12 +106,10 @@ class Metrics:
     self._compiled_shapes.set(compiled)
     self._batch_shapes.set(total)
 
-  def compared(self, responses: int, texts: int) -> dict[str, float]:
-    """Counts one /compare request's responses and judge texts; its log-odds are no rewards, so
-    they leave the health window alone (the empty health returned)."""
-    self._ranked.inc(responses)
-    self._judge_texts.inc(texts)
-    return {}
+  def count(self, counts: Mapping[str, int]) -> None:
+    """Adds one request's ``counts`` (a route's :attr:`jaxrm.routes.Scoring.counts`) to its counters."""
+    for name, n in counts.items():
+      self._counters[name].inc(n)
 
   def scored(self, rewards: list, rows: list[list[int]], truncated: int = 0) -> dict[str, float]:
     """Adds one request's rewards (with its rows' lengths in tokens, ``truncated`` of them cut to

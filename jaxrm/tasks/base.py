@@ -11,6 +11,7 @@ import numpy as np
 from jaxrm import losses
 from jaxrm.data import example_types
 from jaxrm.data.example_types import ExampleType
+from jaxrm.routes import Route
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # one object per task, compared by identity
@@ -61,6 +62,15 @@ class Task:
   # tokenize_options(options) and NOUN (what messages call its model: "a judge"); None: the task's
   # head is not the LM head.
   asker: type | None = None
+  # The server routes a model of it adds (jaxrm.server.formats.ROUTES holds every task's): POST
+  # path -> its Route (jaxrm.routes: the body parsed into the rows to score and how the answer is
+  # written, what the route does, the counters /metrics keeps of it); a model of another task is
+  # refused there (400).
+  routes: Mapping[str, Route] = dataclasses.field(default_factory=dict)
+  # What the server's one-reward routes (/score, /reward, ...) answer a model of it that gives no
+  # reward per row, after "{path} gives one reward per item, and this server's model is ": what it
+  # is, and the route to send instead. None: they serve it.
+  route_instead: str | None = None
   # The Python lines that use a loaded model of it besides what scores one reward per row (a
   # judge's comparisons): a run's end-of-run "use it" lines hold them (jaxrm.report.usage_commands).
   uses: tuple[str, ...] = ()

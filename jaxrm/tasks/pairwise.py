@@ -39,9 +39,11 @@ import numpy as np
 from jaxrm.batches import PreferenceBatch
 from jaxrm.data import example_types, tokenize
 from jaxrm.data.drops import DropReport, row_error
+from jaxrm.data.formats import json_type
 from jaxrm.data.records import PreferenceRecord, Text
 from jaxrm.errors import ConfigError, DataError
 from jaxrm.metrics import Moments, Ratio
+from jaxrm.routes import Body, Meta, RequestError, Route, Scoring, choice, text
 from jaxrm.tasks.base import Task, ones
 from jaxrm.tasks.preference import PREFERENCE
 from jaxrm.verifier import Asker
@@ -302,6 +304,136 @@ USES = (
 )
 
 
+# ---------------------------------------------------------------------------------------------
+# Serving: POST /compare (the server answers it through Task.routes)
+
+COMPARE_BODY = (
+  '{"prompt": a text or messages, "responses": [two or more texts or messages], "strategy": '
+  '"round_robin" | "circular" | "reference", "aggregate": "bradley_terry" | "win_rate", "reference": '
+  "a text (strategy reference only)}"
+)
+# What an over-long judge text is called in the server's 400.
+JUDGE_TEXT = "the judge text (conversation, both responses and the question)"
+# Its counters in /metrics.
+RANKED = "jaxrm_compared_responses"
+JUDGE_TEXTS = "jaxrm_judge_texts"
+COUNTERS = {
+  RANKED: "Responses ranked by a pairwise judge (/compare).",
+  JUDGE_TEXTS: "Judge texts (ordered comparisons) scored for /compare.",
+}
+
+
+def parse_compare(enc: Any, body: Body) -> Scoring:
+  """``POST /compare``: a pairwise judge ranks a group of responses to one prompt.
+
+  Body: ``prompt`` (a text, the user's turn, or the conversation's messages), ``responses`` (two or
+  more, each a text or the assistant's messages), ``strategy`` (``round_robin``, the default: every
+  ordered pair; ``circular``: each response against the next, both orders; ``reference``: each
+  against ``reference``, both orders), ``aggregate`` (``bradley_terry``, the default, or
+  ``win_rate``) and an optional ``model`` (not read: the server serves one). Answer:
+  ``{"rewards": [float per response], "log_odds": [[float | null]]}`` -- the log-odds that row i's
+  response is better than column j's (both orders averaged, null where not compared; a reference's
+  row and column last), as ``RewardModel.score_groups`` gives them (:class:`GroupScores`).
+
+  Each ordered pair is one judge text, the prompt in each: a group of G responses costs G(G-1)
+  texts under round_robin, 2G under circular and reference, counted against max_batch (a group
+  over it is refused, 400) and their tokens against max_queued_tokens; they are scored by the
+  batcher with every other request's rows, those sharing the prompt with it written once.
+
+  Args:
+    enc: the server's request encoder (:class:`jaxrm.server.bodies.Encoder`), the served judge's.
+    body: the request's JSON object.
+  """
+  prompt = _compare_prompt(enc, body)
+  strategy = choice(body, "strategy", STRATEGIES)
+  aggregate = choice(body, "aggregate", AGGREGATES)
+  responses = _compare_responses(enc, body, strategy, aggregate)
+  players = responses + _reference(enc, body, strategy)
+  pairs = comparisons(len(responses), strategy)
+  rows = [
+    enc.asked(_pair_name(i, j, len(responses)), JUDGE_TEXT, prompt, players[i], players[j]) for i, j in pairs
+  ]
+  n, reference = len(players), strategy == "reference"
+
+  def write(outputs: list[float], meta: Meta) -> Body:
+    return group_scores(n, pairs, outputs, aggregate, reference=reference).to_json()
+
+  return Scoring(rows, write, reward_rows=False, counts={RANKED: len(responses), JUDGE_TEXTS: len(rows)})
+
+
+def _pair_name(i: int, j: int, n: int) -> str:
+  """How an error names the judge text of (i, j); index ``n`` is the reference."""
+  name = lambda k: "reference" if k == n else f"responses[{k}]"  # noqa: E731
+  return f"{name(i)} as A, {name(j)} as B"
+
+
+def _compare_prompt(enc: Any, body: Body):
+  if "prompt" not in body:
+    raise RequestError(400, f"the body has no 'prompt'; send {COMPARE_BODY}")
+  prompt = body["prompt"]
+  if isinstance(prompt, str):
+    return prompt
+  if isinstance(prompt, list):
+    return enc.messages(prompt, "prompt")
+  raise RequestError(400, f"'prompt' is {json_type(prompt)}; expected a text or a list of messages")
+
+
+def _compare_responses(enc: Any, body: Body, strategy: str, aggregate: str) -> list:
+  """The responses, checked: as many as ``strategy`` needs, and no more judge texts than max_batch."""
+  if "responses" not in body:
+    raise RequestError(400, f"the body has no 'responses'; send {COMPARE_BODY}")
+  value = body["responses"]
+  if not isinstance(value, list):
+    raise RequestError(400, f"'responses' is {json_type(value)}; expected a list of texts or message lists")
+  try:
+    check_strategy(strategy, len(value), aggregate)
+  except ValueError as e:
+    raise RequestError(400, f"'responses': {e}") from None
+  _check_texts(enc, strategy, len(value))
+  return [text(enc, r, f"responses[{i}]") for i, r in enumerate(value)]
+
+
+def _reference(enc: Any, body: Body, strategy: str) -> list:
+  """``[reference]`` under strategy reference (which needs one), else ``[]`` (which takes none)."""
+  given = body.get("reference") is not None
+  if strategy != "reference":
+    if given:
+      raise RequestError(
+        400,
+        f'\'reference\' is compared with only under "strategy": "reference"; this body asks for {strategy!r}',
+      )
+    return []
+  if not given:
+    raise RequestError(
+      400, "strategy 'reference' compares each response with 'reference', and the body has none: send it"
+    )
+  return [text(enc, body["reference"], "reference")]
+
+
+def judge_texts(strategy: str, n: int) -> int:
+  """How many judge texts a group of ``n`` responses costs (:func:`comparisons`)."""
+  if strategy == "round_robin" or (strategy == "circular" and n <= 2):
+    return n * (n - 1)
+  return 2 * n
+
+
+def _check_texts(enc: Any, strategy: str, n: int) -> None:
+  """Refuses a group whose judge texts are more than max_batch, the items one request may score."""
+  texts, limit = judge_texts(strategy, n), enc.config.max_batch
+  if texts <= limit:
+    return
+  most = max(m for m in range(1, limit + 2) if m == 1 or judge_texts(strategy, m) <= limit)
+  raise RequestError(
+    400,
+    f"'responses' has {n} responses, which strategy {strategy!r} compares in {texts} judge texts; "
+    f"this server scores at most {limit} per request (--max_batch): send at most {most} responses"
+    + ("" if strategy != "round_robin" else ", or strategy 'circular' (2 judge texts per response)"),
+  )
+
+
+ROUTES = {"/compare": Route(parse_compare, does="ranks responses with a pairwise judge", counters=COUNTERS)}
+
+
 PAIRWISE = Task(
   name=NAME,
   reward_types=(NAME,),
@@ -325,6 +457,8 @@ PAIRWISE = Task(
   use_instead="a pairwise judge compares responses: rm.compare or rm.score_group, POST /compare, or "
   "jaxrm.evaluate on preference pairs",
   asker=Judge,
+  routes=ROUTES,  # POST /compare
+  route_instead=f"a pairwise judge, which compares responses: POST /compare with {COMPARE_BODY}",
   uses=USES,
 )
 
