@@ -331,6 +331,8 @@ def _readings() -> dict[str, Reading]:
       f"the tasks declare the evaluation readings {sorted(owners)} and jaxrm.evaluation.readings "
       f"scores {sorted(scoring)}: give each reading a task and a scoring"
     )
+  # reading_of takes the first reading of an example's type: a preference example is preference
+  # data before it is a judge's pairs
   order = dict.fromkeys([t.evaluation for t in tasks.TASKS.values()] + list(owners))
   # a reading whose scoring prepares nothing refuses combine, naming its rows
   return {
