@@ -11,7 +11,7 @@ from helpers import REBATCHED, assistant, user
 from jaxrm import RewardModel, benchmarks
 from jaxrm.benchmarks import judgebench
 from jaxrm.benchmarks.scoring import Scorer
-from jaxrm.evaluation import evaluate, format_report, run_benchmark
+from jaxrm.evaluation import evaluate, format_report, plot_scores, run_benchmark
 
 PAIRS = [
   {"prompt": [user("What is 2 + 2?")], "chosen": [assistant("4")], "rejected": [assistant("5")]},
@@ -52,6 +52,20 @@ def test_a_judges_pairs_are_scored_in_both_orders(judge, tmp_path):
   assert m["loss"] == pytest.approx(loss.mean(), rel=1e-5)
   report = format_report(result)
   assert "position bias" in report and "consistency" in report
+
+
+def test_a_judges_plot_shows_its_log_odds_in_each_order():
+  from matplotlib.figure import Figure
+
+  scores = {
+    "better_as_a": np.array([1.0, 2.0, -0.5], np.float32),
+    "better_as_b": np.array([-1.0, 0.5], np.float32),
+  }
+  ax = Figure().add_subplot()
+  plot_scores({"kind": "pairwise", "scores": scores}, ax)
+  labels = [t.get_text() for t in ax.get_legend().get_texts()]
+  assert labels == ["better response shown as A (n=3)", "better response shown as B (n=2)"]
+  assert ax.get_xlabel() == "log p(A) - log p(B)" and ax.get_title().endswith("in each order")
 
 
 # ------------------------------------------------------------------ benchmarks
@@ -120,6 +134,28 @@ def test_rewardbench_asks_a_judge_both_orders(tmp_path):
   report = benchmarks.run("rewardbench", Scorer(judge_fn=judge), str(path))
   assert judge.calls == [4] and report["results"]["alpacaeval-easy"] == 0.5
   assert report["judge"]["consistency"] == 0.0 and "length_bias" not in report
+
+
+def test_rmbench_asks_a_judge_each_style_pair_in_both_orders(tmp_path):
+  chosen, rejected = ["c0", "c1", "c2"], ["r0", "r1", "r2"]
+  path = tmp_path / "rmbench.jsonl"
+  path.write_text(
+    json.dumps({"id": 0, "prompt": "Q", "domain": "chat", "chosen": chosen, "rejected": rejected})
+  )
+  # the chosen shown as A: 2; shown as B: 3 against a plainer rejected style (the mean loses), else 1
+  table = {(c, r): 2.0 for c in chosen for r in rejected}
+  table |= {(r, c): 3.0 if i < j else 1.0 for i, c in enumerate(chosen) for j, r in enumerate(rejected)}
+  judge = TableJudge(table)
+  report = benchmarks.run("rmbench", Scorer(judge_fn=judge), str(path))
+  assert judge.calls == [18] and "length_bias" not in report
+  assert (report["results"]["hard_acc"], report["results"]["normal_acc"], report["results"]["easy_acc"]) == (
+    0,
+    1,
+    1,
+  )
+  figures = report["judge"]
+  assert (figures["accuracy_first"], figures["accuracy_second"], figures["consistency"]) == (1, 0, 0)
+  assert "a pairwise judge, each pair asked in both orders (their mean" in benchmarks.format_report(report)
 
 
 def test_judgebench_with_a_judge_model_reads_its_log_odds(judge, tmp_path):

@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxrm import tasks
 from jaxrm.benchmarks import rows
-from jaxrm.benchmarks.scoring import Scorer, judge_figures, judge_line
+from jaxrm.benchmarks.scoring import Scorer, both_orders_figures, both_orders_line
 from jaxrm.data.drops import row_error
 
 NAME = "judgebench"
@@ -129,7 +129,7 @@ def evaluate(pairs: list[Pair], scorer: Scorer) -> dict[str, Any]:
       "both_wrong": sum(a != label and b != label for a, b, label in zip(first, second, labels)),
       "orders_disagree": sum(a != b for a, b in zip(first, second)),
     },
-    "judge": judge_figures(s_better_as_a, s_better_as_b),
+    "judge": both_orders_figures(s_better_as_a, s_better_as_b),
     "num_examples": len(pairs),
   }
 
@@ -147,6 +147,6 @@ def format_table(result: dict[str, Any]) -> str:
     "",
     f"both orders right on {c['both_right']} of {n} pairs, both wrong on {c['both_wrong']}; "
     f"the two orders disagree on {c['orders_disagree']} (a tie: not right)",
-    judge_line(result["judge"], "JudgeBench's rule decides"),
+    both_orders_line(result["judge"], "JudgeBench's rule decides"),
   ]
   return "\n".join(lines)

@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxrm import tasks
 from jaxrm.benchmarks import length_bias, rows
-from jaxrm.benchmarks.scoring import Scorer, chat, judge_figures, judge_line
+from jaxrm.benchmarks.scoring import Scorer, both_orders_figures, both_orders_line, chat
 
 NAME = "rewardbench"
 HUB_NAME = "allenai/reward-bench"
@@ -160,7 +160,7 @@ def parse(source: str, row: dict) -> Pair:
 
 def evaluate(pairs: list[Pair], scorer: Scorer) -> dict[str, Any]:
   """Scores every pair in one call and returns the official figures."""
-  if scorer.judge:
+  if scorer.compares:
     return _judged(pairs, scorer)
   n = len(pairs)
   rewards = scorer.rewards(
@@ -183,7 +183,7 @@ def _judged(pairs: list[Pair], scorer: Scorer) -> dict[str, Any]:
   s_ab, s_ba = scorer.both_orders(
     [p.prompt for p in pairs], [p.chosen for p in pairs], [p.rejected for p in pairs], NAME
   )
-  return {**_figures(pairs, (s_ab - s_ba) / 2 > 0), "judge": judge_figures(s_ab, s_ba)}
+  return {**_figures(pairs, (s_ab - s_ba) / 2 > 0), "judge": both_orders_figures(s_ab, s_ba)}
 
 
 def _figures(pairs: list[Pair], right: np.ndarray) -> dict[str, Any]:
@@ -258,5 +258,5 @@ def format_table(result: dict[str, Any]) -> str:
   if result["unknown_subsets"]:
     lines.append(f"not part of any section: {', '.join(result['unknown_subsets'])}")
   if "judge" in result:
-    lines.append(judge_line(result["judge"]))
+    lines.append(both_orders_line(result["judge"]))
   return "\n".join(lines)

@@ -34,7 +34,7 @@ import numpy as np
 
 from jaxrm import tasks
 from jaxrm.benchmarks import length_bias, rows
-from jaxrm.benchmarks.scoring import Scorer, chat
+from jaxrm.benchmarks.scoring import Scorer, chat, groups_note
 from jaxrm.data.drops import row_error
 
 NAME = "rewardbench2"
@@ -42,11 +42,9 @@ HUB_NAME = "allenai/reward-bench-2"
 DEFAULT_SPLIT = "test"
 (MODEL_KIND,) = tasks.scoring("reward")
 JUDGED = True  # a pairwise judge has a path of its own (see above)
-JUDGE_PATH = (
-  "a pairwise judge's path: each completion's reward is its Bradley-Terry strength from a round "
-  "robin of the judge over the prompt's completions (every ordered pair asked), not a score of its "
-  "own as the official code gives; best-of-4 and Ties read those strengths"
-)
+# What the report adds to how a model that compares gives a group's rewards (its task's words,
+# scoring.groups_note)
+GROUPS_READ = ", not a score of its own as the official code gives; best-of-4 and Ties read those strengths"
 MAX_LENGTH = 2048  # the default of scripts/run_v2.py --max_length
 SUBSETS = ("Factuality", "Precise IF", "Math", "Safety", "Focus", "Ties")
 TIES = "Ties"
@@ -111,7 +109,7 @@ def evaluate(prompts: list[Prompt], scorer: Scorer) -> dict[str, Any]:
     else:
       results[subset] = float(np.mean([best_of_n(s) for _, s in members]))
   present = [results[s] for s in SUBSETS if s in results]
-  judge = {"judge": JUDGE_PATH} if scorer.judge else {}
+  judge = {"judge": groups_note() + GROUPS_READ} if scorer.compares else {}
   return {
     **judge,
     "results": {"Score": float(np.mean(present)) if present else math.nan, **results},
@@ -127,7 +125,7 @@ def evaluate(prompts: list[Prompt], scorer: Scorer) -> dict[str, Any]:
 
 def _scores(prompts: list[Prompt], scorer: Scorer) -> list[np.ndarray]:
   """Each prompt's completions' rewards, chosen first: scored in one call, or a judge's strengths."""
-  if scorer.judge:
+  if scorer.compares:
     return scorer.group_rewards([p.prompt for p in prompts], [p.completions for p in prompts], NAME)
   flat = [chat(p.prompt, c) for p in prompts for c in p.completions]
   rewards = scorer.rewards(flat, NAME)

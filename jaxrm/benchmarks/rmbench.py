@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxrm import tasks
 from jaxrm.benchmarks import length_bias, rows
-from jaxrm.benchmarks.scoring import Scorer, chat, judge_figures, judge_line
+from jaxrm.benchmarks.scoring import Scorer, both_orders_figures, both_orders_line, chat
 from jaxrm.data.drops import row_error
 
 NAME = "rmbench"
@@ -72,7 +72,7 @@ def parse(source: str, row: dict) -> Row:
 
 def evaluate(items: list[Row], scorer: Scorer) -> dict[str, Any]:
   """Scores the six responses of every row in one call and returns the official figures."""
-  if scorer.judge:
+  if scorer.compares:
     return _judged(items, scorer)
   rewards = scorer.rewards([chat(r.prompt, t) for r in items for t in (*r.chosen, *r.rejected)], NAME)
   rewards = rewards.reshape(len(items), 2, 3)  # [row, chosen/rejected, style]
@@ -86,7 +86,7 @@ def _judged(items: list[Row], scorer: Scorer) -> dict[str, Any]:
   prompts, chosen, rejected = (list(x) for x in zip(*pairs))
   s_ab, s_ba = scorer.both_orders(prompts, chosen, rejected, NAME)
   wins = ((s_ab - s_ba) / 2 > 0).reshape(len(items), 3, 3)  # [row, chosen style, rejected style]
-  return {**_figures(items, wins), "judge": judge_figures(s_ab, s_ba)}
+  return {**_figures(items, wins), "judge": both_orders_figures(s_ab, s_ba)}
 
 
 def _figures(items: list[Row], wins: np.ndarray) -> dict[str, Any]:
@@ -149,7 +149,7 @@ def format_table(result: dict[str, Any]) -> str:
       f"domains not in the data (left out of the averages): {', '.join(result['missing_subsets'])}"
     )
   if "judge" in result:
-    lines.append(judge_line(result["judge"]))
+    lines.append(both_orders_line(result["judge"]))
   return "\n".join(lines)
 
 

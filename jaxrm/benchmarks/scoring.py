@@ -1,27 +1,29 @@
-"""What a benchmark scores through: one function for rewards, one for step probabilities, and a
-pairwise judge's two: its log-odds of pairs, and a group's rewards from its comparisons.
+"""What a benchmark scores through: one function for rewards, one for step probabilities, and the
+two of a model that compares responses (a pairwise judge's): its log-odds of pairs, and a group's
+rewards from its comparisons.
 
 Benchmarks never see a model. They hand every conversation of the benchmark to
 :meth:`Scorer.rewards` in one call (the model side sorts them by length into padded buckets), and
-every solution to :meth:`Scorer.step_probabilities`; a judge is asked every pair in both orders by
-:meth:`Scorer.both_orders`, and every group by :meth:`Scorer.group_rewards`. Tests pass stub
-functions; the CLI passes :func:`model_scorer`.
+every solution to :meth:`Scorer.step_probabilities`; a model that compares is asked every pair in
+both orders by :meth:`Scorer.both_orders`, and every group by :meth:`Scorer.group_rewards`. Tests
+pass stub functions; the CLI passes :func:`model_scorer`. What a model that compares gives, and
+how a report words it (:func:`both_orders_figures`, :func:`both_orders_line`, :func:`groups_note`),
+its task says (:attr:`jaxrm.tasks.Task.benchmark_scoring`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 
-import jax.numpy as jnp
 import numpy as np
 
 from jaxrm import kinds, tasks
 from jaxrm.data.records import Message, Text
 from jaxrm.errors import DataError, EvaluationError
-from jaxrm.metrics import finalize_metrics
-from jaxrm.tasks import pairwise
+from jaxrm.tasks.base import BenchmarkScoring
 
 Conversation = list[Message]
 # Conversations (user turn, assistant reply) -> rewards float [N].
@@ -68,7 +70,7 @@ class Scorer:
 
   def rewards(self, conversations: Sequence[Conversation], benchmark: str) -> np.ndarray:
     """Rewards float64 [N], one per conversation."""
-    if self.rewards_fn is None and self.judge:
+    if self.rewards_fn is None and self.compares:
       raise EvaluationError(
         f"{benchmark} scores each response alone, and a pairwise judge compares two: run it on "
         "rewardbench, rewardbench2, rmbench or judgebench, whose judge's paths compare"
@@ -104,8 +106,9 @@ class Scorer:
     return [None if p is None else np.asarray(p, np.float64) for p in out]
 
   @property
-  def judge(self) -> bool:
-    """Whether this scores with a pairwise judge (its pairs compared, not its responses scored)."""
+  def compares(self) -> bool:
+    """Whether this scores with a model that compares two responses, a pairwise judge (its pairs
+    compared, not its responses scored)."""
     return self.judge_fn is not None
 
   def both_orders(
@@ -136,7 +139,7 @@ class Scorer:
     return out
 
   def _needs_judge(self, benchmark: str) -> None:
-    if not self.judge:
+    if not self.compares:
       raise EvaluationError(f"{benchmark}'s judge's path needs a pairwise judge; this scorer has none")
 
   def _count(self, n: int, start: float) -> None:
@@ -173,8 +176,12 @@ def model_scorer(
   """
   kind = kinds.check_kind(rm, *needs, use=use, error=EvaluationError)
   max_length = max_length or rm.config.max_position_embeddings
-  if tasks.scores_of(kind) == "comparisons":
-    return _judge_scorer(rm, batch_size, max_length)
+  compared = tasks.named(kind).benchmark_scoring
+  if compared is not None:
+    return Scorer(
+      judge_fn=lambda prompts, a, b: compared.pairs(rm, prompts, a, b, batch_size, max_length),
+      groups_fn=lambda prompts, groups: compared.groups(rm, prompts, groups, batch_size, max_length),
+    )
   if tasks.scores_of(kind) == "steps":
     return Scorer(
       steps_fn=lambda problems, steps: _model_steps(rm, problems, steps, batch_size, bucket, max_length)
@@ -184,47 +191,32 @@ def model_scorer(
   return scorer
 
 
-def _judge_scorer(rm, batch_size: int, max_length: int) -> Scorer:
-  """A judge's :class:`Scorer`: its pairs and groups through :mod:`jaxrm.tasks.pairwise` (a judge
-  text longer than ``max_length`` is an error naming it: cut, it would lose a response)."""
-
-  def judged(prompts, a, b):
-    return pairwise.compare(rm, prompts, a, b, orders="ab", batch_size=batch_size, max_length=max_length)
-
-  def groups(prompts, groups_):
-    scored = pairwise.score_groups(rm, prompts, groups_, batch_size=batch_size, max_length=max_length)
-    return [g.rewards for g in scored]
-
-  return Scorer(judge_fn=_refusing_long(judged), groups_fn=_refusing_long(groups))
+@functools.cache
+def _comparing() -> BenchmarkScoring:
+  """How the benchmarks report a model that compares responses: the first task whose models
+  compare that says so (:attr:`jaxrm.tasks.Task.benchmark_scoring`)."""
+  found = [s for name in tasks.scoring("comparisons") if (s := tasks.named(name).benchmark_scoring)]
+  if not found:
+    raise LookupError("no task whose models compare responses says how the benchmarks score them")
+  return found[0]
 
 
-def _refusing_long(fn: Callable) -> Callable:
-  def checked(*args):
-    try:
-      return fn(*args)
-    except DataError as e:
-      raise EvaluationError(f"{e}: raise --max_length (default the model's context for a judge)") from None
-
-  return checked
+def both_orders_figures(s_ab: np.ndarray, s_ba: np.ndarray) -> dict[str, float]:
+  """The figures over pairs asked in both orders, the better response shown as A (``s_ab`` [N],
+  the log-odds that A is better) and as B (``s_ba``): for a pairwise judge, accuracy in each order,
+  consistency and position bias, as its validation reports them."""
+  return _comparing().figures(s_ab, s_ba)
 
 
-def judge_figures(s_ab: np.ndarray, s_ba: np.ndarray) -> dict[str, float]:
-  """A judge's figures over pairs asked in both orders, the better response shown as A (``s_ab``
-  [N], its log-odds) and as B (``s_ba``): accuracy in each order, consistency and position bias,
-  as its validation reports them (:func:`jaxrm.tasks.pairwise.judge_loss`)."""
-  log_odds = jnp.stack([jnp.asarray(s_ab, jnp.float32), jnp.asarray(s_ba, jnp.float32)], axis=1)
-  metrics = finalize_metrics(pairwise.judge_loss(log_odds, jnp.ones(len(s_ab), jnp.float32))[1])
-  return {k: metrics[k] for k in ("accuracy_first", "accuracy_second", "consistency", "position_bias")}
+def both_orders_line(figures: dict[str, float], decides: str = "their mean log-odds decides") -> str:
+  """:func:`both_orders_figures` as a report's line; ``decides``: what the benchmark counts as right."""
+  return _comparing().line(figures, decides)
 
 
-def judge_line(figures: dict[str, float], decides: str = "their mean log-odds decides") -> str:
-  """:func:`judge_figures` as a report's line; ``decides``: what the benchmark counts as right."""
-  return (
-    f"a pairwise judge, each pair asked in both orders ({decides}): accuracy with "
-    f"the better response shown as A {100 * figures['accuracy_first']:.1f}, as B "
-    f"{100 * figures['accuracy_second']:.1f}; consistency {100 * figures['consistency']:.1f}; "
-    f"position bias (mean P(A), 50: none) {100 * figures['position_bias']:.1f}"
-  )
+def groups_note() -> str:
+  """How a group's rewards come from its comparisons (:meth:`Scorer.group_rewards`), as a report
+  says it."""
+  return _comparing().groups_note
 
 
 def _model_rewards(rm, conversations, batch_size, bucket, max_length, scorer: Scorer) -> np.ndarray:

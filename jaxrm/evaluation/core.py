@@ -323,14 +323,16 @@ def run_benchmark(
   if isinstance(model, Scorer):
     scorer = model
   else:
-    judge = tasks.scores_of(kinds.kind_of(model)) == "comparisons"
+    task = kinds.task_of(model)
+    # a model that compares (a judge) has its own paths through the benchmarks that say so (JUDGED)
+    compares = task is not None and task.benchmark_scoring is not None
     scorer = model_scorer(
       model,
-      needs=tasks.scoring("comparisons") if judge and bench.JUDGED else (bench.MODEL_KIND,),
+      needs=(task.name,) if compares and bench.JUDGED else (bench.MODEL_KIND,),
       use=name,
       batch_size=batch_size,
-      # a judge's text holds both responses: the official length, for one, would cut most
-      max_length=bench.MAX_LENGTH if max_length is None and not judge else max_length,
+      # its text holds both responses: the official length, for one, would cut most
+      max_length=bench.MAX_LENGTH if max_length is None and not compares else max_length,
     )
   loaded = data if isinstance(data, dict) else benchmarks.load(name, data, split=split, max_rows=max_rows)
   result = benchmarks.score(loaded, scorer, threshold=threshold)

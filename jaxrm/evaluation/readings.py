@@ -7,13 +7,15 @@ report and plot look a reading up here instead of testing the data.
 The tasks declare the readings (:attr:`jaxrm.tasks.Task.evaluations`: a task's ``evaluation`` for
 its data, ``"regression"`` for rated rows, and a verifier's ``"labelled"`` items): :data:`READINGS`
 is built from them, each with the rows and the task (the model it needs) of the first task that
-declares it, and how it is scored here. A reading a task declares and nothing here scores, or the
-reverse, stops the import with both lists.
+declares it, and how it is scored here, or by the task itself where it says so
+(:attr:`jaxrm.tasks.Task.evaluation_scoring`: a judge's pairs in both orders). A reading a task
+declares and nothing scores, or the reverse, stops the import with both lists.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,6 +25,7 @@ from jaxrm import tasks
 from jaxrm.data.example_types import ExampleType
 from jaxrm.errors import EvaluationError
 from jaxrm.evaluation import scores
+from jaxrm.tasks.base import ReadingScoring
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,36 +190,6 @@ def _labelled_plot(result: dict[str, Any], ax) -> None:
   )
 
 
-# ------------------------------------------------------------------------------------ pairwise judges
-
-
-def _judge_score(rm, batches, examples, extra):
-  del extra
-  return scores.judge_arrays(rm, batches, len(examples))
-
-
-def _judge_lines(result: dict[str, Any]) -> list[str]:
-  m = result["metrics"]
-  return [
-    f"accuracy           {m['accuracy']:.4f}  (both orders; better shown as A {m['accuracy_first']:.4f}, "
-    f"as B {m['accuracy_second']:.4f})",
-    f"consistency        {m['consistency']:.4f}  (pairs both orders judge alike)",
-    f"position bias      {m['position_bias']:.4f}  (mean P(A) over both orders; 0.5: none)",
-    f"loss               {m['loss']:.4f}",
-    f"log-odds           {m['reward_mean']:.4f} ± {m['reward_std']:.4f}",
-  ]
-
-
-def _judge_plot(result: dict[str, Any], ax) -> None:
-  s = result["scores"]
-  _histograms(
-    ax,
-    (("better response shown as A", s["better_as_a"]), ("better response shown as B", s["better_as_b"])),
-    "log p(A) - log p(B)",
-    "A judge's log-odds that A is better, in each order",
-  )
-
-
 # ---------------------------------------------------------------------------------------- regression
 
 
@@ -284,7 +257,8 @@ def _regression_plot(result: dict[str, Any], ax) -> None:
   fig.suptitle("Predictions against ratings (dashed: prediction = rating)")
 
 
-# How each reading of evaluation data is scored and reported, by its name in READINGS, in READINGS' order.
+# How each reading of evaluation data is scored and reported, by its name in READINGS, but for the
+# readings the tasks score their own way (Task.evaluation_scoring: _task_scoring).
 _SCORING = {
   "preference": dict(
     use="preference data",
@@ -311,14 +285,6 @@ _SCORING = {
     columns=_regression_columns,
     plot=_regression_plot,
   ),
-  "pairwise": dict(
-    use="a pairwise judge's pairs",
-    score=_judge_score,
-    metrics=scores.judge_metrics,
-    lines=_judge_lines,
-    columns=lambda result: ("accuracy", "accuracy_first", "accuracy_second", "consistency", "position_bias"),
-    plot=_judge_plot,
-  ),
   "labelled": dict(
     use="labelled items",
     score=_labelled_score,
@@ -330,22 +296,50 @@ _SCORING = {
 }
 
 
+def _task_scoring(how: ReadingScoring) -> dict[str, Any]:
+  """A task's own scoring of its reading (:attr:`jaxrm.tasks.Task.evaluation_scoring`) as an entry of
+  :data:`_SCORING`: given the model's outputs of the eval rows, and its histograms drawn here."""
+  return dict(
+    use=how.use,
+    score=lambda rm, batches, examples, extra: how.score(
+      functools.partial(scores.row_outputs, rm, batches), examples
+    ),
+    metrics=how.metrics,
+    lines=how.lines,
+    columns=how.columns,
+    plot=lambda result, ax: _histograms(ax, *how.histograms(result)),
+  )
+
+
 def _readings() -> dict[str, Reading]:
   """Every reading of evaluation data the tasks declare (:attr:`jaxrm.tasks.Task.evaluations`), each
-  owned by the first task that declares it, with how :data:`_SCORING` scores it."""
+  owned by the first task that declares it, with how :data:`_SCORING` scores it, or its task
+  (:attr:`jaxrm.tasks.Task.evaluation_scoring`). Each task's own reading comes first, in the tasks'
+  order, then the readings of the other rows they train on."""
   owners = {}
   for task in tasks.TASKS.values():
     for name, rows in task.evaluations.items():
       owners.setdefault(name, (task, rows))
-  if set(owners) != set(_SCORING):
+  scoring = {
+    **_SCORING,
+    **{
+      t.evaluation: _task_scoring(t.evaluation_scoring) for t in tasks.TASKS.values() if t.evaluation_scoring
+    },
+  }
+  if set(owners) != set(scoring):
     raise LookupError(
       f"the tasks declare the evaluation readings {sorted(owners)} and jaxrm.evaluation.readings "
-      f"scores {sorted(_SCORING)}: give each reading a task and a scoring"
+      f"scores {sorted(scoring)}: give each reading a task and a scoring"
     )
+  # reading_of takes the first reading of an example's type: a preference example is preference
+  # data before it is a judge's pairs
+  order = dict.fromkeys([t.evaluation for t in tasks.TASKS.values()] + list(owners))
   # a reading whose scoring prepares nothing refuses combine, naming its rows
   return {
-    name: Reading(task=task, rows=rows, name=name, **{"prepare": _takes_no_combine(rows.key), **how})
-    for name, how in _SCORING.items()
+    name: Reading(
+      task=task, rows=rows, name=name, **{"prepare": _takes_no_combine(rows.key), **scoring[name]}
+    )
+    for name in order
     for task, rows in [owners[name]]
   }
 

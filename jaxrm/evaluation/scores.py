@@ -24,7 +24,6 @@ from jaxrm.errors import EvaluationError
 from jaxrm.metrics import Scores as ScoreSamples
 from jaxrm.metrics import finalize_metrics
 from jaxrm.models.heads import correct_probability
-from jaxrm.tasks import pairwise
 
 NO_SUBSET = "(none)"  # the subset of rows that have no subset column
 
@@ -67,8 +66,9 @@ def batch_outputs(rm, batch) -> list[np.ndarray | None]:
   return out
 
 
-def _rewards(rm, batches, width: int) -> np.ndarray:
-  """float32 [rows of all batches / width, width]: each row's reward(s), 0 for rows without tokens."""
+def row_outputs(rm, batches, width: int) -> np.ndarray:
+  """float32 [rows of all batches, width]: each row's reward(s), 0 for rows without tokens. A task's
+  own reading (:attr:`jaxrm.tasks.Task.evaluation_scoring`) is given it to score its rows."""
   rows = [
     np.zeros(width, np.float32) if o is None else np.asarray(o, np.float32).reshape(width)
     for b in batches
@@ -80,7 +80,7 @@ def _rewards(rm, batches, width: int) -> np.ndarray:
 def preference_arrays(rm, batches: list[PreferenceBatch], n: int) -> tuple[PreferenceArrays, Scores]:
   """The rewards of every completion; scores ``chosen``/``rejected`` [N]: the best and the worst."""
   k = batches[0].ranks.shape[1]
-  rewards = _rewards(rm, batches, 1).reshape(-1, k)[:n]
+  rewards = row_outputs(rm, batches, 1).reshape(-1, k)[:n]
   ranks = np.concatenate([b.ranks for b in batches])[:n]
   margin = np.concatenate([b.margin for b in batches])[:n]
   worst = np.max(ranks, axis=1)  # completions are in preference order: the worst is the last real one
@@ -135,7 +135,7 @@ class LabelledArrays(NamedTuple):
 
 def labelled_arrays(rm, batches: list[LabelledBatch], n: int) -> tuple[LabelledArrays, Scores]:
   """The log-odds of every item; scores ``good``/``bad``: those of the items so labelled."""
-  log_odds = _rewards(rm, batches, 1).reshape(-1)[:n]
+  log_odds = row_outputs(rm, batches, 1).reshape(-1)[:n]
   labels = np.concatenate([b.labels for b in batches])[:n]
   return LabelledArrays(log_odds, labels), {"good": log_odds[labels > 0.5], "bad": log_odds[labels <= 0.5]}
 
@@ -147,30 +147,6 @@ def labelled_metrics(a: LabelledArrays, mask: np.ndarray) -> dict[str, float]:
   """The labelled items' validation metrics: loss, accuracy, positive rate, ECE and AUROC."""
   metrics = finalize_metrics(_labelled_sums(a.log_odds, a.labels, mask))
   return {**metrics, **finalize_metrics({"auroc": ScoreSamples(a.log_odds, a.labels, mask > 0)})}
-
-
-# ------------------------------------------------------------------------------------ pairwise judges
-
-
-class JudgeArrays(NamedTuple):
-  log_odds: np.ndarray  # [N, 2] float32: s(better as A, worse as B), s(worse as A, better as B)
-
-
-def judge_arrays(rm, batches: list[PreferenceBatch], n: int) -> tuple[JudgeArrays, Scores]:
-  """A judge's log-odds that A is better (``log p(A) - log p(B)``) of each pair in both orders
-  (:meth:`jaxrm.tasks.pairwise.Judge.examples` lays the better response out as A, then as B);
-  scores ``better_as_a`` and ``better_as_b`` [N]: each order's."""
-  log_odds = _rewards(rm, batches, 1).reshape(-1, 2)[:n]
-  return JudgeArrays(log_odds), {"better_as_a": log_odds[:, 0], "better_as_b": log_odds[:, 1]}
-
-
-_judge_sums = jax.jit(lambda *args: pairwise.judge_loss(*args)[1])
-
-
-def judge_metrics(a: JudgeArrays, mask: np.ndarray) -> dict[str, float]:
-  """A judge's validation metrics: accuracy in each order and in both, consistency, position bias,
-  loss and the log-odds' moments (:func:`jaxrm.tasks.pairwise.judge_loss`)."""
-  return finalize_metrics(_judge_sums(a.log_odds, mask))
 
 
 # ------------------------------------------------------------------------------------------ stepwise
@@ -234,7 +210,7 @@ def regression_arrays(
 ) -> tuple[RegressionArrays, Scores]:
   """Predictions against ratings; scores ``predictions``, ``ratings`` [N, A] and ``rated`` (bool)."""
   a = len(attributes)
-  predictions = _rewards(rm, batches, a)[:n]
+  predictions = row_outputs(rm, batches, a)[:n]
   labels, label_mask, group = (
     np.concatenate([getattr(b, f) for b in batches])[:n] for f in ("labels", "label_mask", "group")
   )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,6 +28,13 @@ class Task:
   # how jaxrm.evaluate reads and scores its data: its key in jaxrm.evaluation.readings.READINGS (an
   # evaluation result's "kind")
   evaluation: str
+  # How jaxrm.evaluate scores and reports its reading `evaluation` where jaxrm.evaluation.readings
+  # does not score it itself (a judge's pairs, each in both orders); None: the readings' own.
+  evaluation_scoring: ReadingScoring | None = dataclasses.field(default=None, kw_only=True)
+  # How the benchmarks score a model of it that compares two responses instead of scoring each (a
+  # judge's pairs in both orders, a group's rewards from its comparisons); None: one reward per
+  # conversation, or its steps' probabilities, as `scores` says.
+  benchmark_scoring: BenchmarkScoring | None = dataclasses.field(default=None, kw_only=True)
   # data.packing -> the batch class its rows are collated into; a mode left out is refused
   batches: Mapping[str, type]
   packing_refused: str  # why a data.packing left out of `batches` is refused ({packing}: the mode)
@@ -98,6 +105,43 @@ class Task:
     """The key in :attr:`losses` of a reward spec: ``choice`` (the value of its
     :attr:`loss_choice` key) counts where it names one."""
     return (reward_type, choice) if (reward_type, choice) in self.losses else (reward_type, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadingScoring:
+  """How :func:`jaxrm.evaluation.evaluate` scores and reports a task's own reading of evaluation data
+  (:attr:`Task.evaluation_scoring`): what it keeps of the model's outputs, its metrics over any
+  subset of the rows, and its report's lines, subset columns and histograms."""
+
+  use: str  # what needs the model, as the wrong-model message names it
+  # (outputs, examples) -> (arrays for `metrics`, the scores an evaluation result keeps by name);
+  # outputs(width) is float32 [rows of the eval batches, width]: each row's output(s) in order, 0
+  # for a row without tokens
+  score: Callable[[Callable[[int], np.ndarray], list], tuple[Any, dict[str, Any]]]
+  metrics: Callable[[Any, np.ndarray], dict[str, float]]  # (arrays, example mask [N]) -> metrics
+  lines: Callable[[dict[str, Any]], list[str]]  # result -> the report's headline lines
+  columns: Callable[[dict[str, Any]], tuple[str, ...]]  # result -> the subset table's metrics
+  # result -> its scores' plot: ([(label, values [n])], the x axis's label, the title)
+  histograms: Callable[[dict[str, Any]], tuple[Sequence[tuple[str, np.ndarray]], str, str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchmarkScoring:
+  """How the benchmarks (:mod:`jaxrm.benchmarks`) score a model that compares two responses
+  (:attr:`Task.benchmark_scoring`): its log-odds of pairs, a group's rewards, and the figures and
+  report lines of pairs asked in both orders."""
+
+  # (rm, prompts, responses A, responses B, batch_size, max_length) -> float [N]: the log-odds that
+  # A is the better response, each pair in the order given (an EvaluationError for a text too long)
+  pairs: Callable[[Any, Sequence[Any], Sequence[Any], Sequence[Any], int, int], np.ndarray]
+  # (rm, prompts, each prompt's responses, batch_size, max_length) -> each group's rewards [n_g]
+  groups: Callable[[Any, Sequence[Any], Sequence[Sequence[Any]], int, int], list[np.ndarray]]
+  # (log-odds with the better response shown as A [N], shown as B [N]) -> the figures of those
+  # pairs asked in both orders (a report's "judge" figures)
+  figures: Callable[[np.ndarray, np.ndarray], dict[str, float]]
+  # (figures, what the benchmark counts as right) -> the report's line of them
+  line: Callable[[dict[str, float], str], str]
+  groups_note: str  # how `groups` gives a group's rewards, as a report says it (RewardBench 2's)
 
 
 SCORES = ("reward", "steps", "attributes", "comparisons")

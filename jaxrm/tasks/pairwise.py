@@ -29,8 +29,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,10 +41,10 @@ from jaxrm.data import example_types, tokenize
 from jaxrm.data.drops import DropReport, row_error
 from jaxrm.data.formats import json_type
 from jaxrm.data.records import PreferenceRecord, Text
-from jaxrm.errors import ConfigError, DataError
-from jaxrm.metrics import Moments, Ratio
+from jaxrm.errors import ConfigError, DataError, EvaluationError
+from jaxrm.metrics import Moments, Ratio, finalize_metrics
 from jaxrm.routes import Body, Meta, RequestError, Route, Scoring, choice, text
-from jaxrm.tasks.base import Task, ones
+from jaxrm.tasks.base import BenchmarkScoring, ReadingScoring, Task, ones
 from jaxrm.tasks.preference import PREFERENCE
 from jaxrm.verifier import Asker
 
@@ -434,6 +434,116 @@ def _check_texts(enc: Any, strategy: str, n: int) -> None:
 ROUTES = {"/compare": Route(parse_compare, does="ranks responses with a pairwise judge", counters=COUNTERS)}
 
 
+# ---------------------------------------------------------------------------------------------
+# Evaluation and benchmarks: how jaxrm.evaluate and the benchmarks score and report a judge
+
+
+class JudgeArrays(NamedTuple):
+  log_odds: np.ndarray  # [N, 2] float32: s(better as A, worse as B), s(worse as A, better as B)
+
+
+def judge_arrays(outputs: Callable[[int], np.ndarray], examples: list) -> tuple[JudgeArrays, dict[str, Any]]:
+  """A judge's log-odds that A is better (``log p(A) - log p(B)``) of each pair in both orders
+  (:meth:`Judge.examples` lays the better response out as A, then as B), from ``outputs(1)`` (float32
+  [rows, 1], every eval row's); scores ``better_as_a`` and ``better_as_b`` [N]: each order's."""
+  log_odds = outputs(1).reshape(-1, 2)[: len(examples)]
+  return JudgeArrays(log_odds), {"better_as_a": log_odds[:, 0], "better_as_b": log_odds[:, 1]}
+
+
+# Jitted: one compile per evaluation instead of one per operation, whatever the number of subsets.
+_judge_sums = jax.jit(lambda *args: judge_loss(*args)[1])
+
+
+def judge_metrics(a: JudgeArrays, mask: np.ndarray) -> dict[str, float]:
+  """A judge's validation metrics over the pairs where ``mask`` [N] is 1: accuracy in each order and
+  in both, consistency, position bias, loss and the log-odds' moments (:func:`judge_loss`)."""
+  return finalize_metrics(_judge_sums(a.log_odds, mask))
+
+
+def _judge_lines(result: dict[str, Any]) -> list[str]:
+  m = result["metrics"]
+  return [
+    f"accuracy           {m['accuracy']:.4f}  (both orders; better shown as A {m['accuracy_first']:.4f}, "
+    f"as B {m['accuracy_second']:.4f})",
+    f"consistency        {m['consistency']:.4f}  (pairs both orders judge alike)",
+    f"position bias      {m['position_bias']:.4f}  (mean P(A) over both orders; 0.5: none)",
+    f"loss               {m['loss']:.4f}",
+    f"log-odds           {m['reward_mean']:.4f} ± {m['reward_std']:.4f}",
+  ]
+
+
+def _judge_histograms(result: dict[str, Any]) -> tuple[list[tuple[str, np.ndarray]], str, str]:
+  s = result["scores"]
+  return (
+    [("better response shown as A", s["better_as_a"]), ("better response shown as B", s["better_as_b"])],
+    "log p(A) - log p(B)",
+    "A judge's log-odds that A is better, in each order",
+  )
+
+
+EVALUATION = ReadingScoring(
+  use="a pairwise judge's pairs",
+  score=judge_arrays,
+  metrics=judge_metrics,
+  lines=_judge_lines,
+  columns=lambda result: ("accuracy", "accuracy_first", "accuracy_second", "consistency", "position_bias"),
+  histograms=_judge_histograms,
+)
+
+
+def _refusing_long(fn: Callable, *args, **kwargs) -> Any:
+  """``fn(*args, **kwargs)``, a judge text longer than max_length an EvaluationError naming it (cut,
+  it would lose a response)."""
+  try:
+    return fn(*args, **kwargs)
+  except DataError as e:
+    raise EvaluationError(f"{e}: raise --max_length (default the model's context for a judge)") from None
+
+
+def benchmark_pairs(
+  rm: Any, prompts: Sequence[Text], a: Sequence[Text], b: Sequence[Text], batch_size: int, max_length: int
+) -> np.ndarray:
+  """A benchmark's pairs: the log-odds that A is better, each pair in the order given (:func:`compare`)."""
+  return _refusing_long(compare, rm, prompts, a, b, orders="ab", batch_size=batch_size, max_length=max_length)
+
+
+def benchmark_groups(
+  rm: Any, prompts: Sequence[Text], groups: Sequence[Sequence[Text]], batch_size: int, max_length: int
+) -> list[np.ndarray]:
+  """A benchmark's groups: each one's Bradley-Terry strengths from its round robin (:func:`score_groups`)."""
+  scored = _refusing_long(score_groups, rm, prompts, groups, batch_size=batch_size, max_length=max_length)
+  return [g.rewards for g in scored]
+
+
+def order_figures(s_ab: np.ndarray, s_ba: np.ndarray) -> dict[str, float]:
+  """A judge's figures over pairs asked in both orders, the better response shown as A (``s_ab``
+  [N], its log-odds) and as B (``s_ba``): accuracy in each order, consistency and position bias,
+  as its validation reports them (:func:`judge_loss`)."""
+  log_odds = jnp.stack([jnp.asarray(s_ab, jnp.float32), jnp.asarray(s_ba, jnp.float32)], axis=1)
+  metrics = finalize_metrics(judge_loss(log_odds, jnp.ones(len(s_ab), jnp.float32))[1])
+  return {k: metrics[k] for k in ("accuracy_first", "accuracy_second", "consistency", "position_bias")}
+
+
+def order_line(figures: dict[str, float], decides: str) -> str:
+  """:func:`order_figures` as a report's line; ``decides``: what the benchmark counts as right."""
+  return (
+    f"a pairwise judge, each pair asked in both orders ({decides}): accuracy with "
+    f"the better response shown as A {100 * figures['accuracy_first']:.1f}, as B "
+    f"{100 * figures['accuracy_second']:.1f}; consistency {100 * figures['consistency']:.1f}; "
+    f"position bias (mean P(A), 50: none) {100 * figures['position_bias']:.1f}"
+  )
+
+
+BENCHMARKS = BenchmarkScoring(
+  pairs=benchmark_pairs,
+  groups=benchmark_groups,
+  figures=order_figures,
+  line=order_line,
+  groups_note="a pairwise judge's path: each completion's reward is its Bradley-Terry strength from a "
+  "round robin of the judge over the prompt's completions (every ordered pair asked)",
+)
+
+
 PAIRWISE = Task(
   name=NAME,
   reward_types=(NAME,),
@@ -441,6 +551,8 @@ PAIRWISE = Task(
   dataset="PreferenceDataset",
   example_types=(example_types.PREFERENCE,),
   evaluation="pairwise",
+  evaluation_scoring=EVALUATION,  # its pairs' log-odds in both orders, their metrics and report
+  benchmark_scoring=BENCHMARKS,  # pairs asked in both orders, groups ranked by their round robin
   # An example is a pair in both orders, two rows of one group: the preference layouts hold it,
   # and shared-prompt packing writes the judge's opening and conversation once for both.
   batches=PREFERENCE.batches,
