@@ -29,12 +29,17 @@ one pass). A prompt with a single completion has nothing to be compared with: it
 reward of a group's average response (0.0 under ``bradley_terry``, whose strengths are centred;
 0.5 under ``win_rate``).
 
+These functions know no task: a model whose scores are not one per completion is rewarded as its
+task's :attr:`~jaxrm.tasks.Task.group_rewards` says (the judge's is
+:class:`jaxrm.tasks.pairwise.GroupRewards`), and the options that ask for such rewards
+(``strategy=``, ``aggregate=``) are checked by it.
+
 :func:`as_reward_funcs` gives a regression model's attributes one reward function each, for TRL's
 ``reward_weights`` and ``multi_objective_aggregation``; the functions share one forward pass per batch.
 
 :func:`remote_reward_func` is the TRL function of a model served by ``python -m jaxrm.serve`` on
 another host: the same call, scored by the server's ``/score`` (``/score_steps`` for a process
-reward model).
+reward model; for a judge, its group rewards' route, ``/compare``, once per prompt's group).
 
 Every TRL function reports the reward's health of each batch (:mod:`jaxrm.reward_health`) through
 the ``log_metric`` and ``log_extra`` that TRL 1.16 passes it (:func:`log_health`).
