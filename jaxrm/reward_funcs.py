@@ -29,12 +29,17 @@ one pass). A prompt with a single completion has nothing to be compared with: it
 reward of a group's average response (0.0 under ``bradley_terry``, whose strengths are centred;
 0.5 under ``win_rate``).
 
+These functions know no task: a model whose scores are not one per completion is rewarded as its
+task's :attr:`~jaxrm.tasks.Task.group_rewards` says (the judge's is
+:class:`jaxrm.tasks.pairwise.GroupRewards`), and the options that ask for such rewards
+(``strategy=``, ``aggregate=``) are checked by it.
+
 :func:`as_reward_funcs` gives a regression model's attributes one reward function each, for TRL's
 ``reward_weights`` and ``multi_objective_aggregation``; the functions share one forward pass per batch.
 
 :func:`remote_reward_func` is the TRL function of a model served by ``python -m jaxrm.serve`` on
 another host: the same call, scored by the server's ``/score`` (``/score_steps`` for a process
-reward model).
+reward model; for a judge, its group rewards' route, ``/compare``, once per prompt's group).
 
 Every TRL function reports the reward's health of each batch (:mod:`jaxrm.reward_health`) through
 the ``log_metric`` and ``log_extra`` that TRL 1.16 passes it (:func:`log_health`).
@@ -59,7 +64,6 @@ import numpy as np
 from jaxrm import kinds, reward_health, step_rewards, tasks
 from jaxrm.data.records import Text
 from jaxrm.models.config import ModelConfig
-from jaxrm.tasks import pairwise
 
 
 class Scorer(Protocol):
@@ -152,101 +156,26 @@ def _step_scores(
   return [step_rewards.aggregate(p, how) if p else None for p in probabilities]
 
 
-def _check_judge(rm: Scorer, options: dict[str, Any], strategy: str | None, aggregate: str | None) -> bool:
-  """Whether ``rm`` is a pairwise judge, whose reward function compares a prompt's completions;
-  an error for options that do not fit the model (``options``: the other options given)."""
-  judge = getattr(rm, "judge", None) is not None
-  if judge:
-    given = [k for k, v in options.items() if v not in (None, False)]
-    if given:
-      raise ValueError(
-        f"{', '.join(f'{k}=' for k in given)}: a pairwise judge's rewards are its comparisons of each "
-        "prompt's completions (strategy=, aggregate=): leave it out"
-      )
-    pairwise.check_strategy(strategy or DEFAULT_STRATEGY, 2, aggregate or DEFAULT_AGGREGATE)
-  elif strategy is not None or aggregate is not None:
-    head = kinds.describe(rm.config, getattr(rm, "attributes", None), kinds.task_of(rm))
+def _grouping(rm: Scorer, given: dict[str, Any]) -> Any:
+  """The group rewards of ``rm``'s task (:attr:`jaxrm.tasks.Task.group_rewards`), None for a model
+  scored one reward per completion; an error for group options (``given``: their values, None
+  where left out) that such a model does not take."""
+  task = kinds.task_of(rm)
+  if task is not None and task.group_rewards is not None:
+    return task.group_rewards
+  named = [k for k, v in given.items() if v is not None]
+  if named:
+    grouping = tasks.grouping(*named)
+    head = kinds.describe(rm.config, getattr(rm, "attributes", None), task)
     raise ValueError(
-      f"strategy= and aggregate= are for a pairwise judge (its comparisons of a prompt's "
-      f"completions); this model has {head}: leave them out"
+      f"{_options(grouping.OPTIONS)} are for {grouping.FOR}; this model has {head}: leave them out"
     )
-  return judge
+  return None
 
 
-DEFAULT_STRATEGY, DEFAULT_AGGREGATE = "round_robin", "bradley_terry"  # a judge's, in a reward function
-REFERENCE_COLUMN = "reference"  # under strategy="reference": the batch's column each completion meets
-
-
-class Groups:
-  """A batch's completions grouped for a pairwise judge: by equal prompt (and, under
-  ``strategy="reference"``, equal reference: ``references[i]`` of row i), each group's row indices
-  in batch order (:attr:`rows`). A row alone with its prompt (without a reference) is in no group:
-  compared with nothing, it gets :attr:`default`, the reward of a group's average completion."""
-
-  def __init__(
-    self,
-    prompts: Sequence[Text],
-    completions: Sequence[Text],
-    strategy: str,
-    aggregate: str,
-    references: Sequence[Text] | None = None,
-  ):
-    if len(prompts) != len(completions):
-      raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
-    reference = strategy == "reference"
-    if reference and references is None:
-      raise ValueError(
-        f"strategy='reference' compares each completion with its row's {REFERENCE_COLUMN!r} column "
-        f"(a reference response), and the batch has none: add that column to the dataset"
-      )
-    if references is not None and len(references) != len(prompts):
-      raise ValueError(f"{len(references)} references for {len(prompts)} completions")
-    by_key: dict[str, list[int]] = {}
-    for i, prompt in enumerate(prompts):
-      key = _text_key([prompt, references[i]] if reference else prompt)
-      by_key.setdefault(key, []).append(i)
-    self.rows = [rows for rows in by_key.values() if reference or len(rows) > 1]
-    self.prompts = [prompts[rows[0]] for rows in self.rows]
-    self.groups = [[completions[i] for i in rows] for rows in self.rows]
-    self.references = [references[rows[0]] for rows in self.rows] if reference else None
-    self.default = 0.5 if aggregate == "win_rate" else 0.0  # the mean of a group's rewards
-    self.size = len(prompts)
-
-  def rewards(self, group_rewards: Sequence[Sequence[float]]) -> list[float]:
-    """One reward per row of the batch, from each group's rewards (in :attr:`rows` order)."""
-    out = [self.default] * self.size
-    for rows, rewards in zip(self.rows, group_rewards):
-      for i, r in zip(rows, rewards):
-        out[i] = float(r)
-    return out
-
-
-def _group_rewards(
-  rm: Scorer,
-  prompts: Sequence[Text],
-  completions: Sequence[Text],
-  references: Sequence[Text] | None,
-  strategy: str,
-  aggregate: str,
-  batch_size: int,
-) -> list[float]:
-  """Each completion's reward among the completions of an equal prompt (a judge's
-  ``score_groups``, one pass over every group); a lone completion gets a group's average reward."""
-  groups = Groups(prompts, completions, strategy, aggregate, references)
-  scored = rm.score_groups(
-    groups.prompts,
-    groups.groups,
-    strategy=strategy,
-    aggregate=aggregate,
-    references=groups.references,
-    batch_size=batch_size,
-  )
-  return groups.rewards([g.rewards for g in scored])
-
-
-def _text_key(text: Text) -> str:
-  """``text`` (a string or a message list) as a key: equal texts, equal keys."""
-  return json.dumps(text, sort_keys=True, ensure_ascii=False, default=repr)
+def _options(names: Sequence[str]) -> str:
+  """``strategy= and aggregate=``: keyword options as messages name them."""
+  return " and ".join(f"{k}=" for k in names)
 
 
 def _named(f: Callable, name: str) -> Callable:
@@ -290,17 +219,18 @@ def as_reward_func(
     aggregate: how a judge's comparisons become rewards: ``"bradley_terry"`` (the default: the
       maximum-likelihood strengths, centred in each group) or ``"win_rate"``; only for a judge.
   """
-  options = dict(normalize=normalize, combine=combine, step_aggregation=step_aggregation)
-  if _check_judge(rm, options, strategy, aggregate):
-    strategy, aggregate = strategy or DEFAULT_STRATEGY, aggregate or DEFAULT_AGGREGATE
+  given = {"strategy": strategy, "aggregate": aggregate}
+  grouping = _grouping(rm, given)
+  if grouping is not None:
+    options = dict(normalize=normalize, combine=combine, step_aggregation=step_aggregation)
+    settings = grouping.settings(given, options)
 
-    def judged(prompts: Sequence[Text], completions: Sequence[Text], **kwargs: Any) -> list[float]:
-      references = kwargs.get(REFERENCE_COLUMN)
-      rewards = _group_rewards(rm, prompts, completions, references, strategy, aggregate, batch_size)
+    def grouped(prompts: Sequence[Text], completions: Sequence[Text], **kwargs: Any) -> list[float]:
+      rewards = grouping.local(rm, prompts, completions, kwargs, settings, batch_size)
       log_health(kwargs, name, rewards, completions)
       return rewards
 
-    return _named(judged, name)
+    return _named(grouped, name)
   how = _check_scorer(rm, combine, normalize, step_aggregation)
   extra = {} if combine is None else {"combine": combine}
   reward_range = None if how is not None else reward_health.validation_range(rm, normalize=normalize)
@@ -557,20 +487,24 @@ def remote_reward_func(
   if step_aggregation is not None:
     step_aggregation = step_rewards.check_aggregation(step_aggregation)
   steps = steps or step_aggregation is not None
-  judge = strategy is not None or aggregate is not None
-  if judge:
+  given = {"strategy": strategy, "aggregate": aggregate}
+  named = [k for k, v in given.items() if v is not None]
+  grouping = tasks.grouping(*named) if named else None  # the server's model compares a group
+  if grouping is not None:
     if steps:
       raise ValueError(
-        f"{name}: steps= and step_aggregation= are a process reward model's; strategy= and aggregate= a judge's: pass one"
+        f"{name}: steps= and step_aggregation= are a process reward model's; "
+        f"{_options(grouping.OPTIONS)} {grouping.OWNER}'s: pass one"
       )
-    strategy, aggregate = strategy or DEFAULT_STRATEGY, aggregate or DEFAULT_AGGREGATE
-    pairwise.check_strategy(strategy, 2, aggregate)
-  path = "/compare" if judge else "/score_steps" if steps else "/score"
+    settings = grouping.settings(given)
+  path = grouping.ROUTE if grouping is not None else "/score_steps" if steps else "/score"
   post = _poster(url, path, api_key, timeout, retries, name)
 
-  def rewards(prompts: Sequence[Text], completions: Sequence[Text], references=None) -> list[float | None]:
-    if judge:
-      return _remote_group_rewards(post, prompts, completions, references, strategy, aggregate)
+  def rewards(
+    prompts: Sequence[Text], completions: Sequence[Text], columns: dict[str, Any]
+  ) -> list[float | None]:
+    if grouping is not None:
+      return grouping.remote(post, prompts, completions, columns, settings)
     if not steps:
       return post({"prompts": list(prompts), "completions": list(completions)})
     return _remote_step_rewards(post, prompts, completions, step_aggregation, name)
@@ -581,8 +515,7 @@ def remote_reward_func(
       prompts: Sequence[Text], completions: Sequence[Text], **kwargs: Any
     ) -> list[float | None]:
       # The blocking request, and its waits on a busy server, hold a worker thread, not the loop.
-      references = kwargs.get(REFERENCE_COLUMN)
-      scored = await asyncio.to_thread(rewards, list(prompts), list(completions), references)
+      scored = await asyncio.to_thread(rewards, list(prompts), list(completions), kwargs)
       log_health(kwargs, name, scored, completions)
       return scored
 
@@ -591,7 +524,7 @@ def remote_reward_func(
     def reward_func(
       prompts: Sequence[Text], completions: Sequence[Text], **kwargs: Any
     ) -> list[float | None]:
-      scored = rewards(prompts, completions, kwargs.get(REFERENCE_COLUMN))
+      scored = rewards(prompts, completions, kwargs)
       log_health(kwargs, name, scored, completions)
       return scored
 
@@ -644,25 +577,6 @@ def _poster(
       attempt += 1
 
   return post
-
-
-def _remote_group_rewards(
-  post: Callable[[dict], list],
-  prompts: Sequence[Text],
-  completions: Sequence[Text],
-  references: Sequence[Text] | None,
-  strategy: str,
-  aggregate: str,
-) -> list[float]:
-  """A judge server's rewards: one ``/compare`` request per group of the batch (:class:`Groups`)."""
-  groups = Groups(prompts, completions, strategy, aggregate, references)
-  scored = []
-  for g, (prompt, responses) in enumerate(zip(groups.prompts, groups.groups)):
-    body = {"prompt": prompt, "responses": responses, "strategy": strategy, "aggregate": aggregate}
-    if groups.references is not None:
-      body["reference"] = groups.references[g]
-    scored.append(post(body))
-  return groups.rewards(scored)
 
 
 def _remote_step_rewards(

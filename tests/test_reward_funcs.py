@@ -3,6 +3,7 @@
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import http.server
 import inspect
 import json
@@ -15,7 +16,8 @@ import pytest
 import torch
 from helpers import REBATCHED, serving
 
-from jaxrm import RewardModel, reward_funcs, reward_health, step_rewards
+from jaxrm import RewardModel, reward_funcs, reward_health, step_rewards, tasks
+from jaxrm.integrations import verl
 from jaxrm.loading import ScoringInfo
 from jaxrm.server import ServerConfig
 
@@ -194,6 +196,44 @@ def test_errors(validated_rm, tmp_path):
     reward_funcs.as_reward_func(other)
 
 
+class Shares:
+  """A task's group rewards (Task.group_rewards) for the test below: each completion's reward is
+  its length over its batch's total, whatever its prompt."""
+
+  OPTIONS = {"strategy": "whole_batch", "aggregate": "share"}
+  FOR = "a model of shares"
+
+  def settings(self, given, others):
+    assert others == {"normalize": False, "combine": None, "step_aggregation": None}
+    return {k: given[k] or default for k, default in self.OPTIONS.items()}
+
+  def local(self, rm, prompts, completions, columns, settings, batch_size):
+    self.asked = (settings, columns["extra"], batch_size)
+    total = sum(len(c) for c in completions)
+    return [len(c) / total for c in completions]
+
+
+def test_a_task_with_group_rewards_is_rewarded_by_them(validated_rm, monkeypatch):
+  """The reward function asks the model's task for its group rewards: a model of a task that
+  declares them is rewarded through them, whatever the task."""
+  shares = Shares()
+  task = dataclasses.replace(tasks.PREFERENCE, name="shares", group_rewards=shares)
+  monkeypatch.setitem(tasks.TASKS, task.name, task)
+  rm = types.SimpleNamespace(
+    config=validated_rm.config, attributes=None, info=types.SimpleNamespace(task=task.name)
+  )
+  f = reward_funcs.as_reward_func(rm, aggregate="most", batch_size=3, name="shares")
+  got = f(prompts=["p", "q"], completions=["a", "bcd"], extra="column")
+  assert got == [0.25, 0.75]
+  assert shares.asked == ({"strategy": "whole_batch", "aggregate": "most"}, "column", 3)
+  assert f.__name__ == "shares"
+  with pytest.raises(
+    ValueError,
+    match=r"^strategy= and aggregate= are for a pairwise judge \(its comparisons of a prompt's completions\); this model has a sequence head with 1 output: leave them out$",
+  ):
+    reward_funcs.as_reward_func(validated_rm, aggregate="win_rate")
+
+
 # ------------------------------------------------------------------ remote: a jaxrm server on loopback
 
 # Every remote test runs both ways: the plain function, and the async one TRL awaits (the same
@@ -345,6 +385,52 @@ def test_async_remote_reward_funcs_wait_for_their_servers_together():
       )
 
     assert asyncio.run(gathered()) == [[2.0], [1.0, 3.0]]
+
+
+@ASYNC
+def test_remote_group_rewards_post_each_prompts_group(asynchronous):
+  """A judge's server (strategy=, aggregate=) is sent one /compare request per prompt's group,
+  wherever its rows stand in the batch; a prompt alone gets a group's average reward (0.5 under
+  win_rate). Under strategy="reference" the row's reference column joins the key and the body,
+  and verl's judge=true compares the response with ground_truth so."""
+  seen = []
+
+  def compare(path, headers, body):
+    seen.append((path, body))
+    return 200, {"rewards": [float(len(r)) for r in body["responses"]]}
+
+  with stand_in_server(compare) as url:
+    remote = reward_funcs.remote_reward_func(url, aggregate="win_rate", asynchronous=asynchronous)
+    prompts, completions = ["p", "q", "p", "q", "lone"], ["a", "bb", "ccc", "dddd", "e"]
+    assert called(remote, prompts=prompts, completions=completions) == [1.0, 2.0, 3.0, 4.0, 0.5]
+    settings = {"strategy": "round_robin", "aggregate": "win_rate"}
+    assert seen == [
+      ("/compare", {"prompt": "p", "responses": ["a", "ccc"], **settings}),
+      ("/compare", {"prompt": "q", "responses": ["bb", "dddd"], **settings}),
+    ]
+    seen.clear()
+    against = reward_funcs.remote_reward_func(url, strategy="reference", asynchronous=asynchronous)
+    got = called(against, prompts=["p", "p", "p"], completions=["a", "bb", "c"], reference=["r", "s", "r"])
+    assert got == [1.0, 2.0, 1.0]
+    settings = {"strategy": "reference", "aggregate": "bradley_terry"}
+    assert seen == [
+      ("/compare", {"prompt": "p", "responses": ["a", "c"], **settings, "reference": "r"}),
+      ("/compare", {"prompt": "p", "responses": ["bb"], **settings, "reference": "s"}),
+    ]
+    with pytest.raises(
+      ValueError, match=r"^strategy='reference' compares each completion with its row's 'reference' column"
+    ):
+      called(against, prompts=["p"], completions=["a"])
+    seen.clear()
+    scored = asyncio.run(verl.compute_score("gsm8k", "five", 4, {"question": "Q"}, url=url, judge=True))
+    assert scored == {"score": 4.0}
+    user = [{"role": "user", "content": "Q"}]
+    assert seen == [("/compare", {"prompt": user, "responses": ["five"], **settings, "reference": "4"})]
+  with pytest.raises(
+    ValueError,
+    match=r"^remote: steps= and step_aggregation= are a process reward model's; strategy= and aggregate= a judge's: pass one$",
+  ):
+    reward_funcs.remote_reward_func(url, name="remote", strategy="circular", steps=True)
 
 
 # ------------------------------------------------------------------ remote: a process reward model's server

@@ -26,7 +26,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from jaxrm import reward_funcs
+from jaxrm import reward_funcs, tasks
 
 URL_ENV = "JAXRM_REWARD_URL"  # the server, when reward_kwargs gives no url
 API_KEY_ENV = "JAXRM_API_KEY"  # its key, when reward_kwargs gives no api_key (the server reads it too)
@@ -88,22 +88,26 @@ async def compute_score(
     )
   if aggregate is not None and not judge:
     raise ValueError(f"{NAME}: aggregate= is a judge's (with judge=true); leave it out")
-  comparing = ("reference", aggregate or "bradley_terry") if judge else (None, None)
+  # judge=true: the server's model compares each response with a reference answer, as the task
+  # whose reward functions take aggregate= does.
+  grouping = tasks.grouping("aggregate") if judge else None
+  options = () if grouping is None else tuple(grouping.against_reference({"aggregate": aggregate}).items())
   reward = _reward_func(
     _url(url),
     api_key or os.environ.get(API_KEY_ENV) or None,
     steps,
     step_aggregation,
-    *comparing,
+    options,
     timeout,
     retries,
   )
   prompt = _prompt(extra_info, prompt_key)
   if chat and isinstance(prompt, str):
     prompt = [{"role": "user", "content": prompt}]
-  if judge:
+  if grouping is not None:
     reference = ground_truth if isinstance(ground_truth, str) else str(ground_truth)
-    (score,) = await reward(prompts=[prompt], completions=[solution_str], reference=[reference])
+    columns = {grouping.COLUMN: [reference]}
+    (score,) = await reward(prompts=[prompt], completions=[solution_str], **columns)
     return {"score": score}
   # After a conversation, the response is the assistant's next message.
   response = [{"role": "assistant", "content": solution_str}] if isinstance(prompt, list) else solution_str
@@ -136,12 +140,12 @@ def _reward_func(
   api_key: str | None,
   steps: bool,
   step_aggregation: str | None,
-  strategy: str | None,
-  aggregate: str | None,
+  options: tuple[tuple[str, Any], ...],
   timeout: float,
   retries: int,
 ) -> Callable[..., Any]:
-  """One asynchronous remote reward function per server and settings, made on first use."""
+  """One asynchronous remote reward function per server and settings, made on first use
+  (``options``: a group's, as :func:`remote_reward_func` takes them)."""
   return reward_funcs.remote_reward_func(
     url,
     api_key=api_key,
@@ -150,9 +154,8 @@ def _reward_func(
     name=NAME,
     steps=steps,
     step_aggregation=step_aggregation,
-    strategy=strategy,
-    aggregate=aggregate,
     asynchronous=True,
+    **dict(options),
   )
 
 

@@ -46,6 +46,7 @@ __all__ = [
   "VERIFIER",
   "Task",
   "batch_loss",
+  "grouping",
   "named",
   "of_head",
   "of_model",
@@ -82,6 +83,15 @@ def scores_of(kind: str | None) -> str | None:
   is no task's (``other``, None)."""
   task = TASKS.get(kind) if isinstance(kind, str) else None
   return None if task is None else task.scores
+
+
+def grouping(*options: str) -> Any:
+  """The group rewards (:attr:`Task.group_rewards`) of the task whose RL reward functions take the
+  keyword ``options`` (a judge's ``strategy``, ``aggregate``); a ValueError where no task's do."""
+  for task in TASKS.values():
+    if task.group_rewards is not None and set(options) <= set(task.group_rewards.OPTIONS):
+      return task.group_rewards
+  raise ValueError(f"no task's reward functions take {', '.join(f'{o}=' for o in options)}")
 
 
 def reading(rows: ExampleType) -> Task:

@@ -64,6 +64,15 @@ class Task:
   # The other tasks' uses (their names) that a model of this task serves too: a verifier's one
   # reward per row serves wherever a preference model's does.
   serves: tuple[str, ...] = ()
+  # How an RL reward function (jaxrm.reward_funcs, jaxrm.integrations.verl) rewards a batch of
+  # completions with a model of it whose scores are not one per completion (a judge's: each
+  # prompt's completions compared): an object with OPTIONS (the reward functions' options that ask
+  # for it, with their defaults), FOR and OWNER (what messages call who takes them), ROUTE (the
+  # server's route), COLUMN (the batch's column of reference answers), settings(given, others),
+  # against_reference(given), local(rm, prompts, completions, columns, settings, batch_size) and
+  # remote(post, prompts, completions, columns, settings) (jaxrm.tasks.pairwise.GroupRewards);
+  # None: one score per completion.
+  group_rewards: Any = None
   # The LM-head asker of a model of this task (a verifier's question and answers, a judge's): a
   # class with of_spec(reward spec), from_json(record), to_json(), token_ids(tokenizer),
   # tokenize_options(options) and NOUN (what messages call its model: "a judge"); None: the task's

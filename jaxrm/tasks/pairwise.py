@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple
@@ -544,6 +545,137 @@ BENCHMARKS = BenchmarkScoring(
 )
 
 
+# ---------------------------------------------------------------------------------------------
+# RL rewards: a batch's completions grouped by prompt, each group's rewards from its comparisons
+
+
+class Groups:
+  """A batch's completions grouped for a pairwise judge: by equal prompt (and, under
+  ``strategy="reference"``, equal reference: ``references[i]`` of row i), each group's row indices
+  in batch order (:attr:`rows`). A row alone with its prompt (without a reference) is in no group:
+  compared with nothing, it gets :attr:`default`, the reward of a group's average completion."""
+
+  def __init__(
+    self,
+    prompts: Sequence[Text],
+    completions: Sequence[Text],
+    strategy: str,
+    aggregate: str,
+    references: Sequence[Text] | None = None,
+  ):
+    if len(prompts) != len(completions):
+      raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+    reference = strategy == "reference"
+    if reference and references is None:
+      raise ValueError(
+        f"strategy='reference' compares each completion with its row's {REFERENCE_COLUMN!r} column "
+        f"(a reference response), and the batch has none: add that column to the dataset"
+      )
+    if references is not None and len(references) != len(prompts):
+      raise ValueError(f"{len(references)} references for {len(prompts)} completions")
+    by_key: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+      key = _text_key([prompt, references[i]] if reference else prompt)
+      by_key.setdefault(key, []).append(i)
+    self.rows = [rows for rows in by_key.values() if reference or len(rows) > 1]
+    self.prompts = [prompts[rows[0]] for rows in self.rows]
+    self.groups = [[completions[i] for i in rows] for rows in self.rows]
+    self.references = [references[rows[0]] for rows in self.rows] if reference else None
+    self.default = 0.5 if aggregate == "win_rate" else 0.0  # the mean of a group's rewards
+    self.size = len(prompts)
+
+  def rewards(self, group_rewards: Sequence[Sequence[float]]) -> list[float]:
+    """One reward per row of the batch, from each group's rewards (in :attr:`rows` order)."""
+    out = [self.default] * self.size
+    for rows, rewards in zip(self.rows, group_rewards):
+      for i, r in zip(rows, rewards):
+        out[i] = float(r)
+    return out
+
+
+def _text_key(text: Text) -> str:
+  """``text`` (a string or a message list) as a key: equal texts, equal keys."""
+  return json.dumps(text, sort_keys=True, ensure_ascii=False, default=repr)
+
+
+REFERENCE_COLUMN = "reference"  # under strategy="reference": the batch's column each completion meets
+
+
+class GroupRewards:
+  """A judge's rewards in an RL loop (:attr:`Task.group_rewards`): the batch's completions grouped
+  by equal prompt (:class:`Groups`), each group's rewards its comparisons aggregated, scored by the
+  model in one pass (:meth:`local`) or by a server, one ``/compare`` request per group
+  (:meth:`remote`)."""
+
+  # The reward functions' options that ask for a judge's rewards, and their defaults.
+  OPTIONS: ClassVar[Mapping[str, str]] = {"strategy": "round_robin", "aggregate": "bradley_terry"}
+  FOR: ClassVar[str] = "a pairwise judge (its comparisons of a prompt's completions)"
+  OWNER: ClassVar[str] = "a judge"  # whose options they are, in messages
+  ROUTE: ClassVar[str] = "/compare"  # the server's route, one request per group
+  COLUMN: ClassVar[str] = REFERENCE_COLUMN  # the batch's column a completion may be compared with
+
+  def settings(self, given: Mapping[str, Any], others: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """``given`` (values of :attr:`OPTIONS`, None where left out) with the defaults, checked; an
+    error naming any of ``others`` (the reward function's other options) that is given."""
+    wrong = [k for k, v in (others or {}).items() if v not in (None, False)]
+    if wrong:
+      raise ValueError(
+        f"{', '.join(f'{k}=' for k in wrong)}: a pairwise judge's rewards are its comparisons of each "
+        "prompt's completions (strategy=, aggregate=): leave it out"
+      )
+    out = {k: given.get(k) or default for k, default in self.OPTIONS.items()}
+    check_strategy(out["strategy"], 2, out["aggregate"])
+    return out
+
+  def against_reference(self, given: Mapping[str, Any]) -> dict[str, Any]:
+    """``given`` asking that each completion be compared with its row's :attr:`COLUMN` (an RL
+    loop's reference answer)."""
+    return {**given, "strategy": "reference"}
+
+  def local(
+    self,
+    rm: Any,
+    prompts: Sequence[Text],
+    completions: Sequence[Text],
+    columns: Mapping[str, Any],
+    settings: Mapping[str, str],
+    batch_size: int,
+  ) -> list[float]:
+    """One reward per completion, from ``rm.score_groups`` (every group in one pass); a completion
+    alone with its prompt gets a group's average reward. ``columns``: the batch's other columns."""
+    groups = self._groups(prompts, completions, columns, settings)
+    scored = rm.score_groups(
+      groups.prompts, groups.groups, references=groups.references, batch_size=batch_size, **settings
+    )
+    return groups.rewards([g.rewards for g in scored])
+
+  def remote(
+    self,
+    post: Callable[[dict], list],
+    prompts: Sequence[Text],
+    completions: Sequence[Text],
+    columns: Mapping[str, Any],
+    settings: Mapping[str, str],
+  ) -> list[float]:
+    """One reward per completion from a judge's server: ``post(body)`` (to :attr:`ROUTE`) once per
+    group, answering the group's rewards."""
+    groups = self._groups(prompts, completions, columns, settings)
+    scored = []
+    for g, (prompt, responses) in enumerate(zip(groups.prompts, groups.groups)):
+      body = {"prompt": prompt, "responses": responses, **settings}
+      if groups.references is not None:
+        body["reference"] = groups.references[g]
+      scored.append(post(body))
+    return groups.rewards(scored)
+
+  def _groups(self, prompts, completions, columns, settings) -> Groups:
+    references = columns.get(self.COLUMN)
+    return Groups(prompts, completions, settings["strategy"], settings["aggregate"], references)
+
+
+GROUP_REWARDS = GroupRewards()
+
+
 PAIRWISE = Task(
   name=NAME,
   reward_types=(NAME,),
@@ -572,6 +704,7 @@ PAIRWISE = Task(
   routes=ROUTES,  # POST /compare
   route_instead=f"a pairwise judge, which compares responses: POST /compare with {COMPARE_BODY}",
   uses=USES,
+  group_rewards=GROUP_REWARDS,
 )
 
 
