@@ -23,7 +23,7 @@ names; :mod:`jaxrm.kinds` says whether a model fits a use, in these tasks' words
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxrm import losses
@@ -53,6 +53,7 @@ __all__ = [
   "reading",
   "scores_of",
   "scoring",
+  "verb",
 ]
 
 TASKS = {t.name: t for t in (PREFERENCE, PROCESS, REGRESSION, VERIFIER, PAIRWISE)}
@@ -82,6 +83,14 @@ def scores_of(kind: str | None) -> str | None:
   is no task's (``other``, None)."""
   task = TASKS.get(kind) if isinstance(kind, str) else None
   return None if task is None else task.scores
+
+
+def verb(name: str, kind: str | None = None) -> Callable[..., Any] | property | None:
+  """The verb ``name`` (:attr:`Task.verbs`) of the task called ``kind`` (a model's kind), else of the
+  first task that has one: called on a model of another task, a verb refuses it in its own words.
+  None where no task has it."""
+  own = TASKS[kind].verbs if kind in TASKS else {}
+  return own.get(name) or next((t.verbs[name] for t in TASKS.values() if name in t.verbs), None)
 
 
 def reading(rows: ExampleType) -> Task:
