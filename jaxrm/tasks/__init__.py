@@ -13,7 +13,8 @@ file of this package.
   per response of a group by its comparisons.
 
 Each task says which reward types train it, what data it reads, how its batches are laid out, the
-head it needs, its losses, and what to say when a model of another kind is used for it. The config,
+head it needs, its losses, what a loaded model of it does beyond scoring (its verbs, :func:`verb`),
+and what to say when a model of another kind is used for it. The config,
 the data checks, the trainer, the losses, scoring, the server and evaluation ask a task (found from
 a reward type with :func:`of_reward_type`, of a model with :func:`of_model`: the task its files
 record, told from its head by :func:`of_head` only where they record none) instead of comparing
