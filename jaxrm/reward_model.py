@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,7 +25,7 @@ from jaxrm import export_files, kinds, loading, reward_funcs, shared_prefix, ste
 from jaxrm.batches import IGNORE_INDEX
 from jaxrm.config import combination_weights
 from jaxrm.data.drops import DropReport
-from jaxrm.data.formats import json_type, parse_text
+from jaxrm.data.formats import json_type, parse_text, parse_texts
 from jaxrm.data.pipeline import bucket_length, length_buckets, right_padded, scoring_rows
 from jaxrm.data.records import PreferenceRecord, StepwiseRecord, Text
 from jaxrm.data.tokenize import (
@@ -42,9 +43,7 @@ from jaxrm.models.config import ModelConfig
 from jaxrm.models.decoder import Decoder
 from jaxrm.models.heads import correct_probability
 from jaxrm.shared_prefix import Sharing
-from jaxrm.tasks import pairwise
-from jaxrm.tasks.pairwise import GroupScores, Judge
-from jaxrm.verifier import Verifier
+from jaxrm.verifier import Asker, Verifier
 
 log = logging.getLogger(__name__)
 
@@ -68,28 +67,6 @@ def packed_programs() -> int:
   return _forward_packed._cache_size()
 
 
-def _texts(values: Any, name: str, call: str) -> list[Text]:
-  """``values`` checked as a list of texts or conversations (each a list of messages)."""
-  one = (
-    "one string"
-    if isinstance(values, str)
-    else "one message"
-    if isinstance(values, dict)
-    else "one conversation (a list of messages)"
-    if isinstance(values, list) and values and all(isinstance(v, dict) for v in values)
-    else None
-  )
-  if one:
-    raise DataError(
-      f"{call}: {name} is {one}, where a list of texts or conversations belongs: for one, "
-      f"wrap it in a list (rm.{call}([...])); a conversation is a list of {{'role', 'content'}} "
-      "messages"
-    )
-  if not isinstance(values, (list, tuple)):
-    raise DataError(f"{call}: {name} is {json_type(values)}; expected a list of texts or conversations")
-  return [parse_text(v, call, f"{name}[{i}]") for i, v in enumerate(values)]
-
-
 def _steps(steps: Any, field: str, separator: str) -> tuple[str, ...]:
   """``steps`` checked as a list of step texts (:func:`jaxrm.step_rewards.check_steps`)."""
   try:
@@ -105,6 +82,31 @@ def _steps(steps: Any, field: str, separator: str) -> tuple[str, ...]:
     raise DataError(f"score_steps: {e}") from None
 
 
+def _askers() -> list[type[Asker]]:
+  """The askers of the LM-head tasks but the verifier's (from_pretrained's own ``verifier=``), each
+  given to from_pretrained by its keyword (its ``WORD``: ``judge=``)."""
+  return [t.asker for t in tasks.TASKS.values() if t.asker not in (None, Verifier)]
+
+
+def _asked(
+  asker: type[Asker], value: Any, head: str | None, others: list[tuple[type[Asker], Any]]
+) -> tuple[str, type[Asker], Asker | None]:
+  """(head, asker class, asker) of from_pretrained's keyword of ``asker`` given ``value`` (True: what
+  an export or run of its task recorded, else its defaults; a dict or an ``asker``); ``others``, the
+  other askers' keywords and values, must be left out."""
+  given = [other for other, v in others if v not in (None, False)]
+  if given:
+    raise ConfigError(
+      f"{given[0].WORD}= and {asker.WORD}= both given: a causal LM is loaded as {given[0].LOADED_AS} "
+      f"or as {asker.LOADED_AS}; pass one"
+    )
+  if head not in (None, "lm"):
+    raise ConfigError(
+      f"{asker.WORD}= with head={head!r}: a {asker.WORD}'s head is the LM head ('lm'); leave head out"
+    )
+  return "lm", asker, None if value is True else asker.of(value)
+
+
 class RewardModel:
   """A reward model (``model``: flax.nnx.Module), its ``config``, ``tokenizer`` and ``info``
   (:class:`jaxrm.loading.ScoringInfo`: what training recorded for scoring).
@@ -117,9 +119,15 @@ class RewardModel:
     training_max_length: the training run's ``data.max_length`` (from the run, or recorded in an
       export of one), else None; the reward server's default limit per item.
     verifier: what an LM head asks: a verifier's question and answers
-      (:class:`jaxrm.verifier.Verifier`), or a pairwise judge's (then also :attr:`judge`), else None.
+      (:class:`jaxrm.verifier.Verifier`), or a pairwise judge's (then also ``judge``), else None.
     task, kind: the model's task as its files record it (:attr:`task`), and its name.
     rendering: how training rendered its rows, and so how every input is scored.
+
+  What a model of one task does beyond this class's methods comes from its task
+  (:attr:`jaxrm.tasks.Task.verbs`), bound to the model: a pairwise judge's ``rm.compare``,
+  ``rm.score_group``, ``rm.score_groups``, ``rm.judge_text`` and ``rm.judge``
+  (:class:`jaxrm.tasks.pairwise.JudgeVerbs`). A verb of another task refuses the model, saying
+  what it needs; ``rm.judge`` is None for any model but a judge.
   """
 
   def __init__(self, model: Decoder, tokenizer=None, info: ScoringInfo = ScoringInfo()):
@@ -160,15 +168,21 @@ class RewardModel:
     return self.info.training_max_length
 
   @property
-  def verifier(self) -> Verifier | Judge | None:
+  def verifier(self) -> Asker | None:
     return self.info.verifier
 
-  @property
-  def judge(self) -> Judge | None:
-    """A pairwise judge's question, answers and template (:class:`jaxrm.tasks.pairwise.Judge`);
-    None for any other model."""
-    asker = self.info.verifier
-    return asker if isinstance(asker, Judge) else None
+  def __getattr__(self, name: str) -> Any:
+    """A verb of the model's task (:attr:`jaxrm.tasks.Task.verbs`: a judge's ``compare``), bound to
+    this model; a verb only another task has refuses this model in that task's words."""
+    info = self.__dict__.get("info")  # not yet set while a copy is made
+    verb = None if name.startswith("_") or info is None else tasks.verb(name, info.task)
+    if verb is None:
+      raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    return verb.fget(self) if isinstance(verb, property) else types.MethodType(verb, self)
+
+  def __dir__(self) -> list[str]:
+    own = () if self.task is None else self.task.verbs
+    return sorted({*super().__dir__(), *own})
 
   @property
   def task(self) -> tasks.Task | None:
@@ -209,7 +223,6 @@ class RewardModel:
     step: int | None = None,
     load_weights: bool = True,
     verifier: bool | dict | Verifier | None = None,
-    judge: bool | dict | Judge | None = None,
     **config_overrides,
   ) -> RewardModel:
     """Loads a checkpoint (through :func:`jaxrm.loading.locate` and :func:`jaxrm.loading.load`).
@@ -238,23 +251,19 @@ class RewardModel:
         "answers": ["Yes", "No"]}``; the score of a conversation is then ``log p(yes) - log p(no)``
         of the answer to the question asked after it. An export of a verifier, or a training run
         of one, is a verifier without it (True keeps its question; a dict asks another).
-      judge: score with a causal LM (HF directory or .gguf file) as a pairwise judge
-        (:mod:`jaxrm.tasks.pairwise`): True (its default question and answers ``A``/``B``), a
-        dict ``{"question": ..., "answers": ["A", "B"]}`` or a
-        :class:`~jaxrm.tasks.pairwise.Judge`; it then compares responses (:meth:`compare`,
-        :meth:`score_group`) instead of scoring one. An export or training run of a judge is one
-        without it (True keeps what it recorded).
+      config_overrides: the model config's fields to change, and the keyword of another LM-head
+        task's asker (its ``WORD``, :attr:`jaxrm.tasks.Task.asker`): ``judge=`` scores with a
+        causal LM (HF directory or .gguf file) as a pairwise judge (:mod:`jaxrm.tasks.pairwise`):
+        True (its default question and answers ``A``/``B``), a dict ``{"question": ...,
+        "answers": ["A", "B"]}`` or a :class:`~jaxrm.tasks.pairwise.Judge`; it then compares
+        responses (``rm.compare``, ``rm.score_group``) instead of scoring one. An export or
+        training run of a judge is one without it (True keeps what it recorded).
     """
     asks = None
-    if judge not in (None, False):
-      if verifier not in (None, False):
-        raise ConfigError(
-          "verifier= and judge= both given: a causal LM is loaded as a verifier (one reward per "
-          "response) or as a pairwise judge (which of two responses is better); pass one"
-        )
-      if head not in (None, "lm"):
-        raise ConfigError(f"judge= with head={head!r}: a judge's head is the LM head ('lm'); leave head out")
-      head, asks, verifier = "lm", Judge, None if judge is True else Judge.of(judge)
+    asked = [(a, config_overrides.pop(a.WORD)) for a in _askers() if a.WORD in config_overrides]
+    asked = [(a, value) for a, value in asked if value not in (None, False)]
+    if asked:
+      head, asks, verifier = _asked(*asked[0], head, [(Verifier, verifier), *asked[1:]])
     elif verifier is True:  # a verifier asking what an export or run of one recorded, else the defaults
       if head not in (None, "lm"):
         raise ValueError(f"verifier=True with head={head!r}: a verifier's head is the LM head ('lm')")
@@ -327,7 +336,7 @@ class RewardModel:
     trained on plain text is scored as its turns' contents joined; strings given to a model trained
     on conversations are scored as sent (they may be texts the template rendered). The log says
     so the first time. ``drops``, if given, counts the row in ``drops.cut`` where it lost context.
-    A pairwise judge lays out no row of one response: it compares two (:meth:`judge_text`).
+    A pairwise judge lays out no row of one response: it compares two (``rm.judge_text``).
     """
     self._check_one_reward("encode()")
     item = parse_text(item, "encode", where)
@@ -419,10 +428,12 @@ class RewardModel:
     return self.reduce(rewards, combine=weights, normalize=normalize)
 
   def _check_one_reward(self, use: str) -> None:
-    """Refuses ``use``, one reward per row, of a model that gives none: a process reward model
-    (a token head, scored by its steps) or a pairwise judge (it compares two responses). Any
-    sequence or verifier head gives one."""
-    if self.config.per_token or self.judge is not None:
+    """Refuses ``use``, one reward per row, of a model that gives none: one whose task scores
+    otherwise (a process reward model's steps, a pairwise judge's comparisons), or a token head of
+    no task. Any other sequence head gives one per output."""
+    scores = tasks.scores_of(self.kind)
+    gives_none = scores not in ("reward", "attributes") if scores else self.config.per_token
+    if gives_none:
       self.check_kind(*tasks.scoring("reward", "attributes"), use=use)
 
   def reduce(
@@ -453,10 +464,10 @@ class RewardModel:
     if (items is None) == (prompts is None and completions is None):
       raise ValueError("pass either items, or prompts and completions")
     if items is not None:
-      items = _texts(items, "items", "score")
+      items = parse_texts(items, "items", "score")
       return [self.encode(x, max_length=max_length, where=f"items[{i}]") for i, x in enumerate(items)]
-    prompts = None if prompts is None else _texts(prompts, "prompts", "score")
-    completions = None if completions is None else _texts(completions, "completions", "score")
+    prompts = None if prompts is None else parse_texts(prompts, "prompts", "score")
+    completions = None if completions is None else parse_texts(completions, "completions", "score")
     if prompts is None or completions is None or len(prompts) != len(completions):
       raise ValueError(
         f"prompts and completions must be given together, with as many entries each "
@@ -698,138 +709,6 @@ class RewardModel:
       correct_probability(logits_tc[positions]).tolist()  # [steps, C] -> [steps]
       for logits_tc, (_, positions) in zip(logits, encoded)
     ]
-
-  # ---------------------------------------------------------------- comparisons (a pairwise judge)
-
-  def _judge(self, use: str) -> Judge:
-    self.check_kind(*tasks.scoring("comparisons"), use=use)
-    return self.judge
-
-  def judge_text(self, prompt: Text, response_a: Text, response_b: Text) -> str:
-    """The text a pairwise judge scores for ``response_a`` (shown as A) against ``response_b``
-    after ``prompt`` (:meth:`jaxrm.tasks.pairwise.Judge.render`): tokenized without added special
-    tokens, the ids whose next-token log-odds ``log p(A) - log p(B)`` is ``compare(..., orders="ab")``
-    (before any cut of the conversation's oldest turns to fit ``max_length``)."""
-    judge = self._judge("judge_text()")
-    return judge.render(
-      self._tokenizer(),
-      parse_text(prompt, "judge_text", "prompt"),
-      parse_text(response_a, "judge_text", "response_a"),
-      parse_text(response_b, "judge_text", "response_b"),
-    )
-
-  def compare(
-    self,
-    prompts: Sequence[Text],
-    responses_a: Sequence[Text],
-    responses_b: Sequence[Text],
-    *,
-    orders: str = "both",
-    batch_size: int = 8,
-    max_length: int | None = None,
-    share_prefix: bool | Sharing = True,
-  ) -> np.ndarray:
-    """float32 [N]: a pairwise judge's log-odds that ``responses_a[i]`` is better than
-    ``responses_b[i]`` after ``prompts[i]`` (:func:`jaxrm.tasks.pairwise.compare`).
-
-    Args:
-      prompts: conversations up to the responses (message lists), or strings (a user's turn).
-      responses_a: the responses shown as A, strings or assistant messages.
-      responses_b: the responses shown as B, alike.
-      orders: ``"both"`` averages the two orders, ``(s(A, B) - s(B, A)) / 2``, so that swapping
-        the responses negates the result exactly; ``"ab"`` gives ``s(A, B)`` alone.
-      batch_size: rows per forward pass, as :meth:`score` takes it.
-      max_length: the longest judge text in tokens (default: the model's context); a conversation
-        too long for it loses its oldest turns.
-      share_prefix: as :meth:`score` takes it: judge texts sharing a prefix are scored together.
-    """
-    self._judge("compare()")
-    return pairwise.compare(
-      self,
-      _texts(prompts, "prompts", "compare"),
-      _texts(responses_a, "responses_a", "compare"),
-      _texts(responses_b, "responses_b", "compare"),
-      orders=orders,
-      batch_size=batch_size,
-      max_length=max_length,
-      share_prefix=share_prefix,
-    )
-
-  def score_group(
-    self,
-    prompt: Text,
-    responses: Sequence[Text],
-    *,
-    strategy: str = "round_robin",
-    aggregate: str = "bradley_terry",
-    reference: Text | None = None,
-    batch_size: int = 8,
-    max_length: int | None = None,
-    share_prefix: bool | Sharing = True,
-  ) -> np.ndarray:
-    """float32 [n]: one reward per response to ``prompt``, from a pairwise judge's comparisons of
-    them (:meth:`score_groups` of one group; its ``rewards``)."""
-    self._judge("score_group()")
-    return self.score_groups(
-      [parse_text(prompt, "score_group", "prompt")],
-      [_texts(responses, "responses", "score_group")],
-      strategy=strategy,
-      aggregate=aggregate,
-      references=None if reference is None else [reference],
-      batch_size=batch_size,
-      max_length=max_length,
-      share_prefix=share_prefix,
-    )[0].rewards
-
-  def score_groups(
-    self,
-    prompts: Sequence[Text],
-    groups: Sequence[Sequence[Text]],
-    *,
-    strategy: str = "round_robin",
-    aggregate: str = "bradley_terry",
-    references: Sequence[Text] | None = None,
-    batch_size: int = 8,
-    max_length: int | None = None,
-    share_prefix: bool | Sharing = True,
-  ) -> list[GroupScores]:
-    """Each group's rewards and the log-odds of its compared pairs, from a pairwise judge
-    (:func:`jaxrm.tasks.pairwise.score_groups`; every group scored in one pass, the texts sharing
-    a prefix with it written once).
-
-    Args:
-      prompts: one per group.
-      groups: ``groups[g]``, the responses to ``prompts[g]``.
-      strategy: the pairs compared: ``"round_robin"`` (every pair, both orders), ``"circular"``
-        (each response with the next, both orders) or ``"reference"`` (each with
-        ``references[g]``).
-      aggregate: ``"bradley_terry"`` (the maximum-likelihood strengths, centred; measured from the
-        reference under ``"reference"``) or ``"win_rate"`` (the mean probability of winning).
-      references: one response per group, under ``strategy="reference"`` only.
-      batch_size: as :meth:`compare` takes it.
-      max_length: as :meth:`compare` takes it.
-      share_prefix: as :meth:`compare` takes it.
-    """
-    self._judge("score_groups()")
-    prompts = _texts(prompts, "prompts", "score_groups")
-    if isinstance(groups, str) or not isinstance(groups, (list, tuple)):
-      raise DataError(
-        f"score_groups: groups is {json_type(groups)}; expected a list of groups (lists of responses)"
-      )
-    groups = [_texts(g, f"groups[{i}]", "score_groups") for i, g in enumerate(groups)]
-    if references is not None:
-      references = _texts(references, "references", "score_groups")
-    return pairwise.score_groups(
-      self,
-      prompts,
-      groups,
-      strategy=strategy,
-      aggregate=aggregate,
-      references=references,
-      batch_size=batch_size,
-      max_length=max_length,
-      share_prefix=share_prefix,
-    )
 
   # ---------------------------------------------------------------- reward functions
 

@@ -39,6 +39,8 @@ class Asker:
   ROLES: ClassVar[str] = "first, then second"  # what its two answers mean, in order
   EXAMPLE: ClassVar[tuple[str, str]] = ("Yes", "No")  # the answers its messages show
   PATH: ClassVar[str] = "jaxrm.verifier.Asker"  # where users import it from
+  # what a causal LM is loaded as with its from_pretrained keyword, and what it then scores
+  LOADED_AS: ClassVar[str] = "an asker (its first answer's log-odds)"
   question: str = DEFAULT_QUESTION
   answers: tuple[str, str] = DEFAULT_ANSWERS
 
@@ -101,6 +103,7 @@ class Verifier(Asker):
   ROLES: ClassVar[str] = "yes, then no"
   EXAMPLE: ClassVar[tuple[str, str]] = DEFAULT_ANSWERS
   PATH: ClassVar[str] = "jaxrm.verifier.Verifier"
+  LOADED_AS: ClassVar[str] = "a verifier (one reward per response)"
 
   @classmethod
   def of_spec(cls, spec: Any) -> Verifier:

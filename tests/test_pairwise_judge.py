@@ -294,3 +294,22 @@ def test_other_models_are_no_judges(tiny_rm):
     tiny_rm.compare(["Q"], ["a"], ["b"])
   with pytest.raises(ValueError, match=r"strategy= and aggregate= are for a pairwise judge"):
     tiny_rm.as_reward_func(strategy="circular")
+
+
+@pytest.mark.parametrize(
+  "verb, args",
+  [
+    ("judge_text", ("Q", "a", "b")),
+    ("score_group", ("Q", ["a", "b"])),
+    ("score_groups", (["Q"], [["a", "b"]])),
+  ],
+)
+def test_each_judge_verb_refuses_another_model_by_its_name(tiny_rm, verb, args):
+  """The judge's verbs are its task's (Task.verbs): a model of another task finds them and is
+  refused, each verb naming itself; its ``judge`` is None."""
+  with pytest.raises(
+    ModelKindError,
+    match=rf"^{verb}\(\) needs a pairwise judge .*; this model has a sequence head with 1 output; train one with reward.type=pairwise",
+  ):
+    getattr(tiny_rm, verb)(*args)
+  assert tiny_rm.judge is None and "compare" not in dir(tiny_rm)

@@ -1,5 +1,6 @@
 """The reward tasks: what each reward type trains, and what each head serves."""
 
+import dataclasses
 import types
 
 import pytest
@@ -178,6 +179,18 @@ def test_a_misspelled_checkpoint_metric_is_refused_before_the_model_loads(model_
   assert start_checks.refusal(c, monkeypatch).endswith(
     "validation-train_sample_tie_rate (did you mean 'validation-train_sample_loss'?)"
   )
+
+
+def test_a_model_does_what_its_task_names(tiny_rm, monkeypatch):
+  """A task's verbs (Task.verbs) are its models': each bound to the model, a property read as an
+  attribute, and listed by dir(); a name no task has stays an AttributeError."""
+  task = tasks.named(tiny_rm.kind)
+  verbs = {"twice": lambda rm, x: (rm.kind, 2 * x), "head": property(lambda rm: rm.config.head)}
+  monkeypatch.setitem(tasks.TASKS, task.name, dataclasses.replace(task, verbs=verbs))
+  assert tiny_rm.twice(3) == (task.name, 6) and tiny_rm.head == "sequence"
+  assert {"twice", "head"} <= set(dir(tiny_rm))
+  with pytest.raises(AttributeError, match="^'RewardModel' object has no attribute 'thrice'$"):
+    tiny_rm.thrice  # noqa: B018
 
 
 @pytest.mark.parametrize("asker, noun", [("verifier", "a verifier"), ("judge", "a judge")])

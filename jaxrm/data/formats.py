@@ -46,6 +46,7 @@ from typing import Any
 
 from jaxrm.data.drops import DropReport, row_error
 from jaxrm.data.records import LabelledRecord, Message, PreferenceRecord, RatedRecord, StepwiseRecord, Text
+from jaxrm.errors import DataError
 
 ROLES = ("system", "user", "assistant", "tool")
 DROP_IDENTICAL = "identical completions (chosen == rejected)"
@@ -157,6 +158,29 @@ def parse_text(value: Any, source: str, field: str) -> Text:
   if isinstance(value, list):
     return validate_messages(value, source, field)
   raise row_error(source, field, f"expected a string or a list of messages, got {json_type(value)}")
+
+
+def parse_texts(values: Any, name: str, call: str) -> list[Text]:
+  """``values``, the argument ``name`` of ``rm.<call>``, checked as a list of texts or conversations
+  (each a list of messages)."""
+  one = (
+    "one string"
+    if isinstance(values, str)
+    else "one message"
+    if isinstance(values, dict)
+    else "one conversation (a list of messages)"
+    if isinstance(values, list) and values and all(isinstance(v, dict) for v in values)
+    else None
+  )
+  if one:
+    raise DataError(
+      f"{call}: {name} is {one}, where a list of texts or conversations belongs: for one, "
+      f"wrap it in a list (rm.{call}([...])); a conversation is a list of {{'role', 'content'}} "
+      "messages"
+    )
+  if not isinstance(values, (list, tuple)):
+    raise DataError(f"{call}: {name} is {json_type(values)}; expected a list of texts or conversations")
+  return [parse_text(v, call, f"{name}[{i}]") for i, v in enumerate(values)]
 
 
 def parse_completion(value: Any, source: str, field: str) -> Text:

@@ -13,7 +13,8 @@ file of this package.
   per response of a group by its comparisons.
 
 Each task says which reward types train it, what data it reads, how its batches are laid out, the
-head it needs, its losses, and what to say when a model of another kind is used for it. The config,
+head it needs, its losses, what a loaded model of it does beyond scoring (its verbs, :func:`verb`),
+and what to say when a model of another kind is used for it. The config,
 the data checks, the trainer, the losses, scoring, the server and evaluation ask a task (found from
 a reward type with :func:`of_reward_type`, of a model with :func:`of_model`: the task its files
 record, told from its head by :func:`of_head` only where they record none) instead of comparing
@@ -23,7 +24,7 @@ names; :mod:`jaxrm.kinds` says whether a model fits a use, in these tasks' words
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxrm import losses
@@ -54,6 +55,7 @@ __all__ = [
   "reading",
   "scores_of",
   "scoring",
+  "verb",
 ]
 
 TASKS = {t.name: t for t in (PREFERENCE, PROCESS, REGRESSION, VERIFIER, PAIRWISE)}
@@ -92,6 +94,14 @@ def grouping(*options: str) -> Any:
     if task.group_rewards is not None and set(options) <= set(task.group_rewards.OPTIONS):
       return task.group_rewards
   raise ValueError(f"no task's reward functions take {', '.join(f'{o}=' for o in options)}")
+
+
+def verb(name: str, kind: str | None = None) -> Callable[..., Any] | property | None:
+  """The verb ``name`` (:attr:`Task.verbs`) of the task called ``kind`` (a model's kind), else of the
+  first task that has one: called on a model of another task, a verb refuses it in its own words.
+  None where no task has it."""
+  own = TASKS[kind].verbs if kind in TASKS else {}
+  return own.get(name) or next((t.verbs[name] for t in TASKS.values() if name in t.verbs), None)
 
 
 def reading(rows: ExampleType) -> Task:

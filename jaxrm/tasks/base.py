@@ -90,6 +90,11 @@ class Task:
   # The Python lines that use a loaded model of it besides what scores one reward per row (a
   # judge's comparisons): a run's end-of-run "use it" lines hold them (jaxrm.report.usage_commands).
   uses: tuple[str, ...] = ()
+  # What a loaded model of it does beyond what every RewardModel does (a judge's compare,
+  # score_group, score_groups, judge_text): name -> fn(rm, *args, **kwargs), found as rm.<name>
+  # (jaxrm.tasks.verb); a property's fget(rm) is read as the attribute rm.<name> (a judge's asker,
+  # rm.judge). Called on a model of another task, a verb refuses it in its own words.
+  verbs: Mapping[str, Callable[..., Any] | property] = dataclasses.field(default_factory=dict)
 
   @property
   def labelled(self) -> bool:

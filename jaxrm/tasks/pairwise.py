@@ -40,7 +40,7 @@ import numpy as np
 from jaxrm.batches import PreferenceBatch
 from jaxrm.data import example_types, tokenize
 from jaxrm.data.drops import DropReport, row_error
-from jaxrm.data.formats import json_type
+from jaxrm.data.formats import json_type, parse_text, parse_texts
 from jaxrm.data.records import PreferenceRecord, Text
 from jaxrm.errors import ConfigError, DataError, EvaluationError
 from jaxrm.metrics import Moments, Ratio, finalize_metrics
@@ -80,6 +80,7 @@ class Judge(Asker):
   ROLES: ClassVar[str] = "A is better, then B is better"
   EXAMPLE: ClassVar[tuple[str, str]] = DEFAULT_ANSWERS
   PATH: ClassVar[str] = "jaxrm.tasks.pairwise.Judge"
+  LOADED_AS: ClassVar[str] = "a pairwise judge (which of two responses is better)"
   question: str = DEFAULT_QUESTION
   answers: tuple[str, str] = DEFAULT_ANSWERS
   template: str = TEMPLATE
@@ -676,6 +677,177 @@ class GroupRewards:
 GROUP_REWARDS = GroupRewards()
 
 
+# ---------------------------------------------------------------------------------------------
+# What a loaded judge does: RewardModel's verbs of this task (Task.verbs)
+
+
+class JudgeVerbs:
+  """What a loaded pairwise judge does beyond what every :class:`jaxrm.RewardModel` does:
+  ``rm.judge``, ``rm.judge_text``, ``rm.compare``, ``rm.score_group`` and ``rm.score_groups``.
+
+  Never instantiated: each is a function of the model (``rm``, first), which the model finds on its
+  task (:attr:`jaxrm.tasks.Task.verbs`) and binds to itself, as a method (``judge`` as a property).
+  Called on a model of another task, each refuses it saying what it needs (``rm.check_kind``).
+  """
+
+  @property
+  def judge(rm) -> Judge | None:
+    """A pairwise judge's question, answers and template (:class:`Judge`); None for any other model."""
+    asker = rm.verifier
+    return asker if isinstance(asker, Judge) else None
+
+  def judge_text(rm, prompt: Text, response_a: Text, response_b: Text) -> str:
+    """The text a pairwise judge scores for ``response_a`` (shown as A) against ``response_b``
+    after ``prompt`` (:meth:`Judge.render`): tokenized without added special tokens, the ids whose
+    next-token log-odds ``log p(A) - log p(B)`` is ``compare(..., orders="ab")`` (before any cut of
+    the conversation's oldest turns to fit ``max_length``).
+
+    Args:
+      rm: the judge (a :class:`jaxrm.RewardModel`).
+      prompt: the conversation up to the responses (a message list), or a string (a user's turn).
+      response_a: the response shown as A, a string or assistant messages.
+      response_b: the response shown as B, alike.
+    """
+    judge = _judge_of(rm, "judge_text()")
+    return judge.render(
+      rm._tokenizer(),  # the model's own refusal of a missing tokenizer: this is one of its methods
+      parse_text(prompt, "judge_text", "prompt"),
+      parse_text(response_a, "judge_text", "response_a"),
+      parse_text(response_b, "judge_text", "response_b"),
+    )
+
+  def compare(
+    rm,
+    prompts: Sequence[Text],
+    responses_a: Sequence[Text],
+    responses_b: Sequence[Text],
+    *,
+    orders: str = "both",
+    batch_size: int = 8,
+    max_length: int | None = None,
+    share_prefix: Any = True,
+  ) -> np.ndarray:
+    """float32 [N]: a pairwise judge's log-odds that ``responses_a[i]`` is better than
+    ``responses_b[i]`` after ``prompts[i]`` (:func:`jaxrm.tasks.pairwise.compare`).
+
+    Args:
+      rm: the judge (a :class:`jaxrm.RewardModel`).
+      prompts: conversations up to the responses (message lists), or strings (a user's turn).
+      responses_a: the responses shown as A, strings or assistant messages.
+      responses_b: the responses shown as B, alike.
+      orders: ``"both"`` averages the two orders, ``(s(A, B) - s(B, A)) / 2``, so that swapping
+        the responses negates the result exactly; ``"ab"`` gives ``s(A, B)`` alone.
+      batch_size: rows per forward pass, as ``rm.score`` takes it.
+      max_length: the longest judge text in tokens (default: the model's context); a conversation
+        too long for it loses its oldest turns.
+      share_prefix: as ``rm.score`` takes it (True, a :class:`jaxrm.shared_prefix.Sharing`, or
+        False): judge texts sharing a prefix are scored together.
+    """
+    _judge_of(rm, "compare()")
+    return compare(  # the module's compare (below), of texts checked here
+      rm,
+      parse_texts(prompts, "prompts", "compare"),
+      parse_texts(responses_a, "responses_a", "compare"),
+      parse_texts(responses_b, "responses_b", "compare"),
+      orders=orders,
+      batch_size=batch_size,
+      max_length=max_length,
+      share_prefix=share_prefix,
+    )
+
+  def score_group(
+    rm,
+    prompt: Text,
+    responses: Sequence[Text],
+    *,
+    strategy: str = "round_robin",
+    aggregate: str = "bradley_terry",
+    reference: Text | None = None,
+    batch_size: int = 8,
+    max_length: int | None = None,
+    share_prefix: Any = True,
+  ) -> np.ndarray:
+    """float32 [n]: one reward per response to ``prompt``, from a pairwise judge's comparisons of
+    them (``rm.score_groups`` of one group; its ``rewards``).
+
+    Args:
+      rm: the judge (a :class:`jaxrm.RewardModel`).
+      prompt: the conversation up to the responses, or a string (a user's turn).
+      responses: the responses compared, strings or assistant messages.
+      strategy: as ``rm.score_groups`` takes it.
+      aggregate: as ``rm.score_groups`` takes it.
+      reference: the response every one is compared with, under ``strategy="reference"`` only.
+      batch_size: as ``rm.compare`` takes it.
+      max_length: as ``rm.compare`` takes it.
+      share_prefix: as ``rm.compare`` takes it.
+    """
+    _judge_of(rm, "score_group()")
+    return rm.score_groups(
+      [parse_text(prompt, "score_group", "prompt")],
+      [parse_texts(responses, "responses", "score_group")],
+      strategy=strategy,
+      aggregate=aggregate,
+      references=None if reference is None else [reference],
+      batch_size=batch_size,
+      max_length=max_length,
+      share_prefix=share_prefix,
+    )[0].rewards
+
+  def score_groups(
+    rm,
+    prompts: Sequence[Text],
+    groups: Sequence[Sequence[Text]],
+    *,
+    strategy: str = "round_robin",
+    aggregate: str = "bradley_terry",
+    references: Sequence[Text] | None = None,
+    batch_size: int = 8,
+    max_length: int | None = None,
+    share_prefix: Any = True,
+  ) -> list[GroupScores]:
+    """Each group's rewards and the log-odds of its compared pairs, from a pairwise judge
+    (:func:`jaxrm.tasks.pairwise.score_groups`; every group scored in one pass, the texts sharing
+    a prefix with it written once).
+
+    Args:
+      rm: the judge (a :class:`jaxrm.RewardModel`).
+      prompts: one per group.
+      groups: ``groups[g]``, the responses to ``prompts[g]``.
+      strategy: the pairs compared: ``"round_robin"`` (every pair, both orders), ``"circular"``
+        (each response with the next, both orders) or ``"reference"`` (each with
+        ``references[g]``).
+      aggregate: ``"bradley_terry"`` (the maximum-likelihood strengths, centred; measured from the
+        reference under ``"reference"``) or ``"win_rate"`` (the mean probability of winning).
+      references: one response per group, under ``strategy="reference"`` only.
+      batch_size: as ``rm.compare`` takes it.
+      max_length: as ``rm.compare`` takes it.
+      share_prefix: as ``rm.compare`` takes it.
+    """
+    _judge_of(rm, "score_groups()")
+    prompts = parse_texts(prompts, "prompts", "score_groups")
+    if isinstance(groups, str) or not isinstance(groups, (list, tuple)):
+      raise DataError(
+        f"score_groups: groups is {json_type(groups)}; expected a list of groups (lists of responses)"
+      )
+    groups = [parse_texts(g, f"groups[{i}]", "score_groups") for i, g in enumerate(groups)]
+    if references is not None:
+      references = parse_texts(references, "references", "score_groups")
+    return score_groups(  # the module's score_groups (below), of texts checked here
+      rm,
+      prompts,
+      groups,
+      strategy=strategy,
+      aggregate=aggregate,
+      references=references,
+      batch_size=batch_size,
+      max_length=max_length,
+      share_prefix=share_prefix,
+    )
+
+
+VERBS = {name: verb for name, verb in vars(JudgeVerbs).items() if not name.startswith("_")}
+
+
 PAIRWISE = Task(
   name=NAME,
   reward_types=(NAME,),
@@ -705,6 +877,7 @@ PAIRWISE = Task(
   route_instead=f"a pairwise judge, which compares responses: POST /compare with {COMPARE_BODY}",
   uses=USES,
   group_rewards=GROUP_REWARDS,
+  verbs=VERBS,
 )
 
 
