@@ -33,7 +33,7 @@ from jaxrm.models import lora
 from jaxrm.models.config import ModelConfig, from_hf_config
 from jaxrm.models.decoder import Decoder
 from jaxrm.run_files import RUN_MODEL_CONFIG, RunFiles, is_run_dir, task_record
-from jaxrm.verifier import Asker, Verifier
+from jaxrm.verifier import Asker
 
 log = logging.getLogger(__name__)
 
@@ -168,8 +168,8 @@ def recorded_asker(task: dict[str, Any] | None, where: str = "the model's task r
 
 
 def _first_asker() -> tasks.Task:
-  """The task of an asker recorded without one (files written before judges): the verifier, the first
-  task with an asker."""
+  """The task of an asker recorded without one (files written before judges), and of an LM head
+  loaded without one: the verifier, the first task with an asker."""
   return next(t for t in tasks.TASKS.values() if t.asker is not None)
 
 
@@ -446,7 +446,7 @@ def load(
   if head == "lm" and asks is not None and not isinstance(verifier, asks):
     verifier = asks()
   if verifier is None and head == "lm":
-    verifier = Verifier()
+    verifier = _first_asker().asker()  # a verifier's defaults
   if tokenizer is None:
     tokenizer = tensors.tokenizer() if hasattr(tensors, "tokenizer") else _tokenizer_from_dir(source.path)
   saved = from_hf_config(tensors.config)
