@@ -152,14 +152,27 @@ class ModelSpec:
       raise ConfigError(f"model.remat must be one of {', '.join(REMAT_POLICIES)}; got {self.remat!r}")
 
 
-# Each task's own reward keys (Task.settings: a verifier's question and answers, a judge's) -> the task.
-_TASK_KEYS = {key: task for task in tasks.TASKS.values() for key in task.settings}
+def _task_keys() -> dict[str, tasks.Task]:
+  """Each task's own reward keys (:attr:`jaxrm.tasks.Task.settings`: a verifier's question and
+  answers, a judge's) -> the task; a key two tasks declare stops the import."""
+  owners: dict[str, tasks.Task] = {}
+  for task in tasks.TASKS.values():
+    for key in task.settings:
+      if key in owners:
+        raise TypeError(f"the {owners[key].name} and {task.name} tasks both declare reward.{key}")
+      owners[key] = task
+  return owners
+
+
+_TASK_KEYS = _task_keys()
 
 
 def _with_task_keys(cls):
   """The reward section ``cls`` with each task's own keys (:data:`_TASK_KEYS`) as fields after its
   own, each meaning kept in its field's metadata (``"help"``) for the config reference."""
   for key, task in _TASK_KEYS.items():
+    if key in cls.__annotations__:
+      raise TypeError(f"the {task.name} task declares reward.{key}, a key the reward section has already")
     default, meaning = task.settings[key]
     cls.__annotations__[key] = type(default).__name__
     setattr(cls, key, dataclasses.field(default=default, metadata={"help": meaning}))
