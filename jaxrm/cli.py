@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from jaxrm.errors import ConfigError, UserError
 
@@ -172,79 +173,56 @@ def _add_entries(config, added: list[tuple[str, str]]) -> None:
       node[name] = value
 
 
-def define_verifier_flags() -> None:
-  """``--verifier``, ``--verifier_question``, ``--verifier_answers``: a causal LM scored as a
-  generative verifier (:mod:`jaxrm.verifier`), as ``RewardModel.from_pretrained(verifier=...)``;
-  and ``--judge``, ``--judge_question``, ``--judge_answers``: one loaded as a pairwise judge, as
-  ``RewardModel.from_pretrained(judge=...)`` (:func:`judge_request`)."""
+def define_verifier_flags(flag_values: Any = None) -> None:
+  """The flags of each task's LM-head asker (:attr:`jaxrm.tasks.Task.asker`, its ``SWITCH`` and
+  ``FLAGS``): ``--verifier``, ``--verifier_question``, ``--verifier_answers`` score a causal LM as a
+  generative verifier (:mod:`jaxrm.verifier`), ``--judge``, ``--judge_question``,
+  ``--judge_answers`` load one as a pairwise judge; :func:`asker_requests` gives
+  ``RewardModel.from_pretrained`` what they ask.
+
+  Args:
+    flag_values: where the flags are defined (default: absl's ``flags.FLAGS``).
+  """
   from absl import flags
 
-  from jaxrm import verifier
-
+  where = dict(flag_values=flags.FLAGS if flag_values is None else flag_values)
   main = sys.argv[0]  # listed by --help with the command's own flags, not only by --helpfull
-
-  flags.DEFINE_bool(
-    "verifier",
-    False,
-    "Score --model, a causal LM, as a generative verifier: log p(yes) - log p(no) of its answer to "
-    "--verifier_question after each conversation (an export or training run of a verifier is one "
-    "without it).",
-    module_name=main,
-  )
-  flags.DEFINE_string(
-    "verifier_question",
-    verifier.DEFAULT_QUESTION,
-    "With --verifier: the question asked after each conversation.",
-    module_name=main,
-  )
-  flags.DEFINE_string(
-    "verifier_answers",
-    ",".join(verifier.DEFAULT_ANSWERS),
-    "With --verifier: its two answers, yes then no, comma-separated; each must be one token.",
-    module_name=main,
-  )
-  flags.DEFINE_bool(
-    "judge",
-    False,
-    "Load --model, a causal LM, as a pairwise judge: log p(A) - log p(B) of its answer to "
-    "--judge_question after a conversation and two responses (an export or training run of a judge "
-    "is one without it). A judge compares responses; it gives no reward of one.",
-    module_name=main,
-  )
-  flags.DEFINE_string(
-    "judge_question",
-    None,
-    "With --judge: the question asked after the two responses (default: the judge's own).",
-    module_name=main,
-  )
-  flags.DEFINE_string(
-    "judge_answers",
-    None,
-    "With --judge: its two answers, A is better then B is better, comma-separated; each must be "
-    "one token (default: A,B).",
-    module_name=main,
-  )
+  for asker in _askers():
+    flags.DEFINE_bool(asker.WORD, False, asker.SWITCH, module_name=main, **where)
+    for field, (default, help_) in asker.FLAGS.items():
+      flags.DEFINE_string(f"{asker.WORD}_{field}", default, help_, module_name=main, **where)
 
 
-def verifier_request(f) -> dict | None:
-  """``RewardModel.from_pretrained``'s ``verifier=`` of the flags :func:`define_verifier_flags` defines."""
-  if not f.verifier:
-    for name in ("verifier_question", "verifier_answers"):
+def asker_requests(f) -> dict[str, Any]:
+  """``RewardModel.from_pretrained``'s asker keywords (``verifier=``, ``judge=``) of the flags
+  :func:`define_verifier_flags` defines: each asker's fields its flags give (True: none given, its
+  own), or None where its switch is off.
+
+  Args:
+    f: the parsed flags (absl's ``flags.FLAGS``).
+
+  Raises:
+    ConfigError: a field's flag given without its asker's switch.
+  """
+  return {asker.WORD: _asker_request(f, asker) for asker in _askers()}
+
+
+def _asker_request(f, asker: Any) -> dict[str, Any] | bool | None:
+  names = [f"{asker.WORD}_{field}" for field in asker.FLAGS]
+  if not f[asker.WORD].value:
+    for name in names:
       if f[name].present:
-        raise ConfigError(f"--{name} applies with --verifier")
+        raise ConfigError(f"--{name} applies with --{asker.WORD}")
     return None
-  return {"question": f.verifier_question, "answers": f.verifier_answers}
-
-
-def judge_request(f) -> dict | bool | None:
-  """``RewardModel.from_pretrained``'s ``judge=`` of the flags :func:`define_verifier_flags` defines."""
-  if not f.judge:
-    for name in ("judge_question", "judge_answers"):
-      if f[name].present:
-        raise ConfigError(f"--{name} applies with --judge")
-    return None
-  asked = {"question": f.judge_question, "answers": f.judge_answers}
+  asked = {field: f[name].value for field, name in zip(asker.FLAGS, names)}
   return {k: v for k, v in asked.items() if v is not None} or True
+
+
+def _askers() -> list[Any]:
+  """The LM-head tasks' asker classes, in the tasks' order."""
+  from jaxrm import tasks
+
+  return [t.asker for t in tasks.TASKS.values() if t.asker is not None]
 
 
 def located_model(model: str, step: int | None):

@@ -35,7 +35,6 @@ from jaxrm.metrics import finalize_metrics, normalize_metric_name
 from jaxrm.models.config import ATTENTION_IMPLS, REMAT_POLICIES
 from jaxrm.models.lora import ALL_LINEAR, LoraConfig
 from jaxrm.sharding import MeshConfig
-from jaxrm.tasks import pairwise
 
 log = logging.getLogger(__name__)
 
@@ -153,12 +152,42 @@ class ModelSpec:
       raise ConfigError(f"model.remat must be one of {', '.join(REMAT_POLICIES)}; got {self.remat!r}")
 
 
+def _task_keys() -> dict[str, tasks.Task]:
+  """Each task's own reward keys (:attr:`jaxrm.tasks.Task.settings`: a verifier's question and
+  answers, a judge's) -> the task; a key two tasks declare stops the import."""
+  owners: dict[str, tasks.Task] = {}
+  for task in tasks.TASKS.values():
+    for key in task.settings:
+      if key in owners:
+        raise TypeError(f"the {owners[key].name} and {task.name} tasks both declare reward.{key}")
+      owners[key] = task
+  return owners
+
+
+_TASK_KEYS = _task_keys()
+
+
+def _with_task_keys(cls):
+  """The reward section ``cls`` with each task's own keys (:data:`_TASK_KEYS`) as fields after its
+  own, each meaning kept in its field's metadata (``"help"``) for the config reference."""
+  for key, task in _TASK_KEYS.items():
+    if key in cls.__annotations__:
+      raise TypeError(f"the {task.name} task declares reward.{key}, a key the reward section has already")
+    default, meaning = task.settings[key]
+    cls.__annotations__[key] = type(default).__name__
+    setattr(cls, key, dataclasses.field(default=default, metadata={"help": meaning}))
+  return cls
+
+
 @dataclasses.dataclass(frozen=True)
+@_with_task_keys
 class RewardSpec:
   """``reward``: which loss trains the model.
 
   The comma-separated keys are parsed once; the parsed values are cached beside the fields, not
-  in them, so they stay out of ``to_dict()``, equality and the repr.
+  in them, so they stay out of ``to_dict()``, equality and the repr. Besides the keys below, it
+  holds each task's own (:attr:`jaxrm.tasks.Task.settings`: ``verifier_question``,
+  ``verifier_answers``, ``judge_question``, ``judge_answers``).
   """
 
   type: str = "bradley_terry"  # bradley_terry | ranking | stepwise | regression | verifier
@@ -175,16 +204,8 @@ class RewardSpec:
   # regression: what validation's pairwise_accuracy ranks by: an attribute, or
   # "name=weight,..." ("": the first attribute)
   combine: str = ""
-  # verifier: the question asked after each response, in a user turn (jaxrm.verifier)
-  verifier_question: str = verifiers.DEFAULT_QUESTION
-  # verifier: its two answers, "yes,no"; each must be one token of the model's tokenizer
-  verifier_answers: str = ",".join(verifiers.DEFAULT_ANSWERS)
   # verifier: the loss on its log-odds: bradley_terry | plackett_luce | all_pairs
   verifier_loss: str = "bradley_terry"
-  # pairwise: the question asked after the conversation and the two responses (jaxrm.tasks.pairwise)
-  judge_question: str = pairwise.DEFAULT_QUESTION
-  # pairwise: its two answers, "A is better,B is better"; each must be one token of the tokenizer
-  judge_answers: str = ",".join(pairwise.DEFAULT_ANSWERS)
 
   def __post_init__(self):
     _check_types(self, "reward.")
@@ -201,9 +222,10 @@ class RewardSpec:
       raise ValueError(
         f"reward.preference_strength_scaling applies to reward.type='bradley_terry', not {self.type!r}"
       )
-    for key in ("judge_question", "judge_answers"):
-      if self.task.scores != "comparisons" and getattr(self, key) != getattr(RewardSpec, key):
-        raise ValueError(f"reward.{key} applies to reward.type='pairwise', not {self.type!r}")
+    for key, task in _TASK_KEYS.items():
+      if task is not self.task and getattr(self, key) != task.settings[key][0]:
+        types = " or ".join(map(repr, task.reward_types))
+        raise ValueError(f"reward.{key} applies to reward.type={types}, not {self.type!r}")
     _ = self.verifier  # refuses a bad question or answers
     if self.task.per_attribute:
       # Parsed here, once: each property refuses a bad value of its key (attributes through all
@@ -216,7 +238,7 @@ class RewardSpec:
     return tasks.of_reward_type(self.type)
 
   @functools.cached_property
-  def verifier(self) -> verifiers.Verifier | pairwise.Judge | None:
+  def verifier(self) -> verifiers.Asker | None:
     """What a run of an LM-head task asks (its task's ``asker``: a verifier's question and answers,
     ``reward.type='verifier'``; a pairwise judge's, ``pairwise``); None for others."""
     return None if self.task.asker is None else self.task.asker.of_spec(self)

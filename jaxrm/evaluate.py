@@ -189,8 +189,7 @@ def _model(f):
     cli.located_model(f.model, f.step),
     dtype=f.dtype,
     attention_impl=f.attention,
-    verifier=cli.verifier_request(f),
-    judge=cli.judge_request(f),
+    **cli.asker_requests(f),
   )
 
 
@@ -203,9 +202,7 @@ def _format_of_model(f) -> str:
 
   try:
     source = loading.locate(f.model, f.step)
-    task = RewardModel.from_pretrained(
-      source, load_weights=False, verifier=cli.verifier_request(f), judge=cli.judge_request(f)
-    ).task
+    task = RewardModel.from_pretrained(source, load_weights=False, **cli.asker_requests(f)).task
   except Exception:  # noqa: BLE001 -- said when the model loads
     task = None
   return evaluation.dataset_source(f.data, None, task)[0]

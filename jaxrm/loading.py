@@ -33,8 +33,7 @@ from jaxrm.models import lora
 from jaxrm.models.config import ModelConfig, from_hf_config
 from jaxrm.models.decoder import Decoder
 from jaxrm.run_files import RUN_MODEL_CONFIG, RunFiles, is_run_dir, task_record
-from jaxrm.tasks.pairwise import Judge
-from jaxrm.verifier import Verifier
+from jaxrm.verifier import Asker
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +73,7 @@ class ScoringInfo:
   step_separator: str = TokenizeOptions.step_separator
   attributes: tuple[str, ...] | None = None
   training_max_length: int | None = None
-  verifier: Verifier | Judge | None = None
+  verifier: Asker | None = None
   task: str | None = None
   rendering: str | None = None
 
@@ -123,7 +122,7 @@ class ScoringInfo:
 
   @classmethod
   def of_export(
-    cls, hf_config: dict[str, Any], cfg: ModelConfig, verifier: Verifier | Judge | None = None
+    cls, hf_config: dict[str, Any], cfg: ModelConfig, verifier: Asker | None = None
   ) -> ScoringInfo:
     """Of an HF config.json: what an export recorded under :data:`SCORING_KEY`, and the attribute
     names of a regression head (``problem_type``, ``id2label``); ``verifier`` is an LM head's asker."""
@@ -162,21 +161,19 @@ def _saved_head(hf_config: dict[str, Any]) -> tuple[str, int]:
   return saved.head, saved.num_labels
 
 
-def recorded_asker(
-  task: dict[str, Any] | None, where: str = "the model's task record"
-) -> Verifier | Judge | None:
+def recorded_asker(task: dict[str, Any] | None, where: str = "the model's task record") -> Asker | None:
   """The asker a task record holds (:meth:`ScoringInfo.task_record`: a verifier's or a judge's
   question and answers), else None."""
   return asker_of((task or {}).get("verifier"), where)
 
 
 def _first_asker() -> tasks.Task:
-  """The task of an asker recorded without one (files written before judges): the verifier, the first
-  task with an asker."""
+  """The task of an asker recorded without one (files written before judges), and of an LM head
+  loaded without one: the verifier, the first task with an asker."""
   return next(t for t in tasks.TASKS.values() if t.asker is not None)
 
 
-def asker_of(saved: dict[str, Any] | None, where: str) -> Verifier | Judge | None:
+def asker_of(saved: dict[str, Any] | None, where: str) -> Asker | None:
   """The asker ``saved`` records (its ``to_json``): of the task it names under ``"task"``, a
   verifier's where it names none (files written before judges); None for None."""
   if saved is None:
@@ -413,7 +410,7 @@ def load(
   seed: int = 0,
   tokenizer: Any = None,
   weights: bool = True,
-  verifier: Verifier | Judge | None = None,
+  verifier: Asker | None = None,
   asks: type | None = None,
 ) -> Loaded:
   """The model ``source`` holds, with its tokenizer and scoring info.
@@ -449,7 +446,7 @@ def load(
   if head == "lm" and asks is not None and not isinstance(verifier, asks):
     verifier = asks()
   if verifier is None and head == "lm":
-    verifier = Verifier()
+    verifier = _first_asker().asker()  # a verifier's defaults
   if tokenizer is None:
     tokenizer = tensors.tokenizer() if hasattr(tensors, "tokenizer") else _tokenizer_from_dir(source.path)
   saved = from_hf_config(tensors.config)
@@ -465,9 +462,7 @@ def load(
   return Loaded(model, tokenizer, info.with_task(model.config))
 
 
-def _verifier_overrides(
-  verifier: Verifier | Judge, tokenizer, num_labels: int | None, name: str
-) -> dict[str, Any]:
+def _verifier_overrides(verifier: Asker, tokenizer, num_labels: int | None, name: str) -> dict[str, Any]:
   """Config changes that make a causal LM a verifier (or a judge) of ``verifier``'s answers."""
   what = verifier.NOUN
   if tokenizer is None:
@@ -501,7 +496,7 @@ def _load_run(
   mesh,
   tokenizer,
   weights: bool,
-  verifier: Verifier | Judge | None,
+  verifier: Asker | None,
   asks: type | None = None,
 ) -> Loaded:
   files = source.files

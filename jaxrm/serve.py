@@ -286,8 +286,7 @@ def main() -> None:
     cli.located_model(f.model, f.step),
     dtype=f.dtype,
     attention_impl=f.attention,
-    verifier=cli.verifier_request(f),
-    judge=cli.judge_request(f),
+    **cli.asker_requests(f),
   )
   server = make_server(rm, f.host, f.port, config=config, model_name=served_model_name(f))
   host = server.address[0]

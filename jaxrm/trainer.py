@@ -300,8 +300,9 @@ def _load_model(
   checkpoint's weights are never read."""
   request = model_request(config, lora_cfg)
   with _config_errors():
-    if config.reward.task.scores == "comparisons":
-      request["tokenizer"] = _judge_tokenizer(config, source, mesh, request)
+    asker = config.reward.verifier
+    if asker is not None and asker.check_tokenizer is not None:
+      request["tokenizer"] = _checked_tokenizer(config, source, mesh, request, asker)
     loaded = loading.load(source, mesh=mesh, seed=config.model.seed, weights=weights, **request)
   _with_chat_template(config, loaded.tokenizer)
   return loaded
@@ -316,12 +317,14 @@ def _with_chat_template(config: RunConfig, tokenizer: Any) -> Any:
   return tokenizer
 
 
-def _judge_tokenizer(config: RunConfig, source: loading.Source, mesh, request: dict[str, Any]) -> Any:
-  """The tokenizer of a judge's run, checked (a chat template, one-token answers) before any
-  weight is read: the model is loaded abstract for it."""
+def _checked_tokenizer(
+  config: RunConfig, source: loading.Source, mesh, request: dict[str, Any], asker: Any
+) -> Any:
+  """The run's tokenizer, checked by its task's ``asker`` before any weight is read (a judge's: a
+  chat template, one-token answers): the model is loaded abstract for it."""
   abstract = loading.load(source, mesh=mesh, weights=False, **request)
   tokenizer = _with_chat_template(config, abstract.tokenizer)
-  config.reward.verifier.check_tokenizer(tokenizer)
+  asker.check_tokenizer(tokenizer)
   return tokenizer
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from jaxrm.errors import CheckpointError, ConfigError
@@ -41,6 +41,17 @@ class Asker:
   PATH: ClassVar[str] = "jaxrm.verifier.Asker"  # where users import it from
   # what a causal LM is loaded as with its from_pretrained keyword, and what it then scores
   LOADED_AS: ClassVar[str] = "an asker (its first answer's log-odds)"
+  # The reward section's keys of its task (jaxrm.config.RewardSpec is built with them): reward.<key>
+  # -> (its default, what it means); one set for a reward.type of another task is refused.
+  SETTINGS: ClassVar[Mapping[str, tuple[str, str]]] = {}
+  # Its command-line flags (jaxrm.cli.define_verifier_flags): --<WORD> loads a causal LM as this
+  # asker (SWITCH: its help), --<WORD>_<field> sets one of its fields (FLAGS: field -> the flag's
+  # default, None for the asker's own, and its help); from_pretrained's <WORD>= takes what they ask.
+  SWITCH: ClassVar[str] = ""
+  FLAGS: ClassVar[Mapping[str, tuple[str | None, str]]] = {}
+  # fn(self, tokenizer) checking what a run of its task needs of the tokenizer before any weight is
+  # read (a judge's chat template), or None: its answers are checked as the model loads.
+  check_tokenizer: ClassVar[Callable[..., Any] | None] = None
   question: str = DEFAULT_QUESTION
   answers: tuple[str, str] = DEFAULT_ANSWERS
 
@@ -104,6 +115,28 @@ class Verifier(Asker):
   EXAMPLE: ClassVar[tuple[str, str]] = DEFAULT_ANSWERS
   PATH: ClassVar[str] = "jaxrm.verifier.Verifier"
   LOADED_AS: ClassVar[str] = "a verifier (one reward per response)"
+  SETTINGS: ClassVar[Mapping[str, tuple[str, str]]] = {
+    "verifier_question": (
+      DEFAULT_QUESTION,
+      "verifier: the question asked after each response, in a user turn (jaxrm.verifier)",
+    ),
+    "verifier_answers": (
+      ",".join(DEFAULT_ANSWERS),
+      'verifier: its two answers, "yes,no"; each must be one token of the model\'s tokenizer',
+    ),
+  }
+  SWITCH: ClassVar[str] = (
+    "Score --model, a causal LM, as a generative verifier: log p(yes) - log p(no) of its answer to "
+    "--verifier_question after each conversation (an export or training run of a verifier is one "
+    "without it)."
+  )
+  FLAGS: ClassVar[Mapping[str, tuple[str | None, str]]] = {
+    "question": (DEFAULT_QUESTION, "With --verifier: the question asked after each conversation."),
+    "answers": (
+      ",".join(DEFAULT_ANSWERS),
+      "With --verifier: its two answers, yes then no, comma-separated; each must be one token.",
+    ),
+  }
 
   @classmethod
   def of_spec(cls, spec: Any) -> Verifier:

@@ -189,3 +189,32 @@ def test_a_file_given_for_the_whole_validation_dict_says_what_form_the_key_takes
     "to files; give each set its own key: --config.data.val_data_paths.default=val.jsonl (another "
     "set: --config.data.val_data_paths.<name>=<file>)\n"
   )
+
+
+def test_each_askers_flags_ask_from_pretrained_for_it():
+  """--verifier, --judge and their fields' flags come from the tasks' askers; from_pretrained is
+  asked for each by its keyword, and a field's flag without its switch is refused."""
+  from absl import flags
+
+  from jaxrm import cli
+  from jaxrm.errors import ConfigError
+  from jaxrm.verifier import DEFAULT_QUESTION
+
+  def parsed(*argv):
+    f = flags.FlagValues()
+    cli.define_verifier_flags(f)
+    f(["prog", *argv])
+    return f
+
+  assert cli.asker_requests(parsed()) == {"verifier": None, "judge": None}
+  assert cli.asker_requests(parsed("--judge")) == {"verifier": None, "judge": True}
+  assert cli.asker_requests(parsed("--judge", "--judge_answers=X,Y")) == {
+    "verifier": None,
+    "judge": {"answers": "X,Y"},
+  }
+  assert cli.asker_requests(parsed("--verifier")) == {
+    "verifier": {"question": DEFAULT_QUESTION, "answers": "Yes,No"},
+    "judge": None,
+  }
+  with pytest.raises(ConfigError, match=r"^--judge_question applies with --judge$"):
+    cli.asker_requests(parsed("--verifier", "--judge_question=A or B?"))

@@ -342,3 +342,20 @@ def test_a_run_shorter_than_its_warmup_names_the_keys():
     "--config.train.lr_scheduler=constant_with_warmup"
   )
   assert TrainSpec(max_steps=3, warmup_steps=5, lr_scheduler="constant_with_warmup").max_steps == 3
+
+
+def test_each_task_owns_its_reward_keys():
+  """A task's own keys (Task.settings; an LM-head task's asker's) are reward keys with their
+  defaults, and one set for a reward.type of another task is refused, naming the task's type."""
+  from jaxrm import tasks
+
+  owned = {key: task for task in tasks.TASKS.values() for key in task.settings}
+  assert {"verifier_question", "verifier_answers", "judge_question", "judge_answers"} <= set(owned)
+  assert base_config().reward.judge_answers == "A,B"
+  for key, task in owned.items():
+    default = task.settings[key][0]
+    assert getattr(RewardSpec(task.reward_types[0]), key) == default
+    with pytest.raises(
+      ValueError, match=rf"^reward.{key} applies to reward.type='{task.reward_types[0]}', not 'ranking'$"
+    ):
+      RewardSpec("ranking", **{key: default + "?"})

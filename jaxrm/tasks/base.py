@@ -61,6 +61,11 @@ class Task:
   # The RewardSpec key that picks one of several losses (its value is the second part of the
   # loss key), or None.
   loss_choice: str | None = None
+  # The reward section's keys of its own (jaxrm.config.RewardSpec is built with them): reward.<key>
+  # -> (its default, what it means, as the config reference shows it); one set for a reward.type of
+  # another task is refused. None: its asker's (the asker class's SETTINGS: a judge's question and
+  # answers), none without one.
+  settings: Mapping[str, tuple[str, str]] | None = None
   # The other tasks' uses (their names) that a model of this task serves too: a verifier's one
   # reward per row serves wherever a preference model's does.
   serves: tuple[str, ...] = ()
@@ -75,8 +80,10 @@ class Task:
   group_rewards: Any = None
   # The LM-head asker of a model of this task (a verifier's question and answers, a judge's): a
   # class with of_spec(reward spec), from_json(record), to_json(), token_ids(tokenizer),
-  # tokenize_options(options) and NOUN (what messages call its model: "a judge"); None: the task's
-  # head is not the LM head.
+  # tokenize_options(options), NOUN (what messages call its model: "a judge"), WORD (its keyword in
+  # from_pretrained), its reward keys (SETTINGS), its command-line flags (SWITCH, FLAGS) and
+  # check_tokenizer (what a run checks before any weight is read, or None); None: the task's head
+  # is not the LM head.
   asker: type | None = None
   # The server routes a model of it adds (jaxrm.server.formats.ROUTES holds every task's): POST
   # path -> its Route (jaxrm.routes: the body parsed into the rows to score and how the answer is
@@ -95,6 +102,10 @@ class Task:
   # (jaxrm.tasks.verb); a property's fget(rm) is read as the attribute rm.<name> (a judge's asker,
   # rm.judge). Called on a model of another task, a verb refuses it in its own words.
   verbs: Mapping[str, Callable[..., Any] | property] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    if self.settings is None:
+      object.__setattr__(self, "settings", {} if self.asker is None else dict(self.asker.SETTINGS))
 
   @property
   def labelled(self) -> bool:

@@ -81,6 +81,32 @@ class Judge(Asker):
   EXAMPLE: ClassVar[tuple[str, str]] = DEFAULT_ANSWERS
   PATH: ClassVar[str] = "jaxrm.tasks.pairwise.Judge"
   LOADED_AS: ClassVar[str] = "a pairwise judge (which of two responses is better)"
+  SETTINGS: ClassVar[Mapping[str, tuple[str, str]]] = {
+    "judge_question": (
+      DEFAULT_QUESTION,
+      "pairwise: the question asked after the conversation and the two responses (jaxrm.tasks.pairwise)",
+    ),
+    "judge_answers": (
+      ",".join(DEFAULT_ANSWERS),
+      'pairwise: its two answers, "A is better,B is better"; each must be one token of the tokenizer',
+    ),
+  }
+  SWITCH: ClassVar[str] = (
+    "Load --model, a causal LM, as a pairwise judge: log p(A) - log p(B) of its answer to "
+    "--judge_question after a conversation and two responses (an export or training run of a judge "
+    "is one without it). A judge compares responses; it gives no reward of one."
+  )
+  FLAGS: ClassVar[Mapping[str, tuple[str | None, str]]] = {
+    "question": (
+      None,
+      "With --judge: the question asked after the two responses (default: the judge's own).",
+    ),
+    "answers": (
+      None,
+      "With --judge: its two answers, A is better then B is better, comma-separated; each must be "
+      "one token (default: A,B).",
+    ),
+  }
   question: str = DEFAULT_QUESTION
   answers: tuple[str, str] = DEFAULT_ANSWERS
   template: str = TEMPLATE
