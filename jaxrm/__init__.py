@@ -23,7 +23,7 @@ COMMANDS = ("train", "evaluate", "export", "serve", "plan")
 
 # Each public name -> the module that defines it.
 _EXPORTS = {
-  "RewardModel": "jaxrm.reward_model",
+  "RewardModel": "jaxrm.scoring.reward_model",
   "RunConfig": "jaxrm.config",
   "ModelSpec": "jaxrm.config",
   "LoraSpec": "jaxrm.config",
@@ -34,11 +34,11 @@ _EXPORTS = {
   "CheckpointSpec": "jaxrm.config",
   "LoggerSpec": "jaxrm.config",
   "MeshConfig": "jaxrm.sharding",
-  "train_and_evaluate": "jaxrm.trainer",
+  "train_and_evaluate": "jaxrm.run.trainer",
   "load_dataset": "jaxrm.evaluation",
   "plot_scores": "jaxrm.evaluation",
-  "as_reward_funcs": "jaxrm.reward_funcs",
-  "remote_reward_func": "jaxrm.reward_funcs",
+  "as_reward_funcs": "jaxrm.scoring.reward_funcs",
+  "remote_reward_func": "jaxrm.scoring.reward_funcs",
 }
 __all__ = list(_EXPORTS)
 

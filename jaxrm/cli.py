@@ -176,7 +176,7 @@ def _add_entries(config, added: list[tuple[str, str]]) -> None:
 def define_verifier_flags(flag_values: Any = None) -> None:
   """The flags of each task's LM-head asker (:attr:`jaxrm.tasks.Task.asker`, its ``SWITCH`` and
   ``FLAGS``): ``--verifier``, ``--verifier_question``, ``--verifier_answers`` score a causal LM as a
-  generative verifier (:mod:`jaxrm.verifier`), ``--judge``, ``--judge_question``,
+  generative verifier (:mod:`jaxrm.tasks.verifier`), ``--judge``, ``--judge_question``,
   ``--judge_answers`` load one as a pairwise judge; :func:`asker_requests` gives
   ``RewardModel.from_pretrained`` what they ask.
 
@@ -226,11 +226,11 @@ def _askers() -> list[Any]:
 
 
 def located_model(model: str, step: int | None):
-  """``--model`` located (:func:`jaxrm.loading.locate`) with ``--step``; a training run's
+  """``--model`` located (:func:`jaxrm.scoring.loading.locate`) with ``--step``; a training run's
   checkpoint is chosen here, and which one and why printed before anything loads."""
   import dataclasses
 
-  from jaxrm import loading
+  from jaxrm.scoring import loading
 
   source = loading.locate(model, step)
   if isinstance(source, loading.RunSource):

@@ -24,17 +24,18 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrm import metrics_writer, optim, report, tasks
-from jaxrm import verifier as verifiers
+from jaxrm import tasks
 from jaxrm.data import demo, registry
 from jaxrm.data.adapters import HELPSTEER2_ATTRIBUTES
 from jaxrm.data.cache import DEFAULT_CACHE_DIR
 from jaxrm.data.tokenize import TokenizeOptions
 from jaxrm.errors import ConfigError, UserError, did_you_mean
-from jaxrm.metrics import finalize_metrics, normalize_metric_name
 from jaxrm.models.config import ATTENTION_IMPLS, REMAT_POLICIES
 from jaxrm.models.lora import ALL_LINEAR, LoraConfig
+from jaxrm.run import metrics_writer, optim, report
+from jaxrm.run.metrics import finalize_metrics, normalize_metric_name
 from jaxrm.sharding import MeshConfig
+from jaxrm.tasks import asker as askers
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +239,7 @@ class RewardSpec:
     return tasks.of_reward_type(self.type)
 
   @functools.cached_property
-  def verifier(self) -> verifiers.Asker | None:
+  def verifier(self) -> askers.Asker | None:
     """What a run of an LM-head task asks (its task's ``asker``: a verifier's question and answers,
     ``reward.type='verifier'``; a pairwise judge's, ``pairwise``); None for others."""
     return None if self.task.asker is None else self.task.asker.of_spec(self)
@@ -846,7 +847,7 @@ def validation_metrics(reward: RewardSpec) -> tuple[str, ...]:
   of ``validation-<set>_<name>``): what ``checkpointing.metric_name`` can rank by.
 
   Read from the loss itself, traced on a tiny batch of its task (nothing is computed on a device),
-  and named as :func:`jaxrm.metrics.finalize_metrics` names them.
+  and named as :func:`jaxrm.run.metrics.finalize_metrics` names them.
   """
   outputs, batch = reward.task.example(reward)
   _, shapes = jax.eval_shape(tasks.batch_loss(reward, samples=True), outputs, batch)

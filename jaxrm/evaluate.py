@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import logging
 
-from jaxrm import host_memory
+from jaxrm.run import host_memory
 
 if __name__ == "__main__":  # first: glibc reads its tunables only when a process starts
   host_memory.restart_with_huge_pages()
@@ -183,7 +183,7 @@ def main() -> None:
 
 
 def _model(f):
-  from jaxrm.reward_model import RewardModel
+  from jaxrm.scoring.reward_model import RewardModel
 
   return RewardModel.from_pretrained(
     cli.located_model(f.model, f.step),
@@ -197,8 +197,9 @@ def _format_of_model(f) -> str:
   """What ``--data`` is read as when no ``--dataset_name`` says: the format of the data the
   model's task trains on, as its files record it (read without its weights). A model that cannot
   be read gives the default format: its error comes when it loads, after the data's."""
-  from jaxrm import evaluation, loading
-  from jaxrm.reward_model import RewardModel
+  from jaxrm import evaluation
+  from jaxrm.scoring import loading
+  from jaxrm.scoring.reward_model import RewardModel
 
   try:
     source = loading.locate(f.model, f.step)

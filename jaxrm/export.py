@@ -22,10 +22,11 @@ import logging
 
 from absl import app, flags
 
-from jaxrm import cli, export_files, loading
+from jaxrm import cli
 from jaxrm.hf.export import DTYPES
 from jaxrm.models.config import to_hf_config
-from jaxrm.reward_model import RewardModel
+from jaxrm.scoring import export_files, loading
+from jaxrm.scoring.reward_model import RewardModel
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ def export(
 ) -> RewardModel:
   """Loads ``checkpoint`` (any path ``RewardModel.from_pretrained`` takes, or a located source)
   and exports it; never into a training output directory, the directory it reads, or a LoRA run's
-  base (:func:`jaxrm.export_files.check_export_dir`).
+  base (:func:`jaxrm.scoring.export_files.check_export_dir`).
 
   ``adapters_only`` writes its LoRA adapters and head as a peft adapter directory instead, naming
   ``base_model`` (default: the base the training run trained over, a local path made absolute)

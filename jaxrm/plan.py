@@ -7,9 +7,9 @@ r"""Will this run fit on that hardware? Asked before any GPU is allocated, on an
 The run's config and overrides are read exactly as ``python -m jaxrm.train`` reads them; the model
 needs only its ``config.json`` (or a GGUF file's header), no weights. The run's train and
 validation steps are compiled by XLA's GPU compiler for compile-only devices of ``--gpu``
-(:mod:`jaxrm.gpu_targets`), over ``--topology`` hosts x GPUs per host, and their memory per device
-is printed against the card with a stated margin (:mod:`jaxrm.fit_check`), beside the step's
-time estimated from the compiled program (:mod:`jaxrm.step_time`: tokens/s, MFU, the hours of the
+(:mod:`jaxrm.planning.gpu_targets`), over ``--topology`` hosts x GPUs per host, and their memory per device
+is printed against the card with a stated margin (:mod:`jaxrm.planning.fit_check`), beside the step's
+time estimated from the compiled program (:mod:`jaxrm.planning.step_time`: tokens/s, MFU, the hours of the
 run) with that estimate's error against the steps measured on GPUs. ``--choose`` compiles the run
 again to pick the remat policy and micro-batch that fill the card, and prints them with why. Exit
 status: 0 when the run (or, with ``--choose``, the choice) fits, 1 when it does not (the output
@@ -45,12 +45,12 @@ flags.DEFINE_bool(
 
 
 def plan(config, gpu: str, topology: str, completions: int = 2, choose: bool = False):
-  """Prints and returns the :class:`jaxrm.fit_check.FitReport` of the run ``config`` (as
+  """Prints and returns the :class:`jaxrm.planning.fit_check.FitReport` of the run ``config`` (as
   :func:`jaxrm.cli.run_config` reads it) on ``topology`` GPUs of ``gpu``; with ``choose``, the
-  :class:`jaxrm.fit_check.Choice` of remat and micro-batch instead. Raises
+  :class:`jaxrm.planning.fit_check.Choice` of remat and micro-batch instead. Raises
   :class:`jaxrm.errors.UserError` for a usage error."""
-  from jaxrm import fit_check, gpu_targets
   from jaxrm.errors import UserError
+  from jaxrm.planning import fit_check, gpu_targets
 
   gpu_targets.get(gpu)
   gpu_targets.parse_topology(topology)

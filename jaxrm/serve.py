@@ -52,12 +52,13 @@ import ipaddress
 import logging
 import os
 
-from jaxrm import host_memory
+from jaxrm.run import host_memory
 
 if __name__ == "__main__":  # first: glibc reads its tunables only when a process starts
   host_memory.restart_with_huge_pages()
 
-from jaxrm import cli, step_rewards
+from jaxrm import cli
+from jaxrm.scoring import step_rewards
 from jaxrm.server import ServerConfig, make_server
 from jaxrm.server.app import ENDPOINTS
 
@@ -276,7 +277,7 @@ def served_model_name(f) -> str:
 def main() -> None:
   from absl import flags
 
-  from jaxrm.reward_model import RewardModel
+  from jaxrm.scoring.reward_model import RewardModel
 
   cli.setup_logging(logging.INFO, timestamps=True)
   f = flags.FLAGS

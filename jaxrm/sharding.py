@@ -94,7 +94,7 @@ def make_mesh(cfg: MeshConfig = MeshConfig(), devices: Sequence[jax.Device] | No
 def platform(where: Mesh | Placement | None = None) -> str:
   """Where a computation over ``where`` (a mesh, or a placement's mesh) runs: ``"gpu"`` (CUDA or
   ROCm), ``"cpu"``, ``"tpu"``. It follows the mesh's devices, which may be compile-only GPUs in a
-  CPU process (:mod:`jaxrm.gpu_targets`); without a mesh, the default device's (where jit places
+  CPU process (:mod:`jaxrm.planning.gpu_targets`); without a mesh, the default device's (where jit places
   it)."""
   mesh = where.mesh if isinstance(where, Placement) else where
   devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]

@@ -15,7 +15,7 @@ SIGTERM (a scheduler's preemption notice) or Ctrl-C saves a checkpoint at the en
 under way, prints where it is, and exits 128 + the signal's number (143, 130).
 Multi-host: under Slurm ``jax.distributed`` is initialised from the environment (see
 ``scripts/slurm_train.sh``); elsewhere pass ``--coordinator_address=host:port --num_processes=N
---process_id=i`` to every process. The loop itself is :func:`jaxrm.trainer.train_and_evaluate`.
+--process_id=i`` to every process. The loop itself is :func:`jaxrm.run.trainer.train_and_evaluate`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import sys
 
-from jaxrm import host_memory
+from jaxrm.run import host_memory
 
 if __name__ == "__main__":  # first: glibc reads its tunables only when a process starts
   host_memory.restart_with_huge_pages()
@@ -93,7 +93,7 @@ def main() -> None:
     initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   else:
     config = _foreign_config()
-  from jaxrm import preemption, trainer
+  from jaxrm.run import preemption, trainer
 
   # Once the run is saved and over (or stopped), a scheduler's SIGTERM while the process exits
   # changes nothing, and the exit code says how the run ended.

@@ -25,7 +25,7 @@ CPU step experiments: each mode in lockstep against itself changed by a variant,
 process (``serial_dots=on``: each projection's two backward products in turn; ``xla=<preset>``:
 XLA:CPU thread and scheduling flags; ``malloc=<preset>``: glibc's allocator, ``system`` for its
 defaults where jaxrm's workers otherwise start with huge-page temporaries as the commands do
-(:mod:`jaxrm.host_memory`); ``layers``, ``scan``, ``remat``: the model's; ``head=lm``: a
+(:mod:`jaxrm.run.host_memory`); ``layers``, ``scan``, ``remat``: the model's; ``head=lm``: a
 verifier, ``reward.type=verifier`` reading its log-odds from the LM head's two answer rows at the
 scored position, on the same rows; joined by ``+``)::
 
@@ -111,9 +111,9 @@ from bench_common import (
   read_trace,
 )
 
-from jaxrm import host_memory
 from jaxrm.data.tokenize import PreferenceExample
 from jaxrm.models.config import REMAT_POLICIES, ModelConfig
+from jaxrm.run import host_memory
 
 JAXRM_MODES = ("unpacked", "packed", "shared_prompt")
 BUCKET = 64  # sequence and row lengths are multiples of this
@@ -286,7 +286,7 @@ XLA_PRESETS = {  # XLA:CPU's thread and scheduling options, set in the variant's
   "onednn_dot": "--xla_cpu_experimental_onednn_fusion_type=dot",
 }
 # The C library's allocator. jaxrm's workers start as the commands restart, with glibc's huge-page
-# tunable where it changes something (jaxrm.host_memory); a preset sets the variant's environment
+# tunable where it changes something (jaxrm.run.host_memory); a preset sets the variant's environment
 # instead (a GLIBC_TUNABLES of its own, empty for glibc's defaults).
 MALLOC_PRESETS = {
   "system": {"GLIBC_TUNABLES": ""},  # glibc as it starts: every large block mapped per use
@@ -489,7 +489,7 @@ def flop_formula(cfg: ModelConfig, n_dense: int) -> str:
 def attended_keys(batch) -> int:
   """Sum over real tokens of the keys each attends to: its position + 1 (unpacked rows are
   right-padded, so a row's positions count its real tokens)."""
-  from jaxrm.batches import PreferenceBatch
+  from jaxrm.data.batches import PreferenceBatch
 
   mask = batch.attention_mask  # [B, T]
   positions = np.cumsum(mask, -1) - 1 if isinstance(batch, PreferenceBatch) else batch.positions
@@ -540,9 +540,10 @@ def _jaxrm_update(cfg: ModelConfig, seed: int, num_steps: int, reward=None, weig
   import jax
   from flax import nnx
 
-  from jaxrm import loading, update
   from jaxrm.config import RewardSpec, TrainSpec
   from jaxrm.models.decoder import Decoder
+  from jaxrm.run import update
+  from jaxrm.scoring import loading
 
   if weights_dir:
     overrides = {
@@ -570,13 +571,15 @@ VARIANT_SEP = "~"  # a worker "<mode>~<variant>" runs --vs-variant's variant
 
 def compile_only_update(args, target: str):
   """The bench's update for ``args`` built over abstract weights on one compile-only GPU of
-  ``target`` (``jaxrm.gpu_targets``), with its collator, mesh and model config: what
+  ``target`` (``jaxrm.planning.gpu_targets``), with its collator, mesh and model config: what
   ``gpu_check.py --compile_only`` and ``step_time_calibration.py`` compile for each batch shape."""
   import dataclasses
 
-  from jaxrm import gpu_targets, sharding, update
+  from jaxrm import sharding
   from jaxrm.config import RewardSpec, TrainSpec
   from jaxrm.hf.loader import placed_abstract_model
+  from jaxrm.planning import gpu_targets
+  from jaxrm.run import update
 
   cfg = model_config(args)
   if args.lora:
@@ -618,7 +621,7 @@ def run_jaxrm(worker: str, args, channel: _Channel) -> dict:
   import jax
 
   from jaxrm.config import RewardSpec
-  from jaxrm.metrics import finalize_metrics
+  from jaxrm.run.metrics import finalize_metrics
 
   cfg = model_config(args)
   ranked = ranked_worker(worker)

@@ -140,7 +140,7 @@ def make_groups(n: int, k: int, max_length: int, vocab: int, seed: int) -> list[
 def full_pairs(pairs: int, length: int, vocab: int, seed: int = 0):
   """``pairs`` preference pairs whose two completions both fill ``length`` tokens: the unpacked
   batch (``data.packing=none``) at its longest. input_ids [2 * pairs, length]."""
-  from jaxrm.batches import PreferenceBatch
+  from jaxrm.data.batches import PreferenceBatch
 
   rng = np.random.default_rng(seed)
   return PreferenceBatch(

@@ -60,7 +60,7 @@ the verifier's question (a user turn) and the generation prompt; the generated c
 them within ``--max_length``. ``rm.score`` takes the conversations (rendering them is timed), the
 server takes them at ``/score`` (``{"conversations": [...]}``), and transformers runs
 ``AutoModelForCausalLM`` on the jaxrm export, a causal LM of the same weights, given the texts
-jaxrm renders (:meth:`jaxrm.verifier.Verifier.render`, untimed), whose ids must equal the ids jaxrm
+jaxrm renders (:meth:`jaxrm.tasks.verifier.Verifier.render`, untimed), whose ids must equal the ids jaxrm
 scores. Its batches are length-sorted as above, left-padded to the batch's longest row with the
 matching position ids, so that the last position is every row's last real token: it computes the
 logits there only (``logits_to_keep=1``, no KV cache) and scores ``log_softmax(logits)[yes] -
@@ -774,7 +774,7 @@ def judge_tokens(rm, drawn: JudgeGroups, args) -> dict:
   (one shared prefix per packed row, a branch per text): the conversation once per group, or the
   conversation and response A once per response A; and as jaxrm's grouping feeds them (its real
   tokens, and the token slots of its passes, padding included)."""
-  from jaxrm import shared_prefix
+  from jaxrm.scoring import shared_prefix
 
   ids, k = drawn.ids, 0
   per_group, per_a = [], []
@@ -1062,7 +1062,7 @@ def prompt_lengths(encoded: list[list[int]], g: int) -> str:
 def shared_tokens(rm, encoded: list[list[int]], args) -> int:
   """Tokens the shared layout holds, as rm.score groups the rows: each group's packed row, and
   the rows that score alone."""
-  from jaxrm import shared_prefix
+  from jaxrm.scoring import shared_prefix
 
   groups = rm.prefix_groups(encoded, batch_size=args.batch_size, max_length=args.max_length)
   return sum(shared_prefix.packed_length(encoded, g) for g in groups)

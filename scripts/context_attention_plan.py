@@ -1,7 +1,7 @@
 r"""GPU memory of one context-parallel attention layer, Pallas kernel against the reference blocks.
 
 Compiles the forward and backward pass (bfloat16) of ``context_parallel.attention`` for
-compile-only GPUs (:mod:`jaxrm.gpu_targets`; no GPU needed) and prints, per row length and context
+compile-only GPUs (:mod:`jaxrm.planning.gpu_targets`; no GPU needed) and prints, per row length and context
 size, each route's temporaries per device (``compiled.memory_analysis().temp_size_in_bytes``) and
 how many Triton kernels its program holds, as a Markdown table::
 
@@ -24,9 +24,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from jaxrm import gpu_targets, sharding
+from jaxrm import sharding
 from jaxrm.models import context_parallel as CP
 from jaxrm.models import layers as L
+from jaxrm.planning import gpu_targets
 
 ROUTES = ("reference", "pallas")
 

@@ -11,7 +11,7 @@ Steps, each in its own process with its own time limit, within one overall ``--b
 
 1. ``machine``: the GPU as JAX and nvidia-smi see it (its usable bytes size step 5).
 2. ``compile``: what steps 4 and 5 run, compiled by XLA's GPU compiler for compile-only devices
-   of ``--gpu`` (``jaxrm.gpu_targets``; default the H200 that is lent): the benchmark's step for
+   of ``--gpu`` (``jaxrm.planning.gpu_targets``; default the H200 that is lent): the benchmark's step for
    each of its batch shapes, and the memory plan's step for each of the first ``FIT_TRIES``
    settings step 5 would try. Each program's memory per device is the compile-time plan that the
    GPU's measured peak is put beside; the Triton kernels compiled and the compile times are
@@ -56,8 +56,8 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 
-from jaxrm import gpu_targets
-from jaxrm.memory import gib  # no JAX at import: the parent never imports it
+from jaxrm.planning import gpu_targets
+from jaxrm.planning.memory import gib  # no JAX at import: the parent never imports it
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "scripts", "bench.py")
@@ -703,9 +703,10 @@ def compile_bench(target: str, argv: list[str] | None = None) -> dict:
   import bench
   import jax
 
-  from jaxrm import fit_check, sharding
-  from jaxrm.memory import ProgramMemory
+  from jaxrm import sharding
   from jaxrm.models.decoder import attention_summary
+  from jaxrm.planning import fit_check
+  from jaxrm.planning.memory import ProgramMemory
 
   argv = argv or BENCH_ARGS + ["--attention=auto"]
   args = bench.parse_args(argv)

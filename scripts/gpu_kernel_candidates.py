@@ -2,7 +2,7 @@ r"""Which of jaxrm's attention masks each successor of the Pallas Triton kernel 
 on a machine without a GPU: each candidate is given each mask in the form its API takes, that form
 is expanded to a dense [B, T, S] mask and compared with jaxrm's own (``layers.attention_mask``) on
 CPU, and the candidate's forward and backward pass is compiled for an H100 (sm90) by XLA's GPU
-compiler (``jaxrm.gpu_targets``). Nothing runs on a GPU: speed and on-device numerics are left
+compiler (``jaxrm.planning.gpu_targets``). Nothing runs on a GPU: speed and on-device numerics are left
 to a lent one.
 
   .venv/bin/python -m pip install --no-deps --target /tmp/tokamax tokamax==0.0.12 einshape==1.0 \
@@ -35,9 +35,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrm import gpu_targets, sharding
+from jaxrm import sharding
 from jaxrm.models import flash_attention as F
 from jaxrm.models import layers as L
+from jaxrm.planning import gpu_targets
 
 MASKS = ("causal", "padded", "packed", "tree")
 TARGET = "h100-80gb"

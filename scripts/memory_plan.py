@@ -5,9 +5,9 @@ with the optimizer of the default ``TrainSpec``) compiled ahead of time on abstr
 XLA's GPU compiler, per named shape (``scripts/bench_common.py``: their config.json values),
 sequence length, remat policy, mesh and gradient accumulation, with each device's parameter,
 optimizer-state and temporary bytes against an 80 GB and a 141 GB GPU, each card's verdict from a
-compile for its own GPU (``--gpu``: compile-only H100 and H200 devices of ``jaxrm.gpu_targets``,
+compile for its own GPU (``--gpu``: compile-only H100 and H200 devices of ``jaxrm.planning.gpu_targets``,
 one host of as many as the mesh needs; results and caveats: docs/benchmarks.md). A GPU row also
-holds the step's time estimated from its program (``estimated_step_s``, ``jaxrm.step_time``,
+holds the step's time estimated from its program (``estimated_step_s``, ``jaxrm.planning.step_time``,
 calibrated) and the FLOPs the program computes, recomputation included::
 
   python scripts/memory_plan.py --json=benchmarks/memory_plan.json
@@ -57,7 +57,7 @@ PLAN_MESHES = ("1x1x1", "1x8x1", "1x4x2")  # data x fsdp x tensor [x context]
 PLAN_BACKENDS = ("gpu", "cpu")
 # Memory of one GPU as nvidia-smi reports it (MiB): an 80 GB H100 and a 141 GB H200.
 CARDS_GIB = {"80 GB": 81559 / 1024, "141 GB": 143771 / 1024}
-# The GPU target each card's column is compiled for (jaxrm.gpu_targets): XLA's GPU compiler reads
+# The GPU target each card's column is compiled for (jaxrm.planning.gpu_targets): XLA's GPU compiler reads
 # the card's memory and bandwidth, and its programs for the two differ a little (docs/benchmarks.md).
 CARD_OF_TARGET = {"h100-80gb": "80 GB", "h200": "141 GB"}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -106,7 +106,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     "--gpu",
     default=",".join(CARD_OF_TARGET),
     help="the GPU targets the plan compiles each setting for, comma-separated (of "
-    f"{', '.join(CARD_OF_TARGET)}; jaxrm.gpu_targets): each card's column is its "
+    f"{', '.join(CARD_OF_TARGET)}; jaxrm.planning.gpu_targets): each card's column is its "
     "own target's compile",
   )
   p.add_argument(
@@ -203,8 +203,8 @@ def planned_update(model, mesh, *, grad_accum: int = 1, seed: int = 0):
   """The trainer's update of ``model`` on ``mesh`` (``update.build_update``), as a run with the
   default ``TrainSpec`` builds it: abstract (nothing allocated) when ``model`` is; with
   ``grad_accum`` > 1, over unpacked micro-batches of their own lengths."""
-  from jaxrm import update
   from jaxrm.config import RewardSpec, TrainSpec
+  from jaxrm.run import update
 
   train = TrainSpec(seed=seed)
   return update.build_update(
@@ -234,7 +234,8 @@ def planned_batch(cfg: ModelConfig, length: int, mesh):
 def compile_programs(built, batch) -> dict:
   """``built``'s train step compiled for ``batch``: ``{"step": ...}``, or a micro-batched step's
   ``{"gradient": ..., "update": ...}``."""
-  from jaxrm import gpu_targets, steps
+  from jaxrm.planning import gpu_targets
+  from jaxrm.run import steps
 
   with gpu_targets.uncached():  # a compile-only GPU's executable cannot be loaded back
     if isinstance(built.train_step, steps.MicroBatchedStep):
@@ -250,7 +251,7 @@ def plan_devices(backend: str, target: str, count: int) -> list:
   "gpu"), or this process's fake CPU devices (backend "cpu", set up by :func:`main`)."""
   import jax
 
-  from jaxrm import gpu_targets
+  from jaxrm.planning import gpu_targets
 
   if backend == "cpu":
     return jax.devices("cpu")[:count]
@@ -280,7 +281,7 @@ def plan_note(backend: str, targets: str) -> str:
     )
   return common + (
     f"Compiled by XLA's GPU compiler (with Triton) for compile-only devices of each of "
-    f"{targets} (jaxrm.gpu_targets), on a machine that need not have a GPU; each card "
+    f"{targets} (jaxrm.planning.gpu_targets), on a machine that need not have a GPU; each card "
     "is judged by its own target's compile. 'auto' attention is "
     "the Pallas flash kernel, except under context > 1, where every route takes the "
     "per-shard reference attention (masks built per block from the tokens' ids). "
@@ -310,10 +311,11 @@ def plan_one(
   optimizer state, the compiler's temporaries and their total, and what was compiled."""
   import jax
 
-  from jaxrm import fit_check, sharding
+  from jaxrm import sharding
   from jaxrm.hf.loader import placed_abstract_model
-  from jaxrm.memory import bytes_per_device, step_memory
   from jaxrm.models.decoder import attention_summary
+  from jaxrm.planning import fit_check
+  from jaxrm.planning.memory import bytes_per_device, step_memory
 
   cfg = plan_config(name, remat, attention, lora_rank, base_dtype)
   devices = int(np.prod(mesh_dims))
@@ -357,9 +359,9 @@ def plan_one(
 
 
 def _estimated(programs: dict, target: str, grad_accum: int) -> dict:
-  """The step's time estimated from its compiled programs (jaxrm.step_time; every sequence fills its
+  """The step's time estimated from its compiled programs (jaxrm.planning.step_time; every sequence fills its
   row, so every causal pair is attended), calibrated, and the FLOPs the program computes."""
-  from jaxrm import step_time
+  from jaxrm.planning import step_time
 
   e = step_time.estimate_step(programs, target, grad_accum=grad_accum)
   return {"estimated_step_s": round(step_time.calibrated(e.seconds), 4), "program_flops": e.flops}
@@ -648,8 +650,8 @@ def fit(args) -> dict:
 
   from jaxrm.data import pipeline
   from jaxrm.hf.loader import placed_abstract_model
-  from jaxrm.memory import ProgramMemory, bytes_per_device
   from jaxrm.models.decoder import Decoder
+  from jaxrm.planning.memory import ProgramMemory, bytes_per_device
 
   cfg = plan_config(args.model, args.remat, args.attention)
   out = {
@@ -700,7 +702,7 @@ def fit_dry_run(args) -> dict:
   import jax
 
   from jaxrm.hf.loader import placed_abstract_model
-  from jaxrm.memory import bytes_per_device
+  from jaxrm.planning.memory import bytes_per_device
 
   cfg = plan_config(args.model, args.remat, args.attention)
   mesh = one_device_mesh()

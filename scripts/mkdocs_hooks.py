@@ -1,6 +1,6 @@
 """MkDocs hooks (mkdocs.yml's ``hooks:``): the docstrings' Sphinx roles shown as plain code.
 
-jaxrm's docstrings name other objects as Sphinx does (``:class:`jaxrm.loading.ScoringInfo```);
+jaxrm's docstrings name other objects as Sphinx does (``:class:`jaxrm.scoring.loading.ScoringInfo```);
 mkdocstrings renders the name as code and leaves the role in front of it. The role is dropped.
 """
 

@@ -33,7 +33,7 @@ import time
 
 import bench
 
-from jaxrm import host_memory
+from jaxrm.run import host_memory
 
 _DEF = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) ([a-z][a-z0-9\-]*)\((.*)$")
 _COMP = re.compile(r"^(?:ENTRY )?%(\S+) \((.*)\) -> .* \{$")

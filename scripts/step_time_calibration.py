@@ -1,8 +1,8 @@
-r"""The step-time estimate (``jaxrm.step_time``) beside every training step measured on a GPU.
+r"""The step-time estimate (``jaxrm.planning.step_time``) beside every training step measured on a GPU.
 
 Each measured step of ``benchmarks/gpu_check_*.json`` is compiled again here, on any machine, for
 its GPU target, estimated kernel by kernel, and written with the measured time to
-``benchmarks/step_time_calibration.json``; ``jaxrm.step_time.CALIBRATION`` holds the same figures,
+``benchmarks/step_time_calibration.json``; ``jaxrm.planning.step_time.CALIBRATION`` holds the same figures,
 which ``python -m jaxrm.plan`` scales its estimates by and prints the errors of::
 
   python scripts/step_time_calibration.py            # both settings, minutes on 2 cores
@@ -38,7 +38,8 @@ def bench_point(target: str, measured: dict) -> dict:
   import jax
   import numpy as np
 
-  from jaxrm import gpu_targets, sharding, step_time
+  from jaxrm import sharding
+  from jaxrm.planning import gpu_targets, step_time
 
   args = bench.parse_args(BENCH_ARGS)
   built, collate, mesh, _ = bench.compile_only_update(args, target)
@@ -93,8 +94,9 @@ def fit_point(target: str, measured: dict) -> dict:
   """The one full fine-tuning step of Qwen3-8B at 8192 tokens, estimated from its program."""
   import memory_plan
 
-  from jaxrm import gpu_targets, sharding, step_time
+  from jaxrm import sharding
   from jaxrm.hf.loader import placed_abstract_model
+  from jaxrm.planning import gpu_targets, step_time
 
   fit = measured["steps"]["fit"]["result"]
   cfg = memory_plan.plan_config(fit["model"], fit["remat"], fit["attention"])
@@ -136,7 +138,7 @@ def main(argv=None) -> None:
   if args.keep_hlo:
     os.makedirs(args.keep_hlo, exist_ok=True)
     _KEEP.append(args.keep_hlo)
-  from jaxrm import step_time
+  from jaxrm.planning import step_time
 
   out_path = args.out
   with open(args.measured) as f:
@@ -160,7 +162,7 @@ def main(argv=None) -> None:
   with open(out_path, "w") as f:
     json.dump(
       {
-        "note": "Measured GPU steps beside jaxrm.step_time's estimate of the same program, compiled "
+        "note": "Measured GPU steps beside jaxrm.planning.step_time's estimate of the same program, compiled "
         "for the same target on a machine without the GPU (scripts/step_time_calibration.py).",
         "efficiency": dataclasses.asdict(step_time.Efficiency()),
         "points": list(points.values()),
@@ -168,7 +170,7 @@ def main(argv=None) -> None:
       f,
       indent=1,
     )
-  print(f"{out_path} written in {time.perf_counter() - start:.0f} s; jaxrm.step_time.CALIBRATION:")
+  print(f"{out_path} written in {time.perf_counter() - start:.0f} s; jaxrm.planning.step_time.CALIBRATION:")
   for point in points.values():
     print(f"  {point['name']}: measured {point['measured_s']:.4g} s, estimated {point['estimated_s']:.4g} s")
 

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from jaxrm import RewardModel
-from jaxrm.batches import IGNORE_INDEX
+from jaxrm.data.batches import IGNORE_INDEX
 from jaxrm.data.records import PreferenceRecord
 from jaxrm.data.tokenize import PreferenceExample, StepwiseExample
 from jaxrm.models import families

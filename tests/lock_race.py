@@ -29,7 +29,8 @@ def main(model_dir: str, root: str, trials: int) -> None:
   os.environ.setdefault("GLIBC_TUNABLES", "")
   import tiny_run
 
-  from jaxrm import cli, run_lock, trainer  # noqa: F401  (imported once, for every run)
+  from jaxrm import cli  # noqa: F401  (imported once, for every run)
+  from jaxrm.run import run_lock
 
   for trial in range(trials):
     out = os.path.join(root, f"run{trial}")

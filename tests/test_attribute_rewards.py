@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from helpers import approx, grpo_trainer, serving
 
-from jaxrm import RewardModel, reward_funcs
+from jaxrm import RewardModel
+from jaxrm.scoring import reward_funcs
 from jaxrm.server import ServerConfig
 
 ATTRIBUTES = ("helpfulness", "verbosity")

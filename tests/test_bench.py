@@ -19,8 +19,8 @@ import bench_common  # noqa: E402
 import memory_plan  # noqa: E402
 
 from jaxrm.hf.loader import abstract_model, placed_abstract_model  # noqa: E402
-from jaxrm.memory import bytes_per_device  # noqa: E402
 from jaxrm.models.decoder import Decoder  # noqa: E402
+from jaxrm.planning.memory import bytes_per_device  # noqa: E402
 
 TINY_LENGTH = 32
 
@@ -160,7 +160,8 @@ def test_stored_plans_still_read():
 
 
 def test_abstract_state_is_what_init_state_builds():
-  from jaxrm import sharding, steps
+  from jaxrm import sharding
+  from jaxrm.run import steps
 
   cfg = memory_plan.plan_config("tiny", "none", "auto")
   mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), devices=jax.devices()[:1])

@@ -198,7 +198,7 @@ def test_each_askers_flags_ask_from_pretrained_for_it():
 
   from jaxrm import cli
   from jaxrm.errors import ConfigError
-  from jaxrm.verifier import DEFAULT_QUESTION
+  from jaxrm.tasks.verifier import DEFAULT_QUESTION
 
   def parsed(*argv):
     f = flags.FlagValues()

@@ -192,9 +192,9 @@ def training_losses(mesh_sizes=None, steps_n=3):
   """Losses of three SGD steps of the token head on stepwise rows (one device without sizes)."""
   import optax
 
-  from jaxrm import steps
   from jaxrm.config import RewardSpec
   from jaxrm.data import pipeline
+  from jaxrm.run import steps
 
   cfg = tiny_decoder_config(attention_impl="reference", head="token", num_labels=2)
   model = tiny_model(cfg)

@@ -12,8 +12,8 @@ import pytest
 import tiny_run
 from helpers import REBATCHED, assistant, pref, right_padded, softplus, user
 
-from jaxrm.batches import IGNORE_INDEX
 from jaxrm.data import registry
+from jaxrm.data.batches import IGNORE_INDEX
 from jaxrm.data.drops import DropReport
 from jaxrm.data.tokenize import PAIR_TOO_LONG, RatedExample, StepwiseExample, TokenizeOptions
 from jaxrm.errors import EvaluationError

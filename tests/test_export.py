@@ -20,7 +20,7 @@ from jaxrm.export import export
 from jaxrm.hf import gguf
 from jaxrm.hf.export import MANIFEST
 from jaxrm.models import families, lora
-from jaxrm.run_files import RunFiles
+from jaxrm.run.run_files import RunFiles
 
 
 def safetensors_header(path):

@@ -33,7 +33,7 @@ import transformers
 from helpers import PARITY_ATOL
 
 from jaxrm import RewardModel
-from jaxrm.loading import ScoringInfo
+from jaxrm.scoring.loading import ScoringInfo
 
 ARCH = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma2": "Gemma2"}
 SEQ_CLS = "ForSequenceClassification"

@@ -24,8 +24,9 @@ import tiny_run
 from flax import nnx
 from helpers import around
 
-from jaxrm import RewardModel, checkpointing, preemption
+from jaxrm import RewardModel
 from jaxrm.errors import CheckpointError
+from jaxrm.run import checkpointing, preemption
 
 TRIALS = 24
 SEED = 35
@@ -170,7 +171,7 @@ def test_a_signal_after_the_last_step_lets_the_run_end_as_it_would_have(
 ):
   """SIGTERM while the finished run prints its summary and waits for its last save: the run ends
   as it would have, says so, and holds its checkpoints (before, the process died mid-close)."""
-  from jaxrm import trainer
+  from jaxrm.run import trainer
 
   out = str(tmp_path / "run")
   shutil.copytree(baseline, out)
@@ -191,7 +192,7 @@ def test_the_command_hands_sigterm_from_its_watch_straight_to_ignored(monkeypatc
   """The command's watch ends (its run over or stopped) by setting SIGTERM to SIG_IGN: at no
   moment in between may the default action kill the exiting process (a SIGTERM just after the
   last step once ended the command with -15 and no message). A library call gets its handler back."""
-  from jaxrm import preemption
+  from jaxrm.run import preemption
 
   calls = []
   real = signal.signal

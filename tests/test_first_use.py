@@ -14,8 +14,8 @@ import pytest
 import tiny_run
 from helpers import write_jsonl
 
-from jaxrm import trainer
 from jaxrm.errors import ConfigError, DataError
+from jaxrm.run import trainer
 
 RM = "--config=configs/rm.py"
 # configs/rm.py as a short run: rm.py's warmup (5 steps) would outlast 2 steps of its cosine schedule.

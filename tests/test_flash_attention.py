@@ -398,7 +398,7 @@ def test_bf16_training_step_with_the_kernel_is_as_close_to_float32_as_the_refere
   bits), so the kernel is held to the reference attention's own accuracy: its loss and gradient
   in bfloat16 are no further from the float32 step's than twice the reference path's in bfloat16
   (on CPU, in interpret mode: 0.95x and 0.90x)."""
-  from jaxrm import losses
+  from jaxrm.tasks import losses
 
   def loss_and_grads(cfg):
     batch = batches["tree"]

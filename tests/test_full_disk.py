@@ -22,7 +22,7 @@ from flax import nnx
 from orbax.checkpoint._src.handlers import json_checkpoint_handler
 from orbax.checkpoint._src.serialization import serialization
 
-from jaxrm import checkpointing
+from jaxrm.run import checkpointing
 
 METRIC = "validation-default_loss"
 
@@ -209,7 +209,7 @@ def test_a_full_disk_for_the_metrics_is_one_message(tmp_path):
   """metrics.jsonl refused (a file size limit: the same refusal as a full disk): one message
   naming the file and what is needed, and closing the writer tries nothing more (before, the
   OSError's text alone, then tracebacks from the writers flushing again at exit)."""
-  from jaxrm.metrics_writer import MetricsWriteError, MetricsWriter
+  from jaxrm.run.metrics_writer import MetricsWriteError, MetricsWriter
 
   writer = MetricsWriter(str(tmp_path), tensorboard=False)
   writer.write(1, {"train/loss": 0.5})

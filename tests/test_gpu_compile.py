@@ -1,5 +1,5 @@
 """Compiled for NVIDIA GPUs on any machine: the Pallas kernels and the trainer's steps, by XLA's GPU
-compiler and Triton, for compile-only H100 and H200 devices (``jaxrm.gpu_targets``).
+compiler and Triton, for compile-only H100 and H200 devices (``jaxrm.planning.gpu_targets``).
 
 Checked: the flash kernel's forward, dq and dk/dv under every mask (padded, packed, shared-prompt,
 sliding window, soft-capping) at head dims 64 to 256; that a tile too large for a block's shared
@@ -33,14 +33,16 @@ sys.path.insert(0, os.path.join(tiny_run.ROOT, "scripts"))
 from bench_common import HF_CONFIGS  # noqa: E402
 from memory_plan import compile_programs, plan_config, planned_batch, planned_update  # noqa: E402
 
-from jaxrm import fit_check, gpu_targets, sharding, steps  # noqa: E402
+from jaxrm import sharding
 from jaxrm.hf.loader import placed_abstract_model  # noqa: E402
-from jaxrm.memory import ProgramMemory, bytes_per_device  # noqa: E402
 from jaxrm.models import families  # noqa: E402
 from jaxrm.models import flash_attention as F  # noqa: E402
 from jaxrm.models.config import from_hf_config  # noqa: E402
 from jaxrm.models.decoder import attention_fn, attention_route  # noqa: E402
 from jaxrm.models.lora import LoraConfig  # noqa: E402
+from jaxrm.planning import fit_check, gpu_targets  # noqa: E402
+from jaxrm.planning.memory import ProgramMemory, bytes_per_device  # noqa: E402
+from jaxrm.run import steps
 from jaxrm.server import ServerConfig  # noqa: E402
 
 H100, H200 = "h100-80gb", "h200"

@@ -1,4 +1,4 @@
-"""Host memory of jaxrm's commands (jaxrm/host_memory.py): a compiled program's large temporaries
+"""Host memory of jaxrm's commands (jaxrm/run/host_memory.py): a compiled program's large temporaries
 on huge pages, the command restarted once with glibc's tunable.
 
 Each case runs in a process of its own, since glibc reads its tunables when a process starts. The
@@ -17,7 +17,7 @@ import sys
 import pytest
 import tiny_run
 
-from jaxrm import host_memory
+from jaxrm.run import host_memory
 
 PROBE = r"""
 import ctypes, json, os
@@ -100,7 +100,7 @@ def test_the_commands_restart_before_anything_else(command):
   assert ast.unparse(body[guard].test) == "__name__ == '__main__'"
   assert ast.unparse(body[guard].body[0]) == "host_memory.restart_with_huge_pages()"
   before = [ast.unparse(n) for n in body[:guard] if isinstance(n, (ast.Import, ast.ImportFrom))]
-  assert before[-1] == "from jaxrm import host_memory", before
+  assert before[-1] == "from jaxrm.run import host_memory", before
   assert all(
     n.split()[1] in ("__future__", "os", "sys", "signal", "logging", "ipaddress") for n in before[:-1]
   )

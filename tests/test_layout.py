@@ -97,7 +97,7 @@ def _path_through(graph: dict[str, set[str]], component: set[str]) -> list[str]:
 def test_no_import_cycles():
   modules = _modules()
   graph = {m: _imports(m, path, set(modules)) for m, path in modules.items()}
-  assert "jaxrm.reward_model" in graph["jaxrm.export"]  # the graph sees the imports
+  assert "jaxrm.scoring.reward_model" in graph["jaxrm.export"]  # the graph sees the imports
   knots = _components(graph)
   assert not knots, "import cycles:\n" + "\n".join(
     f"{' -> '.join(_path_through(graph, set(k)))} (all of {', '.join(k)} import each other)" for k in knots
@@ -138,45 +138,34 @@ def test_no_test_module_imports_another():
 LAYERS = {
   "jaxrm.errors": set(),
   "jaxrm.sharding": set(),
-  "jaxrm.metrics": set(),
-  "jaxrm.host_memory": set(),
-  "jaxrm.kinds": {"jaxrm.errors", "jaxrm.tasks"},
+  "jaxrm.run.metrics": set(),
+  "jaxrm.run.host_memory": set(),
+  "jaxrm.scoring.kinds": {"jaxrm.errors", "jaxrm.tasks"},
   # A task is what the library asks: it names its batches and losses and reads its rows (jaxrm.data),
   # and imports nothing above them.
-  "jaxrm.tasks": {
-    "jaxrm.tasks",
-    "jaxrm.batches",
-    "jaxrm.losses",
-    "jaxrm.metrics",
-    "jaxrm.errors",
-    "jaxrm.verifier",
-    "jaxrm.data",
-    "jaxrm.routes",
-  },
+  "jaxrm.tasks": {"jaxrm.tasks", "jaxrm.data", "jaxrm.run.metrics", "jaxrm.errors"},
   # What a server route reads and answers (a task's routes are written with it): no server code.
-  "jaxrm.routes": {"jaxrm.data"},
+  "jaxrm.tasks.routes": {"jaxrm.data"},
+  # An LM-head task's question and answers: data the config, loading and scoring ask.
+  "jaxrm.tasks.asker": {"jaxrm.errors"},
+  "jaxrm.tasks.losses": {"jaxrm.data.batches", "jaxrm.run.metrics"},
   "jaxrm.models": {"jaxrm.errors", "jaxrm.sharding", "jaxrm.models"},
   # Family specs are data that the model config asks: they import no model code.
   "jaxrm.models.families": {"jaxrm.errors", "jaxrm.models.families"},
   "jaxrm.hf": {"jaxrm.errors", "jaxrm.sharding", "jaxrm.models", "jaxrm.hf"},
   # Which writes the file system refused, and what the user needs: the standard library only.
-  "jaxrm.refused_writes": set(),
-  "jaxrm.checkpointing": {"jaxrm.errors", "jaxrm.metrics", "jaxrm.refused_writes"},
-  "jaxrm.run_lock": {"jaxrm.errors", "jaxrm.refused_writes"},
-  "jaxrm.batches": set(),
-  "jaxrm.losses": {"jaxrm.batches", "jaxrm.metrics"},
-  # A verifier's question and answers: data the config, loading and scoring ask.
-  "jaxrm.verifier": {"jaxrm.errors"},
+  "jaxrm.run.refused_writes": set(),
+  "jaxrm.run.checkpointing": {"jaxrm.errors", "jaxrm.run.metrics", "jaxrm.run.refused_writes"},
+  "jaxrm.run.run_lock": {"jaxrm.errors", "jaxrm.run.refused_writes"},
+  "jaxrm.data.batches": set(),
   # Reading, tokenizing and batching rows: the settings are checked where they live (jaxrm.config,
   # named here for run_data's type annotations only), not by the data modules.
   "jaxrm.data": {
     "jaxrm.data",
-    "jaxrm.batches",
     "jaxrm.config",
     "jaxrm.errors",
     "jaxrm.sharding",
     "jaxrm.tasks",
-    "jaxrm.verifier",
   },
 }
 
@@ -221,7 +210,8 @@ def test_the_run_config_goes_back_up_the_layers_fewer_than_10_times(model_dir, t
   folder holds a run to compare with, whatever its checkpoints,
   whether an outside checkpoint folder is another run's, and whether the model path is a run's
   folder (loading asks the run folder's module, which owns its layout)."""
-  from jaxrm import cli, trainer
+  from jaxrm import cli
+  from jaxrm.run import trainer
 
   depth = _depth(_graph())
   config = cli.run_config(tiny_run.config(model_dir, str(tmp_path / "run")))
@@ -240,7 +230,7 @@ def test_the_run_config_goes_back_up_the_layers_fewer_than_10_times(model_dir, t
       stack.append((module, frame.f_code.co_name))
     elif stack:
       callee = stack.pop()
-      caller = stack[-1] if stack else ("jaxrm.trainer", "train_and_evaluate")
+      caller = stack[-1] if stack else ("jaxrm.run.trainer", "train_and_evaluate")
       if caller[0] != callee[0] and depth(caller[0]) > depth(callee[0]):
         ups.append(f"{callee[0]}.{callee[1]} -> {caller[0]}.{caller[1]}")
 
@@ -339,9 +329,9 @@ def test_only_the_tasks_module_compares_task_names():
   assert {"regression", "stepwise", "rated"} <= spellings and not found, found
 
 
-# The modules a particular task's object is read from: the tasks package, and jaxrm.kinds (which
+# The modules a particular task's object is read from: the tasks package, and jaxrm.scoring.kinds (which
 # once kept a name per task).
-TASK_HOMES = ("jaxrm.tasks", "jaxrm.kinds")
+TASK_HOMES = ("jaxrm.tasks", "jaxrm.scoring.kinds")
 
 
 def _task_names() -> set[str]:
@@ -393,7 +383,7 @@ def test_no_module_outside_the_tasks_package_names_a_task():
 
 def test_the_task_reference_finder_finds_them():
   source = (
-    "import jaxrm.tasks as t\nfrom jaxrm import kinds, tasks\nfrom jaxrm.tasks import pairwise, PROCESS\n"
+    "import jaxrm.tasks as t\nfrom jaxrm.scoring import kinds; from jaxrm import tasks\nfrom jaxrm.tasks import pairwise, PROCESS\n"
     "import jaxrm\nfrom jaxrm.data import example_types\n"
     "t.VERIFIER; kinds.PREFERENCE; tasks.PAIRWISE.name; pairwise.PAIRWISE; jaxrm.tasks.REGRESSION\n"
     "example_types.PREFERENCE; tasks.TASKS; other.PROCESS\n"
@@ -448,14 +438,14 @@ def test_only_the_row_owners_branch_on_a_kind_of_row():
   assert not found, found
 
 
-# What interprets a model path: only jaxrm.loading says what a path names, and whether a folder
+# What interprets a model path: only jaxrm.scoring.loading says what a path names, and whether a folder
 # is a run's only the run folder's module (which owns its layout) and those refusing to write into one.
 PATH_CALLS = {"snapshot_download", "is_run_dir", "embedded_model_path", "HFCheckpoint", "GGUFCheckpoint"}
 PATH_STRINGS = ("model_config.json", "embedded:", ".gguf")
 PATH_OWNERS = {
-  "jaxrm.loading",
-  "jaxrm.run_files",
-  "jaxrm.export_files",
+  "jaxrm.scoring.loading",
+  "jaxrm.run.run_files",
+  "jaxrm.scoring.export_files",
   "jaxrm.hf.gguf",
   "jaxrm.hf.safetensors_io",
 }
@@ -492,7 +482,9 @@ def _path_interpretations(path: str) -> list[str]:
 def test_only_the_loading_module_interprets_model_paths():
   found = {m: _path_interpretations(p) for m, p in _modules().items() if m not in PATH_OWNERS}
   found = {m: f for m, f in found.items() if f}
-  assert "jaxrm.loading" in _modules() and _path_interpretations(_modules()["jaxrm.loading"])  # it sees them
+  assert "jaxrm.scoring.loading" in _modules() and _path_interpretations(
+    _modules()["jaxrm.scoring.loading"]
+  )  # it sees them
   assert not found, found
 
 
@@ -559,13 +551,13 @@ def test_tests_read_no_private_name_of_the_package():
 
 def test_the_private_name_finder_finds_reads():
   tree = ast.parse(
-    "import jaxrm.trainer as t\nfrom jaxrm import data, loading\nfrom jaxrm.batches import _x, IGNORE_INDEX\n"
+    "import jaxrm.run.trainer as t\nfrom jaxrm import data, loading\nfrom jaxrm.data.batches import _x, IGNORE_INDEX\n"
     "import jaxrm\nt._a; data.tokenize._b; loading.public; jaxrm.cli._c; IGNORE_INDEX._d; other._e\n"
     "monkeypatch.setattr(loading, '_f', None)\n"
   )
   assert _private_reads(tree) == {
-    "jaxrm.trainer._a",
+    "jaxrm.run.trainer._a",
     "jaxrm.data.tokenize._b",
-    "jaxrm.batches._x",
+    "jaxrm.data.batches._x",
     "jaxrm.cli._c",
   }

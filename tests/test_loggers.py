@@ -14,9 +14,9 @@ import pytest
 import start_checks
 import tiny_run
 
-from jaxrm import metrics_writer
 from jaxrm.config import LoggerSpec, MlflowSpec
 from jaxrm.errors import ConfigError
+from jaxrm.run import metrics_writer
 
 
 def wandb_history(wandb_dir: str) -> dict[tuple[int, str], float]:
@@ -184,7 +184,7 @@ def test_a_failing_logger_is_one_line_and_the_run_goes_on(tmp_path, monkeypatch,
   def fail(self, step, metrics):
     raise MlflowException("API request to http://tracking/api failed\nTraceback (most recent call last): ...")
 
-  monkeypatch.setattr("jaxrm.metrics_writer._MlflowRun.log", fail)  # a tracking server that fails
+  monkeypatch.setattr("jaxrm.run.metrics_writer._MlflowRun.log", fail)  # a tracking server that fails
   spec = LoggerSpec(mlflow_enabled=True, mlflow=MlflowSpec(tracking_uri=str(tmp_path / "store")))
   out = tmp_path / "run"
   with caplog.at_level(logging.WARNING):
@@ -225,9 +225,9 @@ def test_loggers_that_cannot_start_lose_nothing(model_dir, tmp_path, monkeypatch
     logger__mlflow__tracking_uri=f"http://127.0.0.1:{free_port()}",
     logger__log_dir=str(tmp_path / "taken" / "tensorboard"),
   )
-  with caplog.at_level(logging.WARNING, logger="jaxrm.metrics_writer"):
+  with caplog.at_level(logging.WARNING, logger="jaxrm.run.metrics_writer"):
     tiny_run.train(c)
-  lines = [r.getMessage() for r in caplog.records if r.name == "jaxrm.metrics_writer"]
+  lines = [r.getMessage() for r in caplog.records if r.name == "jaxrm.run.metrics_writer"]
   assert len(lines) == 2 and all("\n" not in line for line in lines), lines
   assert lines[0].startswith("MLflow could not start (MlflowException: ")
   assert lines[0].endswith(

@@ -13,7 +13,7 @@ from helpers import assert_only_trained_moved, demo_batches, flat_params, model_
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
-from jaxrm import optim, sharding, steps
+from jaxrm import sharding
 from jaxrm.config import RewardSpec
 from jaxrm.data import pipeline
 from jaxrm.errors import ConfigError
@@ -22,7 +22,8 @@ from jaxrm.models import lora
 from jaxrm.models.config import ModelConfig, config_from_dict
 from jaxrm.models.decoder import Decoder
 from jaxrm.models.lora import LoraConfig, LoraParam
-from jaxrm.reward_model import RewardModel
+from jaxrm.run import optim, steps
+from jaxrm.scoring.reward_model import RewardModel
 
 QV = LoraConfig(rank=4, targets=("q_proj", "v_proj"))
 ALL = LoraConfig(rank=4, targets="all-linear")

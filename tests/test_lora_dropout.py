@@ -11,13 +11,14 @@ import pytest
 from flax import nnx
 from helpers import demo_batches, flat_params, padded_tokens
 
-from jaxrm import sharding, steps
+from jaxrm import sharding
 from jaxrm.config import RewardSpec
 from jaxrm.data import pipeline
 from jaxrm.errors import ConfigError
 from jaxrm.models import lora
 from jaxrm.models.lora import LoraConfig, LoraParam
-from jaxrm.reward_model import RewardModel
+from jaxrm.run import steps
+from jaxrm.scoring.reward_model import RewardModel
 
 DROPPED = LoraConfig(rank=4, dropout=0.5, targets="all-linear")
 

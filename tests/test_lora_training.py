@@ -12,14 +12,14 @@ import tiny_run
 from flax import nnx
 from helpers import flat_params
 
-from jaxrm import checkpointing, run_files
 from jaxrm.data import registry
 from jaxrm.data.drops import DropReport
 from jaxrm.data.tokenize import TokenizeOptions
 from jaxrm.errors import ConfigError
 from jaxrm.evaluation import evaluate
 from jaxrm.models import lora
-from jaxrm.reward_model import RewardModel
+from jaxrm.run import checkpointing, run_files
+from jaxrm.scoring.reward_model import RewardModel
 
 # Rank 4 on q and v, with dropout (so that resuming must draw the masks an uninterrupted run
 # draws); a LoRA learning rate (adapters start at B = 0 and need larger steps).

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 from helpers import preference_loss_args, softplus
 
-from jaxrm import losses, tasks
-from jaxrm.batches import IGNORE_INDEX as X
-from jaxrm.batches import PreferenceBatch, StepwiseBatch
+from jaxrm import tasks
 from jaxrm.config import RANKING_LOSSES, REWARD_TYPES, VERIFIER_LOSSES, RewardSpec
-from jaxrm.metrics import accumulate, finalize_metrics
+from jaxrm.data.batches import IGNORE_INDEX as X
+from jaxrm.data.batches import PreferenceBatch, StepwiseBatch
+from jaxrm.run.metrics import accumulate, finalize_metrics
+from jaxrm.tasks import losses
 
 # Jitted once here, as training uses them; it also keeps the tests fast (one compile per shape
 # instead of one per operation and shape).

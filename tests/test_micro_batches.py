@@ -6,13 +6,14 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxrm import sharding, steps
+from jaxrm import sharding
 from jaxrm.config import RewardSpec
 from jaxrm.data import pipeline, registry
 from jaxrm.data.drops import DropReport
 from jaxrm.data.tokenize import TokenizeOptions, pad_id, tokenize_all
 from jaxrm.models.lora import LoraConfig, LoraParam
-from jaxrm.reward_model import RewardModel
+from jaxrm.run import steps
+from jaxrm.scoring.reward_model import RewardModel
 
 # SGD at learning rate 1: the first update is minus the mean-loss gradient, which micro-batches of
 # other lengths must compute alike up to float32 sums in another order (a few float32 epsilons

@@ -13,8 +13,8 @@ from jaxrm import RewardModel, evaluation
 from jaxrm.data.drops import DropReport
 from jaxrm.data.records import PreferenceRecord, RatedRecord
 from jaxrm.data.tokenize import PLAIN_TEXT, TokenizeOptions, tokenize_preference
-from jaxrm.loading import ScoringInfo
-from jaxrm.run_files import RunFiles
+from jaxrm.run.run_files import RunFiles
+from jaxrm.scoring.loading import ScoringInfo
 
 RATED = [
   {"prompt": "Item 1:", "response": " good", "LABEL_0": 3, "helpfulness": 3},

@@ -9,7 +9,7 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxrm import optim
+from jaxrm.run import optim
 
 LR, MIN = 1e-3, 1e-4  # min_lr_ratio 0.1
 # optax evaluates schedules in float32: LR itself is 4.7e-8 (relative) off there, and a cosine or an

@@ -12,13 +12,13 @@ import tiny_run
 from flax import nnx
 from helpers import REORDERED_ATOL, VOCAB, jitted, tiny_decoder_config, tiny_model, write_jsonl
 
-from jaxrm import steps
-from jaxrm.batches import LabelledBatch, PackedLabelledBatch, PackedRegressionBatch, RegressionBatch
 from jaxrm.config import RewardSpec
 from jaxrm.data import packing, pipeline, registry
+from jaxrm.data.batches import LabelledBatch, PackedLabelledBatch, PackedRegressionBatch, RegressionBatch
 from jaxrm.data.drops import DropReport
 from jaxrm.data.tokenize import LabelledExample, RatedExample
 from jaxrm.errors import ConfigError
+from jaxrm.run import steps
 
 ROW = 64  # packed row length of the model tests
 UNPACKED = 32  # unpacked bucket of the model tests

@@ -10,8 +10,8 @@ import tiny_run
 from flax import nnx
 
 from jaxrm import sharding
-from jaxrm.batches import IGNORE_INDEX
 from jaxrm.data import packing
+from jaxrm.data.batches import IGNORE_INDEX
 from jaxrm.data.tokenize import PreferenceExample, StepwiseExample
 from jaxrm.errors import UserError
 
@@ -177,12 +177,12 @@ def test_packed_rows_split_over_two_devices(runs, cache_root, tmp_path):
 def first_update(cache_root, head, pack, micro_batches):
   """The update of ``steps.make_train_step`` (SGD, learning rate 1: minus the mean-loss gradient)
   on one global batch of 8 groups at the tiny model's initial parameters, as a flat vector."""
-  from jaxrm import steps
   from jaxrm.config import RewardSpec
   from jaxrm.data import pipeline, registry
   from jaxrm.data.drops import DropReport
   from jaxrm.data.tokenize import TokenizeOptions, pad_id, tokenize_all
-  from jaxrm.reward_model import RewardModel
+  from jaxrm.run import steps
+  from jaxrm.scoring.reward_model import RewardModel
 
   rm = RewardModel.from_pretrained(tiny_run.tiny_model_dir(cache_root, head=head))
   name, spec = (

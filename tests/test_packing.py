@@ -18,11 +18,12 @@ from helpers import (
   tiny_model,
 )
 
-from jaxrm import losses, steps
-from jaxrm.batches import IGNORE_INDEX, PackedPreferenceBatch, PackedStepwiseBatch
 from jaxrm.data import packing
+from jaxrm.data.batches import IGNORE_INDEX, PackedPreferenceBatch, PackedStepwiseBatch
 from jaxrm.data.pipeline import Collator
 from jaxrm.models import layers as L
+from jaxrm.run import steps
+from jaxrm.tasks import losses
 
 ROW = 64  # packed row length of the model tests
 UNPACKED = 32  # unpacked bucket of the model tests

@@ -9,11 +9,12 @@ import pytest
 import tiny_run
 from flax import nnx
 
-from jaxrm import sharding, steps
+from jaxrm import sharding
 from jaxrm.config import RewardSpec
 from jaxrm.data import grouping, pipeline, registry
 from jaxrm.data.drops import DropReport
 from jaxrm.data.tokenize import PreferenceExample, TokenizeOptions, pad_id, tokenize_all
+from jaxrm.run import steps
 
 BUCKETS = (8, 16, 24, 32, 40)
 # The longest completion of group i (the other is one token shorter); sorted, groups 0, 3, 6, 2

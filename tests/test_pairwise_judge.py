@@ -16,12 +16,13 @@ import torch
 import transformers
 from helpers import PARITY_ATOL, REBATCHED, SERVER_CONFIG, approx, assistant, serving, user
 
-from jaxrm import RewardModel, cli, reward_funcs
+from jaxrm import RewardModel, cli
 from jaxrm.errors import CheckpointError, ConfigError
 from jaxrm.export import export
 from jaxrm.integrations import verl
-from jaxrm.kinds import ModelKindError
-from jaxrm.run_files import RunFiles
+from jaxrm.run.run_files import RunFiles
+from jaxrm.scoring import reward_funcs
+from jaxrm.scoring.kinds import ModelKindError
 from jaxrm.tasks import pairwise
 from jaxrm.tasks.pairwise import Judge
 

@@ -22,7 +22,7 @@ from jaxrm.data import formats, packing, pipeline, registry
 from jaxrm.data.drops import DropReport
 from jaxrm.data.tokenize import TokenizeOptions, pad_id, text_ids, tokenize_all
 from jaxrm.errors import ConfigError
-from jaxrm.metrics import finalize_metrics
+from jaxrm.run.metrics import finalize_metrics
 from jaxrm.tasks import pairwise
 
 # ------------------------------------------------------------------ Bradley-Terry and win rates

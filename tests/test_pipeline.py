@@ -9,8 +9,8 @@ import pytest
 from helpers import numbered_pref, numbered_stepwise
 
 from jaxrm import sharding
-from jaxrm.batches import PreferenceBatch, StepwiseBatch
 from jaxrm.data import pipeline as pl
+from jaxrm.data.batches import PreferenceBatch, StepwiseBatch
 from jaxrm.data.packing import PackSpec
 from jaxrm.errors import DataError
 

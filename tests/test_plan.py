@@ -1,7 +1,7 @@
 """``python -m jaxrm.plan``: a run's memory on a GPU target, compiled here, with its verdict.
 
 The model is only a ``config.json`` (the tiny model's, and public 8B shapes'); the steps are the
-trainer's, compiled by XLA's GPU compiler for compile-only devices (``jaxrm.gpu_targets``).
+trainer's, compiled by XLA's GPU compiler for compile-only devices (``jaxrm.planning.gpu_targets``).
 """
 
 import json
@@ -16,8 +16,9 @@ import tiny_run
 sys.path.insert(0, os.path.join(tiny_run.ROOT, "scripts"))
 from bench_common import HF_CONFIGS  # noqa: E402
 
-from jaxrm import cli, fit_check, gpu_targets, plan  # noqa: E402
+from jaxrm import cli, plan  # noqa: E402
 from jaxrm.errors import UserError  # noqa: E402
+from jaxrm.planning import fit_check, gpu_targets
 
 GIB = 2**30
 

@@ -1,4 +1,4 @@
-"""The plan's time estimate (``jaxrm.step_time``) and its choice of remat and micro-batch.
+"""The plan's time estimate (``jaxrm.planning.step_time``) and its choice of remat and micro-batch.
 
 The estimate's arithmetic is checked on programs whose FLOPs and bytes are counted by hand: one
 compiled by XLA's GPU compiler for an H100 (a product, and a loop over stacked weights), and one
@@ -14,7 +14,8 @@ import types
 import pytest
 import tiny_run
 
-from jaxrm import cli, fit_check, gpu_targets, step_time
+from jaxrm import cli
+from jaxrm.planning import fit_check, gpu_targets, step_time
 
 H100 = gpu_targets.TARGETS["h100-80gb"]
 EFF = step_time.Efficiency()

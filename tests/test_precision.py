@@ -21,12 +21,13 @@ import tiny_run
 from flax import nnx
 from tiny_run import LEARN, LEARNED_ACCURACY, LEARNED_LOSS
 
-from jaxrm import optim, sharding, steps
+from jaxrm import sharding
 from jaxrm.config import RewardSpec
 from jaxrm.data import pipeline, registry
 from jaxrm.data.drops import DropReport
 from jaxrm.data.tokenize import TokenizeOptions, pad_id, tokenize_all
-from jaxrm.reward_model import RewardModel
+from jaxrm.run import optim, steps
+from jaxrm.scoring.reward_model import RewardModel
 
 # ------------------------------------------------------------------ tolerances
 

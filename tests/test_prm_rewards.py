@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from helpers import REBATCHED, grpo_trainer
 
-from jaxrm import reward_funcs, step_rewards
 from jaxrm.data.drops import DropReport
 from jaxrm.data.records import StepwiseRecord
 from jaxrm.data.tokenize import TokenizeOptions, tokenize_stepwise
+from jaxrm.scoring import reward_funcs, step_rewards
 
 # ------------------------------------------------------------------ step_rewards
 
@@ -120,7 +120,7 @@ COMPLETIONS = [" 12 * 3 = 36.\n 36 + 4 = 40.\n So 40.\n", " 12 * 3 = 35.\n 35 + 
 
 def reference(prm, prompts, completions, how):
   """Each reward from rm.score_steps of the completion's steps (cut at the separator, as trained),
-  aggregated here by numpy, not by jaxrm.step_rewards."""
+  aggregated here by numpy, not by jaxrm.scoring.step_rewards."""
   reduce = {"min": np.min, "last": lambda p: p[-1], "product": np.prod, "mean": np.mean}[how]
   out = []
   for prompt, completion in zip(prompts, completions):

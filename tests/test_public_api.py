@@ -17,7 +17,7 @@ from jaxrm.data.formats import DROP_IDENTICAL
 from jaxrm.data.tokenize import TokenizeOptions
 
 WHERE = {
-  "RewardModel": "jaxrm.reward_model",
+  "RewardModel": "jaxrm.scoring.reward_model",
   "RunConfig": "jaxrm.config",
   "ModelSpec": "jaxrm.config",
   "LoraSpec": "jaxrm.config",
@@ -28,11 +28,11 @@ WHERE = {
   "CheckpointSpec": "jaxrm.config",
   "LoggerSpec": "jaxrm.config",
   "MeshConfig": "jaxrm.sharding",
-  "train_and_evaluate": "jaxrm.trainer",
+  "train_and_evaluate": "jaxrm.run.trainer",
   "load_dataset": "jaxrm.evaluation",
   "plot_scores": "jaxrm.evaluation",
-  "as_reward_funcs": "jaxrm.reward_funcs",
-  "remote_reward_func": "jaxrm.reward_funcs",
+  "as_reward_funcs": "jaxrm.scoring.reward_funcs",
+  "remote_reward_func": "jaxrm.scoring.reward_funcs",
 }
 
 

@@ -11,7 +11,7 @@ from helpers import assert_only_trained_moved, demo_batches, flat_params, model_
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
-from jaxrm import optim, sharding, steps
+from jaxrm import sharding
 from jaxrm.config import RewardSpec
 from jaxrm.data import pipeline
 from jaxrm.errors import ConfigError
@@ -20,7 +20,8 @@ from jaxrm.models import lora, quantize
 from jaxrm.models.config import ModelConfig
 from jaxrm.models.lora import LoraConfig, LoraParam
 from jaxrm.models.quantize import QuantizedWeight
-from jaxrm.reward_model import RewardModel
+from jaxrm.run import optim, steps
+from jaxrm.scoring.reward_model import RewardModel
 
 # Rewards (0.4 to 0.8 in size) of the tiny model with its base rounded, against float32. Measured:
 # bfloat16 2.6e-3 (each weight within 2^-9 of itself), int8 3.3e-3 (within absmax/254 of its

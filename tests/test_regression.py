@@ -11,15 +11,16 @@ import numpy as np
 import pytest
 from helpers import assistant, softplus, user
 
-from jaxrm import losses, tasks
-from jaxrm.batches import PreferenceBatch, RegressionBatch
+from jaxrm import tasks
 from jaxrm.config import RewardSpec
 from jaxrm.data import adapters, formats, pipeline, registry
+from jaxrm.data.batches import PreferenceBatch, RegressionBatch
 from jaxrm.data.drops import DropReport
 from jaxrm.data.records import RatedRecord
 from jaxrm.data.tokenize import RatedExample, TokenizeOptions, prompt_group, tokenize_all
 from jaxrm.errors import DataError
-from jaxrm.metrics import accumulate, finalize_metrics
+from jaxrm.run.metrics import accumulate, finalize_metrics
+from jaxrm.tasks import losses
 
 # Float32 losses against float64 hand computations: a few float32 roundings (~6e-8 relative each)
 # on O(1) values, while a wrong mask or weight moves them by far more than 1e-6.

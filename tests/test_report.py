@@ -2,7 +2,7 @@
 
 import math
 
-from jaxrm import report
+from jaxrm.run import report
 
 PREFERENCE = {
   "validation-default_loss": 0.6931,

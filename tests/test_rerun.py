@@ -10,9 +10,9 @@ import shutil
 import pytest
 import tiny_run
 
-from jaxrm import rerun, run_files
 from jaxrm.config import RunConfig
 from jaxrm.errors import ConfigError
+from jaxrm.run import rerun, run_files
 
 # Every config key, as a rerun may change it and resume (free) or not. A key added to the config
 # must be listed here: whether changing it changes what a run computes is decided on purpose.

@@ -12,10 +12,10 @@ import pytest
 import tiny_run
 from helpers import write_jsonl
 
-from jaxrm import rerun, run_files, run_lock
 from jaxrm.config import TrainSpec
 from jaxrm.data import cache
 from jaxrm.errors import ConfigError
+from jaxrm.run import rerun, run_files, run_lock
 
 
 def pair(i):

@@ -16,9 +16,10 @@ import pytest
 import torch
 from helpers import REBATCHED, serving
 
-from jaxrm import RewardModel, reward_funcs, reward_health, step_rewards, tasks
+from jaxrm import RewardModel, tasks
 from jaxrm.integrations import verl
-from jaxrm.loading import ScoringInfo
+from jaxrm.scoring import reward_funcs, reward_health, step_rewards
+from jaxrm.scoring.loading import ScoringInfo
 from jaxrm.server import ServerConfig
 
 STATS = {"mean": 0.25, "std": 2.0, "from": "validation-default"}
@@ -118,7 +119,7 @@ def test_normalized_rewards(validated_rm):
 
 
 def test_trl_reward_funcs_log_the_reward_health(tiny_rm):
-  """Through TRL's log_metric, the batch's health (jaxrm.reward_health) under the function's name;
+  """Through TRL's log_metric, the batch's health (jaxrm.scoring.reward_health) under the function's name;
   through log_extra, whether each reward left the validation range, raw or normalized alike."""
   prompts, completions = ["Q: 1 + 1?"] * 4, [" A: 2", " A: 11", " A: 2 or 3", " A: it is 23"]
   raw = sorted(tiny_rm.score(prompts=prompts, completions=completions).tolist())

@@ -1,4 +1,4 @@
-"""The reward's health signals (jaxrm.reward_health), each against its definition in numpy."""
+"""The reward's health signals (jaxrm.scoring.reward_health), each against its definition in numpy."""
 
 import math
 import os
@@ -6,8 +6,9 @@ import os
 import numpy as np
 import pytest
 
-from jaxrm import RewardModel, reward_health
-from jaxrm.loading import ScoringInfo
+from jaxrm import RewardModel
+from jaxrm.scoring import reward_health
+from jaxrm.scoring.loading import ScoringInfo
 
 
 def test_batch_health_by_its_definitions():
@@ -57,7 +58,7 @@ def test_extremes_accumulate_by_min_and_max():
   metrics.empty, which any value replaces), NaN where nothing was counted."""
   import jax.numpy as jnp
 
-  from jaxrm.metrics import Moments, accumulate, empty, finalize_metrics
+  from jaxrm.run.metrics import Moments, accumulate, empty, finalize_metrics
 
   def batch(values, real):
     v, m = jnp.asarray(values), jnp.asarray(real)
@@ -86,7 +87,7 @@ def test_a_run_records_its_validation_range(baseline):
 
 
 def test_the_docs_page_names_every_signal_as_reported():
-  from jaxrm import reward_funcs
+  from jaxrm.scoring import reward_funcs
   from jaxrm.server import formats
 
   with open(os.path.join(os.path.dirname(__file__), "..", "docs", "rl", "reward-health.md")) as f:

@@ -19,7 +19,7 @@ import types
 import pytest
 from helpers import SERVER_CONFIG, approx, assistant, metric, serving, user
 
-from jaxrm import reward_health
+from jaxrm.scoring import reward_health
 
 aiohttp = pytest.importorskip("aiohttp", reason="the loops' HTTP client: pip install aiohttp")
 
@@ -41,7 +41,7 @@ STATS = {"mean": -0.9, "std": 0.1, "min": -0.95, "max": -0.85, "from": "validati
 @pytest.fixture(scope="module")
 def url(tiny_rm):
   from jaxrm import RewardModel
-  from jaxrm.loading import ScoringInfo
+  from jaxrm.scoring.loading import ScoringInfo
 
   with serving(RewardModel(tiny_rm.model, tiny_rm.tokenizer, ScoringInfo(reward_stats=STATS))) as s:
     yield s.url
@@ -163,7 +163,7 @@ def test_slime_remote_rm_takes_the_body_as_the_reward(url, tiny_rm):
 
 
 def test_slime_remote_rm_of_a_prm_is_its_solution_reward(tiny_prm):
-  from jaxrm import reward_funcs
+  from jaxrm.scoring import reward_funcs
 
   samples = [
     types.SimpleNamespace(prompt="Q: 12 * 3 + 4?", response="12 * 3 = 36.\n36 + 4 = 40.", label="40"),

@@ -1,4 +1,4 @@
-"""One run at a time in an output directory (jaxrm.run_lock): a second run is refused naming the
+"""One run at a time in an output directory (jaxrm.run.run_lock): a second run is refused naming the
 holder; a lock whose holder is gone is taken over with a warning."""
 
 import errno
@@ -15,8 +15,8 @@ import pytest
 import tiny_run
 from helpers import around
 
-from jaxrm import run_lock
 from jaxrm.errors import ConfigError
+from jaxrm.run import run_lock
 
 
 def write_lock(directory, **holder):
@@ -52,7 +52,7 @@ def test_a_second_run_is_refused_naming_the_holder(tmp_path):
 def test_a_lock_of_a_process_that_is_gone_is_taken_over(tmp_path, caplog):
   pid = finished_pid()
   write_lock(tmp_path, pid=pid, command="python -m jaxrm.train --config=configs/rm.py")
-  with caplog.at_level(logging.WARNING, logger="jaxrm.run_lock"):
+  with caplog.at_level(logging.WARNING, logger="jaxrm.run.run_lock"):
     lock = run_lock.hold(str(tmp_path))
   assert caplog.messages == [
     f"taking over {tmp_path / 'run.lock'}: a lock left by pid {pid} on {socket.gethostname()}, started "
@@ -89,7 +89,7 @@ def test_another_hosts_lock_is_judged_by_its_age(tmp_path, caplog):
     run_lock.hold(str(tmp_path))
   old = time.time() - run_lock.STALE_SECONDS - 60
   os.utime(path, (old, old))
-  with caplog.at_level(logging.WARNING, logger="jaxrm.run_lock"):
+  with caplog.at_level(logging.WARNING, logger="jaxrm.run.run_lock"):
     run_lock.hold(str(tmp_path)).release()
   assert f"which has not refreshed it for {run_lock.STALE_SECONDS + 60:.0f} s" in caplog.text
 
@@ -118,7 +118,7 @@ def test_an_unreadable_old_lock_is_taken_over(tmp_path, caplog):
   path.write_text("{")
   old = time.time() - 60
   os.utime(path, (old, old))
-  with caplog.at_level(logging.WARNING, logger="jaxrm.run_lock"):
+  with caplog.at_level(logging.WARNING, logger="jaxrm.run.run_lock"):
     run_lock.hold(str(tmp_path)).release()
   assert "an unreadable lock" in caplog.text
 

@@ -11,7 +11,7 @@ from helpers import padded_tokens
 
 from jaxrm.models.decoder import Decoder
 from jaxrm.models.lora import LoraConfig
-from jaxrm.reward_model import RewardModel
+from jaxrm.scoring.reward_model import RewardModel
 
 # The same float32 operations in the same order, compiled as one program either way; XLA may
 # fuse them differently (a loop body against straight-line code), which moves rewards and

@@ -15,12 +15,14 @@ import transformers
 from flax import nnx
 from helpers import NL, PARITY_ATOL, assert_same_params, params, right_padded
 
-from jaxrm import RewardModel, checkpointing, loading, run_files
+from jaxrm import RewardModel
 from jaxrm.data import registry
 from jaxrm.data.drops import DropReport
 from jaxrm.data.tokenize import TokenizeOptions, tokenize_all
 from jaxrm.errors import CheckpointError, DataError
-from jaxrm.loading import ScoringInfo
+from jaxrm.run import checkpointing, run_files
+from jaxrm.scoring import loading
+from jaxrm.scoring.loading import ScoringInfo
 from jaxrm.server import make_server
 
 # score() sorts rows by length and pads each batch to its own bucket, while the references below pad
@@ -320,7 +322,7 @@ def test_misuse_is_refused_at_the_door(rm, prm):
     DataError,
     match=re.escape(
       "score_steps: steps is one string; pass a list of steps (e.g. "
-      "jaxrm.step_rewards.split_steps(text, rm.step_separator)"
+      "jaxrm.scoring.step_rewards.split_steps(text, rm.step_separator)"
     ),
   ):
     prm.score_steps("What is 3 * 4 + 2?", "3 * 4 = 12\n12 + 2 = 14")

@@ -31,7 +31,7 @@ from helpers import (
 )
 
 from jaxrm.errors import ConfigError, DataError
-from jaxrm.loading import ScoringInfo
+from jaxrm.scoring.loading import ScoringInfo
 from jaxrm.server import ServerConfig, make_server
 
 
@@ -248,7 +248,7 @@ def computed_tokens(url, send):
 
 
 def test_a_prompts_completions_are_scored_with_the_prompt_once(sharing_server, tiny_rm):
-  from jaxrm import reward_model
+  from jaxrm.scoring import reward_model
 
   url = sharing_server.url
   want = tiny_rm.score(prompts=[GRPO_PROMPT] * 6, completions=GRPO_COMPLETIONS, share_prefix=False)
@@ -315,7 +315,7 @@ def prm_url(tiny_prm):
 
 
 def test_score_steps_answers_each_steps_probability(prm_url, tiny_prm):
-  from jaxrm import step_rewards
+  from jaxrm.scoring import step_rewards
 
   want = [tiny_prm.score_steps(p, steps) for p, steps in zip(PROBLEMS, SOLUTIONS)]
   sep = tiny_prm.step_separator

@@ -9,7 +9,7 @@ import pytest
 from helpers import OPENER, SERVER_CONFIG, SERVER_TEXTS, approx, assistant, call, metric, serving, user
 
 from jaxrm import RewardModel
-from jaxrm.loading import ScoringInfo
+from jaxrm.scoring.loading import ScoringInfo
 
 CONVERSATIONS = [
   [user("Capital of France?"), assistant("Paris")],

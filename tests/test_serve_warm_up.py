@@ -14,8 +14,8 @@ import pytest
 import tiny_run
 from helpers import GRPO_COMPLETIONS, GRPO_PROMPT, SERVER_CONFIG, approx, user
 
-from jaxrm import shared_prefix
 from jaxrm.errors import ConfigError
+from jaxrm.scoring import shared_prefix
 from jaxrm.server import ServerConfig, app
 from jaxrm.server.batcher import PACKED, ROWS, Batcher, Job, covering
 from jaxrm.server.metrics import Metrics

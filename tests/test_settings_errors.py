@@ -66,8 +66,9 @@ def test_cli_refuses_a_bad_jaxrm_key_with_exit_2(model_dir, tmp_path, flag, mess
 def test_the_start_says_which_of_max_steps_and_max_epochs_ends_the_run():
   from types import SimpleNamespace
 
-  from jaxrm import compat, trainer
+  from jaxrm import compat
   from jaxrm.config import RunConfig, TrainSpec
+  from jaxrm.run import trainer
 
   stream = SimpleNamespace(steps_per_epoch=8, num_examples=64, global_batch_size=8)
   run = lambda **train: trainer.planned_steps(RunConfig(train=TrainSpec(warmup_steps=1, **train)), stream)

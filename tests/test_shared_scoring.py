@@ -1,4 +1,4 @@
-"""Scoring rows that share a token prefix together (``jaxrm.shared_prefix``) equals scoring each
+"""Scoring rows that share a token prefix together (``jaxrm.scoring.shared_prefix``) equals scoring each
 row alone: every family, sequence, regression and token heads, the reference attention and the
 Pallas kernel; no branch sees a sibling; the grouping rule, split groups, rows that share nothing.
 """
@@ -13,11 +13,12 @@ import torch
 import transformers
 from helpers import REBATCHED, VOCAB
 
-from jaxrm import RewardModel, shared_prefix
+from jaxrm import RewardModel
 from jaxrm.models import decoder
 from jaxrm.models import layers as L
 from jaxrm.models.config import ModelConfig
-from jaxrm.shared_prefix import Sharing
+from jaxrm.scoring import shared_prefix
+from jaxrm.scoring.shared_prefix import Sharing
 
 # Shared and unshared scoring are the same float32 arithmetic over other shapes (a packed row of a
 # prefix and its branches against right-padded rows of other lengths), so outputs agree to float32
@@ -353,7 +354,9 @@ def test_shared_batches_take_the_allowed_shape_of_fewest_slots():
 def test_share_prefix_values():
   assert shared_prefix.as_sharing(True) == Sharing() and shared_prefix.as_sharing(False) is None
   assert shared_prefix.as_sharing(Sharing(min_prefix=4)).min_prefix == 4
-  with pytest.raises(TypeError, match="share_prefix must be True, False or a jaxrm.shared_prefix.Sharing"):
+  with pytest.raises(
+    TypeError, match="share_prefix must be True, False or a jaxrm.scoring.shared_prefix.Sharing"
+  ):
     shared_prefix.as_sharing("yes")
   with pytest.raises(ValueError, match="Sharing needs min_prefix >= 1"):
     Sharing(min_prefix=0)

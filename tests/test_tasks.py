@@ -7,11 +7,12 @@ import pytest
 import start_checks
 import tiny_run
 
-from jaxrm import RewardModel, kinds, tasks
+from jaxrm import RewardModel, tasks
 from jaxrm.config import validation_metrics
 from jaxrm.data import example_types, registry
 from jaxrm.errors import ConfigError
 from jaxrm.evaluation import readings
+from jaxrm.scoring import kinds
 
 
 def _head(head: str, num_labels: int):

@@ -19,10 +19,10 @@ import tiny_run
 from flax import nnx
 from helpers import around
 
-from jaxrm import checkpointing, run_files, steps, update
 from jaxrm.config import TrainSpec, normalize_metric_name
 from jaxrm.errors import UserError
 from jaxrm.hf.safetensors_io import HFCheckpoint
+from jaxrm.run import checkpointing, run_files, steps, update
 
 TRAIN_KEYS = (
   "train/loss",
@@ -47,7 +47,7 @@ def stopped(model_dir, tmp_path_factory):
 def sigtermed(model_dir, tmp_path_factory):
   """The baseline's run sent SIGTERM during its step 3, between two validations: it saves step 3
   and stops."""
-  from jaxrm import preemption, trainer
+  from jaxrm.run import preemption, trainer
 
   out = str(tmp_path_factory.mktemp("sigtermed") / "run")
 
@@ -255,8 +255,8 @@ def test_non_finite_loss_stops_naming_the_step(stopped, model_dir, tmp_path, mon
 def test_a_step_is_launched_before_the_last_ones_metrics_are_read(model_dir, tmp_path, monkeypatch):
   """The host reads and sends step N+1's batch while the devices compute step N: N's metrics are
   read once N+1 is launched, except where the state after N is read (saved at 3, the last step)."""
-  from jaxrm import trainer
   from jaxrm.data import pipeline
+  from jaxrm.run import trainer
 
   events, to_global, finalize = [], pipeline.to_global_batch, trainer.finalize_metrics
   monkeypatch.setattr(
@@ -452,7 +452,7 @@ def test_sigkilled_run_resumes_from_latest_checkpoint(model_dir, tmp_path, caplo
 
   # The same run again (here in-process) takes the lock over and continues from the latest
   # checkpoint, and finishes.
-  with caplog.at_level(logging.WARNING, logger="jaxrm.run_lock"):
+  with caplog.at_level(logging.WARNING, logger="jaxrm.run.run_lock"):
     tiny_run.train(tiny_run.set_keys(tiny_run.config(model_dir, out), overrides))
   assert f"a lock left by pid {killed.pid} on " in caplog.text and "is no longer running" in caplog.text
   assert not os.path.exists(os.path.join(out, "run.lock"))

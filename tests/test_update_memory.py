@@ -13,12 +13,13 @@ import numpy as np
 import optax
 import pytest
 
-from jaxrm import optim, sharding, update
-from jaxrm.batches import PreferenceBatch
+from jaxrm import sharding
 from jaxrm.config import RewardSpec, TrainSpec
+from jaxrm.data.batches import PreferenceBatch
 from jaxrm.hf.loader import placed_abstract_model
 from jaxrm.models.config import ModelConfig
-from jaxrm.reward_model import RewardModel
+from jaxrm.run import optim, update
+from jaxrm.scoring.reward_model import RewardModel
 
 # Parameters that outweigh what a step keeps of its batch: 5.2M float32 (21 MB) against rows of
 # 32 tokens, whose [rows, 32, 256] activations are 32 KiB a row.

@@ -17,7 +17,7 @@ import torch
 import transformers
 from helpers import PARITY_ATOL, REBATCHED, SERVER_CONFIG, approx, assistant, call, serving, user
 
-from jaxrm import RewardModel, verifier
+from jaxrm import RewardModel
 from jaxrm.config import RewardSpec
 from jaxrm.data import packing, pipeline, registry
 from jaxrm.data.drops import DropReport
@@ -26,7 +26,8 @@ from jaxrm.errors import CheckpointError, ConfigError, EvaluationError
 from jaxrm.evaluation import evaluate
 from jaxrm.export import export
 from jaxrm.hf.safetensors_io import SafetensorsFile
-from jaxrm.kinds import ModelKindError
+from jaxrm.scoring.kinds import ModelKindError
+from jaxrm.tasks import asker, verifier
 
 QUESTION = "Is the answer right? Answer Yes or No."
 CONVERSATIONS = [
@@ -296,7 +297,7 @@ def test_export_is_a_causal_lm_with_the_same_log_odds(verifier_run, smollm2_toke
   with open(out / "config.json") as f:
     config = json.load(f)
   assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is True
-  with open(out / verifier.FILE) as f:
+  with open(out / asker.FILE) as f:
     assert json.load(f) == {"question": verifier.DEFAULT_QUESTION, "answers": ["Yes", "No"]}
   assert "lm_head.weight" not in SafetensorsFile(str(out / "model.safetensors")).keys()  # tied
   torch_model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
@@ -318,7 +319,7 @@ def test_untied_export_writes_the_lm_head(smollm2_tokenizer, tmp_path):
   torch_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32)
   expected = transformers_log_odds(torch_model.eval(), smollm2_tokenizer, CONVERSATIONS, QUESTION)
   np.testing.assert_allclose(rm.score(CONVERSATIONS), expected, atol=PARITY_ATOL, rtol=0)
-  assert os.path.isfile(tmp_path / "export" / verifier.FILE)
+  assert os.path.isfile(tmp_path / "export" / asker.FILE)
   assert RewardModel.from_pretrained(tmp_path / "export").verifier == rm.verifier
   # verifier=True keeps the question the export recorded; a dict asks another.
   assert RewardModel.from_pretrained(tmp_path / "export", verifier=True).verifier == rm.verifier
@@ -356,7 +357,7 @@ def test_lora_verifier_trains_and_exports_merged(causal_dir, smollm2_tokenizer, 
   with open(tmp_path / "adapters" / "adapter_config.json") as f:
     adapter_config = json.load(f)
   assert adapter_config["task_type"] == "CAUSAL_LM" and adapter_config["modules_to_save"] is None
-  with open(tmp_path / "adapters" / verifier.FILE) as f:
+  with open(tmp_path / "adapters" / asker.FILE) as f:
     assert json.load(f) == rm.verifier.to_json()
   base_lm = transformers.AutoModelForCausalLM.from_pretrained(causal_dir, dtype=torch.float32)
   adapted = peft.PeftModel.from_pretrained(base_lm, tmp_path / "adapters").eval()

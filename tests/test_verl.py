@@ -18,8 +18,8 @@ from functools import partial
 import pytest
 from helpers import PARITY_ATOL, SERVER_CONFIG, approx, call, serving
 
-from jaxrm import reward_funcs, step_rewards
 from jaxrm.integrations import verl
+from jaxrm.scoring import reward_funcs, step_rewards
 
 SECRET = "s3cret"  # the process reward model's server's --api_key
 

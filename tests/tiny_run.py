@@ -88,7 +88,8 @@ def config(model_dir: str, output_dir: str, **overrides):
 def train(config_dict, **kwargs):
   """Trains as ``python -m jaxrm.train`` does with this config: the ConfigDict read into a
   ``RunConfig`` at the edge, then ``trainer.train_and_evaluate``."""
-  from jaxrm import cli, trainer
+  from jaxrm import cli
+  from jaxrm.run import trainer
 
   return trainer.train_and_evaluate(cli.run_config(config_dict), **kwargs)
 
@@ -314,8 +315,9 @@ def _sharded_main(model_dir: str, output_dir: str) -> None:
   import optax
   from flax import nnx
 
-  from jaxrm import optim, sharding, steps
-  from jaxrm.reward_model import RewardModel
+  from jaxrm import sharding
+  from jaxrm.run import optim, steps
+  from jaxrm.scoring.reward_model import RewardModel
 
   c = config(model_dir, output_dir, mesh__data=2, mesh__fsdp=2, mesh__tensor=2, train__micro_batch_size=2)
   train(c)

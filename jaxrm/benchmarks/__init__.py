@@ -4,7 +4,7 @@ One module per benchmark (``rewardbench``, ``rewardbench2``, ``rmbench``, ``proc
 ``judgebench``) reads rows of its public schema (``parse``), scores them through a
 :class:`~jaxrm.benchmarks.scoring.Scorer` (``evaluate``) and lays the figures out as its leaderboard
 does (``format_table``). It also names the kind of model it scores (``MODEL_KIND``, see
-:mod:`jaxrm.kinds`), whether a pairwise judge has a path through it (``JUDGED``: its pairs asked
+:mod:`jaxrm.scoring.kinds`), whether a pairwise judge has a path through it (``JUDGED``: its pairs asked
 in both orders, or its groups ranked by round robin), and the longest row in tokens its official
 harness scores by default (``MAX_LENGTH``; None: the model's context; a judge's texts hold two
 responses, and default to the model's context).

@@ -20,9 +20,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jaxrm import kinds, tasks
+from jaxrm import tasks
 from jaxrm.data.records import Message, Text
 from jaxrm.errors import DataError, EvaluationError
+from jaxrm.scoring import kinds
 from jaxrm.tasks.base import BenchmarkScoring
 
 Conversation = list[Message]
@@ -169,7 +170,7 @@ def model_scorer(
   step probabilities for a process reward model, log-odds of pairs and groups' rewards for a
   pairwise judge.
 
-  The model must be of a kind in ``needs`` (:func:`jaxrm.kinds.check_kind`; ``use`` names what
+  The model must be of a kind in ``needs`` (:func:`jaxrm.scoring.kinds.check_kind`; ``use`` names what
   needs it, e.g. the benchmark). Rows longer than ``max_length`` tokens (None: the model's
   context) lose their oldest tokens (rewards) or are dropped (solutions, whose cut steps would have
   no score).

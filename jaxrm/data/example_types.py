@@ -4,7 +4,7 @@ A tokenized row is one of the example classes of :mod:`jaxrm.data.tokenize`. Eac
 :class:`ExampleType` here: how its rows are collated into a batch (:mod:`jaxrm.data.pipeline`),
 the pieces it is written as in a packed row and how a packed batch of it is filled
 (:mod:`jaxrm.data.packing`), whether it is a group of completions, and the largest example a run
-can batch (:mod:`jaxrm.fit_check`). A reward task names the kinds it trains on
+can batch (:mod:`jaxrm.planning.fit_check`). A reward task names the kinds it trains on
 (:attr:`jaxrm.tasks.Task.example_types`); the generic modules ask :func:`of_example` instead of
 testing an example's class.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrm.batches import (
+from jaxrm.data.batches import (
   IGNORE_INDEX,
   LabelledBatch,
   PackedLabelledBatch,

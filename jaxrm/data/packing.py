@@ -1,14 +1,14 @@
 """Sequence packing: several sequences per row, with the outputs mapped back to the group layout.
 
-A packed preference batch (:class:`~jaxrm.batches.PackedPreferenceBatch`) holds G groups of up to
+A packed preference batch (:class:`~jaxrm.data.batches.PackedPreferenceBatch`) holds G groups of up to
 K completions in B rows of T tokens, every completion of a group in the same row: each as a
 sequence of its own (plain packing), or with the prompt they share written once and each
 completion's own tokens branching off it (shared-prompt packing). A packed stepwise batch
-(:class:`~jaxrm.batches.PackedStepwiseBatch`) holds G sequences, a packed regression or labelled
-batch (:class:`~jaxrm.batches.PackedRegressionBatch`, :class:`~jaxrm.batches.PackedLabelledBatch`)
+(:class:`~jaxrm.data.batches.PackedStepwiseBatch`) holds G sequences, a packed regression or labelled
+batch (:class:`~jaxrm.data.batches.PackedRegressionBatch`, :class:`~jaxrm.data.batches.PackedLabelledBatch`)
 G items of one sequence each, every one read at its last token. The layouts, and how the model's
 outputs are gathered back into the unpacked ``[G, K]`` / ``[G, T, C]`` / ``[G, A]`` / ``[G]``
-layout, are documented in :mod:`jaxrm.batches`.
+layout, are documented in :mod:`jaxrm.data.batches`.
 
 Rows are filled first-fit in order of decreasing length. With ``PackSpec.fit_multiple``, each
 batch's row length and row count are chosen together, as the pair that holds the batch in the
@@ -27,7 +27,8 @@ from collections.abc import Iterable, Sequence
 import jax
 import numpy as np
 
-from jaxrm.batches import (
+from jaxrm.data import example_types
+from jaxrm.data.batches import (
   PackedLabelledBatch,
   PackedPreferenceBatch,
   PackedRegressionBatch,
@@ -35,9 +36,8 @@ from jaxrm.batches import (
 )
 
 # Re-exported: whoever packs rows reads the model's outputs back with these.
-from jaxrm.batches import group_logits as group_logits
-from jaxrm.batches import group_rewards as group_rewards
-from jaxrm.data import example_types
+from jaxrm.data.batches import group_logits as group_logits
+from jaxrm.data.batches import group_rewards as group_rewards
 from jaxrm.data.example_types import ExampleType, Piece, of_example
 from jaxrm.data.tokenize import LabelledExample, PreferenceExample, RatedExample, StepwiseExample
 
@@ -331,7 +331,7 @@ def pack_preference(
   num_rows: int | None = None,
   num_rewards: int | None = None,
 ) -> PackedPreferenceBatch:
-  """Packs preference groups into rows (the layout is :class:`~jaxrm.batches.PackedPreferenceBatch`).
+  """Packs preference groups into rows (the layout is :class:`~jaxrm.data.batches.PackedPreferenceBatch`).
 
   Args:
     groups: the groups of this batch, best completion first in each (as tokenized).
@@ -399,7 +399,7 @@ def pack_stepwise(
   num_examples: int | None = None,
   num_rows: int | None = None,
 ) -> PackedStepwiseBatch:
-  """Packs stepwise sequences into rows (the layout is :class:`~jaxrm.batches.PackedStepwiseBatch`).
+  """Packs stepwise sequences into rows (the layout is :class:`~jaxrm.data.batches.PackedStepwiseBatch`).
 
   Args:
     examples: the sequences of this batch.
@@ -423,7 +423,7 @@ def pack_items(
   num_rewards: int | None = None,
 ) -> PackedRegressionBatch | PackedLabelledBatch:
   """Packs rated responses or labelled items into rows, each a sequence of its own (the layouts are
-  :class:`~jaxrm.batches.PackedRegressionBatch` and :class:`~jaxrm.batches.PackedLabelledBatch`).
+  :class:`~jaxrm.data.batches.PackedRegressionBatch` and :class:`~jaxrm.data.batches.PackedLabelledBatch`).
 
   Args:
     examples: the items of this batch, all of one kind.

@@ -1,9 +1,9 @@
 """Grain input pipeline: tokenized examples -> fixed-shape, per-host numpy batches.
 
-Preference examples are collated into a :class:`~jaxrm.batches.PreferenceBatch`, stepwise ones
-into a :class:`~jaxrm.batches.StepwiseBatch`, rated ones into a
-:class:`~jaxrm.batches.RegressionBatch`, labelled items into a :class:`~jaxrm.batches.LabelledBatch`
-(the layouts are in :mod:`jaxrm.batches`). T is the smallest length bucket that holds the longest
+Preference examples are collated into a :class:`~jaxrm.data.batches.PreferenceBatch`, stepwise ones
+into a :class:`~jaxrm.data.batches.StepwiseBatch`, rated ones into a
+:class:`~jaxrm.data.batches.RegressionBatch`, labelled items into a :class:`~jaxrm.data.batches.LabelledBatch`
+(the layouts are in :mod:`jaxrm.data.batches`). T is the smallest length bucket that holds the longest
 sequence of the *global* batch, so every host builds the same shapes. Length is bucketed per batch.
 The training order is a seeded shuffle, or with ``group_by_length`` Hugging Face's length-grouped
 order (:class:`~jaxrm.data.grouping.GroupedEpochs`).
@@ -13,8 +13,8 @@ With gradient accumulation, a global batch is split into micro-batches of simila
 is then a tuple of micro-batches (:class:`MicroBatchCollator`).
 
 With a :class:`~jaxrm.data.packing.PackSpec`, batches are packed instead (several sequences per
-row: a :class:`~jaxrm.batches.PackedPreferenceBatch`, :class:`~jaxrm.batches.PackedStepwiseBatch`,
-:class:`~jaxrm.batches.PackedRegressionBatch` or :class:`~jaxrm.batches.PackedLabelledBatch`),
+row: a :class:`~jaxrm.data.batches.PackedPreferenceBatch`, :class:`~jaxrm.data.batches.PackedStepwiseBatch`,
+:class:`~jaxrm.data.batches.PackedRegressionBatch` or :class:`~jaxrm.data.batches.PackedLabelledBatch`),
 with the same shuffling, per-host split and resume state. A packed training batch split into n
 micro-batches carries a leading ``[n]`` axis on every array, its batch dimension second.
 """
@@ -31,8 +31,8 @@ import numpy as np
 from absl import flags
 
 from jaxrm import sharding
-from jaxrm.batches import Batch, PreferenceBatch, RegressionBatch, StepwiseBatch
 from jaxrm.data import grouping, packing
+from jaxrm.data.batches import Batch, PreferenceBatch, RegressionBatch, StepwiseBatch
 from jaxrm.data.example_types import of_example
 from jaxrm.data.example_types import right_padded as right_padded  # re-exported: scoring pads rows with it
 from jaxrm.data.packing import Example, PackedCollator, PackSpec

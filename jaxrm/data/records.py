@@ -50,7 +50,7 @@ class RatedRecord:
 @dataclasses.dataclass(frozen=True)
 class LabelledRecord:
   """A prompt and one completion labelled good (True) or bad (False): TRL's unpaired preference
-  rows, which a generative verifier trains on (:mod:`jaxrm.verifier`)."""
+  rows, which a generative verifier trains on (:mod:`jaxrm.tasks.verifier`)."""
 
   context: Text
   completion: Text

@@ -47,7 +47,7 @@ class RunData:
 @dataclasses.dataclass(frozen=True)
 class Batching:
   """How a run's groups become each host's batches: the sizes the trainer builds its input with,
-  and the fit check (:mod:`jaxrm.fit_check`) its worst-case batch."""
+  and the fit check (:mod:`jaxrm.planning.fit_check`) its worst-case batch."""
 
   per_host: int  # training groups per host per step
   eval_per_host: int  # validation groups per host per batch

@@ -12,7 +12,7 @@ Layouts:
 * **Verifier** (``TokenizeOptions.verifier_question``). A preference row as a generative verifier
   reads it: each completion followed by a user turn holding the question, rendered by the chat
   template with the generation prompt, so that the sequence ends where the answer's token would
-  come (:mod:`jaxrm.verifier`). Plain text is made a conversation first: the context a user turn,
+  come (:mod:`jaxrm.tasks.verifier`). Plain text is made a conversation first: the context a user turn,
   the completion an assistant turn. Truncation cuts the context only; the question stays.
 * **Labelled** (a verifier's unpaired items). Prompt + completion, laid out as one preference
   completion is, and its label.
@@ -51,14 +51,13 @@ import json
 import re
 import weakref
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import jinja2
 import numpy as np
 
-from jaxrm import verifier
-from jaxrm.batches import IGNORE_INDEX
+from jaxrm.data.batches import IGNORE_INDEX
 from jaxrm.data.drops import DropReport, row_error
 from jaxrm.data.records import LabelledRecord, Message, PreferenceRecord, RatedRecord, StepwiseRecord, Text
 
@@ -80,6 +79,12 @@ PLAIN_TEXT = "plain_text"
 RENDERINGS = (CHAT_TEMPLATE, PLAIN_TEXT)
 
 
+def asked_conversation(messages: Sequence[Mapping[str, Any]], question: str) -> list[Mapping[str, Any]]:
+  """``messages`` followed by the user turn that asks ``question``: what a verifier reads
+  (:meth:`jaxrm.tasks.verifier.Verifier.render` renders it)."""
+  return [*messages, {"role": "user", "content": question}]
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenizeOptions:
   """How records become token ids.
@@ -90,7 +95,7 @@ class TokenizeOptions:
       context; see the module docstring).
     step_separator: text after every step of a stepwise row; its last token carries the label.
     train_on_last_step_only: keep only the last step's label (outcome supervision).
-    verifier_question: a verifier's question (:mod:`jaxrm.verifier`): each preference completion
+    verifier_question: a verifier's question (:mod:`jaxrm.tasks.verifier`): each preference completion
       is then followed by a user turn holding it and the generation prompt; None: no question.
     rendering: render every preference, rated or labelled row this way (:data:`RENDERINGS`,
       see :func:`rendered_as`) whatever form it is given in; None: each as its form says
@@ -429,7 +434,7 @@ def _asked(
       )
     if isinstance(completion, str):
       completion = [{"role": "assistant", "content": completion}]
-    asked.append(verifier.conversation(completion, question))
+    asked.append(asked_conversation(completion, question))
   return dataclasses.replace(record, context=context), asked
 
 

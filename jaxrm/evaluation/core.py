@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrm import benchmarks, kinds, tasks
+from jaxrm import benchmarks, tasks
 from jaxrm.benchmarks import length_bias
 from jaxrm.benchmarks.scoring import Scorer, model_scorer
 from jaxrm.data import pipeline, registry
@@ -23,7 +23,8 @@ from jaxrm.errors import EvaluationError
 from jaxrm.evaluation import report
 from jaxrm.evaluation.readings import READINGS, Reading, reading_of
 from jaxrm.evaluation.scores import per_subset
-from jaxrm.report import DEFAULT_FORMAT  # what a data path holds when no dataset_name says otherwise
+from jaxrm.run.report import DEFAULT_FORMAT  # what a data path holds when no dataset_name says otherwise
+from jaxrm.scoring import kinds
 
 log = logging.getLogger(__name__)
 

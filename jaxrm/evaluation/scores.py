@@ -15,15 +15,15 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxrm import losses
-from jaxrm.batches import IGNORE_INDEX, LabelledBatch, PreferenceBatch, RegressionBatch, StepwiseBatch
 from jaxrm.benchmarks import length_bias
 from jaxrm.config import combination_weights
+from jaxrm.data.batches import IGNORE_INDEX, LabelledBatch, PreferenceBatch, RegressionBatch, StepwiseBatch
 from jaxrm.data.tokenize import PreferenceExample
 from jaxrm.errors import EvaluationError
-from jaxrm.metrics import Scores as ScoreSamples
-from jaxrm.metrics import finalize_metrics
 from jaxrm.models.heads import correct_probability
+from jaxrm.run.metrics import Scores as ScoreSamples
+from jaxrm.run.metrics import finalize_metrics
+from jaxrm.tasks import losses
 
 NO_SUBSET = "(none)"  # the subset of rows that have no subset column
 
@@ -56,7 +56,7 @@ def batch_outputs(rm, batch) -> list[np.ndarray | None]:
   """The model's output for each row of an eval ``batch`` (its reward(s), or a token head's logits
   [T_i, C] over its real tokens), None for a row with none. The rows' real tokens are scored by
   ``rm.outputs_of_ids``, so rows sharing a prefix (a prompt's completions) share it
-  (:mod:`jaxrm.shared_prefix`), in passes of as many rows as the batch has."""
+  (:mod:`jaxrm.scoring.shared_prefix`), in passes of as many rows as the batch has."""
   ids, mask = np.asarray(batch.input_ids), np.asarray(batch.attention_mask) > 0
   real = [j for j in range(len(ids)) if mask[j].any()]
   outputs = rm.outputs_of_ids([ids[j][mask[j]].tolist() for j in real], batch_size=len(ids))

@@ -6,7 +6,7 @@
   ``num_labels``, ``pad_token_id`` (a regression model: ``problem_type="regression"`` and its
   attribute names as ``id2label``; a process reward model's two classes named by
   :data:`STEP_LABELS`), and any ``extra_config`` entries the caller records (transformers
-  ignores unknown keys; :mod:`jaxrm.loading` records what scoring needs there);
+  ignores unknown keys; :mod:`jaxrm.scoring.loading` records what scoring needs there);
 * ``model.safetensors``: every tensor named by the family's weight map;
 * the tokenizer files, chat template included.
 
@@ -320,7 +320,7 @@ def save_pretrained(
     attributes, extra_config: see :func:`hf_config`.
     dtype: tensor dtype, "float32" or "bfloat16" (default: the model's parameter dtype).
     extra_files: ``jaxrm_<name>.json`` -> its JSON content: jaxrm's own files written beside the
-      model (a verifier's or a judge's question and answers, :mod:`jaxrm.verifier`), or None.
+      model (a verifier's or a judge's question and answers, :mod:`jaxrm.tasks.verifier`), or None.
 
   Raises:
     CheckpointError: ``out_dir`` holds files that no earlier export there lists.

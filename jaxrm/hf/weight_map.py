@@ -35,7 +35,7 @@ LM_HEAD = "lm_head.weight"  # absent when tied to the embedding
 SKIPPED = (re.compile("^" + re.escape(LM_HEAD) + "$"), re.compile(r".*rotary_emb\.inv_freq$"))
 
 HEAD_PARAMS = ("score", "score_bias")
-VERIFIER_HEAD = "lm_head"  # a verifier reads its answers' logits from it (jaxrm.verifier)
+VERIFIER_HEAD = "lm_head"  # a verifier reads its answers' logits from it (jaxrm.tasks.verifier)
 
 
 def param_names(cfg: ModelConfig) -> list[str]:

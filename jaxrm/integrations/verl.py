@@ -9,7 +9,7 @@ it reads the answer's ``"score"`` as the reward (docs/verl.md has the config lin
   reward.custom_reward_function.name=compute_score
   +reward.custom_reward_function.reward_kwargs.url=http://HOST:8000
 
-The request is :func:`jaxrm.reward_funcs.remote_reward_func`'s, with its retries and errors.
+The request is :func:`jaxrm.scoring.reward_funcs.remote_reward_func`'s, with its retries and errors.
 
 A pairwise judge's server (``judge=True``: ``+reward.custom_reward_function.reward_kwargs.judge=true``)
 is asked to compare the response with verl's reference answer (``ground_truth``): ``POST /compare``
@@ -26,7 +26,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from jaxrm import reward_funcs, tasks
+from jaxrm import tasks
+from jaxrm.scoring import reward_funcs
 
 URL_ENV = "JAXRM_REWARD_URL"  # the server, when reward_kwargs gives no url
 API_KEY_ENV = "JAXRM_API_KEY"  # its key, when reward_kwargs gives no api_key (the server reads it too)

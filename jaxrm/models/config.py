@@ -117,7 +117,7 @@ class ModelConfig:
   # (1 + w) RMSNorms (the q/k norms' too), sqrt(hidden) embedding scale, post-attn/post-mlp norms
   gemma_norms: bool = False
   # sequence: one reward per row | token: num_labels logits per token | lm: a verifier's, one reward
-  # per row, the LM head's log-odds of two answer tokens (jaxrm.verifier)
+  # per row, the LM head's log-odds of two answer tokens (jaxrm.tasks.verifier)
   head: str = "sequence"
   num_labels: int = 1
   verifier_tokens: tuple[int, ...] = ()  # head "lm": the ids of its answers (yes, no)

@@ -4,7 +4,7 @@ Layer parameters are stacked along a leading ``layers`` axis and the forward pas
 them, so a 30-layer model compiles one block, not thirty. The LM head is never computed over the
 vocabulary: the model ends in a sequence head (``score``: one reward per row, read at the last real
 token), a token head (``num_labels`` logits per token, for process reward models), or a verifier
-head (two of the LM head's logits at the last real token: :mod:`jaxrm.verifier`).
+head (two of the LM head's logits at the last real token: :mod:`jaxrm.tasks.verifier`).
 
 Attention takes one of three routes (:func:`attention_route`): the Pallas flash kernel
 (``flash_attention.py``, the default on a GPU), which masks from per-token ids; the reference
@@ -322,7 +322,7 @@ def attention_fn(cfg: ModelConfig, platform: str | None = None) -> Callable:
   The Pallas kernel runs through Triton on a GPU and in interpret mode elsewhere (slow: for
   tests); the cudnn setting reaches cuDNN's kernel on a GPU in bfloat16/float16 and the same
   call's XLA lowering otherwise. A GPU here is the devices the step is compiled for, which may be
-  compile-only ones (:mod:`jaxrm.gpu_targets`) in a CPU process.
+  compile-only ones (:mod:`jaxrm.planning.gpu_targets`) in a CPU process.
   """
   platform = platform or sharding.platform()
   route = attention_route(cfg, platform)

@@ -104,7 +104,7 @@ REGISTERS_PER_THREAD = 128
 TILE_ROWS = (128, 64, 32, 16)
 # Shared memory a block may opt into, by compute capability (CUDA's programming guide, "Technical
 # Specifications"); and the capability of the GPUs known by name, for devices that report their
-# kind but no capability (the compile-only ones of jaxrm.gpu_targets, whose specs agree: tested).
+# kind but no capability (the compile-only ones of jaxrm.planning.gpu_targets, whose specs agree: tested).
 SHARED_MEMORY_BY_CAPABILITY = {(9, 0): 232448, (10, 0): 232448, (8, 0): 166912, (8, 7): 166912}
 SHARED_MEMORY_DEFAULT = 101376  # sm86 / sm89 and later consumer GPUs: 99 KiB
 CAPABILITY_BY_NAME = {
@@ -117,7 +117,7 @@ GENERIC = BlockSizes()  # interpret mode's (off a GPU), and the tiles of a direc
 
 def blocks_for(device, head_dim: int, dtype=jnp.bfloat16) -> BlockSizes:
   """The tiles for the kernels of ``head_dim`` on ``device`` (a JAX device, possibly a compile-only
-  GPU of :mod:`jaxrm.gpu_targets`): the largest that fit its shared memory and registers
+  GPU of :mod:`jaxrm.planning.gpu_targets`): the largest that fit its shared memory and registers
   (:meth:`BlockSizes.fits`). Forward and dq share theirs; of equal areas, more resident rows.
   Anything but a GPU (interpret mode) gets :data:`GENERIC`."""
   smem = shared_memory_per_block(device)

@@ -3,7 +3,7 @@
 A sequence head reads one reward per row at the row's last real token (or, in packed rows, at
 given positions); a token head gives ``num_labels`` logits at every position, for process reward
 models, whose class 1 means "this step is correct"; a verifier head reads, where a sequence head
-would, the log-odds of two answer tokens from the LM head (:mod:`jaxrm.verifier`).
+would, the log-odds of two answer tokens from the LM head (:mod:`jaxrm.tasks.verifier`).
 """
 
 from __future__ import annotations

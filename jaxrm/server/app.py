@@ -22,11 +22,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from jaxrm import kinds, reward_health, shared_prefix, tasks
+from jaxrm import tasks
 from jaxrm.data.tokenize import pad_id
 from jaxrm.errors import ConfigError
 from jaxrm.models.heads import correct_probability
-from jaxrm.routes import Meta, Scoring
+from jaxrm.scoring import kinds, reward_health, shared_prefix
 from jaxrm.server.batcher import Batcher, PackedFn, QueueFull, ScoreFn
 from jaxrm.server.bodies import RETRY_AFTER, Encoder, RequestError, parse_json, timed_out
 from jaxrm.server.config import ServerConfig
@@ -34,6 +34,7 @@ from jaxrm.server.formats import COUNTERS, ROUTES
 from jaxrm.server.limits import CLIENT, HeldBody, PendingBytes
 from jaxrm.server.metrics import CONTENT_TYPE, Metrics
 from jaxrm.server.tokenizing import Tokenizers
+from jaxrm.tasks.routes import Meta, Scoring
 
 log = logging.getLogger("jaxrm.server")
 

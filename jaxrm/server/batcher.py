@@ -3,7 +3,7 @@
 Request handlers tokenize, then :meth:`Batcher.submit` their rows and await the future it returns.
 The worker takes what is queued (waiting up to ``batch_wait_ms`` for a batch to fill). Rows of all
 those requests that share a token prefix (a prompt's completions, in one request or many) are
-scored as shared-prompt packed rows, the prefix once (:mod:`jaxrm.shared_prefix`, unless
+scored as shared-prompt packed rows, the prefix once (:mod:`jaxrm.scoring.shared_prefix`, unless
 ``share_prefix`` is off); the others are sorted by length and cut into batches of at most
 ``batch_size`` rows and ``batch_tokens`` padded tokens, each padded to a bucket length.
 Every request gets back its own rewards, in its own order.
@@ -34,8 +34,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jaxrm import shared_prefix
 from jaxrm.data.pipeline import bucket_length, right_padded, scoring_rows
+from jaxrm.scoring import shared_prefix
 from jaxrm.server.config import ServerConfig
 from jaxrm.server.metrics import Metrics
 

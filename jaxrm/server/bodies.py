@@ -13,12 +13,12 @@ from typing import Any
 
 import jinja2
 
-from jaxrm import step_rewards
 from jaxrm.data.drops import DropReport
 from jaxrm.data.formats import json_type, validate_messages
 from jaxrm.errors import ConfigError, DataError
-from jaxrm.routes import RequestError
+from jaxrm.scoring import step_rewards
 from jaxrm.server.config import ServerConfig
+from jaxrm.tasks.routes import RequestError
 
 QUERY = "a list of strings (prompt + response texts)"
 CONVERSATIONS = 'a list of conversations (lists of {"role", "content"} messages)'

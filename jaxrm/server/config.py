@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxrm import step_rewards
 from jaxrm.errors import ConfigError
-from jaxrm.shared_prefix import Sharing
+from jaxrm.scoring import step_rewards
+from jaxrm.scoring.shared_prefix import Sharing
 
 # Tokens per item when neither the caller nor the model's training run says: long enough for
 # most RL rollouts, short enough that a batch of them is not a model's whole context per row.
@@ -51,7 +51,7 @@ class ServerConfig:
       ``batch_tokens`` tokens).
     share_prefix: rows that share a token prefix of at least 64 tokens (a prompt's completions,
       sent in one request or in many at once) are scored as shared-prompt packed rows, the prefix
-      once (:mod:`jaxrm.shared_prefix`); their rewards are those of rows scored alone, up to float
+      once (:mod:`jaxrm.scoring.shared_prefix`); their rewards are those of rows scored alone, up to float
       rounding. Packed rows have lengths of their own (``packed_buckets``).
     warm_up: which batch shapes (rows x bucket length, of plain and of packed rows) are compiled
       before the server is ready. ``"cover"``: the fewest that hold every other (the most rows of
@@ -81,7 +81,7 @@ class ServerConfig:
     combine: a regression model's outputs combined into one reward (``RewardModel.score``'s
       ``combine``: an attribute's name or ``"name=weight,..."``); required for such a model.
     step_aggregation: a process reward model's step probabilities made one reward per solution
-      (:mod:`jaxrm.step_rewards`: min, last, product or mean), unless a request says otherwise.
+      (:mod:`jaxrm.scoring.step_rewards`: min, last, product or mean), unless a request says otherwise.
     api_key: if set, every endpoint but ``/health`` needs ``Authorization: Bearer <api_key>``.
     access_log: log one line per scoring request (endpoint, status, items, seconds, request id).
   """

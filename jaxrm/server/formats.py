@@ -1,6 +1,6 @@
 """The JSON each scoring endpoint reads and writes: jaxrm's, OpenRLHF's, vLLM's and SGLang's.
 
-A parser turns a request body into a :class:`~jaxrm.routes.Scoring`: the token rows to score and how
+A parser turns a request body into a :class:`~jaxrm.tasks.routes.Scoring`: the token rows to score and how
 to write the answer from their rewards (one float per row, as the server serves them: normalized or
 combined if so configured). :data:`ROUTES` gives each POST path its parser: the server's own here,
 then the routes each task adds (:attr:`jaxrm.tasks.Task.routes`), each refusing a model of another
@@ -49,10 +49,11 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from jaxrm import kinds, step_rewards, tasks
+from jaxrm import tasks
 from jaxrm.data.formats import json_type
-from jaxrm.routes import Body, Meta, RequestError, Route, Scoring
+from jaxrm.scoring import kinds, step_rewards
 from jaxrm.server.bodies import Encoder
+from jaxrm.tasks.routes import Body, Meta, RequestError, Route, Scoring
 
 # vLLM's score request: (first, second) field names, in the order vLLM's ScoreRequest tries them.
 SCORE_PAIRS = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import prometheus_client as prom
 
-from jaxrm import reward_health
+from jaxrm.scoring import reward_health
 
 # Powers of two: batches have 1, 2, 4... rows (row_sizes), and requests per batch grow alike.
 COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -31,7 +31,7 @@ class Metrics:
   """Requests, items, tokens, batch sizes, queue depth, bytes held, latency, compiled batch
   shapes, the counters the tasks' routes keep (``counters``: name -> help; a pairwise judge's
   responses ranked and judge texts), and the reward's health over the last rewards scored
-  (:mod:`jaxrm.reward_health`); ``text()`` is /metrics."""
+  (:mod:`jaxrm.scoring.reward_health`); ``text()`` is /metrics."""
 
   def __init__(
     self, reward_range: reward_health.Range | None = None, counters: Mapping[str, str] | None = None
@@ -107,7 +107,7 @@ class Metrics:
     self._batch_shapes.set(total)
 
   def count(self, counts: Mapping[str, int]) -> None:
-    """Adds one request's ``counts`` (a route's :attr:`jaxrm.routes.Scoring.counts`) to its counters."""
+    """Adds one request's ``counts`` (a route's :attr:`jaxrm.tasks.routes.Scoring.counts`) to its counters."""
     for name, n in counts.items():
       self._counters[name].inc(n)
 
@@ -124,7 +124,7 @@ class Metrics:
     health = self._window.add([float(rewards[i]) for i in kept], [len(rows[i]) for i in kept], truncated)
     for name, value in health.items():
       if name not in self._health:
-        what = f"{HEALTH_GAUGES[name]} (jaxrm.reward_health)."
+        what = f"{HEALTH_GAUGES[name]} (jaxrm.scoring.reward_health)."
         self._health[name] = prom.Gauge(f"jaxrm_{name}", what, registry=self.registry)
       self._health[name].set(value)
     return health

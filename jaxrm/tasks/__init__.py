@@ -6,7 +6,7 @@ file of this package.
 * ``process``: a probability per step that the step is correct (``reward.type=stepwise``);
 * ``regression``: one prediction per rated attribute (``reward.type=regression``);
 * ``verifier``: a causal LM's log-odds of answering yes to a question about the response
-  (``reward.type=verifier``, :mod:`jaxrm.verifier`), trained on preferences as a preference model
+  (``reward.type=verifier``, :mod:`jaxrm.tasks.verifier`), trained on preferences as a preference model
   is, and used wherever one reward per response is;
 * ``pairwise``: a causal LM judging which of two responses is better (``reward.type=pairwise``,
   :mod:`jaxrm.tasks.pairwise`), trained on both orders of every pair, and turned into one reward
@@ -18,7 +18,7 @@ and what to say when a model of another kind is used for it. The config,
 the data checks, the trainer, the losses, scoring, the server and evaluation ask a task (found from
 a reward type with :func:`of_reward_type`, of a model with :func:`of_model`: the task its files
 record, told from its head by :func:`of_head` only where they record none) instead of comparing
-names; :mod:`jaxrm.kinds` says whether a model fits a use, in these tasks' words.
+names; :mod:`jaxrm.scoring.kinds` says whether a model fits a use, in these tasks' words.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxrm import losses
 from jaxrm.data.example_types import ExampleType
+from jaxrm.tasks import losses
 from jaxrm.tasks.base import SCORES, Task
 from jaxrm.tasks.pairwise import PAIRWISE
 from jaxrm.tasks.preference import PREFERENCE
@@ -72,7 +72,7 @@ def of_reward_type(reward_type: str) -> Task:
 
 def scoring(*what: str) -> tuple[str, ...]:
   """The names of the tasks whose models score ``what`` (values of :attr:`Task.scores`), in the order
-  of ``what``: the kinds a use that takes those scores asks :func:`jaxrm.kinds.check_kind` for. A
+  of ``what``: the kinds a use that takes those scores asks :func:`jaxrm.scoring.kinds.check_kind` for. A
   task that serves another's uses (a verifier) is left out: it fits through the task it serves."""
   unknown = [w for w in what if w not in SCORES]
   if unknown:
@@ -159,10 +159,10 @@ def of_head(config: Any, attributes: Sequence[str] | None = None) -> Task | None
 def batch_loss(spec: losses.LossSpec, *, samples: bool = False) -> losses.BatchLoss:
   """``loss(outputs, batch) -> (loss, metrics)`` of the loss ``spec`` trains with.
 
-  ``spec`` is read by its attributes (:class:`jaxrm.losses.LossSpec`), so the run's ``reward``
+  ``spec`` is read by its attributes (:class:`jaxrm.tasks.losses.LossSpec`), so the run's ``reward``
   section serves without this module importing the config. ``outputs`` is what
   ``batch.outputs(model)`` returns; packed and unpacked batches alike. With ``samples``
-  (validation), metrics also hold the :class:`~jaxrm.metrics.Samples` the task ranks by, if any;
+  (validation), metrics also hold the :class:`~jaxrm.run.metrics.Samples` the task ranks by, if any;
   they are concatenated, not summed, so they stay out of the train step.
   """
   task = of_reward_type(spec.loss_key[0])

@@ -8,17 +8,17 @@ from typing import Any
 
 import numpy as np
 
-from jaxrm import losses
 from jaxrm.data import example_types
 from jaxrm.data.example_types import ExampleType
-from jaxrm.routes import Route
+from jaxrm.tasks import losses
+from jaxrm.tasks.routes import Route
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # one object per task, compared by identity
 class Task:
   """One kind of reward model: how it is trained, and what its head is."""
 
-  name: str  # the model kind: RewardModel.kind, and what jaxrm.kinds.check_kind is asked for
+  name: str  # the model kind: RewardModel.kind, and what jaxrm.scoring.kinds.check_kind is asked for
   reward_types: tuple[str, ...]  # the reward.type values that train it
   data: str  # the rows it reads, as its datasets hold them (jaxrm.data.registry.rows_of)
   dataset: str  # the dataset (data.dataset_name) that reads a user's own files of its rows
@@ -52,7 +52,7 @@ class Task:
   samples: losses.SpecMetrics | None
   # fn(spec) -> (outputs, batch) of one tiny unpacked batch: what the loss's metrics are named
   example: Callable[[Any], tuple[np.ndarray, Any]]
-  # The wrong-model message (jaxrm.kinds.check_kind): what a use of this task needs, how to train
+  # The wrong-model message (jaxrm.scoring.kinds.check_kind): what a use of this task needs, how to train
   # a model of it, and what a model of it is used for instead (None: the message says how to train
   # the model the use wants).
   needs: str
@@ -69,7 +69,7 @@ class Task:
   # The other tasks' uses (their names) that a model of this task serves too: a verifier's one
   # reward per row serves wherever a preference model's does.
   serves: tuple[str, ...] = ()
-  # How an RL reward function (jaxrm.reward_funcs, jaxrm.integrations.verl) rewards a batch of
+  # How an RL reward function (jaxrm.scoring.reward_funcs, jaxrm.integrations.verl) rewards a batch of
   # completions with a model of it whose scores are not one per completion (a judge's: each
   # prompt's completions compared): an object with OPTIONS (the reward functions' options that ask
   # for it, with their defaults), FOR and OWNER (what messages call who takes them), ROUTE (the
@@ -86,7 +86,7 @@ class Task:
   # is not the LM head.
   asker: type | None = None
   # The server routes a model of it adds (jaxrm.server.formats.ROUTES holds every task's): POST
-  # path -> its Route (jaxrm.routes: the body parsed into the rows to score and how the answer is
+  # path -> its Route (jaxrm.tasks.routes: the body parsed into the rows to score and how the answer is
   # written, what the route does, the counters /metrics keeps of it); a model of another task is
   # refused there (400).
   routes: Mapping[str, Route] = dataclasses.field(default_factory=dict)
@@ -95,7 +95,7 @@ class Task:
   # is, and the route to send instead. None: they serve it.
   route_instead: str | None = None
   # The Python lines that use a loaded model of it besides what scores one reward per row (a
-  # judge's comparisons): a run's end-of-run "use it" lines hold them (jaxrm.report.usage_commands).
+  # judge's comparisons): a run's end-of-run "use it" lines hold them (jaxrm.run.report.usage_commands).
   uses: tuple[str, ...] = ()
   # What a loaded model of it does beyond what every RewardModel does (a judge's compare,
   # score_group, score_groups, judge_text): name -> fn(rm, *args, **kwargs), found as rm.<name>

@@ -21,7 +21,7 @@ A judge's preference moves with position, so everything here reads both orders:
   ``round_robin``, ``circular`` or ``reference``), aggregated by Bradley-Terry strengths
   (:func:`bradley_terry`) or win rates (:func:`win_rates`). Every judge text of a group starts
   with the same conversation, and those sharing a response A continue alike: they are scored
-  with their common prefix written once (:mod:`jaxrm.shared_prefix`).
+  with their common prefix written once (:mod:`jaxrm.scoring.shared_prefix`).
 """
 
 from __future__ import annotations
@@ -37,17 +37,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrm.batches import PreferenceBatch
 from jaxrm.data import example_types, tokenize
+from jaxrm.data.batches import PreferenceBatch
 from jaxrm.data.drops import DropReport, row_error
 from jaxrm.data.formats import json_type, parse_text, parse_texts
 from jaxrm.data.records import PreferenceRecord, Text
 from jaxrm.errors import ConfigError, DataError, EvaluationError
-from jaxrm.metrics import Moments, Ratio, finalize_metrics
-from jaxrm.routes import Body, Meta, RequestError, Route, Scoring, choice, text
+from jaxrm.run.metrics import Moments, Ratio, finalize_metrics
+from jaxrm.tasks.asker import Asker
 from jaxrm.tasks.base import BenchmarkScoring, ReadingScoring, Task, ones
 from jaxrm.tasks.preference import PREFERENCE
-from jaxrm.verifier import Asker
+from jaxrm.tasks.routes import Body, Meta, RequestError, Route, Scoring, choice, text
 
 NAME = "pairwise"
 DEFAULT_QUESTION = (
@@ -766,7 +766,7 @@ class JudgeVerbs:
       batch_size: rows per forward pass, as ``rm.score`` takes it.
       max_length: the longest judge text in tokens (default: the model's context); a conversation
         too long for it loses its oldest turns.
-      share_prefix: as ``rm.score`` takes it (True, a :class:`jaxrm.shared_prefix.Sharing`, or
+      share_prefix: as ``rm.score`` takes it (True, a :class:`jaxrm.scoring.shared_prefix.Sharing`, or
         False): judge texts sharing a prefix are scored together.
     """
     _judge_of(rm, "compare()")

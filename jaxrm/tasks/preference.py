@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxrm import losses
-from jaxrm.batches import PackedPreferenceBatch, PreferenceBatch
 from jaxrm.data import example_types
+from jaxrm.data.batches import PackedPreferenceBatch, PreferenceBatch
+from jaxrm.tasks import losses
 from jaxrm.tasks.base import Task, ones
 
 

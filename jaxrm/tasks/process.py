@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxrm import losses
-from jaxrm.batches import PackedStepwiseBatch, StepwiseBatch
 from jaxrm.data import example_types
+from jaxrm.data.batches import PackedStepwiseBatch, StepwiseBatch
+from jaxrm.tasks import losses
 from jaxrm.tasks.base import Task, ones
 
 

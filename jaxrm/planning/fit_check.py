@@ -3,7 +3,7 @@
 :func:`check` builds a run's train and validation steps exactly as the trainer does (the model from
 its ``config.json`` or GGUF header only, the mesh, micro-batches and accumulation, packing, remat,
 dtypes, LoRA/QLoRA, context parallelism) over compile-only devices of a GPU target
-(:mod:`jaxrm.gpu_targets`), feeds them the largest batch the run's data pipeline can build (every
+(:mod:`jaxrm.planning.gpu_targets`), feeds them the largest batch the run's data pipeline can build (every
 sequence ``data.max_length`` tokens long, no prompt shared), and reads XLA's GPU compiler: memory
 per device, the attention route and its Triton kernels, the collectives. The CLI is
 ``python -m jaxrm.plan``.
@@ -13,7 +13,7 @@ The compile does not see everything a device holds. Its verdict keeps a margin
 outside ``memory_analysis()``: cuBLAS, cuDNN and NCCL workspaces, and the different kernels an
 on-device compile may autotune to (this one cannot autotune, and keeps Triton fusions where a GPU
 might pick cuBLAS). It says nothing of numerics on the device. Its speed is an estimate from the
-compiled program (:mod:`jaxrm.step_time`: a roofline per kernel, scaled by the measured GPU steps of
+compiled program (:mod:`jaxrm.planning.step_time`: a roofline per kernel, scaled by the measured GPU steps of
 its calibration), printed with its error against those steps.
 
 :func:`choose` compiles a run again at other settings to fill the card: the remat policy that
@@ -31,13 +31,15 @@ from typing import Any
 
 import numpy as np
 
-from jaxrm import gpu_targets, loading, sharding, step_time
+from jaxrm import sharding
 from jaxrm.config import RunConfig
 from jaxrm.data import pipeline
 from jaxrm.data.example_types import of_example
 from jaxrm.data.run_data import Batching, batching
 from jaxrm.errors import ConfigError
-from jaxrm.memory import ProgramMemory, bytes_per_device, gib, step_memory
+from jaxrm.planning import gpu_targets, step_time
+from jaxrm.planning.memory import ProgramMemory, bytes_per_device, gib, step_memory
+from jaxrm.scoring import loading
 
 # JAX preallocates this share of a GPU's memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise.
 JAX_MEM_FRACTION = 0.75
@@ -83,7 +85,7 @@ class FitReport:
 
   @property
   def step_s(self) -> float:
-    """The estimated seconds of one train step, calibrated (:func:`jaxrm.step_time.calibrated`)."""
+    """The estimated seconds of one train step, calibrated (:func:`jaxrm.planning.step_time.calibrated`)."""
     return step_time.calibrated(self.estimate.seconds)
 
   @property
@@ -212,7 +214,7 @@ def check(
   Raises:
     ConfigError: the config does not work on these devices (the message says why).
   """
-  from jaxrm import trainer, update
+  from jaxrm.run import trainer, update
 
   target = gpu_targets.get(target) if isinstance(target, str) else target
   hosts, _ = gpu_targets.parse_topology(topology)
@@ -500,7 +502,7 @@ def _leaves(tree) -> list:
 
 
 def _model_params(state: dict[str, Any]):
-  from jaxrm import steps
+  from jaxrm.run import steps
 
   return steps.model_params(state)
 

@@ -105,7 +105,7 @@ class RegressionBatch(_OneOutputPerRow):
 @struct.dataclass
 class LabelledBatch(_OneOutputPerRow):
   """G labelled items, one per row: a completion after its prompt, good (1) or bad (0); a
-  generative verifier's unpaired data (:mod:`jaxrm.verifier`)."""
+  generative verifier's unpaired data (:mod:`jaxrm.tasks.verifier`)."""
 
   input_ids: Array  # [G, T] int32, right-padded with pad_id
   attention_mask: Array  # [G, T] int32

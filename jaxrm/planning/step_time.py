@@ -1,6 +1,6 @@
 """How long a compiled step takes on a GPU, estimated from the program XLA's GPU compiler made.
 
-A compile for a compile-only GPU (:mod:`jaxrm.gpu_targets`) gives no cost analysis, so the
+A compile for a compile-only GPU (:mod:`jaxrm.planning.gpu_targets`) gives no cost analysis, so the
 optimized HLO text is read instead: every kernel the step launches (a fusion, a custom call, a
 copy, a collective), with its FLOPs (the dots it holds: 2 x output elements x contracted size;
 one per element for the other arithmetic) and the bytes it reads and writes (a slice of a
@@ -22,7 +22,7 @@ import dataclasses
 import math
 import re
 
-from jaxrm import gpu_targets
+from jaxrm.planning import gpu_targets
 
 # The bytes of one element per HLO type; sub-byte types count a byte (a stated overestimate).
 _TYPE_BYTES = {"pred": 1, "token": 0, "tuple": 0}

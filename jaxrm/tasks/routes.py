@@ -36,7 +36,7 @@ class Meta:
   model: str  # the served model's name, when the request names none
   created: int  # unix seconds
   # The reward's health over the server's last rewards, this request's included
-  # (jaxrm.reward_health; the server's /metrics reports the same values).
+  # (jaxrm.scoring.reward_health; the server's /metrics reports the same values).
   health: dict[str, float] = dataclasses.field(default_factory=dict)
 
 

@@ -25,8 +25,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from jaxrm.batches import PackedPreferenceBatch
 from jaxrm.data import packing
+from jaxrm.data.batches import PackedPreferenceBatch
 from jaxrm.data.pipeline import bucket_length, scoring_rows
 from jaxrm.data.tokenize import PreferenceExample
 from jaxrm.models.config import ModelConfig
@@ -63,7 +63,9 @@ def as_sharing(share_prefix: bool | Sharing) -> Sharing | None:
     return share_prefix
   if isinstance(share_prefix, bool):
     return Sharing() if share_prefix else None
-  raise TypeError(f"share_prefix must be True, False or a jaxrm.shared_prefix.Sharing, got {share_prefix!r}")
+  raise TypeError(
+    f"share_prefix must be True, False or a jaxrm.scoring.shared_prefix.Sharing, got {share_prefix!r}"
+  )
 
 
 def break_even_length(cfg: ModelConfig) -> float:

@@ -7,7 +7,7 @@ checkpoint of that step and raises :class:`Stopped`. Every process of a multi-ho
 same step: there JAX's preemption sync manager (the one Orbax's ``CheckpointManager.should_save``
 asks) receives SIGTERM on any host and names the step at which all of them save; a SIGINT is
 passed on to it as a SIGTERM. A second Ctrl-C stops at once, as Python does (a save it interrupts
-is removed: :mod:`jaxrm.checkpointing`); a Ctrl-C after a SIGTERM is a first Ctrl-C, and the run
+is removed: :mod:`jaxrm.run.checkpointing`); a Ctrl-C after a SIGTERM is a first Ctrl-C, and the run
 still saves and stops. Further SIGTERMs are ignored (launchers often send one per process group).
 
 A command whose run is over has nothing left that a SIGTERM could save or lose: it calls

@@ -3,8 +3,8 @@
 A run is set up in the order of its banner comments (mesh, checkpoint, model, input, update,
 summary), then :func:`_loop` runs one jitted train step per global batch, validating, logging and
 checkpointing on the way. Its examples come from :func:`jaxrm.data.run_data.load_run_data`, its
-optimizer, state and steps from :func:`jaxrm.update.build_update`, and what it prints from
-:mod:`jaxrm.report`. Everything is told by a :class:`jaxrm.config.RunConfig`, so a notebook
+optimizer, state and steps from :func:`jaxrm.run.update.build_update`, and what it prints from
+:mod:`jaxrm.run.report`. Everything is told by a :class:`jaxrm.config.RunConfig`, so a notebook
 needs no config file. The CLI is ``python -m jaxrm.train``.
 """
 
@@ -23,29 +23,19 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxrm import (
-  checkpointing,
-  compat,
-  loading,
-  preemption,
-  report,
-  rerun,
-  run_files,
-  run_lock,
-  sharding,
-  steps,
-  update,
-)
+from jaxrm import compat, sharding
 from jaxrm.config import RunConfig, check_run_settings
 from jaxrm.data import packing, pipeline, registry
 from jaxrm.data.packing import PackSpec
 from jaxrm.data.run_data import RunData, batching, check_data, load_run_data
 from jaxrm.data.tokenize import pad_id
 from jaxrm.errors import CheckpointError, ConfigError, UserError
-from jaxrm.metrics import Metrics, Samples, accumulate, finalize_metrics
-from jaxrm.metrics_writer import MetricsWriter
 from jaxrm.models import lora
 from jaxrm.models.decoder import attention_summary
+from jaxrm.run import checkpointing, preemption, report, rerun, run_files, run_lock, steps, update
+from jaxrm.run.metrics import Metrics, Samples, accumulate, finalize_metrics
+from jaxrm.run.metrics_writer import MetricsWriter
+from jaxrm.scoring import loading
 
 log = logging.getLogger("jaxrm.train")
 
@@ -142,7 +132,7 @@ def train_and_evaluate(config: RunConfig, *, stop_after_steps: int | None = None
 
 def _prepare(config: RunConfig) -> tuple[_Run, run_lock.Held]:
   """The run set up, holding the locks of its output directory and of a checkpoint directory
-  outside it (process 0; :func:`jaxrm.run_lock.hold_run`). A new run that stops with a UserError
+  outside it (process 0; :func:`jaxrm.run.run_lock.hold_run`). A new run that stops with a UserError
   leaves no directory behind."""
   out = os.path.abspath(config.output_dir)
   main = jax.process_index() == 0
@@ -260,7 +250,7 @@ def _existing_run(
   config: RunConfig, out_dir: str, model_path: str | None
 ) -> tuple[checkpointing.Checkpointer | None, int | None]:
   """The checkpointer of the run already in ``out_dir`` and the step it resumes from (None: it
-  has no checkpoint), when this run resumes it (:func:`jaxrm.rerun.resumes`, asked whenever the
+  has no checkpoint), when this run resumes it (:func:`jaxrm.run.rerun.resumes`, asked whenever the
   folder holds a run or checkpoints); (None, None) for a new run."""
   ckpt_dir = _checkpoint_dir(config, out_dir)
   ckpt = _checkpointer(config, out_dir) if os.path.isdir(ckpt_dir) else None
@@ -491,7 +481,7 @@ def _write_drops(out_dir: str, data: RunData) -> None:
 
 
 def _summary(run: _Run, out_dir: str) -> str:
-  """What the run is about to do (:func:`jaxrm.report.run_start`)."""
+  """What the run is about to do (:func:`jaxrm.run.report.run_start`)."""
   config, rm, data, pack = run.config, run.rm, run.data, run.input.pack
   gbs = config.train.global_batch_size
   shared = (
@@ -759,7 +749,7 @@ def _validate_and_save(run: _Run, step: int, validate: bool, save: bool) -> None
 
 
 def _final_summary(run: _Run, wall_seconds: float) -> str:
-  """What the run did and the commands that use it (:func:`jaxrm.report.run_summary`)."""
+  """What the run did and the commands that use it (:func:`jaxrm.run.report.run_summary`)."""
   config = run.config
   ranked = run.ckpt.best_by_metric() if run.ckpt is not None else None
   best = (ranked[0], config.checkpointing.metric, ranked[1]) if ranked is not None else None
@@ -789,7 +779,7 @@ def _final_summary(run: _Run, wall_seconds: float) -> str:
 
 def _reward_stats(val: dict[str, float]) -> dict[str, float]:
   """Reward mean/std of the first validation set: scoring can normalise with them; and its min/max,
-  the range a policy's rewards are watched against (jaxrm.reward_health)."""
+  the range a policy's rewards are watched against (jaxrm.scoring.reward_health)."""
   for key, value in val.items():
     if key.endswith("_reward_mean"):
       stem = key[: -len("mean")]

@@ -14,11 +14,12 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrm import optim, sharding, steps
+from jaxrm import sharding
 from jaxrm.config import RewardSpec, TrainSpec
 from jaxrm.errors import ConfigError
 from jaxrm.models import lora
 from jaxrm.models.decoder import Decoder
+from jaxrm.run import optim, steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +63,7 @@ def build_update(
       them on a leading axis; an unpacked one is split by the step).
     micro_batched: each batch is instead a tuple of micro-batches, each padded to its own length
       bucket (the unpacked pipeline's batches with accumulation): a
-      :class:`~jaxrm.steps.MicroBatchedStep`, which counts them by the tuple.
+      :class:`~jaxrm.run.steps.MicroBatchedStep`, which counts them by the tuple.
 
   Raises:
     ConfigError: the schedule cannot follow ``train`` over ``total_steps``.

@@ -54,7 +54,7 @@ class GpuTarget:
   accelerated_features: bool  # sm_90a/sm_100a: Hopper's and Blackwell's arch-specific instructions
   dnn_version: tuple[int, int, int]
   # Dense bfloat16 tensor-core peak in FLOP/s, from NVIDIA's data sheet (not XLA's spec files):
-  # what MFU is measured against and the time estimate (jaxrm.step_time) divides by.
+  # what MFU is measured against and the time estimate (jaxrm.planning.step_time) divides by.
   peak_bf16_flops: float = 0.0
 
   def peak_flops(self, dtype: str) -> float:

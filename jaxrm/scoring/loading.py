@@ -6,8 +6,8 @@ output directory or one of its checkpoints) — as a typed source. :func:`load` 
 tokenizer and the :class:`ScoringInfo` saved with it; a LoRA run loads its base by
 ``load(locate(base))`` and restores the adapters over it.
 
-A run's output directory is read through :class:`jaxrm.run_files.RunFiles`; an export is written
-by :mod:`jaxrm.export_files`.
+A run's output directory is read through :class:`jaxrm.run.run_files.RunFiles`; an export is written
+by :mod:`jaxrm.scoring.export_files`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrm import checkpointing, tasks
-from jaxrm import verifier as verifiers
+from jaxrm import tasks
 from jaxrm.config import RunConfig
 from jaxrm.data.tokenize import TokenizeOptions
 from jaxrm.errors import CheckpointError, ConfigError
@@ -32,8 +31,10 @@ from jaxrm.hf.loader import load_model, placed_abstract_model
 from jaxrm.models import lora
 from jaxrm.models.config import ModelConfig, from_hf_config
 from jaxrm.models.decoder import Decoder
-from jaxrm.run_files import RUN_MODEL_CONFIG, RunFiles, is_run_dir, task_record
-from jaxrm.verifier import Asker
+from jaxrm.run import checkpointing
+from jaxrm.run.run_files import RUN_MODEL_CONFIG, RunFiles, is_run_dir, task_record
+from jaxrm.tasks import asker as askers
+from jaxrm.tasks.asker import Asker
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class ScoringInfo:
     training_max_length: the training run's data.max_length, else None (the reward server's
       default limit per item).
     verifier: what an LM head asks (its task's asker): a verifier's question and answers
-      (:class:`jaxrm.verifier.Verifier`) or a pairwise judge's (:class:`jaxrm.tasks.pairwise.Judge`),
+      (:class:`jaxrm.tasks.verifier.Verifier`) or a pairwise judge's (:class:`jaxrm.tasks.pairwise.Judge`),
       else None.
     task: the name of the model's :mod:`jaxrm.tasks` task, as its files record it; None: not
       known yet (:meth:`with_task` tells it once, from the head, for a model saved before files
@@ -117,7 +118,7 @@ class ScoringInfo:
     return dataclasses.replace(self, task=None if task is None else task.name)
 
   def task_record(self) -> dict[str, Any] | None:
-    """The task as a model's files record it (:func:`jaxrm.run_files.task_record`)."""
+    """The task as a model's files record it (:func:`jaxrm.run.run_files.task_record`)."""
     return task_record(self.task, self.attributes, self.verifier)
 
   @classmethod
@@ -426,7 +427,7 @@ def load(
     tokenizer: use this tokenizer instead of the source's.
     weights: False reads no tensors and opens no checkpoint: the model's parameters are
       ``jax.ShapeDtypeStruct``s with the shardings they would have on ``mesh``.
-    verifier: load a causal LM as a verifier asking this question (:mod:`jaxrm.verifier`), or as
+    verifier: load a causal LM as a verifier asking this question (:mod:`jaxrm.tasks.verifier`), or as
       the pairwise judge a :class:`~jaxrm.tasks.pairwise.Judge` is; an export of either (its
       ``jaxrm_verifier.json``) and a training run of one are one without it, asking theirs.
       ``head="lm"`` alone: whatever the files record, else a verifier's defaults.
@@ -439,8 +440,8 @@ def load(
   tensors = tensors_of(source)
   if verifier is None and head in (None, "lm") and isinstance(source, HFSource):
     # an export of a verifier or a judge asks what it recorded
-    path = os.path.join(source.path, verifiers.FILE)
-    verifier = asker_of(verifiers.read_record(source.path), path) or recorded_asker(
+    path = os.path.join(source.path, askers.FILE)
+    verifier = asker_of(askers.read_record(source.path), path) or recorded_asker(
       (tensors.config.get(SCORING_KEY) or {}).get("task")
     )
   if head == "lm" and asks is not None and not isinstance(verifier, asks):

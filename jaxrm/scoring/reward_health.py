@@ -3,7 +3,7 @@
 A reward model being gamed by its policy shows it in its rewards before it shows it anywhere else:
 they drift up and bunch together, they grow with the completion's length, they leave the range the
 model gave on its validation set. :func:`batch_health` measures that on one batch of rewards;
-TRL's ``log_metric`` (:mod:`jaxrm.reward_funcs`), OpenRLHF's ``extra_logs`` and the server's
+TRL's ``log_metric`` (:mod:`jaxrm.scoring.reward_funcs`), OpenRLHF's ``extra_logs`` and the server's
 ``/metrics`` (:mod:`jaxrm.server`) all report its values, under these names:
 
 * ``reward_mean``, ``reward_std``: the batch's mean and (population) standard deviation. A mean that
@@ -22,7 +22,7 @@ TRL's ``log_metric`` (:mod:`jaxrm.reward_funcs`), OpenRLHF's ``extra_logs`` and 
   asked; an over-long input is otherwise refused). A cut input is scored without its start; a
   rising share means completions are outgrowing the length the loop allows them.
 * A regression model's mean of each attribute: ``reward_mean`` of each attribute's reward
-  function (:func:`jaxrm.reward_funcs.as_reward_funcs`), before the loop weighs them into one
+  function (:func:`jaxrm.scoring.reward_funcs.as_reward_funcs`), before the loop weighs them into one
   reward: which attribute the policy is pushing.
 
 None and NaN rewards (a process reward model's completion with no steps) are left out of every

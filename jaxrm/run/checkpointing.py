@@ -2,7 +2,7 @@
 
 Each checkpoint holds four items: ``params`` (the trained parameters), ``opt_state``, ``data``
 (the training iterator's state) and ``meta`` (step, RNG, reward statistics, metrics, config).
-A LoRA run trains, and so saves, only its adapters and reward head (:mod:`jaxrm.loading` reads
+A LoRA run trains, and so saves, only its adapters and reward head (:mod:`jaxrm.scoring.loading` reads
 its base from where it trained).
 Orbax writes into a temporary directory and renames it when complete, so a crash mid-save leaves
 the previous checkpoints intact; a save the file system refuses (no room, too many open files, no
@@ -15,7 +15,7 @@ saved with them (:data:`WITH_CHECKSUMS`), so a step without its list (a process 
 Orbax's commit and the list, or a copy that left it out) is damaged too. Only a checkpoint whose
 ``meta`` lacks that mark, saved before jaxrm wrote checksums, is read unverified.
 ``best_checkpoint.json`` names the best step. What the run's other files say is
-:mod:`jaxrm.loading`'s to read.
+:mod:`jaxrm.scoring.loading`'s to read.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from jaxrm import refused_writes
 from jaxrm.errors import CheckpointError
-from jaxrm.metrics import normalize_metric_name
+from jaxrm.run import refused_writes
+from jaxrm.run.metrics import normalize_metric_name
 
 log = logging.getLogger(__name__)
 

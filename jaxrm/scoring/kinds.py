@@ -40,7 +40,7 @@ def model_kind(config: Any, attributes: Sequence[str] | None = None) -> str:
 
 def task_of(rm: Any) -> tasks.Task | None:
   """The task of ``rm`` (anything with ``config`` and ``attributes``): the one its files record
-  (``rm.info.task``, a :class:`jaxrm.loading.ScoringInfo`'s), else the one its head serves."""
+  (``rm.info.task``, a :class:`jaxrm.scoring.loading.ScoringInfo`'s), else the one its head serves."""
   recorded = getattr(getattr(rm, "info", None), "task", None)
   return tasks.of_model(rm.config, getattr(rm, "attributes", None), recorded)
 

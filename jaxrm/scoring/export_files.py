@@ -1,5 +1,5 @@
 """Writing an export: an HF checkpoint directory (:mod:`jaxrm.hf.export` writes the model) with
-what scoring needs besides the weights (:class:`jaxrm.loading.ScoringInfo`) recorded in it, or a
+what scoring needs besides the weights (:class:`jaxrm.scoring.loading.ScoringInfo`) recorded in it, or a
 peft adapter directory; never into a training output directory or a directory the model is read from.
 """
 
@@ -8,12 +8,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from jaxrm import verifier as verifiers
 from jaxrm.errors import CheckpointError
 from jaxrm.hf import export as hf_export
-from jaxrm.loading import SCORING_KEY, HFSource, RunSource, ScoringInfo, Source
 from jaxrm.models.decoder import Decoder
-from jaxrm.run_files import is_run_dir
+from jaxrm.run.run_files import is_run_dir
+from jaxrm.scoring.loading import SCORING_KEY, HFSource, RunSource, ScoringInfo, Source
+from jaxrm.tasks import asker as askers
 
 
 def save_export(
@@ -57,8 +57,8 @@ def save_adapters_export(
 
 def _extra_files(info: ScoringInfo) -> dict[str, Any] | None:
   """What an LM head asks (a verifier's question and answers; a judge's, with its task's name and
-  template), in :data:`jaxrm.verifier.FILE`; None for other heads."""
-  return None if info.verifier is None else {verifiers.FILE: info.verifier.to_json()}
+  template), in :data:`jaxrm.tasks.asker.FILE`; None for other heads."""
+  return None if info.verifier is None else {askers.FILE: info.verifier.to_json()}
 
 
 def check_export_dir(out_dir: str | os.PathLike, source: Source | None = None) -> None:

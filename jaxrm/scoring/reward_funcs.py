@@ -16,8 +16,8 @@ Two calling conventions:
 
 A process reward model (a token head, ``reward.type=stepwise``) rewards a completion from its
 steps: the completion is cut at the model's step separator, as its training rows were
-(:func:`jaxrm.step_rewards.split_steps`), each step gets the probability that it is correct, and
-``step_aggregation`` (:data:`jaxrm.step_rewards.AGGREGATIONS`; ``"min"`` by default) makes them one
+(:func:`jaxrm.scoring.step_rewards.split_steps`), each step gets the probability that it is correct, and
+``step_aggregation`` (:data:`jaxrm.scoring.step_rewards.AGGREGATIONS`; ``"min"`` by default) makes them one
 reward. A completion with no steps (empty, or only separators) gets ``None``: TRL's "no reward from
 this function", which GRPOTrainer leaves out of its group statistics instead of reading it as 0.
 
@@ -41,7 +41,7 @@ task's :attr:`~jaxrm.tasks.Task.group_rewards` says (the judge's is
 another host: the same call, scored by the server's ``/score`` (``/score_steps`` for a process
 reward model; for a judge, its group rewards' route, ``/compare``, once per prompt's group).
 
-Every TRL function reports the reward's health of each batch (:mod:`jaxrm.reward_health`) through
+Every TRL function reports the reward's health of each batch (:mod:`jaxrm.scoring.reward_health`) through
 the ``log_metric`` and ``log_extra`` that TRL 1.16 passes it (:func:`log_health`).
 """
 
@@ -61,9 +61,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from jaxrm import kinds, reward_health, step_rewards, tasks
+from jaxrm import tasks
 from jaxrm.data.records import Text
 from jaxrm.models.config import ModelConfig
+from jaxrm.scoring import kinds, reward_health, step_rewards
 
 
 class Scorer(Protocol):
@@ -334,7 +335,7 @@ def log_health(
   completions: Sequence[Text],
   reward_range: reward_health.Range | None = None,
 ) -> None:
-  """Reports the batch's health (:func:`jaxrm.reward_health.batch_health`) through the
+  """Reports the batch's health (:func:`jaxrm.scoring.reward_health.batch_health`) through the
   ``log_metric`` that TRL (1.16 on) passes a reward function, as ``reward_health/<name>/<signal>``,
   and with a validation range each completion's ``<name>_out_of_range`` through ``log_extra`` (a
   column of TRL's completions table). Nothing without them (another trainer). The lengths are

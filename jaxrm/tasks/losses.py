@@ -5,7 +5,7 @@ Each loss is a pure function of one batch's arrays that returns ``(loss, metrics
 :mod:`jaxrm.tasks` says which one each reward type trains with, and :func:`jaxrm.tasks.batch_loss`
 gives it as a function of the model's outputs and the batch.
 
-The metrics hold sums and counts, not means (:mod:`jaxrm.metrics` adds and finalizes them), so
+The metrics hold sums and counts, not means (:mod:`jaxrm.run.metrics` adds and finalizes them), so
 batches combine exactly. Rank correlations and same-prompt pairs need every example of a set at
 once: validation asks for them with ``tasks.batch_loss(spec, samples=True)``.
 
@@ -22,8 +22,8 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
-from jaxrm.batches import IGNORE_INDEX, Batch
-from jaxrm.metrics import Calibration, Correlation, Metrics, Moments, Ratio, Samples, Scores
+from jaxrm.data.batches import IGNORE_INDEX, Batch
+from jaxrm.run.metrics import Calibration, Correlation, Metrics, Moments, Ratio, Samples, Scores
 
 # Stands in for -inf in masked logsumexp terms: exp() of it is exactly 0, yet, unlike -inf, it
 # never makes a NaN in gradients of rows where every entry is masked.
@@ -40,7 +40,7 @@ def _count(mask: jax.Array) -> jax.Array:
 
 def _moments(values: jax.Array, mask: jax.Array) -> Moments:
   """The masked values' moments and extremes: validation records the reward range a policy is
-  later watched against (jaxrm.reward_health)."""
+  later watched against (jaxrm.scoring.reward_health)."""
   low, high = jnp.min(jnp.where(mask, values, jnp.inf)), jnp.max(jnp.where(mask, values, -jnp.inf))
   return Moments(_masked_sum(values, mask), _masked_sum(values * values, mask), _count(mask), low, high)
 
@@ -451,7 +451,7 @@ def labelled(spec: LossSpec, log_odds, batch) -> tuple[jax.Array, Metrics]:
 
 
 def labelled_scores(spec: LossSpec, log_odds, batch) -> Metrics:
-  """Validation's :class:`~jaxrm.metrics.Scores` of a labelled batch (``auroc``)."""
+  """Validation's :class:`~jaxrm.run.metrics.Scores` of a labelled batch (``auroc``)."""
   del spec
   real = batch.example_mask > 0
   return {"samples": Scores(jnp.where(real, log_odds.astype(jnp.float32), 0.0), batch.labels, real)}

@@ -5,7 +5,7 @@ State is a plain dict ``{"params", "opt_state", "step", "rng"}``; ``params`` is 
 ``params`` holds only what is trained (adapters and head) and ``frozen`` the rest, which has no
 gradient and no optimizer state (:func:`model_params` joins them). Optimizer moments are sharded
 like their parameters; counters, step and RNG are replicated. Batches are the
-classes of :mod:`jaxrm.batches`; the loss is the one the reward type's task gives
+classes of :mod:`jaxrm.data.batches`; the loss is the one the reward type's task gives
 (:func:`jaxrm.tasks.batch_loss`).
 """
 
@@ -25,13 +25,13 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrm import sharding, tasks
-from jaxrm.batches import Batch
 from jaxrm.config import RewardSpec
-from jaxrm.memory import ProgramMemory
-from jaxrm.metrics import accumulate, empty
+from jaxrm.data.batches import Batch
 from jaxrm.models.decoder import Decoder
+from jaxrm.planning.memory import ProgramMemory
+from jaxrm.run.metrics import accumulate, empty
 
-log = logging.getLogger("jaxrm.steps")
+log = logging.getLogger("jaxrm.run.steps")
 
 
 def make_loss_fn(
@@ -40,11 +40,11 @@ def make_loss_fn(
   """``loss_fn(params, batch, frozen=None, rng=None) -> (loss_total, metrics)``; loss_total is a
   sum, metrics["loss"].count its count.
 
-  ``batch`` is any class of :mod:`jaxrm.batches`; packed and unpacked layouts give the same losses
+  ``batch`` is any class of :mod:`jaxrm.data.batches`; packed and unpacked layouts give the same losses
   and metrics, counted per group or sequence. ``frozen`` is the part of the model's state that
   ``params`` leaves out (``state["frozen"]``, see :func:`init_state`). ``rng`` (a PRNG key, in
   training) drives the adapters' dropout; without it nothing is dropped. ``samples`` (validation)
-  adds the per-example :class:`~jaxrm.metrics.Samples` that rank-based metrics need. With
+  adds the per-example :class:`~jaxrm.run.metrics.Samples` that rank-based metrics need. With
   ``placement``, the model's activations are pinned to its mesh at block boundaries (and rows
   split over its context axis).
   """

@@ -1,6 +1,6 @@
 """``RewardModel``: a loaded reward model with its tokenizer, ready to score.
 
-It loads whatever :func:`jaxrm.loading.locate` finds: Hugging Face checkpoint directories,
+It loads whatever :func:`jaxrm.scoring.loading.locate` finds: Hugging Face checkpoint directories,
 ``.gguf`` files, jaxrm training output directories and single training checkpoints. Text is
 tokenized by the functions training uses (:mod:`jaxrm.data.tokenize`), so a conversation scores
 exactly as it was laid out in training.
@@ -21,9 +21,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrm import export_files, kinds, loading, reward_funcs, shared_prefix, step_rewards, tasks
-from jaxrm.batches import IGNORE_INDEX
+from jaxrm import tasks
 from jaxrm.config import combination_weights
+from jaxrm.data.batches import IGNORE_INDEX
 from jaxrm.data.drops import DropReport
 from jaxrm.data.formats import json_type, parse_text, parse_texts
 from jaxrm.data.pipeline import bucket_length, length_buckets, right_padded, scoring_rows
@@ -38,12 +38,14 @@ from jaxrm.data.tokenize import (
   tokenize_stepwise,
 )
 from jaxrm.errors import ConfigError, DataError
-from jaxrm.loading import ScoringInfo
 from jaxrm.models.config import ModelConfig
 from jaxrm.models.decoder import Decoder
 from jaxrm.models.heads import correct_probability
-from jaxrm.shared_prefix import Sharing
-from jaxrm.verifier import Asker, Verifier
+from jaxrm.scoring import export_files, kinds, loading, reward_funcs, shared_prefix, step_rewards
+from jaxrm.scoring.loading import ScoringInfo
+from jaxrm.scoring.shared_prefix import Sharing
+from jaxrm.tasks.asker import Asker
+from jaxrm.tasks.verifier import Verifier
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +70,13 @@ def packed_programs() -> int:
 
 
 def _steps(steps: Any, field: str, separator: str) -> tuple[str, ...]:
-  """``steps`` checked as a list of step texts (:func:`jaxrm.step_rewards.check_steps`)."""
+  """``steps`` checked as a list of step texts (:func:`jaxrm.scoring.step_rewards.check_steps`)."""
   try:
     return tuple(
       step_rewards.check_steps(
         steps,
         field,
-        f"e.g. jaxrm.step_rewards.split_steps(text, rm.step_separator) cuts a solution at the step "
+        f"e.g. jaxrm.scoring.step_rewards.split_steps(text, rm.step_separator) cuts a solution at the step "
         f"separator {separator!r}",
       )
     )
@@ -109,7 +111,7 @@ def _asked(
 
 class RewardModel:
   """A reward model (``model``: flax.nnx.Module), its ``config``, ``tokenizer`` and ``info``
-  (:class:`jaxrm.loading.ScoringInfo`: what training recorded for scoring).
+  (:class:`jaxrm.scoring.loading.ScoringInfo`: what training recorded for scoring).
 
   Attributes (from ``info``):
     reward_stats: {"mean", "std", "from"} of the rewards on the validation set when the model was
@@ -119,7 +121,7 @@ class RewardModel:
     training_max_length: the training run's ``data.max_length`` (from the run, or recorded in an
       export of one), else None; the reward server's default limit per item.
     verifier: what an LM head asks: a verifier's question and answers
-      (:class:`jaxrm.verifier.Verifier`), or a pairwise judge's (then also ``judge``), else None.
+      (:class:`jaxrm.tasks.verifier.Verifier`), or a pairwise judge's (then also ``judge``), else None.
     task, kind: the model's task as its files record it (:attr:`task`), and its name.
     rendering: how training rendered its rows, and so how every input is scored.
 
@@ -132,7 +134,7 @@ class RewardModel:
 
   def __init__(self, model: Decoder, tokenizer=None, info: ScoringInfo = ScoringInfo()):
     if not isinstance(info, ScoringInfo):
-      raise TypeError(f"info must be a jaxrm.loading.ScoringInfo, got {type(info).__name__}")
+      raise TypeError(f"info must be a jaxrm.scoring.loading.ScoringInfo, got {type(info).__name__}")
     if (info.verifier is None) != (model.config.head != "lm"):
       raise ValueError(
         f"a {model.config.head} head with info.verifier={info.verifier!r}: an LM head (a verifier's, a "
@@ -193,7 +195,7 @@ class RewardModel:
   @property
   def kind(self) -> str:
     """``preference``, ``regression``, ``process``, ``verifier``, ``pairwise`` or ``other`` (see
-    :mod:`jaxrm.kinds`)."""
+    :mod:`jaxrm.scoring.kinds`)."""
     return self.info.task or kinds.OTHER
 
   @property
@@ -204,8 +206,8 @@ class RewardModel:
     return self.info.rendering
 
   def check_kind(self, *wanted: str, use: str, **kwargs) -> str:
-    """This model's kind if it is one of ``wanted``, else a :class:`jaxrm.kinds.ModelKindError`
-    saying what ``use`` needs (:func:`jaxrm.kinds.check_kind`)."""
+    """This model's kind if it is one of ``wanted``, else a :class:`jaxrm.scoring.kinds.ModelKindError`
+    saying what ``use`` needs (:func:`jaxrm.scoring.kinds.check_kind`)."""
     return kinds.check_kind(self, *wanted, use=use, **kwargs)
 
   @classmethod
@@ -225,12 +227,12 @@ class RewardModel:
     verifier: bool | dict | Verifier | None = None,
     **config_overrides,
   ) -> RewardModel:
-    """Loads a checkpoint (through :func:`jaxrm.loading.locate` and :func:`jaxrm.loading.load`).
+    """Loads a checkpoint (through :func:`jaxrm.scoring.loading.locate` and :func:`jaxrm.scoring.loading.load`).
 
     Args:
       path: an HF checkpoint directory (config.json + safetensors), a .gguf file, a training
         output directory (its best checkpoint, or ``step``), or one training checkpoint
-        (``<output_dir>/checkpoints/<step>``), or a source :func:`jaxrm.loading.locate` gave. A LoRA
+        (``<output_dir>/checkpoints/<step>``), or a source :func:`jaxrm.scoring.loading.locate` gave. A LoRA
         run's base is read from where it trained (``model_config.json`` names it), its adapters and
         head from the checkpoint.
       dtype: compute dtype ("float32" | "bfloat16"); parameters default to the same.
@@ -247,7 +249,7 @@ class RewardModel:
         target for a training checkpoint), and a training run's checkpoints are not opened
         (``reward_stats`` is None). Config and tokenizer load as usual.
       verifier: score with a causal LM (HF directory or .gguf file) as a generative verifier: True
-        (the default question and answers of :mod:`jaxrm.verifier`), or ``{"question": ...,
+        (the default question and answers of :mod:`jaxrm.tasks.verifier`), or ``{"question": ...,
         "answers": ["Yes", "No"]}``; the score of a conversation is then ``log p(yes) - log p(no)``
         of the answer to the question asked after it. An export of a verifier, or a training run
         of one, is a verifier without it (True keeps its question; a dict asks another).
@@ -331,7 +333,7 @@ class RewardModel:
     With ``completion``, ``item`` is its prompt: prompt + completion, as training joins them. A
     row longer than ``max_length`` (default: the model's context) loses its oldest context turns
     or tokens, as training's ``truncation="left"`` does. A verifier's row ends with its question
-    and the generation prompt (:mod:`jaxrm.verifier`). Whatever form it is given in, the row is
+    and the generation prompt (:mod:`jaxrm.tasks.verifier`). Whatever form it is given in, the row is
     rendered as training rendered its rows (:attr:`rendering`): a conversation given to a model
     trained on plain text is scored as its turns' contents joined; strings given to a model trained
     on conversations are scored as sent (they may be texts the template rendered). The log says
@@ -415,8 +417,8 @@ class RewardModel:
         multiple of ``bucket`` tokens, so few programs compile and little padding is computed.
       max_length: longest row in tokens (default: the model's context); see :meth:`encode`.
       share_prefix: score rows that share a token prefix (completions of one prompt) together,
-        the prefix once (:mod:`jaxrm.shared_prefix`): True (by ``Sharing()``'s rule), a
-        :class:`jaxrm.shared_prefix.Sharing`, or False (every row alone). The rewards are the
+        the prefix once (:mod:`jaxrm.scoring.shared_prefix`): True (by ``Sharing()``'s rule), a
+        :class:`jaxrm.scoring.shared_prefix.Sharing`, or False (every row alone). The rewards are the
         same either way, up to float rounding.
     """
     self._check_one_reward("score()")
@@ -510,7 +512,7 @@ class RewardModel:
     logits [T_i, C] (token head).
 
     Rows that share a token prefix are scored as shared-prompt packed rows, the prefix once
-    (:mod:`jaxrm.shared_prefix`; ``share_prefix`` as in :meth:`score`); the others in
+    (:mod:`jaxrm.scoring.shared_prefix`; ``share_prefix`` as in :meth:`score`); the others in
     right-padded batches of similar lengths (see :meth:`score`). A pass of packed rows holds
     no more tokens than the longest right-padded batch of these rows could.
     """
@@ -540,7 +542,7 @@ class RewardModel:
     share_prefix: bool | Sharing = True,
   ) -> list[list[int]]:
     """The indices of ``encoded`` in the groups :meth:`outputs_of_ids` scores together, each as
-    one packed row (:func:`jaxrm.shared_prefix.scoring_groups`); a group of one scores alone."""
+    one packed row (:func:`jaxrm.scoring.shared_prefix.scoring_groups`); a group of one scores alone."""
     max_tokens = self._max_tokens(encoded, batch_size, self._buckets(bucket, max_length))
     return shared_prefix.scoring_groups(
       encoded, shared_prefix.as_sharing(share_prefix), self.config, max_tokens
@@ -575,7 +577,7 @@ class RewardModel:
 
   def _shared(self, encoded, groups: list[list[int]], batch_size: int, bucket: int, max_tokens: int):
     """Yields (row indices, model outputs) of the rows of ``groups``, each group one packed row
-    (see :func:`jaxrm.shared_prefix.shared_batches`)."""
+    (see :func:`jaxrm.scoring.shared_prefix.shared_batches`)."""
     pad = pad_id(self.tokenizer, self.config.pad_token_id)
     for shared in shared_prefix.shared_batches(
       encoded,
@@ -588,7 +590,7 @@ class RewardModel:
       yield shared.rows, self.score_shared(shared)
 
   def score_shared(self, shared: shared_prefix.SharedRows) -> np.ndarray | list[np.ndarray]:
-    """The outputs of the rows packed in ``shared`` (:func:`jaxrm.shared_prefix.shared_batches`),
+    """The outputs of the rows packed in ``shared`` (:func:`jaxrm.scoring.shared_prefix.shared_batches`),
     in ``shared.rows`` order: rewards [N] ([N, C]) for a sequence head, each row's logits [T_i, C]
     for a token head."""
     b = shared.batch
@@ -642,7 +644,7 @@ class RewardModel:
 
     ``steps`` is a list of step texts, each followed by the run's step separator as in training;
     a solution written as one text is cut into them by
-    ``jaxrm.step_rewards.split_steps(text, rm.step_separator)`` (one string is refused).
+    ``jaxrm.scoring.step_rewards.split_steps(text, rm.step_separator)`` (one string is refused).
     """
     _steps(steps, "steps", self.step_separator)
     return self.score_steps_batch([prompt], [steps], max_length=max_length)[0]
@@ -723,7 +725,7 @@ class RewardModel:
     strategy: str | None = None,
     aggregate: str | None = None,
   ) -> Callable[..., list[float | None]]:
-    """A TRL GRPOTrainer reward function; see :func:`jaxrm.reward_funcs.as_reward_func` (a process
+    """A TRL GRPOTrainer reward function; see :func:`jaxrm.scoring.reward_funcs.as_reward_func` (a process
     model's steps made one reward by ``step_aggregation``, default min; a pairwise judge's group
     rewards by ``strategy`` and ``aggregate``, default round_robin and bradley_terry)."""
     return reward_funcs.as_reward_func(
@@ -747,7 +749,7 @@ class RewardModel:
     combine=None,
     step_aggregation: str | None = None,
   ) -> Callable[..., list[float]]:
-    """A CoMLRL-style multi-agent reward function; see :func:`jaxrm.reward_funcs.as_multi_agent_reward_func`."""
+    """A CoMLRL-style multi-agent reward function; see :func:`jaxrm.scoring.reward_funcs.as_multi_agent_reward_func`."""
     return reward_funcs.as_multi_agent_reward_func(
       self,
       formatter,

@@ -27,10 +27,10 @@ from typing import Any
 import jax
 from jax.experimental import multihost_utils
 
-from jaxrm import run_lock
 from jaxrm.config import RunConfig
 from jaxrm.data import cache, registry
 from jaxrm.errors import ConfigError
+from jaxrm.run import run_lock
 
 log = logging.getLogger("jaxrm.train")
 
@@ -73,7 +73,7 @@ _ABSENT = "(not set)"
 
 def holds_run(run_dir: str) -> bool:
   """Whether a run has written its settings or its metrics into ``run_dir``."""
-  from jaxrm.run_files import RUN_CONFIG
+  from jaxrm.run.run_files import RUN_CONFIG
 
   return any(os.path.exists(os.path.join(run_dir, name)) for name in (RUN_CONFIG, RECORD, METRICS))
 
@@ -302,7 +302,7 @@ def start_fresh(how: str, run_dir: str, checkpoint_dir: str) -> None:
   """Clears the way for a new run in ``run_dir``, as ``how`` (a ``changed_settings``) says: the
   old run's files moved into ``run_dir/old-<time>/`` (an outside checkpoint directory's into a
   folder beside it, ``<checkpoint_dir>-old-<time>``), or removed. The runs' locks stay."""
-  from jaxrm.run_lock import FILE as LOCK
+  from jaxrm.run.run_lock import FILE as LOCK
 
   keep = how == "start_fresh_keep_old"
   stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
@@ -340,7 +340,7 @@ def _clear(path: str, to: str | None) -> None:
 def _saved(run_dir: str) -> tuple[dict[str, Any] | None, dict[str, Any]]:
   """The saved run's settings (its ``config.json``, else its :data:`RECORD`'s) and its files'
   fingerprints; (None, {}), said so, when there are no settings to read."""
-  from jaxrm.run_files import RUN_CONFIG
+  from jaxrm.run.run_files import RUN_CONFIG
 
   record_path = os.path.join(run_dir, RECORD)
   kept = _read_json(record_path, run_dir) if os.path.exists(record_path) else {}

@@ -23,8 +23,8 @@ import os
 from typing import Any
 from urllib.parse import urlparse
 
-from jaxrm import refused_writes
 from jaxrm.errors import ConfigError, UserError
+from jaxrm.run import refused_writes
 
 log = logging.getLogger(__name__)
 

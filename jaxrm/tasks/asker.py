@@ -1,31 +1,19 @@
-"""The generative verifier: a causal LM asked a yes/no question about a conversation.
-
-A verifier's score of a conversation is ``log p(yes) - log p(no)`` of the token that follows the
-conversation and one more user turn holding :attr:`Verifier.question`, rendered by the tokenizer's
-chat template with the generation prompt (:mod:`jaxrm.data.tokenize` lays it out). The softmax's
-normaliser cancels in the difference, so the score is ``z_yes - z_no``: the last hidden state
-dotted with the difference of the two answers' rows of the LM head
-(:func:`jaxrm.models.heads.verifier_log_odds`), and no other logit is computed.
-
-This module holds what names a verifier (its question and answers), the check that each answer is
-one token, the conversation it reads (:func:`conversation`, :meth:`Verifier.render`), and the file
-an export records them in (:data:`FILE`; a pairwise judge's export records its own asker there,
-with the task's name).
-"""
+"""What an LM-head task asks: a causal LM's question and the two answers it weighs (:class:`Asker`,
+which a verifier's :class:`jaxrm.tasks.verifier.Verifier` and a pairwise judge's
+:class:`jaxrm.tasks.pairwise.Judge` are), the check that each answer is one token, and the file an
+export records an asker in (:data:`FILE`, read back by :func:`read_record`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from jaxrm.errors import CheckpointError, ConfigError
 
-DEFAULT_QUESTION = "Is the last response correct and helpful? Answer Yes or No."
-DEFAULT_ANSWERS = ("Yes", "No")
-FILE = "jaxrm_verifier.json"  # beside an export's config.json: its question and answers
+FILE = "jaxrm_verifier.json"  # beside an export's config.json: what its asker asks (Asker.to_json)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +26,7 @@ class Asker:
   WORD: ClassVar[str] = "asker"  # its keyword in from_pretrained (verifier=...) and reward keys
   ROLES: ClassVar[str] = "first, then second"  # what its two answers mean, in order
   EXAMPLE: ClassVar[tuple[str, str]] = ("Yes", "No")  # the answers its messages show
-  PATH: ClassVar[str] = "jaxrm.verifier.Asker"  # where users import it from
+  PATH: ClassVar[str] = "jaxrm.tasks.asker.Asker"  # where users import it from
   # what a causal LM is loaded as with its from_pretrained keyword, and what it then scores
   LOADED_AS: ClassVar[str] = "an asker (its first answer's log-odds)"
   # The reward section's keys of its task (jaxrm.config.RewardSpec is built with them): reward.<key>
@@ -52,8 +40,8 @@ class Asker:
   # fn(self, tokenizer) checking what a run of its task needs of the tokenizer before any weight is
   # read (a judge's chat template), or None: its answers are checked as the model loads.
   check_tokenizer: ClassVar[Callable[..., Any] | None] = None
-  question: str = DEFAULT_QUESTION
-  answers: tuple[str, str] = DEFAULT_ANSWERS
+  question: str
+  answers: tuple[str, str]
 
   def __post_init__(self):
     if not isinstance(self.question, str) or not self.question.strip():
@@ -103,79 +91,6 @@ class Asker:
         )
       ids.append(int(encoded[0]))
     return ids[0], ids[1]
-
-
-@dataclasses.dataclass(frozen=True)
-class Verifier(Asker):
-  """What a verifier asks (``question``) and the two answers it weighs (``answers``: yes, no)."""
-
-  NOUN: ClassVar[str] = "a verifier"
-  WORD: ClassVar[str] = "verifier"
-  ROLES: ClassVar[str] = "yes, then no"
-  EXAMPLE: ClassVar[tuple[str, str]] = DEFAULT_ANSWERS
-  PATH: ClassVar[str] = "jaxrm.verifier.Verifier"
-  LOADED_AS: ClassVar[str] = "a verifier (one reward per response)"
-  SETTINGS: ClassVar[Mapping[str, tuple[str, str]]] = {
-    "verifier_question": (
-      DEFAULT_QUESTION,
-      "verifier: the question asked after each response, in a user turn (jaxrm.verifier)",
-    ),
-    "verifier_answers": (
-      ",".join(DEFAULT_ANSWERS),
-      'verifier: its two answers, "yes,no"; each must be one token of the model\'s tokenizer',
-    ),
-  }
-  SWITCH: ClassVar[str] = (
-    "Score --model, a causal LM, as a generative verifier: log p(yes) - log p(no) of its answer to "
-    "--verifier_question after each conversation (an export or training run of a verifier is one "
-    "without it)."
-  )
-  FLAGS: ClassVar[Mapping[str, tuple[str | None, str]]] = {
-    "question": (DEFAULT_QUESTION, "With --verifier: the question asked after each conversation."),
-    "answers": (
-      ",".join(DEFAULT_ANSWERS),
-      "With --verifier: its two answers, yes then no, comma-separated; each must be one token.",
-    ),
-  }
-
-  @classmethod
-  def of_spec(cls, spec: Any) -> Verifier:
-    """The verifier of a run's ``reward`` section (``verifier_question``, ``verifier_answers``)."""
-    try:
-      return cls(spec.verifier_question, spec.verifier_answers)
-    except ConfigError as e:
-      raise ConfigError(
-        f"reward.verifier_question={spec.verifier_question!r}, reward.verifier_answers="
-        f"{spec.verifier_answers!r}: {e}"
-      ) from None
-
-  @classmethod
-  def from_json(cls, saved: Mapping[str, Any]) -> Verifier:
-    """The verifier a file records (:meth:`to_json`)."""
-    return cls(question=saved["question"], answers=tuple(saved["answers"]))
-
-  def tokenize_options(self, options: Any) -> Any:
-    """``options`` (:class:`jaxrm.data.tokenize.TokenizeOptions`) with each completion followed by
-    this verifier's question."""
-    return dataclasses.replace(options, verifier_question=self.question)
-
-  def render(self, tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> str:
-    """The text this verifier scores of the conversation ``messages``, before any truncation:
-    :func:`conversation` rendered by the tokenizer's chat template with the generation prompt.
-    Tokenized without added special tokens (the template writes them), it gives the ids
-    ``RewardModel.encode`` scores."""
-    return tokenizer.apply_chat_template(
-      conversation(messages, self.question), tokenize=False, add_generation_prompt=True
-    )
-
-  def to_json(self) -> dict[str, Any]:
-    """What :data:`FILE` holds."""
-    return {"question": self.question, "answers": list(self.answers)}
-
-
-def conversation(messages: Sequence[Mapping[str, Any]], question: str) -> list[Mapping[str, Any]]:
-  """``messages`` followed by the user turn that asks ``question``: what a verifier reads."""
-  return [*messages, {"role": "user", "content": question}]
 
 
 def read_record(directory: str | os.PathLike) -> dict[str, Any] | None:

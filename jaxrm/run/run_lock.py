@@ -23,8 +23,8 @@ import sys
 import threading
 import time
 
-from jaxrm import refused_writes
 from jaxrm.errors import ConfigError
+from jaxrm.run import refused_writes
 
 log = logging.getLogger(__name__)
 
