@@ -21,7 +21,7 @@ from jaxrm.run import host_memory
 
 PROBE = r"""
 import ctypes, json, os
-from jaxrm import host_memory
+from jaxrm.run import host_memory
 host_memory.restart_with_huge_pages()
 libc = ctypes.CDLL(None)
 block = ctypes.c_void_p()

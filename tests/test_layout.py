@@ -381,6 +381,51 @@ def test_no_module_outside_the_tasks_package_names_a_task():
   assert not found, found
 
 
+def _task_files() -> set[str]:
+  """The tasks package's modules that define a task (preference, process, ..., pairwise)."""
+  return {
+    name
+    for name, m in sys.modules.items()
+    if name.startswith("jaxrm.tasks.") and any(v is t for v in vars(m).values() for t in tasks.TASKS.values())
+  }
+
+
+def test_no_module_outside_the_tasks_package_imports_a_task_file():
+  """A task's whole path is in its file: outside jaxrm.tasks no module imports one (the judge's
+  verbs, route, RL rewards, evaluation and settings reach the library as hooks of its Task), so a
+  new task's change is its own file, its registry entry, its tests and its docs. The package's
+  generic modules (base, asker, routes, losses) are the ones the others import."""
+  files = _task_files()
+  known = set(_modules())
+  found = sorted(
+    f"{module} imports {imported}"
+    for module, path in _modules().items()
+    if not module.startswith("jaxrm.tasks")
+    for imported in _imports(module, path, known)
+    if imported in files
+  )
+  assert {"jaxrm.tasks.pairwise", "jaxrm.tasks.verifier", "jaxrm.tasks.preference"} <= files
+  assert not found, found
+
+
+# What stands at the package's top besides the commands (jaxrm.COMMANDS): what every command and
+# room shares. Everything else is in a room (a subpackage) named for what it is.
+TOP = {"jaxrm", "jaxrm.cli", "jaxrm.config", "jaxrm.errors", "jaxrm.sharding"}
+
+
+def test_the_package_top_holds_the_commands_and_what_they_share():
+  """Read from the top, the tree says how jaxrm works: the commands, what they share, and the rooms
+  (a training run, scoring and its uses, planning for GPUs, tasks, data, models...)."""
+  top = {
+    m
+    for m in _modules()
+    if m.count(".") == 1 and not os.path.isdir(os.path.join(tiny_run.ROOT, *m.split(".")))
+  }
+  assert top - {"jaxrm"} == (TOP - {"jaxrm"}) | {f"{PACKAGE}.{c}" for c in jaxrm.COMMANDS}, sorted(top)
+  rooms = {m.split(".")[1] for m in _modules() if m.count(".") >= 2}
+  assert {"run", "scoring", "planning", "tasks", "data", "models", "hf", "server", "evaluation"} <= rooms
+
+
 def test_the_task_reference_finder_finds_them():
   source = (
     "import jaxrm.tasks as t\nfrom jaxrm.scoring import kinds; from jaxrm import tasks\nfrom jaxrm.tasks import pairwise, PROCESS\n"
@@ -551,7 +596,7 @@ def test_tests_read_no_private_name_of_the_package():
 
 def test_the_private_name_finder_finds_reads():
   tree = ast.parse(
-    "import jaxrm.run.trainer as t\nfrom jaxrm import data, loading\nfrom jaxrm.data.batches import _x, IGNORE_INDEX\n"
+    "import jaxrm.run.trainer as t\nfrom jaxrm import data\nfrom jaxrm.scoring import loading\nfrom jaxrm.data.batches import _x, IGNORE_INDEX\n"
     "import jaxrm\nt._a; data.tokenize._b; loading.public; jaxrm.cli._c; IGNORE_INDEX._d; other._e\n"
     "monkeypatch.setattr(loading, '_f', None)\n"
   )

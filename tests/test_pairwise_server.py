@@ -9,7 +9,8 @@ import pytest
 from helpers import SERVER_CONFIG, approx, call, serving, user
 
 from jaxrm import RewardModel, tasks
-from jaxrm.server.app import ENDPOINTS
+from jaxrm.errors import ConfigError
+from jaxrm.server.app import ENDPOINTS, check_model
 from jaxrm.server.bodies import Encoder, RequestError
 from jaxrm.server.formats import ROUTES
 
@@ -169,3 +170,15 @@ def test_the_server_serves_each_tasks_routes_after_its_own():
 def test_each_task_giving_no_reward_per_row_names_the_route_to_use_instead():
   for task in tasks.TASKS.values():
     assert (task.route_instead is not None) == (task.scores == "comparisons"), task.name
+
+
+@pytest.mark.parametrize("setting", [{"combine": "mean"}, {"normalize": True}])
+def test_a_judge_served_with_combine_or_normalize_is_told_what_it_is(judge, setting):
+  """--combine and --normalize shape one reward per response; a judge's rewards come from its
+  comparisons, and the refusal says what it is and which route to use (its task's words)."""
+  with pytest.raises(ConfigError) as e:
+    check_model(judge, dataclasses.replace(CONFIG, **setting))
+  assert str(e.value).startswith(
+    f"--{next(iter(setting))} applies to rewards scored one per response, and this server's model is "
+    'a pairwise judge, which compares responses: POST /compare with {"prompt"'
+  ), str(e.value)

@@ -168,19 +168,13 @@ def recorded_asker(task: dict[str, Any] | None, where: str = "the model's task r
   return asker_of((task or {}).get("verifier"), where)
 
 
-def _first_asker() -> tasks.Task:
-  """The task of an asker recorded without one (files written before judges), and of an LM head
-  loaded without one: the verifier, the first task with an asker."""
-  return next(t for t in tasks.TASKS.values() if t.asker is not None)
-
-
 def asker_of(saved: dict[str, Any] | None, where: str) -> Asker | None:
   """The asker ``saved`` records (its ``to_json``): of the task it names under ``"task"``, a
   verifier's where it names none (files written before judges); None for None."""
   if saved is None:
     return None
   try:
-    task = tasks.named(saved["task"], where) if "task" in saved else _first_asker()
+    task = tasks.named(saved["task"], where) if "task" in saved else tasks.first_asker()
     if task.asker is None:
       raise ValueError(f"a {task.name} model asks no question")
     return task.asker.from_json(saved)
@@ -447,7 +441,7 @@ def load(
   if head == "lm" and asks is not None and not isinstance(verifier, asks):
     verifier = asks()
   if verifier is None and head == "lm":
-    verifier = _first_asker().asker()  # a verifier's defaults
+    verifier = tasks.first_asker().asker()  # a verifier's defaults
   if tokenizer is None:
     tokenizer = tensors.tokenizer() if hasattr(tensors, "tokenizer") else _tokenizer_from_dir(source.path)
   saved = from_hf_config(tensors.config)

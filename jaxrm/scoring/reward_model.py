@@ -45,7 +45,6 @@ from jaxrm.scoring import export_files, kinds, loading, reward_funcs, shared_pre
 from jaxrm.scoring.loading import ScoringInfo
 from jaxrm.scoring.shared_prefix import Sharing
 from jaxrm.tasks.asker import Asker
-from jaxrm.tasks.verifier import Verifier
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +86,8 @@ def _steps(steps: Any, field: str, separator: str) -> tuple[str, ...]:
 def _askers() -> list[type[Asker]]:
   """The askers of the LM-head tasks but the verifier's (from_pretrained's own ``verifier=``), each
   given to from_pretrained by its keyword (its ``WORD``: ``judge=``)."""
-  return [t.asker for t in tasks.TASKS.values() if t.asker not in (None, Verifier)]
+  verifier = tasks.first_asker().asker
+  return [t.asker for t in tasks.TASKS.values() if t.asker not in (None, verifier)]
 
 
 def _asked(
@@ -224,7 +224,7 @@ class RewardModel:
     tokenizer: Any = None,
     step: int | None = None,
     load_weights: bool = True,
-    verifier: bool | dict | Verifier | None = None,
+    verifier: bool | dict | Asker | None = None,
     **config_overrides,
   ) -> RewardModel:
     """Loads a checkpoint (through :func:`jaxrm.scoring.loading.locate` and :func:`jaxrm.scoring.loading.load`).
@@ -261,19 +261,19 @@ class RewardModel:
         responses (``rm.compare``, ``rm.score_group``) instead of scoring one. An export or
         training run of a judge is one without it (True keeps what it recorded).
     """
-    asks = None
+    asks, verifier_class = None, tasks.first_asker().asker
     asked = [(a, config_overrides.pop(a.WORD)) for a in _askers() if a.WORD in config_overrides]
     asked = [(a, value) for a, value in asked if value not in (None, False)]
     if asked:
-      head, asks, verifier = _asked(*asked[0], head, [(Verifier, verifier), *asked[1:]])
+      head, asks, verifier = _asked(*asked[0], head, [(verifier_class, verifier), *asked[1:]])
     elif verifier is True:  # a verifier asking what an export or run of one recorded, else the defaults
       if head not in (None, "lm"):
         raise ValueError(f"verifier=True with head={head!r}: a verifier's head is the LM head ('lm')")
-      verifier, head, asks = None, "lm", Verifier
+      verifier, head, asks = None, "lm", verifier_class
     elif verifier is False:
       verifier = None
     elif verifier is not None:
-      verifier = Verifier.of(verifier)
+      verifier = verifier_class.of(verifier)
     overrides = dict(dtype=dtype, param_dtype=param_dtype or dtype, **config_overrides)
     loaded = loading.load(
       loading.as_source(path, step),

@@ -90,10 +90,11 @@ def check_model(rm, config: ServerConfig) -> None:
     combine_hint="--combine",
     error=ConfigError,
   )
-  if tasks.scores_of(kind) == "comparisons" and (config.combine is not None or config.normalize):
+  instead = tasks.named(kind).route_instead if kind in tasks.TASKS else None
+  if instead is not None and (config.combine is not None or config.normalize):
     raise ConfigError(
       f"--{'combine' if config.combine is not None else 'normalize'} applies to rewards scored one "
-      "per response; a pairwise judge's rewards come from its comparisons (POST /compare)"
+      f"per response, and this server's model is {instead}"
     )
   if tasks.scores_of(kind) == "steps" and (config.combine is not None or config.normalize):
     raise ConfigError(

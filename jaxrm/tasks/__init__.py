@@ -37,6 +37,7 @@ from jaxrm.tasks.regression import REGRESSION
 from jaxrm.tasks.verifier import LABELLED_BATCHES, VERIFIER
 
 __all__ = [
+  "first_asker",
   "LABELLED_BATCHES",
   "PAIRWISE",
   "PREFERENCE",
@@ -102,6 +103,13 @@ def verb(name: str, kind: str | None = None) -> Callable[..., Any] | property | 
   None where no task has it."""
   own = TASKS[kind].verbs if kind in TASKS else {}
   return own.get(name) or next((t.verbs[name] for t in TASKS.values() if name in t.verbs), None)
+
+
+def first_asker() -> Task:
+  """The first task with an asker (the verifier): the asker of an LM head loaded without one, of
+  files that record an asker but no task (written before judges), and ``from_pretrained``'s
+  ``verifier=``."""
+  return next(t for t in TASKS.values() if t.asker is not None)
 
 
 def reading(rows: ExampleType) -> Task:

@@ -13,8 +13,9 @@ A judge's preference moves with position, so everything here reads both orders:
   example whose first row shows the better response as A (label A) and second as B (label B),
   trained with the cross-entropy over the two answers (:func:`judge_loss`); a ranked list gives
   each of its pairs, and an explicit judgment (``response_a``, ``response_b``, ``label`` "A" or
-  "B") is read as the pair it ranks (:mod:`jaxrm.data.formats`). Validation reports the accuracy in each order, the consistency of the two
-  orders and the position bias (the mean P(A) over both orders; 0.5 is none).
+  "B") is read as the pair it ranks (:mod:`jaxrm.data.formats`). Validation reports the accuracy
+  in each order, the consistency of the two orders and the position bias (the mean P(A) over both
+  orders; 0.5 is none).
 * **comparing** (:func:`compare`) averages the orders: ``(s(A, B) - s(B, A)) / 2``, the log-odds
   that A is better, antisymmetric exactly.
 * **a group's rewards** (:func:`score_groups`) come from its comparisons (:func:`comparisons`:
@@ -22,6 +23,13 @@ A judge's preference moves with position, so everything here reads both orders:
   (:func:`bradley_terry`) or win rates (:func:`win_rates`). Every judge text of a group starts
   with the same conversation, and those sharing a response A continue alike: they are scored
   with their common prefix written once (:mod:`jaxrm.scoring.shared_prefix`).
+
+The task owns the rest of its path too, each part reaching the library as a field of
+:data:`PAIRWISE`: a loaded judge's verbs (:class:`JudgeVerbs`: ``rm.compare``, ``rm.score_group``),
+the server's ``POST /compare`` (:data:`ROUTES`), an RL batch's rewards grouped by prompt
+(:class:`GroupRewards`), how ``jaxrm.evaluate`` and the benchmarks score and report it
+(:data:`EVALUATION`, :data:`BENCHMARKS`), and its reward keys and command-line flags
+(:class:`Judge`).
 """
 
 from __future__ import annotations
