@@ -20,7 +20,15 @@ def _head(head: str, num_labels: int):
 
 
 def test_each_reward_type_trains_one_task():
-  assert tasks.REWARD_TYPES == ("bradley_terry", "ranking", "stepwise", "regression", "verifier", "pairwise")
+  assert tasks.REWARD_TYPES == (
+    "bradley_terry",
+    "ranking",
+    "stepwise",
+    "regression",
+    "verifier",
+    "pairwise",
+    "pointwise",
+  )
   assert [tasks.of_reward_type(t).name for t in tasks.REWARD_TYPES] == [
     "preference",
     "preference",
@@ -28,13 +36,15 @@ def test_each_reward_type_trains_one_task():
     "regression",
     "verifier",
     "pairwise",
+    "pointwise",
   ]
 
 
 def test_an_unknown_reward_type_names_the_known_ones():
   with pytest.raises(
     ValueError,
-    match=r"^reward.type must be one of bradley_terry, ranking, stepwise, regression, verifier, pairwise; got 'pairs'$",
+    match=r"^reward.type must be one of bradley_terry, ranking, stepwise, regression, verifier, pairwise, "
+    r"pointwise; got 'pairs'$",
   ):
     tasks.of_reward_type("pairs")
 
@@ -53,11 +63,13 @@ def test_a_head_tells_its_task():
 
 def test_the_head_a_task_trains_is_told_as_that_task():
   """Of the tasks that train one head, the first is told from it: the others (a pairwise judge's LM
-  head is a verifier's) exist only since models record their task, so none is ever told so."""
+  head is a verifier's, a pointwise model's sequence head with one output a preference model's)
+  exist only since models record their task, so none is ever told so."""
   told = {}
   for task in tasks.TASKS.values():
     told.setdefault((task.head, task.num_labels), task)
   assert told[("lm", 1)] is tasks.VERIFIER and tasks.PAIRWISE not in told.values()
+  assert told[("sequence", 1)] is tasks.PREFERENCE and tasks.POINTWISE not in told.values()
   for task in told.values():
     attributes = ("a", "b") if task.per_attribute else None
     head = _head(task.head, len(attributes) if attributes else task.num_labels)
@@ -77,8 +89,8 @@ def test_a_recorded_task_is_read_and_checked_against_the_head():
 
 
 def test_a_use_asks_for_the_tasks_whose_models_score_what_it_takes():
-  """tasks.scoring lists, in the order asked, the tasks giving each kind of score (a verifier fits
-  through the preference model it serves); tasks.scores_of says what a model of a kind gives."""
+  """tasks.scoring lists, in the order asked, the tasks giving each kind of score (a verifier and a
+  pointwise model fit through the preference model they serve); tasks.scores_of says what a model of a kind gives."""
   assert tasks.scoring("reward", "attributes", "steps", "comparisons") == (
     "preference",
     "regression",
@@ -92,6 +104,7 @@ def test_a_use_asks_for_the_tasks_whose_models_score_what_it_takes():
     "attributes",
     "reward",
     "comparisons",
+    "reward",
   ]
   assert tasks.scores_of(kinds.OTHER) is None and tasks.scores_of(None) is None
   with pytest.raises(ValueError, match="one of reward, steps, attributes, comparisons; got 'rewards'"):
@@ -147,18 +160,24 @@ def test_validation_metrics_are_those_a_run_reports(baseline):
 
 
 @pytest.mark.parametrize(
-  "reward_type,metrics",
+  "reward_type,metrics,absent",
   [
-    ("stepwise", {"loss", "step_accuracy", "f1_error", "first_error_found", "recall_error"}),
-    ("regression", {"loss", "mse", "mse_q", "pearson_q", "spearman_q", "pairwise_accuracy"}),
+    ("stepwise", {"loss", "step_accuracy", "f1_error", "first_error_found", "recall_error"}, {"accuracy"}),
+    ("regression", {"loss", "mse", "mse_q", "pearson_q", "spearman_q", "pairwise_accuracy"}, {"accuracy"}),
+    # labelled items: no pair, so none of a preference model's pair metrics
+    (
+      "pointwise",
+      {"loss", "accuracy", "positive_rate", "auroc", "ece", "reward_mean"},
+      {"margin", "tie_rate"},
+    ),
   ],
 )
-def test_validation_metrics_of_each_task(reward_type, metrics):
+def test_validation_metrics_of_each_task(reward_type, metrics, absent):
   from jaxrm.config import RewardSpec
 
   spec = RewardSpec(type=reward_type, attributes="q" if reward_type == "regression" else "")
   names = validation_metrics(spec)
-  assert metrics <= set(names) and "accuracy" not in names
+  assert metrics <= set(names) and not absent & set(names)
 
 
 def test_a_misspelled_checkpoint_metric_is_refused_before_the_model_loads(model_dir, tmp_path, monkeypatch):

@@ -452,7 +452,7 @@ def test_labelled_items_are_refused_where_they_cannot_train(causal_dir, model_di
   c.model.name_or_path = model_dir
   with pytest.raises(
     ConfigError,
-    match=r"holds labelled items \(prompt, completion, label; .*train.jsonl:1\), which train reward.type=verifier only, not 'bradley_terry'",
+    match=r"holds labelled items \(prompt, completion, label; .*train.jsonl:1\), which train reward.type=verifier or pointwise only, not 'bradley_terry'",
   ):
     tiny_run.train(c)
   c = labelled_config(causal_dir, tmp_path, tmp_path / "mixed")

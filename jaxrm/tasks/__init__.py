@@ -10,7 +10,10 @@ file of this package.
   is, and used wherever one reward per response is;
 * ``pairwise``: a causal LM judging which of two responses is better (``reward.type=pairwise``,
   :mod:`jaxrm.tasks.pairwise`), trained on both orders of every pair, and turned into one reward
-  per response of a group by its comparisons.
+  per response of a group by its comparisons;
+* ``pointwise``: one reward per response, the log-odds that it is good (``reward.type=pointwise``,
+  :mod:`jaxrm.tasks.pointwise`), trained with the logistic loss on labelled items (prompt,
+  completion, good or bad), and used wherever one reward per response is.
 
 Each task says which reward types train it, what data it reads, how its batches are laid out, the
 head it needs, its losses, what a loaded model of it does beyond scoring (its verbs, :func:`verb`),
@@ -31,6 +34,7 @@ from jaxrm.data.example_types import ExampleType
 from jaxrm.tasks import losses
 from jaxrm.tasks.base import SCORES, Task
 from jaxrm.tasks.pairwise import PAIRWISE
+from jaxrm.tasks.pointwise import POINTWISE
 from jaxrm.tasks.preference import PREFERENCE
 from jaxrm.tasks.process import PROCESS
 from jaxrm.tasks.regression import REGRESSION
@@ -40,6 +44,7 @@ __all__ = [
   "first_asker",
   "LABELLED_BATCHES",
   "PAIRWISE",
+  "POINTWISE",
   "PREFERENCE",
   "PROCESS",
   "REGRESSION",
@@ -59,7 +64,7 @@ __all__ = [
   "verb",
 ]
 
-TASKS = {t.name: t for t in (PREFERENCE, PROCESS, REGRESSION, VERIFIER, PAIRWISE)}
+TASKS = {t.name: t for t in (PREFERENCE, PROCESS, REGRESSION, VERIFIER, PAIRWISE, POINTWISE)}
 REWARD_TYPES = tuple(r for t in TASKS.values() for r in t.reward_types)
 
 
