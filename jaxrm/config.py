@@ -191,7 +191,8 @@ class RewardSpec:
   ``verifier_answers``, ``judge_question``, ``judge_answers``).
   """
 
-  type: str = "bradley_terry"  # bradley_terry | ranking | stepwise | regression | verifier
+  # the loss and task: one of tasks.REWARD_TYPES (each task lists the values that train it)
+  type: str = dataclasses.field(default="bradley_terry", metadata={"help": " | ".join(tasks.REWARD_TYPES)})
   ranking_loss: str = "plackett_luce"  # for type=ranking: plackett_luce | all_pairs
   center_rewards_coefficient: float = 0.0  # TRL's: adds coef * mean((r_chosen + r_rejected)^2) to the loss
   # bradley_terry: weight each pair's loss by its annotated preference strength (scaled BT)

@@ -115,7 +115,8 @@ def config_rows(cls=None, prefix: str = "") -> list[tuple[str, str, str, str]]:
     if dataclasses.is_dataclass(default):
       rows += config_rows(type(default), f"{key}.")
     else:
-      meaning = comments.get(field.name) or field.metadata.get("help", "")  # a task's key: its own words
+      # a field whose meaning is computed (a task's key, the reward types) keeps it in its metadata
+      meaning = field.metadata.get("help") or comments.get(field.name, "")
       rows.append((key, str(field.type), repr(default), meaning))
   return rows
 

@@ -232,7 +232,8 @@ def test_a_process_reward_model_is_refused_by_its_kind(tmp_path):
     EvaluationError,
     match=re.escape(
       "rewardbench needs a sequence-head reward model with one output (a preference reward model) or a "
-      "verifier (a causal LM scoring the log-odds of its answers to a question); this "
+      "verifier (a causal LM scoring the log-odds of its answers to a question) or a pointwise reward model "
+      "(a sequence head with one output: the log-odds that a response is good); this "
       "model has a token head with 2 labels; a process reward model scores steps"
     ),
   ):

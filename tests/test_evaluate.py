@@ -250,7 +250,8 @@ def test_regression_metrics_by_hand():
       [pref([1, 2], [1, 3])],
       None,
       "preference data needs a sequence-head reward model with one output (a preference reward model) or a "
-      "verifier (a causal LM scoring the log-odds of its answers to a question); this "
+      "verifier (a causal LM scoring the log-odds of its answers to a question) or a pointwise reward model "
+      "(a sequence head with one output: the log-odds that a response is good); this "
       "model has a sequence head with 2 outputs (quality, polish); a regression model is evaluated on rated data",
     ),
     (TwoAttributeRM(), [pref([1, 2], [1, 3]), RATED[0]], None, "mixes preference and regression rows"),

@@ -121,7 +121,7 @@ def test_every_task_has_datasets_an_evaluation_and_unpacked_batches():
   assert {registry.rows_of(n) for n in registry.DATASET_NAMES} == {t.data for t in tasks.TASKS.values()}
   # A verifier's labelled items are the one reading of evaluation data besides the tasks' own.
   assert set(readings.READINGS) == {t.evaluation for t in tasks.TASKS.values()} | {"labelled"}
-  assert all(readings.READINGS[t.evaluation].task.name in (t.name, *t.serves) for t in tasks.TASKS.values())
+  assert all(t.name in readings.READINGS[t.evaluation].kinds for t in tasks.TASKS.values())
   assert all("none" in t.batches for t in tasks.TASKS.values())
 
 
@@ -135,7 +135,7 @@ def test_each_task_names_its_dataset_rows_and_evaluation_kinds_and_the_tables_fo
     for name, rows in t.evaluations.items():
       reading = readings.READINGS[name]
       assert reading.rows is rows and reading.example is rows.example and reading.record is rows.record
-      assert reading.task is t or reading.task.name in t.serves, (t.name, name)
+      assert t.name in reading.kinds, (t.name, name)  # evaluate takes its models on its own reading
   assert list(readings.READINGS) == ["preference", "stepwise", "regression", "pairwise", "labelled"]
   assert readings.READINGS["labelled"].task is tasks.VERIFIER
   # Every kind of tokenized row is trained by a task, and is one of the data path's.

@@ -110,7 +110,7 @@ def evaluate(
   examples = _examples(rm, data, options, drops)
   name = reading_of(examples[0], kinds.task_of(rm))
   reading = READINGS[name]
-  kinds.check_kind(rm, reading.task.name, use=reading.use, error=EvaluationError)
+  kinds.check_kind(rm, *reading.kinds, use=reading.use, error=EvaluationError)
   extra = reading.prepare(rm, examples, combine)
   batches = _batches(rm, examples, reading, batch_size, bucket_multiple)
   log.info("scoring %d %s examples in %d batches of %d", len(examples), name, len(batches), batch_size)

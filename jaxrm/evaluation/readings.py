@@ -50,6 +50,12 @@ class Reading:
     return self.name
 
   @property
+  def kinds(self) -> tuple[str, ...]:
+    """The tasks whose models it evaluates: every task that declares it (labelled items: a
+    verifier's and a pointwise model's), its owner first."""
+    return tuple(t.name for t in tasks.TASKS.values() if self.name in t.evaluations)
+
+  @property
   def record(self) -> type:
     """Its records' class."""
     return self.rows.record
@@ -172,9 +178,9 @@ def _labelled_score(rm, batches, examples, extra):
 def _labelled_lines(result: dict[str, Any]) -> list[str]:
   m = result["metrics"]
   return [
-    f"accuracy           {m['accuracy']:.4f}  (baseline answering yes to all: {m['positive_rate']:.4f})",
+    f"accuracy           {m['accuracy']:.4f}  (baseline calling every item good: {m['positive_rate']:.4f})",
     f"AUROC              {m['auroc']:.4f}  (a good item's log-odds above a bad one's)",
-    f"ECE                {m['ece']:.4f}  (expected calibration error of P(yes), 10 bins)",
+    f"ECE                {m['ece']:.4f}  (expected calibration error of P(good), 10 bins)",
     f"loss               {m['loss']:.4f}",
     f"log-odds           {m['reward_mean']:.4f} ± {m['reward_std']:.4f}",
   ]
@@ -185,8 +191,8 @@ def _labelled_plot(result: dict[str, Any], ax) -> None:
   _histograms(
     ax,
     (("labelled good", s["good"]), ("labelled bad", s["bad"])),
-    "log p(yes) - log p(no)",
-    "A verifier's log-odds",
+    "log-odds (log p(good) - log p(bad))",
+    "log-odds that the item is good",
   )
 
 

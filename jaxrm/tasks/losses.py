@@ -325,7 +325,7 @@ def regression_samples(
 # ---------------------------------------------------------------------------------------------
 # Labelled items (a verifier's unpaired data)
 
-CALIBRATION_BINS = 10  # equal-width bins of P(yes) for the expected calibration error
+CALIBRATION_BINS = 10  # equal-width bins of P(good) (a verifier's P(yes)) for the expected calibration error
 
 
 def labelled_loss(

@@ -20,7 +20,6 @@ from jaxrm.data.batches import LabelledBatch, PackedLabelledBatch
 from jaxrm.tasks import losses
 from jaxrm.tasks.base import Task, ones
 from jaxrm.tasks.preference import PREFERENCE
-from jaxrm.tasks.verifier import VERIFIER
 
 NAME = "pointwise"
 
@@ -53,6 +52,7 @@ POINTWISE = Task(
   train="train one with reward.type=pointwise on labelled items (prompt, completion, label)",
   use_instead="a pointwise reward model scores one reward per response: rm.score, or labelled items "
   "or preference data",
-  # One log-odds per row: a preference model's uses, and a verifier's labelled items.
-  serves=(PREFERENCE.name, VERIFIER.name),
+  # One log-odds per row: a preference model's uses (a verifier's labelled items evaluate it too:
+  # they are its own evaluation, Task.evaluations).
+  serves=(PREFERENCE.name,),
 )
