@@ -331,7 +331,7 @@ def test_bad_reward_spec_names_the_choices():
   with pytest.raises(
     ValueError,
     match=r"reward.type must be one of bradley_terry, ranking, "
-    r"stepwise, regression, verifier, pairwise; got 'pairs'",
+    r"stepwise, regression, verifier, pairwise, pointwise; got 'pairs'",
   ):
     RewardSpec("pairs")
   with pytest.raises(

@@ -400,7 +400,7 @@ def test_bad_reward_type_and_batch_sizes(model_dir, tmp_path):
   with pytest.raises(
     UserError,
     match=r"reward.type must be one of bradley_terry, ranking, stepwise, regression, "
-    r"verifier, pairwise; got 'pairs'",
+    r"verifier, pairwise, pointwise; got 'pairs'",
   ):
     tiny_run.train(c)
   c = tiny_run.config(model_dir, str(tmp_path / "run"), train__micro_batch_size=3)
