@@ -26,10 +26,37 @@ def _modules() -> dict[str, str]:
   return out
 
 
+def _source_files() -> list[str]:
+  """Every Python file of the package and of the tests."""
+  roots = [os.path.join(tiny_run.ROOT, PACKAGE), os.path.join(tiny_run.ROOT, "tests")]
+  return [
+    os.path.join(d, n) for root in roots for d, _, files in os.walk(root) for n in files if n.endswith(".py")
+  ]
+
+
+def _parse(source: str, name: str = "<unknown>") -> ast.AST:
+  """``ast.parse(source)``, parsed once: CPython 3.11 keeps one recursion counter for every thread's
+  parse, so a parse racing another (a thread or a finalizer left by an earlier test of this
+  process) can fail with "AST constructor recursion depth mismatch". The files are parsed when
+  this module is imported, during collection, before any test runs."""
+  if source not in _TREES:
+    _TREES[source] = ast.parse(source, name)
+  return _TREES[source]
+
+
+def _parse_file(path: str) -> ast.AST:
+  with open(path) as f:
+    return _parse(f.read(), path)
+
+
+_TREES: dict[str, ast.AST] = {}
+for _path in _source_files():
+  _parse_file(_path)
+
+
 def _imports(module: str, path: str, known: set[str]) -> set[str]:
   """The package's modules that ``module`` imports anywhere: top level, in functions, under TYPE_CHECKING."""
-  with open(path) as f:
-    tree = ast.parse(f.read(), path)
+  tree = _parse_file(path)
   is_package = path.endswith("__init__.py")
   out = set()
   for node in ast.walk(tree):
@@ -117,8 +144,7 @@ def test_no_test_module_imports_another():
   for name in sorted(os.listdir(tests_dir)):
     if not (name.startswith("test_") and name.endswith(".py")):
       continue
-    with open(os.path.join(tests_dir, name)) as f:
-      tree = ast.parse(f.read(), name)
+    tree = _parse_file(os.path.join(tests_dir, name))
     for node in ast.walk(tree):
       modules = (
         [a.name for a in node.names]
@@ -250,8 +276,7 @@ def test_the_commands_are_the_modules_run_as_scripts():
   ``jaxrm.COMMANDS``, at the package's top level, and defines ``main``."""
   scripts = set()
   for module, path in _modules().items():
-    with open(path) as f:
-      tree = ast.parse(f.read(), path)
+    tree = _parse_file(path)
     for node in tree.body:
       if (
         isinstance(node, ast.If)
@@ -293,8 +318,7 @@ def test_only_the_families_package_names_a_family():
   for module, path in _modules().items():
     if module.startswith("jaxrm.models.families"):
       continue
-    with open(path) as f:
-      tree = ast.parse(f.read(), path)
+    tree = _parse_file(path)
     found += [
       f"{module} line {n.lineno}: {n.value!r}"
       for n in ast.walk(tree)
@@ -315,8 +339,7 @@ def test_only_the_tasks_module_compares_task_names():
   for module, path in _modules().items():
     if module == "jaxrm.tasks":
       continue
-    with open(path) as f:
-      tree = ast.parse(f.read(), path)
+    tree = _parse_file(path)
     for node in ast.walk(tree):
       if isinstance(node, ast.Compare):
         operands = [node.left, *node.comparators]
@@ -344,7 +367,7 @@ def _task_references(source: str, names: set[str]) -> list[str]:
   """Where ``source`` reads a task object by its name (``names``) from TASK_HOMES: ``tasks.PAIRWISE``,
   ``kinds.PROCESS``, ``pairwise.PAIRWISE``, ``jaxrm.tasks.VERIFIER`` or ``from jaxrm.tasks import
   PREFERENCE``."""
-  tree = ast.parse(source)
+  tree = _parse(source)
   homes = {}  # a name bound in the module -> the module it stands for
   found = []
   for node in ast.walk(tree):
@@ -454,8 +477,7 @@ def _named(node) -> str | None:
 
 def _row_class_tests(path: str, classes: set[str]) -> list[tuple[int, str]]:
   """(line, class) of every isinstance / issubclass / comparison of ``path`` that names one of ``classes``."""
-  with open(path) as f:
-    tree = ast.parse(f.read(), path)
+  tree = _parse_file(path)
   found = []
   for node in ast.walk(tree):
     if isinstance(node, ast.Call) and _named(node.func) in ("isinstance", "issubclass"):
@@ -497,8 +519,7 @@ PATH_OWNERS = {
 
 
 def _path_interpretations(path: str) -> list[str]:
-  with open(path) as f:
-    tree = ast.parse(f.read(), path)
+  tree = _parse_file(path)
   docstrings = {
     id(n.body[0].value)
     for n in ast.walk(tree)
@@ -585,8 +606,7 @@ def test_tests_read_no_private_name_of_the_package():
   offenders, unused = [], []
   for name in sorted(os.listdir(tests_dir)):
     if name.endswith(".py"):
-      with open(os.path.join(tests_dir, name)) as f:
-        reads = _private_reads(ast.parse(f.read(), name))
+      reads = _private_reads(_parse_file(os.path.join(tests_dir, name)))
       allowed = PRIVATE_READS.get(name, set())
       offenders += [f"{name} reads {r}" for r in sorted(reads - allowed)]
       unused += [f"{name}: {r}" for r in sorted(allowed - reads)]
@@ -595,7 +615,7 @@ def test_tests_read_no_private_name_of_the_package():
 
 
 def test_the_private_name_finder_finds_reads():
-  tree = ast.parse(
+  tree = _parse(
     "import jaxrm.run.trainer as t\nfrom jaxrm import data\nfrom jaxrm.scoring import loading\nfrom jaxrm.data.batches import _x, IGNORE_INDEX\n"
     "import jaxrm\nt._a; data.tokenize._b; loading.public; jaxrm.cli._c; IGNORE_INDEX._d; other._e\n"
     "monkeypatch.setattr(loading, '_f', None)\n"
