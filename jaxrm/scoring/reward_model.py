@@ -128,7 +128,7 @@ class RewardModel:
   What a model of one task does beyond this class's methods comes from its task
   (:attr:`jaxrm.tasks.Task.verbs`), bound to the model: a pairwise judge's ``rm.compare``,
   ``rm.score_group``, ``rm.score_groups``, ``rm.judge_text`` and ``rm.judge``
-  (:class:`jaxrm.tasks.pairwise.JudgeVerbs`). A verb of another task refuses the model, saying
+  (:data:`jaxrm.tasks.pairwise.VERBS`). A verb of another task refuses the model, saying
   what it needs; ``rm.judge`` is None for any model but a judge.
   """
 

@@ -25,7 +25,7 @@ A judge's preference moves with position, so everything here reads both orders:
   with their common prefix written once (:mod:`jaxrm.scoring.shared_prefix`).
 
 The task owns the rest of its path too, each part reaching the library as a field of
-:data:`PAIRWISE`: a loaded judge's verbs (:class:`JudgeVerbs`: ``rm.compare``, ``rm.score_group``),
+:data:`PAIRWISE`: a loaded judge's verbs (:data:`VERBS`: ``rm.compare``, ``rm.score_group``),
 the server's ``POST /compare`` (:data:`ROUTES`), an RL batch's rewards grouped by prompt
 (:class:`GroupRewards`), how ``jaxrm.evaluate`` and the benchmarks score and report it
 (:data:`EVALUATION`, :data:`BENCHMARKS`), and its reward keys and command-line flags
@@ -717,7 +717,8 @@ GROUP_REWARDS = GroupRewards()
 
 class JudgeVerbs:
   """What a loaded pairwise judge does beyond what every :class:`jaxrm.RewardModel` does:
-  ``rm.judge``, ``rm.judge_text``, ``rm.compare``, ``rm.score_group`` and ``rm.score_groups``.
+  ``rm.judge``, ``rm.judge_text`` and ``rm.score_group``; ``rm.compare`` and ``rm.score_groups``
+  are this module's :func:`compare` and :func:`score_groups` (:data:`VERBS`).
 
   Never instantiated: each is a function of the model (``rm``, first), which the model finds on its
   task (:attr:`jaxrm.tasks.Task.verbs`) and binds to itself, as a method (``judge`` as a property).
@@ -748,45 +749,6 @@ class JudgeVerbs:
       parse_text(prompt, "judge_text", "prompt"),
       parse_text(response_a, "judge_text", "response_a"),
       parse_text(response_b, "judge_text", "response_b"),
-    )
-
-  def compare(
-    rm,
-    prompts: Sequence[Text],
-    responses_a: Sequence[Text],
-    responses_b: Sequence[Text],
-    *,
-    orders: str = "both",
-    batch_size: int = 8,
-    max_length: int | None = None,
-    share_prefix: Any = True,
-  ) -> np.ndarray:
-    """float32 [N]: a pairwise judge's log-odds that ``responses_a[i]`` is better than
-    ``responses_b[i]`` after ``prompts[i]`` (:func:`jaxrm.tasks.pairwise.compare`).
-
-    Args:
-      rm: the judge (a :class:`jaxrm.RewardModel`).
-      prompts: conversations up to the responses (message lists), or strings (a user's turn).
-      responses_a: the responses shown as A, strings or assistant messages.
-      responses_b: the responses shown as B, alike.
-      orders: ``"both"`` averages the two orders, ``(s(A, B) - s(B, A)) / 2``, so that swapping
-        the responses negates the result exactly; ``"ab"`` gives ``s(A, B)`` alone.
-      batch_size: rows per forward pass, as ``rm.score`` takes it.
-      max_length: the longest judge text in tokens (default: the model's context); a conversation
-        too long for it loses its oldest turns.
-      share_prefix: as ``rm.score`` takes it (True, a :class:`jaxrm.scoring.shared_prefix.Sharing`, or
-        False): judge texts sharing a prefix are scored together.
-    """
-    _judge_of(rm, "compare()")
-    return compare(  # the module's compare (below), of texts checked here
-      rm,
-      parse_texts(prompts, "prompts", "compare"),
-      parse_texts(responses_a, "responses_a", "compare"),
-      parse_texts(responses_b, "responses_b", "compare"),
-      orders=orders,
-      batch_size=batch_size,
-      max_length=max_length,
-      share_prefix=share_prefix,
     )
 
   def score_group(
@@ -826,93 +788,6 @@ class JudgeVerbs:
       max_length=max_length,
       share_prefix=share_prefix,
     )[0].rewards
-
-  def score_groups(
-    rm,
-    prompts: Sequence[Text],
-    groups: Sequence[Sequence[Text]],
-    *,
-    strategy: str = "round_robin",
-    aggregate: str = "bradley_terry",
-    references: Sequence[Text] | None = None,
-    batch_size: int = 8,
-    max_length: int | None = None,
-    share_prefix: Any = True,
-  ) -> list[GroupScores]:
-    """Each group's rewards and the log-odds of its compared pairs, from a pairwise judge
-    (:func:`jaxrm.tasks.pairwise.score_groups`; every group scored in one pass, the texts sharing
-    a prefix with it written once).
-
-    Args:
-      rm: the judge (a :class:`jaxrm.RewardModel`).
-      prompts: one per group.
-      groups: ``groups[g]``, the responses to ``prompts[g]``.
-      strategy: the pairs compared: ``"round_robin"`` (every pair, both orders), ``"circular"``
-        (each response with the next, both orders) or ``"reference"`` (each with
-        ``references[g]``).
-      aggregate: ``"bradley_terry"`` (the maximum-likelihood strengths, centred; measured from the
-        reference under ``"reference"``) or ``"win_rate"`` (the mean probability of winning).
-      references: one response per group, under ``strategy="reference"`` only.
-      batch_size: as ``rm.compare`` takes it.
-      max_length: as ``rm.compare`` takes it.
-      share_prefix: as ``rm.compare`` takes it.
-    """
-    _judge_of(rm, "score_groups()")
-    prompts = parse_texts(prompts, "prompts", "score_groups")
-    if isinstance(groups, str) or not isinstance(groups, (list, tuple)):
-      raise DataError(
-        f"score_groups: groups is {json_type(groups)}; expected a list of groups (lists of responses)"
-      )
-    groups = [parse_texts(g, f"groups[{i}]", "score_groups") for i, g in enumerate(groups)]
-    if references is not None:
-      references = parse_texts(references, "references", "score_groups")
-    return score_groups(  # the module's score_groups (below), of texts checked here
-      rm,
-      prompts,
-      groups,
-      strategy=strategy,
-      aggregate=aggregate,
-      references=references,
-      batch_size=batch_size,
-      max_length=max_length,
-      share_prefix=share_prefix,
-    )
-
-
-VERBS = {name: verb for name, verb in vars(JudgeVerbs).items() if not name.startswith("_")}
-
-
-PAIRWISE = Task(
-  name=NAME,
-  reward_types=(NAME,),
-  data="preference",
-  dataset="PreferenceDataset",
-  example_types=(example_types.PREFERENCE,),
-  evaluation="pairwise",
-  evaluation_scoring=EVALUATION,  # its pairs' log-odds in both orders, their metrics and report
-  benchmark_scoring=BENCHMARKS,  # pairs asked in both orders, groups ranked by their round robin
-  # An example is a pair in both orders, two rows of one group: the preference layouts hold it,
-  # and shared-prompt packing writes the judge's opening and conversation once for both.
-  batches=PREFERENCE.batches,
-  packing_refused="",
-  head="lm",
-  scores="comparisons",
-  num_labels=1,
-  losses={(NAME, None): _loss},
-  samples=None,
-  example=_example,
-  needs="a pairwise judge (a causal LM answering which of two responses is better)",
-  train="train one with reward.type=pairwise, or load a causal LM with "
-  "RewardModel.from_pretrained(path, judge=True)",
-  use_instead="a pairwise judge compares responses: rm.compare or rm.score_group, POST /compare, or "
-  "jaxrm.evaluate on preference pairs",
-  asker=Judge,
-  routes=ROUTES,  # POST /compare
-  route_instead=f"a pairwise judge, which compares responses: POST /compare with {COMPARE_BODY}",
-  uses=USES,
-  group_rewards=GROUP_REWARDS,
-  verbs=VERBS,
-)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1124,10 +999,26 @@ def compare(
   max_length: int | None = None,
   share_prefix: Any = True,
 ) -> np.ndarray:
-  """float32 [N]: the log-odds that ``responses_a[i]`` is better than ``responses_b[i]`` after
-  ``prompts[i]``. ``orders="both"``: ``(s(A, B) - s(B, A)) / 2``, so that ``compare(b, a)`` is
-  ``-compare(a, b)`` exactly; ``"ab"``: ``s(A, B)`` alone."""
+  """float32 [N]: a pairwise judge's log-odds that ``responses_a[i]`` is better than
+  ``responses_b[i]`` after ``prompts[i]``.
+
+  Args:
+    rm: the judge (a :class:`jaxrm.RewardModel`).
+    prompts: conversations up to the responses (message lists), or strings (a user's turn).
+    responses_a: the responses shown as A, strings or assistant messages.
+    responses_b: the responses shown as B, alike.
+    orders: ``"both"`` averages the two orders, ``(s(A, B) - s(B, A)) / 2``, so that swapping
+      the responses negates the result exactly; ``"ab"`` gives ``s(A, B)`` alone.
+    batch_size: rows per forward pass, as ``rm.score`` takes it.
+    max_length: the longest judge text in tokens (default: the model's context); a conversation
+      too long for it loses its oldest turns.
+    share_prefix: as ``rm.score`` takes it (True, a :class:`jaxrm.scoring.shared_prefix.Sharing`, or
+      False): judge texts sharing a prefix are scored together.
+  """
   judge = _judge_of(rm, "compare()")
+  prompts = parse_texts(prompts, "prompts", "compare")
+  responses_a = parse_texts(responses_a, "responses_a", "compare")
+  responses_b = parse_texts(responses_b, "responses_b", "compare")
   if orders not in ORDERS:
     raise ValueError(f"orders must be one of {', '.join(ORDERS)}; got {orders!r}")
   if not (len(prompts) == len(responses_a) == len(responses_b)):
@@ -1170,11 +1061,34 @@ def score_groups(
   max_length: int | None = None,
   share_prefix: Any = True,
 ) -> list[GroupScores]:
-  """Each group's rewards from its comparisons (:func:`comparisons`, :func:`aggregate_rewards`):
-  ``groups[g]`` the responses to ``prompts[g]``, ``references[g]`` its reference (``strategy``
-  ``reference`` only). Every group's judge texts are scored in one pass, those sharing a prefix
-  (the conversation; the conversation and response A) with it written once."""
-  judge = _judge_of(rm, "score_group()")
+  """Each group's rewards and the log-odds of its compared pairs, from a pairwise judge's
+  comparisons (:func:`comparisons`, :func:`aggregate_rewards`): every group's judge texts are
+  scored in one pass, those sharing a prefix (the conversation; the conversation and response A)
+  with it written once.
+
+  Args:
+    rm: the judge (a :class:`jaxrm.RewardModel`).
+    prompts: one per group.
+    groups: ``groups[g]``, the responses to ``prompts[g]``.
+    strategy: the pairs compared: ``"round_robin"`` (every pair, both orders), ``"circular"``
+      (each response with the next, both orders) or ``"reference"`` (each with
+      ``references[g]``).
+    aggregate: ``"bradley_terry"`` (the maximum-likelihood strengths, centred; measured from the
+      reference under ``"reference"``) or ``"win_rate"`` (the mean probability of winning).
+    references: one response per group, under ``strategy="reference"`` only.
+    batch_size: as ``rm.compare`` takes it.
+    max_length: as ``rm.compare`` takes it.
+    share_prefix: as ``rm.compare`` takes it.
+  """
+  judge = _judge_of(rm, "score_groups()")
+  prompts = parse_texts(prompts, "prompts", "score_groups")
+  if isinstance(groups, str) or not isinstance(groups, (list, tuple)):
+    raise DataError(
+      f"score_groups: groups is {json_type(groups)}; expected a list of groups (lists of responses)"
+    )
+  groups = [parse_texts(g, f"groups[{i}]", "score_groups") for i, g in enumerate(groups)]
+  if references is not None:
+    references = parse_texts(references, "references", "score_groups")
   if len(prompts) != len(groups):
     raise ValueError(
       f"score_group takes one prompt per group; got {len(prompts)} prompts and {len(groups)} groups"
@@ -1226,3 +1140,44 @@ def group_scores(
     raw[i, j] = score
   log_odds = ((raw - raw.T) / np.float32(2)).astype(np.float32)
   return GroupScores(aggregate_rewards(log_odds, aggregate, reference=reference), log_odds)
+
+
+# The model's verbs: JudgeVerbs' and the two functions above that take the model first.
+VERBS = {
+  **{name: verb for name, verb in vars(JudgeVerbs).items() if not name.startswith("_")},
+  "compare": compare,
+  "score_groups": score_groups,
+}
+
+
+PAIRWISE = Task(
+  name=NAME,
+  reward_types=(NAME,),
+  data="preference",
+  dataset="PreferenceDataset",
+  example_types=(example_types.PREFERENCE,),
+  evaluation="pairwise",
+  evaluation_scoring=EVALUATION,  # its pairs' log-odds in both orders, their metrics and report
+  benchmark_scoring=BENCHMARKS,  # pairs asked in both orders, groups ranked by their round robin
+  # An example is a pair in both orders, two rows of one group: the preference layouts hold it,
+  # and shared-prompt packing writes the judge's opening and conversation once for both.
+  batches=PREFERENCE.batches,
+  packing_refused="",
+  head="lm",
+  scores="comparisons",
+  num_labels=1,
+  losses={(NAME, None): _loss},
+  samples=None,
+  example=_example,
+  needs="a pairwise judge (a causal LM answering which of two responses is better)",
+  train="train one with reward.type=pairwise, or load a causal LM with "
+  "RewardModel.from_pretrained(path, judge=True)",
+  use_instead="a pairwise judge compares responses: rm.compare or rm.score_group, POST /compare, or "
+  "jaxrm.evaluate on preference pairs",
+  asker=Judge,
+  routes=ROUTES,  # POST /compare
+  route_instead=f"a pairwise judge, which compares responses: POST /compare with {COMPARE_BODY}",
+  uses=USES,
+  group_rewards=GROUP_REWARDS,
+  verbs=VERBS,
+)
